@@ -115,9 +115,11 @@ def _called_more_often_ref(module: ModuleInfo, f: Finding) -> str | None:
         original = ast.parse(textwrap.dedent("".join(module.lines[f.line - 1 : f.end_line]))).body
     except (SyntaxError, ValueError):
         return None
+    # a view-only method of the class (base._pure_methods, s34) gives the same value when called again: not counted
+    pure = base._pure_methods(module, f.qualname)
     before = _module_calls_ref(original)
     for call, n in _module_calls_ref(fused).items():
-        if n > before.get(call, 0) and before.get(call, 0) > 0:
+        if n > before.get(call, 0) and before.get(call, 0) > 0 and not any(call.startswith(p + "(") for p in pure):
             return call
     return None
 

@@ -3336,7 +3336,7 @@ def l2norm(t, dim = -1, eps = 1e-6):
     return F.normalize(t, dim = dim, eps = eps)
 
 
-def unit(t, dim = -1):
+def unit_norm(t, dim = -1):
     """unit vectors along dim"""
     return F.normalize(t, p = 2, dim = dim)
 
@@ -3357,7 +3357,7 @@ class ChanRMSNorm(nn.Module):
         self.g = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return unit(x, dim = -1) * self.g * (x.shape[-1] ** 0.5)
+        return unit_norm(x, dim = -1) * self.g * (x.shape[-1] ** 0.5)
 '''
 
 RmsNorm.FUSE += [
@@ -3381,12 +3381,12 @@ RmsNorm.KEEP += [
     Keep(
         # the same helpers asked for dim 1 (channels of NCHW) at the call: not a last-dim norm
         _L2_HELPER_DEFAULTS.replace("return l2norm(x) * self.gamma * self.scale", "return l2norm(x, 1) * self.gamma * self.scale")
-                           .replace("return unit(x, dim = -1)", "return unit(x, dim = 1)"),
+                           .replace("return unit_norm(x, dim = -1)", "return unit_norm(x, dim = 1)"),
         name="l2_helpers_called_on_another_dim",
     ),
     Keep(
         # a default of p = 1 in the helper: an L1 normalisation
-        _L2_HELPER_DEFAULTS.replace("def unit(t, dim = -1):", "def unit(t, dim = -1, p = 1):")
+        _L2_HELPER_DEFAULTS.replace("def unit_norm(t, dim = -1):", "def unit_norm(t, dim = -1, p = 1):")
                            .replace("return F.normalize(t, p = 2, dim = dim)", "return F.normalize(t, p = p, dim = dim)")
                            .replace("return l2norm(x) * self.gamma * self.scale", "return l2norm(x, 1) * self.gamma * self.scale"),
         name="l2_helper_with_a_p1_default",
