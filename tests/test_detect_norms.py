@@ -128,7 +128,10 @@ def eps_norm(t, eps=1e-6):
     assert direct is not None and ast.unparse(direct.x) == "x" and ast.unparse(direct.eps) == "1e-08" and direct.via_helper is None
     helper = canonical.l2_normalize_of(module, _call(module, "l2norm(q * 2)"))
     assert helper is not None and ast.unparse(helper.x) == "q * 2" and helper.via_helper == "l2norm" and helper.eps is None
-    for other in ("chan_norm(x)", "l1norm(x)", "eps_norm(x)", "F.normalize(x)", "l2norm(x, 1)"):
+    # s34 (norm34): a helper's defaulted parameters are bound per call, so eps_norm(x) is a last-dim L2 norm with eps 1e-6
+    defaulted = canonical.l2_normalize_of(module, _call(module, "eps_norm(x)"))
+    assert defaulted is not None and ast.unparse(defaulted.eps) == "1e-06" and defaulted.via_helper == "eps_norm"
+    for other in ("chan_norm(x)", "l1norm(x)", "F.normalize(x)", "l2norm(x, 1)", "eps_norm(x, 1e-6, 3)"):
         assert canonical.l2_normalize_of(module, _call(module, other)) is None, other
 
 
