@@ -775,11 +775,12 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     return rot
 
 
-def _interleave_rows_ok(x: str, seq: str) -> str:
+def _interleave_rows_ok(x: str, seq_len: str) -> str:
     """npu_rotary_mul's interleave mode takes B*N < 1000 (spec 4.1): x's rows (all dims but the last) over
-    the sequence length ``seq`` (the table's one long dim), as a run-time test on shapes. A fractal AR model
-    runs its rope on batch x patches rows (audit34: 64*256 x 8 heads): the original code runs there."""
-    return f"{x}.numel() // max({x}.shape[-1], 1) < 1000 * max({seq}, 1)"
+    the sequence length ``seq_len`` (an expression for the table's one long dim, at least 1 wherever the
+    caller's earlier checks hold), as a run-time test on shapes. A fractal AR model runs its rope on
+    batch x patches rows (audit34: 64*256 x 8 heads): the original code runs there."""
+    return f"{x}.numel() // max({x}.shape[-1], 1) < 1000 * {seq_len}"
 
 
 def _lifted_limits(x: str, cos: str, mode: str) -> str:
@@ -797,7 +798,7 @@ def _lifted_limits(x: str, cos: str, mode: str) -> str:
         # dim at or above 1000 counts twice, any other once: at most one (the sequence) may be that long
         return (f"sum((_d >= 1000) + (_c == 1 and _d >= 1000) for _d, _c in "
                 f"zip({x}.shape[-2::-1], tuple({cos}.shape[-2::-1]) + (1, 1, 1))) <= 1")
-    return f"{x}.numel() // max({x}.shape[-1], 1) < 1000 * max({cos}.shape[:-1], default=1)"
+    return _interleave_rows_ok(x, f"max({cos}.shape[:-1], default=1)")
 
 
 def _lambda_args_plain(lam: ast.Lambda) -> bool:
@@ -2452,7 +2453,7 @@ class RopePattern(Pattern):
         # and interleave mode's B*N < 1000: x's rows over the table's long dim (one of lead[1], lead[2]; x 3-D is one batch)
         rows = base.id if isinstance(base, ast.Name) else xv
         m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)" \
-            + f" and {_interleave_rows_ok(rows, f'max({lead}[1], {lead}[2])')}"
+            + f" and {_interleave_rows_ok(rows, f'max({lead}[:3])')}"
         m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
         m.matrix, m.producer = True, producer
         return m
@@ -2646,7 +2647,7 @@ class RopePattern(Pattern):
         if _is_name(m.x_text) and "." not in m.x_text:
             # interleave mode takes B*N < 1000: with batch-free tables the leading dims of x other than S
             # (the one dim where cos is not 1) are B and N; a [(b h), n, d] x lifted to [1, b*h, n, d] can pass it
-            check += f" and {m.x_text}.numel() // max({m.x_text}.shape[-1], 1) < 1000 * max({shape}[:3])"
+            check += f" and {_interleave_rows_ok(m.x_text, f'max({shape}[:3])')}"
         m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
         m.only_note = "cos/sin with a batch-dependent or more than 4-D layout keep the original code (npu_rotary_mul's interleave mode takes only 11SD/1S1D/S11D)"
         m.cos_info = _CosInfo(rank=m.cos_info.rank, batch_free=False, layout="layout not visible here, checked at run time")
