@@ -4408,7 +4408,7 @@ def probe_results(module: ModuleInfo, scope: Scope, matched: list[Result | None]
     if not body:
         return []
     line, end = body[0].lineno, body[-1].end_lineno or body[-1].lineno
-    if proof.kind == "mismatch" and not matched:  # the matcher's own reasons stand where it gave some
+    if proof.kind in ("mismatch", "conditional") and not matched:  # the matcher's own reasons stand where it gave some
         return [NearMiss("rms_norm", scope.qualname, line, end, f"numeric probe on sampled inputs: {proof.reason}")]
     if proof.kind != "proved":
         return []
@@ -5281,4 +5281,82 @@ RmsNorm.KEEP += [
     # near miss: a view that moves the features off the last dim is a grouped norm's
     Keep(_S33_BROADCAST_VIEW_WEIGHT.replace("[1 for _ in range(x.ndim - 1)] + [-1]", "[1, -1, 1]"), reason="the weight is reshaped",
          name="s33_weight_viewed_off_the_last_dim"),
+]
+
+
+# --- s35: norms whose constructor takes a configuration object (issue 14, held-out 11) ---
+#
+# nanoGPT-lineage code builds every module from one ``config`` (``RMSNorm(config)``, ``ndim =
+# config.n_embd``, ``getattr(config, "bias", False)``). The probe used to give such an argument a
+# dimension, so ``config.n_embd`` stopped the evaluation and the norm was missed with no reason. It
+# now passes a stand-in whose attributes get values from how the class uses them (a size, None where
+# compared with None, False where tested, a small eps), and because the configuration is the user's,
+# not a default of the class, a proof must also hold with each None / False attribute set the other
+# way: a norm whose scale comes from ``config.radius`` when it is set is proved for one case only and
+# refused with that reason.
+_PROBE_S35_CONFIG_NORM = '''
+import math
+import torch
+from torch import nn
+
+
+class ScaleNorm(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        width = config.n_embd
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        rms = x.norm(2, dim=-1, keepdim=True) / math.sqrt(x.size(-1))
+        return x / rms * self.gain
+'''
+_PROBE_S35_HELD_CONFIG_NORM = '''
+import torch
+from torch import nn
+
+
+class UnitRmsNorm(nn.Module):
+    def __init__(self, hp):
+        super().__init__()
+        self.hp = hp
+        self.scale = nn.Parameter(torch.zeros(hp.d_model)) if getattr(hp, "zero_centered", False) else None
+        self.g = nn.Parameter(torch.ones(hp.d_model))
+
+    def forward(self, h):
+        if self.hp.layer_norm_epsilon is None:
+            raise ValueError("epsilon missing")
+        mean_sq = torch.linalg.vector_norm(h, ord=2, dim=-1, keepdim=True).square() / h.shape[-1]
+        out = h / torch.sqrt(mean_sq + self.hp.layer_norm_epsilon)
+        return out * self.g
+'''
+_PROBE_S35_K_CONFIG_RADIUS = '''
+import math
+import torch
+from torch import nn
+
+
+class SphereProjection(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.sphere_radius is not None:
+            self.r = config.sphere_radius
+        else:
+            self.r = math.sqrt(config.n_embd)
+
+    def forward(self, x):
+        length = x.norm(2, dim=-1, keepdim=True)
+        return x / length * self.r
+'''
+RmsNorm.FUSE += [
+    Fuse(_PROBE_S35_CONFIG_NORM, expect={"found_by": "numeric_probe", "eps": "0.0", "weight": "self.gain"},
+         run="import types\nm = ScaleNorm(types.SimpleNamespace(n_embd=16))\nx = torch.randn(2, 5, 16)\nout = m(x)",
+         name="s35_probe_config_object_constructor"),
+    Fuse(_PROBE_S35_HELD_CONFIG_NORM, expect={"found_by": "numeric_probe", "eps": "self.hp.layer_norm_epsilon", "weight": "self.g"},
+         run="import types\nm = UnitRmsNorm(types.SimpleNamespace(d_model=16, layer_norm_epsilon=1e-6))\n"
+             "x = torch.randn(2, 5, 16)\nout = m(x)",
+         name="s35_probe_config_object_held_on_self"),
+]
+RmsNorm.KEEP += [
+    Keep(_PROBE_S35_K_CONFIG_RADIUS, reason="proved only where `config.sphere_radius` is None",
+         name="s35_probe_config_value_decides_the_scale"),
 ]

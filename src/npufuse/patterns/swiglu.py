@@ -600,9 +600,10 @@ def _init_tuple_element(module: ModuleInfo, class_name: str | None, attr: str) -
 
 
 def _helper_chosen(module: ModuleInfo, fn: ast.FunctionDef, index: int | None, gate: ast.expr, ctx: S.Ctx, desc: str,
-                   obj: ast.expr) -> Act:
+                   obj: ast.expr) -> Act | None:
     """The activation a module-level helper returns (element ``index`` of a returned tuple):
     one known kind on every ``return`` (a dict literal looked up: every value) is that kind;
+    several known kinds none of which a fused op computes (``nn.ReLU()``, ``nn.Tanh()``) are none;
     anything else is chosen at run time (the fused branch dispatches on the object)."""
     kinds: set[str | None] = set()
     for r in (n for n in fast_walk(fn) if isinstance(n, ast.Return)):
@@ -617,6 +618,8 @@ def _helper_chosen(module: ModuleInfo, fn: ast.FunctionDef, index: int | None, g
         kind = kinds.pop()
         assert kind is not None
         return Act(kind, gate, ctx, desc, obj=obj)
+    if None not in kinds and not kinds & {SILU, GELU, GELU_TANH, GELU_DYN}:
+        return None  # several known activations, none of which a fused op computes (ReLU family, Tanh)
     hint = any(k is not None and "gelu" in k for k in kinds) and SILU not in kinds
     return Act(CONFIG, gate, ctx, desc, obj=obj, gelu_hint=hint)
 
@@ -1421,6 +1424,22 @@ def _has_sequential_attr(module: ModuleInfo, class_name: str | None) -> bool:
                for v in S.init_assignments(module, class_name).values())
 
 
+def _has_built_activation_attr(module: ModuleInfo, scope: Scope, text: str) -> bool:
+    """The forward calls ``self.<attr>(...)`` where ``__init__`` set ``attr`` from a call of a
+    module-level builder whose body names an activation (``self.gating = _build_gate(kind)``
+    returning ``nn.SiLU()`` / ``nn.GELU()`` / ``nn.Sigmoid()`` by a string): the forward's text then
+    names no activation at all. classify_call reads the builder (one kind, or run-time dispatch)."""
+    if scope.class_name is None or "self." not in text:
+        return False
+    for attr, value in S.init_assignments(module, scope.class_name).items():
+        if f"self.{attr}(" not in text or not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
+            continue
+        fn = module.functions.get(value.func.id)
+        if fn is not None and any(w in ast.get_source_segment(module.source, fn).lower() for w in _ACT_SEARCH):
+            return True
+    return False
+
+
 # how a product is spelled: `a * b`, `a.mul(b)`, `torch.mul(a, b)`, `t.mul_(b)`, `multiply`
 _PRODUCT_WORDS = ("*", ".mul(", ".mul_(", "multiply")
 
@@ -1435,7 +1454,8 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     if isinstance(scope.node, ast.Module) or not any(w in S.scope_text(module, scope) for w in _PRODUCT_WORDS):
         return results
     text = S.scope_text(module, scope).lower()
-    if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name):
+    if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name) \
+            and not _has_built_activation_attr(module, scope, S.scope_text(module, scope)):
         return results
     lines = S.module_lines(module)
     for stmt in S.stmt_index(scope).stmts:
@@ -3999,7 +4019,7 @@ def _local_callable_act(module: ModuleInfo, f: ast.Name, gate: ast.expr, ctx: S.
         return None  # an activation object built here: classify_call's own business
     if isinstance(value.func, ast.Name) and value.func.id in module.functions and S.definition(ctx, value.func.id) is None:
         act = _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
-        if act.kind != CONFIG:
+        if act is None or act.kind != CONFIG:
             return act
         return dataclasses.replace(act, weak=True)
     if (isinstance(value.func, ast.Name) and value.func.id in module.classes) or (module.canonical(value.func) or "").startswith("torch."):
@@ -6777,4 +6797,51 @@ Swiglu.KEEP += [
     # near miss: a scaled SiLU (x * sigmoid(x) * c) is no npu_swiglu activation by itself
     Keep(_S33_INLINE_ACTIVATION_CLASS.replace("return X * torch.sigmoid(X)", "return X * torch.sigmoid(X) * 1.6791767923989418"),
          name="s33_scaled_silu_class_built_and_called_inline"),
+]
+
+
+# --- s35: an activation module a module-level builder makes from a string (issue 14 class 6, held-out 11) ---
+#
+# ``self.gating = _build_gating_activation(kind)`` returning ``nn.SiLU()`` / ``nn.GELU()`` / ``nn.Sigmoid()`` by a
+# string: the forward ``self.gating(self.gate_proj(x)) * self.value_proj(x)`` names no activation, so the text
+# gate turned the scope away before classify_call (which already dispatches on such objects at run time) could
+# read the builder. The gate now also passes a forward calling an attribute that ``__init__`` set from a
+# builder whose body names an activation.
+_S35_BUILT_GATE = '''
+import torch
+from torch import nn
+
+
+def make_nonlinearity(name):
+    if name == "silu":
+        return nn.SiLU()
+    if name == "gelu":
+        return nn.GELU()
+    if name == "sigmoid":
+        return nn.Sigmoid()
+    raise ValueError(name)
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, width, hidden, kind="silu"):
+        super().__init__()
+        self.to_gate = nn.Linear(width, hidden, bias=False)
+        self.to_value = nn.Linear(width, hidden, bias=False)
+        self.squash = make_nonlinearity(kind)
+        self.back = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, h):
+        return self.back(self.to_value(h) * self.squash(self.to_gate(h)))
+'''
+Swiglu.FUSE += [
+    Fuse(_S35_BUILT_GATE, expect={"activation": "config", "runtime_check": "activation type", "gate": "self.to_gate(h)",
+                                  "up": "self.to_value(h)"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nms = [GatedBlock(8, 6, k) for k in ('silu', 'gelu', 'sigmoid')]\n"
+             "out = tuple(m(x) for m in ms)\nleaves = [x] + [m.to_gate.weight for m in ms]\n",
+         name="s35_activation_built_by_a_module_function"),
+]
+Swiglu.KEEP += [
+    # near miss: the builder only makes ReLU-family activations, which neither fused op computes
+    Keep(_S35_BUILT_GATE.replace("nn.SiLU()", "nn.ReLU()").replace("nn.GELU()", "nn.ReLU6()").replace("nn.Sigmoid()", "nn.LeakyReLU()"),
+         name="s35_builder_of_relu_family_activations"),
 ]

@@ -59,6 +59,16 @@ class Obj:
 
 
 @dataclass
+class ConfigStub:
+    """A constructor argument the class reads only through its attributes (``config.n_embd``,
+    ``getattr(cfg, "bias", True)``: the nanoGPT / lit-gpt style). Each attribute holds a value chosen
+    from how the class uses it (:func:`config_values`); reading any other attribute is Unknown."""
+
+    name: str
+    values: dict[str, Any]
+
+
+@dataclass
 class Func:
     """A function of the probed module (a helper or a method), interpreted when called."""
 
@@ -560,6 +570,10 @@ class Interpreter:
             if node.attr == "training":
                 return False  # the probe runs the module in eval mode; tests on it become guards
             raise Unknown(f"attribute `self.{node.attr}` is not set by __init__")
+        if isinstance(base, ConfigStub):
+            if node.attr in base.values:
+                return base.values[node.attr]
+            raise Unknown(f"`{base.name}.{node.attr}` is not read where the probe can choose its value")
         if isinstance(base, Opaque):
             raise Unknown(f"uses {base.what}")
         if isinstance(base, t.Tensor):
@@ -743,6 +757,11 @@ class Interpreter:
             return isinstance(v, tuple(real))
         if name in ("hasattr", "getattr"):
             obj = args[0]
+            if isinstance(obj, ConfigStub) and isinstance(args[1], str):
+                if name == "hasattr":
+                    return args[1] in obj.values
+                return obj.values.get(args[1], args[2] if len(args) > 2 else None) \
+                    if args[1] in obj.values or len(args) > 2 else obj.values[args[1]]
             if not isinstance(obj, Obj) or not isinstance(args[1], str):
                 raise Unknown(f"{name} on something other than self")
             if name == "hasattr":
@@ -853,16 +872,116 @@ def build_self(module: ModuleInfo, cls: ast.ClassDef, overrides: dict[str, Any] 
     params = [*a.posonlyargs, *a.args][1:]
     n_def = len(a.defaults)
     overrides = {k: (DIM // 2 if v is HALF_DIM else v) for k, v in (overrides or {}).items()}
+    config_over = {k[len(CONFIG_KEY):]: overrides.pop(k) for k in list(overrides) if k.startswith(CONFIG_KEY)}
     args: list[Any] = []
     for i, p in enumerate(params):
         if i >= len(params) - n_def:
             break
         # an overridden required argument is passed by position too (positional-only ones must be)
-        args.append(overrides.pop(p.arg) if p.arg in overrides else _dim_argument(p))
+        if p.arg in overrides:
+            args.append(overrides.pop(p.arg))
+            continue
+        values = config_values(module, cls, init, p.arg)
+        if values is not None:
+            values.update({k: v for k, v in config_over.items() if k in values})
+        args.append(ConfigStub(p.arg, values) if values is not None else _dim_argument(p))
     kwargs = {p.arg: _dim_argument(p) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
     kwargs.update(overrides)
     it.call_function(init, args, kwargs, obj)
     return obj
+
+
+def config_values(module: ModuleInfo, cls: ast.ClassDef, init: ast.FunctionDef, arg: str) -> dict[str, Any] | None:
+    """The attribute values of a constructor argument used as a configuration object (``config.n_embd``
+    in ``__init__``, or ``self.config = config`` and ``self.config.x`` in any method), or None when
+    ``__init__`` uses the argument any other way (arithmetic, indexing, a call: then it is a dimension).
+
+    A value is chosen from the attribute's uses, so that the configuration the probe builds is the
+    plain one: compared with None -> None (the "not configured" branch); tested for truth (``if``,
+    ``and``/``or``, ``not``, a conditional expression) -> False (the exploration of boolean flags does
+    not reach these: their tests become run-time guards like any other); an epsilon (the attribute name
+    says so) -> 1e-5, so that the probe's eps estimate is well conditioned; otherwise a dimension (DIM).
+    What the probe then proves still rests on the numbers, not on these choices."""
+    held: set[str] = set()  # self attributes holding the argument
+    direct = 0
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == arg:
+            for tg in node.targets:
+                if isinstance(tg, ast.Attribute) and isinstance(tg.value, ast.Name) and tg.value.id == "self":
+                    held.add(tg.attr)
+    parents: dict[ast.AST, ast.AST] = {}
+    reads: list[ast.expr] = []  # `arg.attr` / `self.held.attr` nodes, or getattr(arg, "attr", ...) calls
+    fns = [init] + ([fn for fn in _methods(module, cls) if fn is not init] if held else [])
+    for fn in fns:
+        for node in ast.walk(fn):
+            for child in ast.iter_child_nodes(node):
+                parents[child] = node
+    for fn in fns:
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.Name) and node.id == arg and isinstance(node.ctx, ast.Load)) or fn is not init:
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                        and isinstance(node.value.value, ast.Name) and node.value.value.id == "self" \
+                        and node.value.attr in held and isinstance(node.ctx, ast.Load):
+                    reads.append(node)
+                continue
+            direct += 1
+            up = parents.get(node)
+            if isinstance(up, ast.Attribute) and up.value is node:
+                reads.append(up)
+            elif isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in ("getattr", "hasattr") \
+                    and up.args and up.args[0] is node and len(up.args) >= 2 and isinstance(up.args[1], ast.Constant) \
+                    and isinstance(up.args[1].value, str):
+                reads.append(up)
+            elif isinstance(up, ast.Assign) and up.value is node:
+                continue  # `self.config = config`
+            else:
+                return None
+    if not reads or (direct == 0 and not held):
+        return None
+    values: dict[str, Any] = {}
+    rank = {"dim": 0, "false": 1, "none": 2, "eps": 3}  # an epsilon is a number even where checked for None
+    kinds: dict[str, str] = {}
+    for r in reads:
+        name = r.args[1].value if isinstance(r, ast.Call) else r.attr  # type: ignore[union-attr]
+        up = parents.get(r)
+        if re.search(r"(^|_)(eps|epsilon)($|_)|eps$", name.lower()):
+            kind = "eps"
+        elif isinstance(up, ast.Compare) and any(isinstance(c, ast.Constant) and c.value is None for c in [up.left, *up.comparators]):
+            kind = "none"
+        elif (isinstance(up, (ast.If, ast.IfExp, ast.While, ast.Assert)) and up.test is r) or isinstance(up, ast.BoolOp) \
+                or (isinstance(up, ast.UnaryOp) and isinstance(up.op, ast.Not)):
+            kind = "false"
+        else:
+            kind = "dim"
+        if rank[kind] > rank[kinds.get(name, "dim")] or name not in kinds:
+            kinds[name] = kind
+    for name, kind in kinds.items():
+        values[name] = {"none": None, "false": False, "eps": 1e-5, "dim": DIM}[kind]
+    return values
+
+
+#: the prefix of an override key that sets one configuration attribute (``CONFIG_KEY + "bias"``)
+CONFIG_KEY = "\0config."
+
+
+def config_flips(module: ModuleInfo, cls: ast.ClassDef | None) -> list[tuple[str, str, Any]]:
+    """The configuration attributes :func:`config_values` set to None or False, each with the value
+    of its other case (a size for None, True for False): ``(argument, attribute, value)``. The
+    configuration object is the user's, not a default the class declares, so a proof must hold in
+    both cases (or the difference must be checked at run time)."""
+    if cls is None:
+        return []
+    init = next((fn for fn in _methods(module, cls) if fn.name == "__init__"), None)
+    if init is None:
+        return []
+    out = []
+    for p in required_init_args(init):
+        for attr, v in (config_values(module, cls, init, p.arg) or {}).items():
+            if v is None:
+                out.append((p.arg, attr, HALF_DIM))
+            elif v is False:
+                out.append((p.arg, attr, True))
+    return out
 
 
 #: an override value: half the probe's dimension (a second dimension-like argument set apart from DIM)
@@ -950,6 +1069,7 @@ class RmsProof:
     """What :func:`prove_rms_norm` found. ``kind``: "proved" (the other fields say how to call
     npu_rms_norm), "mismatch" (it ran and computes a normalisation that is not RMSNorm;
     ``reason`` says how it differs), "other" (it ran and is not a normalisation at all),
+    "conditional" (proved only for one value of a configuration object's attribute; ``reason``),
     "unknown" (the probe could not evaluate it; ``reason`` says why) or "deferred" (a pool
     worker left it to the parent process: engine.defer_import)."""
 
@@ -1031,6 +1151,20 @@ def _explore(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) 
     arguments set apart from the dimension too (the probe gives them all DIM)."""
     result = _explore_configs(module, fn, cls)
     if result.kind == "proved":
+        for arg, attr, value in config_flips(module, cls)[:4]:
+            try:
+                alt = _proved_on_two_dims(module, fn, cls, {CONFIG_KEY + attr: value})
+            except Unknown as e:
+                alt = RmsProof("unknown", e.reason)
+            same = alt.kind == "proved" and (alt.weight, alt.weight_offset, alt.eps, alt.dtype_rule) == \
+                (result.weight, result.weight_offset, result.eps, result.dtype_rule)
+            if not same:
+                was, other = ("None", "set to a size") if value is HALF_DIM else ("false", "true")
+                then = (f"the probe cannot evaluate it ({alt.reason})" if alt.kind == "unknown"
+                        else "the probe does not find that RMSNorm" if alt.kind in ("mismatch", "other")
+                        else "it is an RMSNorm with another weight, eps or dtype rule")
+                return RmsProof("conditional", f"proved only where `{arg}.{attr}` is {was}, a configuration value the "
+                                               f"scan cannot see (with it {other}, {then})")
         for name in other_dim_arguments(cls, module)[:3]:
             try:
                 alt = _proved_on_two_dims(module, fn, cls, {name: HALF_DIM})
@@ -1138,6 +1272,9 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
                     tensors[f"self.{k}"] = v
                 elif isinstance(v, (int, float)) and not isinstance(v, bool):
                     scalars[f"self.{k}"] = v
+                elif isinstance(v, ConfigStub):  # ``self.config.norm_eps``: an eps the forward reads there
+                    scalars.update({f"self.{k}.{a}": c for a, c in v.values.items()
+                                    if isinstance(c, (int, float)) and not isinstance(c, bool)})
         return _Run(xv, out, scalars, tensors, it.decisions, it.entered, it.scalar_reads)
 
     gen0 = t.Generator().manual_seed(0)
