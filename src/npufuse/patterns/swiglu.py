@@ -961,6 +961,44 @@ def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = No
     return None
 
 
+_VIEWS_AND_CASTS = frozenset(("view", "reshape", "transpose", "permute", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+
+
+def _summed_projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None) -> str | None:
+    """The input key of a sum of projections of one input (a LoRA-adapted projection: ``self.w1(x) +
+    self.lora_b(self.lora_a(x))``, optionally ``* scaling``): linear in the input like one projection,
+    so the product is still a GLU of two projections; None for anything else."""
+    n, c = S.peel(node, ctx)
+    if not (isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub))):
+        return None
+    terms: list[ast.expr] = []
+    stack: list[ast.expr] = [n]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, ast.BinOp) and isinstance(t.op, (ast.Add, ast.Sub)):
+            stack += [t.left, t.right]
+            continue
+        # a scaled term (`lora(x) * self.scaling`, `/ r`): a constant or attribute factor, no tensor of its own
+        if isinstance(t, ast.BinOp) and isinstance(t.op, (ast.Mult, ast.Div)) and isinstance(t.right, (ast.Constant, ast.Attribute, ast.Name)) \
+                and not (isinstance(t.right, ast.Name) and S.definition(c, t.right.id) is not None):
+            t = t.left
+        terms.append(t)
+    keys = set()
+    for t in terms:
+        # a chain of projections (`lora_b(lora_a(drop(x)))`): the innermost call's input
+        for _ in range(4):
+            inner = t.args[0] if isinstance(t, ast.Call) and t.args else None
+            if not isinstance(inner, ast.Call) or (isinstance(inner.func, ast.Attribute) and inner.func.attr in _VIEWS_AND_CASTS):
+                break
+            t = inner
+        if not isinstance(t, ast.Call) and not (isinstance(t, ast.BinOp) and isinstance(t.op, ast.MatMult)):
+            return None
+        keys.add(_projection_input(t, c, module))
+    if len(keys) != 1 or None in keys:
+        return None
+    return keys.pop()
+
+
 def _sliced_projection_input(call: ast.Call, parts: ast.expr, ctx: S.Ctx) -> str | None:
     """The input key of a concatenation of projections of one input along the last dim, else None."""
     dim = S.arg(call, "dim", 1)
@@ -1177,6 +1215,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         raise GateMiss("gate and up are halves of different tensors")
     ia = _projection_input(a, actx, module)
     ib = _projection_input(b, ctx, module)
+    if ia is None or ib is None or ia != ib:
+        ia, ib = _summed_projection_input(a, actx, module) or ia, _summed_projection_input(b, ctx, module) or ib
     if ia is None or ib is None or ia != ib:
         ia, ib = _s28_weight_held_input(a, actx, b, ctx) or _s28_same_shard_input(module, a, actx, b, ctx) or (ia, ib)
     if (ia is None or ib is None or ia != ib) and act.kind in (SILU, CONFIG) + GELU_KINDS:
@@ -6844,4 +6884,59 @@ Swiglu.KEEP += [
     # near miss: the builder only makes ReLU-family activations, which neither fused op computes
     Keep(_S35_BUILT_GATE.replace("nn.SiLU()", "nn.ReLU()").replace("nn.GELU()", "nn.ReLU6()").replace("nn.Sigmoid()", "nn.LeakyReLU()"),
          name="s35_builder_of_relu_family_activations"),
+]
+
+
+# --- s35: LoRA-adapted projections (held-out 11: LLaMA-Adapter's FeedForward) ---
+#
+# ``silu(self.w1(x) + self.lora_b(self.lora_a(x))) * (self.w3(x) + ...)``: each operand is a sum of projections
+# of the same input (a low-rank adapter beside the frozen weight, optionally scaled), linear in x like one
+# projection, so the product is a GLU of two projections and npu_swiglu takes the two sums concatenated. A sum
+# with a projection of another input stays a near miss.
+_S35_LORA_GLU = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AdaptedMLP(nn.Module):
+    def __init__(self, dim, hidden, rank=4, alpha=8.0):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.gate_a = nn.Linear(dim, rank, bias=False)
+        self.gate_b = nn.Linear(rank, hidden, bias=False)
+        self.up_a = nn.Linear(dim, rank, bias=False)
+        self.up_b = nn.Linear(rank, hidden, bias=False)
+        self.drop = nn.Dropout(0.0)
+        self.scaling = alpha / rank
+
+    def forward(self, tokens):
+        g = self.gate(tokens) + self.gate_b(self.gate_a(self.drop(tokens))) * self.scaling
+        u = self.up(tokens) + self.up_b(self.up_a(self.drop(tokens))) * self.scaling
+        return self.down(F.silu(g) * u)
+'''
+_S35_LORA_FUNCTIONAL = '''
+import torch
+import torch.nn.functional as F
+
+
+def adapted_glu(x, w_gate, w_up, a_gate, b_gate, w_down):
+    gate = F.linear(x, w_gate) + F.linear(F.linear(x, a_gate), b_gate)
+    return F.linear(F.silu(gate) * F.linear(x, w_up), w_down)
+'''
+Swiglu.FUSE += [
+    Fuse(_S35_LORA_GLU, expect={"activation": "silu", "gate": "g", "up": "u"},
+         run="m = AdaptedMLP(8, 12)\nx = torch.randn(2, 3, 8, requires_grad=True)\nout = m(x)\nleaves = [x, m.gate.weight, m.gate_b.weight]\n",
+         name="s35_lora_adapted_projections"),
+    Fuse(_S35_LORA_FUNCTIONAL, expect={"activation": "silu", "up": "F.linear(x, w_up)"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nw = [torch.randn(12, 8), torch.randn(12, 8), torch.randn(4, 8), torch.randn(12, 4), torch.randn(8, 12)]\n"
+             "out = adapted_glu(x, *w)\nleaves = [x]\n",
+         name="s35_lora_adapted_functional_projection"),
+]
+Swiglu.KEEP += [
+    # near miss: the adapter reads another input than the up projection (a cross-input sum, not a GLU of one input)
+    Keep(_S35_LORA_FUNCTIONAL.replace("def adapted_glu(x, ", "def adapted_glu(x, y, ").replace("F.linear(F.linear(x, a_gate), b_gate)", "F.linear(F.linear(y, a_gate), b_gate)"),
+         name="s35_adapter_on_another_input"),
 ]
