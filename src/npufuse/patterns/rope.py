@@ -789,15 +789,19 @@ def _lifted_limits(x: str, cos: str, mode: str) -> str:
     would be evaluated again). x's leading dims where the table has size 1 are batch or head dims
     (the sequence dim of the table matches x's); a [(b h), n, d] x lifted to [1, b*h, n, d] puts b*h
     in N. Half mode: those dims below 1000 and at most one other leading dim (the sequence) at or
-    above it; interleave (batch-free tables, one dim not 1): the product of the leading dims over
+    above it, and x's batch dim below 1000 where the table has two dims that are not 1; interleave (batch-free tables, one dim not 1): the product of the leading dims over
     the sequence length below 1000."""
     if not (_is_name(cos) and "." not in cos):
         return ""
     if mode == "half":
         # x's leading dims (last first) beside the table's, 1 where the table has fewer: a broadcast
         # dim at or above 1000 counts twice, any other once: at most one (the sequence) may be that long
+        # ... and where the table varies along two leading dims (B1SD / BS1D: per-batch positions) the
+        # long one need not be the sequence: x's batch dim (-4 in BNSD and BSND, the layouts such tables
+        # allow) must then be below 1000 itself (audit35: VideoSys's temporal RoPE, B = b*h*w = 2048)
         return (f"sum((_d >= 1000) + (_c == 1 and _d >= 1000) for _d, _c in "
-                f"zip({x}.shape[-2::-1], tuple({cos}.shape[-2::-1]) + (1, 1, 1))) <= 1")
+                f"zip({x}.shape[-2::-1], tuple({cos}.shape[-2::-1]) + (1, 1, 1))) <= 1 and "
+                f"(sum(_c != 1 for _c in {cos}.shape[:-1]) <= 1 or ({x}.dim() >= 4 and {x}.shape[-4] < 1000))")
     return _interleave_rows_ok(x, f"max({cos}.shape[:-1], default=1)")
 
 
