@@ -224,3 +224,79 @@ def unbound_operand(matcher: Any, chain: Any) -> Optional[str]:
         if not any(reaches(st) for st, _v in assigned):
             return name
     return None
+
+
+# --- a tensor gate on the probabilities (LLaMA-Adapter's ``self.gate.tanh() * softmax(adapter_scores)`` with
+# ``nn.Parameter(torch.zeros(1, heads, 1, 1))``, PEFT / FlagAI's ``self.adaption_gate * F.softmax(..)``): (g·P) @ V =
+# g·(P @ V) where g has one value per row of P; checked at run time by :func:`row_constant_guard` ---
+_GATE_METHODS = frozenset(("tanh", "sigmoid", "half", "float", "bfloat16", "to", "type_as", "exp", "abs", "clamp"))
+
+
+def tensor_factor(matcher: Any, factor: Any) -> Optional[Any]:
+    """The tensor the module holds (:func:`module_tensor`) that ``factor`` is, through elementwise methods that keep
+    its shape (``self.gate.tanh()``, ``self.gate.tanh().half()``): what the run-time shape check reads (the factor
+    itself is evaluated once, on the output); None for any other factor."""
+    from npufuse.patterns.attention import deref
+
+    n = deref(factor)
+    for _ in range(8):
+        if module_tensor(matcher, n):
+            return n
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _GATE_METHODS:
+            n = deref(n.func.value)
+            continue
+        return None
+    return None
+
+
+def row_constant_guard(factor: Any, rank: int) -> ast.expr:
+    """``factor.dim() <= rank and factor.shape[-1] == 1`` as a symbolic test over ``factor``."""
+    dim = ast.Compare(left=ast.Call(func=ast.Attribute(value=factor, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                      ops=[ast.LtE()], comparators=[ast.Constant(rank)])
+    last = ast.Compare(left=ast.Subscript(value=ast.Attribute(value=factor, attr="shape", ctx=ast.Load()),
+                                          slice=ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1)), ctx=ast.Load()),
+                       ops=[ast.Eq()], comparators=[ast.Constant(1)])
+    return ast.BoolOp(op=ast.And(), values=[dim, last])
+
+
+# --- a function returning a comparison is a bool mask, not graded values (LLaMA2-Accessory's ``_make_causal_mask``:
+# ``q_idx = torch.arange(q_len) - q_len`` ... ``return q_idx.view(-1, 1) >= kv_idx.view(1, -1)``): positions used
+# as values inside it are only compared ---
+_BOOL_METHODS = frozenset(("bool", "logical_not", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge",
+                           "view", "reshape", "unsqueeze", "expand", "to", "contiguous", "transpose", "permute"))
+
+
+def returns_bool(fn: Any) -> bool:
+    """Every ``return`` of the function ``fn`` gives a bool tensor by construction: a comparison, ``~`` / ``&`` /
+    ``|`` / ``^`` of such, a view or ``.bool()`` of one (``.to(device)`` keeps it), through the function's local
+    names; False for anything else (and for a class or a function without a returned value)."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    assigned: dict[str, list[ast.expr]] = {}
+    for st in ast.walk(fn):
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    returns = [r.value for r in ast.walk(fn) if isinstance(r, ast.Return)]
+
+    def is_bool(n: Any, depth: int = 0) -> bool:
+        if depth > 12 or n is None:
+            return False
+        if isinstance(n, ast.Compare):
+            return True
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert):
+            return is_bool(n.operand, depth + 1)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+            return is_bool(n.left, depth + 1) and is_bool(n.right, depth + 1)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _BOOL_METHODS:
+            if n.func.attr == "bool" and not n.args:
+                return True
+            if n.func.attr == "to" and any(isinstance(a, ast.Attribute) and a.attr in ("float", "float32", "float16", "bfloat16", "half")
+                                           for a in [*n.args, *(k.value for k in n.keywords)]):
+                return False
+            return is_bool(n.func.value, depth + 1)
+        if isinstance(n, ast.Name):
+            values = assigned.get(n.id, [])
+            return bool(values) and all(is_bool(v, depth + 1) for v in values)
+        return False
+
+    return bool(returns) and all(is_bool(r) for r in returns)

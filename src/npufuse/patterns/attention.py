@@ -2902,6 +2902,8 @@ def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
     <= -1e4 (it builds a mask)."""
     if any(_mask_fill(n) or _constant_fill(n) for n in fast_walk(cls)):
         return None  # it fills positions with constants: a mask (its values are checked at run time)
+    if _attention_s35.returns_bool(cls):
+        return None  # s35: it returns a comparison of positions (LLaMA2-Accessory's ``_make_causal_mask``): a bool pattern
     for n in _walk_unless_compared(cls):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
@@ -3755,7 +3757,9 @@ class AttentionPattern(Pattern):
                 factor_text = r.text(chain.out_factor[0])
             except Miss as miss:
                 return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
-            call = f"{call} {'/' if chain.out_factor[1] else '*'} {atom(factor_text)}"
+            # parenthesised: the site may apply methods to the product (``matmul(p, v).transpose(1, 2)``), which must
+            # apply to the scaled output, not to the factor (s35: was ``out * gate.transpose(1, 2)``)
+            call = f"({call} {'/' if chain.out_factor[1] else '*'} {atom(factor_text)})"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         for name in none_gated:
@@ -10500,8 +10504,21 @@ def _s30_scaled_probabilities(matcher: "_Matcher", node: Any, chain: Chain) -> A
         return None
     pairs = [(node.left, node.right)] if isinstance(node.op, ast.Div) else [(node.left, node.right), (node.right, node.left)]
     for probs, factor in pairs:
-        if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) and _scalar_valued(matcher, factor):
+        if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) and _scalar_valued(matcher, factor) \
+                and not _attention_s35.module_tensor(matcher, factor):
             chain.out_factor = (factor, isinstance(node.op, ast.Div))
+            return probs
+    for probs, factor in pairs:
+        held = _attention_s35.tensor_factor(matcher, factor) if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) else None
+        if held is not None:
+            # s35: LLaMA-Adapter's ``self.gate.tanh() * softmax(..)`` ([1, H, 1, 1]), PEFT's ``self.adaption_gate * softmax(..)``:
+            # a tensor with one value per row of P commutes with ``@ v``; checked at run time, the original code runs otherwise
+            chain.out_factor = (factor, isinstance(node.op, ast.Div))
+            chain.requires.append((_attention_s35.row_constant_guard(held, 3 if getattr(matcher, "three_d", False) else 4),
+                                   f"the probabilities are {'divided' if isinstance(node.op, ast.Div) else 'multiplied'} by the tensor "
+                                   f"`{matcher.src(factor)}` (a gate / scale): it is applied to the fused output instead, which is the same "
+                                   "where it has one value per row of the probabilities (its last dim 1, no more dims than them: checked at "
+                                   "run time); the original code runs otherwise"))
             return probs
     return None
 
@@ -12439,5 +12456,60 @@ AttentionPattern.KEEP += [
         _S35_UNBOUND_ARM,
         reason="not assigned on any path to the site",
         name="s35_eager_arm_reading_operands_of_the_other_arm",
+    ),
+]
+
+
+# s35: a tensor gate the module holds on the probabilities (LLaMA-Adapter's ``self.gate.tanh() * softmax(..)``, PEFT /
+# FlagAI adaption prompts' ``self.adaption_gate * F.softmax(..)``): applied to the fused output where it has one value
+# per row of P (checked at run time); the product read through ``.transpose(1, 2).reshape(..)`` after it
+_S35_GATED_PROBS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PromptGateAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.mix = nn.Parameter(torch.full((1, heads, 1, 1), 0.3))
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * width)
+
+    def forward(self, x, prompt):
+        b, n, c = x.shape
+        m = prompt.shape[1]
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(prompt).view(b, m, 2, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        w = torch.matmul(q, k.transpose(2, 3)) * self.hd ** -0.5
+        w = self.mix.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)
+        return torch.matmul(w, v).transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_GATED_PROBS,
+        expect={"qualname": "PromptGateAttention.forward"},
+        run=_s34_run("PromptGateAttention()", (2, 5, 32), (2, 3, 32)),
+        name="s35_probabilities_gated_by_a_learned_per_head_tensor",
+    ),
+    Fuse(
+        # a one-element gate written after the softmax
+        _S35_GATED_PROBS.replace("torch.full((1, heads, 1, 1), 0.3)", "torch.zeros(1)").replace(
+            "w = self.mix.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)", "w = F.softmax(w, dim=-1) * self.mix.tanh()"),
+        expect={"qualname": "PromptGateAttention.forward"},
+        run=_s34_run("PromptGateAttention()", (2, 5, 32), (2, 3, 32)),
+        name="s35_probabilities_gated_by_a_one_element_parameter",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the gate is computed from the scores themselves: not a factor that commutes with ``@ v``
+        _S35_GATED_PROBS.replace("w = self.mix.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)",
+                                 "w = w.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)"),
+        reason="modified after softmax",
+        name="s35_probabilities_gated_by_the_scores",
     ),
 ]
