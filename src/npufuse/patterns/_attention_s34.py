@@ -202,6 +202,10 @@ def proven_3d(matcher: Any, node: Any) -> bool:
 
     if static_rank(matcher.scope, node, matcher._line) == 3:
         return True
+    from npufuse.patterns import _attention_s35
+
+    if _attention_s35.rank_through_helpers(matcher, node) == 3:
+        return True  # s35: DexVLA's ``apply_rotary_pos_emb_vision(q.unsqueeze(0), rope).squeeze(0)`` (ranks checked at run time)
     n = deref(node)
     for _ in range(4):
         # ``self.W_key(x)`` with ``self.W_key = nn.Linear(..)``: a linear layer keeps its input's rank

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -973,6 +973,9 @@ class Chain:
     v: Operand | None = None
     scale_num: list[Any] = field(default_factory=list)
     scale_den: list[Any] = field(default_factory=list)
+    # s35: scale factors that are tensors the module holds (a learned per-head temperature ``nn.Parameter``):
+    # folded into q on the fused branch (npu_fusion_attention's scale is a Python float)
+    tensor_scales: list[Any] = field(default_factory=list)
     masks: list[MaskTerm] = field(default_factory=list)
     dropout: tuple[str, Any, Any] | None = None  # ("dropout", p node, active node or None) -- rendered at the site
     dropout_cond: Any = None
@@ -1292,11 +1295,19 @@ class _Matcher:
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
+        unbound = _attention_s35.unbound_operand(self, chain)
+        if unbound is not None:
+            raise Miss(f"`{unbound}` is not assigned on any path to the site (only after it, or in the other branch of an `if`): "
+                       "the code raises UnboundLocalError here, so there is nothing that runs to replace")
         if s34_3d:
-            ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=op.leaf, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
-                                 ops=[ast.Eq()], comparators=[ast.Constant(3)]) for op in (chain.q, chain.k, chain.v)
-                     if not isinstance(op.leaf, ast.Call)]  # a call inlined into the fused call is not evaluated twice
-            chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+            # s35: a leaf that is a rank-keeping method call (DexVLA's ``q.transpose(0, 1)``) is checked on its base (a
+            # call inlined into the fused call is not evaluated twice); none left to check was an empty guard ``()``
+            bases = [_attention_s35.rank_base(op.leaf) for op in (chain.q, chain.k, chain.v)]
+            ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=b, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                                 ops=[ast.Eq()], comparators=[ast.Constant(3)]) for b in bases if b is not None]
+            if not ranks:
+                raise Miss("q, k and v reach the product as calls whose rank npufuse does not check at run time")
+            chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks) if len(ranks) > 1 else ranks[0],
                                    "`@` / `torch.matmul` of tensors the code builds 3-D (heads folded into the batch, or one head) is read "
                                    "as a bmm: the ranks are checked at run time; other ranks run the original code"))
         if chain.heads_in_batch and not chain.scores_viewed:
@@ -2172,6 +2183,12 @@ class _Matcher:
     def add_scale(self, factor: Any, divide: bool, chain: Chain) -> None:
         text = self.src(factor)
         factor = _s30_scale_branches(self, factor, chain)
+        if _attention_s35.module_tensor(self, factor):
+            # s35: XCiT / Restormer / UNETR++ ``attn * self.temperature`` with ``nn.Parameter(torch.ones(heads, 1, 1))``:
+            # a tensor, not a float: folded into q on the fused branch (shape checked at run time)
+            chain.tensor_scales.append(factor)
+            (chain.scale_den if divide else chain.scale_num).append(factor)
+            return
         host = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
         computed_on_host, factor = host is not factor and not _scalar_valued(self, host), host
         # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
@@ -2756,6 +2773,9 @@ def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | Non
     if isinstance(node, ast.Name):
         d = scope.definition(node.id, line)
         return static_rank(scope, d, getattr(d, "lineno", line), depth + 1)
+    through = _attention_s35.RANK_THROUGH_HELPERS.get()
+    if through is not None and isinstance(node, ast.Call) and node.args and through(node):
+        return static_rank(scope, node.args[0], line, depth + 1)  # s35: a helper assumed to keep its input's rank (checked at run time)
     if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, ast.Call):
         return static_rank(scope, node.value, line, depth + 1)  # x.max(dim=3).values
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -2882,6 +2902,8 @@ def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
     <= -1e4 (it builds a mask)."""
     if any(_mask_fill(n) or _constant_fill(n) for n in fast_walk(cls)):
         return None  # it fills positions with constants: a mask (its values are checked at run time)
+    if _attention_s35.returns_bool(cls):
+        return None  # s35: it returns a comparison of positions (LLaMA2-Accessory's ``_make_causal_mask``): a bool pattern
     for n in _walk_unless_compared(cls):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
@@ -3369,6 +3391,14 @@ class AttentionPattern(Pattern):
             if reads_internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself
+                shown = _attention_s35.flag_gated_probabilities(matcher, interp, chain, other, s, j)
+                if shown is not None:
+                    # s35: ``weights = probs if self.vis else None`` between the steps: the fused call runs where the
+                    # flag is off, and the name holds None there as in the original
+                    name, gated = shown
+                    chain.excluded.append(gated)
+                    lines.append(f"{name} = None  # as the original where the flag is off (the fused call runs only there)")
+                    continue
                 gate = _flag_gated_statement(matcher, interp, other, s, j)
                 if gate is not None:
                     # ``if register_hook: self.save_attention_map(attn)``: the intermediates are read only under a
@@ -3616,6 +3646,34 @@ class AttentionPattern(Pattern):
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
                 value_split = 0
                 risks += [Risk("other", why) for _t, why in chain.requires]
+            if chain.q is not None and not three_d and any(k in chain.spelling for k in ("matmul", "@")) \
+                    and _attention_s35.last_axes_swapped(matcher, chain.q.leaf):
+                # s35: channel attention (q's last two axes swapped: the product contracts the tokens): nothing bounds that
+                # axis by a head dim; the fused call runs where it is within the op's D <= 768, the original code otherwise
+                # (matmul spellings: an einsum's q is re-laid out by the renderer, and s32 checks permuted einsums)
+                if not is_simple(q_t):
+                    raise Miss(f"q (`{q_t[:40]}`) has its last two axes swapped (channel attention: the product contracts the "
+                               "tokens), and npufuse checks the op's D <= 768 on a named q only")
+                need = [f"{atom(q_t)}.shape[-1] <= 768"]
+                if value_check is not None:
+                    need.append(value_check)
+                value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
+                value_split = 0
+                risks.append(Risk("other", f"q's last two axes are swapped before the product (channel attention): its last axis is the "
+                                           f"tokens, which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
+                                           f"`{q_t}.shape[-1] <= 768`, the original code otherwise"))
+            if chain.tensor_scales:
+                # s35: a tensor factor moves from the scores to q's rows where it is constant along the key axis (and D)
+                # and adds no axis q does not have; the original code runs otherwise
+                rank = 3 if three_d else 4
+                need = [f"{atom(t)}.dim() <= {rank} and {atom(t)}.shape[-1] == 1" for t in (r.text(x) for x in chain.tensor_scales)]
+                if value_check is not None:
+                    need.append(value_check)
+                value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
+                value_split = 0
+                risks.append(Risk("numerics", f"the scale `{scale}` is a tensor the module holds (a learned temperature): it multiplies q "
+                                              "instead of the scores ((q·t)kᵀ = t(qkᵀ) where t has one value per row: checked at run time, "
+                                              "the original code runs otherwise), and the call gets scale=1.0; rounding differs slightly"))
             chosen = {(id(v.test), v.when_true): v for v in matcher.variants.values()}
             if chosen:
                 # an einsum equation picked by a condition (``'b j d' if k.ndim == 3 else 'b h j d'``): the
@@ -3635,6 +3693,10 @@ class AttentionPattern(Pattern):
             lines += s28_pse[0]
             kwargs.append(("pse", "_npufuse_pse"))
             q_a, scale = f"({atom(q_a)} * {atom(scale)})" if scale != "1.0" else q_a, "1.0"
+        if chain.tensor_scales and scale != "1.0":
+            q_a, scale = f"({atom(q_a)} * {atom(scale)})", "1.0"
+        if chain.tensor_scales:
+            q_a = f"{q_a}.to({atom(q_n)}.dtype)"  # a float32 parameter would promote q (the op takes one dtype)
         kwargs.append(("scale", scale))
         # dropout
         dropout_text = "none"
@@ -3695,7 +3757,9 @@ class AttentionPattern(Pattern):
                 factor_text = r.text(chain.out_factor[0])
             except Miss as miss:
                 return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
-            call = f"{call} {'/' if chain.out_factor[1] else '*'} {atom(factor_text)}"
+            # parenthesised: the site may apply methods to the product (``matmul(p, v).transpose(1, 2)``), which must
+            # apply to the scaled output, not to the factor (s35: was ``out * gate.transpose(1, 2)``)
+            call = f"({call} {'/' if chain.out_factor[1] else '*'} {atom(factor_text)})"
         for name in none_probs:
             lines.append(f"{name} = None  # the fused op does not materialise the probabilities (as HF's sdpa/flash paths)")
         for name in none_gated:
@@ -8344,7 +8408,8 @@ def _flag_gated_weights(matcher: "_Matcher", final: Any, chain: Chain, s: int) -
     fused call runs where the name is None (the caller asked for no weights), the original code elsewhere.
     None for any other value."""
     node = final.value if isinstance(final, Ref) else final
-    if not isinstance(node, Cond) or isinstance(node.body, Undef) or isinstance(node.orelse, Undef):
+    # s35: the conditional expression spelling too (ViT-pytorch's ``weights = probs if self.vis else None``)
+    if not isinstance(node, (Cond, ast.IfExp)) or isinstance(node.body, Undef) or isinstance(node.orelse, Undef):
         return None
     none = [const_value(deref(x)) is None and isinstance(deref(x), ast.Constant) for x in (node.body, node.orelse)]
     if none.count(True) != 1:
@@ -10439,8 +10504,21 @@ def _s30_scaled_probabilities(matcher: "_Matcher", node: Any, chain: Chain) -> A
         return None
     pairs = [(node.left, node.right)] if isinstance(node.op, ast.Div) else [(node.left, node.right), (node.right, node.left)]
     for probs, factor in pairs:
-        if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) and _scalar_valued(matcher, factor):
+        if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) and _scalar_valued(matcher, factor) \
+                and not _attention_s35.module_tensor(matcher, factor):
             chain.out_factor = (factor, isinstance(node.op, ast.Div))
+            return probs
+    for probs, factor in pairs:
+        held = _attention_s35.tensor_factor(matcher, factor) if _heavy(probs, through_meta=False) and not _heavy(factor, through_meta=False) else None
+        if held is not None:
+            # s35: LLaMA-Adapter's ``self.gate.tanh() * softmax(..)`` ([1, H, 1, 1]), PEFT's ``self.adaption_gate * softmax(..)``:
+            # a tensor with one value per row of P commutes with ``@ v``; checked at run time, the original code runs otherwise
+            chain.out_factor = (factor, isinstance(node.op, ast.Div))
+            chain.requires.append((_attention_s35.row_constant_guard(held, 3 if getattr(matcher, "three_d", False) else 4),
+                                   f"the probabilities are {'divided' if isinstance(node.op, ast.Div) else 'multiplied'} by the tensor "
+                                   f"`{matcher.src(factor)}` (a gate / scale): it is applied to the fused output instead, which is the same "
+                                   "where it has one value per row of the probabilities (its last dim 1, no more dims than them: checked at "
+                                   "run time); the original code runs otherwise"))
             return probs
     return None
 
@@ -12075,5 +12153,363 @@ AttentionPattern.KEEP += [
                                       "        return out.transpose(1, 2).reshape(b, n, -1), attn\n"),
         reason="probabilities",
         name="s34_inputs_deleted_but_probabilities_returned",
+    ),
+]
+
+
+# --- s35: probabilities exposed under a flag by a conditional expression between the steps (ViT-pytorch's
+# ``weights = attention_probs if self.vis else None``: TransUNet, ModelZoo vit-base); a tensor the module holds as
+# the scale (XCiT / Restormer / UNETR++ ``nn.Parameter(torch.ones(heads, 1, 1))``, folded into q); channel attention
+# whose q has its last two axes swapped (the op's D <= 768 checked at run time). Helpers in ``_attention_s35.py``.
+_S35_FLAG_EXPOSED = '''
+import torch
+from torch import nn
+
+
+class PatchAttention(nn.Module):
+    def __init__(self, width=32, heads=4, keep_maps=False):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.keep_maps = keep_maps
+        self.to_qkv = nn.Linear(width, 3 * width)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, tokens):
+        b, n, _ = tokens.shape
+        q, k, v = self.to_qkv(tokens).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        logits = q.matmul(k.transpose(-1, -2)) * self.hd ** -0.5
+        probs = torch.softmax(logits, dim=-1)
+        maps = None if not self.keep_maps else probs.detach()
+        mixed = self.drop(probs).matmul(v)
+        return mixed.transpose(1, 2).reshape(b, n, -1), maps
+'''
+
+_S35_FLAG_EXPOSED_FN = '''
+import math
+import torch
+
+
+def attend(query, key, value, return_attn=False):
+    sim = torch.einsum("bhid,bhjd->bhij", query, key) / math.sqrt(query.shape[-1])
+    attn = sim.softmax(dim=-1)
+    attn_map = attn if return_attn else None
+    out = torch.einsum("bhij,bhjd->bhid", attn, value)
+    return out, attn_map
+'''
+
+_S35_LEARNED_TEMPERATURE = '''
+import torch
+from torch import nn
+
+
+class HeadTemperatureAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.tau = nn.Parameter(torch.full((1, heads, 1, 1), 2.0))
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / self.tau
+        return torch.matmul(scores.softmax(dim=-1), v).transpose(1, 2).reshape(b, n, c)
+'''
+
+_S35_CHANNEL_ATTENTION = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TransposedAttention(nn.Module):
+    def __init__(self, dim=32, num_heads=4):
+        super().__init__()
+        self.num_heads = num_heads
+        self.rescale = nn.Parameter(torch.ones(num_heads, 1, 1) * 0.5)
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 4, 1)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        q = F.normalize(q, dim=-1)
+        k = F.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1)) * self.rescale
+        attn = attn.softmax(dim=-1)
+        out = (attn @ v).permute(0, 3, 1, 2).reshape(B, N, C)
+        return self.proj(out)
+'''
+
+_S35_CHANNEL_ATTENTION_SWAPPED = '''
+import torch
+from torch import nn
+
+
+class ChannelMix(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.temperature = nn.Parameter(torch.ones(heads, 1, 1))
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+
+    def split(self, t):
+        b, n, c = t.shape
+        return t.reshape(b, n, self.heads, c // self.heads).permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q = self.split(self.to_q(x)).transpose(-2, -1)
+        k = self.split(self.to_k(x)).transpose(-2, -1)
+        v = self.split(self.to_v(x)).transpose(-2, -1)
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+        attn = self.temperature * torch.matmul(q, k.transpose(-2, -1))
+        attn = attn.softmax(dim=-1)
+        return torch.matmul(attn, v).permute(0, 3, 1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_FLAG_EXPOSED,
+        expect={"qualname": "PatchAttention.forward"},
+        run=_s34_run("PatchAttention()", (2, 5, 32)),
+        name="s35_probabilities_exposed_under_a_module_flag_by_a_conditional_expression",
+    ),
+    Fuse(
+        _S35_FLAG_EXPOSED_FN,
+        expect={"qualname": "attend"},
+        run='''
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+out = attend(q, k, v)[0]
+leaves = [q, k, v]
+''',
+        name="s35_probabilities_exposed_under_a_parameter_flag_in_a_function",
+    ),
+    Fuse(
+        _S35_LEARNED_TEMPERATURE,
+        expect={"qualname": "HeadTemperatureAttention.forward"},
+        run='''
+m = HeadTemperatureAttention()
+with torch.no_grad():
+    m.tau.copy_(torch.tensor([0.5, 1.0, 2.0, 4.0]).view(1, 4, 1, 1))
+x = torch.randn(2, 5, 32, requires_grad=True)
+out = m(x)
+leaves = [x, m.tau]
+''',
+        name="s35_learned_per_head_temperature_divides_the_scores",
+    ),
+    Fuse(
+        _S35_CHANNEL_ATTENTION,
+        expect={"qualname": "TransposedAttention.forward"},
+        run='''
+m = TransposedAttention()
+with torch.no_grad():
+    m.rescale.copy_(torch.tensor([0.5, 1.0, 2.0, 4.0]).view(4, 1, 1))
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x, m.rescale]
+''',
+        name="s35_channel_attention_with_a_learned_temperature_from_a_5d_permute",
+    ),
+    Fuse(
+        _S35_CHANNEL_ATTENTION_SWAPPED,
+        expect={"qualname": "ChannelMix.forward"},
+        run=_s34_run("ChannelMix()", (2, 6, 32)),
+        name="s35_channel_attention_transposed_by_a_method_result",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the flag reads the probabilities themselves: a guard before the call could not evaluate it
+        _S35_FLAG_EXPOSED.replace("maps = None if not self.keep_maps else probs.detach()",
+                                  "maps = None if bool(probs.amax() < 0.5) else probs.detach()"),
+        reason="probabilities",
+        name="s35_probabilities_exposed_under_a_test_of_the_probabilities",
+    ),
+    Keep(
+        # neither side is None: the exposed value is always the probabilities (or a statistic of them)
+        _S35_FLAG_EXPOSED.replace("maps = None if not self.keep_maps else probs.detach()",
+                                  "maps = probs.mean(1) if not self.keep_maps else probs.detach()"),
+        reason="probabilities",
+        name="s35_probabilities_or_their_mean_exposed",
+    ),
+    Keep(
+        # channel attention whose q reaches the product as an expression: the D <= 768 check is made on a named q only
+        _S35_CHANNEL_ATTENTION.replace("        q = F.normalize(q, dim=-1)\n", "").replace(
+            "attn = (q @ k.transpose(-2, -1))", "attn = (F.normalize(q, dim=-1) @ k.transpose(-2, -1))"),
+        reason="last two axes swapped",
+        name="s35_channel_attention_on_an_unnamed_q",
+    ),
+]
+
+
+# s35: per-head 3-D attention over packed tokens ([H, S, D], Qwen2-VL's vision attention in DexVLA / lightllm /
+# ModelZoo's transformers copy): q / k pass through a repository helper (a rotary embedding) that keeps their rank,
+# so ``k.transpose(1, 2)`` is the key's last two axes; the ranks are checked at run time
+_S35_PACKED_HEADS = '''
+import math
+import torch
+from torch import nn
+
+
+def shift_rows(x, table):
+    base = x.float()
+    angle = table.unsqueeze(1)
+    out = base * angle.cos() + base.roll(1, dims=-1) * angle.sin()
+    return out.to(x.dtype)
+
+
+class PackedHeadAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, tokens, table):
+        length = tokens.shape[0]
+        q, k, v = self.qkv(tokens).reshape(length, 3, self.heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q = shift_rows(q.unsqueeze(0), table).squeeze(0)
+        k = shift_rows(k.unsqueeze(0), table).squeeze(0)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        w = torch.matmul(q, k.transpose(1, 2)) * self.hd ** -0.5
+        w = torch.softmax(w, dim=-1)
+        mixed = torch.matmul(w, v).transpose(0, 1).reshape(length, -1)
+        return self.out(mixed)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_PACKED_HEADS,
+        expect={"qualname": "PackedHeadAttention.forward"},
+        run='''
+m = PackedHeadAttention()
+tokens = torch.randn(7, 32, requires_grad=True)
+out = m(tokens, torch.randn(7, 8))
+leaves = [tokens]
+''',
+        name="s35_packed_tokens_per_head_3d_through_a_rank_keeping_helper",
+    ),
+    Fuse(
+        # the helper imported under another spelling: a plain addition of a table, and ``@`` instead of matmul
+        _S35_PACKED_HEADS.replace("        q = shift_rows(q.unsqueeze(0), table).squeeze(0)\n        k = shift_rows(k.unsqueeze(0), table).squeeze(0)\n",
+                                  "        q = add_table(q, table)\n        k = add_table(k, table)\n").replace(
+            "def shift_rows(x, table):", "def add_table(x, table):\n    return x + table.unsqueeze(1)\n\n\ndef shift_rows(x, table):").replace(
+            "w = torch.matmul(q, k.transpose(1, 2))", "w = (q @ k.transpose(1, 2))"),
+        expect={"qualname": "PackedHeadAttention.forward"},
+        name="s35_packed_tokens_per_head_3d_through_an_additive_helper",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the helper loops (its result's rank is not read): the 3-D reading of ``k.transpose(1, 2)`` is not proven
+        _S35_PACKED_HEADS.replace("    base = x.float()\n", "    base = x.float()\n    for _ in range(2):\n        base = base.unsqueeze(0)\n"),
+        reason="not the last two",
+        name="s35_packed_tokens_through_a_helper_with_a_loop",
+    ),
+]
+
+
+# s35: q / k / v assigned only in the other arm of an ``if`` (Kimi-Audio's DiT block: the kernel arm builds them, the
+# eager ``else`` arm reads them unbound): the arm raises UnboundLocalError, nothing there runs to replace
+_S35_UNBOUND_ARM = '''
+import torch
+from torch import nn
+
+
+class KernelOrEager(nn.Module):
+    def __init__(self, width=32, heads=4, use_kernel=False):
+        super().__init__()
+        self.heads, self.hd, self.use_kernel = heads, width // heads, use_kernel
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        if self.use_kernel:
+            q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+            y = nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            scores = (q * self.hd ** -0.5) @ k.transpose(-2, -1)
+            y = scores.softmax(dim=-1) @ v
+        return y.transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        # the same arms with q / k / v built before the ``if``: the eager arm runs and is attention
+        _S35_UNBOUND_ARM.replace("        if self.use_kernel:\n            q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)\n",
+                                 "        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)\n        if self.use_kernel:\n"),
+        expect={"qualname": "KernelOrEager.forward"},
+        run=_s34_run("KernelOrEager()", (2, 5, 32)),
+        name="s35_eager_arm_with_operands_built_before_the_if",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        _S35_UNBOUND_ARM,
+        reason="not assigned on any path to the site",
+        name="s35_eager_arm_reading_operands_of_the_other_arm",
+    ),
+]
+
+
+# s35: a tensor gate the module holds on the probabilities (LLaMA-Adapter's ``self.gate.tanh() * softmax(..)``, PEFT /
+# FlagAI adaption prompts' ``self.adaption_gate * F.softmax(..)``): applied to the fused output where it has one value
+# per row of P (checked at run time); the product read through ``.transpose(1, 2).reshape(..)`` after it
+_S35_GATED_PROBS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PromptGateAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.mix = nn.Parameter(torch.full((1, heads, 1, 1), 0.3))
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * width)
+
+    def forward(self, x, prompt):
+        b, n, c = x.shape
+        m = prompt.shape[1]
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(prompt).view(b, m, 2, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        w = torch.matmul(q, k.transpose(2, 3)) * self.hd ** -0.5
+        w = self.mix.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)
+        return torch.matmul(w, v).transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_GATED_PROBS,
+        expect={"qualname": "PromptGateAttention.forward"},
+        run=_s34_run("PromptGateAttention()", (2, 5, 32), (2, 3, 32)),
+        name="s35_probabilities_gated_by_a_learned_per_head_tensor",
+    ),
+    Fuse(
+        # a one-element gate written after the softmax
+        _S35_GATED_PROBS.replace("torch.full((1, heads, 1, 1), 0.3)", "torch.zeros(1)").replace(
+            "w = self.mix.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)", "w = F.softmax(w, dim=-1) * self.mix.tanh()"),
+        expect={"qualname": "PromptGateAttention.forward"},
+        run=_s34_run("PromptGateAttention()", (2, 5, 32), (2, 3, 32)),
+        name="s35_probabilities_gated_by_a_one_element_parameter",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # the gate is computed from the scores themselves: not a factor that commutes with ``@ v``
+        _S35_GATED_PROBS.replace("w = self.mix.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)",
+                                 "w = w.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)"),
+        reason="modified after softmax",
+        name="s35_probabilities_gated_by_the_scores",
     ),
 ]

@@ -1118,3 +1118,66 @@ SdpaPattern.KEEP += [
         name="s32_mask_from_a_helper_and_is_causal",
     ),
 ]
+
+
+# s35: a mask built by a function that returns a comparison of positions is a bool pattern, not graded values
+# (LLaMA2-Accessory's ``_make_causal_mask``: ``arange(q_len) - q_len`` compared with ``arange(kv_len) - kv_len``; the
+# ``sequence_mask`` helpers of VITS / coqui / GPT-SoVITS / audiocraft: ``arange(n)[None, :] < lengths[:, None]``)
+_S35_COMPARED_POSITIONS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def keep_lengths(lengths, n):
+    steps = torch.arange(n, device=lengths.device)
+    kept = steps[None, :] < lengths[:, None]
+    return kept
+
+
+class LengthAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def right_aligned(self, q_len, kv_len):
+        rows = torch.arange(q_len) - q_len
+        cols = torch.arange(kv_len) - kv_len
+        return (rows.view(-1, 1) >= cols.view(1, -1))
+
+    def forward(self, x, lengths=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        if lengths is None:
+            mask = self.right_aligned(n, n).to(x.device)
+        else:
+            mask = keep_lengths(lengths, n)[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        _S35_COMPARED_POSITIONS,
+        name="s35_bool_masks_from_compared_positions",
+        expect={"qualname": "LengthAttention.forward"},
+        run='''
+m = LengthAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = (m(x), m(x, torch.tensor([6, 3])))
+leaves = [x]
+''',
+    ),
+]
+
+SdpaPattern.KEEP += [
+    Keep(
+        # the method returns the distances themselves (graded float values): a bias, not a mask
+        _S35_COMPARED_POSITIONS.replace("        return (rows.view(-1, 1) >= cols.view(1, -1))\n",
+                                        "        return -(rows.view(-1, 1) - cols.view(1, -1)).abs().float()\n").replace(
+            "        else:\n            mask = keep_lengths(lengths, n)[:, None, None, :]\n", "        else:\n            mask = None\n"),
+        reason="float bias",
+        name="s35_distances_from_positions_as_attn_mask",
+    ),
+]
