@@ -1382,6 +1382,16 @@ def _module_zero_grad(fn: ast.AST, modules: set[str]) -> Optional[tuple[str, int
     return None
 
 
+def _tracked_arg(arg: ast.AST, tracked: set[str]) -> bool:
+    """Is ``arg`` a tracked object, or (s35) the parameters of one (``model.parameters()``,
+    ``model.named_parameters()``: mistral-finetune hands ``model.parameters()`` to helpers that set
+    ``p.grad = p.grad.to(dtype)`` around every step)? The callee then gets those parameters."""
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr in ("parameters", "named_parameters"):
+        arg = arg.func.value
+    name = dotted(arg)
+    return name is not None and name in tracked and name.split(".")[0] in tracked
+
+
 def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optional[str]:
     """Does a function the site's function hands the model or the optimizer to (directly or through
     up to three calls, in any file of the repo) free or re-allocate their grads?"""
@@ -1402,8 +1412,8 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
             for call in ast.walk(root):
                 if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
                     continue
-                passed = [(i, a) for i, a in enumerate(call.args) if (dotted(a) or "").split(".")[0] in tracked and dotted(a) in tracked]
-                named = [(k.arg, k.value) for k in call.keywords if k.arg and dotted(k.value) in tracked]
+                passed = [(i, a) for i, a in enumerate(call.args) if _tracked_arg(a, tracked)]
+                named = [(k.arg, k.value) for k in call.keywords if k.arg and _tracked_arg(k.value, tracked)]
                 if not passed and not named:
                     continue
                 sym = symbols.resolve_node(file, call.func, scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
