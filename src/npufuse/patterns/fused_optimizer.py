@@ -5839,10 +5839,7 @@ FusedOptimizer.KEEP += [
 # zero_grad to zero in place changes what no other optimizer sees. `_enclosing_tests` only pairs tests that
 # call nothing and are read twice; arms of the same `if` statement exclude each other whatever the test
 # calls, unless a loop of the function repeats that statement.
-_S35_CHOSEN_ARM = _NET + '''
-from torch import optim
-
-
+_S35_ARM_BUILDER = '''\
 def build(model, name="sgd", lr=0.05):
     if name.lower() == "sgd":
         optimizer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -5851,6 +5848,13 @@ def build(model, name="sgd", lr=0.05):
     else:
         raise ValueError(name)
     return optimizer
+'''
+
+_S35_CHOSEN_ARM = _NET + '''
+from torch import optim
+
+
+''' + _S35_ARM_BUILDER + '''
 
 
 def train(model, name, steps=3):
@@ -5889,7 +5893,7 @@ def make(net, cfg=Config()):
     return opt
 
 
-def fit(net, steps=3):
+def train(net, steps=3):
     opt = make(net)
     x = torch.randn(5, 8)
     for _ in range(steps):
@@ -5898,31 +5902,16 @@ def fit(net, steps=3):
         opt.step()
 '''
 
-_S35_CHOSEN_ELSE_RUN = '''\
-model = Net()
-fit(model)
-out = tuple(p.detach().clone() for p in model.parameters())
-'''
-
 FusedOptimizer.FUSE += [
     Fuse(_S35_CHOSEN_ARM, name="s35_optimizers_in_exclusive_elif_arms_bind_the_models_zero_grad", run=_S35_CHOSEN_ARM_RUN,
          expect={"optimizer": "torch.optim.SGD", "qualname": "build"}),
     Fuse(_S35_CHOSEN_ELSE, name="s35_optimizers_in_if_else_arms_over_a_config_bind_the_models_zero_grad",
-         run=_S35_CHOSEN_ELSE_RUN, expect={"optimizer": "torch.optim.SGD", "qualname": "make"}),
+         run=_S34_SCHEDULED_RUN, expect={"optimizer": "torch.optim.SGD", "qualname": "make"}),
 ]
 
 FusedOptimizer.KEEP += [
     # the same arms under a loop of the function: both optimizers exist in one run, over the same model
-    Keep(_S35_CHOSEN_ARM.replace(
-        '''def build(model, name="sgd", lr=0.05):
-    if name.lower() == "sgd":
-        optimizer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    elif name.lower().startswith("adam"):
-        optimizer = optim.Adam(model.parameters(), lr=lr * 0.1)
-    else:
-        raise ValueError(name)
-    return optimizer
-''', '''def build(model, names=("sgd", "adam"), lr=0.05):
+    Keep(_S35_CHOSEN_ARM.replace(_S35_ARM_BUILDER, '''def build(model, names=("sgd", "adam"), lr=0.05):
     made = []
     for name in names:
         if name.lower() == "sgd":
