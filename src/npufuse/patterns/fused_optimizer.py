@@ -1531,6 +1531,8 @@ def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: as
     own = _target_names(stmt)
     for n in fast_walk(module.tree):
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Return)) and n is not stmt and n.value is not None:
+            if _s35_exclusive_arms(module.tree, stmt.lineno, n.lineno):
+                continue  # s35: built only on a run where the site's optimizer is not (`if opt == 'sgd': ... elif ...`)
             if isinstance(n.value, ast.Call) and (
                     (module.canonical(n.value.func) or "").startswith(_NOT_OPTIMIZERS)
                     or any(isinstance(a, ast.Name) and a.id in own for a in [*n.value.args, *(k.value for k in n.value.keywords)])):
@@ -1550,6 +1552,42 @@ def _other_optimizer_over(module: ModuleInfo, scope: Scope, model: str, stmt: as
             if _model_of(module, scope, n.value, n.lineno) == model:
                 return True
     return False
+
+
+def _s35_exclusive_arms(tree: ast.Module, a: int, b: int) -> bool:
+    """Do the statements at lines ``a`` and ``b`` sit in different arms of one ``if`` statement
+    (body / else, an ``elif`` being an ``if`` in the else arm) that no loop of their function
+    repeats? Then one run of that function executes at most one of them, whatever the test reads
+    (transformer-xl's `if args.optim.lower() == 'sgd': ... elif ... == 'adam': ...`)."""
+    body: list[ast.stmt] = tree.body
+    looped = False
+    while True:
+        st = next((s for s in body if s.lineno <= min(a, b) and max(a, b) <= (s.end_lineno or s.lineno)), None)
+        if st is None or st.lineno in (a, b):
+            return False
+        if isinstance(st, ast.If):
+            arms = [st.body, st.orelse]
+            ia = next((i for i, arm in enumerate(arms) if arm and arm[0].lineno <= a <= (arm[-1].end_lineno or 0)), None)
+            ib = next((i for i, arm in enumerate(arms) if arm and arm[0].lineno <= b <= (arm[-1].end_lineno or 0)), None)
+            if ia is None or ib is None:
+                return False
+            if ia != ib:
+                return not looped
+            body = arms[ia]
+            continue
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            looped = False
+        elif isinstance(st, (ast.For, ast.AsyncFor, ast.While)):
+            looped = True
+        elif isinstance(st, ast.ClassDef):
+            pass
+        blocks = [getattr(st, f, None) or [] for f in ("body", "orelse", "finalbody")]
+        blocks += [h.body for h in getattr(st, "handlers", None) or []]
+        blocks += [c.body for c in getattr(st, "cases", None) or []]
+        nxt = [blk for blk in blocks if blk and blk[0].lineno <= min(a, b) and max(a, b) <= (blk[-1].end_lineno or 0)]
+        if not nxt:
+            return False
+        body = nxt[0]
 
 
 def _enclosing_tests(tree: ast.Module, line: int) -> list[tuple[str, bool]]:
@@ -5791,4 +5829,96 @@ FusedOptimizer.KEEP += [
                                 "    finetune = optim.Adam(model.parameters(), lr=lr)\n    return optimizer, scheduler, finetune\n")
          .replace("    optimizer, scheduler = build(model)\n", "    optimizer, scheduler, _finetune = build(model)\n"),
          reason="sets grads to None", name="s34_scheduler_beside_a_second_optimizer_over_the_model"),
+]
+
+
+# --- s35 (optim35): optimizers built in exclusive arms of one `if` are not "another optimizer" -------------
+# transformer-xl's train.py (and its copies in fastmoe and Adan) builds `optim.SGD(model.parameters())`,
+# `optim.Adam(model.parameters())` or `optim.Adagrad(...)` in `if args.optim.lower() == 'sgd': ... elif ...`
+# arms and frees grads with `model.zero_grad()`: one run builds one of them, so binding the model's
+# zero_grad to zero in place changes what no other optimizer sees. `_enclosing_tests` only pairs tests that
+# call nothing and are read twice; arms of the same `if` statement exclude each other whatever the test
+# calls, unless a loop of the function repeats that statement.
+_S35_ARM_BUILDER = '''\
+def build(model, name="sgd", lr=0.05):
+    if name.lower() == "sgd":
+        optimizer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    elif name.lower().startswith("adam"):
+        optimizer = optim.Adam(model.parameters(), lr=lr * 0.1)
+    else:
+        raise ValueError(name)
+    return optimizer
+'''
+
+_S35_CHOSEN_ARM = _NET + '''
+from torch import optim
+
+
+''' + _S35_ARM_BUILDER + '''
+
+
+def train(model, name, steps=3):
+    optimizer = build(model, name)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    for _ in range(steps):
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+'''
+
+_S35_CHOSEN_ARM_RUN = '''\
+outs = []
+for name in ("sgd", "adamw"):
+    model = Net()
+    train(model, name)
+    outs.extend(p.detach().clone() for p in model.parameters())
+out = tuple(outs)
+'''
+
+# the choice spelled as a conditional statement over a config object, the other class in the else arm
+_S35_CHOSEN_ELSE = _NET + '''
+import torch.optim
+
+
+class Config:
+    def __init__(self, opt="rms", lr=1e-2):
+        self.opt, self.lr = opt, lr
+
+
+def make(net, cfg=Config()):
+    if cfg.opt not in {"rms", "rmsprop"}:
+        opt = torch.optim.SGD(params=net.parameters(), lr=cfg.lr, nesterov=True, momentum=0.5)
+    else:
+        opt = torch.optim.RMSprop(net.parameters(), lr=cfg.lr, alpha=0.9)
+    return opt
+
+
+def train(net, steps=3):
+    opt = make(net)
+    x = torch.randn(5, 8)
+    for _ in range(steps):
+        net.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S35_CHOSEN_ARM, name="s35_optimizers_in_exclusive_elif_arms_bind_the_models_zero_grad", run=_S35_CHOSEN_ARM_RUN,
+         expect={"optimizer": "torch.optim.SGD", "qualname": "build"}),
+    Fuse(_S35_CHOSEN_ELSE, name="s35_optimizers_in_if_else_arms_over_a_config_bind_the_models_zero_grad",
+         run=_S34_SCHEDULED_RUN, expect={"optimizer": "torch.optim.SGD", "qualname": "make"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the same arms under a loop of the function: both optimizers exist in one run, over the same model
+    Keep(_S35_CHOSEN_ARM.replace(_S35_ARM_BUILDER, '''def build(model, names=("sgd", "adam"), lr=0.05):
+    made = []
+    for name in names:
+        if name.lower() == "sgd":
+            optimizer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        else:
+            optimizer = optim.Adam(model.parameters(), lr=lr * 0.1)
+        made.append(optimizer)
+    return made[0]
+'''), reason="sets grads to None", name="s35_arms_repeated_by_a_loop_build_both_optimizers"),
 ]

@@ -80,6 +80,8 @@ class _Builder:
         self.cls = ""
         parts = qualname.split(".")
         top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))} if tree else {}
+        # s35: the builder of a forwarder (below): the driving file's facts are read through it
+        self.via: Optional["_Builder"] = None
         if len(parts) == 1 and isinstance(top.get(parts[0]), (ast.FunctionDef, ast.AsyncFunctionDef)):
             self.function = parts[0]
         elif len(parts) == 2 and isinstance(top.get(parts[0]), ast.ClassDef):
@@ -104,7 +106,13 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     for o, h in hits:
         if (o.file, h.finding.qualname) not in builders:
             builders[(o.file, h.finding.qualname)] = _Builder(o.file, h.finding.qualname, _parse(_read(root, o.file, max_bytes)))
-    names = {b.function for b in builders.values() if b.function and b.module}
+    # s35: a module-level function of the builder's own file that hands out what the builder returns
+    # (tinyworlds' `create_optimizer` returning `_create_adamw(raw_model, args)`, SimMIM's
+    # `build_optimizer` choosing between two builders) is how other files reach the optimizer
+    chains: dict[tuple[str, str], list[_Builder]] = {}
+    for key, b in builders.items():
+        chains[key] = [b, *_forwarders(_parse(_read(root, b.rel, max_bytes)), b)]
+    names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
     if not names:
         return
     texts: dict[str, str] = {}
@@ -119,61 +127,98 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             texts[rel] = text
     trees: dict[str, Optional[ast.Module]] = {}
     for o, h in list(hits):
-        b = builders[(o.file, h.finding.qualname)]
-        if not b.function:
-            continue
-        # a method defined nowhere else in the repo is reached through any object (minGPT's trainer
-        # gets the model as an argument and calls `model.configure_optimizers(...)`, importing nothing)
-        unique = bool(b.cls) and defined.get(b.function) == {b.rel}
-        for rel in sorted(texts):
-            unique = unique or _s28_nearest_definer(rel, b, defined.get(b.function, set()))
-            if rel == b.rel or b.function not in texts[rel] or (b.module not in texts[rel] and not unique):
-                continue
-            if rel not in trees:
-                try:
-                    trees[rel] = ast.parse(texts[rel])
-                except (SyntaxError, ValueError, RecursionError, MemoryError):
-                    trees[rel] = None
-            tree = trees[rel]
-            if tree is None:
-                continue
-            imported = _imports(tree, b.module)
-            # a function is reached by its imported name (or module.function); a method through an
-            # object of its class, which the file must import (or the module holding it)
-            found, names_ = imported
-            reach = b.cls if b.cls else b.function
-            if not unique and (not found or not ("*" in names_ or reach in names_)):
-                continue
-            verdict = _verdict(tree, rel, b, symbols)
-            if verdict is None:
-                continue
-            blocked, text, fix, explicit = verdict
-            f = h.finding
-            # accelerate's prepare in the driving file: also guarded against sharded launches (below)
-            prepared_here = fix == "accelerate"
-            fix = "optimizer" if prepared_here else fix
-            # an explicit set_to_none=True (or a flag) is the code's choice to free grads: zeroed in
-            # place only on request; a free by default (`model.zero_grad()` on torch >= 2.0,
-            # accelerate's prepared `zero_grad()`) is zeroed in place as fused_optimizer does in one file
-            target = _zero_target(root, h, b, fix, max_bytes) if blocked and fix is not None else None
-            if target is not None and (zero_in_place or not explicit):
-                _zero_in_place(o, h, fix, target, text)
-                if prepared_here:
-                    where_ = _re.search(r"accelerate's prepare \(([^)]*)\)", text)
-                    _guard_accelerate_launch(h, where_.group(1) if where_ else rel)
-                continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
-            if target is not None:  # explicit, without the option
-                from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
-
-                text += ZERO_IN_PLACE_OPT_IN
-            if blocked:
-                if h in o.hits:
-                    o.hits.remove(h)
-                near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line,
-                             "end_line": f.end_line, "reason": text})
+        for b in chains[(o.file, h.finding.qualname)]:
+            if b.function and h in o.hits and _drive(root, o, h, b, texts, trees, defined, symbols, near, max_bytes, zero_in_place):
                 break
-            # a detector risk (the candidate's own "other" risks would hide a generic one of that kind)
-            f.risks.append(Risk("other", text))
+
+
+def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2) -> list[_Builder]:
+    """Module-level functions of ``b``'s file that return what the module-level builder ``b`` returns
+    (``return build(model, args)``, or a name bound from that call and returned; any ``return`` of the
+    function, so a choice between builders counts), and those that return what these return
+    (``depth`` levels). Each is a builder another file calls to get the same optimizer."""
+    if tree is None or b.cls or not b.function:
+        return []
+    out: list[_Builder] = []
+    todo, seen = [(b, 0)], {b.function}
+    while todo:
+        inner, level = todo.pop(0)
+        if level >= depth:
+            continue
+        for fn in tree.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name in seen:
+                continue
+            bound = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                     and isinstance(n.value.func, ast.Name) and n.value.func.id == inner.function
+                     for t in n.targets if isinstance(t, ast.Name)}
+            if any(isinstance(n, ast.Return) and n.value is not None and (
+                    (isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) and n.value.func.id == inner.function)
+                    or (isinstance(n.value, ast.Name) and n.value.id in bound)) for n in ast.walk(fn)):
+                fwd = _Builder(b.rel, fn.name, tree)
+                fwd.via = b
+                seen.add(fn.name)
+                out.append(fwd)
+                todo.append((fwd, level + 1))
+    return out
+
+
+def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees: dict[str, Optional[ast.Module]],
+           defined: dict[str, set[str]], symbols: Any, near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool) -> bool:
+    """Judge the candidate ``h`` by the files that call its builder ``b`` (the builder itself or a
+    forwarder of it); True when a file turned it into a near miss."""
+    # a method defined nowhere else in the repo is reached through any object (minGPT's trainer
+    # gets the model as an argument and calls `model.configure_optimizers(...)`, importing nothing)
+    unique = bool(b.cls) and defined.get(b.function) == {b.rel}
+    for rel in sorted(texts):
+        unique = unique or _s28_nearest_definer(rel, b, defined.get(b.function, set()))
+        if rel == b.rel or b.function not in texts[rel] or (b.module not in texts[rel] and not unique):
+            continue
+        if rel not in trees:
+            try:
+                trees[rel] = ast.parse(texts[rel])
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                trees[rel] = None
+        tree = trees[rel]
+        if tree is None:
+            continue
+        imported = _imports(tree, b.module)
+        # a function is reached by its imported name (or module.function); a method through an
+        # object of its class, which the file must import (or the module holding it)
+        found, names_ = imported
+        reach = b.cls if b.cls else b.function
+        if not unique and (not found or not ("*" in names_ or reach in names_)):
+            continue
+        verdict = _verdict(tree, rel, b, symbols)
+        if verdict is None:
+            continue
+        blocked, text, fix, explicit = verdict
+        f = h.finding
+        # accelerate's prepare in the driving file: also guarded against sharded launches (below)
+        prepared_here = fix == "accelerate"
+        fix = "optimizer" if prepared_here else fix
+        # an explicit set_to_none=True (or a flag) is the code's choice to free grads: zeroed in
+        # place only on request; a free by default (`model.zero_grad()` on torch >= 2.0,
+        # accelerate's prepared `zero_grad()`) is zeroed in place as fused_optimizer does in one file
+        target = _zero_target(root, h, b, fix, max_bytes) if blocked and fix is not None else None
+        if target is not None and (zero_in_place or not explicit):
+            _zero_in_place(o, h, fix, target, text)
+            if prepared_here:
+                where_ = _re.search(r"accelerate's prepare \(([^)]*)\)", text)
+                _guard_accelerate_launch(h, where_.group(1) if where_ else rel)
+            continue  # the fused branch now zeroes those grads in place (a risk says so); other files may still block
+        if target is not None:  # explicit, without the option
+            from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
+
+            text += ZERO_IN_PLACE_OPT_IN
+        if blocked:
+            if h in o.hits:
+                o.hits.remove(h)
+            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line,
+                         "end_line": f.end_line, "reason": text})
+            return True
+        # a detector risk (the candidate's own "other" risks would hide a generic one of that kind)
+        f.risks.append(Risk("other", text))
+    return False
 
 
 def _parse(text: Optional[str]) -> Optional[ast.Module]:
@@ -285,8 +330,14 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
             models |= _flat_names(args)
     if not where:
         return None
+    # s35: a builder handing out a collection of optimizers (`return [optimizer]`, a list it appended
+    # to): the names a loop or a comprehension binds from what it returned are the optimizers
+    optimizers |= {t for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension))
+                   and dotted(n.iter) in optimizers for t in _flat_names([n.target])}
     optimizers -= models
     via = f"`{b.function}` is used at {rel}:{where}"
+    if b.via is not None:
+        via = f"`{b.function}` returns what `{b.via.function}` builds and is used at {rel}:{where}"
     risk: Optional[str] = None
     prepared: Optional[int] = None
     calls = sorted(((n, c) for n, c in _walk_with_branch(tree) if isinstance(n, ast.Call)), key=lambda nc: (nc[0].lineno, nc[0].col_offset))
@@ -392,6 +443,8 @@ def _zero_target(root: Path, h: Any, b: _Builder, fix: str, max_bytes: int) -> O
     f = h.finding
     if not isinstance(f.fused, str) or not f.fused:
         return None
+    if b.via is not None and fix != "optimizer":
+        return None  # the model a forwarder is handed is not known to be the builder's parameter (not bound)
     if fix == "self":
         target: Optional[str] = "self"  # the driving file frees the grads of the object whose method builds the optimizer
     elif fix == "model":
@@ -1329,6 +1382,16 @@ def _module_zero_grad(fn: ast.AST, modules: set[str]) -> Optional[tuple[str, int
     return None
 
 
+def _tracked_arg(arg: ast.AST, tracked: set[str]) -> bool:
+    """Is ``arg`` a tracked object, or (s35) the parameters of one (``model.parameters()``,
+    ``model.named_parameters()``: mistral-finetune hands ``model.parameters()`` to helpers that set
+    ``p.grad = p.grad.to(dtype)`` around every step)? The callee then gets those parameters."""
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr in ("parameters", "named_parameters"):
+        arg = arg.func.value
+    name = dotted(arg)
+    return name is not None and name in tracked and name.split(".")[0] in tracked
+
+
 def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optional[str]:
     """Does a function the site's function hands the model or the optimizer to (directly or through
     up to three calls, in any file of the repo) free or re-allocate their grads?"""
@@ -1349,8 +1412,8 @@ def _callee_freeing(symbols: Any, rel: str, tree: ast.Module, f: Any) -> Optiona
             for call in ast.walk(root):
                 if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
                     continue
-                passed = [(i, a) for i, a in enumerate(call.args) if (dotted(a) or "").split(".")[0] in tracked and dotted(a) in tracked]
-                named = [(k.arg, k.value) for k in call.keywords if k.arg and dotted(k.value) in tracked]
+                passed = [(i, a) for i, a in enumerate(call.args) if _tracked_arg(a, tracked)]
+                named = [(k.arg, k.value) for k in call.keywords if k.arg and _tracked_arg(k.value, tracked)]
                 if not passed and not named:
                     continue
                 sym = symbols.resolve_node(file, call.func, scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
