@@ -2375,6 +2375,33 @@ class _Eval:
                 row = ast.copy_location(ast.Subscript(value=ast.Name(per.id, ast.Load()), slice=ast.Name(idx_name, ast.Load()), ctx=ast.Load()), per)
                 self.env[per_name] = self.ev(row)
                 return
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "items" and not it.args \
+                and not it.keywords and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 \
+                and all(isinstance(e, ast.Name) for e in tgt.elts):
+            # s35: `for key, expert in experts.items()` over a dict / ModuleDict keyed by the expert index as text
+            # (str(i)): each key's expert runs on the rows whose index equals int(key), whatever the keys are. The
+            # fused text lists the experts by index, which is the dict's order only when the keys are "0".."n-1" in
+            # that order: a run-time guard (other keys, e.g. one rank's slice of the experts, run the loop as written)
+            key, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
+            container = it.func.value
+            uses = [n for n in fast_walk(loop) if isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Load)]
+            as_int = [n for n in fast_walk(loop) if isinstance(n, ast.Call) and dotted(n.func) == "int" and len(n.args) == 1
+                      and isinstance(n.args[0], ast.Name) and n.args[0].id == key]
+            if not uses or len(uses) != len(as_int):
+                raise _Miss(f"the loop over `{segment(m, it)[:50]}` reads its key `{key}` other than as the expert index "
+                            f"int({key})")
+            if not (self._is_expert_container(container) or _called_in(loop.body, item_name)):
+                raise _Miss(f"the loop over `{segment(m, it)[:50]}` does not call its items on rows")
+            text = segment(m, container)
+            self.eidx.add(key)
+            self.experts_node = container
+            self.loop_kind = "enumerate_experts"
+            self.experts_list = f"list({text}.values())"
+            self.num_experts = f"len({text})"
+            self.bins = f"len({P}experts)"
+            self.env[item_name] = V("expert", (None,))
+            self.option_guards.append(f"[int({P}k) for {P}k in {text}.keys()] == list(range(len({text})))")
+            return
         if not isinstance(tgt, ast.Name):
             raise _Miss("the loop target is not a single expert index")
         self.eidx.add(tgt.id)
@@ -10992,4 +11019,67 @@ MoeExperts.KEEP += [
     # the weight of another slot
     Keep(_S35_WHERE_4D.replace("probs[g, b, t, slot]", "probs[g, b, t, 0]"),
          reason="routing weight", name="s35_where_4d_weight_of_slot_0"),
+]
+
+# s35: experts in a dict / ModuleDict keyed by the index as text, looped with .items() and selected by int(key): each
+# key's expert takes the rows whose index is int(key); the fused text lists the experts in dict order, guarded at run
+# time on the keys being "0".."n-1" in that order (one rank's slice of the experts runs the loop as written).
+# Invented spellings: torch.where + index_add_ in a module, the key bound to a name in a helper over repeated rows
+_S35_DICT_WHERE = _HEAD + '''
+class DictMoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.bank = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(d, 32), nn.GELU(), nn.Linear(32, d)) for i in range(n)})
+        self.k = k
+
+    def forward(self, x):
+        w, sel = torch.topk(self.gate(x).softmax(-1), self.k)
+        out = torch.zeros_like(x)
+        for name, ffn in self.bank.items():
+            tok, slot = torch.where(sel == int(name))
+            out.index_add_(0, tok, ffn(x[tok]) * w[tok, slot, None])
+        return out
+'''
+
+_S35_DICT_WHERE_RUN = '''\
+m = DictMoE(16, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.bank["2"][0].weight]
+'''
+
+_S35_DICT_FLAT = _HEAD + '''
+def run_bank(x, flat_ids, bank, k):
+    xs = x.repeat_interleave(k, dim=0)
+    ys = torch.zeros_like(xs)
+    for key, mod in bank.items():
+        e = int(key)
+        ys[flat_ids == e] = mod(xs[flat_ids == e])
+    return ys
+'''
+
+_S35_DICT_FLAT_RUN = '''\
+bank = nn.ModuleDict({str(i): nn.Linear(16, 16) for i in range(3)})
+x = torch.randn(7, 16, requires_grad=True)
+ids = torch.randn(7, 3).topk(2, dim=-1).indices.reshape(-1)
+out = run_bank(x, ids, bank, 2)
+leaves = [x, bank["0"].weight, bank["2"].bias]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S35_DICT_WHERE, name="s35_dict_items_keyed_experts_where", run=_S35_DICT_WHERE_RUN, expect={
+        "layout": "expert_modules", "routing": "mask_where", "indices": "sel", "probs": "w",
+        "num_experts": "len(self.bank)"}),
+    Fuse(_S35_DICT_FLAT, name="s35_dict_items_keyed_experts_flat", run=_S35_DICT_FLAT_RUN, expect={
+        "layout": "expert_modules", "routing": "flat_mask", "indices": "flat_ids"}),
+]
+
+MoeExperts.KEEP += [
+    # the key shifted before it selects rows: not the index of the expert it names
+    Keep(_S35_DICT_FLAT.replace("e = int(key)", "e = int(key) + 1").replace("bank", "experts"),
+         reason="rows are written through", name="s35_dict_items_key_shifted"),
+    # the key read as text besides the index (a per-key scale): the loop depends on more than the index
+    Keep(_S35_DICT_WHERE.replace("ffn(x[tok]) * w[tok, slot, None]", "ffn(x[tok]) * w[tok, slot, None] * len(name)"),
+         reason="reads its key", name="s35_dict_items_key_read_as_text"),
 ]
