@@ -2198,6 +2198,10 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.option_guards.extend(f"({g})" for g in ev.slot_guards)
     elif ev.slot_var and site is not None:
         raise _Miss(f"the loop over `{ev.slot_var}` does not select tokens by the columns of the expert indices")
+    if site is not None and ev.token_dims > 1 and site.probs and site.routing == "mask_where":
+        # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
+        # indices slot by slot when they have the indices' shape (a run-time check)
+        ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
