@@ -137,6 +137,7 @@ class _Site:
     sentinel: str = ""  # index value E that marks tokens no (local) expert takes (one_hot over E + 1)
     local_start: str = ""  # expert parallelism: the loop runs range(local_start, local_start + bins) of the global indices
     flat_rows: bool = False  # token-mask routing: tokens/indices/probs may have leading dims, flattened to rows
+    token_dims: int = 1  # s35: torch.where over [..., K] indices unpacked into this many token coordinates + the slot
     dense_gates: str = ""  # weights are gates[mask, e] of dense [.., E] gates: probs = gates.gather(-1, indices)
     skip_empty: bool = False  # the loop does not call an expert that received no tokens
     zero_link: str = ""  # the dropped else of a skip guard that added 0 * (...) to the output
@@ -319,6 +320,7 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
                                "not a token dispatch: the loop does not select tokens per expert and combine the outputs")
             continue
+        covered.append((site.first_line, site.last_line))  # s35: a slot loop's inner expert loop is part of its site
         yield _finding(module, scope, site)
 
 
@@ -2174,14 +2176,49 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() for n in body_names):
         raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
-    ev = _Eval(module, scope, loop)
-    ev.run_header()
-    ev.run_body(loop.body)
+    inner = _slot_outer_loop(loop)
+    if inner is not None:
+        # s35: `for k in range(K): <columns of slot k>; for e in ...: <dispatch of slot k>`: the expert loop is read
+        # with k as the slot variable; the fused span is the slot loop
+        ev = _Eval(module, scope, inner)
+        ev.enter_slot_loop(loop)
+        ev.run_header()
+        ev._loop_bound = _assigned([loop]) | set(ev.eidx)
+        ev.run_body(loop.body[:-1])
+        ev.run_body(inner.body)
+        ev.loop = loop
+    else:
+        ev = _Eval(module, scope, loop)
+        ev.run_header()
+        ev.run_body(loop.body)
     site = ev.finish(block, i)
+    if site is not None and ev.slot_guards:
+        if not ev.slot_var or not ev.where_indices:
+            raise _Miss("the slot loop's columns are not read as expert indices")
+        ev.option_guards.extend(f"({g})" for g in ev.slot_guards)
+    elif ev.slot_var and site is not None:
+        raise _Miss(f"the loop over `{ev.slot_var}` does not select tokens by the columns of the expert indices")
+    if site is not None and ev.token_dims > 1 and site.probs and site.routing == "mask_where":
+        # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
+        # indices slot by slot when they have the indices' shape (a run-time check)
+        ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
     return site
+
+
+def _slot_outer_loop(loop: ast.For) -> Optional[ast.For]:
+    """The expert loop inside ``for k in range(K): <assignments>; for e in ...: ...`` (the slot loop's last
+    statement, nothing after it); None for any other loop."""
+    it = loop.iter
+    if loop.orelse or not isinstance(loop.target, ast.Name) or not loop.body or not isinstance(loop.body[-1], ast.For) \
+            or not (isinstance(it, ast.Call) and dotted(it.func) == "range" and not it.keywords and 1 <= len(it.args) <= 2):
+        return None
+    if not all(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+               for st in loop.body[:-1]):
+        return None
+    return loop.body[-1]  # type: ignore[return-value]
 
 
 def _check_option_names(scope: Scope, site: _Site, loop: ast.For, guards: list[str]) -> None:
@@ -2241,6 +2278,10 @@ class _Eval:
         self.indexed_call: Optional[ast.Call] = None  # that call as written: replayed per expert with its rows and index
         self._loop_bound: Optional[set[str]] = None  # names the loop (re)binds: values that vary per expert
         self.where_indices = ""
+        self.slot_bound = ""  # s35: K of that loop's range(K), as written
+        self.slot_var = ""  # s35: the top-k slot loop's variable (`for k in range(K)` around or inside the expert loop)
+        self.slot_guards: list[str] = []  # s35: run-time facts the slot loop's equivalence rests on
+        self.token_dims = 1  # s35: `b, t, k = torch.where(idx == e)`: a token is named by 2 coordinates of [B, T, K] indices
         self.probs = ""
         self.experts_node: Optional[ast.expr] = None  # the experts container of a zip(masks, experts) loop
         self.column_rows = False  # tokens picked as x[idx] with idx an [n, 1] column: the expert sees [n, 1, H]
@@ -2338,6 +2379,33 @@ class _Eval:
                 row = ast.copy_location(ast.Subscript(value=ast.Name(per.id, ast.Load()), slice=ast.Name(idx_name, ast.Load()), ctx=ast.Load()), per)
                 self.env[per_name] = self.ev(row)
                 return
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "items" and not it.args \
+                and not it.keywords and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 \
+                and all(isinstance(e, ast.Name) for e in tgt.elts):
+            # s35: `for key, expert in experts.items()` over a dict / ModuleDict keyed by the expert index as text
+            # (str(i)): each key's expert runs on the rows whose index equals int(key), whatever the keys are. The
+            # fused text lists the experts by index, which is the dict's order only when the keys are "0".."n-1" in
+            # that order: a run-time guard (other keys, e.g. one rank's slice of the experts, run the loop as written)
+            key, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
+            container = it.func.value
+            uses = [n for n in fast_walk(loop) if isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Load)]
+            as_int = [n for n in fast_walk(loop) if isinstance(n, ast.Call) and dotted(n.func) == "int" and len(n.args) == 1
+                      and isinstance(n.args[0], ast.Name) and n.args[0].id == key]
+            if not uses or len(uses) != len(as_int):
+                raise _Miss(f"the loop over `{segment(m, it)[:50]}` reads its key `{key}` other than as the expert index "
+                            f"int({key})")
+            if not (self._is_expert_container(container) or _called_in(loop.body, item_name)):
+                raise _Miss(f"the loop over `{segment(m, it)[:50]}` does not call its items on rows")
+            text = segment(m, container)
+            self.eidx.add(key)
+            self.experts_node = container
+            self.loop_kind = "enumerate_experts"
+            self.experts_list = f"list({text}.values())"
+            self.num_experts = f"len({text})"
+            self.bins = f"len({P}experts)"
+            self.env[item_name] = V("expert", (None,))
+            self.option_guards.append(f"[int({P}k) for {P}k in {text}.keys()] == list(range(len({text})))")
+            return
         if not isinstance(tgt, ast.Name):
             raise _Miss("the loop target is not a single expert index")
         self.eidx.add(tgt.id)
@@ -2433,7 +2501,7 @@ class _Eval:
             return
         if isinstance(s, ast.AugAssign):
             tgt = s.target
-            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask"):
+            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1"):
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Name) and tgt.id == self.start_name and isinstance(s.op, ast.Add) and self.ev(s.value).kind == "count":
@@ -2449,7 +2517,32 @@ class _Eval:
             for b in s.body:  # `with torch.no_grad(): idx, top_x = torch.where(...)`
                 self.stmt(b)
             return
+        if isinstance(s, ast.For) and self.enter_slot_loop(s):
+            # `for k in range(K):` inside the expert loop, over the columns of [T, K] indices: the slots run one
+            # after the other, each adding its rows of expert e (the same sum as one pass over all (token, slot) pairs)
+            self.run_body(s.body)
+            return
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
+
+    def enter_slot_loop(self, loop: ast.For) -> bool:
+        """``for k in range(K)`` (or ``range(0, K)``) over the top-k slots, no else: ``k`` becomes the slot
+        variable (its columns ``idx[:, k]`` are read by :meth:`_subscript`; that ``K`` is the indices' last dim is a
+        run-time guard added when the indices are known)."""
+        it, tgt = loop.iter, loop.target
+        if self.slot_var or loop.orelse or not isinstance(tgt, ast.Name) or tgt.id in self.eidx \
+                or not (isinstance(it, ast.Call) and dotted(it.func) == "range" and not it.keywords):
+            return False
+        if len(it.args) == 2 and const_value(it.args[0]) == 0 and not isinstance(const_value(it.args[0]), bool):
+            bound = it.args[1]
+        elif len(it.args) == 1:
+            bound = it.args[0]
+        else:
+            return False
+        if tgt.id in _names_in(bound) or tgt.id in _assigned(loop.body):
+            return False
+        self.slot_var = tgt.id
+        self.slot_bound = segment(self.m, bound)
+        return True
 
     def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
         if isinstance(tgt, ast.Tuple) and isinstance(s.value, ast.Tuple) and len(tgt.elts) == len(s.value.elts) \
@@ -2486,6 +2579,18 @@ class _Eval:
             if val.kind == "where" and len(names) == 2:
                 order = ("kpos", "tok") if val.args[0] == "kt" else ("tok", "kpos")
                 self.env[names[0]], self.env[names[1]] = V(order[0]), V(order[1])
+                return
+            if val.kind == "where" and len(val.args) == 2 and len(names) > 2 and len(set(names)) == len(names):
+                # torch.where(idx == e) gives one coordinate tensor per dim of idx, so unpacking it into n names
+                # proves idx is n-D ([B, T, K]: the last coordinate is the top-k slot). The leading n - 1
+                # coordinates together name one token of the leading dims; read only in that order
+                # (x[b, t], w[b, t, k], out[b, t] += ...): the token is then a row of the flattened leading dims
+                if self.token_dims not in (1, len(names) - 1):
+                    raise _Miss("tokens are named by coordinate tuples of two different lengths")
+                self.token_dims = len(names) - 1
+                for j, n in enumerate(names[:-1]):
+                    self.env[n] = V("tokpart", (j, self.token_dims))
+                self.env[names[-1]] = V("kpos")
                 return
             if val.kind == "tuple" and len(val.args) == len(names):
                 for n, v in zip(names, val.args):
@@ -2540,7 +2645,7 @@ class _Eval:
             if self._is_eidx(left):
                 self.sentinel = segment(self.m, right)  # dead when the mask has exactly that many classes
                 return
-            if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "kpos", "count", "x", "x_sorted", "flatcol", "flatrow"):
+            if isinstance(right, ast.Constant) and right.value == 0 and self._size_kind(left) in ("tok", "tokpart", "kpos", "count", "x", "x_sorted", "flatcol", "flatrow"):
                 self.skip_empty = True
                 return
             if isinstance(right, ast.Constant) and right.value == 0 and isinstance(left, ast.Subscript) and isinstance(left.value, ast.Name) \
@@ -2552,7 +2657,7 @@ class _Eval:
                     self.count_guard = (left.value.id, src)
                     self.skip_empty = True
                     return
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "kpos", "count", "x", "tokmask", "flatmask"):
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and self._size_kind(test.operand) in ("tok", "tokpart", "kpos", "count", "x", "tokmask", "flatmask"):
             self.skip_empty = True
             return
         if self._empty_test(test):
@@ -2586,9 +2691,9 @@ class _Eval:
 
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
-        kinds = ("tok", "kpos", "x", "x_sorted", "tokmask", "flatmask", "flatcol", "flatrow")
+        kinds = ("tok", "tokpart", "kpos", "x", "x_sorted", "tokmask", "flatmask", "flatcol", "flatrow")
         # masks of this expert's tokens: bool masks, and the 0/1 one-hot slice `expert_mask[e]`
-        masks = ("tokmask", "flatmask", "mask_e")
+        masks = ("tokmask", "flatmask", "mask_e", "slotmask1")
         test = _strip_truth(test)  # mask.any().item(), bool(mask.any())
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
             return self.ev(test.func.value).kind in masks
@@ -2650,11 +2755,15 @@ class _Eval:
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
             left, right = node.left, node.comparators[0]
             for a, b in ((left, right), (right, left)):
+                if self._is_eidx(b) and self.ev(a).kind == "slotcol" and not self.ev(a).args[1]:
+                    return self._slot_mask(self.ev(a).args[0])  # idx[:, k] == e: the tokens whose slot k is e
                 if self._is_eidx(b) and isinstance(a, ast.Name) and a.id not in self.env and a.id not in self.eidx:
                     return V("flatmask", (a.id,))
             return V("unknown", (ast.unparse(node),))
         if isinstance(node, ast.Subscript):
             return self._subscript(node)
+        if isinstance(node, ast.Tuple) and self._token_tuple(node.elts):
+            return V("tok")  # (b, t): every coordinate of the tokens, in order
         if isinstance(node, ast.Call):
             return self._call(node)
         if isinstance(node, ast.BinOp):
@@ -2678,6 +2787,20 @@ class _Eval:
         return isinstance(node, ast.Name) and node.id not in self.env and node.id not in self.eidx \
             and node.id not in _assigned(self.loop.body)
 
+    def _token_tuple(self, parts: list[ast.expr]) -> bool:
+        """``parts`` are the token coordinates of an n-D ``torch.where``, each once and in order."""
+        if self.token_dims < 2 or len(parts) != self.token_dims:
+            return False
+        kinds = [self.ev(p) if isinstance(p, ast.Name) else V("unknown") for p in parts]
+        return all(v.kind == "tokpart" and v.args[0] == j for j, v in enumerate(kinds))
+
+    def _join_token_parts(self, parts: list[ast.expr]) -> list[ast.expr]:
+        """``[b, t, k]`` -> ``[(b, t), k]``: the leading token coordinates read as one token index."""
+        n = self.token_dims
+        if n < 2 or len(parts) < n or not self._token_tuple(parts[:n]):
+            return parts
+        return [ast.Tuple(elts=parts[:n], ctx=ast.Load()), *parts[n:]]
+
     def _part_kind(self, p: ast.expr) -> str:
         if isinstance(p, ast.Constant) and p.value is None:
             return "none"
@@ -2699,8 +2822,22 @@ class _Eval:
                 and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == r.start \
                 and isinstance(sl.upper, ast.Name) and sl.upper.id == r.end:
             return V("flatrow", (r.flat,))  # order[s:e]: the rows whose flat expert index is this run's id
+        if self.slot_var and isinstance(sl, ast.Tuple) and len(sl.elts) in (2, 3) and isinstance(node.value, ast.Name) \
+                and self._part_kind(sl.elts[0]) == "all" and isinstance(sl.elts[1], ast.Name) and sl.elts[1].id == self.slot_var \
+                and (len(sl.elts) == 2 or self._part_kind(sl.elts[2]) == "none") and self.ev(node.value).kind == "outer":
+            return V("slotcol", (node.value.id, len(sl.elts) == 3))  # idx[:, k] ([T]) / w[:, k, None] ([T, 1])
         base = self.ev(node.value)
-        parts = list(sl.elts) if isinstance(sl, ast.Tuple) else [sl]
+        parts = self._join_token_parts(list(sl.elts) if isinstance(sl, ast.Tuple) else [sl])
+        kinds0 = [self._part_kind(p) for p in parts]
+        slot_rows = len(parts) == 1 and self.ev(parts[0]) == V("tok", ("slot",))  # rows of the slot mask
+        if kinds0 in (["slotmask1"], ["slotmask1", "all"]) or slot_rows and base.kind == "slotcol":
+            if base.kind == "outer":
+                return V("x", (base.args[0],))  # x[mask]: the rows of the tokens whose slot k is e, in token order
+            if base.kind == "slotcol":
+                # w[:, k][mask]: each selected token's weight in slot k ([n], or [n, 1] from w[:, k, None])
+                self._set_probs(base.args[0])
+                self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
+                return V("rw" if base.args[1] else "rw_row")
         if base.kind == "outer":
             name = base.args[0]
             kinds = [self._part_kind(p) for p in parts]
@@ -2771,7 +2908,7 @@ class _Eval:
                 and base.args[0] == self.tok_indices:
             return V("slotmask")  # (indices == e)[(indices == e).any(-1)]: the same rows, picked by the token mask
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
-            return V("tok")
+            return V("tok", base.args)  # ("slot",): the rows of a slot mask
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
         if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
@@ -2816,12 +2953,23 @@ class _Eval:
         if self.where_indices and self.where_indices != arg.args[0]:
             raise _Miss("tokens are selected from two different expert-index tensors")
         self.where_indices = arg.args[0]
-        return V("where", ("tk",))
+        return V("where", ("tk", arg.args[0]))
 
     def _gather_slot(self, node: ast.Call, first: int) -> bool:
         """``gather(dim=-1, index=<slot column>)`` (``first``: the dim's position; 1 for ``torch.gather(x, -1, i)``)."""
         dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
         return dim is not None and const_value(dim) == -1 and index is not None and self.ev(index).kind == "kpos_col"
+
+    def _slot_mask(self, indices: str) -> V:
+        """``indices[:, k] == e`` inside a slot loop: over 2-D [T, K] indices with K slots visited once each, the
+        masks of all k together select every (token, slot) pair routed to e once, as torch.where(indices == e) does."""
+        if self.where_indices and self.where_indices != indices:
+            raise _Miss("tokens are selected from two different expert-index tensors")
+        self.where_indices = indices
+        guard = f"{indices}.dim() == 2 and {indices}.shape[-1] == ({self.slot_bound})"
+        if guard not in self.slot_guards:
+            self.slot_guards.append(guard)
+        return V("slotmask1", (indices,))
 
     def _tokmask(self, indices: str) -> V:
         if self.tok_indices and self.tok_indices != indices:
@@ -2872,6 +3020,16 @@ class _Eval:
                 raise _Miss(f"`{ast.unparse(node)[:60]}` on an unpacked expert output is not replayed by the fused layer")
             if attr == "contiguous" and not node.args:
                 return recv
+            if recv.kind == "slotcol" and not recv.args[1] and (
+                    attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)
+                    or attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]):
+                return V("slotcol", (recv.args[0], True))  # w[:, k].unsqueeze(-1): [T, 1]
+            if attr in _CASTS and recv.kind == "slotcol":
+                return recv
+            if recv.kind == "slotmask1" and attr == "nonzero" and _as_tuple(node):
+                return V("tokrows", ("slot",))
+            if recv.kind == "slotmask1" and attr == "nonzero" and not node.args and not node.keywords:
+                return V("tokcol", (recv.args[0],))
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
             if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
@@ -2968,8 +3126,8 @@ class _Eval:
             arg = self.ev(node.args[0])
             if arg.kind == "mask_e":
                 return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
-            if arg.kind == "tokmask":
-                return V("tokrows")
+            if arg.kind in ("tokmask", "slotmask1"):
+                return V("tokrows", ("slot",) if arg.kind == "slotmask1" else ())
             if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
                 return self._where_flat(arg)
             return V("unknown", (ast.unparse(node),))
@@ -3318,7 +3476,8 @@ class _Eval:
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
                      sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty,
-                     flat_rows=bool(self.tok_indices), dense_gates=self.dense_gates)
+                     flat_rows=bool(self.tok_indices) or self.token_dims > 1, token_dims=self.token_dims,
+                     dense_gates=self.dense_gates)
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
         self._experts_list(site)
         self._span(block, i, site, acc, extra={*self.masks, *self._hit_names(), *self._guard_names()})
@@ -4461,7 +4620,13 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
                           "fused text drops it: with stacked weights every expert still enters the grouped matmul (a zero "
                           "gradient, as before); experts called as modules on their rows may not, so keep DDP's "
                           "find_unused_parameters for them; a non-finite parameter no longer turns that output element into NaN"))
-    if site.flat_rows:
+    if site.token_dims > 1:
+        risks.append(Risk("other", f"tokens were picked as the first {site.token_dims} coordinates of torch.where("
+                          f"{site.indices} == e) and written back with `+=` through them: that equals the permute only "
+                          "while each token's expert indices are distinct (torch.topk gives distinct ones); a token "
+                          "listing one expert twice is written once by the loop (repeated index assignment) and added "
+                          "twice here"))
+    elif site.flat_rows:
         risks.append(Risk("other", f"tokens were picked with a token mask `({site.indices} == e).any(-1)`: that equals the "
                           "permute only while each token's expert indices are distinct (torch.topk gives distinct "
                           "ones); a token listing one expert twice would be counted once by the loop and twice here"))
@@ -7661,7 +7826,7 @@ MoeExperts.KEEP += [
          reason="is not a fresh `torch.zeros_like(x)`", name="token_slot_accumulator_not_fresh"),
     # each expert sees the whole batch: not per-row dispatch
     Keep(_TOKEN_SLOT.replace("module.forward(x[token_idx])", "module.forward(x)[token_idx]"),
-         reason="unrecognised statement in the expert loop", name="token_slot_expert_on_all_tokens"),
+         reason="unrecognised update in the expert loop", name="token_slot_expert_on_all_tokens"),
 ]
 
 # stacked [E, out, in] weights read per expert as W[e, ...].T (ktransformers' torch experts)
@@ -10726,4 +10891,199 @@ MoeExperts.KEEP += [
     # the rows broadcast against the slots' matrices at another dim (unsqueeze(0)): not one row per token
     Keep(_S34_GATHER_MUL_SUM.replace("h_expanded = h.unsqueeze(1).unsqueeze(1)", "h_expanded = h.unsqueeze(0).unsqueeze(1)"),
          reason="`gate_w` is read other than as the weight", name="s34_gathered_weights_other_broadcast"),
+]
+
+# s35: top-k slots visited by a loop of their own, around or inside the expert loop (`for k in range(K)`: column k of
+# the [T, K] indices / weights, then per expert the tokens whose slot k is e): over all k the same (token, slot) pairs as
+# one torch.where(indices == e). Spellings below are invented (helper function, index_add through the mask's rows,
+# slot loop inside the expert loop, weights unsqueezed after the mask); the guard checks K == indices.shape[-1] on
+# 2-D indices and weights shaped like them
+_S35_SLOTS_OUTER = _HEAD + '''
+def mix_slots(h, route_ids, route_w, blocks):
+    y = torch.zeros_like(h)
+    for slot in range(route_ids.shape[1]):
+        col = route_ids[:, slot]
+        gw = route_w[:, slot, None]
+        for j in range(len(blocks)):
+            sel = col == j
+            rows = sel.nonzero(as_tuple=True)[0]
+            y.index_add_(0, rows, blocks[j](h[rows]) * gw[rows])
+    return y
+'''
+
+_S35_SLOTS_OUTER_RUN = '''\
+blocks = [nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16)) for _ in range(4)]
+h = torch.randn(11, 16, requires_grad=True)
+w, ids = torch.randn(11, 4).softmax(-1).topk(2, dim=-1)
+out = mix_slots(h, ids, w, blocks)
+leaves = [h, blocks[0][0].weight, blocks[3][2].weight]
+'''
+
+_S35_SLOTS_INNER = _HEAD + '''
+class SlotMixer(nn.Module):
+    def __init__(self, d, n, active):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.ffns = nn.ModuleList([nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)) for _ in range(n)])
+        self.n_active = active
+
+    def forward(self, feats):
+        scores = self.router(feats).softmax(-1)
+        top_p, top_e = scores.topk(self.n_active, dim=-1)
+        mixed = torch.zeros_like(feats)
+        for e, ffn in enumerate(self.ffns):
+            for s in range(self.n_active):
+                hit = top_e[:, s] == e
+                if hit.sum() == 0:
+                    continue
+                mixed[hit] += ffn(feats[hit]) * top_p[:, s][hit].unsqueeze(1)
+        return mixed
+'''
+
+_S35_SLOTS_INNER_RUN = '''\
+m = SlotMixer(16, 5, 2)
+x = torch.randn(13, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.ffns[1][0].weight]
+'''
+
+# s35: torch.where over [B, T, K] (or deeper) indices unpacked into one name per dim: the leading coordinates together
+# are the token (read only together and in order: x[b, t], out[b, t] += ..., w[b, t, k]), the last one the slot; the
+# rows are the flattened leading dims. Invented: nonzero(as_tuple=True) in a helper over a list of experts, and 4-D
+# indices in a module
+_S35_WHERE_ND_HELPER = _HEAD + '''
+def route_grid(grid, picks, gates, towers):
+    acc = torch.zeros(grid.shape[0], grid.shape[1], 12, dtype=grid.dtype)
+    for t_id, tower in enumerate(towers):
+        bi, si, ki = (picks == t_id).nonzero(as_tuple=True)
+        if bi.numel() == 0:
+            continue
+        acc[bi, si] += gates[bi, si, ki, None] * tower(grid[bi, si])
+    return acc
+'''
+
+_S35_WHERE_ND_HELPER_RUN = '''\
+towers = [nn.Linear(16, 12) for _ in range(4)]
+g = torch.randn(2, 5, 16, requires_grad=True)
+w, p = torch.randn(2, 5, 4).softmax(-1).topk(2, dim=-1)
+out = route_grid(g, p, w, towers)
+leaves = [g, towers[0].weight, towers[2].bias]
+'''
+
+_S35_WHERE_4D = _HEAD + '''
+class GroupedTokenMoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.score = nn.Linear(d, n)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(n)])
+        self.k = k
+        self.num_experts = n
+
+    def forward(self, x):
+        probs, chosen = self.score(x).softmax(dim=-1).topk(self.k, dim=-1)
+        out = x.new_zeros(x.shape)
+        for e in range(self.num_experts):
+            g, b, t, slot = torch.nonzero(chosen == e, as_tuple=True)
+            y = self.experts[e](x[g, b, t])
+            out[g, b, t] += y * probs[g, b, t, slot].unsqueeze(-1)
+        return out
+'''
+
+_S35_WHERE_4D_RUN = '''\
+m = GroupedTokenMoE(16, 4, 2)
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.score.weight, m.experts[1][0].weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S35_SLOTS_OUTER, name="s35_slot_loop_around_expert_loop", run=_S35_SLOTS_OUTER_RUN, expect={
+        "layout": "expert_modules", "routing": "mask_where", "indices": "route_ids", "probs": "route_w"}),
+    Fuse(_S35_SLOTS_INNER, name="s35_slot_loop_inside_expert_loop", run=_S35_SLOTS_INNER_RUN, expect={
+        "layout": "expert_modules", "routing": "mask_where", "indices": "top_e", "probs": "top_p"}),
+    Fuse(_S35_WHERE_ND_HELPER, name="s35_where_3d_nonzero_helper", run=_S35_WHERE_ND_HELPER_RUN, expect={
+        "layout": "expert_modules", "routing": "mask_where", "indices": "picks", "probs": "gates", "tokens": "grid"}),
+    Fuse(_S35_WHERE_4D, name="s35_where_4d_indices", run=_S35_WHERE_4D_RUN, expect={
+        "layout": "expert_modules", "indices": "chosen", "probs": "probs", "tokens": "x"}),
+]
+
+MoeExperts.KEEP += [
+    # every slot's rows weighted by slot 0's weight: not the routing weight of the (token, slot) pair
+    Keep(_S35_SLOTS_INNER.replace("top_p[:, s][hit]", "top_p[:, 0][hit]").replace("ffns", "experts"),
+         reason="not recognised as the routing weight", name="s35_slot_loop_weight_of_other_slot"),
+    # slot 0 skipped: the loop does not visit every (token, slot) pair
+    Keep(_S35_SLOTS_INNER.replace("range(self.n_active)", "range(1, self.n_active)").replace("ffns", "experts"),
+         reason="unrecognised statement in the expert loop", name="s35_slot_loop_skips_a_slot"),
+    # later slots overwrite earlier ones (index_copy_ instead of index_add_)
+    Keep(_S35_SLOTS_OUTER.replace("y.index_add_(0, rows,", "y.index_copy_(0, rows,").replace("blocks", "experts"),
+         reason="which the fused layer would not", name="s35_slot_loop_overwrites"),
+    # the token coordinates read in another order (x[t, b]): not the token the slot belongs to
+    Keep(_S35_WHERE_ND_HELPER.replace("tower(grid[bi, si])", "tower(grid[si, bi])").replace("towers", "experts"),
+         reason="does not trace its input", name="s35_where_3d_coordinates_swapped"),
+    # the weight of another slot
+    Keep(_S35_WHERE_4D.replace("probs[g, b, t, slot]", "probs[g, b, t, 0]"),
+         reason="routing weight", name="s35_where_4d_weight_of_slot_0"),
+]
+
+# s35: experts in a dict / ModuleDict keyed by the index as text, looped with .items() and selected by int(key): each
+# key's expert takes the rows whose index is int(key); the fused text lists the experts in dict order, guarded at run
+# time on the keys being "0".."n-1" in that order (one rank's slice of the experts runs the loop as written).
+# Invented spellings: torch.where + index_add_ in a module, the key bound to a name in a helper over repeated rows
+_S35_DICT_WHERE = _HEAD + '''
+class DictMoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.bank = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(d, 32), nn.GELU(), nn.Linear(32, d)) for i in range(n)})
+        self.k = k
+
+    def forward(self, x):
+        w, sel = torch.topk(self.gate(x).softmax(-1), self.k)
+        out = torch.zeros_like(x)
+        for name, ffn in self.bank.items():
+            tok, slot = torch.where(sel == int(name))
+            out.index_add_(0, tok, ffn(x[tok]) * w[tok, slot, None])
+        return out
+'''
+
+_S35_DICT_WHERE_RUN = '''\
+m = DictMoE(16, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.bank["2"][0].weight]
+'''
+
+_S35_DICT_FLAT = _HEAD + '''
+def run_bank(x, flat_ids, bank, k):
+    xs = x.repeat_interleave(k, dim=0)
+    ys = torch.zeros_like(xs)
+    for key, mod in bank.items():
+        e = int(key)
+        ys[flat_ids == e] = mod(xs[flat_ids == e])
+    return ys
+'''
+
+_S35_DICT_FLAT_RUN = '''\
+bank = nn.ModuleDict({str(i): nn.Linear(16, 16) for i in range(3)})
+x = torch.randn(7, 16, requires_grad=True)
+ids = torch.randn(7, 3).topk(2, dim=-1).indices.reshape(-1)
+out = run_bank(x, ids, bank, 2)
+leaves = [x, bank["0"].weight, bank["2"].bias]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S35_DICT_WHERE, name="s35_dict_items_keyed_experts_where", run=_S35_DICT_WHERE_RUN, expect={
+        "layout": "expert_modules", "routing": "mask_where", "indices": "sel", "probs": "w",
+        "num_experts": "len(self.bank)"}),
+    Fuse(_S35_DICT_FLAT, name="s35_dict_items_keyed_experts_flat", run=_S35_DICT_FLAT_RUN, expect={
+        "layout": "expert_modules", "routing": "flat_mask", "indices": "flat_ids"}),
+]
+
+MoeExperts.KEEP += [
+    # the key shifted before it selects rows: not the index of the expert it names
+    Keep(_S35_DICT_FLAT.replace("e = int(key)", "e = int(key) + 1").replace("bank", "experts"),
+         reason="rows are written through", name="s35_dict_items_key_shifted"),
+    # the key read as text besides the index (a per-key scale): the loop depends on more than the index
+    Keep(_S35_DICT_WHERE.replace("ffn(x[tok]) * w[tok, slot, None]", "ffn(x[tok]) * w[tok, slot, None] * len(name)"),
+         reason="reads its key", name="s35_dict_items_key_read_as_text"),
 ]
