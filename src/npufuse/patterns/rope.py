@@ -2453,7 +2453,7 @@ class RopePattern(Pattern):
         _add_split_checks(m, halves)
         return m
 
-    def _accumulated_match(self, module: ModuleInfo, scope: Scope, site: ast.Assign, x: ast.expr, cos: ast.expr, sin: ast.expr,
+    def _accumulated_match(self, module: ModuleInfo, scope: Scope, site: ast.Assign | ast.Return, x: ast.expr, cos: ast.expr, sin: ast.expr,
                            negate: bool, upcast: bool) -> _Match | str:
         """The fused call for _accumulated_halves_site: the half rotation of x (fp32 where the view upcasts it)
         with the half-size tables duplicated, in the dtype the in-place sums keep (x's, promoted with cos's)."""
@@ -2473,6 +2473,8 @@ class RopePattern(Pattern):
             m.x_dtype = "float32"
         # the sums are accumulated in place into x * cos: its dtype (x's, or fp32 where upcast, promoted with cos's)
         m.post = f".to(torch.promote_types({'torch.float32' if upcast else xa + '.dtype'}, {_atom(cs[0])}.dtype))"
+        if isinstance(site, ast.Return):
+            m.wrap = "return {}"  # the site's value spans from the product statement to the returned merge
         return m
 
     def _named_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr, c: ast.expr, s: ast.expr,
@@ -3106,11 +3108,12 @@ class RopePattern(Pattern):
             )
         first = all_matches[0]
         mode = first.mode
-        if any(m.rotary_dim != "full" and m.wrap == "{}" for m in all_matches):
+        joined_tail = [m.wrap.startswith("torch.cat(") for m in all_matches]  # a filled prefix joined with x's tail
+        if any(m.rotary_dim != "full" and not j for m, j in zip(all_matches, joined_tail)):
             notes.append(
                 "partial rotary: only the rotated slice goes through npu_rotary_mul; the pass-through part is concatenated by the original code"
             )
-        if any(m.wrap != "{}" for m in all_matches):
+        if any(joined_tail):
             notes.append("partial rotary filled into a new tensor: the rotated prefix goes through npu_rotary_mul and x's tail is "
                          "joined after it (the original's own copy of the tail into that tensor, if any, still runs)")
         ci = first.cos_info
@@ -9031,7 +9034,7 @@ def _merged_pair_axes(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
 
 
 def _accumulated_halves_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt
-                             ) -> tuple[ast.Assign, ast.expr, ast.expr, ast.expr, bool, bool] | str | None:
+                             ) -> tuple[ast.Assign | ast.Return, ast.expr, ast.expr, ast.expr, bool, bool] | str | None:
     """LTX-2's split RoPE (and its copies in diffusers, DiffSynth, FastVideo, VeOmni):
 
         s = rearrange(x, "... (d r) -> ... d r", d=2)      # [..., 2, D/2]: the halves as an axis
@@ -9104,9 +9107,11 @@ def _accumulated_halves_site(module: ModuleInfo, scope: Scope, block: list[ast.s
     if sorted(acc) != [0, 1] or j >= len(block):
         return None
     merge = block[j]
-    if not (isinstance(merge, ast.Assign) and len(merge.targets) == 1 and isinstance(merge.targets[0], ast.Name) and merge.targets[0].id == out):
+    returned = isinstance(merge, ast.Return) and merge.value is not None  # ``return rearrange(out, ...)`` (FastVideo)
+    if not returned and not (isinstance(merge, ast.Assign) and len(merge.targets) == 1 and isinstance(merge.targets[0], ast.Name)
+                             and merge.targets[0].id == out):
         return None
-    merged = _merged_pair_axes(module, merge.value)
+    merged = _merged_pair_axes(module, merge.value)  # type: ignore[arg-type]
     if not (isinstance(merged, ast.Name) and merged.id == out):
         return None
     # each row k gets sign * t1 * t2 with one factor the other half of the view and the other ±sin.unsqueeze(-2)
@@ -9138,11 +9143,13 @@ def _accumulated_halves_site(module: ModuleInfo, scope: Scope, block: list[ast.s
     for name in rows:
         if _read_before_rebound(scope, name, end):
             return f"the half view `{name}` of `{out}` is read after the merge: the fused code does not bind it"
-    site = ast.Assign(targets=[stmt.targets[0]], value=ast.Tuple(elts=[], ctx=ast.Load()))
+    value = ast.Tuple(elts=[], ctx=ast.Load())
+    site: ast.Assign | ast.Return = ast.Return(value=value) if returned else ast.Assign(targets=[stmt.targets[0]], value=value)
     ast.copy_location(site, stmt)
     site.end_lineno, site.end_col_offset = merge.end_lineno, merge.end_col_offset
-    site.value.lineno, site.value.col_offset = stmt.value.lineno, stmt.value.col_offset
-    site.value.end_lineno, site.value.end_col_offset = merge.end_lineno, merge.end_col_offset
+    # (a returned merge: the value spans the whole statement, the fused text says ``return``: _accumulated_match)
+    ast.copy_location(value, stmt if returned else stmt.value)
+    value.end_lineno, value.end_col_offset = merge.end_lineno, merge.end_col_offset
     return site, x, cos, sin, signs[0] == 1, upcast  # type: ignore[return-value]
 
 
@@ -9167,7 +9174,8 @@ def _halves_axis_view(module: ModuleInfo, scope: Scope, node: ast.Call) -> ast.e
 # DiffSynth-Studio, FastVideo, VeOmni): x's halves viewed as an axis [..., 2, D/2], multiplied by cos.unsqueeze(-2),
 # then ``addcmul_`` of ∓sin times the other half into each half's view, the two axes merged back. Spellings below
 # that none of those use: unflatten views with the rows updated inline and the sign given as ``value=-1``, a
-# ``[..., None, :]`` table axis with the rows unpacked from a tuple and ``flatten(-2)``, a class method
+# ``[..., None, :]`` table axis with the rows unpacked from a tuple and ``return y.flatten(-2)`` (FastVideo returns
+# its einops merge), a class method
 _ACCUMULATED_HALVES = '''
 import torch
 import torch.nn as nn
@@ -9206,8 +9214,7 @@ class HalfTurn(nn.Module):
         top, bottom = y[..., :1, :], y[..., 1:, :]
         top.addcmul_(halves[..., 1:, :], -s[..., None, :])
         bottom.addcmul_(halves[..., :1, :], s[..., None, :])
-        y = y.flatten(-2)
-        return y
+        return y.flatten(-2)
 '''
 
 _ACCUMULATED_HALVES_RUN = '''
