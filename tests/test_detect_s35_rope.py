@@ -18,11 +18,11 @@ def _example(name: str):
 def test_filled_prefix_lanes_rewrite_to_the_same_numbers():
     example = _example("s35_prefix_lanes_filled_into_a_new_tensor")
     findings, _ = detect_all(PATTERN, example.code)
-    assert sorted(f.qualname for f in findings) == ["PrefixRotary.forward", "turn_leading", "turn_pairs"]
+    assert sorted(f.qualname for f in findings) == ["PrefixRotary.forward", "turn_leading", "turn_leading_zero_tail", "turn_pairs"]
     facts = check_rewrite_runs(PATTERN, example.code, example.run, findings)
-    # six calls fused (both prefix widths of the module, both widths of the helper, fp32 and bf16 pairs); the
-    # B*N = 1000 call runs the original code
-    assert facts["calls"] == 6, facts["all_calls"]
+    # seven calls fused (both prefix widths of the module, both widths of the helper, fp32 and bf16 pairs, the zeros
+    # left in a zeros_like tail); the B*N = 1000 call runs the original code
+    assert facts["calls"] == 7, facts["all_calls"]
     assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"])
     assert min(facts["cos_out"]) >= 0.999 and min(facts["cos_grad"]) >= 0.999
 
@@ -34,6 +34,8 @@ def test_prefix_lane_run_time_checks_name_the_prefix():
     assert "t[..., width:]" in leading.fused  # x's tail joined after the rotated prefix
     pairs = next(f for f in findings if f.qualname == "turn_pairs")
     assert pairs.params["rotary_dim"] == "full" and "% 2 == 0" not in pairs.fused
+    zero_tail = next(f for f in findings if f.qualname == "turn_leading_zero_tail")
+    assert "torch.zeros_like(t[..., width:])" in zero_tail.fused  # zeros_like leaves zeros past the prefix, not x's tail
 
 
 def test_filled_lanes_keep_examples_stay_unfused():

@@ -2064,7 +2064,12 @@ class RopePattern(Pattern):
                     xa = _atom(segment(module, res.x))
                     res.post += f".to({xa}.dtype)"
                     if upper is not None:
-                        res.wrap = f"torch.cat(({{}}, {xa}[..., {ast.unparse(upper)}:]), dim=-1)"
+                        # what the fills leave in res[..., u:]: zeros from zeros_like; nothing defined from empty_like, where
+                        # x's tail is joined (the value the code's own tail copy, if any, writes there next)
+                        tail = f"{xa}[..., {ast.unparse(upper)}:]"
+                        if stmt.value.func.attr == "zeros_like":  # type: ignore[attr-defined]
+                            tail = f"torch.zeros_like({tail})"
+                        res.wrap = f"torch.cat(({{}}, {tail}), dim=-1)"
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + used])
                     ids = {id(a) for a in res.absorb}
@@ -3114,8 +3119,9 @@ class RopePattern(Pattern):
                 "partial rotary: only the rotated slice goes through npu_rotary_mul; the pass-through part is concatenated by the original code"
             )
         if any(joined_tail):
-            notes.append("partial rotary filled into a new tensor: the rotated prefix goes through npu_rotary_mul and x's tail is "
-                         "joined after it (the original's own copy of the tail into that tensor, if any, still runs)")
+            notes.append("partial rotary filled into a new tensor: the rotated prefix goes through npu_rotary_mul and what the fills "
+                         "leave in the rest is joined after it (zeros for zeros_like; x's tail for empty_like, whose rest is "
+                         "undefined); the original's own copy of the tail into that tensor, if any, still runs")
         ci = first.cos_info
         risks.append(
             Risk(
@@ -6411,8 +6417,9 @@ def _filled_lanes_site(scope: Scope, block: list[ast.stmt], i: int, stmt: ast.st
     * ``torch.empty_like(x, device=x.device)`` (a device keyword that is x's own device: the same tensor);
     * the lanes of a prefix, ``res[..., :u:2], res[..., 1:u:2] = a, b`` (a nanoGPT variant's partial
       interleaved rotary): read as ``torch.stack((a, b), -1).flatten(-2)``, the rotated prefix; the caller
-      fuses it only where the rotation is of ``x[..., :u]`` and joins x's tail after it (what the fills leave
-      in ``res[..., u:]`` is x's tail once the code's own tail copy has run, and uninitialised before)."""
+      fuses it only where the rotation is of ``x[..., :u]`` and joins after it what the fills leave in
+      ``res[..., u:]`` (zeros from zeros_like; from empty_like nothing defined: x's tail, which the code's own
+      tail copy writes there next)."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
             and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
             and stmt.value.func.attr in ("empty_like", "zeros_like") and len(stmt.value.args) == 1 and i + 1 < len(block)):
@@ -8915,6 +8922,15 @@ def turn_leading(t, c, s, width: int):
     return res
 
 
+def turn_leading_zero_tail(t, c, s, width: int):
+    lo, hi = t[..., :width:2], t[..., 1:width:2]
+    a = lo * c - hi * s
+    b = hi * c + lo * s
+    res = torch.zeros_like(t)
+    res[..., :width:2], res[..., 1:width:2] = a, b
+    return res
+
+
 def turn_pairs(t, c, s):
     re, im = t.unflatten(-1, (-1, 2)).unbind(-1)
     new_re = re * c - im * s
@@ -8935,7 +8951,8 @@ full = torch.randn(5, 8)
 wide = torch.randn(250, 4, 5, 16, requires_grad=True)  # B*N = 1000: over the interleave limit, the original code runs
 out = (PrefixRotary(_Cfg(), 16)(x), PrefixRotary(_Cfg(), 8)(x[..., :8]), turn_leading(x, ang.cos(), ang.sin(), 8),
        turn_leading(x, full.cos(), full.sin(), 16), turn_pairs(x, full.cos(), full.sin()),
-       turn_pairs(x.to(torch.bfloat16), full.cos(), full.sin()), turn_leading(wide, ang.cos(), ang.sin(), 8))
+       turn_pairs(x.to(torch.bfloat16), full.cos(), full.sin()), turn_leading(wide, ang.cos(), ang.sin(), 8),
+       turn_leading_zero_tail(x, ang.cos(), ang.sin(), 8))
 leaves = [x, wide]
 '''
 
@@ -8963,7 +8980,7 @@ RopePattern.KEEP += [
     ),
     Keep(
         # the fills write the lanes of a wider prefix than the rotation reads: not one prefix
-        "\nimport torch\n\n\ndef turn_leading" + _FILLED_PREFIX_LANES.split("\n\n\ndef turn_leading")[1].split("\n\n\ndef turn_pairs")[0]
+        "\nimport torch\n\n\ndef turn_leading" + _FILLED_PREFIX_LANES.split("\n\n\ndef turn_leading")[1].split("\n\n\ndef turn_leading_zero_tail")[0]
         .replace("res[..., 0:width:2] = turned_lo\n    res[..., 1:width:2] = turned_hi",
                  "res[..., 0:2 * width:2] = turned_lo\n    res[..., 1:2 * width:2] = turned_hi") + "\n",
         name="s35_prefix_lanes_filled_at_another_width",
