@@ -18,11 +18,11 @@ def _example(name: str):
 def test_filled_prefix_lanes_rewrite_to_the_same_numbers():
     example = _example("s35_prefix_lanes_filled_into_a_new_tensor")
     findings, _ = detect_all(PATTERN, example.code)
-    assert sorted(f.qualname for f in findings) == ["PrefixRotary.forward", "turn_leading", "turn_leading_zero_tail", "turn_pairs"]
+    assert sorted(f.qualname for f in findings) == ["PrefixRotary.forward", "turn_inline", "turn_leading", "turn_leading_zero_tail", "turn_pairs"]
     facts = check_rewrite_runs(PATTERN, example.code, example.run, findings)
-    # seven calls fused (both prefix widths of the module, both widths of the helper, fp32 and bf16 pairs, the zeros
-    # left in a zeros_like tail); the B*N = 1000 call runs the original code
-    assert facts["calls"] == 7, facts["all_calls"]
+    # eight calls fused (both prefix widths of the module, both widths of the helper, fp32 and bf16 pairs, the zeros
+    # left in a zeros_like tail, the inline stack of a prefix's lanes); the B*N = 1000 call runs the original code
+    assert facts["calls"] == 8, facts["all_calls"]
     assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"])
     assert min(facts["cos_out"]) >= 0.999 and min(facts["cos_grad"]) >= 0.999
 

@@ -1300,7 +1300,8 @@ class _Match:
     table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
     extra_risks: list = field(default_factory=list)  # Risk entries this form adds (a float64 rotation computed in fp32)
     # the fused result placed in an expression (``{}`` the fused call): a rotated prefix filled into a tensor
-    # shaped like x, joined with x's tail (``torch.cat(({}, x[..., u:]), dim=-1)``)
+    # shaped like x, joined with what the fills leave after it (``torch.cat(({}, x[..., u:]), dim=-1)``); a site
+    # whose value spans statements up to a returned merge (``return {}``)
     wrap: str = "{}"
 
 
@@ -8880,7 +8881,8 @@ RopePattern.KEEP += [
 # (``torch.empty_like(x, device=x.device)``), and the lanes of a rotated prefix (``x[..., :u:2]`` / ``x[..., 1:u:2]``
 # filled into ``out[..., :u:2]`` / ``out[..., 1:u:2]``, x's tail copied after: a nanoGPT variant's partial
 # interleaved rotary). The fill reads as ``stack((a, b), -1).flatten(-2)`` of the prefix; the fused call rotates
-# ``x[..., :u]`` and joins ``x[..., u:]`` after it, where u is even and x at least u wide (checked at run time)
+# ``x[..., :u]`` and joins ``x[..., u:]`` (zeros for zeros_like) after it, where u is even and x at least u wide
+# (checked at run time). The same bounded lanes stacked inline (``turn_inline``) rotate the prefix alone
 _FILLED_PREFIX_LANES = '''
 import torch
 import torch.nn as nn
@@ -8938,6 +8940,10 @@ def turn_pairs(t, c, s):
     res = torch.empty_like(t, device=t.device)
     res[..., ::2], res[..., 1::2] = new_re, new_im
     return res
+
+
+def turn_inline(t, c, s, w):
+    return torch.stack((t[..., :w:2] * c - t[..., 1:w:2] * s, t[..., :w:2] * s + t[..., 1:w:2] * c), -1).flatten(-2)
 '''
 
 _FILLED_PREFIX_LANES_RUN = '''
@@ -8952,7 +8958,7 @@ wide = torch.randn(250, 4, 5, 16, requires_grad=True)  # B*N = 1000: over the in
 out = (PrefixRotary(_Cfg(), 16)(x), PrefixRotary(_Cfg(), 8)(x[..., :8]), turn_leading(x, ang.cos(), ang.sin(), 8),
        turn_leading(x, full.cos(), full.sin(), 16), turn_pairs(x, full.cos(), full.sin()),
        turn_pairs(x.to(torch.bfloat16), full.cos(), full.sin()), turn_leading(wide, ang.cos(), ang.sin(), 8),
-       turn_leading_zero_tail(x, ang.cos(), ang.sin(), 8))
+       turn_leading_zero_tail(x, ang.cos(), ang.sin(), 8), turn_inline(x, ang.cos(), ang.sin(), 8))
 leaves = [x, wide]
 '''
 
