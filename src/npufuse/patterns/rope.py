@@ -275,7 +275,7 @@ def _add_split_checks(m: "_Match", halves: _Halves) -> None:
         x_src, upper = halves.prefix
         xa = _atom(x_src)
         first_cut = f"{xa}.shape[-1] == 2 * ("
-        if not any(c.startswith(first_cut) for c in checks):
+        if not halves.prefix_lanes and not any(c.startswith(first_cut) for c in checks):
             checks.append(f"{xa}.shape[-1] == ({upper})")  # the first half is x's own half: u is x's last dim
         checks = [f"({upper}) == 2 * (" + c[len(first_cut):] if c.startswith(first_cut) else c for c in checks]
         checks.append(f"{xa}.shape[-1] >= ({upper})")
@@ -286,7 +286,22 @@ def _add_split_checks(m: "_Match", halves: _Halves) -> None:
     checks = list(dict.fromkeys(checks))
     check = " and ".join(checks)
     m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
-    m.only_note = (m.only_note + "; " if m.only_note else "") + "halves cut at a run-time split point: fused where it is half the last dim"
+    m.only_note = (m.only_note + "; " if m.only_note else "") + (
+        "lanes of a rotated prefix `[..., :u]`: fused where u is even and x at least u wide" if halves.prefix_lanes
+        else "halves cut at a run-time split point: fused where it is half the last dim")
+
+
+def _bounded_lane_source(scope: Scope, node: ast.expr) -> ast.expr | None:
+    """x of ``x[..., :u:2]`` / ``x[..., 1:u:2]`` (a name bound to it, possibly through a tuple unpacking):
+    strided lanes with an upper bound, the lanes of the prefix ``x[..., :u]`` (the canonical layer reads
+    only the unbounded ``x[..., ::2]``)."""
+    value = _resolve(scope, node)
+    if not isinstance(value, ast.Subscript):
+        return None
+    sl = _Halves(scope, lambda n: True)._last_dim_slice(value)
+    if sl is None or sl.upper is None or not _is_int(sl.step, 2) or not (sl.lower is None or _is_int(sl.lower, 0, 1)):
+        return None
+    return value.value
 
 
 def _split_point(scope: Scope, h: ast.expr) -> bool:
@@ -323,6 +338,9 @@ class _Halves:
         # of the rotated prefix ``x[..., :u]`` (partial rotary cut as two slices, the tail joined after:
         # mlx's RoPE ``x[..., dims // 2 : dims]``, k-diffusion's ``x[..., d : d * 2]``); only under allow_split
         self.prefix: tuple[str, str] | None = None
+        # the prefix's even / odd lanes were cut as ``x[..., :u:2]`` / ``x[..., 1:u:2]`` (a nanoGPT variant's
+        # partial interleaved rotary): u is no split point of halves, only the prefix's width (even, checked)
+        self.prefix_lanes = False
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -385,6 +403,20 @@ class _Halves:
         if check not in self.split_checks:
             self.split_checks.append(check)
         return "second"
+
+    def _prefix_lane(self, base: ast.expr, upper: ast.expr, lane: str) -> str | None:
+        """``x[..., :u:2]`` / ``x[..., 1:u:2]``: the even / odd lanes of the rotated prefix ``x[..., :u]``,
+        fused where u is even and x is at least u wide (_add_split_checks binds the prefix)."""
+        if type(const_value(upper)) is not int and not _split_point(self.scope, upper):
+            return None
+        key = (ast.unparse(base), ast.unparse(upper))
+        if self.prefix not in (None, key):
+            return None  # two prefixes (or two tensors): not the lanes of one
+        self.prefix, self.prefix_lanes = key, True
+        check = f"({key[1]}) % 2 == 0"  # an odd u gives one more even lane than odd ones: no lane pairs
+        if check not in self.split_checks:
+            self.split_checks.append(check)
+        return lane
 
     def _unpacked_last_dim(self, node: ast.expr) -> bool:
         """``d`` bound last by ``b, h, s, d = x.size()`` / ``= x.shape`` (picotron): x's last dim."""
@@ -459,6 +491,9 @@ class _Halves:
                         return "even"
                     if _is_int(sl.lower, 1):
                         return "odd"
+                elif _is_int(sl.step, 2) and self.allow_split and (sl.lower is None or _is_int(sl.lower, 0, 1)):
+                    # ``x[..., :u:2]`` / ``x[..., 1:u:2]``: the lanes of the rotated prefix ``x[..., :u]``
+                    return self._prefix_lane(base, sl.upper, "odd" if _is_int(sl.lower, 1) else "even")  # type: ignore[arg-type]
         return None
 
     def _is_einops_halves(self, call: ast.Call) -> bool:
@@ -1268,6 +1303,10 @@ class _Match:
     merge_lead: bool = False
     table_rank_check: str = ""  # the run-time ``cos.dim() <= 4`` of the interleave check, widened when merging
     extra_risks: list = field(default_factory=list)  # Risk entries this form adds (a float64 rotation computed in fp32)
+    # the fused result placed in an expression (``{}`` the fused call): a rotated prefix filled into a tensor
+    # shaped like x, joined with what the fills leave after it (``torch.cat(({}, x[..., u:]), dim=-1)``); a site
+    # whose value spans statements up to a returned merge (``return {}``)
+    wrap: str = "{}"
 
 
 @dataclass
@@ -1664,10 +1703,18 @@ def _if_path(scope: Scope, stmt: ast.stmt) -> list[tuple[ast.If, bool, ast.stmt]
 def _stmt_of(scope: Scope, node: ast.AST) -> tuple[list[ast.stmt], int, ast.stmt] | None:
     """The innermost simple statement holding ``node``."""
     best = None
+    end = node.end_lineno or node.lineno
+    last = None
     for block, i, st in scope.listing()[0]:
-        if st.lineno <= node.lineno and (node.end_lineno or node.lineno) <= (st.end_lineno or st.lineno) and not isinstance(st, _COMPOUND_STMTS):
+        if isinstance(st, _COMPOUND_STMTS):
+            continue
+        if st.lineno <= node.lineno and end <= (st.end_lineno or st.lineno):
             best = (block, i, st)
-    return best
+        elif node.lineno <= st.lineno <= end <= (st.end_lineno or st.lineno):
+            last = (block, i, st)
+    # a value read from several statements (``res = empty_like(x); res[..., ::2], res[..., 1::2] = a, b`` as one
+    # stack, _filled_lanes_site) is held by none: the statement it ends in, where its parts are last read
+    return best if best is not None else last
 
 
 _COMPOUND_STMTS = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -1964,7 +2011,7 @@ class RopePattern(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         text = scope_text(module, scope)
         # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
-        if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text):
+        if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text and "addcmul_(" not in text):
             return
         hints = self._rotation_hints(module)
         if not any(h in text for h in hints):
@@ -1975,6 +2022,7 @@ class RopePattern(Pattern):
         if torch_imports is None:
             torch_imports = module.__dict__["_rope_torch_imports"] = {k: v for k, v in module.aliases.items() if v in _CAT | _STACK}
         filled_done: set[int] = set()  # fill statements of an ``out = empty_like(x)`` site already matched
+        has_addcmul = "addcmul_(" in text  # (LTX-2's in-place split rotation: _accumulated_halves_site)
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.AugAssign)) or id(stmt) in filled_done:
                 continue
@@ -1994,6 +2042,55 @@ class RopePattern(Pattern):
                     continue
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 2].end_lineno or stmt.lineno, res)
+            if has_addcmul and filled is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.BinOp):
+                acc = _accumulated_halves_site(module, scope, block, i, stmt)
+                if acc is not None:
+                    res = acc if isinstance(acc, str) else self._accumulated_match(module, scope, *acc)
+                    if isinstance(res, _Match):
+                        site = acc[0]  # type: ignore[index]
+                        filled_done.update(id(st) for st in block[i + 1 :] if st.lineno <= (site.end_lineno or site.lineno))
+                        runs.append((block, [(i, site, [res])]))
+                        continue
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, res)
+            lanes_fill = _filled_lanes_site(scope, block, i, stmt) if filled is None else None
+            if lanes_fill is not None:
+                site, upper, used = lanes_fill
+                res = self._match(module, scope, site.value)
+                like = stmt.value.args[0]  # type: ignore[attr-defined]
+                want = "full" if upper is None else ast.unparse(upper)
+                if isinstance(res, _Match) and not same_expr(like, res.x):
+                    res = (f"the rotated lanes are written into `{segment(module, stmt.value)}`, a new tensor shaped "
+                           f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
+                elif isinstance(res, _Match) and res.rotary_dim != want:
+                    res = (f"the fills write the lanes of `[..., :{want}]` but the rotation reads those of "
+                           f"`[..., :{res.rotary_dim}]`: not one prefix")
+                elif isinstance(res, _Match):
+                    # the fills cast into the new tensor's dtype (x's): the fused result is cast the same way
+                    xa = _atom(segment(module, res.x))
+                    res.post += f".to({xa}.dtype)"
+                    if upper is not None:
+                        # what the fills leave in res[..., u:]: zeros from zeros_like; nothing defined from empty_like, where
+                        # x's tail is joined (the value the code's own tail copy, if any, writes there next)
+                        tail = f"{xa}[..., {ast.unparse(upper)}:]"
+                        if stmt.value.func.attr == "zeros_like":  # type: ignore[attr-defined]
+                            tail = f"torch.zeros_like({tail})"
+                        res.wrap = f"torch.cat(({{}}, {tail}), dim=-1)"
+                if isinstance(res, _Match):
+                    filled_done.update(id(st) for st in block[i + 1 : i + used])
+                    ids = {id(a) for a in res.absorb}
+                    pre: list[tuple[int, ast.stmt, list[_Match]]] = []
+                    if ids and i >= len(ids) and {id(b) for b in block[i - len(ids) : i]} == ids:
+                        # the rotated lanes computed right before the allocation go with the site
+                        start = i - len(ids)
+                        pre = [(j, block[j], []) for j in range(start, i)]
+                        if runs and runs[-1][0] is block and runs[-1][1][-1][0] >= start:
+                            runs[-1][1][:] = [it for it in runs[-1][1] if it[0] < start]
+                            if not runs[-1][1]:
+                                runs.pop()
+                    runs.append((block, pre + [(i, site, [res])]))
+                    continue
+                if isinstance(res, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + used - 1].end_lineno or stmt.lineno, res)
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
@@ -2124,7 +2221,7 @@ class RopePattern(Pattern):
                       for t in st.targets if isinstance(t, ast.Name) and "rot" in t.id.lower()}
             for cls in _module_classes(module):
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
-            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)")
+            hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)", "addcmul_(")
         return hints
 
     @staticmethod
@@ -2306,6 +2403,10 @@ class RopePattern(Pattern):
             if h is not None and h.kind == kind:
                 base = h.source
                 break
+            if kind == "pairs":
+                base = _bounded_lane_source(scope, u) or _bounded_lane_source(scope, v)
+                if base is not None:
+                    break  # (the lanes of a rotated prefix: _Halves reads them under allow_split)
         if base is None:
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
@@ -2340,6 +2441,8 @@ class RopePattern(Pattern):
             lanes = self._named_lane_pairs(module, scope, node, base, c_a, s_a, negate, [d[0] for d in defs])
             if isinstance(lanes, _Match) and def_cast:
                 lanes.post += def_cast  # each part was cast alike: the fused result is cast the same way
+            if isinstance(lanes, _Match):
+                _add_split_checks(lanes, halves)  # lanes of a rotated prefix ``x[..., :u:2]``: that prefix is rotated
             return lanes
         m = self._build_real(module, scope, node, "half", base, c_a, s_a)
         if isinstance(m, str):
@@ -2358,6 +2461,30 @@ class RopePattern(Pattern):
             m.inner_prep, m.prep = m.prep, []  # the widened tables are needed on the fused path only
             m.only_note = f"the other path of `{ast.unparse(anchor.test)}` (the interleaved stack) keeps the original code"  # type: ignore[attr-defined]
         _add_split_checks(m, halves)
+        return m
+
+    def _accumulated_match(self, module: ModuleInfo, scope: Scope, site: ast.Assign | ast.Return, x: ast.expr, cos: ast.expr, sin: ast.expr,
+                           negate: bool, upcast: bool) -> _Match | str:
+        """The fused call for _accumulated_halves_site: the half rotation of x (fp32 where the view upcasts it)
+        with the half-size tables duplicated, in the dtype the in-place sums keep (x's, promoted with cos's)."""
+        m = self._build_real(module, scope, site.value, "half", x, cos, sin)
+        if isinstance(m, str):
+            return m
+        tag = _ident(segment(module, cos))
+        cs = [segment(module, cos), segment(module, sin)]
+        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
+        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+        m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
+                  f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # the rotation by -angle: sin negated" if negate else "")]
+        m.cos, m.sin = full
+        xa = _atom(segment(module, x))
+        m.x_text = f"{xa}.float()" if upcast else segment(module, x)
+        if upcast:
+            m.x_dtype = "float32"
+        # the sums are accumulated in place into x * cos: its dtype (x's, or fp32 where upcast, promoted with cos's)
+        m.post = f".to(torch.promote_types({'torch.float32' if upcast else xa + '.dtype'}, {_atom(cs[0])}.dtype))"
+        if isinstance(site, ast.Return):
+            m.wrap = "return {}"  # the site's value spans from the product statement to the returned merge
         return m
 
     def _named_lane_pairs(self, module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr, c: ast.expr, s: ast.expr,
@@ -2972,7 +3099,7 @@ class RopePattern(Pattern):
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
-                reps.append((m.node, f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}"))
+                reps.append((m.node, m.wrap.format(f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}")))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
             local = matches[0].local
             if matches[0].anchor is not None and len(_branch_of(matches[0].anchor, matches[0].site_stmt) or []) > 1:  # type: ignore[arg-type]
@@ -2991,10 +3118,15 @@ class RopePattern(Pattern):
             )
         first = all_matches[0]
         mode = first.mode
-        if any(m.rotary_dim != "full" for m in all_matches):
+        joined_tail = [m.wrap.startswith("torch.cat(") for m in all_matches]  # a filled prefix joined with x's tail
+        if any(m.rotary_dim != "full" and not j for m, j in zip(all_matches, joined_tail)):
             notes.append(
                 "partial rotary: only the rotated slice goes through npu_rotary_mul; the pass-through part is concatenated by the original code"
             )
+        if any(joined_tail):
+            notes.append("partial rotary filled into a new tensor: the rotated prefix goes through npu_rotary_mul and what the fills "
+                         "leave in the rest is joined after it (zeros for zeros_like; x's tail for empty_like, whose rest is "
+                         "undefined); the original's own copy of the tail into that tensor, if any, still runs")
         ci = first.cos_info
         risks.append(
             Risk(
@@ -6282,6 +6414,95 @@ def _filled_site(block: list[ast.stmt], i: int, stmt: ast.stmt) -> ast.Assign | 
                       end_lineno=last.end_lineno, end_col_offset=last.end_col_offset)
 
 
+def _filled_lanes_site(scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt) -> tuple[ast.Assign, ast.expr | None, int] | None:
+    """The spellings of ``_filled_site`` the shared canonical reading does not take, as (the one statement
+    ``res = <value>`` spanning them, the upper bound u of the filled lanes or None, the number of statements):
+
+    * the two fills as one statement, ``res[..., ::2], res[..., 1::2] = a, b`` (or the halves' slices);
+    * ``torch.empty_like(x, device=x.device)`` (a device keyword that is x's own device: the same tensor);
+    * the lanes of a prefix, ``res[..., :u:2], res[..., 1:u:2] = a, b`` (a nanoGPT variant's partial
+      interleaved rotary): read as ``torch.stack((a, b), -1).flatten(-2)``, the rotated prefix; the caller
+      fuses it only where the rotation is of ``x[..., :u]`` and joins after it what the fills leave in
+      ``res[..., u:]`` (zeros from zeros_like; from empty_like nothing defined: x's tail, which the code's own
+      tail copy writes there next)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
+            and stmt.value.func.attr in ("empty_like", "zeros_like") and len(stmt.value.args) == 1 and i + 1 < len(block)):
+        return None
+    call = stmt.value
+    like = call.args[0]
+    for kw in call.keywords:
+        # device=x.device (or a local bound once to it): the same allocation; any other keyword changes it
+        dev = _resolve(scope, kw.value) if kw.arg == "device" else None
+        if not (isinstance(dev, ast.Attribute) and dev.attr == "device" and same_expr(dev.value, like)):
+            return None
+    alloc = ast.Assign(targets=stmt.targets, value=ast.Call(func=call.func, args=call.args, keywords=[]))
+    ast.copy_location(alloc, stmt)
+    ast.copy_location(alloc.value, call)
+    nxt = block[i + 1]
+    if isinstance(nxt, ast.Assign) and len(nxt.targets) == 1 and isinstance(nxt.targets[0], ast.Tuple) \
+            and len(nxt.targets[0].elts) == 2 and isinstance(nxt.value, ast.Tuple) and len(nxt.value.elts) == 2:
+        fills = [ast.copy_location(ast.Assign(targets=[t], value=v), nxt) for t, v in zip(nxt.targets[0].elts, nxt.value.elts)]
+        for f in fills:
+            f.end_lineno, f.end_col_offset = nxt.end_lineno, nxt.end_col_offset
+        used = 2
+    elif i + 2 < len(block):
+        fills, used = [block[i + 1], block[i + 2]], 3
+    else:
+        return None
+    if not call.keywords and used == 3 and canonical.filled_output([stmt] + fills) is not None:
+        return None  # the canonical spelling: _filled_site's
+    found = canonical.filled_output([alloc] + fills)
+    upper: ast.expr | None = None
+    if found is None:
+        found = _bounded_lane_fills(alloc, fills)
+        if found is None:
+            return None
+        upper = found[2]
+    out, expr = found[0], found[1]
+    last = block[i + used - 1]
+    target = ast.Name(id=out, ctx=ast.Store())
+    ast.copy_location(target, stmt.targets[0])
+    site = ast.Assign(targets=[target], value=expr)
+    ast.copy_location(site, stmt)
+    site.end_lineno, site.end_col_offset = last.end_lineno, last.end_col_offset
+    return site, upper, used
+
+
+def _bounded_lane_fills(alloc: ast.Assign, fills: list[ast.stmt]) -> tuple[str, ast.expr, ast.expr] | None:
+    """(res, ``torch.stack((a, b), dim=-1).flatten(-2)``, u) of ``res[..., :u:2] = a; res[..., 1:u:2] = b``
+    (one u for both, neither fill reading res); the new nodes span the allocation's value to the last fill."""
+    out = alloc.targets[0].id  # type: ignore[attr-defined]
+    parts = []
+    for st in fills:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)):
+            return None
+        t = st.targets[0]
+        if not (isinstance(t.value, ast.Name) and t.value.id == out) or any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(st.value)):
+            return None
+        sl = _Halves(None, lambda n: True)._last_dim_slice(t)  # type: ignore[arg-type]
+        if sl is None or sl.upper is None or not _is_int(sl.step, 2):
+            return None
+        parts.append((sl, st.value))
+    (s1, a), (s2, b) = parts
+    if not ((s1.lower is None or _is_int(s1.lower, 0)) and _is_int(s2.lower, 1) and ast.dump(s1.upper) == ast.dump(s2.upper)):  # type: ignore[arg-type]
+        return None
+    last = fills[-1]
+
+    def at(node: ast.AST) -> ast.AST:
+        node.lineno, node.col_offset = alloc.value.lineno, alloc.value.col_offset  # type: ignore[attr-defined]
+        node.end_lineno, node.end_col_offset = last.end_lineno, last.end_col_offset  # type: ignore[attr-defined]
+        return node
+
+    torch_mod = alloc.value.func.value  # type: ignore[attr-defined]
+    pair = at(ast.Tuple(elts=[a, b], ctx=ast.Load()))
+    stacked = at(ast.Call(func=at(ast.Attribute(value=torch_mod, attr="stack", ctx=ast.Load())), args=[pair],
+                          keywords=[ast.keyword(arg="dim", value=at(ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1))))]))
+    expr = at(ast.Call(func=at(ast.Attribute(value=stacked, attr="flatten", ctx=ast.Load())),
+                       args=[at(ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2)))], keywords=[]))
+    return out, expr, s1.upper  # type: ignore[return-value]
+
+
 _FILLED_HALVES = '''
 import torch
 
@@ -8656,5 +8877,408 @@ RopePattern.KEEP += [
                                                                      'return rearrange([-x_odd, x_even], "two ... d -> ... (two d)", two=2)') + "\n",
         reason="does not compute the standard rotate_half",
         name="s34_einops_lanes_joined_as_halves",
+    ),
+]
+
+# s35: the rotated lane pairs written into a new tensor shaped like x by strided slice assignment, the two fills
+# as one statement (``out[..., ::2], out[..., 1::2] = a, b``), the allocation given x's own device
+# (``torch.empty_like(x, device=x.device)``), and the lanes of a rotated prefix (``x[..., :u:2]`` / ``x[..., 1:u:2]``
+# filled into ``out[..., :u:2]`` / ``out[..., 1:u:2]``, x's tail copied after: a nanoGPT variant's partial
+# interleaved rotary). The fill reads as ``stack((a, b), -1).flatten(-2)`` of the prefix; the fused call rotates
+# ``x[..., :u]`` and joins ``x[..., u:]`` (zeros for zeros_like) after it, where u is even and x at least u wide
+# (checked at run time). The same bounded lanes stacked inline (``turn_inline``) rotate the prefix alone
+_FILLED_PREFIX_LANES = '''
+import torch
+import torch.nn as nn
+
+
+class PrefixRotary(nn.Module):
+    def __init__(self, config, size=None):
+        super().__init__()
+        self.dim = size
+        self.rope_length = config.rope_length if config.rope_length else size
+        self.inv_freq = 1.0 / (10000 ** (torch.arange(0, self.rope_length // 2).float() / (self.rope_length // 2)))
+
+    def forward(self, x):
+        seq_len = x.shape[-2]
+        device = x.device
+        pos = torch.arange(0, seq_len, device=device).type_as(self.inv_freq)
+        angles = torch.einsum("i,d->id", pos, self.inv_freq)
+        sin_angles = angles.sin()
+        cos_angles = angles.cos()
+        x_even, x_odd = x[..., :self.rope_length:2], x[..., 1:self.rope_length:2]
+        x_rotated_even = x_even * cos_angles - x_odd * sin_angles
+        x_rotated_odd = x_even * sin_angles + x_odd * cos_angles
+        x_combined = torch.empty_like(x, device=device)
+        x_combined[..., :self.rope_length:2], x_combined[..., 1:self.rope_length:2] = x_rotated_even, x_rotated_odd
+        if self.rope_length < self.dim:
+            x_combined[..., self.rope_length:] = x[..., self.rope_length:]
+        return x_combined
+
+
+def turn_leading(t, c, s, width: int):
+    lo = t[..., 0:width:2]
+    hi = t[..., 1:width:2]
+    turned_lo = c * lo - s * hi
+    turned_hi = s * lo + c * hi
+    res = torch.zeros_like(t)
+    res[..., 0:width:2] = turned_lo
+    res[..., 1:width:2] = turned_hi
+    res[..., width:] = t[..., width:]
+    return res
+
+
+def turn_leading_zero_tail(t, c, s, width: int):
+    lo, hi = t[..., :width:2], t[..., 1:width:2]
+    a = lo * c - hi * s
+    b = hi * c + lo * s
+    res = torch.zeros_like(t)
+    res[..., :width:2], res[..., 1:width:2] = a, b
+    return res
+
+
+def turn_pairs(t, c, s):
+    re, im = t.unflatten(-1, (-1, 2)).unbind(-1)
+    new_re = re * c - im * s
+    new_im = re * s + im * c
+    res = torch.empty_like(t, device=t.device)
+    res[..., ::2], res[..., 1::2] = new_re, new_im
+    return res
+
+
+def turn_inline(t, c, s, w):
+    return torch.stack((t[..., :w:2] * c - t[..., 1:w:2] * s, t[..., :w:2] * s + t[..., 1:w:2] * c), -1).flatten(-2)
+'''
+
+_FILLED_PREFIX_LANES_RUN = '''
+class _Cfg:
+    rope_length = 8
+
+
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+ang = torch.randn(5, 4)
+full = torch.randn(5, 8)
+wide = torch.randn(250, 4, 5, 16, requires_grad=True)  # B*N = 1000: over the interleave limit, the original code runs
+out = (PrefixRotary(_Cfg(), 16)(x), PrefixRotary(_Cfg(), 8)(x[..., :8]), turn_leading(x, ang.cos(), ang.sin(), 8),
+       turn_leading(x, full.cos(), full.sin(), 16), turn_pairs(x, full.cos(), full.sin()),
+       turn_pairs(x.to(torch.bfloat16), full.cos(), full.sin()), turn_leading(wide, ang.cos(), ang.sin(), 8),
+       turn_leading_zero_tail(x, ang.cos(), ang.sin(), 8), turn_inline(x, ang.cos(), ang.sin(), 8))
+leaves = [x, wide]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s35_prefix_lanes_filled_into_a_new_tensor",
+        code=_FILLED_PREFIX_LANES,
+        expect={"mode": "interleave", "qualname": "PrefixRotary.forward"},
+        run=_FILLED_PREFIX_LANES_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # the rotated lanes written back swapped (the odd lane's value into the even lanes): no rotation
+        _FILLED_PREFIX_LANES.split("\n\n\ndef turn_leading")[0].replace(
+            "= x_rotated_even, x_rotated_odd", "= x_rotated_odd, x_rotated_even") + "\n",
+        name="s35_prefix_lanes_filled_swapped",
+    ),
+    Keep(
+        # the new tensor lives on another device than x: the fused result would not
+        _FILLED_PREFIX_LANES.split("\n\n\ndef turn_leading")[0].replace(
+            "torch.empty_like(x, device=device)", 'torch.empty_like(x, device="cpu")') + "\n",
+        name="s35_prefix_lanes_filled_on_another_device",
+    ),
+    Keep(
+        # the fills write the lanes of a wider prefix than the rotation reads: not one prefix
+        "\nimport torch\n\n\ndef turn_leading" + _FILLED_PREFIX_LANES.split("\n\n\ndef turn_leading")[1].split("\n\n\ndef turn_leading_zero_tail")[0]
+        .replace("res[..., 0:width:2] = turned_lo\n    res[..., 1:width:2] = turned_hi",
+                 "res[..., 0:2 * width:2] = turned_lo\n    res[..., 1:2 * width:2] = turned_hi") + "\n",
+        name="s35_prefix_lanes_filled_at_another_width",
+    ),
+]
+
+
+# --- rope s35: the half rotation accumulated in place into the two halves of x * cos (LTX-2's split RoPE) ---
+
+
+def _unsqueezed_at(node: ast.expr, scope: Scope) -> ast.expr | None:
+    """t of ``t.unsqueeze(-2)`` / ``t.unsqueeze(dim=-2)`` / ``t[..., None, :]`` (directly or through a name bound
+    once): a half-size table given the size-1 axis that broadcasts it over the two halves."""
+    node = _resolve(scope, node)
+    if _method(node, "unsqueeze") and len(node.args) + len(node.keywords) == 1:  # type: ignore[union-attr]
+        dim = node.args[0] if node.args else keyword(node, "dim")  # type: ignore[union-attr,arg-type]
+        if _is_int(dim, -2):
+            return node.func.value  # type: ignore[union-attr]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 3:
+        e0, e1, e2 = node.slice.elts
+        if isinstance(e0, ast.Constant) and e0.value is Ellipsis and isinstance(e1, ast.Constant) and e1.value is None \
+                and isinstance(e2, ast.Slice) and e2.lower is None and e2.upper is None and e2.step is None:
+            return node.value
+    return None
+
+
+def _half_row(node: ast.expr) -> tuple[ast.expr, int] | None:
+    """(t, k) of ``t[..., k:k+1, :]`` / ``t[..., k, :]`` (k 0 or 1; ``:1`` / ``1:`` / ``0:1`` / ``1:2``): one
+    of the two rows of a [..., 2, D/2] view (in place, a view writes into t)."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 3):
+        return None
+    e0, e1, e2 = node.slice.elts
+    if not (isinstance(e0, ast.Constant) and e0.value is Ellipsis and isinstance(e2, ast.Slice)
+            and e2.lower is None and e2.upper is None and e2.step is None):
+        return None
+    if _is_int(e1, 0, 1):
+        return node.value, const_value(e1)  # type: ignore[return-value]
+    if isinstance(e1, ast.Slice) and e1.step is None:
+        lo, hi = (0 if e1.lower is None else const_value(e1.lower)), (None if e1.upper is None else const_value(e1.upper))
+        if lo == 0 and hi == 1:
+            return node.value, 0
+        if lo == 1 and hi in (None, 2):
+            return node.value, 1
+    return None
+
+
+def _merged_pair_axes(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
+    """t of an expression merging t's last two axes: ``t.flatten(-2)`` (canonical.merges_last_two),
+    ``rearrange(t, "... d r -> ... (d r)")``, ``t.reshape(*t.shape[:-2], n)`` / ``t.view(*t.shape[:-2], -1)``."""
+    inner = canonical.merges_last_two(node)
+    if inner is not None:
+        return inner
+    if isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] == "rearrange" and len(node.args) == 2 \
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+        lhs, _, rhs = node.args[1].value.partition("->")
+        lt, rt = lhs.split(), rhs.replace("(", " ( ").replace(")", " ) ").split()
+        if len(lt) >= 2 and rt[-4:] == ["(", lt[-2], lt[-1], ")"] and rt[:-4] == lt[:-2] and "(" not in lhs:
+            return node.args[0]
+        return None
+    if _method(node, "reshape", "view") and len(node.args) == 2 and not node.keywords:  # type: ignore[union-attr]
+        lead = node.args[0]  # type: ignore[union-attr]
+        t = node.func.value  # type: ignore[union-attr]
+        if isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.value, ast.Attribute) \
+                and lead.value.value.attr == "shape" and same_expr(lead.value.value.value, t) and isinstance(lead.value.slice, ast.Slice) \
+                and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -2) and lead.value.slice.step is None:
+            return t  # (one size for the merged axis: any other than 2 * D/2 fails in the eager code too)
+    return None
+
+
+def _accumulated_halves_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt
+                             ) -> tuple[ast.Assign | ast.Return, ast.expr, ast.expr, ast.expr, bool, bool] | str | None:
+    """LTX-2's split RoPE (and its copies in diffusers, DiffSynth, FastVideo, VeOmni):
+
+        s = rearrange(x, "... (d r) -> ... d r", d=2)      # [..., 2, D/2]: the halves as an axis
+        out = s * cos.unsqueeze(-2)
+        lo, hi = out[..., :1, :], out[..., 1:, :]           # views of out
+        lo.addcmul_(-sin.unsqueeze(-2), s[..., 1:, :])      # x1*cos - x2*sin, in place
+        hi.addcmul_(sin.unsqueeze(-2), s[..., :1, :])       # x2*cos + x1*sin
+        out = rearrange(out, "... d r -> ... (d r)")
+
+    is ``cat((x1*cos - x2*sin, x2*cos + x1*sin), -1)``: the half rotation with half-size tables. Returned as
+    (the one statement ``out = <value>`` spanning the product to the merge, x, cos, sin, whether sin is negated
+    (the rotation by -angle), whether the view upcasts x to fp32); a reason where the shape is there but
+    something else is written; None where it is not this shape."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Mult)):
+        return None
+    out = stmt.targets[0].id
+    view = cos = None
+    for a, b in ((stmt.value.left, stmt.value.right), (stmt.value.right, stmt.value.left)):
+        c = _unsqueezed_at(b, scope)
+        inner, casts = strip_casts(_resolve(scope, a))
+        got = _halves_axis_view(module, scope, inner) if isinstance(inner, ast.Call) else None
+        if c is not None and got is not None and set(casts) <= {".float()"}:
+            view, cos, x, upcast = a, c, got, bool(casts)
+            break
+    if view is None or cos is None:
+        return None
+    if isinstance(x, ast.Name) and isinstance(view, ast.Name):
+        made = [st.lineno for st, _v in scope.assignments.get(view.id, []) if st.lineno < stmt.lineno]
+        if not made or any(made[-1] < st.lineno < stmt.lineno for st, _v in scope.assignments.get(x.id, [])):
+            return None  # x rebound between the view and the product: the fused call would read another x
+    # the statements after: views of out's two rows (names or inline), two addcmul_, then the merge of out
+    rows: dict[str, int] = {}
+    acc: dict[int, tuple[int, ast.expr]] = {}
+    j = i + 1
+    while j < len(block):
+        st = block[j]
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            row = _half_row(st.value)
+            if row is not None and isinstance(row[0], ast.Name) and row[0].id == out:
+                rows[st.targets[0].id] = row[1]
+                j += 1
+                continue
+            break
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple) and isinstance(st.value, ast.Tuple) \
+                and len(st.targets[0].elts) == len(st.value.elts):
+            pairs = [(t, _half_row(v)) for t, v in zip(st.targets[0].elts, st.value.elts)]
+            if all(isinstance(t, ast.Name) and r is not None and isinstance(r[0], ast.Name) and r[0].id == out for t, r in pairs):
+                rows.update({t.id: r[1] for t, r in pairs})  # type: ignore[union-attr,index]
+                j += 1
+                continue
+            break
+        if isinstance(st, ast.Expr) and _method(st.value, "addcmul_"):
+            call = st.value
+            recv = call.func.value  # type: ignore[union-attr]
+            k = rows.get(recv.id) if isinstance(recv, ast.Name) else None
+            if k is None:
+                row = _half_row(recv)
+                k = row[1] if row is not None and isinstance(row[0], ast.Name) and row[0].id == out else None
+            value = keyword(call, "value")  # type: ignore[arg-type]
+            if k is None or len(call.args) != 2 or (call.keywords and (len(call.keywords) != 1 or value is None)) or k in acc:  # type: ignore[union-attr]
+                return None
+            sign = 1 if value is None else const_value(value)
+            if sign not in (1, -1):
+                return None
+            acc[k] = (sign, call)  # type: ignore[assignment]
+            j += 1
+            continue
+        break
+    if sorted(acc) != [0, 1] or j >= len(block):
+        return None
+    merge = block[j]
+    returned = isinstance(merge, ast.Return) and merge.value is not None  # ``return rearrange(out, ...)`` (FastVideo)
+    if not returned and not (isinstance(merge, ast.Assign) and len(merge.targets) == 1 and isinstance(merge.targets[0], ast.Name)
+                             and merge.targets[0].id == out):
+        return None
+    merged = _merged_pair_axes(module, merge.value)  # type: ignore[arg-type]
+    if not (isinstance(merged, ast.Name) and merged.id == out):
+        return None
+    # each row k gets sign * t1 * t2 with one factor the other half of the view and the other ±sin.unsqueeze(-2)
+    halves = _Halves(scope, lambda n: same_expr(_resolve(scope, n), _resolve(scope, view)) or same_expr(n, view), module)
+    sin = None
+    signs = {}
+    for k, (sign, call) in acc.items():
+        found = None
+        for t1, t2 in ((call.args[0], call.args[1]), (call.args[1], call.args[0])):  # type: ignore[attr-defined]
+            row = _half_row(_resolve(scope, t1))
+            s_node, s_sign = t2, sign
+            neg = halves.neg_of(t2)
+            if neg is not None:
+                s_node, s_sign = neg, -sign
+            s = _unsqueezed_at(s_node, scope)
+            if row is not None and s is not None and (same_expr(row[0], view) or same_expr(_resolve(scope, row[0]), _resolve(scope, view))):
+                found = (row[1], s, s_sign)
+                break
+        if found is None or found[0] != 1 - k:
+            return (f"`{segment(module, call)}` adds to one half of `{out}` what is not the other half of "  # type: ignore[arg-type]
+                    f"`{segment(module, view)}` times a sin table: not the half rotation")
+        if sin is not None and not same_expr(sin, found[1]):
+            return None
+        sin, signs[k] = found[1], found[2]
+    if signs[0] != -signs[1]:
+        return (f"the two halves of `{out}` get the sin products with the same sign: a shear, not the rotation")
+    # the row views must not be read after the merge (the fused code never binds them)
+    end = merge.end_lineno or merge.lineno
+    for name in rows:
+        if _read_before_rebound(scope, name, end):
+            return f"the half view `{name}` of `{out}` is read after the merge: the fused code does not bind it"
+    value = ast.Tuple(elts=[], ctx=ast.Load())
+    site: ast.Assign | ast.Return = ast.Return(value=value) if returned else ast.Assign(targets=[stmt.targets[0]], value=value)
+    ast.copy_location(site, stmt)
+    site.end_lineno, site.end_col_offset = merge.end_lineno, merge.end_col_offset
+    # (a returned merge: the value spans the whole statement, the fused text says ``return``: _accumulated_match)
+    ast.copy_location(value, stmt if returned else stmt.value)
+    value.end_lineno, value.end_col_offset = merge.end_lineno, merge.end_col_offset
+    return site, x, cos, sin, signs[0] == 1, upcast  # type: ignore[return-value]
+
+
+def _halves_axis_view(module: ModuleInfo, scope: Scope, node: ast.Call) -> ast.expr | None:
+    """x of a [..., 2, D/2] view of x (its halves as an axis): the canonical spellings, and
+    ``x.reshape(*x.shape[:-1], 2, h)`` with h x's last dim // 2 (diffusers' LTX-2 port)."""
+    got = canonical.two_axis_view(module, node, scope)
+    if got is not None:
+        return got[0] if got[1] == "outer2" else None
+    if _method(node, "reshape", "view") and len(node.args) == 3 and not node.keywords:
+        lead, two, h = node.args
+        t = node.func.value  # type: ignore[attr-defined]
+        if isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.value, ast.Attribute) \
+                and lead.value.value.attr == "shape" and same_expr(lead.value.value.value, t) and isinstance(lead.value.slice, ast.Slice) \
+                and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -1) and lead.value.slice.step is None \
+                and _is_int(two, 2) and _Halves(scope, lambda n: same_expr(n, t))._is_half_point(h):
+            return t
+    return None
+
+
+# s35: the half rotation accumulated in place (LTX-2's ``apply_split_rotary_emb`` and its copies in diffusers,
+# DiffSynth-Studio, FastVideo, VeOmni): x's halves viewed as an axis [..., 2, D/2], multiplied by cos.unsqueeze(-2),
+# then ``addcmul_`` of ∓sin times the other half into each half's view, the two axes merged back. Spellings below
+# that none of those use: unflatten views with the rows updated inline and the sign given as ``value=-1``, a
+# ``[..., None, :]`` table axis with the rows unpacked from a tuple and ``return y.flatten(-2)`` (FastVideo returns
+# its einops merge), a class method
+_ACCUMULATED_HALVES = '''
+import torch
+import torch.nn as nn
+
+
+def split_rotate(x, cos, sin):
+    last = x.shape[-1]
+    r = last // 2
+    split_x = x.reshape(*x.shape[:-1], 2, r).float()
+    first_x = split_x[..., :1, :]
+    second_x = split_x[..., 1:, :]
+    cos_u = cos.unsqueeze(-2)
+    sin_u = sin.unsqueeze(-2)
+    out = split_x * cos_u
+    first_out = out[..., :1, :]
+    second_out = out[..., 1:, :]
+    first_out.addcmul_(-sin_u, second_x)
+    second_out.addcmul_(sin_u, first_x)
+    out = out.reshape(*out.shape[:-2], last)
+    return out.to(x.dtype)
+
+
+def turn_by_rows(t, c, s):
+    rows = t.unflatten(-1, (2, -1))
+    acc = c.unsqueeze(dim=-2) * rows
+    acc[..., 0:1, :].addcmul_(s.unsqueeze(-2), rows[..., 1:2, :], value=-1)
+    acc[..., 1:2, :].addcmul_(rows[..., 0:1, :], s.unsqueeze(-2))
+    acc = acc.flatten(-2)
+    return acc
+
+
+class HalfTurn(nn.Module):
+    def forward(self, q, c, s):
+        halves = q.view(*q.shape[:-1], 2, -1)
+        y = halves * c[..., None, :]
+        top, bottom = y[..., :1, :], y[..., 1:, :]
+        top.addcmul_(halves[..., 1:, :], -s[..., None, :])
+        bottom.addcmul_(halves[..., :1, :], s[..., None, :])
+        return y.flatten(-2)
+'''
+
+_ACCUMULATED_HALVES_RUN = '''
+x = torch.randn(2, 3, 5, 16, requires_grad=True)
+ang = torch.randn(5, 8)
+batch = torch.randn(2, 1, 5, 8)
+xb = x.detach().to(torch.bfloat16).requires_grad_()
+out = (split_rotate(x, ang.cos(), ang.sin()), split_rotate(xb, ang.cos(), ang.sin()), turn_by_rows(x, ang.cos(), ang.sin()),
+       turn_by_rows(x, batch.cos(), batch.sin()), HalfTurn()(x, ang.cos(), ang.sin()))
+leaves = [x, xb]
+'''
+
+RopePattern.FUSE += [
+    Fuse(
+        name="s35_half_rotation_accumulated_in_place",
+        code=_ACCUMULATED_HALVES,
+        expect={"mode": "half", "qualname": "split_rotate"},
+        run=_ACCUMULATED_HALVES_RUN,
+    ),
+]
+
+RopePattern.KEEP += [
+    Keep(
+        # both halves get +sin times the other: a shear, not the rotation
+        _ACCUMULATED_HALVES.split("\n\n\ndef turn_by_rows")[0].replace("first_out.addcmul_(-sin_u, second_x)", "first_out.addcmul_(sin_u, second_x)") + "\n",
+        name="s35_accumulated_halves_same_sign",
+    ),
+    Keep(
+        # the first half accumulates its own half: x1 * (cos - sin), no rotation
+        _ACCUMULATED_HALVES.split("\n\n\ndef turn_by_rows")[0].replace("first_out.addcmul_(-sin_u, second_x)", "first_out.addcmul_(-sin_u, first_x)") + "\n",
+        name="s35_accumulated_halves_own_half",
+    ),
+    Keep(
+        # the view puts the lane pairs on the last axis ([..., D/2, 2]): its rows ``[..., :1, :]`` are the first pair
+        # of lanes, not a half of the head dim
+        "\nimport torch\n\n\ndef turn_by_rows" + _ACCUMULATED_HALVES.split("\n\n\ndef turn_by_rows")[1].split("\n\n\nclass HalfTurn")[0]
+        .replace("t.unflatten(-1, (2, -1))", "t.unflatten(-1, (-1, 2))") + "\n",
+        name="s35_accumulated_rows_of_lane_pairs",
     ),
 ]

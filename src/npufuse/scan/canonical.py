@@ -1841,3 +1841,13 @@ def _flag_value(value: ast.AST, env: dict) -> bool:
             return False
     return True
 
+
+
+# --- rope (s35): a tensor's last dim seen as two axes, for callers outside this module ---
+
+
+def two_axis_view(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) -> tuple[ast.expr, str] | None:
+    """(x, "outer2" | "inner2") when ``node`` views x's last dim D as two axes, the 2 outer (``(2, D/2)``: the
+    halves, LTX-2's ``rearrange(x, "... (d r) -> ... d r", d=2)``) or inner (``(D/2, 2)``: the lane pairs);
+    the spellings :func:`_two_axes` reads (unflatten, view / reshape of ``*x.shape[:-1]``, einops)."""
+    return _two_axes(module, node, scope)
