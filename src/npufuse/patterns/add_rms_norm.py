@@ -196,6 +196,141 @@ def _triton_rms_forward(module: ModuleInfo, fwd: ast.FunctionDef, cls: str, mod:
     return gamma, mod + ed[len(self_name):]
 
 
+# -- s35: norm helpers that return a library RMSNorm kernel of their input ---------------------------
+# ShadowKV's ``def layer_norm(h, eps, w): return rmsnorm(h.view(-1, h.size(-1)), w, eps).view_as(h)``
+# (flashinfer), xtuner's ``def rms_norm(x, weight, epsilon): return rms_norm_fn(x, weight, bias=None,
+# eps=epsilon)`` (flash-attn's Triton kernel), a ``F.rms_norm(x, (x.size(-1),), w, eps)`` helper: each is
+# x * rsqrt(mean(x^2) + eps) * w over the last dim, computed in fp32 and returned in x's dtype. The
+# helper's weight and eps are parameters; the call site's arguments for them name the norm's gamma and
+# eps, so the helper's own code is never rendered (its file may import the kernel; this one need not).
+
+# kernel: (its parameters in order, eps when not given; None: float32's, as PyTorch's rms_norm)
+_RMS_KERNELS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "flashinfer.norm.rmsnorm": (("input", "weight", "eps", "out", "enable_pdl"), "1e-6"),
+    "flashinfer.rmsnorm": (("input", "weight", "eps", "out", "enable_pdl"), "1e-6"),
+    **{k: (("x", "weight", "bias"), "1e-6") for k in _TRITON_RMS_NORM_FNS},
+    "torch.nn.functional.rms_norm": (("input", "normalized_shape", "weight", "eps"), None),
+}
+# the kernel's arguments that may be given with these values only (flashinfer's ``out`` writes into a
+# caller's buffer; ``enable_pdl`` only overlaps kernel launches): the rest as for the Triton module form
+_RMS_KERNEL_PLAIN = {**_TRITON_PLAIN_KEYWORDS, "enable_pdl": ..., "residual_in_fp32": ...}
+
+
+def _rows_of(node: ast.expr, x: str) -> bool:
+    """``node`` is ``x`` or ``x`` with its leading dims flattened (``x.view(-1, x.size(-1))``,
+    ``x.reshape(-1, x.shape[-1])``, ``x.flatten(0, -2)``): the same rows of the last dim."""
+    if isinstance(node, ast.Name):
+        return node.id == x
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == x and not node.keywords):
+        return False
+    m, args = node.func.attr, [ast.unparse(a).replace(" ", "") for a in node.args]
+    if m in ("view", "reshape"):
+        return args in (["-1", f"{x}.size(-1)"], ["-1", f"{x}.shape[-1]"])
+    return m == "flatten" and args == ["0", "-2"]
+
+
+def _restored(node: ast.expr, x: str) -> ast.expr | None:
+    """The inner value of ``v.view_as(x)`` / ``v.reshape_as(x)`` / ``v.view(x.shape)`` /
+    ``v.reshape(*x.shape)`` (x's shape given back), or ``node`` itself."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and len(node.args) == 1 and not node.keywords:
+        a = node.args[0]
+        a = a.value if isinstance(a, ast.Starred) else a
+        m, text = node.func.attr, ast.unparse(a).replace(" ", "")
+        if (m in ("view_as", "reshape_as") and text == x) or (m in ("view", "reshape") and text in (f"{x}.shape", f"{x}.size()")):
+            return node.func.value
+    return node
+
+
+def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn: ast.FunctionDef, where: str) -> NormCall | None:
+    """The helper ``fn`` (of ``home``) called as ``call`` when its one statement returns a library
+    RMSNorm kernel (``_RMS_KERNELS``) of its first parameter, the kernel's weight and eps each a
+    parameter of the helper (read as this call's argument: a name or an attribute) or a constant;
+    None otherwise."""
+    from npufuse.scan import canonical
+    from npufuse.scan.dataflow import const_value
+
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or not params or a.vararg or a.kwarg:
+        return None
+    value = _restored(body[0].value, params[0])
+    if not isinstance(value, ast.Call) or any(isinstance(v, ast.Starred) for v in value.args) or any(k.arg is None for k in value.keywords):
+        return None
+    kernel = canonical.api(home, value.func)
+    if kernel not in _RMS_KERNELS:
+        return None
+    names, eps_default = _RMS_KERNELS[kernel]
+    if len(value.args) > len(names):
+        return None
+    given: dict[str, ast.expr] = dict(zip(names, value.args))
+    given.update({k.arg: k.value for k in value.keywords if k.arg is not None})
+    x, w, eps = given.pop(names[0], None), given.pop("weight", None), given.pop("eps", None)
+    shape = given.pop("normalized_shape", None)
+    if x is None or not _rows_of(x, params[0]):
+        return None
+    conditions: list[str] = []
+    by_weight = isinstance(shape, ast.Attribute) and shape.attr == "shape" and isinstance(w, ast.Name) \
+        and isinstance(shape.value, ast.Name) and shape.value.id == w.id
+    if shape is not None and not by_weight \
+            and not (_last_dim_shape(shape) and params[0] in {n.id for n in ast.walk(shape) if isinstance(n, ast.Name)}):
+        return None  # F.rms_norm over ``(x.size(-1),)`` or ``weight.shape`` only (another shape may name more dims)
+    for k, v in given.items():
+        plain = _RMS_KERNEL_PLAIN.get(k, ...)
+        if k not in _RMS_KERNEL_PLAIN or (plain is not ... and (const_value(v) != plain or plain is None
+                                                                  and not (isinstance(v, ast.Constant) and v.value is None))):
+            return None
+    # this call's argument for each helper parameter (the helper's constant defaults included)
+    bound: dict[str, ast.expr] = dict(zip(params, call.args))
+    for k in call.keywords:
+        if k.arg is None or k.arg not in params or k.arg in bound:
+            return None
+        bound[k.arg] = k.value
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults)) if a.defaults else {}
+
+    def text(node: ast.expr | None) -> str | None:
+        """The code of a kernel argument at the call site: a parameter's argument (a name or an
+        attribute: the fused code reads it twice), or a number."""
+        if node is None:
+            return None
+        if isinstance(node, ast.Name) and node.id in params:
+            arg = bound.get(node.id)
+            if arg is None:
+                d = defaults.get(node.id)
+                return ast.unparse(d) if d is not None and type(const_value(d)) in (int, float) else None
+            return S.source_of(module, arg) if dotted(arg) is not None or type(const_value(arg)) in (int, float) else None
+        if params[0] in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
+            return None
+        return ast.unparse(node) if type(const_value(node)) in (int, float) else None
+
+    if isinstance(w, ast.Name) and w.id in params and w.id not in bound and isinstance(defaults.get(w.id), ast.Constant):
+        w = defaults[w.id]  # ``weight=None`` left out: no weight
+    ones = w is None or (isinstance(w, ast.Constant) and w.value is None)
+    if ones and (by_weight or shape is None or home is module):
+        return None  # the norm's shape is the weight's (or the kernel needs one); this file's weightless
+        # F.rms_norm helpers are read by _function_norm itself
+    gamma = "" if ones else text(w)
+    if gamma and shape is not None:
+        # F.rms_norm's weight may be None at run time (``self.weight`` of a weightless norm); over
+        # ``weight.shape`` it names the last dim only when 1-D
+        conditions.append(f"{gamma} is not None" + (f" and {gamma}.dim() == 1" if by_weight else ""))
+    if isinstance(eps, ast.Name) and eps.id in params and eps.id not in bound and isinstance(defaults.get(eps.id), ast.Constant):
+        eps = defaults[eps.id]  # the helper's default (``eps=None``: the kernel's own)
+    if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
+        T = S.torch_name(module) or "torch"
+        e = eps_default if eps_default is not None else float32_eps(T)
+    else:
+        e = text(eps)
+        if e is not None and eps_default is None and type(const_value(ast.parse(e, mode="eval").body)) not in (int, float):
+            e = eps_or_default(e, S.torch_name(module) or "torch")  # F.rms_norm's eps=None: float32's
+    if gamma is None or e is None or len(call.args) + len(call.keywords) > len(params):
+        return None
+    label = call.func.id if isinstance(call.func, ast.Name) else ast.unparse(call.func)
+    return NormCall(call, label, "library", cls=f"{label}{where} ({kernel.rsplit('.', 1)[-1]} kernel)", gamma=gamma, eps=e,
+                    ones=ones, conditions=conditions)
+
+
 def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
     """The epsilon argument for a library rms_norm's ``eps`` (None/absent: float32's, as PyTorch's kernel)."""
     from npufuse.scan.dataflow import const_value
@@ -258,8 +393,16 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         if found is not None:
             home, fn = found
             where = f" (from {home.path})"
+        else:
+            # a helper returning a library kernel is not rendered: the names its file reads may differ
+            other = _foreign_definition(module, f.id)
+            if other is not None and isinstance(other[1], ast.FunctionDef):
+                return _kernel_helper_norm(module, call, other[0], other[1], f" (from {other[0].path})")
     if not isinstance(fn, ast.FunctionDef):
         return None
+    kernel = _kernel_helper_norm(module, call, home, fn, where)
+    if kernel is not None:
+        return kernel
     ret = R._helper_return(fn)
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     nscope = S.scope_of(home, fn)
@@ -4609,4 +4752,125 @@ AddRmsNorm.KEEP += [
     Keep(_S34_CLAMP_NORM.replace("return x / norm.clamp(min=self.eps) * self.g", "return x / x.clamp(min=self.eps) * self.g")
          .replace("return (x / norm.clamp(min = self.eps)) * self.gamma", "return (x / norm.clamp(min = self.eps)) * x"),
          name="s34_clamp_of_another_tensor"),
+]
+
+# -- s35: norm helpers returning a library RMSNorm kernel of their input (ShadowKV's flashinfer
+# ``layer_norm(h, eps, w)``, xtuner's ``rms_norm_fn`` wrapper, a ``F.rms_norm`` helper taking the weight):
+# the call site's arguments name gamma and eps; the helper's own code is not rendered.
+
+_S35_KERNEL_HELPERS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+import flashinfer
+from flash_attn.ops.triton.layer_norm import rms_norm_fn
+
+
+def rms(t, w, eps=1e-5):
+    return flashinfer.norm.rmsnorm(t.reshape(-1, t.shape[-1]), w, eps).reshape(*t.shape)
+
+
+def triton_norm(hidden, weight, epsilon):
+    """flash-attn's Triton RMSNorm, no bias, no residual."""
+    return rms_norm_fn(hidden, weight, bias=None, eps=epsilon, prenorm=False)
+
+
+def scaled(x, gain, eps=None):
+    return F.rms_norm(x, (x.size(-1),), gain, eps)
+
+
+def by_weight_shape(inp, w, epsilon: float = 1e-5):
+    return F.rms_norm(inp, w.shape, w, epsilon)
+
+
+class Decoder(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.w_post = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x, attn):
+        h = self.proj(attn) + x
+        return self.mlp(rms(h, self.w_post, self.eps)) + h
+
+
+class Stage(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.norm_weight = nn.Parameter(torch.ones(d))
+        self.norm_eps = 1e-5
+
+    def forward(self, stream):
+        mixed = self.mix(stream)
+        stream = stream + mixed
+        skip = stream
+        stream = triton_norm(stream, self.norm_weight, self.norm_eps)
+        return stream + skip
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Linear(d, d)
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.ff(scaled(x + self.ff(x), self.g))
+
+
+class Mixer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Linear(d, d)
+        self.post = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        skip = x
+        x = self.ff(x)
+        x += skip
+        return self.post(by_weight_shape(x, self.scale))
+'''
+
+_S35_HELPERS_ONLY = _S35_KERNEL_HELPERS.split("class Decoder")[0]
+
+
+def _s35_with(cls: str) -> str:
+    """The helpers and one of the example's classes (the F.rms_norm one without the CUDA-only imports,
+    so that it runs)."""
+    helpers = _S35_HELPERS_ONLY
+    if cls in ("Block", "Mixer"):
+        helpers = "\nimport torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\n" + "def scaled" + helpers.split("def scaled")[1]
+    return helpers + "class " + cls + _S35_KERNEL_HELPERS.split("class " + cls)[1].split("\n\nclass ")[0] + "\n"
+
+
+AddRmsNorm.FUSE += [
+    Fuse(_s35_with("Decoder"), expect={"norm": "rms", "variant": "library_norm", "weight": "self.w_post", "eps": "self.eps"},
+         name="s35_flashinfer_helper_reshaping_its_rows"),
+    Fuse(_s35_with("Stage"), expect={"norm": "triton_norm", "weight": "self.norm_weight", "eps": "self.norm_eps",
+                                     "residual_aliases": ["skip"]},
+         name="s35_triton_kernel_helper_with_keywords"),
+    Fuse(_s35_with("Block"), expect={"norm": "scaled", "weight": "self.g", "sum": None},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s35_f_rms_norm_helper_on_an_inline_sum_inference_bf16"),
+    Fuse(_s35_with("Block"), expect={"norm": "scaled"}, run=_run_block("Block(32)", leaves="[x, blk.g]"),
+         name="s35_f_rms_norm_helper_on_an_inline_sum_training"),
+    # xtuner's ``F.rms_norm(x, weight.shape, weight, epsilon)``: the last dim where the weight is 1-D (checked)
+    Fuse(_s35_with("Mixer"), expect={"norm": "by_weight_shape", "weight": "self.scale", "eps": "1e-05",
+                                     "condition": "self.scale is not None and self.scale.dim() == 1"},
+         run=_run_block("Mixer(32)", bf16=True, train=False), name="s35_f_rms_norm_helper_over_the_weight_shape_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    # the kernel adds a residual itself, or normalises the last two dims, or another tensor's rows
+    Keep(_S35_KERNEL_HELPERS.replace("bias=None, eps=epsilon", "bias=None, residual=hidden, eps=epsilon")
+         .replace("(x.size(-1),)", "(x.size(-2), x.size(-1))")
+         .replace("t.reshape(-1, t.shape[-1])", "t.transpose(0, 1).reshape(-1, t.shape[-1])")
+         .replace("F.rms_norm(inp, w.shape, w, epsilon)", "F.rms_norm(inp, inp.shape[1:], w, epsilon)"),
+         name="s35_kernel_helpers_that_are_not_a_plain_rms_norm_of_the_input"),
+    # the weight is a helper argument computed at the call (it would run before the add, and twice)
+    Keep(_s35_with("Block").replace("scaled(x + self.ff(x), self.g)", "scaled(x + self.ff(x), self.g * 2)"),
+         name="s35_kernel_helper_weight_computed_at_the_call"),
 ]
