@@ -129,3 +129,69 @@ def test_weightless_f_rms_norm_helper_of_another_file_runs(tmp_path: Path) -> No
     assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- a norm class the caller passes, imported from another file ------------------------------------
+
+_NORMS = '''\
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+'''
+
+_BLOCK = '''\
+import torch
+from torch import nn
+
+from pkg.norms import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, d, norm_class):
+        super().__init__()
+        self.ln1 = norm_class(d)
+        self.attn = nn.Linear(d, d)
+        self.ln2 = norm_class(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+'''
+
+
+def _run_passed(mod: types.ModuleType, norm_class: type) -> torch.Tensor:
+    torch.manual_seed(0)
+    blk = mod.Block(32, norm_class).to(torch.bfloat16)
+    with torch.no_grad():
+        return blk(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+
+
+def test_norm_class_passed_by_the_caller_is_fused_where_it_is_the_rms_class(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/norms.py": _NORMS, "pkg/block.py": _BLOCK}
+    ref_mod = _import_fresh(make_repo(tmp_path / "ref", files), "pkg.block")
+    ref = [_run_passed(ref_mod, ref_mod.RMSNorm), _run_passed(ref_mod, torch.nn.LayerNorm)]
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert [(c["qualname"], c["params"]["condition"]) for c in cands] == [("Block.forward", "type(self.ln2) is RMSNorm")], \
+        data["near_misses"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        mod = _import_fresh(root, "pkg.block")
+        rms = _run_passed(mod, mod.RMSNorm)
+        assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
+        layer = _run_passed(mod, torch.nn.LayerNorm)  # the type check fails: the original statements
+        assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
+    for a, b in zip(ref, [rms, layer]):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -686,7 +686,7 @@ def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
         return None
     default = _default_class(module, scope.class_name, value.func.id)
     if default is None:
-        return None
+        return _passed_class_norm(module, scope, call, ctx, value)
     mod = f"self.{f.attr}"
     T = S.torch_name(module) or "torch"
     canon = module.canonical(default) or ""
@@ -710,6 +710,60 @@ def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
         return None  # another class may be passed: a refusal of the default says little
     nc.conditions = [*nc.conditions, f"type({mod}) is {name}"]
     nc.cls = f"{nc.cls} (default of `{value.func.id}`)"
+    return nc
+
+
+# -- s35: a norm class the caller passes (``Block(d, norm_class)``, no default) ---------------------------
+# ai-algorithms' dynamic_tanh ``Block(n_embd, n_head, norm_class)`` built with RMSNorm, LayerNorm or DyT;
+# gpt-neox's ``Norm(norm_class, hidden_size, eps)``, fairseq's / unilm's kmeans ``PreNorm(norm_class, dim,
+# fn)``, VAR / HART / 1d-tokenizer blocks taking ``norm_layer``: which class runs is a run-time fact. The
+# file's own RMSNorm class (or the one it imports from another file of the repository), when exactly one
+# reads as such, is fused where the attribute's run-time type is exactly it; any other class passed runs
+# the original statements.
+
+_NORM_CLASS_TEXT = re.compile(r"rsqrt|rms_norm|\bsqrt\b|normalize|\.norm\(")
+
+
+def _passed_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
+    """``self.norm = norm_cls(d)`` with ``norm_cls`` a constructor parameter without a default that
+    ``__init__`` never rebinds: the one class of this file (or imported into it from the repository)
+    that reads as an RMSNorm, under a run-time type check; None when there is none or several."""
+    f = call.func
+    assert isinstance(f, ast.Attribute) and isinstance(value.func, ast.Name)
+    name = value.func.id
+    init = S.method(module, scope.class_name, "__init__")
+    params = S.init_params(module, scope.class_name)
+    if init is None or name not in params or params[name] is not None \
+            or any(name in S.names_written(st) for st in S._stmts_in(init.body)):
+        return None
+    found: list[tuple[str, NormCall]] = []
+    lines = S.module_lines(module)
+    for cname, cdef in module.classes.items():
+        if cname == scope.class_name or S.method(module, cname, "forward") is None:
+            continue
+        if not _NORM_CLASS_TEXT.search("".join(lines[cdef.lineno - 1 : cdef.end_lineno or cdef.lineno])):
+            continue  # the cheap test first: a norm's forward takes a root or a norm
+        nc = _class_norm_call(module, call, ctx, cname)
+        if nc is not None and nc.kind != "not_rms":
+            found.append((cname, nc))
+    for local, full in module.aliases.items():
+        if len(found) > 1:
+            break
+        if local in module.classes or not _RMS_NAME.search(local) or "." not in full:
+            continue  # another file's class is read only when it is imported here under an RMSNorm name
+        foreign = _repo_norm_class(module, ast.Name(local, ast.Load()))
+        if foreign is None:
+            continue
+        home, real, rel = foreign
+        nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
+        if nc is not None and nc.kind != "not_rms":
+            nc.home = home
+            found.append((local, nc))
+    if len(found) != 1:
+        return None
+    cname, nc = found[0]
+    nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {cname}"]
+    nc.cls = f"{nc.cls} (passed as `{name}`)"
     return nc
 
 
@@ -4873,4 +4927,53 @@ AddRmsNorm.KEEP += [
     # the weight is a helper argument computed at the call (it would run before the add, and twice)
     Keep(_s35_with("Block").replace("scaled(x + self.ff(x), self.g)", "scaled(x + self.ff(x), self.g * 2)"),
          name="s35_kernel_helper_weight_computed_at_the_call"),
+]
+
+# -- s35: a norm class the caller passes to the block (no default): the file's one RMSNorm class,
+# fused where the attribute's run-time type is exactly it; another class passed runs the original.
+
+_S35_PASSED_NORM = '''
+import torch
+from torch import nn
+
+
+class Normalizer(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, t):
+        rms = torch.rsqrt(t.float().square().mean(dim=-1, keepdim=True) + self.eps)
+        return (t.float() * rms).to(t.dtype) * self.gain
+
+
+class Layer(nn.Module):
+    def __init__(self, width, make_norm, hidden=64):
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.pre = make_norm(width)
+        self.out = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, stream):
+        upd = self.mix(stream)
+        stream = upd + stream
+        return stream + self.out(self.pre(stream))
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S35_PASSED_NORM, expect={"norm": "self.pre", "weight": "self.pre.gain", "sum": "stream",
+                                   "condition": "type(self.pre) is Normalizer"},
+         run=_run_block("Layer(32, Normalizer)", bf16=True, train=False), name="s35_norm_class_passed_by_the_caller_inference_bf16"),
+    Fuse(_S35_PASSED_NORM, expect={"norm": "self.pre"}, run=_run_block("Layer(32, Normalizer)", leaves="[x, blk.pre.gain]"),
+         name="s35_norm_class_passed_by_the_caller_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the file's one norm class subtracts the mean, or two classes read as RMSNorm (which one is passed?)
+    Keep(_S35_PASSED_NORM.replace("rms = torch.rsqrt(t.float().square()", "t = t - t.mean(-1, keepdim=True)\n        rms = torch.rsqrt(t.float().square()"),
+         name="s35_passed_norm_class_subtracts_the_mean"),
+    Keep(_S35_PASSED_NORM.replace("class Layer(", _S35_PASSED_NORM.split("class Normalizer")[1].split("class Layer")[0]
+                                  .join(["class OtherNormalizer", "class Layer("])),
+         name="s35_two_rms_classes_for_a_passed_norm"),
 ]
