@@ -195,3 +195,35 @@ def test_norm_class_passed_by_the_caller_is_fused_where_it_is_the_rms_class(tmp_
         assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
     for a, b in zip(ref, [rms, layer]):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- a norm wrapper of another file choosing its inner RMSNorm by a test ---------------------------
+
+def test_norm_wrapper_of_another_file_is_fused_where_its_rms_branch_runs(tmp_path: Path) -> None:
+    from npufuse.patterns.add_rms_norm import _S35_DISPATCH
+
+    norms = _S35_DISPATCH.split("class Layer")[0]
+    layer = "import torch\nfrom torch import nn\n\nfrom .norms import Switch\n\n\nclass Layer" + _S35_DISPATCH.split("class Layer")[1].split("class Wrapped")[0]
+    files = {"pkg/__init__.py": "", "pkg/norms.py": norms, "pkg/layer.py": layer}
+
+    def run(mod: types.ModuleType) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        plain, cond = mod.Layer(32).to(torch.bfloat16), mod.Layer(32, cond_dim=8).to(torch.bfloat16)
+        x, c = torch.randn(2, 5, 32, dtype=torch.bfloat16), torch.randn(2, 5, 8, dtype=torch.bfloat16)
+        with torch.no_grad():
+            return [plain(x), cond(x, c), cond(x)]
+
+    ref = run(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.layer"))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert [c["qualname"] for c in cands] == ["Layer.forward"], data["near_misses"]
+    assert "type(self.norm) is Switch" in cands[0]["params"]["condition"]
+    assert 'endswith("/pkg/norms.py")' in cands[0]["params"]["condition"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        outs = run(_import_fresh(root, "pkg.layer"))
+    # the unconditioned layer runs the fused branch; the FiLM one (with or without conditioning) the original
+    assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
+    for a, b in zip(ref, outs):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

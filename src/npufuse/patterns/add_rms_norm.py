@@ -509,11 +509,12 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
     return cache[name]
 
 
-def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST) -> dict[str, str] | None:
+def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST, also: frozenset[str] = frozenset()) -> dict[str, str] | None:
     """The import aliases ``node`` (code of ``other``) reads that this file does not bind (to be
     borrowed while reading it), or None when a name it reads means something else here or is
-    another definition of its file (a constant, a helper: not followed)."""
-    bound = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    another definition of its file (a constant, a helper: not followed). ``also``: classes of
+    ``other`` added to the view with it (s35: a norm wrapper and the norm classes it builds)."""
+    bound = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)} | set(also)
     bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     bound |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     top_here = {t.id for st in module.tree.body if isinstance(st, (ast.Assign, ast.AnnAssign))
@@ -569,21 +570,27 @@ def _repo_norm_class(module: ModuleInfo, func: ast.expr) -> tuple[ModuleInfo, st
     return (home, cls.name, other.path) if home is not None else None
 
 
-def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> ModuleInfo | None:
-    """This file with ``cls`` (a class of ``other``) added, to read the class as if it were here."""
-    if cls.name in module.classes or any(not _plain_module_base(other, b) for b in cls.bases) or cls.keywords:
+def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef, extra: tuple[ast.ClassDef, ...] = ()) -> ModuleInfo | None:
+    """This file with ``cls`` (a class of ``other``) added, to read the class as if it were here;
+    ``extra``: more classes of ``other`` added with it (which ``cls`` may name)."""
+    classes = (cls, *extra)
+    if any(c.name in module.classes or any(not _plain_module_base(other, b) for b in c.bases) or c.keywords for c in classes):
         return None  # inherited methods would be read from this file, or not at all
-    borrowed = _free_names(module, other, cls)
-    if borrowed is None:
-        return None
+    names = frozenset(c.name for c in classes)
+    borrowed: dict[str, str] = {}
+    for c in classes:
+        free = _free_names(module, other, c, names)
+        if free is None:
+            return None
+        borrowed.update(free)
     cache = module.__dict__.setdefault("_npufuse_norm_homes", {})
-    key = id(cls)
+    key = tuple(id(c) for c in classes) if extra else id(cls)
     if key not in cache:
         from dataclasses import replace
 
         from npufuse.scan import repo_facts
 
-        own = {id(n) for n in ast.walk(cls)}
+        own = {id(n) for c in classes for n in ast.walk(c)}
         scopes = [sc for sc in other.scopes if id(sc.node) in own]
         for sc in scopes:
             # the text a scope's readers cache on it is read now, from its own file (the view's
@@ -592,7 +599,7 @@ def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> Modu
             R._root_lines(other, sc)
             if getattr(sc.node, "name", "") == "forward":
                 R.scope_results(other, sc)  # the rms_norm verdict on the forward, in its own file
-        home = replace(module, aliases={**borrowed, **module.aliases}, classes={**module.classes, cls.name: cls},
+        home = replace(module, aliases={**borrowed, **module.aliases}, classes={**module.classes, **{c.name: c for c in classes}},
                        scopes=[*module.scopes, *scopes])
         home.__dict__["_npufuse_borrowed"] = frozenset(borrowed)
         root = repo_facts.repo_root(module)
@@ -818,8 +825,11 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return _indexed_norm(module, scope, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+    if not call.args or isinstance(call.args[0], ast.Starred):
         return None
+    wrapper = _dispatch_norm(module, scope, call, ctx)
+    if wrapper is not None or len(call.args) != 1 or call.keywords:
+        return wrapper
     chosen_norm = _flag_chosen_local_norm(module, scope, call, ctx, f.attr)
     if chosen_norm is not None:
         return chosen_norm
@@ -1178,14 +1188,18 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
     return _norm_of_ctor(module, call, ctx, file, elts[0], S.source_of(module, f), where, f"an element of `{ast.unparse(lst)}`")
 
 
-def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
+def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "",
+                     inner: ast.expr | None = None) -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
-    sum. ``where`` names the other file a repository class comes from (for reasons)."""
-    f = call.func
-    attr = _callee_name(f)  # s32: a Name (unpacked from a layer list) or a Subscript (``self.norms[i]``) too
+    sum. ``where`` names the other file a repository class comes from (for reasons). ``inner``: the
+    module expression read instead of the callee (a submodule the callee's forward calls; it has no
+    place in the source and is rendered by ``ast.unparse``)."""
+    f = call.func if inner is None else inner
+    attr = _callee_name(call.func)  # s32: a Name (unpacked from a layer list) or a Subscript (``self.norms[i]``) too
     fwd = S.method(module, cls, "forward")
-    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" \
+        else S.source_of(module, f) if inner is None else ast.unparse(f)
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is None and fwd is not None:
         lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
@@ -4929,6 +4943,134 @@ AddRmsNorm.KEEP += [
          name="s35_kernel_helper_weight_computed_at_the_call"),
 ]
 
+# -- s35: a norm wrapper whose forward, under a test, returns a submodule norm of its input ---------------
+# tinyworlds' ``AdaptiveNormalizer.forward(x, conditioning=None)``: ``if self.to_gamma_beta is None or
+# conditioning is None: return self.rms(x) if self.rms is not None else self.ln(x)``, then a FiLM
+# LayerNorm; gpt-neox's ``TERMSNorm.forward(x): return self.norm(x)``. The branch that returns the inner
+# RMSNorm is fused where its tests hold at run time (``self`` read as the wrapper module, the forward's
+# other parameters as this call's arguments) and the inner module's type is the class read; elsewhere the
+# original call runs.
+
+_PURE_NODES = (ast.Attribute, ast.Name, ast.Compare, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
+               ast.unaryop, ast.Load)
+
+
+def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``self.<attr>(x, *rest)`` whose class's forward starts with ``if <test>: return self.<inner>(x)``
+    (or ``v = ...; return v``; the value may choose between two submodules by a conditional expression),
+    ``<inner>`` built in the wrapper's ``__init__`` as an RMSNorm class of its file: that norm, its fused
+    code guarded by the tests and by the inner module's run-time type. None otherwise."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if not isinstance(value, ast.Call) or not dotted(value.func):
+        return None
+    cls = dotted(value.func) or ""
+    home, where, file = module, "", module  # ``file``: the one defining the wrapper class
+    if cls not in module.classes:
+        defined = _foreign_definition(module, cls)
+        if defined is None or not isinstance(defined[1], ast.ClassDef):
+            return None
+        file, wdef = defined
+        # the wrapper read here with the classes of its file its ``__init__`` builds
+        built = {dotted(v.func) for v in S.init_assignments(file, wdef.name).values() if isinstance(v, ast.Call)}
+        extra = tuple(file.classes[c] for c in sorted(c for c in built if c in file.classes and c != wdef.name))
+        found_home = _home_with(module, file, wdef, extra)
+        if found_home is None:
+            return None
+        home, cls, where = found_home, wdef.name, f" (from {file.path})"
+    fwd = S.method(home, cls, "forward")
+    if fwd is None or fwd.args.vararg or fwd.args.kwarg or fwd.args.kwonlyargs:
+        return None
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(params) < 2 or len(call.args) > len(params) - 1:
+        return None
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    first = body[0] if body else None
+    if isinstance(first, ast.If) and first.body:
+        inner, test = first.body, first.test
+    elif len(body) in (1, 2) and isinstance(body[-1], ast.Return):
+        inner, test = body, None  # gpt-neox's ``TERMSNorm.forward(x): return self.norm(x)``: no test
+    else:
+        return None
+    if len(inner) == 2 and isinstance(inner[0], ast.Assign) and len(inner[0].targets) == 1 and isinstance(inner[0].targets[0], ast.Name) \
+            and isinstance(inner[1], ast.Return) and isinstance(inner[1].value, ast.Name) and inner[1].value.id == inner[0].targets[0].id:
+        ret = inner[0].value
+    elif len(inner) == 1 and isinstance(inner[0], ast.Return) and inner[0].value is not None:
+        ret = inner[0].value
+    else:
+        return None
+    # the forward's parameters as this call's arguments (texts), its defaults where not given
+    args: dict[str, str] = {params[0]: S.source_of(module, f)}
+    defaults = dict(zip(params[len(params) - len(fwd.args.defaults):], fwd.args.defaults))
+    for p, a in zip(params[2:], call.args[1:]):
+        if isinstance(a, ast.Starred) or dotted(a) is None and not isinstance(a, ast.Constant):
+            return None
+        args[p] = S.source_of(module, a)
+    for k in call.keywords:
+        if k.arg is None or k.arg not in params[2:] or k.arg in args or (dotted(k.value) is None and not isinstance(k.value, ast.Constant)):
+            return None
+        args[k.arg] = S.source_of(module, k.value)
+    for p in params[2:]:
+        if p not in args:
+            d = defaults.get(p)
+            if not isinstance(d, ast.Constant):
+                return None
+            args[p] = ast.unparse(d)
+
+    def as_here(test: ast.expr) -> str | None:
+        """The forward's test as code at the call site (pure: attributes, names, comparisons)."""
+        if not all(isinstance(n, _PURE_NODES) for n in ast.walk(test)):
+            return None
+        names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+        if not names <= set(args):
+            return None  # the input (or a global) is read: not decided before the call
+
+        class Sub(ast.NodeTransformer):
+            def visit_Name(self, n: ast.Name) -> ast.AST:
+                return ast.parse(args[n.id], mode="eval").body
+
+        return f"({ast.unparse(Sub().visit(ast.parse(ast.unparse(test), mode='eval')).body)})"
+
+    conditions = [as_here(test) if test is not None else ""]
+    sides: list[tuple[ast.expr, str | None]] = [(ret, None)]
+    if isinstance(ret, ast.IfExp):
+        t = as_here(ret.test)
+        sides = [(ret.body, t), (ret.orelse, f"not {t}" if t is not None else None)]
+    found: list[NormCall] = []
+    for side, side_test in sides:
+        if not (isinstance(side, ast.Call) and len(side.args) == 1 and not side.keywords and isinstance(side.args[0], ast.Name)
+                and side.args[0].id == params[1] and isinstance(side.func, ast.Attribute)
+                and isinstance(side.func.value, ast.Name) and side.func.value.id == params[0]):
+            continue
+        ctor = S.init_assignments(home, cls).get(side.func.attr)
+        inner_cls = dotted(ctor.func) if isinstance(ctor, ast.Call) else None
+        if inner_cls is None or (ret is not side and side_test is None):
+            continue
+        owner = _class_named(file, inner_cls)  # the inner class, read in the wrapper's file
+        if owner is None:
+            continue
+        cfile, inner_cls = owner
+        inner_home = home if inner_cls in home.classes else _home_with(home, cfile, cfile.classes[inner_cls])
+        if inner_home is None:
+            continue
+        node = ast.Attribute(value=f, attr=side.func.attr, ctx=ast.Load())
+        nc = _class_norm_call(inner_home, call, ctx, inner_cls, where, inner=node)
+        if nc is None or nc.kind not in ("rms", "library"):
+            continue
+        mod = f"{S.source_of(module, f)}.{side.func.attr}"
+        # both run-time types checked: exactly the wrapper class read, holding exactly the norm class read
+        nc.conditions = [*[c for c in (*conditions, side_test) if c], *nc.conditions,
+                         _type_guard(module, S.source_of(module, f), value.func, module),
+                         _type_guard(module, mod, ctor.func if cfile is module else ast.Name(inner_cls, ast.Load()), cfile)]
+        nc.home = inner_home if inner_home is not module else None
+        nc.cls = f"{inner_cls} in {cls}{where}"
+        found.append(nc)
+    if len(found) != 1 or conditions[0] is None:
+        return None
+    return found[0]
+
+
 # -- s35: a norm class the caller passes to the block (no default): the file's one RMSNorm class,
 # fused where the attribute's run-time type is exactly it; another class passed runs the original.
 
@@ -4976,4 +5118,111 @@ AddRmsNorm.KEEP += [
     Keep(_S35_PASSED_NORM.replace("class Layer(", _S35_PASSED_NORM.split("class Normalizer")[1].split("class Layer")[0]
                                   .join(["class OtherNormalizer", "class Layer("])),
          name="s35_two_rms_classes_for_a_passed_norm"),
+]
+
+# -- s35: norm wrappers whose forward returns an inner RMSNorm submodule of the input, under a test of
+# ``self`` attributes and the other arguments (tinyworlds' AdaptiveNormalizer: RMSNorm unconditioned, a FiLM
+# LayerNorm with conditioning; gpt-neox's TERMSNorm without a test): fused where the test holds and both
+# run-time types are the classes read; elsewhere the original call.
+
+_S35_DISPATCH = '''
+import torch
+from torch import nn
+
+
+class RMS(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + self.eps) * self.weight
+
+
+class Centred(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        m = x.mean(dim=-1, keepdim=True)
+        v = x.var(dim=-1, unbiased=False, keepdim=True)
+        return (x - m) * torch.rsqrt(v + self.eps)
+
+
+class Switch(nn.Module):
+    def __init__(self, d, cond_dim=None):
+        super().__init__()
+        self.rms = None
+        self.ln = None
+        self.film = None
+        if cond_dim is None:
+            self.rms = RMS(d)
+        else:
+            self.ln = Centred(d)
+            self.film = nn.Linear(cond_dim, 2 * d)
+
+    def forward(self, x, cond=None):
+        if self.film is None or cond is None:
+            normed = self.rms(x) if self.rms is not None else self.ln(x)
+            return normed
+        g, b = self.film(cond).chunk(2, dim=-1)
+        return self.ln(x) * (1 + g) + b
+
+
+class Layer(nn.Module):
+    def __init__(self, d, cond_dim=None):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.norm = Switch(d, cond_dim)
+
+    def forward(self, x, cond=None):
+        out = self.proj(x)
+        return self.norm(x + out, cond)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.impl = RMS(width, eps=1e-6)
+
+    def forward(self, h):
+        return self.impl(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.f = nn.Linear(d, d)
+        self.w = nn.Linear(d, d)
+        self.post = Wrapped(d)
+
+    def forward(self, x):
+        y = self.f(x)
+        x = x + y
+        return self.w(self.post(x)) + x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S35_DISPATCH.split("class Wrapped")[0], expect={"norm": "self.norm", "weight": "self.norm.rms.weight", "sum": None,
+                                                         "condition": "(self.norm.film is None or cond is None) and (self.norm.rms is not None) "
+                                                                      "and type(self.norm) is Switch and type(self.norm.rms) is RMS"},
+         run=_run_block("Layer(32)", bf16=True, train=False), name="s35_norm_wrapper_choosing_rms_by_a_test_inference_bf16"),
+    Fuse(_S35_DISPATCH.split("class Wrapped")[0], expect={"norm": "self.norm"}, run=_run_block("Layer(32)", leaves="[x, blk.norm.rms.weight]"),
+         name="s35_norm_wrapper_choosing_rms_by_a_test_training"),
+    Fuse(_S35_DISPATCH.split("class Switch")[0] + "class Wrapped" + _S35_DISPATCH.split("class Wrapped")[1],
+         expect={"norm": "self.post", "sum": "x", "eps": "self.post.impl.eps",
+                 "condition": "type(self.post) is Wrapped and type(self.post.impl) is RMS"},
+         run=_run_block("Stack(32)", bf16=True, train=False), name="s35_norm_wrapper_without_a_test_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    # the test reads the input (decided by the tensor, not before the call); the inner norm gets another tensor
+    Keep(_S35_DISPATCH.replace("if self.film is None or cond is None:", "if self.film is None or x.dtype == torch.float32:")
+         .replace("return self.impl(h)", "return self.impl(h.transpose(0, 1))"),
+         name="s35_norm_wrapper_test_reads_the_input_or_inner_gets_another_tensor"),
+    # the branch returning early is the LayerNorm one
+    Keep(_S35_DISPATCH.split("class Wrapped")[0].replace("self.rms(x) if self.rms is not None else self.ln(x)", "self.ln(x)"),
+         name="s35_norm_wrapper_early_branch_is_not_rms"),
 ]
