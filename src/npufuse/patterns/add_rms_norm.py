@@ -196,6 +196,141 @@ def _triton_rms_forward(module: ModuleInfo, fwd: ast.FunctionDef, cls: str, mod:
     return gamma, mod + ed[len(self_name):]
 
 
+# -- s35: norm helpers that return a library RMSNorm kernel of their input ---------------------------
+# ShadowKV's ``def layer_norm(h, eps, w): return rmsnorm(h.view(-1, h.size(-1)), w, eps).view_as(h)``
+# (flashinfer), xtuner's ``def rms_norm(x, weight, epsilon): return rms_norm_fn(x, weight, bias=None,
+# eps=epsilon)`` (flash-attn's Triton kernel), a ``F.rms_norm(x, (x.size(-1),), w, eps)`` helper: each is
+# x * rsqrt(mean(x^2) + eps) * w over the last dim, computed in fp32 and returned in x's dtype. The
+# helper's weight and eps are parameters; the call site's arguments for them name the norm's gamma and
+# eps, so the helper's own code is never rendered (its file may import the kernel; this one need not).
+
+# kernel: (its parameters in order, eps when not given; None: float32's, as PyTorch's rms_norm)
+_RMS_KERNELS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "flashinfer.norm.rmsnorm": (("input", "weight", "eps", "out", "enable_pdl"), "1e-6"),
+    "flashinfer.rmsnorm": (("input", "weight", "eps", "out", "enable_pdl"), "1e-6"),
+    **{k: (("x", "weight", "bias"), "1e-6") for k in _TRITON_RMS_NORM_FNS},
+    "torch.nn.functional.rms_norm": (("input", "normalized_shape", "weight", "eps"), None),
+}
+# the kernel's arguments that may be given with these values only (flashinfer's ``out`` writes into a
+# caller's buffer; ``enable_pdl`` only overlaps kernel launches): the rest as for the Triton module form
+_RMS_KERNEL_PLAIN = {**_TRITON_PLAIN_KEYWORDS, "enable_pdl": ..., "residual_in_fp32": ...}
+
+
+def _rows_of(node: ast.expr, x: str) -> bool:
+    """``node`` is ``x`` or ``x`` with its leading dims flattened (``x.view(-1, x.size(-1))``,
+    ``x.reshape(-1, x.shape[-1])``, ``x.flatten(0, -2)``): the same rows of the last dim."""
+    if isinstance(node, ast.Name):
+        return node.id == x
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == x and not node.keywords):
+        return False
+    m, args = node.func.attr, [ast.unparse(a).replace(" ", "") for a in node.args]
+    if m in ("view", "reshape"):
+        return args in (["-1", f"{x}.size(-1)"], ["-1", f"{x}.shape[-1]"])
+    return m == "flatten" and args == ["0", "-2"]
+
+
+def _restored(node: ast.expr, x: str) -> ast.expr | None:
+    """The inner value of ``v.view_as(x)`` / ``v.reshape_as(x)`` / ``v.view(x.shape)`` /
+    ``v.reshape(*x.shape)`` (x's shape given back), or ``node`` itself."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and len(node.args) == 1 and not node.keywords:
+        a = node.args[0]
+        a = a.value if isinstance(a, ast.Starred) else a
+        m, text = node.func.attr, ast.unparse(a).replace(" ", "")
+        if (m in ("view_as", "reshape_as") and text == x) or (m in ("view", "reshape") and text in (f"{x}.shape", f"{x}.size()")):
+            return node.func.value
+    return node
+
+
+def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn: ast.FunctionDef, where: str) -> NormCall | None:
+    """The helper ``fn`` (of ``home``) called as ``call`` when its one statement returns a library
+    RMSNorm kernel (``_RMS_KERNELS``) of its first parameter, the kernel's weight and eps each a
+    parameter of the helper (read as this call's argument: a name or an attribute) or a constant;
+    None otherwise."""
+    from npufuse.scan import canonical
+    from npufuse.scan.dataflow import const_value
+
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args)]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or not params or a.vararg or a.kwarg:
+        return None
+    value = _restored(body[0].value, params[0])
+    if not isinstance(value, ast.Call) or any(isinstance(v, ast.Starred) for v in value.args) or any(k.arg is None for k in value.keywords):
+        return None
+    kernel = canonical.api(home, value.func)
+    if kernel not in _RMS_KERNELS:
+        return None
+    names, eps_default = _RMS_KERNELS[kernel]
+    if len(value.args) > len(names):
+        return None
+    given: dict[str, ast.expr] = dict(zip(names, value.args))
+    given.update({k.arg: k.value for k in value.keywords if k.arg is not None})
+    x, w, eps = given.pop(names[0], None), given.pop("weight", None), given.pop("eps", None)
+    shape = given.pop("normalized_shape", None)
+    if x is None or not _rows_of(x, params[0]):
+        return None
+    conditions: list[str] = []
+    by_weight = isinstance(shape, ast.Attribute) and shape.attr == "shape" and isinstance(w, ast.Name) \
+        and isinstance(shape.value, ast.Name) and shape.value.id == w.id
+    if shape is not None and not by_weight \
+            and not (_last_dim_shape(shape) and params[0] in {n.id for n in ast.walk(shape) if isinstance(n, ast.Name)}):
+        return None  # F.rms_norm over ``(x.size(-1),)`` or ``weight.shape`` only (another shape may name more dims)
+    for k, v in given.items():
+        plain = _RMS_KERNEL_PLAIN.get(k, ...)
+        if k not in _RMS_KERNEL_PLAIN or (plain is not ... and (const_value(v) != plain or plain is None
+                                                                  and not (isinstance(v, ast.Constant) and v.value is None))):
+            return None
+    # this call's argument for each helper parameter (the helper's constant defaults included)
+    bound: dict[str, ast.expr] = dict(zip(params, call.args))
+    for k in call.keywords:
+        if k.arg is None or k.arg not in params or k.arg in bound:
+            return None
+        bound[k.arg] = k.value
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults)) if a.defaults else {}
+
+    def text(node: ast.expr | None) -> str | None:
+        """The code of a kernel argument at the call site: a parameter's argument (a name or an
+        attribute: the fused code reads it twice), or a number."""
+        if node is None:
+            return None
+        if isinstance(node, ast.Name) and node.id in params:
+            arg = bound.get(node.id)
+            if arg is None:
+                d = defaults.get(node.id)
+                return ast.unparse(d) if d is not None and type(const_value(d)) in (int, float) else None
+            return S.source_of(module, arg) if dotted(arg) is not None or type(const_value(arg)) in (int, float) else None
+        if params[0] in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
+            return None
+        return ast.unparse(node) if type(const_value(node)) in (int, float) else None
+
+    if isinstance(w, ast.Name) and w.id in params and w.id not in bound and isinstance(defaults.get(w.id), ast.Constant):
+        w = defaults[w.id]  # ``weight=None`` left out: no weight
+    ones = w is None or (isinstance(w, ast.Constant) and w.value is None)
+    if ones and (by_weight or shape is None or home is module):
+        return None  # the norm's shape is the weight's (or the kernel needs one); this file's weightless
+        # F.rms_norm helpers are read by _function_norm itself
+    gamma = "" if ones else text(w)
+    if gamma and shape is not None:
+        # F.rms_norm's weight may be None at run time (``self.weight`` of a weightless norm); over
+        # ``weight.shape`` it names the last dim only when 1-D
+        conditions.append(f"{gamma} is not None" + (f" and {gamma}.dim() == 1" if by_weight else ""))
+    if isinstance(eps, ast.Name) and eps.id in params and eps.id not in bound and isinstance(defaults.get(eps.id), ast.Constant):
+        eps = defaults[eps.id]  # the helper's default (``eps=None``: the kernel's own)
+    if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
+        T = S.torch_name(module) or "torch"
+        e = eps_default if eps_default is not None else float32_eps(T)
+    else:
+        e = text(eps)
+        if e is not None and eps_default is None and type(const_value(ast.parse(e, mode="eval").body)) not in (int, float):
+            e = eps_or_default(e, S.torch_name(module) or "torch")  # F.rms_norm's eps=None: float32's
+    if gamma is None or e is None or len(call.args) + len(call.keywords) > len(params):
+        return None
+    label = call.func.id if isinstance(call.func, ast.Name) else ast.unparse(call.func)
+    return NormCall(call, label, "library", cls=f"{label}{where} ({kernel.rsplit('.', 1)[-1]} kernel)", gamma=gamma, eps=e,
+                    ones=ones, conditions=conditions)
+
+
 def _eps_text(module: ModuleInfo, eps: ast.expr | None) -> str | None:
     """The epsilon argument for a library rms_norm's ``eps`` (None/absent: float32's, as PyTorch's kernel)."""
     from npufuse.scan.dataflow import const_value
@@ -258,8 +393,16 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         if found is not None:
             home, fn = found
             where = f" (from {home.path})"
+        else:
+            # a helper returning a library kernel is not rendered: the names its file reads may differ
+            other = _foreign_definition(module, f.id)
+            if other is not None and isinstance(other[1], ast.FunctionDef):
+                return _kernel_helper_norm(module, call, other[0], other[1], f" (from {other[0].path})")
     if not isinstance(fn, ast.FunctionDef):
         return None
+    kernel = _kernel_helper_norm(module, call, home, fn, where)
+    if kernel is not None:
+        return kernel
     ret = R._helper_return(fn)
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     nscope = S.scope_of(home, fn)
@@ -366,11 +509,12 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
     return cache[name]
 
 
-def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST) -> dict[str, str] | None:
+def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST, also: frozenset[str] = frozenset()) -> dict[str, str] | None:
     """The import aliases ``node`` (code of ``other``) reads that this file does not bind (to be
     borrowed while reading it), or None when a name it reads means something else here or is
-    another definition of its file (a constant, a helper: not followed)."""
-    bound = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    another definition of its file (a constant, a helper: not followed). ``also``: classes of
+    ``other`` added to the view with it (s35: a norm wrapper and the norm classes it builds)."""
+    bound = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)} | set(also)
     bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     bound |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     top_here = {t.id for st in module.tree.body if isinstance(st, (ast.Assign, ast.AnnAssign))
@@ -426,21 +570,27 @@ def _repo_norm_class(module: ModuleInfo, func: ast.expr) -> tuple[ModuleInfo, st
     return (home, cls.name, other.path) if home is not None else None
 
 
-def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> ModuleInfo | None:
-    """This file with ``cls`` (a class of ``other``) added, to read the class as if it were here."""
-    if cls.name in module.classes or any(not _plain_module_base(other, b) for b in cls.bases) or cls.keywords:
+def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef, extra: tuple[ast.ClassDef, ...] = ()) -> ModuleInfo | None:
+    """This file with ``cls`` (a class of ``other``) added, to read the class as if it were here;
+    ``extra``: more classes of ``other`` added with it (which ``cls`` may name)."""
+    classes = (cls, *extra)
+    if any(c.name in module.classes or any(not _plain_module_base(other, b) for b in c.bases) or c.keywords for c in classes):
         return None  # inherited methods would be read from this file, or not at all
-    borrowed = _free_names(module, other, cls)
-    if borrowed is None:
-        return None
+    names = frozenset(c.name for c in classes)
+    borrowed: dict[str, str] = {}
+    for c in classes:
+        free = _free_names(module, other, c, names)
+        if free is None:
+            return None
+        borrowed.update(free)
     cache = module.__dict__.setdefault("_npufuse_norm_homes", {})
-    key = id(cls)
+    key = tuple(id(c) for c in classes) if extra else id(cls)
     if key not in cache:
         from dataclasses import replace
 
         from npufuse.scan import repo_facts
 
-        own = {id(n) for n in ast.walk(cls)}
+        own = {id(n) for c in classes for n in ast.walk(c)}
         scopes = [sc for sc in other.scopes if id(sc.node) in own]
         for sc in scopes:
             # the text a scope's readers cache on it is read now, from its own file (the view's
@@ -449,7 +599,7 @@ def _home_with(module: ModuleInfo, other: ModuleInfo, cls: ast.ClassDef) -> Modu
             R._root_lines(other, sc)
             if getattr(sc.node, "name", "") == "forward":
                 R.scope_results(other, sc)  # the rms_norm verdict on the forward, in its own file
-        home = replace(module, aliases={**borrowed, **module.aliases}, classes={**module.classes, cls.name: cls},
+        home = replace(module, aliases={**borrowed, **module.aliases}, classes={**module.classes, **{c.name: c for c in classes}},
                        scopes=[*module.scopes, *scopes])
         home.__dict__["_npufuse_borrowed"] = frozenset(borrowed)
         root = repo_facts.repo_root(module)
@@ -543,7 +693,7 @@ def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
         return None
     default = _default_class(module, scope.class_name, value.func.id)
     if default is None:
-        return None
+        return _passed_class_norm(module, scope, call, ctx, value)
     mod = f"self.{f.attr}"
     T = S.torch_name(module) or "torch"
     canon = module.canonical(default) or ""
@@ -567,6 +717,60 @@ def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
         return None  # another class may be passed: a refusal of the default says little
     nc.conditions = [*nc.conditions, f"type({mod}) is {name}"]
     nc.cls = f"{nc.cls} (default of `{value.func.id}`)"
+    return nc
+
+
+# -- s35: a norm class the caller passes (``Block(d, norm_class)``, no default) ---------------------------
+# ai-algorithms' dynamic_tanh ``Block(n_embd, n_head, norm_class)`` built with RMSNorm, LayerNorm or DyT;
+# gpt-neox's ``Norm(norm_class, hidden_size, eps)``, fairseq's / unilm's kmeans ``PreNorm(norm_class, dim,
+# fn)``, VAR / HART / 1d-tokenizer blocks taking ``norm_layer``: which class runs is a run-time fact. The
+# file's own RMSNorm class (or the one it imports from another file of the repository), when exactly one
+# reads as such, is fused where the attribute's run-time type is exactly it; any other class passed runs
+# the original statements.
+
+_NORM_CLASS_TEXT = re.compile(r"rsqrt|rms_norm|\bsqrt\b|normalize|\.norm\(")
+
+
+def _passed_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, value: ast.Call) -> NormCall | None:
+    """``self.norm = norm_cls(d)`` with ``norm_cls`` a constructor parameter without a default that
+    ``__init__`` never rebinds: the one class of this file (or imported into it from the repository)
+    that reads as an RMSNorm, under a run-time type check; None when there is none or several."""
+    f = call.func
+    assert isinstance(f, ast.Attribute) and isinstance(value.func, ast.Name)
+    name = value.func.id
+    init = S.method(module, scope.class_name, "__init__")
+    params = S.init_params(module, scope.class_name)
+    if init is None or name not in params or params[name] is not None \
+            or any(name in S.names_written(st) for st in S._stmts_in(init.body)):
+        return None
+    found: list[tuple[str, NormCall]] = []
+    lines = S.module_lines(module)
+    for cname, cdef in module.classes.items():
+        if cname == scope.class_name or S.method(module, cname, "forward") is None:
+            continue
+        if not _NORM_CLASS_TEXT.search("".join(lines[cdef.lineno - 1 : cdef.end_lineno or cdef.lineno])):
+            continue  # the cheap test first: a norm's forward takes a root or a norm
+        nc = _class_norm_call(module, call, ctx, cname)
+        if nc is not None and nc.kind != "not_rms":
+            found.append((cname, nc))
+    for local, full in module.aliases.items():
+        if len(found) > 1:
+            break
+        if local in module.classes or not _RMS_NAME.search(local) or "." not in full:
+            continue  # another file's class is read only when it is imported here under an RMSNorm name
+        foreign = _repo_norm_class(module, ast.Name(local, ast.Load()))
+        if foreign is None:
+            continue
+        home, real, rel = foreign
+        nc = _class_norm_call(home, call, ctx, real, f" (from {rel})")
+        if nc is not None and nc.kind != "not_rms":
+            nc.home = home
+            found.append((local, nc))
+    if len(found) != 1:
+        return None
+    cname, nc = found[0]
+    nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {cname}"]
+    nc.cls = f"{nc.cls} (passed as `{name}`)"
     return nc
 
 
@@ -621,8 +825,11 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         return _indexed_norm(module, scope, call, ctx)
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
         return None
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+    if not call.args or isinstance(call.args[0], ast.Starred):
         return None
+    wrapper = _dispatch_norm(module, scope, call, ctx)
+    if wrapper is not None or len(call.args) != 1 or call.keywords:
+        return wrapper
     chosen_norm = _flag_chosen_local_norm(module, scope, call, ctx, f.attr)
     if chosen_norm is not None:
         return chosen_norm
@@ -981,14 +1188,18 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
     return _norm_of_ctor(module, call, ctx, file, elts[0], S.source_of(module, f), where, f"an element of `{ast.unparse(lst)}`")
 
 
-def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "") -> NormCall | None:
+def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "",
+                     inner: ast.expr | None = None) -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
-    sum. ``where`` names the other file a repository class comes from (for reasons)."""
-    f = call.func
-    attr = _callee_name(f)  # s32: a Name (unpacked from a layer list) or a Subscript (``self.norms[i]``) too
+    sum. ``where`` names the other file a repository class comes from (for reasons). ``inner``: the
+    module expression read instead of the callee (a submodule the callee's forward calls; it has no
+    place in the source and is rendered by ``ast.unparse``)."""
+    f = call.func if inner is None else inner
+    attr = _callee_name(call.func)  # s32: a Name (unpacked from a layer list) or a Subscript (``self.norms[i]``) too
     fwd = S.method(module, cls, "forward")
-    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" else S.source_of(module, f)
+    mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" \
+        else S.source_of(module, f) if inner is None else ast.unparse(f)
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is None and fwd is not None:
         lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
@@ -4609,4 +4820,409 @@ AddRmsNorm.KEEP += [
     Keep(_S34_CLAMP_NORM.replace("return x / norm.clamp(min=self.eps) * self.g", "return x / x.clamp(min=self.eps) * self.g")
          .replace("return (x / norm.clamp(min = self.eps)) * self.gamma", "return (x / norm.clamp(min = self.eps)) * x"),
          name="s34_clamp_of_another_tensor"),
+]
+
+# -- s35: norm helpers returning a library RMSNorm kernel of their input (ShadowKV's flashinfer
+# ``layer_norm(h, eps, w)``, xtuner's ``rms_norm_fn`` wrapper, a ``F.rms_norm`` helper taking the weight):
+# the call site's arguments name gamma and eps; the helper's own code is not rendered.
+
+_S35_KERNEL_HELPERS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+import flashinfer
+from flash_attn.ops.triton.layer_norm import rms_norm_fn
+
+
+def rms(t, w, eps=1e-5):
+    return flashinfer.norm.rmsnorm(t.reshape(-1, t.shape[-1]), w, eps).reshape(*t.shape)
+
+
+def triton_norm(hidden, weight, epsilon):
+    """flash-attn's Triton RMSNorm, no bias, no residual."""
+    return rms_norm_fn(hidden, weight, bias=None, eps=epsilon, prenorm=False)
+
+
+def scaled(x, gain, eps=None):
+    return F.rms_norm(x, (x.size(-1),), gain, eps)
+
+
+def by_weight_shape(inp, w, epsilon: float = 1e-5):
+    return F.rms_norm(inp, w.shape, w, epsilon)
+
+
+class Decoder(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.w_post = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x, attn):
+        h = self.proj(attn) + x
+        return self.mlp(rms(h, self.w_post, self.eps)) + h
+
+
+class Stage(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.norm_weight = nn.Parameter(torch.ones(d))
+        self.norm_eps = 1e-5
+
+    def forward(self, stream):
+        mixed = self.mix(stream)
+        stream = stream + mixed
+        skip = stream
+        stream = triton_norm(stream, self.norm_weight, self.norm_eps)
+        return stream + skip
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Linear(d, d)
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.ff(scaled(x + self.ff(x), self.g))
+
+
+class Mixer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Linear(d, d)
+        self.post = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        skip = x
+        x = self.ff(x)
+        x += skip
+        return self.post(by_weight_shape(x, self.scale))
+'''
+
+_S35_HELPERS_ONLY = _S35_KERNEL_HELPERS.split("class Decoder")[0]
+
+
+def _s35_with(cls: str) -> str:
+    """The helpers and one of the example's classes (the F.rms_norm one without the CUDA-only imports,
+    so that it runs)."""
+    helpers = _S35_HELPERS_ONLY
+    if cls in ("Block", "Mixer"):
+        helpers = "\nimport torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\n" + "def scaled" + helpers.split("def scaled")[1]
+    return helpers + "class " + cls + _S35_KERNEL_HELPERS.split("class " + cls)[1].split("\n\nclass ")[0] + "\n"
+
+
+AddRmsNorm.FUSE += [
+    Fuse(_s35_with("Decoder"), expect={"norm": "rms", "variant": "library_norm", "weight": "self.w_post", "eps": "self.eps"},
+         name="s35_flashinfer_helper_reshaping_its_rows"),
+    Fuse(_s35_with("Stage"), expect={"norm": "triton_norm", "weight": "self.norm_weight", "eps": "self.norm_eps",
+                                     "residual_aliases": ["skip"]},
+         name="s35_triton_kernel_helper_with_keywords"),
+    Fuse(_s35_with("Block"), expect={"norm": "scaled", "weight": "self.g", "sum": None},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s35_f_rms_norm_helper_on_an_inline_sum_inference_bf16"),
+    Fuse(_s35_with("Block"), expect={"norm": "scaled"}, run=_run_block("Block(32)", leaves="[x, blk.g]"),
+         name="s35_f_rms_norm_helper_on_an_inline_sum_training"),
+    # xtuner's ``F.rms_norm(x, weight.shape, weight, epsilon)``: the last dim where the weight is 1-D (checked)
+    Fuse(_s35_with("Mixer"), expect={"norm": "by_weight_shape", "weight": "self.scale", "eps": "1e-05",
+                                     "condition": "self.scale is not None and self.scale.dim() == 1"},
+         run=_run_block("Mixer(32)", bf16=True, train=False), name="s35_f_rms_norm_helper_over_the_weight_shape_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    # the kernel adds a residual itself, or normalises the last two dims, or another tensor's rows
+    Keep(_S35_KERNEL_HELPERS.replace("bias=None, eps=epsilon", "bias=None, residual=hidden, eps=epsilon")
+         .replace("(x.size(-1),)", "(x.size(-2), x.size(-1))")
+         .replace("t.reshape(-1, t.shape[-1])", "t.transpose(0, 1).reshape(-1, t.shape[-1])")
+         .replace("F.rms_norm(inp, w.shape, w, epsilon)", "F.rms_norm(inp, inp.shape[1:], w, epsilon)"),
+         name="s35_kernel_helpers_that_are_not_a_plain_rms_norm_of_the_input"),
+    # the weight is a helper argument computed at the call (it would run before the add, and twice)
+    Keep(_s35_with("Block").replace("scaled(x + self.ff(x), self.g)", "scaled(x + self.ff(x), self.g * 2)"),
+         name="s35_kernel_helper_weight_computed_at_the_call"),
+]
+
+# -- s35: a norm wrapper whose forward, under a test, returns a submodule norm of its input ---------------
+# tinyworlds' ``AdaptiveNormalizer.forward(x, conditioning=None)``: ``if self.to_gamma_beta is None or
+# conditioning is None: return self.rms(x) if self.rms is not None else self.ln(x)``, then a FiLM
+# LayerNorm; gpt-neox's ``TERMSNorm.forward(x): return self.norm(x)``. The branch that returns the inner
+# RMSNorm is fused where its tests hold at run time (``self`` read as the wrapper module, the forward's
+# other parameters as this call's arguments) and the inner module's type is the class read; elsewhere the
+# original call runs.
+
+_PURE_NODES = (ast.Attribute, ast.Name, ast.Compare, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
+               ast.unaryop, ast.Load)
+
+
+def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``self.<attr>(x, *rest)`` whose class's forward starts with ``if <test>: return self.<inner>(x)``
+    (or ``v = ...; return v``; the value may choose between two submodules by a conditional expression),
+    ``<inner>`` built in the wrapper's ``__init__`` as an RMSNorm class of its file: that norm, its fused
+    code guarded by the tests and by the inner module's run-time type. None otherwise."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if not isinstance(value, ast.Call) or not dotted(value.func):
+        return None
+    cls = dotted(value.func) or ""
+    home, where, file = module, "", module  # ``file``: the one defining the wrapper class
+    if cls not in module.classes:
+        defined = _foreign_definition(module, cls)
+        if defined is None or not isinstance(defined[1], ast.ClassDef):
+            return None
+        file, wdef = defined
+        # the wrapper read here with the classes of its file its ``__init__`` builds
+        built = {dotted(v.func) for v in S.init_assignments(file, wdef.name).values() if isinstance(v, ast.Call)}
+        extra = tuple(file.classes[c] for c in sorted(c for c in built if c in file.classes and c != wdef.name))
+        found_home = _home_with(module, file, wdef, extra)
+        if found_home is None:
+            return None
+        home, cls, where = found_home, wdef.name, f" (from {file.path})"
+    fwd = S.method(home, cls, "forward")
+    if fwd is None or fwd.args.vararg or fwd.args.kwarg or fwd.args.kwonlyargs:
+        return None
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(params) < 2 or len(call.args) > len(params) - 1:
+        return None
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    first = body[0] if body else None
+    if isinstance(first, ast.If) and first.body:
+        inner, test = first.body, first.test
+    elif len(body) in (1, 2) and isinstance(body[-1], ast.Return):
+        inner, test = body, None  # gpt-neox's ``TERMSNorm.forward(x): return self.norm(x)``: no test
+    else:
+        return None
+    if len(inner) == 2 and isinstance(inner[0], ast.Assign) and len(inner[0].targets) == 1 and isinstance(inner[0].targets[0], ast.Name) \
+            and isinstance(inner[1], ast.Return) and isinstance(inner[1].value, ast.Name) and inner[1].value.id == inner[0].targets[0].id:
+        ret = inner[0].value
+    elif len(inner) == 1 and isinstance(inner[0], ast.Return) and inner[0].value is not None:
+        ret = inner[0].value
+    else:
+        return None
+    # the forward's parameters as this call's arguments (texts), its defaults where not given
+    args: dict[str, str] = {params[0]: S.source_of(module, f)}
+    defaults = dict(zip(params[len(params) - len(fwd.args.defaults):], fwd.args.defaults))
+    for p, a in zip(params[2:], call.args[1:]):
+        if isinstance(a, ast.Starred) or dotted(a) is None and not isinstance(a, ast.Constant):
+            return None
+        args[p] = S.source_of(module, a)
+    for k in call.keywords:
+        if k.arg is None or k.arg not in params[2:] or k.arg in args or (dotted(k.value) is None and not isinstance(k.value, ast.Constant)):
+            return None
+        args[k.arg] = S.source_of(module, k.value)
+    for p in params[2:]:
+        if p not in args:
+            d = defaults.get(p)
+            if not isinstance(d, ast.Constant):
+                return None
+            args[p] = ast.unparse(d)
+
+    def as_here(test: ast.expr) -> str | None:
+        """The forward's test as code at the call site (pure: attributes, names, comparisons)."""
+        if not all(isinstance(n, _PURE_NODES) for n in ast.walk(test)):
+            return None
+        names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+        if not names <= set(args):
+            return None  # the input (or a global) is read: not decided before the call
+
+        class Sub(ast.NodeTransformer):
+            def visit_Name(self, n: ast.Name) -> ast.AST:
+                return ast.parse(args[n.id], mode="eval").body
+
+        return f"({ast.unparse(Sub().visit(ast.parse(ast.unparse(test), mode='eval')).body)})"
+
+    conditions = [as_here(test) if test is not None else ""]
+    sides: list[tuple[ast.expr, str | None]] = [(ret, None)]
+    if isinstance(ret, ast.IfExp):
+        t = as_here(ret.test)
+        sides = [(ret.body, t), (ret.orelse, f"not {t}" if t is not None else None)]
+    found: list[NormCall] = []
+    for side, side_test in sides:
+        if not (isinstance(side, ast.Call) and len(side.args) == 1 and not side.keywords and isinstance(side.args[0], ast.Name)
+                and side.args[0].id == params[1] and isinstance(side.func, ast.Attribute)
+                and isinstance(side.func.value, ast.Name) and side.func.value.id == params[0]):
+            continue
+        ctor = S.init_assignments(home, cls).get(side.func.attr)
+        inner_cls = dotted(ctor.func) if isinstance(ctor, ast.Call) else None
+        if inner_cls is None or (ret is not side and side_test is None):
+            continue
+        owner = _class_named(file, inner_cls)  # the inner class, read in the wrapper's file
+        if owner is None:
+            continue
+        cfile, inner_cls = owner
+        inner_home = home if inner_cls in home.classes else _home_with(home, cfile, cfile.classes[inner_cls])
+        if inner_home is None:
+            continue
+        node = ast.Attribute(value=f, attr=side.func.attr, ctx=ast.Load())
+        nc = _class_norm_call(inner_home, call, ctx, inner_cls, where, inner=node)
+        if nc is None or nc.kind not in ("rms", "library"):
+            continue
+        mod = f"{S.source_of(module, f)}.{side.func.attr}"
+        # both run-time types checked: exactly the wrapper class read, holding exactly the norm class read
+        nc.conditions = [*[c for c in (*conditions, side_test) if c], *nc.conditions,
+                         _type_guard(module, S.source_of(module, f), value.func, module),
+                         _type_guard(module, mod, ctor.func if cfile is module else ast.Name(inner_cls, ast.Load()), cfile)]
+        nc.home = inner_home if inner_home is not module else None
+        nc.cls = f"{inner_cls} in {cls}{where}"
+        found.append(nc)
+    if len(found) != 1 or conditions[0] is None:
+        return None
+    return found[0]
+
+
+# -- s35: a norm class the caller passes to the block (no default): the file's one RMSNorm class,
+# fused where the attribute's run-time type is exactly it; another class passed runs the original.
+
+_S35_PASSED_NORM = '''
+import torch
+from torch import nn
+
+
+class Normalizer(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, t):
+        rms = torch.rsqrt(t.float().square().mean(dim=-1, keepdim=True) + self.eps)
+        return (t.float() * rms).to(t.dtype) * self.gain
+
+
+class Layer(nn.Module):
+    def __init__(self, width, make_norm, hidden=64):
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.pre = make_norm(width)
+        self.out = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, stream):
+        upd = self.mix(stream)
+        stream = upd + stream
+        return stream + self.out(self.pre(stream))
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S35_PASSED_NORM, expect={"norm": "self.pre", "weight": "self.pre.gain", "sum": "stream",
+                                   "condition": "type(self.pre) is Normalizer"},
+         run=_run_block("Layer(32, Normalizer)", bf16=True, train=False), name="s35_norm_class_passed_by_the_caller_inference_bf16"),
+    Fuse(_S35_PASSED_NORM, expect={"norm": "self.pre"}, run=_run_block("Layer(32, Normalizer)", leaves="[x, blk.pre.gain]"),
+         name="s35_norm_class_passed_by_the_caller_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # the file's one norm class subtracts the mean, or two classes read as RMSNorm (which one is passed?)
+    Keep(_S35_PASSED_NORM.replace("rms = torch.rsqrt(t.float().square()", "t = t - t.mean(-1, keepdim=True)\n        rms = torch.rsqrt(t.float().square()"),
+         name="s35_passed_norm_class_subtracts_the_mean"),
+    Keep(_S35_PASSED_NORM.replace("class Layer(", _S35_PASSED_NORM.split("class Normalizer")[1].split("class Layer")[0]
+                                  .join(["class OtherNormalizer", "class Layer("])),
+         name="s35_two_rms_classes_for_a_passed_norm"),
+]
+
+# -- s35: norm wrappers whose forward returns an inner RMSNorm submodule of the input, under a test of
+# ``self`` attributes and the other arguments (tinyworlds' AdaptiveNormalizer: RMSNorm unconditioned, a FiLM
+# LayerNorm with conditioning; gpt-neox's TERMSNorm without a test): fused where the test holds and both
+# run-time types are the classes read; elsewhere the original call.
+
+_S35_DISPATCH = '''
+import torch
+from torch import nn
+
+
+class RMS(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + self.eps) * self.weight
+
+
+class Centred(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        m = x.mean(dim=-1, keepdim=True)
+        v = x.var(dim=-1, unbiased=False, keepdim=True)
+        return (x - m) * torch.rsqrt(v + self.eps)
+
+
+class Switch(nn.Module):
+    def __init__(self, d, cond_dim=None):
+        super().__init__()
+        self.rms = None
+        self.ln = None
+        self.film = None
+        if cond_dim is None:
+            self.rms = RMS(d)
+        else:
+            self.ln = Centred(d)
+            self.film = nn.Linear(cond_dim, 2 * d)
+
+    def forward(self, x, cond=None):
+        if self.film is None or cond is None:
+            normed = self.rms(x) if self.rms is not None else self.ln(x)
+            return normed
+        g, b = self.film(cond).chunk(2, dim=-1)
+        return self.ln(x) * (1 + g) + b
+
+
+class Layer(nn.Module):
+    def __init__(self, d, cond_dim=None):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.norm = Switch(d, cond_dim)
+
+    def forward(self, x, cond=None):
+        out = self.proj(x)
+        return self.norm(x + out, cond)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.impl = RMS(width, eps=1e-6)
+
+    def forward(self, h):
+        return self.impl(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.f = nn.Linear(d, d)
+        self.w = nn.Linear(d, d)
+        self.post = Wrapped(d)
+
+    def forward(self, x):
+        y = self.f(x)
+        x = x + y
+        return self.w(self.post(x)) + x
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S35_DISPATCH.split("class Wrapped")[0], expect={"norm": "self.norm", "weight": "self.norm.rms.weight", "sum": None,
+                                                         "condition": "(self.norm.film is None or cond is None) and (self.norm.rms is not None) "
+                                                                      "and type(self.norm) is Switch and type(self.norm.rms) is RMS"},
+         run=_run_block("Layer(32)", bf16=True, train=False), name="s35_norm_wrapper_choosing_rms_by_a_test_inference_bf16"),
+    Fuse(_S35_DISPATCH.split("class Wrapped")[0], expect={"norm": "self.norm"}, run=_run_block("Layer(32)", leaves="[x, blk.norm.rms.weight]"),
+         name="s35_norm_wrapper_choosing_rms_by_a_test_training"),
+    Fuse(_S35_DISPATCH.split("class Switch")[0] + "class Wrapped" + _S35_DISPATCH.split("class Wrapped")[1],
+         expect={"norm": "self.post", "sum": "x", "eps": "self.post.impl.eps",
+                 "condition": "type(self.post) is Wrapped and type(self.post.impl) is RMS"},
+         run=_run_block("Stack(32)", bf16=True, train=False), name="s35_norm_wrapper_without_a_test_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    # the test reads the input (decided by the tensor, not before the call); the inner norm gets another tensor
+    Keep(_S35_DISPATCH.replace("if self.film is None or cond is None:", "if self.film is None or x.dtype == torch.float32:")
+         .replace("return self.impl(h)", "return self.impl(h.transpose(0, 1))"),
+         name="s35_norm_wrapper_test_reads_the_input_or_inner_gets_another_tensor"),
+    # the branch returning early is the LayerNorm one
+    Keep(_S35_DISPATCH.split("class Wrapped")[0].replace("self.rms(x) if self.rms is not None else self.ln(x)", "self.ln(x)"),
+         name="s35_norm_wrapper_early_branch_is_not_rms"),
 ]
