@@ -121,6 +121,21 @@ def test_timm_fast_norm_mode_keeps_timms_forward(timm: None) -> None:
     assert calls.get("npu_rms_norm", 0) == 1  # only RmsNormFp32, which has no fast mode
 
 
+def test_timm_rmsnorm_without_the_fast_norm_attribute_keeps_timms_forward(timm: None) -> None:
+    # timm <= 1.0.12: RmsNorm has no `_fast_norm` and its forward always took the fast path, which without
+    # apex is mean-centred (var(x)); only the swap of RmsNormFp32 (never a fast path) may run
+    x = torch.randn(2, 16)
+
+    def make(ns):
+        blk = ns["Block"](16)
+        for m in (blk.norm1, blk.norm2, blk.plain):
+            del m._fast_norm  # real timm's RmsNormFp32 has none either
+        return blk
+
+    *_, calls = _run_both(_TIMM_BLOCK, make, x)
+    assert calls.get("npu_rms_norm", 0) == 1
+
+
 def test_a_repo_class_bound_to_the_timm_name_keeps_its_own_forward(timm: None, monkeypatch: pytest.MonkeyPatch) -> None:
     code = '''
 import torch

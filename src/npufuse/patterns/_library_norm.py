@@ -1228,7 +1228,11 @@ _LIBRARY_SWAP = SwapKind(
 # * ``RmsNorm(channels, eps=1e-6, affine=True)``: ``normalized_shape`` (channels,), ``weight`` or None;
 #   forward (``_fast_norm`` False, the default) is ``x * rsqrt(mean(x**2, last dims) + eps) * weight``
 #   in x's dtype (no upcast), so the output dtype is promote(x, weight). With ``set_fast_norm()``
-#   it casts to the autocast dtype first: the swap leaves that mode to timm's forward.
+#   it casts to the autocast dtype first: the swap leaves that mode to timm's forward. timm <= 1.0.12
+#   has no ``_fast_norm`` attribute and its forward always took the fast path, which without apex is
+#   ``x * rsqrt(var(x) + eps) * w`` (mean-centred, unbiased: timm issue #2380, fixed in 1.0.13 with the
+#   attribute): a missing attribute on RmsNorm therefore keeps timm's forward too (s35 blind-extras
+#   review). RmsNormFp32 never had the attribute nor a fast path: it is swapped as before.
 # * ``RmsNormFp32``: the same on ``x.float()`` and ``weight.float()``, cast back to x's dtype.
 # * ``RmsNorm2d`` / ``RmsNorm2dFp32`` normalise dim 1 of NCHW (not the trailing dims npu_rms_norm
 #   normalises) and ``SimpleNorm*`` subtract nothing but use ``var`` (mean-centred): not in the family.
@@ -1279,7 +1283,7 @@ def _timm_swap_helper(T: str) -> str:
         f"    half = ({T}.float16, {T}.bfloat16)",
         "    fp32 = cls.__name__ == 'RmsNormFp32'",
         "    def forward(self, x):",
-        f"        if _npufuse_on_npu(x) and type(self) is cls and not getattr(self, '_fast_norm', False) and 2 <= x.dim() <= 8 and x.dtype in (*half, {T}.float32):",
+        f"        if _npufuse_on_npu(x) and type(self) is cls and not getattr(self, '_fast_norm', not fp32) and 2 <= x.dim() <= 8 and x.dtype in (*half, {T}.float32):",
         "            w = self.weight",
         "            if fp32:",
         "                # statistics and weight in fp32, output in x's dtype (fp32 gamma with half x: A2/A3)",
