@@ -3454,7 +3454,7 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
-                flag_read = _s30_probs_read_under_flag(scope, name, end_line)
+                flag_read = _s30_probs_read_under_flag(scope, name, end_line) or _s35_probs_nulled_unless_flag(scope, name, end_line)
                 if flag_read is not None:
                     # s30: ``if self.output_attention: return V, A  else: return V, None``: the callers get the probabilities
                     # only where the flag asks for them: the fused call runs where it does not (a run-time check)
@@ -10448,6 +10448,36 @@ def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast
     return test_node, next(iter(found))[1]
 
 
+def _s35_probs_nulled_unless_flag(scope: Scope, name: str, after: int) -> tuple[ast.expr, bool] | None:
+    """(``flag``, False) where the function, after line ``after`` and at its top level, runs ``if not flag: name =
+    None`` (HF's eager attention: ``if not output_attentions: attn_weights = None``) before every read of ``name``,
+    with ``flag`` a parameter the function never reassigns or ``self.<attr>``: the callers get the probabilities only
+    when the flag asks for them, so the fused call runs where it does not (audit35: it returned None weights to a
+    caller passing ``output_attentions=True``). None otherwise (``Chain.excluded`` convention: not negated, so the
+    fused call runs where the flag is false)."""
+    body = getattr(scope.node, "body", None)
+    if not isinstance(body, list):
+        return None
+    for st in body:
+        if not (isinstance(st, ast.If) and st.lineno > after and not st.orelse and len(st.body) == 1):
+            continue
+        test, only = st.test, st.body[0]
+        if not (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)):
+            continue
+        flag = test.operand
+        own = isinstance(flag, ast.Attribute) and isinstance(flag.value, ast.Name) and flag.value.id == "self"
+        param = isinstance(flag, ast.Name) and flag.id in scope.args and not scope.assignments.get(flag.id)
+        if not (own or param):
+            continue
+        if not (isinstance(only, ast.Assign) and len(only.targets) == 1 and isinstance(only.targets[0], ast.Name)
+                and only.targets[0].id == name and isinstance(only.value, ast.Constant) and only.value.value is None):
+            continue
+        loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+        if loads and all(n.lineno > (st.end_lineno or st.lineno) for n in loads):
+            return flag, False
+    return None
+
+
 _S30_PROBS_RETURNED_UNDER_A_FLAG = '''
 import torch
 from torch import nn
@@ -12511,5 +12541,46 @@ AttentionPattern.KEEP += [
                                  "w = w.sigmoid() * F.softmax(w.float(), dim=-1).type_as(q)"),
         reason="modified after softmax",
         name="s35_probabilities_gated_by_the_scores",
+    ),
+]
+
+
+# --- s35 (audit35's dubious): HF-style eager attention that drops its probabilities unless the caller asks for them
+# (``if not output_attentions: attn_weights = None`` after the site). The fused branch returned None weights to a
+# caller passing ``output_attentions=True``; it now runs only where the flag is false (the original code where it is
+# true), as HF's own sdpa path falls back to eager for that call ---
+_S35_PROBS_NULLED_UNLESS_ASKED = '''
+import math
+import torch
+from torch import nn
+
+
+class WindowSelfAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, h, keep_maps=False):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        maps = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
+        maps = maps.softmax(dim=-1)
+        y = (maps @ v).transpose(1, 2).reshape(b, n, -1)
+        if not keep_maps:
+            maps = None
+        return y, maps
+'''
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_PROBS_NULLED_UNLESS_ASKED,
+        expect={"qualname": "WindowSelfAttention.forward"},
+        run='''
+m = WindowSelfAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = (m(x)[0], *m(x, keep_maps=True))
+leaves = [x, m.qkv.weight]
+''',
+        name="s35_probabilities_set_to_none_unless_the_caller_asks",
     ),
 ]
