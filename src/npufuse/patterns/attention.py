@@ -6789,7 +6789,8 @@ class Attention(nn.Module):
 AttentionPattern.FUSE.append(
     Fuse(
         name="probs_returned_none_on_a_path",
-        # the function itself drops the weights unless asked: None is an accepted value for its callers
+        # the function itself drops the weights unless asked: the fused call runs where it drops them (s35: where
+        # `need_weights` is false; the original code returns them where it is true)
         code='''
 import math
 
@@ -6806,14 +6807,14 @@ def attention(query, key, value, mask=None, need_weights=False):
         p_attn = None
     return out, p_attn
 ''',
-        expect={"mask_kind": "bool_masked", "returns_probs": "p_attn", "mask_conditions": ["mask is not None"]},
+        expect={"mask_kind": "bool_masked", "returns_probs": None, "mask_conditions": ["mask is not None"]},
         run="""
 q = torch.randn(2, 4, 8, 16, requires_grad=True)
 k = torch.randn(2, 4, 8, 16, requires_grad=True)
 v = torch.randn(2, 4, 8, 16, requires_grad=True)
 mask = torch.ones(2, 1, 1, 8, dtype=torch.long)
 mask[0, ..., 6:] = 0
-out = attention(q, k, v, mask)[0]
+out = (attention(q, k, v, mask)[0], *attention(q, k, v, mask, need_weights=True))
 leaves = [q, k, v]
 """,
     )
