@@ -961,9 +961,6 @@ def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = No
     return None
 
 
-_VIEWS_AND_CASTS = frozenset(("view", "reshape", "transpose", "permute", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
-
-
 def _summed_projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None) -> str | None:
     """The input key of a sum of projections of one input (a LoRA-adapted projection: ``self.w1(x) +
     self.lora_b(self.lora_a(x))``, optionally ``* scaling``): linear in the input like one projection,
@@ -988,7 +985,7 @@ def _summed_projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | No
         # a chain of projections (`lora_b(lora_a(drop(x)))`): the innermost call's input
         for _ in range(4):
             inner = t.args[0] if isinstance(t, ast.Call) and t.args else None
-            if not isinstance(inner, ast.Call) or (isinstance(inner.func, ast.Attribute) and inner.func.attr in _VIEWS_AND_CASTS):
+            if not isinstance(inner, ast.Call) or (isinstance(inner.func, ast.Attribute) and inner.func.attr in _VIEWS) or S.is_cast(inner):
                 break
             t = inner
         if not isinstance(t, ast.Call) and not (isinstance(t, ast.BinOp) and isinstance(t.op, ast.MatMult)):
@@ -1475,7 +1472,7 @@ def _has_built_activation_attr(module: ModuleInfo, scope: Scope, text: str) -> b
         if f"self.{attr}(" not in text or not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
             continue
         fn = module.functions.get(value.func.id)
-        if fn is not None and any(w in ast.get_source_segment(module.source, fn).lower() for w in _ACT_SEARCH):
+        if fn is not None and any(w in S.source_of(module, fn).lower() for w in _ACT_SEARCH):
             return True
     return False
 

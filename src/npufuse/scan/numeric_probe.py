@@ -757,17 +757,13 @@ class Interpreter:
             return isinstance(v, tuple(real))
         if name in ("hasattr", "getattr"):
             obj = args[0]
-            if isinstance(obj, ConfigStub) and isinstance(args[1], str):
-                if name == "hasattr":
-                    return args[1] in obj.values
-                return obj.values.get(args[1], args[2] if len(args) > 2 else None) \
-                    if args[1] in obj.values or len(args) > 2 else obj.values[args[1]]
-            if not isinstance(obj, Obj) or not isinstance(args[1], str):
-                raise Unknown(f"{name} on something other than self")
+            if not isinstance(obj, (Obj, ConfigStub)) or not isinstance(args[1], str):
+                raise Unknown(f"{name} on something other than self or a configuration object")
+            attrs = obj.attrs if isinstance(obj, Obj) else obj.values
             if name == "hasattr":
-                return args[1] in obj.attrs
-            if args[1] in obj.attrs:
-                return obj.attrs[args[1]]
+                return args[1] in attrs
+            if args[1] in attrs:
+                return attrs[args[1]]
             if len(args) > 2:
                 return args[2]
             raise Unknown("getattr of an unset attribute")
