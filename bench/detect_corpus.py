@@ -293,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", action="store_true",
                     help="scan the labelled files, the other .py files of their folders and the repo modules they import "
                          "(two levels), not the whole repository; only the labelled files are scored")
+    ap.add_argument("--miss-classes", action="store_true",
+                    help="also count, per pattern, the missed labels the scan never reached (no near miss of any pattern "
+                         "there), refused (a near miss of that pattern), left to another pattern, or failed to render: "
+                         "counts only, safe on a blind label file")
     ap.add_argument("--only", metavar="IDS", help="comma-separated pattern ids to score (default: every labelled pattern)")
     ap.add_argument("--optimizer-zero-grad-in-place", action="store_true",
                     help="scan as `npufuse scan --optimizer-zero-grad-in-place` does (fused_optimizer zeroes freed grads in place)")
@@ -439,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     if again:
         print("not scored (further sites inside a fuse label already matched): "
               + ", ".join(f"{p} {n}" for p, n in again.items()))
+    if args.miss_classes:
+        print(f"{'missed, by class':<20} {'unseen':>7} {'refused':>8} {'other':>6} {'render':>7}")
+        for p in patterns:
+            counts = miss_classes(tallies[p].missed, misses, cands)
+            if tallies[p].missed:
+                print(f"{p:<20} " + " ".join(f"{counts[k]:>{w}}" for k, w in (("unseen", 7), ("refused", 8), ("other", 6), ("render", 7))))
     if args.list:
         for p in patterns:
             for s in tallies[p].missed:
@@ -451,6 +461,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+
+def miss_classes(missed: list[Site], misses: list[tuple[Site, str]], cands: list[Site]) -> dict[str, int]:
+    """Why each missed label was missed, as a class: ``render`` (the scan found it but could not write
+    the replacement), ``refused`` (a near miss of the label's pattern on its lines: the detector saw it
+    and said no), ``other`` (only another pattern's finding or near miss there), ``unseen`` (nothing)."""
+    def on_lines(a: Site, b: Site) -> bool:
+        return a.file == b.file and a.line <= b.end_line and b.line <= a.end_line
+
+    out = {"unseen": 0, "refused": 0, "other": 0, "render": 0}
+    for s in missed:
+        near = [(n, r) for n, r in misses if on_lines(n, s)]
+        if any("could not generate the replacement" in r for n, r in near if n.pattern == s.pattern):
+            out["render"] += 1
+        elif any(n.pattern == s.pattern for n, _ in near):
+            out["refused"] += 1
+        elif near or any(on_lines(c, s) for c in cands):
+            out["other"] += 1
+        else:
+            out["unseen"] += 1
+    return out
 
 
 def _fmt(k: int, n: int) -> str:
