@@ -4596,35 +4596,32 @@ def _s28_class_values(module: ModuleInfo, cls: ast.ClassDef, attr: str) -> tuple
                     k = _s28_kind(st.value, aliases)
                     kinds.append(k) if k else None
                     other = other or not k
-            if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for n in ast.walk(st):
-                if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
-                                                     and t.value.id == "self" for t in n.targets):
-                    value = n.value
-                    if isinstance(value, ast.Name) and value.id in [x.arg for x in (*st.args.posonlyargs, *st.args.args, *st.args.kwonlyargs)]:
-                        d = _s28_default(st, value.id)
-                        values = [(d, aliases)] if d is not None else []
-                        values += [h for h in handed]  # what subclasses pass for it
-                        if not values:
-                            other = True
-                        for v, al in values:
-                            k = _s28_kind(v, al)
-                            kinds.append(k) if k else None
-                            other = other or not k
-                    else:
-                        k = _s28_kind(value, aliases)
+        for st, n, attrs in _s28_self_bindings(node):
+            if isinstance(n, ast.Assign):
+                if attr not in attrs:
+                    continue
+                value = n.value
+                if isinstance(value, ast.Name) and value.id in [x.arg for x in (*st.args.posonlyargs, *st.args.args, *st.args.kwonlyargs)]:
+                    d = _s28_default(st, value.id)
+                    values = [(d, aliases)] if d is not None else []
+                    values += [h for h in handed]  # what subclasses pass for it
+                    if not values:
+                        other = True
+                    for v, al in values:
+                        k = _s28_kind(v, al)
                         kinds.append(k) if k else None
                         other = other or not k
-                # `super().__init__(..., attr=p)` with p a parameter of this method: its default goes down
-                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"
-                        and isinstance(n.func.value, ast.Call) and isinstance(n.func.value.func, ast.Name)
-                        and n.func.value.func.id == "super"):
-                    for k in n.keywords:
-                        if k.arg == attr and isinstance(k.value, ast.Name):
-                            d = _s28_default(st, k.value.id)
-                            if d is not None:
-                                handed.append((d, aliases))
+                else:
+                    k = _s28_kind(value, aliases)
+                    kinds.append(k) if k else None
+                    other = other or not k
+                continue
+            # `super().__init__(..., attr=p)` with p a parameter of this method: its default goes down
+            for k in n.keywords:
+                if k.arg == attr and isinstance(k.value, ast.Name):
+                    d = _s28_default(st, k.value.id)
+                    if d is not None:
+                        handed.append((d, aliases))
         for base in node.bases:
             name = dotted(base)
             if not name or tree is None:
@@ -4637,6 +4634,34 @@ def _s28_class_values(module: ModuleInfo, cls: ast.ClassDef, attr: str) -> tuple
             if found is not None and isinstance(found.node, ast.ClassDef):
                 chain.append((found.node, _s28_import_aliases(found.tree), found.tree, found.rel))
     return kinds, other
+
+
+# one walk per class body, shared by every attribute asked about (a scope calls _s28_class_values for
+# each `self.<attr>(...)` it holds: walking the class again per call made the detector quadratic in the
+# class size -- 2/3 of a scan's time on a repository of long trainer classes). Kept on the node itself,
+# so it lives exactly as long as the tree.
+def _s28_self_bindings(cls: ast.ClassDef) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, ast.AST, frozenset[str]]]:
+    """In the walk order of each method of ``cls``: (method, ``self.<a> = ...`` assignment, the
+    attributes it binds) and (method, ``super().__init__(...)`` call, empty set)."""
+    hit = cls.__dict__.get("_npufuse_s28_bindings")
+    if hit is not None:
+        return hit
+    out: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, ast.AST, frozenset[str]]] = []
+    for st in cls.body:
+        if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(st):
+            if isinstance(n, ast.Assign):
+                attrs = frozenset(t.attr for t in n.targets
+                                  if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self")
+                if attrs:
+                    out.append((st, n, attrs))
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"
+                    and isinstance(n.func.value, ast.Call) and isinstance(n.func.value.func, ast.Name)
+                    and n.func.value.func.id == "super"):
+                out.append((st, n, frozenset()))
+    cls.__dict__["_npufuse_s28_bindings"] = out
+    return out
 
 
 def _s28_torch_test(module: ModuleInfo, kind: str) -> Optional[str]:
