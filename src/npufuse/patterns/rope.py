@@ -2858,6 +2858,12 @@ class RopePattern(Pattern):
                 x_text=f"torch.view_as_real({xc_src}).flatten(-2)", cos_info=cinfo, prep=prep,
                 x_dtype=cast, cs_dtype=None,
             )
+            if _is_name(xc_src) and "." not in xc_src:
+                # interleave mode takes B*N < 1000 and D < 896 (spec 4.1): a batch-free table does not bound
+                # the batch (audit36: CodeLlama's apply_rotary_emb with 32 prompts x 32 heads); x's rows over
+                # the table's one long dim, D = 2 * the complex lanes, read at run time; elsewhere the original
+                m.only_if = (f"{_interleave_rows_ok(xc_src, f'max({cos}.shape[:-1], default=1)')}"
+                             f" and {xc_src}.shape[-1] * 2 < {_MAX_D}")
             return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return _complex_parameter_product(self, module, scope, node, prod, post)
 
