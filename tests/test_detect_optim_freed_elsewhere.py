@@ -17,6 +17,7 @@ import torch
 from apply_support import npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from scratch_repo import write_files
 
 _HELPERS = '''\
 import torch
@@ -79,12 +80,6 @@ def train(epochs=2):
 '''
 
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text, encoding="utf-8")
-
-
 def _run_train(root: Path) -> list[torch.Tensor]:
     saved = sys.modules.get("helpers")
     try:
@@ -108,7 +103,7 @@ def _optimizer_sites(data: dict, file: str) -> tuple[list[dict], list[dict]]:
 
 def test_helper_of_another_file_freeing_the_models_grads_refuses(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    _write(root, {"helpers.py": _HELPERS, "train.py": _TRAIN.format(helper="drop_head_grads(epoch, net, 1)")})
+    write_files(root, {"helpers.py": _HELPERS, "train.py": _TRAIN.format(helper="drop_head_grads(epoch, net, 1)")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert cands == [] and len(near) == 1, (cands, near)
     reason = near[0]["reason"]
@@ -120,10 +115,10 @@ def test_helper_handed_another_object_keeps_the_candidate_and_it_runs(tmp_path: 
     # the same helper given the teacher (`other`): the student's grads stay allocated
     train = _TRAIN.format(helper="drop_head_grads(epoch, other, 1)")
     ref_root = tmp_path / "ref"
-    _write(ref_root, {"helpers.py": _HELPERS, "train.py": train})
+    write_files(ref_root, {"helpers.py": _HELPERS, "train.py": train})
     ref = _run_train(ref_root)
     root = tmp_path / "repo"
-    _write(root, {"helpers.py": _HELPERS, "train.py": train})
+    write_files(root, {"helpers.py": _HELPERS, "train.py": train})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert len(cands) == 1 and near == [], (cands, near)
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
@@ -136,7 +131,7 @@ def test_helper_handed_another_object_keeps_the_candidate_and_it_runs(tmp_path: 
 def test_helper_scaling_grads_in_place_keeps_the_candidate(tmp_path: Path) -> None:
     # `p.grad.data.mul_(...)` changes the grad in place (clip_grad_norm_-like): the buffer stays
     root = tmp_path / "repo"
-    _write(root, {"helpers.py": _HELPERS, "train.py": _TRAIN.format(helper="clip(net, 0.5)")})
+    write_files(root, {"helpers.py": _HELPERS, "train.py": _TRAIN.format(helper="clip(net, 0.5)")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert len(cands) == 1 and near == [], (cands, near)
 
@@ -145,7 +140,7 @@ def test_helper_reassigning_grad_data_refuses(tmp_path: Path) -> None:
     # `p.grad.data = ...` re-points the grad's storage away from the flat buffer
     helpers = _HELPERS.replace("p.grad.data.mul_(min(1.0, limit))", "p.grad.data = p.grad.data * min(1.0, limit)")
     root = tmp_path / "repo"
-    _write(root, {"helpers.py": helpers, "train.py": _TRAIN.format(helper="clip(net, 0.5)")})
+    write_files(root, {"helpers.py": helpers, "train.py": _TRAIN.format(helper="clip(net, 0.5)")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert cands == [] and len(near) == 1 and "`clip` (helpers.py:21) gets `model` and assigns new grads" in near[0]["reason"]
 
@@ -186,18 +181,18 @@ class SGDWrapper({base}):
 
 def test_base_class_of_another_file_freeing_what_the_instance_holds_refuses(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    _write(root, {"optim/__init__.py": _PKG_INIT, "optim/base.py": _BASE, "optim/sgd.py": _SGD.format(base="OptimizerBase")})
+    write_files(root, {"optim/__init__.py": _PKG_INIT, "optim/base.py": _BASE, "optim/sgd.py": _SGD.format(base="OptimizerBase")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "optim/sgd.py")
     assert cands == [] and len(near) == 1
     assert "`SGDWrapper` holds this optimizer and inherits `OptimizerBase.zero_grad` (optim/base.py:13), which sets grads to None" \
         in near[0]["reason"]
     # a base that zeroes through the optimizer itself (in place by default for the fused class) says nothing
-    _write(root, {"optim/base.py": _BASE.replace("        for p in self.params:\n            p.grad = None\n",
+    write_files(root, {"optim/base.py": _BASE.replace("        for p in self.params:\n            p.grad = None\n",
                                                  "        self._optimizer.zero_grad()\n")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "optim/sgd.py")
     assert len(cands) == 1 and near == []
     # a base that asks the optimizer to free them: refused too
-    _write(root, {"optim/base.py": _BASE.replace("        for p in self.params:\n            p.grad = None\n",
+    write_files(root, {"optim/base.py": _BASE.replace("        for p in self.params:\n            p.grad = None\n",
                                                  "        self._optimizer.zero_grad(set_to_none=True)\n")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "optim/sgd.py")
     assert cands == [] and "frees grads (`self._optimizer.zero_grad(set_to_none=...)`)" in near[0]["reason"]
@@ -206,7 +201,7 @@ def test_base_class_of_another_file_freeing_what_the_instance_holds_refuses(tmp_
 def test_freeing_code_of_an_unrelated_class_elsewhere_does_not_refuse(tmp_path: Path) -> None:
     # the base class is another one (the freeing class exists in the repo but is not inherited)
     root = tmp_path / "repo"
-    _write(root, {"optim/__init__.py": _PKG_INIT + "from .plain import Plain\n", "optim/base.py": _BASE,
+    write_files(root, {"optim/__init__.py": _PKG_INIT + "from .plain import Plain\n", "optim/base.py": _BASE,
                   "optim/plain.py": "class Plain:\n    def __init__(self, cfg):\n        self.cfg = cfg\n",
                   "optim/sgd.py": _SGD.format(base="Plain")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "optim/sgd.py")
@@ -220,10 +215,10 @@ def test_helper_of_another_file_run_only_before_the_construction_keeps_the_candi
         "    groups = helpers.build_groups(student)\n", "    helpers.reset(student)\n    groups = helpers.build_groups(student)\n")
     helpers = _HELPERS + "\n\ndef reset(model):\n    for p in model.parameters():\n        p.grad = None\n"
     root = tmp_path / "repo"
-    _write(root, {"helpers.py": helpers, "train.py": train})
+    write_files(root, {"helpers.py": helpers, "train.py": train})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert len(cands) == 1 and near == [], (cands, near)
-    _write(root, {"train.py": train.replace("        one_epoch(student, optimizer, epoch, teacher)\n",
+    write_files(root, {"train.py": train.replace("        one_epoch(student, optimizer, epoch, teacher)\n",
                                             "        one_epoch(student, optimizer, epoch, teacher)\n        helpers.reset(student)\n")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert cands == [] and "`helpers.reset` (train.py:34) -> `reset` (helpers.py:26) gets `model` and sets grads to None" in near[0]["reason"]
@@ -257,12 +252,12 @@ def test_wrapper_class_of_another_file_asking_its_optimizer_to_free_refuses(tmp_
     for build in ("opt = Wrapped(torch.optim.AdamW(model.parameters(), lr=1e-3))",
                   "inner = torch.optim.AdamW(model.parameters(), lr=1e-3)\n    opt = Wrapped(inner)"):
         root = tmp_path / f"repo{len(build)}"
-        _write(root, {"wrap.py": _WRAPPER, "train.py": _WRAPPED_TRAIN.format(build=build)})
+        write_files(root, {"wrap.py": _WRAPPER, "train.py": _WRAPPED_TRAIN.format(build=build)})
         cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
         assert cands == [] and len(near) == 1, (build, cands, near)
         assert "(class Wrapped, wrap.py:1)" in near[0]["reason"] and "(wrap.py:9)" in near[0]["reason"]
         # the wrapper that zeroes through the optimizer's own default (in place for the fused class)
-        _write(root, {"wrap.py": _WRAPPER.replace("zero_grad(set_to_none=True)", "zero_grad()")})
+        write_files(root, {"wrap.py": _WRAPPER.replace("zero_grad(set_to_none=True)", "zero_grad()")})
         cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
         assert len(cands) == 1 and near == [], (build, cands, near)
 
@@ -271,10 +266,10 @@ def test_helper_of_another_file_calling_the_models_default_zero_grad_refuses(tmp
     # `model.zero_grad()` frees by default on torch >= 2.0; the optimizer's own zero_grad() does not
     helpers = _HELPERS + "\n\ndef reset(model, optimizer):\n    optimizer.zero_grad()\n    model.zero_grad()\n"
     root = tmp_path / "repo"
-    _write(root, {"helpers.py": helpers, "train.py": _TRAIN.format(helper="reset(net, optimizer)")})
+    write_files(root, {"helpers.py": helpers, "train.py": _TRAIN.format(helper="reset(net, optimizer)")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert cands == [] and "`reset` (helpers.py:26) gets `model, optimizer` and frees them with `model.zero_grad()`" \
         in near[0]["reason"], near
-    _write(root, {"helpers.py": helpers.replace("    model.zero_grad()\n", "")})
+    write_files(root, {"helpers.py": helpers.replace("    model.zero_grad()\n", "")})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert len(cands) == 1 and near == []

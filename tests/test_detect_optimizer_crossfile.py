@@ -16,6 +16,7 @@ import torch
 from apply_support import npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from scratch_repo import write_files
 
 _MODEL = '''\
 import torch
@@ -59,12 +60,6 @@ def train(steps=3):
 '''
 
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    for rel, text in files.items():
-        (root / rel).write_text(text, encoding="utf-8")
-
-
 def _run(root: Path) -> list[torch.Tensor]:
     """train() of ``root``'s train.py with ``root``'s model.py as the module ``model``."""
     saved = sys.modules.get("model")
@@ -89,7 +84,7 @@ def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str, explic
     train = _TRAIN.format(build=build, zero=zero)
     ref = _run_files(tmp_path / "ref", train)
     root = tmp_path / "repo"
-    _write(root, {"model.py": _MODEL, "train.py": train})
+    write_files(root, {"model.py": _MODEL, "train.py": train})
     # by default the trainer's choice to free grads is kept: a near miss naming train.py's line and the option
     # (a zero_grad that frees by default, `model.zero_grad()`, is zeroed in place without the option too)
     data = scan(root, patterns=[FusedOptimizer()])
@@ -111,7 +106,7 @@ def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str, explic
 
 
 def _run_files(root: Path, train: str) -> list[torch.Tensor]:
-    _write(root, {"model.py": _MODEL, "train.py": train})
+    write_files(root, {"model.py": _MODEL, "train.py": train})
     return _run(root)
 
 
@@ -135,7 +130,7 @@ def test_share_memory_elsewhere_still_refuses(tmp_path: Path) -> None:
     train = _TRAIN.format(build="build_sgd(model, 1e-2)", zero="optimizer.zero_grad(set_to_none=True)").replace(
         "    model = GPT()\n", "    model = GPT()\n    model.share_memory()\n")
     root = tmp_path / "repo"
-    _write(root, {"model.py": _MODEL, "train.py": train})
+    write_files(root, {"model.py": _MODEL, "train.py": train})
     data = scan(root, patterns=[FusedOptimizer()])
     # build_sgd: the set_to_none is fixable, the hogwild sharing is not; configure_optimizers is not used
     assert [c["qualname"] for c in data["candidates"]] == ["GPT.configure_optimizers"]
@@ -176,7 +171,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 def test_a_repo_class_reassigning_grads_wraps_the_model(tmp_path: Path) -> None:
     # the wrapper's code is in another file: repo_symbols resolves `BucketDP` to parallel/bucket.py
     root = tmp_path / "repo"
-    _write(root, {"model.py": _MODEL, "train.py": _TRAIN_WRAPPED})
+    write_files(root, {"model.py": _MODEL, "train.py": _TRAIN_WRAPPED})
     (root / "parallel").mkdir()
     (root / "parallel" / "__init__.py").write_text("")
     (root / "parallel" / "bucket.py").write_text(_BUCKET)
@@ -214,7 +209,7 @@ def test_a_method_defined_once_in_the_repo_is_linked_without_an_import(tmp_path:
     # in model.py, so `model.configure_optimizers(...)` is that method and the trainer's
     # `model.zero_grad(set_to_none=True)` concerns its parameters
     root = tmp_path / "repo"
-    _write(root, {"model.py": _MODEL, "trainer.py": _TRAINER_NO_IMPORT})
+    write_files(root, {"model.py": _MODEL, "trainer.py": _TRAINER_NO_IMPORT})
     data = scan(root, patterns=[FusedOptimizer()])
     near = next(m for m in data["near_misses"] if m["qualname"] == "GPT.configure_optimizers")
     assert "`model.zero_grad(set_to_none=...)` at trainer.py:14" in near["reason"] and _OPT_IN in near["reason"]
@@ -241,7 +236,7 @@ def test_warm_scan_from_the_cache_gives_the_same_zeroed_replacement(tmp_path: Pa
     from npufuse.scan.engine import scan_repo
 
     root = tmp_path / "repo"
-    _write(root, {"model.py": _MODEL, "train.py": _TRAIN.format(build="model.configure_optimizers(0.1, 1e-2)",
+    write_files(root, {"model.py": _MODEL, "train.py": _TRAIN.format(build="model.configure_optimizers(0.1, 1e-2)",
                                                                  zero="optimizer.zero_grad(set_to_none=True)")})
     cache = tmp_path / "cache"
     cold = scan_repo(root, patterns=[FusedOptimizer()], jobs=1, cache_dir=cache, optimizer_zero_grad_in_place=True)

@@ -8,7 +8,6 @@ xPos look-alike. The single-file forms are examples in patterns/rope.py; what ne
 from __future__ import annotations
 
 import ast
-import importlib
 import sys
 import types
 from pathlib import Path
@@ -21,6 +20,7 @@ from npufuse import emulate
 from npufuse.patterns.rope import RopePattern
 from npufuse.scan import canonical
 from npufuse.scan.dataflow import ModuleInfo
+from scratch_repo import import_fresh
 
 
 def _expr(text: str) -> ast.expr:
@@ -99,18 +99,6 @@ def _tables(s: int, d: int, pairs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return ang.cos()[None, None], ang.sin()[None, None]
 
 
-def _import_fresh(root: Path, name: str) -> types.ModuleType:
-    sys.path.insert(0, str(root))
-    try:
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(root))
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-
-
 def _run_both(mod: types.ModuleType) -> list[torch.Tensor]:
     torch.manual_seed(0)
     x = torch.randn(2, 3, 5, 8)
@@ -119,7 +107,7 @@ def _run_both(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_rotation_helpers_from_another_file_are_verified_there(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/layers.py": _LAYERS, "pkg/model.py": _MODEL}
-    ref = _run_both(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _run_both(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[RopePattern()])
     cands = {c["qualname"]: c for c in data["candidates"] if c["pattern"] == "rope"}
@@ -131,7 +119,7 @@ def test_rotation_helpers_from_another_file_are_verified_there(tmp_path: Path) -
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     assert "npu_rotary_mul" in (root / "pkg" / "model.py").read_text(encoding="utf-8")
     with emulate.install() as emu:
-        outs = _run_both(_import_fresh(root, "pkg.model"))
+        outs = _run_both(import_fresh(root, "pkg.model"))
     assert emu.calls["npu_rotary_mul"] == 2, emu.calls
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, outs))
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from apply_support import npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from scratch_repo import write_files
 
 _BASE = '''\
 import torch as th
@@ -70,12 +70,6 @@ def train(steps=3, **kwargs):
 '''
 
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text, encoding="utf-8")
-
-
 def _run_policy(root: Path, **kwargs: object) -> tuple[str, list[torch.Tensor]]:
     saved = {k: v for k, v in sys.modules.items() if k == "pkg" or k.startswith("pkg.")}
     sys.path.insert(0, str(root))
@@ -96,11 +90,11 @@ def test_injected_class_through_a_base_in_another_file(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/common/__init__.py": "", "pkg/common/policies.py": _BASE,
              "pkg/sac/__init__.py": "", "pkg/sac/policies.py": _POLICY}
     ref_root = tmp_path / "ref"
-    _write(ref_root, files)
+    write_files(ref_root, files)
     ref_adam = _run_policy(ref_root)
     ref_rms = _run_policy(ref_root, optimizer_class=torch.optim.RMSprop, optimizer_kwargs={"alpha": 0.9})
     root = tmp_path / "repo"
-    _write(root, files)
+    write_files(root, files)
     data = scan(root, patterns=[FusedOptimizer()])
     cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
     assert [(c["file"], c["line"]) for c in cands] == [("pkg/sac/policies.py", 18)], data["near_misses"]
@@ -120,7 +114,7 @@ def test_injected_class_through_a_base_in_another_file(tmp_path: Path) -> None:
 
 def test_injected_class_without_a_torch_optim_binding_is_not_a_site(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    _write(root, {"pkg/__init__.py": "", "pkg/common/__init__.py": "",
+    write_files(root, {"pkg/__init__.py": "", "pkg/common/__init__.py": "",
                   "pkg/common/policies.py": _BASE.replace("optimizer_class=th.optim.Adam", "optimizer_class=None"),
                   "pkg/sac/__init__.py": "",
                   "pkg/sac/policies.py": _POLICY.replace("optimizer_class=th.optim.Adam", "optimizer_class=None")})
@@ -168,7 +162,7 @@ class Trainer:
 def test_zero_grad_on_what_holds_the_model_in_another_file(tmp_path: Path) -> None:
     root = tmp_path / "repo"
     # two versions of the repo each define GPT.configure_optimizers: the trainer beside v1's model reaches v1's
-    _write(root, {"v1/src/model.py": _GPT, "v1/src/trainer.py": _MINGPT_TRAINER.format(flag=""),
+    write_files(root, {"v1/src/model.py": _GPT, "v1/src/trainer.py": _MINGPT_TRAINER.format(flag=""),
                   "v2/src/model.py": _GPT, "v2/src/trainer.py": _MINGPT_TRAINER.format(flag="set_to_none=False")})
     data = scan(root, patterns=[FusedOptimizer()])
     near = [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["file"] == "v1/src/model.py"]
@@ -214,11 +208,11 @@ class Trainer:
 
 def test_zero_grad_on_the_object_getattr_reads_the_model_from(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    _write(root, {"utils.py": _CONFIGURE, "trainer.py": _AGENT_TRAINER.format(flag="")})
+    write_files(root, {"utils.py": _CONFIGURE, "trainer.py": _AGENT_TRAINER.format(flag="")})
     data = scan(root, patterns=[FusedOptimizer()])
     near = [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["file"] == "utils.py"]
     assert len(near) == 1 and "`self.agent.zero_grad()` at trainer.py:20" in near[0]["reason"], data["near_misses"]
     # zeroing in place there: the candidate stays
-    _write(root, {"trainer.py": _AGENT_TRAINER.format(flag="set_to_none=False")})
+    write_files(root, {"trainer.py": _AGENT_TRAINER.format(flag="set_to_none=False")})
     data = scan(root, patterns=[FusedOptimizer()])
     assert [c["file"] for c in data["candidates"] if c["pattern"] == "fused_optimizer"] == ["utils.py"]

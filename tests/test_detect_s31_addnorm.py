@@ -5,8 +5,6 @@ arguments, rewritten and run under the emulator."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 from apply_support import make_repo, npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from scratch_repo import import_fresh
 
 _LAYERS = '''\
 import torch
@@ -79,18 +78,6 @@ class Post(nn.Module):
 '''
 
 
-def _import_fresh(root: Path, name: str) -> types.ModuleType:
-    sys.path.insert(0, str(root))
-    try:
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(root))
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-
-
 def _run(mod: types.ModuleType) -> list[torch.Tensor]:
     torch.manual_seed(0)
     blk = mod.Block(32).to(torch.bfloat16)
@@ -103,7 +90,7 @@ def _run(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_norm_helper_imported_from_another_file_is_read_there(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/layers.py": _LAYERS, "pkg/model.py": _MODEL}
-    ref = _run(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -117,7 +104,7 @@ def test_norm_helper_imported_from_another_file_is_read_there(tmp_path: Path) ->
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     assert "npu_add_rms_norm" in (root / "pkg" / "model.py").read_text(encoding="utf-8")
     with emulate.install() as emu:
-        outs = _run(_import_fresh(root, "pkg.model"))
+        outs = _run(import_fresh(root, "pkg.model"))
     assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -248,7 +235,7 @@ def _run_blocks(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_norm_class_from_another_file_is_read_there(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/norms.py": _NORMS, "pkg/blocks.py": _BLOCKS}
-    ref = _run_blocks(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.blocks"))
+    ref = _run_blocks(import_fresh(make_repo(tmp_path / "ref", files), "pkg.blocks"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = {c["qualname"]: c for c in data["candidates"] if c["pattern"] == "add_rms_norm"}
@@ -268,7 +255,7 @@ def test_norm_class_from_another_file_is_read_there(tmp_path: Path) -> None:
     assert cands["FlooredBlock.forward"]["confidence"] == "medium" and cands["FlooredBlock.forward"]["variant"] == "external_norm"
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = _run_blocks(_import_fresh(root, "pkg.blocks"))
+        outs = _run_blocks(import_fresh(root, "pkg.blocks"))
     assert emu.calls["npu_add_rms_norm"] == 3, emu.calls  # not the FlagBlock holding a LayerNorm
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -355,7 +342,7 @@ def _run_factory(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_norm_factory_of_another_file_with_a_run_time_type_check(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/normalization.py": _FACTORY, "pkg/model.py": _FACTORY_BLOCK}
-    ref = _run_factory(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _run_factory(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -370,7 +357,7 @@ def test_norm_factory_of_another_file_with_a_run_time_type_check(tmp_path: Path)
         scan(work, patterns=[AddRmsNorm()])
         assert npufuse("apply", "--accept", cid, "--state-dir", str(work / ".npufuse")) == 0
         with emulate.install() as emu:
-            outs = _run_factory(_import_fresh(work, "pkg.model"))
+            outs = _run_factory(import_fresh(work, "pkg.model"))
         # bf16 inference with the RMSNorm of the factory, the cross-attention branch taken: fused
         assert emu.calls["npu_add_rms_norm"] == 1, (cid, emu.calls)
         for a, b in zip(ref, outs):

@@ -4,8 +4,6 @@ optional weight): the call site's arguments name gamma and eps; the helper's fil
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import torch
 from apply_support import make_repo, npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from scratch_repo import import_fresh
 
 _OPS = '''\
 import torch
@@ -77,18 +76,6 @@ class Block(nn.Module):
 '''
 
 
-def _import_fresh(root: Path, name: str) -> types.ModuleType:
-    sys.path.insert(0, str(root))
-    try:
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(root))
-        for key in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
-            del sys.modules[key]
-
-
 def test_kernel_helper_of_another_file_is_a_library_norm(tmp_path: Path) -> None:
     root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/ops.py": _OPS, "pkg/engine.py": _ENGINE})
     data = scan(root, patterns=[AddRmsNorm()])
@@ -116,7 +103,7 @@ def _run(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_weightless_f_rms_norm_helper_of_another_file_runs(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/utils.py": _UTILS, "pkg/model.py": _MODEL}
-    ref = _run(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -125,7 +112,7 @@ def test_weightless_f_rms_norm_helper_of_another_file_runs(tmp_path: Path) -> No
         data["near_misses"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = _run(_import_fresh(root, "pkg.model"))
+        outs = _run(import_fresh(root, "pkg.model"))
     assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -179,7 +166,7 @@ def _run_passed(mod: types.ModuleType, norm_class: type) -> torch.Tensor:
 
 def test_norm_class_passed_by_the_caller_is_fused_where_it_is_the_rms_class(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/norms.py": _NORMS, "pkg/block.py": _BLOCK}
-    ref_mod = _import_fresh(make_repo(tmp_path / "ref", files), "pkg.block")
+    ref_mod = import_fresh(make_repo(tmp_path / "ref", files), "pkg.block")
     ref = [_run_passed(ref_mod, ref_mod.RMSNorm), _run_passed(ref_mod, torch.nn.LayerNorm)]
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
@@ -188,7 +175,7 @@ def test_norm_class_passed_by_the_caller_is_fused_where_it_is_the_rms_class(tmp_
         data["near_misses"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        mod = _import_fresh(root, "pkg.block")
+        mod = import_fresh(root, "pkg.block")
         rms = _run_passed(mod, mod.RMSNorm)
         assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
         layer = _run_passed(mod, torch.nn.LayerNorm)  # the type check fails: the original statements
@@ -213,7 +200,7 @@ def test_norm_wrapper_of_another_file_is_fused_where_its_rms_branch_runs(tmp_pat
         with torch.no_grad():
             return [plain(x), cond(x, c), cond(x)]
 
-    ref = run(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.layer"))
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.layer"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -222,7 +209,7 @@ def test_norm_wrapper_of_another_file_is_fused_where_its_rms_branch_runs(tmp_pat
     assert 'endswith("/pkg/norms.py")' in cands[0]["params"]["condition"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = run(_import_fresh(root, "pkg.layer"))
+        outs = run(import_fresh(root, "pkg.layer"))
     # the unconditioned layer runs the fused branch; the FiLM one (with or without conditioning) the original
     assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
     for a, b in zip(ref, outs):
