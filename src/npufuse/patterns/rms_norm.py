@@ -251,16 +251,40 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
                 raise Miss("mean without keepdim=True", rstd)
             return y, sqctx, up or up2 or up3
         why = _default_last_dim(module, dim, vctx)
-        if why is not None or dim_checks is None:
+        if why is not None and dim_checks is not None and _value_from_outside(dim, vctx):
+            # s36: a dim the caller or the object hands in (an ``axis`` parameter, ``self.axis``):
+            # the fused branch runs where it names the last dim at run time, the original elsewhere
+            dim_checks.append((dim, vctx, "rank"))  # type: ignore[arg-type]
+            why = None
+        elif why is not None or dim_checks is None:
             raise Miss(f"mean over dim `{ast.unparse(dim)}`, {why or 'a run-time value'}: npufuse cannot prove it to be "
                        "the last dim (npu_rms_norm normalises the last dims only)", rstd)
-        dim_checks.append((dim, vctx))
+        else:
+            dim_checks.append((dim, vctx))
     if const_value(keepdim) is not True:
         raise Miss("mean without keepdim=True", rstd)
     return y, sqctx, up or up2 or up3
 
 
 _RUNTIME_DIM = "a run-time value"
+
+
+def _value_from_outside(dim: ast.expr, ctx: S.Ctx) -> bool:
+    """``dim`` is a parameter of the function holding it that the function never rebinds, or an
+    attribute chain of one (``self.axis``, ``cfg.norm.dim``): a value handed in from outside, the
+    same at the top of the fused span as where the mean reads it (a name the function computes,
+    such as a tuple of dims, is not: its reason stands)."""
+    base = dim
+    while isinstance(base, ast.Attribute):
+        base = base.value
+    fn = ctx.scope.node
+    if not (isinstance(base, ast.Name) and isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        return False
+    params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    if base.id not in params:
+        return False
+    return not any(isinstance(n, ast.Name) and n.id == base.id and isinstance(n.ctx, (ast.Store, ast.Del))
+                   for n in ast.walk(fn))
 
 
 def _trailing_dims_of(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx] | None:
@@ -1208,8 +1232,13 @@ def _with_skips(module: ModuleInfo, m: "Match", plan: S.SpanPlan | None, params:
 def _dim_conditions(module: ModuleInfo, core: Core, plan: S.SpanPlan | None) -> list[str]:
     """``<dim> == -1`` for each mean dim read at run time (see :func:`_default_last_dim`)."""
     out = []
-    for node, ctx in core.dim_checks:
+    for entry in core.dim_checks:
+        node, ctx = entry[0], entry[1]
         try:
+            if len(entry) > 2:  # a dim handed in from outside: the last dim as -1 or as rank - 1
+                x = S.render(module, core.x, core.xctx, plan)
+                out.append(f"{S.render(module, node, ctx, plan)} in (-1, (-1,), {x}.dim() - 1)")
+                continue
             out.append(f"{S.render(module, node, ctx, plan)} == -1")
         except S.RenderError as e:
             raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
@@ -4625,7 +4654,8 @@ RmsNorm.KEEP += [
 RmsNorm.FUSE += [
     Fuse(
         _DIM_ATTRIBUTE.replace("self.norm = ScaleNormish(n)", "self.norm = ScaleNormish(n, 1)"),
-        expect={"found_by": "numeric_probe", "weight": "self.scale", "guards": ["self.dim == -1"]},
+        # s36: the matcher now guards a dim handed in from outside itself (the probe is not reached)
+        expect={"weight": "self.scale", "dim_check": "self.dim in (-1, (-1,), x.dim() - 1)"},
         run=("m = ScaleNormish(16)\nother = ScaleNormish(16, 1)\nx = torch.randn(2, 3, 16)\n"
              "out = (m(x), m(x.to(torch.bfloat16)), other(x))\n"),
         name="probe_dim_attribute_guarded_at_run_time",
@@ -5359,4 +5389,63 @@ RmsNorm.FUSE += [
 RmsNorm.KEEP += [
     Keep(_PROBE_S35_K_CONFIG_RADIUS, reason="proved only where `config.sphere_radius` is None",
          name="s35_probe_config_value_decides_the_scale"),
+]
+
+
+# --- s36 (N2): a mean dim handed in from outside, guarded at run time ------------------------------
+#
+# ``mean(axis, keepdim=True)`` with ``axis`` a parameter of the function or an attribute the object
+# was built with (ppl.pmx's OPMX reference ops, stylegan2 / Latte ``normalize_2nd_moment(x, dim=1)``,
+# uni2ts ``self.mean_dim``, lmdeploy ``rms_scale(.., dim)``): the value is unknown statically but
+# readable at the top of the span, so the fused branch runs where it names the last dim (-1, (-1,)
+# or rank - 1) and the original everywhere else, instead of the former near miss.
+
+_S36_AXIS_FUNCTION = '''
+import torch
+
+
+def scale_rows(t, g, reduce_axis=-1, tiny=1e-6):
+    t32 = t.float()
+    ms = t32.pow(2).mean(reduce_axis, keepdim=True)
+    return (t32 * torch.rsqrt(ms + tiny)).to(t.dtype) * g
+'''
+
+_S36_AXIS_ATTRIBUTE = '''
+import torch
+from torch import nn
+
+
+class ChannelScale(nn.Module):
+    def __init__(self, width, over, eps=1e-5):
+        super().__init__()
+        self.over = over
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, h):
+        var = torch.mean(h * h, dim=self.over, keepdim=True)
+        return self.weight * (h * torch.rsqrt(var + self.eps))
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S36_AXIS_FUNCTION, expect={"dim_check": "reduce_axis in (-1, (-1,), t.dim() - 1)", "qualname": "scale_rows"},
+         run=("x = torch.randn(2, 5, 16, requires_grad=True)\ng = torch.randn(16, requires_grad=True)\n"
+              "g5 = torch.randn(5, 1, requires_grad=True)\n"
+              "out = (scale_rows(x, g), scale_rows(x, g, 2), scale_rows(x, g, (-1,)), scale_rows(x, g5, 1),\n"
+              "       scale_rows(x.to(torch.bfloat16), g.to(torch.bfloat16), -1))\nleaves = [x, g, g5]\n"),
+         name="s36_mean_axis_parameter_guarded_at_run_time"),
+    Fuse(_S36_AXIS_ATTRIBUTE, expect={"dim_check": "self.over in (-1, (-1,), h.dim() - 1)", "weight": "self.weight"},
+         run=("m = ChannelScale(16, -1)\nk = ChannelScale(16, 2)\nc = ChannelScale(5, 1)\n"
+              "x = torch.randn(2, 5, 16, requires_grad=True)\nxc = torch.randn(2, 5, 1, requires_grad=True)\n"
+              "out = (m(x), k(x), c(xc))\nleaves = [x, xc, m.weight]\n"),
+         name="s36_mean_dim_attribute_without_default_guarded_at_run_time"),
+]
+
+RmsNorm.KEEP += [
+    Keep(
+        # the function recomputes its axis before the mean: not the value handed in, the reason stands
+        _S36_AXIS_FUNCTION.replace("    t32 = t.float()\n", "    t32 = t.float()\n    reduce_axis = reduce_axis - 1\n"),
+        reason="a run-time value",
+        name="s36_mean_axis_parameter_rebound_in_the_function",
+    ),
 ]
