@@ -2495,13 +2495,15 @@ class ChannelRMSNorm(nn.Module):
         name="mean_over_channel_dim",
     ),
     Keep(
+        # s36: with eps 1e-8 this is a candidate (eps' = eps ** 2, risk stated: s36_matcher_eps_outside_sqrt);
+        # at 1e-2 the difference on ordinary rows is 1e-2: refused
         '''
 import torch
 from torch import nn
 
 
 class RMSNormEpsOutside(nn.Module):
-    def __init__(self, d, eps=1e-8):
+    def __init__(self, d, eps=1e-2):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(d))
         self.eps = eps
@@ -4456,7 +4458,12 @@ def probe_results(module: ModuleInfo, scope: Scope, matched: list[Result | None]
 
 def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.stmt], T: str) -> Finding:
     x, W = proof.x, proof.weight
-    guards = [f"2 <= {x}.dim() <= 8", f"{x}.dtype in ({T}.float16, {T}.bfloat16, {T}.float32)"]
+    from npufuse.scan import numeric_probe
+
+    form = getattr(proof, "eps_form", "inside")
+    half_only = form != "inside" and proof.eps_bound > numeric_probe._EPS_FORM_BOUND
+    dtypes = f"({T}.float16, {T}.bfloat16)" if half_only else f"({T}.float16, {T}.bfloat16, {T}.float32)"
+    guards = [f"2 <= {x}.dim() <= 8", f"{x}.dtype in {dtypes}"]
     pre: list[str] = []
     if W is None:
         gamma = f"{x}.new_ones({x}.shape[-1])"
@@ -4480,6 +4487,8 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
         Risk("numerics", "npu_rms_norm computes in fp32 and rounds once; the original may round in between: ≤1-ulp differences"),
         Risk("dtype", "npu_rms_norm: fp16/bf16/fp32; gamma in the input's dtype, or fp32 with fp16/bf16 input (A2/A3 only; 310P/910 need the same dtype)"),
     ]
+    if form != "inside":
+        risks.append(_eps_form_risk(proof, x, half_only))
     if proof.sampled:
         risks.append(Risk("other", "branches on the input were sampled (fp32/bf16/fp16, 2-D and 3-D), not proven for every input: "
                           + "; ".join(f"`{s}`" for s in proof.sampled[:4])))
@@ -4487,13 +4496,19 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
              f"output dtype rule observed: {proof.dtype_rule}; eps solved numerically = {proof.eps_value:.3g}, matched to `{proof.eps}`"]
     if proof.guards:
         notes.append("run-time guards for what the probe assumed: " + ", ".join(proof.guards))
+    params_extra: dict[str, Any] = {}
+    if form != "inside":
+        rule = "added outside the root" if form == "outside" else "clamp on the norm"
+        params_extra = {"eps_rule": rule, "eps_original": proof.eps_base, "eps_bound": float(f"{proof.eps_bound:.2g}")}
+        notes.append(f"eps: {rule} in the original (`{proof.eps_base}`), passed as eps' = {proof.eps} inside the root "
+                     "(same value where the rms is far above it and where it goes to zero; see the risk)")
     return Finding(
         pattern="rms_norm",
         qualname=scope.qualname,
         line=body[0].lineno,
         end_line=body[-1].end_lineno or body[-1].lineno,
         params={"eps": proof.eps, "weight": W, "weight_offset": proof.weight_offset, "output_dtype": proof.dtype_rule,
-                "input": x, "found_by": "numeric_probe", "guards": list(proof.guards)},
+                "input": x, "found_by": "numeric_probe", "guards": list(proof.guards), **params_extra},
         fused=fused,
         guard_tensor=x,
         confidence="medium",
@@ -4502,6 +4517,25 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
         notes=notes,
         training_ok=True,
     )
+
+
+def _eps_form_risk(proof: Any, x: str, half_only: bool) -> Risk:
+    """s36: what differs where the original puts eps outside the root or clamps the norm (the
+    probe measured which, and the floor c in rms units; eps' = c ** 2 makes both limits agree)."""
+    c = proof.eps_floor
+    if proof.eps_form == "outside":
+        text = (f"eps is added to the rms outside the square root in the original (x / (rms + eps), `{proof.eps_base}`, "
+                f"c = {c:.3g} in rms units); the fused op adds eps' = {proof.eps} inside: the factor (rms + c) / "
+                f"sqrt(rms^2 + c^2) separates them, 1 on zero rows and as rms >> c, about 1 + c / rms on ordinary rows "
+                f"(measured {proof.eps_bound:.2g} at rms 1), up to 1.41x on rows whose rms is near c")
+    else:
+        text = (f"the original clamps the norm from below (x / max(norm, eps), `{proof.eps_base}`: a floor at rms "
+                f"{c:.3g}); the fused op adds eps' = {proof.eps} inside the root: equal on zero rows, a relative "
+                f"difference of about c^2 / (2 rms^2) above the floor (measured {proof.eps_bound:.2g} at rms 1), up to "
+                f"0.71x on rows whose rms is near the floor")
+    if half_only:
+        text += f"; above fp32's tolerance on ordinary rows, so the fused branch runs for fp16/bf16 {x} only"
+    return Risk("numerics", text)
 
 
 # examples of the numeric probe fallback (each written so that the syntactic matcher misses it)
@@ -4641,7 +4675,11 @@ RmsNorm.FUSE += [
          run="m = VarNorm(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))", name="probe_sum_of_squares_power"),
 ]
 RmsNorm.KEEP += [
-    Keep(_PROBE_K_NORM_EPS_OUT, reason="numeric probe on sampled inputs: eps (1e-05) is added outside the square root",
+    # s36: eps outside the root is a candidate where the difference stays below the tolerance on
+    # ordinary rows (below); at 1e-3 it is 1e-3 at rms 1, above every dtype's: refused, bound said
+    Keep(_PROBE_K_NORM_EPS_OUT.replace("eps=1e-5", "eps=1e-3"),
+         reason="numeric probe on sampled inputs: eps (0.001) is added outside the square root (x / (rms + eps)): npu_rms_norm "
+                "with eps' = (self.eps) ** 2 would differ by 0.001",
          name="probe_eps_outside_the_root"),
     Keep(_PROBE_K_DIM1, reason="normalises over another dim than the last", name="probe_statistic_over_dim_1"),
     Keep(_PROBE_K_BIAS, reason="adds `self.b` after the weight (a bias): npu_rms_norm has no bias", name="probe_bias_after_weight"),
@@ -5448,4 +5486,117 @@ RmsNorm.KEEP += [
         reason="a run-time value",
         name="s36_mean_axis_parameter_rebound_in_the_function",
     ),
+]
+
+
+# --- s36 (N1): eps outside the root, or a clamp on the norm, read by value ------------------------
+#
+# The probe measures the per-row scale s = out / (x * w) on every sample: 1 / s = rms + c is eps
+# added outside the root (bzhangGo's RMSNorm copies: ml-simplefold, stripedhyena, the PaLM-lite
+# ``x / (norm * d ** -0.5 + eps)``), 1 / s = max(rms, c) a clamp (torchmultimodal SimpleRMSNorm
+# ``x / ||x||.clamp_min(eps) * sqrt(d)``, x-transformers / RETRO / MoDE ``norm.clamp(min=eps)``,
+# lucidrains' ``F.normalize(x, dim=-1) * scale * g``). eps' = c ** 2 (c ** 2 / d for a clamp on the
+# L2 norm) makes both limits agree; the risk states the difference and where it matters; a
+# difference above fp32's tolerance on rows of rms 1 keeps fp32 inputs on the original (half
+# only), one above the half tolerance is refused with the measured bound.
+
+_S36_EPS_AFTER_ROOT = '''
+import torch
+from torch import nn
+
+
+class UnitScale(nn.Module):
+    def __init__(self, n, tiny=1e-8):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(n))
+        self.tiny = tiny
+
+    def forward(self, h):
+        r = torch.sqrt(torch.mean(h ** 2, dim=-1, keepdim=True))
+        return self.gain * h / (r + self.tiny)
+'''
+
+_S36_RMS_FLOOR = '''
+import torch
+from torch import nn
+
+
+class FlooredRms(nn.Module):
+    def __init__(self, width, floor=1e-6):
+        super().__init__()
+        self.floor = floor
+        self.g = nn.Parameter(torch.ones(width))
+
+    def forward(self, v):
+        mag = (v.square().sum(-1, keepdim=True) / v.shape[-1]).sqrt().clamp(min=self.floor)
+        return v / mag * self.g
+'''
+
+_S36_L2_FLOOR_FUNCTION = '''
+import math
+
+import torch
+
+
+def unit_rows(z, gamma, lo=1e-10):
+    n = torch.norm(z, p=2, dim=-1, keepdim=True)
+    return z * (math.sqrt(z.shape[-1]) / torch.clamp(n, min=lo)) * gamma
+'''
+
+_S36_EPS_RUN = ("m = {ctor}\nwith torch.no_grad():\n    m.{w}.normal_()\nx = torch.randn(2, 5, 16, requires_grad=True)\n"
+                "z = torch.zeros(1, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)), m(z))\n"
+                "leaves = [x, m.{w}]\n")
+
+RmsNorm.FUSE += [
+    Fuse(_S36_EPS_AFTER_ROOT, expect={"found_by": "numeric_probe", "eps": "(self.tiny) ** 2", "eps_rule": "added outside the root",
+                                      "eps_original": "self.tiny", "weight": "self.gain"},
+         run=_S36_EPS_RUN.format(ctor="UnitScale(16)", w="gain"), name="s36_probe_eps_added_after_the_root"),
+    Fuse(_S36_RMS_FLOOR, expect={"found_by": "numeric_probe", "eps": "(self.floor) ** 2", "eps_rule": "clamp on the norm"},
+         run=_S36_EPS_RUN.format(ctor="FlooredRms(16)", w="g"), name="s36_probe_rms_clamped_from_below"),
+    Fuse(_S36_L2_FLOOR_FUNCTION, expect={"eps_rule": "clamp on the norm"},
+         run=("x = torch.randn(2, 5, 16, requires_grad=True)\ng = torch.randn(16, requires_grad=True)\n"
+              "out = (unit_rows(x, g), unit_rows(x.to(torch.bfloat16), g.to(torch.bfloat16)), unit_rows(torch.zeros(3, 16), g))\n"
+              "leaves = [x, g]\n"), name="s36_probe_l2_norm_clamped_in_a_function"),
+    # eps 1e-5 outside the root: 1e-5 at rms 1, above fp32's tolerance, within fp16/bf16's: half inputs only
+    Fuse(_PROBE_K_NORM_EPS_OUT, expect={"found_by": "numeric_probe", "eps": "(self.eps) ** 2", "eps_rule": "added outside the root"},
+         run=("m = NormPlusEps(16)\nx = torch.randn(2, 5, 16)\nout = (m(x), m(x.to(torch.bfloat16)), m(x.to(torch.float16)))\n"),
+         name="s36_probe_eps_outside_half_inputs_only"),
+]
+
+_S36_L2_FLOOR_CLASS = '''
+import torch
+from torch import nn
+
+
+class RowUnit(nn.Module):
+    def __init__(self, size, eps=1e-12):
+        super().__init__()
+        self.mult = size ** 0.5
+        self.eps = eps
+
+    def forward(self, t):
+        den = t.norm(p=2, dim=-1, keepdim=True).clamp_min(self.eps)
+        return t.div(den.expand_as(t)).mul(self.mult)
+'''
+
+RmsNorm.FUSE += [
+    # no weight, the L2 norm clamped at eps and a sqrt(d) gain: the rms floored at eps / sqrt(d)
+    Fuse(_S36_L2_FLOOR_CLASS, expect={"found_by": "numeric_probe", "eps": "(self.eps) ** 2 / t.shape[-1]", "weight": None,
+                                      "eps_rule": "clamp on the norm"},
+         run=("m = RowUnit(16)\nx = torch.randn(2, 5, 16, requires_grad=True)\n"
+              "out = (m(x), m(x.to(torch.bfloat16)), m(torch.zeros(2, 16)))\nleaves = [x]\n"),
+         name="s36_probe_l2_norm_clamped_times_sqrt_d_no_weight"),
+]
+
+RmsNorm.KEEP += [
+    # the same clamp without the sqrt(d) gain: an L2 normalisation (ScaleNorm-like), not an rms
+    Keep(_S36_L2_FLOOR_FUNCTION.replace("math.sqrt(z.shape[-1])", "1.0"), name="s36_probe_l2_clamp_without_sqrt_d"),
+    # a floor at rms 0.01: 5e-5 apart at rms 1 in the op's form, near misses above 1e-4
+    Keep(_S36_RMS_FLOOR.replace("floor=1e-6", "floor=0.1"), reason="clamped from below", name="s36_probe_rms_floor_too_high"),
+]
+
+RmsNorm.FUSE += [
+    Fuse(RmsNorm.KEEP[[k.name for k in RmsNorm.KEEP].index("eps_outside_sqrt")].code.replace("eps=1e-2", "eps=1e-8"),
+         expect={"found_by": "numeric_probe", "eps": "(self.eps) ** 2", "eps_rule": "added outside the root"},
+         run=_S36_EPS_RUN.format(ctor="RMSNormEpsOutside(16)", w="scale"), name="s36_matcher_eps_outside_sqrt"),
 ]
