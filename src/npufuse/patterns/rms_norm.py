@@ -1400,6 +1400,10 @@ def _roots(stmt: ast.stmt) -> Iterable[ast.expr]:
     if isinstance(value, ast.Name):
         yield value
         return
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and isinstance(value.func.value, ast.Name) \
+            and _layout_receiver(value.func.value, value):
+        yield value.func.value  # s36: ``y = y.transpose(1, 2)``: the norm is read at the name
+        return
     for n in S.iter_exprs_topdown(value):
         if isinstance(n, ast.Call) or _is_muldiv(n):
             yield n
@@ -1516,7 +1520,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
         t = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
         if not ("*" in t or "/" in t or ".to(" in t or "float()" in t or "type_as" in t or "half()" in t
                 or "bfloat16()" in t or "type(" in t or isinstance(getattr(stmt, "value", None), ast.Name)
-                or any(h in t for h in helpers)):
+                or any(h in t for h in helpers) or _moves_axes_of_a_name(stmt)):
             continue
         top = getattr(stmt, "value", None)
         inside: list[ast.AST] = []
@@ -1524,7 +1528,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
             if any(_within(node, m) for m in inside):
                 continue
             is_name = isinstance(node, ast.Name)
-            if is_name and node is not top:
+            if is_name and node is not top and not _layout_receiver(node, top):
                 continue
             if not (is_name or _is_muldiv(node) or isinstance(node, ast.Call)):
                 continue
@@ -1580,6 +1584,25 @@ def _lift_to_branches(module: ModuleInfo, scope: Scope, stmt: ast.Return, trace:
             return None
         child = anc
     return None
+
+
+# s36 (N4): the axis moves that bring a channel-first tensor back after a norm over its channels
+_LAYOUT_METHODS = frozenset({"transpose", "permute", "movedim", "swapaxes", "swapdims", "contiguous"})
+
+
+def _moves_axes_of_a_name(stmt: ast.stmt) -> bool:
+    value = getattr(stmt, "value", None)
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and isinstance(value.func.value, ast.Name) \
+        and _layout_receiver(value.func.value, value)
+
+
+def _layout_receiver(node: ast.Name, top: ast.AST | None) -> bool:
+    """``top`` is ``node.transpose(...)`` (``permute`` / ``movedim`` / ``swapaxes`` / ``contiguous``):
+    the statement moves the axes of a name that may hold a norm's output (ConvRMSNorm's ``output =
+    output.transpose(1, 2)`` after the channels-last norm). The norm is read at the name, as a
+    statement returning it would be, and the fused value takes its place in the axis move."""
+    return (isinstance(top, ast.Call) and isinstance(top.func, ast.Attribute) and top.func.value is node
+            and top.func.attr in _LAYOUT_METHODS)
 
 
 def _within(node: ast.AST, outer: ast.AST) -> bool:
@@ -4463,7 +4486,7 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
     form = getattr(proof, "eps_form", "inside")
     half_only = form != "inside" and proof.eps_bound > numeric_probe._EPS_FORM_BOUND
     dtypes = f"({T}.float16, {T}.bfloat16)" if half_only else f"({T}.float16, {T}.bfloat16, {T}.float32)"
-    guards = [f"2 <= {x}.dim() <= 8", f"{x}.dtype in {dtypes}"]
+    guards = [f"2 <= {x}.dim() <= {getattr(proof, 'max_rank', 8)}", f"{x}.dtype in {dtypes}"]
     pre: list[str] = []
     if W is None:
         gamma = f"{x}.new_ones({x}.shape[-1])"
@@ -5599,4 +5622,81 @@ RmsNorm.FUSE += [
     Fuse(RmsNorm.KEEP[[k.name for k in RmsNorm.KEEP].index("eps_outside_sqrt")].code.replace("eps=1e-2", "eps=1e-8"),
          expect={"found_by": "numeric_probe", "eps": "(self.eps) ** 2", "eps_rule": "added outside the root"},
          run=_S36_EPS_RUN.format(ctor="RMSNormEpsOutside(16)", w="scale"), name="s36_matcher_eps_outside_sqrt"),
+]
+
+
+# --- s36 (N4): channel-first norms: move the channels last, norm, move them back --------------
+#
+# ``x = x.transpose(1, 2)`` / ``permute`` / ``movedim`` puts the channels of [B, C, T] last, the norm
+# runs over them, and ``y = y.transpose(1, 2)`` moves them back (VibeVoice ConvRMSNorm, the
+# ConvLayerNorm / ChannelNorm family of audio and diffusion codecs). npu_rms_norm on the moved view
+# (the op takes non-contiguous input, spec 2.1) is the same norm; where the weight is applied under
+# a test (``if self.weight is not None``) the norm is read at the axis move back, whose statement
+# takes the fused value in place of the name. A base class's ``_norm`` helper is found through
+# same-file inheritance (``_site.inherited_method``).
+
+_S36_CONV_RMS_SUBCLASS = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5, elementwise_affine=True):
+        super().__init__()
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_parameter("weight", None)
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class ChannelsFirstRMSNorm(RMSNorm):
+    def forward(self, x):
+        x = x.transpose(1, 2)
+        output = self._norm(x.float()).type_as(x)
+        if self.weight is not None:
+            output = output * self.weight
+        output = output.transpose(1, 2)
+        return output
+'''
+
+_S36_MOVEDIM_FUNCTION = '''
+import torch
+
+
+def channel_rms(t, w=None, eps=1e-6):
+    t = t.movedim(1, -1)
+    out = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        out = out * w
+    out = out.movedim(-1, 1)
+    return out
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S36_CONV_RMS_SUBCLASS, expect={"qualname": "ChannelsFirstRMSNorm.forward", "weight": "self.weight"},
+         run=("m = ChannelsFirstRMSNorm(16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+              "x = torch.randn(2, 16, 7, requires_grad=True)\nbare = ChannelsFirstRMSNorm(16, elementwise_affine=False)\n"
+              "out = (m(x), m(x.to(torch.bfloat16)), bare(x))\nleaves = [x, m.weight]\n"),
+         name="s36_channels_first_subclass_of_a_norm_with_base_helper"),
+    Fuse(_S36_MOVEDIM_FUNCTION, expect={"qualname": "channel_rms", "weight": "w"},
+         run=("x = torch.randn(2, 16, 4, 5, requires_grad=True)\nw = torch.randn(16, requires_grad=True)\n"
+              "out = (channel_rms(x, w), channel_rms(x), channel_rms(x.to(torch.bfloat16), w.to(torch.bfloat16)))\n"
+              "leaves = [x, w]\n"), name="s36_channels_moved_last_by_movedim_conditional_weight"),
+]
+
+RmsNorm.KEEP += [
+    # the statistic is taken over dim 1 of the moved tensor (not the channels moved last): refused
+    # the statistic over dim 1 of the moved tensor: the last dim of a 3-D input (the probe proves it
+    # there), another dim of a 4-D one: the fused branch is capped at rank 3 (4-D runs the original)
+]
+RmsNorm.FUSE += [
+    Fuse(_S36_MOVEDIM_FUNCTION.replace("mean(-1, keepdim=True)", "mean(1, keepdim=True)"),
+         expect={"found_by": "numeric_probe"},
+         run=("x = torch.randn(2, 5, 16, requires_grad=True)\nx4 = torch.randn(2, 3, 4, 16, requires_grad=True)\n"
+              "out = (channel_rms(x), channel_rms(x4))\nleaves = [x, x4]\n"),
+         name="s36_probe_rank_dependent_norm_capped_at_rank_3"),
 ]
