@@ -122,11 +122,11 @@ def test_dim_attribute_set_to_another_dim_at_run_time_takes_the_original_code():
     assert min(facts["cos_out"]) > 0.999999 and min(facts["cos_grad"]) > 0.999999
 
 
-def test_dim_attribute_without_a_default_is_refused_with_its_reason():
+def test_dim_attribute_without_a_default_is_guarded_at_run_time():
+    # s36: a dim the object is built with is read at run time (the last dim as -1 or rank - 1)
     code = R._DIM_ATTRIBUTE.replace("dim: int = -1", "dim: int")
-    findings, misses = detect_all(R.RmsNorm(), code)
-    assert not findings
-    assert any("has no default -1" in m.reason for m in misses)
+    findings, _ = detect_all(R.RmsNorm(), code)
+    assert findings and findings[0].params["dim_check"] == "self.dim in (-1, (-1,), x.dim() - 1)"
 
 
 # -- L2-normalisation forms: the eps difference is stated, and zero rows stay finite ---------------

@@ -951,11 +951,38 @@ def resolve_callee(module: ModuleInfo, call: ast.Call, ctx: Ctx) -> tuple[ast.Fu
         m = method(module, ctx.scope.class_name, f.attr)
         if m is not None:
             return m, True
-        return _method_held(module, ctx.scope.class_name, f.attr)
+        held = _method_held(module, ctx.scope.class_name, f.attr)
+        if held is not None:
+            return held
+        m = inherited_method(module, ctx.scope.class_name, f.attr)
+        return (m, True) if m is not None else None
     if isinstance(f, ast.Name) and f.id not in ctx.bind and definition(ctx, f.id) is None:
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef):
             return fn, False
+    return None
+
+
+def inherited_method(module: ModuleInfo, class_name: str, name: str) -> ast.FunctionDef | None:
+    """s36: ``name`` as Python's attribute lookup finds it on an instance of ``class_name`` through
+    base classes defined in this module (depth first along the bases, as the MRO of single
+    inheritance does; the class itself first). VibeVoice's ``ConvRMSNorm(RMSNorm)`` calls the base's
+    ``self._norm``. A base of another module, or a base assigning ``self.<name>`` in its
+    ``__init__`` (an attribute shadowing the method), stops the lookup."""
+    seen: set[str] = set()
+    todo = [class_name]
+    while todo:
+        cname = todo.pop(0)
+        if cname in seen or cname not in module.classes or len(seen) > 8:
+            return None
+        seen.add(cname)
+        m = method(module, cname, name)
+        if m is not None:
+            return m
+        if name in init_assignments(module, cname):
+            return None
+        bases = [b.id for b in module.classes[cname].bases if isinstance(b, ast.Name)]
+        todo = [b for b in bases if b in module.classes][:1] + todo
     return None
 
 

@@ -2823,11 +2823,18 @@ AddRmsNorm.KEEP += [
         _INLINE_LIBRARY_NORM.replace("(x.size(-1),)", "x.shape[-2:]"),
         name="inline_f_rms_norm_over_two_dims",
     ),
-    Keep(
-        # the norm's mean dim is passed by a constructor here: not provably the last dim
-        _DIM_NORM_BLOCK.replace("self.rms_2 = RMSNorm(d)", "self.rms_2 = RMSNorm(d, 1)"),
-        reason="may pass `dim`",
-        name="dim_attribute_passed_by_a_constructor",
+]
+
+# s36: a mean dim a constructor may pass is read at run time (the last dim as -1 or rank - 1):
+# the block built with dim 1 runs the original, the one built with -1 the fused op
+AddRmsNorm.FUSE += [
+    Fuse(
+        _DIM_NORM_BLOCK.replace("def __init__(self, d):\n        super().__init__()\n        self.attn",
+                                "def __init__(self, d, over=-1):\n        super().__init__()\n        self.attn")
+        .replace("self.rms_2 = RMSNorm(d)", "self.rms_2 = RMSNorm(d, over)"),
+        expect={"dim_check": "self.rms_2.dim in (-1, (-1,), x.dim() - 1)", "norm": "self.rms_2"},
+        run=_run_block("Block(32)", bf16=True, train=False) + "out = (out, Block(32, 1).to(torch.bfloat16)(x))\n",
+        name="s36_dim_attribute_passed_by_a_constructor_guarded",
     ),
 ]
 
