@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -223,8 +223,16 @@ class BlockInterp:
                 for n in _assigned_names([ast.Expr(target)]):
                     env[n] = Ref(n, i, Opaque(), stmt)
                 return
+            expanded = _s36_comprehension_items(self, value, len(target.elts), env)
+            if expanded is None and isinstance(value, (ast.GeneratorExp, ast.SetComp)):
+                # s36: ``a, b = (f(t) for t in xs)`` over something not written out: a generator has no ``[k]``
+                for n in _assigned_names([ast.Expr(target)]):
+                    env[n] = Ref(n, i, Opaque(), stmt)
+                return
             for k, elt in enumerate(target.elts):
-                if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                if expanded is not None:
+                    part = expanded[k]  # s36: ``q, k, v = (t.view(..) for t in (q, k, v))``: one element per item
+                elif isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
                     part = value.elts[k]
                 else:
                     part = ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load())
@@ -1536,6 +1544,10 @@ class _Matcher:
             if scaled is not None:
                 node = scaled
                 continue
+            passed = _attention_s36.identity_module(self, node, chain)
+            if passed is not None:
+                node = passed  # s36: ``p = self.attn_map(p)`` with ``self.attn_map = nn.Identity()`` (run-time checked)
+                continue
             if self._qk_softmax(node):
                 self._sink_column(node)
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
@@ -2069,7 +2081,7 @@ class _Matcher:
                 chain.spelling.append("helper_inlined")
                 node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
                 continue
-            passed = _attention_s33.identity_method(self, node, chain)
+            passed = _attention_s33.identity_method(self, node, chain) or _attention_s36.identity_module(self, node, chain)
             if passed is not None:
                 node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
                 continue
@@ -2193,7 +2205,8 @@ class _Matcher:
         computed_on_host, factor = host is not factor and not _scalar_valued(self, host), host
         # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
         for n in (() if computed_on_host or _scalar_valued(self, factor) else walk_sym(factor)):
-            if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
+            if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith(("torch.finfo", "torch.iinfo")) \
+                    and not _s36_python_math(self._fn(n) or ""):  # s36: ``torch.math.sqrt`` returns a Python float
                 raise Miss(
                     f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
                     "would add a host sync"
@@ -2271,6 +2284,9 @@ class _Matcher:
             if isinstance(n, Ref) and n.idx >= 0 and n.value is not None:
                 chain.seen.add(n.idx)
         ok, finite = self._fill_ok(fill)
+        if not ok:
+            # s36: ``mask_value = self._get_mask_value(dev, dtype)`` (GPT-BigCode / CodeShell): what the callee returns
+            ok, finite = _attention_s36.callee_fill(self, fill, chain) or (ok, finite)
         if not ok and self._run_time_fill(fill, chain):
             ok, finite = True, True
         if not ok:
@@ -3490,6 +3506,14 @@ class AttentionPattern(Pattern):
                 chain.excluded.append(gated_weights)
                 none_gated.append(name)
                 continue
+            flag_read = _s30_probs_read_under_flag(scope, name, end_line) if is_probs else None
+            if flag_read is not None:
+                # s36: CodeShell / HF-GPT2-style ``outputs = (out, present)`` ... ``if output_attentions: outputs +=
+                # (attn_weights,)`` in the same function: every read of the probabilities is under the flag, so the
+                # fused call runs where it is off (nothing reads them there), the original code where it is on
+                chain.excluded.append((*flag_read, f"`{name}` read after the attention"))
+                none_gated.append(name)
+                continue
             what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
             return NearMiss(
                 self.id, scope.qualname, span_line, end_line,
@@ -3816,7 +3840,7 @@ class AttentionPattern(Pattern):
         variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=span_line, end_line=end_line, params=params,
-            fused="\n".join(lines), guard_tensor=self._guard(q_t), confidence=chain.confidence,
+            fused="\n".join(lines), guard_tensor=_s36_guard_before_span(self._guard(q_t), span), confidence=chain.confidence,
             variant=variant, risks=risks, notes=chain.notes,
         )
 
@@ -8586,14 +8610,86 @@ def _scalar_valued(matcher: "_Matcher", node: Any, depth: int = 0) -> bool:
         return True
     if isinstance(n, ast.Subscript) and isinstance(deref(n.value), ast.Attribute) and deref(n.value).attr == "shape":
         return True
+    if isinstance(n, Ref) and n.idx == -1 and _s36_number_annotated(matcher, n.name):
+        return True  # s36: ``head_dim: int`` (a parameter typed as a Python number)
     if isinstance(n, ast.Call):
         fn = matcher._fn(n) or ""
-        if fn.startswith("math.") and all(_scalar_valued(matcher, a, depth + 1) for a in n.args):
+        if _s36_python_math(fn):
+            # s36: the ``math`` module's functions return a Python float / int whatever they are given (a tensor
+            # argument is read on the host, as in the original); ``torch.math`` IS that module
             return True
+        if fn.split(".")[0] in ("numpy", "np") and n.args and all(_scalar_valued(matcher, a, depth + 1) for a in n.args):
+            return True  # ``np.sqrt(d_k)`` of a Python number: a NumPy scalar, a number on the host
         if matcher.method(n, "size") and len(n.args) == 1:
             return True
         if fn in ("float", "int") and len(n.args) == 1:
             return _scalar_valued(matcher, n.args[0], depth + 1)
+        if fn == "len" and len(n.args) == 1:
+            return True
+    return False
+
+
+def _s36_comprehension_items(interp: Any, value: Any, count: int, env: dict[str, ast.expr]) -> list[Any] | None:
+    """The items of ``(f(t) for t in (a, b, c))`` / ``[f(t) for t in [a, b, c]]`` unpacked into ``count`` names: one
+    comprehension over a literal tuple / list of ``count`` items, a plain name as its target, no ``if``: ``f(a)``,
+    ``f(b)``, ``f(c)`` read in ``env`` (the items are evaluated before any name is rebound, as Python does). None
+    for any other value."""
+    if not isinstance(value, (ast.GeneratorExp, ast.ListComp)) or len(value.generators) != 1:
+        return None
+    gen = value.generators[0]
+    if gen.ifs or gen.is_async or not isinstance(gen.target, ast.Name) or not isinstance(gen.iter, (ast.Tuple, ast.List)) \
+            or len(gen.iter.elts) != count or any(isinstance(e, ast.Starred) for e in gen.iter.elts):
+        return None
+    if any(isinstance(n, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp, ast.NamedExpr)) for n in ast.walk(value.elt)):
+        return None  # a nested scope could rebind the target name: not substituted
+    name = gen.target.id
+
+    class _Item(ast.NodeTransformer):
+        def __init__(self, item: ast.expr) -> None:
+            self.item = item
+
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return copy.deepcopy(self.item) if n.id == name else n
+
+    return [interp.sym(_Item(item).visit(copy.deepcopy(value.elt)), env) for item in gen.iter.elts]
+
+
+def _s36_guard_before_span(name: str, span: list[ast.stmt]) -> str:
+    """The tensor the device test reads must hold a value before the span runs: where ``name`` is first bound inside
+    the span (``q, k, v = self.qkv(h).chunk(3, -1)`` rewritten with the rest), the first name of the value it is bound
+    from that is not (``h``), followed through such bindings; ``name`` where it is bound before the span."""
+    for _ in range(8):
+        binding = next((st for st in span if name in _assigned_names([st])), None)
+        if binding is None:
+            return name
+        value = getattr(binding, "value", None)
+        if not isinstance(value, ast.expr):
+            return name
+        names = sorted((n.col_offset, n.id) for n in fast_walk(value)
+                       if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"))
+        if not names:
+            return name
+        name = names[0][1]
+    return name
+
+
+def _s36_python_math(fn: str) -> bool:
+    """``fn`` (a resolved dotted call name) is a function of Python's ``math`` module, also reached as
+    ``torch.math.<f>`` (torch re-exports the module: ``torch.math is math``)."""
+    return fn.startswith("math.") or fn.startswith("torch.math.")
+
+
+def _s36_number_annotated(matcher: "_Matcher", name: str) -> bool:
+    """Parameter ``name`` of the site's function is annotated ``int`` / ``float`` (``Optional`` / ``| None``
+    aside: a None scale would fail in the original's arithmetic)."""
+    node = matcher.scope.node
+    args = getattr(node, "args", None)
+    if args is None:
+        return False
+    for a in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+        if a.arg == name and a.annotation is not None:
+            text = ast.unparse(a.annotation).replace(" ", "")
+            return text in ("int", "float", "Optional[int]", "Optional[float]", "int|None", "float|None")
     return False
 
 
@@ -12583,5 +12679,267 @@ out = (m(x)[0], *m(x, keep_maps=True))
 leaves = [x, m.qkv.weight]
 ''',
         name="s35_probabilities_set_to_none_unless_the_caller_asks",
+    ),
+]
+
+
+# --- s36: values decided by type and dataflow, not by name (HO12 / ports 7 development data). A scale computed by
+# Python's ``math`` module reached as ``torch.math`` (openppl's ``/ torch.math.sqrt(head_dim)``: a Python float, the
+# old reason called it a tensor) or from a parameter annotated ``int``; a module on the scores / probabilities that
+# ``__init__`` builds as ``nn.Identity`` (DeiT / PatchConvNet ``attn = self.id(attn)``: run-time checked, hooks
+# included); a masking value a method or repository function returns (GPT-BigCode / CodeShell ``_get_mask_value``
+# caching ``torch.full([], finfo.min)``). Helpers in ``_attention_s36.py``.
+_S36_TORCH_MATH_SCALE = '''
+import torch
+from torch import nn
+
+
+def mix_heads(query, key, value, head_dim: int):
+    logits = torch.matmul(query, key.transpose(2, 3)) / torch.math.sqrt(head_dim)
+    weights = torch.nn.functional.softmax(logits.float(), dim=-1).type_as(query)
+    return torch.matmul(weights, value)
+
+
+class Block(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.proj = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.proj(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        return mix_heads(q, k, v, self.hd).transpose(1, 2).reshape(b, n, -1)
+'''
+
+_S36_TORCH_MATH_POW_ALIAS = '''
+import torch
+from torch import math as tmath
+
+
+def attend(q, k, v, dim: int):
+    sim = (q @ k.transpose(-1, -2)) * tmath.pow(dim, -0.5)
+    return sim.softmax(dim=-1) @ v
+'''
+
+_S36_IDENTITY_ON_SCORES = '''
+import torch
+from torch import nn
+
+
+class TokenPool(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.scale = (width // heads) ** -0.5
+        self.to_q = nn.Linear(width, width)
+        self.to_kv = nn.Linear(width, 2 * width)
+        self.map_tap = nn.Identity()
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q = self.to_q(x[:, :1]).reshape(b, 1, self.heads, c // self.heads).permute(0, 2, 1, 3)
+        k, v = self.to_kv(x).reshape(b, n, 2, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        logits = self.map_tap(q @ k.transpose(-2, -1) * self.scale)
+        return (logits.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, 1, c)
+'''
+
+_S36_IDENTITY_ON_PROBS_BY_FLAG = '''
+import math
+import torch
+import torch.nn as nn
+
+
+class Probe(nn.Module):
+    def forward(self, p):
+        return p.clamp(max=0.5)
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, width=32, heads=4, probe=False):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.probs_out = Probe() if probe else torch.nn.Identity()
+
+    def forward(self, h):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        p = torch.softmax(torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(self.hd), dim=-1)
+        p = self.probs_out(p)
+        return torch.einsum("bhij,bhjd->bhid", p, v).transpose(1, 2).reshape(b, n, -1)
+'''
+
+_S36_FILL_FROM_A_METHOD = '''
+import math
+import torch
+from torch import nn
+
+
+class CachedFillAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.fill_cache = None
+
+    def _fill_for(self, device, dtype):
+        if self.fill_cache is None or self.fill_cache.dtype != dtype or self.fill_cache.device != device:
+            self.fill_cache = torch.full([], torch.finfo(dtype).min, dtype=dtype, device=device)
+        return self.fill_cache
+
+    def forward(self, h, keep):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.hd)
+        fill = self._fill_for(s.device, s.dtype)
+        s = torch.where(keep, s, fill)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (p @ v).transpose(1, 2).reshape(b, n, -1)
+'''
+
+_S36_FILL_FROM_A_FUNCTION = '''
+import torch
+from torch import nn
+
+
+def most_negative(t):
+    big = torch.finfo(t.dtype).max
+    return -big
+
+
+class Attend(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, h, pad):
+        b, n, c = h.shape
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        dots = q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5
+        dots = dots.masked_fill(pad[:, None, None, :], most_negative(dots))
+        return (dots.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, n, c)
+'''
+
+_S36_KEEP_RUN = '''
+m = CachedFillAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+keep = torch.rand(2, 1, 1, 6) > 0.3
+keep[..., 0] = True
+out = m(x, keep)
+leaves = [x]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S36_TORCH_MATH_SCALE,
+        expect={"qualname": "mix_heads"},
+        run=_s34_run("Block()", (2, 6, 32)),
+        name="s36_scale_from_torch_math_is_a_python_float",
+    ),
+    Fuse(
+        _S36_TORCH_MATH_POW_ALIAS,
+        expect={"qualname": "attend"},
+        run="\nq, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))\nout = attend(q, k, v, 8)\nleaves = [q, k, v]\n",
+        name="s36_scale_from_an_aliased_torch_math_pow",
+    ),
+    Fuse(
+        _S36_IDENTITY_ON_SCORES,
+        expect={"qualname": "TokenPool.forward"},
+        run=_s34_run("TokenPool()", (2, 6, 32)),
+        name="s36_identity_module_on_the_scores",
+    ),
+    Fuse(
+        _S36_IDENTITY_ON_PROBS_BY_FLAG,
+        expect={"qualname": "WindowAttention.forward"},
+        run="\nm = WindowAttention()\nm2 = WindowAttention(probe=True)\nx = torch.randn(2, 6, 32, requires_grad=True)\nout = (m(x), m2(x))\nleaves = [x]\n",
+        name="s36_identity_or_probe_module_on_the_probabilities_by_a_flag",
+    ),
+    Fuse(
+        _S36_FILL_FROM_A_METHOD,
+        expect={"qualname": "CachedFillAttention.forward"},
+        run=_S36_KEEP_RUN,
+        name="s36_masking_value_cached_by_a_method",
+    ),
+    Fuse(
+        _S36_FILL_FROM_A_FUNCTION,
+        expect={"qualname": "Attend.forward"},
+        run="\nm = Attend()\nx = torch.randn(2, 6, 32, requires_grad=True)\npad = torch.zeros(2, 6, dtype=torch.bool)\npad[1, 4:] = True\nout = m(x, pad)\nleaves = [x]\n",
+        name="s36_masking_value_from_a_function_through_a_local",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # ``torch.sqrt`` of a tensor argument is a tensor (``torch.math.sqrt`` of it would be a float)
+        _S36_TORCH_MATH_SCALE.replace("head_dim: int", "head_dim: torch.Tensor").replace("torch.math.sqrt(head_dim)", "torch.sqrt(head_dim)"),
+        reason="is a tensor",
+        name="s36_scale_from_torch_sqrt_of_a_tensor_argument",
+    ),
+    Keep(
+        # the module on the scores is built as a real activation, never an identity
+        _S36_IDENTITY_ON_SCORES.replace("self.map_tap = nn.Identity()", "self.map_tap = nn.Softsign()"),
+        reason="unsupported operation on the attention scores",
+        name="s36_activation_module_on_the_scores",
+    ),
+    Keep(
+        # the cached value is a small negative number: masked logits are still attended
+        _S36_FILL_FROM_A_METHOD.replace("torch.finfo(dtype).min", "-30.0"),
+        reason="not −inf or a large negative value",
+        name="s36_method_caches_a_small_negative_fill",
+    ),
+    Keep(
+        # the attribute the method returns is also set to a small value elsewhere in the class
+        _S36_FILL_FROM_A_METHOD.replace("        self.fill_cache = None\n", "        self.fill_cache = None\n\n    def soften(self):\n        self.fill_cache = torch.tensor(-5.0)\n"),
+        reason="not −inf or a large negative value",
+        name="s36_method_returns_an_attribute_set_small_elsewhere",
+    ),
+]
+
+# s36 (ports 7 CodeShell): the probabilities packed into the outputs under the caller's flag in the same function
+_S36_PROBS_PACKED_UNDER_A_FLAG = '''
+import math
+import torch
+from torch import nn
+
+
+class PackedOutputsAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, h, with_maps=False):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        w = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.hd)
+        w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = torch.matmul(w, v).transpose(1, 2).reshape(b, n, -1)
+        extras = (y, n)
+        if with_maps:
+            extras = extras + (w,)
+        return extras
+'''
+AttentionPattern.FUSE += [
+    Fuse(
+        _S36_PROBS_PACKED_UNDER_A_FLAG,
+        expect={"qualname": "PackedOutputsAttention.forward"},
+        run='''
+m = PackedOutputsAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = (m(x)[0], m(x, with_maps=True)[0], m(x, with_maps=True)[2])
+leaves = [x]
+''',
+        name="s36_probabilities_packed_into_the_outputs_under_the_callers_flag",
+    ),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # packed whatever the caller asks: a caller reads the probabilities
+        _S36_PROBS_PACKED_UNDER_A_FLAG.replace("        if with_maps:\n            extras = extras + (w,)\n", "        extras = extras + (w,)\n"),
+        reason="returned to the callers",
+        name="s36_probabilities_packed_into_the_outputs_always",
     ),
 ]

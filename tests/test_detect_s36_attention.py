@@ -1,0 +1,52 @@
+"""s36 attention constructs (HO12 / ports 7 development data): values decided by type and dataflow (a ``torch.math``
+scale, a masking value a method returns), identity modules on the scores checked at run time, probabilities read
+only under the caller's flag, comprehension unpacking of q/k/v."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.scan.engine import scan_repo
+
+
+@pytest.fixture
+def candidates(tmp_path: Path):
+    def run(code: str) -> list[str]:
+        (tmp_path / "m.py").write_text(code)
+        res = scan_repo(tmp_path, jobs=1, only=["attention"])
+        return [c["replacement"] for c in res.candidates]
+    return run
+
+
+def _example(name: str) -> str:
+    return next(e.code for e in AttentionPattern.FUSE if e.name == name)
+
+
+def test_torch_math_scale_is_passed_as_written(candidates) -> None:
+    (text,) = candidates(_example("s36_scale_from_torch_math_is_a_python_float"))
+    assert "scale=1.0 / torch.math.sqrt(head_dim)" in text
+
+
+def test_identity_module_is_checked_with_its_hooks(candidates) -> None:
+    (text,) = candidates(_example("s36_identity_module_on_the_scores"))
+    assert "isinstance(self.map_tap, nn.Identity)" in text
+    assert "self.map_tap._forward_hooks" in text and "self.map_tap._forward_pre_hooks" in text
+
+
+def test_masking_value_from_a_method_guards_an_override(candidates) -> None:
+    (text,) = candidates(_example("s36_masking_value_cached_by_a_method"))
+    assert "type(self)._fill_for is CachedFillAttention._fill_for" in text
+
+
+def test_comprehension_unpacking_is_read_per_item_and_guarded_before_the_span(candidates) -> None:
+    (text,) = candidates(_example("s36_masking_value_from_a_function_through_a_local"))
+    assert "for t in (q, k, v))[" not in text  # a generator has no [k]
+    assert "_npufuse_on_npu(h)" in text  # q is bound inside the rewritten span
+
+
+def test_probabilities_packed_under_a_flag_run_fused_only_without_it(candidates) -> None:
+    (text,) = candidates(_example("s36_probabilities_packed_into_the_outputs_under_the_callers_flag"))
+    assert "not with_maps" in text
