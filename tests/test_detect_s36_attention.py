@@ -50,3 +50,9 @@ def test_comprehension_unpacking_is_read_per_item_and_guarded_before_the_span(ca
 def test_probabilities_packed_under_a_flag_run_fused_only_without_it(candidates) -> None:
     (text,) = candidates(_example("s36_probabilities_packed_into_the_outputs_under_the_callers_flag"))
     assert "not with_maps" in text
+
+
+def test_channel_first_output_is_transposed_back_and_d_checked(candidates) -> None:
+    (text,) = candidates(_example("s36_channel_first_qkv_with_v_times_transposed_probabilities"))
+    assert "[0].transpose(-2, -1)" in text
+    assert "q.transpose(-2, -1).shape[-1] <= 768" in text

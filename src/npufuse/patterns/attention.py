@@ -1288,6 +1288,19 @@ class _Matcher:
                     self._transposed_3d(v_node, chain)  # record the transpose statement as a step
                     chain.v_transposed = chain.out_transposed = True
                     p_node, v_node = v_node, p_node
+        if scores is None and kind in ("matmul", "@") and not s34_3d:
+            # s36: ``v @ Pᵀ`` = (P @ vᵀ)ᵀ on 4-D channel-first q/k/v ([B, N, D, S]: ultralytics' area attention / PSA
+            # ``x = v @ attn.transpose(-2, -1)``, timm's conv-stage attention): v enters the op transposed and the
+            # fused output is transposed back
+            p_t = _s36_last_two_swapped(self, v_node, chain)
+            if p_t is not None:
+                chain = Chain()
+                scores = self.peel_probs(p_t, chain)
+                if scores is not None:
+                    _s36_last_two_swapped(self, v_node, chain)  # record the transpose statement as a step
+                    chain.out_transposed = True
+                    p_node, v_node = v_node, ast.Call(func=ast.Attribute(value=p_node, attr="transpose", ctx=ast.Load()),
+                                                      args=[ast.Constant(-2), ast.Constant(-1)], keywords=[])
         if scores is None or not _heavy(scores, through_meta=False):
             split = split_pipeline_reason(self, p_node)
             if split:
@@ -1509,6 +1522,12 @@ class _Matcher:
                 if taken is not None:
                     node = taken
                     continue
+            written = _s36_written_out_softmax(self, node, chain)
+            if written is not None:
+                # s36: ``e = torch.exp(s - s.max(-1, keepdim=True).values); p = e / e.sum(-1, keepdim=True)`` (ultralytics'
+                # area attention): softmax over the last axis written out
+                chain.spelling.append("softmax_written_out")
+                return written
             chosen = _flag_chosen_softmax(self, node)
             if chosen is not None:
                 # ``softmax = torch.softmax if not self.stable else stable_softmax`` ... ``softmax(dots, dim=-1)``: the
@@ -3186,7 +3205,8 @@ class AttentionPattern(Pattern):
             return
         if scope.class_name is not None and "self." in text and not module.__dict__.get("_npufuse_s30_inlined"):
             yield from _s30_inlined_method_sites(self, module, scope)  # s30: the softmax may be in the called method
-        if "softmax" not in text.lower() and not self._class_builds_softmax(module, scope):
+        if "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) and not self._class_builds_softmax(module, scope):
+            # (s36: a softmax written out, ``e = torch.exp(s - s.max(..)); e / e.sum(..)``, passes the gate too)
             return
         blocks: dict[int, list[ast.stmt]] = {}
         anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
@@ -3675,7 +3695,7 @@ class AttentionPattern(Pattern):
                 # s35: channel attention (q's last two axes swapped: the product contracts the tokens): nothing bounds that
                 # axis by a head dim; the fused call runs where it is within the op's D <= 768, the original code otherwise
                 # (matmul spellings: an einsum's q is re-laid out by the renderer, and s32 checks permuted einsums)
-                if not is_simple(q_t):
+                if not is_simple(q_t) and not _s36_view_of_a_name(q_t):
                     raise Miss(f"q (`{q_t[:40]}`) has its last two axes swapped (channel attention: the product contracts the "
                                "tokens), and npufuse checks the op's D <= 768 on a named q only")
                 need = [f"{atom(q_t)}.shape[-1] <= 768"]
@@ -3683,8 +3703,8 @@ class AttentionPattern(Pattern):
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
                 value_split = 0
-                risks.append(Risk("other", f"q's last two axes are swapped before the product (channel attention): its last axis is the "
-                                           f"tokens, which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
+                risks.append(Risk("other", f"q's last two axes are swapped before the product: its last axis may be the tokens (channel "
+                                           f"attention), which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
                                            f"`{q_t}.shape[-1] <= 768`, the original code otherwise"))
             if chain.tensor_scales:
                 # s35: a tensor factor moves from the scores to q's rows where it is constant along the key axis (and D)
@@ -3773,6 +3793,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.unflatten(0, {atom(q_n)}.shape[:2])"
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
+        if chain.out_transposed and not three_d:
+            call = f"{call}.transpose(-2, -1)"  # s36: ``v @ Pᵀ`` is the BNSD output with its last two axes swapped
         if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
             call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
         if chain.out_factor is not None:
@@ -8673,6 +8695,98 @@ def _s36_guard_before_span(name: str, span: list[ast.stmt]) -> str:
     return name
 
 
+def _s36_last_two_swapped(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """X of ``X.transpose(-2, -1)`` / ``X.transpose(2, 3)`` / ``X.permute(0, 1, 3, 2)`` / ``X.mT`` (through local
+    assignments and layout copies), else None."""
+    n = matcher._deref_op(node, chain) if isinstance(node, Ref) else node
+    while isinstance(n, Ref) and n.value is not None and not isinstance(n.value, (Opaque, Cond)):
+        if n.idx >= 0:
+            chain.seen.add(n.idx)
+        n = n.value
+    n = _through_layout_copies(matcher, n, chain)
+    if matcher.method(n, "permute") and tuple(const_value(x) for x in n.args) == (0, 1, 3, 2):
+        return n.func.value
+    if matcher.method(n, "transpose", "swapaxes") and len(n.args) == 2 and {const_value(x) for x in n.args} in ({2, 3}, {-1, -2}):
+        return n.func.value
+    if isinstance(n, ast.Attribute) and n.attr == "mT":
+        return n.value
+    return None
+
+
+_S36_VIEWS = frozenset(("transpose", "permute", "swapaxes", "view", "unsqueeze", "squeeze", "unflatten"))
+
+
+def _s36_view_of_a_name(text: str) -> bool:
+    """``text`` is a name re-viewed by methods that only read its metadata (``q.transpose(-2, -1)``): its ``.shape``
+    costs no copy and no computation, so a run-time check may read it where a name would be needed."""
+    try:
+        n = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return False
+    while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _S36_VIEWS \
+            and all(isinstance(a, (ast.Constant, ast.UnaryOp, ast.Name, ast.Attribute, ast.Subscript, ast.BinOp)) for a in n.args) \
+            and not n.keywords:
+        n = n.func.value
+    return isinstance(n, ast.Name) and n is not ast.parse(text, mode="eval").body
+
+
+def _s36_last_dim_keepdim(matcher: "_Matcher", call: Any, seen: set, *names: str) -> Any:
+    """X of ``X.<name>(dim=-1, keepdim=True)`` / ``torch.<name>(X, -1, keepdim=True)`` (``max`` / ``amax`` / ``sum``;
+    ``max`` read through ``.values`` / ``[0]``), else None."""
+    n, picked = deref(call, seen), False
+    for _ in range(4):
+        if isinstance(n, ast.Attribute) and n.attr == "values":
+            n, picked = deref(n.value, seen), True
+        elif isinstance(n, ast.Subscript) and const_value(n.slice) == 0:
+            n, picked = deref(n.value, seen), True
+        elif isinstance(n, ast.Call) and matcher.method(n, "detach") and not n.args:
+            n = deref(n.func.value, seen)
+        else:
+            break
+    if not isinstance(n, ast.Call):
+        return None
+    fn = matcher._fn(n) or ""
+    if fn in tuple(f"torch.{x}" for x in names) and n.args:
+        x, rest = n.args[0], list(n.args[1:])
+    elif isinstance(n.func, ast.Attribute) and n.func.attr in names and not fn.startswith("torch."):
+        x, rest = n.func.value, list(n.args)
+    else:
+        return None
+    dim = rest[0] if rest else keyword(n, "dim")
+    if const_value(dim) != -1 or const_value(keyword(n, "keepdim")) is not True or len(rest) > 1:
+        return None
+    if ("max" in names or "amax" in names) and (n.func.attr if isinstance(n.func, ast.Attribute) else "") == "max" \
+            and not picked:
+        return None  # ``x.max(-1, keepdim=True)`` alone is a (values, indices) pair
+    return x
+
+
+def _s36_written_out_softmax(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """S of a softmax over the last axis written out: ``E / E.sum(-1, keepdim=True)`` with ``E = torch.exp(S - M)`` (or
+    ``(S - M).exp()``), M the row maximum of S (``S.max(-1, keepdim=True).values``, ``.amax``, ``torch.max(..)[0]``,
+    detached or not) or absent (``torch.exp(S)``: the same value where it does not overflow); None otherwise."""
+    n = deref(node, chain.seen)
+    if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)):
+        return None
+    e = deref(n.left, chain.seen)
+    total = _s36_last_dim_keepdim(matcher, n.right, chain.seen, "sum")
+    if total is None or deref(total, chain.seen) is not e:
+        return None
+    if isinstance(e, ast.Call) and matcher._fn(e) == "torch.exp" and len(e.args) == 1 and not e.keywords:
+        arg = e.args[0]
+    elif isinstance(e, ast.Call) and matcher.method(e, "exp") and not e.args and not (matcher._fn(e) or "").startswith("torch."):
+        arg = e.func.value
+    else:
+        return None
+    a = deref(arg, chain.seen)
+    if isinstance(a, ast.BinOp) and isinstance(a.op, ast.Sub):
+        m = _s36_last_dim_keepdim(matcher, a.right, chain.seen, "max", "amax")
+        if m is not None and deref(m, chain.seen) is deref(a.left, chain.seen):
+            return a.left
+        return None
+    return arg
+
+
 def _s36_python_math(fn: str) -> bool:
     """``fn`` (a resolved dotted call name) is a function of Python's ``math`` module, also reached as
     ``torch.math.<f>`` (torch re-exports the module: ``torch.math is math``)."""
@@ -12941,5 +13055,89 @@ AttentionPattern.KEEP += [
         _S36_PROBS_PACKED_UNDER_A_FLAG.replace("        if with_maps:\n            extras = extras + (w,)\n", "        extras = extras + (w,)\n"),
         reason="returned to the callers",
         name="s36_probabilities_packed_into_the_outputs_always",
+    ),
+]
+
+# s36 (ports 7 YOLOv12 / YOLOv13 area attention; ultralytics PSA, timm conv-stage attention): q / k / v held
+# channel-first ([B, N, D, S]), ``(qᵀ @ k) * scale``, the softmax possibly written out, ``v @ Pᵀ`` (= (P @ vᵀ)ᵀ)
+_S36_CHANNEL_FIRST_TOKENS = '''
+import torch
+from torch import nn
+
+
+class ConvTokenAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Conv2d(dim, 3 * dim, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        q, k, v = self.qkv(x).view(B, 3, self.heads, self.hd, H * W).unbind(1)
+        attn = (q.transpose(-2, -1) @ k) * (self.hd ** -0.5)
+        attn = attn.softmax(dim=-1)
+        y = v @ attn.transpose(-2, -1)
+        return y.reshape(B, C, H, W)
+'''
+
+_S36_WRITTEN_OUT_SOFTMAX = '''
+import torch
+from torch import nn
+
+
+def pooled_mix(qc, kc, vc, scale):
+    logits = torch.matmul(qc.transpose(2, 3), kc) * scale
+    e = (logits - logits.amax(-1, keepdim=True)).exp()
+    w = e / torch.sum(e, dim=-1, keepdim=True)
+    return torch.matmul(vc, w.mT)
+'''
+
+_S36_WRITTEN_OUT_SOFTMAX_BNSD = '''
+import math
+import torch
+
+
+def attend(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    top = torch.max(s, -1, keepdim=True)[0].detach()
+    num = torch.exp(s - top)
+    return (num / num.sum(dim=-1, keepdim=True)) @ v
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S36_CHANNEL_FIRST_TOKENS,
+        expect={"qualname": "ConvTokenAttention.forward"},
+        run="\nm = ConvTokenAttention()\nx = torch.randn(2, 32, 3, 4, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+        name="s36_channel_first_qkv_with_v_times_transposed_probabilities",
+    ),
+    Fuse(
+        _S36_WRITTEN_OUT_SOFTMAX,
+        expect={"qualname": "pooled_mix"},
+        run="\nq, k, v = (torch.randn(2, 4, 8, 6, requires_grad=True) for _ in range(3))\nout = pooled_mix(q, k, v, 0.3)\nleaves = [q, k, v]\n",
+        name="s36_softmax_written_out_on_channel_first_operands",
+    ),
+    Fuse(
+        _S36_WRITTEN_OUT_SOFTMAX_BNSD,
+        expect={"qualname": "attend"},
+        run="\nq, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))\nout = attend(q, k, v)\nleaves = [q, k, v]\n",
+        name="s36_softmax_written_out_with_a_detached_row_max",
+    ),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # ``v @ P`` (P not transposed) contracts v with P's query axis: not attention over the keys
+        _S36_CHANNEL_FIRST_TOKENS.replace("y = v @ attn.transpose(-2, -1)", "y = v @ attn"),
+        name="s36_channel_first_v_times_untransposed_probabilities",
+    ),
+    Keep(
+        # the written-out normalisation sums over the query axis: not a softmax over the keys
+        _S36_WRITTEN_OUT_SOFTMAX_BNSD.replace("num.sum(dim=-1, keepdim=True)", "num.sum(dim=-2, keepdim=True)"),
+        name="s36_written_out_normalisation_over_the_query_axis",
+    ),
+    Keep(
+        # a constant added to the exponentials: the weights are no longer a softmax
+        _S36_WRITTEN_OUT_SOFTMAX_BNSD.replace("num = torch.exp(s - top)", "num = torch.exp(s - top) + 1.0"),
+        name="s36_written_out_exponentials_shifted",
     ),
 ]
