@@ -4,25 +4,7 @@ only under the caller's flag, comprehension unpacking of q/k/v."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from npufuse.patterns.attention import AttentionPattern
-from npufuse.scan.engine import scan_repo
-
-
-@pytest.fixture
-def candidates(tmp_path: Path):
-    def run(code: str) -> list[str]:
-        (tmp_path / "m.py").write_text(code)
-        res = scan_repo(tmp_path, jobs=1, only=["attention"])
-        return [c["replacement"] for c in res.candidates]
-    return run
-
-
-def _example(name: str) -> str:
-    return next(e.code for e in AttentionPattern.FUSE if e.name == name)
+from test_detect_s35_attention import _example, candidates  # noqa: F401  (the fixture and the example lookup)
 
 
 def test_torch_math_scale_is_passed_as_written(candidates) -> None:
