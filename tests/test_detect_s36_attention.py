@@ -38,3 +38,9 @@ def test_channel_first_output_is_transposed_back_and_d_checked(candidates) -> No
     (text,) = candidates(_example("s36_channel_first_qkv_with_v_times_transposed_probabilities"))
     assert "[0].transpose(-2, -1)" in text
     assert "q.transpose(-2, -1).shape[-1] <= 768" in text
+
+
+def test_learned_temperature_checks_the_op_head_dim_limit(candidates) -> None:
+    # MONAI CABlock: the channel layout is made by the caller; the per-head temperature marks it
+    (text,) = candidates(_example("s35_learned_per_head_temperature_divides_the_scores"))
+    assert "q.shape[-1] <= 768" in text

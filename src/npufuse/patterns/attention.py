@@ -1659,6 +1659,8 @@ class _Matcher:
         if sm is None:
             return
         cat = _deref_value(sm[0])
+        if isinstance(cat, ast.BinOp) and isinstance(cat.op, ast.Sub) and _s36_last_dim_keepdim(self, cat.right, set(), "max", "amax") is not None:
+            cat = _deref_value(cat.left)  # s36: gpt-oss / FMS ``QK = QK - QK.max(dim=-1, keepdim=True).values`` (no-op for softmax)
         if not (isinstance(cat, ast.Call) and self._fn(cat) in ("torch.cat", "torch.concat", "torch.concatenate")
                 and const_value(keyword(cat, "dim", 1)) == -1):
             return
@@ -3711,6 +3713,15 @@ class AttentionPattern(Pattern):
                 # and adds no axis q does not have; the original code runs otherwise
                 rank = 3 if three_d else 4
                 need = [f"{atom(t)}.dim() <= {rank} and {atom(t)}.shape[-1] == 1" for t in (r.text(x) for x in chain.tensor_scales)]
+                limit = f"{atom(q_t)}.shape[-1] <= 768"
+                if d is None and (is_simple(q_t) or _s36_view_of_a_name(q_t)) and (value_check is None or limit not in value_check):
+                    # s36: a learned per-head temperature marks channel attention (XCiT / Restormer / MONAI CABlock), whose
+                    # "head dim" is the pixels when the layout is made by a caller (MONAI's ``self._normal_attention(q, k, v)``
+                    # after ``rearrange(.., 'b (head c) h w -> b head c (h w)')``): the op's D <= 768 is checked here too
+                    need.append(limit)
+                    risks.append(Risk("other", f"the scale is a learned tensor, as in channel attention where q's last axis is the tokens: "
+                                               f"the fused call runs where `{q_t}.shape[-1] <= 768` (npu_fusion_attention's D limit), the "
+                                               "original code otherwise"))
                 if value_check is not None:
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
@@ -13140,4 +13151,23 @@ AttentionPattern.KEEP += [
         _S36_WRITTEN_OUT_SOFTMAX_BNSD.replace("num = torch.exp(s - top)", "num = torch.exp(s - top) + 1.0"),
         name="s36_written_out_exponentials_shifted",
     ),
+]
+
+# s36 (HO12a FMS): attention sinks with the row maximum subtracted between the concatenation and the softmax (gpt-oss
+# reference text) say "attention sinks", as without the subtraction
+_S36_SINKS_ROW_MAX = '''
+import torch
+
+
+def sink_attention(q, k, v, sinks, scale):
+    b, h, n, _ = q.shape
+    s = sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+    qk = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    qk = torch.cat([qk, s], dim=-1)
+    qk = qk - qk.max(dim=-1, keepdim=True).values
+    w = torch.softmax(qk, dim=-1)[..., :-1]
+    return torch.matmul(w, v)
+'''
+AttentionPattern.KEEP += [
+    Keep(_S36_SINKS_ROW_MAX, reason="attention sinks", name="s36_attention_sinks_with_the_row_max_subtracted"),
 ]
