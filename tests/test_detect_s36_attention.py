@@ -44,3 +44,13 @@ def test_learned_temperature_checks_the_op_head_dim_limit(candidates) -> None:
     # MONAI CABlock: the channel layout is made by the caller; the per-head temperature marks it
     (text,) = candidates(_example("s35_learned_per_head_temperature_divides_the_scores"))
     assert "q.shape[-1] <= 768" in text
+
+
+def test_sdpa_scale_from_a_learned_temperature_checks_the_head_dim(tmp_path) -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+    from npufuse.scan.engine import scan_repo
+
+    code = next(e.code for e in SdpaPattern.FUSE if e.name == "s36_scale_read_off_a_learned_temperature_checks_the_head_dim")
+    (tmp_path / "m.py").write_text(code)
+    (cand,) = scan_repo(tmp_path, jobs=1, only=["sdpa"]).candidates
+    assert "q.shape[-1] <= 768" in cand["replacement"]

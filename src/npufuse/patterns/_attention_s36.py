@@ -226,3 +226,32 @@ def _replaces_none(fn: ast.FunctionDef, attr: str) -> bool:
         if none_test and assigns:
             return True
     return False
+
+
+# --- SDPA whose scale is computed from a learned tensor (MONAI CABlock's ``scale = float(self.temperature.mean())``) --
+
+_PARAMETERS = frozenset(("torch.nn.Parameter", "torch.nn.parameter.Parameter"))
+
+
+def learned_scale(module: Any, scope: Any, scale: Any) -> bool:
+    """``scale`` reads a parameter the class builds with ``nn.Parameter`` (directly or through the one local assignment
+    of a name): a learned temperature, the mark of channel attention (XCiT / Restormer / MONAI CABlock), whose head dim
+    is the pixels when a caller makes the layout."""
+    if scale is None:
+        return False
+    cls = module.classes.get(scope.class_name or "") if getattr(scope, "class_name", None) else None
+    if cls is None:
+        return False
+    value = scale
+    if isinstance(scale, ast.Name):
+        found = scope.assignments.get(scale.id) or []
+        if len(found) != 1:
+            return False
+        value = found[0][1]
+    attrs = {n.attr for n in ast.walk(value) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and module.canonical(n.value.func) in _PARAMETERS \
+                and any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr in attrs
+                        for t in n.targets):
+            return True
+    return False
