@@ -54,3 +54,12 @@ def test_sdpa_scale_from_a_learned_temperature_checks_the_head_dim(tmp_path) -> 
     (tmp_path / "m.py").write_text(code)
     (cand,) = scan_repo(tmp_path, jobs=1, only=["sdpa"]).candidates
     assert "q.shape[-1] <= 768" in cand["replacement"]
+
+
+def test_v_times_transposed_probabilities_checks_the_ranks(candidates) -> None:
+    # timm EfficientViT: q/k/v flattened to 3-D [B, D, S] before ``v @ attn.transpose(-2, -1)``: not the 4-D reading
+    code = _example("s36_channel_first_qkv_with_v_times_transposed_probabilities").replace(
+        "q, k, v = self.qkv(x).view(B, 3, self.heads, self.hd, H * W).unbind(1)",
+        "q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)")
+    for text in candidates(code):
+        assert "q.dim() == 4 and k.dim() == 4" in text

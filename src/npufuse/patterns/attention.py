@@ -1320,6 +1320,18 @@ class _Matcher:
         if unbound is not None:
             raise Miss(f"`{unbound}` is not assigned on any path to the site (only after it, or in the other branch of an `if`): "
                        "the code raises UnboundLocalError here, so there is nothing that runs to replace")
+        if chain.out_transposed and kind in ("matmul", "@") and not s34_3d:
+            # s36: ``v @ Pᵀ`` read as 4-D: the operands' ranks are not visible (timm's EfficientViT flattens to 3-D
+            # [B, D, S] first): the fused call runs where q, k and v are 4-D, the original code otherwise
+            bases = [_attention_s35.rank_base(op.leaf) for op in (chain.q, chain.k, chain.v)]
+            ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=b, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                                 ops=[ast.Eq()], comparators=[ast.Constant(4)]) for b in bases if b is not None]
+            if len(ranks) != 3:
+                raise Miss("`v @ Pᵀ` (channel-first values): q, k and v reach the product as calls whose rank npufuse does not "
+                           "check at run time")
+            chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+                                   "`v @ Pᵀ` is read on 4-D [B, N, D, S] operands: the ranks are checked at run time; other ranks "
+                                   "run the original code"))
         if s34_3d:
             # s35: a leaf that is a rank-keeping method call (DexVLA's ``q.transpose(0, 1)``) is checked on its base (a
             # call inlined into the fused call is not evaluated twice); none left to check was an empty guard ``()``
