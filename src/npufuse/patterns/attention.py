@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -223,8 +223,16 @@ class BlockInterp:
                 for n in _assigned_names([ast.Expr(target)]):
                     env[n] = Ref(n, i, Opaque(), stmt)
                 return
+            expanded = _s36_comprehension_items(self, value, len(target.elts), env)
+            if expanded is None and isinstance(value, (ast.GeneratorExp, ast.SetComp)):
+                # s36: ``a, b = (f(t) for t in xs)`` over something not written out: a generator has no ``[k]``
+                for n in _assigned_names([ast.Expr(target)]):
+                    env[n] = Ref(n, i, Opaque(), stmt)
+                return
             for k, elt in enumerate(target.elts):
-                if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                if expanded is not None:
+                    part = expanded[k]  # s36: ``q, k, v = (t.view(..) for t in (q, k, v))``: one element per item
+                elif isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
                     part = value.elts[k]
                 else:
                     part = ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load())
@@ -1280,6 +1288,19 @@ class _Matcher:
                     self._transposed_3d(v_node, chain)  # record the transpose statement as a step
                     chain.v_transposed = chain.out_transposed = True
                     p_node, v_node = v_node, p_node
+        if scores is None and kind in ("matmul", "@") and not s34_3d:
+            # s36: ``v @ Pᵀ`` = (P @ vᵀ)ᵀ on 4-D channel-first q/k/v ([B, N, D, S]: ultralytics' area attention / PSA
+            # ``x = v @ attn.transpose(-2, -1)``, timm's conv-stage attention): v enters the op transposed and the
+            # fused output is transposed back
+            p_t = _s36_last_two_swapped(self, v_node, chain)
+            if p_t is not None:
+                chain = Chain()
+                scores = self.peel_probs(p_t, chain)
+                if scores is not None:
+                    _s36_last_two_swapped(self, v_node, chain)  # record the transpose statement as a step
+                    chain.out_transposed = True
+                    p_node, v_node = v_node, ast.Call(func=ast.Attribute(value=p_node, attr="transpose", ctx=ast.Load()),
+                                                      args=[ast.Constant(-2), ast.Constant(-1)], keywords=[])
         if scores is None or not _heavy(scores, through_meta=False):
             split = split_pipeline_reason(self, p_node)
             if split:
@@ -1299,6 +1320,18 @@ class _Matcher:
         if unbound is not None:
             raise Miss(f"`{unbound}` is not assigned on any path to the site (only after it, or in the other branch of an `if`): "
                        "the code raises UnboundLocalError here, so there is nothing that runs to replace")
+        if chain.out_transposed and kind in ("matmul", "@") and not s34_3d:
+            # s36: ``v @ Pᵀ`` read as 4-D: the operands' ranks are not visible (timm's EfficientViT flattens to 3-D
+            # [B, D, S] first): the fused call runs where q, k and v are 4-D, the original code otherwise
+            bases = [_attention_s35.rank_base(op.leaf) for op in (chain.q, chain.k, chain.v)]
+            ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=b, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                                 ops=[ast.Eq()], comparators=[ast.Constant(4)]) for b in bases if b is not None]
+            if len(ranks) != 3:
+                raise Miss("`v @ Pᵀ` (channel-first values): q, k and v reach the product as calls whose rank npufuse does not "
+                           "check at run time")
+            chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+                                   "`v @ Pᵀ` is read on 4-D [B, N, D, S] operands: the ranks are checked at run time; other ranks "
+                                   "run the original code"))
         if s34_3d:
             # s35: a leaf that is a rank-keeping method call (DexVLA's ``q.transpose(0, 1)``) is checked on its base (a
             # call inlined into the fused call is not evaluated twice); none left to check was an empty guard ``()``
@@ -1501,6 +1534,12 @@ class _Matcher:
                 if taken is not None:
                     node = taken
                     continue
+            written = _s36_written_out_softmax(self, node, chain)
+            if written is not None:
+                # s36: ``e = torch.exp(s - s.max(-1, keepdim=True).values); p = e / e.sum(-1, keepdim=True)`` (ultralytics'
+                # area attention): softmax over the last axis written out
+                chain.spelling.append("softmax_written_out")
+                return written
             chosen = _flag_chosen_softmax(self, node)
             if chosen is not None:
                 # ``softmax = torch.softmax if not self.stable else stable_softmax`` ... ``softmax(dots, dim=-1)``: the
@@ -1535,6 +1574,10 @@ class _Matcher:
             scaled = _s30_scaled_probabilities(self, node, chain)
             if scaled is not None:
                 node = scaled
+                continue
+            passed = _attention_s36.identity_module(self, node, chain)
+            if passed is not None:
+                node = passed  # s36: ``p = self.attn_map(p)`` with ``self.attn_map = nn.Identity()`` (run-time checked)
                 continue
             if self._qk_softmax(node):
                 self._sink_column(node)
@@ -1628,6 +1671,8 @@ class _Matcher:
         if sm is None:
             return
         cat = _deref_value(sm[0])
+        if isinstance(cat, ast.BinOp) and isinstance(cat.op, ast.Sub) and _s36_last_dim_keepdim(self, cat.right, set(), "max", "amax") is not None:
+            cat = _deref_value(cat.left)  # s36: gpt-oss / FMS ``QK = QK - QK.max(dim=-1, keepdim=True).values`` (no-op for softmax)
         if not (isinstance(cat, ast.Call) and self._fn(cat) in ("torch.cat", "torch.concat", "torch.concatenate")
                 and const_value(keyword(cat, "dim", 1)) == -1):
             return
@@ -2069,7 +2114,7 @@ class _Matcher:
                 chain.spelling.append("helper_inlined")
                 node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
                 continue
-            passed = _attention_s33.identity_method(self, node, chain)
+            passed = _attention_s33.identity_method(self, node, chain) or _attention_s36.identity_module(self, node, chain)
             if passed is not None:
                 node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
                 continue
@@ -2193,7 +2238,8 @@ class _Matcher:
         computed_on_host, factor = host is not factor and not _scalar_valued(self, host), host
         # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
         for n in (() if computed_on_host or _scalar_valued(self, factor) else walk_sym(factor)):
-            if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith("torch.finfo"):
+            if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith(("torch.finfo", "torch.iinfo")) \
+                    and not _s36_python_math(self._fn(n) or ""):  # s36: ``torch.math.sqrt`` returns a Python float
                 raise Miss(
                     f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
                     "would add a host sync"
@@ -2271,6 +2317,9 @@ class _Matcher:
             if isinstance(n, Ref) and n.idx >= 0 and n.value is not None:
                 chain.seen.add(n.idx)
         ok, finite = self._fill_ok(fill)
+        if not ok:
+            # s36: ``mask_value = self._get_mask_value(dev, dtype)`` (GPT-BigCode / CodeShell): what the callee returns
+            ok, finite = _attention_s36.callee_fill(self, fill, chain) or (ok, finite)
         if not ok and self._run_time_fill(fill, chain):
             ok, finite = True, True
         if not ok:
@@ -3170,7 +3219,8 @@ class AttentionPattern(Pattern):
             return
         if scope.class_name is not None and "self." in text and not module.__dict__.get("_npufuse_s30_inlined"):
             yield from _s30_inlined_method_sites(self, module, scope)  # s30: the softmax may be in the called method
-        if "softmax" not in text.lower() and not self._class_builds_softmax(module, scope):
+        if "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) and not self._class_builds_softmax(module, scope):
+            # (s36: a softmax written out, ``e = torch.exp(s - s.max(..)); e / e.sum(..)``, passes the gate too)
             return
         blocks: dict[int, list[ast.stmt]] = {}
         anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
@@ -3490,6 +3540,14 @@ class AttentionPattern(Pattern):
                 chain.excluded.append(gated_weights)
                 none_gated.append(name)
                 continue
+            flag_read = _s30_probs_read_under_flag(scope, name, end_line) if is_probs else None
+            if flag_read is not None:
+                # s36: CodeShell / HF-GPT2-style ``outputs = (out, present)`` ... ``if output_attentions: outputs +=
+                # (attn_weights,)`` in the same function: every read of the probabilities is under the flag, so the
+                # fused call runs where it is off (nothing reads them there), the original code where it is on
+                chain.excluded.append((*flag_read, f"`{name}` read after the attention"))
+                none_gated.append(name)
+                continue
             what = "the attention probabilities" if is_probs else f"intermediate `{name}`"
             return NearMiss(
                 self.id, scope.qualname, span_line, end_line,
@@ -3651,7 +3709,7 @@ class AttentionPattern(Pattern):
                 # s35: channel attention (q's last two axes swapped: the product contracts the tokens): nothing bounds that
                 # axis by a head dim; the fused call runs where it is within the op's D <= 768, the original code otherwise
                 # (matmul spellings: an einsum's q is re-laid out by the renderer, and s32 checks permuted einsums)
-                if not is_simple(q_t):
+                if not is_simple(q_t) and not _s36_view_of_a_name(q_t):
                     raise Miss(f"q (`{q_t[:40]}`) has its last two axes swapped (channel attention: the product contracts the "
                                "tokens), and npufuse checks the op's D <= 768 on a named q only")
                 need = [f"{atom(q_t)}.shape[-1] <= 768"]
@@ -3659,14 +3717,23 @@ class AttentionPattern(Pattern):
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
                 value_split = 0
-                risks.append(Risk("other", f"q's last two axes are swapped before the product (channel attention): its last axis is the "
-                                           f"tokens, which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
+                risks.append(Risk("other", f"q's last two axes are swapped before the product: its last axis may be the tokens (channel "
+                                           f"attention), which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
                                            f"`{q_t}.shape[-1] <= 768`, the original code otherwise"))
             if chain.tensor_scales:
                 # s35: a tensor factor moves from the scores to q's rows where it is constant along the key axis (and D)
                 # and adds no axis q does not have; the original code runs otherwise
                 rank = 3 if three_d else 4
                 need = [f"{atom(t)}.dim() <= {rank} and {atom(t)}.shape[-1] == 1" for t in (r.text(x) for x in chain.tensor_scales)]
+                limit = f"{atom(q_t)}.shape[-1] <= 768"
+                if d is None and (is_simple(q_t) or _s36_view_of_a_name(q_t)) and (value_check is None or limit not in value_check):
+                    # s36: a learned per-head temperature marks channel attention (XCiT / Restormer / MONAI CABlock), whose
+                    # "head dim" is the pixels when the layout is made by a caller (MONAI's ``self._normal_attention(q, k, v)``
+                    # after ``rearrange(.., 'b (head c) h w -> b head c (h w)')``): the op's D <= 768 is checked here too
+                    need.append(limit)
+                    risks.append(Risk("other", f"the scale is a learned tensor, as in channel attention where q's last axis is the tokens: "
+                                               f"the fused call runs where `{q_t}.shape[-1] <= 768` (npu_fusion_attention's D limit), the "
+                                               "original code otherwise"))
                 if value_check is not None:
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
@@ -3749,6 +3816,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.unflatten(0, {atom(q_n)}.shape[:2])"
         if layout != chain.out_layout and not three_d:
             call = f"{call}.transpose(1, 2)"
+        if chain.out_transposed and not three_d:
+            call = f"{call}.transpose(-2, -1)"  # s36: ``v @ Pᵀ`` is the BNSD output with its last two axes swapped
         if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
             call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
         if chain.out_factor is not None:
@@ -3816,7 +3885,7 @@ class AttentionPattern(Pattern):
         variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=span_line, end_line=end_line, params=params,
-            fused="\n".join(lines), guard_tensor=self._guard(q_t), confidence=chain.confidence,
+            fused="\n".join(lines), guard_tensor=_s36_guard_before_span(self._guard(q_t), span), confidence=chain.confidence,
             variant=variant, risks=risks, notes=chain.notes,
         )
 
@@ -8586,14 +8655,178 @@ def _scalar_valued(matcher: "_Matcher", node: Any, depth: int = 0) -> bool:
         return True
     if isinstance(n, ast.Subscript) and isinstance(deref(n.value), ast.Attribute) and deref(n.value).attr == "shape":
         return True
+    if isinstance(n, Ref) and n.idx == -1 and _s36_number_annotated(matcher, n.name):
+        return True  # s36: ``head_dim: int`` (a parameter typed as a Python number)
     if isinstance(n, ast.Call):
         fn = matcher._fn(n) or ""
-        if fn.startswith("math.") and all(_scalar_valued(matcher, a, depth + 1) for a in n.args):
+        if _s36_python_math(fn):
+            # s36: the ``math`` module's functions return a Python float / int whatever they are given (a tensor
+            # argument is read on the host, as in the original); ``torch.math`` IS that module
             return True
+        if fn.split(".")[0] in ("numpy", "np") and n.args and all(_scalar_valued(matcher, a, depth + 1) for a in n.args):
+            return True  # ``np.sqrt(d_k)`` of a Python number: a NumPy scalar, a number on the host
         if matcher.method(n, "size") and len(n.args) == 1:
             return True
         if fn in ("float", "int") and len(n.args) == 1:
             return _scalar_valued(matcher, n.args[0], depth + 1)
+        if fn == "len" and len(n.args) == 1:
+            return True
+    return False
+
+
+def _s36_comprehension_items(interp: Any, value: Any, count: int, env: dict[str, ast.expr]) -> list[Any] | None:
+    """The items of ``(f(t) for t in (a, b, c))`` / ``[f(t) for t in [a, b, c]]`` unpacked into ``count`` names: one
+    comprehension over a literal tuple / list of ``count`` items, a plain name as its target, no ``if``: ``f(a)``,
+    ``f(b)``, ``f(c)`` read in ``env`` (the items are evaluated before any name is rebound, as Python does). None
+    for any other value."""
+    if not isinstance(value, (ast.GeneratorExp, ast.ListComp)) or len(value.generators) != 1:
+        return None
+    gen = value.generators[0]
+    if gen.ifs or gen.is_async or not isinstance(gen.target, ast.Name) or not isinstance(gen.iter, (ast.Tuple, ast.List)) \
+            or len(gen.iter.elts) != count or any(isinstance(e, ast.Starred) for e in gen.iter.elts):
+        return None
+    if any(isinstance(n, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp, ast.NamedExpr)) for n in ast.walk(value.elt)):
+        return None  # a nested scope could rebind the target name: not substituted
+    name = gen.target.id
+
+    class _Item(ast.NodeTransformer):
+        def __init__(self, item: ast.expr) -> None:
+            self.item = item
+
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return copy.deepcopy(self.item) if n.id == name else n
+
+    return [interp.sym(_Item(item).visit(copy.deepcopy(value.elt)), env) for item in gen.iter.elts]
+
+
+def _s36_guard_before_span(name: str, span: list[ast.stmt]) -> str:
+    """The tensor the device test reads must hold a value before the span runs: where ``name`` is first bound inside
+    the span (``q, k, v = self.qkv(h).chunk(3, -1)`` rewritten with the rest), the first name of the value it is bound
+    from that is not (``h``), followed through such bindings; ``name`` where it is bound before the span."""
+    for _ in range(8):
+        binding = next((st for st in span if name in _assigned_names([st])), None)
+        if binding is None:
+            return name
+        value = getattr(binding, "value", None)
+        if not isinstance(value, ast.expr):
+            return name
+        names = sorted((n.col_offset, n.id) for n in fast_walk(value)
+                       if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"))
+        if not names:
+            return name
+        name = names[0][1]
+    return name
+
+
+def _s36_last_two_swapped(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """X of ``X.transpose(-2, -1)`` / ``X.transpose(2, 3)`` / ``X.permute(0, 1, 3, 2)`` / ``X.mT`` (through local
+    assignments and layout copies), else None."""
+    n = matcher._deref_op(node, chain) if isinstance(node, Ref) else node
+    while isinstance(n, Ref) and n.value is not None and not isinstance(n.value, (Opaque, Cond)):
+        if n.idx >= 0:
+            chain.seen.add(n.idx)
+        n = n.value
+    n = _through_layout_copies(matcher, n, chain)
+    if matcher.method(n, "permute") and tuple(const_value(x) for x in n.args) == (0, 1, 3, 2):
+        return n.func.value
+    if matcher.method(n, "transpose", "swapaxes") and len(n.args) == 2 and {const_value(x) for x in n.args} in ({2, 3}, {-1, -2}):
+        return n.func.value
+    if isinstance(n, ast.Attribute) and n.attr == "mT":
+        return n.value
+    return None
+
+
+_S36_VIEWS = frozenset(("transpose", "permute", "swapaxes", "view", "unsqueeze", "squeeze", "unflatten"))
+
+
+def _s36_view_of_a_name(text: str) -> bool:
+    """``text`` is a name re-viewed by methods that only read its metadata (``q.transpose(-2, -1)``): its ``.shape``
+    costs no copy and no computation, so a run-time check may read it where a name would be needed."""
+    try:
+        n = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return False
+    while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _S36_VIEWS \
+            and all(isinstance(a, (ast.Constant, ast.UnaryOp, ast.Name, ast.Attribute, ast.Subscript, ast.BinOp)) for a in n.args) \
+            and not n.keywords:
+        n = n.func.value
+    return isinstance(n, ast.Name) and n is not ast.parse(text, mode="eval").body
+
+
+def _s36_last_dim_keepdim(matcher: "_Matcher", call: Any, seen: set, *names: str) -> Any:
+    """X of ``X.<name>(dim=-1, keepdim=True)`` / ``torch.<name>(X, -1, keepdim=True)`` (``max`` / ``amax`` / ``sum``;
+    ``max`` read through ``.values`` / ``[0]``), else None."""
+    n, picked = deref(call, seen), False
+    for _ in range(4):
+        if isinstance(n, ast.Attribute) and n.attr == "values":
+            n, picked = deref(n.value, seen), True
+        elif isinstance(n, ast.Subscript) and const_value(n.slice) == 0:
+            n, picked = deref(n.value, seen), True
+        elif isinstance(n, ast.Call) and matcher.method(n, "detach") and not n.args:
+            n = deref(n.func.value, seen)
+        else:
+            break
+    if not isinstance(n, ast.Call):
+        return None
+    fn = matcher._fn(n) or ""
+    if fn in tuple(f"torch.{x}" for x in names) and n.args:
+        x, rest = n.args[0], list(n.args[1:])
+    elif isinstance(n.func, ast.Attribute) and n.func.attr in names and not fn.startswith("torch."):
+        x, rest = n.func.value, list(n.args)
+    else:
+        return None
+    dim = rest[0] if rest else keyword(n, "dim")
+    if const_value(dim) != -1 or const_value(keyword(n, "keepdim")) is not True or len(rest) > 1:
+        return None
+    if ("max" in names or "amax" in names) and (n.func.attr if isinstance(n.func, ast.Attribute) else "") == "max" \
+            and not picked:
+        return None  # ``x.max(-1, keepdim=True)`` alone is a (values, indices) pair
+    return x
+
+
+def _s36_written_out_softmax(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
+    """S of a softmax over the last axis written out: ``E / E.sum(-1, keepdim=True)`` with ``E = torch.exp(S - M)`` (or
+    ``(S - M).exp()``), M the row maximum of S (``S.max(-1, keepdim=True).values``, ``.amax``, ``torch.max(..)[0]``,
+    detached or not) or absent (``torch.exp(S)``: the same value where it does not overflow); None otherwise."""
+    n = deref(node, chain.seen)
+    if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)):
+        return None
+    e = deref(n.left, chain.seen)
+    total = _s36_last_dim_keepdim(matcher, n.right, chain.seen, "sum")
+    if total is None or deref(total, chain.seen) is not e:
+        return None
+    if isinstance(e, ast.Call) and matcher._fn(e) == "torch.exp" and len(e.args) == 1 and not e.keywords:
+        arg = e.args[0]
+    elif isinstance(e, ast.Call) and matcher.method(e, "exp") and not e.args and not (matcher._fn(e) or "").startswith("torch."):
+        arg = e.func.value
+    else:
+        return None
+    a = deref(arg, chain.seen)
+    if isinstance(a, ast.BinOp) and isinstance(a.op, ast.Sub):
+        m = _s36_last_dim_keepdim(matcher, a.right, chain.seen, "max", "amax")
+        if m is not None and deref(m, chain.seen) is deref(a.left, chain.seen):
+            return a.left
+        return None
+    return arg
+
+
+def _s36_python_math(fn: str) -> bool:
+    """``fn`` (a resolved dotted call name) is a function of Python's ``math`` module, also reached as
+    ``torch.math.<f>`` (torch re-exports the module: ``torch.math is math``)."""
+    return fn.startswith("math.") or fn.startswith("torch.math.")
+
+
+def _s36_number_annotated(matcher: "_Matcher", name: str) -> bool:
+    """Parameter ``name`` of the site's function is annotated ``int`` / ``float`` (``Optional`` / ``| None``
+    aside: a None scale would fail in the original's arithmetic)."""
+    node = matcher.scope.node
+    args = getattr(node, "args", None)
+    if args is None:
+        return False
+    for a in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+        if a.arg == name and a.annotation is not None:
+            text = ast.unparse(a.annotation).replace(" ", "")
+            return text in ("int", "float", "Optional[int]", "Optional[float]", "int|None", "float|None")
     return False
 
 
@@ -12584,4 +12817,369 @@ leaves = [x, m.qkv.weight]
 ''',
         name="s35_probabilities_set_to_none_unless_the_caller_asks",
     ),
+]
+
+
+# --- s36: values decided by type and dataflow, not by name (HO12 / ports 7 development data). A scale computed by
+# Python's ``math`` module reached as ``torch.math`` (openppl's ``/ torch.math.sqrt(head_dim)``: a Python float, the
+# old reason called it a tensor) or from a parameter annotated ``int``; a module on the scores / probabilities that
+# ``__init__`` builds as ``nn.Identity`` (DeiT / PatchConvNet ``attn = self.id(attn)``: run-time checked, hooks
+# included); a masking value a method or repository function returns (GPT-BigCode / CodeShell ``_get_mask_value``
+# caching ``torch.full([], finfo.min)``). Helpers in ``_attention_s36.py``.
+_S36_TORCH_MATH_SCALE = '''
+import torch
+from torch import nn
+
+
+def mix_heads(query, key, value, head_dim: int):
+    logits = torch.matmul(query, key.transpose(2, 3)) / torch.math.sqrt(head_dim)
+    weights = torch.nn.functional.softmax(logits.float(), dim=-1).type_as(query)
+    return torch.matmul(weights, value)
+
+
+class Block(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.proj = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.proj(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        return mix_heads(q, k, v, self.hd).transpose(1, 2).reshape(b, n, -1)
+'''
+
+_S36_TORCH_MATH_POW_ALIAS = '''
+import torch
+from torch import math as tmath
+
+
+def attend(q, k, v, dim: int):
+    sim = (q @ k.transpose(-1, -2)) * tmath.pow(dim, -0.5)
+    return sim.softmax(dim=-1) @ v
+'''
+
+_S36_IDENTITY_ON_SCORES = '''
+import torch
+from torch import nn
+
+
+class TokenPool(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.scale = (width // heads) ** -0.5
+        self.to_q = nn.Linear(width, width)
+        self.to_kv = nn.Linear(width, 2 * width)
+        self.map_tap = nn.Identity()
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q = self.to_q(x[:, :1]).reshape(b, 1, self.heads, c // self.heads).permute(0, 2, 1, 3)
+        k, v = self.to_kv(x).reshape(b, n, 2, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        logits = self.map_tap(q @ k.transpose(-2, -1) * self.scale)
+        return (logits.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, 1, c)
+'''
+
+_S36_IDENTITY_ON_PROBS_BY_FLAG = '''
+import math
+import torch
+import torch.nn as nn
+
+
+class Probe(nn.Module):
+    def forward(self, p):
+        return p.clamp(max=0.5)
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, width=32, heads=4, probe=False):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.probs_out = Probe() if probe else torch.nn.Identity()
+
+    def forward(self, h):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        p = torch.softmax(torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(self.hd), dim=-1)
+        p = self.probs_out(p)
+        return torch.einsum("bhij,bhjd->bhid", p, v).transpose(1, 2).reshape(b, n, -1)
+'''
+
+_S36_FILL_FROM_A_METHOD = '''
+import math
+import torch
+from torch import nn
+
+
+class CachedFillAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.fill_cache = None
+
+    def _fill_for(self, device, dtype):
+        if self.fill_cache is None or self.fill_cache.dtype != dtype or self.fill_cache.device != device:
+            self.fill_cache = torch.full([], torch.finfo(dtype).min, dtype=dtype, device=device)
+        return self.fill_cache
+
+    def forward(self, h, keep):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.hd)
+        fill = self._fill_for(s.device, s.dtype)
+        s = torch.where(keep, s, fill)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (p @ v).transpose(1, 2).reshape(b, n, -1)
+'''
+
+_S36_FILL_FROM_A_FUNCTION = '''
+import torch
+from torch import nn
+
+
+def most_negative(t):
+    big = torch.finfo(t.dtype).max
+    return -big
+
+
+class Attend(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, h, pad):
+        b, n, c = h.shape
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        dots = q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5
+        dots = dots.masked_fill(pad[:, None, None, :], most_negative(dots))
+        return (dots.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, n, c)
+'''
+
+_S36_KEEP_RUN = '''
+m = CachedFillAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+keep = torch.rand(2, 1, 1, 6) > 0.3
+keep[..., 0] = True
+out = m(x, keep)
+leaves = [x]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S36_TORCH_MATH_SCALE,
+        expect={"qualname": "mix_heads"},
+        run=_s34_run("Block()", (2, 6, 32)),
+        name="s36_scale_from_torch_math_is_a_python_float",
+    ),
+    Fuse(
+        _S36_TORCH_MATH_POW_ALIAS,
+        expect={"qualname": "attend"},
+        run="\nq, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))\nout = attend(q, k, v, 8)\nleaves = [q, k, v]\n",
+        name="s36_scale_from_an_aliased_torch_math_pow",
+    ),
+    Fuse(
+        _S36_IDENTITY_ON_SCORES,
+        expect={"qualname": "TokenPool.forward"},
+        run=_s34_run("TokenPool()", (2, 6, 32)),
+        name="s36_identity_module_on_the_scores",
+    ),
+    Fuse(
+        _S36_IDENTITY_ON_PROBS_BY_FLAG,
+        expect={"qualname": "WindowAttention.forward"},
+        run="\nm = WindowAttention()\nm2 = WindowAttention(probe=True)\nx = torch.randn(2, 6, 32, requires_grad=True)\nout = (m(x), m2(x))\nleaves = [x]\n",
+        name="s36_identity_or_probe_module_on_the_probabilities_by_a_flag",
+    ),
+    Fuse(
+        _S36_FILL_FROM_A_METHOD,
+        expect={"qualname": "CachedFillAttention.forward"},
+        run=_S36_KEEP_RUN,
+        name="s36_masking_value_cached_by_a_method",
+    ),
+    Fuse(
+        _S36_FILL_FROM_A_FUNCTION,
+        expect={"qualname": "Attend.forward"},
+        run="\nm = Attend()\nx = torch.randn(2, 6, 32, requires_grad=True)\npad = torch.zeros(2, 6, dtype=torch.bool)\npad[1, 4:] = True\nout = m(x, pad)\nleaves = [x]\n",
+        name="s36_masking_value_from_a_function_through_a_local",
+    ),
+]
+
+AttentionPattern.KEEP += [
+    Keep(
+        # ``torch.sqrt`` of a tensor argument is a tensor (``torch.math.sqrt`` of it would be a float)
+        _S36_TORCH_MATH_SCALE.replace("head_dim: int", "head_dim: torch.Tensor").replace("torch.math.sqrt(head_dim)", "torch.sqrt(head_dim)"),
+        reason="is a tensor",
+        name="s36_scale_from_torch_sqrt_of_a_tensor_argument",
+    ),
+    Keep(
+        # the module on the scores is built as a real activation, never an identity
+        _S36_IDENTITY_ON_SCORES.replace("self.map_tap = nn.Identity()", "self.map_tap = nn.Softsign()"),
+        reason="unsupported operation on the attention scores",
+        name="s36_activation_module_on_the_scores",
+    ),
+    Keep(
+        # the cached value is a small negative number: masked logits are still attended
+        _S36_FILL_FROM_A_METHOD.replace("torch.finfo(dtype).min", "-30.0"),
+        reason="not −inf or a large negative value",
+        name="s36_method_caches_a_small_negative_fill",
+    ),
+    Keep(
+        # the attribute the method returns is also set to a small value elsewhere in the class
+        _S36_FILL_FROM_A_METHOD.replace("        self.fill_cache = None\n", "        self.fill_cache = None\n\n    def soften(self):\n        self.fill_cache = torch.tensor(-5.0)\n"),
+        reason="not −inf or a large negative value",
+        name="s36_method_returns_an_attribute_set_small_elsewhere",
+    ),
+]
+
+# s36 (ports 7 CodeShell): the probabilities packed into the outputs under the caller's flag in the same function
+_S36_PROBS_PACKED_UNDER_A_FLAG = '''
+import math
+import torch
+from torch import nn
+
+
+class PackedOutputsAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, h, with_maps=False):
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        w = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.hd)
+        w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = torch.matmul(w, v).transpose(1, 2).reshape(b, n, -1)
+        extras = (y, n)
+        if with_maps:
+            extras = extras + (w,)
+        return extras
+'''
+AttentionPattern.FUSE += [
+    Fuse(
+        _S36_PROBS_PACKED_UNDER_A_FLAG,
+        expect={"qualname": "PackedOutputsAttention.forward"},
+        run='''
+m = PackedOutputsAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = (m(x)[0], m(x, with_maps=True)[0], m(x, with_maps=True)[2])
+leaves = [x]
+''',
+        name="s36_probabilities_packed_into_the_outputs_under_the_callers_flag",
+    ),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # packed whatever the caller asks: a caller reads the probabilities
+        _S36_PROBS_PACKED_UNDER_A_FLAG.replace("        if with_maps:\n            extras = extras + (w,)\n", "        extras = extras + (w,)\n"),
+        reason="returned to the callers",
+        name="s36_probabilities_packed_into_the_outputs_always",
+    ),
+]
+
+# s36 (ports 7 YOLOv12 / YOLOv13 area attention; ultralytics PSA, timm conv-stage attention): q / k / v held
+# channel-first ([B, N, D, S]), ``(qᵀ @ k) * scale``, the softmax possibly written out, ``v @ Pᵀ`` (= (P @ vᵀ)ᵀ)
+_S36_CHANNEL_FIRST_TOKENS = '''
+import torch
+from torch import nn
+
+
+class ConvTokenAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Conv2d(dim, 3 * dim, 1)
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        q, k, v = self.qkv(x).view(B, 3, self.heads, self.hd, H * W).unbind(1)
+        attn = (q.transpose(-2, -1) @ k) * (self.hd ** -0.5)
+        attn = attn.softmax(dim=-1)
+        y = v @ attn.transpose(-2, -1)
+        return y.reshape(B, C, H, W)
+'''
+
+_S36_WRITTEN_OUT_SOFTMAX = '''
+import torch
+from torch import nn
+
+
+def pooled_mix(qc, kc, vc, scale):
+    logits = torch.matmul(qc.transpose(2, 3), kc) * scale
+    e = (logits - logits.amax(-1, keepdim=True)).exp()
+    w = e / torch.sum(e, dim=-1, keepdim=True)
+    return torch.matmul(vc, w.mT)
+'''
+
+_S36_WRITTEN_OUT_SOFTMAX_BNSD = '''
+import math
+import torch
+
+
+def attend(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    top = torch.max(s, -1, keepdim=True)[0].detach()
+    num = torch.exp(s - top)
+    return (num / num.sum(dim=-1, keepdim=True)) @ v
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(
+        _S36_CHANNEL_FIRST_TOKENS,
+        expect={"qualname": "ConvTokenAttention.forward"},
+        run="\nm = ConvTokenAttention()\nx = torch.randn(2, 32, 3, 4, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+        name="s36_channel_first_qkv_with_v_times_transposed_probabilities",
+    ),
+    Fuse(
+        _S36_WRITTEN_OUT_SOFTMAX,
+        expect={"qualname": "pooled_mix"},
+        run="\nq, k, v = (torch.randn(2, 4, 8, 6, requires_grad=True) for _ in range(3))\nout = pooled_mix(q, k, v, 0.3)\nleaves = [q, k, v]\n",
+        name="s36_softmax_written_out_on_channel_first_operands",
+    ),
+    Fuse(
+        _S36_WRITTEN_OUT_SOFTMAX_BNSD,
+        expect={"qualname": "attend"},
+        run="\nq, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))\nout = attend(q, k, v)\nleaves = [q, k, v]\n",
+        name="s36_softmax_written_out_with_a_detached_row_max",
+    ),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # ``v @ P`` (P not transposed) contracts v with P's query axis: not attention over the keys
+        _S36_CHANNEL_FIRST_TOKENS.replace("y = v @ attn.transpose(-2, -1)", "y = v @ attn"),
+        name="s36_channel_first_v_times_untransposed_probabilities",
+    ),
+    Keep(
+        # the written-out normalisation sums over the query axis: not a softmax over the keys
+        _S36_WRITTEN_OUT_SOFTMAX_BNSD.replace("num.sum(dim=-1, keepdim=True)", "num.sum(dim=-2, keepdim=True)"),
+        name="s36_written_out_normalisation_over_the_query_axis",
+    ),
+    Keep(
+        # a constant added to the exponentials: the weights are no longer a softmax
+        _S36_WRITTEN_OUT_SOFTMAX_BNSD.replace("num = torch.exp(s - top)", "num = torch.exp(s - top) + 1.0"),
+        name="s36_written_out_exponentials_shifted",
+    ),
+]
+
+# s36 (HO12a FMS): attention sinks with the row maximum subtracted between the concatenation and the softmax (gpt-oss
+# reference text) say "attention sinks", as without the subtraction
+_S36_SINKS_ROW_MAX = '''
+import torch
+
+
+def sink_attention(q, k, v, sinks, scale):
+    b, h, n, _ = q.shape
+    s = sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+    qk = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    qk = torch.cat([qk, s], dim=-1)
+    qk = qk - qk.max(dim=-1, keepdim=True).values
+    w = torch.softmax(qk, dim=-1)[..., :-1]
+    return torch.matmul(w, v)
+'''
+AttentionPattern.KEEP += [
+    Keep(_S36_SINKS_ROW_MAX, reason="attention sinks", name="s36_attention_sinks_with_the_row_max_subtracted"),
 ]

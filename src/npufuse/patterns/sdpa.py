@@ -47,6 +47,7 @@ from npufuse.patterns.attention import (
     repeat_info,
     repeated_tensor,
 )
+from npufuse.patterns import _attention_s36
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment
@@ -323,6 +324,12 @@ class SdpaPattern(Pattern):
         # npu_fusion_attention takes Dk >= Dv only (SDPA any Dv): where v's head dim exceeds k's the
         # original runs (two shape reads; a value head wider than the key's is rare but real)
         dv_check = f"{atom(vn)}.shape[-1] <= {atom(kn)}.shape[-1]"
+        if d is None and _attention_s36.learned_scale(module, scope, scale):
+            # s36: a scale read off a learned temperature marks channel attention (MONAI CABlock's SDPA on
+            # [b, head, c, (h w)]): the op's D <= 768 is checked at run time, the original runs otherwise
+            dv_check = f"{dv_check} and {atom(qn)}.shape[-1] <= 768"
+            risks.append(Risk("other", "the scale is read off a learned temperature, as in channel attention where the last axis is the "
+                                       f"pixels: the fused call runs where `{atom(qn)}.shape[-1] <= 768` (npu_fusion_attention's D limit)"))
         original = block_source(module, block[start : i + 1])
         if bound and start == i:
             # no statement dropped before the call: its operands are what the bindings above hold
@@ -1179,5 +1186,40 @@ SdpaPattern.KEEP += [
             "        else:\n            mask = keep_lengths(lengths, n)[:, None, None, :]\n", "        else:\n            mask = None\n"),
         reason="float bias",
         name="s35_distances_from_positions_as_attn_mask",
+    ),
+]
+
+
+# --- s36 (HO12b MONAI CABlock): SDPA whose scale is read off a learned temperature (channel attention on
+# [b, head, c, pixels], the layout made by the caller): the op's D <= 768 is checked at run time ---
+_S36_TEMPERATURE_SCALE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ChannelSdpa(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.tau = nn.Parameter(torch.ones(heads, 1, 1) * 0.7)
+        self.qkv = nn.Conv2d(dim, 3 * dim, 1)
+
+    def attend(self, q, k, v):
+        s = float(self.tau.mean())
+        return F.scaled_dot_product_attention(q, k, v, scale=s)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).reshape(b, 3, self.heads, c // self.heads, h * w).unbind(1)
+        return self.attend(q, k, v).reshape(b, c, h, w)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        _S36_TEMPERATURE_SCALE,
+        name="s36_scale_read_off_a_learned_temperature_checks_the_head_dim",
+        expect={"qualname": "ChannelSdpa.attend"},
+        run="\nm = ChannelSdpa()\nx = torch.randn(2, 16, 3, 4, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
     ),
 ]
