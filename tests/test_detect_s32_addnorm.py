@@ -14,7 +14,7 @@ import torch
 from apply_support import make_repo, npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.add_rms_norm import AddRmsNorm
-from test_detect_s31_addnorm import _import_fresh
+from scratch_repo import import_fresh
 
 _OPS = '''\
 import torch
@@ -98,7 +98,7 @@ def _apply_and_compare(root: Path, name: str, run: Callable[[types.ModuleType], 
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     assert "npu_add_rms_norm" in (root / (name.replace(".", "/") + ".py")).read_text(encoding="utf-8")
     with emulate.install() as emu:
-        outs = run(_import_fresh(root, name))
+        outs = run(import_fresh(root, name))
     assert emu.calls["npu_add_rms_norm"] == fused, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -111,7 +111,7 @@ def _decoders(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_keyword_only_norm_helper_of_another_file(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/ops.py": _OPS, "pkg/model.py": _MODEL}
-    ref = _decoders(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _decoders(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -209,7 +209,7 @@ def _run_runner(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_decoder_loop_over_layers_of_a_model_of_another_file(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/modeling.py": _MODELING, "pkg/runner.py": _RUNNER}
-    ref = _run_runner(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.runner"))
+    ref = _run_runner(import_fresh(make_repo(tmp_path / "ref", files), "pkg.runner"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm" and c["file"] == "pkg/runner.py"]

@@ -14,7 +14,7 @@ import torch
 
 from apply_support import make_repo, scan
 from npufuse.patterns.add_rms_norm import AddRmsNorm
-from test_detect_s31_addnorm import _import_fresh
+from scratch_repo import import_fresh
 from test_detect_s32_addnorm import _apply_and_compare, _run
 
 _LAYERS = '''\
@@ -126,7 +126,7 @@ def _blocks(mod: types.ModuleType) -> list[torch.Tensor]:
 
 def test_norm_classes_of_a_submodule_a_flag_and_an_if_body(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/layers.py": _LAYERS, "pkg/model.py": _MODEL}
-    ref = _blocks(_import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = _blocks(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = {c["qualname"]: c for c in data["candidates"] if c["pattern"] == "add_rms_norm"}
