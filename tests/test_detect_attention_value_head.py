@@ -85,7 +85,7 @@ leaves = [q]
 
 def test_the_check_and_the_original_are_in_the_fused_code() -> None:
     fused = _finding(_PLAIN)[0].fused
-    assert fused.splitlines()[0] == "if v.shape[-1] <= k.shape[-1]:"
+    assert fused.splitlines()[0] == "if v.shape[-1] <= k.shape[-1] <= 768:"
     assert fused.split("\nelse:\n")[1].splitlines() == [
         "    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))",
         '    scores = scores.masked_fill(mask == 0, float("-inf"))',
@@ -100,7 +100,7 @@ def test_without_the_check_the_op_raises_as_npu_fusion_attention_does() -> None:
     with pytest.raises(NpuOpError, match="Dk >= Dv"):
         npu_fusion_attention(q, k, v, 2, "BNSD", scale=0.25)
     unchecked = _finding(_PLAIN)
-    unchecked[0].fused = unchecked[0].fused.replace("if v.shape[-1] <= k.shape[-1]:", "if True:", 1)
+    unchecked[0].fused = unchecked[0].fused.replace("if v.shape[-1] <= k.shape[-1] <= 768:", "if True:", 1)
     run = """
 q = torch.randn(1, 2, 8, 16); k = torch.randn(1, 2, 8, 16); v = torch.randn(1, 2, 8, 32)
 out = attend(q, k, v, torch.ones(8, 8, dtype=torch.bool))
@@ -116,7 +116,7 @@ def test_head_dim_check_nested_in_an_earlier_check(dv: int, cap: float | None, f
     # the capping check comes first (it decides whether the fused call applies); the head-dim check reads
     # the bound k/v inside it
     assert text.startswith("if not (cap is not None):\n    _npufuse_k = k.float()\n    _npufuse_v = v.float()\n"
-                           "    if _npufuse_v.shape[-1] <= _npufuse_k.shape[-1]:\n")
+                           "    if _npufuse_v.shape[-1] <= _npufuse_k.shape[-1] <= 768:\n")
     run = f"""
 q = torch.randn(1, 2, 8, 16); k = torch.randn(1, 2, 8, 16); v = torch.randn(1, 2, 8, {dv})
 out = attend(q, k, v, {cap})
@@ -128,7 +128,7 @@ out = attend(q, k, v, {cap})
 @pytest.mark.parametrize("dv,fused", [(16, 1), (32, 0)])
 def test_channel_first_head_dim_is_axis_one(dv: int, fused: int) -> None:
     findings = _finding(_CHANNEL_FIRST)
-    assert findings[0].fused.splitlines()[0] == "if v.shape[1] <= k.shape[1]:"
+    assert findings[0].fused.splitlines()[0] == "if v.shape[1] <= k.shape[1] <= 768:"
     run = f"""
 q = torch.randn(2, 16, 8); k = torch.randn(2, 16, 8); v = torch.randn(2, {dv}, 8)
 out = attend(q, k, v)

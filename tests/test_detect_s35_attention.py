@@ -41,7 +41,7 @@ def test_channel_attention_checks_the_tokens_against_the_op_limit(candidates) ->
     for name in ("s35_channel_attention_with_a_learned_temperature_from_a_5d_permute", "s35_channel_attention_transposed_by_a_method_result"):
         (text,) = candidates(_example(name))
         assert "q.shape[-1] <= 768" in text, name
-    # an ordinary BNSD attention with a float scale gets no such check (s36: a learned temperature now does: it marks
-    # channel attention whose layout a caller may make)
+    # s36 (audit36): every candidate now checks the op's D <= 768 on k with v's head dim (Emu3's channel attention
+    # had its 1024 channels as D behind a bmm of a permuted q, where no named q carried the check)
     (text,) = candidates(_example("s36_identity_module_on_the_scores"))
-    assert "<= 768" not in text
+    assert "k.shape[-1] <= 768" in text

@@ -39,5 +39,5 @@ out = attend(q, k, v)
 
 def test_the_check_is_in_the_fused_code() -> None:
     fused = _findings()[0].fused
-    assert fused.splitlines()[0] == "if v.shape[-1] <= k.shape[-1]:"
+    assert fused.splitlines()[0] == "if v.shape[-1] <= k.shape[-1] <= 768:"
     assert "F.scaled_dot_product_attention(q, k, v, is_causal=True)" in fused.split("else:")[-1]

@@ -50,3 +50,85 @@ def test_complex_rope_with_a_batch_free_table_checks_the_interleave_row_limit(b:
     assert "< 1000 *" in facts["rewritten"]
     assert (facts["calls"] > 0) is fused  # B*N >= 1000: the original code runs, not a call the op rejects
     assert all(c > 0.9999 for c in facts["cos_out"] + facts["cos_grad"])
+
+
+# VQGAN-style single-head channel attention: the head dim the op sees is the channel count, which no
+# literal bounds; npu_fusion_attention takes D <= 768 (spec 5.1): above it the original code must run
+_CHANNEL_ATTENTION = '''
+import torch
+import torch.nn.functional as F
+
+
+def mix(q, k, v):
+    b, c, h, w = q.shape
+    q = q.reshape(b, c, h * w)
+    k = k.reshape(b, c, h * w)
+    w_ = torch.bmm(q.permute(0, 2, 1), k)
+    w_ = w_ * (int(c) ** (-0.5))
+    w_ = F.softmax(w_, dim=2)
+    v = v.reshape(b, c, h * w)
+    out = torch.bmm(v, w_.permute(0, 2, 1))
+    return out.reshape(b, c, h, w)
+'''
+
+_RUN_CHANNELS = '''
+q, k, v = (torch.randn(2, {c}, 3, 4, requires_grad=True) for _ in range(3))
+out = mix(q, k, v)
+leaves = [q, k, v]
+'''
+
+
+@pytest.mark.parametrize("channels,fused", [(64, True), (1024, False)])
+def test_channel_attention_runs_the_op_only_within_its_head_dim_limit(channels: int, fused: bool) -> None:
+    from npufuse.patterns.attention import AttentionPattern
+
+    pattern = AttentionPattern()
+    findings, misses = detect_all(pattern, _CHANNEL_ATTENTION)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(pattern, _CHANNEL_ATTENTION, _RUN_CHANNELS.format(c=channels), findings)
+    assert "<= 768" in facts["rewritten"]
+    assert (facts["calls"] > 0) is fused
+    assert all(c > 0.9999 for c in facts["cos_out"] + facts["cos_grad"])
+
+
+# Whisper-style decoder attention: the causal mask is sliced to the query length, [n_ctx, n_ctx]; one new
+# token against a longer KV cache slices it to [1, 1], which the eager sum broadcasts over the keys and
+# npu_fusion_attention does not take (it wants [Sq, Skv] or a 4-D mask)
+_SLICED_MASK = '''
+import torch
+import torch.nn.functional as F
+
+
+def qkv_attention(q, k, v, mask, n_head=2):
+    n_batch, n_ctx, n_state = q.shape
+    scale = (n_state // n_head) ** -0.25
+    q = q.view(*q.shape[:2], n_head, -1).permute(0, 2, 1, 3) * scale
+    k = k.view(*k.shape[:2], n_head, -1).permute(0, 2, 3, 1) * scale
+    v = v.view(*v.shape[:2], n_head, -1).permute(0, 2, 1, 3)
+    qk = q @ k
+    if mask is not None:
+        qk = qk + mask[:n_ctx, :n_ctx]
+    w = F.softmax(qk.float(), dim=-1).to(q.dtype)
+    return (w @ v).permute(0, 2, 1, 3).flatten(start_dim=2)
+'''
+
+_RUN_SLICED = '''
+mask = torch.empty(8, 8).fill_(-float("inf")).triu_(1)
+q = torch.randn(2, {sq}, 16, requires_grad=True)
+k = torch.randn(2, {skv}, 16, requires_grad=True)
+v = torch.randn(2, {skv}, 16, requires_grad=True)
+out = qkv_attention(q, k, v, mask)
+leaves = [q, k, v]
+'''
+
+
+@pytest.mark.parametrize("sq,skv", [(1, 6), (6, 6)])
+def test_a_sliced_2d_mask_is_broadcast_over_a_longer_kv_cache(sq: int, skv: int) -> None:
+    from npufuse.patterns.attention import AttentionPattern
+
+    pattern = AttentionPattern()
+    findings, misses = detect_all(pattern, _SLICED_MASK)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(pattern, _SLICED_MASK, _RUN_SLICED.format(sq=sq, skv=skv), findings)
+    assert facts["calls"] > 0
+    assert all(c > 0.9999 for c in facts["cos_out"] + facts["cos_grad"])

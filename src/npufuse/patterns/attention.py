@@ -737,20 +737,28 @@ def checked_body(before: list[str], after: list[str], condition: str, original: 
         ["else:"] + ["    " + ln if ln.strip() else ln for ln in original.splitlines()]
 
 
-def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False) -> list[str]:
+def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False, skv: str | None = None) -> list[str]:
     """Bring a bool mask to a shape npu_fusion_attention accepts ([B,N,Sq,Skv], [B,1,Sq,Skv],
     [1,1,Sq,Skv], [Sq,Skv]): a padding mask [B,1,1,Skv] is expanded over the query rows, the op
-    does not broadcast it (diffusers#14380)."""
+    does not broadcast it (diffusers#14380); with ``skv`` (the keys' length), a 2-D mask whose
+    size-1 dims the eager sum broadcast (Whisper's ``mask[:n_ctx, :n_ctx]`` is [1, 1] when one new
+    token meets a longer KV cache: audit36) is expanded to [Sq, Skv] as the broadcast would."""
     guard = f"{var} is not None and " if maybe_none else ""
     lines = []
     if three_d:
         # (a [B*N, 1, Skv] padding mask becomes [B*N, 1, 1, Skv]: expanded below like a 4-D one; audit33: Karlo's
         # text mask was passed as it was, a shape the op rejects)
         lines = [f"if {guard}{var}.dim() == 3:", f"    {var} = {var}.unsqueeze(1)  # [B*N, Sq, Skv] -> [B*N, 1, Sq, Skv]"]
-    return lines + [
+    lines += [
         f"if {guard}{var}.dim() == 4 and {var}.shape[2] != {sq}:",
         f"    {var} = {var}.expand(-1, -1, {sq}, -1).contiguous()  # the op does not broadcast [B,1,1,Skv] over the query rows",
     ]
+    if skv is not None:
+        lines += [
+            f"if {guard}{var}.dim() == 2 and tuple({var}.shape) != ({sq}, {skv}):",
+            f"    {var} = {var}.expand({sq}, {skv}).contiguous()  # the eager sum broadcast a size-1 dim of the 2-D mask",
+        ]
+    return lines
 
 
 def fa_call(q: str, k: str, v: str, head_num: str, layout: str, kwargs: list[tuple[str, str]]) -> str:
@@ -3589,6 +3597,7 @@ class AttentionPattern(Pattern):
             tail = ".contiguous()" if chain.q_transposed or chain.k_transposed or chain.v_transposed else ""  # transposed views are copied
             q_a, k_a, v_a = (f"{atom(x)}.unsqueeze(1){tail}" for x in (q_3, k_3, v_3))
             head_num, sq = "1", f"{atom(q_n)}.shape[{2 if chain.q_transposed else 1}]"
+            skv = f"{atom(k_n)}.shape[{2 if chain.k_transposed else 1}]"
             if chain.q_transposed or chain.k_transposed or chain.v_transposed:
                 chain.notes.append("channel-first attention (k and/or v laid out [B, D, S], output of bmm(v, Pᵀ) [B, D, Sq]): "
                                    "the fused call takes [B, 1, S, D] views and the result is transposed back")
@@ -3596,6 +3605,7 @@ class AttentionPattern(Pattern):
             layout = "BNSD"
             q_a, k_a, v_a = (f"{atom(x)}.flatten(0, 1)" for x in (q_n, k_n, v_n))
             head_num, sq = f"{atom(q_n)}.shape[2]", f"{atom(q_n)}.shape[3]"
+            skv = None
             chain.notes.append("q/k/v are 5-D [B, N, W, S, D] (the matmuls broadcast over the leading dims): the first two dims are "
                                "folded into one for the 4-D call and unfolded from its result")
         elif len(layouts) == 1:
@@ -3603,6 +3613,7 @@ class AttentionPattern(Pattern):
             q_a, k_a, v_a = q_n, k_n, v_n
             head_num = f"{atom(q_n)}.shape[{1 if layout == 'BNSD' else 2}]"
             sq = f"{atom(q_n)}.shape[{2 if layout == 'BNSD' else 1}]"
+            skv = f"{atom(k_n)}.shape[{2 if layout == 'BNSD' else 1}]" if layout in ("BNSD", "BSND") else None
         else:
             layout = "BNSD"
             q_a, k_a, v_a = (
@@ -3611,6 +3622,8 @@ class AttentionPattern(Pattern):
             )
             head_num = f"{atom(q_a)}.shape[1]"
             sq = f"{atom(q_a)}.shape[2]"
+            # read on the bound k in its own layout (k_a may be a copy: not evaluated twice)
+            skv = f"{atom(k_n)}.shape[{1 if chain.k.layout == 'BSND' else 2}]" if chain.k.layout in ("BNSD", "BSND") else None
             risks.append(Risk("layout", "q/k/v arrive in different layouts: the BSND ones are transposed and copied to BNSD"))
         if layout == "BNSD" and not three_d:
             q_a, k_a, v_a = (f"{atom(x)}.contiguous()" if not x.endswith(".contiguous()") else x for x in (q_a, k_a, v_a))
@@ -3668,7 +3681,7 @@ class AttentionPattern(Pattern):
                     lines += [f"if {guard}_npufuse_mask.dim() == 4:",
                               f"    _npufuse_mask = _npufuse_mask.expand(_npufuse_mask.shape[0], {atom(q_n)}.shape[0] // _npufuse_mask.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"]
                 elif not all(m.causal for m in chain.masks):
-                    lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d)
+                    lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d, skv)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
@@ -3848,7 +3861,7 @@ class AttentionPattern(Pattern):
         # npu_fusion_attention takes Dk >= Dv only (the eager matmuls any Dv): checked at run time, else the original runs
         value_check, value_split, lines = add_value_head_check(lines, value_check, value_split, n_qkv, dv_check,
                                                                lambda split: _original_after(module, span, s, split, len(bound_lines), r.bound, run_as_written))
-        chain.notes.append("npu_fusion_attention needs v's head dim <= k's (the eager matmuls take any): checked at run time, else the original runs")
+        chain.notes.append(f"npu_fusion_attention needs v's head dim <= k's <= {MAX_HEAD_DIM} (the eager matmuls take any): checked at run time, else the original runs")
         if value_check is not None:
             lines = checked_body(lines[:value_split], lines[value_split:], value_check,
                                  _original_after(module, span, s, value_split, len(bound_lines), r.bound, run_as_written))
@@ -7249,12 +7262,15 @@ AttentionPattern.KEEP += [
 
 
 def value_head_check(k_n: str, v_n: str, chain: Chain) -> str:
-    """The run-time condition ``v's head dim <= k's`` on the bound k/v (before any unsqueeze or cast:
+    """The run-time condition ``v's head dim <= k's <= 768`` on the bound k/v (before any unsqueeze or cast:
     neither moves the last axis). A channel-first 3-D operand ([B, D, S]) has its head dim on axis 1."""
     def head_dim(x: str, channel_first: bool) -> str:
         return f"{atom(x)}.shape[{1 if channel_first else -1}]"
     three_d = chain.q is not None and chain.q.layout == "3D"
-    return f"{head_dim(v_n, three_d and chain.v_transposed)} <= {head_dim(k_n, three_d and chain.k_transposed)}"
+    # ... and k's (= q's) at most the op's 768 (spec 5.1): a channel attention's head dim is the channel
+    # count, which no shape in the code bounds (audit36: Emu3's VQ attention at 1024 channels)
+    return (f"{head_dim(v_n, three_d and chain.v_transposed)} <= {head_dim(k_n, three_d and chain.k_transposed)}"
+            f" <= {MAX_HEAD_DIM}")
 
 
 def add_value_head_check(lines: list[str], value_check: str | None, value_split: int, n_qkv: int, dv_check: str,

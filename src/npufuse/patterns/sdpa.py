@@ -324,12 +324,15 @@ class SdpaPattern(Pattern):
         # npu_fusion_attention takes Dk >= Dv only (SDPA any Dv): where v's head dim exceeds k's the
         # original runs (two shape reads; a value head wider than the key's is rare but real)
         dv_check = f"{atom(vn)}.shape[-1] <= {atom(kn)}.shape[-1]"
+        if d is None:
+            # ... and the op's D <= 768 (spec 5.1; Dq == Dk) where no literal head dim bounds it: channel
+            # attention has the channel count or the pixels there (audit36), checked at run time
+            dv_check = f"{dv_check} <= 768"
         if d is None and _attention_s36.learned_scale(module, scope, scale):
             # s36: a scale read off a learned temperature marks channel attention (MONAI CABlock's SDPA on
-            # [b, head, c, (h w)]): the op's D <= 768 is checked at run time, the original runs otherwise
-            dv_check = f"{dv_check} and {atom(qn)}.shape[-1] <= 768"
+            # [b, head, c, (h w)]): the op's D <= 768 is checked at run time (above), the original runs otherwise
             risks.append(Risk("other", "the scale is read off a learned temperature, as in channel attention where the last axis is the "
-                                       f"pixels: the fused call runs where `{atom(qn)}.shape[-1] <= 768` (npu_fusion_attention's D limit)"))
+                                       f"pixels: the fused call runs where `{atom(kn)}.shape[-1] <= 768` (npu_fusion_attention's D limit)"))
         original = block_source(module, block[start : i + 1])
         if bound and start == i:
             # no statement dropped before the call: its operands are what the bindings above hold
@@ -340,7 +343,8 @@ class SdpaPattern(Pattern):
             lines = checked_body(lines[:split], lines[split:], f"({value_check}) and {dv_check}", original)
         else:
             lines = checked_body(lines[:n_qkv], lines[n_qkv:], dv_check, original)
-        notes.append("npu_fusion_attention needs v's head dim <= k's (SDPA takes any): checked at run time, else the original runs")
+        notes.append("npu_fusion_attention needs v's head dim <= k's" + (" <= 768" if d is None else "")
+                     + " (SDPA takes any): checked at run time, else the original runs")
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         params: dict[str, Any] = {
             "mask_kind": mask_kind,
