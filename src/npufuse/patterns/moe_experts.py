@@ -11087,3 +11087,80 @@ MoeExperts.KEEP += [
     Keep(_S35_DICT_WHERE.replace("ffn(x[tok]) * w[tok, slot, None]", "ffn(x[tok]) * w[tok, slot, None] * len(name)"),
          reason="reads its key", name="s35_dict_items_key_read_as_text"),
 ]
+
+
+# -- s36: the loop's variable "read after the loop" only inside an inner scope -----------------------------
+# A comprehension has its own scope in Python 3 (its targets are its own variables; only its first iterable is
+# evaluated outside), and a lambda's / nested def's parameters are theirs: `[expert(xs) for expert in
+# self.experts]` in the `else:` of a routed branch (Language-Group's DLG-MoE MoEBlock) reads no `expert` of
+# the loop. Scope.last_loads skips those reads, so such a name is not live after the loop. Invented spellings:
+# a generator expression summed in the other arm, a dict comprehension of per-expert norms after the loop, a
+# lambda whose parameter has the loop's name; the near miss reads the loop variable in the comprehension's first
+# iterable (evaluated in the function's scope: the last expert of the loop).
+_S36_INNER_SCOPE = _HEAD + '''
+class RoutedOrMean(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.router = nn.Linear(d, n, bias=False)
+        self.ffns = nn.ModuleList([nn.Sequential(nn.Linear(d, 24), nn.ReLU(), nn.Linear(24, d)) for _ in range(n)])
+        self.k = k
+        self.routed = True
+
+    def forward(self, h):
+        if self.routed:
+            p, top = torch.topk(self.router(h), self.k)
+            p = p.softmax(dim=-1)
+            y = torch.zeros_like(h)
+            for j, ffn in enumerate(self.ffns):
+                rows, slot = torch.where(top == j)
+                y[rows] += p[rows, slot, None] * ffn(h[rows])
+        else:
+            y = sum(ffn(h) for ffn in self.ffns) / len(self.ffns)
+        return y
+'''
+
+_S36_INNER_SCOPE_RUN = '''\
+m = RoutedOrMean(16, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.ffns[1][0].weight, m.ffns[3][2].bias]
+'''
+
+_S36_STATS_AFTER = _HEAD + '''
+class StatMoE(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+
+    def forward(self, x):
+        weight, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        acc = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, kk = torch.where(chosen == e)
+            acc.index_add_(0, tok, expert(x[tok]) * weight[tok, kk].unsqueeze(-1))
+        norms = {e: expert.weight.norm() for e, expert in enumerate(self.experts)}
+        scale = (lambda expert: expert.weight.shape[0])(self.gate)
+        return acc, norms, scale
+'''
+
+_S36_STATS_AFTER_RUN = '''\
+m = StatMoE(16, 4)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)[0]
+leaves = [x, m.gate.weight, m.experts[2].weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S36_INNER_SCOPE, name="s36_loop_name_rebound_by_a_generator_in_the_other_arm", run=_S36_INNER_SCOPE_RUN,
+         expect={"routing": "mask_where", "indices": "top", "probs": "p"}),
+    Fuse(_S36_STATS_AFTER, name="s36_loop_names_rebound_by_a_dict_comprehension_and_a_lambda", run=_S36_STATS_AFTER_RUN,
+         expect={"routing": "mask_where", "indices": "chosen", "probs": "weight"}),
+]
+
+MoeExperts.KEEP += [
+    # the comprehension's first iterable is evaluated in the function's scope: it reads the loop's last expert
+    Keep(_S36_STATS_AFTER.replace("norms = {e: expert.weight.norm() for e, expert in enumerate(self.experts)}",
+                                  "norms = [q.norm() for q in expert.parameters()]"),
+         reason="`expert` (set in the expert loop) is used after it", name="s36_loop_name_read_by_a_comprehensions_first_iterable"),
+]

@@ -299,6 +299,41 @@ def source_of(module: "ModuleInfo", node: ast.AST) -> str:
     return ast.get_source_segment(module.source, node) or ast.unparse(node)
 
 
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def _inner_bound_loads(nodes: dict[type, list[ast.AST]], own: ast.AST) -> set[int]:
+    """ids of the ``Name`` reads that name a variable of an inner scope, not the scope's own: a
+    comprehension's target (``[e(x) for e in experts]`` after ``for e in experts:`` reads no ``e`` of
+    the loop: Python 3 comprehensions have their own scope), or a parameter of a nested lambda / def.
+    A comprehension's first iterable and a function's defaults are evaluated outside: not shadowed."""
+    out: set[int] = set()
+    Load = ast.Load
+    for kind in _COMPREHENSIONS:
+        for comp in nodes.get(kind, ()):
+            bound = {n.id for g in comp.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}  # type: ignore[attr-defined]
+            if not bound:
+                continue
+            outside = {id(n) for n in ast.walk(comp.generators[0].iter)}  # type: ignore[attr-defined]
+            for n in ast.walk(comp):
+                if type(n) is ast.Name and type(n.ctx) is Load and n.id in bound and id(n) not in outside:
+                    out.add(id(n))
+    for kind in (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef):
+        for fn in nodes.get(kind, ()):
+            if fn is own:
+                continue  # the scope's own parameters are its variables
+            a = fn.args  # type: ignore[attr-defined]
+            params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None}
+            if not params:
+                continue
+            body = fn.body if isinstance(fn.body, list) else [fn.body]  # type: ignore[attr-defined]
+            for stmt in body:
+                for n in ast.walk(stmt):
+                    if type(n) is ast.Name and type(n.ctx) is Load and n.id in params:
+                        out.add(id(n))
+    return out
+
+
 @dataclass
 class Scope:
     """One function body (or the module body) and its local assignments, in order."""
@@ -387,7 +422,12 @@ class Scope:
         live-out sets)."""
         cached = self.__dict__.get("_last_loads")
         if cached is None:
-            cached = {name: max(n.lineno for n in loads) for name, loads in self.name_loads().items()}
+            shadowed = _inner_bound_loads(self.nodes(), self.node)
+            cached = {}
+            for name, loads in self.name_loads().items():
+                lines = [n.lineno for n in loads if id(n) not in shadowed] if shadowed else [n.lineno for n in loads]
+                if lines:
+                    cached[name] = max(lines)
             self.__dict__["_last_loads"] = cached
         return cached
 
