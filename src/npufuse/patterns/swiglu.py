@@ -1359,14 +1359,14 @@ def _runtime_tests(module: ModuleInfo, act: Act, plan: S.SpanPlan | None) -> dic
     transformers releases, so all three are accepted)."""
     T = S.torch_name(module) or "torch"
     if act.config_key is not None:
-        k = S.render(module, act.config_key, act.ctx, plan)
+        k = S.atom(S.render(module, act.config_key, act.ctx, plan))
         return {
             SILU: f"{k} in {ACT_CONFIG_SILU!r}",
             GELU: f"{k} in {ACT_CONFIG_GELU!r}",
             GELU_TANH: f"{k} in {ACT_CONFIG_GELU_TANH!r}",
         }
     assert act.obj is not None
-    o = S.render(module, act.obj, act.ctx, plan)
+    o = S.atom(S.render(module, act.obj, act.ctx, plan))
 
     # functools.partial(F.gelu, approximate="tanh") (megablocks/llm-foundry defaults): its func and
     # keywords say what it computes; no positional arguments bound
@@ -1392,7 +1392,7 @@ def fused_expr(module: ModuleInfo, g: Gate, kind: str, plan: S.SpanPlan, approx_
         h = g.halves
         t = S.render(module, h.tensor, h.ctx, plan)
         d = S.render(module, h.dim, h.dim_ctx, plan)
-        tp = t if isinstance(h.tensor, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else f"({t})"
+        tp = S.atom(t)  # decided on the rendered text: a name may render as its definition (`a + b`)
         if kind == SILU:
             if h.gate_index == 0:
                 return f"torch_npu.npu_swiglu({tp}.contiguous(), dim={d})"
@@ -1414,7 +1414,7 @@ def approx_code_of(module: ModuleInfo, act: Act, kind: str, plan: S.SpanPlan) ->
     if kind == GELU_TANH:
         return "1"
     assert act.approx is not None
-    e = S.render(module, act.approx, act.ctx, plan)
+    e = S.atom(S.render(module, act.approx, act.ctx, plan))  # `"tanh" if flag else "none"` pasted bare does not parse
     return f'(1 if {e} == "tanh" else 0)'
 
 
@@ -1786,7 +1786,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         if g0.caller_lines or getattr(g0, "s28_kernel", None):
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
             # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
-            ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g0.a, g0.b))
+            ga, gb = (S.atom(S.render(module, op.node, op.ctx, plan)) for op in (g0.a, g0.b))
             fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
                                "else:  # operands that broadcast: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
@@ -6200,7 +6200,7 @@ def _s28_half_size_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str |
         return None
     if not all(p.isidentifier() for p in t.split(".")):
         return None
-    return f"{t}.shape[{d}] == 2 * ({n})"
+    return f"{S.atom(t)}.shape[{d}] == 2 * ({n})"
 
 
 def _s28_note_half_check(params: dict[str, Any], risks: list[Risk], notes: list[str], check: str) -> None:
