@@ -115,6 +115,9 @@ class Act:
     kernels: int = 1  # eager kernels the activation launches (a hand-written formula: several)
     moved: bool = False  # the activation's result is moved with .to(device=...) before the product
     weak: bool = False  # only an imported builder's object: an activation only if the product's structure says so
+    # s36: a swish ``z * sigmoid(beta * z)`` whose beta defaults to 1 (a parameter): silu only where
+    # beta == 1 at run time (the fused branch tests it; the original code otherwise)
+    beta: ast.expr | None = None
 
 
 def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | None] | None:
@@ -792,6 +795,9 @@ def _sigmoid_form(module: ModuleInfo, value: ast.BinOp, ctx: S.Ctx) -> Act | Non
                 if S.key(other, ctx) == zk:
                     if const_value(k) == 1.702:
                         return Act(QUICK_GELU, z, ctx, "z * torch.sigmoid(1.702 * z)", kernels=3)
+                    unit = _s36_unit_beta(module, k, ctx)
+                    if unit is not None:
+                        return unit(z, "z * torch.sigmoid(beta * z)")
                     return Act(f"swish with beta `{ast.unparse(k)}` (z * sigmoid(beta * z))", z, ctx, "", kernels=3)
     return None
 
@@ -1146,10 +1152,15 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             inner, ictx = S.peel(s.sigmoid_arg, s.ctx)  # type: ignore[arg-type]
             skey = S.key(inner, ictx)
             quick = None
+            scaled: tuple[str, Any] | None = None  # s36: `g * x * sigmoid(beta * x)`, beta defaulting to 1
             if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Mult):
                 for c0, other in ((inner.left, inner.right), (inner.right, inner.left)):
                     if const_value(c0) == 1.702:
                         quick = S.key(other, ictx)
+                    elif scaled is None:
+                        unit = _s36_unit_beta(module, c0, ictx)
+                        if unit is not None:
+                            scaled = (S.key(other, ictx), unit)
             for j, f in enumerate(factors):
                 if j == i:
                     continue
@@ -1158,6 +1169,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                     act = Act(SILU, f, ctx, "torch.sigmoid(a) * a", kernels=2)
                 elif quick is not None and k == quick:
                     act = Act(QUICK_GELU, f, ctx, "a * torch.sigmoid(1.702 * a)", kernels=3)
+                elif scaled is not None and k == scaled[0]:
+                    act = scaled[1](f, "a * torch.sigmoid(beta * a)")
                 if act is not None:
                     used = {i, j}
                     break
@@ -1816,12 +1829,21 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join([f"if {half_check}:", S.indent(fused),
                                "else:  # the split size is not half the dim: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
+        beta_check = _s36_beta_check(module, g0, plan)
+        if beta_check is not None:
+            fused = "\n".join([f"if {beta_check}:", S.indent(fused),
+                               "else:  # a swish with another beta (or a tensor beta): the original code",
+                               S.indent(S.block_source(module, plan.stmts))])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
     if half_check is not None:
         _s28_note_half_check(params, risks, notes, half_check)
+    if beta_check is not None:
+        params["beta_check"] = beta_check
+        notes.append(f"the activation is a swish z * sigmoid(beta * z) whose beta defaults to 1: the fused op (silu) runs "
+                     f"where `{beta_check}` holds, the original code otherwise")
     if g0.shape_checked:
         notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
                      _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
@@ -2925,9 +2947,8 @@ leaves = leaves + [m0.w1.weight]
 ]
 
 Swiglu.KEEP += [
-    # an else branch computes something else from the activation: not an optional gate npufuse restructures
-    Keep(_OPTIONAL_UP.replace("            h = h * self.w3(x)\n", "            h = h * self.w3(x)\n        else:\n            h = h * 2\n"),
-         reason="npufuse cannot here (the `if` has an else branch)", name="optional_up_projection_with_else"),
+    # (s36: the Keep `optional_up_projection_with_else` is now the Fuse example of that name: the
+    # else branch runs after the activation statements in the restructured else, as it did)
     # the test reads the activation's result: it cannot be evaluated before the gate projection
     Keep(_OPTIONAL_UP.replace("if self.w3 is not None:", "if h.requires_grad:"),
          reason="the `if` test reads the activation's result", name="optional_up_projection_test_reads_activation"),
@@ -7328,4 +7349,134 @@ Swiglu.KEEP += [
     # the activation's result is read after the if: the fused branch would leave `a` unset
     Keep(_S36_OPTIONAL_GATE_WITH_ELSE.replace("return self.second(out)", "return self.second(out) + a.sum()"),
          reason="reused after the fused region", name="s36_optional_gate_activation_read_after_the_if"),
+]
+
+
+# --- s36 glu36: a swish whose beta defaults to 1 (ppl.pmx's SwiGLU op, gpt-neox's swish, speechbrain) ---
+#
+# ``g * x * sigmoid(beta * x)`` with ``beta`` a parameter defaulting to 1.0 (or ``self.beta`` set from
+# such a parameter): silu(x) * g exactly where beta == 1, which is a run-time fact. The fused branch
+# tests ``isinstance(beta, (int, float)) and beta == 1`` (a Python number: no device sync; a tensor
+# beta, a learnable one, fails the test) and runs the original code otherwise. A beta that is a
+# constant other than 1 (GPT-OSS's 1.702 alpha) or that defaults to another value stays the
+# "swish with beta" near miss.
+
+
+def _s36_unit_default(default: ast.expr | None) -> bool:
+    v = const_value(default) if default is not None else ...
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1
+
+
+def _s36_unit_beta(module: ModuleInfo, k: ast.expr, ctx: S.Ctx) -> Any:
+    """A maker of the silu Act for a beta that defaults to 1 (``k``: the beta factor), or None."""
+    if ctx.depth:
+        return None  # inside an inlined helper: the caller's argument decides; not followed
+    v = const_value(k)
+    if not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1:
+        return lambda z, desc: Act(SILU, z, ctx, desc.replace("beta", "1"), kernels=3)
+    if isinstance(k, ast.Name) and k.id in ctx.scope.args and S.definition(ctx, k.id) is None:
+        fn = ctx.scope.node
+        a = fn.args  # type: ignore[attr-defined]
+        pos = [*a.posonlyargs, *a.args]
+        defaults = dict(zip([p.arg for p in pos][len(pos) - len(a.defaults):], a.defaults))
+        defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults)})
+        if not _s36_unit_default(defaults.get(k.id)):
+            return None
+    elif isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "self" and ctx.scope.class_name:
+        values = _init_values(module, ctx.scope.class_name, k.attr)
+        params = S.init_params(module, ctx.scope.class_name)
+        if len(values) != 1 or not (isinstance(values[0], ast.Name) and values[0].id in params and _s36_unit_default(params[values[0].id])):
+            return None
+        if any(isinstance(n, (ast.Assign, ast.AugAssign)) and any(dotted(t) == f"self.{k.attr}" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+               for n in fast_walk(ctx.scope.node)):
+            return None
+    else:
+        return None
+    return lambda z, desc: Act(SILU, z, ctx, desc, kernels=3, beta=k)
+
+
+def _s36_beta_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
+    """The run-time test that the swish's beta is the number 1 (None: no beta to test)."""
+    if g.act.beta is None:
+        return None
+    b = S.atom(S.render(module, g.act.beta, g.act.ctx, plan))
+    return f"isinstance({b}, (int, float)) and {b} == 1"
+
+
+_S36_BETA_OP = '''
+import torch
+
+
+class SwiGLUOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, beta: float = 1.0):
+        x, g = torch.split(X, [X.shape[-1] // 2, X.shape[-1] // 2], -1)
+        Y = g * x * torch.nn.functional.sigmoid(beta * x)
+        return Y
+'''
+
+# invented: a module keeping beta from its constructor, the swish grouped and written second
+_S36_BETA_ATTR = '''
+import torch
+from torch import nn
+
+
+class ScaledSwishGLU(nn.Module):
+    def __init__(self, d, h, beta=1):
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * h)
+        self.beta = beta
+
+    def forward(self, t):
+        u, v = self.inp(t).chunk(2, dim=-1)
+        return v * (u * torch.sigmoid(self.beta * u))
+'''
+
+# invented: a helper naming the swish first, beta on the right of the product inside the sigmoid
+_S36_BETA_NAMED = '''
+import torch
+
+
+def gated_swish(h, up, beta: float = 1.0):
+    a = h * torch.sigmoid(h * beta)
+    return a * up
+
+
+def mlp(x, w_gate, w_up):
+    return gated_swish(x @ w_gate, x @ w_up)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S36_BETA_OP, expect={"activation": "silu", "source": "split", "beta_check": "isinstance(beta, (int, float)) and beta == 1"},
+         run="x = torch.randn(3, 8, requires_grad=True)\nout = (SwiGLUOp.forward(None, x), SwiGLUOp.forward(None, x, 1.702))\nleaves = [x]\n",
+         name="s36_swish_beta_defaulting_to_one_in_an_autograd_op"),
+    Fuse(_S36_BETA_ATTR, expect={"activation": "silu", "beta_check": "isinstance(self.beta, (int, float)) and self.beta == 1"},
+         run="x = torch.randn(2, 5, 8, requires_grad=True)\nout = (ScaledSwishGLU(8, 6)(x), ScaledSwishGLU(8, 6, beta=0.5)(x))\nleaves = [x]\n",
+         name="s36_swish_beta_from_the_constructor"),
+    Fuse(_S36_BETA_NAMED, expect={"activation": "silu", "qualname": "gated_swish"},
+         run="x = torch.randn(4, 8, requires_grad=True)\nwg, wu = torch.randn(8, 6), torch.randn(8, 6)\n"
+             "out = (mlp(x, wg, wu), gated_swish(x @ wg, x @ wu, 2.0))\nleaves = [x]\n",
+         name="s36_swish_beta_in_a_named_swish"),
+]
+
+Swiglu.KEEP += [
+    # beta defaults to GPT-OSS's 1.702: not silu
+    Keep(_S36_BETA_NAMED.replace("beta: float = 1.0", "beta: float = 1.702"), reason="swish with beta",
+         name="s36_swish_beta_defaulting_to_another_value"),
+    # a learnable beta (a tensor): not a number that can be 1
+    Keep(_S36_BETA_ATTR.replace("self.beta = beta", "self.beta = nn.Parameter(torch.ones(1) * beta)"), reason="",
+         name="s36_swish_learnable_beta"),
+]
+
+
+Swiglu.FUSE += [
+    # an else branch computing something else from the activation (was a Keep: "the `if` has an else
+    # branch"): the restructured else runs the activation statements, then the else's own
+    Fuse(_OPTIONAL_UP.replace("            h = h * self.w3(x)\n", "            h = h * self.w3(x)\n        else:\n            h = h * 2\n"),
+         expect={"optional_gate": "self.w3 is not None"},
+         run=_RUN_INJECTED.format(arg="") + '''
+m0 = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8))
+out = (out, m0(x))
+leaves = leaves + [m0.w1.weight]
+''', name="optional_up_projection_with_else"),
 ]
