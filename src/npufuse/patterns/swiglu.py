@@ -7193,10 +7193,26 @@ def _s36_repo_choices(module: ModuleInfo, scope: Scope, act: Act) -> tuple[set[s
         return None
     kinds: set[str] = set()
     count = 0
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    # one answer per class and parameter for one listing of the repository (repo_facts.reset, at
+    # the start of each scan, makes a new listing: answers of an earlier scan are not reused)
+    listing = repo_facts._repo_py_files(root) if root is not None else None
+    cache = _s36_repo_choices.__dict__.setdefault("cache", {})
     for p in params:
-        k, c = _s36_constructions(module, cls_name, p, act.obj.attr)
-        kinds |= k
-        count += c
+        key = (id(listing), str(root), module.path, cls_name, p, act.obj.attr)
+        hit = cache.get(key) if listing is not None else None
+        if hit is None or hit[0] is not listing:
+            if len(cache) > 512:
+                cache.clear()
+            hit = (listing, _s36_constructions(module, cls_name, p, act.obj.attr))
+            if listing is not None:
+                cache[key] = hit
+        elif root is not None:
+            repo_facts._depends(root, module.path)
+        kinds |= hit[1][0]
+        count += hit[1][1]
     return kinds, count
 
 
