@@ -7068,7 +7068,8 @@ def _s36_symbols(root: Any) -> Any:
     return cache[key]
 
 
-def _s36_constructions(module: ModuleInfo, cls_name: str, param: str, attr: str, depth: int = 0) -> tuple[set[str], int]:
+def _s36_constructions(module: ModuleInfo, cls_name: str, param: str, attr: str, depth: int = 0,
+                       flag: tuple[str, ast.expr | None] | None = None) -> tuple[set[str], int]:
     """(the activation kinds every construction of ``cls_name`` (defined in ``module``) passes for
     ``param``, how many constructions were read). A construction whose argument is a parameter of a
     subclass's ``__init__`` counts that subclass's own constructions (and its default)."""
@@ -7136,6 +7137,10 @@ def _s36_constructions(module: ModuleInfo, cls_name: str, param: str, attr: str,
                 continue
             arg = _s36_arg(n, pos, param, skip)
             count += 1
+            if flag is not None and _s36_flag_off(n, pos, skip, flag):
+                # built with the product's `if self.<flag>:` off: that construction never multiplies
+                kinds.add(f"{flag[0]}=False (the product never runs)")
+                continue
             if arg is True:
                 kinds.add(CONFIG)
                 continue
@@ -7161,6 +7166,33 @@ def _s36_constructions(module: ModuleInfo, cls_name: str, param: str, attr: str,
             if k is not None:
                 kinds.add(k)
     return kinds, count
+
+
+def _s36_flag_off(call: ast.Call, pos: list[str], skip: int, flag: tuple[str, ast.expr | None]) -> bool:
+    """The construction passes the gating flag as a false constant (or leaves its false default)."""
+    arg = _s36_arg(call, pos, flag[0], skip)
+    if arg is True:
+        return False
+    v = const_value(flag[1] if arg is None else arg) if (flag[1] if arg is None else arg) is not None else ...
+    return v is not ... and v in (False, None, 0) and not isinstance(v, float)
+
+
+def _s36_product_flag(module: ModuleInfo, scope: Scope, act: Act, cls_name: str) -> tuple[str, ast.expr | None] | None:
+    """The ``__init__`` parameter (name, default) of the flag the product sits under: ``if
+    self.<f>:`` in the forward, after the activation, holding a product, ``self.<f>`` stored from a
+    parameter once (labml / cosmos ``FeedForward``'s ``is_gated``)."""
+    line = act.gate.lineno if act.gate is not None else 0
+    params = S.init_params(module, cls_name)
+    for n in fast_walk(scope.node):
+        if not (isinstance(n, ast.If) and n.lineno >= line and isinstance(n.test, ast.Attribute)
+                and isinstance(n.test.value, ast.Name) and n.test.value.id == "self"):
+            continue
+        if not any(isinstance(x, ast.BinOp) and isinstance(x.op, ast.Mult) for st in n.body for x in fast_walk(st)):
+            continue
+        values = _init_values(module, cls_name, n.test.attr)
+        if len(values) == 1 and isinstance(values[0], ast.Name) and values[0].id in params:
+            return values[0].id, params[values[0].id]
+    return None
 
 
 def _s36_enclosing_class(mod: ModuleInfo, node: ast.AST) -> str | None:
@@ -7191,6 +7223,7 @@ def _s36_repo_choices(module: ModuleInfo, scope: Scope, act: Act) -> tuple[set[s
     params = _s36_act_params(module, cls_name, act.obj.attr)
     if not params:
         return None
+    flag = _s36_product_flag(module, scope, act, cls_name)
     kinds: set[str] = set()
     count = 0
     from npufuse.scan import repo_facts
@@ -7201,12 +7234,12 @@ def _s36_repo_choices(module: ModuleInfo, scope: Scope, act: Act) -> tuple[set[s
     listing = repo_facts._repo_py_files(root) if root is not None else None
     cache = _s36_repo_choices.__dict__.setdefault("cache", {})
     for p in params:
-        key = (id(listing), str(root), module.path, cls_name, p, act.obj.attr)
+        key = (id(listing), str(root), module.path, cls_name, p, act.obj.attr, flag[0] if flag else None)
         hit = cache.get(key) if listing is not None else None
         if hit is None or hit[0] is not listing:
             if len(cache) > 512:
                 cache.clear()
-            hit = (listing, _s36_constructions(module, cls_name, p, act.obj.attr))
+            hit = (listing, _s36_constructions(module, cls_name, p, act.obj.attr, flag=flag))
             if listing is not None:
                 cache[key] = hit
         elif root is not None:
@@ -7495,4 +7528,11 @@ m0 = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8))
 out = (out, m0(x))
 leaves = leaves + [m0.w1.weight]
 ''', name="optional_up_projection_with_else"),
+]
+
+Swiglu.KEEP += [
+    # every construction passing a fusable activation leaves the product's flag off (cosmos' FeedForward:
+    # only GPT2FeedForward builds it, with nn.GELU() and is_gated=False): no GLU is ever computed
+    Keep(_S36_OPTIONAL_GATE_WITH_ELSE.replace("    return FFN(d, 4 * d, nn.SiLU(), True)", "    return FFN(d, 4 * d, nn.SiLU(), gated=False)"),
+         reason="gated=False (the product never runs)", name="s36_injected_activation_built_only_with_the_gate_off"),
 ]
