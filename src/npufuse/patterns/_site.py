@@ -741,6 +741,25 @@ def _dedent_lines(text: str) -> str:
     return "\n".join(ln[len(common):] if ln.strip() else "" for ln in lines)
 
 
+_ATOMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call, ast.Constant, ast.List, ast.Dict, ast.Set,
+          ast.ListComp, ast.SetComp, ast.DictComp, ast.JoinedStr)
+
+
+def atom(text: str) -> str:
+    """Rendered expression text made safe to paste beside an operator or before ``.attr`` in a
+    template (``({e}) == "tanh"``, ``({t}).shape``): parenthesised unless it parses as an atom
+    (a name, attribute, subscript, call or literal). A rendered name can stand for its definition
+    (``"tanh" if flag else "none"``, ``a + b``): pasted bare, the template parses otherwise or,
+    worse, means something else (``a + b.shape``)."""
+    try:
+        e = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return f"({text})"
+    if isinstance(e, _ATOMS) and not (isinstance(e, ast.Constant) and isinstance(e.value, (int, float, complex)) and not isinstance(e.value, bool)):
+        return text.strip()
+    return f"({text.strip()})"
+
+
 def indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + ln if ln.strip() else ln for ln in text.splitlines())
 

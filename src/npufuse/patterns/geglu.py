@@ -718,3 +718,73 @@ Geglu.FUSE += [
     Fuse(G._S30_OUTER_SPLIT, expect={"approximate": 0, "qualname": "experts_forward"}, run=G._RUN_S30_OUTER_SPLIT,
          name="s30_split_in_an_enclosing_block"),
 ]
+
+
+# --- s36 glu36: GELU's `approximate` chosen by a bool inside a function (an expression, not a name) --
+# (ppl.pmx's GeGLU autograd op: `gelu(x, approximate="tanh" if approximate else "none")`). The
+# rendered expression is pasted into the dispatch `(1 if (<e>) == "tanh" else 0)`: unparenthesised it
+# did not parse (or, for a name bound to such an expression, meant `... else ("none" == "tanh")`).
+
+_S36_APPROX_BY_FLAG_OP = '''
+import torch
+
+
+class GatedGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, approximate: bool = False):
+        x, g = torch.split(X, [X.shape[-1] // 2, X.shape[-1] // 2], -1)
+        Y = g * torch.nn.functional.gelu(x, approximate="tanh" if approximate else "none")
+        return Y
+'''
+
+# invented: a plain helper, the halves by chunk (gate second), the mode bound to a name first
+_S36_APPROX_MODE_NAME = '''
+import torch
+import torch.nn.functional as F
+
+
+def gelu_gated(packed, fast=False):
+    mode = "tanh" if fast else "none"
+    value, gate = packed.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=mode) * value
+'''
+
+# invented: an nn.Module whose flag is an attribute; up half first in a slice pair
+_S36_APPROX_ATTR_FLAG = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GegluHead(nn.Module):
+    def __init__(self, d, h, use_tanh=True):
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * h)
+        self.h = h
+        self.use_tanh = use_tanh
+
+    def forward(self, inp):
+        z = self.proj(inp)
+        up, gate = z[..., :self.h], z[..., self.h:]
+        return up * F.gelu(gate, approximate=("tanh" if self.use_tanh else "none"))
+'''
+
+Geglu.FUSE += [
+    Fuse(_S36_APPROX_BY_FLAG_OP, expect={"approximate": "runtime", "activate_left": True, "split": "split"},
+         run="x = torch.randn(3, 8, requires_grad=True)\nout = (GatedGelu.forward(None, x, True), GatedGelu.forward(None, x, False))\nleaves = [x]\n",
+         name="s36_approximate_chosen_by_a_bool_in_an_autograd_op"),
+    Fuse(_S36_APPROX_MODE_NAME, expect={"approximate": "runtime", "activate_left": False},
+         run="x = torch.randn(2, 5, 12, requires_grad=True)\nout = (gelu_gated(x, True), gelu_gated(x))\nleaves = [x]\n",
+         name="s36_approximate_mode_bound_to_a_name"),
+    Fuse(_S36_APPROX_ATTR_FLAG, expect={"approximate": "runtime", "activate_left": False},
+         run="x = torch.randn(4, 8, requires_grad=True)\nout = (GegluHead(8, 6)(x), GegluHead(8, 6, use_tanh=False)(x))\nleaves = [x]\n",
+         name="s36_approximate_chosen_by_an_attribute_flag"),
+]
+
+Geglu.KEEP += [
+    # the same op whose halves come from two different tensors: no GLU of one input
+    Keep(_S36_APPROX_BY_FLAG_OP.replace("x, g = torch.split(X, [X.shape[-1] // 2, X.shape[-1] // 2], -1)",
+                                        "x, _ = torch.split(X, [X.shape[-1] // 2, X.shape[-1] // 2], -1)\n"
+                                        "        _, g = torch.split(X.flip(0), [X.shape[-1] // 2, X.shape[-1] // 2], -1)"),
+         reason="halves of different tensors", name="s36_approximate_by_flag_halves_of_two_tensors"),
+]

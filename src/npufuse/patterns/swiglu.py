@@ -115,6 +115,9 @@ class Act:
     kernels: int = 1  # eager kernels the activation launches (a hand-written formula: several)
     moved: bool = False  # the activation's result is moved with .to(device=...) before the product
     weak: bool = False  # only an imported builder's object: an activation only if the product's structure says so
+    # s36: a swish ``z * sigmoid(beta * z)`` whose beta defaults to 1 (a parameter): silu only where
+    # beta == 1 at run time (the fused branch tests it; the original code otherwise)
+    beta: ast.expr | None = None
 
 
 def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | None] | None:
@@ -792,6 +795,9 @@ def _sigmoid_form(module: ModuleInfo, value: ast.BinOp, ctx: S.Ctx) -> Act | Non
                 if S.key(other, ctx) == zk:
                     if const_value(k) == 1.702:
                         return Act(QUICK_GELU, z, ctx, "z * torch.sigmoid(1.702 * z)", kernels=3)
+                    unit = _s36_unit_beta(module, k, ctx)
+                    if unit is not None:
+                        return unit(z, "z * torch.sigmoid(beta * z)")
                     return Act(f"swish with beta `{ast.unparse(k)}` (z * sigmoid(beta * z))", z, ctx, "", kernels=3)
     return None
 
@@ -1146,10 +1152,15 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             inner, ictx = S.peel(s.sigmoid_arg, s.ctx)  # type: ignore[arg-type]
             skey = S.key(inner, ictx)
             quick = None
+            scaled: tuple[str, Any] | None = None  # s36: `g * x * sigmoid(beta * x)`, beta defaulting to 1
             if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Mult):
                 for c0, other in ((inner.left, inner.right), (inner.right, inner.left)):
                     if const_value(c0) == 1.702:
                         quick = S.key(other, ictx)
+                    elif scaled is None:
+                        unit = _s36_unit_beta(module, c0, ictx)
+                        if unit is not None:
+                            scaled = (S.key(other, ictx), unit)
             for j, f in enumerate(factors):
                 if j == i:
                     continue
@@ -1158,6 +1169,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                     act = Act(SILU, f, ctx, "torch.sigmoid(a) * a", kernels=2)
                 elif quick is not None and k == quick:
                     act = Act(QUICK_GELU, f, ctx, "a * torch.sigmoid(1.702 * a)", kernels=3)
+                elif scaled is not None and k == scaled[0]:
+                    act = scaled[1](f, "a * torch.sigmoid(beta * a)")
                 if act is not None:
                     used = {i, j}
                     break
@@ -1359,14 +1372,14 @@ def _runtime_tests(module: ModuleInfo, act: Act, plan: S.SpanPlan | None) -> dic
     transformers releases, so all three are accepted)."""
     T = S.torch_name(module) or "torch"
     if act.config_key is not None:
-        k = S.render(module, act.config_key, act.ctx, plan)
+        k = S.atom(S.render(module, act.config_key, act.ctx, plan))
         return {
             SILU: f"{k} in {ACT_CONFIG_SILU!r}",
             GELU: f"{k} in {ACT_CONFIG_GELU!r}",
             GELU_TANH: f"{k} in {ACT_CONFIG_GELU_TANH!r}",
         }
     assert act.obj is not None
-    o = S.render(module, act.obj, act.ctx, plan)
+    o = S.atom(S.render(module, act.obj, act.ctx, plan))
 
     # functools.partial(F.gelu, approximate="tanh") (megablocks/llm-foundry defaults): its func and
     # keywords say what it computes; no positional arguments bound
@@ -1392,7 +1405,7 @@ def fused_expr(module: ModuleInfo, g: Gate, kind: str, plan: S.SpanPlan, approx_
         h = g.halves
         t = S.render(module, h.tensor, h.ctx, plan)
         d = S.render(module, h.dim, h.dim_ctx, plan)
-        tp = t if isinstance(h.tensor, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else f"({t})"
+        tp = S.atom(t)  # decided on the rendered text: a name may render as its definition (`a + b`)
         if kind == SILU:
             if h.gate_index == 0:
                 return f"torch_npu.npu_swiglu({tp}.contiguous(), dim={d})"
@@ -1414,7 +1427,7 @@ def approx_code_of(module: ModuleInfo, act: Act, kind: str, plan: S.SpanPlan) ->
     if kind == GELU_TANH:
         return "1"
     assert act.approx is not None
-    e = S.render(module, act.approx, act.ctx, plan)
+    e = S.atom(S.render(module, act.approx, act.ctx, plan))  # `"tanh" if flag else "none"` pasted bare does not parse
     return f'(1 if {e} == "tanh" else 0)'
 
 
@@ -1468,8 +1481,19 @@ def _has_built_activation_attr(module: ModuleInfo, scope: Scope, text: str) -> b
     names no activation at all. classify_call reads the builder (one kind, or run-time dispatch)."""
     if scope.class_name is None or "self." not in text:
         return False
+    params = S.init_params(module, scope.class_name)
     for attr, value in S.init_assignments(module, scope.class_name).items():
-        if f"self.{attr}(" not in text or not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
+        if f"self.{attr}(" not in text:
+            continue
+        if isinstance(value, ast.Name) and value.id in params:
+            # s36: ``self.a = activation_fn`` (an injected activation; FMS's GatedLinearUnit calls
+            # ``self.a(wg)``): the parameter's name or its default names an activation
+            default = params[value.id]
+            said = value.id.lower() + (" " + S.source_of(module, default).lower() if default is not None else "")
+            if any(w in said for w in _ACT_SEARCH):
+                return True
+            continue
+        if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
             continue
         fn = module.functions.get(value.func.id)
         if fn is not None and any(w in S.source_of(module, fn).lower() for w in _ACT_SEARCH):
@@ -1635,8 +1659,18 @@ class _OptionalBranch:
 
     def around(self, module: ModuleInfo, fused_product: str) -> str:
         body = [fused_product if s is self.product else S.stmt_source(module, s) for s in self.node.body]
+        # s36: the if's own else branch (labml's `else: x = g`) runs after the activation, as it did
+        orelse = S.block_source(module, self.activation) + ("\n" + S.block_source(module, self.node.orelse) if self.node.orelse else "")
         return "\n".join([f"if {S.source_of(module, self.node.test)}:", S.indent("\n".join(body)),
-                          "else:", S.indent(S.block_source(module, self.activation))])
+                          "else:", S.indent(orelse)])
+
+
+def _s36_read_only_in(scope: Scope, names: set[str], where: list[ast.stmt]) -> bool:
+    """Every read of ``names`` in the scope is inside ``where`` (labml's ``g = act(l1(x))`` read by
+    the gated product and by the ``else: x = g`` branch only: the fused branch need not compute it)."""
+    inside = {id(n) for st in where for n in fast_walk(st)}
+    return not any(isinstance(n, ast.Name) and n.id in names and isinstance(n.ctx, ast.Load) and id(n) not in inside
+                   for n in fast_walk(scope.node))
 
 
 # what an optional gate's `if` may test: it is evaluated once, before the gate projection
@@ -1652,7 +1686,7 @@ def _optional_plan(module: ModuleInfo, scope: Scope, stmt: ast.stmt, g: Gate, tr
     parent = idx.parent.get(id(stmt))
     if not isinstance(parent, ast.If) or not any(x is stmt for x in parent.body):
         return "the product is not directly in the body of the `if`"
-    if parent.orelse:
+    if parent.orelse and not isinstance(parent.orelse[0], ast.stmt):
         return "the `if` has an else branch"
     if not all(isinstance(n, _PURE_TEST) for n in fast_walk(parent.test)):
         return "the `if` test is not a plain comparison of names and attributes"
@@ -1665,7 +1699,7 @@ def _optional_plan(module: ModuleInfo, scope: Scope, stmt: ast.stmt, g: Gate, tr
             continue
         if S.names_read(s) & written or S.names_written(s) & written:
             return f"another statement of the `if` body (line {s.lineno}) uses the activation's names"
-    if not written <= S.names_written(stmt):
+    if not written <= S.names_written(stmt) and not _s36_read_only_in(scope, written - S.names_written(stmt), [stmt, *plan.dropped, *parent.orelse]):
         return "the activation's names are not all overwritten by the product"
     if S.names_read(parent.test) & written:
         return "the `if` test reads the activation's result"
@@ -1786,7 +1820,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         if g0.caller_lines or getattr(g0, "s28_kernel", None):
             # operands handed in by callers: a caller elsewhere may pass a broadcasting pair, which
             # torch.cat rejects; equal shapes (a host-side check, no sync) take the fused op
-            ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g0.a, g0.b))
+            ga, gb = (S.atom(S.render(module, op.node, op.ctx, plan)) for op in (g0.a, g0.b))
             fused = "\n".join([f"if {ga}.shape == {gb}.shape:", S.indent(fused),
                                "else:  # operands that broadcast: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
@@ -1795,12 +1829,21 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             fused = "\n".join([f"if {half_check}:", S.indent(fused),
                                "else:  # the split size is not half the dim: the original code",
                                S.indent(S.block_source(module, plan.stmts))])
+        beta_check = _s36_beta_check(module, g0, plan)
+        if beta_check is not None:
+            fused = "\n".join([f"if {beta_check}:", S.indent(fused),
+                               "else:  # a swish with another beta (or a tensor beta): the original code",
+                               S.indent(S.block_source(module, plan.stmts))])
     except S.RenderError as e:
         return miss(f"cannot express the replacement at the site: {e}")
     params = _params(module, g0, plan, pat)
     risks, notes = _risks(g0, pat)
     if half_check is not None:
         _s28_note_half_check(params, risks, notes, half_check)
+    if beta_check is not None:
+        params["beta_check"] = beta_check
+        notes.append(f"the activation is a swish z * sigmoid(beta * z) whose beta defaults to 1: the fused op (silu) runs "
+                     f"where `{beta_check}` holds, the original code otherwise")
     if g0.shape_checked:
         notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
                      _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
@@ -2904,9 +2947,8 @@ leaves = leaves + [m0.w1.weight]
 ]
 
 Swiglu.KEEP += [
-    # an else branch computes something else from the activation: not an optional gate npufuse restructures
-    Keep(_OPTIONAL_UP.replace("            h = h * self.w3(x)\n", "            h = h * self.w3(x)\n        else:\n            h = h * 2\n"),
-         reason="npufuse cannot here (the `if` has an else branch)", name="optional_up_projection_with_else"),
+    # (s36: the Keep `optional_up_projection_with_else` is now the Fuse example of that name: the
+    # else branch runs after the activation statements in the restructured else, as it did)
     # the test reads the activation's result: it cannot be evaluated before the gate projection
     Keep(_OPTIONAL_UP.replace("if self.w3 is not None:", "if h.requires_grad:"),
          reason="the `if` test reads the activation's result", name="optional_up_projection_test_reads_activation"),
@@ -4772,8 +4814,16 @@ def _unfusable_default_reason(module: ModuleInfo, scope: Scope, act: Act) -> str
         return None
     if _default_branched_away(module, scope, act):
         return None
+    built = _s36_repo_choices(module, scope, act)
+    if built is not None and built[0] & {SILU, GELU, GELU_TANH, CONFIG}:
+        return None  # s36: some construction passes silu/gelu or an object npufuse cannot read: dispatched at run time
+    where = ""
+    if built is not None:
+        where = (f"; every construction of the class in the repository ({built[1]}) passes "
+                 + (" or ".join(sorted(built[0])) if built[0] else "nothing for it") if built[1] else
+                 "; no construction of the class in the repository passes another")
     return (f"activation chosen by configuration ({act.describe}) defaults to {act.default}, which no fused gated op "
-            "computes (npu_swiglu: silu, npu_geglu: gelu); a sigmoid or relu GLU is not a SwiGLU")
+            f"computes (npu_swiglu: silu, npu_geglu: gelu){where}; a sigmoid or relu GLU is not a SwiGLU")
 
 
 def _fallback_kind(module: ModuleInfo, cls_name: str | None, values: list[ast.expr], kinds: list[str]) -> str | None:
@@ -6200,7 +6250,7 @@ def _s28_half_size_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str |
         return None
     if not all(p.isidentifier() for p in t.split(".")):
         return None
-    return f"{t}.shape[{d}] == 2 * ({n})"
+    return f"{S.atom(t)}.shape[{d}] == 2 * ({n})"
 
 
 def _s28_note_half_check(params: dict[str, Any], risks: list[Risk], notes: list[str], check: str) -> None:
@@ -6936,4 +6986,553 @@ Swiglu.KEEP += [
     # near miss: the adapter reads another input than the up projection (a cross-input sum, not a GLU of one input)
     Keep(_S35_LORA_FUNCTIONAL.replace("def adapted_glu(x, ", "def adapted_glu(x, y, ").replace("F.linear(F.linear(x, a_gate), b_gate)", "F.linear(F.linear(y, a_gate), b_gate)"),
          name="s35_adapter_on_another_input"),
+]
+
+
+# --- s36 glu36: an injected activation's values read from every construction in the repository ---
+#
+# ``self.a = activation_fn`` (default ``nn.ReLU()``) in a GLU whose file offers no silu/gelu: the
+# class is built elsewhere (FMS: ``GatedLinearUnit(..., activation_fn=str_to_activation(cfg.x))`` in
+# every model file; labml: ``FeedForward(d, d_ff, p, nn.SiLU(), True, ...)`` in the experiments). The
+# default alone decided "near miss" before. Now every construction of the class in the repository
+# (``Cls(...)``, ``partial(Cls, ...)``, a subclass's ``super().__init__(...)``; names resolved through
+# imports, a same-named class of another file is another class) is read for that parameter: a value
+# that is silu/gelu, or that npufuse cannot read (a config lookup, a factory call, ``**kwargs``), makes
+# the site a candidate dispatched on the object at run time (the original code for anything else);
+# only when every construction passes known activations neither fused op computes (or none builds
+# the class) is it a near miss.
+
+_S36_MAX_FILES = 400  # repository files whose text is searched for the class's name
+
+
+def _s36_act_params(module: ModuleInfo, cls_name: str, attr: str) -> list[str]:
+    """The ``__init__`` parameters whose value ``self.<attr>`` takes (``self.a = activation_fn``,
+    ``self.act = act if act is not None else nn.SiLU()``)."""
+    params = S.init_params(module, cls_name)
+    out: list[str] = []
+    for v in _init_values(module, cls_name, attr):
+        for n in fast_walk(v):
+            if isinstance(n, ast.Name) and n.id in params and n.id not in out:
+                out.append(n.id)
+    return out
+
+
+def _s36_value_kind(mod: ModuleInfo, value: ast.expr, attr: str) -> str | None:
+    """The activation kind an argument value is; CONFIG when npufuse cannot tell; None for the
+    object of another instance of the class handed on (``activation_fn=self.a``: no new value)."""
+    if isinstance(value, ast.Attribute) and value.attr == attr:
+        return None
+    if isinstance(value, ast.Constant) and value.value is None:
+        return None  # "not passed": the class's own default (counted apart)
+    for v in (value, ast.Call(func=value, args=[], keywords=[])):
+        k = _module_act(mod, v)
+        if k is not None:
+            return k[0] if k[0] not in (GELU_DYN,) else GELU
+    # any other torch module or function (nn.Softplus(), torch.tanh, nn.Identity()): a known
+    # computation that is neither silu nor gelu (those two are read above)
+    name = mod.canonical(value.func if isinstance(value, ast.Call) else value) or ""
+    if name.startswith("torch.") and not any(w in name.lower() for w in ("silu", "gelu", "swish")):
+        return name.split(".")[-1].lower()
+    return CONFIG
+
+
+def _s36_arg(call: ast.Call, pos: list[str], param: str, skip: int) -> ast.expr | None | bool:
+    """The argument ``call`` passes for ``param`` (``pos``: __init__'s positional parameters after
+    self; ``skip``: leading arguments that are not __init__'s, e.g. ``self`` of ``Cls.__init__(self,...)``);
+    None when it passes none; True when a ``*args`` / ``**kwargs`` may carry it."""
+    for k in call.keywords:
+        if k.arg == param:
+            return k.value
+    args = call.args[skip:]
+    if param in pos:
+        i = pos.index(param)
+        for j, a in enumerate(args):
+            if isinstance(a, ast.Starred):
+                return True
+            if j == i:
+                return a
+    if any(k.arg is None for k in call.keywords):
+        return True
+    return None
+
+
+def _s36_symbols(root: Any) -> Any:
+    from npufuse.scan import repo_facts, repo_symbols
+
+    cache = _s36_symbols.__dict__.setdefault("cache", {})
+    key = str(root)
+    if key not in cache:
+        if len(cache) > 4:
+            cache.clear()
+        cache[key] = repo_symbols.RepoSymbols(root, repo_facts._repo_py_files(root))
+    return cache[key]
+
+
+def _s36_constructions(module: ModuleInfo, cls_name: str, param: str, attr: str, depth: int = 0,
+                       flag: tuple[str, ast.expr | None] | None = None) -> tuple[set[str], int]:
+    """(the activation kinds every construction of ``cls_name`` (defined in ``module``) passes for
+    ``param``, how many constructions were read). A construction whose argument is a parameter of a
+    subclass's ``__init__`` counts that subclass's own constructions (and its default)."""
+    from npufuse.scan import repo_facts
+
+    init = S.method(module, cls_name, "__init__")
+    if init is None:
+        return set(), 0
+    pos = [a.arg for a in (*init.args.posonlyargs, *init.args.args)][1:]
+    root = repo_facts.repo_root(module)
+    others: list[tuple[str, str]] = []
+    if root is not None:
+        repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
+        word = re.compile(r"\b" + re.escape(cls_name) + r"\b")
+        for rel in repo_facts._repo_py_files(root)[:_S36_MAX_FILES * 10]:
+            if rel == module.path:
+                continue
+            text = repo_facts._repo_text(root, rel)
+            if text is not None and cls_name in text and word.search(text):
+                others.append((rel, text))
+            if len(others) >= _S36_MAX_FILES:
+                break
+    kinds: set[str] = set()
+    count = 0
+    files: list[tuple[ModuleInfo, bool]] = [(module, True)]
+    for rel, text in others:
+        try:
+            other = ModuleInfo.from_source(rel, text)
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        repo_facts.attach_root(other, root)  # a subclass there is followed to its own constructions
+        files.append((other, False))
+    for mod, own in files:
+        # names that may mean the class here: its own name, and imports of it under another name
+        local = {cls_name} | {a.asname for n in fast_walk(mod.tree) if isinstance(n, ast.ImportFrom)
+                              for a in n.names if a.name == cls_name and a.asname}
+        resolved: dict[str, bool] = {}
+
+        def is_cls(node: ast.expr) -> bool:
+            if own:
+                return isinstance(node, ast.Name) and node.id == cls_name
+            name = dotted(node) or ""
+            if name.split(".")[-1] not in local or root is None:
+                return False
+            if name not in resolved:
+                sym = _s36_symbols(root).resolve_node(mod.path, node)
+                resolved[name] = sym.kind == "class" and sym.file == module.path and sym.qualname == cls_name
+            return resolved[name]
+
+        subclasses = {c for c, cd in mod.classes.items() if not (own and c == cls_name) and any(is_cls(b) for b in cd.bases)}
+        for n in fast_walk(mod.tree):
+            if not isinstance(n, ast.Call):
+                continue
+            f, skip = n.func, 0
+            if (dotted(f) or "").split(".")[-1] == "partial" and n.args and is_cls(n.args[0]):
+                skip = 1
+            elif isinstance(f, ast.Attribute) and f.attr == "__init__" and is_cls(f.value):
+                skip = 1  # Cls.__init__(self, ...)
+            elif isinstance(f, ast.Attribute) and f.attr == "__init__" and isinstance(f.value, ast.Call) \
+                    and dotted(f.value.func) == "super":
+                holder = _s36_enclosing_class(mod, n)
+                if holder not in subclasses:
+                    continue
+            elif not is_cls(f):
+                continue
+            arg = _s36_arg(n, pos, param, skip)
+            count += 1
+            if flag is not None and _s36_flag_off(n, pos, skip, flag):
+                # built with the product's `if self.<flag>:` off: that construction never multiplies
+                kinds.add(f"{flag[0]}=False (the product never runs)")
+                continue
+            if arg is True:
+                kinds.add(CONFIG)
+                continue
+            if arg is None:
+                continue  # the class's default (the caller of this function weighs it)
+            holder = _s36_enclosing_class(mod, n)
+            fn = _s36_enclosing_init(mod, n)
+            if isinstance(arg, ast.Name) and fn is not None and arg.id in [a.arg for a in (*fn.args.args, *fn.args.kwonlyargs)]:
+                # a subclass / wrapper handing its own parameter on: its default and its constructions
+                sub = S.init_params(mod, holder).get(arg.id) if holder else None
+                if sub is not None:
+                    k = _s36_value_kind(mod, sub, attr)
+                    if k is not None:
+                        kinds.add(k)
+                if holder is None or depth >= 2:
+                    kinds.add(CONFIG)
+                else:
+                    more, n_more = _s36_constructions(mod, holder, arg.id, attr, depth + 1)
+                    kinds |= more
+                    count += n_more
+                continue
+            k = _s36_value_kind(mod, arg, attr)
+            if k is not None:
+                kinds.add(k)
+    return kinds, count
+
+
+def _s36_flag_off(call: ast.Call, pos: list[str], skip: int, flag: tuple[str, ast.expr | None]) -> bool:
+    """The construction passes the gating flag as a false constant (or leaves its false default)."""
+    arg = _s36_arg(call, pos, flag[0], skip)
+    if arg is True:
+        return False
+    v = const_value(flag[1] if arg is None else arg) if (flag[1] if arg is None else arg) is not None else ...
+    return v is not ... and v in (False, None, 0) and not isinstance(v, float)
+
+
+def _s36_product_flag(module: ModuleInfo, scope: Scope, act: Act, cls_name: str) -> tuple[str, ast.expr | None] | None:
+    """The ``__init__`` parameter (name, default) of the flag the product sits under: ``if
+    self.<f>:`` in the forward, after the activation, holding a product, ``self.<f>`` stored from a
+    parameter once (labml / cosmos ``FeedForward``'s ``is_gated``)."""
+    line = act.gate.lineno if act.gate is not None else 0
+    params = S.init_params(module, cls_name)
+    for n in fast_walk(scope.node):
+        if not (isinstance(n, ast.If) and n.lineno >= line and isinstance(n.test, ast.Attribute)
+                and isinstance(n.test.value, ast.Name) and n.test.value.id == "self"):
+            continue
+        if not any(isinstance(x, ast.BinOp) and isinstance(x.op, ast.Mult) for st in n.body for x in fast_walk(st)):
+            continue
+        values = _init_values(module, cls_name, n.test.attr)
+        if len(values) == 1 and isinstance(values[0], ast.Name) and values[0].id in params:
+            return values[0].id, params[values[0].id]
+    return None
+
+
+def _s36_enclosing_class(mod: ModuleInfo, node: ast.AST) -> str | None:
+    for c, cd in mod.classes.items():
+        if cd.lineno <= node.lineno <= (cd.end_lineno or cd.lineno) and any(n is node for n in fast_walk(cd)):
+            return c
+    return None
+
+
+def _s36_enclosing_init(mod: ModuleInfo, node: ast.AST) -> ast.FunctionDef | None:
+    """The ``__init__`` (of any class) holding ``node``; None elsewhere."""
+    for cd in mod.classes.values():
+        for item in cd.body:
+            if isinstance(item, ast.FunctionDef) and item.lineno <= node.lineno <= (item.end_lineno or item.lineno) \
+                    and any(n is node for n in fast_walk(item)):
+                return item if item.name == "__init__" else None
+    return None
+
+
+def _s36_repo_choices(module: ModuleInfo, scope: Scope, act: Act) -> tuple[set[str], int] | None:
+    """The kinds the repository's constructions pass for the injected activation ``act`` (an
+    ``__init__`` parameter stored on ``self``); None when it is no such parameter."""
+    if not (isinstance(act.obj, ast.Attribute) and isinstance(act.obj.value, ast.Name) and act.obj.value.id == "self"):
+        return None
+    cls_name = _assigning_class(module, scope.class_name, act.obj.attr) or scope.class_name
+    if not cls_name:
+        return None
+    params = _s36_act_params(module, cls_name, act.obj.attr)
+    if not params:
+        return None
+    flag = _s36_product_flag(module, scope, act, cls_name)
+    kinds: set[str] = set()
+    count = 0
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    # one answer per class and parameter for one listing of the repository (repo_facts.reset, at
+    # the start of each scan, makes a new listing: answers of an earlier scan are not reused)
+    listing = repo_facts._repo_py_files(root) if root is not None else None
+    cache = _s36_repo_choices.__dict__.setdefault("cache", {})
+    for p in params:
+        key = (id(listing), str(root), module.path, cls_name, p, act.obj.attr, flag[0] if flag else None)
+        hit = cache.get(key) if listing is not None else None
+        if hit is None or hit[0] is not listing:
+            if len(cache) > 512:
+                cache.clear()
+            hit = (listing, _s36_constructions(module, cls_name, p, act.obj.attr, flag=flag))
+            if listing is not None:
+                cache[key] = hit
+        elif root is not None:
+            repo_facts._depends(root, module.path)
+        kinds |= hit[1][0]
+        count += hit[1][1]
+    return kinds, count
+
+
+# an injected activation (default ReLU, nothing in the class offers silu/gelu); a function of the
+# file builds the class with a SiLU handed by keyword (FMS's GatedLinearUnit shape, renamed)
+_S36_INJECTED_BUILT_WITH_SILU = '''
+import torch
+from torch import nn
+
+
+class GatedFFN(nn.Module):
+    def __init__(self, d, h, nonlin=nn.ReLU(), packed=True):
+        super().__init__()
+        self.h = h
+        self.packed = packed
+        self.fc_in = nn.Linear(d, 2 * h)
+        self.fc_a = nn.Linear(d, h)
+        self.fc_b = nn.Linear(d, h)
+        self.fc_out = nn.Linear(h, d)
+        self.nl = nonlin
+
+    def forward(self, x):
+        if self.packed:
+            a, b = torch.split(self.fc_in(x), [self.h, self.h], dim=-1)
+            y = self.nl(a) * b
+        else:
+            y = self.nl(self.fc_a(x)) * self.fc_b(x)
+        return self.fc_out(y)
+
+
+def build_block(d):
+    return GatedFFN(d, 2 * d, nonlin=nn.SiLU(), packed=False)
+'''
+
+_RUN_S36_INJECTED = '''
+x = torch.randn(2, 3, 8, requires_grad=True)
+ms = [GatedFFN(8, 6, nn.SiLU()), GatedFFN(8, 6, nn.GELU(), packed=False), GatedFFN(8, 6), build_block(8)]
+out = tuple(m(x) for m in ms)
+leaves = [x] + [m.fc_in.weight for m in ms]
+'''
+
+# invented: built positionally through functools.partial with a GELU, the activation applied to
+# the second projection's output written first (`up * act(gate)`)
+_S36_INJECTED_PARTIAL_GELU = '''
+import functools
+
+import torch
+from torch import nn
+
+
+class TwoBranch(nn.Module):
+    def __init__(self, width, hidden, squash=nn.Sigmoid()):
+        super().__init__()
+        self.lin_val = nn.Linear(width, hidden, bias=False)
+        self.lin_gate = nn.Linear(width, hidden, bias=False)
+        self.proj = nn.Linear(hidden, width, bias=False)
+        self.squash = squash
+
+    def forward(self, t):
+        return self.proj(self.lin_val(t) * self.squash(self.lin_gate(t)))
+
+
+GeluBranch = functools.partial(TwoBranch, 16, 32, nn.GELU())
+'''
+
+# invented: built with an object looked up by a run-time key (nothing tells which): a candidate
+_S36_INJECTED_LOOKUP = '''
+import torch
+from torch import nn
+
+NONLINEARITIES = {}
+
+
+class GLUBlock(nn.Module):
+    def __init__(self, d, h, activation_fn=nn.ReLU()):
+        super().__init__()
+        self.w_in = nn.Linear(d, 2 * h)
+        self.activation = activation_fn
+
+    def forward(self, x):
+        gate, up = self.w_in(x).chunk(2, dim=-1)
+        return self.activation(gate) * up
+
+
+class Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.block = GLUBlock(cfg.d, cfg.h, activation_fn=NONLINEARITIES[cfg.act])
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S36_INJECTED_BUILT_WITH_SILU, expect={"activation": "config", "default_activation": "relu", "source": "split"},
+         run=_RUN_S36_INJECTED, name="s36_injected_activation_built_with_silu_by_the_file"),
+    Fuse(_S36_INJECTED_PARTIAL_GELU, expect={"activation": "config", "default_activation": "sigmoid", "source": "two_projections"},
+         run="x = torch.randn(3, 16, requires_grad=True)\nout = (GeluBranch()(x), TwoBranch(16, 32, nn.SiLU())(x), TwoBranch(16, 32)(x))\nleaves = [x]\n",
+         name="s36_injected_activation_built_by_a_partial_with_gelu"),
+    Fuse(_S36_INJECTED_LOOKUP, expect={"activation": "config", "default_activation": "relu"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = tuple(GLUBlock(8, 6, a)(x) for a in (nn.SiLU(), nn.GELU(approximate='tanh'), nn.ReLU()))\nleaves = [x]\n",
+         name="s36_injected_activation_built_from_a_run_time_lookup"),
+]
+
+Swiglu.KEEP += [
+    # every construction in the repository passes activations no fused op computes
+    Keep(_S36_INJECTED_BUILT_WITH_SILU.replace("nonlin=nn.SiLU()", "nonlin=nn.Tanh()"),
+         reason="every construction of the class in the repository", name="s36_injected_activation_built_only_with_tanh"),
+    Keep(_S36_INJECTED_PARTIAL_GELU.replace("nn.GELU()", "nn.Softplus(beta=2.0)"),
+         reason="every construction of the class in the repository", name="s36_injected_activation_partial_with_softplus"),
+    # nobody builds it: the default decides (ReLU)
+    Keep(_S36_INJECTED_LOOKUP.split("class Model")[0], reason="defaults to relu", name="s36_injected_activation_never_built"),
+]
+
+
+# labml's gated FeedForward, renamed: the activation on every path, the product under `if` and an
+# `else` that uses the activation alone; built with a SiLU positionally by a function of the file
+_S36_OPTIONAL_GATE_WITH_ELSE = '''
+import torch
+from torch import nn
+
+
+class FFN(nn.Module):
+    def __init__(self, d, d_ff, act=nn.ReLU(), gated=False):
+        super().__init__()
+        self.first = nn.Linear(d, d_ff)
+        self.second = nn.Linear(d_ff, d)
+        self.act = act
+        self.gated = gated
+        if gated:
+            self.value = nn.Linear(d, d_ff)
+
+    def forward(self, inp):
+        a = self.act(self.first(inp))
+        if self.gated:
+            out = a * self.value(inp)
+        else:
+            out = a
+        return self.second(out)
+
+
+def swiglu_ffn(d):
+    return FFN(d, 4 * d, nn.SiLU(), True)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S36_OPTIONAL_GATE_WITH_ELSE, expect={"activation": "config", "source": "two_projections", "gate": "self.first(inp)"},
+         run="x = torch.randn(2, 8, requires_grad=True)\nout = (swiglu_ffn(8)(x), FFN(8, 16, nn.GELU(), True)(x), FFN(8, 16, nn.SiLU())(x), FFN(8, 16)(x))\nleaves = [x]\n",
+         name="s36_optional_gate_with_an_else_branch"),
+]
+
+Swiglu.KEEP += [
+    # the activation's result is read after the if: the fused branch would leave `a` unset
+    Keep(_S36_OPTIONAL_GATE_WITH_ELSE.replace("return self.second(out)", "return self.second(out) + a.sum()"),
+         reason="reused after the fused region", name="s36_optional_gate_activation_read_after_the_if"),
+]
+
+
+# --- s36 glu36: a swish whose beta defaults to 1 (ppl.pmx's SwiGLU op, gpt-neox's swish, speechbrain) ---
+#
+# ``g * x * sigmoid(beta * x)`` with ``beta`` a parameter defaulting to 1.0 (or ``self.beta`` set from
+# such a parameter): silu(x) * g exactly where beta == 1, which is a run-time fact. The fused branch
+# tests ``isinstance(beta, (int, float)) and beta == 1`` (a Python number: no device sync; a tensor
+# beta, a learnable one, fails the test) and runs the original code otherwise. A beta that is a
+# constant other than 1 (GPT-OSS's 1.702 alpha) or that defaults to another value stays the
+# "swish with beta" near miss.
+
+
+def _s36_unit_default(default: ast.expr | None) -> bool:
+    v = const_value(default) if default is not None else ...
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1
+
+
+def _s36_unit_beta(module: ModuleInfo, k: ast.expr, ctx: S.Ctx) -> Any:
+    """A maker of the silu Act for a beta that defaults to 1 (``k``: the beta factor), or None."""
+    if ctx.depth:
+        return None  # inside an inlined helper: the caller's argument decides; not followed
+    v = const_value(k)
+    if not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1:
+        return lambda z, desc: Act(SILU, z, ctx, desc.replace("beta", "1"), kernels=3)
+    if isinstance(k, ast.Name) and k.id in ctx.scope.args and S.definition(ctx, k.id) is None:
+        fn = ctx.scope.node
+        a = fn.args  # type: ignore[attr-defined]
+        pos = [*a.posonlyargs, *a.args]
+        defaults = dict(zip([p.arg for p in pos][len(pos) - len(a.defaults):], a.defaults))
+        defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults)})
+        if not _s36_unit_default(defaults.get(k.id)):
+            return None
+    elif isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "self" and ctx.scope.class_name:
+        values = _init_values(module, ctx.scope.class_name, k.attr)
+        params = S.init_params(module, ctx.scope.class_name)
+        if len(values) != 1 or not (isinstance(values[0], ast.Name) and values[0].id in params and _s36_unit_default(params[values[0].id])):
+            return None
+        if any(isinstance(n, (ast.Assign, ast.AugAssign)) and any(dotted(t) == f"self.{k.attr}" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+               for n in fast_walk(ctx.scope.node)):
+            return None
+    else:
+        return None
+    return lambda z, desc: Act(SILU, z, ctx, desc, kernels=3, beta=k)
+
+
+def _s36_beta_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:
+    """The run-time test that the swish's beta is the number 1 (None: no beta to test)."""
+    if g.act.beta is None:
+        return None
+    b = S.atom(S.render(module, g.act.beta, g.act.ctx, plan))
+    return f"isinstance({b}, (int, float)) and {b} == 1"
+
+
+_S36_BETA_OP = '''
+import torch
+
+
+class SwiGLUOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, beta: float = 1.0):
+        x, g = torch.split(X, [X.shape[-1] // 2, X.shape[-1] // 2], -1)
+        Y = g * x * torch.nn.functional.sigmoid(beta * x)
+        return Y
+'''
+
+# invented: a module keeping beta from its constructor, the swish grouped and written second
+_S36_BETA_ATTR = '''
+import torch
+from torch import nn
+
+
+class ScaledSwishGLU(nn.Module):
+    def __init__(self, d, h, beta=1):
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * h)
+        self.beta = beta
+
+    def forward(self, t):
+        u, v = self.inp(t).chunk(2, dim=-1)
+        return v * (u * torch.sigmoid(self.beta * u))
+'''
+
+# invented: a helper naming the swish first, beta on the right of the product inside the sigmoid
+_S36_BETA_NAMED = '''
+import torch
+
+
+def gated_swish(h, up, beta: float = 1.0):
+    a = h * torch.sigmoid(h * beta)
+    return a * up
+
+
+def mlp(x, w_gate, w_up):
+    return gated_swish(x @ w_gate, x @ w_up)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S36_BETA_OP, expect={"activation": "silu", "source": "split", "beta_check": "isinstance(beta, (int, float)) and beta == 1"},
+         run="x = torch.randn(3, 8, requires_grad=True)\nout = (SwiGLUOp.forward(None, x), SwiGLUOp.forward(None, x, 1.702))\nleaves = [x]\n",
+         name="s36_swish_beta_defaulting_to_one_in_an_autograd_op"),
+    Fuse(_S36_BETA_ATTR, expect={"activation": "silu", "beta_check": "isinstance(self.beta, (int, float)) and self.beta == 1"},
+         run="x = torch.randn(2, 5, 8, requires_grad=True)\nout = (ScaledSwishGLU(8, 6)(x), ScaledSwishGLU(8, 6, beta=0.5)(x))\nleaves = [x]\n",
+         name="s36_swish_beta_from_the_constructor"),
+    Fuse(_S36_BETA_NAMED, expect={"activation": "silu", "qualname": "gated_swish"},
+         run="x = torch.randn(4, 8, requires_grad=True)\nwg, wu = torch.randn(8, 6), torch.randn(8, 6)\n"
+             "out = (mlp(x, wg, wu), gated_swish(x @ wg, x @ wu, 2.0))\nleaves = [x]\n",
+         name="s36_swish_beta_in_a_named_swish"),
+]
+
+Swiglu.KEEP += [
+    # beta defaults to GPT-OSS's 1.702: not silu
+    Keep(_S36_BETA_NAMED.replace("beta: float = 1.0", "beta: float = 1.702"), reason="swish with beta",
+         name="s36_swish_beta_defaulting_to_another_value"),
+    # a learnable beta (a tensor): not a number that can be 1
+    Keep(_S36_BETA_ATTR.replace("self.beta = beta", "self.beta = nn.Parameter(torch.ones(1) * beta)"), reason="",
+         name="s36_swish_learnable_beta"),
+]
+
+
+Swiglu.FUSE += [
+    # an else branch computing something else from the activation (was a Keep: "the `if` has an else
+    # branch"): the restructured else runs the activation statements, then the else's own
+    Fuse(_OPTIONAL_UP.replace("            h = h * self.w3(x)\n", "            h = h * self.w3(x)\n        else:\n            h = h * 2\n"),
+         expect={"optional_gate": "self.w3 is not None"},
+         run=_RUN_INJECTED.format(arg="") + '''
+m0 = FeedForward(gate_proj=nn.Linear(8, 12), down_proj=nn.Linear(12, 8))
+out = (out, m0(x))
+leaves = leaves + [m0.w1.weight]
+''', name="optional_up_projection_with_else"),
+]
+
+Swiglu.KEEP += [
+    # every construction passing a fusable activation leaves the product's flag off (cosmos' FeedForward:
+    # only GPT2FeedForward builds it, with nn.GELU() and is_gated=False): no GLU is ever computed
+    Keep(_S36_OPTIONAL_GATE_WITH_ELSE.replace("    return FFN(d, 4 * d, nn.SiLU(), True)", "    return FFN(d, 4 * d, nn.SiLU(), gated=False)"),
+         reason="gated=False (the product never runs)", name="s36_injected_activation_built_only_with_the_gate_off"),
 ]
