@@ -132,3 +132,32 @@ def test_a_sliced_2d_mask_is_broadcast_over_a_longer_kv_cache(sq: int, skv: int)
     facts = check_rewrite_runs(pattern, _SLICED_MASK, _RUN_SLICED.format(sq=sq, skv=skv), findings)
     assert facts["calls"] > 0
     assert all(c > 0.9999 for c in facts["cos_out"] + facts["cos_grad"])
+
+
+# moeopt36 (HO12a minimal-llama's pipeline fine-tuning, a keep label): the fused optimizers combine each
+# dtype's params into one flat buffer (spec 10), which lives on one device; a model split over devices in
+# one process must keep the original optimizer. The guard reads the devices of every trainable tensor.
+def _split_model():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].to("meta")  # a second device this machine has: the guard only reads .device
+    return model
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_optimizer_guard_keeps_the_original_for_params_on_several_devices(split: bool) -> None:
+    import torch
+
+    from npufuse.patterns import fused_optimizer
+
+    model = _split_model() if split else torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    params = list(model.parameters())
+    by_list = eval(f"{fused_optimizer._GROUPS_GUARD}(params)", {"params": params})
+    by_groups = eval(f"{fused_optimizer._GROUPS_GUARD}(groups)", {"groups": [{"params": params[:2]}, {"params": params[2:]}]})
+    one_device = eval(fused_optimizer._ONE_DEVICE.format(ts="(p for p in model.parameters() if p.requires_grad)"), {"model": model})
+    assert (by_list is None) is split and (by_groups is None) is split and one_device is not split
+    # a frozen part elsewhere does not count: only tensors that can get a grad are combined
+    if split:
+        model[1].requires_grad_(False)
+        assert eval(f"{fused_optimizer._GROUPS_GUARD}(params)", {"params": params}) is params[0]

@@ -679,7 +679,14 @@ _GROUP_TENSORS = ("((g,) if not isinstance(g, dict) else g['params'] if isinstan
                   "else ())")
 _GROUPS_GUARD = (f"(lambda gs: next((t for g in gs for t in {_GROUP_TENSORS}), None) if all("
                  f"{_FUSABLE_DTYPE.format(t='t')} for g in gs for t in {_GROUP_TENSORS} "
-                 "if getattr(t, 'requires_grad', False)) else None)")
+                 "if getattr(t, 'requires_grad', False)) and len({t.device for g in gs for t in "
+                 f"{_GROUP_TENSORS} if getattr(t, 'requires_grad', False)}}) <= 1 else None)")
+
+# The fused classes combine each dtype's params into ONE flat buffer (spec 10: npu_combine_tensors), which
+# lives on one device: a model split over devices in one process (naive pipeline / device_map="auto":
+# minimal-llama's finetune_pp, moeopt36) cannot be combined; the original optimizer runs there.
+# ``{ts}``: an iterable expression of the tensors that can get a grad (read again: a list or a fresh generator).
+_ONE_DEVICE = "len({{_t.device for _t in {ts}}}) <= 1"
 
 
 def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> tuple[Optional[str], str]:
@@ -702,7 +709,8 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
         # once (torch.optim lists each group's params too) and its first tensor is the guard
         return (f"(lambda ts: next(iter(ts), None) if all({_FUSABLE_DTYPE.format(t='t')} for t in ts "
-                f"if getattr(t, 'requires_grad', False)) else None)({first} := list({first}))"), ""
+                f"if getattr(t, 'requires_grad', False)) and {_ONE_DEVICE.format(ts='(t for t in ts if getattr(t, ' + repr('requires_grad') + ', False))')} "
+                f"else None)({first} := list({first}))"), ""
     if (_side_effect_free(params) or _pure_listing_call(module, params)) and _list_valued(module, scope, params, stmt.lineno):
         # a list (or tuple) is read, not consumed: the guard iterates it afresh, and the
         # optimizer still gets every element. Its first element may be a param-group dict.
@@ -1923,7 +1931,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # its first step). Also a bf16 base under peft (modules_to_save copies stay bf16). str(dtype):
         # the file need not import torch itself (`from torch.optim import AdamW`). The guard is
         # parenthesised: it may already be a conditional expression (run-time launch/strategy tests).
-        test = f"all({_FUSABLE_DTYPE.format(t='p')} for p in {model}.parameters() if p.requires_grad)"
+        test = (f"all({_FUSABLE_DTYPE.format(t='p')} for p in {model}.parameters() if p.requires_grad) and "
+                f"{_ONE_DEVICE.format(ts=f'(p for p in {model}.parameters() if p.requires_grad)')}")
         module_checked = f"isinstance({model}, torch.nn.Module)"
         if module_checked in guard:
             # a module handed to another file's helper: only an nn.Module has parameters() to read
