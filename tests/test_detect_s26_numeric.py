@@ -128,15 +128,27 @@ def rms(x, weight, eps: float = 1e-5):
 @pytest.mark.parametrize("body,reason", [
     ("return (x - x.mean(-1, keepdim=True)) * torch.rsqrt(torch.var(x, -1, keepdim=True, unbiased=False) + self.eps) * self.weight",
      "subtracts the mean"),
-    ("return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + self.eps) * self.weight",
+    # (s36: with a small eps these are candidates with eps' chosen so both limits agree; see the test below)
+    ("return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + 1e-3) * self.weight",
      "outside the square root"),
-    ("return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=1e-12) * x.shape[-1] ** 0.5 * self.weight",
+    ("return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=0.1) * x.shape[-1] ** 0.5 * self.weight",
      "clamped from below"),
     ("return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + self.eps) * self.weight", "another dim than the last"),
 ])
 def test_normalisations_that_are_not_rms_norm_say_how(body: str, reason: str) -> None:
     p = _prove(_cls(body), "N")
     assert p.kind == "mismatch" and reason in p.reason
+
+
+@pytest.mark.parametrize("body,form,eps", [
+    ("return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + self.eps) * self.weight",
+     "outside", "(self.eps) ** 2"),
+    ("return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=1e-12) * x.shape[-1] ** 0.5 * self.weight",
+     "clamp", "(1e-12) ** 2 / x.shape[-1]"),
+])
+def test_eps_outside_the_root_or_a_clamp_is_proved_with_a_mapped_eps(body: str, form: str, eps: str) -> None:
+    p = _prove(_cls(body), "N")
+    assert (p.kind, p.eps_form, p.eps) == ("proved", form, eps)
 
 
 def test_something_that_is_not_a_norm_is_other() -> None:
