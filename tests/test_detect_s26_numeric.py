@@ -131,6 +131,9 @@ def rms(x, weight, eps: float = 1e-5):
     # (s36: with a small eps these are candidates with eps' chosen so both limits agree; see the test below)
     ("return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + 1e-3) * self.weight",
      "outside the square root"),
+    # a large eps breaks scale invariance at rms 1 too: still an RMS norm with eps outside, not "not a normalisation"
+    ("return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + 5e-2) * self.weight",
+     "outside the square root"),
     ("return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=0.1) * x.shape[-1] ** 0.5 * self.weight",
      "clamped from below"),
     ("return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + self.eps) * self.weight", "another dim than the last"),

@@ -1335,11 +1335,13 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
     eps_expr, eps_value = _match_eps(module, fn, first, eps_hat, params, assigned, a)
     form = _EpsForm()
     if eps_expr is None or any(_rel_err(rr, k, off, gain, eps_value) > 1e-4 for rr in fp32_runs):
-        if not normalizes:
-            return RmsProof("other", "not a normalisation")
         # s36: eps outside the root or a clamp on the norm: a candidate with eps' chosen so that
-        # both limits agree, where the difference on ordinary rows stays below the tolerance
+        # both limits agree, where the difference on ordinary rows stays below the tolerance. Read
+        # before the scale-invariance verdict: a large eps outside the root (1e-2) breaks that
+        # invariance at scale 1 too, and is an RMS norm with a measurable difference, not "no norm"
         form = _eps_form(module, fn, fp32_runs, k, off, gain, params, assigned, a, x_name)
+        if not normalizes and form.kind not in ("outside", "clamp") and not form.reason:
+            return RmsProof("other", "not a normalisation")  # no eps form fits either
         if form.kind == "mismatch":
             return RmsProof("mismatch", form.reason or _why_eps(fp32_runs, k, off, gain, eps_hat))
         eps_expr, eps_value = form.expr, form.floor ** 2
