@@ -7,6 +7,7 @@ import importlib
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 
 def write_files(root: Path, files: dict[str, str]) -> None:
@@ -31,3 +32,35 @@ def import_fresh(root: Path, name: str, package: str = "pkg") -> types.ModuleTyp
     finally:
         sys.path.remove(str(root))
         forget()
+
+
+def run_train(root: Path, module: str) -> list[Any]:
+    """``train()`` of ``root``'s train.py, with ``root``'s ``<module>.py`` installed as the module
+    ``module`` (what train.py imports), the previous one restored after."""
+    saved = sys.modules.get(module)
+    try:
+        mod = types.ModuleType(module)
+        path = root / f"{module}.py"
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), mod.__dict__)
+        sys.modules[module] = mod
+        ns: dict[str, Any] = {}
+        exec(compile((root / "train.py").read_text(encoding="utf-8"), str(root / "train.py"), "exec"), ns)
+        return ns["train"]()
+    finally:
+        if saved is None:
+            sys.modules.pop(module, None)
+        else:
+            sys.modules[module] = saved
+
+
+def run_block(mod: types.ModuleType) -> list[Any]:
+    """A scratch repo's ``Block(32)``: its bf16 output without grad (inference), then in fp32 (training)."""
+    import torch
+
+    torch.manual_seed(0)
+    blk = mod.Block(32).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        inference = blk(x)
+    train = blk.float()(x.float())
+    return [inference, train]

@@ -8,8 +8,6 @@ and that candidate's rewrite runs under the emulator."""
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import torch
@@ -17,7 +15,7 @@ import torch
 from apply_support import npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.fused_optimizer import FusedOptimizer
-from scratch_repo import write_files
+from scratch_repo import run_train, write_files
 
 _HELPERS = '''\
 import torch
@@ -80,22 +78,6 @@ def train(epochs=2):
 '''
 
 
-def _run_train(root: Path) -> list[torch.Tensor]:
-    saved = sys.modules.get("helpers")
-    try:
-        mod = types.ModuleType("helpers")
-        exec(compile((root / "helpers.py").read_text(encoding="utf-8"), str(root / "helpers.py"), "exec"), mod.__dict__)
-        sys.modules["helpers"] = mod
-        ns: dict = {}
-        exec(compile((root / "train.py").read_text(encoding="utf-8"), str(root / "train.py"), "exec"), ns)
-        return ns["train"]()
-    finally:
-        if saved is None:
-            sys.modules.pop("helpers", None)
-        else:
-            sys.modules["helpers"] = saved
-
-
 def _optimizer_sites(data: dict, file: str) -> tuple[list[dict], list[dict]]:
     return ([c for c in data["candidates"] if c["pattern"] == "fused_optimizer" and c["file"] == file],
             [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["file"] == file])
@@ -116,14 +98,14 @@ def test_helper_handed_another_object_keeps_the_candidate_and_it_runs(tmp_path: 
     train = _TRAIN.format(helper="drop_head_grads(epoch, other, 1)")
     ref_root = tmp_path / "ref"
     write_files(ref_root, {"helpers.py": _HELPERS, "train.py": train})
-    ref = _run_train(ref_root)
+    ref = run_train(ref_root, "helpers")
     root = tmp_path / "repo"
     write_files(root, {"helpers.py": _HELPERS, "train.py": train})
     cands, near = _optimizer_sites(scan(root, patterns=[FusedOptimizer()]), "train.py")
     assert len(cands) == 1 and near == [], (cands, near)
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = _run_train(root)
+        outs = run_train(root, "helpers")
     assert sum(emu.calls.values()) >= 1, "the fused branch did not run"
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, outs))
 

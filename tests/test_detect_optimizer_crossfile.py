@@ -7,8 +7,6 @@ whose fused class raises ValueError on set_to_none=True as torch_npu's does."""
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import torch
@@ -16,7 +14,7 @@ import torch
 from apply_support import npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.fused_optimizer import FusedOptimizer
-from scratch_repo import write_files
+from scratch_repo import run_train, write_files
 
 _MODEL = '''\
 import torch
@@ -60,23 +58,6 @@ def train(steps=3):
 '''
 
 
-def _run(root: Path) -> list[torch.Tensor]:
-    """train() of ``root``'s train.py with ``root``'s model.py as the module ``model``."""
-    saved = sys.modules.get("model")
-    try:
-        mod = types.ModuleType("model")
-        exec(compile((root / "model.py").read_text(encoding="utf-8"), str(root / "model.py"), "exec"), mod.__dict__)
-        sys.modules["model"] = mod
-        ns: dict = {}
-        exec(compile((root / "train.py").read_text(encoding="utf-8"), str(root / "train.py"), "exec"), ns)
-        return ns["train"]()
-    finally:
-        if saved is None:
-            sys.modules.pop("model", None)
-        else:
-            sys.modules["model"] = saved
-
-
 _OPT_IN = "`npufuse scan --optimizer-zero-grad-in-place` makes this a candidate whose fused branch rebinds that zero_grad"
 
 
@@ -99,7 +80,7 @@ def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str, explic
     assert len(cands) == 1 and cands[0]["file"] == "model.py", data["near_misses"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = _run(root)
+        outs = run_train(root, "model")
     assert sum(emu.calls.values()) >= 1, "the fused branch did not run"
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, outs))
     return cands[0], (root / "model.py").read_text(encoding="utf-8")
@@ -107,7 +88,7 @@ def _scan_apply_run(tmp_path: Path, build: str, zero: str, qualname: str, explic
 
 def _run_files(root: Path, train: str) -> list[torch.Tensor]:
     write_files(root, {"model.py": _MODEL, "train.py": train})
-    return _run(root)
+    return run_train(root, "model")
 
 
 def test_optimizer_set_to_none_elsewhere_returned_construction(tmp_path: Path) -> None:

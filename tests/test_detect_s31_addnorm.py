@@ -13,7 +13,7 @@ import torch
 from apply_support import make_repo, npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.add_rms_norm import AddRmsNorm
-from scratch_repo import import_fresh
+from scratch_repo import import_fresh, run_block
 
 _LAYERS = '''\
 import torch
@@ -78,19 +78,9 @@ class Post(nn.Module):
 '''
 
 
-def _run(mod: types.ModuleType) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    blk = mod.Block(32).to(torch.bfloat16)
-    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
-    with torch.no_grad():
-        inference = blk(x)
-    train = blk.float()(x.float())
-    return [inference, train]
-
-
 def test_norm_helper_imported_from_another_file_is_read_there(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/layers.py": _LAYERS, "pkg/model.py": _MODEL}
-    ref = _run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = run_block(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -104,7 +94,7 @@ def test_norm_helper_imported_from_another_file_is_read_there(tmp_path: Path) ->
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     assert "npu_add_rms_norm" in (root / "pkg" / "model.py").read_text(encoding="utf-8")
     with emulate.install() as emu:
-        outs = _run(import_fresh(root, "pkg.model"))
+        outs = run_block(import_fresh(root, "pkg.model"))
     assert emu.calls["npu_add_rms_norm"] == 2, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

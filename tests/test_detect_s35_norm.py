@@ -12,7 +12,7 @@ import torch
 from apply_support import make_repo, npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.add_rms_norm import AddRmsNorm
-from scratch_repo import import_fresh
+from scratch_repo import import_fresh, run_block
 
 _OPS = '''\
 import torch
@@ -91,19 +91,9 @@ def test_kernel_helper_of_another_file_is_a_library_norm(tmp_path: Path) -> None
     assert "npu_add_rms_norm(" in text and "buffer.post_weight.to(" in text
 
 
-def _run(mod: types.ModuleType) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    blk = mod.Block(32).to(torch.bfloat16)
-    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
-    with torch.no_grad():
-        inference = blk(x)
-    train = blk.float()(x.float())
-    return [inference, train]
-
-
 def test_weightless_f_rms_norm_helper_of_another_file_runs(tmp_path: Path) -> None:
     files = {"pkg/__init__.py": "", "pkg/utils.py": _UTILS, "pkg/model.py": _MODEL}
-    ref = _run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
+    ref = run_block(import_fresh(make_repo(tmp_path / "ref", files), "pkg.model"))
     root = make_repo(tmp_path / "repo", files)
     data = scan(root, patterns=[AddRmsNorm()])
     cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -112,7 +102,7 @@ def test_weightless_f_rms_norm_helper_of_another_file_runs(tmp_path: Path) -> No
         data["near_misses"]
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = _run(import_fresh(root, "pkg.model"))
+        outs = run_block(import_fresh(root, "pkg.model"))
     assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
     for a, b in zip(ref, outs):
         assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -14,8 +14,6 @@ name bound then returned, a comprehension, keyword model)."""
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from apply_support import npufuse, scan
 from npufuse import emulate
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from scratch_repo import run_train, write_files
 
 _SETUP = '''\
 import torch
@@ -75,28 +74,6 @@ def train(steps=3):
 '''
 
 
-def _write(root: Path, driver: str) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "setup_optim.py").write_text(_SETUP, encoding="utf-8")
-    (root / "train.py").write_text(driver, encoding="utf-8")
-
-
-def _run(root: Path) -> list[torch.Tensor]:
-    saved = sys.modules.get("setup_optim")
-    try:
-        mod = types.ModuleType("setup_optim")
-        exec(compile((root / "setup_optim.py").read_text(encoding="utf-8"), str(root / "setup_optim.py"), "exec"), mod.__dict__)
-        sys.modules["setup_optim"] = mod
-        ns: dict = {}
-        exec(compile((root / "train.py").read_text(encoding="utf-8"), str(root / "train.py"), "exec"), ns)
-        return ns["train"]()
-    finally:
-        if saved is None:
-            sys.modules.pop("setup_optim", None)
-        else:
-            sys.modules["setup_optim"] = saved
-
-
 def _sites(data: dict) -> tuple[list[str], dict[str, str]]:
     cands = sorted(c["qualname"] for c in data["candidates"] if c["pattern"] == "fused_optimizer")
     near = {m["qualname"]: m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer"}
@@ -105,7 +82,7 @@ def _sites(data: dict) -> tuple[list[str], dict[str, str]]:
 
 def test_loop_over_forwarded_list_freeing_grads_refuses(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    _write(root, _DRIVER.format(kind="sgd", zero="for one in pool:\n            one.zero_grad(set_to_none=True)"))
+    write_files(root, {"setup_optim.py": _SETUP, "train.py": _DRIVER.format(kind="sgd", zero="for one in pool:\n            one.zero_grad(set_to_none=True)")})
     cands, near = _sites(scan(root, patterns=[FusedOptimizer()]))
     assert cands == []
     for qualname, builder in (("_plain_sgd", "_plain_sgd"), ("_decoupled", "_decoupled")):
@@ -115,7 +92,7 @@ def test_loop_over_forwarded_list_freeing_grads_refuses(tmp_path: Path) -> None:
 
 def test_comprehension_over_forwarded_list_freeing_grads_refuses(tmp_path: Path) -> None:
     root = tmp_path / "repo"
-    _write(root, _DRIVER.format(kind="adamw", zero="[o.zero_grad(set_to_none=True) for o in pool]"))
+    write_files(root, {"setup_optim.py": _SETUP, "train.py": _DRIVER.format(kind="adamw", zero="[o.zero_grad(set_to_none=True) for o in pool]")})
     cands, near = _sites(scan(root, patterns=[FusedOptimizer()]))
     assert cands == [] and "`o.zero_grad(set_to_none=...)` at train.py:10" in near["_decoupled"], near
 
@@ -124,15 +101,15 @@ def test_loop_zeroing_in_place_keeps_the_candidates_and_they_run(tmp_path: Path)
     """Keep-side twin: the same loop with set_to_none=False leaves both builders candidates."""
     driver = _DRIVER.format(kind="sgd", zero="for one in pool:\n            one.zero_grad(set_to_none=False)")
     ref = tmp_path / "ref"
-    _write(ref, driver)
-    expected = _run(ref)
+    write_files(ref, {"setup_optim.py": _SETUP, "train.py": driver})
+    expected = run_train(ref, "setup_optim")
     root = tmp_path / "repo"
-    _write(root, driver)
+    write_files(root, {"setup_optim.py": _SETUP, "train.py": driver})
     cands, near = _sites(scan(root, patterns=[FusedOptimizer()]))
     assert cands == ["_decoupled", "_plain_sgd"], near
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     with emulate.install() as emu:
-        outs = _run(root)
+        outs = run_train(root, "setup_optim")
     assert sum(emu.calls.values()) >= 1, "the fused branch did not run"
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(expected, outs))
 
@@ -140,10 +117,10 @@ def test_loop_zeroing_in_place_keeps_the_candidates_and_they_run(tmp_path: Path)
 def test_opt_in_zeroes_the_forwarded_optimizer_in_place_and_runs(tmp_path: Path) -> None:
     driver = _DRIVER.format(kind="sgd", zero="for one in pool:\n            one.zero_grad(set_to_none=True)")
     ref = tmp_path / "ref"
-    _write(ref, driver.replace("set_to_none=True", "set_to_none=False"))
-    expected = _run(ref)  # every parameter gets a grad each step: zeroing in place is the same update
+    write_files(ref, {"setup_optim.py": _SETUP, "train.py": driver.replace("set_to_none=True", "set_to_none=False")})
+    expected = run_train(ref, "setup_optim")  # every parameter gets a grad each step: zeroing in place is the same update
     root = tmp_path / "repo"
-    _write(root, driver)
+    write_files(root, {"setup_optim.py": _SETUP, "train.py": driver})
     data = scan(root, patterns=[FusedOptimizer()], optimizer_zero_grad_in_place=True)
     cands, near = _sites(data)
     # `pool.append(AdamW(...))` binds no name whose zero_grad the fused branch could replace: still refused
@@ -151,6 +128,6 @@ def test_opt_in_zeroes_the_forwarded_optimizer_in_place_and_runs(tmp_path: Path)
     assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
     assert "opt.zero_grad = " in (root / "setup_optim.py").read_text(encoding="utf-8")
     with emulate.install() as emu:
-        outs = _run(root)
+        outs = run_train(root, "setup_optim")
     assert sum(emu.calls.values()) >= 1, "the fused branch did not run"
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(expected, outs))
