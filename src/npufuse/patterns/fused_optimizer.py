@@ -6183,3 +6183,44 @@ FusedOptimizer.FUSE += [
                                    "        if plain_pass:\n            ref = ref.flip(-1)\n        x = x + self.ref_encoder(ref)\n"),
          name="s37_random_input_flip_calls_every_submodule", expect={"qualname": "main"}),
 ]
+
+# a random data augmentation module in the trainer's file is no model part: a class kept to build
+# transforms from (`self._resize = Resize`) and a torchvision transform have no parameters to skip
+_S37_AUGMENTATION = '''\
+import torch
+import torch.nn as nn
+import torchvision.transforms as T
+
+
+class Resize(nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def forward(self, x):
+        return nn.functional.interpolate(x, size=self.size)
+
+
+class RandomScale(nn.Module):
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = p
+        self._resize = Resize
+        self.jitter = T.ColorJitter(0.2, 0.2)
+
+    def forward(self, x):
+        if torch.rand(1) < self.p:
+            x = self._resize((x.shape[-2] * 2, x.shape[-1] * 2))(x)
+        if torch.rand(1) < self.p:
+            x = self.jitter(x)
+        return x
+
+
+def main(make_model):
+    model = make_model()
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S37_AUGMENTATION, name="s37_random_augmentation_modules_are_not_model_parts", expect={"qualname": "main"}),
+]

@@ -37,6 +37,8 @@ _CONSTANT_MAKERS = frozenset(("zeros_like", "ones_like", "full_like", "empty_lik
 # torch.nn modules without parameters (a random skip of one leaves no parameter without a grad)
 _PARAMETER_FREE = re.compile(r"(?:Dropout\w*|Identity|ReLU6?|GELU|SiLU|Sigmoid|Tanh|Softmax|\w*Pool\w*d|Upsample|Flatten|Mish|ELU|"
                              r"Hardswish|Hardsigmoid|PixelShuffle|PixelUnshuffle|DropPath)$")
+# the usual import names of torchvision / kornia / albumentations transforms
+_AUGMENTATION_MODULES = frozenset(("T", "K", "A", "transforms", "kornia", "albumentations", "augmentation", "v2"))
 _MAX_DEPTH = 4  # imports followed from the trainer / model classes followed through their constructors
 
 
@@ -116,14 +118,27 @@ def _submodules(cls: ast.ClassDef) -> set[str]:
     out: set[str] = set()
     for fn in cls.body:
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == "__init__":
+            a = fn.args
+            handed = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)} - {"self"}
             for n in ast.walk(fn):
                 if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Call, ast.Name)):
-                    if isinstance(n.value, ast.Call) and _PARAMETER_FREE.search(_name(n.value.func)):
+                    if isinstance(n.value, ast.Name) and n.value.id not in handed:
+                        continue  # `self._resize = Resize`: a class kept to build objects from, not a module
+                    if isinstance(n.value, ast.Call) and (_PARAMETER_FREE.search(_name(n.value.func)) or _augmentation(n.value.func)):
                         continue  # nothing to train: skipping it changes no optimizer
                     for t in n.targets:
                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                             out.add(t.attr)
     return out
+
+
+def _augmentation(func: ast.AST) -> bool:
+    """A data-augmentation library's transform (``T.ColorJitter(...)``, ``K.RandomAffine(...)``,
+    ``transforms.RandomCrop(...)``, ``A.Blur(...)``): applied at random by design, without parameters."""
+    head = func
+    while isinstance(head, ast.Attribute):
+        head = head.value
+    return isinstance(head, ast.Name) and head.id in _AUGMENTATION_MODULES and isinstance(func, ast.Attribute)
 
 
 def _called_submodules(nodes: Iterable[ast.AST], subs: set[str], loops: dict[str, str]) -> dict[str, int]:
