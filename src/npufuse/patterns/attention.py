@@ -761,6 +761,22 @@ def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False,
     return lines
 
 
+def mask_rank_lines(var: str, maybe_none: bool, batch: str) -> list[str]:
+    """s37 (fix37): bring a mask of any rank the eager broadcast against [B,N,Sq,Skv] scores accepts
+    to one npu_fusion_attention takes. The broadcast prepends dims of 1: a 3-D [1|N, Sq, Skv] mask
+    (Qwen2-VL's vision ``torch.zeros([1, S, S])``) acts as [1, 1|N, Sq, Skv] and a 1-D [Skv] one as
+    [1, 1, 1, Skv]; the op takes only [B,N,Sq,Skv], [B,1,Sq,Skv], [1,1,Sq,Skv] and [Sq,Skv] (spec
+    5.1), so those are reshaped the same way, and a per-head mask [1, N, Sq, Skv] is expanded over
+    the batch (a no-op view where B is 1). 2-D and 4-D masks keep their shape here."""
+    guard = f"{var} is not None and " if maybe_none else ""
+    return [
+        f"if {guard}{var}.dim() in (1, 3):",
+        f"    {var} = {var}.reshape((1,) * (4 - {var}.dim()) + tuple({var}.shape))  # the eager broadcast's leading 1s",
+        f"if {guard}{var}.dim() == 4 and {var}.shape[0] == 1 and {var}.shape[1] != 1:",
+        f"    {var} = {var}.expand({batch}, -1, -1, -1).contiguous()  # a per-head mask [1,N,Sq,Skv]: the op takes [B,N,Sq,Skv]",
+    ]
+
+
 def fa_call(q: str, k: str, v: str, head_num: str, layout: str, kwargs: list[tuple[str, str]]) -> str:
     """The npu_fusion_attention call (result ``[0]``), on one line when it is short. q/k/v go
     through the prelude's ``_npufuse_autocast``: inside an autocast region they meet in its dtype,
@@ -1083,7 +1099,21 @@ def _zero_or_minus_inf_built(node: Any, depth: int = 0) -> bool:
         return all(not isinstance(b, Undef) and _zero_or_minus_inf_built(b, depth + 1) for b in (node.body, node.orelse))
     if isinstance(node, ast.Call) and (dotted(_plain(node.func)) or "").rpartition(".")[2] in ("zeros_like", "zeros"):
         return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        # s37 (fix37): a sum holds only 0/-inf when every term does: a -inf-built bias plus a caller's
+        # float mask (Step1X-Edit's `attn_bias += attn_mask`, "ALiBi-like bias allowed") may be graded,
+        # and `< 0` would turn it into a hard mask: unproven, so its values are checked at run time
+        return all(_s37_zero_term(t, depth + 1) for t in (node.left, node.right))
     return any(_minus_infinity(n) for n in walk_sym(node))
+
+
+def _s37_zero_term(node: Any, depth: int) -> bool:
+    """A term of an additive mask's sum that holds only 0 and -inf (or finfo.min): a literal 0, or a
+    term :func:`_zero_or_minus_inf_built` proves."""
+    plain = _deref_value(node)
+    if isinstance(plain, ast.Constant) and plain.value == 0:
+        return True
+    return _zero_or_minus_inf_built(node, depth)
 
 
 class _Matcher:
@@ -3681,6 +3711,8 @@ class AttentionPattern(Pattern):
                     lines += [f"if {guard}_npufuse_mask.dim() == 4:",
                               f"    _npufuse_mask = _npufuse_mask.expand(_npufuse_mask.shape[0], {atom(q_n)}.shape[0] // _npufuse_mask.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"]
                 elif not all(m.causal for m in chain.masks):
+                    if not three_d and not folded:  # s37: 1-D / 3-D masks broadcast against the 4-D scores
+                        lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(q_n)}.shape[0]")
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d, skv)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
                 kinds = {m.kind for m in chain.masks}
@@ -13198,4 +13230,80 @@ def sink_attention(q, k, v, sinks, scale):
 '''
 AttentionPattern.KEEP += [
     Keep(_S36_SINKS_ROW_MAX, reason="attention sinks", name="s36_attention_sinks_with_the_row_max_subtracted"),
+]
+
+
+# -- s37 audit fixes (fix37) ----------------------------------------------------------------------
+# F4: a bias built here from -inf (a causal triangle) plus a float mask the caller passes: the sum is
+# 0/-inf only if the caller's mask is, so `< 0` runs only after the run-time value check (a graded,
+# ALiBi-like mask runs the original). _zero_or_minus_inf_built proves a sum term by term.
+_S37_BIAS_PLUS_CALLER_MASK = '''
+import math
+import torch
+
+
+def plain_attention(q, k, v, extra=None, causal=False):
+    b, h, s, _ = q.shape
+    bias = torch.zeros(b, h, s, k.size(2), dtype=q.dtype, device=q.device)
+    if causal:
+        upper = torch.ones(s, k.size(2), dtype=torch.bool, device=q.device).triu(1)
+        bias = bias.masked_fill(upper, float("-inf"))
+    if extra is not None:
+        if extra.dtype == torch.bool:
+            bias = bias.masked_fill(~extra, float("-inf"))
+        else:
+            bias += extra
+    w = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1)) + bias
+    return w.softmax(dim=-1) @ v
+'''
+# F3: a 3-D mask against 4-D scores acts as [1, 1|N, Sq, Skv] (attention.mask_rank_lines)
+_S37_THREE_D_MASK_SCORES = '''
+import torch
+
+
+def window_attention(q, k, v, window_keep):
+    # window_keep: [1, S, S] bool, shared by every batch row and head
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~window_keep, float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+'''
+AttentionPattern.FUSE += [
+    Fuse(
+        _S37_BIAS_PLUS_CALLER_MASK,
+        name="s37_causal_bias_plus_a_caller_float_mask_values_checked",
+        expect={"qualname": "plain_attention", "mask_values_checked": True},
+        run='''
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+pad = torch.zeros(2, 1, 1, 5)
+pad[1, ..., 3:] = float("-inf")
+alibi = -torch.arange(5.0).view(1, 1, 1, 5)
+out = (plain_attention(q, k, v, pad, causal=True), plain_attention(q, k, v, alibi))
+leaves = [q, k, v]
+''',
+    ),
+    Fuse(
+        _S37_THREE_D_MASK_SCORES,
+        name="s37_three_d_keep_mask_broadcast_over_batch_and_heads",
+        expect={"qualname": "window_attention"},
+        run='''
+q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(1, 6, 6, dtype=torch.bool).tril()
+out = window_attention(q, k, v, keep)
+leaves = [q, k, v]
+''',
+    ),
+]
+AttentionPattern.FUSE += [
+    Fuse(
+        # the same sum, where the added term is visibly graded (a position bias): passed as pse, never binarised
+        _S37_BIAS_PLUS_CALLER_MASK.replace("            bias += extra\n",
+                                           "            bias += extra * torch.arange(s, device=q.device).view(1, 1, s, 1)\n"),
+        name="s37_bias_plus_a_graded_position_term_goes_as_pse",
+        expect={"qualname": "plain_attention", "mask_kind": "pse"},
+        run='''
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+out = plain_attention(q, k, v, -torch.ones(1, 1, 1, 5) * 0.3)
+leaves = [q, k, v]
+''',
+    ),
 ]

@@ -427,6 +427,39 @@ _SHARDING_PARTS = ("fsdp", "deepspeed", "fullyshard", "fully_shard", "zero_optim
                    *_TORCHREC_PARTS)
 
 
+# s37 (fix37): DDP's `gradient_as_bucket_view=True` makes every p.grad a view into DDP's flat
+# all-reduce bucket (the reducer assigns `p.grad = bucket_view` at the first backward, and again
+# whenever the grad is not that alias). The fused base sizes each grad by its storage (the whole
+# bucket) when it combines them and re-points that shared storage, so its combined grad buffer is
+# not the params' grads: like FSDP/DeepSpeed, the grads are re-allocated behind the optimizer. The
+# order of the wrap and the construction does not matter (both precede the first step). Kept: the
+# keyword provably false (False/None/0), plain DDP (its grads are the params' own tensors).
+_BUCKET_VIEW = "gradient_as_bucket_view"
+
+
+def _s37_bucket_view(node: ast.AST) -> Optional[str]:
+    """``gradient_as_bucket_view`` when ``node`` sets it to a value that is not provably false: a
+    keyword argument (``DDP(m, gradient_as_bucket_view=True)``, ``DistributedDataParallelKwargs(...)``,
+    ``DDPStrategy(...)``, ``dict(...)``) or a dict literal's key (``{"gradient_as_bucket_view": flag}``)."""
+    values: list[ast.AST] = []
+    if isinstance(node, ast.keyword) and node.arg == _BUCKET_VIEW:
+        values = [node.value]
+    elif isinstance(node, ast.Dict):
+        values = [v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant) and k.value == _BUCKET_VIEW]
+    for v in values:
+        if not (isinstance(v, ast.Constant) and not v.value):
+            return _BUCKET_VIEW
+    return None
+
+
+def _sharding_description(ident: str) -> str:
+    """How the construct named ``ident`` (a :func:`_sharding_identifier`) takes the grads or params away."""
+    if ident == _BUCKET_VIEW:
+        return ("DistributedDataParallel with gradient_as_bucket_view set makes every grad a view into its flat "
+                "all-reduce bucket and re-assigns it there")
+    return "FSDP/DeepSpeed/ZeRO flatten or re-allocate the parameters"
+
+
 def _sharding_identifier(module: ModuleInfo, node: ast.AST) -> Optional[str]:
     """The identifier if ``node`` names FSDP/DeepSpeed/ZeRO: a name, attribute or keyword
     argument, or a name imported from such a module (``from x.fsdp import Wrapper as W``; the
@@ -437,10 +470,14 @@ def _sharding_identifier(module: ModuleInfo, node: ast.AST) -> Optional[str]:
         ident = node.attr
     elif isinstance(node, ast.keyword) and node.arg:
         ident = node.arg
+    elif isinstance(node, ast.Dict):
+        ident = _BUCKET_VIEW
     else:
         return None
     if ident.startswith("is_") and ident.endswith("_available"):
         return None  # `is_deepspeed_available()` probes an install; it shards nothing
+    if ident == _BUCKET_VIEW:
+        return _s37_bucket_view(node)
     if isinstance(node, ast.Name) and any(s in module.aliases.get(ident, "").lower() for s in _SHARDING_PARTS):
         return ident
     return ident if ident in _SHARDING or any(s in ident.lower() for s in _SHARDING_PARTS) else None
@@ -1055,7 +1092,8 @@ def _class_chosen_at_run_time(module: ModuleInfo, scope: Scope, stmt: ast.stmt) 
         if not hits:
             continue
         facts = _units(module).facts(scope.qualname)
-        also = (f"; the code also uses FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line {facts.sharding[0]})"
+        also = (f"; the code also uses {'DDP bucket-view grads' if facts.sharding[1] == _BUCKET_VIEW else 'FSDP/DeepSpeed/ZeRO'} "
+                f"(`{facts.sharding[1]}` at line {facts.sharding[0]})"
                 if facts.sharding is not None else "")
         choice = " ".join(segment(module, value).split())
         return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
@@ -1250,6 +1288,10 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
             return (f"parameters sharded or stepped inside backward by torchrec's model-parallel path (`{facts.sharding[1]}` "
                     f"at line {facts.sharding[0]}): the optimizer is built from a factory over sharded/filtered "
                     "params, and a flat-buffer fused optimizer's combined buffers would not be those tensors")
+        if facts.sharding[1] == _BUCKET_VIEW:
+            return (f"`{_BUCKET_VIEW}` is set (line {facts.sharding[0]}): {_sharding_description(_BUCKET_VIEW)}; the fused "
+                    "optimizer sizes each grad by its storage (the whole bucket) when it combines them and re-points that "
+                    "shared storage, so its combined grad buffer is not the parameters' grads (torch.optim takes view grads)")
         return (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{facts.sharding[1]}` at line "
                 f"{facts.sharding[0]}): the fused optimizer's combined buffers would go stale")
     if prepared is not None and near and facts.zero_grad_calls and not (fix is not None and fix.accelerate):
@@ -1892,6 +1934,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     single = _s27_single_tensor(module, scope, stmt, call)
     if guard is None:
         return miss(why)
+    reason = _s37_random_skip(module, scope, guard, call)
+    if reason is not None:
+        return miss(reason)
     if plan.runtime is not None:
         mapping, taken, filtered = plan.runtime
         guard = f"({guard}) if set({mapping}).issubset({tuple(sorted(taken + filtered))!r}) else None"
@@ -1998,8 +2043,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
                           "fused optimizer's combined buffers go stale"))
     if sharded_when is not None:
         test, in_body, where = sharded_when
-        risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO is chosen at run time ({where}, when `{test}` is "
-                          f"{'true' if in_body else 'false'}): it flattens the parameters behind the optimizer, so the guard "
+        risks.append(Risk("other", f"FSDP/DeepSpeed/ZeRO (or DDP's {_BUCKET_VIEW}) is chosen at run time ({where}, when `{test}` is "
+                          f"{'true' if in_body else 'false'}): it flattens the parameters or re-assigns the grads behind the optimizer, so the guard "
                           "runs the fused optimizer only when that test says no sharding; sharded runs keep torch.optim"))
         params["guard"] += "_unsharded_runs_only"
     if prepared is not None:
@@ -5955,4 +6000,227 @@ FusedOptimizer.KEEP += [
         made.append(optimizer)
     return made[0]
 '''), reason="sets grads to None", name="s35_arms_repeated_by_a_loop_build_both_optimizers"),
+]
+
+
+# -- s37 audit fixes (fix37) ----------------------------------------------------------------------
+# F1: a model whose forward skips a trainable submodule (or discards its output) on steps drawn at
+# random (npufuse.scan.random_skip): its params have no grad on such steps, and the fused class
+# excludes for good a param without a grad at the first step and steps the others with zero grads.
+# This file's classes (and, with the scan root, the classes they are built from); the scan's repo
+# pass (random_skip.apply) follows the trainer's imports and configs.
+
+
+def _s37_random_skip(module: ModuleInfo, scope: Scope, guard: str, call: ast.Call) -> Optional[str]:
+    from npufuse.scan import random_skip
+    from npufuse.scan.repo_facts import repo_root
+
+    params = keyword(call, "params", 0)
+    text = module.source
+    if "def forward" not in text and "import" not in text:
+        return None
+    try:
+        return random_skip.in_file(module.path, text, module.tree, repo_root(module), scope.qualname, guard,
+                                   segment(module, params) if params is not None else "")
+    except (Exception, RecursionError):  # an analysis aid: never lose the site over it
+        return None
+# F2: DistributedDataParallel(..., gradient_as_bucket_view=True): every p.grad a view into DDP's
+# bucket (see _BUCKET_VIEW). The wrap precedes the construction in a trainer method (openvla's
+# DDPStrategy.run_setup), or comes through a kwargs dict; plain DDP and the keyword False are fused.
+
+_S37_DDP_BUCKET_VIEW = _NET + '''
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Strategy:
+    def __init__(self, model, device_id=0, lr=1e-3):
+        self.model, self.device_id, self.lr = model, device_id, lr
+
+    def setup(self):
+        self.model = DDP(self.model, device_ids=[self.device_id], gradient_as_bucket_view=True)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0)
+'''
+
+_S37_DDP_BUCKET_VIEW_KWARGS = _NET + '''
+import torch.nn.parallel as tnp
+
+
+def wrap_and_build(net, rank, share_buckets=True, lr=1e-2):
+    wrap_opts = {"device_ids": [rank], "gradient_as_bucket_view": share_buckets}
+    wrapped = tnp.DistributedDataParallel(net, **wrap_opts)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    return wrapped, opt
+'''
+
+_S37_DDP_PLAIN = _NET + '''
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def wrap(model, rank):
+    return DDP(model, device_ids=[rank], gradient_as_bucket_view=False)
+
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S37_DDP_PLAIN, name="s37_ddp_without_bucket_view_grads", run=_TRAIN_RUN,
+         expect={"optimizer": "torch.optim.AdamW", "qualname": "build"}),
+]
+
+FusedOptimizer.KEEP += [
+    Keep(_S37_DDP_BUCKET_VIEW, reason="gradient_as_bucket_view", name="s37_ddp_bucket_view_grads_before_the_optimizer"),
+    Keep(_S37_DDP_BUCKET_VIEW_KWARGS, reason="view into its flat all-reduce bucket",
+         name="s37_ddp_bucket_view_through_a_kwargs_dict"),
+]
+
+# F1 examples: condition dropout that zeroes a submodule's output, layer drop that skips the call,
+# an unconditional forward chosen by the trainer's draw; kept: a flag fixed per run, dropout, a
+# drop-path mask multiplied in, a random flip of the input.
+_S37_STYLE_DROP = '''\
+import torch
+import torch.nn as nn
+
+
+class Styler(nn.Module):
+    def __init__(self, dim=8, p_uncond=0.1):
+        super().__init__()
+        self.p_uncond = p_uncond
+        self.style_proj = nn.Linear(dim, dim)
+        self.body = nn.Linear(dim, dim)
+
+    def forward(self, x, style):
+        null_style = False
+        if self.training and torch.rand(1) < self.p_uncond:
+            null_style = True
+        s = self.style_proj(style)
+        s = torch.zeros_like(s) if null_style else s
+        return self.body(x + s)
+
+
+def build(dim=8):
+    model = Styler(dim)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+_S37_LAYER_SKIP = '''\
+import random
+import torch
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self, dim=8, depth=4, skip_rate=0.2):
+        super().__init__()
+        self.skip_rate = skip_rate
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x):
+        for i, blk in enumerate(self.blocks):
+            if self.training and random.random() < self.skip_rate:
+                continue
+            x = x + blk(x)
+        return x
+
+
+class Trainer:
+    def __init__(self, lr=1e-3):
+        self.net = Stack()
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=lr, momentum=0.9)
+'''
+
+_S37_CALLER_DRAWN = '''\
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+class TwoTower(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.ref_encoder = nn.Linear(dim, dim)
+        self.denoiser = nn.Linear(dim, dim)
+
+    def forward(self, x, ref, plain_pass=False):
+        if not plain_pass:
+            x = x + self.ref_encoder(ref)
+        return self.denoiser(x)
+
+
+def main(steps=3, drop_ratio=0.1):
+    tower = TwoTower()
+    optimizer = torch.optim.AdamW(tower.parameters(), lr=1e-4)
+    for _ in range(steps):
+        x, ref = torch.randn(4, 8), torch.randn(4, 8)
+        plain = np.random.rand() < drop_ratio
+        tower(x, ref, plain).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S37_STYLE_DROP, reason="replaces by a constant the output of `self.style_proj` on steps drawn at random",
+         name="s37_condition_dropout_zeroes_a_submodule_output"),
+    Keep(_S37_LAYER_SKIP, reason="skips the call of `self.blocks` on steps drawn at random", name="s37_layer_drop_skips_the_call"),
+    Keep(_S37_CALLER_DRAWN, reason="when its `plain_pass` argument is drawn at random by the caller",
+         name="s37_unconditional_forward_drawn_by_the_trainer"),
+]
+
+FusedOptimizer.FUSE += [
+    # a flag fixed per run: the skipped params never get a grad, both optimizers leave them alone
+    Fuse(_S37_STYLE_DROP.replace("        if self.training and torch.rand(1) < self.p_uncond:\n",
+                                 "        if self.training and self.p_uncond >= 1.0:\n"),
+         name="s37_condition_dropped_by_a_fixed_flag", expect={"qualname": "build"}),
+    # drop-path multiplied in: the branch runs and its grads exist (zero where dropped)
+    Fuse(_S37_LAYER_SKIP.replace("""            if self.training and random.random() < self.skip_rate:
+                continue
+            x = x + blk(x)""", """            keep = float(not self.training or random.random() >= self.skip_rate)
+            x = x + keep * blk(x)"""), name="s37_drop_path_multiplied_keeps_the_grads", expect={"qualname": "Trainer.__init__"}),
+    # a random flip of the input: every submodule is called on every step
+    Fuse(_S37_CALLER_DRAWN.replace("        if not plain_pass:\n            x = x + self.ref_encoder(ref)\n",
+                                   "        if plain_pass:\n            ref = ref.flip(-1)\n        x = x + self.ref_encoder(ref)\n"),
+         name="s37_random_input_flip_calls_every_submodule", expect={"qualname": "main"}),
+]
+
+# a random data augmentation module in the trainer's file is no model part: a class kept to build
+# transforms from (`self._resize = Resize`) and a torchvision transform have no parameters to skip
+_S37_AUGMENTATION = '''\
+import torch
+import torch.nn as nn
+import torchvision.transforms as T
+
+
+class Resize(nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def forward(self, x):
+        return nn.functional.interpolate(x, size=self.size)
+
+
+class RandomScale(nn.Module):
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = p
+        self._resize = Resize
+        self.jitter = T.ColorJitter(0.2, 0.2)
+
+    def forward(self, x):
+        if torch.rand(1) < self.p:
+            x = self._resize((x.shape[-2] * 2, x.shape[-1] * 2))(x)
+        if torch.rand(1) < self.p:
+            x = self.jitter(x)
+        return x
+
+
+def main(make_model):
+    model = make_model()
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+FusedOptimizer.FUSE += [
+    Fuse(_S37_AUGMENTATION, name="s37_random_augmentation_modules_are_not_model_parts", expect={"qualname": "main"}),
 ]

@@ -43,6 +43,7 @@ from npufuse.patterns.attention import (
     head_dim_constant,
     head_dim_problem,
     is_simple,
+    mask_rank_lines,
     mask_shape_lines,
     repeat_info,
     repeated_tensor,
@@ -267,6 +268,7 @@ class SdpaPattern(Pattern):
                 lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
             else:
                 lines.append(f"_npufuse_mask = {conv}  # {comment}")
+            lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(qn)}.shape[0]")  # s37: 3-D [1|N,Sq,Skv] masks
             lines += mask_shape_lines("_npufuse_mask", sq, maybe_none)
         if causal is not None and causal_v is not False:
             if causal_v is True:
@@ -367,7 +369,7 @@ class SdpaPattern(Pattern):
         )
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _mask_kind(self, module: ModuleInfo, scope: Scope, mask: ast.expr) -> str:
+    def _mask_kind(self, module: ModuleInfo, scope: Scope, mask: ast.expr, depth_ok: bool = True) -> str:
         """bool | float | bias | unknown, from how the mask is built in this function."""
         # a bias (graded values) is told by graded_evidence, from the dataflow; here the dtype and, for
         # floats, whether the values are visibly 0/-inf
@@ -402,6 +404,12 @@ class SdpaPattern(Pattern):
                 if name in ("torch.tril", "torch.triu") and node.args:
                     node = _resolve(scope, node.args[0])
                     continue
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)) and depth_ok:
+                # s37 (fix37): a sum is a 0/-inf mask only when every term is (a -inf causal bias plus the
+                # caller's float mask may be graded): else its values are checked at run time
+                terms = {self._mask_kind(module, scope, t, depth_ok=False) for t in (node.left, node.right)}
+                if terms != {"float"}:
+                    return "float_unverified"
             if isinstance(node, ast.BinOp) and ("finfo" in ast.unparse(node) or "inf" in ast.unparse(node) or "10000" in ast.unparse(node)):
                 return "float"
             if isinstance(node, ast.Subscript):
@@ -1225,5 +1233,118 @@ SdpaPattern.FUSE += [
         name="s36_scale_read_off_a_learned_temperature_checks_the_head_dim",
         expect={"qualname": "ChannelSdpa.attend"},
         run="\nm = ChannelSdpa()\nx = torch.randn(2, 16, 3, 4, requires_grad=True)\nout = m(x)\nleaves = [x]\n",
+    ),
+]
+
+
+# -- s37 audit fixes (fix37) ----------------------------------------------------------------------
+# F3: a 3-D mask handed to SDPA ([1, S, S] packed-image blocks, a per-head [N, S, S] bias mask) is
+# broadcast as [1, 1|N, S, S]; the op takes only [B,N,Sq,Skv], [B,1,Sq,Skv], [1,1,Sq,Skv] and
+# [Sq,Skv] (attention.mask_rank_lines).
+_S37_PACKED_BLOCKS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class VisionBlocksAttention(nn.Module):
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, cu_seqlens):
+        seq = x.shape[0]
+        q, k, v = self.qkv(x).reshape(seq, 3, self.heads, -1).permute(1, 2, 0, 3).unbind(0)
+        blocks = torch.zeros([1, seq, seq], device=x.device, dtype=torch.bool)
+        for i in range(1, len(cu_seqlens)):
+            blocks[..., cu_seqlens[i - 1]:cu_seqlens[i], cu_seqlens[i - 1]:cu_seqlens[i]] = True
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), blocks, dropout_p=0.0)
+        return self.proj(out.squeeze(0).transpose(0, 1).reshape(seq, -1))
+'''
+
+_S37_PER_HEAD_MASK = '''
+import torch
+import torch.nn.functional as F
+
+
+def heads_window(q, k, v, keep_per_head):
+    # keep_per_head: [N, Sq, Skv] bool, one window per head, broadcast over the batch
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep_per_head.to(torch.bool))
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        _S37_PACKED_BLOCKS,
+        name="s37_three_d_block_mask_gets_the_broadcast_leading_dim",
+        expect={"qualname": "VisionBlocksAttention.forward"},
+        run='''
+m = VisionBlocksAttention()
+x = torch.randn(10, 32, requires_grad=True)
+out = m(x, [0, 4, 10])
+leaves = [x]
+''',
+    ),
+    Fuse(
+        _S37_PER_HEAD_MASK,
+        name="s37_per_head_three_d_mask_expanded_over_the_batch",
+        expect={"qualname": "heads_window"},
+        run='''
+q = torch.randn(2, 3, 6, 16, requires_grad=True)
+k = torch.randn(2, 3, 6, 16, requires_grad=True)
+v = torch.randn(2, 3, 6, 16, requires_grad=True)
+w = torch.ones(3, 6, 6, dtype=torch.bool).tril()
+w[1] = torch.ones(6, 6, dtype=torch.bool).triu()
+out = heads_window(q, k, v, w)
+leaves = [q, k, v]
+''',
+    ),
+]
+
+# F4: a -inf causal bias plus the caller's float mask handed to SDPA: checked at run time before `< 0`
+_S37_SUM_MASK = '''
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, user_mask):
+    s = q.shape[-2]
+    causal = torch.full((s, s), float("-inf"), device=q.device).triu(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal + user_mask)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        _S37_SUM_MASK,
+        name="s37_causal_bias_plus_caller_mask_values_checked",
+        expect={"qualname": "attend", "mask_kind": "float"},
+        run='''
+q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+pad = torch.zeros(2, 1, 1, 5)
+pad[0, ..., 4:] = float("-inf")
+graded = -torch.arange(5.0).view(1, 1, 1, 5)
+out = (attend(q, k, v, pad), attend(q, k, v, graded))
+leaves = [q, k, v]
+''',
+    ),
+]
+
+SdpaPattern.KEEP += [
+    Keep(
+        # a per-head graded bias of rank 3 (ALiBi slopes times distances): a bias, never binarised
+        '''
+import torch
+import torch.nn.functional as F
+
+
+def alibi_attend(q, k, v, slopes):
+    s = q.shape[-2]
+    pos = torch.arange(s, device=q.device)
+    bias = slopes.view(-1, 1, 1) * (pos.view(1, 1, s) - pos.view(1, s, 1)).abs().neg()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+''',
+        reason="bias",
+        name="s37_rank_three_alibi_bias_is_not_a_mask",
     ),
 ]

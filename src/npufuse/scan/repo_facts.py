@@ -48,7 +48,7 @@ from npufuse.scan.dataflow import dotted, names_bound_from
 _PATTERN = "fused_optimizer"
 # words a driving file must contain for this pass to parse it
 _WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare",
-          "create_graph")
+          "create_graph", "gradient_as_bucket_view")
 _SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
 
 
@@ -64,6 +64,9 @@ def apply(root: Path, files: Iterable[str], outcomes: list[Any], near: list[dict
         _sharded_accelerate_launches(root, outcomes, near)
         _s33_lightning_callbacks_free(root, list(files), outcomes, near, max_bytes)
         _s33_bf16_from_every_caller(root, list(files), outcomes, near, max_bytes)
+        from npufuse.scan import random_skip  # s37 (fix37): models that skip a submodule on random steps
+
+        random_skip.apply(root, list(files), outcomes, near, max_bytes)
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
@@ -382,6 +385,16 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
                           "stop sharing them"), None, False
         elif attr in ("prepare", "prepare_optimizer") and _flat_names(node.args) & optimizers:
             prepared = prepared or node.lineno
+        elif _s37_bucket_view_wrap(node) and ((_flat_names(node.args) & models) or _s27_shards_holder(tree, node, recv, models)):
+            # s37 (fix37): DDP(model, gradient_as_bucket_view=True): every grad a view into DDP's bucket
+            text = (f"`{dotted(func) or attr}(..., gradient_as_bucket_view=...)` at {rel}:{node.lineno} wraps what `{b.function}` "
+                    f"gets or builds ({via}): every grad becomes a view into DDP's flat all-reduce bucket, which the fused "
+                    "optimizer sizes by storage (the whole bucket) when it combines the grads and re-points; its combined "
+                    "grad buffer is not the parameters' grads (torch.optim takes view grads)")
+            if cond is None:
+                return True, text, None, False
+            risk = risk or (f"{text}; that wrapping is chosen at run time (the condition at {rel}:{cond}): run the fused "
+                            "branch only where it is not taken (switch the fused optimizer off for those runs)")
         elif any(s in full for s in _SHARDING_PARTS) and ((_flat_names([*node.args, *(k.value for k in node.keywords)]) & (models | optimizers))
                                                            or _s27_shards_holder(tree, node, recv, models)):
             text = (f"parameters flattened/re-allocated by FSDP/DeepSpeed/ZeRO (`{dotted(func) or attr}` at {rel}:{node.lineno}, on what "
@@ -401,6 +414,12 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
     if risk is not None:
         return False, risk, None, False
     return None
+
+
+def _s37_bucket_view_wrap(node: ast.Call) -> bool:
+    """Does the call pass ``gradient_as_bucket_view`` with a value that is not provably false?"""
+    k = next((k for k in node.keywords if k.arg == "gradient_as_bucket_view"), None)
+    return k is not None and not (isinstance(k.value, ast.Constant) and not k.value.value)
 
 
 def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set[str]) -> Optional[str]:
