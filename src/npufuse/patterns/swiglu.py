@@ -5559,6 +5559,8 @@ Swiglu.KEEP += [
 # --- s27: operands transformed elementwise after their projection (clamped / scaled GLUs) ---
 
 _ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+# torch functions taking the tensor first and only bounds after it (`torch.clamp(t, min=None, max=None)`)
+_TORCH_CLAMPS = frozenset(("clamp", "clamp_min", "clamp_max", "clip"))
 _SHAPE_READS = frozenset(("dtype", "device", "shape"))
 
 
@@ -5601,6 +5603,16 @@ def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str], scales: l
     ``torch.clamp(t, -L, L)``, ``t.float()``, ``t * s`` / ``s * t`` / ``t / s`` / ``t + b`` with ``s``
     independent of the operands (see :func:`_independent`); None for anything else. (A scale may
     broadcast to a larger shape in principle: the fused branch checks the operands' shapes.)"""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _TORCH_CLAMPS \
+            and dotted(value.func.value) == "torch" and value.args and not isinstance(value.args[0], ast.Starred):
+        # s37: the function spelling `torch.clamp(t, -L, L)` (llm-torch's optional limits): t is the first
+        # argument, the bounds the others
+        bounds = [*value.args[1:], *(k.value for k in value.keywords if k.arg is not None)]
+        if all(_independent(x, ctx, avoid) for x in bounds) and all(k.arg is not None for k in value.keywords):
+            if scales is not None:
+                scales.extend((x, ctx) for x in bounds)
+            return value.args[0]
+        return None
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _ELEMENTWISE_METHODS:
         if value.func.attr == "contiguous" and (value.args or value.keywords):
             return None
@@ -7535,4 +7547,67 @@ Swiglu.KEEP += [
     # only GPT2FeedForward builds it, with nn.GELU() and is_gated=False): no GLU is ever computed
     Keep(_S36_OPTIONAL_GATE_WITH_ELSE.replace("    return FFN(d, 4 * d, nn.SiLU(), True)", "    return FFN(d, 4 * d, nn.SiLU(), gated=False)"),
          reason="gated=False (the product never runs)", name="s36_injected_activation_built_only_with_the_gate_off"),
+]
+
+
+# --- s37: `torch.clamp(t, lo, hi)` spelled as a function, optionally, on both operands (llm-torch SwiGLUBlock) ---
+# `_elementwise_operand` read clamps only as methods (`t.clamp(...)`); the function spelling bound its tensor as a
+# "bound" that reads an operand, so llm-torch's `if self.limit is not None: x1 = torch.clamp(x1, -L, L); x2 = ...`
+# was "not projections of one input". The transforms stay outside the replaced span, as for the method spelling.
+_S37_CLAMPED_GLU = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LimitedGLU(nn.Module):
+    def __init__(self, d, h, limit=None):
+        super().__init__()
+        self.proj_a = nn.Linear(d, h, bias=False)
+        self.proj_b = nn.Linear(d, h, bias=False)
+        self.out = nn.Linear(h, d, bias=False)
+        self.act = nn.SiLU()
+        self.limit = limit
+
+    def forward(self, x):
+        a = self.proj_a(x)
+        b = self.proj_b(x)
+        if self.limit is not None:
+            a = torch.clamp(a, -self.limit, self.limit)
+            b = torch.clamp(b, -self.limit, self.limit)
+        return self.out(self.act(a) * b)
+'''
+
+_S37_CAPPED_FUNCTION = '''
+import torch
+import torch.nn.functional as F
+
+
+def capped_swiglu(x, w_gate, w_up, cap: float = 7.0):
+    g = F.linear(x, w_gate)
+    u = F.linear(x, w_up)
+    g = torch.clip(g, max=cap)
+    u = torch.clamp_min(u, -cap)
+    return u * F.silu(g)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S37_CLAMPED_GLU, expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (LimitedGLU(8, 6)(x), LimitedGLU(8, 6, 0.1)(x))\nleaves = [x]\n",
+         name="s37_both_projections_clamped_by_torch_clamp_under_an_option"),
+    Fuse(_S37_CAPPED_FUNCTION, expect={"activation": "silu"},
+         run="x = torch.randn(4, 8, requires_grad=True)\nwg = torch.randn(6, 8, requires_grad=True)\n"
+             "wu = torch.randn(6, 8, requires_grad=True)\nout = capped_swiglu(x, wg, wu, 0.5)\nleaves = [x, wg, wu]\n",
+         name="s37_torch_clip_and_clamp_min_functions_on_linear_projections_operands_swapped"),
+]
+
+Swiglu.KEEP += [
+    # the clamp applies to the activation's output, not to an operand: silu clipped at the limit is no silu
+    Keep(_S37_CLAMPED_GLU.replace("            a = torch.clamp(a, -self.limit, self.limit)\n            b = torch.clamp(b, -self.limit, self.limit)\n"
+                                  "        return self.out(self.act(a) * b)",
+                                  "            return self.out(torch.clamp(self.act(a), max=self.limit) * b)\n        return self.out(b)"),
+         reason="", name="s37_clamp_of_the_activation_output"),
+    # the clamp's bound is the other operand: the gate depends on the up projection (no longer a transform of its own)
+    Keep(_S37_CAPPED_FUNCTION.replace("g = torch.clip(g, max=cap)", "g = torch.clip(g, max=u)"), reason="",
+         name="s37_clip_bounded_by_the_other_operand"),
 ]
