@@ -204,3 +204,50 @@ def test_keep_trainer_gives_deepspeed_the_model_but_not_the_optimizer(tmp_path: 
     cands, near = _scan(tmp_path, script)
     assert not any("handed on" in r for r in near), near
     assert len(cands) == 1
+
+
+# --- the wrapper called by the site's own code under a test the construction can evaluate: a guarded candidate ---
+_GUARDED = '''
+
+from apex.fp16_utils import FP16_Optimizer
+
+
+def train(use_half=False):
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    {between}if use_half:
+        opt = FP16_Optimizer(opt, dynamic_loss_scale=True)
+    return net, opt
+
+
+def train_else(precision="fp32"):
+    net = Net()
+    adam = torch.optim.Adam(net.parameters(), lr=1e-3)
+    if precision == "fp32":
+        scale = 1.0
+    else:
+        adam = FP16_Optimizer(adam, static_loss_scale=128.0)
+    return net, adam
+'''
+
+
+def test_wrapper_under_a_test_of_the_site_is_a_guarded_candidate(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    write_files(root, {"train.py": _NET + _GUARDED.format(between="")})
+    data = scan(root, patterns=[FusedOptimizer()])
+    cands = {c["qualname"]: c for c in data["candidates"] if c["pattern"] == "fused_optimizer"}
+    assert set(cands) == {"train", "train_else"}, [m["reason"] for m in data["near_misses"]]
+    assert "if not (use_half) else None" in cands["train"]["replacement"]
+    assert "if (precision == 'fp32') else None" in cands["train_else"]["replacement"]
+    assert any("handed on under a condition" in r["detail"] for r in cands["train"]["risks"])
+    for c in cands.values():  # the rendered branch parses
+        compile("if True:\n" + "\n".join("    " + ln for ln in c["replacement"].splitlines()), "x", "exec")
+
+
+def test_keep_the_test_rebound_after_the_construction_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    write_files(root, {"train.py": _NET + _GUARDED.format(between="use_half = not use_half\n    ")})
+    data = scan(root, patterns=[FusedOptimizer()])
+    assert not [c for c in data["candidates"] if c["qualname"] == "train"]
+    near = [m["reason"] for m in data["near_misses"] if m["qualname"] == "train"]
+    assert near and "apex.fp16_utils.FP16_Optimizer" in near[0] and "when `use_half` is true" in near[0], near

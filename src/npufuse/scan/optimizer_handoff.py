@@ -161,6 +161,17 @@ def _condition(fn: ast.AST, call: ast.Call) -> Optional[str]:
     return best[1] if best else None
 
 
+def _innermost_if(fn: ast.AST, call: ast.Call) -> Optional[tuple[ast.If, bool]]:
+    best: Optional[tuple[ast.If, bool]] = None
+    for n in _own_nodes(fn):
+        if isinstance(n, ast.If):
+            for arm, body in ((True, n.body), (False, n.orelse)):
+                if body and body[0].lineno <= call.lineno <= (body[-1].end_lineno or body[-1].lineno):
+                    if best is None or n.lineno > best[0].lineno:
+                        best = (n, arm)
+    return best
+
+
 class _Follow:
     """One question: does the optimizer, held by ``aliases`` in a function of ``rel``, reach a wrapper?"""
 
@@ -168,6 +179,8 @@ class _Follow:
         self.symbols = symbols
         self.visits = 0
         self.seen: set[tuple[str, str, frozenset[str]]] = set()
+        # hop text of a wrapper call -> (the innermost `if` holding it, the call in its true arm?)
+        self.terminal_if: dict[str, tuple[ast.If, bool]] = {}
 
     def method(self, file: str, cls: ast.ClassDef, name: str, depth: int = 0) -> Optional[tuple[str, ast.ClassDef, ast.AST]]:
         """(file, class, def) of ``cls.name``, looked up through the repository bases."""
@@ -219,7 +232,11 @@ class _Follow:
             for prefix, what in WRAPPERS:
                 if whole and (sym.target + ".").startswith(prefix):
                     cond = _condition(fn, call)
-                    return [f"{_WHEN if cond else ''}`{shown}` = {sym.target} ({rel}:{call.lineno}{', when ' + cond if cond else ''}): {what}"]
+                    hop = f"{_WHEN if cond else ''}`{shown}` = {sym.target} ({rel}:{call.lineno}{', when ' + cond if cond else ''}): {what}"
+                    holder = _innermost_if(fn, call)
+                    if holder is not None:
+                        self.terminal_if[hop] = holder
+                    return [hop]
             return None
         if depth >= _MAX_DEPTH:
             return None
@@ -290,12 +307,22 @@ def handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names: se
     """Why the optimizer bound to ``names`` in ``nodes`` (the statements of ``fn`` in file ``rel``; calls from line
     ``after`` on) is wrapped by DeepSpeed / apex / ColossalAI through the repository's code, else None. The text
     names each hop with its file and line."""
+    got = handoff_at(symbols, rel, fn, nodes, names, after, cls)
+    return got[0] if got is not None else None
+
+
+def handoff_at(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names: set[str], after: int,
+               cls: Optional[ast.ClassDef] = None) -> Optional[tuple[str, Optional[tuple[ast.If, bool]]]]:
+    """:func:`handoff`'s text, and, when the wrapper is called in ``fn`` itself (no callee between), the innermost
+    ``if`` holding that call with the arm (True: its body): a test the construction site may evaluate itself."""
     if not names or symbols is None:
         return None
+    follow = _Follow(symbols)
     try:
-        hops = _Follow(symbols).body(rel, fn, nodes, set(names), cls, after, 0)
+        hops = follow.body(rel, fn, nodes, set(names), cls, after, 0)
     except (RecursionError, ValueError, AttributeError):
         return None
     if not hops:
         return None
-    return " -> ".join(h[len(_WHEN):] if h.startswith(_WHEN) else h for h in hops)
+    local = follow.terminal_if.get(hops[0]) if len(hops) == 1 else None
+    return " -> ".join(h[len(_WHEN):] if h.startswith(_WHEN) else h for h in hops), local

@@ -620,12 +620,71 @@ def _s37_handed_to_wrapper(root: Path, files: list[str], outcomes: list[Any], ne
                 nodes = list(_own_nodes(fn))
                 owner = _region(tree, f.qualname.rsplit(".", 1)[0]) if "." in f.qualname else None
                 cls = owner[0] if owner and isinstance(owner[0], ast.ClassDef) else None
-            text = _s37_handoff(symbols, o.file, fn, nodes, {name}, f.line, cls)
-            if text is None:
+            from npufuse.scan.optimizer_handoff import handoff_at
+
+            got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
+            if got is None:
+                continue
+            text, local = got
+            test = _s37_site_test(fn, nodes, local, f.line, name) if local is not None else None
+            if test is not None:
+                # the wrapping is chosen by a test of the site's own code that the construction can evaluate
+                # (transformer-xl's `if args.cuda and args.fp16: optimizer = FP16_Optimizer(optimizer, ...)`):
+                # the fused class only for runs where that test keeps the wrapper away
+                f.guard_tensor = f"({f.guard_tensor}) if {test} else None"
+                f.params["guard"] = str(f.params.get("guard", "")) + "_unwrapped_runs_only"
+                f.risks.append(Risk("other", f"the optimizer is handed on under a condition: {text}; the guard evaluates "
+                                    f"`{test}` when the optimizer is built and runs the fused class only then (the "
+                                    "wrapped runs keep torch.optim)"))
+                h.body = None  # render again with the new guard
                 continue
             o.hits.remove(h)
             near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
                          "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+
+
+def _s37_site_test(fn: ast.AST, nodes: list[ast.AST], local: tuple[ast.If, bool], site_line: int, optimizer: str) -> Optional[str]:
+    """The test under which the site's own code does *not* call the wrapper, as source the construction can
+    evaluate with the same value (``not (A)`` for a wrapper in the body of ``if A:``, ``(A)`` for one in its
+    else), else None: the test calls nothing, reads no name of the optimizer, and every name in it is bound
+    before the site and not bound again in this scope between the site and the ``if``."""
+    import builtins
+
+    from npufuse.patterns.fused_optimizer import _side_effect_free
+
+    holder, in_body = local
+    test = holder.test
+    if holder.lineno <= site_line or not _side_effect_free(test):
+        return None
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    if optimizer.split(".")[0] in names:
+        return None
+    params: set[str] = set()
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = fn.args
+        params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    for name in names:
+        binds = [n.lineno for n in nodes if _s37_binds(n, name)]
+        if any(site_line <= ln < holder.lineno for ln in binds):
+            return None  # bound again between the construction and the test
+        if name not in params and not any(ln < site_line for ln in binds) and not hasattr(builtins, name):
+            return None
+    src = " ".join(ast.unparse(test).split())
+    return f"not ({src})" if in_body else f"({src})"
+
+
+def _s37_binds(node: ast.AST, name: str) -> bool:
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(t, ast.Name) and t.id == name for tg in targets for t in ast.walk(tg))
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.With)):
+        tgts = [node.target] if isinstance(node, (ast.For, ast.AsyncFor)) else [i.optional_vars for i in node.items if i.optional_vars]
+        return any(isinstance(t, ast.Name) and t.id == name for tg in tgts for t in ast.walk(tg))
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    return isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name) and node.target.id == name
 
 
 def _region(tree: ast.Module, qualname: str) -> Optional[list[ast.AST]]:
