@@ -5603,24 +5603,20 @@ def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str], scales: l
     ``torch.clamp(t, -L, L)``, ``t.float()``, ``t * s`` / ``s * t`` / ``t / s`` / ``t + b`` with ``s``
     independent of the operands (see :func:`_independent`); None for anything else. (A scale may
     broadcast to a larger shape in principle: the fused branch checks the operands' shapes.)"""
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _TORCH_CLAMPS \
-            and dotted(value.func.value) == "torch" and value.args and not isinstance(value.args[0], ast.Starred):
-        # s37: the function spelling `torch.clamp(t, -L, L)` (llm-torch's optional limits): t is the first
-        # argument, the bounds the others
-        bounds = [*value.args[1:], *(k.value for k in value.keywords if k.arg is not None)]
-        if all(_independent(x, ctx, avoid) for x in bounds) and all(k.arg is not None for k in value.keywords):
-            if scales is not None:
-                scales.extend((x, ctx) for x in bounds)
-            return value.args[0]
-        return None
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _ELEMENTWISE_METHODS:
         if value.func.attr == "contiguous" and (value.args or value.keywords):
             return None
-        bounds = [*value.args, *(k.value for k in value.keywords if k.arg is not None)]
+        tensor, bounds = value.func.value, [*value.args, *(k.value for k in value.keywords if k.arg is not None)]
+        if value.func.attr in _TORCH_CLAMPS and dotted(value.func.value) == "torch":
+            # s37: the function spelling `torch.clamp(t, -L, L)` (llm-torch's optional limits): the tensor is the
+            # first argument, the bounds the others
+            if not value.args or isinstance(value.args[0], ast.Starred):
+                return None
+            tensor, bounds = value.args[0], bounds[1:]
         if all(_independent(x, ctx, avoid) for x in bounds) and all(k.arg is not None for k in value.keywords):
             if scales is not None:
                 scales.extend((x, ctx) for x in bounds)
-            return value.func.value
+            return tensor
         return None
     if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
         sides = [(value.left, value.right)] + ([(value.right, value.left)] if isinstance(value.op, (ast.Mult, ast.Add)) else [])
