@@ -1240,6 +1240,12 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                 or _elementwise_transformed_gate(module, act, a, actx, b, ctx, node, trace)
             if conditional is not None:
                 return conditional
+            kernel = _s37_transformed_kernel(module, a, actx, b, ctx, node)
+            if kernel is not None:
+                g = Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=[], shape_checked=True,
+                         elementwise=True)
+                g.s28_kernel = kernel  # type: ignore[attr-defined]
+                return g
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
                 why = _transformed(module, op, octx, other)
                 if why:
@@ -6726,6 +6732,43 @@ def _s28_glu_kernel(scope: Scope, node: ast.expr) -> bool:
     return len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is node
 
 
+def _s37_transformed_kernel(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx, node: ast.expr) -> str | None:
+    """A GLU kernel (see :func:`_s28_glu_kernel`) whose body, before ``return <the product>``, only transforms its
+    two parameters elementwise in place, optionally under an ``if`` (mojo_opset's SwiGLU op: ``if self.swiglu_limit
+    > 0: up = torch.clamp(up, ...); gate = torch.clamp(gate, max=...)``): still the gated activation of whatever the
+    callers pass, on the transformed values, which the fused op takes as they are. The text for the kernel's
+    risk, or None."""
+    fn = ctx.scope.node
+    if not (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(a, ast.Name) and isinstance(b, ast.Name)) \
+            or a.id == b.id:
+        return None
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))
+            and not isinstance(st, ast.Assert)]
+    if len(body) < 2 or not (isinstance(body[-1], ast.Return) and body[-1].value is node):
+        return None
+    params = {x.arg for x in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    if not {a.id, b.id} <= params:
+        return None
+    avoid = {a.id, b.id}
+
+    def transforms(stmts: list[ast.stmt]) -> bool:
+        for st in stmts:
+            if isinstance(st, ast.If) and not st.orelse and transforms(st.body):
+                continue
+            if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                    and st.targets[0].id in avoid):
+                return False
+            inner = _elementwise_operand(st.value, ctx.at(st.lineno), avoid)
+            if not (isinstance(inner, ast.Name) and inner.id == st.targets[0].id):
+                return False  # a transform of the name itself, never of the other operand
+        return True
+
+    if not transforms(body[:-1]):
+        return None
+    return (f"unknown: `{fn.name}` only transforms its parameters `{a.id}` and `{b.id}` elementwise before returning the "
+            "gated product")
+
+
 def _s28_note_kernel(params: dict[str, Any], risks: list[Risk], notes: list[str], scope: Scope, g: Gate) -> None:
     params["glu_kernel"] = True
     risks.append(Risk("other", f"`{scope.qualname}` is a GLU kernel whose callers npufuse cannot see "
@@ -7606,4 +7649,42 @@ Swiglu.KEEP += [
     # the clamp's bound is the other operand: the gate depends on the up projection (no longer a transform of its own)
     Keep(_S37_CAPPED_FUNCTION.replace("g = torch.clip(g, max=cap)", "g = torch.clip(g, max=u)"), reason="",
          name="s37_clip_bounded_by_the_other_operand"),
+]
+
+
+# --- s37: a GLU kernel that clamps its own two parameters before returning the product (mojo_opset's SwiGLU op) ---
+_S37_LIMITED_KERNEL = '''
+import torch
+import torch.nn.functional as F
+
+
+class LimitedSwiGLU(torch.nn.Module):
+    def __init__(self, limit: float = 0.0):
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """silu(g) * v, both clamped first when a limit is set."""
+        if self.limit > 0:
+            v = torch.clamp(v, min=-self.limit, max=self.limit)
+            g = g.clamp(max=self.limit)
+        return F.silu(g) * v
+
+
+def capped_glu(h1, h2, cap=3.0):
+    h1 = torch.clip(h1, -cap, cap)
+    return h2 * F.silu(h1)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S37_LIMITED_KERNEL, expect={"activation": "silu"},
+         run="g = torch.randn(2, 3, 6, requires_grad=True)\nv = torch.randn(2, 3, 6, requires_grad=True)\n"
+             "out = (LimitedSwiGLU()(g, v), LimitedSwiGLU(0.3)(g, v), capped_glu(g, v, 0.5))\nleaves = [g, v]\n",
+         name="s37_glu_kernel_clamping_its_parameters_first"),
+]
+
+Swiglu.KEEP += [
+    # the kernel bounds the gate by the other parameter: a transform that reads the other operand
+    Keep(_S37_LIMITED_KERNEL.split("\n\ndef capped_glu")[0].replace("g = g.clamp(max=self.limit)", "g = g.clamp(max=v)"),
+         reason="", name="s37_glu_kernel_gate_clamped_by_the_other_parameter"),
 ]
