@@ -23,22 +23,8 @@ from pathlib import Path
 import pytest
 
 from apply_support import scan
-from npufuse.patterns.fused_optimizer import FusedOptimizer
+from npufuse.patterns.fused_optimizer import _NET, FusedOptimizer
 from scratch_repo import write_files
-
-_NET = '''\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-'''
 
 _ENGINES = '''\
 import deepspeed as ds
