@@ -1240,6 +1240,12 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                 or _elementwise_transformed_gate(module, act, a, actx, b, ctx, node, trace)
             if conditional is not None:
                 return conditional
+            kernel = _s37_transformed_kernel(module, a, actx, b, ctx, node)
+            if kernel is not None:
+                g = Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=[], shape_checked=True,
+                         elementwise=True)
+                g.s28_kernel = kernel  # type: ignore[attr-defined]
+                return g
             for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
                 why = _transformed(module, op, octx, other)
                 if why:
@@ -5559,6 +5565,8 @@ Swiglu.KEEP += [
 # --- s27: operands transformed elementwise after their projection (clamped / scaled GLUs) ---
 
 _ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+# torch functions taking the tensor first and only bounds after it (`torch.clamp(t, min=None, max=None)`)
+_TORCH_CLAMPS = frozenset(("clamp", "clamp_min", "clamp_max", "clip"))
 _SHAPE_READS = frozenset(("dtype", "device", "shape"))
 
 
@@ -5604,11 +5612,17 @@ def _elementwise_operand(value: ast.expr, ctx: S.Ctx, avoid: set[str], scales: l
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _ELEMENTWISE_METHODS:
         if value.func.attr == "contiguous" and (value.args or value.keywords):
             return None
-        bounds = [*value.args, *(k.value for k in value.keywords if k.arg is not None)]
+        tensor, bounds = value.func.value, [*value.args, *(k.value for k in value.keywords if k.arg is not None)]
+        if value.func.attr in _TORCH_CLAMPS and dotted(value.func.value) == "torch":
+            # s37: the function spelling `torch.clamp(t, -L, L)` (llm-torch's optional limits): the tensor is the
+            # first argument, the bounds the others
+            if not value.args or isinstance(value.args[0], ast.Starred):
+                return None
+            tensor, bounds = value.args[0], bounds[1:]
         if all(_independent(x, ctx, avoid) for x in bounds) and all(k.arg is not None for k in value.keywords):
             if scales is not None:
                 scales.extend((x, ctx) for x in bounds)
-            return value.func.value
+            return tensor
         return None
     if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
         sides = [(value.left, value.right)] + ([(value.right, value.left)] if isinstance(value.op, (ast.Mult, ast.Add)) else [])
@@ -6718,6 +6732,43 @@ def _s28_glu_kernel(scope: Scope, node: ast.expr) -> bool:
     return len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is node
 
 
+def _s37_transformed_kernel(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx, node: ast.expr) -> str | None:
+    """A GLU kernel (see :func:`_s28_glu_kernel`) whose body, before ``return <the product>``, only transforms its
+    two parameters elementwise in place, optionally under an ``if`` (mojo_opset's SwiGLU op: ``if self.swiglu_limit
+    > 0: up = torch.clamp(up, ...); gate = torch.clamp(gate, max=...)``): still the gated activation of whatever the
+    callers pass, on the transformed values, which the fused op takes as they are. The text for the kernel's
+    risk, or None."""
+    fn = ctx.scope.node
+    if not (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(a, ast.Name) and isinstance(b, ast.Name)) \
+            or a.id == b.id:
+        return None
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))
+            and not isinstance(st, ast.Assert)]
+    if len(body) < 2 or not (isinstance(body[-1], ast.Return) and body[-1].value is node):
+        return None
+    params = {x.arg for x in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    if not {a.id, b.id} <= params:
+        return None
+    avoid = {a.id, b.id}
+
+    def transforms(stmts: list[ast.stmt]) -> bool:
+        for st in stmts:
+            if isinstance(st, ast.If) and not st.orelse and transforms(st.body):
+                continue
+            if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                    and st.targets[0].id in avoid):
+                return False
+            inner = _elementwise_operand(st.value, ctx.at(st.lineno), avoid)
+            if not (isinstance(inner, ast.Name) and inner.id == st.targets[0].id):
+                return False  # a transform of the name itself, never of the other operand
+        return True
+
+    if not transforms(body[:-1]):
+        return None
+    return (f"unknown: `{fn.name}` only transforms its parameters `{a.id}` and `{b.id}` elementwise before returning the "
+            "gated product")
+
+
 def _s28_note_kernel(params: dict[str, Any], risks: list[Risk], notes: list[str], scope: Scope, g: Gate) -> None:
     params["glu_kernel"] = True
     risks.append(Risk("other", f"`{scope.qualname}` is a GLU kernel whose callers npufuse cannot see "
@@ -7535,4 +7586,105 @@ Swiglu.KEEP += [
     # only GPT2FeedForward builds it, with nn.GELU() and is_gated=False): no GLU is ever computed
     Keep(_S36_OPTIONAL_GATE_WITH_ELSE.replace("    return FFN(d, 4 * d, nn.SiLU(), True)", "    return FFN(d, 4 * d, nn.SiLU(), gated=False)"),
          reason="gated=False (the product never runs)", name="s36_injected_activation_built_only_with_the_gate_off"),
+]
+
+
+# --- s37: `torch.clamp(t, lo, hi)` spelled as a function, optionally, on both operands (llm-torch SwiGLUBlock) ---
+# `_elementwise_operand` read clamps only as methods (`t.clamp(...)`); the function spelling bound its tensor as a
+# "bound" that reads an operand, so llm-torch's `if self.limit is not None: x1 = torch.clamp(x1, -L, L); x2 = ...`
+# was "not projections of one input". The transforms stay outside the replaced span, as for the method spelling.
+_S37_CLAMPED_GLU = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LimitedGLU(nn.Module):
+    def __init__(self, d, h, limit=None):
+        super().__init__()
+        self.proj_a = nn.Linear(d, h, bias=False)
+        self.proj_b = nn.Linear(d, h, bias=False)
+        self.out = nn.Linear(h, d, bias=False)
+        self.act = nn.SiLU()
+        self.limit = limit
+
+    def forward(self, x):
+        a = self.proj_a(x)
+        b = self.proj_b(x)
+        if self.limit is not None:
+            a = torch.clamp(a, -self.limit, self.limit)
+            b = torch.clamp(b, -self.limit, self.limit)
+        return self.out(self.act(a) * b)
+'''
+
+_S37_CAPPED_FUNCTION = '''
+import torch
+import torch.nn.functional as F
+
+
+def capped_swiglu(x, w_gate, w_up, cap: float = 7.0):
+    g = F.linear(x, w_gate)
+    u = F.linear(x, w_up)
+    g = torch.clip(g, max=cap)
+    u = torch.clamp_min(u, -cap)
+    return u * F.silu(g)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S37_CLAMPED_GLU, expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nout = (LimitedGLU(8, 6)(x), LimitedGLU(8, 6, 0.1)(x))\nleaves = [x]\n",
+         name="s37_both_projections_clamped_by_torch_clamp_under_an_option"),
+    Fuse(_S37_CAPPED_FUNCTION, expect={"activation": "silu"},
+         run="x = torch.randn(4, 8, requires_grad=True)\nwg = torch.randn(6, 8, requires_grad=True)\n"
+             "wu = torch.randn(6, 8, requires_grad=True)\nout = capped_swiglu(x, wg, wu, 0.5)\nleaves = [x, wg, wu]\n",
+         name="s37_torch_clip_and_clamp_min_functions_on_linear_projections_operands_swapped"),
+]
+
+Swiglu.KEEP += [
+    # the clamp applies to the activation's output, not to an operand: silu clipped at the limit is no silu
+    Keep(_S37_CLAMPED_GLU.replace("            a = torch.clamp(a, -self.limit, self.limit)\n            b = torch.clamp(b, -self.limit, self.limit)\n"
+                                  "        return self.out(self.act(a) * b)",
+                                  "            return self.out(torch.clamp(self.act(a), max=self.limit) * b)\n        return self.out(b)"),
+         reason="", name="s37_clamp_of_the_activation_output"),
+    # the clamp's bound is the other operand: the gate depends on the up projection (no longer a transform of its own)
+    Keep(_S37_CAPPED_FUNCTION.replace("g = torch.clip(g, max=cap)", "g = torch.clip(g, max=u)"), reason="",
+         name="s37_clip_bounded_by_the_other_operand"),
+]
+
+
+# --- s37: a GLU kernel that clamps its own two parameters before returning the product (mojo_opset's SwiGLU op) ---
+_S37_LIMITED_KERNEL = '''
+import torch
+import torch.nn.functional as F
+
+
+class LimitedSwiGLU(torch.nn.Module):
+    def __init__(self, limit: float = 0.0):
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """silu(g) * v, both clamped first when a limit is set."""
+        if self.limit > 0:
+            v = torch.clamp(v, min=-self.limit, max=self.limit)
+            g = g.clamp(max=self.limit)
+        return F.silu(g) * v
+
+
+def capped_glu(h1, h2, cap=3.0):
+    h1 = torch.clip(h1, -cap, cap)
+    return h2 * F.silu(h1)
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S37_LIMITED_KERNEL, expect={"activation": "silu"},
+         run="g = torch.randn(2, 3, 6, requires_grad=True)\nv = torch.randn(2, 3, 6, requires_grad=True)\n"
+             "out = (LimitedSwiGLU()(g, v), LimitedSwiGLU(0.3)(g, v), capped_glu(g, v, 0.5))\nleaves = [g, v]\n",
+         name="s37_glu_kernel_clamping_its_parameters_first"),
+]
+
+Swiglu.KEEP += [
+    # the kernel bounds the gate by the other parameter: a transform that reads the other operand
+    Keep(_S37_LIMITED_KERNEL.split("\n\ndef capped_glu")[0].replace("g = g.clamp(max=self.limit)", "g = g.clamp(max=v)"),
+         reason="", name="s37_glu_kernel_gate_clamped_by_the_other_parameter"),
 ]

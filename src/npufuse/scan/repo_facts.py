@@ -48,7 +48,7 @@ from npufuse.scan.dataflow import dotted, names_bound_from
 _PATTERN = "fused_optimizer"
 # words a driving file must contain for this pass to parse it
 _WORDS = ("zero_grad", "share_memory", "fsdp", "FSDP", "FullyShard", "fully_shard", "DeepSpeed", "deepspeed", "Zero", "prepare",
-          "create_graph", "gradient_as_bucket_view")
+          "create_graph", "gradient_as_bucket_view", "optim")
 _SHARDING_PARTS = ("fsdp", "fullyshard", "fully_shard", "deepspeed", "zeroredundancy")
 
 
@@ -98,6 +98,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     if not hits:
         return
     _wrapped_by_reallocating_class(root, files, outcomes, near, max_bytes)
+    _s37_handed_to_wrapper(root, files, outcomes, near, max_bytes)
     _freed_through_other_files(root, files, outcomes, near, max_bytes)
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
@@ -411,6 +412,10 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
         return True, (f"{freed} of the model whose parameters the optimizer this builds takes ({via}): the next backward "
                       "allocates new grads outside the fused optimizer's flat buffer and its update silently uses stale "
                       "ones; torch.optim handles freed grads"), None, False
+    # s37: the file that gets the optimizer from the builder hands it on, through the repository's code, to DeepSpeed
+    handed = _s37_handoff(symbols, rel, tree, list(ast.walk(tree)), optimizers, 0) if symbols is not None and optimizers else None
+    if handed is not None:
+        return True, f"the optimizer this builds ({via}) is handed on: {handed}{_S37_STALE}", None, False
     if risk is not None:
         return False, risk, None, False
     return None
@@ -588,6 +593,117 @@ def _wrapped_by_reallocating_class(root: Path, files: list[str], outcomes: list[
                                        f"`{takes}` at line {call.lineno} and {what} ({wfile}:{line}): "
                                        "the fused optimizer's combined buffers would go stale"})
                 break
+
+
+# --- s37: the optimizer object handed, through the repository's code, to DeepSpeed / apex / ColossalAI ----------
+# CoLLiE's example hands `torch.optim.Adam(...)` to the repository's `Trainer(optimizer=...)`, which hands it to
+# `setup_ds_engine` (another file), which calls `deepspeed.initialize(optimizer=...)`; the site's file names no
+# DeepSpeed. optimizer_handoff follows the object by dataflow (arguments, stored attributes, containers).
+_S37_STALE = ("; the flat-buffer fused optimizer cannot follow re-created params or freed grads (its combined "
+              "buffers would go stale); torch.optim can")
+
+
+def _s37_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names: set[str], after: int,
+                 cls: Optional[ast.ClassDef] = None) -> Optional[str]:
+    from npufuse.scan.optimizer_handoff import handoff
+
+    return handoff(symbols, rel, fn, nodes, names, after, cls)
+
+
+def _s37_handed_to_wrapper(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
+    """Candidates whose optimizer the site's own code hands, through the repository's trainers and helpers, to a
+    wrapper that re-creates its params or frees its grads: near misses naming every hop."""
+    from npufuse.scan import repo_symbols
+    from npufuse.scan.optimizer_handoff import _own_nodes
+
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o in outcomes:
+        for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
+            f = h.finding
+            name = _bound_name(f.fused) if isinstance(f.fused, str) else None
+            if not name or name.startswith("_npufuse"):
+                continue  # a returned construction: the files calling its builder are read by _verdict
+            tree, _why = symbols.tree(o.file)
+            if tree is None:
+                continue
+            fn: Optional[ast.AST] = tree
+            cls: Optional[ast.ClassDef] = None
+            if f.qualname == "<module>":
+                nodes = [n for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                         for n in ast.walk(st)]
+            else:
+                region = _region(tree, f.qualname)
+                if not region:
+                    continue
+                fn = region[0]
+                nodes = list(_own_nodes(fn))
+                owner = _region(tree, f.qualname.rsplit(".", 1)[0]) if "." in f.qualname else None
+                cls = owner[0] if owner and isinstance(owner[0], ast.ClassDef) else None
+            from npufuse.scan.optimizer_handoff import handoff_at
+
+            got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
+            if got is None:
+                continue
+            text, local = got
+            test = _s37_site_test(fn, nodes, local, f.line, name) if local is not None else None
+            if test is not None:
+                # the wrapping is chosen by a test of the site's own code that the construction can evaluate
+                # (transformer-xl's `if args.cuda and args.fp16: optimizer = FP16_Optimizer(optimizer, ...)`):
+                # the fused class only for runs where that test keeps the wrapper away
+                f.guard_tensor = f"({f.guard_tensor}) if {test} else None"
+                f.params["guard"] = str(f.params.get("guard", "")) + "_unwrapped_runs_only"
+                f.risks.append(Risk("other", f"the optimizer is handed on under a condition: {text}; the guard evaluates "
+                                    f"`{test}` when the optimizer is built and runs the fused class only then (the "
+                                    "wrapped runs keep torch.optim)"))
+                h.body = None  # render again with the new guard
+                continue
+            o.hits.remove(h)
+            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                         "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+
+
+def _s37_site_test(fn: ast.AST, nodes: list[ast.AST], local: tuple[ast.If, bool], site_line: int, optimizer: str) -> Optional[str]:
+    """The test under which the site's own code does *not* call the wrapper, as source the construction can
+    evaluate with the same value (``not (A)`` for a wrapper in the body of ``if A:``, ``(A)`` for one in its
+    else), else None: the test calls nothing, reads no name of the optimizer, and every name in it is bound
+    before the site and not bound again in this scope between the site and the ``if``."""
+    import builtins
+
+    from npufuse.patterns.fused_optimizer import _side_effect_free
+
+    holder, in_body = local
+    test = holder.test
+    if holder.lineno <= site_line or not _side_effect_free(test):
+        return None
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    if optimizer.split(".")[0] in names:
+        return None
+    params: set[str] = set()
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = fn.args
+        params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    for name in names:
+        binds = [n.lineno for n in nodes if _s37_binds(n, name)]
+        if any(site_line <= ln < holder.lineno for ln in binds):
+            return None  # bound again between the construction and the test
+        if name not in params and not any(ln < site_line for ln in binds) and not hasattr(builtins, name):
+            return None
+    src = " ".join(ast.unparse(test).split())
+    return f"not ({src})" if in_body else f"({src})"
+
+
+def _s37_binds(node: ast.AST, name: str) -> bool:
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(t, ast.Name) and t.id == name for tg in targets for t in ast.walk(tg))
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.With)):
+        tgts = [node.target] if isinstance(node, (ast.For, ast.AsyncFor)) else [i.optional_vars for i in node.items if i.optional_vars]
+        return any(isinstance(t, ast.Name) and t.id == name for tg in tgts for t in ast.walk(tg))
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    return isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name) and node.target.id == name
 
 
 def _region(tree: ast.Module, qualname: str) -> Optional[list[ast.AST]]:
