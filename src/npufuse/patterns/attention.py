@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -2109,6 +2109,13 @@ class _Matcher:
                 beta = keyword(node, "beta")
                 raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
                            "a float term npufuse does not convert to a mask")
+            around = _attention_s37.view_around_add(self, node, chain, stop)
+            if around is not None:
+                # s37: Swin's ``(s.view(B // nW, nW, H, N, N) + mask[None, :, None]).view(-1, H, N, N)``: a term added through
+                # a view of the same scores, passed in the scores' shape as pse (exact for any values: Swin's -100 shifts)
+                node, term = around
+                _s28_take_bias(self, term, chain, cond)
+                continue
             floor = _s28_floor_clamp(self, node, chain)  # s28: a floor at a large negative value only touches masked logits
             if floor is not None:
                 node = floor
@@ -3396,8 +3403,9 @@ class AttentionPattern(Pattern):
                     op.layout = "3D"
                 chain.out_layout = "3D"
                 ranks = [None, None, None]
+            # s37: float biases fold with q/k/v (pse = the 5-D scores' bias flattened alike: PhysicsNeMo's earth attention)
             folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
-                and (not chain.masks or sole_causal)
+                and (not chain.masks or sole_causal or all(isinstance(m, _S28Bias) for m in chain.masks))
             if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal):  # s28: k/v rank checked at run time
                 folded, ranks = True, [5, 5, 5]
             for (tag, op, text), rank in zip(operands, ranks):
@@ -3646,7 +3654,7 @@ class AttentionPattern(Pattern):
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
         value_split = 0
         mask_kind, sparse = "none", 0
-        s28_pse = _s28_pse_lines(r, chain, scale, q_n, three_d)  # s28: float biases -> pse (removed from chain.masks)
+        s28_pse = _s28_pse_lines(r, chain, scale, q_n, three_d, folded)  # s28: float biases -> pse (removed from chain.masks)
         if isinstance(s28_pse, str):
             return NearMiss(self.id, scope.qualname, span_line, end_line, s28_pse)
         causal_terms = [m for m in chain.masks if m.causal]
@@ -9761,7 +9769,7 @@ def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bo
     return True
 
 
-def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: bool) -> tuple[list[str], list[Risk], str] | str | None:
+def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: bool, folded: bool = False) -> tuple[list[str], list[Risk], str] | str | None:
     """Statements building ``_npufuse_pse`` from the chain's bias terms (taken out of chain.masks), the
     risks, and the pse's description; a near-miss reason where the layout has no pse npufuse builds;
     None without bias terms."""
@@ -9795,7 +9803,8 @@ def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: b
         else:
             lines += add
     shape = r.scores_shape
-    pse = f"_npufuse_pse.to({atom(q_n)}.dtype).expand({shape})" + (".unsqueeze(1)" if three_d else "")
+    # (s37: 5-D [B, N, W, Sq, Skv] scores fold their first two axes as q / k / v do)
+    pse = f"_npufuse_pse.to({atom(q_n)}.dtype).expand({shape})" + (".unsqueeze(1)" if three_d else ".flatten(0, 1)" if folded else "")
     lines += ["if _npufuse_pse is not None:",
               f"    _npufuse_pse = _npufuse_autocast({q_n}, {pse}.contiguous())[1]  # pse: q's dtype (autocast's when on), [B, N, Sq, Skv]"]
     risks = [Risk("numerics", "the float bias added to the scores is passed as npu_fusion_attention's `pse` in q's dtype "
@@ -13198,4 +13207,126 @@ def sink_attention(q, k, v, sinks, scale):
 '''
 AttentionPattern.KEEP += [
     Keep(_S36_SINKS_ROW_MAX, reason="attention sinks", name="s36_attention_sinks_with_the_row_max_subtracted"),
+]
+
+# --- s37: a term added to the scores through a view of them (Swin-style shifted-window masks: microsoft Swin, timm,
+# MONAI SwinUNETR, SwinIR, GroundingDINO, CrossFormer, PhysicsNeMo's earth attention, ModelZoo copies):
+# ``(s.view(A) + M).view(B)`` is the scores plus M broadcast in the viewed shape, passed as pse in the scores' shape
+# (exact for any values: Swin fills with -100, not -inf). Helper in ``_attention_s37.py``.
+_S37_SHIFTED_WINDOWS = '''
+import torch
+from torch import nn
+
+
+class ShiftedWindowMixer(nn.Module):
+    def __init__(self, width=32, heads=4, side=3):
+        super().__init__()
+        self.h, self.side = heads, side
+        self.tau = (width // heads) ** -0.5
+        self.to_qkv = nn.Linear(width, 3 * width)
+        self.offsets = nn.Parameter(torch.randn(2 * side * side - 1, heads) * 0.1)
+
+    def forward(self, tokens, shift_mask=None):
+        b_, n, c = tokens.shape
+        q, k, v = self.to_qkv(tokens).reshape(b_, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4)
+        sim = torch.matmul(q, k.transpose(-2, -1)) * self.tau
+        pos = torch.arange(n, device=tokens.device)
+        sim = sim + self.offsets[pos[:, None] - pos[None, :] + n - 1].permute(2, 0, 1).unsqueeze(0)
+        if shift_mask is not None:
+            nw = shift_mask.shape[0]
+            sim = shift_mask[None, :, None] + sim.reshape(-1, nw, self.h, n, n)
+            sim = sim.reshape(b_, self.h, n, n)
+        weights = sim.softmax(dim=-1)
+        return torch.matmul(weights, v).transpose(1, 2).reshape(b_, n, c)
+'''
+
+_S37_SHIFTED_WINDOWS_RUN = '''
+m = ShiftedWindowMixer()
+x = torch.randn(6, 9, 32, requires_grad=True)
+shift = torch.zeros(3, 9, 9)
+shift[1, :4, 4:] = -100.0
+shift[1, 4:, :4] = -100.0
+shift[2, ::2, 1::2] = -100.0
+out = (m(x, shift), m(x))
+leaves = [x]
+'''
+
+_S37_WINDOW_MASK_IN_A_FUNCTION = '''
+import torch
+
+
+def windowed_attend(q, k, v, grid_mask, heads):
+    n = q.shape[-2]
+    logits = torch.einsum("bhid,bhjd->bhij", q, k) / q.shape[-1] ** 0.5
+    logits = logits.view(-1, grid_mask.shape[0], heads, n, n) + grid_mask.unsqueeze(1).unsqueeze(0)
+    return torch.einsum("bhij,bhjd->bhid", logits.view(-1, heads, n, n).softmax(-1), v)
+'''
+
+_S37_WINDOW_MASK_IN_A_FUNCTION_RUN = '''
+q, k, v = (torch.randn(4, 2, 5, 8, requires_grad=True) for _ in range(3))
+grid = torch.zeros(2, 5, 5)
+grid[1, :2, 2:] = float("-inf")
+out = windowed_attend(q, k, v, grid, 2)
+leaves = [q, k, v]
+'''
+
+# 5-D [B, H, W, N, D] windows (PhysicsNeMo / Pangu earth attention): a learned per-window bias and a window mask
+# added through a 6-D view; q / k / v fold their first two axes, and the pse is folded alike
+_S37_FOLDED_WINDOWS_WITH_BIAS = '''
+import torch
+from torch import nn
+
+
+class PlanetWindows(nn.Module):
+    def __init__(self, width=16, heads=2, windows=3, n=4):
+        super().__init__()
+        self.heads, self.scale = heads, (width // heads) ** -0.5
+        self.qkv = nn.Linear(width, 3 * width)
+        self.table = nn.Parameter(torch.randn(2 * n - 1, windows, heads) * 0.1)
+        self.register_buffer("idx", torch.arange(n)[:, None] - torch.arange(n)[None, :] + n - 1)
+
+    def forward(self, x, mask=None):
+        b, w, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, w, n, 3, self.heads, c // self.heads).permute(3, 0, 4, 1, 2, 5)
+        s = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        s = s + self.table[self.idx].permute(3, 2, 0, 1)[None]
+        if mask is not None:
+            g = mask.shape[0]
+            s = s.view(b // g, g, self.heads, w, n, n) + mask[None, :, None]
+            s = s.view(-1, self.heads, w, n, n)
+        p = s.softmax(-1)
+        return (p @ v).permute(0, 2, 3, 1, 4).reshape(b, w, n, c)
+'''
+
+_S37_FOLDED_WINDOWS_RUN = '''
+m = PlanetWindows()
+x = torch.randn(4, 3, 4, 16, requires_grad=True)
+shift = torch.zeros(2, 3, 4, 4)
+shift[1, :, :2, 2:] = -100.0
+out = (m(x, shift), m(x))
+leaves = [x]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S37_SHIFTED_WINDOWS, expect={"qualname": "ShiftedWindowMixer.forward"}, run=_S37_SHIFTED_WINDOWS_RUN,
+         name="s37_shifted_window_mask_added_through_a_reshape_of_the_scores"),
+    Fuse(_S37_WINDOW_MASK_IN_A_FUNCTION, expect={"qualname": "windowed_attend"}, run=_S37_WINDOW_MASK_IN_A_FUNCTION_RUN,
+         name="s37_window_mask_added_through_a_view_in_a_function"),
+    Fuse(_S37_FOLDED_WINDOWS_WITH_BIAS, expect={"qualname": "PlanetWindows.forward"}, run=_S37_FOLDED_WINDOWS_RUN,
+         name="s37_five_d_windows_with_a_learned_bias_and_a_window_mask"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the windowed view is transposed before the add: the result is the transposed scores plus the mask, not a term on them
+        _S37_WINDOW_MASK_IN_A_FUNCTION.replace("logits.view(-1, grid_mask.shape[0], heads, n, n) +", "logits.view(-1, grid_mask.shape[0], heads, n, n).transpose(-2, -1) +"),
+        reason="unsupported operation on the attention scores",
+        name="s37_window_mask_viewed_back_to_other_rows",
+    ),
+    Keep(
+        # the windowed view is multiplied, not added: a scaling of the scores by a tensor, no mask or bias
+        _S37_SHIFTED_WINDOWS.replace("sim = shift_mask[None, :, None] + sim.reshape(-1, nw, self.h, n, n)",
+                                     "sim = shift_mask[None, :, None] * sim.reshape(-1, nw, self.h, n, n)"),
+        reason="",
+        name="s37_window_tensor_multiplied_through_a_reshape",
+    ),
 ]
