@@ -311,10 +311,12 @@ class BlockInterp:
                 name = stmt.value.func.value.id
                 cur = self.sym(ast.Name(name, ast.Load()), env)
                 args = [self.sym(a, env) for a in stmt.value.args]
+                # s37: DI-engine's ``score.masked_fill_(~mask, value=-1e9)``: keyword arguments are kept (they were dropped)
+                kws = [ast.keyword(arg=kw.arg, value=self.sym(kw.value, env)) for kw in stmt.value.keywords]
                 op = _INPLACE[stmt.value.func.attr]
                 if isinstance(op, str):
-                    value = ast.Call(func=ast.Attribute(value=cur, attr=op, ctx=ast.Load()), args=args, keywords=[])
-                elif len(args) == 1:
+                    value = ast.Call(func=ast.Attribute(value=cur, attr=op, ctx=ast.Load()), args=args, keywords=kws)
+                elif len(args) == 1 and not kws:
                     value = ast.BinOp(left=cur, op=op, right=args[0])
                 else:
                     value = Opaque()
@@ -1859,12 +1861,11 @@ class _Matcher:
             # s33: ReChorus ``P.masked_fill(torch.isnan(P), 0)``: NaN rows are the rows whose every score is -inf
             chain.zero_masked = _attention_s33.NAN_ROWS  # type: ignore[attr-defined]
             return nan_zeroed
-        if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
-            x, m, fill = node.func.value, node.args[0], node.args[1]
-        elif isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3:
-            x, m, fill = node.args
-        else:
+        function = isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill"
+        parts = masked_fill_parts(node, function) if function or self.method(node, "masked_fill", "masked_fill_") else None
+        if parts is None:
             return None
+        x, m, fill = parts
         f = deref(fill)
         if isinstance(f, ast.Call) and self._fn(f) in ("torch.scalar_tensor", "torch.tensor") and f.args:
             f = deref(f.args[0])
@@ -2079,14 +2080,12 @@ class _Matcher:
                 self.add_scale(factor, isinstance(node.op, ast.Div), chain)
                 node = base
                 continue
-            if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
-                self.add_bool(node.args[0], node.args[1], "masked", chain, cond)
-                node = node.func.value
-                continue
-            if isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3 and not node.keywords:
-                # the function spelling of the same (ModelCenter)
-                self.add_bool(node.args[1], node.args[2], "masked", chain, cond)
-                node = node.args[0]
+            function = isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill"
+            filled = masked_fill_parts(node, function) if function or self.method(node, "masked_fill", "masked_fill_") else None
+            if filled is not None:
+                # the method, or the function spelling of the same (ModelCenter), arguments positional or by keyword
+                self.add_bool(filled[1], filled[2], "masked", chain, cond)
+                node = filled[0]
                 continue
             if isinstance(node, ast.Call) and self._fn(node) == "torch.where" and len(node.args) == 3:
                 c, x, y = node.args
@@ -2976,13 +2975,38 @@ def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
     return None
 
 
+def masked_fill_parts(node: Any, function: bool = False) -> tuple[Any, Any, Any] | None:
+    """(tensor, mask, fill) of ``x.masked_fill(m, v)`` / ``x.masked_fill_(m, v)``, or with ``function`` (the caller
+    resolved the callee to torch's function) ``torch.masked_fill(x, m, v)``, arguments positional or by keyword
+    (``mask=``, ``value=``, ``input=``: s37, DI-engine's ``masked_fill_(~mask, value=-1e9)``); None otherwise."""
+    if not isinstance(node, ast.Call) or any(kw.arg is None for kw in node.keywords) \
+            or any(isinstance(a, ast.Starred) for a in node.args):
+        return None
+    kws = {kw.arg: kw.value for kw in node.keywords}
+    if function:
+        names, given = ("input", "mask", "value"), []
+    elif isinstance(node.func, ast.Attribute) and node.func.attr in ("masked_fill", "masked_fill_"):
+        names, given = ("mask", "value"), [node.func.value]
+    else:
+        return None
+    parts = given + list(node.args)
+    for name in names[len(node.args):]:
+        if name not in kws:
+            return None
+        parts.append(kws.pop(name))
+    if kws or len(parts) != 3:
+        return None
+    return parts[0], parts[1], parts[2]
+
+
 def _constant_fill(n: ast.AST) -> bool:
     """``x.masked_fill(c, -100.0)`` / ``torch.where(c, 0.0, -100.0)``: positions set to constants."""
     if not isinstance(n, ast.Call):
         return False
     last = (dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).rpartition(".")[2]
-    if last in ("masked_fill", "masked_fill_") and len(n.args) == 2:
-        return isinstance(const_value(n.args[1]), (int, float))
+    parts = masked_fill_parts(n, function=(dotted(n.func) or "").startswith("torch.")) if last in ("masked_fill", "masked_fill_") else None
+    if parts is not None:
+        return isinstance(const_value(parts[2]), (int, float))
     if last == "where" and len(n.args) == 3:
         return all(isinstance(const_value(a), (int, float)) for a in n.args[1:])
     return False
@@ -13328,5 +13352,50 @@ AttentionPattern.KEEP += [
                                      "sim = shift_mask[None, :, None] * sim.reshape(-1, nw, self.h, n, n)"),
         reason="",
         name="s37_window_tensor_multiplied_through_a_reshape",
+    ),
+]
+
+# s37 (HO13b DI-engine ``score.masked_fill_(~mask, value=-1e9)``): masked_fill's mask / value given by keyword (bert4torch,
+# fairseq, FunASR, OLMo, molmo, RecBole, ReChorus, MindSpeed-RL spell it so); the in-place form lost its keywords
+_S37_KEYWORD_FILLS = '''
+import torch
+
+
+def keyed_fill_attend(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5
+    s.masked_fill_(mask=~keep, value=float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def function_fill_attend(q, k, v, pad):
+    s = torch.masked_fill(input=torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5, mask=pad[:, None, None, :], value=-1e4)
+    return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+'''
+
+_S37_KEYWORD_FILLS_RUN = '''
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.rand(2, 1, 5, 5) > 0.3
+keep[..., 0] = True
+pad = torch.zeros(2, 5, dtype=torch.bool)
+pad[1, 3:] = True
+out = (keyed_fill_attend(q, k, v, keep), function_fill_attend(q, k, v, pad))
+leaves = [q, k, v]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S37_KEYWORD_FILLS, expect={"qualname": "keyed_fill_attend"}, run=_S37_KEYWORD_FILLS_RUN,
+         name="s37_masked_fill_with_mask_and_value_by_keyword"),
+    Fuse(_S37_KEYWORD_FILLS[_S37_KEYWORD_FILLS.index("def function_fill_attend"):].join(("import torch\n\n\n", "")),
+         expect={"qualname": "function_fill_attend"},
+         run="\nq, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))\npad = torch.zeros(2, 5, dtype=torch.bool)\n"
+             "pad[1, 3:] = True\nout = function_fill_attend(q, k, v, pad)\nleaves = [q, k, v]\n",
+         name="s37_torch_masked_fill_with_every_argument_by_keyword"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the fill given by keyword is small: masked keys still attend
+        _S37_KEYWORD_FILLS.replace('value=float("-inf")', "value=-3.0").replace("value=-1e4", "value=-2.0"),
+        reason="not −inf or a large negative value",
+        name="s37_masked_fill_with_a_small_value_by_keyword",
     ),
 ]
