@@ -3749,36 +3749,11 @@ class AttentionPattern(Pattern):
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
                 value_split = 0
                 risks += [Risk("other", why) for _t, why in chain.requires]
-            if chain.q is not None and not three_d and any(k in chain.spelling for k in ("matmul", "@")) \
-                    and _attention_s35.last_axes_swapped(matcher, chain.q.leaf):
-                # s35: channel attention (q's last two axes swapped: the product contracts the tokens): nothing bounds that
-                # axis by a head dim; the fused call runs where it is within the op's D <= 768, the original code otherwise
-                # (matmul spellings: an einsum's q is re-laid out by the renderer, and s32 checks permuted einsums)
-                if not is_simple(q_t) and not _s36_view_of_a_name(q_t):
-                    raise Miss(f"q (`{q_t[:40]}`) has its last two axes swapped (channel attention: the product contracts the "
-                               "tokens), and npufuse checks the op's D <= 768 on a named q only")
-                need = [f"{atom(q_t)}.shape[-1] <= 768"]
-                if value_check is not None:
-                    need.append(value_check)
-                value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
-                value_split = 0
-                risks.append(Risk("other", f"q's last two axes are swapped before the product: its last axis may be the tokens (channel "
-                                           f"attention), which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
-                                           f"`{q_t}.shape[-1] <= 768`, the original code otherwise"))
             if chain.tensor_scales:
                 # s35: a tensor factor moves from the scores to q's rows where it is constant along the key axis (and D)
                 # and adds no axis q does not have; the original code runs otherwise
                 rank = 3 if three_d else 4
                 need = [f"{atom(t)}.dim() <= {rank} and {atom(t)}.shape[-1] == 1" for t in (r.text(x) for x in chain.tensor_scales)]
-                limit = f"{atom(q_t)}.shape[-1] <= 768"
-                if d is None and (is_simple(q_t) or _s36_view_of_a_name(q_t)) and (value_check is None or limit not in value_check):
-                    # s36: a learned per-head temperature marks channel attention (XCiT / Restormer / MONAI CABlock), whose
-                    # "head dim" is the pixels when the layout is made by a caller (MONAI's ``self._normal_attention(q, k, v)``
-                    # after ``rearrange(.., 'b (head c) h w -> b head c (h w)')``): the op's D <= 768 is checked here too
-                    need.append(limit)
-                    risks.append(Risk("other", f"the scale is a learned tensor, as in channel attention where q's last axis is the tokens: "
-                                               f"the fused call runs where `{q_t}.shape[-1] <= 768` (npu_fusion_attention's D limit), the "
-                                               "original code otherwise"))
                 if value_check is not None:
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
@@ -8784,23 +8759,6 @@ def _s36_last_two_swapped(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
     return None
 
 
-_S36_VIEWS = frozenset(("transpose", "permute", "swapaxes", "view", "unsqueeze", "squeeze", "unflatten"))
-
-
-def _s36_view_of_a_name(text: str) -> bool:
-    """``text`` is a name re-viewed by methods that only read its metadata (``q.transpose(-2, -1)``): its ``.shape``
-    costs no copy and no computation, so a run-time check may read it where a name would be needed."""
-    try:
-        n = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        return False
-    while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _S36_VIEWS \
-            and all(isinstance(a, (ast.Constant, ast.UnaryOp, ast.Name, ast.Attribute, ast.Subscript, ast.BinOp)) for a in n.args) \
-            and not n.keywords:
-        n = n.func.value
-    return isinstance(n, ast.Name) and n is not ast.parse(text, mode="eval").body
-
-
 def _s36_last_dim_keepdim(matcher: "_Matcher", call: Any, seen: set, *names: str) -> Any:
     """X of ``X.<name>(dim=-1, keepdim=True)`` / ``torch.<name>(X, -1, keepdim=True)`` (``max`` / ``amax`` / ``sum``;
     ``max`` read through ``.values`` / ``[0]``), else None."""
@@ -9581,13 +9539,6 @@ def _s28_qk_einsum_permuted(m: "_Matcher", mm: Product, c: Contraction, chain: C
                        "attends over the other axis (a channel map whose head dim for the fused call would be the sequence length)")
     chain.q = _s28_permuted_operand(m, q_node, "q", qs, batch + i + d, chain)
     chain.k = _s28_permuted_operand(m, k_node, "k", ks, batch + j + d, chain)
-    if qs[-1] != d:
-        # s32: the contracted axis is not q's last one as written: nothing bounds its size by a head dim (a channel
-        # axis, or a sequence in a channel map): the fused call runs where it is within the op's D ≤ 768
-        width = ast.Subscript(value=ast.Attribute(value=chain.q.leaf, attr="shape", ctx=ast.Load()), slice=ast.Constant(-1), ctx=ast.Load())
-        chain.requires.append((ast.Compare(left=width, ops=[ast.LtE()], comparators=[ast.Constant(MAX_HEAD_DIM)]),
-                               f"the einsum contracts q's axis {qs.index(d)} (`{d}`), read as the head dim: npu_fusion_attention takes "
-                               f"D ≤ {MAX_HEAD_DIM}, checked at run time; wider inputs run the original code"))
     chain.spelling.append("einsum")
     chain.notes.append(f"einsum `{c.a},{c.b}->{c.out}`: q and k are permuted to BNSD (the equation names their axes)"
                        + ("; the two leading batch axes are folded into one for the 4-D call" if n_out == 5 else ""))
@@ -12651,13 +12602,6 @@ AttentionPattern.KEEP += [
         reason="probabilities",
         name="s35_probabilities_or_their_mean_exposed",
     ),
-    Keep(
-        # channel attention whose q reaches the product as an expression: the D <= 768 check is made on a named q only
-        _S35_CHANNEL_ATTENTION.replace("        q = F.normalize(q, dim=-1)\n", "").replace(
-            "attn = (q @ k.transpose(-2, -1))", "attn = (F.normalize(q, dim=-1) @ k.transpose(-2, -1))"),
-        reason="last two axes swapped",
-        name="s35_channel_attention_on_an_unnamed_q",
-    ),
 ]
 
 
@@ -13231,6 +13175,19 @@ def sink_attention(q, k, v, sinks, scale):
 '''
 AttentionPattern.KEEP += [
     Keep(_S36_SINKS_ROW_MAX, reason="attention sinks", name="s36_attention_sinks_with_the_row_max_subtracted"),
+]
+
+# s37 (A4): channel attention whose q reaches the product as an expression was a near miss ("npufuse checks the op's D
+# <= 768 on a named q only"); the general head check on the bound k / v (v's head dim <= k's <= 768, k's contracted
+# axis = q's) bounds D for every candidate, so it is a candidate, checked like any other
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_CHANNEL_ATTENTION.replace("        q = F.normalize(q, dim=-1)\n", "").replace(
+            "attn = (q @ k.transpose(-2, -1))", "attn = (F.normalize(q, dim=-1) @ k.transpose(-2, -1))"),
+        expect={"qualname": "TransposedAttention.forward"},
+        run="\nm = TransposedAttention()\nx = torch.randn(2, 6, 32, requires_grad=True)\nout = m(x)\nleaves = [x, m.rescale]\n",
+        name="s37_channel_attention_on_an_unnamed_q",
+    ),
 ]
 
 # --- s37: a term added to the scores through a view of them (Swin-style shifted-window masks: microsoft Swin, timm,
