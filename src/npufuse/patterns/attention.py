@@ -13301,7 +13301,7 @@ AttentionPattern.KEEP += [
         # the windowed view is transposed before the add: the result is the transposed scores plus the mask, not a term on them
         _S37_WINDOW_MASK_IN_A_FUNCTION.replace("logits.view(-1, grid_mask.shape[0], heads, n, n) +", "logits.view(-1, grid_mask.shape[0], heads, n, n).transpose(-2, -1) +"),
         reason="unsupported operation on the attention scores",
-        name="s37_window_mask_viewed_back_to_other_rows",
+        name="s37_window_view_transposed_before_the_add",
     ),
     Keep(
         # the windowed view is multiplied, not added: a scaling of the scores by a tensor, no mask or bias
