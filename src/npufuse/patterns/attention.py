@@ -1536,7 +1536,7 @@ class _Matcher:
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
-                        f"(`{self._first_diff(a, b)}`): the fused op has no hook for it"
+                        f"(`{self._branch_text(a, b)}`): the fused op has no hook for it"
                     )
                 return None
             if isinstance(node, ast.IfExp):
@@ -1921,6 +1921,17 @@ class _Matcher:
                 "differ from the original's, and tensor-parallel ranks may draw correlated masks (compare with dropout off)")
         if not any(r.detail == risk for r in chain.risks):
             chain.risks.append(Risk("numerics", risk))
+
+    def _branch_text(self, a: Any, b: Any) -> str:
+        """:meth:`_first_diff`, with a nested ``if``'s two arms shown by what they compute (s37: speechbrain's
+        ``if mask.dtype == torch.bool: p = p.masked_fill(mask, 0.0) else: pass`` read as ``p if .. else p``)."""
+        for n in (a, b):
+            if not isinstance(n, Undef):
+                n = deref(n)
+                if isinstance(n, Cond):
+                    n = Cond(test=n.test, body=deref(n.body), orelse=deref(n.orelse))
+                return self.src(n)
+        return "?"
 
     def _first_diff(self, a: Any, b: Any) -> str:
         for n in (a, b):
