@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -311,10 +311,12 @@ class BlockInterp:
                 name = stmt.value.func.value.id
                 cur = self.sym(ast.Name(name, ast.Load()), env)
                 args = [self.sym(a, env) for a in stmt.value.args]
+                # s37: DI-engine's ``score.masked_fill_(~mask, value=-1e9)``: keyword arguments are kept (they were dropped)
+                kws = [ast.keyword(arg=kw.arg, value=self.sym(kw.value, env)) for kw in stmt.value.keywords]
                 op = _INPLACE[stmt.value.func.attr]
                 if isinstance(op, str):
-                    value = ast.Call(func=ast.Attribute(value=cur, attr=op, ctx=ast.Load()), args=args, keywords=[])
-                elif len(args) == 1:
+                    value = ast.Call(func=ast.Attribute(value=cur, attr=op, ctx=ast.Load()), args=args, keywords=kws)
+                elif len(args) == 1 and not kws:
                     value = ast.BinOp(left=cur, op=op, right=args[0])
                 else:
                     value = Opaque()
@@ -1564,7 +1566,7 @@ class _Matcher:
                 if self._qk_softmax(node):
                     raise Miss(
                         f"attention probabilities are modified after softmax under `if {self.src(node.test)}` "
-                        f"(`{self._first_diff(a, b)}`): the fused op has no hook for it"
+                        f"(`{self._branch_text(a, b)}`): the fused op has no hook for it"
                     )
                 return None
             if isinstance(node, ast.IfExp):
@@ -1889,12 +1891,11 @@ class _Matcher:
             # s33: ReChorus ``P.masked_fill(torch.isnan(P), 0)``: NaN rows are the rows whose every score is -inf
             chain.zero_masked = _attention_s33.NAN_ROWS  # type: ignore[attr-defined]
             return nan_zeroed
-        if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
-            x, m, fill = node.func.value, node.args[0], node.args[1]
-        elif isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3:
-            x, m, fill = node.args
-        else:
+        function = isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill"
+        parts = masked_fill_parts(node, function) if function or self.method(node, "masked_fill", "masked_fill_") else None
+        if parts is None:
             return None
+        x, m, fill = parts
         f = deref(fill)
         if isinstance(f, ast.Call) and self._fn(f) in ("torch.scalar_tensor", "torch.tensor") and f.args:
             f = deref(f.args[0])
@@ -1950,6 +1951,17 @@ class _Matcher:
                 "differ from the original's, and tensor-parallel ranks may draw correlated masks (compare with dropout off)")
         if not any(r.detail == risk for r in chain.risks):
             chain.risks.append(Risk("numerics", risk))
+
+    def _branch_text(self, a: Any, b: Any) -> str:
+        """:meth:`_first_diff`, with a nested ``if``'s two arms shown by what they compute (s37: speechbrain's
+        ``if mask.dtype == torch.bool: p = p.masked_fill(mask, 0.0) else: pass`` read as ``p if .. else p``)."""
+        for n in (a, b):
+            if not isinstance(n, Undef):
+                n = deref(n)
+                if isinstance(n, Cond):
+                    n = Cond(test=n.test, body=deref(n.body), orelse=deref(n.orelse))
+                return self.src(n)
+        return "?"
 
     def _first_diff(self, a: Any, b: Any) -> str:
         for n in (a, b):
@@ -2109,14 +2121,12 @@ class _Matcher:
                 self.add_scale(factor, isinstance(node.op, ast.Div), chain)
                 node = base
                 continue
-            if self.method(node, "masked_fill", "masked_fill_") and len(node.args) == 2:
-                self.add_bool(node.args[0], node.args[1], "masked", chain, cond)
-                node = node.func.value
-                continue
-            if isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill" and len(node.args) == 3 and not node.keywords:
-                # the function spelling of the same (ModelCenter)
-                self.add_bool(node.args[1], node.args[2], "masked", chain, cond)
-                node = node.args[0]
+            function = isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill"
+            filled = masked_fill_parts(node, function) if function or self.method(node, "masked_fill", "masked_fill_") else None
+            if filled is not None:
+                # the method, or the function spelling of the same (ModelCenter), arguments positional or by keyword
+                self.add_bool(filled[1], filled[2], "masked", chain, cond)
+                node = filled[0]
                 continue
             if isinstance(node, ast.Call) and self._fn(node) == "torch.where" and len(node.args) == 3:
                 c, x, y = node.args
@@ -2139,6 +2149,13 @@ class _Matcher:
                 beta = keyword(node, "beta")
                 raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
                            "a float term npufuse does not convert to a mask")
+            around = _attention_s37.view_around_add(self, node, chain, stop)
+            if around is not None:
+                # s37: Swin's ``(s.view(B // nW, nW, H, N, N) + mask[None, :, None]).view(-1, H, N, N)``: a term added through
+                # a view of the same scores, passed in the scores' shape as pse (exact for any values: Swin's -100 shifts)
+                node, term = around
+                _s28_take_bias(self, term, chain, cond)
+                continue
             floor = _s28_floor_clamp(self, node, chain)  # s28: a floor at a large negative value only touches masked logits
             if floor is not None:
                 node = floor
@@ -2999,13 +3016,38 @@ def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
     return None
 
 
+def masked_fill_parts(node: Any, function: bool = False) -> tuple[Any, Any, Any] | None:
+    """(tensor, mask, fill) of ``x.masked_fill(m, v)`` / ``x.masked_fill_(m, v)``, or with ``function`` (the caller
+    resolved the callee to torch's function) ``torch.masked_fill(x, m, v)``, arguments positional or by keyword
+    (``mask=``, ``value=``, ``input=``: s37, DI-engine's ``masked_fill_(~mask, value=-1e9)``); None otherwise."""
+    if not isinstance(node, ast.Call) or any(kw.arg is None for kw in node.keywords) \
+            or any(isinstance(a, ast.Starred) for a in node.args):
+        return None
+    kws = {kw.arg: kw.value for kw in node.keywords}
+    if function:
+        names, given = ("input", "mask", "value"), []
+    elif isinstance(node.func, ast.Attribute) and node.func.attr in ("masked_fill", "masked_fill_"):
+        names, given = ("mask", "value"), [node.func.value]
+    else:
+        return None
+    parts = given + list(node.args)
+    for name in names[len(node.args):]:
+        if name not in kws:
+            return None
+        parts.append(kws.pop(name))
+    if kws or len(parts) != 3:
+        return None
+    return parts[0], parts[1], parts[2]
+
+
 def _constant_fill(n: ast.AST) -> bool:
     """``x.masked_fill(c, -100.0)`` / ``torch.where(c, 0.0, -100.0)``: positions set to constants."""
     if not isinstance(n, ast.Call):
         return False
     last = (dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).rpartition(".")[2]
-    if last in ("masked_fill", "masked_fill_") and len(n.args) == 2:
-        return isinstance(const_value(n.args[1]), (int, float))
+    parts = masked_fill_parts(n, function=(dotted(n.func) or "").startswith("torch.")) if last in ("masked_fill", "masked_fill_") else None
+    if parts is not None:
+        return isinstance(const_value(parts[2]), (int, float))
     if last == "where" and len(n.args) == 3:
         return all(isinstance(const_value(a), (int, float)) for a in n.args[1:])
     return False
@@ -3426,8 +3468,9 @@ class AttentionPattern(Pattern):
                     op.layout = "3D"
                 chain.out_layout = "3D"
                 ranks = [None, None, None]
+            # s37: float biases fold with q/k/v (pse = the 5-D scores' bias flattened alike: PhysicsNeMo's earth attention)
             folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
-                and (not chain.masks or sole_causal)
+                and (not chain.masks or sole_causal or all(isinstance(m, _S28Bias) for m in chain.masks))
             if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal):  # s28: k/v rank checked at run time
                 folded, ranks = True, [5, 5, 5]
             for (tag, op, text), rank in zip(operands, ranks):
@@ -3676,7 +3719,7 @@ class AttentionPattern(Pattern):
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
         value_split = 0
         mask_kind, sparse = "none", 0
-        s28_pse = _s28_pse_lines(r, chain, scale, q_n, three_d)  # s28: float biases -> pse (removed from chain.masks)
+        s28_pse = _s28_pse_lines(r, chain, scale, q_n, three_d, folded)  # s28: float biases -> pse (removed from chain.masks)
         if isinstance(s28_pse, str):
             return NearMiss(self.id, scope.qualname, span_line, end_line, s28_pse)
         causal_terms = [m for m in chain.masks if m.causal]
@@ -3749,36 +3792,11 @@ class AttentionPattern(Pattern):
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
                 value_split = 0
                 risks += [Risk("other", why) for _t, why in chain.requires]
-            if chain.q is not None and not three_d and any(k in chain.spelling for k in ("matmul", "@")) \
-                    and _attention_s35.last_axes_swapped(matcher, chain.q.leaf):
-                # s35: channel attention (q's last two axes swapped: the product contracts the tokens): nothing bounds that
-                # axis by a head dim; the fused call runs where it is within the op's D <= 768, the original code otherwise
-                # (matmul spellings: an einsum's q is re-laid out by the renderer, and s32 checks permuted einsums)
-                if not is_simple(q_t) and not _s36_view_of_a_name(q_t):
-                    raise Miss(f"q (`{q_t[:40]}`) has its last two axes swapped (channel attention: the product contracts the "
-                               "tokens), and npufuse checks the op's D <= 768 on a named q only")
-                need = [f"{atom(q_t)}.shape[-1] <= 768"]
-                if value_check is not None:
-                    need.append(value_check)
-                value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
-                value_split = 0
-                risks.append(Risk("other", f"q's last two axes are swapped before the product: its last axis may be the tokens (channel "
-                                           f"attention), which npu_fusion_attention takes as the head dim (D <= 768): the fused call runs where "
-                                           f"`{q_t}.shape[-1] <= 768`, the original code otherwise"))
             if chain.tensor_scales:
                 # s35: a tensor factor moves from the scores to q's rows where it is constant along the key axis (and D)
                 # and adds no axis q does not have; the original code runs otherwise
                 rank = 3 if three_d else 4
                 need = [f"{atom(t)}.dim() <= {rank} and {atom(t)}.shape[-1] == 1" for t in (r.text(x) for x in chain.tensor_scales)]
-                limit = f"{atom(q_t)}.shape[-1] <= 768"
-                if d is None and (is_simple(q_t) or _s36_view_of_a_name(q_t)) and (value_check is None or limit not in value_check):
-                    # s36: a learned per-head temperature marks channel attention (XCiT / Restormer / MONAI CABlock), whose
-                    # "head dim" is the pixels when the layout is made by a caller (MONAI's ``self._normal_attention(q, k, v)``
-                    # after ``rearrange(.., 'b (head c) h w -> b head c (h w)')``): the op's D <= 768 is checked here too
-                    need.append(limit)
-                    risks.append(Risk("other", f"the scale is a learned tensor, as in channel attention where q's last axis is the tokens: "
-                                               f"the fused call runs where `{q_t}.shape[-1] <= 768` (npu_fusion_attention's D limit), the "
-                                               "original code otherwise"))
                 if value_check is not None:
                     need.append(value_check)
                 value_check = " and ".join(need) if len(need) == 1 else " and ".join(f"({c})" for c in need)
@@ -8784,23 +8802,6 @@ def _s36_last_two_swapped(matcher: "_Matcher", node: Any, chain: Chain) -> Any:
     return None
 
 
-_S36_VIEWS = frozenset(("transpose", "permute", "swapaxes", "view", "unsqueeze", "squeeze", "unflatten"))
-
-
-def _s36_view_of_a_name(text: str) -> bool:
-    """``text`` is a name re-viewed by methods that only read its metadata (``q.transpose(-2, -1)``): its ``.shape``
-    costs no copy and no computation, so a run-time check may read it where a name would be needed."""
-    try:
-        n = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        return False
-    while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _S36_VIEWS \
-            and all(isinstance(a, (ast.Constant, ast.UnaryOp, ast.Name, ast.Attribute, ast.Subscript, ast.BinOp)) for a in n.args) \
-            and not n.keywords:
-        n = n.func.value
-    return isinstance(n, ast.Name) and n is not ast.parse(text, mode="eval").body
-
-
 def _s36_last_dim_keepdim(matcher: "_Matcher", call: Any, seen: set, *names: str) -> Any:
     """X of ``X.<name>(dim=-1, keepdim=True)`` / ``torch.<name>(X, -1, keepdim=True)`` (``max`` / ``amax`` / ``sum``;
     ``max`` read through ``.values`` / ``[0]``), else None."""
@@ -9581,13 +9582,6 @@ def _s28_qk_einsum_permuted(m: "_Matcher", mm: Product, c: Contraction, chain: C
                        "attends over the other axis (a channel map whose head dim for the fused call would be the sequence length)")
     chain.q = _s28_permuted_operand(m, q_node, "q", qs, batch + i + d, chain)
     chain.k = _s28_permuted_operand(m, k_node, "k", ks, batch + j + d, chain)
-    if qs[-1] != d:
-        # s32: the contracted axis is not q's last one as written: nothing bounds its size by a head dim (a channel
-        # axis, or a sequence in a channel map): the fused call runs where it is within the op's D ≤ 768
-        width = ast.Subscript(value=ast.Attribute(value=chain.q.leaf, attr="shape", ctx=ast.Load()), slice=ast.Constant(-1), ctx=ast.Load())
-        chain.requires.append((ast.Compare(left=width, ops=[ast.LtE()], comparators=[ast.Constant(MAX_HEAD_DIM)]),
-                               f"the einsum contracts q's axis {qs.index(d)} (`{d}`), read as the head dim: npu_fusion_attention takes "
-                               f"D ≤ {MAX_HEAD_DIM}, checked at run time; wider inputs run the original code"))
     chain.spelling.append("einsum")
     chain.notes.append(f"einsum `{c.a},{c.b}->{c.out}`: q and k are permuted to BNSD (the equation names their axes)"
                        + ("; the two leading batch axes are folded into one for the 4-D call" if n_out == 5 else ""))
@@ -9793,7 +9787,7 @@ def _s28_module_bias(m: "_Matcher", term: Any, chain: Chain, cond: tuple[Any, bo
     return True
 
 
-def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: bool) -> tuple[list[str], list[Risk], str] | str | None:
+def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: bool, folded: bool = False) -> tuple[list[str], list[Risk], str] | str | None:
     """Statements building ``_npufuse_pse`` from the chain's bias terms (taken out of chain.masks), the
     risks, and the pse's description; a near-miss reason where the layout has no pse npufuse builds;
     None without bias terms."""
@@ -9827,7 +9821,8 @@ def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: b
         else:
             lines += add
     shape = r.scores_shape
-    pse = f"_npufuse_pse.to({atom(q_n)}.dtype).expand({shape})" + (".unsqueeze(1)" if three_d else "")
+    # (s37: 5-D [B, N, W, Sq, Skv] scores fold their first two axes as q / k / v do)
+    pse = f"_npufuse_pse.to({atom(q_n)}.dtype).expand({shape})" + (".unsqueeze(1)" if three_d else ".flatten(0, 1)" if folded else "")
     lines += ["if _npufuse_pse is not None:",
               f"    _npufuse_pse = _npufuse_autocast({q_n}, {pse}.contiguous())[1]  # pse: q's dtype (autocast's when on), [B, N, Sq, Skv]"]
     risks = [Risk("numerics", "the float bias added to the scores is passed as npu_fusion_attention's `pse` in q's dtype "
@@ -12650,13 +12645,6 @@ AttentionPattern.KEEP += [
         reason="probabilities",
         name="s35_probabilities_or_their_mean_exposed",
     ),
-    Keep(
-        # channel attention whose q reaches the product as an expression: the D <= 768 check is made on a named q only
-        _S35_CHANNEL_ATTENTION.replace("        q = F.normalize(q, dim=-1)\n", "").replace(
-            "attn = (q @ k.transpose(-2, -1))", "attn = (F.normalize(q, dim=-1) @ k.transpose(-2, -1))"),
-        reason="last two axes swapped",
-        name="s35_channel_attention_on_an_unnamed_q",
-    ),
 ]
 
 
@@ -13305,5 +13293,185 @@ q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
 out = plain_attention(q, k, v, -torch.ones(1, 1, 1, 5) * 0.3)
 leaves = [q, k, v]
 ''',
+    ),
+]
+
+# s37 (A4): channel attention whose q reaches the product as an expression was a near miss ("npufuse checks the op's D
+# <= 768 on a named q only"); the general head check on the bound k / v (v's head dim <= k's <= 768, k's contracted
+# axis = q's) bounds D for every candidate, so it is a candidate, checked like any other
+AttentionPattern.FUSE += [
+    Fuse(
+        _S35_CHANNEL_ATTENTION.replace("        q = F.normalize(q, dim=-1)\n", "").replace(
+            "attn = (q @ k.transpose(-2, -1))", "attn = (F.normalize(q, dim=-1) @ k.transpose(-2, -1))"),
+        expect={"qualname": "TransposedAttention.forward"},
+        run="\nm = TransposedAttention()\nx = torch.randn(2, 6, 32, requires_grad=True)\nout = m(x)\nleaves = [x, m.rescale]\n",
+        name="s37_channel_attention_on_an_unnamed_q",
+    ),
+]
+
+# --- s37: a term added to the scores through a view of them (Swin-style shifted-window masks: microsoft Swin, timm,
+# MONAI SwinUNETR, SwinIR, GroundingDINO, CrossFormer, PhysicsNeMo's earth attention, ModelZoo copies):
+# ``(s.view(A) + M).view(B)`` is the scores plus M broadcast in the viewed shape, passed as pse in the scores' shape
+# (exact for any values: Swin fills with -100, not -inf). Helper in ``_attention_s37.py``.
+_S37_SHIFTED_WINDOWS = '''
+import torch
+from torch import nn
+
+
+class ShiftedWindowMixer(nn.Module):
+    def __init__(self, width=32, heads=4, side=3):
+        super().__init__()
+        self.h, self.side = heads, side
+        self.tau = (width // heads) ** -0.5
+        self.to_qkv = nn.Linear(width, 3 * width)
+        self.offsets = nn.Parameter(torch.randn(2 * side * side - 1, heads) * 0.1)
+
+    def forward(self, tokens, shift_mask=None):
+        b_, n, c = tokens.shape
+        q, k, v = self.to_qkv(tokens).reshape(b_, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4)
+        sim = torch.matmul(q, k.transpose(-2, -1)) * self.tau
+        pos = torch.arange(n, device=tokens.device)
+        sim = sim + self.offsets[pos[:, None] - pos[None, :] + n - 1].permute(2, 0, 1).unsqueeze(0)
+        if shift_mask is not None:
+            nw = shift_mask.shape[0]
+            sim = shift_mask[None, :, None] + sim.reshape(-1, nw, self.h, n, n)
+            sim = sim.reshape(b_, self.h, n, n)
+        weights = sim.softmax(dim=-1)
+        return torch.matmul(weights, v).transpose(1, 2).reshape(b_, n, c)
+'''
+
+_S37_SHIFTED_WINDOWS_RUN = '''
+m = ShiftedWindowMixer()
+x = torch.randn(6, 9, 32, requires_grad=True)
+shift = torch.zeros(3, 9, 9)
+shift[1, :4, 4:] = -100.0
+shift[1, 4:, :4] = -100.0
+shift[2, ::2, 1::2] = -100.0
+out = (m(x, shift), m(x))
+leaves = [x]
+'''
+
+_S37_WINDOW_MASK_IN_A_FUNCTION = '''
+import torch
+
+
+def windowed_attend(q, k, v, grid_mask, heads):
+    n = q.shape[-2]
+    logits = torch.einsum("bhid,bhjd->bhij", q, k) / q.shape[-1] ** 0.5
+    logits = logits.view(-1, grid_mask.shape[0], heads, n, n) + grid_mask.unsqueeze(1).unsqueeze(0)
+    return torch.einsum("bhij,bhjd->bhid", logits.view(-1, heads, n, n).softmax(-1), v)
+'''
+
+_S37_WINDOW_MASK_IN_A_FUNCTION_RUN = '''
+q, k, v = (torch.randn(4, 2, 5, 8, requires_grad=True) for _ in range(3))
+grid = torch.zeros(2, 5, 5)
+grid[1, :2, 2:] = float("-inf")
+out = windowed_attend(q, k, v, grid, 2)
+leaves = [q, k, v]
+'''
+
+# 5-D [B, H, W, N, D] windows (PhysicsNeMo / Pangu earth attention): a learned per-window bias and a window mask
+# added through a 6-D view; q / k / v fold their first two axes, and the pse is folded alike
+_S37_FOLDED_WINDOWS_WITH_BIAS = '''
+import torch
+from torch import nn
+
+
+class PlanetWindows(nn.Module):
+    def __init__(self, width=16, heads=2, windows=3, n=4):
+        super().__init__()
+        self.heads, self.scale = heads, (width // heads) ** -0.5
+        self.qkv = nn.Linear(width, 3 * width)
+        self.table = nn.Parameter(torch.randn(2 * n - 1, windows, heads) * 0.1)
+        self.register_buffer("idx", torch.arange(n)[:, None] - torch.arange(n)[None, :] + n - 1)
+
+    def forward(self, x, mask=None):
+        b, w, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, w, n, 3, self.heads, c // self.heads).permute(3, 0, 4, 1, 2, 5)
+        s = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        s = s + self.table[self.idx].permute(3, 2, 0, 1)[None]
+        if mask is not None:
+            g = mask.shape[0]
+            s = s.view(b // g, g, self.heads, w, n, n) + mask[None, :, None]
+            s = s.view(-1, self.heads, w, n, n)
+        p = s.softmax(-1)
+        return (p @ v).permute(0, 2, 3, 1, 4).reshape(b, w, n, c)
+'''
+
+_S37_FOLDED_WINDOWS_RUN = '''
+m = PlanetWindows()
+x = torch.randn(4, 3, 4, 16, requires_grad=True)
+shift = torch.zeros(2, 3, 4, 4)
+shift[1, :, :2, 2:] = -100.0
+out = (m(x, shift), m(x))
+leaves = [x]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S37_SHIFTED_WINDOWS, expect={"qualname": "ShiftedWindowMixer.forward"}, run=_S37_SHIFTED_WINDOWS_RUN,
+         name="s37_shifted_window_mask_added_through_a_reshape_of_the_scores"),
+    Fuse(_S37_WINDOW_MASK_IN_A_FUNCTION, expect={"qualname": "windowed_attend"}, run=_S37_WINDOW_MASK_IN_A_FUNCTION_RUN,
+         name="s37_window_mask_added_through_a_view_in_a_function"),
+    Fuse(_S37_FOLDED_WINDOWS_WITH_BIAS, expect={"qualname": "PlanetWindows.forward"}, run=_S37_FOLDED_WINDOWS_RUN,
+         name="s37_five_d_windows_with_a_learned_bias_and_a_window_mask"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the windowed view is transposed before the add: the result is the transposed scores plus the mask, not a term on them
+        _S37_WINDOW_MASK_IN_A_FUNCTION.replace("logits.view(-1, grid_mask.shape[0], heads, n, n) +", "logits.view(-1, grid_mask.shape[0], heads, n, n).transpose(-2, -1) +"),
+        reason="unsupported operation on the attention scores",
+        name="s37_window_view_transposed_before_the_add",
+    ),
+    Keep(
+        # the windowed view is multiplied, not added: a scaling of the scores by a tensor, no mask or bias
+        _S37_SHIFTED_WINDOWS.replace("sim = shift_mask[None, :, None] + sim.reshape(-1, nw, self.h, n, n)",
+                                     "sim = shift_mask[None, :, None] * sim.reshape(-1, nw, self.h, n, n)"),
+        reason="",
+        name="s37_window_tensor_multiplied_through_a_reshape",
+    ),
+]
+
+# s37 (HO13b DI-engine ``score.masked_fill_(~mask, value=-1e9)``): masked_fill's mask / value given by keyword (bert4torch,
+# fairseq, FunASR, OLMo, molmo, RecBole, ReChorus, MindSpeed-RL spell it so); the in-place form lost its keywords
+_S37_KEYWORD_FILLS = '''
+import torch
+
+
+def keyed_fill_attend(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5
+    s.masked_fill_(mask=~keep, value=float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def function_fill_attend(q, k, v, pad):
+    s = torch.masked_fill(input=torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5, mask=pad[:, None, None, :], value=-1e4)
+    return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+'''
+
+_S37_KEYWORD_FILLS_RUN = '''
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.rand(2, 1, 5, 5) > 0.3
+keep[..., 0] = True
+pad = torch.zeros(2, 5, dtype=torch.bool)
+pad[1, 3:] = True
+out = (keyed_fill_attend(q, k, v, keep), function_fill_attend(q, k, v, pad))
+leaves = [q, k, v]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S37_KEYWORD_FILLS, expect={"qualname": "keyed_fill_attend"}, run=_S37_KEYWORD_FILLS_RUN,
+         name="s37_masked_fill_with_mask_and_value_by_keyword"),
+    Fuse(_S37_KEYWORD_FILLS[_S37_KEYWORD_FILLS.index("def function_fill_attend"):].join(("import torch\n\n\n", "")),
+         expect={"qualname": "function_fill_attend"},
+         run="\nq, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))\npad = torch.zeros(2, 5, dtype=torch.bool)\n"
+             "pad[1, 3:] = True\nout = function_fill_attend(q, k, v, pad)\nleaves = [q, k, v]\n",
+         name="s37_torch_masked_fill_with_every_argument_by_keyword"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the fill given by keyword is small: masked keys still attend
+        _S37_KEYWORD_FILLS.replace('value=float("-inf")', "value=-3.0").replace("value=-1e4", "value=-2.0"),
+        reason="not −inf or a large negative value",
+        name="s37_masked_fill_with_a_small_value_by_keyword",
     ),
 ]
