@@ -86,3 +86,55 @@ def test_called_outside_def_is_cached_per_module() -> None:
     assert dataflow.called_outside_def(module, "f", True) is True
     assert dataflow.called_outside_def(module, "f", False) is False
     assert module.__dict__["_npufuse_called_outside_def"] == {("f", True): True, ("f", False): False}
+
+
+# -- repo_facts' registering index, walked only where a registering call can be written --------
+
+REGISTERING = [
+    "def add(m, n):\n    m.register_buffer('alibi', n)\n    return m\n",
+    "def add(m, n):\n    def inner(k):\n        setattr(k, 'x', 1)\n    m.\\\n        register_buffer(\n        'alibi', n)\n",
+    "class A:\n    def __init__(self):\n        self.register_buffer('b', None)\n    def f(self, m):\n        if m:\n            setattr(m, 'b', 2)\n",
+    "def add(m):\n    # register_buffer in a comment only\n    return m\n",
+    "def add(m, n):\n    m.ｒｅｇｉｓｔｅｒ_buffer('alibi', n)\n",  # an NFKC spelling: the line outside ASCII is walked
+    "def add(m, n):\r\n    m.register_buffer('alibi', n)\r\n",
+    "@deco(setattr)\ndef add(m, n):\n    return n\n",
+]
+
+
+def _nonempty(index: list) -> list:
+    return [(fn, params, calls) for fn, params, calls in index if calls]
+
+
+@pytest.mark.parametrize("text", REGISTERING)
+def test_registering_index_on_lines_keeps_every_registering_function(text: str) -> None:
+    from npufuse.scan import repo_facts
+
+    tree = ast.parse(text)
+    whole = repo_facts._registering_index(tree)
+    pruned = repo_facts._registering_index(tree, repo_facts._registering_lines(text))
+    assert _nonempty(pruned) == _nonempty(whole)
+    assert _nonempty(whole) or "comment" in text or "deco" in text
+
+
+def test_registering_index_on_lines_equals_the_whole_walk_on_sample_files() -> None:
+    from npufuse.scan import repo_facts
+
+    seen = 0
+    for text in _texts():
+        tree = ast.parse(text)
+        whole = repo_facts._registering_index(tree)
+        assert _nonempty(repo_facts._registering_index(tree, repo_facts._registering_lines(text))) == _nonempty(whole)
+        seen += bool(_nonempty(whole))
+    assert seen > 0
+
+
+def test_registering_calls_reads_the_text_of_a_parsed_repo_file(tmp_path) -> None:
+    from npufuse.scan import repo_facts
+
+    (tmp_path / "surgery.py").write_text(REGISTERING[2])
+    repo_facts.reset()
+    tree = repo_facts._parse_repo_file(tmp_path, "surgery.py")
+    got = repo_facts.registering_calls(tree)
+    assert [fn.name for fn, _p, calls in got] == ["__init__", "f"]  # (the class's other lines are not entered)
+    assert _nonempty(got) == _nonempty(repo_facts._registering_index(tree))
+    repo_facts.reset()
