@@ -1107,3 +1107,11 @@ def text_holds_any(module: "ModuleInfo", words: tuple[str, ...]) -> bool:
         src = module.source
         got = cache[words] = any(w in src for w in words)
     return got
+
+
+def may_name(module: "ModuleInfo", text: str, name: str) -> bool:
+    """False only where no identifier in ``text`` (a part of ``module``'s source) can be ``name``:
+    the text does not hold it, and it is ASCII or no character of the file outside ASCII
+    decomposes to an ASCII one (an identifier is read as its NFKC form: ``folds_to_ascii``).
+    A test before walking the nodes of that text for a ``Name`` of ``name``."""
+    return name in text or not (text.isascii() or not folds_to_ascii(module))
