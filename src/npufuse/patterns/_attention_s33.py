@@ -12,10 +12,10 @@ the result is float32. Anything not proven is None: the caller then treats the c
 from __future__ import annotations
 
 import ast
-import re
 from typing import Any, Optional
 
 from npufuse.scan import canonical, repo_facts
+from npufuse.scan.dataflow import called_outside_def
 
 _MODULE_BASES = {"Module", "nn.Module", "torch.nn.Module"}
 
@@ -209,8 +209,7 @@ def parameter_may_be_number(module: Any, scope: Any, node: Any) -> bool:
     method = bool(scope.class_name) and positional[:1] == ["self"]
     pos = positional.index(node.name) - (1 if method else 0) if node.name in positional else None
     # the text decides most cases: no ``self.<name>(`` / ``<name>(`` call spelled anywhere but the ``def``
-    called = rf"\bself\s*\.\s*{fn.name}\s*\(" if method else rf"(?<![\w.]){fn.name}\s*\("
-    if not any(not module.source[max(0, m.start() - 8):m.start()].rstrip().endswith("def") for m in re.finditer(called, module.source)):
+    if not called_outside_def(module, fn.name, method):  # (the text regexes, tested by hand: dataflow)
         return False
     for caller, call in _calls_by_callee(module).get(("self" if method else "", fn.name), ()):
         arg = next((k.value for k in call.keywords if k.arg == node.name), None)

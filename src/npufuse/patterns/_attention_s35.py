@@ -121,9 +121,12 @@ def unbound_operand(matcher: Any, chain: Any) -> Optional[str]:
         return None
     params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)} | \
         {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
-    declared = {n for st in ast.walk(fn) if isinstance(st, (ast.Global, ast.Nonlocal)) for n in st.names}
-    arms = [(st.body, st.orelse) for st in ast.walk(fn) if isinstance(st, ast.If) and st.orelse]
-    loops = [st.body for st in ast.walk(fn) if isinstance(st, (ast.For, ast.AsyncFor, ast.While))]
+    # ast.walk(fn)'s nodes of these types from the scope's shared index (grouped by type: the order
+    # within a type is the walk's; the sets and any() below do not depend on the order across types)
+    groups = matcher.scope.nodes()
+    declared = {n for t in (ast.Global, ast.Nonlocal) for st in groups.get(t, ()) for n in st.names}
+    arms = [(st.body, st.orelse) for st in groups.get(ast.If, ()) if st.orelse]
+    loops = [st.body for t in (ast.For, ast.AsyncFor, ast.While) for st in groups.get(t, ())]
 
     def inside(stmts: list[ast.stmt], at: int) -> bool:
         return bool(stmts) and stmts[0].lineno <= at <= (stmts[-1].end_lineno or stmts[-1].lineno)
@@ -150,8 +153,8 @@ def unbound_operand(matcher: Any, chain: Any) -> Optional[str]:
         if name is None or name in params or name in declared or name == "self":
             continue
         assigned = matcher.scope.assignments.get(name, ())
-        binders = [st for st in ast.walk(fn) if isinstance(st, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.comprehension,
-                                                                  ast.ExceptHandler, ast.Import, ast.ImportFrom, ast.NamedExpr, ast.Delete))]
+        binders = [st for t in (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.comprehension,
+                                ast.ExceptHandler, ast.Import, ast.ImportFrom, ast.NamedExpr, ast.Delete) for st in groups.get(t, ())]
         if not assigned or binders and any(name in {x.id for x in ast.walk(b) if isinstance(x, ast.Name)} or
                                            isinstance(b, (ast.Import, ast.ImportFrom, ast.ExceptHandler)) for b in binders):
             continue  # bound some other way (a loop, a with, an import): not read here

@@ -44,7 +44,7 @@ from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _at
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
-from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name, may_name
 from npufuse.scan.value import estimate, symbolic
 
 MATMULS = {"torch.matmul", "torch.bmm"}
@@ -3255,7 +3255,7 @@ def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -
         # hold a word, so such a caller is walked whole)
         aliases = {name for name, defs in caller.assignments.items()
                    if any(isinstance(n, ast.Name) and n.id == fn.name for _, v in defs for n in fast_walk(v))} \
-            if fn.name != "forward" and not scope.class_name else set()
+            if fn.name != "forward" and not scope.class_name and may_name(module, text, fn.name) else set()
         calls = caller.nodes().get(ast.Call, ()) if lines is None or aliases else calls_on_lines(caller.node, lines)
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func

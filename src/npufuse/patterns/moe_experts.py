@@ -39,7 +39,7 @@ from typing import Any, Iterable, Optional
 
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "moe_experts"
@@ -232,7 +232,7 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         yield from _routed_elsewhere(module, scope, covered)
     yield from _dispatcher_sites(module, scope)  # permute / unpermute halves of a token dispatcher
     gather_spans: list[tuple[int, int]] = []
-    gathers = not quiet and _moe_words(module) and any(w in module.source for w in ("einsum(", "bmm(", "matmul(", " @ ", "sum(-1)", "sum(dim=-1)"))
+    gathers = not quiet and _moe_words(module) and text_holds_any(module, ("einsum(", "bmm(", "matmul(", " @ ", "sum(-1)", "sum(dim=-1)"))
     for block, i, stmt in scope.statements():
         if not isinstance(stmt, ast.For):
             if gathers and isinstance(stmt, ast.Assign) and not any(a <= stmt.lineno <= b for a, b in gather_spans):

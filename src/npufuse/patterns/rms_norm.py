@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from npufuse.patterns import _library_norm
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, text_holds_any
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -5140,7 +5140,7 @@ def _s28_reference_check(module: ModuleInfo, scope: Scope) -> str | None:
     fn = scope.node
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
-    if not any(c in module.source for c in _CLOSENESS_CHECKS):
+    if not text_holds_any(module, _CLOSENESS_CHECKS):
         return None  # cheap gate: no closeness check anywhere in the file
     cached = scope.__dict__.get("_npufuse_rms_reference")
     if cached is not None:

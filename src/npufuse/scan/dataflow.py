@@ -1044,3 +1044,74 @@ def _collect_bound(node: ast.AST, out: set[str]) -> None:
         out.add(node.name)
     for child in child_nodes(node):
         _collect_bound(child, out)
+
+
+# --- s37 speed: text questions answered once per module, without a regex tried at every position ---
+
+
+def _word_char(ch: str) -> bool:
+    """``re``'s ``\\w`` on one character of a str."""
+    return ch.isalnum() or ch == "_"
+
+
+def called_outside_def(module: "ModuleInfo", name: str, method: bool) -> bool:
+    """Whether ``module``'s text spells a call of ``name`` anywhere but its ``def``: a match of
+    ``\\bself\\s*\\.\\s*NAME\\s*\\(`` (``method``) or ``(?<![\\w.])NAME\\s*\\(`` whose text is not
+    preceded (8 characters back, spaces stripped) by ``def``. Each occurrence of ``name`` is
+    checked by hand around it: those regexes start with an assertion, so ``re`` tried every
+    position of the file (a search per question about a parameter; attention asked it ~1.3 times
+    a file). Matches of either regex never overlap one another, so testing every occurrence is
+    ``finditer``'s answer. Cached per module."""
+    cache = module.__dict__.setdefault("_npufuse_called_outside_def", {})
+    key = (name, method)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _called_outside_def(module.source, name, method)
+    return got
+
+
+def _called_outside_def(src: str, name: str, method: bool) -> bool:
+    n = len(src)
+    p = src.find(name) if name else -1
+    while p >= 0:
+        after = p + len(name)
+        while after < n and src[after].isspace():
+            after += 1
+        if after < n and src[after] == "(":
+            start = -1
+            if method:
+                j = p - 1
+                while j >= 0 and src[j].isspace():
+                    j -= 1
+                if j >= 0 and src[j] == ".":
+                    j -= 1
+                    while j >= 0 and src[j].isspace():
+                        j -= 1
+                    if j >= 3 and src[j - 3 : j + 1] == "self" and (j == 3 or not _word_char(src[j - 4])):
+                        start = j - 3
+            elif p == 0 or not (_word_char(src[p - 1]) or src[p - 1] == "."):
+                start = p
+            if start >= 0 and not src[max(0, start - 8) : start].rstrip().endswith("def"):
+                return True
+        p = src.find(name, p + 1)
+    return False
+
+
+def text_holds_any(module: "ModuleInfo", words: tuple[str, ...]) -> bool:
+    """``any(w in module.source for w in words)``, computed once per module and ``words``: a
+    detector asking it for every scope searched the whole file each time (moe_experts' gather
+    words: most are absent, so each question read the file six times)."""
+    cache = module.__dict__.setdefault("_npufuse_text_holds_any", {})
+    got = cache.get(words)
+    if got is None:
+        src = module.source
+        got = cache[words] = any(w in src for w in words)
+    return got
+
+
+def may_name(module: "ModuleInfo", text: str, name: str) -> bool:
+    """False only where no identifier in ``text`` (a part of ``module``'s source) can be ``name``:
+    the text does not hold it, and it is ASCII or no character of the file outside ASCII
+    decomposes to an ASCII one (an identifier is read as its NFKC form: ``folds_to_ascii``).
+    A test before walking the nodes of that text for a ``Name`` of ``name``."""
+    return name in text or not (text.isascii() or not folds_to_ascii(module))

@@ -786,6 +786,7 @@ def _depends(root: Optional[Path], rel: str) -> None:
 def reset() -> None:
     """Forget the files parsed and listed for earlier scans (a scan reads the repo as it is now)."""
     _PARSED.clear()
+    _PARSED_TEXT.clear()
     _PY_FILES.clear()
     _DEPENDENT.clear()
     _LAUNCH_CONFIGS.clear()
@@ -838,8 +839,16 @@ def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
         tree = None
     if len(_PARSED) > 512:
         _PARSED.clear()
+        _PARSED_TEXT.clear()
     _PARSED[key] = tree
+    if tree is not None:
+        _PARSED_TEXT[id(tree)] = (tree, text)  # (the tree is held with its text: its id is not reused meanwhile)
     return tree
+
+
+# id of a tree _parse_repo_file made -> (the tree, the text it was parsed from): what a question
+# about the tree may first ask of the text (registering_calls' lines)
+_PARSED_TEXT: dict[int, tuple[ast.Module, str]] = {}
 
 
 def _imported(tree: ast.Module, rel: str, name: str) -> Optional[tuple[str, str]]:
@@ -1812,32 +1821,54 @@ _REGISTERING: dict[int, tuple[ast.Module, list[tuple[ast.AST, set[str], list[ast
 def registering_calls(tree: ast.Module, owner: Any = None) -> list[tuple[ast.AST, set[str], list[ast.Call]]]:
     """The index above for ``tree``, kept on ``owner`` (the scanned file's ModuleInfo, freed
     with it) or, for another file's tree, until the next scan (the tree is held with its entry,
-    so its id is not reused meanwhile)."""
+    so its id is not reused meanwhile). Where the tree's text is known (``owner.source``, or the
+    text ``_parse_repo_file`` parsed it from), only the functions spanning a line that names
+    ``register_buffer`` or ``setattr`` are listed (``_registering_lines``): the others' call
+    lists were empty, and the walk entered every node of the file for them."""
     if owner is not None:
         got = owner.__dict__.get("_npufuse_registering_calls")
         if got is None:
-            got = owner.__dict__["_npufuse_registering_calls"] = _registering_index(tree)
+            got = owner.__dict__["_npufuse_registering_calls"] = _registering_index(tree, _registering_lines(owner.source))
         return got
     entry = _REGISTERING.get(id(tree))
     if entry is None or entry[0] is not tree:
         if len(_REGISTERING) > 512:
             _REGISTERING.clear()
-        entry = _REGISTERING[id(tree)] = (tree, _registering_index(tree))
+        parsed = _PARSED_TEXT.get(id(tree))
+        lines = _registering_lines(parsed[1]) if parsed is not None and parsed[0] is tree else None
+        entry = _REGISTERING[id(tree)] = (tree, _registering_index(tree, lines))
     return entry[1]
 
 
-def _registering_index(tree: ast.Module) -> list[tuple[ast.AST, set[str], list[ast.Call]]]:
+_REGISTERING_WORDS = ("register_buffer", "setattr")
+
+
+def _registering_lines(text: str) -> Optional[list[int]]:
+    """The lines of ``text`` where a registering call's name can be written (``dataflow.lines_with``:
+    the lines holding ``register_buffer`` or ``setattr``, and those outside ASCII where a name
+    there may be an NFKC spelling of one), or None (every line: "\r" line ends)."""
+    from types import SimpleNamespace
+
+    from npufuse.scan.dataflow import lines_with
+
+    return lines_with(SimpleNamespace(source=text), _REGISTERING_WORDS)  # type: ignore[arg-type]
+
+
+def _registering_index(tree: ast.Module, lines: Optional[list[int]] = None) -> list[tuple[ast.AST, set[str], list[ast.Call]]]:
     """One breadth-first walk of ``tree`` (``fast_walk``'s order), each node carrying the call
     lists of the functions around it: a registering call joins each of them. The nodes of a
     subtree come in the same order in the walk of the tree as in a walk of the subtree (by
     depth, then by their parents' order), so each list is in ``fast_walk(fn)`` order -- what
-    one walk per function gave, without walking a nested function's body once per def around it."""
-    from npufuse.scan.dataflow import child_fields
+    one walk per function gave, without walking a nested function's body once per def around it.
+    ``lines`` (sorted; None: all): a statement spanning none of them is not entered, so the
+    functions there (whose lists would stay empty) are left out; leaving whole subtrees out of a
+    breadth-first walk keeps the order of the rest."""
+    from npufuse.scan.dataflow import child_fields, spans_a_line
 
     out: list[tuple[ast.AST, set[str], list[ast.Call]]] = []
     todo: list[ast.AST] = [tree]
     around: list[tuple[list[ast.Call], ...]] = [()]  # around[i]: the call lists of todo[i]'s enclosing functions
-    AST, Call, Attribute, Name = ast.AST, ast.Call, ast.Attribute, ast.Name
+    AST, Call, Attribute, Name, stmt = ast.AST, ast.Call, ast.Attribute, ast.Name, ast.stmt
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     i = 0
     while i < len(todo):
@@ -1859,6 +1890,8 @@ def _registering_index(tree: ast.Module) -> list[tuple[ast.AST, set[str], list[a
             if type(v) is list:
                 for x in v:
                     if isinstance(x, AST):
+                        if lines is not None and isinstance(x, stmt) and not spans_a_line(x, lines):
+                            continue
                         todo.append(x)
                         around.append(lists)
             elif isinstance(v, AST):
