@@ -774,6 +774,110 @@ def _passed_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.
     return nc
 
 
+# -- s37: a norm attribute that a base class of another module builds ----------------------------------
+# VisionLLaMA's ``class RBlockRMSNorm(Block)`` (timm's Block): ``__init__(..., norm_layer=RMSNorm)`` hands
+# the class to ``super().__init__``, whose ``self.norm2 = norm_layer(dim)`` npufuse cannot read; subclasses
+# of Hugging Face decoder layers, of repository blocks of another file alike. What the attribute holds is
+# a run-time fact: the classes the subclass chain hands to its base's ``__init__`` (an argument, or the
+# default of a parameter handed on) are the candidates, and the one that reads as an RMSNorm is fused
+# where the attribute's run-time type is exactly it; any other module there runs the original statements.
+
+_NORM_ATTR = re.compile(r"norm|(^|_)ln(_|\d|$)", re.I)
+
+
+def _base_built_chain(module: ModuleInfo, class_name: str | None, attr: str) -> list[str] | None:
+    """The classes of this file from ``class_name`` up its single-base chain, when none of their
+    ``__init__`` assigns ``self.<attr>`` and the chain ends in a base of another module (not
+    ``nn.Module``): that base builds it. None otherwise."""
+    chain: list[str] = []
+    c = class_name
+    while c is not None and c in module.classes and c not in chain and len(chain) < 8:
+        if attr in S.init_assignments(module, c):
+            return None
+        chain.append(c)
+        bases = module.classes[c].bases
+        if len(bases) != 1:
+            return None  # several bases: which one builds the attribute is not read
+        base = bases[0]
+        if isinstance(base, ast.Name) and base.id in module.classes:
+            c = base.id
+            continue
+        if _plain_module_base(module, base) or not dotted(base):
+            return None  # nn.Module sets no norm: the attribute is assigned elsewhere or never
+        return chain
+    return None
+
+
+def _handed_to_base(module: ModuleInfo, class_name: str) -> list[ast.expr]:
+    """What ``__init__`` of ``class_name`` hands to its base's ``__init__`` (``super().__init__(...)``,
+    ``super(C, self).__init__(...)``, ``Base.__init__(self, ...)``): each argument, and for an argument
+    that is a parameter of ``__init__``, its default class (:func:`_default_class`)."""
+    init = S.method(module, class_name, "__init__")
+    if init is None:
+        return []
+    out: list[ast.expr] = []
+    for n in _own_nodes(init):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"):
+            continue
+        recv = n.func.value
+        if not ((isinstance(recv, ast.Call) and isinstance(recv.func, ast.Name) and recv.func.id == "super")
+                or isinstance(recv, (ast.Name, ast.Attribute))):
+            continue
+        for a in (*n.args, *(k.value for k in n.keywords)):
+            a = a.value if isinstance(a, ast.Starred) else a
+            if isinstance(a, ast.Name) and a.id in S.init_params(module, class_name):
+                default = _default_class(module, class_name, a.id)
+                if default is not None:
+                    out.append(default)
+            elif isinstance(a, (ast.Name, ast.Attribute)) and dotted(a):
+                out.append(a)
+    return out
+
+
+def _base_built_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, attr: str) -> NormCall | None:
+    """``self.<attr>(s)`` where a base class of another module builds the attribute (see above): the one
+    RMSNorm class the subclass chain names, fused under a check of the attribute's run-time type."""
+    # the base builds many attributes and which one it builds from the handed class is in code npufuse
+    # does not read: attributes named as norms are tried (their run-time type decides), not dropouts
+    chain = _base_built_chain(module, scope.class_name, attr) if _NORM_ATTR.search(attr) else None
+    if chain is None:
+        return None
+    mod = f"self.{attr}"
+    T = S.torch_name(module)
+    found: dict[str, NormCall] = {}
+    layer_norms: list[str] = []
+    seen: set[str] = set()
+    for c in chain:
+        for node in _handed_to_base(module, c):
+            name = dotted(node) or ""
+            if name in seen or name == "self" or name.startswith("self."):
+                continue
+            seen.add(name)
+            canon = module.canonical(node) or ""
+            if canon in _LAYER_NORMS:
+                layer_norms.append(name)
+                continue
+            if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm") and T is not None:
+                found[canon] = NormCall(call, attr, "library", cls=name, gamma=f"{mod}.weight", eps=eps_or_default(f"{mod}.eps", T),
+                                        conditions=[f"type({mod}) is {name}", f"{mod}.weight is not None"])
+                continue
+            if not isinstance(node, ast.Name) or _class_named(module, node.id) is None:
+                continue
+            nc = _member_ctor_norm(module, call, ctx, module, ast.Call(node, [], []), mod, "")
+            if nc is not None and nc.kind != "not_rms":
+                found[name] = nc
+    base = dotted(module.classes[chain[-1]].bases[0])
+    if not found and layer_norms:
+        return NormCall(call, attr, "not_rms", cls=layer_norms[0],
+                        reason=f"norm handed to the base is not RMSNorm ({layer_norms[0]}: mean subtracted; handed by {chain[0]}.__init__ to the "
+                               f"base class `{base}`, whose code builds `{mod}`)")
+    if len(found) != 1:
+        return None
+    nc = next(iter(found.values()))
+    nc.cls = f"{nc.cls} (handed to the base class `{base}`, which builds `{mod}`)"
+    return nc
+
+
 def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
     """The nodes of ``fn``'s body outside nested functions, classes and lambdas."""
     todo: list[ast.AST] = list(fn.body)
@@ -834,6 +938,8 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if chosen_norm is not None:
         return chosen_norm
     value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if value is None:
+        return _base_built_norm(module, scope, call, ctx, f.attr)
     if isinstance(value, ast.IfExp):
         # ``RMSNorm(d) if config.use_norm else None`` (Gemma2): calling None fails in the original
         # too, so where the module is called it is the norm
@@ -5232,4 +5338,83 @@ AddRmsNorm.KEEP += [
     # the branch returning early is the LayerNorm one
     Keep(_S35_DISPATCH.split("class Wrapped")[0].replace("self.rms(x) if self.rms is not None else self.ln(x)", "self.ln(x)"),
          name="s35_norm_wrapper_early_branch_is_not_rms"),
+]
+
+# -- s37: a norm attribute that a base class npufuse cannot read builds from a class the subclass hands it
+# (VisionLLaMA ``class RBlockRMSNorm(timm Block)`` with ``norm_layer=RMSNorm`` passed to ``super().__init__``).
+# Invented spellings: a base made by a class factory of the file, handed the class through ``Base.__init__``
+# as a keyword, a parameter rebound ``norm_cls = norm_cls or Scale``; the sum inside a stochastic-depth call.
+
+_S37_BASE_BUILT = '''
+import torch
+from torch import nn
+
+
+class Scale(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(width))
+
+    def forward(self, v):
+        inv = torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (v.float() * inv).type_as(v) * self.g
+
+
+def residual_base(mixer):
+    class _Base(nn.Module):
+        def __init__(self, width, norm_cls=nn.LayerNorm):
+            super().__init__()
+            self.pre_norm = norm_cls(width)
+            self.post_norm = norm_cls(width)
+            self.mix = mixer(width, width)
+            self.ffn = nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width))
+            self.skip = nn.Identity()
+
+    return _Base
+
+
+LinearBase = residual_base(nn.Linear)
+
+
+class Block(LinearBase):
+    def __init__(self, width, norm_cls=None):
+        norm_cls = norm_cls or Scale
+        LinearBase.__init__(self, width, norm_cls=norm_cls)
+
+    def forward(self, u):
+        u = self.skip(self.mix(self.pre_norm(u))) + u
+        return u + self.skip(self.ffn(self.post_norm(u)))
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S37_BASE_BUILT, expect={"norm": "self.post_norm", "weight": "self.post_norm.g", "sum": "u",
+                                  "condition": "type(self.post_norm) is Scale"},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s37_norm_built_by_an_unread_base_inference_bf16"),
+    Fuse(_S37_BASE_BUILT, expect={"norm": "self.post_norm"}, run=_run_block("Block(32)", leaves="[x, blk.post_norm.g]"),
+         name="s37_norm_built_by_an_unread_base_training"),
+    # the same block handing the class positionally through a chain of two subclasses and ``super()``
+    Fuse(_S37_BASE_BUILT.replace('''class Block(LinearBase):
+    def __init__(self, width, norm_cls=None):
+        norm_cls = norm_cls or Scale
+        LinearBase.__init__(self, width, norm_cls=norm_cls)
+''', '''class Middle(LinearBase):
+    def __init__(self, width, norm=Scale):
+        super(Middle, self).__init__(width, norm)
+
+
+class Block(Middle):
+    def __init__(self, width):
+        super().__init__(width)
+'''), expect={"norm": "self.post_norm", "condition": "type(self.post_norm) is Scale"},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s37_norm_class_default_of_a_middle_class"),
+]
+
+AddRmsNorm.KEEP += [
+    # the class handed to the base is a LayerNorm: a near miss saying so
+    Keep(_S37_BASE_BUILT.replace("norm_cls = norm_cls or Scale", "norm_cls = norm_cls or nn.LayerNorm"),
+         reason="norm handed to the base is not RMSNorm (nn.LayerNorm", name="s37_layer_norm_handed_to_an_unread_base"),
+    # the handed class subtracts the mean: no candidate
+    Keep(_S37_BASE_BUILT.replace("inv = torch.rsqrt(v.float().pow(2)", "v = v - v.mean(-1, keepdim=True)\n        inv = torch.rsqrt(v.float().pow(2)"),
+         name="s37_mean_subtracting_class_handed_to_an_unread_base"),
 ]

@@ -1,0 +1,97 @@
+"""s37 norm pass (HO13 development data): norm modules whose construction npufuse cannot read.
+
+A norm attribute built by a base class of another file (VisionLLaMA's ``RBlockRMSNorm(timm Block)``
+handing ``norm_layer=RMSNorm`` to ``super().__init__``): the class the subclass hands on is fused where
+the attribute's run-time type is exactly it; another class there runs the original statements."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+
+from apply_support import make_repo, npufuse, scan
+from npufuse import emulate
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+from scratch_repo import import_fresh
+
+_LAYERS = '''\
+import torch
+from torch import nn
+
+
+class ResidualUnit(nn.Module):
+    """Builds its norms from the class it is handed (the subclass's file never assigns them)."""
+
+    def __init__(self, width, hidden, make_norm=nn.LayerNorm):
+        super().__init__()
+        self.norm_a = make_norm(width)
+        self.norm_b = make_norm(width)
+        self.token_mix = nn.Linear(width, width)
+        self.channel_mix = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+'''
+
+_MODEL = '''\
+import torch
+from torch import nn
+
+from pkg.layers import ResidualUnit
+
+
+class PixelRMS(nn.Module):
+    def __init__(self, width, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, t):
+        return self.scale * (t.float() * torch.rsqrt(t.float().square().mean(-1, keepdim=True) + self.eps)).to(t.dtype)
+
+
+class Block(ResidualUnit):
+    def __init__(self, width, make_norm=PixelRMS):
+        super().__init__(width, 2 * width, make_norm)
+        self.gamma = nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, t):
+        t = t + self.gamma * self.token_mix(self.norm_a(t))
+        t = t + self.gamma * self.channel_mix(self.norm_b(t))
+        return t
+'''
+
+
+def _run(mod: types.ModuleType, norm: type | None) -> torch.Tensor:
+    torch.manual_seed(0)
+    blk = (mod.Block(32) if norm is None else mod.Block(32, norm)).to(torch.bfloat16)
+    with torch.no_grad():
+        return blk(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+
+
+def test_norm_built_by_a_base_of_another_file_is_fused_where_it_is_the_handed_class(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/layers.py": _LAYERS, "pkg/model.py": _MODEL}
+    ref_mod = import_fresh(make_repo(tmp_path / "ref", files), "pkg.model")
+    ref = [_run(ref_mod, None), _run(ref_mod, torch.nn.LayerNorm)]
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert [(c["qualname"], c["params"]["condition"], c["params"]["weight"]) for c in cands] == [
+        ("Block.forward", "type(self.norm_b) is PixelRMS", "self.norm_b.scale")], data["near_misses"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        mod = import_fresh(root, "pkg.model")
+        rms = _run(mod, None)
+        assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
+        layer = _run(mod, torch.nn.LayerNorm)  # the type check fails: the original statements
+        assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
+    for a, b in zip(ref, [rms, layer]):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_layer_norm_handed_to_a_base_of_another_file_is_a_near_miss(tmp_path: Path) -> None:
+    model = _MODEL.replace("make_norm=PixelRMS", "make_norm=nn.LayerNorm")
+    root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/layers.py": _LAYERS, "pkg/model.py": model})
+    data = scan(root, patterns=[AddRmsNorm()])
+    assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "add_rms_norm"]
+    assert any("handed to the base is not RMSNorm (nn.LayerNorm" in r and "ResidualUnit" in r for r in reasons), reasons
