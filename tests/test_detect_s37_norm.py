@@ -95,3 +95,61 @@ def test_layer_norm_handed_to_a_base_of_another_file_is_a_near_miss(tmp_path: Pa
     assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
     reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "add_rms_norm"]
     assert any("handed to the base is not RMSNorm (nn.LayerNorm" in r and "ResidualUnit" in r for r in reasons), reasons
+
+
+# -- a forward installed on transformers' decoder layers (MoE-LLaVA's closure factory) ---------------
+
+_PATCH = '''\
+import torch
+
+
+def make_forward(self):
+    def forward(hidden_states, position_embeddings=None, **kw):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states, position_embeddings=position_embeddings, attention_mask=None, **kw)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+    return forward
+
+
+def install(layer):
+    layer.forward = make_forward(layer)
+    return layer
+'''
+
+
+def test_forward_installed_on_a_transformers_layer_is_fused_where_the_norm_is_llama_style(tmp_path: Path) -> None:
+    from test_apply_transformers import _transformers
+
+    tf = _transformers()
+    from transformers.models.llama import modeling_llama as ml
+
+    files = {"pkg/__init__.py": "", "pkg/patch.py": "from transformers import LlamaConfig\n" + _PATCH}
+
+    def run(mod: types.ModuleType) -> torch.Tensor:
+        torch.manual_seed(0)
+        cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4)
+        cfg._attn_implementation = "eager"
+        layer = mod.install(ml.LlamaDecoderLayer(cfg, 0).to(torch.bfloat16))
+        x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+        rope = ml.LlamaRotaryEmbedding(cfg)
+        pos = rope(x, torch.arange(5)[None])
+        with torch.no_grad():
+            return layer(x, position_embeddings=pos)
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.patch"))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert [c["qualname"] for c in cands] == ["make_forward.forward"], data["near_misses"]
+    assert 'type(self.post_attention_layernorm).__module__.startswith("transformers.")' in cands[0]["params"]["condition"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        out = run(import_fresh(root, "pkg.patch"))
+    assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
+    assert out.dtype == ref.dtype and torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -674,7 +674,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
 # in. The call is rewritten where it is made, under a run-time check that the attribute holds
 # exactly that class (anything else, a subclass included, runs the original call).
 
-_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm"}
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
 
 
 def _hf_norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, str]:

@@ -871,11 +871,69 @@ def _base_built_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ct
         return NormCall(call, attr, "not_rms", cls=layer_norms[0],
                         reason=f"norm handed to the base is not RMSNorm ({layer_norms[0]}: mean subtracted; handed by {chain[0]}.__init__ to the "
                                f"base class `{base}`, whose code builds `{mod}`)")
+    if not found and _HF_LLAMA_FAMILY.match(module.canonical(module.classes[chain[-1]].bases[0]) or ""):
+        # a Hugging Face layer builds it (``class MoEDecoderLayer(LlamaDecoderLayer)``): its own norm class
+        return _hf_runtime_norm(module, call, mod, attr, f"built by the transformers base class `{base}`")
     if len(found) != 1:
         return None
     nc = next(iter(found.values()))
     nc.cls = f"{nc.cls} (handed to the base class `{base}`, which builds `{mod}`)"
     return nc
+
+
+# -- s37: Hugging Face norms reached where no class of the file says what they are ---------------------
+# MoE-LLaVA's ``def MoELlamaDecoderLayer_forward(self): def forward(hidden_states, ...): ... return forward``
+# installed as ``m.forward = MoELlamaDecoderLayer_forward(m)`` on transformers' decoder layers; MindSpeed-MM's
+# ``Qwen3MoeDecoderLayer.forward = internvl_moe_decoder_layer_forward``, msmodeling's ``MethodType(fn, layer)``;
+# subclasses of transformers' decoder layers that keep the base's norms (LLaMA-MoE, VeOmni). The module
+# ``self.<norm>`` holds is transformers' own class, known only at run time: fused where its type is one of
+# transformers' Llama-style RMSNorm classes (one forward: fp32 statistics, ``weight * x.to(input_dtype)``,
+# eps in ``variance_epsilon``), the original call for anything else.
+
+# what a file imports from the transformers families whose norm is the Llama-style class: the model
+# package or modeling module, or one of its classes (not a logger or a helper borrowed from it)
+_HF_LLAMA_FAMILY = re.compile(r"transformers\.(?:models\.(?:llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe)"
+                              r"(?:\.modeling_\w+)?(?:\.(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)?|(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)$")
+
+
+def _hf_runtime_norm(module: ModuleInfo, call: ast.Call, mod: str, attr: str, origin: str) -> NormCall | None:
+    """The external-norm reading of ``mod`` under a run-time check that it is exactly one of transformers'
+    Llama-style RMSNorm classes."""
+    from npufuse.patterns._library_norm import _HF_LLAMA_NORMS
+
+    if S.torch_name(module) is None:
+        return None
+    names = ", ".join(f'"{n}"' for n in sorted(_HF_LLAMA_NORMS))
+    check = f'type({mod}).__name__ in ({names}) and type({mod}).__module__.startswith("transformers.")'
+    return NormCall(call, attr, "external", cls=f"a transformers Llama-style RMSNorm at run time ({origin})",
+                    conditions=[check], mod=mod if mod != f"self.{attr}" else "")
+
+
+def _installed_forward(module: ModuleInfo, scope: Scope) -> bool:
+    """A function of no class whose ``self`` is its first parameter or the first parameter of the
+    module-level function whose own nested def it is, never rebound, in a file importing a transformers
+    model family whose norm is the Llama-style class."""
+    fn = scope.node
+    if scope.class_name or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+            or not any(_HF_LLAMA_FAMILY.match(v) for v in module.aliases.values()):
+        return False
+    own = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if own[:1] != ["self"]:
+        outer = module.functions.get(scope.qualname.split(".")[0])
+        if "self" in own or outer is None or outer is fn or [a.arg for a in (*outer.args.posonlyargs, *outer.args.args)][:1] != ["self"]:
+            return False
+        if fn not in outer.body:
+            return False  # the closure must be the outer function's own def (not deeper)
+    return "self" not in scope.assignments  # rebound: not the module the forward is installed on
+
+
+def _installed_forward_norm(module: ModuleInfo, scope: Scope, call: ast.Call, attr: str) -> NormCall | None:
+    """``self.<norm>(s)`` in a function of no class of this file whose ``self`` is a parameter of it or
+    of the module-level function enclosing it (a forward installed on another module's layer), in a
+    file that imports transformers: the run-time check of :func:`_hf_runtime_norm`."""
+    if not _NORM_ATTR.search(attr) or not _installed_forward(module, scope):
+        return None
+    return _hf_runtime_norm(module, call, f"self.{attr}", attr, f"`self` of `{scope.qualname}`, a forward installed on another module")
 
 
 def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
@@ -938,6 +996,8 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if chosen_norm is not None:
         return chosen_norm
     value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if value is None and scope.class_name is None:
+        return _installed_forward_norm(module, scope, call, f.attr)
     if value is None:
         return _base_built_norm(module, scope, call, ctx, f.attr)
     if isinstance(value, ast.IfExp):
@@ -2179,7 +2239,7 @@ class AddRmsNorm(Pattern):
         # then the hand-written norm of ``x``): methods and plain functions alike
         if "is not None" in S.scope_text(module, scope):
             yield from _optional_residual_results(module, scope)
-        if not scope.class_name:
+        if not scope.class_name and not _installed_forward(module, scope):
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
@@ -5417,4 +5477,80 @@ AddRmsNorm.KEEP += [
     # the handed class subtracts the mean: no candidate
     Keep(_S37_BASE_BUILT.replace("inv = torch.rsqrt(v.float().pow(2)", "v = v - v.mean(-1, keepdim=True)\n        inv = torch.rsqrt(v.float().pow(2)"),
          name="s37_mean_subtracting_class_handed_to_an_unread_base"),
+]
+
+# -- s37: forwards installed on transformers' layers, subclasses keeping transformers' norms: the norm is
+# transformers' own class, fused where its run-time type is one of the Llama-style RMSNorm classes.
+# Invented spellings: a module-level ``def layer_forward(self, h, mask=None)`` assigned to a class; a
+# closure factory whose inner forward reads ``self`` of the factory; a subclass of a transformers layer.
+
+_S37_INSTALLED = '''
+import types
+
+import torch
+from transformers.models.qwen2 import modeling_qwen2
+
+
+def patched_layer_forward(self, h, mask=None):
+    skip = h
+    h = self.self_attn(self.input_layernorm(h), mask)[0]
+    h = skip + h
+    skip = h
+    h = self.post_attention_layernorm(h)
+    return skip + self.mlp(h)
+
+
+def make_forward(self):
+    def forward(tokens, mask=None):
+        kept = tokens
+        out = self.self_attn(self.input_layernorm(tokens), mask)[0]
+        tokens = kept + out
+        return tokens + self.mlp(self.post_attention_layernorm(tokens))
+
+    return forward
+
+
+def install(model):
+    modeling_qwen2.Qwen2DecoderLayer.forward = patched_layer_forward
+    for layer in model.layers:
+        layer.forward = make_forward(layer)
+'''
+
+_S37_HF_SUBCLASS = '''
+import torch
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+
+class RoutedLayer(MistralDecoderLayer):
+    def __init__(self, config, layer_idx, n_routes=4):
+        super().__init__(config, layer_idx)
+        self.route = torch.nn.Linear(config.hidden_size, n_routes)
+
+    def forward(self, hidden, **kw):
+        res = hidden
+        hidden, _ = self.self_attn(self.input_layernorm(hidden), **kw)
+        hidden = res + hidden
+        res = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden)) * self.route(hidden).softmax(-1).max(-1, keepdim=True)[0]
+        return res + hidden
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S37_INSTALLED, expect={"qualname": "patched_layer_forward", "norm": "self.post_attention_layernorm", "sum": "h",
+                                 "weight": "self.post_attention_layernorm.weight"},
+         name="s37_module_level_forward_installed_on_a_transformers_layer"),
+    Fuse(_S37_INSTALLED.split("def patched_layer_forward")[0] + "def make_forward" + _S37_INSTALLED.split("def make_forward")[1],
+         expect={"qualname": "make_forward.forward", "norm": "self.post_attention_layernorm", "sum": "tokens"},
+         name="s37_closure_forward_installed_on_a_transformers_layer"),
+    Fuse(_S37_HF_SUBCLASS, expect={"qualname": "RoutedLayer.forward", "norm": "self.post_attention_layernorm", "sum": "hidden"},
+         name="s37_subclass_keeping_the_transformers_norms"),
+]
+
+AddRmsNorm.KEEP += [
+    # no transformers import: what the installed forward's ``self`` holds says nothing of a known class
+    Keep(_S37_INSTALLED.replace("from transformers.models.qwen2 import modeling_qwen2", "import mylib as modeling_qwen2"),
+         name="s37_installed_forward_without_transformers"),
+    # ``self`` rebound in the function: not the module the forward is installed on
+    Keep(_S37_INSTALLED.replace("    skip = h\n    h = self.self_attn", "    self = self.inner\n    skip = h\n    h = self.self_attn")
+         .split("def make_forward")[0], name="s37_installed_forward_rebinding_self"),
 ]
