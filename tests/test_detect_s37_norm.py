@@ -153,3 +153,94 @@ def test_forward_installed_on_a_transformers_layer_is_fused_where_the_norm_is_ll
         out = run(import_fresh(root, "pkg.patch"))
     assert emu.calls["npu_add_rms_norm"] == 1, emu.calls
     assert out.dtype == ref.dtype and torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+# -- diffusers' RMSNorm built in a norm-layer factory (SeedVR's ``get_norm_layer``) ---------------------
+
+class _DiffusersRMSNorm(torch.nn.Module):
+    """diffusers' RMSNorm before 0.33 (src/diffusers/models/normalization.py, 0.30+ with the optional bias)."""
+
+    def __init__(self, dim, eps: float, elementwise_affine: bool = True, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.dim = torch.Size((dim,) if isinstance(dim, int) else dim)
+        self.weight = torch.nn.Parameter(torch.ones(self.dim)) if elementwise_affine else None
+        self.bias = torch.nn.Parameter(torch.zeros(self.dim)) if elementwise_affine and bias else None
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+        if self.weight is not None:
+            if self.weight.dtype in [torch.float16, torch.bfloat16]:
+                hidden_states = hidden_states.to(self.weight.dtype)
+            hidden_states = hidden_states * self.weight
+            if self.bias is not None:
+                hidden_states = hidden_states + self.bias
+        else:
+            hidden_states = hidden_states.to(input_dtype)
+        return hidden_states
+
+
+_FACTORY = '''\
+import torch
+from torch import nn
+from diffusers.models.normalization import RMSNorm
+
+
+def make_norm(kind):
+    def build(width, eps, affine, **extra):
+        if kind == "layer":
+            return nn.LayerNorm(width, eps=eps, elementwise_affine=affine)
+        if kind == "rms":
+            return RMSNorm(width, eps=eps, elementwise_affine=affine, **extra)
+        raise ValueError(kind)
+
+    return build
+
+
+class Block(nn.Module):
+    def __init__(self, width, kind="rms", affine=True, **extra):
+        super().__init__()
+        self.norm = make_norm(kind)(width, 1e-6, affine, **extra)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+'''
+
+
+def test_diffusers_rmsnorm_built_by_a_factory_is_swapped_and_returns_diffusers_dtypes(monkeypatch) -> None:
+    from pattern_harness import detect_all, install_stand_in_modules
+
+    from npufuse.patterns import rms_norm as R
+    from npufuse.rewrite.codegen import splice
+
+    _DiffusersRMSNorm.__module__ = "diffusers.models.normalization"
+    install_stand_in_modules(monkeypatch, {"diffusers.models.normalization": {"RMSNorm": _DiffusersRMSNorm}})
+    findings, _ = detect_all(R.RmsNorm(), _FACTORY)
+    assert [(f.qualname, f.variant, f.params["module"]) for f in findings] == [
+        ("make_norm.build", "library_rmsnorm", "diffusers.models.normalization.RMSNorm")]
+    text = splice(_FACTORY, findings)
+
+    def run(code: str, x: torch.Tensor, weight_dtype, **kw) -> tuple[torch.Tensor, dict]:
+        ns: dict = {}
+        with emulate.install() as emu:
+            exec(compile(code, "<block>", "exec"), ns)
+            torch.manual_seed(0)
+            blk = ns["Block"](16, **kw)
+            with torch.no_grad():
+                for p in blk.norm.parameters():
+                    p.normal_()
+            blk.norm.to(weight_dtype)
+            out = blk.norm(x)
+            return out, dict(emu.calls)
+
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    for weight_dtype, kw in [(torch.bfloat16, {}), (torch.float32, {}), (torch.float32, {"affine": False}), (torch.float32, {"bias": True})]:
+        ref, _ = run(_FACTORY, x, weight_dtype, **kw)
+        out, calls = run(text, x, weight_dtype, **kw)
+        assert out.dtype == ref.dtype, (weight_dtype, kw)
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+        # a bias keeps diffusers' own forward
+        assert calls.get("npu_rms_norm", 0) == (0 if kw.get("bias") else 1), (kw, calls)
