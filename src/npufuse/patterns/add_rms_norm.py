@@ -936,6 +936,50 @@ def _installed_forward_norm(module: ModuleInfo, scope: Scope, call: ast.Call, at
     return _hf_runtime_norm(module, call, f"self.{attr}", attr, f"`self` of `{scope.qualname}`, a forward installed on another module")
 
 
+# -- s37: a norm module called with more than its input (Amphion's ``LlamaAdaptiveRMSNorm(h, cond_embedding=c)``,
+# lucidrains' / stable-audio's ``AdaptiveRMSNorm(x, cond=c)``): its class's forward is read with each extra
+# argument bound to the call's expression (no longer refused for them): what it computes with them decides.
+
+def _conditioned_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``self.<attr>(s, *more, **kw)`` with ``__init__`` building the attribute as a class of this file
+    whose forward names every keyword and takes as many positionals: read by :func:`_class_norm_call`
+    with them bound."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.classes):
+        return None
+    fwd = S.method(module, value.func.id, "forward")
+    if fwd is None or fwd.args.vararg or fwd.args.kwarg:
+        return None
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(call.args) > len(params) - 1 or any(k.arg not in params[2:] for k in call.keywords):
+        return None
+    extra = {params[i + 1]: a for i, a in enumerate(call.args) if i > 0}
+    extra.update({k.arg: k.value for k in call.keywords if k.arg is not None})
+    nc = _class_norm_call(module, call, ctx, value.func.id, extra=extra)
+    if nc is None or nc.kind == "not_rms":
+        return nc
+    gain = ""
+    if nc.kind == "rms" and nc.match is not None and nc.match.weights:
+        try:
+            gain = R.render_factor(module, R.analyse_weight(module, nc.match.weights[0]), None)
+        except (R.Miss, R.NoMatch):
+            gain = "?"
+    used = [k for k, v in extra.items() if gain == "?" or S.source_of(module, v) in gain]
+    if used:
+        # an adaptive norm: its gain is computed from the call's other arguments (one per sample), which
+        # npu_add_rms_norm's gamma (one value per feature) is not
+        return NormCall(call, f.attr, "not_rms", cls=value.func.id,
+                        reason=f"norm {value.func.id} scales by a gain computed from the call's `{'`, `'.join(used)}` (an adaptive "
+                               "norm: a gain per call, not npu_add_rms_norm's per-feature gamma; npufuse does not apply it "
+                               "after the fused op)")
+    nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {value.func.id}"]
+    return nc
+
+
 def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
     """The nodes of ``fn``'s body outside nested functions, classes and lambdas."""
     todo: list[ast.AST] = list(fn.body)
@@ -990,6 +1034,8 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if not call.args or isinstance(call.args[0], ast.Starred):
         return None
     wrapper = _dispatch_norm(module, scope, call, ctx)
+    if wrapper is None and (len(call.args) != 1 or call.keywords):
+        return _conditioned_norm(module, scope, call, ctx)
     if wrapper is not None or len(call.args) != 1 or call.keywords:
         return wrapper
     chosen_norm = _flag_chosen_local_norm(module, scope, call, ctx, f.attr)
@@ -1355,7 +1401,7 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
 
 
 def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "",
-                     inner: ast.expr | None = None) -> NormCall | None:
+                     inner: ast.expr | None = None, extra: dict[str, ast.expr] | None = None) -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
     sum. ``where`` names the other file a repository class comes from (for reasons). ``inner``: the
@@ -1382,6 +1428,9 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
     bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
     for p in params[2:]:
+        if extra and p in extra:
+            bind[p] = (extra[p], ctx)  # s37: an argument the call passes (a conditioning input)
+            continue
         if p not in defaults:
             return None
         bind[p] = (defaults[p], hctx)
@@ -5553,4 +5602,73 @@ AddRmsNorm.KEEP += [
     # ``self`` rebound in the function: not the module the forward is installed on
     Keep(_S37_INSTALLED.replace("    skip = h\n    h = self.self_attn", "    self = self.inner\n    skip = h\n    h = self.self_attn")
          .split("def make_forward")[0], name="s37_installed_forward_rebinding_self"),
+]
+
+# -- s37: a norm module called with more than its input: the extra arguments are bound into its forward.
+# A conditioning gain (Amphion's ``LlamaAdaptiveRMSNorm(h, cond_embedding=c)``: ``to_weight(c) * normed``) is
+# a near miss saying so; an argument that sets the epsilon is read like the module's own attribute.
+
+_S37_CONDITIONED = '''
+import torch
+from torch import nn
+
+
+class ScaledEpsNorm(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, h, eps_scale=1.0):
+        stat = h.float().pow(2).mean(-1, keepdim=True)
+        return (h.float() * torch.rsqrt(stat + self.eps * eps_scale)).type_as(h) * self.gain
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ff = nn.Linear(width, width)
+        self.post = ScaledEpsNorm(width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h):
+        h = self.ff(h) + h
+        return self.out(self.post(h, eps_scale=4.0)) + h
+'''
+
+_S37_ADAPTIVE = '''
+import torch
+from torch import nn
+
+
+class CondRMS(nn.Module):
+    def __init__(self, width, cond_width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.to_gain = nn.Linear(cond_width, width)
+
+    def forward(self, h, cond):
+        stat = h.float().pow(2).mean(-1, keepdim=True)
+        return (self.to_gain(cond) * (h.float() * torch.rsqrt(stat + self.eps))).to(h.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ff = nn.Linear(width, width)
+        self.post = CondRMS(width, 8)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h, c):
+        h = self.ff(h) + h
+        return self.out(self.post(h, c)) + h
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S37_CONDITIONED, expect={"norm": "self.post", "weight": "self.post.gain", "condition": "type(self.post) is ScaledEpsNorm"},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s37_norm_called_with_an_eps_argument_inference_bf16"),
+]
+
+AddRmsNorm.KEEP += [
+    Keep(_S37_ADAPTIVE, reason="scales by a gain computed from the call's `cond`", name="s37_adaptive_norm_gain_from_the_condition"),
 ]
