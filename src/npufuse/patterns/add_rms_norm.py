@@ -5636,13 +5636,9 @@ class Block(nn.Module):
         return self.out(self.post(h, eps_scale=4.0)) + h
 '''
 
-_S37_ADAPTIVE = '''
-import torch
-from torch import nn
-
-
-class CondRMS(nn.Module):
-    def __init__(self, width, cond_width, eps=1e-6):
+# the same block whose norm's gain is a Linear of a condition the block passes
+_S37_ADAPTIVE = _S37_CONDITIONED.split("class ScaledEpsNorm")[0] + '''class CondRMS(nn.Module):
+    def __init__(self, width, cond_width=8, eps=1e-6):
         super().__init__()
         self.eps = eps
         self.to_gain = nn.Linear(cond_width, width)
@@ -5652,17 +5648,8 @@ class CondRMS(nn.Module):
         return (self.to_gain(cond) * (h.float() * torch.rsqrt(stat + self.eps))).to(h.dtype)
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.ff = nn.Linear(width, width)
-        self.post = CondRMS(width, 8)
-        self.out = nn.Linear(width, width)
-
-    def forward(self, h, c):
-        h = self.ff(h) + h
-        return self.out(self.post(h, c)) + h
-'''
+class Block''' + _S37_CONDITIONED.split("class Block")[1].replace("ScaledEpsNorm(width)", "CondRMS(width)") \
+    .replace("def forward(self, h):", "def forward(self, h, c):").replace("self.post(h, eps_scale=4.0)", "self.post(h, c)")
 
 AddRmsNorm.FUSE += [
     Fuse(_S37_CONDITIONED, expect={"norm": "self.post", "weight": "self.post.gain", "condition": "type(self.post) is ScaledEpsNorm"},
