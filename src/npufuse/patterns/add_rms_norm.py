@@ -938,12 +938,13 @@ def _installed_forward_norm(module: ModuleInfo, scope: Scope, call: ast.Call, at
 
 # -- s37: a norm module called with more than its input (Amphion's ``LlamaAdaptiveRMSNorm(h, cond_embedding=c)``,
 # lucidrains' / stable-audio's ``AdaptiveRMSNorm(x, cond=c)``): its class's forward is read with each extra
-# argument bound to the call's expression (no longer refused for them): what it computes with them decides.
+# argument bound to the call's expression, for a near miss that says what the call does (it was silent): a gain
+# computed from them (an adaptive norm), or arguments whose other uses the reading does not prove harmless.
 
 def _conditioned_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
     """``self.<attr>(s, *more, **kw)`` with ``__init__`` building the attribute as a class of this file
     whose forward names every keyword and takes as many positionals: read by :func:`_class_norm_call`
-    with them bound."""
+    with them bound; a near miss (never a candidate) when it reads as an RMSNorm."""
     f = call.func
     assert isinstance(f, ast.Attribute)
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
@@ -976,8 +977,12 @@ def _conditioned_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.C
                         reason=f"norm {value.func.id} scales by a gain computed from the call's `{'`, `'.join(used)}` (an adaptive "
                                "norm: a gain per call, not npu_add_rms_norm's per-feature gamma; npufuse does not apply it "
                                "after the fused op)")
-    nc.conditions = [*nc.conditions, f"type(self.{f.attr}) is {value.func.id}"]
-    return nc
+    # the reading does not prove the other arguments unused elsewhere in the forward (a mask applied to the
+    # input before the statistic, under a test or not, was read past): no candidate, a near miss saying why
+    names = "`, `".join(extra)
+    return NormCall(call, f.attr, "not_rms", cls=value.func.id,
+                    reason=f"norm {value.func.id} is called with more than its input (`{names}`): npufuse does not follow what "
+                           "its forward does with them (a mask or a scale of the input would change the statistic)")
 
 
 def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
@@ -1443,7 +1448,28 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
             return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
         return NormCall(call, attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
+    # s37: the value normalised must be the module's input itself; a forward normalising ``y = x * self.pre``
+    # (or a masked input) was fused as the norm of the sum, dropping the factor
+    if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key):
+        return NormCall(call, attr, "not_rms", cls=cls + where,
+                        reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
+
+
+_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"})
+
+
+def _rebound_by_casts_only(scope: Scope, param: str, x_key: str) -> bool:
+    """The normalised value is the forward's input name itself (``x_key`` names it in ``scope``: several
+    definitions reach it) and every rebinding of it is a cast of it (``x = x.to(torch.float32)`` under a
+    flag): the value is the input up to its dtype, which the matcher reads as a (conditional) cast."""
+    if x_key != f"${param}@{scope.qualname}":
+        return False
+    for _st, value in scope.assignments.get(param, []):
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _CASTS
+                and isinstance(value.func.value, ast.Name) and value.func.value.id == param):
+            return False
+    return True
 
 
 def _module_read_text(n: ast.expr, me: str, mod: str) -> str | None:
@@ -5606,7 +5632,7 @@ AddRmsNorm.KEEP += [
 
 # -- s37: a norm module called with more than its input: the extra arguments are bound into its forward.
 # A conditioning gain (Amphion's ``LlamaAdaptiveRMSNorm(h, cond_embedding=c)``: ``to_weight(c) * normed``) is
-# a near miss saying so; an argument that sets the epsilon is read like the module's own attribute.
+# a near miss saying so; any other extra argument is a near miss too (the reading does not prove its uses harmless).
 
 _S37_CONDITIONED = '''
 import torch
@@ -5651,11 +5677,15 @@ _S37_ADAPTIVE = _S37_CONDITIONED.split("class ScaledEpsNorm")[0] + '''class Cond
 class Block''' + _S37_CONDITIONED.split("class Block")[1].replace("ScaledEpsNorm(width)", "CondRMS(width)") \
     .replace("def forward(self, h):", "def forward(self, h, c):").replace("self.post(h, eps_scale=4.0)", "self.post(h, c)")
 
-AddRmsNorm.FUSE += [
-    Fuse(_S37_CONDITIONED, expect={"norm": "self.post", "weight": "self.post.gain", "condition": "type(self.post) is ScaledEpsNorm"},
-         run=_run_block("Block(32)", bf16=True, train=False), name="s37_norm_called_with_an_eps_argument_inference_bf16"),
-]
-
 AddRmsNorm.KEEP += [
+    Keep(_S37_CONDITIONED, reason="is called with more than its input (`eps_scale`)", name="s37_norm_called_with_an_eps_argument"),
+    # the extra argument masks the input before the statistic: the reading would drop it (it did, before the refusal)
+    Keep(_S37_CONDITIONED.replace("def forward(self, h, eps_scale=1.0):", "def forward(self, h, eps_scale=None):\n        if eps_scale is not None:\n            h = h * eps_scale")
+         .replace("self.eps * eps_scale", "self.eps"), reason="normalises `h`, computed from its input", name="s37_norm_masking_its_input_by_an_argument"),
+    # a single-input norm normalising a scaled copy of its input (``y = x * self.pre``): the factor was dropped
+    Keep(_S37_CONDITIONED.replace("def forward(self, h, eps_scale=1.0):", "def forward(self, h):\n        h2 = h * self.gain")
+         .replace("stat = h.float()", "stat = h2.float()").replace("(h.float() * torch.rsqrt(stat + self.eps * eps_scale))", "(h2.float() * torch.rsqrt(stat + self.eps))")
+         .replace("self.post(h, eps_scale=4.0)", "self.post(h)"),
+         reason="normalises `h2`, computed from its input, not the input itself", name="s37_norm_of_a_scaled_copy_of_its_input"),
     Keep(_S37_ADAPTIVE, reason="scales by a gain computed from the call's `cond`", name="s37_adaptive_norm_gain_from_the_condition"),
 ]
