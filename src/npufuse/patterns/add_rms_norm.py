@@ -1449,8 +1449,10 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
             return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
         return NormCall(call, attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
     # s37: the value normalised must be the module's input itself; a forward normalising ``y = x * self.pre``
-    # (or a masked input) was fused as the norm of the sum, dropping the factor
-    if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key):
+    # (or a masked input) was fused as the norm of the sum, dropping the factor. A name rebound only by
+    # function calls of the input keeps the earlier reading (see _computed_by_arithmetic)
+    if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
+            and _computed_by_arithmetic(nscope, m.core.x):
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
@@ -1470,6 +1472,16 @@ def _rebound_by_casts_only(scope: Scope, param: str, x_key: str) -> bool:
                 and isinstance(value.func.value, ast.Name) and value.func.value.id == param):
             return False
     return True
+
+
+def _computed_by_arithmetic(scope: Scope, leaf: ast.expr) -> bool:
+    """The normalised name is (at some definition) arithmetic on tensors (``y = x * self.pre``, ``x = x * mask``),
+    not a call of a function handed the input (``x = probe.log_stats(x, "resid")``, a logging hook returning it:
+    still read as the input, as before s37; whether such a function returns its argument is not proved)."""
+    if not isinstance(leaf, ast.Name):
+        return True
+    defs = scope.assignments.get(leaf.id, [])
+    return any(not isinstance(v, ast.Call) for _st, v in defs)
 
 
 def _module_read_text(n: ast.expr, me: str, mod: str) -> str | None:
