@@ -1452,7 +1452,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     # (or a masked input) was fused as the norm of the sum, dropping the factor. A name rebound only by
     # function calls of the input keeps the earlier reading (see _computed_by_arithmetic)
     if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
-            and _computed_by_arithmetic(nscope, m.core.x):
+            and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
@@ -1474,14 +1474,16 @@ def _rebound_by_casts_only(scope: Scope, param: str, x_key: str) -> bool:
     return True
 
 
-def _computed_by_arithmetic(scope: Scope, leaf: ast.expr) -> bool:
+def _computed_by_arithmetic(scope: Scope, leaf: ast.expr, before: int) -> bool:
     """The normalised name is (at some definition) arithmetic on tensors (``y = x * self.pre``, ``x = x * mask``),
     not a call of a function handed the input (``x = probe.log_stats(x, "resid")``, a logging hook returning it:
     still read as the input, as before s37; whether such a function returns its argument is not proved)."""
     if not isinstance(leaf, ast.Name):
         return True
-    defs = scope.assignments.get(leaf.id, [])
-    return any(not isinstance(v, ast.Call) for _st, v in defs)
+    # definitions from the statistic's line on are the norm's own result (``xf = xf * rsqrt(...)``); a plain
+    # alias of a name (``xf = x`` before ``if ...: xf = x.float()``, fms) is no arithmetic
+    defs = [v for st, v in scope.assignments.get(leaf.id, []) if st.lineno < before]
+    return any(not isinstance(v, (ast.Call, ast.Name)) for v in defs)
 
 
 def _module_read_text(n: ast.expr, me: str, mod: str) -> str | None:
