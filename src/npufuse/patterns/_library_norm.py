@@ -369,11 +369,14 @@ def _ctor_call(module: ModuleInfo, call: ast.Call) -> str | None:
 
 
 def _ctor_words(module: ModuleInfo) -> tuple[str, ...]:
-    """Words a statement constructing an RMSNorm module holds: ``RMSNorm`` and the names of this
-    module's nn.RMSNorm subclasses (cached per module)."""
+    """Words a statement constructing an RMSNorm module holds: ``RMSNorm``, the names of this
+    module's nn.RMSNorm subclasses and the local names of library RMSNorm classes imported under
+    another name (``from diffusers... import RMSNorm as DNorm``) (cached per module)."""
     cached = module.__dict__.get("_npufuse_rms_ctor_words")
     if cached is None:
-        cached = module.__dict__["_npufuse_rms_ctor_words"] = ("RMSNorm", *(c for c in module.classes if rms_subclass(module, c)))
+        cached = module.__dict__["_npufuse_rms_ctor_words"] = (
+            "RMSNorm", *(c for c in module.classes if rms_subclass(module, c)),
+            *(local for local, full in module.aliases.items() if full in LIBRARY_RMS_CLASSES and "RMSNorm" not in local))
     return cached
 
 
@@ -674,7 +677,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
 # in. The call is rewritten where it is made, under a run-time check that the attribute holds
 # exactly that class (anything else, a subclass included, runs the original call).
 
-_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm"}
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
 
 
 def _hf_norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, str]:
@@ -1058,6 +1061,13 @@ LIBRARY_RMS_CLASSES = {
     "apex.normalization.fused_layer_norm.MixedFusedRMSNorm": "apex",
     "xformers.ops.RMSNorm": "xformers",
     "xformers.ops.rmsnorm.RMSNorm": "xformers",
+    # s37: diffusers' RMSNorm (re-exported by its attention modules); before diffusers 0.33 it has no NPU
+    # path: x * rsqrt(fp32 mean(x^2) + eps), then cast to a half weight's dtype and times the weight
+    # (float32 out with a float32 weight; the input's dtype without a weight); a bias (0.30+, optional)
+    # or a multi-dim ``dim`` keeps its forward. From 0.33 its own NPU branch calls npu_rms_norm.
+    "diffusers.models.normalization.RMSNorm": "diffusers",
+    "diffusers.models.attention_processor.RMSNorm": "diffusers",
+    "diffusers.models.attention.RMSNorm": "diffusers",
 }
 TE_RMS_CLASSES = ("transformer_engine.pytorch.RMSNorm", "transformer_engine.pytorch.module.rmsnorm.RMSNorm",
                   "transformer_engine.pytorch.module.RMSNorm")
@@ -1067,14 +1077,19 @@ _TE_REASON = ("TransformerEngine's RMSNorm (a CUDA library module; with zero_cen
 
 _LIB_SWAP = "_npufuse_library_rms_norm_swap"
 _LIB_WHY = {"apex": "apex runs its Python reference, about 8 kernels, on non-CUDA input",
-            "xformers": "xformers' triton kernel runs on CUDA only"}
+            "xformers": "xformers' triton kernel runs on CUDA only",
+            "diffusers": "diffusers' RMSNorm before 0.33 runs about 8 unfused kernels (0.33 and later call npu_rms_norm "
+                         "themselves on NPU: the swap then changes nothing)"}
 
 _LIB_RISKS = [
     Risk("numerics", "the library's forward is replaced by npu_rms_norm with statistics in fp32. The output dtype is "
                      "that of what runs on NPU without the swap: apex's Python reference (manual_rms_norm) returns "
                      "float32 for fp16/bf16 input unless the weight is fp16/bf16 (then the weight's dtype), so the fused "
                      "call runs on the float32 input there; xformers returns the input's dtype. On CUDA apex's "
-                     "Mixed* classes return the weight's dtype and FusedRMSNorm the input's (A2/A3)"),
+                     "Mixed* classes return the weight's dtype and FusedRMSNorm the input's (A2/A3). diffusers returns "
+                     "the weight's dtype (the input's without a weight); where a half weight meets a float32 input "
+                     "diffusers rounds the normalised value to the weight's dtype before the multiply, the fused call "
+                     "multiplies in float32 and rounds once"),
 ]
 
 
@@ -1097,6 +1112,12 @@ def _lib_swap_helper(T: str) -> str:
         "                # apex off CUDA runs manual_rms_norm: x * rsqrt(fp32 variance) is float32 for half x, cast",
         "                # to the weight's dtype only when that is half; so float32 out unless the weight is half",
         f"                out_dtype = w.dtype if w is not None and w.dtype in half else {T}.float32",
+        "            if origin == 'diffusers':",
+        "                # diffusers: a bias, or a weight over several trailing dims (its mean is over the last one",
+        "                # only): its own forward; otherwise the weight's dtype out (the input's without a weight)",
+        "                if getattr(self, 'bias', None) is not None or len(getattr(self, 'dim', x.shape[-1:])) != 1:",
+        "                    return cls.forward(self, x)",
+        "                out_dtype = w.dtype if w is not None else x.dtype",
         f"            gamma = w if w is not None else {T}.ones(getattr(self, 'normalized_shape', x.shape[-1:]), dtype=x.dtype, device=x.device)",
         "            # npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
         f"            if gamma.dtype not in (x.dtype, {T}.float32):",

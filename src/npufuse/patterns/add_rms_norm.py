@@ -774,6 +774,217 @@ def _passed_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.
     return nc
 
 
+# -- s37: a norm attribute that a base class of another module builds ----------------------------------
+# VisionLLaMA's ``class RBlockRMSNorm(Block)`` (timm's Block): ``__init__(..., norm_layer=RMSNorm)`` hands
+# the class to ``super().__init__``, whose ``self.norm2 = norm_layer(dim)`` npufuse cannot read; subclasses
+# of Hugging Face decoder layers, of repository blocks of another file alike. What the attribute holds is
+# a run-time fact: the classes the subclass chain hands to its base's ``__init__`` (an argument, or the
+# default of a parameter handed on) are the candidates, and the one that reads as an RMSNorm is fused
+# where the attribute's run-time type is exactly it; any other module there runs the original statements.
+
+_NORM_ATTR = re.compile(r"norm|(^|_)ln(_|\d|$)", re.I)
+
+
+def _base_built_chain(module: ModuleInfo, class_name: str | None, attr: str) -> list[str] | None:
+    """The classes of this file from ``class_name`` up its single-base chain, when none of their
+    ``__init__`` assigns ``self.<attr>`` and the chain ends in a base of another module (not
+    ``nn.Module``): that base builds it. None otherwise."""
+    chain: list[str] = []
+    c = class_name
+    while c is not None and c in module.classes and c not in chain and len(chain) < 8:
+        if attr in S.init_assignments(module, c):
+            return None
+        chain.append(c)
+        bases = module.classes[c].bases
+        if len(bases) != 1:
+            return None  # several bases: which one builds the attribute is not read
+        base = bases[0]
+        if isinstance(base, ast.Name) and base.id in module.classes:
+            c = base.id
+            continue
+        if _plain_module_base(module, base) or not dotted(base):
+            return None  # nn.Module sets no norm: the attribute is assigned elsewhere or never
+        return chain
+    return None
+
+
+def _handed_to_base(module: ModuleInfo, class_name: str) -> list[ast.expr]:
+    """What ``__init__`` of ``class_name`` hands to its base's ``__init__`` (``super().__init__(...)``,
+    ``super(C, self).__init__(...)``, ``Base.__init__(self, ...)``): each argument, and for an argument
+    that is a parameter of ``__init__``, its default class (:func:`_default_class`)."""
+    init = S.method(module, class_name, "__init__")
+    if init is None:
+        return []
+    out: list[ast.expr] = []
+    for n in _own_nodes(init):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"):
+            continue
+        recv = n.func.value
+        if not ((isinstance(recv, ast.Call) and isinstance(recv.func, ast.Name) and recv.func.id == "super")
+                or isinstance(recv, (ast.Name, ast.Attribute))):
+            continue
+        for a in (*n.args, *(k.value for k in n.keywords)):
+            a = a.value if isinstance(a, ast.Starred) else a
+            if isinstance(a, ast.Name) and a.id in S.init_params(module, class_name):
+                default = _default_class(module, class_name, a.id)
+                if default is not None:
+                    out.append(default)
+            elif isinstance(a, (ast.Name, ast.Attribute)) and dotted(a):
+                out.append(a)
+    return out
+
+
+def _base_built_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, attr: str) -> NormCall | None:
+    """``self.<attr>(s)`` where a base class of another module builds the attribute (see above): the one
+    RMSNorm class the subclass chain names, fused under a check of the attribute's run-time type."""
+    # the base builds many attributes and which one it builds from the handed class is in code npufuse
+    # does not read: attributes named as norms are tried (their run-time type decides), not dropouts
+    chain = _base_built_chain(module, scope.class_name, attr) if _NORM_ATTR.search(attr) else None
+    if chain is None:
+        return None
+    mod = f"self.{attr}"
+    T = S.torch_name(module)
+    found: dict[str, NormCall] = {}
+    layer_norms: list[str] = []
+    seen: set[str] = set()
+    for c in chain:
+        for node in _handed_to_base(module, c):
+            name = dotted(node) or ""
+            if name in seen or name == "self" or name.startswith("self."):
+                continue
+            seen.add(name)
+            canon = module.canonical(node) or ""
+            if canon in _LAYER_NORMS:
+                layer_norms.append(name)
+                continue
+            if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm") and T is not None:
+                found[canon] = NormCall(call, attr, "library", cls=name, gamma=f"{mod}.weight", eps=eps_or_default(f"{mod}.eps", T),
+                                        conditions=[f"type({mod}) is {name}", f"{mod}.weight is not None"])
+                continue
+            if not isinstance(node, ast.Name) or _class_named(module, node.id) is None:
+                continue
+            nc = _member_ctor_norm(module, call, ctx, module, ast.Call(node, [], []), mod, "")
+            if nc is not None and nc.kind != "not_rms":
+                found[name] = nc
+    base = dotted(module.classes[chain[-1]].bases[0])
+    if not found and layer_norms:
+        return NormCall(call, attr, "not_rms", cls=layer_norms[0],
+                        reason=f"norm handed to the base is not RMSNorm ({layer_norms[0]}: mean subtracted; handed by {chain[0]}.__init__ to the "
+                               f"base class `{base}`, whose code builds `{mod}`)")
+    if not found and _HF_LLAMA_FAMILY.match(module.canonical(module.classes[chain[-1]].bases[0]) or ""):
+        # a Hugging Face layer builds it (``class MoEDecoderLayer(LlamaDecoderLayer)``): its own norm class
+        return _hf_runtime_norm(module, call, mod, attr, f"built by the transformers base class `{base}`")
+    if len(found) != 1:
+        return None
+    nc = next(iter(found.values()))
+    nc.cls = f"{nc.cls} (handed to the base class `{base}`, which builds `{mod}`)"
+    return nc
+
+
+# -- s37: Hugging Face norms reached where no class of the file says what they are ---------------------
+# MoE-LLaVA's ``def MoELlamaDecoderLayer_forward(self): def forward(hidden_states, ...): ... return forward``
+# installed as ``m.forward = MoELlamaDecoderLayer_forward(m)`` on transformers' decoder layers; MindSpeed-MM's
+# ``Qwen3MoeDecoderLayer.forward = internvl_moe_decoder_layer_forward``, msmodeling's ``MethodType(fn, layer)``;
+# subclasses of transformers' decoder layers that keep the base's norms (LLaMA-MoE, VeOmni). The module
+# ``self.<norm>`` holds is transformers' own class, known only at run time: fused where its type is one of
+# transformers' Llama-style RMSNorm classes (one forward: fp32 statistics, ``weight * x.to(input_dtype)``,
+# eps in ``variance_epsilon``), the original call for anything else.
+
+# what a file imports from the transformers families whose norm is the Llama-style class: the model
+# package or modeling module, or one of its classes (not a logger or a helper borrowed from it)
+_HF_LLAMA_FAMILY = re.compile(r"transformers\.(?:models\.(?:llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe)"
+                              r"(?:\.modeling_\w+)?(?:\.(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)?|(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)$")
+
+
+def _hf_runtime_norm(module: ModuleInfo, call: ast.Call, mod: str, attr: str, origin: str) -> NormCall | None:
+    """The external-norm reading of ``mod`` under a run-time check that it is exactly one of transformers'
+    Llama-style RMSNorm classes."""
+    from npufuse.patterns._library_norm import _HF_LLAMA_NORMS
+
+    if S.torch_name(module) is None:
+        return None
+    names = ", ".join(f'"{n}"' for n in sorted(_HF_LLAMA_NORMS))
+    check = f'type({mod}).__name__ in ({names}) and type({mod}).__module__.startswith("transformers.")'
+    return NormCall(call, attr, "external", cls=f"a transformers Llama-style RMSNorm at run time ({origin})",
+                    conditions=[check], mod=mod if mod != f"self.{attr}" else "")
+
+
+def _installed_forward(module: ModuleInfo, scope: Scope) -> bool:
+    """A function of no class whose ``self`` is its first parameter or the first parameter of the
+    module-level function whose own nested def it is, never rebound, in a file importing a transformers
+    model family whose norm is the Llama-style class."""
+    fn = scope.node
+    if scope.class_name or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+            or not any(_HF_LLAMA_FAMILY.match(v) for v in module.aliases.values()):
+        return False
+    own = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if own[:1] != ["self"]:
+        outer = module.functions.get(scope.qualname.split(".")[0])
+        if "self" in own or outer is None or outer is fn or [a.arg for a in (*outer.args.posonlyargs, *outer.args.args)][:1] != ["self"]:
+            return False
+        if fn not in outer.body:
+            return False  # the closure must be the outer function's own def (not deeper)
+    return "self" not in scope.assignments  # rebound: not the module the forward is installed on
+
+
+def _installed_forward_norm(module: ModuleInfo, scope: Scope, call: ast.Call, attr: str) -> NormCall | None:
+    """``self.<norm>(s)`` in a function of no class of this file whose ``self`` is a parameter of it or
+    of the module-level function enclosing it (a forward installed on another module's layer), in a
+    file that imports transformers: the run-time check of :func:`_hf_runtime_norm`."""
+    if not _NORM_ATTR.search(attr) or not _installed_forward(module, scope):
+        return None
+    return _hf_runtime_norm(module, call, f"self.{attr}", attr, f"`self` of `{scope.qualname}`, a forward installed on another module")
+
+
+# -- s37: a norm module called with more than its input (Amphion's ``LlamaAdaptiveRMSNorm(h, cond_embedding=c)``,
+# lucidrains' / stable-audio's ``AdaptiveRMSNorm(x, cond=c)``): its class's forward is read with each extra
+# argument bound to the call's expression, for a near miss that says what the call does (it was silent): a gain
+# computed from them (an adaptive norm), or arguments whose other uses the reading does not prove harmless.
+
+def _conditioned_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``self.<attr>(s, *more, **kw)`` with ``__init__`` building the attribute as a class of this file
+    whose forward names every keyword and takes as many positionals: read by :func:`_class_norm_call`
+    with them bound; a near miss (never a candidate) when it reads as an RMSNorm."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.classes):
+        return None
+    fwd = S.method(module, value.func.id, "forward")
+    if fwd is None or fwd.args.vararg or fwd.args.kwarg:
+        return None
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(call.args) > len(params) - 1 or any(k.arg not in params[2:] for k in call.keywords):
+        return None
+    extra = {params[i + 1]: a for i, a in enumerate(call.args) if i > 0}
+    extra.update({k.arg: k.value for k in call.keywords if k.arg is not None})
+    nc = _class_norm_call(module, call, ctx, value.func.id, extra=extra)
+    if nc is None or nc.kind == "not_rms":
+        return nc
+    gain = ""
+    if nc.kind == "rms" and nc.match is not None and nc.match.weights:
+        try:
+            gain = R.render_factor(module, R.analyse_weight(module, nc.match.weights[0]), None)
+        except (R.Miss, R.NoMatch):
+            gain = "?"
+    used = [k for k, v in extra.items() if gain == "?" or S.source_of(module, v) in gain]
+    if used:
+        # an adaptive norm: its gain is computed from the call's other arguments (one per sample), which
+        # npu_add_rms_norm's gamma (one value per feature) is not
+        return NormCall(call, f.attr, "not_rms", cls=value.func.id,
+                        reason=f"norm {value.func.id} scales by a gain computed from the call's `{'`, `'.join(used)}` (an adaptive "
+                               "norm: a gain per call, not npu_add_rms_norm's per-feature gamma; npufuse does not apply it "
+                               "after the fused op)")
+    # the reading does not prove the other arguments unused elsewhere in the forward (a mask applied to the
+    # input before the statistic, under a test or not, was read past): no candidate, a near miss saying why
+    names = "`, `".join(extra)
+    return NormCall(call, f.attr, "not_rms", cls=value.func.id,
+                    reason=f"norm {value.func.id} is called with more than its input (`{names}`): npufuse does not follow what "
+                           "its forward does with them (a mask or a scale of the input would change the statistic)")
+
+
 def _own_nodes(fn: ast.FunctionDef) -> Iterator[ast.AST]:
     """The nodes of ``fn``'s body outside nested functions, classes and lambdas."""
     todo: list[ast.AST] = list(fn.body)
@@ -828,12 +1039,18 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     if not call.args or isinstance(call.args[0], ast.Starred):
         return None
     wrapper = _dispatch_norm(module, scope, call, ctx)
+    if wrapper is None and (len(call.args) != 1 or call.keywords):
+        return _conditioned_norm(module, scope, call, ctx)
     if wrapper is not None or len(call.args) != 1 or call.keywords:
         return wrapper
     chosen_norm = _flag_chosen_local_norm(module, scope, call, ctx, f.attr)
     if chosen_norm is not None:
         return chosen_norm
     value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if value is None and scope.class_name is None:
+        return _installed_forward_norm(module, scope, call, f.attr)
+    if value is None:
+        return _base_built_norm(module, scope, call, ctx, f.attr)
     if isinstance(value, ast.IfExp):
         # ``RMSNorm(d) if config.use_norm else None`` (Gemma2): calling None fails in the original
         # too, so where the module is called it is the norm
@@ -1189,7 +1406,7 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
 
 
 def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "",
-                     inner: ast.expr | None = None) -> NormCall | None:
+                     inner: ast.expr | None = None, extra: dict[str, ast.expr] | None = None) -> NormCall | None:
     """``self.<attr>(x)`` where ``__init__`` builds the attribute as ``cls(...)``, a class of
     ``module``: read through its forward with ``self`` bound to ``self.<attr>`` and its input to the
     sum. ``where`` names the other file a repository class comes from (for reasons). ``inner``: the
@@ -1216,6 +1433,9 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     hctx = S.Ctx(nscope, ret.lineno, {}, ctx.depth + 1)
     bind: dict[str, tuple[ast.expr, S.Ctx]] = {params[0]: (f, ctx), params[1]: (_norm_input(call.args[0]), ctx)}
     for p in params[2:]:
+        if extra and p in extra:
+            bind[p] = (extra[p], ctx)  # s37: an argument the call passes (a conditioning input)
+            continue
         if p not in defaults:
             return None
         bind[p] = (defaults[p], hctx)
@@ -1228,7 +1448,42 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
             return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
         return NormCall(call, attr, "not_rms", reason=f"norm {cls}{where} cannot be fused: {e.reason}", cls=cls + where)
+    # s37: the value normalised must be the module's input itself; a forward normalising ``y = x * self.pre``
+    # (or a masked input) was fused as the norm of the sum, dropping the factor. A name rebound only by
+    # function calls of the input keeps the earlier reading (see _computed_by_arithmetic)
+    if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
+            and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
+        return NormCall(call, attr, "not_rms", cls=cls + where,
+                        reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
+
+
+_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"})
+
+
+def _rebound_by_casts_only(scope: Scope, param: str, x_key: str) -> bool:
+    """The normalised value is the forward's input name itself (``x_key`` names it in ``scope``: several
+    definitions reach it) and every rebinding of it is a cast of it (``x = x.to(torch.float32)`` under a
+    flag): the value is the input up to its dtype, which the matcher reads as a (conditional) cast."""
+    if x_key != f"${param}@{scope.qualname}":
+        return False
+    for _st, value in scope.assignments.get(param, []):
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _CASTS
+                and isinstance(value.func.value, ast.Name) and value.func.value.id == param):
+            return False
+    return True
+
+
+def _computed_by_arithmetic(scope: Scope, leaf: ast.expr, before: int) -> bool:
+    """The normalised name is (at some definition) arithmetic on tensors (``y = x * self.pre``, ``x = x * mask``),
+    not a call of a function handed the input (``x = probe.log_stats(x, "resid")``, a logging hook returning it:
+    still read as the input, as before s37; whether such a function returns its argument is not proved)."""
+    if not isinstance(leaf, ast.Name):
+        return True
+    # definitions from the statistic's line on are the norm's own result (``xf = xf * rsqrt(...)``); a plain
+    # alias of a name (``xf = x`` before ``if ...: xf = x.float()``, fms) is no arithmetic
+    defs = [v for st, v in scope.assignments.get(leaf.id, []) if st.lineno < before]
+    return any(not isinstance(v, (ast.Call, ast.Name)) for v in defs)
 
 
 def _module_read_text(n: ast.expr, me: str, mod: str) -> str | None:
@@ -2073,7 +2328,7 @@ class AddRmsNorm(Pattern):
         # then the hand-written norm of ``x``): methods and plain functions alike
         if "is not None" in S.scope_text(module, scope):
             yield from _optional_residual_results(module, scope)
-        if not scope.class_name:
+        if not scope.class_name and not _installed_forward(module, scope):
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
@@ -5232,4 +5487,219 @@ AddRmsNorm.KEEP += [
     # the branch returning early is the LayerNorm one
     Keep(_S35_DISPATCH.split("class Wrapped")[0].replace("self.rms(x) if self.rms is not None else self.ln(x)", "self.ln(x)"),
          name="s35_norm_wrapper_early_branch_is_not_rms"),
+]
+
+# -- s37: a norm attribute that a base class npufuse cannot read builds from a class the subclass hands it
+# (VisionLLaMA ``class RBlockRMSNorm(timm Block)`` with ``norm_layer=RMSNorm`` passed to ``super().__init__``).
+# Invented spellings: a base made by a class factory of the file, handed the class through ``Base.__init__``
+# as a keyword, a parameter rebound ``norm_cls = norm_cls or Scale``; the sum inside a stochastic-depth call.
+
+_S37_BASE_BUILT = '''
+import torch
+from torch import nn
+
+
+class Scale(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(width))
+
+    def forward(self, v):
+        inv = torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (v.float() * inv).type_as(v) * self.g
+
+
+def residual_base(mixer):
+    class _Base(nn.Module):
+        def __init__(self, width, norm_cls=nn.LayerNorm):
+            super().__init__()
+            self.pre_norm = norm_cls(width)
+            self.post_norm = norm_cls(width)
+            self.mix = mixer(width, width)
+            self.ffn = nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width))
+            self.skip = nn.Identity()
+
+    return _Base
+
+
+LinearBase = residual_base(nn.Linear)
+
+
+class Block(LinearBase):
+    def __init__(self, width, norm_cls=None):
+        norm_cls = norm_cls or Scale
+        LinearBase.__init__(self, width, norm_cls=norm_cls)
+
+    def forward(self, u):
+        u = self.skip(self.mix(self.pre_norm(u))) + u
+        return u + self.skip(self.ffn(self.post_norm(u)))
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S37_BASE_BUILT, expect={"norm": "self.post_norm", "weight": "self.post_norm.g", "sum": "u",
+                                  "condition": "type(self.post_norm) is Scale"},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s37_norm_built_by_an_unread_base_inference_bf16"),
+    Fuse(_S37_BASE_BUILT, expect={"norm": "self.post_norm"}, run=_run_block("Block(32)", leaves="[x, blk.post_norm.g]"),
+         name="s37_norm_built_by_an_unread_base_training"),
+    # the same block handing the class positionally through a chain of two subclasses and ``super()``
+    Fuse(_S37_BASE_BUILT.replace('''class Block(LinearBase):
+    def __init__(self, width, norm_cls=None):
+        norm_cls = norm_cls or Scale
+        LinearBase.__init__(self, width, norm_cls=norm_cls)
+''', '''class Middle(LinearBase):
+    def __init__(self, width, norm=Scale):
+        super(Middle, self).__init__(width, norm)
+
+
+class Block(Middle):
+    def __init__(self, width):
+        super().__init__(width)
+'''), expect={"norm": "self.post_norm", "condition": "type(self.post_norm) is Scale"},
+         run=_run_block("Block(32)", bf16=True, train=False), name="s37_norm_class_default_of_a_middle_class"),
+]
+
+AddRmsNorm.KEEP += [
+    # the class handed to the base is a LayerNorm: a near miss saying so
+    Keep(_S37_BASE_BUILT.replace("norm_cls = norm_cls or Scale", "norm_cls = norm_cls or nn.LayerNorm"),
+         reason="norm handed to the base is not RMSNorm (nn.LayerNorm", name="s37_layer_norm_handed_to_an_unread_base"),
+    # the handed class subtracts the mean: no candidate
+    Keep(_S37_BASE_BUILT.replace("inv = torch.rsqrt(v.float().pow(2)", "v = v - v.mean(-1, keepdim=True)\n        inv = torch.rsqrt(v.float().pow(2)"),
+         name="s37_mean_subtracting_class_handed_to_an_unread_base"),
+]
+
+# -- s37: forwards installed on transformers' layers, subclasses keeping transformers' norms: the norm is
+# transformers' own class, fused where its run-time type is one of the Llama-style RMSNorm classes.
+# Invented spellings: a module-level ``def layer_forward(self, h, mask=None)`` assigned to a class; a
+# closure factory whose inner forward reads ``self`` of the factory; a subclass of a transformers layer.
+
+_S37_INSTALLED = '''
+import types
+
+import torch
+from transformers.models.qwen2 import modeling_qwen2
+
+
+def patched_layer_forward(self, h, mask=None):
+    skip = h
+    h = self.self_attn(self.input_layernorm(h), mask)[0]
+    h = skip + h
+    skip = h
+    h = self.post_attention_layernorm(h)
+    return skip + self.mlp(h)
+
+
+def make_forward(self):
+    def forward(tokens, mask=None):
+        kept = tokens
+        out = self.self_attn(self.input_layernorm(tokens), mask)[0]
+        tokens = kept + out
+        return tokens + self.mlp(self.post_attention_layernorm(tokens))
+
+    return forward
+
+
+def install(model):
+    modeling_qwen2.Qwen2DecoderLayer.forward = patched_layer_forward
+    for layer in model.layers:
+        layer.forward = make_forward(layer)
+'''
+
+_S37_HF_SUBCLASS = '''
+import torch
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+
+class RoutedLayer(MistralDecoderLayer):
+    def __init__(self, config, layer_idx, n_routes=4):
+        super().__init__(config, layer_idx)
+        self.route = torch.nn.Linear(config.hidden_size, n_routes)
+
+    def forward(self, hidden, **kw):
+        res = hidden
+        hidden, _ = self.self_attn(self.input_layernorm(hidden), **kw)
+        hidden = res + hidden
+        res = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden)) * self.route(hidden).softmax(-1).max(-1, keepdim=True)[0]
+        return res + hidden
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S37_INSTALLED, expect={"qualname": "patched_layer_forward", "norm": "self.post_attention_layernorm", "sum": "h",
+                                 "weight": "self.post_attention_layernorm.weight"},
+         name="s37_module_level_forward_installed_on_a_transformers_layer"),
+    Fuse(_S37_INSTALLED.split("def patched_layer_forward")[0] + "def make_forward" + _S37_INSTALLED.split("def make_forward")[1],
+         expect={"qualname": "make_forward.forward", "norm": "self.post_attention_layernorm", "sum": "tokens"},
+         name="s37_closure_forward_installed_on_a_transformers_layer"),
+    Fuse(_S37_HF_SUBCLASS, expect={"qualname": "RoutedLayer.forward", "norm": "self.post_attention_layernorm", "sum": "hidden"},
+         name="s37_subclass_keeping_the_transformers_norms"),
+]
+
+AddRmsNorm.KEEP += [
+    # no transformers import: what the installed forward's ``self`` holds says nothing of a known class
+    Keep(_S37_INSTALLED.replace("from transformers.models.qwen2 import modeling_qwen2", "import mylib as modeling_qwen2"),
+         name="s37_installed_forward_without_transformers"),
+    # ``self`` rebound in the function: not the module the forward is installed on
+    Keep(_S37_INSTALLED.replace("    skip = h\n    h = self.self_attn", "    self = self.inner\n    skip = h\n    h = self.self_attn")
+         .split("def make_forward")[0], name="s37_installed_forward_rebinding_self"),
+]
+
+# -- s37: a norm module called with more than its input: the extra arguments are bound into its forward.
+# A conditioning gain (Amphion's ``LlamaAdaptiveRMSNorm(h, cond_embedding=c)``: ``to_weight(c) * normed``) is
+# a near miss saying so; any other extra argument is a near miss too (the reading does not prove its uses harmless).
+
+_S37_CONDITIONED = '''
+import torch
+from torch import nn
+
+
+class ScaledEpsNorm(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, h, eps_scale=1.0):
+        stat = h.float().pow(2).mean(-1, keepdim=True)
+        return (h.float() * torch.rsqrt(stat + self.eps * eps_scale)).type_as(h) * self.gain
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ff = nn.Linear(width, width)
+        self.post = ScaledEpsNorm(width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h):
+        h = self.ff(h) + h
+        return self.out(self.post(h, eps_scale=4.0)) + h
+'''
+
+# the same block whose norm's gain is a Linear of a condition the block passes
+_S37_ADAPTIVE = _S37_CONDITIONED.split("class ScaledEpsNorm")[0] + '''class CondRMS(nn.Module):
+    def __init__(self, width, cond_width=8, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.to_gain = nn.Linear(cond_width, width)
+
+    def forward(self, h, cond):
+        stat = h.float().pow(2).mean(-1, keepdim=True)
+        return (self.to_gain(cond) * (h.float() * torch.rsqrt(stat + self.eps))).to(h.dtype)
+
+
+class Block''' + _S37_CONDITIONED.split("class Block")[1].replace("ScaledEpsNorm(width)", "CondRMS(width)") \
+    .replace("def forward(self, h):", "def forward(self, h, c):").replace("self.post(h, eps_scale=4.0)", "self.post(h, c)")
+
+AddRmsNorm.KEEP += [
+    Keep(_S37_CONDITIONED, reason="is called with more than its input (`eps_scale`)", name="s37_norm_called_with_an_eps_argument"),
+    # the extra argument masks the input before the statistic: the reading would drop it (it did, before the refusal)
+    Keep(_S37_CONDITIONED.replace("def forward(self, h, eps_scale=1.0):", "def forward(self, h, eps_scale=None):\n        if eps_scale is not None:\n            h = h * eps_scale")
+         .replace("self.eps * eps_scale", "self.eps"), reason="normalises `h`, computed from its input", name="s37_norm_masking_its_input_by_an_argument"),
+    # a single-input norm normalising a scaled copy of its input (``y = x * self.pre``): the factor was dropped
+    Keep(_S37_CONDITIONED.replace("def forward(self, h, eps_scale=1.0):", "def forward(self, h):\n        h2 = h * self.gain")
+         .replace("stat = h.float()", "stat = h2.float()").replace("(h.float() * torch.rsqrt(stat + self.eps * eps_scale))", "(h2.float() * torch.rsqrt(stat + self.eps))")
+         .replace("self.post(h, eps_scale=4.0)", "self.post(h)"),
+         reason="normalises `h2`, computed from its input, not the input itself", name="s37_norm_of_a_scaled_copy_of_its_input"),
+    Keep(_S37_ADAPTIVE, reason="scales by a gain computed from the call's `cond`", name="s37_adaptive_norm_gain_from_the_condition"),
 ]

@@ -4144,6 +4144,62 @@ class Block(nn.Module):
     ),
 ]
 
+# s37: diffusers' RMSNorm (no NPU path before diffusers 0.33), built by a norm-layer factory's nested def
+# (SeedVR's ``get_norm_layer(norm_type)._norm_layer``) or imported through diffusers' attention module
+RmsNorm.FUSE += [
+    Fuse(
+        '''
+from torch import nn
+from diffusers.models.normalization import RMSNorm
+
+
+def norm_factory(kind):
+    def _make(width, eps, affine):
+        if kind is None:
+            return nn.Identity()
+        if kind == "rms":
+            return RMSNorm(dim=width, eps=eps, elementwise_affine=affine)
+        return nn.LayerNorm(width, eps=eps, elementwise_affine=affine)
+
+    return _make
+''',
+        expect={"variant": "library_rmsnorm", "module": "diffusers.models.normalization.RMSNorm", "qualname": "norm_factory._make"},
+        name="s37_diffusers_rmsnorm_built_by_a_norm_factory",
+    ),
+    Fuse(
+        '''
+import torch
+from diffusers.models.attention_processor import RMSNorm as DNorm
+
+
+class QKNorm(torch.nn.Module):
+    def __init__(self, head_dim):
+        super().__init__()
+        self.q, self.k = DNorm(head_dim, eps=1e-6), DNorm(head_dim, eps=1e-6)
+''',
+        expect={"variant": "library_rmsnorm", "module": "diffusers.models.attention_processor.RMSNorm", "constructions": 2},
+        name="s37_diffusers_rmsnorm_through_the_attention_module",
+    ),
+]
+
+RmsNorm.KEEP += [
+    # diffusers' LayerNorm / AdaLayerNorm are mean-centred: no library RMSNorm
+    Keep(
+        '''
+from torch import nn
+from diffusers.models.normalization import AdaLayerNorm, LayerNorm
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = LayerNorm(dim, eps=1e-6)
+        self.ada = AdaLayerNorm(dim, 10)
+''',
+        name="s37_diffusers_layer_norms_are_not_swapped",
+    ),
+]
+
 RmsNorm.KEEP += [
     Keep(
         '''
