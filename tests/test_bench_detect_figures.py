@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import detect_figures  # noqa: E402
+# loaded from its file, not by putting bench/ on sys.path: bench/profile.py would shadow the stdlib
+# `profile` for every later test in the process (tests/test_corpus_audit.py checks that)
+_SPEC = importlib.util.spec_from_file_location("detect_figures", Path(__file__).resolve().parent.parent / "bench" / "detect_figures.py")
+assert _SPEC is not None and _SPEC.loader is not None
+detect_figures = importlib.util.module_from_spec(_SPEC)
+sys.modules["detect_figures"] = detect_figures
+_SPEC.loader.exec_module(detect_figures)
 
 SUMMARY = """\
 3 of 4 repositories scanned (whole repositories: 120 files, scan 2.0s), 9 labelled files, 12 fuse / 5 keep labels
