@@ -210,3 +210,19 @@ def test_a_caller_float_mask_added_to_a_minus_inf_bias_is_value_checked() -> Non
     (example,) = [f for f in SdpaPattern.FUSE if f.name == "s37_causal_bias_plus_caller_mask_values_checked"]
     (finding,) = detect_all(SdpaPattern(), example.code)[0]
     assert "<= -1000" in finding.fused
+
+
+def test_random_skip_index_never_reads_a_link_out_of_the_repository(tmp_path):
+    """The random-skip pass reads other files of an untrusted repository through the repo passes'
+    reader: a ``.py`` link that leads outside the repository is not read (nor parsed)."""
+    from npufuse.scan.random_skip import RepoIndex
+
+    outside = tmp_path / "outside.py"
+    outside.write_text("import torch\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n        return x\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "inside.py").write_text("x = 1\n")
+    (repo / "model.py").symlink_to(outside)
+    index = RepoIndex(repo, ["inside.py", "model.py"], 1 << 20)
+    assert index.text("inside.py") == "x = 1\n" and index.tree("inside.py") is not None
+    assert index.text("model.py") is None and index.tree("model.py") is None

@@ -291,12 +291,15 @@ class RepoIndex:
         if rel not in self._texts:
             if self.root is None:
                 return None
+            from npufuse.scan.repo_facts import _repo_text
+
+            # the repo passes' reader: a link leading out of the (untrusted) repository is never read
+            text = _repo_text(self.root, rel)
             try:
-                with open(self.root / rel, "rb") as fh:
-                    data = fh.read(self.max_bytes + 1)
-                self._texts[rel] = None if len(data) > self.max_bytes else data.decode("utf-8", errors="replace")
+                fits = text is not None and (self.root / rel).stat().st_size <= self.max_bytes
             except OSError:
-                self._texts[rel] = None
+                fits = False
+            self._texts[rel] = text if fits else None
         return self._texts[rel]
 
     def seed(self, rel: str, text: str, tree: ast.Module) -> None:
@@ -305,11 +308,10 @@ class RepoIndex:
 
     def tree(self, rel: str) -> Optional[ast.Module]:
         if rel not in self._trees:
-            text = self.text(rel)
-            try:
-                self._trees[rel] = ast.parse(text) if text is not None else None
-            except (SyntaxError, ValueError, RecursionError, MemoryError):
-                self._trees[rel] = None
+            from npufuse.scan.repo_facts import _parse_repo_file
+
+            # parsed once per scan with the other repo passes (their cache), not again here
+            self._trees[rel] = _parse_repo_file(self.root, rel) if self.text(rel) is not None else None
         return self._trees[rel]
 
     def skips(self, rel: str) -> list[RandomSkip]:
