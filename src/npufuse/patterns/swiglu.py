@@ -1499,6 +1499,11 @@ def _has_built_activation_attr(module: ModuleInfo, scope: Scope, text: str) -> b
             if any(w in said for w in _ACT_SEARCH):
                 return True
             continue
+        if isinstance(value, ast.Call) and any(w in (dotted(value.func) or "").lower() for w in _ACT_SEARCH):
+            # s38: an activation module built in place under a name that says nothing (OFormer's GeGELU:
+            # `self.fn = nn.GELU()`, forward `self.fn(x[..., :c // 2]) * x[..., c // 2:]`): the constructor
+            # names it; classify_call reads what it computes
+            return True
         if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
             continue
         fn = module.functions.get(value.func.id)
@@ -7687,4 +7692,35 @@ Swiglu.KEEP += [
     # the kernel bounds the gate by the other parameter: a transform that reads the other operand
     Keep(_S37_LIMITED_KERNEL.split("\n\ndef capped_glu")[0].replace("g = g.clamp(max=self.limit)", "g = g.clamp(max=v)"),
          reason="", name="s37_glu_kernel_gate_clamped_by_the_other_parameter"),
+]
+
+
+# --- s38 glumoe38: an activation module built in place under a name that says nothing -------------
+# (`self.f = torch.nn.SiLU()`: the forward's text names no activation; the constructor in __init__ does)
+_S38_BUILT_IN_PLACE = '''
+import torch
+from torch import nn
+
+
+class PackedGate(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+        self.f = torch.nn.SiLU()
+
+    def forward(self, x):
+        a, b = self.wi(x).chunk(2, dim=-1)
+        return self.f(a) * b
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S38_BUILT_IN_PLACE, expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm = PackedGate(8, 6)\nout = m(x)\nleaves = [x, m.wi.weight]\n",
+         name="s38_activation_module_under_a_plain_attribute_name"),
+]
+
+Swiglu.KEEP += [
+    # the module built in place is a ReLU: no fused gated op computes it
+    Keep(_S38_BUILT_IN_PLACE.replace("torch.nn.SiLU()", "torch.nn.ReLU()"),
+         reason="activation is not silu", name="s38_plain_attribute_activation_is_relu"),
 ]
