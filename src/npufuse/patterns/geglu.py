@@ -25,6 +25,7 @@ class Geglu(Pattern):
     id = "geglu"
     api = "torch_npu.npu_geglu"
     title = "GeGLU (gelu(gate) * up) -> npu_geglu"
+    SHARES_SITES_WITH = ("swiglu",)  # one gate reader (swiglu.gate_results) decides which of the two reports a product
     training_ok = True  # npu_geglu has a backward through output 0; npu_gelu_mul (forward-only) is not used
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan

@@ -2098,6 +2098,7 @@ class Swiglu(Pattern):
     id = "swiglu"
     api = "torch_npu.npu_swiglu"
     title = "SwiGLU (silu(gate) * up) -> npu_swiglu"
+    SHARES_SITES_WITH = ("geglu",)  # one gate reader (gate_results) decides which of the two reports a product
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
