@@ -9,19 +9,14 @@ of an unscored pattern before reading what its dispatch covers: the site was mis
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+from bench_scripts import load_bench
 from npufuse.scan.engine import scan_repo
+from test_detect_corpus import _mirror_with_tree
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "detect_corpus.py"
-_spec = importlib.util.spec_from_file_location("detect_corpus_s38", BENCH)
-detect_corpus = importlib.util.module_from_spec(_spec)
-sys.modules["detect_corpus_s38"] = detect_corpus  # dataclasses look their module up there
-_spec.loader.exec_module(detect_corpus)  # type: ignore[union-attr]
+detect_corpus = load_bench("detect_corpus")
 
 # invented: an injected activation defaulting to GELU (dispatched on the object at run time), and a
 # fixed erf GELU (geglu only: npu_swiglu never computes it)
@@ -77,27 +72,14 @@ def test_only_swiglu_reports_a_geglu_candidate_that_dispatches_to_swiglu(tmp_pat
     assert scan_repo(root, only=["rms_norm"]).candidates == []
 
 
-def _mirror(tmp_path: Path) -> tuple[Path, str]:
-    work = _repo(tmp_path)
-    git = ["git", "-C", str(work), "-c", "user.email=t@t", "-c", "user.name=t"]
-    subprocess.run(git[:3] + ["init", "-q"], check=True)
-    subprocess.run(git + ["add", "model.py"], check=True)
-    subprocess.run(git + ["commit", "-qm", "m"], check=True)
-    commit = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    mirrors = tmp_path / "mirrors"
-    (mirrors / "someone+glu").mkdir(parents=True)
-    subprocess.run(["git", "clone", "-q", "--bare", str(work), str(mirrors / "someone+glu" / "repo")], check=True)
-    return mirrors, commit
-
-
 def _row(out: str, pattern: str) -> list[str]:
     return next(ln.split() for ln in out.splitlines() if ln.split()[:1] == [pattern])
 
 
 def test_corpus_figures_of_a_pattern_do_not_depend_on_only(tmp_path, capsys):
-    mirrors, commit = _mirror(tmp_path)
+    mirrors, commit = _mirror_with_tree(tmp_path, {"model.py": MODEL})
     labels = tmp_path / "labels.json"
-    labels.write_text(json.dumps({"repos": [{"repo": "someone/glu", "commit": commit, "files": [{"path": "model.py", "sites": [
+    labels.write_text(json.dumps({"repos": [{"repo": "someone/model", "commit": commit, "files": [{"path": "model.py", "sites": [
         {"pattern": "swiglu", "qualname": "GatedUnit.forward", "line": 15, "end_line": 15, "label": "fuse"},
         # near miss of the class: a GELU-only product is not a swiglu site, whoever scores it
         {"pattern": "swiglu", "qualname": "FixedGelu.forward", "line": 26, "end_line": 26, "label": "keep"},
