@@ -375,11 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     tallies: dict[str, Tally] = {p: Tally() for p in patterns}
     for c in sorted(cands, key=lambda s: (s.file, s.line)):
         t = tallies.get(c.pattern)
-        if t is None:
-            continue
         # the candidate's own pattern, and any other pattern its run-time dispatch may run: each
         # unmatched fuse label of those on the candidate's lines is matched (one TP per label)
         covered = [c.pattern] + [p for p in c.covers if p != c.pattern]
+        if not any(p in tallies for p in covered):
+            continue
+        # s38: a candidate of a pattern left out of the tallies (`--only swiglu`, or a label file
+        # without geglu labels) still scores the tallied patterns its dispatch covers (zoology's GLU:
+        # a geglu candidate dispatching to swiglu too was dropped, so `--only swiglu` missed it);
+        # it is counted false only under its own pattern, as in a run over every pattern
         on_lines = [l for l in labels if l.label == "fuse" and l.file == c.file and l.line <= c.end_line and c.line <= l.end_line]
         # then labels naming the candidate's function as an alternative place (line overlap first)
         on_lines += [l for l in labels if l.label == "fuse" and l.file == c.file and l.names(c) and all(l is not o for o in on_lines)]
@@ -391,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                     hit.matched = True
                     if p in tallies:
                         tallies[p].tp += 1
+        elif t is None:
+            continue
         elif any(l.pattern == c.pattern and l.matched for l in on_lines):
             # a second site inside one labelled span (both branches of `if half: ... else: ...`):
             # the label is already counted; this candidate is neither a new TP nor a false one

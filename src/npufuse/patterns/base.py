@@ -124,6 +124,11 @@ class Pattern:
     #: and that every FUSE/KEEP example gives the same findings and reasons with gates on and off.
     #: Words are ASCII; text outside ASCII is NFKD-decomposed first (identifiers are read in NFKC).
     SCOPE_WORDS: ClassVar[tuple[str, ...] | None] = None
+    #: Ids of patterns whose detector reads the same sites and decides which of them reports each
+    #: (swiglu / geglu: one gated product, owned by the activation's default, may dispatch to both
+    #: at run time). A scan that chooses this pattern runs those too and then keeps what they report
+    #: for the chosen ids (engine.select_patterns), so ``--only`` never changes a chosen pattern's result.
+    SHARES_SITES_WITH: ClassVar[tuple[str, ...]] = ()
 
     def detect(self, module: "ModuleInfo", scope: "Scope") -> Iterable[Result]:
         """Yield findings and near misses inside ``scope`` (one function body or the module body)."""

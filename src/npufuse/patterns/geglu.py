@@ -25,6 +25,7 @@ class Geglu(Pattern):
     id = "geglu"
     api = "torch_npu.npu_geglu"
     title = "GeGLU (gelu(gate) * up) -> npu_geglu"
+    SHARES_SITES_WITH = ("swiglu",)  # one gate reader (swiglu.gate_results) decides which of the two reports a product
     training_ok = True  # npu_geglu has a backward through output 0; npu_gelu_mul (forward-only) is not used
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
@@ -787,4 +788,37 @@ Geglu.KEEP += [
                                         "x, _ = torch.split(X, [X.shape[-1] // 2, X.shape[-1] // 2], -1)\n"
                                         "        _, g = torch.split(X.flip(0), [X.shape[-1] // 2, X.shape[-1] // 2], -1)"),
          reason="halves of different tensors", name="s36_approximate_by_flag_halves_of_two_tensors"),
+]
+
+
+# --- s38 glumoe38: an activation module built in place under a name that says nothing -------------
+# (HO14b OFormer's GeGELU: `self.fn = nn.GELU()`, forward `self.fn(x[..., :int(c // 2)]) * x[..., int(c // 2):]`).
+# The forward's text names no activation, so the scope never reached the gated-product reader; the
+# constructor stored in __init__ now names it. Invented spellings below (other attribute names, tanh mode).
+
+_S38_BUILT_IN_PLACE = '''
+import torch
+from torch import nn
+
+
+class HalfGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.nonlin = nn.GELU(approximate="tanh")
+
+    def forward(self, z):
+        width = z.shape[-1]
+        return self.nonlin(z[..., :int(width // 2)]) * z[..., int(width // 2):]
+'''
+
+Geglu.FUSE += [
+    Fuse(_S38_BUILT_IN_PLACE, expect={"activation": "gelu_tanh", "approximate": 1, "activate_left": True},
+         run="x = torch.randn(3, 4, 10, requires_grad=True)\nout = HalfGate()(x)\nleaves = [x]\n",
+         name="s38_activation_module_under_a_plain_attribute_name"),
+]
+
+Geglu.KEEP += [
+    # the up slice starts one column past the gate's end: not the two halves of one tensor
+    Keep(_S38_BUILT_IN_PLACE.replace("z[..., int(width // 2):]", "z[..., int(width // 2) + 1:]"),
+         reason="do not split one tensor in two", name="s38_plain_attribute_activation_slices_not_halves"),
 ]

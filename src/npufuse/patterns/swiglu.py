@@ -1046,6 +1046,12 @@ def _transformed(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, other_input: st
         inner = [(n.func.value, c)]  # x.clamp(max=...)
     for e, ec in inner:
         if _projection_input(e, ec) is not None:
+            scales: list[tuple[ast.expr, S.Ctx]] = []
+            if _elementwise_operand(n, c, set(), scales) is not None \
+                    and not any(S.names_read(x) & S.names_read(e) for x, _ in scales):
+                # s38: a scale like `self.umup_mult * x` is such a transform; what fails is the value under it
+                return (f"gate or up is an elementwise transform (`{text}`) of a value npufuse does not trace, with the "
+                        "other operand, to projections of one input: not shown to be a gated product of two projections")
             return (f"gate or up is transformed after its projection (`{text}`) by something other than an elementwise "
                     "clamp, cast or scale independent of the operands: not a gated product of two projections")
     return None
@@ -1246,10 +1252,14 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                          elementwise=True)
                 g.s28_kernel = kernel  # type: ignore[attr-defined]
                 return g
-            for op, octx, other in ((a, actx, ib), (b, ctx, ia)):
-                why = _transformed(module, op, octx, other)
-                if why:
-                    raise GateMiss(why)
+            through = _s38_params_through_transforms(module, act, a, actx, b, ctx, node, trace)
+            if through is not None:
+                return through
+            whys = [w for w in (_transformed(module, op, octx, other) for op, octx, other in ((a, actx, ib), (b, ctx, ia))) if w]
+            if whys:
+                # s38: an operand transformed by more than an independent elementwise step is the reason, before
+                # the other operand's plain scale (a biased projection beside a residual sum)
+                raise GateMiss(next((w for w in whys if "something other than" in w), whys[0]))
             callers = _caller_operands(module, a, actx, b, ctx)
             if isinstance(callers, list):
                 return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=callers)
@@ -1271,6 +1281,55 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         if d is not None and d[1] is not None and b.id in S.names_read(d[1]) and not _binds_gate_too(d[0], a):
             S.peel(b, ctx, trace)
     return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, ia)
+
+
+def _s38_param_origin(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, avoid: set[str]) -> tuple[str, int] | None:
+    """The parameter an operand starts from, and how many steps lead there: elementwise transforms
+    (``self.umup_mult * x``, see :func:`_transform_origin`) and rebindings of the parameter by a call
+    of itself in the function's own body (``x = scale_bwd(x, s)``: whatever the call computes, the
+    product multiplies its result, which the fused op takes as it is). None when the operand starts
+    anywhere else, or a rebinding reads the other operand or sits under control flow."""
+    fn = ctx.scope.node
+    if ctx.depth or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    n, c, steps = _transform_origin(module, node, ctx, avoid)
+    for _ in range(8):
+        if not isinstance(n, ast.Name) or n.id not in ctx.scope.args:
+            return None
+        d = S.definition(c, n.id)
+        if d is None:
+            return n.id, steps
+        st, value = d
+        if value is None or not any(st is top for top in fn.body) or not isinstance(value, ast.Call) \
+                or sum(isinstance(x, ast.Name) and x.id == n.id for x in value.args) != 1 \
+                or (S.names_read(value) & avoid) - {n.id}:
+            return None
+        n, c, steps = ast.Name(id=n.id, ctx=ast.Load()), c.at(st.lineno), steps + 1
+        n, c, more = _transform_origin(module, n, c, avoid)
+        steps += more
+    return None
+
+
+def _s38_params_through_transforms(module: ModuleInfo, act: Act, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
+                                   node: ast.expr, trace: S.Trace) -> Gate | None:
+    """Gate and up are two parameters of the function holding the product, each first passed through
+    calls of itself or scaled (Aleph-Alpha scaling's u-muP SwiGLU: ``x = scale_bwd(x, s); gate =
+    scale_bwd(gate, s)``, then ``silu(x) * gate`` or ``silu(self.umup_mult * x) * gate / self.umup_mult``).
+    ``act(a) * b`` is ``npu_swiglu(cat([a, b], -1))`` on the values at the product whenever they have one
+    shape, so the fused branch checks the shapes and the statements before stay as written. A GLU
+    when every call of the function in this module passes projections (or halves) of one input; else
+    the reason says what the callers pass. None when the operands are not such parameters."""
+    avoid = {n.id for n in (a, b) if isinstance(n, ast.Name)}
+    oa, ob = _s38_param_origin(module, a, actx, avoid), _s38_param_origin(module, b, ctx, avoid)
+    if oa is None or ob is None or oa[0] == ob[0] or oa[1] + ob[1] == 0:
+        return None
+    callers = _callers_pass_projections(module, oa[0], ob[0], ctx)
+    if callers is None:
+        return None
+    if isinstance(callers, str):
+        raise GateMiss(callers.replace("gate and up are parameters of", f"gate and up are the parameters `{oa[0]}` and `{ob[0]}` "
+                                       "(transformed before the product) of", 1))
+    return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=callers)
 
 
 def _param_operand(node: ast.expr, ctx: S.Ctx) -> str | None:
@@ -1328,6 +1387,13 @@ def _caller_operands(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, 
     pa, pb = _param_operand(a, actx), _param_operand(b, ctx)
     if pa is None or pb is None or pa == pb:
         return None
+    return _callers_pass_projections(module, pa, pb, ctx)
+
+
+def _callers_pass_projections(module: ModuleInfo, pa: str, pb: str, ctx: S.Ctx) -> list[int] | str | None:
+    """What the module's calls of the function holding the product pass its parameters ``pa`` and
+    ``pb`` (see :func:`_caller_operands`): the calls' lines when every one passes projections (or the
+    two halves) of one input, else the true reason (a string), None when its callers are not looked for."""
     fn = ctx.scope.node
     cls = ctx.scope.class_name
     is_method = cls is not None and cls in module.classes and any(x is fn for x in module.classes[cls].body)
@@ -1499,6 +1565,11 @@ def _has_built_activation_attr(module: ModuleInfo, scope: Scope, text: str) -> b
             if any(w in said for w in _ACT_SEARCH):
                 return True
             continue
+        if isinstance(value, ast.Call) and any(w in (dotted(value.func) or "").lower() for w in _ACT_SEARCH):
+            # s38: an activation module built in place under a name that says nothing (OFormer's GeGELU:
+            # `self.fn = nn.GELU()`, forward `self.fn(x[..., :c // 2]) * x[..., c // 2:]`): the constructor
+            # names it; classify_call reads what it computes
+            return True
         if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Name):
             continue
         fn = module.functions.get(value.func.id)
@@ -2093,6 +2164,7 @@ class Swiglu(Pattern):
     id = "swiglu"
     api = "torch_npu.npu_swiglu"
     title = "SwiGLU (silu(gate) * up) -> npu_swiglu"
+    SHARES_SITES_WITH = ("geglu",)  # one gate reader (gate_results) decides which of the two reports a product
     training_ok = True
     bound = "memory"
     # gate_results' first text test (a gated activation multiplies), made once by the scan
@@ -7687,4 +7759,102 @@ Swiglu.KEEP += [
     # the kernel bounds the gate by the other parameter: a transform that reads the other operand
     Keep(_S37_LIMITED_KERNEL.split("\n\ndef capped_glu")[0].replace("g = g.clamp(max=self.limit)", "g = g.clamp(max=v)"),
          reason="", name="s37_glu_kernel_gate_clamped_by_the_other_parameter"),
+]
+
+
+# --- s38 glumoe38: an activation module built in place under a name that says nothing -------------
+# (`self.f = torch.nn.SiLU()`: the forward's text names no activation; the constructor in __init__ does)
+_S38_BUILT_IN_PLACE = '''
+import torch
+from torch import nn
+
+
+class PackedGate(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * h, bias=False)
+        self.f = torch.nn.SiLU()
+
+    def forward(self, x):
+        a, b = self.wi(x).chunk(2, dim=-1)
+        return self.f(a) * b
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S38_BUILT_IN_PLACE, expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm = PackedGate(8, 6)\nout = m(x)\nleaves = [x, m.wi.weight]\n",
+         name="s38_activation_module_under_a_plain_attribute_name"),
+]
+
+Swiglu.KEEP += [
+    # the module built in place is a ReLU: no fused gated op computes it
+    Keep(_S38_BUILT_IN_PLACE.replace("torch.nn.SiLU()", "torch.nn.ReLU()"),
+         reason="activation is not silu", name="s38_plain_attribute_activation_is_relu"),
+]
+
+
+# --- s38 glumoe38: a gating method whose two parameters pass through calls of themselves first ------
+# (HO13a Aleph-Alpha scaling's u-muP SwiGLU: `x = scale_bwd(x, s); gate = scale_bwd(gate, s)`, then
+# `silu(x) * gate` or `silu(m * x) * gate / m`; its only caller passes two projections of one input).
+# Was "gate and up are not projections of one input", not a fact: the operands were not followed back to
+# the parameters. Invented spellings: a gradient-scaling autograd Function of this module, a scaled gate
+# under an option, the post-division left outside the replaced product.
+_S38_PARAMS_THROUGH_CALLS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, s):
+        ctx.s = s
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.s, None
+
+
+def grad_scale(t, s):
+    return _GradScale.apply(t, s)
+
+
+class ScaledGLU(nn.Module):
+    def __init__(self, d, h, mult=1.0):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+        self.mult = mult
+        self.s = 0.5
+
+    def _gated(self, u, v):
+        u = grad_scale(u, self.s)
+        v = grad_scale(v, self.s)
+        if self.mult == 1.0:
+            y = F.silu(u) * v
+        else:
+            y = F.silu(self.mult * u) * v / self.mult
+        return y
+
+    def forward(self, x):
+        return self.w2(self._gated(self.w1(x), self.w3(x)))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S38_PARAMS_THROUGH_CALLS, expect={"activation": "silu", "operands_from_callers": [41]},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm1, m2 = ScaledGLU(8, 6), ScaledGLU(8, 6, mult=2.0)\n"
+             "out = (m1(x), m2(x))\nleaves = [x, m1.w1.weight, m2.w3.weight]\n",
+         name="s38_gating_parameters_through_calls_of_themselves"),
+]
+
+Swiglu.KEEP += [
+    # the caller projects two different inputs: now said of the call, not of the operands
+    Keep(_S38_PARAMS_THROUGH_CALLS.replace("self._gated(self.w1(x), self.w3(x))", "self._gated(self.w1(x), self.w3(x.flip(1)))"),
+         reason="gate and up are the parameters `u` and `v` (transformed before the product) of `_gated`; the call on line 41 "
+                "passes `self.w1(x)` and `self.w3(x.flip(1))`, not projections of one input", name="s38_gating_parameters_through_calls_projections_of_two_inputs"),
+    # a rebinding that reads the other operand: not a transform of the parameter alone
+    Keep(_S38_PARAMS_THROUGH_CALLS.replace("u = grad_scale(u, self.s)", "u = grad_scale(u, v)"),
+         reason="", name="s38_gating_parameter_rebound_from_the_other_operand"),
 ]

@@ -897,6 +897,21 @@ def select_patterns(only: Iterable[str] | None, patterns: Sequence[Pattern] | No
     return chosen, missing
 
 
+def with_site_sharers(chosen: list[Pattern], patterns: Sequence[Pattern] | None = None) -> tuple[list[Pattern], list[str] | None]:
+    """(the detectors to run, the ids to report or None for all of them): ``chosen`` plus the
+    patterns they share sites with (Pattern.SHARES_SITES_WITH), in the registry's order. A gated
+    product that swiglu's and geglu's one reader gives to geglu (its activation defaults to GELU) but
+    dispatches to npu_swiglu as well is found by ``--only swiglu`` too, as by a scan of every pattern."""
+    available = list(patterns) if patterns is not None else list(registry_patterns())
+    ids = {p.id for p in chosen}
+    wanted = ids | {s for p in chosen for s in p.SHARES_SITES_WITH}
+    if wanted == ids:
+        return chosen, None
+    added = [p for p in available if p.id in wanted - ids]
+    run = [p for p in available if p.id in ids or p in added] + [p for p in chosen if p not in available]
+    return run, [p.id for p in chosen]
+
+
 def _root_label(target: Path) -> str:
     base = target if target.is_dir() else target.parent
     text = os.path.normpath(str(base))
@@ -924,6 +939,9 @@ class ScanInputs:
     # files are not hashed up front (the workers hash what they read anyway); run_scan keys the
     # result from the outcomes' digests instead, the same key gather_inputs would have made.
     cold: bool = False
+    # s38: the ids ``only`` chose when detectors sharing their sites were added to ``chosen``
+    # (with_site_sharers): the result keeps what concerns these; None: every chosen pattern
+    asked: list[str] | None = None
 
 
 def gather_inputs(
@@ -944,12 +962,13 @@ def gather_inputs(
     if not target.exists() and not target.is_symlink():
         raise FileNotFoundError(f"{root}: no such file or folder")
     chosen, missing = select_patterns(only, patterns)
+    chosen, asked = with_site_sharers(chosen, patterns) if only is not None else (chosen, None)
     options = ScanOptions(max_file_bytes=max_file_bytes, optimizer_zero_grad_in_place=optimizer_zero_grad_in_place)
     # a detector's own reading of the options (a configured copy: the registry's instance is shared)
     chosen = [p.with_scan_options(options) if hasattr(p, "with_scan_options") else p for p in chosen]
     walked = walk(target, include_tests=include_tests)
     overrides = dict(overrides or {})
-    inputs = ScanInputs(target, walked, chosen, missing, options, switch_mode, overrides, _open_cache(cache_dir, chosen, options))
+    inputs = ScanInputs(target, walked, chosen, missing, options, switch_mode, overrides, _open_cache(cache_dir, chosen, options), asked=asked)
     if inputs.cache is None:
         return inputs  # nothing to look up: analyze_file hashes what it reads itself
     from npufuse.scan.cache import file_digest
@@ -983,7 +1002,7 @@ def _run_key(inputs: ScanInputs) -> str | None:
 
     walked = inputs.walked
     return run_key(inputs.cache.fingerprint, (
-        _root_label(inputs.target), inputs.target.is_dir(), [p.id for p in inputs.chosen], inputs.missing, inputs.switch_mode,
+        _root_label(inputs.target), inputs.target.is_dir(), [p.id for p in inputs.chosen], inputs.asked, inputs.missing, inputs.switch_mode,
         sorted(inputs.overrides.items()), walked.files, walked.data_files, [f.to_json() for f in walked.failed], walked.skipped,
         sorted(inputs.digests.items()),
     ))
@@ -1088,7 +1107,11 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     sources.sort(key=lambda s: (s.file, s.line, s.kind))
     by_id = {p.id: p for p in chosen}
-    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root, sorted(amp))
+    if inputs.asked is not None:
+        # detectors run only for the sites they share with an asked one: their own reports are left out
+        near = [m for m in near if m["pattern"] in inputs.asked]
+    candidates = _candidates(outcomes, by_id, switches, existing, sources, training, bf16, switch_mode, overrides or {}, failed, near, walked.root, sorted(amp),
+                             asked=inputs.asked)
     failed.sort(key=lambda f: (f.file, f.kind, f.error))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))
     return ScanResult(
@@ -1102,7 +1125,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
         near_misses=near,
         existing=existing,
         switches=switches,
-        patterns=[p.id for p in chosen],
+        patterns=list(inputs.asked) if inputs.asked is not None else [p.id for p in chosen],
         patterns_missing=missing,
         skipped=walked.skipped,
         shape_sources=[s.to_json() for s in sources],
@@ -1138,6 +1161,12 @@ def _unchanged(inputs: ScanInputs, outcomes: list[FileOutcome]) -> bool:
     return True
 
 
+def _concerns(finding: Finding, asked: list[str]) -> bool:
+    """The finding is of an asked pattern, or its run-time dispatch may run one (``dispatches_to``)."""
+    covers = finding.params.get("dispatches_to") if isinstance(finding.params, dict) else None
+    return finding.pattern in asked or any(p in asked for p in (covers or ()) if isinstance(p, str))
+
+
 def _candidates(
     outcomes: list[FileOutcome],
     patterns: dict[str, Pattern],
@@ -1152,9 +1181,10 @@ def _candidates(
     near: list[dict[str, Any]],
     root: Path,
     amp: list[str] = (),  # type: ignore[assignment]
+    asked: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     order = {pid: i for i, pid in enumerate(patterns)}
-    hits = [(o, h) for o in outcomes for h in o.hits]
+    hits = [(o, h) for o in outcomes for h in o.hits if asked is None or _concerns(h.finding, asked)]
     hits.sort(key=lambda oh: (oh[0].file, oh[1].finding.line, oh[1].finding.end_line, order.get(oh[1].finding.pattern, 99), oh[1].finding.pattern))
     wrappers = [e for e in existing if e.get("api")]
     keys: dict[str, int] = {}
