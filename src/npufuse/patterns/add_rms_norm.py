@@ -5234,8 +5234,8 @@ def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx)
         if defined is None or not isinstance(defined[1], ast.ClassDef):
             return None
         file, wdef = defined
-        # the wrapper read here with the classes of its file its ``__init__`` builds
-        built = {dotted(v.func) for v in S.init_assignments(file, wdef.name).values() if isinstance(v, ast.Call)}
+        # the wrapper read here with the classes of its file its ``__init__`` builds (every branch's)
+        built = {dotted(v.func) for vs in _init_constructions(file, wdef.name).values() for v in vs}
         extra = tuple(file.classes[c] for c in sorted(c for c in built if c in file.classes and c != wdef.name))
         found_home = _home_with(module, file, wdef, extra)
         if found_home is None:
@@ -5305,21 +5305,27 @@ def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx)
                 and side.args[0].id == params[1] and isinstance(side.func, ast.Attribute)
                 and isinstance(side.func.value, ast.Name) and side.func.value.id == params[0]):
             continue
-        ctor = S.init_assignments(home, cls).get(side.func.attr)
-        inner_cls = dotted(ctor.func) if isinstance(ctor, ast.Call) else None
-        if inner_cls is None or (ret is not side and side_test is None):
+        if ret is not side and side_test is None:
             continue
-        owner = _class_named(file, inner_cls)  # the inner class, read in the wrapper's file
-        if owner is None:
-            continue
-        cfile, inner_cls = owner
-        inner_home = home if inner_cls in home.classes else _home_with(home, cfile, cfile.classes[inner_cls])
-        if inner_home is None:
-            continue
-        node = ast.Attribute(value=f, attr=side.func.attr, ctx=ast.Load())
-        nc = _class_norm_call(inner_home, call, ctx, inner_cls, where, inner=node)
-        if nc is None or nc.kind not in ("rms", "library"):
-            continue
+        # s38: the inner attribute may be built by several branches of ``__init__`` (amago's
+        # ``Normalization``: LayerNorm, a lambda, its _RMSNorm... by a method string); the one class that
+        # reads as an RMSNorm is fused under its run-time type check, any other built there runs the original
+        read: dict[str, tuple[NormCall, ast.Call, ModuleInfo, ModuleInfo, str]] = {}
+        for ctor in _init_constructions(home, cls).get(side.func.attr, []):
+            owner = _class_named(file, dotted(ctor.func) or "")  # the inner class, read in the wrapper's file
+            if owner is None or owner[1] in read:
+                continue
+            cfile, inner_cls = owner
+            inner_home = home if inner_cls in home.classes else _home_with(home, cfile, cfile.classes[inner_cls])
+            if inner_home is None:
+                continue
+            node = ast.Attribute(value=f, attr=side.func.attr, ctx=ast.Load())
+            nc = _class_norm_call(inner_home, call, ctx, inner_cls, where, inner=node)
+            if nc is not None and nc.kind in ("rms", "library"):
+                read[inner_cls] = (nc, ctor, cfile, inner_home, inner_cls)
+        if len(read) != 1:
+            continue  # none, or two RMSNorm classes (their eps / weight names may differ)
+        nc, ctor, cfile, inner_home, inner_cls = next(iter(read.values()))
         mod = f"{S.source_of(module, f)}.{side.func.attr}"
         # both run-time types checked: exactly the wrapper class read, holding exactly the norm class read
         nc.conditions = [*[c for c in (*conditions, side_test) if c], *nc.conditions,
@@ -5331,6 +5337,19 @@ def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx)
     if len(found) != 1 or conditions[0] is None:
         return None
     return found[0]
+
+
+def _init_constructions(module: ModuleInfo, class_name: str) -> dict[str, list[ast.Call]]:
+    """``attr -> [Cls(...), ...]``: every constructor call ``__init__`` assigns to ``self.<attr>``, in
+    every branch (``init_assignments`` keeps the last one only)."""
+    init = S.method(module, class_name, "__init__")
+    out: dict[str, list[ast.Call]] = {}
+    for st in S._stmts_in(init.body) if init is not None else []:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.value, ast.Call) and dotted(st.value.func):
+            d = dotted(st.targets[0])
+            if d and d.startswith("self.") and d.count(".") == 1:
+                out.setdefault(d[5:], []).append(st.value)
+    return out
 
 
 # -- s35: a norm class the caller passes to the block (no default): the file's one RMSNorm class,
@@ -5702,4 +5721,72 @@ AddRmsNorm.KEEP += [
          .replace("self.post(h, eps_scale=4.0)", "self.post(h)"),
          reason="normalises `h2`, computed from its input, not the input itself", name="s37_norm_of_a_scaled_copy_of_its_input"),
     Keep(_S37_ADAPTIVE, reason="scales by a gain computed from the call's `cond`", name="s37_adaptive_norm_gain_from_the_condition"),
+]
+
+
+# -- s38: a norm wrapper whose inner norm ``__init__`` builds in one of several branches (amago's
+# ``Normalization(method, d_model)``: LayerNorm, a lambda, an identity or its own RMSNorm by a string):
+# the one class that reads as an RMSNorm is fused under both run-time type checks; another branch's
+# module runs the original call. Two branches building two RMSNorm classes: nothing (which is built?).
+
+_S38_SWITCHED = '''
+import torch
+from torch import nn
+
+
+class PlainRMS(nn.Module):
+    def __init__(self, width, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, t):
+        return self.gain * (t * torch.rsqrt(torch.mean(t * t, dim=-1, keepdim=True) + self.eps))
+
+
+class NormChoice(nn.Module):
+    def __init__(self, kind, width):
+        super().__init__()
+        if kind == "layer":
+            self.inner = nn.LayerNorm(width)
+        elif kind == "rms":
+            self.inner = PlainRMS(width)
+        elif kind == "unit":
+            self.inner = lambda t: t / t.norm(dim=-1, keepdim=True)
+        else:
+            self.inner = nn.Identity()
+
+    def forward(self, t):
+        return self.inner(t)
+
+
+class Layer(nn.Module):
+    def __init__(self, width, kind="rms"):
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.pre_ff = NormChoice(kind, width)
+        self.ff = nn.Linear(width, width)
+
+    def forward(self, seq):
+        upd = self.mix(seq)
+        seq = seq + upd
+        return seq + self.ff(self.pre_ff(seq))
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S38_SWITCHED, expect={"norm": "self.pre_ff", "weight": "self.pre_ff.inner.gain", "sum": "seq",
+                                "condition": "type(self.pre_ff) is NormChoice and type(self.pre_ff.inner) is PlainRMS"},
+         run=_run_block("Layer(32)", bf16=True, train=False) + "out = (out, Layer(32, 'layer').to(torch.bfloat16)(x))\n",
+         name="s38_wrapper_building_its_norm_in_one_of_several_branches_inference_bf16"),
+    Fuse(_S38_SWITCHED, expect={"norm": "self.pre_ff"}, run=_run_block("Layer(32)", leaves="[x, blk.pre_ff.inner.gain]"),
+         name="s38_wrapper_building_its_norm_in_one_of_several_branches_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # a second RMSNorm class in another branch (its eps under another name): which one is built is a run-time string
+    Keep(_S38_SWITCHED.replace("class NormChoice", _S38_SWITCHED.split("class PlainRMS")[1].split("class NormChoice")[0]
+                               .replace("self.eps = eps", "self.epsilon = eps").replace("+ self.eps)", "+ self.epsilon)")
+                               .join(["class OtherRMS", "class NormChoice"]))
+         .replace('self.inner = nn.Identity()', 'self.inner = OtherRMS(width)'),
+         name="s38_wrapper_building_one_of_two_rms_classes"),
 ]
