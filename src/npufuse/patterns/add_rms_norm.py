@@ -211,14 +211,17 @@ _RMS_KERNELS: dict[str, tuple[tuple[str, ...], str | None]] = {
     **{k: (("x", "weight", "bias"), "1e-6") for k in _TRITON_RMS_NORM_FNS},
     "torch.nn.functional.rms_norm": (("input", "normalized_shape", "weight", "eps"), None),
 }
+# flashinfer's Gemma form, x * rsqrt(mean(x^2) + eps) * (1 + weight) in float32: the same kernel arguments
+_GEMMA_RMS_KERNELS = {"flashinfer.gemma_rmsnorm": "flashinfer.rmsnorm", "flashinfer.norm.gemma_rmsnorm": "flashinfer.norm.rmsnorm"}
 # the kernel's arguments that may be given with these values only (flashinfer's ``out`` writes into a
 # caller's buffer; ``enable_pdl`` only overlaps kernel launches): the rest as for the Triton module form
 _RMS_KERNEL_PLAIN = {**_TRITON_PLAIN_KEYWORDS, "enable_pdl": ..., "residual_in_fp32": ...}
 
 
-def _rows_of(node: ast.expr, x: str) -> bool:
+def _rows_of(node: ast.expr, x: str, dims: tuple[str, ...] = ()) -> bool:
     """``node`` is ``x`` or ``x`` with its leading dims flattened (``x.view(-1, x.size(-1))``,
-    ``x.reshape(-1, x.shape[-1])``, ``x.flatten(0, -2)``): the same rows of the last dim."""
+    ``x.reshape(-1, x.shape[-1])``, ``x.flatten(0, -2)``; with ``dims`` the names ``b, s, h = x.shape``
+    unpacked: ``x.reshape(b * s, h)``): the same rows of the last dim."""
     if isinstance(node, ast.Name):
         return node.id == x
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
@@ -226,20 +229,57 @@ def _rows_of(node: ast.expr, x: str) -> bool:
         return False
     m, args = node.func.attr, [ast.unparse(a).replace(" ", "") for a in node.args]
     if m in ("view", "reshape"):
-        return args in (["-1", f"{x}.size(-1)"], ["-1", f"{x}.shape[-1]"])
+        rows = ["-1", "*".join(dims[:-1])] if len(dims) >= 2 else []
+        return args in (["-1", f"{x}.size(-1)"], ["-1", f"{x}.shape[-1]"]) or (len(args) == 2 and args[0] in rows and args[1] == dims[-1])
     return m == "flatten" and args == ["0", "-2"]
 
 
-def _restored(node: ast.expr, x: str) -> ast.expr | None:
+def _restored(node: ast.expr, x: str, dims: tuple[str, ...] = ()) -> ast.expr | None:
     """The inner value of ``v.view_as(x)`` / ``v.reshape_as(x)`` / ``v.view(x.shape)`` /
-    ``v.reshape(*x.shape)`` (x's shape given back), or ``node`` itself."""
+    ``v.reshape(*x.shape)`` (x's shape given back; with ``dims`` unpacked from ``x.shape``, also
+    ``v.reshape(b, s, h)``), or ``node`` itself."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and len(node.args) == 1 and not node.keywords:
         a = node.args[0]
         a = a.value if isinstance(a, ast.Starred) else a
         m, text = node.func.attr, ast.unparse(a).replace(" ", "")
         if (m in ("view_as", "reshape_as") and text == x) or (m in ("view", "reshape") and text in (f"{x}.shape", f"{x}.size()")):
             return node.func.value
+    if dims and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape") \
+            and not node.keywords and [ast.unparse(a) for a in node.args] == list(dims):
+        return node.func.value
     return node
+
+
+def _straight_helper_value(fn: ast.FunctionDef, x: str) -> tuple[ast.expr, tuple[str, ...]] | None:
+    """The value a straight-line helper returns as one expression of its parameters, and the names of
+    ``x``'s dims when its first statement unpacks them (``b, s, h = x.shape``). UMbreLLa's
+    ``layer_norm(h, eps, w)``: ``b, s, h = x.shape; x = x.reshape(b * s, h); x = kernel(x, w, eps);
+    x = x.reshape(b, s, h); return x``. Only rebindings of ``x`` itself are folded in (each reads the
+    one before); anything else in the body: None."""
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    dims: tuple[str, ...] = ()
+    first = body[0]
+    if len(body) > 1 and isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Tuple) \
+            and all(isinstance(e, ast.Name) for e in first.targets[0].elts) \
+            and ast.unparse(first.value).replace(" ", "") in (f"{x}.shape", f"{x}.size()"):
+        dims = tuple(e.id for e in first.targets[0].elts)  # type: ignore[attr-defined]
+        if x in dims or len(set(dims)) != len(dims):
+            return None
+        body = body[1:]
+    current: ast.expr = ast.Name(x, ast.Load())
+
+    class Fold(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return current if n.id == x else n
+
+    for st in body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and st.targets[0].id == x):
+            return None
+        current = Fold().visit(ast.parse(ast.unparse(st.value), mode="eval").body)
+    value = Fold().visit(ast.parse(ast.unparse(body[-1].value), mode="eval").body)
+    return value, dims
 
 
 def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn: ast.FunctionDef, where: str) -> NormCall | None:
@@ -250,15 +290,21 @@ def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn
     from npufuse.scan import canonical
     from npufuse.scan.dataflow import const_value
 
-    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
     a = fn.args
     params = [p.arg for p in (*a.posonlyargs, *a.args)]
-    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or not params or a.vararg or a.kwarg:
+    if not params or a.vararg or a.kwarg:
         return None
-    value = _restored(body[0].value, params[0])
+    inlined = _straight_helper_value(fn, params[0])
+    if inlined is None:
+        return None
+    returned, dims = inlined
+    value = _restored(returned, params[0], dims)
     if not isinstance(value, ast.Call) or any(isinstance(v, ast.Starred) for v in value.args) or any(k.arg is None for k in value.keywords):
         return None
     kernel = canonical.api(home, value.func)
+    offset = kernel in _GEMMA_RMS_KERNELS
+    if offset:
+        kernel = _GEMMA_RMS_KERNELS[kernel]
     if kernel not in _RMS_KERNELS:
         return None
     names, eps_default = _RMS_KERNELS[kernel]
@@ -268,7 +314,7 @@ def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn
     given.update({k.arg: k.value for k in value.keywords if k.arg is not None})
     x, w, eps = given.pop(names[0], None), given.pop("weight", None), given.pop("eps", None)
     shape = given.pop("normalized_shape", None)
-    if x is None or not _rows_of(x, params[0]):
+    if x is None or not _rows_of(x, params[0], dims):
         return None
     conditions: list[str] = []
     by_weight = isinstance(shape, ast.Attribute) and shape.attr == "shape" and isinstance(w, ast.Name) \
@@ -324,10 +370,14 @@ def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn
         e = text(eps)
         if e is not None and eps_default is None and type(const_value(ast.parse(e, mode="eval").body)) not in (int, float):
             e = eps_or_default(e, S.torch_name(module) or "torch")  # F.rms_norm's eps=None: float32's
-    if gamma is None or e is None or len(call.args) + len(call.keywords) > len(params):
+    if gamma is None or e is None or len(call.args) + len(call.keywords) > len(params) or (offset and ones):
         return None
+    if offset:
+        # flashinfer's gemma_rmsnorm scales by (1 + weight), computed in float32 like the kernel does
+        gamma = f"(1 + {gamma}.float())"
     label = call.func.id if isinstance(call.func, ast.Name) else ast.unparse(call.func)
-    return NormCall(call, label, "library", cls=f"{label}{where} ({kernel.rsplit('.', 1)[-1]} kernel)", gamma=gamma, eps=e,
+    name = kernel.rsplit('.', 1)[-1] if not offset else "gemma_rmsnorm"
+    return NormCall(call, label, "library", cls=f"{label}{where} ({name} kernel)", gamma=gamma, eps=e,
                     ones=ones, conditions=conditions)
 
 
@@ -5789,4 +5839,62 @@ AddRmsNorm.KEEP += [
                                .join(["class OtherRMS", "class NormChoice"]))
          .replace('self.inner = nn.Identity()', 'self.inner = OtherRMS(width)'),
          name="s38_wrapper_building_one_of_two_rms_classes"),
+]
+
+
+# -- s38: straight-line kernel helpers (UMbreLLa's ``layer_norm`` / ``layer_norm_gemma``): the input's dims
+# unpacked, its rows flattened for the kernel and the shape given back, each statement rebinding the input;
+# flashinfer's ``gemma_rmsnorm`` is the same kernel scaled by (1 + weight).
+
+_S38_STRAIGHT_HELPERS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rows_norm(t, eps, w):
+    b, s, d = t.shape
+    t = t.reshape(b * s, d)
+    t = F.rms_norm(t, (t.size(-1),), w, eps)
+    t = t.reshape(b, s, d)
+    return t
+
+
+class Decoder(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.w_post = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x, attn=None):
+        attn = x if attn is None else attn
+        h = self.proj(attn)
+        h = x + h
+        x = h
+        h = rows_norm(h, self.eps, self.w_post)
+        return self.mlp(h) + x
+'''
+
+_S38_GEMMA_HELPER = _S38_STRAIGHT_HELPERS.replace("import torch\\n", "import torch\\nimport flashinfer\\n", 1) \
+    .replace("t = F.rms_norm(t, (t.size(-1),), w, eps)", "t = flashinfer.gemma_rmsnorm(t, w, eps)")
+
+AddRmsNorm.FUSE += [
+    Fuse(_S38_STRAIGHT_HELPERS, expect={"norm": "rows_norm", "weight": "self.w_post", "sum": "h",
+                                        "eps": "(self.eps if self.eps is not None else torch.finfo(torch.float32).eps)"},
+         run=_run_block("Decoder(32)", bf16=True, train=False), name="s38_straight_line_helper_flattening_rows_inference_bf16"),
+    Fuse(_S38_STRAIGHT_HELPERS, expect={"norm": "rows_norm"}, run=_run_block("Decoder(32)", leaves="[x, blk.w_post]"),
+         name="s38_straight_line_helper_flattening_rows_training"),
+    Fuse(_S38_GEMMA_HELPER, expect={"norm": "rows_norm", "weight": "(1 + self.w_post.float())", "eps": "self.eps"},
+         name="s38_straight_line_helper_of_flashinfer_gemma_rmsnorm"),
+]
+
+AddRmsNorm.KEEP += [
+    # the shape given back is not the input's (two dims swapped), or the input is scaled before the kernel
+    Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b, s, d)", "t = t.reshape(s, b, d)"), name="s38_helper_restoring_another_shape"),
+    Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b * s, d)", "t = (2 * t).reshape(b * s, d)"), name="s38_helper_scaling_its_input"),
+    # a statement that is not a rebinding of the input (a second name) is not folded
+    Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b * s, d)\n", "u = t.reshape(b * s, d)\n    t = u\n"),
+         name="s38_helper_through_a_second_name"),
 ]
