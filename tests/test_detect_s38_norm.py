@@ -85,3 +85,20 @@ def test_import_time_choice_with_an_assigned_arm_is_not_swapped(tmp_path: Path) 
     root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/layers.py": layers, "pkg/model.py": _BLOCK})
     data = scan(root, patterns=[RmsNorm()])
     assert not [c for c in data["candidates"] if c["pattern"] == "rms_norm"]
+
+
+# -- the optional residual bound in both arms of an if/else, normed over an axis handed in (ppl.pmx) -------
+
+def test_optional_residual_with_else_checks_the_axis_on_x1_before_the_fused_add() -> None:
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.add_rms_norm import _S38_SKIP_NORM, AddRmsNorm
+
+    findings, _ = detect_all(AddRmsNorm(), _S38_SKIP_NORM)
+    assert [f.variant for f in findings] == ["optional_residual"]
+    cond = findings[0].params["condition"]
+    # the sum ``out`` does not exist yet where the condition is tested: its dim is read on x1
+    assert cond.startswith("skip is not None and not torch.is_grad_enabled() and x.dtype == skip.dtype and x.shape == skip.shape "
+                           "and axis in (-1, (-1,), x.dim() - 1)"), cond
+    assert "out" not in cond.replace("torch.", ""), cond
+    assert findings[0].guard_tensor == "x"

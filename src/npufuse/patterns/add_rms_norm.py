@@ -2170,11 +2170,16 @@ class _OptionalResidual:
     names: set[str]  # names holding the sum after the ``if``
     after: list[ast.stmt] = field(default_factory=list)  # ``residual = x`` right after the ``if`` (TGI)
     in_place: bool = False  # ``x += r``: the original adds into the caller's tensor
+    residual: str = ""  # s38: the optional residual of the if/else spelling (``if r is None: ... else: ...``)
 
 
 def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
     """``if r is not None: s = a + b`` (``{a, b}`` names, one of them ``r``) then only aliases of
-    ``s``, no ``else``: the residual add that runs when a residual is passed."""
+    ``s``, no ``else``: the residual add that runs when a residual is passed. Also its if/else
+    spelling ``if r is None: s = a`` / ``else: s = a + r`` (ppl.pmx's SkipRMSNorm), which binds ``s``
+    in both arms: the same values as ``s = a`` then the ``if r is not None`` add."""
+    if isinstance(stmt, ast.If) and stmt.orelse:
+        return _optional_residual_with_else(stmt)
     if not (isinstance(stmt, ast.If) and not stmt.orelse and stmt.body):
         return None
     t = stmt.test
@@ -2199,6 +2204,26 @@ def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
         return None
     names = {s_name} | {al.targets[0].id for al in aliases}  # type: ignore[attr-defined]
     return _OptionalResidual(stmt, s_name, a, b, list(aliases), names)
+
+
+def _optional_residual_with_else(stmt: ast.If) -> _OptionalResidual | None:
+    """``if r is None: s = a`` / ``else: s = a + r`` (either operand order), nothing else in the arms."""
+    t = stmt.test
+    if not (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Is)
+            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None
+            and len(stmt.body) == 1 and len(stmt.orelse) == 1):
+        return None
+    r, bare, add = t.left.id, stmt.body[0], stmt.orelse[0]
+    if not (isinstance(bare, ast.Assign) and len(bare.targets) == 1 and isinstance(bare.targets[0], ast.Name)
+            and isinstance(bare.value, ast.Name) and isinstance(add, ast.Assign) and len(add.targets) == 1
+            and isinstance(add.targets[0], ast.Name) and add.targets[0].id == bare.targets[0].id
+            and isinstance(add.value, ast.BinOp) and isinstance(add.value.op, ast.Add)
+            and isinstance(add.value.left, ast.Name) and isinstance(add.value.right, ast.Name)):
+        return None
+    a, b, s_name = add.value.left.id, add.value.right.id, bare.targets[0].id
+    if {a, b} != {bare.value.id, r} or a == b or s_name in (a, b, r):
+        return None
+    return _OptionalResidual(stmt, s_name, a, b, [], {s_name}, residual=r)
 
 
 def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
@@ -2243,14 +2268,23 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         p = R.plan_norm(module, m, plan)
     except (R.Miss, R.NoMatch) as e:
         return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
-    extra = p.condition if p.condition != p.params.get("weight_check") else None  # the 1-D weight check is taken along
+    # the 1-D weight check and a check of the reduced dim (a dim handed in, ``axis in (-1, ...)``) are taken along
+    taken = [c for c in (p.params.get("dim_check"), p.params.get("weight_check")) if c]
+    extra = p.condition if p.condition is not None and p.condition != " and ".join(taken) else None
     if extra is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight", "t5"):
         return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if extra else ''}: "
                 "npufuse fuses the residual add only into a plain x * rstd * weight norm")
     x = o.sum_name
-    conditions = [f"{S.source_of(module, o.test.test)}", f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
+    has_residual = f"{o.residual} is not None" if o.residual else S.source_of(module, o.test.test)
+    conditions = [has_residual, f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
     if p.condition is not None:
-        conditions.append(p.condition)
+        cond = ast.parse(p.condition, mode="eval").body
+        if any(isinstance(n, ast.Name) and n.id == x for n in ast.walk(cond)):
+            # a dim check reading the sum (``axis in (-1, s.dim() - 1)``) is tested before the fused add
+            # computes it: read on x1, whose shape the sum has where the two operands' shapes agree
+            conditions.append(f"{o.x1}.shape == {o.x2}.shape")
+            cond = _renamed(cond, x, o.x1)
+        conditions.append(ast.unparse(cond))
     if m.weights:
         w = R.analyse_weight(module, m.weights[0])  # a plain weight: the variants above exclude `1 + w` and chosen ones
         base = S.render(module, w.base, w.base_ctx, plan)
@@ -2303,7 +2337,8 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         end_line=end_line,
         params=params,
         fused="\n".join(body),
-        guard_tensor=f.guard_tensor,
+        # the if/else spelling binds the sum only in its arms: the device is read on x1
+        guard_tensor=o.x1 if o.residual else f.guard_tensor,
         confidence="high",
         variant="optional_residual",
         risks=[Risk("inference_only", "npu_add_rms_norm has no backward: used only with autograd off; otherwise the add "
@@ -2314,6 +2349,16 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         notes=["the residual is optional (`if ... is not None`): without one the rms_norm fused code runs"],
         training_ok=True,
     )
+
+
+def _renamed(node: ast.expr, old: str, new: str) -> ast.expr:
+    """``node`` with every read of the name ``old`` reading ``new``."""
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return ast.Name(new, n.ctx) if n.id == old else n
+
+    return Rename().visit(node)
 
 
 def _cast_after(module: ModuleInfo, scope: Scope, stmt: ast.stmt, first_line: int) -> tuple[ast.stmt, str] | None:
@@ -2376,7 +2421,7 @@ class AddRmsNorm(Pattern):
             return
         # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
         # then the hand-written norm of ``x``): methods and plain functions alike
-        if "is not None" in S.scope_text(module, scope):
+        if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name and not _installed_forward(module, scope):
             return
@@ -5897,4 +5942,49 @@ AddRmsNorm.KEEP += [
     # a statement that is not a rebinding of the input (a second name) is not folded
     Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b * s, d)\n", "u = t.reshape(b * s, d)\n    t = u\n"),
          name="s38_helper_through_a_second_name"),
+]
+
+
+# -- s38: the optional residual spelled with an ``else`` (ppl.pmx's SkipRMSNorm reference op): ``if skip is
+# None: s = x`` / ``else: s = x + skip`` binds the sum in both arms, then the norm of ``s`` over an axis handed
+# in (checked at run time on x1, whose shape the sum has where the operands' shapes agree).
+
+_S38_SKIP_NORM = '''
+import torch
+
+
+def skip_norm(x, weight, skip=None, axis: int = -1, eps: float = 1e-5):
+    if skip is None:
+        out = x
+    else:
+        out = x + skip
+    t = out.float()
+    ms = t.pow(2).mean(axis, keepdim=True)
+    y = t * torch.rsqrt(ms + eps)
+    y = y.type_as(x) * weight
+    return y, out
+'''
+
+_S38_RUN_SKIP = '''
+w = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+r = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+with torch.no_grad():
+    infer = skip_norm(x, w, r)
+    alone = skip_norm(x, w)
+    other_axis = skip_norm(x.transpose(1, 2).contiguous(), w[:5].contiguous(), r.transpose(1, 2).contiguous(), axis=1)
+out = (infer, alone, other_axis, skip_norm(x, w, r))
+leaves = [x, w, r]
+'''
+
+AddRmsNorm.FUSE += [
+    # (the condition's parts: tests/test_detect_s38_norm.py; the order of promote_types' operands varies by run)
+    Fuse(_S38_SKIP_NORM, expect={"variant": "optional_residual", "x1": "x", "x2": "skip", "sum": "out", "qualname": "skip_norm"},
+         run=_S38_RUN_SKIP, name="s38_optional_residual_bound_in_both_arms_axis_handed_in"),
+]
+
+AddRmsNorm.KEEP += [
+    # the no-residual arm is not the other operand (``out = skip``... with skip None), or the arm adds something else
+    Keep(_S38_SKIP_NORM.replace("        out = x\n", "        out = 2 * x\n"), name="s38_optional_residual_else_arm_not_an_alias"),
+    Keep(_S38_SKIP_NORM.replace("out = x + skip", "out = x + weight"), name="s38_optional_residual_else_arm_adds_another_tensor"),
 ]
