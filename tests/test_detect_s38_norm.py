@@ -102,3 +102,14 @@ def test_optional_residual_with_else_checks_the_axis_on_x1_before_the_fused_add(
                            "and axis in (-1, (-1,), x.dim() - 1)"), cond
     assert "out" not in cond.replace("torch.", ""), cond
     assert findings[0].guard_tensor == "x"
+
+
+def test_import_time_choice_with_a_repository_class_arm_is_left_to_that_class(tmp_path: Path) -> None:
+    # apex where it imports, the repository's own class elsewhere (on NPU): the class's forward is the site
+    layers = _CHOICE.replace("from torch.nn import RMSNorm", "from .own_norm import RMSNorm")
+    own = ("import torch\nfrom torch import nn\n\n\nclass RMSNorm(nn.Module):\n    def __init__(self, d, eps=1e-6):\n"
+           "        super().__init__()\n        self.eps = eps\n        self.weight = nn.Parameter(torch.ones(d))\n\n"
+           "    def forward(self, x):\n        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight\n")
+    root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/layers.py": layers, "pkg/own_norm.py": own, "pkg/model.py": _BLOCK})
+    data = scan(root, patterns=[RmsNorm()])
+    assert [(c["file"], c["qualname"]) for c in data["candidates"] if c["pattern"] == "rms_norm"] == [("pkg/own_norm.py", "RMSNorm.forward")]

@@ -1241,9 +1241,10 @@ _LIBRARY_SWAP = SwapKind(
 # except ImportError: from torch.nn import RMSNorm``, then ``from .components import RMSNorm`` and
 # ``RMSNorm(dim, eps=norm_eps)`` in the model. Which class the name holds is decided when that module
 # is imported (apex on a CUDA machine, torch's on an NPU one), so ``external_origin`` gives no single
-# class. Every outside binding is a library RMSNorm here (a class of the repository may be another
-# binding: its own forward is read where it is defined), so the construction is wrapped in each arm's
-# swap: each checks the instance's class at run time and leaves any other class as it is.
+# class. Where every binding is a library RMSNorm or nn.RMSNorm the construction is wrapped in each
+# arm's swap: each checks the instance's class at run time and leaves any other class as it is. A class
+# of the repository as one arm (switti's fallback) is what runs where apex does not import: its own
+# forward is the site, and the construction is left alone.
 
 def import_time_library_classes(module: ModuleInfo, func: ast.expr) -> str | None:
     """``"a.B|torch.nn.RMSNorm"`` when a constructor's callee is a name a repository module binds at
@@ -1256,10 +1257,11 @@ def import_time_library_classes(module: ModuleInfo, func: ast.expr) -> str | Non
     from npufuse.scan import repo_facts
 
     origins = repo_facts.import_time_origins(module, name)
-    outside = [o for o in origins or () if o is not None]
-    if not outside or any(o not in LIBRARY_RMS_CLASSES and o != RMS_NORM_CLASS for o in outside):
+    # a class of the repository among the arms is what runs where the libraries do not import (apex is
+    # CUDA-only): its own forward is the site, read where it is defined; the construction is left alone
+    if not origins or any(o is None or (o not in LIBRARY_RMS_CLASSES and o != RMS_NORM_CLASS) for o in origins):
         return None
-    return "|".join(dict.fromkeys(outside))
+    return "|".join(dict.fromkeys(o for o in origins if o is not None))
 
 
 def _wrap_each_arm(src: str, classes: str) -> str:
