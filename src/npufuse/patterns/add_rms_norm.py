@@ -2282,9 +2282,10 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         if any(isinstance(n, ast.Name) and n.id == x for n in ast.walk(cond)):
             # a dim check reading the sum (``axis in (-1, s.dim() - 1)``) is tested before the fused add
             # computes it: read on x1, whose shape the sum has where the two operands' shapes agree
-            conditions.append(f"{o.x1}.shape == {o.x2}.shape")
-            cond = _renamed(cond, x, o.x1)
-        conditions.append(ast.unparse(cond))
+            # (parenthesised: the unparsed text may be an ``or`` joined to the others by ``and``)
+            conditions += [f"{o.x1}.shape == {o.x2}.shape", f"({ast.unparse(_renamed(cond, x, o.x1))})"]
+        else:
+            conditions.append(p.condition)
     if m.weights:
         w = R.analyse_weight(module, m.weights[0])  # a plain weight: the variants above exclude `1 + w` and chosen ones
         base = S.render(module, w.base, w.base_ctx, plan)
