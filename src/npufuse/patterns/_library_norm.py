@@ -1155,7 +1155,8 @@ def library_class(module: ModuleInfo, func: ast.expr) -> str | None:
 def library_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
     """One finding per statement constructing apex / xformers RMSNorm modules (each wrapped in the
     swap); a near miss for TransformerEngine's."""
-    return swap_construction_sites(_LIBRARY_SWAP, module, scope, idx)
+    yield from swap_construction_sites(_LIBRARY_SWAP, module, scope, idx)
+    yield from swap_construction_sites(_IMPORT_TIME_SWAP, module, scope, idx)
 
 
 @dataclass(frozen=True)
@@ -1231,6 +1232,64 @@ _LIBRARY_SWAP = SwapKind(
     upcast="float32",
     risks=tuple(_LIB_RISKS),
     why=lambda classes: "; ".join(dict.fromkeys(_LIB_WHY[LIBRARY_RMS_CLASSES[c]] for c in classes)),
+)
+
+
+# --- s38: a norm class a repository module chooses at import time among library RMSNorms -------------
+#
+# Lumina-Video's ``models/components.py``: ``try: from apex.normalization import FusedRMSNorm as RMSNorm
+# except ImportError: from torch.nn import RMSNorm``, then ``from .components import RMSNorm`` and
+# ``RMSNorm(dim, eps=norm_eps)`` in the model. Which class the name holds is decided when that module
+# is imported (apex on a CUDA machine, torch's on an NPU one), so ``external_origin`` gives no single
+# class. Where every binding is a library RMSNorm or nn.RMSNorm the construction is wrapped in each
+# arm's swap: each checks the instance's class at run time and leaves any other class as it is. A class
+# of the repository as one arm (switti's fallback) is what runs where apex does not import: its own
+# forward is the site, and the construction is left alone.
+
+def import_time_library_classes(module: ModuleInfo, func: ast.expr) -> str | None:
+    """``"a.B|torch.nn.RMSNorm"`` when a constructor's callee is a name a repository module binds at
+    import time to one of several classes, every outside one a library RMSNorm (``LIBRARY_RMS_CLASSES``)
+    or nn.RMSNorm; None otherwise (a name bound once is ``library_class``'s)."""
+    name = canonical.api(module, func)
+    if not name or name.startswith("torch.") or name in LIBRARY_RMS_CLASSES or name in TE_RMS_CLASSES \
+            or not name.rsplit(".", 1)[-1].lower().endswith("norm"):
+        return None
+    from npufuse.scan import repo_facts
+
+    origins = repo_facts.import_time_origins(module, name)
+    # a class of the repository among the arms is what runs where the libraries do not import (apex is
+    # CUDA-only): its own forward is the site, read where it is defined; the construction is left alone
+    if not origins or any(o is None or (o not in LIBRARY_RMS_CLASSES and o != RMS_NORM_CLASS) for o in origins):
+        return None
+    return "|".join(dict.fromkeys(o for o in origins if o is not None))
+
+
+def _wrap_each_arm(src: str, classes: str) -> str:
+    """The construction wrapped in the swap of every class it may build (nn.RMSNorm's innermost)."""
+    arms = classes.split("|")
+    out = f"{_SWAP}({src})" if RMS_NORM_CLASS in arms else src
+    for cls in arms:
+        if cls != RMS_NORM_CLASS:
+            out = f"{_LIB_SWAP}({out}, {LIBRARY_RMS_CLASSES[cls]!r})"
+    return out
+
+
+def _arms_why(classes: list[str]) -> str:
+    arms = [a for c in classes for a in c.split("|")]
+    return "; ".join(dict.fromkeys(_LIB_WHY[LIBRARY_RMS_CLASSES[a]] if a != RMS_NORM_CLASS else "nn.RMSNorm runs several kernels on NPU"
+                                   for a in arms)) + "; the class is chosen when the re-exporting module is imported"
+
+
+_IMPORT_TIME_SWAP = SwapKind(
+    callee_may_be=lambda callee: "norm" in callee.lower(),
+    resolve=import_time_library_classes,
+    refusal=lambda classes: None,
+    wrap=_wrap_each_arm,
+    helper=lambda T: _swap_helper(T) + _lib_swap_helper(T),
+    unfused_ops=("cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"),
+    upcast="float32",
+    risks=tuple(_LIB_RISKS),
+    why=_arms_why,
 )
 
 

@@ -211,14 +211,17 @@ _RMS_KERNELS: dict[str, tuple[tuple[str, ...], str | None]] = {
     **{k: (("x", "weight", "bias"), "1e-6") for k in _TRITON_RMS_NORM_FNS},
     "torch.nn.functional.rms_norm": (("input", "normalized_shape", "weight", "eps"), None),
 }
+# flashinfer's Gemma form, x * rsqrt(mean(x^2) + eps) * (1 + weight) in float32: the same kernel arguments
+_GEMMA_RMS_KERNELS = {"flashinfer.gemma_rmsnorm": "flashinfer.rmsnorm", "flashinfer.norm.gemma_rmsnorm": "flashinfer.norm.rmsnorm"}
 # the kernel's arguments that may be given with these values only (flashinfer's ``out`` writes into a
 # caller's buffer; ``enable_pdl`` only overlaps kernel launches): the rest as for the Triton module form
 _RMS_KERNEL_PLAIN = {**_TRITON_PLAIN_KEYWORDS, "enable_pdl": ..., "residual_in_fp32": ...}
 
 
-def _rows_of(node: ast.expr, x: str) -> bool:
+def _rows_of(node: ast.expr, x: str, dims: tuple[str, ...] = ()) -> bool:
     """``node`` is ``x`` or ``x`` with its leading dims flattened (``x.view(-1, x.size(-1))``,
-    ``x.reshape(-1, x.shape[-1])``, ``x.flatten(0, -2)``): the same rows of the last dim."""
+    ``x.reshape(-1, x.shape[-1])``, ``x.flatten(0, -2)``; with ``dims`` the names ``b, s, h = x.shape``
+    unpacked: ``x.reshape(b * s, h)``): the same rows of the last dim."""
     if isinstance(node, ast.Name):
         return node.id == x
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
@@ -226,20 +229,57 @@ def _rows_of(node: ast.expr, x: str) -> bool:
         return False
     m, args = node.func.attr, [ast.unparse(a).replace(" ", "") for a in node.args]
     if m in ("view", "reshape"):
-        return args in (["-1", f"{x}.size(-1)"], ["-1", f"{x}.shape[-1]"])
+        rows = ["-1", "*".join(dims[:-1])] if len(dims) >= 2 else []
+        return args in (["-1", f"{x}.size(-1)"], ["-1", f"{x}.shape[-1]"]) or (len(args) == 2 and args[0] in rows and args[1] == dims[-1])
     return m == "flatten" and args == ["0", "-2"]
 
 
-def _restored(node: ast.expr, x: str) -> ast.expr | None:
+def _restored(node: ast.expr, x: str, dims: tuple[str, ...] = ()) -> ast.expr | None:
     """The inner value of ``v.view_as(x)`` / ``v.reshape_as(x)`` / ``v.view(x.shape)`` /
-    ``v.reshape(*x.shape)`` (x's shape given back), or ``node`` itself."""
+    ``v.reshape(*x.shape)`` (x's shape given back; with ``dims`` unpacked from ``x.shape``, also
+    ``v.reshape(b, s, h)``), or ``node`` itself."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and len(node.args) == 1 and not node.keywords:
         a = node.args[0]
         a = a.value if isinstance(a, ast.Starred) else a
         m, text = node.func.attr, ast.unparse(a).replace(" ", "")
         if (m in ("view_as", "reshape_as") and text == x) or (m in ("view", "reshape") and text in (f"{x}.shape", f"{x}.size()")):
             return node.func.value
+    if dims and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape") \
+            and not node.keywords and [ast.unparse(a) for a in node.args] == list(dims):
+        return node.func.value
     return node
+
+
+def _straight_helper_value(fn: ast.FunctionDef, x: str) -> tuple[ast.expr, tuple[str, ...]] | None:
+    """The value a straight-line helper returns as one expression of its parameters, and the names of
+    ``x``'s dims when its first statement unpacks them (``b, s, h = x.shape``). UMbreLLa's
+    ``layer_norm(h, eps, w)``: ``b, s, h = x.shape; x = x.reshape(b * s, h); x = kernel(x, w, eps);
+    x = x.reshape(b, s, h); return x``. Only rebindings of ``x`` itself are folded in (each reads the
+    one before); anything else in the body: None."""
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    dims: tuple[str, ...] = ()
+    first = body[0]
+    if len(body) > 1 and isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Tuple) \
+            and all(isinstance(e, ast.Name) for e in first.targets[0].elts) \
+            and ast.unparse(first.value).replace(" ", "") in (f"{x}.shape", f"{x}.size()"):
+        dims = tuple(e.id for e in first.targets[0].elts)  # type: ignore[attr-defined]
+        if x in dims or len(set(dims)) != len(dims):
+            return None
+        body = body[1:]
+    current: ast.expr = ast.Name(x, ast.Load())
+
+    class Fold(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return current if n.id == x else n
+
+    for st in body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and st.targets[0].id == x):
+            return None
+        current = Fold().visit(ast.parse(ast.unparse(st.value), mode="eval").body)
+    value = Fold().visit(ast.parse(ast.unparse(body[-1].value), mode="eval").body)
+    return value, dims
 
 
 def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn: ast.FunctionDef, where: str) -> NormCall | None:
@@ -250,15 +290,21 @@ def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn
     from npufuse.scan import canonical
     from npufuse.scan.dataflow import const_value
 
-    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
     a = fn.args
     params = [p.arg for p in (*a.posonlyargs, *a.args)]
-    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or not params or a.vararg or a.kwarg:
+    if not params or a.vararg or a.kwarg:
         return None
-    value = _restored(body[0].value, params[0])
+    inlined = _straight_helper_value(fn, params[0])
+    if inlined is None:
+        return None
+    returned, dims = inlined
+    value = _restored(returned, params[0], dims)
     if not isinstance(value, ast.Call) or any(isinstance(v, ast.Starred) for v in value.args) or any(k.arg is None for k in value.keywords):
         return None
     kernel = canonical.api(home, value.func)
+    offset = kernel in _GEMMA_RMS_KERNELS
+    if offset:
+        kernel = _GEMMA_RMS_KERNELS[kernel]
     if kernel not in _RMS_KERNELS:
         return None
     names, eps_default = _RMS_KERNELS[kernel]
@@ -268,7 +314,7 @@ def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn
     given.update({k.arg: k.value for k in value.keywords if k.arg is not None})
     x, w, eps = given.pop(names[0], None), given.pop("weight", None), given.pop("eps", None)
     shape = given.pop("normalized_shape", None)
-    if x is None or not _rows_of(x, params[0]):
+    if x is None or not _rows_of(x, params[0], dims):
         return None
     conditions: list[str] = []
     by_weight = isinstance(shape, ast.Attribute) and shape.attr == "shape" and isinstance(w, ast.Name) \
@@ -324,10 +370,14 @@ def _kernel_helper_norm(module: ModuleInfo, call: ast.Call, home: ModuleInfo, fn
         e = text(eps)
         if e is not None and eps_default is None and type(const_value(ast.parse(e, mode="eval").body)) not in (int, float):
             e = eps_or_default(e, S.torch_name(module) or "torch")  # F.rms_norm's eps=None: float32's
-    if gamma is None or e is None or len(call.args) + len(call.keywords) > len(params):
+    if gamma is None or e is None or len(call.args) + len(call.keywords) > len(params) or (offset and ones):
         return None
+    if offset:
+        # flashinfer's gemma_rmsnorm scales by (1 + weight), computed in float32 like the kernel does
+        gamma = f"(1 + {gamma}.float())"
     label = call.func.id if isinstance(call.func, ast.Name) else ast.unparse(call.func)
-    return NormCall(call, label, "library", cls=f"{label}{where} ({kernel.rsplit('.', 1)[-1]} kernel)", gamma=gamma, eps=e,
+    name = kernel.rsplit('.', 1)[-1] if not offset else "gemma_rmsnorm"
+    return NormCall(call, label, "library", cls=f"{label}{where} ({name} kernel)", gamma=gamma, eps=e,
                     ones=ones, conditions=conditions)
 
 
@@ -2120,11 +2170,16 @@ class _OptionalResidual:
     names: set[str]  # names holding the sum after the ``if``
     after: list[ast.stmt] = field(default_factory=list)  # ``residual = x`` right after the ``if`` (TGI)
     in_place: bool = False  # ``x += r``: the original adds into the caller's tensor
+    residual: str = ""  # s38: the optional residual of the if/else spelling (``if r is None: ... else: ...``)
 
 
 def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
     """``if r is not None: s = a + b`` (``{a, b}`` names, one of them ``r``) then only aliases of
-    ``s``, no ``else``: the residual add that runs when a residual is passed."""
+    ``s``, no ``else``: the residual add that runs when a residual is passed. Also its if/else
+    spelling ``if r is None: s = a`` / ``else: s = a + r`` (ppl.pmx's SkipRMSNorm), which binds ``s``
+    in both arms: the same values as ``s = a`` then the ``if r is not None`` add."""
+    if isinstance(stmt, ast.If) and stmt.orelse:
+        return _optional_residual_with_else(stmt)
     if not (isinstance(stmt, ast.If) and not stmt.orelse and stmt.body):
         return None
     t = stmt.test
@@ -2149,6 +2204,26 @@ def _optional_residual(stmt: ast.stmt) -> _OptionalResidual | None:
         return None
     names = {s_name} | {al.targets[0].id for al in aliases}  # type: ignore[attr-defined]
     return _OptionalResidual(stmt, s_name, a, b, list(aliases), names)
+
+
+def _optional_residual_with_else(stmt: ast.If) -> _OptionalResidual | None:
+    """``if r is None: s = a`` / ``else: s = a + r`` (either operand order), nothing else in the arms."""
+    t = stmt.test
+    if not (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Is)
+            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value is None
+            and len(stmt.body) == 1 and len(stmt.orelse) == 1):
+        return None
+    r, bare, add = t.left.id, stmt.body[0], stmt.orelse[0]
+    if not (isinstance(bare, ast.Assign) and len(bare.targets) == 1 and isinstance(bare.targets[0], ast.Name)
+            and isinstance(bare.value, ast.Name) and isinstance(add, ast.Assign) and len(add.targets) == 1
+            and isinstance(add.targets[0], ast.Name) and add.targets[0].id == bare.targets[0].id
+            and isinstance(add.value, ast.BinOp) and isinstance(add.value.op, ast.Add)
+            and isinstance(add.value.left, ast.Name) and isinstance(add.value.right, ast.Name)):
+        return None
+    a, b, s_name = add.value.left.id, add.value.right.id, bare.targets[0].id
+    if {a, b} != {bare.value.id, r} or a == b or s_name in (a, b, r):
+        return None
+    return _OptionalResidual(stmt, s_name, a, b, [], {s_name}, residual=r)
 
 
 def _optional_residual_results(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
@@ -2193,14 +2268,24 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         p = R.plan_norm(module, m, plan)
     except (R.Miss, R.NoMatch) as e:
         return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
-    extra = p.condition if p.condition != p.params.get("weight_check") else None  # the 1-D weight check is taken along
+    # the 1-D weight check and a check of the reduced dim (a dim handed in, ``axis in (-1, ...)``) are taken along
+    taken = [c for c in (p.params.get("dim_check"), p.params.get("weight_check")) if c]
+    extra = p.condition if p.condition is not None and p.condition != " and ".join(taken) else None
     if extra is not None or p.variant not in ("fp32_output", "weight_then_cast", "cast_then_weight", "no_upcast", "no_weight", "t5"):
         return (f"the norm of the sum is the `{p.variant}` form{' with a run-time condition' if extra else ''}: "
                 "npufuse fuses the residual add only into a plain x * rstd * weight norm")
     x = o.sum_name
-    conditions = [f"{S.source_of(module, o.test.test)}", f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
+    has_residual = f"{o.residual} is not None" if o.residual else S.source_of(module, o.test.test)
+    conditions = [has_residual, f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
     if p.condition is not None:
-        conditions.append(p.condition)
+        cond = ast.parse(p.condition, mode="eval").body
+        if any(isinstance(n, ast.Name) and n.id == x for n in ast.walk(cond)):
+            # a dim check reading the sum (``axis in (-1, s.dim() - 1)``) is tested before the fused add
+            # computes it: read on x1, whose shape the sum has where the two operands' shapes agree
+            # (parenthesised: the unparsed text may be an ``or`` joined to the others by ``and``)
+            conditions += [f"{o.x1}.shape == {o.x2}.shape", f"({ast.unparse(_renamed(cond, x, o.x1))})"]
+        else:
+            conditions.append(p.condition)
     if m.weights:
         w = R.analyse_weight(module, m.weights[0])  # a plain weight: the variants above exclude `1 + w` and chosen ones
         base = S.render(module, w.base, w.base_ctx, plan)
@@ -2253,7 +2338,8 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         end_line=end_line,
         params=params,
         fused="\n".join(body),
-        guard_tensor=f.guard_tensor,
+        # the if/else spelling binds the sum only in its arms: the device is read on x1
+        guard_tensor=o.x1 if o.residual else f.guard_tensor,
         confidence="high",
         variant="optional_residual",
         risks=[Risk("inference_only", "npu_add_rms_norm has no backward: used only with autograd off; otherwise the add "
@@ -2264,6 +2350,16 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         notes=["the residual is optional (`if ... is not None`): without one the rms_norm fused code runs"],
         training_ok=True,
     )
+
+
+def _renamed(node: ast.expr, old: str, new: str) -> ast.expr:
+    """``node`` with every read of the name ``old`` reading ``new``."""
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return ast.Name(new, n.ctx) if n.id == old else n
+
+    return Rename().visit(node)
 
 
 def _cast_after(module: ModuleInfo, scope: Scope, stmt: ast.stmt, first_line: int) -> tuple[ast.stmt, str] | None:
@@ -2326,7 +2422,7 @@ class AddRmsNorm(Pattern):
             return
         # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
         # then the hand-written norm of ``x``): methods and plain functions alike
-        if "is not None" in S.scope_text(module, scope):
+        if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name and not _installed_forward(module, scope):
             return
@@ -5234,8 +5330,8 @@ def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx)
         if defined is None or not isinstance(defined[1], ast.ClassDef):
             return None
         file, wdef = defined
-        # the wrapper read here with the classes of its file its ``__init__`` builds
-        built = {dotted(v.func) for v in S.init_assignments(file, wdef.name).values() if isinstance(v, ast.Call)}
+        # the wrapper read here with the classes of its file its ``__init__`` builds (every branch's)
+        built = {dotted(v.func) for vs in _init_constructions(file, wdef.name).values() for v in vs}
         extra = tuple(file.classes[c] for c in sorted(c for c in built if c in file.classes and c != wdef.name))
         found_home = _home_with(module, file, wdef, extra)
         if found_home is None:
@@ -5305,21 +5401,27 @@ def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx)
                 and side.args[0].id == params[1] and isinstance(side.func, ast.Attribute)
                 and isinstance(side.func.value, ast.Name) and side.func.value.id == params[0]):
             continue
-        ctor = S.init_assignments(home, cls).get(side.func.attr)
-        inner_cls = dotted(ctor.func) if isinstance(ctor, ast.Call) else None
-        if inner_cls is None or (ret is not side and side_test is None):
+        if ret is not side and side_test is None:
             continue
-        owner = _class_named(file, inner_cls)  # the inner class, read in the wrapper's file
-        if owner is None:
-            continue
-        cfile, inner_cls = owner
-        inner_home = home if inner_cls in home.classes else _home_with(home, cfile, cfile.classes[inner_cls])
-        if inner_home is None:
-            continue
-        node = ast.Attribute(value=f, attr=side.func.attr, ctx=ast.Load())
-        nc = _class_norm_call(inner_home, call, ctx, inner_cls, where, inner=node)
-        if nc is None or nc.kind not in ("rms", "library"):
-            continue
+        # s38: the inner attribute may be built by several branches of ``__init__`` (amago's
+        # ``Normalization``: LayerNorm, a lambda, its _RMSNorm... by a method string); the one class that
+        # reads as an RMSNorm is fused under its run-time type check, any other built there runs the original
+        read: dict[str, tuple[NormCall, ast.Call, ModuleInfo, ModuleInfo, str]] = {}
+        for ctor in _init_constructions(home, cls).get(side.func.attr, []):
+            owner = _class_named(file, dotted(ctor.func) or "")  # the inner class, read in the wrapper's file
+            if owner is None or owner[1] in read:
+                continue
+            cfile, inner_cls = owner
+            inner_home = home if inner_cls in home.classes else _home_with(home, cfile, cfile.classes[inner_cls])
+            if inner_home is None:
+                continue
+            node = ast.Attribute(value=f, attr=side.func.attr, ctx=ast.Load())
+            nc = _class_norm_call(inner_home, call, ctx, inner_cls, where, inner=node)
+            if nc is not None and nc.kind in ("rms", "library"):
+                read[inner_cls] = (nc, ctor, cfile, inner_home, inner_cls)
+        if len(read) != 1:
+            continue  # none, or two RMSNorm classes (their eps / weight names may differ)
+        nc, ctor, cfile, inner_home, inner_cls = next(iter(read.values()))
         mod = f"{S.source_of(module, f)}.{side.func.attr}"
         # both run-time types checked: exactly the wrapper class read, holding exactly the norm class read
         nc.conditions = [*[c for c in (*conditions, side_test) if c], *nc.conditions,
@@ -5331,6 +5433,19 @@ def _dispatch_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx)
     if len(found) != 1 or conditions[0] is None:
         return None
     return found[0]
+
+
+def _init_constructions(module: ModuleInfo, class_name: str) -> dict[str, list[ast.Call]]:
+    """``attr -> [Cls(...), ...]``: every constructor call ``__init__`` assigns to ``self.<attr>``, in
+    every branch (``init_assignments`` keeps the last one only)."""
+    init = S.method(module, class_name, "__init__")
+    out: dict[str, list[ast.Call]] = {}
+    for st in S._stmts_in(init.body) if init is not None else []:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.value, ast.Call) and dotted(st.value.func):
+            d = dotted(st.targets[0])
+            if d and d.startswith("self.") and d.count(".") == 1:
+                out.setdefault(d[5:], []).append(st.value)
+    return out
 
 
 # -- s35: a norm class the caller passes to the block (no default): the file's one RMSNorm class,
@@ -5702,4 +5817,175 @@ AddRmsNorm.KEEP += [
          .replace("self.post(h, eps_scale=4.0)", "self.post(h)"),
          reason="normalises `h2`, computed from its input, not the input itself", name="s37_norm_of_a_scaled_copy_of_its_input"),
     Keep(_S37_ADAPTIVE, reason="scales by a gain computed from the call's `cond`", name="s37_adaptive_norm_gain_from_the_condition"),
+]
+
+
+# -- s38: a norm wrapper whose inner norm ``__init__`` builds in one of several branches (amago's
+# ``Normalization(method, d_model)``: LayerNorm, a lambda, an identity or its own RMSNorm by a string):
+# the one class that reads as an RMSNorm is fused under both run-time type checks; another branch's
+# module runs the original call. Two branches building two RMSNorm classes: nothing (which is built?).
+
+_S38_SWITCHED = '''
+import torch
+from torch import nn
+
+
+class PlainRMS(nn.Module):
+    def __init__(self, width, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, t):
+        return self.gain * (t * torch.rsqrt(torch.mean(t * t, dim=-1, keepdim=True) + self.eps))
+
+
+class NormChoice(nn.Module):
+    def __init__(self, kind, width):
+        super().__init__()
+        if kind == "layer":
+            self.inner = nn.LayerNorm(width)
+        elif kind == "rms":
+            self.inner = PlainRMS(width)
+        elif kind == "unit":
+            self.inner = lambda t: t / t.norm(dim=-1, keepdim=True)
+        else:
+            self.inner = nn.Identity()
+
+    def forward(self, t):
+        return self.inner(t)
+
+
+class Layer(nn.Module):
+    def __init__(self, width, kind="rms"):
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.pre_ff = NormChoice(kind, width)
+        self.ff = nn.Linear(width, width)
+
+    def forward(self, seq):
+        upd = self.mix(seq)
+        seq = seq + upd
+        return seq + self.ff(self.pre_ff(seq))
+'''
+
+AddRmsNorm.FUSE += [
+    Fuse(_S38_SWITCHED, expect={"norm": "self.pre_ff", "weight": "self.pre_ff.inner.gain", "sum": "seq",
+                                "condition": "type(self.pre_ff) is NormChoice and type(self.pre_ff.inner) is PlainRMS"},
+         run=_run_block("Layer(32)", bf16=True, train=False) + "out = (out, Layer(32, 'layer').to(torch.bfloat16)(x))\n",
+         name="s38_wrapper_building_its_norm_in_one_of_several_branches_inference_bf16"),
+    Fuse(_S38_SWITCHED, expect={"norm": "self.pre_ff"}, run=_run_block("Layer(32)", leaves="[x, blk.pre_ff.inner.gain]"),
+         name="s38_wrapper_building_its_norm_in_one_of_several_branches_training"),
+]
+
+AddRmsNorm.KEEP += [
+    # a second RMSNorm class in another branch (its eps under another name): which one is built is a run-time string
+    Keep(_S38_SWITCHED.replace("class NormChoice", _S38_SWITCHED.split("class PlainRMS")[1].split("class NormChoice")[0]
+                               .replace("self.eps = eps", "self.epsilon = eps").replace("+ self.eps)", "+ self.epsilon)")
+                               .join(["class OtherRMS", "class NormChoice"]))
+         .replace('self.inner = nn.Identity()', 'self.inner = OtherRMS(width)'),
+         name="s38_wrapper_building_one_of_two_rms_classes"),
+]
+
+
+# -- s38: straight-line kernel helpers (UMbreLLa's ``layer_norm`` / ``layer_norm_gemma``): the input's dims
+# unpacked, its rows flattened for the kernel and the shape given back, each statement rebinding the input;
+# flashinfer's ``gemma_rmsnorm`` is the same kernel scaled by (1 + weight).
+
+_S38_STRAIGHT_HELPERS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rows_norm(t, eps, w):
+    b, s, d = t.shape
+    t = t.reshape(b * s, d)
+    t = F.rms_norm(t, (t.size(-1),), w, eps)
+    t = t.reshape(b, s, d)
+    return t
+
+
+class Decoder(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.w_post = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x, attn=None):
+        attn = x if attn is None else attn
+        h = self.proj(attn)
+        h = x + h
+        x = h
+        h = rows_norm(h, self.eps, self.w_post)
+        return self.mlp(h) + x
+'''
+
+_S38_GEMMA_HELPER = _S38_STRAIGHT_HELPERS.replace("import torch\\n", "import torch\\nimport flashinfer\\n", 1) \
+    .replace("t = F.rms_norm(t, (t.size(-1),), w, eps)", "t = flashinfer.gemma_rmsnorm(t, w, eps)")
+
+AddRmsNorm.FUSE += [
+    Fuse(_S38_STRAIGHT_HELPERS, expect={"norm": "rows_norm", "weight": "self.w_post", "sum": "h",
+                                        "eps": "(self.eps if self.eps is not None else torch.finfo(torch.float32).eps)"},
+         run=_run_block("Decoder(32)", bf16=True, train=False), name="s38_straight_line_helper_flattening_rows_inference_bf16"),
+    Fuse(_S38_STRAIGHT_HELPERS, expect={"norm": "rows_norm"}, run=_run_block("Decoder(32)", leaves="[x, blk.w_post]"),
+         name="s38_straight_line_helper_flattening_rows_training"),
+    Fuse(_S38_GEMMA_HELPER, expect={"norm": "rows_norm", "weight": "(1 + self.w_post.float())", "eps": "self.eps"},
+         name="s38_straight_line_helper_of_flashinfer_gemma_rmsnorm"),
+]
+
+AddRmsNorm.KEEP += [
+    # the shape given back is not the input's (two dims swapped), or the input is scaled before the kernel
+    Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b, s, d)", "t = t.reshape(s, b, d)"), name="s38_helper_restoring_another_shape"),
+    Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b * s, d)", "t = (2 * t).reshape(b * s, d)"), name="s38_helper_scaling_its_input"),
+    # a statement that is not a rebinding of the input (a second name) is not folded
+    Keep(_S38_STRAIGHT_HELPERS.replace("t = t.reshape(b * s, d)\n", "u = t.reshape(b * s, d)\n    t = u\n"),
+         name="s38_helper_through_a_second_name"),
+]
+
+
+# -- s38: the optional residual spelled with an ``else`` (ppl.pmx's SkipRMSNorm reference op): ``if skip is
+# None: s = x`` / ``else: s = x + skip`` binds the sum in both arms, then the norm of ``s`` over an axis handed
+# in (checked at run time on x1, whose shape the sum has where the operands' shapes agree).
+
+_S38_SKIP_NORM = '''
+import torch
+
+
+def skip_norm(x, weight, skip=None, axis: int = -1, eps: float = 1e-5):
+    if skip is None:
+        out = x
+    else:
+        out = x + skip
+    t = out.float()
+    ms = t.pow(2).mean(axis, keepdim=True)
+    y = t * torch.rsqrt(ms + eps)
+    y = y.type_as(x) * weight
+    return y, out
+'''
+
+_S38_RUN_SKIP = '''
+w = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+r = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+with torch.no_grad():
+    infer = skip_norm(x, w, r)
+    alone = skip_norm(x, w)
+    other_axis = skip_norm(x.transpose(1, 2).contiguous(), w[:5].contiguous(), r.transpose(1, 2).contiguous(), axis=1)
+out = (infer, alone, other_axis, skip_norm(x, w, r))
+leaves = [x, w, r]
+'''
+
+AddRmsNorm.FUSE += [
+    # (the condition's parts: tests/test_detect_s38_norm.py; the order of promote_types' operands varies by run)
+    Fuse(_S38_SKIP_NORM, expect={"variant": "optional_residual", "x1": "x", "x2": "skip", "sum": "out", "qualname": "skip_norm"},
+         run=_S38_RUN_SKIP, name="s38_optional_residual_bound_in_both_arms_axis_handed_in"),
+]
+
+AddRmsNorm.KEEP += [
+    # the no-residual arm is not the other operand (``out = skip``... with skip None), or the arm adds something else
+    Keep(_S38_SKIP_NORM.replace("        out = x\n", "        out = 2 * x\n"), name="s38_optional_residual_else_arm_not_an_alias"),
+    Keep(_S38_SKIP_NORM.replace("out = x + skip", "out = x + weight"), name="s38_optional_residual_else_arm_adds_another_tensor"),
 ]

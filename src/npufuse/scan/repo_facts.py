@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from npufuse.patterns.base import Risk
 from npufuse.scan.dataflow import dotted, names_bound_from
@@ -1602,8 +1602,24 @@ def external_origin(module: Any, name: str) -> Optional[str]:
         return None
     _depends(root, module.path)  # found or not, the answer depends on other files
     mod, attr = name.rsplit(".", 1)
-    from_rel = module.path
-    for _hop in range(4):
+    found = _trace_reexport(root, module.path, mod, attr)
+    return found if isinstance(found, str) else None
+
+
+@_dataclass(frozen=True)
+class _ChosenAtImport:
+    """A repository file binding the traced name more than once (``try: from apex... import X except
+    ImportError: from torch.nn import X``): which binding holds is decided when the file is imported."""
+
+    rel: str
+    tree: ast.Module
+    attr: str
+
+
+def _trace_reexport(root: Path, from_rel: str, mod: str, attr: str, hops: int = 4) -> "Optional[str] | _ChosenAtImport":
+    """``mod.attr`` as file ``from_rel`` imports it, followed through the repository's re-exports: the
+    outside name, None (defined in the repo, or unreadable) or the file that binds it several times."""
+    for _hop in range(hops):
         if not mod or any(p in ("", "..") for p in mod.split(".")):
             return None
         parts = mod.split(".")
@@ -1620,14 +1636,80 @@ def external_origin(module: Any, name: str) -> Optional[str]:
         if found is None:
             return f"{mod}.{attr}"
         rel, tree = found
-        if _top_def(tree, attr) is not None or _bindings(tree, attr) > 1:
-            return None  # defined here, or chosen at run time (Megatron-DeepSpeed: apex's on CUDA, its own elsewhere)
+        if _top_def(tree, attr) is not None and _bindings(tree, attr) == 1:
+            return None  # defined here
+        if _bindings(tree, attr) > 1:
+            return _ChosenAtImport(rel, tree, attr)  # Megatron-DeepSpeed: apex's on CUDA, its own elsewhere
         again = _imported(tree, rel, attr)
         if again is None:
             return None
         mod, attr = again
         from_rel = rel
     return None
+
+
+def import_time_origins(module: Any, name: str) -> Optional[tuple[Optional[str], ...]]:
+    """Where a name the repository re-exports may come from when the re-exporting file binds it more
+    than once at import time, each binding a module-level import or class (Lumina-Video's
+    ``components.py``: ``try: from apex.normalization import FusedRMSNorm as RMSNorm except
+    ImportError: from torch.nn import RMSNorm``): one entry per binding, the outside dotted name or
+    None for a class of the repository. ``name``: canonical (``pkg.mod.Attr``) or a local name the
+    file imports relatively. None when the name is bound once (``external_origin``), by
+    anything else (an assignment, a function: a value chosen by code), or is unreadable."""
+    root = repo_root(module)
+    if root is None:
+        return None
+    _depends(root, module.path)
+    # a relative import (``from .components import RMSNorm``) has no canonical dotted name: the
+    # file's own import says where the name comes from
+    target = tuple(name.rsplit(".", 1)) if "." in name else _imported(module.tree, module.path, name)
+    if target is None or len(target) != 2:
+        return None
+    mod, attr = target
+    chosen = _trace_reexport(root, module.path, mod, attr)
+    if not isinstance(chosen, _ChosenAtImport):
+        return None
+    out: list[Optional[str]] = []
+    for node in _module_level_statements(chosen.tree.body):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if (a.asname or a.name) != chosen.attr:
+                    continue
+                base = PurePosixPath(chosen.rel).parent
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.parent
+                parts = ([p for p in base.parts if p not in ("", ".")] if node.level else []) + \
+                    ((node.module or "").split(".") if node.module else [])
+                origin = _trace_reexport(root, chosen.rel, ".".join(parts), a.name)
+                if isinstance(origin, _ChosenAtImport):
+                    return None
+                out.append(origin)
+        elif isinstance(node, ast.Import):
+            if any((a.asname or a.name.split(".")[0]) == chosen.attr for a in node.names):
+                return None  # a module bound to the name, not a class
+        elif isinstance(node, ast.ClassDef) and node.name == chosen.attr:
+            out.append(None)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) \
+                and chosen.attr in _flat_names(node.targets if isinstance(node, ast.Assign) else [node.target]) \
+                or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == chosen.attr:
+            return None
+    return tuple(out) if len(out) > 1 else None
+
+
+def _module_level_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements run when the module is imported: the body and the blocks of its ``try`` /
+    ``if`` statements (not the bodies of functions or classes)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.Try):
+            yield from _module_level_statements(node.body)
+            for h in node.handlers:
+                yield from _module_level_statements(h.body)
+            yield from _module_level_statements(node.orelse)
+            yield from _module_level_statements(node.finalbody)
+        elif isinstance(node, ast.If):
+            yield from _module_level_statements(node.body)
+            yield from _module_level_statements(node.orelse)
 
 
 def _bindings(tree: ast.Module, name: str) -> int:
