@@ -100,6 +100,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     _wrapped_by_reallocating_class(root, files, outcomes, near, max_bytes)
     _s37_handed_to_wrapper(root, files, outcomes, near, max_bytes)
     _freed_through_other_files(root, files, outcomes, near, max_bytes)
+    _s38_freed_at_site(root, files, outcomes, near, max_bytes, zero_in_place)
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
@@ -192,7 +193,9 @@ def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees
         reach = b.cls if b.cls else b.function
         if not unique and (not found or not ("*" in names_ or reach in names_)):
             continue
-        verdict = _verdict(tree, rel, b, symbols)
+        if not b.cls and symbols is not None and _s38_resolves_elsewhere(symbols, rel, tree, b):
+            continue  # the file calls a function of that name from another module of the same stem
+        verdict = _verdict(tree, rel, b, symbols, _s38_returned_position(root, b, h, max_bytes))
         if verdict is None:
             continue
         blocked, text, fix, explicit = verdict
@@ -305,9 +308,10 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Optional[tuple[bool, str, Optional[str], bool]]:
+def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None,
+             position: Optional[int] = None) -> Optional[tuple[bool, str, Optional[str], bool]]:
     """(blocks?, reason or risk text, fix, explicit) of the facts ``rel`` holds about the optimizer ``b``
-    builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
+    builds (``position``: its index in the tuple the builder returns, when known). ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
     zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`); ``explicit``: that
     zero_grad is given set_to_none=True or a flag (the code's choice; in place only with the option)."""
     models: set[str] = set()
@@ -413,9 +417,16 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
                       "allocates new grads outside the fused optimizer's flat buffer and its update silently uses stale "
                       "ones; torch.optim handles freed grads"), None, False
     # s37: the file that gets the optimizer from the builder hands it on, through the repository's code, to DeepSpeed
-    handed = _s37_handoff(symbols, rel, tree, list(ast.walk(tree)), optimizers, 0) if symbols is not None and optimizers else None
+    # the names followed: the one at the optimizer's position of a returned tuple (`optimizer, scheduler, scaler = ...`)
+    # when the builder's returns say which, else every name the call's result is bound to
+    followed = _s38_names_at(tree, b, position) or optimizers
+    handed = _s37_handoff(symbols, rel, tree, list(ast.walk(tree)), followed, 0) if symbols is not None and followed else None
     if handed is not None:
         return True, f"the optimizer this builds ({via}) is handed on: {handed}{_S37_STALE}", None, False
+    # s38: ... or to a loop of the repository that frees its grads with zero_grad(set_to_none=True)
+    freed = _s38_freed_after_handoff(symbols, rel, tree, list(ast.walk(tree)), followed, 0) if symbols is not None and followed else None
+    if freed is not None:
+        return True, f"the optimizer this builds ({via}) is handed on ({freed}){_S38_FREES}", "optimizer", True
     if risk is not None:
         return False, risk, None, False
     return None
@@ -614,31 +625,15 @@ def _s37_handed_to_wrapper(root: Path, files: list[str], outcomes: list[Any], ne
     """Candidates whose optimizer the site's own code hands, through the repository's trainers and helpers, to a
     wrapper that re-creates its params or frees its grads: near misses naming every hop."""
     from npufuse.scan import repo_symbols
-    from npufuse.scan.optimizer_handoff import _own_nodes
 
     symbols = repo_symbols.shared(root, files, max_bytes)
     for o in outcomes:
         for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
             f = h.finding
-            name = _bound_name(f.fused) if isinstance(f.fused, str) else None
-            if not name or name.startswith("_npufuse"):
-                continue  # a returned construction: the files calling its builder are read by _verdict
-            tree, _why = symbols.tree(o.file)
-            if tree is None:
+            scope = _s37_site_scope(symbols, o.file, f)
+            if scope is None:
                 continue
-            fn: Optional[ast.AST] = tree
-            cls: Optional[ast.ClassDef] = None
-            if f.qualname == "<module>":
-                nodes = [n for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                         for n in ast.walk(st)]
-            else:
-                region = _region(tree, f.qualname)
-                if not region:
-                    continue
-                fn = region[0]
-                nodes = list(_own_nodes(fn))
-                owner = _region(tree, f.qualname.rsplit(".", 1)[0]) if "." in f.qualname else None
-                cls = owner[0] if owner and isinstance(owner[0], ast.ClassDef) else None
+            name, fn, nodes, cls = scope
             from npufuse.scan.optimizer_handoff import handoff_at
 
             got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
@@ -660,6 +655,123 @@ def _s37_handed_to_wrapper(root: Path, files: list[str], outcomes: list[Any], ne
             o.hits.remove(h)
             near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
                          "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+
+
+def _s37_site_scope(symbols: Any, rel: str, f: Any) -> Optional[tuple[str, ast.AST, list[ast.AST], Optional[ast.ClassDef]]]:
+    """(the name the construction binds, the site's function (the module for <module>), its own nodes, the class of a
+    method) for following the optimizer from its site; None for a returned construction (the files calling its
+    builder are read by _verdict) or a file that does not parse."""
+    from npufuse.scan.optimizer_handoff import _own_nodes
+
+    name = _bound_name(f.fused) if isinstance(f.fused, str) else None
+    if not name or name.startswith("_npufuse"):
+        return None
+    tree, _why = symbols.tree(rel)
+    if tree is None:
+        return None
+    if f.qualname == "<module>":
+        return name, tree, [n for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                            for n in ast.walk(st)], None
+    region = _region(tree, f.qualname)
+    if not region:
+        return None
+    owner = _region(tree, f.qualname.rsplit(".", 1)[0]) if "." in f.qualname else None
+    return name, region[0], list(_own_nodes(region[0])), (owner[0] if owner and isinstance(owner[0], ast.ClassDef) else None)
+
+
+# --- s38: the optimizer handed, through the repository's code, to a loop that frees its grads ---------------------
+# vats-multimodal-lm: `optimizer = AdamW(...)` returned by `setup_training_components` (one file), bound by the
+# training script (another) and handed to `train(model, loader, optimizer, ...)` of a third, whose loop calls
+# `optimizer.zero_grad(set_to_none=True)`: torch_npu's fused classes raise ValueError on it (spec §10).
+
+_S38_FREES = (", which frees its grads: torch_npu fused optimizers raise ValueError on zero_grad(set_to_none=True) "
+              "(grads must stay allocated in their flat buffer); pass set_to_none=False there")
+
+
+def _s38_freed_after_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names: set[str], after: int,
+                             cls: Optional[ast.ClassDef] = None) -> Optional[str]:
+    from npufuse.scan.optimizer_handoff import freed_after_handoff
+
+    return freed_after_handoff(symbols, rel, fn, nodes, names, after, cls)
+
+
+def _s38_resolves_elsewhere(symbols: Any, rel: str, tree: ast.Module, b: _Builder) -> bool:
+    """Does every call of the builder's name in ``rel`` that the repository's imports resolve name a function of
+    another file (two ``setup_training_components.py`` in two packages: the module stem alone does not tell which
+    one a file imports)? False when none resolves (the earlier text test stands)."""
+    files = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _refers(node.func, b.function):
+            sym = symbols.resolve_node(rel, node.func)
+            if sym.kind == "function":
+                files.add(sym.file)
+    return bool(files) and b.rel not in files
+
+
+def _s38_returned_position(root: Path, b: _Builder, h: Any, max_bytes: int) -> Optional[int]:
+    """The index of the candidate's optimizer in the tuple its builder returns (``return optimizer, scheduler,
+    scaler`` -> 0), when every ``return`` of the builder returns a tuple holding the name the construction binds at
+    that same index; else None."""
+    name = _bound_name(h.finding.fused) if isinstance(h.finding.fused, str) else None
+    if not name or b.via is not None or not b.function:
+        return None
+    tree = _parse(_read(root, b.rel, max_bytes))
+    region = _region(tree, f"{b.cls}.{b.function}" if b.cls else b.function) if tree is not None else None
+    if not region:
+        return None
+    from npufuse.scan.optimizer_handoff import _own_nodes
+
+    found: set[Optional[int]] = set()
+    for n in _own_nodes(region[0]):
+        if isinstance(n, ast.Return):
+            elts = n.value.elts if isinstance(n.value, (ast.Tuple, ast.List)) else []
+            found.add(next((i for i, e in enumerate(elts) if dotted(e) == name), None))
+    return found.pop() if len(found) == 1 else None
+
+
+def _s38_names_at(tree: ast.Module, b: _Builder, position: Optional[int]) -> set[str]:
+    """The names ``rel`` binds, from a call of the builder, at the optimizer's position of the returned tuple."""
+    out: set[str] = set()
+    if position is None:
+        return out
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _refers(node.value.func, b.function):
+            for t in node.targets:
+                if isinstance(t, (ast.Tuple, ast.List)) and position < len(t.elts) and not any(isinstance(e, ast.Starred) for e in t.elts):
+                    name = dotted(t.elts[position])
+                    if name:
+                        out.add(name)
+    return out
+
+
+def _s38_freed_at_site(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int,
+                       zero_in_place: bool) -> None:
+    """Candidates whose optimizer the site's own code hands on (a trainer's constructor, a loop function, a method
+    of an object it built; any file) to code that calls ``zero_grad(set_to_none=<not False>)`` on it: near misses
+    naming every hop, or, with ``--optimizer-zero-grad-in-place``, a fused branch whose zero_grad zeroes in place
+    (the object is the same wherever it goes)."""
+    from npufuse.scan import repo_symbols
+
+    symbols = repo_symbols.shared(root, files, max_bytes)
+    for o in outcomes:
+        for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
+            f = h.finding
+            scope = _s37_site_scope(symbols, o.file, f)
+            if scope is None:
+                continue
+            name, fn, nodes, cls = scope
+            text = _s38_freed_after_handoff(symbols, o.file, fn, nodes, {name}, f.line, cls)
+            if text is None:
+                continue
+            text = f"the optimizer is handed on ({text}){_S38_FREES}"
+            if zero_in_place:
+                _zero_in_place(o, h, "optimizer", name, text)
+                continue
+            from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
+
+            o.hits.remove(h)
+            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                         "reason": text + ZERO_IN_PLACE_OPT_IN})
 
 
 def _s37_site_test(fn: ast.AST, nodes: list[ast.AST], local: tuple[ast.If, bool], site_line: int, optimizer: str) -> Optional[str]:
