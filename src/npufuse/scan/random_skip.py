@@ -408,7 +408,8 @@ class RepoIndex:
         if got is None:
             got = []
             for rel in self.files:
-                if key in (self.text(rel) or ""):
+                text = self.text(rel) or ""
+                if key in text or key.replace("_", "-") in text:  # `add_argument("--drop-rate", ...)`
                     tree = self.tree(rel)
                     got += _rate_evidence(tree, key) if tree is not None else [("unknown", 0.0)]
             for text in self.config_texts():
