@@ -235,3 +235,100 @@ def test_ddp_told_every_parameter_is_used(tmp_path: Path) -> None:
     # near miss: DDP told some parameters may be unused
     cands, near = _net(tmp_path / "true", ddp=ddp.format(flag="True"))
     assert not cands and near, near
+
+
+# -- registries: a registry package's __init__ imports every model family; the configs name the one trained
+
+_FAMILY_OPT = '''\
+import torch
+import torch.nn as nn
+from lm.registry import register_model
+
+
+class DropDecoder(nn.Module):
+    def __init__(self, dim=8, n=2, layerdrop=0.1):
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.blocks = nn.ModuleList([nn.Linear(dim, dim) for _ in range(n)])
+
+    def forward(self, x):
+        for blk in self.blocks:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            x = blk(x)
+        return x
+
+
+@register_model("dropper")
+class DropperLM(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.decoder = DropDecoder(dim)
+
+    def forward(self, x):
+        return self.decoder(x)
+'''
+
+_FAMILY_PLAIN = '''\
+import torch.nn as nn
+from lm.registry import register_model
+
+
+@register_model("plain")
+class PlainLM(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+'''
+
+_LM_REGISTRY = '''\
+MODELS = {}
+
+
+def register_model(name):
+    def wrap(cls):
+        MODELS[name] = cls
+        return cls
+    return wrap
+'''
+
+_LM_TRAIN = '''\
+import torch
+import yaml
+import lm
+from lm.registry import MODELS
+
+
+def main(path):
+    cfg = yaml.safe_load(open(path))
+    model = MODELS[cfg["arch"]](cfg["dim"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
+'''
+
+
+def _registry_repo(root: Path, arch: str, train: str = _LM_TRAIN) -> tuple[list[dict], list[str]]:
+    write_files(root, {"lm/__init__.py": "from lm.dropper import DropperLM\nfrom lm.plain import PlainLM\n",
+                       "lm/registry.py": _LM_REGISTRY, "lm/dropper.py": _FAMILY_OPT, "lm/plain.py": _FAMILY_PLAIN,
+                       "train.py": train, "configs/train.yaml": f"arch: {arch}\ndim: 8\n"})
+    return _optim(scan(root, patterns=[FusedOptimizer()]), "train.py")
+
+
+def test_a_skip_class_only_a_registry_entry_no_config_names_builds_is_not_the_trained_model(tmp_path: Path) -> None:
+    cands, near = _registry_repo(tmp_path, "plain")
+    assert len(cands) == 1 and not near, near
+
+
+def test_keep_the_registry_entry_a_config_names_refuses(tmp_path: Path) -> None:
+    cands, near = _registry_repo(tmp_path, "dropper")
+    assert not cands and near and "`DropDecoder`" in near[0] and "not told apart" in near[0], near
+
+
+def test_keep_a_skip_class_the_code_also_builds_outside_the_registry_refuses(tmp_path: Path) -> None:
+    # the trainer's code also builds the family directly (not by name): the registry does not decide
+    direct = _LM_TRAIN.replace("    return model, optimizer", "    teacher = lm.DropperLM(8)\n    return model, optimizer, teacher")
+    cands, near = _registry_repo(tmp_path, "plain", direct)
+    assert not cands and near, near

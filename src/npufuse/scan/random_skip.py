@@ -455,9 +455,8 @@ class RepoIndex:
         return list(dict.fromkeys(f for f in out if f != rel))
 
 
-def reachable_skips(index: RepoIndex, starts: Iterable[str]) -> list[RandomSkip]:
-    """Random-skip classes in the files the ``starts`` import, transitively (bounded), whose skip is
-    drawn in the class or by a caller in those files."""
+def reachable_files(index: RepoIndex, starts: Iterable[str]) -> list[str]:
+    """The ``starts`` and the files of the repo they import, transitively (bounded)."""
     seen = list(dict.fromkeys(starts))
     frontier = list(seen)
     for _ in range(_MAX_DEPTH):
@@ -468,6 +467,13 @@ def reachable_skips(index: RepoIndex, starts: Iterable[str]) -> list[RandomSkip]
                     seen.append(f)
                     nxt.append(f)
         frontier = nxt
+    return seen
+
+
+def reachable_skips(index: RepoIndex, starts: Iterable[str]) -> list[RandomSkip]:
+    """Random-skip classes in the files the ``starts`` import, transitively (bounded), whose skip is
+    drawn in the class or by a caller in those files."""
+    seen = reachable_files(index, starts)
     found: list[RandomSkip] = []
     for rel in seen:
         for s in index.skips(rel):
@@ -876,10 +882,117 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     starts = [rel, *_drivers(index, rel, qualname)]
     if every_param_used(index, starts):
         return None
-    found = [s for s in reachable_skips(index, starts) if _matters(index, s)]
+    registry = Registry(index, reachable_files(index, starts))
+    found = [s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)]
     if not found and any("instantiate" in (index.text(f) or "") for f in starts):
         found = [s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)]
     return (found[0], False) if found else None
+
+
+# --- s38 (opt38): a class chosen by a name no configuration of the repository names ---------------------------------
+# A model built by name (`MODELS[cfg.arch](...)`, `@register_model("opt")`) reaches, through a registry package's
+# `__init__`, every model family of the repository; the trainer builds the one its configuration names. A skip class
+# that is built only by registry entries whose names appear in no configuration file and no string of the
+# repository's code (other than the registration itself) is not the trained model's.
+
+def _registration_names(node: ast.AST) -> list[str]:
+    """The names a decorator / registering call gives: string arguments and ``name=`` keywords."""
+    if not isinstance(node, ast.Call):
+        return []
+    out = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    out += [k.value.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)]
+    return out
+
+
+class Registry:
+    """Name -> class registries of a set of files (dict literals with string keys and class values, ``register``
+    decorators and calls), and who else refers to each class."""
+
+    def __init__(self, index: RepoIndex, files: list[str]) -> None:
+        self.index, self.files = index, files
+        self.keys: dict[str, set[str]] = {}  # class / function name -> its registry names
+        self.positions: set[int] = set()  # ids of nodes that are registrations (not uses)
+        for rel in files:
+            text = index.text(rel) or ""
+            if "register" not in text and "{" not in text:
+                continue
+            tree = index.tree(rel)
+            for n in ast.walk(tree) if tree is not None else ():
+                self._read(n)
+
+    def _read(self, n: ast.AST) -> None:
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef)):
+            for d in n.decorator_list:
+                if "register" in _name(d.func if isinstance(d, ast.Call) else d).lower():
+                    names = _registration_names(d) or [n.name]
+                    self.keys.setdefault(n.name, set()).update(names)
+                    self.positions |= {id(x) for x in ast.walk(d)}
+        elif isinstance(n, ast.Dict) and len(n.keys) >= 2 and all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in n.keys) \
+                and all(isinstance(v, (ast.Name, ast.Attribute)) for v in n.values):
+            for k, v in zip(n.keys, n.values):
+                self.keys.setdefault(_name(v), set()).add(k.value)  # type: ignore[union-attr]
+            self.positions |= {id(x) for x in ast.walk(n)}
+        elif isinstance(n, ast.Call) and "register" in _name(n.func).lower():
+            names = _registration_names(n)
+            for a in [*n.args, *(k.value for k in n.keywords)]:
+                if isinstance(a, (ast.Name, ast.Attribute)) and names:
+                    self.keys.setdefault(_name(a), set()).update(names)
+            if names:
+                self.positions |= {id(x) for x in ast.walk(n)}
+
+    def _used(self, key: str) -> bool:
+        """Does a configuration file or a string of the repository's code (not a registration) name ``key``?"""
+        token = re.compile(r"(?<![\w.-])" + re.escape(key) + r"(?![\w-])")
+        if any(token.search(t) for t in self.index.config_texts()):
+            return True
+        for rel in self.index.files:
+            text = self.index.text(rel) or ""
+            if f'"{key}"' not in text and f"'{key}'" not in text:
+                continue
+            tree = self.index.tree(rel)
+            if tree is None or any(isinstance(n, ast.Constant) and n.value == key and id(n) not in self.positions
+                                   for n in ast.walk(tree)):
+                return True
+        return False
+
+    def _referrers(self, name: str) -> Optional[set[str]]:
+        """The top-level classes / functions of the files that refer to ``name`` (call it, subclass it, hold it)
+        outside registrations and its own definition; None when module-level code refers to it."""
+        out: set[str] = set()
+        for rel in self.files:
+            if name not in (self.index.text(rel) or ""):
+                continue
+            tree = self.index.tree(rel)
+            for top in tree.body if tree is not None else ():
+                if isinstance(top, (ast.Import, ast.ImportFrom)) or (isinstance(top, (ast.ClassDef, ast.FunctionDef)) and top.name == name):
+                    continue
+                refs = [n for n in ast.walk(top) if id(n) not in self.positions and (
+                    (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name))]
+                if not refs:
+                    continue
+                if not isinstance(top, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if isinstance(top, ast.Assign) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in top.targets):
+                        continue
+                    return None
+                out.add(top.name)
+        return out
+
+    def selected_out(self, name: str, depth: int = 0, seen: Optional[set[str]] = None) -> bool:
+        """Is every way the reachable code builds ``name`` a registry entry whose names nothing uses?"""
+        seen = set() if seen is None else seen
+        if name in seen or depth > _MAX_DEPTH:
+            return name in seen  # a cycle adds no way in; too deep: cannot tell
+        seen.add(name)
+        keys = self.keys.get(name)
+        if keys and any(self._used(k) for k in keys):
+            return False
+        ups = self._referrers(name)
+        if ups is None:
+            return False
+        if not ups:
+            return bool(keys)  # registered under unused names only, and nothing else builds it
+        return all(self.selected_out(u, depth + 1, seen) for u in ups)
 
 
 def _matters(index: RepoIndex, s: RandomSkip) -> bool:
