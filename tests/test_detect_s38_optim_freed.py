@@ -179,3 +179,16 @@ def test_keep_a_builder_of_the_same_name_in_a_module_of_the_same_stem_is_not_dri
     cands, near = _optim(data, "other/setup.py")
     assert len(cands) == 1 and not near, near
     assert _optim(data, "pkg/setup.py")[0] == []
+
+
+def test_model_handed_to_a_loop_that_calls_its_bare_zero_grad_is_zeroed_in_place(tmp_path: Path) -> None:
+    # consistent with a bare `model.zero_grad()` in the driving file itself (torch >= 2.0 frees by default): the fused
+    # branch binds the model's zero_grad to zero in place, with the risk stated
+    write_files(tmp_path, {"model.py": _NET, "pkg/__init__.py": "", "pkg/setup.py": _SETUP,
+                           "pkg/loops.py": _LOOPS.format(call="", free="free=True").replace("optim.zero_grad()", "net.zero_grad()"),
+                           "run.py": _RUN.format(free="free=True")})
+    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "pkg/setup.py")
+    assert len(cands) == 1 and not near, near
+    assert "net.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))(net.zero_grad)" \
+        in cands[0]["replacement"], cands[0]["replacement"]
+    assert any("`fit_loop` (run.py:11) is handed the model" in r["detail"] for r in cands[0]["risks"]), cands[0]["risks"]

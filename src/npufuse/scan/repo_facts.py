@@ -413,9 +413,11 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None,
         return held
     freed = _s30_handed_to_freeing(symbols, rel, tree, models) if symbols is not None and models else None
     if freed is not None:
-        return True, (f"{freed} of the model whose parameters the optimizer this builds takes ({via}): the next backward "
+        # s38: a bare `M.zero_grad()` there frees by default (torch >= 2.0), as in this file: zeroed in place by the
+        # fused branch when the model is the builder's (fix "model"), else a near miss
+        return True, (f"{freed[0]} of the model whose parameters the optimizer this builds takes ({via}): the next backward "
                       "allocates new grads outside the fused optimizer's flat buffer and its update silently uses stale "
-                      "ones; torch.optim handles freed grads"), None, False
+                      "ones; torch.optim handles freed grads"), ("model" if freed[1] else None), False
     # s37: the file that gets the optimizer from the builder hands it on, through the repository's code, to DeepSpeed
     # the names followed: the one at the optimizer's position of a returned tuple (`optimizer, scheduler, scaler = ...`)
     # when the builder's returns say which, else every name the call's result is bound to
@@ -438,11 +440,12 @@ def _s37_bucket_view_wrap(node: ast.Call) -> bool:
     return k is not None and not (isinstance(k.value, ast.Constant) and not k.value.value)
 
 
-def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set[str]) -> Optional[str]:
+def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set[str]) -> Optional[tuple[str, bool]]:
     """Where the file that calls an optimizer builder hands the model the builder got to a function
     (of any file of the repo) that frees or re-allocates its parameters' grads (SlowFast's training
     loop calls ``contrastive_parameter_surgery(model, ...)``, which sets ``p.grad = None`` for some of
-    ``model.named_parameters()``): the text naming the call and the free. One call deep; methods
+    ``model.named_parameters()``): the text naming the call and the free, and whether the free is a bare
+    ``M.zero_grad()`` (s38: torch >= 2.0 frees by default; the other frees are explicit). One call deep; methods
     (which work on their own object) are not followed."""
     for call in ast.walk(tree):
         if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
@@ -461,9 +464,11 @@ def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set
             continue
         derived = _derived(fn, got)
         hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived)
+        bare = hit is None
+        hit = hit if hit is not None else _module_zero_grad(fn, derived)
         if hit is not None:
             what, line = hit
-            return f"`{dotted(call.func)}` ({rel}:{call.lineno}) is handed the model and {what} ({sym.file}:{line})"
+            return f"`{dotted(call.func)}` ({rel}:{call.lineno}) is handed the model and {what} ({sym.file}:{line})", bare
     return None
 
 
