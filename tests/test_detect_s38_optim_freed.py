@@ -192,3 +192,32 @@ def test_model_handed_to_a_loop_that_calls_its_bare_zero_grad_is_zeroed_in_place
     assert "net.zero_grad = (lambda zero_grad: lambda set_to_none=None: zero_grad(set_to_none=False))(net.zero_grad)" \
         in cands[0]["replacement"], cands[0]["replacement"]
     assert any("`fit_loop` (run.py:11) is handed the model" in r["detail"] for r in cands[0]["risks"]), cands[0]["risks"]
+
+
+_SITE_UNKNOWN_RUNNER = '''\
+import torch
+from model import Net
+
+
+def train(runner, batches):
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    runner.fit(batches, o=opt)
+'''
+
+
+def test_optimizer_handed_to_an_object_of_unknown_class_whose_namesake_method_frees_it(tmp_path: Path) -> None:
+    # `runner` is a parameter: the scan cannot tell its class; the repository's only `fit` methods that could be the
+    # callee are matched by name and followed (GentleRunner.fit zeroes with the default: only Runner.fit frees)
+    write_files(tmp_path, {"model.py": _NET, "pkg/__init__.py": "", "pkg/runner.py": _RUNNER, "train.py": _SITE_UNKNOWN_RUNNER})
+    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "train.py")
+    assert cands == [] and len(near) == 1, near
+    assert "`runner.fit` (train.py:8, a call the scan cannot resolve; the repository's `Runner.fit` at pkg/runner.py:8" in near[0], near
+    assert "`o.zero_grad(set_to_none=True)` (pkg/runner.py:12)" in near[0], near
+
+
+def test_keep_an_unknown_callee_whose_namesakes_free_nothing_stays_a_candidate(tmp_path: Path) -> None:
+    gentle = _RUNNER.replace("o.zero_grad(set_to_none=True)", "o.zero_grad()")
+    write_files(tmp_path, {"model.py": _NET, "pkg/__init__.py": "", "pkg/runner.py": gentle, "train.py": _SITE_UNKNOWN_RUNNER})
+    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "train.py")
+    assert len(cands) == 1 and not near, near

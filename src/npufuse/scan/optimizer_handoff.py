@@ -200,6 +200,9 @@ class _Follow:
         self.symbols = symbols
         # s38: the end looked for is a callee's freeing zero_grad on the object (else: a wrapper of WRAPPERS)
         self.frees = frees
+        # s38: calls handed the whole optimizer whose callee the scan cannot resolve (an object of unknown class):
+        # (the call as written, its file, its line, the name of the function called, the call, the caller's aliases)
+        self.unresolved: list[tuple[str, str, int, str, ast.Call, frozenset[str]]] = []
         self.visits = 0
         self.seen: set[tuple[str, str, frozenset[str]]] = set()
         # hop text of a wrapper call -> (the innermost `if` holding it, the call in its true arm?)
@@ -292,6 +295,9 @@ class _Follow:
                 if made.kind == "class" and isinstance(made.node, ast.ClassDef):
                     target = self.method(made.file, made.node, func.attr)
         if target is None:
+            if self.frees and sym.kind == "unresolved" and any(_carried(a, aliases) == "" for a in [*call.args, *(k.value for k in call.keywords)]):
+                self.unresolved.append((shown, rel, call.lineno, func.attr if isinstance(func, ast.Attribute) else func.id, call,
+                                        frozenset(aliases)))
             return None
         file, owner, callee = target
         method = owner is not None and not any(isinstance(d, ast.Name) and d.id == "staticmethod"
@@ -367,10 +373,55 @@ def freed_after_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST
     hop with its file and line, the last one the zero_grad call (and the condition it sits under)."""
     if not names or symbols is None:
         return None
+    follow = _Follow(symbols, frees=True)
     try:
-        hops = _Follow(symbols, frees=True).body(rel, fn, nodes, set(names), cls, after, 0)
+        hops = follow.body(rel, fn, nodes, set(names), cls, after, 0)
+        if not hops and follow.unresolved:
+            hops = _freed_by_name(symbols, follow)
     except (RecursionError, ValueError, AttributeError):
         return None
     if not hops:
         return None
     return " -> ".join(h[len(_WHEN):] if h.startswith(_WHEN) else h for h in hops)
+
+
+_MAX_NAME_FILES = 2000  # files read for the functions of one name (the unresolved hand-off below)
+
+
+def _freed_by_name(symbols: Any, follow: _Follow) -> Optional[list[str]]:
+    """An optimizer handed to a call the scan cannot resolve (``trainer.fit(opt)`` where ``trainer`` is of a class
+    it cannot tell): the repository's functions and methods of that name that would free its grads if they are
+    the callee (the argument's parameter by position or keyword, then as :func:`freed_after_handoff` follows it).
+    The hops say the callee was matched by name only."""
+    from npufuse.scan.repo_facts import _repo_text
+
+    wanted = {u[3] for u in follow.unresolved}
+    follow.visits = 0  # a fresh budget of bodies for the functions of those names
+    for rel in symbols.files[:_MAX_NAME_FILES]:
+        text = _repo_text(symbols.root, rel) or ""
+        if "zero_grad(" not in text or not any(f"def {a}(" in text for a in wanted):
+            continue
+        tree, _why = symbols.tree(rel)
+        for owner, fn in _defs(tree):
+            for shown, where, line, attr, call, aliases in follow.unresolved:
+                if fn.name != attr:
+                    continue
+                received = _received(fn, call, set(aliases), owner is not None)
+                rest = follow.enter(rel, owner, fn, received, 1) if received else None
+                if rest is not None:
+                    hop = (f"`{shown}` ({where}:{line}, a call the scan cannot resolve; the repository's "
+                           f"`{(owner.name + '.') if owner else ''}{fn.name}` at {rel}:{fn.lineno} would take it as "
+                           f"`{min(received, key=len)}`)")
+                    return [hop, *rest]
+    return None
+
+
+def _defs(tree: Optional[ast.Module]) -> Iterable[tuple[Optional[ast.ClassDef], ast.AST]]:
+    """Module-level functions and the methods of module-level classes."""
+    for n in tree.body if tree is not None else ():
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield None, n
+        elif isinstance(n, ast.ClassDef):
+            for m in n.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield n, m
