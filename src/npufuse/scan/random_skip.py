@@ -25,6 +25,7 @@ told, any such class the trainer's imports reach, or a config file names for ``i
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Optional
@@ -423,14 +424,19 @@ class RepoIndex:
         if self._configs is None:
             self._configs = []
             if self.root is not None:
-                try:
-                    for path in sorted(self.root.rglob("*")):
-                        if path.suffix in _CONFIG_SUFFIXES and not path.is_symlink() and path.is_file() and path.stat().st_size <= 1 << 20:
-                            self._configs.append(path.read_text(encoding="utf-8", errors="replace"))
-                        if len(self._configs) >= 2000:
-                            break
-                except OSError:
-                    pass
+                for top, dirs, names in os.walk(self.root):  # links are not followed (an untrusted repository)
+                    # hidden folders, environments and caches hold no configuration of the repository's runs
+                    dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _NOT_CONFIG_DIRS
+                                     and not os.path.isfile(os.path.join(top, d, "pyvenv.cfg")))
+                    for name in sorted(names):
+                        path = Path(top) / name
+                        try:
+                            if path.suffix in _CONFIG_SUFFIXES and not path.is_symlink() and path.stat().st_size <= 1 << 20:
+                                self._configs.append(path.read_text(encoding="utf-8", errors="replace"))
+                        except OSError:
+                            continue
+                    if len(self._configs) >= 2000:
+                        break
         return self._configs
 
     def imported_files(self, rel: str) -> list[str]:
@@ -509,6 +515,7 @@ def configured_skips(index: RepoIndex, config_texts: Iterable[str]) -> list[Rand
 # or to a value the scan cannot read, keeps the skip.
 
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+_NOT_CONFIG_DIRS = frozenset(("node_modules", "__pycache__", "site-packages", "build", "dist"))
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 
 
