@@ -116,6 +116,9 @@ def test_keep_a_drop_rate_a_caller_or_a_default_sets_refuses(tmp_path: Path) -> 
                               "    p.add_argument('--branch-drop', type=float, default=0.3)\n")
     cands, near = _rate_repo(tmp_path / "cli", "", trainer=by_cli)
     assert not cands and near, "a command-line default of 0.3"
+    write_files(tmp_path / "script", {"scripts/run.sh": "python train.py conf/train.yaml --branch-drop 0.2\n"})
+    cands, near = _rate_repo(tmp_path / "script", "")
+    assert not cands and near, "a run script's 0.2"
 
 
 def test_a_layer_drop_rate_read_from_a_config_object_defaulting_to_zero(tmp_path: Path) -> None:
@@ -325,6 +328,12 @@ def test_a_skip_class_only_a_registry_entry_no_config_names_builds_is_not_the_tr
 def test_keep_the_registry_entry_a_config_names_refuses(tmp_path: Path) -> None:
     cands, near = _registry_repo(tmp_path, "dropper")
     assert not cands and near and "`DropDecoder`" in near[0] and "not told apart" in near[0], near
+
+
+def test_keep_the_registry_entry_a_run_script_names_refuses(tmp_path: Path) -> None:
+    write_files(tmp_path, {"scripts/train_dropper.sh": "python train.py --arch dropper\n"})
+    cands, near = _registry_repo(tmp_path, "plain")
+    assert not cands and near, near
 
 
 def test_keep_a_skip_class_the_code_also_builds_outside_the_registry_refuses(tmp_path: Path) -> None:

@@ -420,7 +420,8 @@ class RepoIndex:
         return got
 
     def config_texts(self) -> list[str]:
-        """The repository's yaml / json / toml files (1 MiB each at most, 2000 files), read once."""
+        """The repository's configuration files and run scripts (yaml / json / toml / sh / cfg / ini; 1 MiB each at
+        most, 2000 files), read once."""
         if self._configs is None:
             self._configs = []
             if self.root is not None:
@@ -514,7 +515,7 @@ def configured_skips(index: RepoIndex, config_texts: Iterable[str]) -> list[Rand
 # skip never fires. A rate any config, caller or default sets to another value (seed-vc's `class_dropout_prob: 0.1`),
 # or to a value the scan cannot read, keeps the skip.
 
-_CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml", ".sh", ".cfg", ".ini")  # run scripts pass `--arch x --drop 0.1`
 _NOT_CONFIG_DIRS = frozenset(("node_modules", "__pycache__", "site-packages", "build", "dist"))
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 
@@ -589,7 +590,10 @@ def _rate_evidence(tree: ast.Module, key: str) -> list[tuple[str, float]]:
 def _config_evidence(text: str, key: str) -> list[tuple[str, float]]:
     """``key: value`` / ``"key": value`` / ``key = value`` entries of a yaml / json / toml text."""
     out: list[tuple[str, float]] = []
-    for m in re.finditer(r"(?<![\w.-])[\"']?" + re.escape(key) + r"[\"']?\s*[:=]\s*([^\s,#}\]]*)", text):
+    entries = r"(?<![\w.-])[\"']?" + re.escape(key) + r"[\"']?\s*[:=]\s*([^\s,#}\]]*)"
+    # a run script's `--drop-rate 0.1` / `--drop_rate=0.1`
+    flags = r"--(?:" + re.escape(key) + "|" + re.escape(key.replace("_", "-")) + r")(?:\s+|=)([^\s\\;]*)"
+    for m in [*re.finditer(entries, text), *re.finditer(flags, text)]:
         value = m.group(1).strip("\"'")
         out.append(("number", float(value)) if _NUMBER.match(value) else ("unknown", 0.0))
     return out
