@@ -414,7 +414,7 @@ class RepoIndex:
                     tree = self.tree(rel)
                     got += _rate_evidence(tree, key) if tree is not None else [("unknown", 0.0)]
             for text in self.config_texts():
-                if key in text:
+                if key in text or key.replace("_", "-") in text:
                     got += _config_evidence(text, key)
             self._rates[key] = got
         return got
