@@ -206,18 +206,20 @@ def train(runner, batches):
 '''
 
 
+def _unknown_runner(root: Path, runner: str) -> tuple[list[dict], list[str]]:
+    write_files(root, {"model.py": _NET, "pkg/__init__.py": "", "pkg/runner.py": runner, "train.py": _SITE_UNKNOWN_RUNNER})
+    return _optim(scan(root, patterns=[FusedOptimizer()]), "train.py")
+
+
 def test_optimizer_handed_to_an_object_of_unknown_class_whose_namesake_method_frees_it(tmp_path: Path) -> None:
     # `runner` is a parameter: the scan cannot tell its class; the repository's only `fit` methods that could be the
     # callee are matched by name and followed (GentleRunner.fit zeroes with the default: only Runner.fit frees)
-    write_files(tmp_path, {"model.py": _NET, "pkg/__init__.py": "", "pkg/runner.py": _RUNNER, "train.py": _SITE_UNKNOWN_RUNNER})
-    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "train.py")
+    cands, near = _unknown_runner(tmp_path, _RUNNER)
     assert cands == [] and len(near) == 1, near
     assert "`runner.fit` (train.py:8, a call the scan cannot resolve; the repository's `Runner.fit` at pkg/runner.py:8" in near[0], near
     assert "`o.zero_grad(set_to_none=True)` (pkg/runner.py:12)" in near[0], near
 
 
 def test_keep_an_unknown_callee_whose_namesakes_free_nothing_stays_a_candidate(tmp_path: Path) -> None:
-    gentle = _RUNNER.replace("o.zero_grad(set_to_none=True)", "o.zero_grad()")
-    write_files(tmp_path, {"model.py": _NET, "pkg/__init__.py": "", "pkg/runner.py": gentle, "train.py": _SITE_UNKNOWN_RUNNER})
-    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "train.py")
+    cands, near = _unknown_runner(tmp_path, _RUNNER.replace("o.zero_grad(set_to_none=True)", "o.zero_grad()"))
     assert len(cands) == 1 and not near, near

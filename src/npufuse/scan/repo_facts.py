@@ -629,37 +629,43 @@ def _s37_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], name
 def _s37_handed_to_wrapper(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
     """Candidates whose optimizer the site's own code hands, through the repository's trainers and helpers, to a
     wrapper that re-creates its params or frees its grads: near misses naming every hop."""
+    from npufuse.scan.optimizer_handoff import handoff_at
+
+    for symbols, o, h, (name, fn, nodes, cls) in _s37_site_scopes(root, files, outcomes, max_bytes):
+        f = h.finding
+        got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
+        if got is None:
+            continue
+        text, local = got
+        test = _s37_site_test(fn, nodes, local, f.line, name) if local is not None else None
+        if test is not None:
+            # the wrapping is chosen by a test of the site's own code that the construction can evaluate
+            # (transformer-xl's `if args.cuda and args.fp16: optimizer = FP16_Optimizer(optimizer, ...)`):
+            # the fused class only for runs where that test keeps the wrapper away
+            f.guard_tensor = f"({f.guard_tensor}) if {test} else None"
+            f.params["guard"] = str(f.params.get("guard", "")) + "_unwrapped_runs_only"
+            f.risks.append(Risk("other", f"the optimizer is handed on under a condition: {text}; the guard evaluates "
+                                f"`{test}` when the optimizer is built and runs the fused class only then (the "
+                                "wrapped runs keep torch.optim)"))
+            h.body = None  # render again with the new guard
+            continue
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+
+
+def _s37_site_scopes(root: Path, files: list[str], outcomes: list[Any], max_bytes: int
+                     ) -> Iterable[tuple[Any, Any, Any, tuple[str, ast.AST, list[ast.AST], Optional[ast.ClassDef]]]]:
+    """(symbols, outcome, hit, :func:`_s37_site_scope`) of every fused_optimizer hit whose site binds its optimizer
+    to a name (a snapshot of the hits: a caller may remove the one it is given)."""
     from npufuse.scan import repo_symbols
 
     symbols = repo_symbols.shared(root, files, max_bytes)
     for o in outcomes:
         for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
-            f = h.finding
-            scope = _s37_site_scope(symbols, o.file, f)
-            if scope is None:
-                continue
-            name, fn, nodes, cls = scope
-            from npufuse.scan.optimizer_handoff import handoff_at
-
-            got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
-            if got is None:
-                continue
-            text, local = got
-            test = _s37_site_test(fn, nodes, local, f.line, name) if local is not None else None
-            if test is not None:
-                # the wrapping is chosen by a test of the site's own code that the construction can evaluate
-                # (transformer-xl's `if args.cuda and args.fp16: optimizer = FP16_Optimizer(optimizer, ...)`):
-                # the fused class only for runs where that test keeps the wrapper away
-                f.guard_tensor = f"({f.guard_tensor}) if {test} else None"
-                f.params["guard"] = str(f.params.get("guard", "")) + "_unwrapped_runs_only"
-                f.risks.append(Risk("other", f"the optimizer is handed on under a condition: {text}; the guard evaluates "
-                                    f"`{test}` when the optimizer is built and runs the fused class only then (the "
-                                    "wrapped runs keep torch.optim)"))
-                h.body = None  # render again with the new guard
-                continue
-            o.hits.remove(h)
-            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
-                         "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+            scope = _s37_site_scope(symbols, o.file, h.finding)
+            if scope is not None:
+                yield symbols, o, h, scope
 
 
 def _s37_site_scope(symbols: Any, rel: str, f: Any) -> Optional[tuple[str, ast.AST, list[ast.AST], Optional[ast.ClassDef]]]:
@@ -755,28 +761,20 @@ def _s38_freed_at_site(root: Path, files: list[str], outcomes: list[Any], near: 
     of an object it built; any file) to code that calls ``zero_grad(set_to_none=<not False>)`` on it: near misses
     naming every hop, or, with ``--optimizer-zero-grad-in-place``, a fused branch whose zero_grad zeroes in place
     (the object is the same wherever it goes)."""
-    from npufuse.scan import repo_symbols
+    for symbols, o, h, (name, fn, nodes, cls) in _s37_site_scopes(root, files, outcomes, max_bytes):
+        f = h.finding
+        text = _s38_freed_after_handoff(symbols, o.file, fn, nodes, {name}, f.line, cls)
+        if text is None:
+            continue
+        text = f"the optimizer is handed on ({text}){_S38_FREES}"
+        if zero_in_place:
+            _zero_in_place(o, h, "optimizer", name, text)
+            continue
+        from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
 
-    symbols = repo_symbols.shared(root, files, max_bytes)
-    for o in outcomes:
-        for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
-            f = h.finding
-            scope = _s37_site_scope(symbols, o.file, f)
-            if scope is None:
-                continue
-            name, fn, nodes, cls = scope
-            text = _s38_freed_after_handoff(symbols, o.file, fn, nodes, {name}, f.line, cls)
-            if text is None:
-                continue
-            text = f"the optimizer is handed on ({text}){_S38_FREES}"
-            if zero_in_place:
-                _zero_in_place(o, h, "optimizer", name, text)
-                continue
-            from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
-
-            o.hits.remove(h)
-            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
-                         "reason": text + ZERO_IN_PLACE_OPT_IN})
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": text + ZERO_IN_PLACE_OPT_IN})
 
 
 def _s37_site_test(fn: ast.AST, nodes: list[ast.AST], local: tuple[ast.If, bool], site_line: int, optimizer: str) -> Optional[str]:
