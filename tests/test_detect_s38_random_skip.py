@@ -109,6 +109,12 @@ def test_keep_a_drop_rate_a_caller_or_a_default_sets_refuses(tmp_path: Path) -> 
     by_caller = _LAYER.replace("MixLayer(dim, branch_drop)", "MixLayer(dim, branch_drop=0.2)")
     cands, near = _rate_repo(tmp_path / "caller", "", by_caller)
     assert not cands and near, "a caller's 0.2"
+    by_position = _LAYER.replace("MixLayer(dim, branch_drop)", "MixLayer(dim, 0.2)")
+    cands, near = _rate_repo(tmp_path / "position", "", by_position)
+    assert not cands and near, "a caller's 0.2 by position"
+    or_default = _LAYER.replace("MixLayer(dim, branch_drop)", "MixLayer(dim, branch_drop or 0.2)")
+    cands, near = _rate_repo(tmp_path / "or", "", or_default)
+    assert not cands and near, "a value computed from the rate"
     by_default = _LAYER.replace("def __init__(self, dim=8, branch_drop=0.0)", "def __init__(self, dim=8, branch_drop=0.05)")
     cands, near = _rate_repo(tmp_path / "default", "", by_default)
     assert not cands and near, "a default of 0.05"

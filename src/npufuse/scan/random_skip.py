@@ -556,10 +556,31 @@ def _rate_value(v: Optional[ast.expr], key: Optional[str]) -> tuple[str, float]:
         v = ast.Constant(-v.operand.value if isinstance(v.op, ast.USub) and isinstance(v.operand.value, (int, float)) else v.operand.value)
     if isinstance(v, ast.Constant) and isinstance(v.value, (int, float)) and not isinstance(v.value, bool):
         return "number", float(v.value)
-    if key is not None and v is not None and any((isinstance(n, ast.Name) and n.id == key) or (isinstance(n, ast.Attribute) and n.attr == key)
-                             or (isinstance(n, ast.Constant) and n.value == key) for n in ast.walk(v)):
+    if key is not None and v is not None and _handed_along(v, key):
         return "pass", 0.0
     return "unknown", 0.0
+
+
+def _handed_along(v: ast.AST, key: str) -> bool:
+    """Is ``v`` the value of ``key`` itself, unchanged: ``key``, ``x.key``, ``x["key"]``, ``x.get("key", ...)``, one
+    element of it (``key[i]``), or a list repeating it (``[key] * n``)? (``x.key or 0.1`` is not.)"""
+    while True:
+        if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult):
+            v = v.left if isinstance(v.left, (ast.List, ast.Tuple)) else v.right
+        elif isinstance(v, (ast.List, ast.Tuple)) and len(v.elts) == 1:
+            v = v.elts[0]
+        elif isinstance(v, ast.Subscript) and not (isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, str)):
+            v = v.value
+        else:
+            break
+    if isinstance(v, ast.Name):
+        return v.id == key
+    if isinstance(v, ast.Attribute):
+        return v.attr == key
+    if isinstance(v, ast.Subscript):
+        return v.slice.value == key  # type: ignore[attr-defined]
+    return (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "get" and len(v.args) == 1
+            and isinstance(v.args[0], ast.Constant) and v.args[0].value == key)  # (a default of its own is a value)
 
 
 def _rate_evidence(tree: ast.Module, key: str) -> list[tuple[str, float]]:
@@ -599,6 +620,36 @@ def _config_evidence(text: str, key: str) -> list[tuple[str, float]]:
     return out
 
 
+def _positional_evidence(index: "RepoIndex", cls: ast.ClassDef, key: str) -> list[tuple[str, float]]:
+    """What the repository's constructions of ``cls`` pass by position for its ``__init__`` parameter ``key``
+    (``Layer(8, 0.3)``), subclasses' ``super().__init__(...)`` included; a ``*args`` before it is unknown."""
+    init = next((f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "__init__"), None)
+    params = [x.arg for x in (*init.args.posonlyargs, *init.args.args)][1:] if init is not None else []
+    if key not in params:
+        return []
+    at = params.index(key)
+    out: list[tuple[str, float]] = []
+    for rel in index.files:
+        if cls.name not in (index.text(rel) or ""):
+            continue
+        tree = index.tree(rel)
+        subclasses = {c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                      and any(_name(b) == cls.name for b in c.bases)} if tree is not None else set()
+        for n in ast.walk(tree) if tree is not None else ():
+            if not isinstance(n, ast.Call):
+                continue
+            direct = _name(n.func) == cls.name
+            parent = (subclasses and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"
+                      and isinstance(n.func.value, ast.Call) and _name(n.func.value.func) == "super")
+            if not (direct or parent):
+                continue
+            if any(isinstance(a, ast.Starred) for a in n.args[: at + 1]):
+                out.append(("unknown", 0.0))
+            elif at < len(n.args):
+                out.append(_rate_value(n.args[at], key))
+    return out
+
+
 def never_drawn(index: "RepoIndex", s: RandomSkip) -> bool:
     """Is the skip's draw compared only with rates that are 0 wherever the repository sets them (a default of 0,
     and no caller, config or command-line default giving another value or one the scan cannot read)?"""
@@ -609,7 +660,8 @@ def never_drawn(index: "RepoIndex", s: RandomSkip) -> bool:
         if got is None:
             return False
         key, default = got
-        values = ([_rate_value(default, None)] if default is not None else []) + index.rate_evidence(key)
+        values = ([_rate_value(default, None)] if default is not None else []) + index.rate_evidence(key) \
+            + _positional_evidence(index, s.node, key)
         values = [v for v in values if v[0] != "pass"]
         if not values or any(kind != "number" or x != 0.0 for kind, x in values):
             return False
