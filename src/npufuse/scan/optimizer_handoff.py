@@ -18,6 +18,12 @@ object the same code built (``t = Trainer(...); t.train(optimizer=opt)``) and ``
 deep. The object reaching a wrapper outside the repository (:data:`WRAPPERS`) is the answer, with the chain of hops
 and the condition the last call sits under (a run-time choice inside the callee that the construction site cannot
 test: the candidate would be wrong for every run that takes it, so it is refused, and the reason says so).
+
+:func:`freed_after_handoff` (s38) follows the object the same way to a different end: a callee that frees its grads
+with ``zero_grad(set_to_none=<not False>)`` on it (vats-multimodal-lm's ``scripts/.../train.py`` gets the optimizer from
+``setup_training_components`` and hands it to ``train(model, loader, optimizer, ...)`` of a third file, whose loop calls
+``optimizer.zero_grad(set_to_none=True)``). torch_npu's fused classes raise ValueError on set_to_none=True (spec §10).
+A bare ``zero_grad()`` on the optimizer is not this: the fused class's own default is set_to_none=False.
 """
 
 from __future__ import annotations
@@ -172,11 +178,31 @@ def _innermost_if(fn: ast.AST, call: ast.Call) -> Optional[tuple[ast.If, bool]]:
     return best
 
 
+def _freeing_zero_grad(rel: str, fn: ast.AST, call: ast.Call, aliases: set[str]) -> Optional[str]:
+    """The hop text of ``O.zero_grad(set_to_none=<not provably False>)`` on the optimizer itself (``O`` holds it
+    whole), with the condition it sits under (marked), else None. ``zero_grad()`` without the argument is the
+    optimizer's own default (False on torch_npu's fused classes): not this."""
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and func.attr == "zero_grad") or _carried(func.value, aliases) != "":
+        return None
+    flag = next((k.value for k in call.keywords if k.arg == "set_to_none"), call.args[0] if call.args else None)
+    if flag is None or (isinstance(flag, ast.Constant) and not flag.value):
+        return None
+    given = "True" if isinstance(flag, ast.Constant) else " ".join(ast.unparse(flag).split())[:60]
+    cond = _condition(fn, call)
+    return f"{_WHEN if cond else ''}`{ast.unparse(func)}(set_to_none={given})` ({rel}:{call.lineno}{', when ' + cond if cond else ''})"
+
+
 class _Follow:
     """One question: does the optimizer, held by ``aliases`` in a function of ``rel``, reach a wrapper?"""
 
-    def __init__(self, symbols: Any) -> None:
+    def __init__(self, symbols: Any, frees: bool = False) -> None:
         self.symbols = symbols
+        # s38: the end looked for is a callee's freeing zero_grad on the object (else: a wrapper of WRAPPERS)
+        self.frees = frees
+        # s38: calls handed the whole optimizer whose callee the scan cannot resolve (an object of unknown class):
+        # (the call as written, its file, its line, the name of the function called, the call, the caller's aliases)
+        self.unresolved: list[tuple[str, str, int, str, ast.Call, frozenset[str]]] = []
         self.visits = 0
         self.seen: set[tuple[str, str, frozenset[str]]] = set()
         # hop text of a wrapper call -> (the innermost `if` holding it, the call in its true arm?)
@@ -210,6 +236,13 @@ class _Follow:
         calls = sorted((n for n in nodes if isinstance(n, ast.Call) and n.lineno >= after), key=lambda c: (c.lineno, c.col_offset))
         first: Optional[list[str]] = None
         for call in calls:
+            # the body the question starts in is the caller's own code, judged where it is read (in-file facts)
+            hop = _freeing_zero_grad(rel, fn, call, aliases) if self.frees and depth > 0 else None
+            if hop is not None:
+                if not hop.startswith(_WHEN):
+                    return [hop]
+                first = first or [hop]
+                continue
             args = [*call.args, *(k.value for k in call.keywords)]
             if not any(_carried(a, aliases) is not None for a in args):
                 continue
@@ -227,6 +260,8 @@ class _Follow:
         shown = ast.unparse(func)
         scope = fn if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) else None  # its own imports first
         sym = self.symbols.resolve_node(rel, func, scope)
+        if sym.kind == "external" and self.frees:
+            return None
         if sym.kind == "external":
             whole = any(_carried(a, aliases) == "" for a in [*call.args, *(k.value for k in call.keywords)])
             for prefix, what in WRAPPERS:
@@ -260,6 +295,9 @@ class _Follow:
                 if made.kind == "class" and isinstance(made.node, ast.ClassDef):
                     target = self.method(made.file, made.node, func.attr)
         if target is None:
+            if self.frees and sym.kind == "unresolved" and any(_carried(a, aliases) == "" for a in [*call.args, *(k.value for k in call.keywords)]):
+                self.unresolved.append((shown, rel, call.lineno, func.attr if isinstance(func, ast.Attribute) else func.id, call,
+                                        frozenset(aliases)))
             return None
         file, owner, callee = target
         method = owner is not None and not any(isinstance(d, ast.Name) and d.id == "staticmethod"
@@ -326,3 +364,64 @@ def handoff_at(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names:
         return None
     local = follow.terminal_if.get(hops[0]) if len(hops) == 1 else None
     return " -> ".join(h[len(_WHEN):] if h.startswith(_WHEN) else h for h in hops), local
+
+
+def freed_after_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names: set[str], after: int,
+                        cls: Optional[ast.ClassDef] = None) -> Optional[str]:
+    """Where the optimizer bound to ``names`` in ``nodes`` (as :func:`handoff`) has its grads freed by a callee of the
+    repository that it is handed to (``zero_grad(set_to_none=True)`` or a flag there), else None. The text names each
+    hop with its file and line, the last one the zero_grad call (and the condition it sits under)."""
+    if not names or symbols is None:
+        return None
+    follow = _Follow(symbols, frees=True)
+    try:
+        hops = follow.body(rel, fn, nodes, set(names), cls, after, 0)
+        if not hops and follow.unresolved:
+            hops = _freed_by_name(symbols, follow)
+    except (RecursionError, ValueError, AttributeError):
+        return None
+    if not hops:
+        return None
+    return " -> ".join(h[len(_WHEN):] if h.startswith(_WHEN) else h for h in hops)
+
+
+_MAX_NAME_FILES = 2000  # files read for the functions of one name (the unresolved hand-off below)
+
+
+def _freed_by_name(symbols: Any, follow: _Follow) -> Optional[list[str]]:
+    """An optimizer handed to a call the scan cannot resolve (``trainer.fit(opt)`` where ``trainer`` is of a class
+    it cannot tell): the repository's functions and methods of that name that would free its grads if they are
+    the callee (the argument's parameter by position or keyword, then as :func:`freed_after_handoff` follows it).
+    The hops say the callee was matched by name only."""
+    from npufuse.scan.repo_facts import _repo_text
+
+    wanted = {u[3] for u in follow.unresolved}
+    follow.visits = 0  # a fresh budget of bodies for the functions of those names
+    for rel in symbols.files[:_MAX_NAME_FILES]:
+        text = _repo_text(symbols.root, rel) or ""
+        if "zero_grad(" not in text or not any(f"def {a}(" in text for a in wanted):
+            continue
+        tree, _why = symbols.tree(rel)
+        for owner, fn in _defs(tree):
+            for shown, where, line, attr, call, aliases in follow.unresolved:
+                if fn.name != attr:
+                    continue
+                received = _received(fn, call, set(aliases), owner is not None)
+                rest = follow.enter(rel, owner, fn, received, 1) if received else None
+                if rest is not None:
+                    hop = (f"`{shown}` ({where}:{line}, a call the scan cannot resolve; the repository's "
+                           f"`{(owner.name + '.') if owner else ''}{fn.name}` at {rel}:{fn.lineno} would take it as "
+                           f"`{min(received, key=len)}`)")
+                    return [hop, *rest]
+    return None
+
+
+def _defs(tree: Optional[ast.Module]) -> Iterable[tuple[Optional[ast.ClassDef], ast.AST]]:
+    """Module-level functions and the methods of module-level classes."""
+    for n in tree.body if tree is not None else ():
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield None, n
+        elif isinstance(n, ast.ClassDef):
+            for m in n.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield n, m

@@ -25,6 +25,7 @@ told, any such class the trainer's imports reach, or a config file names for ``i
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Optional
@@ -103,10 +104,14 @@ class RandomSkip:
     random; ``param``: the forward parameter the skip is conditioned on when the draw is the
     caller's (None: drawn in the class itself)."""
 
-    __slots__ = ("rel", "cls", "line", "attr", "how", "param", "index")
+    __slots__ = ("rel", "cls", "line", "attr", "how", "param", "index", "rates", "node")
 
-    def __init__(self, rel: str, cls: str, line: int, attr: str, how: str, param: Optional[str] = None, index: int = -1) -> None:
+    def __init__(self, rel: str, cls: str, line: int, attr: str, how: str, param: Optional[str] = None, index: int = -1,
+                 rates: tuple[str, ...] = (), node: Optional[ast.ClassDef] = None) -> None:
         self.rel, self.cls, self.line, self.attr, self.how, self.param, self.index = rel, cls, line, attr, how, param, index
+        # s38: the `self.` attributes the draw is compared with (`torch.rand(1) < self.p`), when every random read of
+        # the test is such a comparison: with each of them 0 the decision is fixed for the run (not a random skip)
+        self.rates, self.node = rates, node
 
     def where(self) -> str:
         drawn = f" when its `{self.param}` argument is drawn at random by the caller" if self.param else " on steps drawn at random"
@@ -186,9 +191,80 @@ def _discarded(arm: list[ast.stmt] | ast.AST, held: dict[str, str]) -> Optional[
     return None
 
 
-def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], conditioned: set[str]) -> list[tuple[int, str, str]]:
-    """(line, submodule, how) of each submodule call that a test reading ``conditioned`` names skips
-    or discards in ``fn``."""
+def _self_attr(node: ast.AST) -> Optional[str]:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _parents(fn: ast.AST) -> dict[int, ast.AST]:
+    return {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+
+
+def _draw_names(fn: ast.AST) -> set[str]:
+    """Names every binding of which in ``fn`` is a scalar draw (``p = torch.rand([])``, ``p = random.random()``)."""
+    bound: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            bound.setdefault(n.targets[0].id, []).append(n.value)
+    return {k for k, vs in bound.items() if all(_scalar_draw(v) for v in vs)}
+
+
+def _rate_attrs(expr: ast.AST, fn: ast.AST, depth: int = 0) -> Optional[set[str]]:
+    """The ``self.`` attributes a random test compares its draws with, when every random read in ``expr`` is such a
+    comparison (``torch.rand(1).item() < self.drop_rate``, ``p < self.layerdrop`` with ``p = torch.rand([])``) or a
+    flag whose random bindings are (``drop = True`` under such a test); else None. With those attributes 0 a
+    scalar draw in [0, 1) gives the same answer every step."""
+    draws = _draw_names(fn)
+    covered: set[int] = set()
+    rates: set[str] = set()
+    for n in ast.walk(expr):
+        if isinstance(n, ast.Compare) and len(n.comparators) == 1:
+            for draw, rate in ((n.left, n.comparators[0]), (n.comparators[0], n.left)):
+                attr = _self_attr(rate)
+                if attr and (_scalar_draw(draw) or (isinstance(draw, ast.Name) and draw.id in draws)):
+                    rates.add(attr)
+                    covered |= {id(x) for x in ast.walk(n)}
+    flags = _random_flags(fn)
+    for n in ast.walk(expr):
+        if id(n) in covered:
+            continue
+        if isinstance(n, ast.Call) and _name(n.func) in _RANDOM_CALLS:
+            return None
+        if isinstance(n, ast.Name) and (n.id in draws or n.id in flags):
+            sub = _flag_rates(fn, n.id, depth + 1) if depth < 2 and n.id not in draws else None
+            if sub is None:
+                return None
+            rates |= sub
+    return rates or None
+
+
+def _flag_rates(fn: ast.AST, name: str, depth: int) -> Optional[set[str]]:
+    """:func:`_rate_attrs` of every random binding of the flag ``name`` in ``fn`` (a value computed from draws, or a
+    constant set inside an ``if`` whose test draws); None when one of them is not decided by rates."""
+    parents = _parents(fn)
+    rates: set[str] = set()
+    for n in ast.walk(fn):
+        if not (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)):
+            continue
+        if isinstance(n.value, ast.Constant):
+            up = parents.get(id(n))
+            while up is not None and not isinstance(up, ast.If):
+                up = parents.get(id(up))
+            if up is None or not _draws(up.test, _random_flags(fn)):
+                continue  # a constant bound outside a random test: fixed for the step
+            sub = _rate_attrs(up.test, fn, depth)
+        else:
+            sub = _rate_attrs(n.value, fn, depth) if _draws(n.value, _random_flags(fn)) else set()
+        if sub is None:
+            return None
+        rates |= sub
+    return rates
+
+
+def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], conditioned: set[str]) -> list[tuple[int, str, str, tuple[str, ...]]]:
+    """(line, submodule, how, rates) of each submodule call that a test reading ``conditioned`` names skips
+    or discards in ``fn`` (``rates``: :func:`_rate_attrs` of the test, () when it is not decided by rates)."""
     loops = _loop_vars(fn, subs)
     held: dict[str, str] = {}
     for n in ast.walk(fn):
@@ -196,7 +272,7 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             f = n.value.func
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
                 held.update((t.id, f.attr) for t in n.targets if isinstance(t, ast.Name))
-    out: list[tuple[int, str, str]] = []
+    out: list[tuple[int, str, str, tuple[str, ...]]] = []
     everywhere = _called_submodules([fn], subs, loops)
     for n in ast.walk(fn):
         if isinstance(n, (ast.If, ast.IfExp)) and _draws(n.test, conditioned):
@@ -204,16 +280,17 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             orelse = n.orelse if isinstance(n.orelse, list) else [n.orelse]
             a, b = _called_submodules(body, subs, loops), _called_submodules(orelse, subs, loops)
             outside = _calls_outside(fn, n, subs, loops)
-            for attr in (set(a) ^ set(b)) - outside:
-                out.append((n.lineno, attr, "skips the call of"))
+            found: list[tuple[str, str]] = [(attr, "skips the call of") for attr in sorted((set(a) ^ set(b)) - outside)]
             for arm in (body, orelse):
                 gone = _discarded(arm, held)
                 if gone is not None and gone[0] in subs:
-                    out.append((n.lineno, gone[0], "replaces by a constant the output of"))
+                    found.append((gone[0], "replaces by a constant the output of"))
             # `for blk in self.blocks: if torch.rand([]) < p: continue`: the rest of the loop body is skipped
             if isinstance(n, ast.If) and any(isinstance(s, ast.Continue) for s in n.body):
-                for attr in set(loops.values()) & set(everywhere):
-                    out.append((n.lineno, attr, "skips the call of"))
+                found += [(attr, "skips the call of") for attr in sorted(set(loops.values()) & set(everywhere))]
+            if found:
+                rates = tuple(sorted(_rate_attrs(n.test, fn) or ())) if not (conditioned - _random_flags(fn)) else ()
+                out += [(n.lineno, attr, how, rates) for attr, how in found]
     return out
 
 
@@ -243,19 +320,19 @@ def skip_in_class(rel: str, cls: ast.ClassDef) -> list[RandomSkip]:
     called = {c.func.attr for c in ast.walk(forward) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" and c.func.attr in methods}
     for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
-        for line, attr, how in _skips(fn, subs, _random_flags(fn)):
-            found.append(RandomSkip(rel, cls.name, line, attr, how))
+        for line, attr, how, rates in _skips(fn, subs, _random_flags(fn)):
+            found.append(RandomSkip(rel, cls.name, line, attr, how, rates=rates, node=cls))
     if found:
         return found
     # the draw is the caller's: a forward parameter decides the skip (`if not uncond_fwd: self.ref(...)`)
     a = forward.args
     params = [x.arg for x in (*a.posonlyargs, *a.args)][1:]
     for i, p in enumerate(params):
-        for line, attr, how in _skips(forward, subs, {p}):
-            found.append(RandomSkip(rel, cls.name, line, attr, how, p, i))
+        for line, attr, how, _rates in _skips(forward, subs, {p}):
+            found.append(RandomSkip(rel, cls.name, line, attr, how, p, i, node=cls))
     for p in (x.arg for x in a.kwonlyargs):
-        for line, attr, how in _skips(forward, subs, {p}):
-            found.append(RandomSkip(rel, cls.name, line, attr, how, p, -1))
+        for line, attr, how, _rates in _skips(forward, subs, {p}):
+            found.append(RandomSkip(rel, cls.name, line, attr, how, p, -1, node=cls))
     return found
 
 
@@ -279,6 +356,8 @@ class RepoIndex:
         self._texts: dict[str, Optional[str]] = {}
         self._trees: dict[str, Optional[ast.Module]] = {}
         self._skips: dict[str, list[RandomSkip]] = {}
+        self._rates: dict[str, list[tuple[str, float]]] = {}
+        self._configs: Optional[list[str]] = None
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -323,6 +402,44 @@ class RepoIndex:
             self._skips[rel] = _classes_in(rel, tree) if tree is not None else []
         return self._skips[rel]
 
+    def rate_evidence(self, key: str) -> list[tuple[str, float]]:
+        """What the repository's Python files and configuration files set ``key`` to (:func:`_rate_evidence`,
+        :func:`_config_evidence`), read once per key."""
+        got = self._rates.get(key)
+        if got is None:
+            got = []
+            for rel in self.files:
+                text = self.text(rel) or ""
+                if key in text or key.replace("_", "-") in text:  # `add_argument("--drop-rate", ...)`
+                    tree = self.tree(rel)
+                    got += _rate_evidence(tree, key) if tree is not None else [("unknown", 0.0)]
+            for text in self.config_texts():
+                if key in text or key.replace("_", "-") in text:
+                    got += _config_evidence(text, key)
+            self._rates[key] = got
+        return got
+
+    def config_texts(self) -> list[str]:
+        """The repository's configuration files and run scripts (yaml / json / toml / sh / cfg / ini; 1 MiB each at
+        most, 2000 files), read once."""
+        if self._configs is None:
+            self._configs = []
+            if self.root is not None:
+                for top, dirs, names in os.walk(self.root):  # links are not followed (an untrusted repository)
+                    # hidden folders, environments and caches hold no configuration of the repository's runs
+                    dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _NOT_CONFIG_DIRS
+                                     and not os.path.isfile(os.path.join(top, d, "pyvenv.cfg")))
+                    for name in sorted(names):
+                        path = Path(top) / name
+                        try:
+                            if path.suffix in _CONFIG_SUFFIXES and not path.is_symlink() and path.stat().st_size <= 1 << 20:
+                                self._configs.append(path.read_text(encoding="utf-8", errors="replace"))
+                        except OSError:
+                            continue
+                    if len(self._configs) >= 2000:
+                        break
+        return self._configs
+
     def imported_files(self, rel: str) -> list[str]:
         """Files of the repo that ``rel`` imports (absolute and relative imports)."""
         tree = self.tree(rel)
@@ -345,9 +462,8 @@ class RepoIndex:
         return list(dict.fromkeys(f for f in out if f != rel))
 
 
-def reachable_skips(index: RepoIndex, starts: Iterable[str]) -> list[RandomSkip]:
-    """Random-skip classes in the files the ``starts`` import, transitively (bounded), whose skip is
-    drawn in the class or by a caller in those files."""
+def reachable_files(index: RepoIndex, starts: Iterable[str]) -> list[str]:
+    """The ``starts`` and the files of the repo they import, transitively (bounded)."""
     seen = list(dict.fromkeys(starts))
     frontier = list(seen)
     for _ in range(_MAX_DEPTH):
@@ -358,6 +474,13 @@ def reachable_skips(index: RepoIndex, starts: Iterable[str]) -> list[RandomSkip]
                     seen.append(f)
                     nxt.append(f)
         frontier = nxt
+    return seen
+
+
+def reachable_skips(index: RepoIndex, starts: Iterable[str]) -> list[RandomSkip]:
+    """Random-skip classes in the files the ``starts`` import, transitively (bounded), whose skip is
+    drawn in the class or by a caller in those files."""
+    seen = reachable_files(index, starts)
     found: list[RandomSkip] = []
     for rel in seen:
         for s in index.skips(rel):
@@ -383,6 +506,296 @@ def configured_skips(index: RepoIndex, config_texts: Iterable[str]) -> list[Rand
         for s in index.skips(rel):
             if s.param is None and any(f"{mod}.{s.cls}" in t or f".{mod}.{s.cls}" in t for t in texts):
                 found.append(s)
+    return found
+
+
+# --- s38 (opt38): a draw against a rate that is 0 in every configuration of the repository decides nothing ---------
+# wenet's Branchformer layer drops its attention branch when `torch.rand(1).item() < self.attn_branch_drop_rate`; the
+# rate's default is 0.0 (the layer's and the encoder's `__init__`) and the repository's only config sets 0.0: the
+# skip never fires. A rate any config, caller or default sets to another value (seed-vc's `class_dropout_prob: 0.1`),
+# or to a value the scan cannot read, keeps the skip.
+
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml", ".sh", ".cfg", ".ini")  # run scripts pass `--arch x --drop 0.1`
+_NOT_CONFIG_DIRS = frozenset(("node_modules", "__pycache__", "site-packages", "build", "dist"))
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+
+
+def _rate_key(cls: ast.ClassDef, attr: str) -> Optional[tuple[str, Optional[ast.expr]]]:
+    """(the name a caller or a configuration sets ``self.<attr>`` by, the ``__init__`` default when it is a parameter
+    of the class: an expression or None) from the one assignment ``__init__`` makes: ``self.p = p`` (a parameter),
+    ``self.p = cfg.key`` / ``cfg["key"]`` / ``cfg.get("key", d)``; None for anything else."""
+    init = next((f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "__init__"), None)
+    if init is None:
+        return None
+    values = [n.value for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+              and any(_self_attr(t) == attr for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    if len(values) != 1:
+        return None
+    v = values[0]
+    if isinstance(v, ast.Name):
+        a = init.args
+        positional = [*a.posonlyargs, *a.args]
+        defaults: dict[str, Optional[ast.expr]] = {x.arg: None for x in (*positional, *a.kwonlyargs)}
+        defaults.update({x.arg: d for x, d in zip(positional[len(positional) - len(a.defaults):], a.defaults)})
+        defaults.update({x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults)})
+        return (v.id, defaults[v.id]) if v.id in defaults else None
+    if isinstance(v, ast.Attribute):
+        return v.attr, None
+    if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, str):
+        return v.slice.value, None
+    if (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "get" and v.args
+            and isinstance(v.args[0], ast.Constant) and isinstance(v.args[0].value, str)):
+        return v.args[0].value, (v.args[1] if len(v.args) > 1 else None)
+    return None
+
+
+def _rate_value(v: Optional[ast.expr], key: Optional[str]) -> tuple[str, float]:
+    """("number", x) for a literal, ("pass", 0) for a value handed along under the same name ``key`` (``p=p``,
+    ``p=cfg.p``, ``p=rates[i]``; None: a default, never handed along), ("unknown", 0) otherwise."""
+    if isinstance(v, ast.UnaryOp) and isinstance(v.op, (ast.USub, ast.UAdd)) and isinstance(v.operand, ast.Constant):
+        v = ast.Constant(-v.operand.value if isinstance(v.op, ast.USub) and isinstance(v.operand.value, (int, float)) else v.operand.value)
+    if isinstance(v, ast.Constant) and isinstance(v.value, (int, float)) and not isinstance(v.value, bool):
+        return "number", float(v.value)
+    if key is not None and v is not None and _handed_along(v, key):
+        return "pass", 0.0
+    return "unknown", 0.0
+
+
+def _handed_along(v: ast.AST, key: str) -> bool:
+    """Is ``v`` the value of ``key`` itself, unchanged: ``key``, ``x.key``, ``x["key"]``, ``x.get("key", ...)``, one
+    element of it (``key[i]``), or a list repeating it (``[key] * n``)? (``x.key or 0.1`` is not.)"""
+    while True:
+        if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult):
+            v = v.left if isinstance(v.left, (ast.List, ast.Tuple)) else v.right
+        elif isinstance(v, (ast.List, ast.Tuple)) and len(v.elts) == 1:
+            v = v.elts[0]
+        elif isinstance(v, ast.Subscript) and not (isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, str)):
+            v = v.value
+        else:
+            break
+    if isinstance(v, ast.Name):
+        return v.id == key
+    if isinstance(v, ast.Attribute):
+        return v.attr == key
+    if isinstance(v, ast.Subscript):
+        return v.slice.value == key  # type: ignore[attr-defined]
+    return (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "get" and len(v.args) == 1
+            and isinstance(v.args[0], ast.Constant) and v.args[0].value == key)  # (a default of its own is a value)
+
+
+def _rate_evidence(tree: ast.Module, key: str) -> list[tuple[str, float]]:
+    """What one file sets ``key`` to: parameter defaults, keyword arguments, assignments to ``key`` / ``x.key``,
+    dict literal entries, ``add_argument("--key", default=...)``."""
+    out: list[tuple[str, float]] = []
+    dashed = {f"--{key}", f"--{key.replace('_', '-')}"}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = n.args
+            positional = [*a.posonlyargs, *a.args]
+            pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs, a.kw_defaults)]
+            out += [_rate_value(d, None) for x, d in pairs if x.arg == key and d is not None]
+        elif isinstance(n, ast.Call):
+            out += [_rate_value(k.value, key) for k in n.keywords if k.arg == key]
+            if (_name(n.func) == "add_argument" and n.args and isinstance(n.args[0], ast.Constant)
+                    and n.args[0].value in dashed):
+                out += [_rate_value(k.value, None) for k in n.keywords if k.arg == "default"]
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                if (isinstance(t, ast.Name) and t.id == key) or (isinstance(t, ast.Attribute) and t.attr == key):
+                    out.append(_rate_value(n.value, key))
+        elif isinstance(n, ast.Dict):
+            out += [_rate_value(v, key) for k, v in zip(n.keys, n.values) if isinstance(k, ast.Constant) and k.value == key]
+    return out
+
+
+def _config_evidence(text: str, key: str) -> list[tuple[str, float]]:
+    """``key: value`` / ``"key": value`` / ``key = value`` entries of a yaml / json / toml text."""
+    out: list[tuple[str, float]] = []
+    entries = r"(?<![\w.-])[\"']?" + re.escape(key) + r"[\"']?\s*[:=]\s*([^\s,#}\]]*)"
+    # a run script's `--drop-rate 0.1` / `--drop_rate=0.1`
+    flags = r"--(?:" + re.escape(key) + "|" + re.escape(key.replace("_", "-")) + r")(?:\s+|=)([^\s\\;]*)"
+    for m in [*re.finditer(entries, text), *re.finditer(flags, text)]:
+        value = m.group(1).strip("\"'")
+        out.append(("number", float(value)) if _NUMBER.match(value) else ("unknown", 0.0))
+    return out
+
+
+def _positional_evidence(index: "RepoIndex", cls: ast.ClassDef, key: str) -> list[tuple[str, float]]:
+    """What the repository's constructions of ``cls`` pass by position for its ``__init__`` parameter ``key``
+    (``Layer(8, 0.3)``), subclasses' ``super().__init__(...)`` included; a ``*args`` before it is unknown."""
+    init = next((f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "__init__"), None)
+    params = [x.arg for x in (*init.args.posonlyargs, *init.args.args)][1:] if init is not None else []
+    if key not in params:
+        return []
+    at = params.index(key)
+    out: list[tuple[str, float]] = []
+    for rel in index.files:
+        if cls.name not in (index.text(rel) or ""):
+            continue
+        tree = index.tree(rel)
+        subclasses = {c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                      and any(_name(b) == cls.name for b in c.bases)} if tree is not None else set()
+        for n in ast.walk(tree) if tree is not None else ():
+            if not isinstance(n, ast.Call):
+                continue
+            direct = _name(n.func) == cls.name
+            parent = (subclasses and isinstance(n.func, ast.Attribute) and n.func.attr == "__init__"
+                      and isinstance(n.func.value, ast.Call) and _name(n.func.value.func) == "super")
+            if not (direct or parent):
+                continue
+            if any(isinstance(a, ast.Starred) for a in n.args[: at + 1]):
+                out.append(("unknown", 0.0))
+            elif at < len(n.args):
+                out.append(_rate_value(n.args[at], key))
+    return out
+
+
+def never_drawn(index: "RepoIndex", s: RandomSkip) -> bool:
+    """Is the skip's draw compared only with rates that are 0 wherever the repository sets them (a default of 0,
+    and no caller, config or command-line default giving another value or one the scan cannot read)?"""
+    if not s.rates or s.node is None:
+        return False
+    for attr in s.rates:
+        got = _rate_key(s.node, attr)
+        if got is None:
+            return False
+        key, default = got
+        values = ([_rate_value(default, None)] if default is not None else []) + index.rate_evidence(key) \
+            + _positional_evidence(index, s.node, key)
+        values = [v for v in values if v[0] != "pass"]
+        if not values or any(kind != "number" or x != 0.0 for kind, x in values):
+            return False
+    return True
+
+
+# --- s38 (opt38): a skipped submodule that is frozen gets no grad on any step ------------------------------------
+# Moore-AnimateAnyone's stage 2 builds `Net(reference_unet, ...)` after `reference_unet.requires_grad_(False)`: the
+# uncond steps skip a submodule that never has a grad (both optimizers leave it alone). Stage 1 unfreezes it
+# (`for name, param in reference_unet.named_parameters(): ... param.requires_grad_(True)`): still a skip.
+
+_NO_GRAD_CONTEXTS = frozenset(("no_grad", "inference_mode"))
+
+
+def _freezes(call: ast.AST) -> Optional[bool]:
+    """True for ``x.requires_grad_(False)``, False for ``x.requires_grad_()`` / ``x.requires_grad_(True)`` (or a
+    flag), None for any other node; an assignment ``x.requires_grad = <c>`` likewise."""
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "requires_grad_":
+        flag = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "requires_grad"), None)
+        return isinstance(flag, ast.Constant) and flag.value is False
+    if isinstance(call, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "requires_grad" for t in call.targets):
+        return isinstance(call.value, ast.Constant) and call.value.value is False
+    return None
+
+
+def _receiver(node: ast.AST) -> Optional[ast.AST]:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.value
+    if isinstance(node, ast.Assign):
+        return next((t.value for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "requires_grad"), None)
+    return None
+
+
+def _frozen_object(region: ast.AST, names: set[str]) -> bool:
+    """Does ``region`` freeze the object a name of ``names`` holds (``x.requires_grad_(False)``, ``for p in
+    x.parameters(): p.requires_grad = False``) and never unfreeze it or anything bound from it (``for n, p in
+    x.named_parameters(): p.requires_grad_(True)``)?"""
+    from npufuse.scan.dataflow import dotted, names_bound_from
+
+    heads = {n.split(".")[0] for n in names}
+    derived = names_bound_from(region, heads, 3)
+    # loop variables over all of an object's parameters: `for p in x.parameters():` (a part of it is not the whole)
+    whole = {n.target.id for n in ast.walk(region) if isinstance(n, (ast.For, ast.AsyncFor)) and isinstance(n.target, ast.Name)
+             and isinstance(n.iter, ast.Call) and isinstance(n.iter.func, ast.Attribute) and n.iter.func.attr == "parameters"
+             and dotted(n.iter.func.value) in names}
+    parents = _parents(region)
+    frozen = False
+    for n in ast.walk(region):
+        verdict = _freezes(n)
+        recv = _receiver(n) if verdict is not None else None
+        path = dotted(recv) if recv is not None else None
+        if path is None:
+            continue
+        if verdict and (path in names or path in whole) and _unconditional(n, parents, region):
+            frozen = True
+        elif not verdict and path.split(".")[0] in derived:
+            return False
+    return frozen
+
+
+def _unconditional(node: ast.AST, parents: dict[int, ast.AST], region: ast.AST) -> bool:
+    """Does ``node`` run whenever ``region`` runs (no ``if`` / ``while`` / ``try`` handler / conditional expression
+    between; a ``for`` over parameters is the freezing loop itself)?"""
+    up = parents.get(id(node))
+    while up is not None and up is not region:
+        if isinstance(up, (ast.If, ast.IfExp, ast.While, ast.ExceptHandler, ast.BoolOp)):
+            return False
+        up = parents.get(id(up))
+    return True
+
+
+def _no_grad_only(cls: ast.ClassDef, attr: str) -> bool:
+    """Is every call of ``self.<attr>`` in the class inside ``with torch.no_grad()`` / ``torch.inference_mode()``?"""
+    calls = [n for n in ast.walk(cls) if isinstance(n, ast.Call) and _self_attr(n.func) == attr]
+    covered: set[int] = set()
+    for w in ast.walk(cls):
+        if isinstance(w, (ast.With, ast.AsyncWith)) and any(
+                isinstance(i.context_expr, ast.Call) and _name(i.context_expr.func) in _NO_GRAD_CONTEXTS for i in w.items):
+            covered |= {id(x) for x in ast.walk(w)}
+    return bool(calls) and all(id(c) in covered for c in calls)
+
+
+def frozen_in_class(s: RandomSkip) -> bool:
+    """Does the class itself freeze the skipped submodule (``self.x.requires_grad_(False)``, ``for p in
+    self.x.parameters(): p.requires_grad = False``) or call it only without grad?"""
+    if s.node is None:
+        return False
+    if _no_grad_only(s.node, s.attr):
+        return True
+    return any(_frozen_object(fn, {f"self.{s.attr}"}) for fn in s.node.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def _frozen_at_construction(region: ast.AST, model: str, s: RandomSkip, construction: ast.Call) -> bool:
+    """The site's function hands the skipped submodule to the model's constructor (``Net(reference_unet, ...)``
+    where ``__init__`` stores ``self.reference_unet = reference_unet``) and freezes that object, or freezes
+    ``model.<attr>`` itself."""
+    names = {f"{model}.{s.attr}"}
+    init = next((f for f in (s.node.body if s.node else []) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and f.name == "__init__"), None)
+    if init is not None:
+        stored = {n.value.id for n in ast.walk(init) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+                  and any(_self_attr(t) == s.attr for t in n.targets)}
+        params = [x.arg for x in (*init.args.posonlyargs, *init.args.args)][1:]
+        from npufuse.scan.dataflow import dotted
+
+        for i, a in enumerate(construction.args):
+            if isinstance(a, ast.Starred):
+                break
+            if i < len(params) and params[i] in stored and dotted(a):
+                names.add(dotted(a))  # type: ignore[arg-type]
+        names |= {dotted(k.value) for k in construction.keywords if k.arg in stored and dotted(k.value)}  # type: ignore[misc]
+    return _frozen_object(region, names)
+
+
+# --- s38 (opt38): DDP told that every parameter gets a grad every step -------------------------------------------
+# `DistributedDataParallel(model, find_unused_parameters=False)` (or accelerate's `DistributedDataParallelKwargs`,
+# Lightning's `DDPStrategy`) fails the step after one where a trainable parameter got no grad ("Expected to have
+# finished reduction in the prior iteration"): training code that states it has no parameter a step leaves
+# without a grad.
+
+def every_param_used(index: "RepoIndex", files: Iterable[str]) -> Optional[str]:
+    """``file:line`` of a ``find_unused_parameters=False`` the training files state, when every
+    ``find_unused_parameters`` keyword there is a literal False; else None."""
+    found: Optional[str] = None
+    for rel in files:
+        if "find_unused_parameters" not in (index.text(rel) or ""):
+            continue
+        tree = index.tree(rel)
+        for n in ast.walk(tree) if tree is not None else ():
+            for k in (n.keywords if isinstance(n, ast.Call) else []):
+                if k.arg == "find_unused_parameters":
+                    if not (isinstance(k.value, ast.Constant) and k.value.value is False):
+                        return None
+                    found = found or f"{rel}:{n.lineno}"
     return found
 
 
@@ -464,8 +877,13 @@ def _enclosing_class(tree: ast.Module, qualname: str) -> Optional[ast.ClassDef]:
 def _classes_of_model(tree: ast.Module, qualname: str, model: str) -> list[str]:
     """The class names a model variable is built from in the site's function (``net = Net(...)``,
     ``m = Model.from_pretrained(...)``, also a wrapper ``m = DDP(m)``) or, for ``self.x``, in its class."""
+    return list(dict.fromkeys(name for name, _call in _constructions(tree, qualname, model)))
+
+
+def _constructions(tree: ast.Module, qualname: str, model: str) -> list[tuple[str, ast.Call]]:
+    """(class name, call) of each construction :func:`_classes_of_model` reads."""
     region = _enclosing_class(tree, qualname) if model.startswith("self.") else _function_of(tree, qualname)
-    out: list[str] = []
+    out: list[tuple[str, ast.Call]] = []
     if region is None:
         return out
     for n in ast.walk(region):
@@ -477,8 +895,8 @@ def _classes_of_model(tree: ast.Module, qualname: str, model: str) -> list[str]:
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr.startswith("from_"):
             f = f.value
         name = f.id if isinstance(f, ast.Name) else ""
-        if name[:1].isupper() and name not in out:
-            out.append(name)
+        if name[:1].isupper():
+            out.append((name, n.value))
     return out
 
 
@@ -510,17 +928,141 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
         # the model's class is one of the repo's (a wrapper such as DDP(...) is not): its own classes decide
         classes = [c for found in told for c in found]
         if classes:
+            if every_param_used(index, [rel]):
+                return None
             files = list(dict.fromkeys([rel, *(r for r, _ in classes)]))
+            region = _function_of(tree, qualname)
+            built = [(name, call) for name, call in _constructions(tree, qualname, model)] if region is not None else []
             for r, node in classes:
                 for s in skip_in_class(r, node):
-                    if s.param is None or _drawn_by_a_caller(index, s, files):
-                        return s, True
+                    if not (s.param is None or _drawn_by_a_caller(index, s, files)) or not _matters(index, s):
+                        continue
+                    if region is not None and any(name == node.name and _frozen_at_construction(region, model, s, call)
+                                                  for name, call in built):
+                        continue  # the site's code freezes the submodule it hands the model
+                    return s, True
             return None
     starts = [rel, *_drivers(index, rel, qualname)]
-    found = reachable_skips(index, starts)
+    if every_param_used(index, starts):
+        return None
+    registry = Registry(index, reachable_files(index, starts))
+    found = [s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)]
     if not found and any("instantiate" in (index.text(f) or "") for f in starts):
-        found = configured_skips(index, _config_texts(index))
+        found = [s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)]
     return (found[0], False) if found else None
+
+
+# --- s38 (opt38): a class chosen by a name no configuration of the repository names ---------------------------------
+# A model built by name (`MODELS[cfg.arch](...)`, `@register_model("opt")`) reaches, through a registry package's
+# `__init__`, every model family of the repository; the trainer builds the one its configuration names. A skip class
+# that is built only by registry entries whose names appear in no configuration file and no string of the
+# repository's code (other than the registration itself) is not the trained model's.
+
+def _registration_names(node: ast.AST) -> list[str]:
+    """The names a decorator / registering call gives: string arguments and ``name=`` keywords."""
+    if not isinstance(node, ast.Call):
+        return []
+    out = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    out += [k.value.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)]
+    return out
+
+
+class Registry:
+    """Name -> class registries of a set of files (dict literals with string keys and class values, ``register``
+    decorators and calls), and who else refers to each class."""
+
+    def __init__(self, index: RepoIndex, files: list[str]) -> None:
+        self.index, self.files = index, files
+        self.keys: dict[str, set[str]] = {}  # class / function name -> its registry names
+        self.positions: set[int] = set()  # ids of nodes that are registrations (not uses)
+        for rel in files:
+            text = index.text(rel) or ""
+            if "register" not in text and "{" not in text:
+                continue
+            tree = index.tree(rel)
+            for n in ast.walk(tree) if tree is not None else ():
+                self._read(n)
+
+    def _read(self, n: ast.AST) -> None:
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef)):
+            for d in n.decorator_list:
+                if "register" in _name(d.func if isinstance(d, ast.Call) else d).lower():
+                    names = _registration_names(d) or [n.name]
+                    self.keys.setdefault(n.name, set()).update(names)
+                    self.positions |= {id(x) for x in ast.walk(d)}
+        elif isinstance(n, ast.Dict) and len(n.keys) >= 2 and all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in n.keys) \
+                and all(isinstance(v, (ast.Name, ast.Attribute)) for v in n.values):
+            for k, v in zip(n.keys, n.values):
+                self.keys.setdefault(_name(v), set()).add(k.value)  # type: ignore[union-attr]
+            self.positions |= {id(x) for x in ast.walk(n)}
+        elif isinstance(n, ast.Call) and "register" in _name(n.func).lower():
+            names = _registration_names(n)
+            for a in [*n.args, *(k.value for k in n.keywords)]:
+                if isinstance(a, (ast.Name, ast.Attribute)) and names:
+                    self.keys.setdefault(_name(a), set()).update(names)
+            if names:
+                self.positions |= {id(x) for x in ast.walk(n)}
+
+    def _used(self, key: str) -> bool:
+        """Does a configuration file or a string of the repository's code (not a registration) name ``key``?"""
+        token = re.compile(r"(?<![\w.-])" + re.escape(key) + r"(?![\w-])")
+        if any(token.search(t) for t in self.index.config_texts()):
+            return True
+        for rel in self.index.files:
+            text = self.index.text(rel) or ""
+            if f'"{key}"' not in text and f"'{key}'" not in text:
+                continue
+            tree = self.index.tree(rel)
+            if tree is None or any(isinstance(n, ast.Constant) and n.value == key and id(n) not in self.positions
+                                   for n in ast.walk(tree)):
+                return True
+        return False
+
+    def _referrers(self, name: str) -> Optional[set[str]]:
+        """The top-level classes / functions of the files that refer to ``name`` (call it, subclass it, hold it)
+        outside registrations and its own definition; None when module-level code refers to it."""
+        out: set[str] = set()
+        for rel in self.files:
+            if name not in (self.index.text(rel) or ""):
+                continue
+            tree = self.index.tree(rel)
+            for top in tree.body if tree is not None else ():
+                if isinstance(top, (ast.Import, ast.ImportFrom)) or (isinstance(top, (ast.ClassDef, ast.FunctionDef)) and top.name == name):
+                    continue
+                refs = [n for n in ast.walk(top) if id(n) not in self.positions and (
+                    (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name))]
+                if not refs:
+                    continue
+                if not isinstance(top, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if isinstance(top, ast.Assign) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in top.targets):
+                        continue
+                    return None
+                out.add(top.name)
+        return out
+
+    def selected_out(self, name: str, depth: int = 0, seen: Optional[set[str]] = None) -> bool:
+        """Is every way the reachable code builds ``name`` a registry entry whose names nothing uses?"""
+        seen = set() if seen is None else seen
+        if name in seen or depth > _MAX_DEPTH:
+            return name in seen  # a cycle adds no way in; too deep: cannot tell
+        seen.add(name)
+        keys = self.keys.get(name)
+        if keys and any(self._used(k) for k in keys):
+            return False
+        ups = self._referrers(name)
+        if ups is None:
+            return False
+        if not ups:
+            return bool(keys)  # registered under unused names only, and nothing else builds it
+        return all(self.selected_out(u, depth + 1, seen) for u in ups)
+
+
+def _matters(index: RepoIndex, s: RandomSkip) -> bool:
+    """Is the skip one that can leave a trainable parameter without a grad on a drawn step (s38): its draw is
+    compared with a rate the repository leaves nonzero (or unread), and its class neither freezes the submodule nor
+    calls it only without grad?"""
+    return not never_drawn(index, s) and not frozen_in_class(s)
 
 
 def _config_texts(index: RepoIndex) -> list[str]:

@@ -100,6 +100,7 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     _wrapped_by_reallocating_class(root, files, outcomes, near, max_bytes)
     _s37_handed_to_wrapper(root, files, outcomes, near, max_bytes)
     _freed_through_other_files(root, files, outcomes, near, max_bytes)
+    _s38_freed_at_site(root, files, outcomes, near, max_bytes, zero_in_place)
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == _PATTERN]
     if not hits:
         return
@@ -192,7 +193,9 @@ def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees
         reach = b.cls if b.cls else b.function
         if not unique and (not found or not ("*" in names_ or reach in names_)):
             continue
-        verdict = _verdict(tree, rel, b, symbols)
+        if not b.cls and symbols is not None and _s38_resolves_elsewhere(symbols, rel, tree, b):
+            continue  # the file calls a function of that name from another module of the same stem
+        verdict = _verdict(tree, rel, b, symbols, _s38_returned_position(root, b, h, max_bytes))
         if verdict is None:
             continue
         blocked, text, fix, explicit = verdict
@@ -305,9 +308,10 @@ def _flat_names(nodes: Iterable[ast.AST]) -> set[str]:
     return out
 
 
-def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Optional[tuple[bool, str, Optional[str], bool]]:
+def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None,
+             position: Optional[int] = None) -> Optional[tuple[bool, str, Optional[str], bool]]:
     """(blocks?, reason or risk text, fix, explicit) of the facts ``rel`` holds about the optimizer ``b``
-    builds. ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
+    builds (``position``: its index in the tuple the builder returns, when known). ``fix``: "optimizer" / "model" / "self" (the receiver of the builder method) where the blocker is grads freed by that object's
     zero_grad, which the fused branch can make zero in place (:func:`_zero_in_place`); ``explicit``: that
     zero_grad is given set_to_none=True or a flag (the code's choice; in place only with the option)."""
     models: set[str] = set()
@@ -409,13 +413,22 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None) -> Op
         return held
     freed = _s30_handed_to_freeing(symbols, rel, tree, models) if symbols is not None and models else None
     if freed is not None:
-        return True, (f"{freed} of the model whose parameters the optimizer this builds takes ({via}): the next backward "
+        # s38: a bare `M.zero_grad()` there frees by default (torch >= 2.0), as in this file: zeroed in place by the
+        # fused branch when the model is the builder's (fix "model"), else a near miss
+        return True, (f"{freed[0]} of the model whose parameters the optimizer this builds takes ({via}): the next backward "
                       "allocates new grads outside the fused optimizer's flat buffer and its update silently uses stale "
-                      "ones; torch.optim handles freed grads"), None, False
+                      "ones; torch.optim handles freed grads"), ("model" if freed[1] else None), False
     # s37: the file that gets the optimizer from the builder hands it on, through the repository's code, to DeepSpeed
-    handed = _s37_handoff(symbols, rel, tree, list(ast.walk(tree)), optimizers, 0) if symbols is not None and optimizers else None
+    # the names followed: the one at the optimizer's position of a returned tuple (`optimizer, scheduler, scaler = ...`)
+    # when the builder's returns say which, else every name the call's result is bound to
+    followed = _s38_names_at(tree, b, position) or optimizers
+    handed = _s37_handoff(symbols, rel, tree, list(ast.walk(tree)), followed, 0) if symbols is not None and followed else None
     if handed is not None:
         return True, f"the optimizer this builds ({via}) is handed on: {handed}{_S37_STALE}", None, False
+    # s38: ... or to a loop of the repository that frees its grads with zero_grad(set_to_none=True)
+    freed = _s38_freed_after_handoff(symbols, rel, tree, list(ast.walk(tree)), followed, 0) if symbols is not None and followed else None
+    if freed is not None:
+        return True, f"the optimizer this builds ({via}) is handed on ({freed}){_S38_FREES}", "optimizer", True
     if risk is not None:
         return False, risk, None, False
     return None
@@ -427,11 +440,12 @@ def _s37_bucket_view_wrap(node: ast.Call) -> bool:
     return k is not None and not (isinstance(k.value, ast.Constant) and not k.value.value)
 
 
-def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set[str]) -> Optional[str]:
+def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set[str]) -> Optional[tuple[str, bool]]:
     """Where the file that calls an optimizer builder hands the model the builder got to a function
     (of any file of the repo) that frees or re-allocates its parameters' grads (SlowFast's training
     loop calls ``contrastive_parameter_surgery(model, ...)``, which sets ``p.grad = None`` for some of
-    ``model.named_parameters()``): the text naming the call and the free. One call deep; methods
+    ``model.named_parameters()``): the text naming the call and the free, and whether the free is a bare
+    ``M.zero_grad()`` (s38: torch >= 2.0 frees by default; the other frees are explicit). One call deep; methods
     (which work on their own object) are not followed."""
     for call in ast.walk(tree):
         if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Name, ast.Attribute)):
@@ -450,9 +464,11 @@ def _s30_handed_to_freeing(symbols: Any, rel: str, tree: ast.Module, models: set
             continue
         derived = _derived(fn, got)
         hit = _frees(fn, lambda _fn, recv: recv.split(".")[0] in derived)
+        bare = hit is None
+        hit = hit if hit is not None else _module_zero_grad(fn, derived)
         if hit is not None:
             what, line = hit
-            return f"`{dotted(call.func)}` ({rel}:{call.lineno}) is handed the model and {what} ({sym.file}:{line})"
+            return f"`{dotted(call.func)}` ({rel}:{call.lineno}) is handed the model and {what} ({sym.file}:{line})", bare
     return None
 
 
@@ -613,53 +629,152 @@ def _s37_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], name
 def _s37_handed_to_wrapper(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int) -> None:
     """Candidates whose optimizer the site's own code hands, through the repository's trainers and helpers, to a
     wrapper that re-creates its params or frees its grads: near misses naming every hop."""
+    from npufuse.scan.optimizer_handoff import handoff_at
+
+    for symbols, o, h, (name, fn, nodes, cls) in _s37_site_scopes(root, files, outcomes, max_bytes):
+        f = h.finding
+        got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
+        if got is None:
+            continue
+        text, local = got
+        test = _s37_site_test(fn, nodes, local, f.line, name) if local is not None else None
+        if test is not None:
+            # the wrapping is chosen by a test of the site's own code that the construction can evaluate
+            # (transformer-xl's `if args.cuda and args.fp16: optimizer = FP16_Optimizer(optimizer, ...)`):
+            # the fused class only for runs where that test keeps the wrapper away
+            f.guard_tensor = f"({f.guard_tensor}) if {test} else None"
+            f.params["guard"] = str(f.params.get("guard", "")) + "_unwrapped_runs_only"
+            f.risks.append(Risk("other", f"the optimizer is handed on under a condition: {text}; the guard evaluates "
+                                f"`{test}` when the optimizer is built and runs the fused class only then (the "
+                                "wrapped runs keep torch.optim)"))
+            h.body = None  # render again with the new guard
+            continue
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+
+
+def _s37_site_scopes(root: Path, files: list[str], outcomes: list[Any], max_bytes: int
+                     ) -> Iterable[tuple[Any, Any, Any, tuple[str, ast.AST, list[ast.AST], Optional[ast.ClassDef]]]]:
+    """(symbols, outcome, hit, :func:`_s37_site_scope`) of every fused_optimizer hit whose site binds its optimizer
+    to a name (a snapshot of the hits: a caller may remove the one it is given)."""
     from npufuse.scan import repo_symbols
-    from npufuse.scan.optimizer_handoff import _own_nodes
 
     symbols = repo_symbols.shared(root, files, max_bytes)
     for o in outcomes:
         for h in [h for h in o.hits if h.finding.pattern == _PATTERN]:
-            f = h.finding
-            name = _bound_name(f.fused) if isinstance(f.fused, str) else None
-            if not name or name.startswith("_npufuse"):
-                continue  # a returned construction: the files calling its builder are read by _verdict
-            tree, _why = symbols.tree(o.file)
-            if tree is None:
-                continue
-            fn: Optional[ast.AST] = tree
-            cls: Optional[ast.ClassDef] = None
-            if f.qualname == "<module>":
-                nodes = [n for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                         for n in ast.walk(st)]
-            else:
-                region = _region(tree, f.qualname)
-                if not region:
-                    continue
-                fn = region[0]
-                nodes = list(_own_nodes(fn))
-                owner = _region(tree, f.qualname.rsplit(".", 1)[0]) if "." in f.qualname else None
-                cls = owner[0] if owner and isinstance(owner[0], ast.ClassDef) else None
-            from npufuse.scan.optimizer_handoff import handoff_at
+            scope = _s37_site_scope(symbols, o.file, h.finding)
+            if scope is not None:
+                yield symbols, o, h, scope
 
-            got = handoff_at(symbols, o.file, fn, nodes, {name}, f.line, cls)
-            if got is None:
-                continue
-            text, local = got
-            test = _s37_site_test(fn, nodes, local, f.line, name) if local is not None else None
-            if test is not None:
-                # the wrapping is chosen by a test of the site's own code that the construction can evaluate
-                # (transformer-xl's `if args.cuda and args.fp16: optimizer = FP16_Optimizer(optimizer, ...)`):
-                # the fused class only for runs where that test keeps the wrapper away
-                f.guard_tensor = f"({f.guard_tensor}) if {test} else None"
-                f.params["guard"] = str(f.params.get("guard", "")) + "_unwrapped_runs_only"
-                f.risks.append(Risk("other", f"the optimizer is handed on under a condition: {text}; the guard evaluates "
-                                    f"`{test}` when the optimizer is built and runs the fused class only then (the "
-                                    "wrapped runs keep torch.optim)"))
-                h.body = None  # render again with the new guard
-                continue
-            o.hits.remove(h)
-            near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
-                         "reason": f"the optimizer is handed on: {text}{_S37_STALE}"})
+
+def _s37_site_scope(symbols: Any, rel: str, f: Any) -> Optional[tuple[str, ast.AST, list[ast.AST], Optional[ast.ClassDef]]]:
+    """(the name the construction binds, the site's function (the module for <module>), its own nodes, the class of a
+    method) for following the optimizer from its site; None for a returned construction (the files calling its
+    builder are read by _verdict) or a file that does not parse."""
+    from npufuse.scan.optimizer_handoff import _own_nodes
+
+    name = _bound_name(f.fused) if isinstance(f.fused, str) else None
+    if not name or name.startswith("_npufuse"):
+        return None
+    tree, _why = symbols.tree(rel)
+    if tree is None:
+        return None
+    if f.qualname == "<module>":
+        return name, tree, [n for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                            for n in ast.walk(st)], None
+    region = _region(tree, f.qualname)
+    if not region:
+        return None
+    owner = _region(tree, f.qualname.rsplit(".", 1)[0]) if "." in f.qualname else None
+    return name, region[0], list(_own_nodes(region[0])), (owner[0] if owner and isinstance(owner[0], ast.ClassDef) else None)
+
+
+# --- s38: the optimizer handed, through the repository's code, to a loop that frees its grads ---------------------
+# vats-multimodal-lm: `optimizer = AdamW(...)` returned by `setup_training_components` (one file), bound by the
+# training script (another) and handed to `train(model, loader, optimizer, ...)` of a third, whose loop calls
+# `optimizer.zero_grad(set_to_none=True)`: torch_npu's fused classes raise ValueError on it (spec §10).
+
+_S38_FREES = (", which frees its grads: torch_npu fused optimizers raise ValueError on zero_grad(set_to_none=True) "
+              "(grads must stay allocated in their flat buffer); pass set_to_none=False there")
+
+
+def _s38_freed_after_handoff(symbols: Any, rel: str, fn: ast.AST, nodes: list[ast.AST], names: set[str], after: int,
+                             cls: Optional[ast.ClassDef] = None) -> Optional[str]:
+    from npufuse.scan.optimizer_handoff import freed_after_handoff
+
+    return freed_after_handoff(symbols, rel, fn, nodes, names, after, cls)
+
+
+def _s38_resolves_elsewhere(symbols: Any, rel: str, tree: ast.Module, b: _Builder) -> bool:
+    """Does every call of the builder's name in ``rel`` that the repository's imports resolve name a function of
+    another file (two ``setup_training_components.py`` in two packages: the module stem alone does not tell which
+    one a file imports)? False when none resolves (the earlier text test stands)."""
+    files = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _refers(node.func, b.function):
+            sym = symbols.resolve_node(rel, node.func)
+            if sym.kind == "function":
+                files.add(sym.file)
+    return bool(files) and b.rel not in files
+
+
+def _s38_returned_position(root: Path, b: _Builder, h: Any, max_bytes: int) -> Optional[int]:
+    """The index of the candidate's optimizer in the tuple its builder returns (``return optimizer, scheduler,
+    scaler`` -> 0), when every ``return`` of the builder returns a tuple holding the name the construction binds at
+    that same index; else None."""
+    name = _bound_name(h.finding.fused) if isinstance(h.finding.fused, str) else None
+    if not name or b.via is not None or not b.function:
+        return None
+    tree = _parse(_read(root, b.rel, max_bytes))
+    region = _region(tree, f"{b.cls}.{b.function}" if b.cls else b.function) if tree is not None else None
+    if not region:
+        return None
+    from npufuse.scan.optimizer_handoff import _own_nodes
+
+    found: set[Optional[int]] = set()
+    for n in _own_nodes(region[0]):
+        if isinstance(n, ast.Return):
+            elts = n.value.elts if isinstance(n.value, (ast.Tuple, ast.List)) else []
+            found.add(next((i for i, e in enumerate(elts) if dotted(e) == name), None))
+    return found.pop() if len(found) == 1 else None
+
+
+def _s38_names_at(tree: ast.Module, b: _Builder, position: Optional[int]) -> set[str]:
+    """The names ``rel`` binds, from a call of the builder, at the optimizer's position of the returned tuple."""
+    out: set[str] = set()
+    if position is None:
+        return out
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _refers(node.value.func, b.function):
+            for t in node.targets:
+                if isinstance(t, (ast.Tuple, ast.List)) and position < len(t.elts) and not any(isinstance(e, ast.Starred) for e in t.elts):
+                    name = dotted(t.elts[position])
+                    if name:
+                        out.add(name)
+    return out
+
+
+def _s38_freed_at_site(root: Path, files: list[str], outcomes: list[Any], near: list[dict[str, Any]], max_bytes: int,
+                       zero_in_place: bool) -> None:
+    """Candidates whose optimizer the site's own code hands on (a trainer's constructor, a loop function, a method
+    of an object it built; any file) to code that calls ``zero_grad(set_to_none=<not False>)`` on it: near misses
+    naming every hop, or, with ``--optimizer-zero-grad-in-place``, a fused branch whose zero_grad zeroes in place
+    (the object is the same wherever it goes)."""
+    for symbols, o, h, (name, fn, nodes, cls) in _s37_site_scopes(root, files, outcomes, max_bytes):
+        f = h.finding
+        text = _s38_freed_after_handoff(symbols, o.file, fn, nodes, {name}, f.line, cls)
+        if text is None:
+            continue
+        text = f"the optimizer is handed on ({text}){_S38_FREES}"
+        if zero_in_place:
+            _zero_in_place(o, h, "optimizer", name, text)
+            continue
+        from npufuse.patterns.fused_optimizer import ZERO_IN_PLACE_OPT_IN
+
+        o.hits.remove(h)
+        near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
+                     "reason": text + ZERO_IN_PLACE_OPT_IN})
 
 
 def _s37_site_test(fn: ast.AST, nodes: list[ast.AST], local: tuple[ast.If, bool], site_line: int, optimizer: str) -> Optional[str]:
