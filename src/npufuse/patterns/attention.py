@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -1310,7 +1310,22 @@ class _Matcher:
                 return self.match_4d(pv, anchor)
             except Miss as miss:
                 raise (miss_3d if miss_3d is not None and "not the last two" in str(miss) else miss) from None
-        return self.match_4d(pv, anchor)
+        self.s38_key_3d = False
+        try:
+            return self.match_4d(pv, anchor)
+        except Miss as miss:
+            if not getattr(self, "s38_key_3d", False) or pv.kind not in ("matmul", "@") or getattr(self, "s34_3d", False):
+                raise
+            miss_4d = miss
+        # s38: ``q @ k.transpose(1, 2)`` with q built 3-D (UMbreLLa's static cache: [N_kv, G * Sq, D] against a
+        # per-layer [N_kv, S, D] cache): the 3-D reading, every operand's rank checked at run time
+        self.s34_3d, self.s38_unproven_3d = True, True
+        try:
+            return self.match(pv, anchor)
+        except Miss as miss_3d:
+            raise (miss_4d if "not the last two" in str(miss_3d) else miss_3d) from None
+        finally:
+            self.s34_3d = self.s38_unproven_3d = self.s38_key_3d = False
 
     def match_4d(self, pv: Product, anchor: ast.AST) -> Chain | None:
         p_node, v_node, kind = pv.a, pv.b, "bmm" if pv.kind == "baddbmm" else pv.kind
@@ -1372,6 +1387,11 @@ class _Matcher:
             chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
                                    "`v @ Pᵀ` is read on 4-D [B, N, D, S] operands: the ranks are checked at run time; other ranks "
                                    "run the original code"))
+        if s34_3d and getattr(self, "s38_unproven_3d", False):
+            unchecked = _attention_s38.unchecked_operand(chain)
+            if unchecked is not None:
+                raise Miss(f"q is built 3-D but {unchecked} reaches the product as a call whose rank npufuse does not check "
+                           "at run time (the 3-D reading needs every operand's rank checked)")
         if s34_3d:
             # s35: a leaf that is a rank-keeping method call (DexVLA's ``q.transpose(0, 1)``) is checked on its base (a
             # call inlined into the fused call is not evaluated twice); none left to check was an empty guard ``()``
@@ -2631,12 +2651,14 @@ class _Matcher:
             if self.method(kt_d, "transpose") and len(kt_d.args) == 2:
                 dims = {const_value(x) for x in kt_d.args}
                 if dims == {1, 2} and kind in ("matmul", "@") and layout == "3D" and getattr(self, "s34_3d", False) \
-                        and not _attention_s34.proven_3d(self, kt_d.func.value):
-                    raise Miss("key transposed over dims [1, 2], not the last two (the key is not built 3-D where q is)")
+                        and not getattr(self, "s38_unproven_3d", False) and not _attention_s34.proven_3d(self, kt_d.func.value):
+                    raise Miss(_attention_s38.key_transpose_reason(self, kt_d.func.value, a, dims, "BNSD"))
                 if dims in ({-2, -1}, {2, 3}) or (layout == "3D" and dims in ({1, 2}, {-2, -1})):
                     chain.k = self.peel_operand(kt_d.func.value, "k", layout, chain)
                     return
-                raise Miss(f"key transposed over dims {sorted(d for d in dims if isinstance(d, int))}, not the last two")
+                if _attention_s38.three_d_retry_wanted(self, kt_d.func.value, a, dims, kind, layout):
+                    self.s38_key_3d = True  # s38: match() reads the product again as 3-D, ranks checked at run time
+                raise Miss(_attention_s38.key_transpose_reason(self, kt_d.func.value, a, dims, layout))
             if isinstance(kt_d, ast.Attribute) and kt_d.attr in ("mT", "T") and layout != "3D":
                 chain.k = self.peel_operand(kt_d.value, "k", layout, chain)
                 return
@@ -13473,5 +13495,72 @@ AttentionPattern.KEEP += [
         _S37_KEYWORD_FILLS.replace('value=float("-inf")', "value=-3.0").replace("value=-1e4", "value=-2.0"),
         reason="not −inf or a large negative value",
         name="s37_masked_fill_with_a_small_value_by_keyword",
+    ),
+]
+
+# --- s38 (HO14a UMbreLLa ``StaticKV_Cache.compute_attention``): ``q @ k.transpose(1, 2)`` with q built 3-D by a reshape
+# (query groups folded against a per-layer [N_kv, S, D] cache) and k / v read from a cache whose rank the code does not
+# state: the 3-D bmm reading, every rank checked at run time. Helper in ``_attention_s38.py``.
+_S38_CACHE_HEADS_AS_BATCH = '''
+import math
+import torch
+
+
+class LayerCache:
+    def __init__(self, layers=2, kv_heads=2, heads=4, length=6, head_dim=8):
+        self.kv_heads, self.heads, self.groups, self.head_dim = kv_heads, heads, heads // kv_heads, head_dim
+        self.keys = torch.zeros(layers, kv_heads, length, head_dim)
+        self.values = torch.zeros(layers, kv_heads, length, head_dim)
+
+    def store(self, k, v, layer, slots):
+        self.keys[layer].index_copy_(-2, slots, k)
+        self.values[layer].index_copy_(-2, slots, v)
+        return self.keys[layer], self.values[layer]
+
+    def attend(self, q, k, v, layer, slots, visible):
+        bsz, _, q_len, _ = q.shape
+        k, v = self.store(k[0], v[0], layer, slots)
+        q = q[0].reshape(self.kv_heads, q_len * self.groups, self.head_dim)
+        w = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.head_dim)
+        w.masked_fill_(~visible[None].repeat(1, self.groups, 1), torch.finfo(w.dtype).min)
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(w, v)
+        return out.reshape(bsz, self.heads, q_len, -1).transpose(1, 2)
+'''
+
+_S38_CACHE_HEADS_AS_BATCH_RUN = '''
+c = LayerCache()
+q = torch.randn(1, 4, 3, 8, requires_grad=True)
+k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+visible = torch.ones(3, 6, dtype=torch.bool)
+visible[:, 4:] = False
+visible[0, 1:3] = False
+out = c.attend(q, k, v, 1, torch.tensor([0, 1, 2]), visible)
+leaves = [q]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S38_CACHE_HEADS_AS_BATCH, expect={"qualname": "LayerCache.attend"}, run=_S38_CACHE_HEADS_AS_BATCH_RUN,
+         name="s38_three_d_query_against_a_cache_of_unstated_rank"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the key is built 4-D: dims 1, 2 are its head and sequence axes, not the last two
+        _S38_CACHE_HEADS_AS_BATCH.replace("k, v = self.store(k[0], v[0], layer, slots)",
+                                          "k = k.reshape(bsz, q_len, self.kv_heads, self.head_dim)"),
+        reason="key transposed over dims [1, 2], not the last two of the 4-D key",
+        name="s38_three_d_query_against_a_four_d_key",
+    ),
+    Keep(
+        # q's rank is not shown and the key's neither: dims 1, 2 are the last two only of a 3-D key
+        _S38_CACHE_HEADS_AS_BATCH.replace("q = q[0].reshape(self.kv_heads, q_len * self.groups, self.head_dim)", "q = q[0]"),
+        reason="the last two only if the key is 3-D, and the code does not show the key's rank",
+        name="s38_key_transposed_over_one_two_of_unstated_rank",
+    ),
+    Keep(
+        # the values come from a call whose rank the run-time check cannot read
+        _S38_CACHE_HEADS_AS_BATCH.replace("out = torch.matmul(w, v)", "out = torch.matmul(w, self.values[layer].flip(0))"),
+        reason="reaches the product as a call whose rank npufuse does not check",
+        name="s38_three_d_query_with_values_from_an_unchecked_call",
     ),
 ]
