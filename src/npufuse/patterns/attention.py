@@ -13564,3 +13564,30 @@ AttentionPattern.KEEP += [
         name="s38_three_d_query_with_values_from_an_unchecked_call",
     ),
 ]
+
+# s38 (HO14b particleflow ``StandardAttentionLayer.forward``): the eager attention sits in the arm of ``if return_attn:``
+# and its replacement needs ``not return_attn`` (the probabilities it returns have no fused equivalent): the fused branch
+# could never run there (the rule is every pattern's: ``_guard_arms.py``, applied in ``base._outside_compiled_code``)
+_S38_EAGER_ARM_RETURNS_PROBS = '''
+import math
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, pad, return_attn=False):
+    if return_attn:
+        w = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        w = w.masked_fill(pad, float("-inf"))
+        w = F.softmax(w, dim=-1)
+        out = torch.matmul(w, v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad)
+    if return_attn:
+        return out, w
+    return out
+'''
+
+AttentionPattern.KEEP += [
+    Keep(_S38_EAGER_ARM_RETURNS_PROBS, reason="the replacement's guard requires `not return_attn`, which is false in the taken arm",
+         name="s38_guard_contradicted_by_the_enclosing_arm"),
+]
