@@ -12452,7 +12452,7 @@ AttentionPattern.KEEP += [
     Keep(
         # x reassigned after its size is unpacked: the unpacking no longer proves what reaches the linear layers
         _S34_MATMUL_3D_ONE_HEAD.replace("        q, k, v = self.w_qs(x)", "        x = x.unsqueeze(1)\n        q, k, v = self.w_qs(x)"),
-        reason="not the last two",
+        reason="the last two only if the key is 3-D",
         name="s34_matmul_rank_unproven_after_a_reassignment",
     ),
     Keep(
@@ -12732,7 +12732,7 @@ AttentionPattern.KEEP += [
     Keep(
         # the helper loops (its result's rank is not read): the 3-D reading of ``k.transpose(1, 2)`` is not proven
         _S35_PACKED_HEADS.replace("    base = x.float()\n", "    base = x.float()\n    for _ in range(2):\n        base = base.unsqueeze(0)\n"),
-        reason="not the last two",
+        reason="the last two only if the key is 3-D",
         name="s35_packed_tokens_through_a_helper_with_a_loop",
     ),
 ]
