@@ -101,3 +101,16 @@ def test_guard_consistent_with_its_arm_keeps_the_finding() -> None:
     code = _example("s38_guard_contradicted_by_the_enclosing_arm").replace("    if return_attn:\n        w =", "    if not return_attn:\n        w =")
     findings, _ = detect_all(AttentionPattern(), code)
     assert len(findings) == 1 and "not return_attn" in findings[0].fused
+
+
+def test_where_zeroing_on_heads_in_batch_reads_rows_off_the_folded_mask() -> None:
+    (f,), _ = detect_all(AttentionPattern(), _example("s38_probabilities_zeroed_by_where_on_heads_in_batch_scores"))
+    assert "_npufuse_rows = _npufuse_mask.all(-1, keepdim=True)" in f.fused
+    assert ")[0].masked_fill(_npufuse_rows, 0).squeeze(1)" in f.fused  # zeroed on [B*N, 1, Sq, D], before the squeeze
+
+
+def test_gluon_masked_softmax_fuses_where_no_mask_is_given() -> None:
+    (f,), _ = detect_all(AttentionPattern(), _example("s38_gluon_masked_softmax_helper_run_through"))
+    # the masked arm (a dtype-chosen fill, then ``* mask``) runs the original code
+    assert f.fused.startswith("if (not (attn_mask is not None)) and ")
+    assert "scale=self.scale" in f.fused

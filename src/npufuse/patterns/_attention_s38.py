@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 
@@ -71,3 +72,88 @@ def unchecked_operand(chain: Any) -> Optional[str]:
         if op is None or _attention_s35.rank_base(op.leaf) is None:
             return role
     return None
+
+
+# --- post-softmax zeroing of masked keys in the keep form (BMTrain / ModelCenter: ``score = torch.where(M, score, -inf)``
+# then ``torch.where(M, softmax(score), 0)``), also on 3-D / heads-in-batch scores ---
+FOLDED_MASK_ROWS = object()  # zero the rows the mask passed to the op masks entirely (3-D / heads-in-batch layouts)
+
+
+def where_zero_parts(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
+    """(P, the positions zeroed as a True = masked node, 0) of ``torch.where(M, P, 0)`` (P kept where M holds) or
+    ``torch.where(M, 0, P)`` (P zeroed where M holds); the zero a literal or ``torch.scalar_tensor(0, ..)`` /
+    ``torch.tensor(0, ..)``; None otherwise."""
+    import ast
+
+    from npufuse.patterns.attention import deref
+    from npufuse.scan.dataflow import const_value
+
+    if not (isinstance(node, ast.Call) and matcher._fn(node) == "torch.where" and len(node.args) == 3 and not node.keywords):
+        return None
+
+    def zero(n: Any) -> bool:
+        n = deref(n)
+        if isinstance(n, ast.Call) and matcher._fn(n) in ("torch.scalar_tensor", "torch.tensor") and n.args:
+            n = deref(n.args[0])
+        v = const_value(n)
+        return v in (0, 0.0) and not isinstance(v, bool)
+
+    m, a, b = node.args
+    if zero(b) and not zero(a):
+        return a, ast.UnaryOp(op=ast.Invert(), operand=m), b
+    if zero(a) and not zero(b):
+        return b, m, a
+    return None
+
+
+def _complement(matcher_free_node: Any) -> Optional[Any]:
+    """M of ``~M`` / ``torch.logical_not(M)`` / ``M.logical_not()``, else None."""
+    import ast
+
+    from npufuse.patterns.attention import deref
+
+    n = deref(matcher_free_node)
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.Invert, ast.Not)):
+        return n.operand
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "logical_not":
+        if not n.args and not n.keywords:
+            return n.func.value
+        if len(n.args) == 1 and not n.keywords:
+            return n.args[0]
+    return None
+
+
+def value_key(node: Any) -> str:
+    """A structural key of a symbolic value: names read before the block (Refs with no value, whose ``ast.dump`` is
+    the same for every name) keep their name and assignment index, so ``mask`` and ``other`` differ."""
+    import ast
+
+    from npufuse.patterns.attention import Ref, deref
+
+    def plain(n: Any) -> Any:
+        if isinstance(n, Ref):
+            if n.value is None:
+                return ast.Name(f"{n.name}@{n.idx}", ast.Load())
+            return plain(n.value)
+        if not isinstance(n, ast.AST):
+            return n
+        new = copy.copy(n)
+        for name, value in ast.iter_fields(n):
+            if isinstance(value, list):
+                setattr(new, name, [plain(v) for v in value])
+            elif isinstance(value, ast.AST):
+                setattr(new, name, plain(value))
+        return new
+
+    return ast.dump(plain(deref(node)))
+
+
+def same_masked_positions(term: Any, zeroed: Any) -> bool:
+    """The mask term masks the scores exactly where ``zeroed`` (True = zeroed) holds: a bool term of the same
+    mask (True = masked), or a keep term whose mask is the complement of ``zeroed``."""
+    if term.kind == "masked":
+        return value_key(term.node) == value_key(zeroed)
+    if term.kind == "keep":
+        inner = _complement(zeroed)
+        return inner is not None and value_key(term.node) == value_key(inner)
+    return False

@@ -1914,6 +1914,8 @@ class _Matcher:
         function = isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill"
         parts = masked_fill_parts(node, function) if function or self.method(node, "masked_fill", "masked_fill_") else None
         if parts is None:
+            parts = _attention_s38.where_zero_parts(self, node)  # s38: BMTrain's ``torch.where(M, softmax(s), 0)``
+        if parts is None:
             return None
         x, m, fill = parts
         f = deref(fill)
@@ -1940,10 +1942,14 @@ class _Matcher:
                 raise Miss(f"attention probabilities are zeroed where NaN after softmax with {layout} scores: npufuse "
                            "zeroes the fully masked rows of a BNSD result only")
             return
-        same = [t for t in chain.masks if t.kind == "masked" and t.cond is None and ast.dump(deref(t.node)) == ast.dump(deref(m))]
+        same = [t for t in chain.masks if t.cond is None and _attention_s38.same_masked_positions(t, m)]
         if not same:
-            raise Miss(f"attention probabilities are modified after softmax (`masked_fill` with 0 by `{self.src(m)}`, "
+            raise Miss(f"attention probabilities are modified after softmax (zeroed where `{self.src(m)}`, "
                        "not the mask the scores were masked with: it would zero kept positions too)")
+        if (layout != "BNSD" or chain.heads_in_batch) and all(t is same[0] or t.kind == "additive" for t in chain.masks):
+            # s38: 3-D / heads-in-batch scores: the rows are read off the mask the fused call gets (folded like q)
+            chain.zero_masked = _attention_s38.FOLDED_MASK_ROWS  # type: ignore[attr-defined]
+            return
         if layout != "BNSD" or chain.heads_in_batch:
             raise Miss(f"attention probabilities are zeroed on masked keys after softmax with {layout} scores: npufuse "
                        "zeroes the fully masked rows of a BNSD result only")
@@ -3885,6 +3891,17 @@ class AttentionPattern(Pattern):
             lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
                          f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # rows the original zeroed (NaN: all -inf)")
             call = f"{call}.masked_fill(_npufuse_rows, 0)"
+        elif zero_rows is _attention_s38.FOLDED_MASK_ROWS:
+            if "_npufuse_mask" not in dict(kwargs).values():
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "attention probabilities are zeroed on masked keys after "
+                                "softmax beside a mask passed as sparse_mode: npufuse zeroes the fully masked rows of an explicit mask only")
+            # the fused output is [B, N, Sq, D] here (3-D operands as N = 1), as the folded mask [B, N | 1, Sq, Skv]
+            lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
+                         f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # fully masked rows: the original zeroed them")
+            call = f"{call}.masked_fill(_npufuse_rows, 0)"
+            if len(chain.masks) > 1:
+                chain.notes.append("the rows zeroed are those the mask passed to the op masks entirely (with the additive terms): rows only "
+                                   "the sum masks entirely were -inf (NaN in the original) or finite fills (the fully masked rows caveat)")
         elif zero_rows is not None:
             try:
                 # the original zeroes the probabilities of masked keys after the softmax: a no-op on rows
@@ -13590,4 +13607,144 @@ def attend(q, k, v, pad, return_attn=False):
 AttentionPattern.KEEP += [
     Keep(_S38_EAGER_ARM_RETURNS_PROBS, reason="the replacement's guard requires `not return_attn`, which is false in the taken arm",
          name="s38_guard_contradicted_by_the_enclosing_arm"),
+]
+
+# s38 (HO13a BMTrain ``Attention.forward``; ModelCenter / CPM-Bee spell it too): the probabilities zeroed in the keep
+# form, ``torch.where(M, softmax(s), 0)`` after ``torch.where(M, s, -inf)``, on heads-in-batch 3-D bmm scores viewed
+# 4-D: a no-op on rows with a key left, zeros on fully masked rows, which the fused output gets from the folded mask
+_S38_WHERE_ZEROED_HEADS_IN_BATCH = '''
+import math
+import torch
+from torch import nn
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, dim=32, dim_head=8):
+        super().__init__()
+        self.dim_head = dim_head
+        self.project_q = nn.Linear(dim, dim)
+        self.project_k = nn.Linear(dim, dim)
+        self.project_v = nn.Linear(dim, dim)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, hidden_q, hidden_kv, mask):
+        batch, seq_q, seq_kv = hidden_q.size(0), hidden_q.size(1), hidden_kv.size(1)
+        h_q = self.project_q(hidden_q).view(batch, seq_q, -1, self.dim_head).permute(0, 2, 1, 3).reshape(-1, seq_q, self.dim_head)
+        h_k = self.project_k(hidden_kv).view(batch, seq_kv, -1, self.dim_head).permute(0, 2, 1, 3).reshape(-1, seq_kv, self.dim_head)
+        h_v = self.project_v(hidden_kv).view(batch, seq_kv, -1, self.dim_head).permute(0, 2, 1, 3).reshape(-1, seq_kv, self.dim_head)
+        score = torch.bmm(h_q, h_k.transpose(1, 2)) / math.sqrt(self.dim_head)
+        score = score.view(batch, -1, seq_q, seq_kv)
+        score = torch.where(mask.view(batch, 1, seq_q, seq_kv), score, torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype))
+        score = torch.where(mask.view(batch, 1, seq_q, seq_kv), self.softmax(score), torch.scalar_tensor(0, device=score.device, dtype=score.dtype))
+        score = score.view(-1, seq_q, seq_kv)
+        out = torch.bmm(score, h_v).view(batch, -1, seq_q, self.dim_head)
+        return out.permute(0, 2, 1, 3).reshape(batch, seq_q, -1)
+'''
+
+_S38_WHERE_ZEROED_RUN = '''
+m = BlockAttention()
+x, y = torch.randn(2, 5, 32, requires_grad=True), torch.randn(2, 6, 32, requires_grad=True)
+mask = torch.rand(2, 5, 6) > 0.3
+mask[0, 2] = False  # a fully masked query row: zeros in the original
+mask[1, :, 0] = True
+mask[0, [0, 1, 3, 4], 1] = True
+out = m(x, y, mask)
+leaves = [x, y]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S38_WHERE_ZEROED_HEADS_IN_BATCH, expect={"qualname": "BlockAttention.forward"}, run=_S38_WHERE_ZEROED_RUN,
+         name="s38_probabilities_zeroed_by_where_on_heads_in_batch_scores"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # zeroed where the mask holds (the kept positions), not on the masked keys
+        _S38_WHERE_ZEROED_HEADS_IN_BATCH.replace(
+            "self.softmax(score), torch.scalar_tensor(0, device=score.device, dtype=score.dtype))",
+            "torch.scalar_tensor(0, device=score.device, dtype=score.dtype), self.softmax(score))"),
+        reason="not the mask the scores were masked with",
+        name="s38_where_zeroing_the_kept_positions",
+    ),
+    Keep(
+        # zeroed by another mask than the scores': it would zero kept positions too
+        _S38_WHERE_ZEROED_HEADS_IN_BATCH.replace("def forward(self, hidden_q, hidden_kv, mask):", "def forward(self, hidden_q, hidden_kv, mask, other):").replace(
+            "score = torch.where(mask.view(batch, 1, seq_q, seq_kv), self.softmax(score)", "score = torch.where(other.view(batch, 1, seq_q, seq_kv), self.softmax(score)"),
+        reason="not the mask the scores were masked with",
+        name="s38_where_zeroing_by_another_mask",
+    ),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # s38: the probabilities zeroed by another parameter than the scores' mask (both names read before the function's
+        # statements: their symbolic values used to compare equal): it zeroes kept positions too
+        '''
+import torch
+
+
+def attend(q, k, v, mask, other):
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(other, 0.0)
+    return torch.matmul(p, v)
+''',
+        reason="zeroed where `other`, not the mask the scores were masked with",
+        name="s38_probabilities_zeroed_by_another_parameter",
+    ),
+]
+
+# s38 (HO13b Earthformer cuboid attention; GluonNLP's ``masked_softmax`` is copied widely): a repository softmax helper
+# with a signed default (``axis: int = -1``) and a local assigned in both arms of ``if mask is not None`` is run through;
+# the masked arm (a dtype-chosen fill, then ``* mask`` after the softmax) is left to the original code
+_S38_GLUON_MASKED_SOFTMAX = '''
+import torch
+from torch import nn
+
+
+def masked_softmax(att_score, mask, axis: int = -1):
+    """Ignore the masked elements when calculating the softmax."""
+    if mask is not None:
+        if att_score.dtype == torch.float16:
+            att_score = att_score.masked_fill(torch.logical_not(mask), -1E4)
+        else:
+            att_score = att_score.masked_fill(torch.logical_not(mask), -1E18)
+        att_weights = torch.softmax(att_score, dim=axis) * mask
+    else:
+        att_weights = torch.softmax(att_score, dim=axis)
+    return att_weights
+
+
+class CuboidMixer(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attn_mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        score = (q * self.scale) @ k.transpose(-2, -1)
+        weights = masked_softmax(score, mask=attn_mask)
+        return (weights @ v).permute(0, 2, 1, 3).reshape(b, n, c)
+'''
+
+_S38_GLUON_MASKED_SOFTMAX_RUN = '''
+m = CuboidMixer()
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.rand(2, 1, 5, 5) > 0.3
+keep[..., 0] = True
+out = (m(x), m(x, keep))
+leaves = [x]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S38_GLUON_MASKED_SOFTMAX, expect={"qualname": "CuboidMixer.forward"}, run=_S38_GLUON_MASKED_SOFTMAX_RUN,
+         name="s38_gluon_masked_softmax_helper_run_through"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the helper's result is assigned in one arm only: where the mask is None it raises, nothing to read
+        _S38_GLUON_MASKED_SOFTMAX.replace("    else:\n        att_weights = torch.softmax(att_score, dim=axis)\n", ""),
+        reason="whose body is not read as a softmax",
+        name="s38_masked_softmax_helper_with_a_local_unassigned_on_one_path",
+    ),
 ]
