@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 
@@ -128,24 +127,9 @@ def value_key(node: Any) -> str:
     the same for every name) keep their name and assignment index, so ``mask`` and ``other`` differ."""
     import ast
 
-    from npufuse.patterns.attention import Ref, deref
+    from npufuse.patterns.attention import _plain, deref
 
-    def plain(n: Any) -> Any:
-        if isinstance(n, Ref):
-            if n.value is None:
-                return ast.Name(f"{n.name}@{n.idx}", ast.Load())
-            return plain(n.value)
-        if not isinstance(n, ast.AST):
-            return n
-        new = copy.copy(n)
-        for name, value in ast.iter_fields(n):
-            if isinstance(value, list):
-                setattr(new, name, [plain(v) for v in value])
-            elif isinstance(value, ast.AST):
-                setattr(new, name, plain(value))
-        return new
-
-    return ast.dump(plain(deref(node)))
+    return ast.dump(_plain(deref(node), keyed=True))
 
 
 def same_masked_positions(term: Any, zeroed: Any) -> bool:

@@ -2861,12 +2861,16 @@ def _minus_infinity(n: ast.AST) -> bool:
     return isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip().lower() in ("-inf", "inf", "-infinity")
 
 
-def _plain(node: Any) -> Any:
-    """Symbolic tree -> ast with Refs as Names (for messages, structural comparisons and helper checks)."""
+def _plain(node: Any, keyed: bool = False) -> Any:
+    """Symbolic tree -> ast with Refs as Names (for messages, structural comparisons and helper checks). ``keyed``
+    (s38, for comparing values): a Ref with a value is replaced by it, one without (a name read before the block) by
+    its name and assignment index, so a name reassigned in between is not the same value."""
     if isinstance(node, Ref):
-        return ast.Name(node.name, ast.Load())
+        if keyed and node.value is not None and not isinstance(node.value, (Undef, Opaque)):
+            return _plain(node.value, True)
+        return ast.Name(f"{node.name}@{node.idx}" if keyed else node.name, ast.Load())
     if isinstance(node, Cond):
-        return ast.IfExp(test=_plain(node.test), body=_plain(node.body), orelse=_plain(node.orelse))
+        return ast.IfExp(test=_plain(node.test, keyed), body=_plain(node.body, keyed), orelse=_plain(node.orelse, keyed))
     if isinstance(node, (Undef, Opaque)):
         return ast.Name("<undefined>", ast.Load())
     if not isinstance(node, ast.AST):
@@ -2874,9 +2878,9 @@ def _plain(node: Any) -> Any:
     new = copy.copy(node)
     for name, value in ast.iter_fields(node):
         if isinstance(value, list):
-            setattr(new, name, [_plain(v) for v in value])
+            setattr(new, name, [_plain(v, keyed) for v in value])
         elif isinstance(value, ast.AST):
-            setattr(new, name, _plain(value))
+            setattr(new, name, _plain(value, keyed))
     return new
 
 
@@ -13652,7 +13656,22 @@ out = m(x, y, mask)
 leaves = [x, y]
 '''
 
+_S38_WHERE_ZEROED_BNSD = '''
+import torch
+
+
+def attend(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    s = torch.where(keep, s, torch.scalar_tensor(float("-inf"), device=s.device, dtype=s.dtype))
+    p = torch.where(keep, torch.softmax(s, dim=-1), torch.scalar_tensor(0, device=s.device, dtype=s.dtype))
+    return torch.matmul(p, v)
+'''
+
 AttentionPattern.FUSE += [
+    Fuse(_S38_WHERE_ZEROED_BNSD, expect={"qualname": "attend"},
+         run="\nq, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))\nkeep = torch.rand(2, 1, 5, 5) > 0.4\n"
+             "keep[0, 0, 1] = False\nkeep[..., 2] = True\nkeep[0, 0, 1] = False\nout = attend(q, k, v, keep)\nleaves = [q, k, v]\n",
+         name="s38_probabilities_zeroed_by_where_on_bnsd_scores"),
     Fuse(_S38_WHERE_ZEROED_HEADS_IN_BATCH, expect={"qualname": "BlockAttention.forward"}, run=_S38_WHERE_ZEROED_RUN,
          name="s38_probabilities_zeroed_by_where_on_heads_in_batch_scores"),
 ]
