@@ -75,6 +75,8 @@ def test_guard_contradicted_by_any_arm_of_an_if_elif_else() -> None:
     assert contradicted_guard(scope, _finding("if fast:\n    y = x\nelse:\n    y = x * 3", 6, 6)) is None
     # the else arm: cfg.flag is false there
     assert "false in the `else` arm" in contradicted_guard(scope, _finding("if cfg.flag:\n    y = x\nelse:\n    y = x * 4", 8, 8))
+    # a fork whose `else` is not the span as written (fused code on both sides): not a guard, nothing dropped
+    assert contradicted_guard(scope, _finding("if not fast:\n    y = x\nelse:\n    y = fused(x)", 4, 4)) is None
     # a guard the arm does not decide, or fused code with no guard
     assert contradicted_guard(scope, _finding("if x.is_npu:\n    y = x\nelse:\n    y = x * 2", 4, 4)) is None
     assert contradicted_guard(scope, _finding("y = x", 4, 4)) is None

@@ -5,7 +5,8 @@ where every test holds. A span inside an ``if``/``else`` arm runs only where the
 when the arm fixes one of the guard's tests to false (jpata/particleflow: the eager attention inside
 ``if return_attn:``, whose guard asks ``not return_attn`` because the probabilities it returns have no fused
 equivalent) the fused branch is dead code: the candidate replaces nothing that ever runs. :func:`contradicted_guard`
-gives the reason; ``base._outside_compiled_code`` turns such findings into near misses for every pattern.
+gives the reason; ``base._outside_compiled_code`` turns such findings into near misses for every pattern. Only a
+guard proper is read: the fused ``if``'s ``else`` must be the span's statements as written.
 
 Read as facts: the enclosing arms' tests (through ``and`` in a taken arm, ``or`` in an ``else`` arm, ``not``), each
 only where nothing in the arm stores to a name or attribute the test reads (a store in the arm, before or after the
@@ -96,6 +97,18 @@ def _changed(paths: set[str], stored: set[str]) -> bool:
     return False
 
 
+def _falls_back_to_the_span(idx: Any, stmt: ast.stmt, finding: Any, guarded: ast.If) -> bool:
+    """The fused ``if``'s ``else`` is the span's own statements as written (a guard: fused code or the original), so
+    a false test means no fused code runs; a fork whose ``else`` holds fused code too (add_rms_norm's norm under an
+    ``if`` / ``else`` of the original) is not such a guard."""
+    held = idx.block.get(id(stmt))
+    if held is None:
+        return False
+    block, i = held
+    span = [st for st in block[i:] if (getattr(st, "end_lineno", None) or st.lineno) <= finding.end_line]
+    return bool(span) and len(span) == len(guarded.orelse) and all(ast.dump(a) == ast.dump(b) for a, b in zip(span, guarded.orelse))
+
+
 def contradicted_guard(scope: Any, finding: Any) -> Optional[str]:
     """Why ``finding``'s fused branch never runs where its span sits: a test of its guard (the ``if`` its fused
     text starts with) is false in the ``if``/``else`` arm holding the span; None otherwise."""
@@ -111,7 +124,7 @@ def contradicted_guard(scope: Any, finding: Any) -> Optional[str]:
         return None
     idx = S.stmt_index(scope)
     stmt = idx.by_line.get(finding.line)
-    if stmt is None:
+    if stmt is None or not _falls_back_to_the_span(idx, stmt, finding, fused.body[0]):
         return None
     facts: list[tuple[tuple[str, bool], ast.If, bool]] = []
     child: ast.stmt = stmt
