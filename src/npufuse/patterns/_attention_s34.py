@@ -112,16 +112,19 @@ def inlined_helper_body(matcher: Any, node: Any) -> Optional[Any]:
         return None
     for p in params:
         if not any(bound[p] is a for a in node.args) and not any(bound[p] is k.value for k in node.keywords) \
-                and not isinstance(bound[p], ast.Constant):
-            return None  # a default that is an expression of the helper's file
+                and not isinstance(bound[p], ast.Constant) and not isinstance(canonical.const_value(bound[p]), (int, float)):
+            return None  # a default that is an expression of the helper's file (s38: a signed number, ``axis: int = -1``, is a literal)
     body = [st for st in fn.body[:-1] if not (isinstance(st, ast.Expr) and isinstance(canonical.const_value(st.value), str))]
     body.append(ast.Assign(targets=[ast.Name(_RESULT, ast.Store())], value=fn.body[-1].value, lineno=fn.body[-1].lineno))  # type: ignore[attr-defined]
     try:
         interp = BlockInterp(body)
     except Exception:
         return None
+    # s38: a local assigned in every arm of an ``if`` (GluonNLP's ``masked_softmax``: ``att_weights`` in both arms) is
+    # listed as read before the block too; it is the helper's own, never the caller's (its unassigned reading fails below)
+    helper_locals = {t.id for st in fn.body for t in ast.walk(st) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)} - set(bound)
     for name in interp.pre:
-        if name in bound:
+        if name in bound or name in helper_locals:
             continue
         # a free name: a torch import, bound the same way in the caller's file (``F``, ``torch``, ``nn``)
         full = helper_aliases.get(name)
@@ -147,6 +150,8 @@ def inlined_helper_body(matcher: Any, node: Any) -> Optional[Any]:
             return memo[id(n)]
         if isinstance(n, Ref):
             if n.idx == -1 and n.value is None:
+                if n.name in helper_locals:
+                    raise LookupError(n.name)  # a helper local read where no assignment of the helper reaches
                 out = bound[n.name] if n.name in bound else caller_name(n.name)
             elif isinstance(n.value, (Opaque, Undef)) or n.value is None:
                 raise LookupError(n.name)

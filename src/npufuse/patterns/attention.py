@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -1310,7 +1310,22 @@ class _Matcher:
                 return self.match_4d(pv, anchor)
             except Miss as miss:
                 raise (miss_3d if miss_3d is not None and "not the last two" in str(miss) else miss) from None
-        return self.match_4d(pv, anchor)
+        self.s38_key_3d = False
+        try:
+            return self.match_4d(pv, anchor)
+        except Miss as miss:
+            if not getattr(self, "s38_key_3d", False) or pv.kind not in ("matmul", "@") or getattr(self, "s34_3d", False):
+                raise
+            miss_4d = miss
+        # s38: ``q @ k.transpose(1, 2)`` with q built 3-D (UMbreLLa's static cache: [N_kv, G * Sq, D] against a
+        # per-layer [N_kv, S, D] cache): the 3-D reading, every operand's rank checked at run time
+        self.s34_3d, self.s38_unproven_3d = True, True
+        try:
+            return self.match(pv, anchor)
+        except Miss as miss_3d:
+            raise (miss_4d if "not the last two" in str(miss_3d) else miss_3d) from None
+        finally:
+            self.s34_3d = self.s38_unproven_3d = self.s38_key_3d = False
 
     def match_4d(self, pv: Product, anchor: ast.AST) -> Chain | None:
         p_node, v_node, kind = pv.a, pv.b, "bmm" if pv.kind == "baddbmm" else pv.kind
@@ -1372,6 +1387,11 @@ class _Matcher:
             chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
                                    "`v @ Pᵀ` is read on 4-D [B, N, D, S] operands: the ranks are checked at run time; other ranks "
                                    "run the original code"))
+        if s34_3d and getattr(self, "s38_unproven_3d", False):
+            unchecked = _attention_s38.unchecked_operand(chain)
+            if unchecked is not None:
+                raise Miss(f"q is built 3-D but {unchecked} reaches the product as a call whose rank npufuse does not check "
+                           "at run time (the 3-D reading needs every operand's rank checked)")
         if s34_3d:
             # s35: a leaf that is a rank-keeping method call (DexVLA's ``q.transpose(0, 1)``) is checked on its base (a
             # call inlined into the fused call is not evaluated twice); none left to check was an empty guard ``()``
@@ -1894,6 +1914,8 @@ class _Matcher:
         function = isinstance(node, ast.Call) and self._fn(node) == "torch.masked_fill"
         parts = masked_fill_parts(node, function) if function or self.method(node, "masked_fill", "masked_fill_") else None
         if parts is None:
+            parts = _attention_s38.where_zero_parts(self, node)  # s38: BMTrain's ``torch.where(M, softmax(s), 0)``
+        if parts is None:
             return None
         x, m, fill = parts
         f = deref(fill)
@@ -1920,10 +1942,14 @@ class _Matcher:
                 raise Miss(f"attention probabilities are zeroed where NaN after softmax with {layout} scores: npufuse "
                            "zeroes the fully masked rows of a BNSD result only")
             return
-        same = [t for t in chain.masks if t.kind == "masked" and t.cond is None and ast.dump(deref(t.node)) == ast.dump(deref(m))]
+        same = [t for t in chain.masks if t.cond is None and _attention_s38.same_masked_positions(t, m)]
         if not same:
-            raise Miss(f"attention probabilities are modified after softmax (`masked_fill` with 0 by `{self.src(m)}`, "
+            raise Miss(f"attention probabilities are modified after softmax (zeroed where `{self.src(m)}`, "
                        "not the mask the scores were masked with: it would zero kept positions too)")
+        if (layout != "BNSD" or chain.heads_in_batch) and all(t is same[0] or t.kind == "additive" for t in chain.masks):
+            # s38: 3-D / heads-in-batch scores: the rows are read off the mask the fused call gets (folded like q)
+            chain.zero_masked = _attention_s38.FOLDED_MASK_ROWS  # type: ignore[attr-defined]
+            return
         if layout != "BNSD" or chain.heads_in_batch:
             raise Miss(f"attention probabilities are zeroed on masked keys after softmax with {layout} scores: npufuse "
                        "zeroes the fully masked rows of a BNSD result only")
@@ -2631,12 +2657,14 @@ class _Matcher:
             if self.method(kt_d, "transpose") and len(kt_d.args) == 2:
                 dims = {const_value(x) for x in kt_d.args}
                 if dims == {1, 2} and kind in ("matmul", "@") and layout == "3D" and getattr(self, "s34_3d", False) \
-                        and not _attention_s34.proven_3d(self, kt_d.func.value):
-                    raise Miss("key transposed over dims [1, 2], not the last two (the key is not built 3-D where q is)")
+                        and not getattr(self, "s38_unproven_3d", False) and not _attention_s34.proven_3d(self, kt_d.func.value):
+                    raise Miss(_attention_s38.key_transpose_reason(self, kt_d.func.value, a, dims, "BNSD"))
                 if dims in ({-2, -1}, {2, 3}) or (layout == "3D" and dims in ({1, 2}, {-2, -1})):
                     chain.k = self.peel_operand(kt_d.func.value, "k", layout, chain)
                     return
-                raise Miss(f"key transposed over dims {sorted(d for d in dims if isinstance(d, int))}, not the last two")
+                if _attention_s38.three_d_retry_wanted(self, kt_d.func.value, a, dims, kind, layout):
+                    self.s38_key_3d = True  # s38: match() reads the product again as 3-D, ranks checked at run time
+                raise Miss(_attention_s38.key_transpose_reason(self, kt_d.func.value, a, dims, layout))
             if isinstance(kt_d, ast.Attribute) and kt_d.attr in ("mT", "T") and layout != "3D":
                 chain.k = self.peel_operand(kt_d.value, "k", layout, chain)
                 return
@@ -2833,12 +2861,16 @@ def _minus_infinity(n: ast.AST) -> bool:
     return isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip().lower() in ("-inf", "inf", "-infinity")
 
 
-def _plain(node: Any) -> Any:
-    """Symbolic tree -> ast with Refs as Names (for messages, structural comparisons and helper checks)."""
+def _plain(node: Any, keyed: bool = False) -> Any:
+    """Symbolic tree -> ast with Refs as Names (for messages, structural comparisons and helper checks). ``keyed``
+    (s38, for comparing values): a Ref with a value is replaced by it, one without (a name read before the block) by
+    its name and assignment index, so a name reassigned in between is not the same value."""
     if isinstance(node, Ref):
-        return ast.Name(node.name, ast.Load())
+        if keyed and node.value is not None and not isinstance(node.value, (Undef, Opaque)):
+            return _plain(node.value, True)
+        return ast.Name(f"{node.name}@{node.idx}" if keyed else node.name, ast.Load())
     if isinstance(node, Cond):
-        return ast.IfExp(test=_plain(node.test), body=_plain(node.body), orelse=_plain(node.orelse))
+        return ast.IfExp(test=_plain(node.test, keyed), body=_plain(node.body, keyed), orelse=_plain(node.orelse, keyed))
     if isinstance(node, (Undef, Opaque)):
         return ast.Name("<undefined>", ast.Load())
     if not isinstance(node, ast.AST):
@@ -2846,9 +2878,9 @@ def _plain(node: Any) -> Any:
     new = copy.copy(node)
     for name, value in ast.iter_fields(node):
         if isinstance(value, list):
-            setattr(new, name, [_plain(v) for v in value])
+            setattr(new, name, [_plain(v, keyed) for v in value])
         elif isinstance(value, ast.AST):
-            setattr(new, name, _plain(value))
+            setattr(new, name, _plain(value, keyed))
     return new
 
 
@@ -3863,6 +3895,17 @@ class AttentionPattern(Pattern):
             lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
                          f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # rows the original zeroed (NaN: all -inf)")
             call = f"{call}.masked_fill(_npufuse_rows, 0)"
+        elif zero_rows is _attention_s38.FOLDED_MASK_ROWS:
+            if "_npufuse_mask" not in dict(kwargs).values():
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "attention probabilities are zeroed on masked keys after "
+                                "softmax beside a mask passed as sparse_mode: npufuse zeroes the fully masked rows of an explicit mask only")
+            # the fused output is [B, N, Sq, D] here (3-D operands as N = 1), as the folded mask [B, N | 1, Sq, Skv]
+            lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
+                         f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # fully masked rows: the original zeroed them")
+            call = f"{call}.masked_fill(_npufuse_rows, 0)"
+            if len(chain.masks) > 1:
+                chain.notes.append("the rows zeroed are those the mask passed to the op masks entirely (with the additive terms): rows only "
+                                   "the sum masks entirely were -inf (NaN in the original) or finite fills (the fully masked rows caveat)")
         elif zero_rows is not None:
             try:
                 # the original zeroes the probabilities of masked keys after the softmax: a no-op on rows
@@ -12430,7 +12473,7 @@ AttentionPattern.KEEP += [
     Keep(
         # x reassigned after its size is unpacked: the unpacking no longer proves what reaches the linear layers
         _S34_MATMUL_3D_ONE_HEAD.replace("        q, k, v = self.w_qs(x)", "        x = x.unsqueeze(1)\n        q, k, v = self.w_qs(x)"),
-        reason="not the last two",
+        reason="the last two only if the key is 3-D",
         name="s34_matmul_rank_unproven_after_a_reassignment",
     ),
     Keep(
@@ -12710,7 +12753,7 @@ AttentionPattern.KEEP += [
     Keep(
         # the helper loops (its result's rank is not read): the 3-D reading of ``k.transpose(1, 2)`` is not proven
         _S35_PACKED_HEADS.replace("    base = x.float()\n", "    base = x.float()\n    for _ in range(2):\n        base = base.unsqueeze(0)\n"),
-        reason="not the last two",
+        reason="the last two only if the key is 3-D",
         name="s35_packed_tokens_through_a_helper_with_a_loop",
     ),
 ]
@@ -13473,5 +13516,254 @@ AttentionPattern.KEEP += [
         _S37_KEYWORD_FILLS.replace('value=float("-inf")', "value=-3.0").replace("value=-1e4", "value=-2.0"),
         reason="not −inf or a large negative value",
         name="s37_masked_fill_with_a_small_value_by_keyword",
+    ),
+]
+
+# --- s38 (HO14a UMbreLLa ``StaticKV_Cache.compute_attention``): ``q @ k.transpose(1, 2)`` with q built 3-D by a reshape
+# (query groups folded against a per-layer [N_kv, S, D] cache) and k / v read from a cache whose rank the code does not
+# state: the 3-D bmm reading, every rank checked at run time. Helper in ``_attention_s38.py``.
+_S38_CACHE_HEADS_AS_BATCH = '''
+import math
+import torch
+
+
+class LayerCache:
+    def __init__(self, layers=2, kv_heads=2, heads=4, length=6, head_dim=8):
+        self.kv_heads, self.heads, self.groups, self.head_dim = kv_heads, heads, heads // kv_heads, head_dim
+        self.keys = torch.zeros(layers, kv_heads, length, head_dim)
+        self.values = torch.zeros(layers, kv_heads, length, head_dim)
+
+    def store(self, k, v, layer, slots):
+        self.keys[layer].index_copy_(-2, slots, k)
+        self.values[layer].index_copy_(-2, slots, v)
+        return self.keys[layer], self.values[layer]
+
+    def attend(self, q, k, v, layer, slots, visible):
+        bsz, _, q_len, _ = q.shape
+        k, v = self.store(k[0], v[0], layer, slots)
+        q = q[0].reshape(self.kv_heads, q_len * self.groups, self.head_dim)
+        w = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.head_dim)
+        w.masked_fill_(~visible[None].repeat(1, self.groups, 1), torch.finfo(w.dtype).min)
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(w, v)
+        return out.reshape(bsz, self.heads, q_len, -1).transpose(1, 2)
+'''
+
+_S38_CACHE_HEADS_AS_BATCH_RUN = '''
+c = LayerCache()
+q = torch.randn(1, 4, 3, 8, requires_grad=True)
+k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+visible = torch.ones(3, 6, dtype=torch.bool)
+visible[:, 4:] = False
+visible[0, 1:3] = False
+out = c.attend(q, k, v, 1, torch.tensor([0, 1, 2]), visible)
+leaves = [q]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S38_CACHE_HEADS_AS_BATCH, expect={"qualname": "LayerCache.attend"}, run=_S38_CACHE_HEADS_AS_BATCH_RUN,
+         name="s38_three_d_query_against_a_cache_of_unstated_rank"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the key is built 4-D: dims 1, 2 are its head and sequence axes, not the last two
+        _S38_CACHE_HEADS_AS_BATCH.replace("k, v = self.store(k[0], v[0], layer, slots)",
+                                          "k = k.reshape(bsz, q_len, self.kv_heads, self.head_dim)"),
+        reason="key transposed over dims [1, 2], not the last two of the 4-D key",
+        name="s38_three_d_query_against_a_four_d_key",
+    ),
+    Keep(
+        # q's rank is not shown and the key's neither: dims 1, 2 are the last two only of a 3-D key
+        _S38_CACHE_HEADS_AS_BATCH.replace("q = q[0].reshape(self.kv_heads, q_len * self.groups, self.head_dim)", "q = q[0]"),
+        reason="the last two only if the key is 3-D, and the code does not show the key's rank",
+        name="s38_key_transposed_over_one_two_of_unstated_rank",
+    ),
+    Keep(
+        # the values come from a call whose rank the run-time check cannot read
+        _S38_CACHE_HEADS_AS_BATCH.replace("out = torch.matmul(w, v)", "out = torch.matmul(w, self.values[layer].flip(0))"),
+        reason="reaches the product as a call whose rank npufuse does not check",
+        name="s38_three_d_query_with_values_from_an_unchecked_call",
+    ),
+]
+
+# s38 (HO14b particleflow ``StandardAttentionLayer.forward``): the eager attention sits in the arm of ``if return_attn:``
+# and its replacement needs ``not return_attn`` (the probabilities it returns have no fused equivalent): the fused branch
+# could never run there (the rule is every pattern's: ``_guard_arms.py``, applied in ``base._outside_compiled_code``)
+_S38_EAGER_ARM_RETURNS_PROBS = '''
+import math
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, pad, return_attn=False):
+    if return_attn:
+        w = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        w = w.masked_fill(pad, float("-inf"))
+        w = F.softmax(w, dim=-1)
+        out = torch.matmul(w, v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad)
+    if return_attn:
+        return out, w
+    return out
+'''
+
+AttentionPattern.KEEP += [
+    Keep(_S38_EAGER_ARM_RETURNS_PROBS, reason="the replacement's guard requires `not return_attn`, which is false in the taken arm",
+         name="s38_guard_contradicted_by_the_enclosing_arm"),
+]
+
+# s38 (HO13a BMTrain ``Attention.forward``; ModelCenter / CPM-Bee spell it too): the probabilities zeroed in the keep
+# form, ``torch.where(M, softmax(s), 0)`` after ``torch.where(M, s, -inf)``, on heads-in-batch 3-D bmm scores viewed
+# 4-D: a no-op on rows with a key left, zeros on fully masked rows, which the fused output gets from the folded mask
+_S38_WHERE_ZEROED_HEADS_IN_BATCH = '''
+import math
+import torch
+from torch import nn
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, dim=32, dim_head=8):
+        super().__init__()
+        self.dim_head = dim_head
+        self.project_q = nn.Linear(dim, dim)
+        self.project_k = nn.Linear(dim, dim)
+        self.project_v = nn.Linear(dim, dim)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, hidden_q, hidden_kv, mask):
+        batch, seq_q, seq_kv = hidden_q.size(0), hidden_q.size(1), hidden_kv.size(1)
+        h_q = self.project_q(hidden_q).view(batch, seq_q, -1, self.dim_head).permute(0, 2, 1, 3).reshape(-1, seq_q, self.dim_head)
+        h_k = self.project_k(hidden_kv).view(batch, seq_kv, -1, self.dim_head).permute(0, 2, 1, 3).reshape(-1, seq_kv, self.dim_head)
+        h_v = self.project_v(hidden_kv).view(batch, seq_kv, -1, self.dim_head).permute(0, 2, 1, 3).reshape(-1, seq_kv, self.dim_head)
+        score = torch.bmm(h_q, h_k.transpose(1, 2)) / math.sqrt(self.dim_head)
+        score = score.view(batch, -1, seq_q, seq_kv)
+        score = torch.where(mask.view(batch, 1, seq_q, seq_kv), score, torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype))
+        score = torch.where(mask.view(batch, 1, seq_q, seq_kv), self.softmax(score), torch.scalar_tensor(0, device=score.device, dtype=score.dtype))
+        score = score.view(-1, seq_q, seq_kv)
+        out = torch.bmm(score, h_v).view(batch, -1, seq_q, self.dim_head)
+        return out.permute(0, 2, 1, 3).reshape(batch, seq_q, -1)
+'''
+
+_S38_WHERE_ZEROED_RUN = '''
+m = BlockAttention()
+x, y = torch.randn(2, 5, 32, requires_grad=True), torch.randn(2, 6, 32, requires_grad=True)
+mask = torch.rand(2, 5, 6) > 0.3
+mask[0, 2] = False  # a fully masked query row: zeros in the original
+mask[1, :, 0] = True
+mask[0, [0, 1, 3, 4], 1] = True
+out = m(x, y, mask)
+leaves = [x, y]
+'''
+
+_S38_WHERE_ZEROED_BNSD = '''
+import torch
+
+
+def attend(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    s = torch.where(keep, s, torch.scalar_tensor(float("-inf"), device=s.device, dtype=s.dtype))
+    p = torch.where(keep, torch.softmax(s, dim=-1), torch.scalar_tensor(0, device=s.device, dtype=s.dtype))
+    return torch.matmul(p, v)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S38_WHERE_ZEROED_BNSD, expect={"qualname": "attend"},
+         run="\nq, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))\nkeep = torch.rand(2, 1, 5, 5) > 0.4\n"
+             "keep[0, 0, 1] = False\nkeep[..., 2] = True\nkeep[0, 0, 1] = False\nout = attend(q, k, v, keep)\nleaves = [q, k, v]\n",
+         name="s38_probabilities_zeroed_by_where_on_bnsd_scores"),
+    Fuse(_S38_WHERE_ZEROED_HEADS_IN_BATCH, expect={"qualname": "BlockAttention.forward"}, run=_S38_WHERE_ZEROED_RUN,
+         name="s38_probabilities_zeroed_by_where_on_heads_in_batch_scores"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # zeroed where the mask holds (the kept positions), not on the masked keys
+        _S38_WHERE_ZEROED_HEADS_IN_BATCH.replace(
+            "self.softmax(score), torch.scalar_tensor(0, device=score.device, dtype=score.dtype))",
+            "torch.scalar_tensor(0, device=score.device, dtype=score.dtype), self.softmax(score))"),
+        reason="not the mask the scores were masked with",
+        name="s38_where_zeroing_the_kept_positions",
+    ),
+    Keep(
+        # zeroed by another mask than the scores': it would zero kept positions too
+        _S38_WHERE_ZEROED_HEADS_IN_BATCH.replace("def forward(self, hidden_q, hidden_kv, mask):", "def forward(self, hidden_q, hidden_kv, mask, other):").replace(
+            "score = torch.where(mask.view(batch, 1, seq_q, seq_kv), self.softmax(score)", "score = torch.where(other.view(batch, 1, seq_q, seq_kv), self.softmax(score)"),
+        reason="not the mask the scores were masked with",
+        name="s38_where_zeroing_by_another_mask",
+    ),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # s38: the probabilities zeroed by another parameter than the scores' mask (both names read before the function's
+        # statements: their symbolic values used to compare equal): it zeroes kept positions too
+        '''
+import torch
+
+
+def attend(q, k, v, mask, other):
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.125
+    s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(other, 0.0)
+    return torch.matmul(p, v)
+''',
+        reason="zeroed where `other`, not the mask the scores were masked with",
+        name="s38_probabilities_zeroed_by_another_parameter",
+    ),
+]
+
+# s38 (HO13b Earthformer cuboid attention; GluonNLP's ``masked_softmax`` is copied widely): a repository softmax helper
+# with a signed default (``axis: int = -1``) and a local assigned in both arms of ``if mask is not None`` is run through;
+# the masked arm (a dtype-chosen fill, then ``* mask`` after the softmax) is left to the original code
+_S38_GLUON_MASKED_SOFTMAX = '''
+import torch
+from torch import nn
+
+
+def masked_softmax(att_score, mask, axis: int = -1):
+    """Ignore the masked elements when calculating the softmax."""
+    if mask is not None:
+        if att_score.dtype == torch.float16:
+            att_score = att_score.masked_fill(torch.logical_not(mask), -1E4)
+        else:
+            att_score = att_score.masked_fill(torch.logical_not(mask), -1E18)
+        att_weights = torch.softmax(att_score, dim=axis) * mask
+    else:
+        att_weights = torch.softmax(att_score, dim=axis)
+    return att_weights
+
+
+class CuboidMixer(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attn_mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        score = (q * self.scale) @ k.transpose(-2, -1)
+        weights = masked_softmax(score, mask=attn_mask)
+        return (weights @ v).permute(0, 2, 1, 3).reshape(b, n, c)
+'''
+
+_S38_GLUON_MASKED_SOFTMAX_RUN = '''
+m = CuboidMixer()
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.rand(2, 1, 5, 5) > 0.3
+keep[..., 0] = True
+out = (m(x), m(x, keep))
+leaves = [x]
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S38_GLUON_MASKED_SOFTMAX, expect={"qualname": "CuboidMixer.forward"}, run=_S38_GLUON_MASKED_SOFTMAX_RUN,
+         name="s38_gluon_masked_softmax_helper_run_through"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the helper's result is assigned in one arm only: where the mask is None it raises, nothing to read
+        _S38_GLUON_MASKED_SOFTMAX.replace("    else:\n        att_weights = torch.softmax(att_score, dim=axis)\n", ""),
+        reason="whose body is not read as a softmax",
+        name="s38_masked_softmax_helper_with_a_local_unassigned_on_one_path",
     ),
 ]

@@ -209,6 +209,10 @@ def _outside_compiled_code(detect: Any) -> Any:
                                    f"the replacement would call `{twice}` more often than the original code does "
                                    "(a module call evaluated twice: double the work, and a different result with dropout)")
                     continue
+                dead = _contradicted_guard(scope, r)
+                if dead is not None:
+                    yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, dead)
+                    continue
             yield r
         if has_jit and scope.qualname == "<module>":
             yield from _lifted_sites(self, detect, module)
@@ -235,6 +239,12 @@ def _imported_decorators(module: "ModuleInfo", scope: "Scope") -> list[str]:
         if isinstance(local, str) and local in module.aliases and "." in module.aliases[local] and head not in ("torch",):
             out.append(ast.unparse(target))
     return out
+
+
+def _contradicted_guard(scope: "Scope", finding: Finding) -> str | None:
+    from npufuse.patterns._guard_arms import contradicted_guard
+
+    return contradicted_guard(scope, finding)
 
 
 def _lift_refusal(module: "ModuleInfo", qualname: str) -> str | None:
