@@ -104,7 +104,18 @@ def _promote(a: tuple, b: tuple) -> tuple:
             return d
     if D_F32 in (a, b):
         return D_F32  # float32 with fp16/bf16/fp32 (fp64 weights are not a thing in these models)
-    return ("promote",) + tuple(sorted((a, b), key=repr))
+    return ("promote",) + tuple(sorted((a, b), key=_dtype_sort_key))
+
+
+def _dtype_sort_key(d: object) -> str:
+    """A dtype symbol's text without memory addresses: ("like", <ast node>, ...) holds AST nodes, whose
+    repr names their address, so sorting by repr ordered a promote's operands by where the nodes happen
+    to live (the rendered ``promote_types(a, b)`` changed between runs)."""
+    if isinstance(d, ast.AST):
+        return ast.dump(d)
+    if isinstance(d, tuple):
+        return "(" + ", ".join(_dtype_sort_key(e) for e in d) + ")"
+    return repr(d)
 
 
 def _simplify_cond(d: tuple) -> tuple:
