@@ -305,3 +305,62 @@ def test_an_einsum_head_axis_over_256_runs_the_original(length: int, fused: int)
     facts = check_rewrite_runs(AttentionPattern(), _COLUMN_GLOBAL, run, findings)
     # the emulator rejects head_num > 256 as the op does: without the check the long case fails
     assert facts["calls"] == fused and min(facts["cos_out"]) > 0.9999
+
+
+# -- A6 (audit38's dubious): an eager method its SDPA subclass falls back to when the weights are asked for
+
+_EAGER_WITH_SDPA_SUBCLASS = '''
+import torch
+from torch import nn
+
+
+class EagerAttention(nn.Module):
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.scale = self.hd ** -0.5
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, hidden_states, output_attentions=False):
+        b, s, _ = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        attn_weights = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        attn_output = torch.matmul(attn_weights, v)
+        return attn_output.transpose(1, 2).reshape(b, s, -1), attn_weights
+{subclass}
+'''
+
+_SDPA_SUBCLASS = '''
+
+class SdpaAttention(EagerAttention):
+    def forward(self, hidden_states, output_attentions=False):
+        if output_attentions:
+            return super().forward(hidden_states=hidden_states, output_attentions=output_attentions)
+        b, s, _ = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(b, s, -1), None
+'''
+
+
+def test_the_eager_method_an_sdpa_subclass_falls_back_to_is_gated_on_the_flag() -> None:
+    code = _EAGER_WITH_SDPA_SUBCLASS.format(subclass=_SDPA_SUBCLASS)
+    findings, misses = detect_all(AttentionPattern(), code)
+    (finding,) = [f for f in findings if f.qualname == "EagerAttention.forward"]
+    assert "not output_attentions" in finding.fused.splitlines()[0]
+    run = '''
+m = EagerAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+plain, weights = m(x, output_attentions=True)
+out = (m(x)[0], plain, weights)
+leaves = [x, m.qkv.weight]
+'''
+    facts = check_rewrite_runs(AttentionPattern(), code, run, [finding])
+    # the flagged call keeps the original (its weights are a tensor, not None); the plain one is fused
+    assert facts["calls"] == 1 and facts["n_out"][0] == facts["n_out"][1] == 3 and min(facts["cos_out"]) > 0.9999
+
+
+def test_without_such_a_subclass_returned_weights_stay_a_near_miss() -> None:
+    # nothing shows when callers want the weights: the probabilities returned keep it a near miss
+    check_keep_refused(AttentionPattern(), Keep(_EAGER_WITH_SDPA_SUBCLASS.format(subclass=""), reason="are returned to the callers"))

@@ -3600,6 +3600,15 @@ class AttentionPattern(Pattern):
                         self.id, scope.qualname, span_line, end_line,
                         f"the site runs only where `{asked}` is true, and that branch returns the attention probabilities (`{name}`) "
                         f"while the other branch sets them to None: a caller reaching it asks for them, and npu_fusion_attention does not produce them")
+                fallback_flag = _s38_subclass_falls_back_when_asked(module, scope)
+                if fallback_flag is not None:
+                    # s38 (audit38): HF's ``SiglipSdpaAttention.forward`` runs ``if output_attentions: return
+                    # super().forward(...)``: the eager method is where the weights are asked for; the fused call
+                    # runs only where the flag is off (callers discard them there)
+                    chain.excluded.append((ast.Name(fallback_flag, ast.Load()), False,
+                                           f"`{name}` returned to the callers (a subclass calls this method when `{fallback_flag}` asks for them)"))
+                    none_probs.append(name)
+                    continue
                 if not _weights_may_be_none(module, scope, name, end_line) and not probs_discarded_by_callers(module, scope, name):
                     # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
                     return NearMiss(
@@ -4194,6 +4203,34 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
         return False  # never written other than called (or defined): a text test before the walk
     names, methods = _value_references(module, fn)
     return fn in (names if scope.class_name is None else methods)
+
+
+def _s38_subclass_falls_back_when_asked(module: ModuleInfo, scope: Scope) -> str | None:
+    """The parameter ``flag`` of this method when a subclass in the file overrides it and calls ``super().<method>(...)``
+    under ``if flag:`` passing ``flag`` on (HF's ``XSdpaAttention``: ``if output_attentions: ... return
+    super().forward(..., output_attentions=output_attentions)``): the callers that pass the flag get this method's
+    probabilities. None otherwise."""
+    fn = getattr(scope.node, "name", None)
+    cls = module.classes.get(scope.class_name or "") if scope.class_name else None
+    if cls is None or fn is None:
+        return None
+    for other in module.classes.values():
+        if other is cls or not any((dotted(b) or "").split(".")[-1] == cls.name for b in other.bases):
+            continue
+        for method in other.body:
+            if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method.name != fn:
+                continue
+            for node in fast_walk(method):
+                flag = node.test if isinstance(node, ast.If) else None
+                if not (isinstance(flag, ast.Name) and flag.id in scope.args):
+                    continue
+                for call in (c for st in node.body for c in fast_walk(st) if isinstance(c, ast.Call)):
+                    f = call.func
+                    if isinstance(f, ast.Attribute) and f.attr == fn and isinstance(f.value, ast.Call) \
+                            and isinstance(f.value.func, ast.Name) and f.value.func.id == "super" \
+                            and any(isinstance(a, ast.Name) and a.id == flag.id for a in [*call.args, *(k.value for k in call.keywords)]):
+                        return flag.id
+    return None
 
 
 def _s38_site_only_where_weights_asked(scope: Scope, site: ast.stmt, name: str) -> str | None:
