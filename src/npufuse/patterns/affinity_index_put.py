@@ -1142,8 +1142,9 @@ AffinityIndexPut.FUSE = [
         "target": "pred_probs[0]", "mask": "~keep", "value": "0.0", "form": "masked_fill"}),
     Fuse(_LEADING_SLICE, name="kyutai_mask_after_leading_slice", expect={
         "target": "current", "mask": "positions == 0", "form": "masked_fill", "mask_first_dim": 1}),
+    # s38: ``pos`` is a CPU ``torch.arange`` compared into the mask: placement-checked at run time
     Fuse(_MULTILINE_MASK, name="mask_over_several_lines_bracketed", expect={
-        "target": "idx", "form": "masked_fill", "variant": "masked_fill_rank_aligned"}),
+        "target": "idx", "form": "masked_fill", "variant": "masked_fill_rank_aligned_placement_checked"}),
 ]
 
 AffinityIndexPut.KEEP = [
