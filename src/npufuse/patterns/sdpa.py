@@ -226,10 +226,10 @@ class SdpaPattern(Pattern):
         # BNSD with one head; an unstated rank is checked at run time (``q.dim() == 4``, else the original)
         ranks = {operand_rank(scope, n, line) for n in (q, k, v)}
         rank = ranks.pop() if len(ranks) == 1 else None
-        if layout == "BNSD" and n_rep is None and rank is not None and rank != 4:
-            if rank != 3:
-                return miss(f"q/k/v are {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] (or 3-D [B*N,S,D] as one head); "
-                            "SDPA broadcasts the other leading dims")
+        if rank is not None and rank != 4 and not (rank == 3 and layout == "BNSD" and n_rep is None):
+            # another rank, or 3-D beside a dropped repeat / an inner transpose: no one-head form of it here
+            return miss(f"q/k/v are {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] (or 3-D [B*N,S,D] as one head); "
+                        "SDPA broadcasts the other leading dims")
         three_d = layout == "BNSD" and n_rep is None and rank == 3
         rank_unknown = layout == "BNSD" and rank is None
         lines: list[str] = []
