@@ -169,5 +169,6 @@ def test_permuted_einsum_head_dim_is_checked_at_run_time() -> None:
     findings, _ = detect_all(AttentionPattern(), _S32_CHANNEL_FIRST_WITH_SDPA)
     # the contracted axis is q's axis 2 as written: the fused call runs only where it fits the op's D <= 768 -- s37: checked
     # by the general head check on the permuted k / v every candidate carries (k's last axis is the contracted one)
-    assert "if _npufuse_v.shape[-1] <= _npufuse_k.shape[-1] <= 768:" in findings[0].fused
+    # s38: an einsum's head axis is checked against the op's 256 heads as well
+    assert "if _npufuse_v.shape[-1] <= _npufuse_k.shape[-1] <= 768 and _npufuse_q.shape[1] <= 256:" in findings[0].fused
     assert "_npufuse_k = k.permute(0, 1, 3, 2)" in findings[0].fused

@@ -147,10 +147,14 @@ def _host_spine(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
             if value is None:
                 return None
             node, line = value, getattr(value, "lineno", line)
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+        elif isinstance(node, (ast.BinOp, ast.Compare)):
             # a & b of a host and a device tensor fails in the original too: a host operand makes a host mask
-            # (VideoMamba's bernoulli(torch.full(shape, 0.8)).bool() & masked_indices)
-            for side in (node.left, node.right):
+            # (VideoMamba's bernoulli(torch.full(shape, 0.8)).bool() & masked_indices); so does a comparison or
+            # arithmetic with a Python number (s38: RF2AA's ``torch.rand(B, L) < self.p_mask`` is a CPU mask
+            # for a device ``state``). A 0-dim host operand beside a device tensor gives a device result: the
+            # answer is only "may be on the host", which the rewrite checks at run time
+            sides = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.left, *node.comparators]
+            for side in sides:
                 why = _host_spine(module, scope, side, line, depth)
                 if why is not None:
                     return why
@@ -1138,8 +1142,9 @@ AffinityIndexPut.FUSE = [
         "target": "pred_probs[0]", "mask": "~keep", "value": "0.0", "form": "masked_fill"}),
     Fuse(_LEADING_SLICE, name="kyutai_mask_after_leading_slice", expect={
         "target": "current", "mask": "positions == 0", "form": "masked_fill", "mask_first_dim": 1}),
+    # s38: ``pos`` is a CPU ``torch.arange`` compared into the mask: placement-checked at run time
     Fuse(_MULTILINE_MASK, name="mask_over_several_lines_bracketed", expect={
-        "target": "idx", "form": "masked_fill", "variant": "masked_fill_rank_aligned"}),
+        "target": "idx", "form": "masked_fill", "variant": "masked_fill_rank_aligned_placement_checked"}),
 ]
 
 AffinityIndexPut.KEEP = [

@@ -3624,6 +3624,23 @@ class AttentionPattern(Pattern):
                     chain.excluded.append((*flag_read, f"`{name}` returned to the callers"))
                     none_gated.append(name)
                     continue
+                asked = _s38_site_only_where_weights_asked(scope, stmt, name)
+                if asked is not None:
+                    # s38 (audit38): LLaVA's xformers_forward runs this eager block only in the else of ``if not
+                    # output_attentions:`` (whose arm sets the weights to None): every call reaching it asks for them
+                    return NearMiss(
+                        self.id, scope.qualname, span_line, end_line,
+                        f"the site runs only where `{asked}` is true, and that branch returns the attention probabilities (`{name}`) "
+                        f"while the other branch sets them to None: a caller reaching it asks for them, and npu_fusion_attention does not produce them")
+                fallback_flag = _s38_subclass_falls_back_when_asked(module, scope)
+                if fallback_flag is not None:
+                    # s38 (audit38): HF's ``SiglipSdpaAttention.forward`` runs ``if output_attentions: return
+                    # super().forward(...)``: the eager method is where the weights are asked for; the fused call
+                    # runs only where the flag is off (callers discard them there)
+                    chain.excluded.append((ast.Name(fallback_flag, ast.Load()), False,
+                                           f"`{name}` returned to the callers (a subclass calls this method when `{fallback_flag}` asks for them)"))
+                    none_probs.append(name)
+                    continue
                 if not _weights_may_be_none(module, scope, name, end_line) and not probs_discarded_by_callers(module, scope, name):
                     # DINO's ``return x, attn`` read by ``get_last_selfattention``: a caller relies on the probabilities
                     return NearMiss(
@@ -3733,6 +3750,12 @@ class AttentionPattern(Pattern):
         if layout == "BNSD" and not three_d:
             q_a, k_a, v_a = (f"{atom(x)}.contiguous()" if not x.endswith(".contiguous()") else x for x in (q_a, k_a, v_a))
             risks.append(Risk("non_contiguous", "q/k/v are made contiguous for the BNSD call; HF's transposed [B,N,S,D] views are copied (3 tensors of B·S·N·D, small next to the S² scores)"))
+        if "einsum" in chain.spelling and not three_d and chain.q.layout in ("BNSD", "BSND") and not folded:
+            # s38 (audit38): an einsum names no head axis; the op's N is whichever batch-like letter the equation puts
+            # there (RF2AA's MSAColGlobalAttention ``bihd,bkid->bihk`` puts the residues there, hundreds to thousands),
+            # and npu_fusion_attention takes at most 256 query heads (spec 5.1): checked at run time with the head dims
+            dv_check = f"{dv_check} and {atom(q_n)}.shape[{1 if chain.q.layout == 'BNSD' else 2}] <= 256"
+            chain.notes.append("the einsum's head axis is checked against npu_fusion_attention's limit of 256 query heads at run time, else the original runs")
         lines += temps
         n_qkv = len(lines)  # q/k/v (and the statements run before them) are bound here: the head-dim check reads them
         # scale
@@ -4223,6 +4246,58 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
         return False  # never written other than called (or defined): a text test before the walk
     names, methods = _value_references(module, fn)
     return fn in (names if scope.class_name is None else methods)
+
+
+def _s38_subclass_falls_back_when_asked(module: ModuleInfo, scope: Scope) -> str | None:
+    """The parameter ``flag`` of this method when a subclass in the file overrides it and calls ``super().<method>(...)``
+    under ``if flag:`` passing ``flag`` on (HF's ``XSdpaAttention``: ``if output_attentions: ... return
+    super().forward(..., output_attentions=output_attentions)``): the callers that pass the flag get this method's
+    probabilities. None otherwise."""
+    fn = getattr(scope.node, "name", None)
+    cls = module.classes.get(scope.class_name or "") if scope.class_name else None
+    if cls is None or fn is None:
+        return None
+    for other in module.classes.values():
+        if other is cls or not any((dotted(b) or "").split(".")[-1] == cls.name for b in other.bases):
+            continue
+        for method in other.body:
+            if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method.name != fn:
+                continue
+            for node in fast_walk(method):
+                flag = node.test if isinstance(node, ast.If) else None
+                if not (isinstance(flag, ast.Name) and flag.id in scope.args):
+                    continue
+                for call in (c for st in node.body for c in fast_walk(st) if isinstance(c, ast.Call)):
+                    f = call.func
+                    if isinstance(f, ast.Attribute) and f.attr == fn and isinstance(f.value, ast.Call) \
+                            and isinstance(f.value.func, ast.Name) and f.value.func.id == "super" \
+                            and any(isinstance(a, ast.Name) and a.id == flag.id for a in [*call.args, *(k.value for k in call.keywords)]):
+                        return flag.id
+    return None
+
+
+def _s38_site_only_where_weights_asked(scope: Scope, site: ast.stmt, name: str) -> str | None:
+    """The parameter ``flag`` when ``site`` sits in the arm of ``if flag:`` / ``if not flag:`` taken where the flag is
+    true and the other arm assigns ``name = None`` (LLaVA's monkey-patched ``xformers_forward``: ``if not
+    output_attentions: ... attn_weights = None  else: <eager attention>``): the arm exists to return the
+    probabilities, so a fused call there would return None to every caller that asked. None otherwise."""
+    parents = scope.__dict__.get("_npufuse_parents")
+    if parents is None:
+        parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
+    up, child = parents.get(id(site)), site
+    while up is not None and up is not scope.node:
+        if isinstance(up, ast.If) and child is not up.test:
+            negated = isinstance(up.test, ast.UnaryOp) and isinstance(up.test.op, ast.Not)
+            flag = up.test.operand if negated else up.test  # type: ignore[attr-defined]
+            in_body = any(child is b for b in up.body)
+            if isinstance(flag, ast.Name) and flag.id in scope.args and in_body != negated:
+                other = up.orelse if in_body else up.body
+                if any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value is None
+                       and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+                       for st in other for n in fast_walk(st)):
+                    return flag.id
+        up, child = parents.get(id(up)), up
+    return None
 
 
 def _gated_by_param(node: ast.AST, parents: dict[int, ast.AST], params: set[str], stop: ast.AST) -> bool:

@@ -5285,11 +5285,50 @@ RmsNorm.FUSE += [
 
 
 def _s28_unless_reference(module: ModuleInfo, scope: Scope, r: Result) -> Result:
-    """``r``, or a near miss in its place when it is a finding in a kernel's test reference."""
+    """``r``, or a near miss in its place when it is a finding in a kernel's test reference (or, s38, one whose
+    epsilon is a learned parameter)."""
     if not isinstance(r, Finding):
         return r
-    reason = _s28_reference_check(module, scope)
+    reason = _s28_reference_check(module, scope) or _s38_learned_epsilon(module, scope, r)
     return r if reason is None else NearMiss("rms_norm", scope.qualname, r.line, r.end_line, reason)
+
+
+_PARAMETER_CTORS = ("torch.nn.Parameter", "torch.nn.parameter.Parameter")
+
+
+def _s38_learned_epsilon(module: ModuleInfo, scope: Scope, finding: Finding) -> str | None:
+    """Why the finding's epsilon cannot go to npu_rms_norm: it reads ``self.<attr>`` (directly or through local
+    names) that the class's ``__init__`` makes an ``nn.Parameter`` (icefall / VoiceCraft ``BasicNorm``: ``self.eps =
+    nn.Parameter(torch.tensor(eps).log())`` with ``learn_eps`` on by default, used as ``eps.exp()``). The op's
+    ``epsilon`` is a Python float: a tensor that requires grad is refused there, and the eps would get no gradient
+    (the original trains it). None otherwise (a buffer, a float attribute, a constant)."""
+    eps = finding.params.get("eps")
+    cls = module.classes.get(scope.class_name or "") if scope.class_name else None
+    if not isinstance(eps, str) or cls is None:
+        return None
+    try:
+        tree = ast.parse(eps, mode="eval")
+    except SyntaxError:
+        return None
+    attrs: set[str] = set()
+    seen: set[str] = set()
+    todo: list[ast.AST] = [tree]
+    while todo and len(seen) < 16:
+        for n in fast_walk(todo.pop()):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                attrs.add(n.attr)
+            elif isinstance(n, ast.Name) and n.id not in seen:
+                seen.add(n.id)
+                todo += [value for _stmt, value in scope.assignments.get(n.id, ()) if value is not None]
+    if not attrs:
+        return None
+    for n in fast_walk(cls):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (module.canonical(n.value.func) or "") in _PARAMETER_CTORS:
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr in attrs:
+                    return (f"eps `{eps}` reads `self.{t.attr}`, an nn.Parameter (line {n.lineno}): a learned epsilon; npu_rms_norm "
+                            "takes a float epsilon (a tensor that requires grad is refused, and the eps would not be trained)")
+    return None
 
 
 # --- s28 norms: F.normalize times d ** -0.5 stays a near miss (held-out 5 zeta SimpleRMSNorm) ---

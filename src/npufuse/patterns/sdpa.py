@@ -47,6 +47,7 @@ from npufuse.patterns.attention import (
     mask_shape_lines,
     repeat_info,
     repeated_tensor,
+    static_rank,
 )
 from npufuse.patterns import _attention_s36
 from npufuse.patterns._site import block_source
@@ -100,6 +101,18 @@ _TENSOR_METHODS = frozenset((
     "repeat_interleave", "contiguous", "transpose", "permute", "flatten", "clone", "detach", "eq", "ne", "lt",
     "le", "gt", "ge", "tril", "triu", "new_zeros", "new_ones", "new_full", "masked_fill_", "fill_", "__invert__",
 ))
+
+
+def operand_rank(scope: Scope, node: ast.expr, line: int) -> int | None:
+    """The rank of an SDPA operand where the code states it (:func:`static_rank`), also through the
+    ``q, k, v = map(lambda t: t....reshape(b * h, n, d), (q, k, v))`` idiom (DiffBIR, LDM forks): the
+    lambda's body states the rank of each element. None when it is not evident."""
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Call) and isinstance(value.value.func, ast.Name) \
+                and value.value.func.id == "map" and len(value.value.args) == 2 and isinstance(value.value.args[0], ast.Lambda):
+            return static_rank(scope, value.value.args[0].body, getattr(value, "lineno", line))
+    return static_rank(scope, node, line)
 
 
 def _tensor_valued(module: ModuleInfo, value: ast.expr) -> bool:
@@ -208,6 +221,17 @@ class SdpaPattern(Pattern):
         if all(x is not None for x in inner) and len(inner) == 3:
             q_src, k_src, v_src = inner  # type: ignore[assignment]
             layout = "BSND"
+        # s38 (audit38): SDPA takes q/k/v of any rank >= 2; the op only 4-D. The rank the code states decides:
+        # 3-D [B*N, S, D] (DiffBIR's ``.reshape(b * heads, n, d)`` inside ``map(lambda t: ...)``) is passed as
+        # BNSD with one head; an unstated rank is checked at run time (``q.dim() == 4``, else the original)
+        ranks = {operand_rank(scope, n, line) for n in (q, k, v)}
+        rank = ranks.pop() if len(ranks) == 1 else None
+        if rank is not None and rank != 4 and not (rank == 3 and layout == "BNSD" and n_rep is None):
+            # another rank, or 3-D beside a dropped repeat / an inner transpose: no one-head form of it here
+            return miss(f"q/k/v are {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] (or 3-D [B*N,S,D] as one head); "
+                        "SDPA broadcasts the other leading dims")
+        three_d = layout == "BNSD" and n_rep is None and rank == 3
+        rank_unknown = layout == "BNSD" and rank is None
         lines: list[str] = []
         names: dict[str, str] = {}
         # operands bound before the run-time check whose text is the call's own: the original run
@@ -223,10 +247,18 @@ class SdpaPattern(Pattern):
                     bound.append((node, names[tag]))
         qn, kn, vn = names["q"], names["k"], names["v"]
         n_qkv = len(lines)  # the lines binding q/k/v: the head-dim check below reads them
-        if layout == "BNSD":
+        if three_d:
+            qa, ka, va = (f"{atom(x)}.unsqueeze(1).contiguous()" for x in (qn, kn, vn))
+            head_num, sq, d_expr = "1", f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[-1]"
+            notes.append("q/k/v are 3-D [B*N, S, D] here: passed as BNSD with one head ([B*N, 1, S, D]), the output squeezed back")
+        elif layout == "BNSD":
             qa, ka, va = (f"{atom(x)}.contiguous()" for x in (qn, kn, vn))
             head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[-1]"
-            risks.append(Risk("layout", "q/k/v are taken as 4-D [B,N,S,D] (SDPA also accepts other ranks) and made contiguous for the BNSD call"))
+            if rank_unknown:
+                risks.append(Risk("layout", "q/k/v's rank is not stated here (SDPA takes any rank >= 2, the op 4-D only): the fused call "
+                                            f"runs where `{atom(qn)}.dim() == 4`, the original otherwise; made contiguous for the BNSD call"))
+            else:
+                risks.append(Risk("layout", "q/k/v are 4-D [B,N,S,D] and made contiguous for the BNSD call"))
         else:
             qa, ka, va = qn, kn, vn
             head_num, sq, d_expr = f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[-1]"
@@ -268,8 +300,12 @@ class SdpaPattern(Pattern):
                 lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
             else:
                 lines.append(f"_npufuse_mask = {conv}  # {comment}")
-            lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(qn)}.shape[0]")  # s37: 3-D [1|N,Sq,Skv] masks
-            lines += mask_shape_lines("_npufuse_mask", sq, maybe_none)
+            if three_d:
+                # s38: against 3-D scores [B*N, Sq, Skv] a 3-D mask is per batch*head: [B*N, 1, Sq, Skv] for the one-head call
+                lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d=True)
+            else:
+                lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(qn)}.shape[0]")  # s37: 3-D [1|N,Sq,Skv] masks
+                lines += mask_shape_lines("_npufuse_mask", sq, maybe_none)
         if causal is not None and causal_v is not False:
             if causal_v is True:
                 cache, expr = causal_cache_lines(qn)
@@ -322,6 +358,8 @@ class SdpaPattern(Pattern):
         fa = fa_call(qa, ka, va, head_num, layout, fa_kwargs)
         if layout == "BSND":
             fa = f"{fa}.transpose(1, 2)"  # SDPA returns [B, N, S, D]
+        if three_d:
+            fa = f"{fa}.squeeze(1)"  # SDPA returns [B*N, S, D] for 3-D operands
         lines.append(replace_segments(module, stmt, [(call, fa)]))
         # npu_fusion_attention takes Dk >= Dv only (SDPA any Dv): where v's head dim exceeds k's the
         # original runs (two shape reads; a value head wider than the key's is rare but real)
@@ -330,6 +368,8 @@ class SdpaPattern(Pattern):
             # ... and the op's D <= 768 (spec 5.1; Dq == Dk) where no literal head dim bounds it: channel
             # attention has the channel count or the pixels there (audit36), checked at run time
             dv_check = f"{dv_check} <= 768"
+        if rank_unknown:
+            dv_check = f"{atom(qn)}.dim() == 4 and {dv_check}"  # s38: the rank is not stated (a 3-D call runs the original)
         if d is None and _attention_s36.learned_scale(module, scope, scale):
             # s36: a scale read off a learned temperature marks channel attention (MONAI CABlock's SDPA on
             # [b, head, c, (h w)]): the op's D <= 768 is checked at run time (above), the original runs otherwise
