@@ -788,6 +788,7 @@ def reset() -> None:
     _PARSED.clear()
     _PARSED_TEXT.clear()
     _PY_FILES.clear()
+    _RESOLVED_ROOTS.clear()
     _DEPENDENT.clear()
     _LAUNCH_CONFIGS.clear()
     _PURE_LIST_METHODS.clear()
@@ -820,11 +821,25 @@ def _repo_text(root: Path, rel: str) -> Optional[str]:
     out of the repo (an untrusted repo's ``x.py -> /etc/...`` is never read)."""
     try:
         path = (root / rel).resolve()
-        if path.is_relative_to(root.resolve()) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
+        if path.is_relative_to(_resolved_root(root)) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
             return path.read_text(encoding="utf-8", errors="replace")
     except (OSError, ValueError, RuntimeError):
         pass
     return None
+
+
+_RESOLVED_ROOTS: dict[Path, Path] = {}
+
+
+def _resolved_root(root: Path) -> Path:
+    """``root.resolve()``, once per root and scan: ``_repo_text`` asked it for every file it read
+    (each a ``realpath`` of every component of the root's path)."""
+    got = _RESOLVED_ROOTS.get(root)
+    if got is None:
+        if len(_RESOLVED_ROOTS) > 64:
+            _RESOLVED_ROOTS.clear()
+        got = _RESOLVED_ROOTS[root] = root.resolve()
+    return got
 
 
 def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
