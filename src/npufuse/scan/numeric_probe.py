@@ -1681,46 +1681,6 @@ def _may_name_stat_or_root(module: ModuleInfo, scope: Any) -> bool:
                for local, target in module.aliases.items())
 
 
-# s38: a statistic name, a root name (or ``**``) as whole identifiers; ``norm`` counts unless it is
-# the attribute of the name ``self`` (``self.norm``: the one :func:`_called_names` leaves out;
-# ``myself.norm`` and ``a.self.norm`` count, as they do there)
-_NORM_NOT_OF_SELF = r"(?:(?<!self\.)|(?<=[\w.]self\.))norm"
-_STAT_TOKEN = re.compile(r"(?<![\w])(?:%s|%s)(?![\w])" % ("|".join(sorted(_STAT_NAMES - {"norm"})), _NORM_NOT_OF_SELF))
-_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|%s)(?![\w])|\*\*" % ("|".join(sorted(_ROOT_NAMES - {"norm"})), _NORM_NOT_OF_SELF))
-
-
-def _alias_named(module: ModuleInfo, text: str, wanted: frozenset[str]) -> bool:
-    """``text`` names, as a whole identifier, an import alias whose target ends in one of ``wanted``."""
-    return any(target.rsplit(".", 1)[-1] in wanted and re.search(rf"(?<![\w]){re.escape(local)}(?![\w])", text)
-               for local, target in module.aliases.items())
-
-
-def _may_pass_called_names(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
-    """A necessary condition of :func:`probe_worthy`'s two ways after its text gates, read from the
-    scope's text before the node index :func:`_called_names` reads is built: way one needs a
-    statistic and a root among the called names, so the text names both (a whole identifier, an
-    alias of one, ``**``); way two needs one of them and a call of a function of this file or a
-    relative import, whose name the text then holds. :func:`_may_name_stat_or_root` asks for
-    either of them only: on the transformers corpus 804 of the 1,116 scopes it let through had no
-    statistic-and-root and were turned away only after the index was built. Text outside ASCII,
-    and a function with decorators (their names are among the called names, their lines not in
-    the text), are left to the AST test."""
-    from npufuse.scan import engine
-
-    if not engine.SCOPE_GATES or fn.decorator_list:
-        return True
-    text = engine.gate_text(module, scope)
-    if not text.isascii():
-        return True
-    stat = _STAT_TOKEN.search(text) is not None or _alias_named(module, text, _STAT_NAMES)
-    root = _ROOT_TOKEN.search(text) is not None or _alias_named(module, text, _ROOT_NAMES)
-    if stat and root:
-        return True
-    if not (stat or root):
-        return False
-    return any(name in text for name in (*module.functions, *_relative_imports(module)))
-
-
 def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
     """Gates (1) and (2): the scope's text holds a statistic word and a root word, and its code
     names a statistic (mean, sum, var, a norm) and a root (sqrt, rsqrt, pow, ``**``, a norm)."""
@@ -1728,7 +1688,7 @@ def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
 
     if not (engine.scope_holds_words(module, scope, STAT_WORDS) and engine.scope_holds_words(module, scope, ROOT_WORDS)):
         return False
-    if not _may_name_stat_or_root(module, scope) or not _may_pass_called_names(module, scope, fn):
+    if not _may_name_stat_or_root(module, scope):
         return False
     names = _called_names(module, fn, scope)
     if names & _STAT_NAMES and names & (_ROOT_NAMES | {"**"}):
