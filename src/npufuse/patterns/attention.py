@@ -9247,7 +9247,8 @@ def _buffer_built_elsewhere(module: ModuleInfo, attr: str) -> str | None:
         for rel in files:
             if rel == module.path:
                 continue
-            if repo_facts.holds_quoted(root, rel, attr, ("register_buffer", "setattr")):  # the text test below, once per file
+            if repo_facts.holds_quoted(root, rel, attr, ("register_buffer", "setattr")) \
+                    and repo_facts.may_register_on_another(root, rel):  # the text tests below, once per file
                 trees.append((rel, repo_facts._parse_repo_file(root, rel)))
     found = None
     for rel, tree in trees:

@@ -162,7 +162,8 @@ def _relevant(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_optim_relevant")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_optim_relevant"] = (any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED)) and ("optim" in src)) \
+        # "optim" first: one search instead of fourteen in the files that never say it (most)
+        cached = module.__dict__["_npufuse_optim_relevant"] = (("optim" in src) and any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED))) \
             or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src or (_CALLED_LOOKUP_WORD in src and "optim" in src)
     return bool(cached)
 

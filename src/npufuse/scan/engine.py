@@ -312,6 +312,24 @@ def gate_words(module: ModuleInfo, pattern: Pattern) -> tuple[str, ...] | None:
 _SHORTEST: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
 
+def _file_holds_any(text: str, words: tuple[str, ...]) -> bool:
+    """``any(w in text for w in words)``. For a long list (fused_optimizer's eleven class names
+    and words, none of them in most files) one regex of the words as alternatives reads the text
+    once where each ``in`` read all of it: half the cost on the transformers corpus; for a few
+    words, the first of which most files hold, ``in`` is cheaper."""
+    if len(words) < 5:
+        return any(w in text for w in words)
+    rx = _WORDS_RX.get(words)
+    if rx is None:
+        if len(_WORDS_RX) > 256:  # alias words make a tuple per file that has such aliases
+            _WORDS_RX.clear()
+        rx = _WORDS_RX[words] = re.compile("|".join(map(re.escape, words)))
+    return rx.search(text) is not None
+
+
+_WORDS_RX: dict[tuple[str, ...], re.Pattern[str]] = {}
+
+
 def gate_text(module: ModuleInfo, scope: Scope) -> str:
     """The text ``SCOPE_WORDS`` are looked for in first: the scope's whole lines (the file for
     ``<module>``; ``_site.scope_text``, shared with the detectors that cut it), which hold
@@ -450,7 +468,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
             if words is not None and scope_src is not None:
                 held = in_file[k]
                 if held is None:
-                    held = in_file[k] = any(w in module.source for w in words)
+                    held = in_file[k] = _file_holds_any(module.source, words)
                 if held and not top:
                     for w in words:
                         if w in scope_src:

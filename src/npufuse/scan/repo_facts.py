@@ -903,6 +903,7 @@ def reset() -> None:
     _PARSED.clear()
     _PARSED_TEXT.clear()
     _PY_FILES.clear()
+    _RESOLVED_ROOTS.clear()
     _DEPENDENT.clear()
     _LAUNCH_CONFIGS.clear()
     _PURE_LIST_METHODS.clear()
@@ -935,11 +936,25 @@ def _repo_text(root: Path, rel: str) -> Optional[str]:
     out of the repo (an untrusted repo's ``x.py -> /etc/...`` is never read)."""
     try:
         path = (root / rel).resolve()
-        if path.is_relative_to(root.resolve()) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
+        if path.is_relative_to(_resolved_root(root)) and path.is_file() and path.stat().st_size <= _DEF_MAX_BYTES:
             return path.read_text(encoding="utf-8", errors="replace")
     except (OSError, ValueError, RuntimeError):
         pass
     return None
+
+
+_RESOLVED_ROOTS: dict[Path, Path] = {}
+
+
+def _resolved_root(root: Path) -> Path:
+    """``root.resolve()``, once per root and scan: ``_repo_text`` asked it for every file it read
+    (each a ``realpath`` of every component of the root's path)."""
+    got = _RESOLVED_ROOTS.get(root)
+    if got is None:
+        if len(_RESOLVED_ROOTS) > 64:
+            _RESOLVED_ROOTS.clear()
+        got = _RESOLVED_ROOTS[root] = root.resolve()
+    return got
 
 
 def _parse_repo_file(root: Path, rel: str) -> Optional[ast.Module]:
@@ -2006,6 +2021,44 @@ def holds_quoted(root: Path, rel: str, word: str, needs: tuple[str, ...]) -> boo
 def _s28_reset_quoted() -> None:
     _QUOTED.clear()
     _REGISTERING.clear()
+    _REGISTERS_ON_OTHERS.clear()
+
+
+# s38 speed: ``self.register_buffer(...)`` / ``setattr(self, ...)`` as written (ASCII ``self`` or
+# ``cls`` as a whole name, whitespace allowed where Python allows it without a line continuation)
+_SELF_REGISTER_BUFFER = _re.compile(r"(?<![\w.])(?:self|cls)\s*\.\s*register_buffer")
+_SELF_SETATTR = _re.compile(r"setattr\s*\(\s*(?:self|cls)\s*,")
+_REGISTERS_ON_OTHERS: dict[tuple[str, str], bool] = {}
+
+
+def may_register_on_another(root: Path, rel: str) -> bool:
+    """False only where no call of file ``rel`` can be one ``registering_calls`` lists with a
+    receiver among its function's parameters less self / cls (what a search for the function that
+    registers an attribute on a module handed to it matches): every ``register_buffer`` of the
+    text is ``self.register_buffer`` / ``cls.register_buffer`` and every ``setattr`` is
+    ``setattr(self, ...)`` / ``setattr(cls, ...)`` (an occurrence in a longer name or a string is
+    no such call either way). Text whose identifiers may be NFKC spellings of others (a character
+    outside ASCII decomposing to ASCII: ``dataflow.folds_to_ascii``) or that cannot be read says
+    True. Most repo files that name an attribute quoted and ``setattr`` (HF's rotary classes:
+    ``setattr(self, f"{layer_type}_inv_freq", ...)``) were parsed for nothing. Once per file
+    and scan."""
+    key = (str(root), rel)
+    got = _REGISTERS_ON_OTHERS.get(key)
+    if got is None:
+        text = _repo_text(root, rel)
+        got = True
+        if text is not None:
+            from types import SimpleNamespace
+
+            from npufuse.scan.dataflow import folds_to_ascii
+
+            if text.isascii() or not folds_to_ascii(SimpleNamespace(source=text)):  # type: ignore[arg-type]
+                got = text.count("register_buffer") > len(_SELF_REGISTER_BUFFER.findall(text)) \
+                    or text.count("setattr") > len(_SELF_SETATTR.findall(text))
+        if len(_REGISTERS_ON_OTHERS) > 65536:
+            _REGISTERS_ON_OTHERS.clear()
+        _REGISTERS_ON_OTHERS[key] = got
+    return got
 
 
 # Per tree: each function (``fast_walk`` order) with its parameters less self/cls and, in
