@@ -1789,12 +1789,12 @@ def import_time_origins(module: Any, name: str) -> Optional[tuple[Optional[str],
     root = repo_root(module)
     if root is None:
         return None
-    _depends(root, module.path)
     # a relative import (``from .components import RMSNorm``) has no canonical dotted name: the
     # file's own import says where the name comes from
     target = tuple(name.rsplit(".", 1)) if "." in name else _imported(module.tree, module.path, name)
     if target is None or len(target) != 2:
-        return None
+        return None  # a class of this file (or not imported): no other file read, the outcome stays cacheable
+    _depends(root, module.path)
     mod, attr = target
     chosen = _trace_reexport(root, module.path, mod, attr)
     if not isinstance(chosen, _ChosenAtImport):
