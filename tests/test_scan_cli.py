@@ -92,3 +92,17 @@ def test_profile_join_adds_section_1_2(repo):
     scan = json.loads(Path(".npufuse/scan.json").read_text())
     assert "profile" in scan and all("profile" in c for c in scan["candidates"])
     assert "measured time in the joined profile" in report
+
+
+def test_an_abbreviated_option_is_an_error_not_a_guess(tmp_path, capsys):
+    """argparse's prefix matching took ``--out DIR`` as ``--output DIR`` and wrote the report to a
+    file named DIR (a helper session's scan wrote into the checkout it ran from): abbreviations
+    are refused, on the verb's options as on the global ones."""
+    from npufuse.cli import main
+
+    assert main(["scan", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert main(["--vers"]) == 2
+    assert main(["scan", str(tmp_path), "--output", str(tmp_path / "r.md"), "--state-dir", str(tmp_path / "s")]) == 0
+    assert (tmp_path / "r.md").exists()

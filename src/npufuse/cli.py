@@ -87,15 +87,18 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``verb``, only that verb's module is imported (its arguments added) and
     the others are listed by their help line alone: an ``npufuse scan`` that hits the warm cache
     must not pay for importing the verify, rewrite and emulate modules."""
+    # allow_abbrev=False: argparse would take ``--out DIR`` as ``--output DIR`` (a prefix of one option)
+    # and write the report to a file named DIR; a misspelt option must be an error, not a guess.
     parser = _OneLineParser(
         prog="npufuse",
+        allow_abbrev=False,
         description="Find hand-written PyTorch that Ascend NPUs run faster as one torch_npu fused "
         "operator; rewrite accepted sites behind a switch; prove each replacement.",
     )
     parser.add_argument("--version", action="version", version=f"npufuse {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name, (module, help_text) in _available_verbs().items():
-        verb_parser = sub.add_parser(name, help=help_text, description=help_text)
+        verb_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if verb is None or name == verb:
             mod = importlib.import_module(module)
             mod.add_arguments(verb_parser)
