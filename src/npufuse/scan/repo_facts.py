@@ -1789,6 +1789,11 @@ def import_time_origins(module: Any, name: str) -> Optional[tuple[Optional[str],
     root = repo_root(module)
     if root is None:
         return None
+    # a class this file defines at module level is not an import (every transformers model builds its
+    # own ``XRMSNorm``): answered from the module body, before _imported's walk of the whole tree,
+    # which costs ~4 ms a call when the name is not imported at all (+18% of the cold analysis)
+    if "." not in name and any(isinstance(n, ast.ClassDef) and n.name == name for n in module.tree.body):
+        return None
     # a relative import (``from .components import RMSNorm``) has no canonical dotted name: the
     # file's own import says where the name comes from
     target = tuple(name.rsplit(".", 1)) if "." in name else _imported(module.tree, module.path, name)
