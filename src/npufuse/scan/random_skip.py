@@ -357,7 +357,7 @@ class RepoIndex:
         self._trees: dict[str, Optional[ast.Module]] = {}
         self._skips: dict[str, list[RandomSkip]] = {}
         self._rates: dict[str, list[tuple[str, float]]] = {}
-        self._configs: Optional[list[str]] = None
+        self._configs: Optional[list[tuple[str, str]]] = None
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -420,8 +420,12 @@ class RepoIndex:
         return got
 
     def config_texts(self) -> list[str]:
-        """The repository's configuration files and run scripts (yaml / json / toml / sh / cfg / ini; 1 MiB each at
-        most, 2000 files), read once."""
+        """The texts of :meth:`config_files`."""
+        return [text for _, text in self.config_files()]
+
+    def config_files(self) -> list[tuple[str, str]]:
+        """(suffix, text) of the repository's configuration files and run scripts (yaml / json / toml / sh / cfg /
+        ini; 1 MiB each at most, 2000 files), read once."""
         if self._configs is None:
             self._configs = []
             if self.root is not None:
@@ -433,7 +437,7 @@ class RepoIndex:
                         path = Path(top) / name
                         try:
                             if path.suffix in _CONFIG_SUFFIXES and not path.is_symlink() and path.stat().st_size <= 1 << 20:
-                                self._configs.append(path.read_text(encoding="utf-8", errors="replace"))
+                                self._configs.append((path.suffix, path.read_text(encoding="utf-8", errors="replace")))
                         except OSError:
                             continue
                     if len(self._configs) >= 2000:
@@ -1066,20 +1070,12 @@ def _matters(index: RepoIndex, s: RandomSkip) -> bool:
 
 
 def _config_texts(index: RepoIndex) -> list[str]:
-    out: list[str] = []
-    if index.root is None:
-        return out
-    try:
-        for path in sorted(index.root.rglob("*")):
-            if path.suffix in (".yaml", ".yml", ".json", ".toml") and path.is_file() and path.stat().st_size <= 1 << 20:
-                text = path.read_text(encoding="utf-8", errors="replace")
-                if "_target_" in text or "target:" in text or "class_path" in text:
-                    out.append(text)
-            if len(out) > 400:
-                break
-    except OSError:
-        pass
-    return out
+    """The structured configuration files (yaml / json / toml) that name classes to build (Hydra ``_target_``,
+    ``target:``, ``class_path``), from the index's one walk of the repository (no links, no hidden folders or
+    environments: an untrusted repository's link to a file outside it is never read)."""
+    out = [text for suffix, text in index.config_files()
+           if suffix in (".yaml", ".yml", ".json", ".toml") and ("_target_" in text or "target:" in text or "class_path" in text)]
+    return out[:401]
 
 
 def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_bytes: int, pattern: str = "fused_optimizer") -> None:
