@@ -56,3 +56,51 @@ def test_contradicted_guard_still_reads_the_arm() -> None:
     assert "false in the `else` arm" in contradicted_guard(scope, _finding("if fast:\n    y = x\nelse:\n    y = x * 3", 6))
     assert contradicted_guard(scope, _finding("if not fast:\n    y = x\nelse:\n    y = fused(x)", 4)) is None
     assert contradicted_guard(scope, _finding("if not fast:\n    y = (", 4)) is None  # fused text that does not parse
+
+
+def _sample_texts() -> list[str]:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted((root / "src" / "npufuse" / "patterns").glob("*.py"))[:6] + sorted((root / "examples").rglob("*.py"))[:20]
+    return [p.read_text(encoding="utf-8") for p in files]
+
+
+_IMPORTS = '''
+from . import a, b as bee
+from .x import *
+from ..y.z import (c, d as dee)
+from os import path
+import torch.nn as nn
+
+class Top:
+    class Inner:
+        pass
+
+def f():
+    from .lazy import late
+    class Local:
+        pass
+
+try:
+    from .fast import kernel
+except ImportError:
+    class Top:
+        pass
+'''
+
+
+def test_index_gathers_relative_imports() -> None:
+    import ast
+
+    from npufuse.scan.dataflow import _statements_bfs
+
+    for text in [_IMPORTS, *_sample_texts()]:
+        module = ModuleInfo.from_source("m.py", text)
+        walked = list(_statements_bfs(module.tree))
+        # what the numeric probe's gate and rope's class lookup each walked the statements for
+        assert module.relative_imports == {a.asname or a.name for n in walked if isinstance(n, ast.ImportFrom) and n.level
+                                           for a in n.names if a.name != "*"}
+    module = ModuleInfo.from_source("m.py", _IMPORTS)
+    assert module.relative_imports == {"a", "bee", "c", "dee", "late", "kernel"}
+    assert module.aliases["path"] == "os.path" and module.aliases["nn"] == "torch.nn"

@@ -553,6 +553,8 @@ class ModuleInfo:
     functions: dict[str, ast.FunctionDef] = field(default_factory=dict)  # module-level defs
     classes: dict[str, ast.ClassDef] = field(default_factory=dict)
     scopes: list[Scope] = field(default_factory=list)
+    # names bound by ``from .x import name`` anywhere in the file (``aliases`` holds absolute imports only)
+    relative_imports: set[str] = field(default_factory=set)
 
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
@@ -610,9 +612,12 @@ class ModuleInfo:
                         self.aliases[a.asname] = a.name
                     else:
                         self.aliases.setdefault(a.name.split(".")[0], a.name.split(".")[0])
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for a in node.names:
-                    self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # gathered in this walk: the numeric probe's gate read every statement again for them
+                    self.relative_imports.update(a.asname or a.name for a in node.names if a.name != "*")
+                elif node.module:
+                    for a in node.names:
+                        self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
         for node in self.tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions[node.name] = node  # type: ignore[assignment]

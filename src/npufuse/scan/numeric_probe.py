@@ -1909,16 +1909,8 @@ def _call_foreign(it: Interpreter, fv: Func, args: list[Any], kwargs: dict[str, 
 
 def _relative_imports(module: ModuleInfo) -> set[str]:
     """Names bound by ``from .x import name`` statements of the file (ModuleInfo.aliases holds
-    only absolute imports)."""
-    got = module.__dict__.get("_npufuse_relative_imports")
-    if got is None:
-        # imports are statements: the statements of the tree suffice (a whole-tree walk cost a tenth of the scan)
-        from npufuse.scan.dataflow import _statements_bfs
-
-        got = {a.asname or a.name for n in _statements_bfs(module.tree) if isinstance(n, ast.ImportFrom) and n.level
-               for a in n.names if a.name != "*"}
-        module.__dict__["_npufuse_relative_imports"] = got
-    return got
+    only absolute imports): gathered by the module's index in its walk of the statements."""
+    return module.relative_imports
 
 
 # --- s31: rotation helpers proved by evaluation ------------------------------------------------
