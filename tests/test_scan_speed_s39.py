@@ -90,7 +90,7 @@ except ImportError:
 '''
 
 
-def test_index_gathers_relative_imports() -> None:
+def test_index_gathers_relative_imports_and_every_class_in_walk_order() -> None:
     import ast
 
     from npufuse.scan.dataflow import _statements_bfs
@@ -101,6 +101,8 @@ def test_index_gathers_relative_imports() -> None:
         # what the numeric probe's gate and rope's class lookup each walked the statements for
         assert module.relative_imports == {a.asname or a.name for n in walked if isinstance(n, ast.ImportFrom) and n.level
                                            for a in n.names if a.name != "*"}
+        assert module.all_classes == [n for n in walked if type(n) is ast.ClassDef]
     module = ModuleInfo.from_source("m.py", _IMPORTS)
     assert module.relative_imports == {"a", "bee", "c", "dee", "late", "kernel"}
+    assert [c.name for c in module.all_classes] == ["Top", "Inner", "Local", "Top"]
     assert module.aliases["path"] == "os.path" and module.aliases["nn"] == "torch.nn"

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts, _statements_bfs
+from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
@@ -206,11 +206,8 @@ def _module_classes(module: ModuleInfo) -> list[ast.ClassDef]:
     """Every class the module defines at its top level or in its ``if``/``try`` blocks, each definition of a
     name (``module.classes`` keeps the first: Pointcept's ``PointROPE`` is the CUDA wrapper under ``try:``
     and the PyTorch fallback under ``except``), in ``ast.walk`` order. Cached per module. A class is a
-    statement: the walk skips expressions (a full walk was a tenth of a cold scan)."""
-    found = module.__dict__.get("_rope_all_classes")
-    if found is None:
-        found = module.__dict__["_rope_all_classes"] = [n for n in _statements_bfs(module.tree) if type(n) is ast.ClassDef]
-    return found
+    statement: the module's index gathers them in its walk of the statements."""
+    return module.all_classes
 
 
 def _enclosing_class(module: ModuleInfo, scope: Scope) -> ast.ClassDef | None:

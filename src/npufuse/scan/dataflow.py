@@ -555,6 +555,8 @@ class ModuleInfo:
     scopes: list[Scope] = field(default_factory=list)
     # names bound by ``from .x import name`` anywhere in the file (``aliases`` holds absolute imports only)
     relative_imports: set[str] = field(default_factory=set)
+    # every class definition, nested ones included, in ``ast.walk`` order (each definition of a name)
+    all_classes: list[ast.ClassDef] = field(default_factory=list)
 
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
@@ -606,7 +608,9 @@ class ModuleInfo:
     # -- indexing -------------------------------------------------------------------------
     def _index(self) -> None:
         for node in _statements_bfs(self.tree):
-            if isinstance(node, ast.Import):
+            if type(node) is ast.ClassDef:
+                self.all_classes.append(node)
+            elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.asname:
                         self.aliases[a.asname] = a.name
