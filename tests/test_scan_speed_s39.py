@@ -106,3 +106,40 @@ def test_index_gathers_relative_imports_and_every_class_in_walk_order() -> None:
     assert module.relative_imports == {"a", "bee", "c", "dee", "late", "kernel"}
     assert [c.name for c in module.all_classes] == ["Top", "Inner", "Local", "Top"]
     assert module.aliases["path"] == "os.path" and module.aliases["nn"] == "torch.nn"
+
+
+_NESTED_IMPORTS = '''
+import os
+try:
+    from .fast import kernel as K
+except ImportError:
+    from .slow import kernel as K
+def f():
+    from pkg import layers
+    match x:
+        case 1:
+            import a.b as ab
+if True:
+    from ..up import kernel
+'''
+
+
+def test_imported_reads_statements_only_and_finds_the_same_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ast
+
+    from npufuse.scan import repo_facts
+    from npufuse.scan.dataflow import _statements_bfs
+
+    for text in [_NESTED_IMPORTS, *_sample_texts()]:
+        tree = ast.parse(text)
+        imports = (ast.Import, ast.ImportFrom)
+        assert [n for n in ast.walk(tree) if isinstance(n, imports)] == [n for n in _statements_bfs(tree) if isinstance(n, imports)]
+    tree = ast.parse(_NESTED_IMPORTS)
+
+    def refuse(node: object) -> None:
+        raise AssertionError("a whole-tree walk for an import")
+
+    with monkeypatch.context() as m:
+        m.setattr(repo_facts.ast, "walk", refuse)
+        found = [repo_facts._imported(tree, "p/q/m.py", n) for n in ("K", "kernel", "layers.Dense", "ab.C", "missing")]
+    assert found == [("p.q.fast", "kernel"), ("p.up", "kernel"), ("pkg.layers", "Dense"), ("a.b", "C"), None]
