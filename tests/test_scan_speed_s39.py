@@ -143,3 +143,28 @@ def test_imported_reads_statements_only_and_finds_the_same_import(monkeypatch: p
         m.setattr(repo_facts.ast, "walk", refuse)
         found = [repo_facts._imported(tree, "p/q/m.py", n) for n in ("K", "kernel", "layers.Dense", "ab.C", "missing")]
     assert found == [("p.q.fast", "kernel"), ("p.up", "kernel"), ("pkg.layers", "Dense"), ("a.b", "C"), None]
+
+
+def test_rope_pair_of_unparses_only_calls_that_can_name_cat_or_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ast
+
+    from npufuse.patterns import rope
+
+    def call(text: str) -> ast.Call:
+        node = ast.parse(text, mode="eval").body
+        assert isinstance(node, ast.Call)
+        return node
+
+    kept = {"torch.cat((-x2, x1), dim=-1)": rope._CAT, "torch.stack([a, b], -1)": rope._STACK, "torch.concat((a, b), -1)": rope._CAT}
+    for text, names in kept.items():
+        assert rope._pair_of(call(text), names) is not None
+    assert rope._pair_of(call("torch.cat((a, b), dim=0)"), rope._CAT) is None
+
+    def refuse(node: object) -> None:
+        raise AssertionError("unparsed a callee that names neither cat nor stack")
+
+    with monkeypatch.context() as m:
+        m.setattr(rope.ast, "unparse", refuse)
+        for text in ("x.view(2, 3)", "self.proj(x)", "f(x)((a, b), -1)", "fns[0]((a, b), -1)", "(lambda: torch.cat)()((a, b), -1)"):
+            for names in (rope._CAT, rope._STACK):
+                assert rope._pair_of(call(text), names) is None

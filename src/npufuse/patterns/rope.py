@@ -38,6 +38,7 @@ _NEG_CALLS = {"torch.neg", "torch.negative"}
 _CAT = {"torch.cat", "torch.concat", "torch.concatenate"}
 _BATCH_REASON = "interleave mode with cos/sin that may depend on the batch"
 _STACK = {"torch.stack"}
+_PAIR_LAST_NAMES = frozenset(n.rpartition(".")[2] for n in _CAT | _STACK)  # _pair_of's gate
 _DTYPE_NAMES = {
     "torch.float32": "float32", "torch.float": "float32", "torch.float16": "float16", "torch.half": "float16",
     "torch.bfloat16": "bfloat16", "torch.float64": "float64", "torch.double": "float64",
@@ -597,7 +598,14 @@ def _stack_as_cat(call: ast.Call) -> tuple[ast.expr, ast.expr] | None:
 
 def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)`` (also the stack written as
-    ``torch.cat([a[..., None], b[..., None]], -1)``)."""
+    ``torch.cat([a[..., None], b[..., None]], -1)``). ``names``: _CAT or _STACK."""
+    # most calls are neither: an attribute call names one of the functions' last names, and a callee
+    # that is neither a name nor an attribute unparses to no dotted name (unparsed, each cost ~10 us)
+    if isinstance(call.func, ast.Attribute):
+        if call.func.attr not in _PAIR_LAST_NAMES:
+            return None
+    elif not isinstance(call.func, ast.Name):
+        return None
     fn = ast.unparse(call.func)
     if isinstance(call.func, ast.Name):
         fn = _TORCH_IMPORTS.get().get(fn, fn)
@@ -2236,8 +2244,8 @@ class RopePattern(Pattern):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
                 return
-            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("view_as_real") and node.args \
-                    and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+                    and ast.unparse(node.func).endswith("view_as_real") \
                     and any(_complex_halves(scope, f) is not None for f in (node.args[0].left, node.args[0].right)):
                 found.append(node)  # gemma: the complex numbers are made of the two halves
                 return
