@@ -168,3 +168,32 @@ def test_rope_pair_of_unparses_only_calls_that_can_name_cat_or_stack(monkeypatch
         for text in ("x.view(2, 3)", "self.proj(x)", "f(x)((a, b), -1)", "fns[0]((a, b), -1)", "(lambda: torch.cat)()((a, b), -1)"):
             for names in (rope._CAT, rope._STACK):
                 assert rope._pair_of(call(text), names) is None
+
+
+def test_add_rms_norm_foreign_definition_asks_once_per_file_and_name(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from npufuse.patterns import add_rms_norm
+    from npufuse.scan import repo_facts
+
+    root = Path(str(tmp_path))
+    (root / "pkg").mkdir()
+    (root / "pkg" / "layers.py").write_text("class Norm:\n    def forward(self, x):\n        return x\n")
+    text = "import torch\nfrom pkg.layers import Norm\nfrom torch.nn import LayerNorm\n"
+    (root / "m.py").write_text(text)
+    module = ModuleInfo.from_source("m.py", text)
+    repo_facts.attach_root(module, root)
+    asked: list[str] = []
+    real = add_rms_norm._find_foreign_definition
+
+    def counted(m: ModuleInfo, name: str) -> object:
+        asked.append(name)
+        return real(m, name)
+
+    monkeypatch.setattr(add_rms_norm, "_find_foreign_definition", counted)
+    for _ in range(3):
+        found = add_rms_norm._foreign_definition(module, "Norm")
+        assert found is not None and getattr(found[1], "name", None) == "Norm"
+        assert add_rms_norm._foreign_definition(module, "LayerNorm") is None  # torch: no package of the repo
+        assert add_rms_norm._foreign_definition(module, "Missing") is None  # not imported
+    assert asked == ["Norm", "LayerNorm", "Missing"]
