@@ -197,3 +197,60 @@ def test_add_rms_norm_foreign_definition_asks_once_per_file_and_name(tmp_path: o
         assert add_rms_norm._foreign_definition(module, "LayerNorm") is None  # torch: no package of the repo
         assert add_rms_norm._foreign_definition(module, "Missing") is None  # not imported
     assert asked == ["Norm", "LayerNorm", "Missing"]
+
+
+_RESPELLED = '''
+import torch
+
+
+class Block:
+    def forward(self, x):
+        y = x + 1
+        return torch.sigmoid(y)
+
+    def other(self, x):
+        for i in range(3):
+            x = x * 2
+        return x
+
+
+def f(a, b):
+    if a is not None:
+        with ctx():
+            return torch.unsqueeze(a, 1) + b.sigmoid()
+    return b
+'''
+
+
+def test_tensor_calls_on_lines_skips_statements_inside_a_statement_off_the_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ast
+
+    from npufuse.scan import dataflow
+
+    def expected(tree: ast.Module, hits: list[int]) -> list[ast.Call]:
+        # what the walk of every statement gave: the calls of the statements spanning a line, in that order
+        out = []
+        for stmt in dataflow._statements_bfs(tree):
+            lo = getattr(stmt, "lineno", None)
+            if type(stmt) is ast.Module or (lo is not None and not any(lo <= h <= (stmt.end_lineno or lo) for h in hits)):
+                continue
+            for name in (f for f in dataflow.child_fields(type(stmt)) if f not in dataflow._BLOCK_NAMES):
+                v = getattr(stmt, name, None)
+                for root in (v if type(v) is list else (v,)):
+                    if isinstance(root, ast.AST):
+                        out += [n for n in dataflow.fast_walk(root) if type(n) is ast.Call]
+        return out
+
+    for text in [_RESPELLED, *_sample_texts()]:
+        tree = ast.parse(text)
+        hits = dataflow.tensor_call_lines(text)[0]
+        assert dataflow._tensor_calls_on_lines(tree, hits) == expected(tree, hits)
+
+    def refuse(tree: object) -> None:
+        raise AssertionError("every statement of the tree visited")
+
+    tree = ast.parse(_RESPELLED)
+    with monkeypatch.context() as m:
+        m.setattr(dataflow, "_statements_bfs", refuse)
+        found = dataflow._tensor_calls_on_lines(tree, dataflow.tensor_call_lines(_RESPELLED)[0])
+    assert [ast.unparse(c.func) for c in found] == ["torch.sigmoid", "ctx", "torch.unsqueeze", "b.sigmoid"]
