@@ -254,3 +254,17 @@ def test_tensor_calls_on_lines_skips_statements_inside_a_statement_off_the_lines
         m.setattr(dataflow, "_statements_bfs", refuse)
         found = dataflow._tensor_calls_on_lines(tree, dataflow.tensor_call_lines(_RESPELLED)[0])
     assert [ast.unparse(c.func) for c in found] == ["torch.sigmoid", "ctx", "torch.unsqueeze", "b.sigmoid"]
+
+
+_TOKEN_TEXTS = ["x.mean(-1)", "self.norm(x)", "h = self.input_layernorm(h)", "a, b = torch.var_mean(x)", "torch.linalg.vector_norm(x)",
+                "y = x ** 2", "f(**kwargs)", "summary = 1", "_sum(x)", "sum_(x)", "norm(x)", "self.normalize(x)", "myself.norm(x)",
+                "self. norm(x)", "xnorm + norm_x", "rsqrt", "pow", "return x", "", "self.norm", "cfg.norm_eps", "x.sqrt()"]
+
+
+def test_stat_or_root_token_by_hand_equals_the_regex() -> None:
+    from npufuse.scan import numeric_probe
+
+    texts = _TOKEN_TEXTS + [t for t in _sample_texts() if t.isascii()]
+    texts += [line for t in texts for line in t.splitlines()]
+    for text in texts:
+        assert numeric_probe._holds_stat_or_root_token(text) == (numeric_probe._STAT_OR_ROOT_TOKEN.search(text) is not None), text
