@@ -113,19 +113,16 @@ def contradicted_guard(scope: Any, finding: Any) -> Optional[str]:
     """Why ``finding``'s fused branch never runs where its span sits: a test of its guard (the ``if`` its fused
     text starts with) is false in the ``if``/``else`` arm holding the span; None otherwise."""
     from npufuse.patterns import _site as S
+    from npufuse.patterns.base import parsed_code
 
     if not finding.fused.startswith("if "):
         return None
-    try:
-        fused = ast.parse(finding.fused)
-    except SyntaxError:
-        return None
-    if not fused.body or not isinstance(fused.body[0], ast.If):
-        return None
     idx = S.stmt_index(scope)
     stmt = idx.by_line.get(finding.line)
-    if stmt is None or not _falls_back_to_the_span(idx, stmt, finding, fused.body[0]):
+    if stmt is None:
         return None
+    # the enclosing arms' facts first: most spans sit in no `if` arm, and without a fact nothing below can
+    # answer; the fused text is parsed (once per text, shared with fast_body) and compared only where one is
     facts: list[tuple[tuple[str, bool], ast.If, bool]] = []
     child: ast.stmt = stmt
     for anc in S.ancestors(idx, stmt):
@@ -144,7 +141,10 @@ def contradicted_guard(scope: Any, finding: Any) -> Optional[str]:
         child = anc
     if not facts:
         return None
-    for conjunct in _conjuncts(fused.body[0].test):
+    fused = parsed_code(finding.fused)
+    if not fused or not isinstance(fused[0], ast.If) or not _falls_back_to_the_span(idx, stmt, finding, fused[0]):
+        return None
+    for conjunct in _conjuncts(fused[0].test):
         text, needed = _literal(conjunct, True)
         for (fact_text, fact_truth), anc, taken in facts:
             if fact_text == text and fact_truth != needed:

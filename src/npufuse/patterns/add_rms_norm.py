@@ -511,6 +511,17 @@ _BUILTIN_NAMES = frozenset(dir(__import__("builtins")))
 def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.AST] | None:
     """(its file, its definition) for a top-level def or class ``name`` that this file imports from
     another file of the repository; None otherwise (cached per file)."""
+    cache = module.__dict__.setdefault("_npufuse_norm_foreign", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = found = _find_foreign_definition(module, name)
+    return found
+
+
+def _find_foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.AST] | None:
+    """:func:`_foreign_definition` uncached: every answer, None included, is kept per file and name (the
+    detector asks again for every norm call of the file, and the import test read every top-level
+    statement each time)."""
     from npufuse.scan import repo_facts
 
     if name in module.classes or name in module.functions:
@@ -526,10 +537,6 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
                    for n in module.tree.body)
     if target is None and not relative:
         return None  # not imported: asking other files would only cost
-    cache = module.__dict__.setdefault("_npufuse_norm_foreign", {})
-    if name in cache:
-        return cache[name]
-    cache[name] = None
     root = repo_facts.repo_root(module)
     if root is None:
         return None
@@ -538,11 +545,14 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
         # the file as depending on other files for nothing)
         # (at the root or in a folder above the importing file, as repo_facts.definition looks)
         head = target.split(".")[0]
-        try:
-            folders = [root, *(root / p for p in PurePosixPath(module.path).parents if str(p) != ".")]
-            if not any((d / head).is_dir() or (d / f"{head}.py").is_file() for d in folders):
-                return None
-        except OSError:
+        packages = module.__dict__.setdefault("_npufuse_norm_repo_packages", {})  # head -> a package of the repo?
+        if head not in packages:  # most names share a head (``torch``): the folders are asked once per file
+            try:
+                folders = [root, *(root / p for p in PurePosixPath(module.path).parents if str(p) != ".")]
+                packages[head] = any((d / head).is_dir() or (d / f"{head}.py").is_file() for d in folders)
+            except OSError:
+                packages[head] = False
+        if not packages[head]:
             return None
     d = repo_facts.definition(module, name)
     if d is None or d.rel == module.path or not isinstance(d.node, (ast.FunctionDef, ast.ClassDef)) or d.node.decorator_list:
@@ -555,8 +565,7 @@ def _foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.
     except (Exception, RecursionError):
         return None
     repo_facts.attach_root(other, root)
-    cache[name] = (other, d.node)
-    return cache[name]
+    return other, d.node
 
 
 def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST, also: frozenset[str] = frozenset()) -> dict[str, str] | None:

@@ -31,13 +31,14 @@ from typing import Any, Iterable
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts, _statements_bfs
+from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
 from npufuse.scan.value import estimate, symbolic
 
 _NEG_CALLS = {"torch.neg", "torch.negative"}
 _CAT = {"torch.cat", "torch.concat", "torch.concatenate"}
 _BATCH_REASON = "interleave mode with cos/sin that may depend on the batch"
 _STACK = {"torch.stack"}
+_PAIR_LAST_NAMES = frozenset(n.rpartition(".")[2] for n in _CAT | _STACK)  # _pair_of's gate
 _DTYPE_NAMES = {
     "torch.float32": "float32", "torch.float": "float32", "torch.float16": "float16", "torch.half": "float16",
     "torch.bfloat16": "bfloat16", "torch.float64": "float64", "torch.double": "float64",
@@ -206,11 +207,8 @@ def _module_classes(module: ModuleInfo) -> list[ast.ClassDef]:
     """Every class the module defines at its top level or in its ``if``/``try`` blocks, each definition of a
     name (``module.classes`` keeps the first: Pointcept's ``PointROPE`` is the CUDA wrapper under ``try:``
     and the PyTorch fallback under ``except``), in ``ast.walk`` order. Cached per module. A class is a
-    statement: the walk skips expressions (a full walk was a tenth of a cold scan)."""
-    found = module.__dict__.get("_rope_all_classes")
-    if found is None:
-        found = module.__dict__["_rope_all_classes"] = [n for n in _statements_bfs(module.tree) if type(n) is ast.ClassDef]
-    return found
+    statement: the module's index gathers them in its walk of the statements."""
+    return module.all_classes
 
 
 def _enclosing_class(module: ModuleInfo, scope: Scope) -> ast.ClassDef | None:
@@ -600,7 +598,14 @@ def _stack_as_cat(call: ast.Call) -> tuple[ast.expr, ast.expr] | None:
 
 def _pair_of(call: ast.Call, names: set[str]) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``torch.cat((a, b), dim=-1)`` / ``torch.stack([a, b], -1)`` (also the stack written as
-    ``torch.cat([a[..., None], b[..., None]], -1)``)."""
+    ``torch.cat([a[..., None], b[..., None]], -1)``). ``names``: _CAT or _STACK."""
+    # most calls are neither: an attribute call names one of the functions' last names, and a callee
+    # that is neither a name nor an attribute unparses to no dotted name (unparsed, each cost ~10 us)
+    if isinstance(call.func, ast.Attribute):
+        if call.func.attr not in _PAIR_LAST_NAMES:
+            return None
+    elif not isinstance(call.func, ast.Name):
+        return None
     fn = ast.unparse(call.func)
     if isinstance(call.func, ast.Name):
         fn = _TORCH_IMPORTS.get().get(fn, fn)
@@ -2239,8 +2244,8 @@ class RopePattern(Pattern):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
                 return
-            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("view_as_real") and node.args \
-                    and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult) \
+                    and ast.unparse(node.func).endswith("view_as_real") \
                     and any(_complex_halves(scope, f) is not None for f in (node.args[0].left, node.args[0].right)):
                 found.append(node)  # gemma: the complex numbers are made of the two halves
                 return

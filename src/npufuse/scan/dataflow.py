@@ -262,17 +262,28 @@ def _tensor_calls_everywhere(tree: ast.Module) -> list[ast.Call] | None:
 def _tensor_calls_on_lines(tree: ast.Module, hits: list[int]) -> list[ast.Call]:
     """The calls of the statements spanning one of the lines ``hits`` (ascending), found by walking the
     statements and, of those, only the expressions of the ones spanning such a line: a whole-tree walk was
-    a third of an ``ast.parse``, and most statements hold no call the respelling changes."""
+    a third of an ``ast.parse``, and most statements hold no call the respelling changes. The statements
+    are ``_statements_bfs``'s, less those inside a statement spanning no such line (theirs lie within its
+    lines: skipped, they were still visited one by one), in the same order."""
     calls: list[ast.Call] = []
-    for stmt in _statements_bfs(tree):
+    todo: list[ast.AST] = [tree]
+    fields = _BLOCK_FIELDS
+    for stmt in todo:  # a queue: the list grows while it is read
         t = type(stmt)
-        if t is ast.Module:
-            continue
         lo = getattr(stmt, "lineno", None)
         if lo is not None:  # (a match case has no position: its pattern and guard are walked)
             k = bisect_left(hits, lo)
             if k == len(hits) or hits[k] > (getattr(stmt, "end_lineno", None) or lo):
                 continue
+        blocks = fields.get(t)
+        if blocks is None:
+            blocks = fields[t] = tuple(n for n in _BLOCK_NAMES if n in t._fields)
+        for name in blocks:
+            block = getattr(stmt, name, None)
+            if type(block) is list:
+                todo.extend(block)
+        if t is ast.Module:
+            continue
         names = _EXPRESSION_FIELDS.get(t)
         if names is None:
             names = _EXPRESSION_FIELDS[t] = tuple(f for f in child_fields(t) if f not in _BLOCK_NAMES)
@@ -553,6 +564,10 @@ class ModuleInfo:
     functions: dict[str, ast.FunctionDef] = field(default_factory=dict)  # module-level defs
     classes: dict[str, ast.ClassDef] = field(default_factory=dict)
     scopes: list[Scope] = field(default_factory=list)
+    # names bound by ``from .x import name`` anywhere in the file (``aliases`` holds absolute imports only)
+    relative_imports: set[str] = field(default_factory=set)
+    # every class definition, nested ones included, in ``ast.walk`` order (each definition of a name)
+    all_classes: list[ast.ClassDef] = field(default_factory=list)
 
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
@@ -604,15 +619,20 @@ class ModuleInfo:
     # -- indexing -------------------------------------------------------------------------
     def _index(self) -> None:
         for node in _statements_bfs(self.tree):
-            if isinstance(node, ast.Import):
+            if type(node) is ast.ClassDef:
+                self.all_classes.append(node)
+            elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.asname:
                         self.aliases[a.asname] = a.name
                     else:
                         self.aliases.setdefault(a.name.split(".")[0], a.name.split(".")[0])
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for a in node.names:
-                    self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # gathered in this walk: the numeric probe's gate read every statement again for them
+                    self.relative_imports.update(a.asname or a.name for a in node.names if a.name != "*")
+                elif node.module:
+                    for a in node.names:
+                        self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
         for node in self.tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions[node.name] = node  # type: ignore[assignment]

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from npufuse.scan.dataflow import ModuleInfo
+from npufuse.scan.dataflow import ModuleInfo, _is_word
 
 MAX_NUMEL = 100_000  # elements of any tensor the probe creates
 MAX_STEPS = 20_000  # AST nodes evaluated per run
@@ -1661,6 +1661,29 @@ def _called_names(module: ModuleInfo, fn: ast.FunctionDef, scope: Any = None) ->
 _STAT_OR_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|(?<!self\.)norm)(?![\w])|\*\*" % "|".join(sorted((_STAT_NAMES | _ROOT_NAMES) - {"norm"})))
 
 
+_TOKEN_NAMES = tuple(sorted(_STAT_NAMES | _ROOT_NAMES))
+
+
+def _holds_stat_or_root_token(text: str) -> bool:
+    """``_STAT_OR_ROOT_TOKEN.search(text) is not None`` for an ASCII ``text``, checked by hand at each
+    occurrence of a name (``str.find``): a regex led by a lookbehind has no literal prefix to search for,
+    so ``re`` tried every position of the scope's text. A name counts where the text's maximal run of
+    word characters around it is the name itself (what the regex's lookarounds ask), "norm" also
+    not right after ``self.``."""
+    if "**" in text:
+        return True
+    find, n = text.find, len(text)
+    for name in _TOKEN_NAMES:
+        i = find(name)
+        while i >= 0:
+            end = i + len(name)
+            if not (i and _is_word(text[i - 1])) and not (end < n and _is_word(text[end])) \
+                    and not (name == "norm" and text.endswith("self.", 0, i)):
+                return True
+            i = find(name, i + 1)
+    return False
+
+
 def _may_name_stat_or_root(module: ModuleInfo, scope: Any) -> bool:
     """A necessary condition of both ways :func:`probe_worthy` accepts (each needs a name of
     _STAT_NAMES or _ROOT_NAMES, or a ``**``, among :func:`_called_names`), read from the text
@@ -1674,7 +1697,7 @@ def _may_name_stat_or_root(module: ModuleInfo, scope: Any) -> bool:
     if not engine.SCOPE_GATES:
         return True
     text = engine.gate_text(module, scope)
-    if not text.isascii() or _STAT_OR_ROOT_TOKEN.search(text):
+    if not text.isascii() or _holds_stat_or_root_token(text):
         return True
     wanted = _STAT_NAMES | _ROOT_NAMES
     return any(target.rsplit(".", 1)[-1] in wanted and re.search(rf"(?<![\w]){re.escape(local)}(?![\w])", text)
@@ -1909,16 +1932,8 @@ def _call_foreign(it: Interpreter, fv: Func, args: list[Any], kwargs: dict[str, 
 
 def _relative_imports(module: ModuleInfo) -> set[str]:
     """Names bound by ``from .x import name`` statements of the file (ModuleInfo.aliases holds
-    only absolute imports)."""
-    got = module.__dict__.get("_npufuse_relative_imports")
-    if got is None:
-        # imports are statements: the statements of the tree suffice (a whole-tree walk cost a tenth of the scan)
-        from npufuse.scan.dataflow import _statements_bfs
-
-        got = {a.asname or a.name for n in _statements_bfs(module.tree) if isinstance(n, ast.ImportFrom) and n.level
-               for a in n.names if a.name != "*"}
-        module.__dict__["_npufuse_relative_imports"] = got
-    return got
+    only absolute imports): gathered by the module's index in its walk of the statements."""
+    return module.relative_imports
 
 
 # --- s31: rotation helpers proved by evaluation ------------------------------------------------

@@ -43,7 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator, Optional
 
 from npufuse.patterns.base import Risk
-from npufuse.scan.dataflow import dotted, names_bound_from
+from npufuse.scan.dataflow import _statements_bfs, dotted, names_bound_from
 
 _PATTERN = "fused_optimizer"
 # words a driving file must contain for this pass to parse it
@@ -984,9 +984,10 @@ _PARSED_TEXT: dict[int, tuple[ast.Module, str]] = {}
 def _imported(tree: ast.Module, rel: str, name: str) -> Optional[tuple[str, str]]:
     """(module, attribute) a top-level import of ``tree`` binds ``name`` to (relative imports resolved
     against ``rel``; ``import a.b as c`` with ``name`` ``c.X``; ``from a import b`` with ``name`` ``b.X``:
-    X of the submodule ``a.b``)."""
+    X of the submodule ``a.b``). Imports are statements: the statements of ``ast.walk``, in its
+    order, find the same first import (a whole-tree walk, ~4 ms, where the name is not imported)."""
     head, _, rest = name.partition(".")
-    for node in ast.walk(tree):
+    for node in _statements_bfs(tree):
         if isinstance(node, ast.ImportFrom) and (not rest or "." not in rest):
             for a in node.names:
                 if (a.asname or a.name) == (head if rest else name):
