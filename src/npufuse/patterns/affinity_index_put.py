@@ -777,7 +777,7 @@ def _vector_parameter(module: ModuleInfo, scope: Scope, value: ast.expr) -> bool
     return False
 
 
-def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: int) -> bool:
+def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: int, depth: int = 0) -> bool:
     """The value is made by a torch call or a method call that returns a tensor. An attribute or a subscript alone
     is not evidence: ``self.num_classes - 1`` and ``order["-"]`` are Python ints (chai-lab's feature generators)."""
     node = value
@@ -786,10 +786,15 @@ def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: in
         if d is None:
             return False  # a parameter of unknown type
         node = d
+    if isinstance(node, ast.Subscript) and depth < 3:
+        # ``feats[i]`` of a tensor (or of torch.split's pieces): what the indexed value is made of
+        return _tensor_evidence(module, scope, node.value, line, depth + 1)
     for n in fast_walk(node):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or ""
-            if name.startswith("torch.") or isinstance(n.func, ast.Attribute) and n.func.attr not in _NON_TENSOR_METHODS:
+            # a torch call, a tensor method, or a module looked up and called (``self.adapters[key](x)``)
+            if name.startswith("torch.") or isinstance(n.func, ast.Subscript) or (
+                    isinstance(n.func, ast.Attribute) and n.func.attr not in _NON_TENSOR_METHODS):
                 return True
     return False
 
