@@ -153,3 +153,21 @@ def contradicted_guard(scope: Any, finding: Any) -> Optional[str]:
                         f"`if {ast.unparse(anc.test)}:` (line {anc.lineno}) that holds this code: the fused branch could "
                         "never run there")
     return None
+
+
+def unreachable_site(scope: Any, finding: Any) -> Optional[str]:
+    """Why ``finding``'s span never runs: a ``raise`` / ``return`` / ``continue`` / ``break`` precedes its first
+    statement in its block or an enclosing one (VILA's ``if tp > 1: raise ValueError(...)`` left above the old
+    tensor-parallel code); None otherwise. Every pattern's rule, as the contradicted guard is."""
+    from npufuse.patterns import _site as S
+    from npufuse.patterns.sdpa import unconditional_exit_before
+
+    stmt = S.stmt_index(scope).by_line.get(finding.line)
+    if stmt is None:
+        return None
+    exit_stmt = unconditional_exit_before(scope, stmt)
+    if exit_stmt is None:
+        return None
+    text = " ".join(ast.unparse(exit_stmt).split())
+    return (f"unreachable: `{text[:60]}` (line {exit_stmt.lineno}) always leaves its block before this code, "
+            "so the original never runs here and a rewrite changes nothing")

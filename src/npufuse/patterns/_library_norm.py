@@ -822,11 +822,30 @@ def _hf_norm_class(module: ModuleInfo, call: ast.Call) -> str | None:
 
 def _class_calls_attr(module: ModuleInfo, class_name: str | None, attr: str) -> bool:
     """Some method of the class (as written in this file) calls ``self.<attr>(...)``."""
+    if module.classes.get(class_name or "") is None:
+        return True  # unknown class: leave it to the call-site finding
+    return f"self.{attr}(" in _class_text(module, class_name)
+
+
+def _class_text(module: ModuleInfo, class_name: str | None) -> str:
     node = module.classes.get(class_name or "")
     if node is None:
-        return True  # unknown class: leave it to the call-site finding
-    text = "".join(S.module_lines(module)[node.lineno - 1 : node.end_lineno or node.lineno])
-    return f"self.{attr}(" in text
+        return ""
+    return "".join(S.module_lines(module)[node.lineno - 1 : node.end_lineno or node.lineno])
+
+
+def _own_forward_line(module: ModuleInfo, class_name: str | None) -> int | None:
+    """The line of a ``def forward`` written in the class body that does not hand over to the inherited
+    forward (``super().forward(...)``); None where forward is inherited or aliased (``forward =
+    Qwen2DecoderLayer.forward``: installed code calls the module)."""
+    node = module.classes.get(class_name or "")
+    if node is None:
+        return None
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "forward":
+            text = "".join(S.module_lines(module)[item.lineno - 1 : item.end_lineno or item.lineno])
+            return None if ".forward(" in text else item.lineno
+    return None
 
 
 def hf_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
@@ -848,6 +867,15 @@ def hf_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) ->
         if cls is None or not target or not target.startswith("self.") or target.count(".") != 1:
             continue
         if _class_calls_attr(module, scope.class_name, target[5:]):
+            continue
+        own_forward = _own_forward_line(module, scope.class_name)
+        if own_forward is not None:
+            # ``class CoatLlamaDecoderLayer(nn.Module)`` with its own forward that hands only
+            # ``self.input_layernorm.weight`` to an FP8 kernel: no inherited forward calls the module,
+            # so a swapped forward would never run
+            yield _miss(scope, stmt, f"{target} is never called: {scope.class_name} defines its own forward (line "
+                                     f"{own_forward}), which does not call it or the inherited forward"
+                                     + (f" (it reads only {target}.weight)" if f"{target}.weight" in _class_text(module, scope.class_name) else ""))
             continue
         done = S.already_fused(module, scope, stmt)
         if done:

@@ -727,11 +727,17 @@ def _not_elementwise(module: ModuleInfo, value: ast.expr) -> str | None:
 
 def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth: int = 0) -> bool:
     """The target is built by numpy calls (``np.zeros``, ``np.array(...) + offsets``) in this function."""
+    while isinstance(node, ast.Attribute) and node.attr in ("predictions", "label_ids"):
+        node = node.value  # ``eval_pred.predictions``: the arrays of an EvalPrediction
     if depth > 6 or not isinstance(node, ast.Name):
         return False
     value = scope.definition(node.id, line)
     if value is None:
-        return False
+        # transformers' Trainer numpifies what it hands compute_metrics: an EvalPrediction holds numpy arrays
+        return _param_annotation(scope, node.id).rsplit(".", 1)[-1] == "EvalPrediction"
+    if isinstance(value, (ast.Name, ast.Attribute)):
+        # ``preds, labels = eval_preds``: the unpacked parameter
+        return _is_numpy(module, scope, value, getattr(value, "lineno", line), depth + 1)
     for n in fast_walk(value):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
@@ -771,22 +777,31 @@ def _vector_parameter(module: ModuleInfo, scope: Scope, value: ast.expr) -> bool
     return False
 
 
-def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: int) -> bool:
-    """The value is certainly a tensor (torch call, tensor method, attribute of self, tensor name)."""
+def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: int, depth: int = 0) -> bool:
+    """The value is made by a torch call or a method call that returns a tensor. An attribute or a subscript alone
+    is not evidence: ``self.num_classes - 1`` and ``order["-"]`` are Python ints (chai-lab's feature generators)."""
     node = value
     if isinstance(node, ast.Name):
         d = scope.definition(node.id, line)
         if d is None:
             return False  # a parameter of unknown type
         node = d
+    if isinstance(node, ast.Subscript) and depth < 3:
+        # ``feats[i]`` of a tensor (or of torch.split's pieces): what the indexed value is made of
+        return _tensor_evidence(module, scope, node.value, line, depth + 1)
     for n in fast_walk(node):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or ""
-            if name.startswith("torch.") or isinstance(n.func, ast.Attribute):
+            # a torch call, a tensor method, or a module looked up and called (``self.adapters[key](x)``)
+            if name.startswith("torch.") or isinstance(n.func, ast.Subscript) or (
+                    isinstance(n.func, ast.Attribute) and n.func.attr not in _NON_TENSOR_METHODS):
                 return True
-        if isinstance(n, (ast.Subscript, ast.Attribute)):
-            return True
     return False
+
+
+# methods whose result is a Python value (or whatever a container holds), not a tensor by itself
+_NON_TENSOR_METHODS = frozenset(("item", "tolist", "numel", "dim", "size", "get", "index", "count", "pop", "keys",
+                                 "values", "items", "__len__"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -235,6 +235,9 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
         return True
     if isinstance(node, ast.UnaryOp):
         return _is_extreme(module, scope, node.operand, line, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        # ``torch.ones_like(x) * -1e9``: the fill value spelled as a product (-inf in fp16 all the same)
+        return any(_is_extreme(module, scope, side, line, depth + 1) for side in (node.left, node.right))
     v = const_value(node)
     if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) >= 1e4:
         return True

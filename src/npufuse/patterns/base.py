@@ -209,7 +209,7 @@ def _outside_compiled_code(detect: Any) -> Any:
                                    f"the replacement would call `{twice}` more often than the original code does "
                                    "(a module call evaluated twice: double the work, and a different result with dropout)")
                     continue
-                dead = _contradicted_guard(scope, r)
+                dead = _contradicted_guard(scope, r) or _unreachable(scope, r)
                 if dead is not None:
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line, dead)
                     continue
@@ -245,6 +245,12 @@ def _contradicted_guard(scope: "Scope", finding: Finding) -> str | None:
     from npufuse.patterns._guard_arms import contradicted_guard
 
     return contradicted_guard(scope, finding)
+
+
+def _unreachable(scope: "Scope", finding: Finding) -> str | None:
+    from npufuse.patterns._guard_arms import unreachable_site
+
+    return unreachable_site(scope, finding)
 
 
 def _lift_refusal(module: "ModuleInfo", qualname: str) -> str | None:
