@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -102,8 +102,26 @@ class InPlace(ast.expr):
         super().__init__()
         self.value, self.name, self.line, self.text = value, name, line, text
 
+    index_kind: str = ""  # s39: what a written index is where it cannot be a bool mask ("a slice", "an integer")
+
     def reason(self) -> str:
+        if self.index_kind:
+            return (f"line {self.line} modifies `{self.name}` in place (`{self.text}`) through {self.index_kind}, "
+                    "not a boolean mask of its shape: npufuse reads only a boolean-index write as a mask")
         return f"line {self.line} modifies `{self.name}` in place (`{self.text}`) in a way npufuse does not read as a mask or scale"
+
+
+class IndexFill(InPlace):
+    """s39: ``name[index] = fill`` with an index that may be a bool mask (``scores[~keep] = -inf``): ``value`` is what
+    the name held before. The scores step reads it as ``value.masked_fill(index, fill)`` under a run-time check that
+    the index is a bool tensor of the scores' rank (:mod:`_attention_s39`); anywhere else it is an :class:`InPlace`."""
+
+    _fields = ("value", "index", "fill")
+
+    def __init__(self, value: ast.expr | None = None, name: str = "", line: int = 0, text: str = "",
+                 index: ast.expr | None = None, fill: ast.expr | None = None) -> None:
+        super().__init__(value, name, line, text)
+        self.index, self.fill = index, fill
 
 
 class Under(ast.expr):
@@ -246,7 +264,14 @@ class BlockInterp:
             if isinstance(base, ast.Name):
                 before = self.sym(ast.Name(base.id, ast.Load()), env)
                 text = " ".join(ast.unparse(stmt).split())[:80]
-                env[base.id] = Ref(base.id, i, InPlace(before, base.id, stmt.lineno, text), stmt)
+                parts = _attention_s39.index_write_parts(stmt, target)
+                if isinstance(parts, tuple):
+                    # s39: ``scores[~keep] = -inf``: a masked_fill where the index is a bool mask (checked at run time)
+                    changed: InPlace = IndexFill(before, base.id, stmt.lineno, text, self.sym(parts[0], env), self.sym(parts[1], env))
+                else:
+                    changed = InPlace(before, base.id, stmt.lineno, text)
+                    changed.index_kind = parts or ""
+                env[base.id] = Ref(base.id, i, changed, stmt)
         # attribute targets: side effects on objects, no local binding
 
     def _exec(self, stmts: list[ast.stmt], env: dict[str, ast.expr], i: int) -> None:
@@ -443,6 +468,7 @@ class Renderer:
         self.bound: set[int] = set()
         self.live_after: Any = None  # (Ref) -> bool: the name's value at the site, read after it
         self.pse_products: set[int] = set()  # s32: products of pse terms, rendered as written (Chain.pse_products)
+        self.qk_node: Any = None  # s39: the scores' own product (Chain.qk_node), for a true near-miss reason
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -514,7 +540,7 @@ class Renderer:
 
     def _inline(self, value: Any) -> ast.expr:
         if _s32_heavy_beyond(value, self.pse_products):
-            raise Miss(f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{ast.unparse(_plain(value))[:80]}`)")
+            raise Miss(_attention_s39.heavy_input_reason(value, self.pse_products, self.qk_node, ast.unparse(_plain(value))[:80]))
         inner = self._ast(value)
         text = ast.unparse(inner)
         return ast.Name(text if _is_atom(inner) else f"({text})", ast.Load())
@@ -986,6 +1012,7 @@ class MaskTerm:
     negate_cond: bool = False
     causal: str | None = None  # top_left | bottom_right when provably causal
     fill: str = ""
+    index_write: bool = False  # s39: written through a boolean index (``s[m] = fill``): m's dtype and rank checked at run time
 
 
 @dataclass
@@ -1056,6 +1083,7 @@ class Chain:
     # s32: ids of the products inside float biases taken as pse (Transformer-XL's positional scores ``(q + v_bias) @ pᵀ``,
     # BERT's ``relative_key`` einsum): computed as written on the fused branch, they are not the attention scores
     pse_products: set[int] = field(default_factory=set)
+    qk_node: Any = None  # s39: the scores' own product Q@Kᵀ (a mask computed from another product is run as written)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -2004,6 +2032,12 @@ class _Matcher:
             # s30: a branch ``else: s2 = s`` reads the base through its own reference to the same value
             if stop is not None and (node is stop or node is deref(stop)):
                 return
+            if isinstance(node, IndexFill):
+                # s39: ``scores[m] = fill``: masked_fill's polarity (True = masked out), the index checked at run time
+                self.add_bool(node.index, node.fill, "masked", chain, cond)
+                chain.masks[-1].index_write = True
+                node = node.value
+                continue
             if isinstance(node, InPlace):
                 raise Miss(node.reason())
             if self.method(node, *_CASTS):
@@ -2167,6 +2201,7 @@ class _Matcher:
                 raise Miss(f"torch.where on the scores npufuse does not convert (`{self.src(node)}`)")
             mm = self.is_matmul(node)
             if mm is not None and stop is None:
+                chain.qk_node = node  # s39: what a mask built from another product must not reach
                 self.parse_qk(node, mm, chain)
                 return
             if isinstance(node, Ref) and isinstance(node.value, Opaque):
@@ -3442,6 +3477,7 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
         r.pse_products = chain.pse_products
+        r.qk_node = chain.qk_node
         r.live_after = lambda ref: interp.before[e].get(ref.name) is ref and scope.uses_after(ref.name, end_line)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
@@ -3789,9 +3825,14 @@ class AttentionPattern(Pattern):
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks)
                 checks = self._value_checks(r, chain.masks, module, scope)
                 if checks:
+                    risks.append(Risk("host_sync", VALUE_CHECK_RISK))
+                index_checks = _attention_s39.index_mask_checks(r, chain.masks, 5 if folded else 3 if three_d and not chain.heads_in_batch else 4)
+                if index_checks:
+                    checks = index_checks + checks  # s39: dtype / rank reads, no host sync
+                    risks.append(Risk("other", _attention_s39.INDEX_WRITE_RISK))
+                if checks:
                     value_split = len(lines)
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
-                    risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 if any(m.kind == "keep01" for m in chain.masks):
                     risks.append(Risk("numerics", "a 0/1 mask applied by multiplication and a finite offset (`s * m - C * (1 - m)`) is passed as `m == 0` "
                                                   "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
@@ -4191,7 +4232,7 @@ def _read_on_a_path_after(scope: Scope, name: str, first: int, last: int) -> boo
     A read in the other branch of an ``if`` whose one branch holds the site is not (LocalMHA's cached
     decode path in the ``if``, the windowed call reading the same argument in the ``else``), unless a
     loop around that ``if`` can carry the value into the other branch on its next pass."""
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > last]
+    loads = scope.loads_after(name, last)
     if not loads:
         return False
     nodes = scope.nodes()
@@ -4208,7 +4249,7 @@ def _read_on_a_path_after(scope: Scope, name: str, first: int, last: int) -> boo
 
 def _only_returned(scope: Scope, name: str, after: int) -> bool:
     # the scope's reads of ``name`` (Scope.name_loads: the Name/Load nodes of its walk, in order)
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    loads = scope.loads_after(name, after)
     if not loads:
         return True
     parents = scope.__dict__.get("_npufuse_parents")
@@ -4230,7 +4271,7 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
     if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn is None:
         return False
     params = set(scope.args)
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    loads = scope.loads_after(name, after)
     scope_parents = scope.__dict__.get("_npufuse_parents")
     if scope_parents is None:
         scope_parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
@@ -10817,7 +10858,7 @@ def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast
     ``x if test else y`` and the test is a flag the fused branch can read before the site: ``self.<attr>`` or a
     parameter the function never reassigns, possibly under ``not`` (the ``Chain.excluded`` convention: negated means
     the reads are in the else branch). None otherwise."""
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    loads = scope.loads_after(name, after)
     if not loads:
         return None
     parents = scope.__dict__.get("_npufuse_parents")
@@ -10868,7 +10909,7 @@ def _s35_probs_nulled_unless_flag(scope: Scope, name: str, after: int) -> tuple[
         if not (isinstance(only, ast.Assign) and len(only.targets) == 1 and isinstance(only.targets[0], ast.Name)
                 and only.targets[0].id == name and isinstance(only.value, ast.Constant) and only.value.value is None):
             continue
-        loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+        loads = scope.loads_after(name, after)
         if loads and all(n.lineno > (st.end_lineno or st.lineno) for n in loads):
             return flag, False
     return None

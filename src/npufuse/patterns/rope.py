@@ -1645,12 +1645,9 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
 
 def _read_before_rebound(scope: Scope, name: str, line: int) -> bool:
     """Is ``name``'s value after ``line`` read before it is bound again? (vLLM's golden code reuses
-    o1/o2 for the key after the query: those later reads see new values)."""
-    loads = [n.lineno for n in scope.name_loads().get(name, []) if n.lineno > line]
-    if not loads:
-        return False
-    stores = [st.lineno for st, _v in scope.assignments.get(name, []) if st.lineno > line]
-    return not stores or min(loads) <= min(stores)
+    o1/o2 for the key after the query: those later reads see new values). By reaching definition
+    (:meth:`Scope.uses_after`): a rebinding in one arm of an ``if`` does not hide a read after the ``if``."""
+    return scope.uses_after(name, line)
 
 
 def _bound_on_a_branch(scope: Scope, name: ast.Name) -> bool:
