@@ -72,9 +72,6 @@ INDEX_WRITE_RISK = ("the scores are masked by a write through an index (`s[m] = 
                     "original code)")
 
 
-
-
-
 def heavy_input_reason(value: Any, allowed: set[int], qk: Any, text: str) -> str:
     """Why an input of the fused call computed from a matrix product is refused, stated truly: from the scores where
     one of its products is the scores' own (``qk``) or computed from it (a top-k of the scores), or where the scores'

@@ -13884,3 +13884,99 @@ AttentionPattern.KEEP += [
         name="s38_masked_softmax_helper_with_a_local_unassigned_on_one_path",
     ),
 ]
+
+# s39 (HO15b mol-la-di): the probabilities' name reused by a later, separate attention (``attn_weights = ...`` again in
+# an ``if`` arm): a read after that rebinding is not a use of the first attention's probabilities (reaching definition,
+# Scope.loads_after); both attentions are sites
+_S39_NAME_REUSED_BY_A_LATER_ATTENTION = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d_model=32, nhead=4):
+        super().__init__()
+        self.nhead, self.head_dim, self.d_model = nhead, d_model // nhead, d_model
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.cq = nn.Linear(d_model, d_model)
+        self.ckv = nn.Linear(d_model, 2 * d_model)
+
+    def forward(self, x, context=None):
+        B, N, _ = x.shape
+        Q, K, V = self.qkv(x).view(B, N, 3, self.nhead, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn_weights = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        attn_weights = F.softmax(attn_weights, dim=-1)
+        attn_out = torch.matmul(attn_weights, V)
+        x = x + attn_out.transpose(1, 2).reshape(B, N, self.d_model)
+        if context is not None:
+            M = context.size(1)
+            Q = self.cq(x).view(B, N, self.nhead, self.head_dim).transpose(1, 2)
+            K, V = self.ckv(context).view(B, M, 2, self.nhead, self.head_dim).permute(2, 0, 3, 1, 4)
+            attn_weights = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            attn_weights = F.softmax(attn_weights, dim=-1)
+            cross_out = torch.matmul(attn_weights, V)
+            x = x + cross_out.transpose(1, 2).reshape(B, N, self.d_model)
+        return x
+'''
+
+# s39 (HO15a Quest): the scores masked by a write through a boolean index, ``scores[~keep] = float("-inf")``: masked_fill
+# with the same polarity (True = masked out), the index checked at run time to be a bool tensor of the scores' rank
+_S39_BOOLEAN_INDEX_WRITE = '''
+import math
+import torch
+from torch import nn
+
+
+class SparseAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, keep):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+        scores[~keep] = torch.finfo(scores.dtype).min
+        probs = scores.softmax(dim=-1)
+        return (probs @ v).transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S39_NAME_REUSED_BY_A_LATER_ATTENTION, expect={"qualname": "Block.forward"}, run='''
+m = Block()
+x = torch.randn(2, 5, 32, requires_grad=True)
+ctx = torch.randn(2, 3, 32, requires_grad=True)
+out = (m(x), m(x, ctx))
+leaves = [x, ctx]
+''', name="s39_probabilities_name_reused_by_a_later_attention"),
+    Fuse(_S39_BOOLEAN_INDEX_WRITE, expect={"qualname": "SparseAttention.forward"}, run='''
+m = SparseAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.rand(2, 4, 5, 5) > 0.4
+keep[..., 0] = True
+out = m(x, keep)
+leaves = [x]
+''', name="s39_scores_masked_through_a_boolean_index"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the rebinding is in one arm only: after the ``if`` the first attention's probabilities may still be read
+        _S39_NAME_REUSED_BY_A_LATER_ATTENTION.replace("        return x\n", "        self.last = attn_weights.detach()\n        return x\n"),
+        reason="the attention probabilities (`attn_weights`) are used after the attention",
+        name="s39_probabilities_read_after_a_conditional_rebinding",
+    ),
+    Keep(
+        # a slice is no mask of the scores' shape: the write fills trailing key columns (not read as a mask)
+        _S39_BOOLEAN_INDEX_WRITE.replace("scores[~keep] =", "scores[:, :, :, -2:] ="),
+        reason="through a tuple of indices, not a boolean mask of its shape",
+        name="s39_scores_written_through_a_slice",
+    ),
+    Keep(
+        _S39_BOOLEAN_INDEX_WRITE.replace("scores[~keep] =", "scores[0] ="),
+        reason="through an integer, not a boolean mask of its shape",
+        name="s39_scores_written_through_an_integer_index",
+    ),
+]
