@@ -114,5 +114,5 @@ def test_rope_stack_merged_in_the_next_statement_is_a_site() -> None:
     code = next(e.code for e in RopePattern.FUSE if e.name == "s39_interleaved_stack_merged_in_the_next_statement")
     (f,), _ = detect_all(RopePattern(), code)
     # the two parts and the stack are the site; the merge (``rotated_x.flatten(-2)``) runs as written after it
-    assert (f.line, f.end_line) == (21, 23)
+    assert (f.line, f.end_line) == (20, 22)
     assert 'rotary_mode="interleave")' in f.fused and ".unflatten(-1, (-1, 2))" in f.fused
