@@ -116,3 +116,18 @@ def test_rope_stack_merged_in_the_next_statement_is_a_site() -> None:
     # the two parts and the stack are the site; the merge (``rotated_x.flatten(-2)``) runs as written after it
     assert (f.line, f.end_line) == (20, 22)
     assert 'rotary_mode="interleave")' in f.fused and ".unflatten(-1, (-1, 2))" in f.fused
+
+
+def test_sdpa_through_functools_partial() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = next(e.code for e in SdpaPattern.FUSE if e.name == "s39_sdpa_through_functools_partial")
+    found, misses = detect_all(SdpaPattern(), code)
+    by = {f.qualname: f for f in found}
+    assert set(by) == {"CausalBlock.forward", "local_attend"} and not misses
+    # the held partial is checked at run time (a subclass may set the attribute to something else)
+    assert by["CausalBlock.forward"].fused.startswith(
+        "if getattr(self.attend, 'func', None) is F.scaled_dot_product_attention and not self.attend.args "
+        "and self.attend.keywords == {'is_causal': True, 'scale': 0.25}")
+    assert "sparse_mode=2" in by["CausalBlock.forward"].fused and "scale=0.25" in by["CausalBlock.forward"].fused
+    assert "keep_prob=1.0 - p" in by["local_attend"].fused

@@ -83,3 +83,95 @@ def heavy_input_reason(value: Any, allowed: set[int], qk: Any, text: str) -> str
         return f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{text}`)"
     return (f"an input of the fused call (mask / scale) is computed from a matrix product other than the scores (`{text}`): "
             "npufuse does not compute such an input on the fused branch")
+
+
+# --- SDPA called through ``functools.partial`` ------------------------------------------------------------------
+# ``fn = partial(F.scaled_dot_product_attention, dropout_p=0.0, is_causal=True)`` then ``fn(q, k, v)`` (a local), or
+# ``self.attn_fn = partial(F.scaled_dot_product_attention, scale=0.125)`` in ``__init__`` then ``self.attn_fn(q, k, v)``:
+# the call is SDPA with the partial's keywords merged in. Only the flags SDPA reads after q / k / v / mask are taken
+# from the partial, and only where their value is the one the call would see: a constant, or (a local partial) names
+# nothing rebinds between the partial and the call.
+_PARTIAL_KEYWORDS = frozenset({"dropout_p", "is_causal", "scale", "enable_gqa"})
+
+
+def _partial_of_sdpa(module: Any, value: Any, sdpa_names: Any) -> Any:
+    """``value`` when it is ``functools.partial(<SDPA>, <keywords>)``, else None."""
+    if not (isinstance(value, ast.Call) and module.canonical(value.func) in ("functools.partial", "partial") and value.args):
+        return None
+    return value if module.canonical(value.args[0]) in sdpa_names else None
+
+
+def _self_partials(module: Any, class_name: Any, sdpa_names: Any) -> dict:
+    """``attr -> partial call`` for the ``self.<attr> = partial(SDPA, ..)`` of the class's ``__init__`` that are the
+    attribute's only assignment in the class (cached per class)."""
+    cache = module.__dict__.setdefault("_npufuse_s39_self_partials", {})
+    if class_name in cache:
+        return cache[class_name]
+    out: dict = {}
+    cls = module.classes.get(class_name) if class_name else None
+    if cls is not None:
+        stores: dict = {}
+        for n in ast.walk(cls):
+            if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        stores.setdefault(t.attr, []).append(n)
+        for attr, sts in stores.items():
+            if len(sts) == 1 and isinstance(sts[0], ast.Assign):
+                value = sts[0].value
+                p = _partial_of_sdpa(module, value, sdpa_names)
+                if p is not None:
+                    out[attr] = p
+                elif isinstance(value, ast.IfExp) and any(_partial_of_sdpa(module, arm, sdpa_names) is not None for arm in (value.body, value.orelse)) \
+                        and all(_partial_of_sdpa(module, arm, sdpa_names) is not None or module.canonical(arm) in sdpa_names for arm in (value.body, value.orelse)):
+                    out[attr] = ast.unparse(value)[:80]  # (VisionLLaMA: a partial or SDPA itself, chosen by a constructor argument)
+    cache[class_name] = out
+    return out
+
+
+def sdpa_partial_call(module: Any, scope: Any, call: ast.Call, sdpa_names: Any) -> Union[ast.Call, str, None]:
+    """The SDPA call ``call`` makes through a ``functools.partial`` (the partial's keywords merged in, located where
+    ``call`` is), a reason where the partial binds something npufuse cannot carry to the call, or None where the
+    callee is no such partial."""
+    f = call.func
+    local = isinstance(f, ast.Name)
+    if local:
+        found = scope.assignments.get(f.id, [])
+        if len(found) != 1 or found[0][0].lineno >= call.lineno:
+            return None
+        part_stmt, value = found[0]
+        part = _partial_of_sdpa(module, value, sdpa_names)
+    elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+        part = _self_partials(module, scope.class_name, sdpa_names).get(f.attr)
+        part_stmt = None
+    else:
+        return None
+    if part is None:
+        return None
+    if isinstance(part, str):
+        return (f"SDPA is called through `self.{f.attr}`, set in `__init__` to `{part}`: which one the call gets, and the "  # type: ignore[union-attr]
+                "flags the partial binds, are decided by constructor arguments the call site does not hold")
+    text = ast.unparse(part)[:80]
+    if len(part.args) > 1 or any(kw.arg not in _PARTIAL_KEYWORDS for kw in part.keywords):
+        return (f"SDPA is called through `{text}`, which binds more than SDPA's flags (dropout_p, is_causal, scale, "
+                "enable_gqa): npufuse does not carry bound tensors to the call")
+    for kw in part.keywords:
+        if isinstance(kw.value, ast.Constant):
+            continue
+        names = {n.id for n in ast.walk(kw.value) if isinstance(n, ast.Name)}
+        rebound = any(part_stmt.lineno < st.lineno <= call.lineno for n in names for st, _v in scope.assignments.get(n, [])) if local else True
+        if not local or rebound or any(isinstance(n, ast.Call) for n in ast.walk(kw.value)) or not names <= set(scope.args) | set(scope.assignments):
+            where = "in `__init__`" if not local else "before the call"
+            return (f"SDPA is called through `{text}`, whose `{kw.arg}` is bound {where} from a value the call site does not "
+                    "hold: npufuse does not carry it to the fused call")
+    synth = ast.Call(func=part.args[0], args=list(call.args), keywords=list(part.keywords) + list(call.keywords))
+    ast.copy_location(synth, call)
+    synth.end_lineno, synth.end_col_offset = call.end_lineno, call.end_col_offset
+    if not local:
+        # a subclass (or anything holding the module) may set the attribute to something else: the fused call runs
+        # where it is still this partial of SDPA with these constant flags
+        held = ast.unparse(f)
+        flags = ", ".join(f"{kw.arg!r}: {ast.unparse(kw.value)}" for kw in part.keywords)
+        synth._npufuse_guard = (f"getattr({held}, 'func', None) is {ast.unparse(part.args[0])} and not {held}.args "  # type: ignore[attr-defined]
+                                f"and {held}.keywords == {{{flags}}}")
+    return synth
