@@ -175,3 +175,18 @@ def sdpa_partial_call(module: Any, scope: Any, call: ast.Call, sdpa_names: Any) 
         synth._npufuse_guard = (f"getattr({held}, 'func', None) is {ast.unparse(part.args[0])} and not {held}.args "  # type: ignore[attr-defined]
                                 f"and {held}.keywords == {{{flags}}}")
     return synth
+
+
+def sdpa_partial_attributes(module: Any, sdpa_names: Any) -> tuple:
+    """The attribute names ``self.<attr>`` assigned a ``functools.partial`` of SDPA anywhere in the module (directly or
+    in an arm of a conditional expression), cached per module."""
+    cached = module.__dict__.get("_npufuse_s39_partial_attrs")
+    if cached is None:
+        found: list = []
+        for n in ast.walk(module.tree):
+            if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Call, ast.IfExp)):
+                arms = [n.value.body, n.value.orelse] if isinstance(n.value, ast.IfExp) else [n.value]
+                if any(_partial_of_sdpa(module, arm, sdpa_names) is not None for arm in arms):
+                    found += [t.attr for t in n.targets if isinstance(t, ast.Attribute) and t.attr not in found]
+        cached = module.__dict__["_npufuse_s39_partial_attrs"] = tuple(found)
+    return cached

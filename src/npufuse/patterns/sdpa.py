@@ -140,6 +140,14 @@ class SdpaPattern(Pattern):
     # detect's first test, made once by the scan
     SCOPE_WORDS = ("scaled_dot_product_attention",)
 
+    @staticmethod
+    def held_call_words(module: ModuleInfo) -> tuple[str, ...]:
+        """s39: the attributes the module sets to ``functools.partial(SDPA, ..)`` (engine.gate_words: the scope calling
+        ``self.<attr>(..)`` names no SDPA word)."""
+        if not (text_holds_any(module, ("partial(",)) and text_holds_any(module, sdpa_call_words(module))):
+            return ()
+        return _attention_s39.sdpa_partial_attributes(module, SDPA_NAMES)
+
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         words = sdpa_call_words(module)
         text = scope_text(module, scope)
