@@ -49,7 +49,7 @@ def index_write_parts(stmt: ast.stmt, target: ast.Subscript) -> Union[tuple[ast.
 def index_mask_checks(r: Any, masks: list, rank: int) -> list[str]:
     """Run-time conditions under which each boolean-index write of the scores equals its masked_fill: the index is a
     bool tensor of the scores' rank. Read on the tensor under a ``~`` (its dtype and rank are the index's)."""
-    from npufuse.patterns.attention import atom, deref
+    from npufuse.patterns.attention import atom, check_under_term_condition, deref
 
     checks: list[str] = []
     for m in masks:
@@ -59,11 +59,7 @@ def index_mask_checks(r: Any, masks: list, rank: int) -> list[str]:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
             node = node.operand
         t = atom(r.text(node))
-        check = f"{t}.dtype == torch.bool and {t}.dim() == {rank}"
-        if m.cond is not None:
-            c = r.text(m.cond)
-            check = f"{atom(c)} or ({check})" if m.negate_cond else f"not {atom(c)} or ({check})"
-        checks.append(check)
+        checks.append(check_under_term_condition(r, m, f"{t}.dtype == torch.bool and {t}.dim() == {rank}"))
     return checks
 
 

@@ -677,6 +677,14 @@ def _int_in(node: ast.AST | None, *values: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v in values
 
 
+def check_under_term_condition(r: "Renderer", m: MaskTerm, check: str) -> str:
+    """A mask term's run-time check, needed only where the term applies (its ``if``)."""
+    if m.cond is None:
+        return check
+    c = r.text(m.cond)
+    return f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
+
+
 def atom(text: str) -> str:
     try:
         node = ast.parse(text, mode="eval").body
@@ -4109,10 +4117,7 @@ class AttentionPattern(Pattern):
                     # s33: proteina's ``_attn(q, k, v, b, mask)`` gets ``b = 0`` when there is no pair bias: ``(0 == 0).all()``
                     # would raise, so the fused call runs only where the term is a tensor
                     check = f"torch.is_tensor({atom(t)}) and {check}"
-            if m.cond is not None:
-                c = r.text(m.cond)
-                check = f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
-            checks.append(check)
+            checks.append(check_under_term_condition(r, m, check))
         return checks
 
     def _mask_lines(self, r: Renderer, masks: list[MaskTerm]) -> tuple[list[str], bool]:
