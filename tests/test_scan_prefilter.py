@@ -275,6 +275,27 @@ def ref_statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:
                 todo.extend(block)
 
 
+def ref_killed(scope: Any, load: ast.Name, line: int) -> bool:
+    """Reference of the s39 reaching-definition rule: a plain assignment to the name (``=``, ``+=``, annotated with a
+    value; tuple / starred targets too) starting after ``line`` stands earlier in a block whose later statements hold the
+    read, and the read is not inside a nested function or lambda."""
+    for n in ast.walk(scope.node):
+        if n is not scope.node and isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and any(x is load for x in ast.walk(n)):
+            return False
+    for block, i, stmt in ref_walk_blocks(scope.body):
+        if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)) or stmt.lineno <= line:
+            continue
+        if isinstance(stmt, ast.AnnAssign) and stmt.value is None:
+            continue
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        bound = {t.id for tg in targets for t in ast.walk(tg) if isinstance(t, ast.Name)
+                 and not any(isinstance(a, (ast.Attribute, ast.Subscript)) and any(x is t for x in ast.walk(a)) for a in ast.walk(tg))}
+        if load.id in bound and any(x is load for later in block[i + 1:] for x in ast.walk(later)):
+            return True
+    return False
+
+
 def ref_outer_loads(scope_node: ast.AST) -> list[ast.Name]:
     """The Name loads of a scope that read its own variables: not a comprehension's target read inside it
     (Python 3 comprehensions have their own scope; their first iterable is evaluated outside), not a nested
@@ -444,10 +465,14 @@ def test_scope_listing_index_and_reads_match_the_references() -> None:
             assert scope.last_loads() == {k: max(v) for k, v in outer.items()}
             calls = [n for n in ast.walk(scope.node) if isinstance(n, ast.Call)]
             assert [id(n) for n in scope.nodes().get(ast.Call, [])] == [id(n) for n in calls]
+            outer_nodes = ref_outer_loads(scope.node)
             for name in list(loads)[:5]:
                 for line in (0, scope.node.lineno if hasattr(scope.node, "lineno") else 1, 10**6):
                     want_used = any(ln > line for ln in outer.get(name, ()))
-                    assert scope.uses_after(name, line) == want_used
+                    # s39: by reaching definition: a read that a rebinding made after `line` precedes in its block is not
+                    # a use of the value at `line` (reads in nested functions / lambdas always count)
+                    live = [n for n in outer_nodes if n.id == name and n.lineno > line and not ref_killed(scope, n, line)]
+                    assert scope.uses_after(name, line) == bool(live)
                     assert (name in S._names_used_after(scope, line)) == want_used
 
 

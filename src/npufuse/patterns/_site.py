@@ -666,7 +666,11 @@ def _read_later(scope: Scope, idx: StmtIndex, root: ast.stmt, end_line: int, nam
     A read in the other branch of an ``if`` holding ``root`` (eole's ``if gated: ... gate * up
     else: gate = linear(x); act(gate)``) is not, when that branch assigns the name first in the
     read's own block: also in a loop, the read then sees that assignment, never the span's value.
-    Anything else read later counts (headers of compound statements included)."""
+    Anything else read later counts (headers of compound statements included), except a read that
+    a rebinding after the span always precedes (:meth:`Scope.loads_after`: reaching definition)."""
+    live = {id(n) for n in scope.loads_after(name, end_line)}
+    if not live:
+        return False
     for s in idx.stmts:
         header = _HEADERS.get(type(s))
         if header is not None:
@@ -675,7 +679,7 @@ def _read_later(scope: Scope, idx: StmtIndex, root: ast.stmt, end_line: int, nam
             nodes = list(fast_walk(s))
         else:
             nodes = list(fast_walk(s))
-        if not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > end_line for n in nodes):
+        if not any(id(n) in live for n in nodes):
             continue
         if _exclusive_outside_loops(idx, s, root):
             continue  # another branch of an if that no loop repeats: it never runs after the span

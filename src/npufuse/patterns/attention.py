@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -102,8 +102,26 @@ class InPlace(ast.expr):
         super().__init__()
         self.value, self.name, self.line, self.text = value, name, line, text
 
+    index_kind: str = ""  # s39: what a written index is where it cannot be a bool mask ("a slice", "an integer")
+
     def reason(self) -> str:
+        if self.index_kind:
+            return (f"line {self.line} modifies `{self.name}` in place (`{self.text}`) through {self.index_kind}, "
+                    "not a boolean mask of its shape: npufuse reads only a boolean-index write as a mask")
         return f"line {self.line} modifies `{self.name}` in place (`{self.text}`) in a way npufuse does not read as a mask or scale"
+
+
+class IndexFill(InPlace):
+    """s39: ``name[index] = fill`` with an index that may be a bool mask (``scores[~keep] = -inf``): ``value`` is what
+    the name held before. The scores step reads it as ``value.masked_fill(index, fill)`` under a run-time check that
+    the index is a bool tensor of the scores' rank (:mod:`_attention_s39`); anywhere else it is an :class:`InPlace`."""
+
+    _fields = ("value", "index", "fill")
+
+    def __init__(self, value: ast.expr | None = None, name: str = "", line: int = 0, text: str = "",
+                 index: ast.expr | None = None, fill: ast.expr | None = None) -> None:
+        super().__init__(value, name, line, text)
+        self.index, self.fill = index, fill
 
 
 class Under(ast.expr):
@@ -246,7 +264,14 @@ class BlockInterp:
             if isinstance(base, ast.Name):
                 before = self.sym(ast.Name(base.id, ast.Load()), env)
                 text = " ".join(ast.unparse(stmt).split())[:80]
-                env[base.id] = Ref(base.id, i, InPlace(before, base.id, stmt.lineno, text), stmt)
+                parts = _attention_s39.index_write_parts(stmt, target)
+                if isinstance(parts, tuple):
+                    # s39: ``scores[~keep] = -inf``: a masked_fill where the index is a bool mask (checked at run time)
+                    changed: InPlace = IndexFill(before, base.id, stmt.lineno, text, self.sym(parts[0], env), self.sym(parts[1], env))
+                else:
+                    changed = InPlace(before, base.id, stmt.lineno, text)
+                    changed.index_kind = parts or ""
+                env[base.id] = Ref(base.id, i, changed, stmt)
         # attribute targets: side effects on objects, no local binding
 
     def _exec(self, stmts: list[ast.stmt], env: dict[str, ast.expr], i: int) -> None:
@@ -443,6 +468,7 @@ class Renderer:
         self.bound: set[int] = set()
         self.live_after: Any = None  # (Ref) -> bool: the name's value at the site, read after it
         self.pse_products: set[int] = set()  # s32: products of pse terms, rendered as written (Chain.pse_products)
+        self.qk_node: Any = None  # s39: the scores' own product (Chain.qk_node), for a true near-miss reason
 
     def text(self, node: Any) -> str:
         return ast.unparse(self._ast(node))
@@ -514,7 +540,7 @@ class Renderer:
 
     def _inline(self, value: Any) -> ast.expr:
         if _s32_heavy_beyond(value, self.pse_products):
-            raise Miss(f"an input of the fused call (mask / scale) is computed from the attention scores themselves (`{ast.unparse(_plain(value))[:80]}`)")
+            raise Miss(_attention_s39.heavy_input_reason(value, self.pse_products, self.qk_node, ast.unparse(_plain(value))[:80]))
         inner = self._ast(value)
         text = ast.unparse(inner)
         return ast.Name(text if _is_atom(inner) else f"({text})", ast.Load())
@@ -649,6 +675,14 @@ def _is_atom(node: ast.AST) -> bool:
 def _int_in(node: ast.AST | None, *values: int) -> bool:
     v = const_value(node)
     return isinstance(v, int) and not isinstance(v, bool) and v in values
+
+
+def check_under_term_condition(r: "Renderer", m: MaskTerm, check: str) -> str:
+    """A mask term's run-time check, needed only where the term applies (its ``if``)."""
+    if m.cond is None:
+        return check
+    c = r.text(m.cond)
+    return f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
 
 
 def atom(text: str) -> str:
@@ -986,6 +1020,7 @@ class MaskTerm:
     negate_cond: bool = False
     causal: str | None = None  # top_left | bottom_right when provably causal
     fill: str = ""
+    index_write: bool = False  # s39: written through a boolean index (``s[m] = fill``): m's dtype and rank checked at run time
 
 
 @dataclass
@@ -1056,6 +1091,7 @@ class Chain:
     # s32: ids of the products inside float biases taken as pse (Transformer-XL's positional scores ``(q + v_bias) @ pᵀ``,
     # BERT's ``relative_key`` einsum): computed as written on the fused branch, they are not the attention scores
     pse_products: set[int] = field(default_factory=set)
+    qk_node: Any = None  # s39: the scores' own product Q@Kᵀ (a mask computed from another product is run as written)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -2004,6 +2040,12 @@ class _Matcher:
             # s30: a branch ``else: s2 = s`` reads the base through its own reference to the same value
             if stop is not None and (node is stop or node is deref(stop)):
                 return
+            if isinstance(node, IndexFill):
+                # s39: ``scores[m] = fill``: masked_fill's polarity (True = masked out), the index checked at run time
+                self.add_bool(node.index, node.fill, "masked", chain, cond)
+                chain.masks[-1].index_write = True
+                node = node.value
+                continue
             if isinstance(node, InPlace):
                 raise Miss(node.reason())
             if self.method(node, *_CASTS):
@@ -2167,6 +2209,7 @@ class _Matcher:
                 raise Miss(f"torch.where on the scores npufuse does not convert (`{self.src(node)}`)")
             mm = self.is_matmul(node)
             if mm is not None and stop is None:
+                chain.qk_node = node  # s39: what a mask built from another product must not reach
                 self.parse_qk(node, mm, chain)
                 return
             if isinstance(node, Ref) and isinstance(node.value, Opaque):
@@ -3442,6 +3485,7 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line, bias)
         r = Renderer(module, interp, s, matcher.repeat_of)
         r.pse_products = chain.pse_products
+        r.qk_node = chain.qk_node
         r.live_after = lambda ref: interp.before[e].get(ref.name) is ref and scope.uses_after(ref.name, end_line)
         try:
             q_t, k_t, v_t = r.text(chain.q.leaf), r.text(chain.k.leaf), r.text(chain.v.leaf)
@@ -3789,9 +3833,14 @@ class AttentionPattern(Pattern):
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks)
                 checks = self._value_checks(r, chain.masks, module, scope)
                 if checks:
+                    risks.append(Risk("host_sync", VALUE_CHECK_RISK))
+                index_checks = _attention_s39.index_mask_checks(r, chain.masks, 5 if folded else 3 if three_d and not chain.heads_in_batch else 4)
+                if index_checks:
+                    checks = index_checks + checks  # s39: dtype / rank reads, no host sync
+                    risks.append(Risk("other", _attention_s39.INDEX_WRITE_RISK))
+                if checks:
                     value_split = len(lines)
                     value_check = " and ".join(checks) if len(checks) == 1 else " and ".join(f"({c})" for c in checks)
-                    risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 if any(m.kind == "keep01" for m in chain.masks):
                     risks.append(Risk("numerics", "a 0/1 mask applied by multiplication and a finite offset (`s * m - C * (1 - m)`) is passed as `m == 0` "
                                                   "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
@@ -4068,10 +4117,7 @@ class AttentionPattern(Pattern):
                     # s33: proteina's ``_attn(q, k, v, b, mask)`` gets ``b = 0`` when there is no pair bias: ``(0 == 0).all()``
                     # would raise, so the fused call runs only where the term is a tensor
                     check = f"torch.is_tensor({atom(t)}) and {check}"
-            if m.cond is not None:
-                c = r.text(m.cond)
-                check = f"{atom(c)} or {check}" if m.negate_cond else f"not {atom(c)} or {check}"
-            checks.append(check)
+            checks.append(check_under_term_condition(r, m, check))
         return checks
 
     def _mask_lines(self, r: Renderer, masks: list[MaskTerm]) -> tuple[list[str], bool]:
@@ -4191,7 +4237,7 @@ def _read_on_a_path_after(scope: Scope, name: str, first: int, last: int) -> boo
     A read in the other branch of an ``if`` whose one branch holds the site is not (LocalMHA's cached
     decode path in the ``if``, the windowed call reading the same argument in the ``else``), unless a
     loop around that ``if`` can carry the value into the other branch on its next pass."""
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > last]
+    loads = scope.loads_after(name, last)
     if not loads:
         return False
     nodes = scope.nodes()
@@ -4208,7 +4254,7 @@ def _read_on_a_path_after(scope: Scope, name: str, first: int, last: int) -> boo
 
 def _only_returned(scope: Scope, name: str, after: int) -> bool:
     # the scope's reads of ``name`` (Scope.name_loads: the Name/Load nodes of its walk, in order)
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    loads = scope.loads_after(name, after)
     if not loads:
         return True
     parents = scope.__dict__.get("_npufuse_parents")
@@ -4230,7 +4276,7 @@ def _weights_may_be_none(module: ModuleInfo, scope: Scope, name: str, after: int
     if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn is None:
         return False
     params = set(scope.args)
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    loads = scope.loads_after(name, after)
     scope_parents = scope.__dict__.get("_npufuse_parents")
     if scope_parents is None:
         scope_parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
@@ -10817,7 +10863,7 @@ def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast
     ``x if test else y`` and the test is a flag the fused branch can read before the site: ``self.<attr>`` or a
     parameter the function never reassigns, possibly under ``not`` (the ``Chain.excluded`` convention: negated means
     the reads are in the else branch). None otherwise."""
-    loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+    loads = scope.loads_after(name, after)
     if not loads:
         return None
     parents = scope.__dict__.get("_npufuse_parents")
@@ -10868,7 +10914,7 @@ def _s35_probs_nulled_unless_flag(scope: Scope, name: str, after: int) -> tuple[
         if not (isinstance(only, ast.Assign) and len(only.targets) == 1 and isinstance(only.targets[0], ast.Name)
                 and only.targets[0].id == name and isinstance(only.value, ast.Constant) and only.value.value is None):
             continue
-        loads = [n for n in scope.name_loads().get(name, ()) if n.lineno > after]
+        loads = scope.loads_after(name, after)
         if loads and all(n.lineno > (st.end_lineno or st.lineno) for n in loads):
             return flag, False
     return None
@@ -13841,5 +13887,101 @@ AttentionPattern.KEEP += [
         _S38_GLUON_MASKED_SOFTMAX.replace("    else:\n        att_weights = torch.softmax(att_score, dim=axis)\n", ""),
         reason="whose body is not read as a softmax",
         name="s38_masked_softmax_helper_with_a_local_unassigned_on_one_path",
+    ),
+]
+
+# s39 (HO15b mol-la-di): the probabilities' name reused by a later, separate attention (``attn_weights = ...`` again in
+# an ``if`` arm): a read after that rebinding is not a use of the first attention's probabilities (reaching definition,
+# Scope.loads_after); both attentions are sites
+_S39_NAME_REUSED_BY_A_LATER_ATTENTION = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d_model=32, nhead=4):
+        super().__init__()
+        self.nhead, self.head_dim, self.d_model = nhead, d_model // nhead, d_model
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.cq = nn.Linear(d_model, d_model)
+        self.ckv = nn.Linear(d_model, 2 * d_model)
+
+    def forward(self, x, context=None):
+        B, N, _ = x.shape
+        Q, K, V = self.qkv(x).view(B, N, 3, self.nhead, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn_weights = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        attn_weights = F.softmax(attn_weights, dim=-1)
+        attn_out = torch.matmul(attn_weights, V)
+        x = x + attn_out.transpose(1, 2).reshape(B, N, self.d_model)
+        if context is not None:
+            M = context.size(1)
+            Q = self.cq(x).view(B, N, self.nhead, self.head_dim).transpose(1, 2)
+            K, V = self.ckv(context).view(B, M, 2, self.nhead, self.head_dim).permute(2, 0, 3, 1, 4)
+            attn_weights = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            attn_weights = F.softmax(attn_weights, dim=-1)
+            cross_out = torch.matmul(attn_weights, V)
+            x = x + cross_out.transpose(1, 2).reshape(B, N, self.d_model)
+        return x
+'''
+
+# s39 (HO15a Quest): the scores masked by a write through a boolean index, ``scores[~keep] = float("-inf")``: masked_fill
+# with the same polarity (True = masked out), the index checked at run time to be a bool tensor of the scores' rank
+_S39_BOOLEAN_INDEX_WRITE = '''
+import math
+import torch
+from torch import nn
+
+
+class SparseAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, keep):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+        scores[~keep] = torch.finfo(scores.dtype).min
+        probs = scores.softmax(dim=-1)
+        return (probs @ v).transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S39_NAME_REUSED_BY_A_LATER_ATTENTION, expect={"qualname": "Block.forward"}, run='''
+m = Block()
+x = torch.randn(2, 5, 32, requires_grad=True)
+ctx = torch.randn(2, 3, 32, requires_grad=True)
+out = (m(x), m(x, ctx))
+leaves = [x, ctx]
+''', name="s39_probabilities_name_reused_by_a_later_attention"),
+    Fuse(_S39_BOOLEAN_INDEX_WRITE, expect={"qualname": "SparseAttention.forward"}, run='''
+m = SparseAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+keep = torch.rand(2, 4, 5, 5) > 0.4
+keep[..., 0] = True
+out = m(x, keep)
+leaves = [x]
+''', name="s39_scores_masked_through_a_boolean_index"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the rebinding is in one arm only: after the ``if`` the first attention's probabilities may still be read
+        _S39_NAME_REUSED_BY_A_LATER_ATTENTION.replace("        return x\n", "        self.last = attn_weights.detach()\n        return x\n"),
+        reason="the attention probabilities (`attn_weights`) are used after the attention",
+        name="s39_probabilities_read_after_a_conditional_rebinding",
+    ),
+    Keep(
+        # a slice is no mask of the scores' shape: the write fills trailing key columns (not read as a mask)
+        _S39_BOOLEAN_INDEX_WRITE.replace("scores[~keep] =", "scores[:, :, :, -2:] ="),
+        reason="through a tuple of indices, not a boolean mask of its shape",
+        name="s39_scores_written_through_a_slice",
+    ),
+    Keep(
+        _S39_BOOLEAN_INDEX_WRITE.replace("scores[~keep] =", "scores[0] ="),
+        reason="through an integer, not a boolean mask of its shape",
+        name="s39_scores_written_through_an_integer_index",
     ),
 ]

@@ -1650,12 +1650,9 @@ def _pair_formula(node: ast.AST) -> tuple[str, ast.expr, ast.expr, ast.expr, ast
 
 def _read_before_rebound(scope: Scope, name: str, line: int) -> bool:
     """Is ``name``'s value after ``line`` read before it is bound again? (vLLM's golden code reuses
-    o1/o2 for the key after the query: those later reads see new values)."""
-    loads = [n.lineno for n in scope.name_loads().get(name, []) if n.lineno > line]
-    if not loads:
-        return False
-    stores = [st.lineno for st, _v in scope.assignments.get(name, []) if st.lineno > line]
-    return not stores or min(loads) <= min(stores)
+    o1/o2 for the key after the query: those later reads see new values). By reaching definition
+    (:meth:`Scope.uses_after`): a rebinding in one arm of an ``if`` does not hide a read after the ``if``."""
+    return scope.uses_after(name, line)
 
 
 def _bound_on_a_branch(scope: Scope, name: ast.Name) -> bool:
@@ -2100,7 +2097,7 @@ class RopePattern(Pattern):
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
                     and "concatenate(" not in st_text \
-                    and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text):
+                    and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text and not _merged_next(block, i, stmt)):
                 continue
             if "lambda" in st_text:
                 lambda_sites = 0
@@ -7387,6 +7384,20 @@ RopePattern.KEEP += [
 
 # --- rope s26: the rotated lane pairs stacked and left as [..., D/2, 2] (merged by a later statement) ------
 
+def _merged_next(block: list[ast.stmt], i: int, stmt: ast.stmt) -> bool:
+    """s39 (vats' ``RoPE._apply_rope``): ``t = stack([r1, r2], dim=-1)`` whose next statement merges the pair axis
+    (``t = t.flatten(-2)`` / ``t.reshape(..)`` / ``t.view(..)``, assigned or returned): a stack of the two rotated parts
+    computed before it, the merge in a second statement. Read like a stack left as ``[.., D/2, 2]`` (the fused result
+    viewed so, :func:`_unmerged_lane_stack`); the merge runs as written."""
+    if i + 1 >= len(block) or not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    nxt = block[i + 1]
+    value = nxt.value if isinstance(nxt, (ast.Assign, ast.Return)) else None
+    name = stmt.targets[0].id
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view") \
+        and isinstance(value.func.value, ast.Name) and value.func.value.id == name
+
+
 def _unmerged_lane_stack(node: ast.Call) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``torch.stack([a, b], dim=-1)`` (the pair axis last, not merged in the same expression:
     Infinity's ``qk = stack([...], -1); qk = qk.reshape(*qk.shape[:-2], -1)``): the caller checks that
@@ -9291,5 +9302,55 @@ RopePattern.KEEP += [
         "\nimport torch\n\n\ndef turn_by_rows" + _ACCUMULATED_HALVES.split("\n\n\ndef turn_by_rows")[1].split("\n\n\nclass HalfTurn")[0]
         .replace("t.unflatten(-1, (2, -1))", "t.unflatten(-1, (-1, 2))") + "\n",
         name="s35_accumulated_rows_of_lane_pairs",
+    ),
+]
+
+# s39 (HO14a vats ``RoPE._apply_rope``): the interleaved rotation's parts stacked in one statement and the pair axis
+# merged in the next (``t = stack([r1, r2], -1)`` then ``t = t.flatten(-2)``): the stack statement is the site (its
+# result viewed [.., D/2, 2] as written), the merge runs as written after it
+_S39_STACK_THEN_FLATTEN = '''
+import torch
+from torch import nn
+
+
+class RoPE(nn.Module):
+    def __init__(self, head_dim=8, max_len=16):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        ang = torch.outer(torch.arange(max_len).float(), inv)
+        self.register_buffer("cos_cached", ang.cos())
+        self.register_buffer("sin_cached", ang.sin())
+
+    def forward(self, x):
+        T = x.size(1)
+        cos_freqs = self.cos_cached[None, :T, None, :]
+        sin_freqs = self.sin_cached[None, :T, None, :]
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+        rotated_x1 = x1 * cos_freqs - x2 * sin_freqs
+        rotated_x2 = x1 * sin_freqs + x2 * cos_freqs
+        rotated_x = torch.stack([rotated_x1, rotated_x2], dim=-1)
+        rotated_x = rotated_x.flatten(-2)
+        return rotated_x
+'''
+
+RopePattern.FUSE += [
+    Fuse(_S39_STACK_THEN_FLATTEN, expect={"mode": "interleave", "qualname": "RoPE.forward"}, run='''
+m = RoPE()
+x = torch.randn(2, 5, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x]
+''', name="s39_interleaved_stack_merged_in_the_next_statement"),
+]
+RopePattern.KEEP += [
+    Keep(
+        # both parts add their products: a shear of the lane pairs, not a rotation
+        _S39_STACK_THEN_FLATTEN.replace("x1 * cos_freqs - x2 * sin_freqs", "x1 * cos_freqs + x2 * sin_freqs"),
+        name="s39_stack_then_flatten_of_a_shear",
+    ),
+    Keep(
+        # a rotated part is read again after the stack: the fused call does not produce it
+        _S39_STACK_THEN_FLATTEN.replace("        return rotated_x\n", "        return rotated_x, rotated_x1\n"),
+        name="s39_stack_then_flatten_part_read_later",
     ),
 ]

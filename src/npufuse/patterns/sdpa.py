@@ -49,10 +49,10 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36
+from npufuse.patterns import _attention_s36, _attention_s39
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment, text_holds_any
 
 SDPA_NAMES = {
     "torch.nn.functional.scaled_dot_product_attention",
@@ -140,22 +140,43 @@ class SdpaPattern(Pattern):
     # detect's first test, made once by the scan
     SCOPE_WORDS = ("scaled_dot_product_attention",)
 
+    @staticmethod
+    def held_call_words(module: ModuleInfo) -> tuple[str, ...]:
+        """s39: the attributes the module sets to ``functools.partial(SDPA, ..)`` (engine.gate_words: the scope calling
+        ``self.<attr>(..)`` names no SDPA word)."""
+        if not (text_holds_any(module, ("partial(",)) and text_holds_any(module, sdpa_call_words(module))):
+            return ()
+        return _attention_s39.sdpa_partial_attributes(module, SDPA_NAMES)
+
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         words = sdpa_call_words(module)
         text = scope_text(module, scope)
-        if not any(w in text for w in words):
+        # s39: SDPA through ``functools.partial`` (a local, or ``self.<attr>`` set in __init__): the call site names neither
+        partials = text_holds_any(module, ("partial(",)) and text_holds_any(module, words)
+        if not partials and not any(w in text for w in words):
             return
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
                 continue
             seg = segment(module, stmt)
-            if not any(w in seg for w in words):
+            direct = any(w in seg for w in words)
+            if not direct and not partials:
                 continue
             for node in fast_walk(stmt):
-                if isinstance(node, ast.Call) and module.call_name(node) in SDPA_NAMES:
+                if not isinstance(node, ast.Call):
+                    continue
+                if direct and module.call_name(node) in SDPA_NAMES:
                     res = self._site(module, scope, block, i, stmt, node)
                     if res is not None:
                         yield res
+                elif partials and isinstance(node.func, (ast.Name, ast.Attribute)):
+                    through = _attention_s39.sdpa_partial_call(module, scope, node, SDPA_NAMES)
+                    if isinstance(through, str):
+                        yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, through)
+                    elif through is not None:
+                        res = self._site(module, scope, block, i, stmt, through)
+                        if res is not None:
+                            yield res
 
     # ---------------------------------------------------------------------------------------------
     def _site(self, module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt, call: ast.Call) -> Result:
@@ -370,6 +391,12 @@ class SdpaPattern(Pattern):
             dv_check = f"{dv_check} <= 768"
         if rank_unknown:
             dv_check = f"{atom(qn)}.dim() == 4 and {dv_check}"  # s38: the rank is not stated (a 3-D call runs the original)
+        held_partial = getattr(call, "_npufuse_guard", None)
+        if held_partial is not None:
+            # s39: SDPA through ``self.<attr> = partial(SDPA, ..)``: the attribute still holds that partial at run time
+            dv_check = f"{held_partial} and {dv_check}"
+            risks.append(Risk("other", "SDPA is called through a `functools.partial` held by the module: the fused call runs where the "
+                                       "attribute still holds that partial with the same flags (checked at run time), the original otherwise"))
         if d is None and _attention_s36.learned_scale(module, scope, scale):
             # s36: a scale read off a learned temperature marks channel attention (MONAI CABlock's SDPA on
             # [b, head, c, (h w)]): the op's D <= 768 is checked at run time (above), the original runs otherwise
@@ -1386,5 +1413,76 @@ def alibi_attend(q, k, v, slopes):
 ''',
         reason="bias",
         name="s37_rank_three_alibi_bias_is_not_a_mask",
+    ),
+]
+
+# s39 (attn38's VisionLLaMA leftover, a shared spelling): SDPA called through ``functools.partial``: the partial's flags
+# (dropout_p, is_causal, scale, enable_gqa) merged into the call where their values are constants or names nothing
+# rebinds before it; a partial whose arguments the call site cannot hold is a near miss saying so
+_S39_SDPA_THROUGH_PARTIAL = '''
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalBlock(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attend = partial(F.scaled_dot_product_attention, is_causal=True, scale=0.25)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = self.attend(q, k, v)
+        return o.transpose(1, 2).reshape(b, n, c)
+
+
+def local_attend(q, k, v, p: float):
+    fn = partial(F.scaled_dot_product_attention, dropout_p=p)
+    return fn(q, k, v)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(_S39_SDPA_THROUGH_PARTIAL, expect={"qualname": "CausalBlock.forward", "sparse_mode": "2"}, run='''
+m = CausalBlock()
+x = torch.randn(2, 5, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''', name="s39_sdpa_through_functools_partial"),
+]
+SdpaPattern.KEEP += [
+    Keep(
+        # the partial or SDPA itself, chosen by a constructor argument, with a scale bound from it (VisionLLaMA)
+        _S39_SDPA_THROUGH_PARTIAL.replace("partial(F.scaled_dot_product_attention, is_causal=True, scale=0.25)",
+                                          "partial(F.scaled_dot_product_attention, scale=qk_scale) if qk_scale else F.scaled_dot_product_attention")
+        .replace("def __init__(self, dim=32, heads=4):", "def __init__(self, dim=32, heads=4, qk_scale=None):")
+        .split("\n\n\ndef local_attend")[0] + "\n",
+        reason="decided by constructor arguments the call site does not hold",
+        name="s39_sdpa_partial_chosen_in_init",
+    ),
+    Keep(
+        # the dropout bound from a name rebound between the partial and the call: the call's value is the earlier one
+        _S39_SDPA_THROUGH_PARTIAL.split("\n\n\nclass CausalBlock")[0] + '''
+
+
+def local_attend(q, k, v, p: float):
+    fn = partial(F.scaled_dot_product_attention, dropout_p=p)
+    p = 0.0
+    return fn(q, k, v)
+''',
+        reason="is bound before the call from a value the call site does not hold",
+        name="s39_sdpa_partial_flag_rebound_before_the_call",
+    ),
+    Keep(
+        _S39_SDPA_THROUGH_PARTIAL.replace("partial(F.scaled_dot_product_attention, dropout_p=p)",
+                                          "partial(F.scaled_dot_product_attention, attn_mask=None, dropout_p=p)").split("\n\n\nclass CausalBlock")[0]
+        + "\n\n\ndef local_attend" + _S39_SDPA_THROUGH_PARTIAL.replace("partial(F.scaled_dot_product_attention, dropout_p=p)",
+                                          "partial(F.scaled_dot_product_attention, attn_mask=None, dropout_p=p)").split("\n\n\ndef local_attend")[1],
+        reason="binds more than SDPA's flags",
+        name="s39_sdpa_partial_binding_the_mask",
     ),
 ]

@@ -396,8 +396,74 @@ class Scope:
         return node
 
     def uses_after(self, name: str, line: int) -> bool:
-        """Is ``name`` read anywhere in this scope after ``line``? (live-out check for near misses)."""
-        return self.last_loads().get(name, 0) > line
+        """Is the value ``name`` holds at the end of ``line`` read later in this scope? (the live-out
+        check of every near miss "... is used after ..."). A read on a later line counts unless a
+        rebinding made after ``line`` always runs between (see :meth:`loads_after`)."""
+        if self.last_loads().get(name, 0) <= line:
+            return False  # the cheap gate: no read on a later line at all
+        return bool(self.loads_after(name, line))
+
+    def loads_after(self, name: str, line: int) -> list[ast.Name]:
+        """The reads of ``name`` on lines after ``line`` that can see the value it holds there: by
+        reaching definition, a read after a rebinding is not a use of the old value. A read is left
+        out when an assignment to ``name`` that starts after ``line`` stands earlier in a block that
+        holds the read (``x = ...`` then ``use(x)`` in the same body: every path from ``line`` into
+        that block runs the assignment first; a later attention reusing the name ``attn_weights`` in
+        an ``if`` arm). Reads inside a nested function or lambda always count (they run when called)."""
+        loads = [n for n in self.name_loads().get(name, ()) if n.lineno > line]
+        if not loads:
+            return loads
+        shadowed = self._shadowed_loads()
+        if shadowed:
+            loads = [n for n in loads if id(n) not in shadowed]  # a comprehension's / lambda's own variable
+        kills = [k for k in self._rebinding_regions().get(name, ()) if k[0] > line]
+        if not kills:
+            return loads
+        deferred = self._deferred_regions()
+        out = []
+        for n in loads:
+            at = (n.lineno, n.col_offset)
+            if any(lo <= at <= hi for _s, lo, hi in kills) and not any(lo <= at <= hi for lo, hi in deferred):
+                continue
+            out.append(n)
+        return out
+
+    def _rebinding_regions(self) -> dict[str, list[tuple[int, tuple[int, int], tuple[int, int]]]]:
+        """name -> (line of the assignment, start, end of the statements after it in its block) for
+        every plain assignment (``=``, ``+=``, annotated with a value) that binds ``name`` itself, a
+        tuple / list / starred element included: whatever those statements read of ``name`` comes from
+        that assignment or a later one. Computed once per scope."""
+        cached = self.__dict__.get("_rebinding_regions_cache")
+        if cached is not None:
+            return cached
+        cached = {}
+        for block, i, stmt in self.listing()[0]:
+            if i + 1 >= len(block) or not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                continue
+            if isinstance(stmt, ast.AnnAssign) and stmt.value is None:
+                continue
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            bound: set[str] = set()
+            for t in targets:
+                _plain_bound(t, bound)
+            if not bound:
+                continue
+            first, last = block[i + 1], block[-1]
+            region = (stmt.lineno, (first.lineno, first.col_offset), (last.end_lineno or last.lineno, last.end_col_offset or 0))
+            for name in bound:
+                cached.setdefault(name, []).append(region)
+        self.__dict__["_rebinding_regions_cache"] = cached
+        return cached
+
+    def _deferred_regions(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The text spans of the nested functions and lambdas of the scope: code run when called."""
+        cached = self.__dict__.get("_deferred_regions_cache")
+        if cached is None:
+            nodes = self.nodes()
+            cached = [((n.lineno, n.col_offset), (n.end_lineno or n.lineno, n.end_col_offset or 0))  # type: ignore[attr-defined]
+                      for kind in (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef) for n in nodes.get(kind, ()) if n is not self.node]
+            self.__dict__["_deferred_regions_cache"] = cached
+        return cached
 
     def nodes(self) -> dict[type, list[ast.AST]]:
         """Every node of ``ast.walk(self.node)`` (nested functions and the header included),
@@ -433,13 +499,20 @@ class Scope:
         live-out sets)."""
         cached = self.__dict__.get("_last_loads")
         if cached is None:
-            shadowed = _inner_bound_loads(self.nodes(), self.node)
+            shadowed = self._shadowed_loads()
             cached = {}
             for name, loads in self.name_loads().items():
                 lines = [n.lineno for n in loads if id(n) not in shadowed] if shadowed else [n.lineno for n in loads]
                 if lines:
                     cached[name] = max(lines)
             self.__dict__["_last_loads"] = cached
+        return cached
+
+    def _shadowed_loads(self) -> set[int]:
+        """:func:`_inner_bound_loads` of the scope, computed once."""
+        cached = self.__dict__.get("_shadowed")
+        if cached is None:
+            cached = self.__dict__["_shadowed"] = _inner_bound_loads(self.nodes(), self.node)
         return cached
 
     def statements(self) -> Iterator[tuple[list[ast.stmt], int, ast.stmt]]:
@@ -458,6 +531,18 @@ class Scope:
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 # statement type -> which of body/orelse/finalbody/handlers/cases it has (empty: a simple statement)
+def _plain_bound(target: ast.AST, out: set[str]) -> None:
+    """The names an assignment target binds as a whole (``x``, ``a, (b, *c)``), not through an
+    attribute or a subscript (``x[i] = ...`` changes ``x``'s value without rebinding it)."""
+    if isinstance(target, ast.Name):
+        out.add(target.id)
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for elt in target.elts:
+            _plain_bound(elt, out)
+    elif isinstance(target, ast.Starred):
+        _plain_bound(target.value, out)
+
+
 _COMPOUND: dict[type, tuple[str, ...]] = {}
 
 

@@ -298,6 +298,15 @@ def gate_words(module: ModuleInfo, pattern: Pattern) -> tuple[str, ...] | None:
             return None
         # a word holding another word is found wherever that one is: looking for it adds nothing
         words = _SHORTEST[declared] = tuple(w for w in dict.fromkeys(declared) if not any(o != w and o in w for o in declared))
+    held = getattr(pattern, "held_call_words", None)
+    if held is not None:
+        # s39: names under which the module holds the pattern's call for a later call site (``self.attend =
+        # functools.partial(F.scaled_dot_product_attention, ...)``): a scope calling ``self.attend(..)`` holds no word
+        extra_held = held(module)
+        if extra_held:
+            if not all(w.isascii() for w in extra_held):
+                return None
+            words = words + extra_held
     targets = module.__dict__.get("_npufuse_alias_targets")
     if targets is None:  # every alias target on one line each: one test per word finds most words absent
         targets = module.__dict__["_npufuse_alias_targets"] = "\n".join(module.aliases.values())
