@@ -104,16 +104,25 @@ class RandomSkip:
     random; ``param``: the forward parameter the skip is conditioned on when the draw is the
     caller's (None: drawn in the class itself)."""
 
-    __slots__ = ("rel", "cls", "line", "attr", "how", "param", "index", "rates", "node")
+    __slots__ = ("rel", "cls", "line", "attr", "how", "param", "index", "rates", "node", "test")
 
     def __init__(self, rel: str, cls: str, line: int, attr: str, how: str, param: Optional[str] = None, index: int = -1,
-                 rates: tuple[str, ...] = (), node: Optional[ast.ClassDef] = None) -> None:
+                 rates: tuple[str, ...] = (), node: Optional[ast.ClassDef] = None, test: str = "") -> None:
         self.rel, self.cls, self.line, self.attr, self.how, self.param, self.index = rel, cls, line, attr, how, param, index
         # s38: the `self.` attributes the draw is compared with (`torch.rand(1) < self.p`), when every random read of
         # the test is such a comparison: with each of them 0 the decision is fixed for the run (not a random skip)
         self.rates, self.node = rates, node
+        # s39: the text of a test on the step's data that decides the call (an MoE expert that receives no token);
+        # empty for a random skip
+        self.test = test
+
+    @property
+    def data_dependent(self) -> bool:
+        return bool(self.test)
 
     def where(self) -> str:
+        if self.test:
+            return f"`{self.cls}` ({self.rel}:{self.line}) {self.how} `self.{self.attr}` depending on the step's data (`{self.test}`)"
         drawn = f" when its `{self.param}` argument is drawn at random by the caller" if self.param else " on steps drawn at random"
         return f"`{self.cls}` ({self.rel}:{self.line}) {self.how} `self.{self.attr}`{drawn}"
 
@@ -146,18 +155,28 @@ def _augmentation(func: ast.AST) -> bool:
     return isinstance(head, ast.Name) and head.id in _AUGMENTATION_MODULES and isinstance(func, ast.Attribute)
 
 
+def _submodule_called(call: ast.Call, subs: set[str], loops: dict[str, str]) -> Optional[str]:
+    """The submodule a call runs: ``self.x(...)``, an entry of a submodule list ``self.experts[i](...)`` (s39), or a
+    name bound to one (a loop variable over ``self.layers``, ``expert = self.experts[i]``)."""
+    f = call.func
+    if isinstance(f, ast.Subscript):
+        f = f.value
+    attr = _self_attr(f)
+    if attr is not None:
+        return attr if attr in subs else None
+    return loops.get(f.id) if isinstance(f, ast.Name) else None
+
+
 def _called_submodules(nodes: Iterable[ast.AST], subs: set[str], loops: dict[str, str]) -> dict[str, int]:
-    """Submodules called in ``nodes``: ``self.x(...)``, or a loop variable over ``self.x`` (``for layer in self.layers``)."""
+    """Submodules called in ``nodes``: ``self.x(...)``, ``self.x[i](...)``, or a loop variable over ``self.x``
+    (``for layer in self.layers``)."""
     out: dict[str, int] = {}
     for node in nodes:
         for n in ast.walk(node):
-            if not isinstance(n, ast.Call):
-                continue
-            f = n.func
-            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
-                out.setdefault(f.attr, n.lineno)
-            elif isinstance(f, ast.Name) and f.id in loops:
-                out.setdefault(loops[f.id], n.lineno)
+            if isinstance(n, ast.Call):
+                attr = _submodule_called(n, subs, loops)
+                if attr is not None:
+                    out.setdefault(attr, n.lineno)
     return out
 
 
@@ -173,6 +192,10 @@ def _loop_vars(fn: ast.AST, subs: set[str]) -> dict[str, str]:
                 target = n.target.elts[-1] if isinstance(n.target, ast.Tuple) and n.target.elts else n.target
                 if isinstance(target, ast.Name):
                     out[target.id] = it.attr
+        elif isinstance(n, ast.Assign) and isinstance(n.value, ast.Subscript):
+            attr = _self_attr(n.value.value)  # `expert = self.experts[i]` (s39)
+            if attr in subs:
+                out.update((t.id, attr) for t in n.targets if isinstance(t, ast.Name))  # type: ignore[misc]
     return out
 
 
@@ -262,9 +285,89 @@ def _flag_rates(fn: ast.AST, name: str, depth: int) -> Optional[set[str]]:
     return rates
 
 
-def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], conditioned: set[str]) -> list[tuple[int, str, str, tuple[str, ...]]]:
-    """(line, submodule, how, rates) of each submodule call that a test reading ``conditioned`` names skips
-    or discards in ``fn`` (``rates``: :func:`_rate_attrs` of the test, () when it is not decided by rates)."""
+# --- s39 (opt39): a submodule called only when a test on the step's data holds ---------------------------------------
+# diff-MoE's `if mask.any(): out = self.general_experts[e](x[mask])`, moe-emergence's `if not mask.any(): continue`
+# before `expert(x[mask])`: an expert no token reaches on a step is not called and gets no grad. torch.optim (the
+# default `zero_grad(set_to_none=True)`) skips such a param; a fused class zeroes grads in place and still applies
+# momentum / weight decay / Adam moments to it, and excludes for good one without a grad at the first step. Calling
+# the expert on an empty selection (no test) gives it a zero grad in both: not this class.
+
+# reads of a tensor's contents (whether any element is selected, how many)
+_COUNT_READS = frozenset(("any", "all", "numel", "nelement", "nonzero", "count_nonzero", "sum", "item", "argwhere"))
+# reads of a length (the data decides them when compared with 0 / 1, or tested for truth)
+_LENGTH_READS = frozenset(("len", "size", "shape"))
+# calls whose result lists the entries the data selects (`for e in ids.unique().tolist(): self.experts[e](...)`)
+_SELECTING_CALLS = frozenset(("unique", "nonzero", "argwhere", "where", "tolist", "bincount"))
+_NOT_DATA = frozenset(("self", "torch", "np", "numpy", "math", "F", "nn"))
+
+
+def _reads_locals(node: ast.AST) -> bool:
+    """Does ``node`` read a name other than ``self`` and a module (a forward's tensor or a value derived from one)?"""
+    return any(isinstance(n, ast.Name) and n.id not in _NOT_DATA for n in ast.walk(node))
+
+
+def _length_read(node: ast.AST) -> bool:
+    """``len(x)``, ``x.size(0)``, ``x.shape[0]`` of a local value."""
+    if isinstance(node, ast.Call) and _name(node.func) in ("len", "size"):
+        return _reads_locals(node)
+    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" \
+        and _reads_locals(node.value.value)
+
+
+def _data_test(test: ast.AST, data: set[str]) -> bool:
+    """Does the test read the step's data: a content read of a local tensor (``mask.any()``, ``idx.numel() == 0``,
+    ``torch.any(m)``), a length of a local value against 0 / 1 or as a truth value (``len(tokens[e]) == 0``,
+    ``if x.shape[0]:``), or a name bound from such reads or from the entries the data selects?"""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _data_test(test.operand, data)
+    if isinstance(test, ast.BoolOp):
+        return any(_data_test(v, data) for v in test.values)
+    if _length_read(test) or (isinstance(test, ast.Name) and test.id in data):
+        return True
+    if isinstance(test, ast.Compare) and len(test.comparators) == 1:
+        left, right = test.left, test.comparators[0]
+        for a, b in ((left, right), (right, left)):
+            if (_length_read(a) or (isinstance(a, ast.Name) and a.id in data)) and isinstance(b, ast.Constant) and b.value in (0, 1):
+                return True
+    for n in ast.walk(test):
+        if isinstance(n, ast.Call) and _name(n.func) in _COUNT_READS:
+            operand = n.func.value if isinstance(n.func, ast.Attribute) and not (
+                isinstance(n.func.value, ast.Name) and n.func.value.id in _NOT_DATA) else (n.args[0] if n.args else None)
+            if operand is not None and _reads_locals(operand) and _self_attr(operand) is None:
+                return True
+    return False
+
+
+def _data_names(fn: ast.AST) -> set[str]:
+    """Names ``fn`` binds from a data test (``has = mask.any()``) or to the entries the data selects (the targets of
+    ``for i, n in enumerate(counts.tolist())``)."""
+    out: set[str] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and _data_test(n.value, out):
+            out.update(t.id for t in n.targets if isinstance(t, ast.Name))
+        elif isinstance(n, (ast.For, ast.AsyncFor)) and _selected(n.iter):
+            out.update(t.id for t in ast.walk(n.target) if isinstance(t, ast.Name))
+    return out
+
+
+def _selected(it: ast.AST) -> bool:
+    """An iterable of the entries the data selects: ``ids.unique()``, ``torch.nonzero(counts)``, ``x.tolist()``."""
+    return any(isinstance(n, ast.Call) and _name(n.func) in _SELECTING_CALLS and _reads_locals(n) and not (
+        _self_attr(n.func.value) if isinstance(n.func, ast.Attribute) else None) for n in ast.walk(it))
+
+
+def _enclosing_loop(parents: dict[int, ast.AST], node: ast.AST) -> Optional[ast.AST]:
+    up = parents.get(id(node))
+    while up is not None and not isinstance(up, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        up = parents.get(id(up))
+    return up if isinstance(up, (ast.For, ast.AsyncFor, ast.While)) else None
+
+
+def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], conditioned: set[str], data: bool = False
+           ) -> list[tuple[int, str, str, tuple[str, ...], str]]:
+    """(line, submodule, how, rates, test) of each submodule call that a test reading ``conditioned`` names (with
+    ``data``: a test on the step's data, :func:`_data_test`) skips or discards in ``fn`` (``rates``:
+    :func:`_rate_attrs` of a random test, () when it is not decided by rates; ``test``: the data test's text)."""
     loops = _loop_vars(fn, subs)
     held: dict[str, str] = {}
     for n in ast.walk(fn):
@@ -272,10 +375,14 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             f = n.value.func
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
                 held.update((t.id, f.attr) for t in n.targets if isinstance(t, ast.Name))
-    out: list[tuple[int, str, str, tuple[str, ...]]] = []
+    out: list[tuple[int, str, str, tuple[str, ...], str]] = []
     everywhere = _called_submodules([fn], subs, loops)
+    if not everywhere:
+        return out
+    names = _data_names(fn) if data else set()
+    parents = _parents(fn) if data else {}
     for n in ast.walk(fn):
-        if isinstance(n, (ast.If, ast.IfExp)) and _draws(n.test, conditioned):
+        if isinstance(n, (ast.If, ast.IfExp)) and (_data_test(n.test, names) if data else _draws(n.test, conditioned)):
             body = n.body if isinstance(n.body, list) else [n.body]
             orelse = n.orelse if isinstance(n.orelse, list) else [n.orelse]
             a, b = _called_submodules(body, subs, loops), _called_submodules(orelse, subs, loops)
@@ -288,23 +395,34 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             # `for blk in self.blocks: if torch.rand([]) < p: continue`: the rest of the loop body is skipped
             if isinstance(n, ast.If) and any(isinstance(s, ast.Continue) for s in n.body):
                 found += [(attr, "skips the call of") for attr in sorted(set(loops.values()) & set(everywhere))]
+                loop = _enclosing_loop(parents, n) if data else None
+                if loop is not None:
+                    # `for e in range(E): if not mask.any(): continue; self.experts[e](x[mask])`: the calls after the test
+                    later = [s for s in ast.walk(loop) if isinstance(s, ast.stmt) and s.lineno > (n.end_lineno or n.lineno)]
+                    after = set(_called_submodules(later, subs, loops)) - _calls_outside(fn, loop, subs, loops)
+                    found += [(attr, "skips the call of") for attr in sorted(after) if (attr, "skips the call of") not in found]
             if found:
-                rates = tuple(sorted(_rate_attrs(n.test, fn) or ())) if not (conditioned - _random_flags(fn)) else ()
-                out += [(n.lineno, attr, how, rates) for attr, how in found]
+                rates = tuple(sorted(_rate_attrs(n.test, fn) or ())) if not data and not (conditioned - _random_flags(fn)) else ()
+                test = " ".join(ast.unparse(n.test).split())[:80] if data else ""
+                out += [(n.lineno, attr, how, rates, test) for attr, how in found]
+    if data:
+        # `for e in ids.unique().tolist(): out += self.experts[e](x[ids == e])`: only the experts the data selects run
+        for n in ast.walk(fn):
+            if isinstance(n, (ast.For, ast.AsyncFor)) and _selected(n.iter):
+                targets = {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
+                for c in ast.walk(n):
+                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript) and _self_attr(c.func.value) in subs \
+                            and any(isinstance(x, ast.Name) and x.id in targets for x in ast.walk(c.func.slice)):
+                        test = f"for {ast.unparse(n.target)} in {' '.join(ast.unparse(n.iter).split())[:60]}"
+                        out.append((n.lineno, _self_attr(c.func.value), "calls only the entries the data selects of", (), test))  # type: ignore[arg-type]
+                        break
     return out
 
 
 def _calls_outside(fn: ast.AST, branch: ast.AST, subs: set[str], loops: dict[str, str]) -> set[str]:
     inside = {id(x) for x in ast.walk(branch)}
     rest = [x for x in ast.walk(fn) if id(x) not in inside and isinstance(x, ast.Call)]
-    out: set[str] = set()
-    for c in rest:
-        f = c.func
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
-            out.add(f.attr)
-        elif isinstance(f, ast.Name) and f.id in loops:
-            out.add(loops[f.id])
-    return out
+    return {a for a in (_submodule_called(c, subs, loops) for c in rest) if a is not None}  # type: ignore[misc]
 
 
 def skip_in_class(rel: str, cls: ast.ClassDef) -> list[RandomSkip]:
@@ -320,18 +438,21 @@ def skip_in_class(rel: str, cls: ast.ClassDef) -> list[RandomSkip]:
     called = {c.func.attr for c in ast.walk(forward) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" and c.func.attr in methods}
     for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
-        for line, attr, how, rates in _skips(fn, subs, _random_flags(fn)):
+        for line, attr, how, rates, _test in _skips(fn, subs, _random_flags(fn)):
             found.append(RandomSkip(rel, cls.name, line, attr, how, rates=rates, node=cls))
+    for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
+        for line, attr, how, _rates, test in _skips(fn, subs, set(), data=True):
+            found.append(RandomSkip(rel, cls.name, line, attr, how, node=cls, test=test))
     if found:
         return found
     # the draw is the caller's: a forward parameter decides the skip (`if not uncond_fwd: self.ref(...)`)
     a = forward.args
     params = [x.arg for x in (*a.posonlyargs, *a.args)][1:]
     for i, p in enumerate(params):
-        for line, attr, how, _rates in _skips(forward, subs, {p}):
+        for line, attr, how, _rates, _test in _skips(forward, subs, {p}):
             found.append(RandomSkip(rel, cls.name, line, attr, how, p, i, node=cls))
     for p in (x.arg for x in a.kwonlyargs):
-        for line, attr, how, _rates in _skips(forward, subs, {p}):
+        for line, attr, how, _rates, _test in _skips(forward, subs, {p}):
             found.append(RandomSkip(rel, cls.name, line, attr, how, p, -1, node=cls))
     return found
 
@@ -863,6 +984,8 @@ _PARAMS_MODEL = re.compile(r"([A-Za-z_][\w.]*)\.(?:named_)?parameters\(")
 
 
 def _function_of(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
+    if qualname == "<module>":
+        return tree  # a script's optimizer: the model is built at module level too (s39)
     node: ast.AST = tree
     for part in qualname.split("."):
         nxt = next((n for n in getattr(node, "body", []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -895,13 +1018,20 @@ def _constructions(tree: ast.Module, qualname: str, model: str) -> list[tuple[st
             continue
         if not any((ast.unparse(t) if isinstance(t, (ast.Name, ast.Attribute)) else "") == model for t in n.targets):
             continue
-        f = n.value.func
+        call = n.value
+        # `Model(...).to(device)`, `.cuda()`: the construction is the innermost call (s39)
+        while isinstance(call.func, ast.Attribute) and call.func.attr in _MOVES and isinstance(call.func.value, ast.Call):
+            call = call.func.value
+        f = call.func
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr.startswith("from_"):
             f = f.value
         name = f.id if isinstance(f, ast.Name) else ""
         if name[:1].isupper():
-            out.append((name, n.value))
+            out.append((name, call))
     return out
+
+
+_MOVES = frozenset(("to", "cuda", "npu", "cpu", "float", "half", "train", "eval", "requires_grad_"))
 
 
 def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
@@ -1098,6 +1228,12 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
 def reason(skip: RandomSkip, resolved: bool) -> str:
     """The near-miss reason of an optimizer whose model may include ``skip``."""
     whose = "the model the optimizer takes" if resolved else "a model class the trainer's code reaches (its model is not told apart)"
+    if skip.data_dependent:
+        return (f"{whose} calls a trainable submodule only when a test on the step's data holds: {skip.where()}; on a "
+                "step where it fails (an expert no token reaches, a branch the batch does not take) those parameters get "
+                "no grad, which torch.optim (zero_grad's default set_to_none=True) skips, while torch_npu fused "
+                "optimizers zero grads in place and still apply momentum / weight decay / Adam moments to them (and "
+                "exclude for good a param without a grad at the first step)")
     return (f"{whose} may skip a trainable submodule on random steps: {skip.where()}; its parameters then have no grad "
             "on such steps, and torch_npu fused optimizers build their flat buffers at the first step from the params "
             "that have a grad (one without is excluded for good) and zero grads in place (later such steps still apply "
