@@ -1067,6 +1067,8 @@ def _chosen_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt
                             f"the optimizer class is chosen at run time through {where} and {why}: torch_npu.optim."
                             f"{_OPTIMIZERS[sorted(kinds)[0]][0]} could take the place of torch.optim.{sorted(kinds)[0]} by hand "
                             "once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+        if key is not None and not _side_effect_free(key):
+            return refuse("the dict key calls code (the guard would evaluate it a second time)")
         if len(kinds) > 1:
             return refuse(f"several torch.optim classes are among the choices ({', '.join(sorted(kinds))}), each with its "
                           "own arguments")
@@ -3674,9 +3676,8 @@ FusedOptimizer.FUSE += [
          expect={"optimizer": "torch.optim.SGD", "class_chosen_at_run_time": "opts[name] is torch.optim.SGD"}),
 ]
 FusedOptimizer.KEEP += [
-    # two torch.optim classes among the choices: each has its own arguments, no single swap
-    Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam'),
-         reason="several torch.optim classes are among the choices (Adam, SGD)", name="optimizer_class_from_a_dict_of_two_fusable"),
+    # (s39: two torch.optim classes among a dict's entries called at once take s32's class guard:
+    # `s39_optimizer_class_from_a_dict_of_two_fusable`)
     # the dict gains entries at run time: what `opts[name]` is cannot be read from its literal
     Keep(_CHOSEN_FROM_DICT.replace("    return opts[name]", "    opts.update(EXTRA)\n    return opts[name]"),
          reason="its value may change outside these bindings", name="optimizer_class_dict_updated"),
@@ -6381,3 +6382,16 @@ def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
         if len(kinds) >= 2:
             return call, segment(module, lookup), kinds
     return None
+
+
+FusedOptimizer.FUSE += [
+    Fuse(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam'), name="s39_optimizer_class_from_a_dict_of_two_fusable",
+         run="model = Net()\nopt = run(model, 'adam')\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.Adam|SGD", "class_looked_up": "opts[name]", "qualname": "run"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the key calls code: the guard would run it a second time
+    Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam').replace("opts[name](", "opts[name.lower()]("),
+         reason="the dict key calls code", name="s39_dict_of_two_fusable_key_calls_code"),
+]
