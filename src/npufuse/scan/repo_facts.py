@@ -120,6 +120,11 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
     if not names:
         return
+    # s39: a function of another file that returns what a builder (or its forwarder) returns
+    # (`setup()` of training/setup.py returning `build_optimizer(...)` of optim/factory.py): the trainer calling it is
+    # a third file, where the grads may be freed
+    if _s39_cross_file_forwarders(root, files, chains, names, max_bytes):
+        names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
     texts: dict[str, str] = {}
     defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
     for rel in files:
@@ -137,11 +142,44 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
                 break
 
 
-def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2) -> list[_Builder]:
-    """Module-level functions of ``b``'s file that return what the module-level builder ``b`` returns
-    (``return build(model, args)``, or a name bound from that call and returned; any ``return`` of the
-    function, so a choice between builders counts), and those that return what these return
-    (``depth`` levels). Each is a builder another file calls to get the same optimizer."""
+def _s39_cross_file_forwarders(root: Path, files: list[str], chains: dict[tuple[str, str], list[_Builder]], names: set[str],
+                               max_bytes: int) -> bool:
+    """Add to each chain the module-level functions of other files that import a function builder of the chain and
+    return what it returns (:func:`_forwarders` read in that file, one file further); True when one was added."""
+    mentions: dict[str, str] = {}
+    for rel in files:
+        text = _read(root, rel, max_bytes)
+        if text is not None and "return" in text and any(n in text for n in names):
+            mentions[rel] = text
+    added = False
+    trees: dict[str, Optional[ast.Module]] = {}
+    for chain in chains.values():
+        for b in list(chain):
+            if b.cls or not b.function or not b.module or b.via is not None and b.via.rel != b.rel:
+                continue  # a method is reached through objects; a cross-file forwarder is not followed further
+            for rel, text in mentions.items():
+                if rel == b.rel or b.function not in text or b.module not in text:
+                    continue
+                if rel not in trees:
+                    trees[rel] = _parse(text)
+                tree = trees[rel]
+                if tree is None:
+                    continue
+                found, imported = _imports(tree, b.module)
+                if not found or not ("*" in imported or b.function in imported):
+                    continue
+                for fwd in _forwarders(tree, b, rel=rel):
+                    if not any(c.rel == fwd.rel and c.function == fwd.function for c in chain):
+                        chain.append(fwd)
+                        added = True
+    return added
+
+
+def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2, rel: Optional[str] = None) -> list[_Builder]:
+    """Module-level functions of ``b``'s file (``rel``: of that other file, s39) that return what the module-level
+    builder ``b`` returns (``return build(model, args)``, or a name bound from that call and returned; any ``return``
+    of the function, so a choice between builders counts), and those that return what these return (``depth``
+    levels). Each is a builder another file calls to get the same optimizer."""
     if tree is None or b.cls or not b.function:
         return []
     out: list[_Builder] = []
@@ -159,7 +197,7 @@ def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2) -> list
             if any(isinstance(n, ast.Return) and n.value is not None and (
                     (isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) and n.value.func.id == inner.function)
                     or (isinstance(n.value, ast.Name) and n.value.id in bound)) for n in ast.walk(fn)):
-                fwd = _Builder(b.rel, fn.name, tree)
+                fwd = _Builder(rel or b.rel, fn.name, tree)
                 fwd.via = b
                 seen.add(fn.name)
                 out.append(fwd)
