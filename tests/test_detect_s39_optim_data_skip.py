@@ -166,3 +166,83 @@ def test_ddp_told_every_parameter_is_used_fuses_the_data_dependent_model(tmp_pat
     write_files(tmp_path, {"net.py": _MOE.format(body=_GUARDED) + ddp})
     cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "net.py")
     assert len(cands) == 1 and not near, near
+
+
+# -- registries as if/elif chains on a configuration string (wenet's `init_model`): opt38's registry rule read dict
+# literals and `register` decorators only
+
+_ENCODERS = '''\
+import torch
+import torch.nn as nn
+
+
+class DropEncoder(nn.Module):
+    def __init__(self, dim=8, n=2, layer_drop=0.2):
+        super().__init__()
+        self.layer_drop = layer_drop
+        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand(1).item() < self.layer_drop:
+                continue
+            x = layer(x)
+        return x
+
+
+class PlainEncoder(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.body = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.body(x)
+'''
+
+_INIT_MODEL = '''\
+from nets.encoders import DropEncoder, PlainEncoder
+
+
+def init_model(configs):
+    if configs["encoder"] == "dropformer":
+        encoder = DropEncoder(**configs["encoder_conf"])
+    elif configs["encoder"] in ("plain", "linear"):
+        encoder = PlainEncoder()
+    else:
+        raise ValueError(configs["encoder"])
+    return encoder
+'''
+
+_TRAINER = '''\
+import torch
+import yaml
+from nets.init_model import init_model
+
+
+def main(path):
+    configs = yaml.safe_load(open(path))
+    model = init_model(configs)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, optimizer
+'''
+
+
+def _registry_repo(root: Path, encoder: str, init: str = _INIT_MODEL) -> tuple[list[dict], list[str]]:
+    write_files(root, {"nets/__init__.py": "", "nets/encoders.py": _ENCODERS, "nets/init_model.py": init,
+                       "train.py": _TRAINER, "conf/train.yaml": f"encoder: {encoder}\nencoder_conf:\n  n: 2\n"})
+    return _optim(scan(root, patterns=[FusedOptimizer()]), "train.py")
+
+
+def test_a_skip_class_only_an_if_arm_no_config_names_builds_is_not_the_trained_model(tmp_path: Path) -> None:
+    cands, near = _registry_repo(tmp_path, "plain")
+    assert len(cands) == 1 and not near, near
+
+
+def test_keep_a_skip_class_an_if_arm_builds_under_a_configured_name(tmp_path: Path) -> None:
+    cands, near = _registry_repo(tmp_path, "dropformer")
+    assert not cands and len(near) == 1 and "`DropEncoder` (nets/encoders.py:" in near[0], near
+    # the default arm (no name test) builds it: any configuration may reach it
+    by_default = _INIT_MODEL.replace('    else:\n        raise ValueError(configs["encoder"])\n', '    else:\n        encoder = DropEncoder()\n')
+    assert by_default != _INIT_MODEL
+    cands, near = _registry_repo(tmp_path / "default", "plain", by_default)
+    assert not cands and near, near

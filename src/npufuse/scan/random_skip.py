@@ -1168,12 +1168,34 @@ class Registry:
                     (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name))]
                 if not refs:
                     continue
+                if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) and self._chosen_by_unused_names(top, refs, name):
+                    continue  # s39: built only in `if cfg["encoder"] == "<name>":` arms no configuration names
                 if not isinstance(top, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     if isinstance(top, ast.Assign) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in top.targets):
                         continue
                     return None
                 out.add(top.name)
         return out
+
+    def _chosen_by_unused_names(self, fn: ast.AST, refs: list[ast.AST], name: str) -> bool:
+        """Is every reference in ``refs`` in the body of an ``if`` of ``fn`` testing a value against string names
+        (``cfg["encoder"] == "branchformer"``, ``name in ("a", "b")``, an ``elif`` chain) that no configuration file
+        or other code string names (wenet's ``init_model``)? The test's strings are registrations, not uses."""
+        parents = _parents(fn)
+        keys: list[str] = []
+        for ref in refs:
+            child, up = ref, parents.get(id(ref))
+            while up is not None and not (isinstance(up, ast.If) and any(child is s for s in up.body)):
+                child, up = up, parents.get(id(up))
+            names = _compared_names(up.test) if isinstance(up, ast.If) else []
+            if not names:
+                return False
+            self.positions |= {id(x) for x in ast.walk(up.test)}
+            keys += names
+        if any(self._used(k) for k in keys):
+            return False
+        self.keys.setdefault(name, set()).update(keys)  # registered under those (unused) names
+        return True
 
     def selected_out(self, name: str, depth: int = 0, seen: Optional[set[str]] = None) -> bool:
         """Is every way the reachable code builds ``name`` a registry entry whose names nothing uses?"""
@@ -1188,8 +1210,23 @@ class Registry:
         if ups is None:
             return False
         if not ups:
-            return bool(keys)  # registered under unused names only, and nothing else builds it
+            return bool(self.keys.get(name))  # registered under unused names only, and nothing else builds it
         return all(self.selected_out(u, depth + 1, seen) for u in ups)
+
+
+def _compared_names(test: ast.AST) -> list[str]:
+    """The strings an ``if`` test compares a value with for equality (``x == "a"``, ``"a" == x``, ``x in ("a", "b")``);
+    [] for any other test."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return []
+    left, right, op = test.left, test.comparators[0], test.ops[0]
+    if isinstance(op, ast.Eq):
+        const = right if isinstance(right, ast.Constant) else left if isinstance(left, ast.Constant) else None
+        return [const.value] if const is not None and isinstance(const.value, str) and const.value else []
+    if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+        vals = [e.value for e in right.elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value]
+        return vals if len(vals) == len(right.elts) else []
+    return []
 
 
 def _matters(index: RepoIndex, s: RandomSkip) -> bool:
