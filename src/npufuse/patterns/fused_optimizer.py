@@ -6244,8 +6244,8 @@ FusedOptimizer.FUSE += [
 # whose guard checks the loaded class (s32's machinery; any other class runs the original call); a path naming another
 # class (bitsandbytes' AdamW8bit, torch.optim.Adagrad), or none spelt anywhere, is a near miss naming what is unknown.
 
-# the scope's text gate: a loader call's usual spellings (`load_class(`, `get_class(`, `import_module(`, `locate(`)
-_S39_LOADER_WORDS = ("_class(", "import_module", "locate(")
+# the scope's text gate: a loader call's usual spellings (`load_class(`, `get_class(`, `import_module(`)
+_S39_LOADER_WORDS = ("_class(", "import_module")
 FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, *_S39_LOADER_WORDS)
 _S39_LOADER_CALLS = frozenset(("rsplit", "split", "rpartition", "import_module", "getattr", "locate", "str"))
 # a dotted path to a class in an optimizer module (`torch.optim.AdamW`, `bitsandbytes.optim.AdamW8bit`,
@@ -6376,7 +6376,7 @@ def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
             key = lookup.args[0]
         else:
             continue
-        if key is None or not _side_effect_free(lookup) or not _s39_parameters_like(keyword(call, "params", 0)):
+        if key is None or not _s39_parameters_like(keyword(call, "params", 0)) or not _side_effect_free(lookup):
             continue
         kinds, _table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
         if len(kinds) >= 2:

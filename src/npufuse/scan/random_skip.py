@@ -380,7 +380,7 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
     if not everywhere:
         return out
     names = _data_names(fn) if data else set()
-    parents = _parents(fn) if data else {}
+    parents: dict[int, ast.AST] = {}  # built on the first `continue` under a data test
     for n in ast.walk(fn):
         if isinstance(n, (ast.If, ast.IfExp)) and (_data_test(n.test, names) if data else _draws(n.test, conditioned)):
             body = n.body if isinstance(n.body, list) else [n.body]
@@ -395,6 +395,8 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             # `for blk in self.blocks: if torch.rand([]) < p: continue`: the rest of the loop body is skipped
             if isinstance(n, ast.If) and any(isinstance(s, ast.Continue) for s in n.body):
                 found += [(attr, "skips the call of") for attr in sorted(set(loops.values()) & set(everywhere))]
+                if data and not parents:
+                    parents = _parents(fn)
                 loop = _enclosing_loop(parents, n) if data else None
                 if loop is not None:
                     # `for e in range(E): if not mask.any(): continue; self.experts[e](x[mask])`: the calls after the test

@@ -123,36 +123,37 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     # s39: a function of another file that returns what a builder (or its forwarder) returns
     # (`setup()` of training/setup.py returning `build_optimizer(...)` of optim/factory.py): the trainer calling it is
     # a third file, where the grads may be freed
-    if _s39_cross_file_forwarders(root, files, chains, names, max_bytes):
-        names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
-    texts: dict[str, str] = {}
-    defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
-    for rel in files:
-        text = _read(root, rel, max_bytes)
-        if text is not None:
+    trees: dict[str, Optional[ast.Module]] = {}  # parsed once: the forwarders' search and the driving files share it
+    for _round in range(2):
+        texts: dict[str, str] = {}
+        mentions: dict[str, str] = {}  # the files naming a builder (where a forwarder of another file may be)
+        defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
+        for rel in files:
+            text = _read(root, rel, max_bytes)
+            if text is None or not any(n in text for n in names):
+                continue
+            mentions[rel] = text
             for n in names:
                 if f"def {n}(" in text:
                     defined.setdefault(n, set()).add(rel)
-        if text is not None and any(n in text for n in names) and any(w in text for w in _WORDS):
-            texts[rel] = text
-    trees: dict[str, Optional[ast.Module]] = {}
+            if any(w in text for w in _WORDS):
+                texts[rel] = text
+        if _round or not _s39_cross_file_forwarders(mentions, chains, trees):
+            break
+        # a forwarder was found: its callers are read with the builders' (one more read of the files, rare)
+        names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
     for o, h in list(hits):
         for b in chains[(o.file, h.finding.qualname)]:
             if b.function and h in o.hits and _drive(root, o, h, b, texts, trees, defined, symbols, near, max_bytes, zero_in_place):
                 break
 
 
-def _s39_cross_file_forwarders(root: Path, files: list[str], chains: dict[tuple[str, str], list[_Builder]], names: set[str],
-                               max_bytes: int) -> bool:
-    """Add to each chain the module-level functions of other files that import a function builder of the chain and
-    return what it returns (:func:`_forwarders` read in that file, one file further); True when one was added."""
-    mentions: dict[str, str] = {}
-    for rel in files:
-        text = _read(root, rel, max_bytes)
-        if text is not None and "return" in text and any(n in text for n in names):
-            mentions[rel] = text
+def _s39_cross_file_forwarders(mentions: dict[str, str], chains: dict[tuple[str, str], list[_Builder]],
+                               trees: dict[str, Optional[ast.Module]]) -> bool:
+    """Add to each chain the module-level functions of other files (``mentions``: path -> text of the files naming a
+    builder) that import a function builder of the chain and return what it returns (:func:`_forwarders` read in
+    that file, one file further); True when one was added."""
     added = False
-    trees: dict[str, Optional[ast.Module]] = {}
     for chain in chains.values():
         for b in list(chain):
             if b.cls or not b.function or not b.module or b.via is not None and b.via.rel != b.rel:
