@@ -246,3 +246,14 @@ def test_keep_a_skip_class_an_if_arm_builds_under_a_configured_name(tmp_path: Pa
     assert by_default != _INIT_MODEL
     cands, near = _registry_repo(tmp_path / "default", "plain", by_default)
     assert not cands and near, near
+
+
+def test_a_torch_loss_computed_only_for_batches_with_targets_is_no_skipped_submodule(tmp_path: Path) -> None:
+    loss_model = _MOE.replace("        self.inp = nn.Linear(dim, dim)\n",
+                              "        self.inp = nn.Linear(dim, dim)\n        self.crit = nn.MSELoss()\n").replace(
+        "    def forward(self, x):\n        return self.moe(self.inp(x))\n",
+        "    def forward(self, x, y=None):\n        h = self.moe(self.inp(x))\n        if y is not None and y.numel() > 0:\n"
+        "            return self.crit(h, y)\n        return h\n")
+    write_files(tmp_path, {"net.py": loss_model.format(body=_UNGUARDED) + _SAME_FILE})
+    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "net.py")
+    assert len(cands) == 1 and not near, near

@@ -138,12 +138,23 @@ def _submodules(cls: ast.ClassDef) -> set[str]:
                 if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Call, ast.Name)):
                     if isinstance(n.value, ast.Name) and n.value.id not in handed:
                         continue  # `self._resize = Resize`: a class kept to build objects from, not a module
-                    if isinstance(n.value, ast.Call) and (_PARAMETER_FREE.search(_name(n.value.func)) or _augmentation(n.value.func)):
+                    if isinstance(n.value, ast.Call) and (_PARAMETER_FREE.search(_name(n.value.func)) or _augmentation(n.value.func)
+                                                          or _torch_loss(n.value.func)):
                         continue  # nothing to train: skipping it changes no optimizer
                     for t in n.targets:
                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                             out.add(t.attr)
     return out
+
+
+def _torch_loss(func: ast.AST) -> bool:
+    """``nn.CrossEntropyLoss(...)`` / ``torch.nn.MSELoss(...)``: torch.nn's losses hold no parameters (s39: a loss
+    computed only when a batch has targets is no skipped submodule); AdaptiveLogSoftmaxWithLoss has weights."""
+    if not (isinstance(func, ast.Attribute) and func.attr.endswith("Loss") and func.attr != "AdaptiveLogSoftmaxWithLoss"):
+        return False
+    head = func.value
+    return (isinstance(head, ast.Name) and head.id == "nn") or (
+        isinstance(head, ast.Attribute) and head.attr == "nn" and isinstance(head.value, ast.Name) and head.value.id == "torch")
 
 
 def _augmentation(func: ast.AST) -> bool:
