@@ -85,6 +85,12 @@ _SHAPE_TEST = '''\
         if x.shape[-1] == 8:
             out = out + self.experts[0](x)'''
 
+# a list the model's configuration fixes: its length is the same every step (DeepCTR's `len(sparse_embedding_list)`)
+_CONFIG_LENGTH = '''\
+        parts = [x[..., : self.top], x[..., self.top:]]
+        if len(parts) > 1:
+            out = out + self.experts[0](x)'''
+
 _SAME_FILE = '''
 
 def main(steps=3):
@@ -145,8 +151,9 @@ def test_keep_an_expert_called_only_when_tokens_reach_it(tmp_path: Path) -> None
 
 
 def test_an_expert_run_on_an_empty_selection_or_a_run_fixed_test_is_fused(tmp_path: Path) -> None:
-    # an empty selection still gives the expert a (zero) grad in both optimizers; `self.top` and a width are fixed
-    for name, body in (("unguarded", _UNGUARDED), ("config", _CONFIG_TEST), ("shape", _SHAPE_TEST)):
+    # an empty selection still gives the expert a (zero) grad in both optimizers; `self.top`, a width and the length
+    # of a list the code builds are fixed
+    for name, body in (("unguarded", _UNGUARDED), ("config", _CONFIG_TEST), ("shape", _SHAPE_TEST), ("length", _CONFIG_LENGTH)):
         cands, near = _same_file(tmp_path / name, body)
         assert len(cands) == 1 and not near, (name, near)
 

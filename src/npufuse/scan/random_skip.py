@@ -308,7 +308,7 @@ _COUNT_READS = frozenset(("any", "all", "numel", "nelement", "nonzero", "count_n
 # reads of a length (the data decides them when compared with 0 / 1, or tested for truth)
 _LENGTH_READS = frozenset(("len", "size", "shape"))
 # calls whose result lists the entries the data selects (`for e in ids.unique().tolist(): self.experts[e](...)`)
-_SELECTING_CALLS = frozenset(("unique", "nonzero", "argwhere", "where", "tolist", "bincount"))
+_SELECTING_CALLS = frozenset(("unique", "nonzero", "argwhere", "where", "tolist", "bincount", "masked_select"))
 _NOT_DATA = frozenset(("self", "torch", "np", "numpy", "math", "F", "nn"))
 
 
@@ -317,47 +317,70 @@ def _reads_locals(node: ast.AST) -> bool:
     return any(isinstance(n, ast.Name) and n.id not in _NOT_DATA for n in ast.walk(node))
 
 
-def _length_read(node: ast.AST) -> bool:
-    """``len(x)``, ``x.size(0)``, ``x.shape[0]`` of a local value."""
-    if isinstance(node, ast.Call) and _name(node.func) in ("len", "size"):
-        return _reads_locals(node)
-    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" \
-        and _reads_locals(node.value.value)
+def _length_read(node: ast.AST, data: set[str]) -> bool:
+    """``len(x)``, ``x.size(0)``, ``x.shape[0]`` of a value the data selects (``x`` in ``data``: ``token_idx, _ =
+    torch.where(...)``, a list appended under a data test); a length of a list the model's configuration fixes
+    (``len(sparse_embedding_list)``) is the same every step."""
+    if isinstance(node, ast.Call) and _name(node.func) == "len" and node.args:
+        operand: Optional[ast.AST] = node.args[0]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
+        operand = node.func.value
+    elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        operand = node.value.value
+    else:
+        return False
+    while isinstance(operand, (ast.Subscript, ast.Attribute)):
+        operand = operand.value
+    return isinstance(operand, ast.Name) and operand.id in data
 
 
 def _data_test(test: ast.AST, data: set[str]) -> bool:
     """Does the test read the step's data: a content read of a local tensor (``mask.any()``, ``idx.numel() == 0``,
-    ``torch.any(m)``), a length of a local value against 0 / 1 or as a truth value (``len(tokens[e]) == 0``,
-    ``if x.shape[0]:``), or a name bound from such reads or from the entries the data selects?"""
+    ``torch.any(m)``), a length of a value the data selects against 0 / 1 or as a truth value (``len(token_idx) ==
+    0``, ``if rows.shape[0]:``), or a name bound from such reads?"""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return _data_test(test.operand, data)
     if isinstance(test, ast.BoolOp):
         return any(_data_test(v, data) for v in test.values)
-    if _length_read(test) or (isinstance(test, ast.Name) and test.id in data):
+    if _length_read(test, data) or (isinstance(test, ast.Name) and test.id in data):
         return True
     if isinstance(test, ast.Compare) and len(test.comparators) == 1:
         left, right = test.left, test.comparators[0]
         for a, b in ((left, right), (right, left)):
-            if (_length_read(a) or (isinstance(a, ast.Name) and a.id in data)) and isinstance(b, ast.Constant) and b.value in (0, 1):
+            if (_length_read(a, data) or (isinstance(a, ast.Name) and a.id in data)) and isinstance(b, ast.Constant) and b.value in (0, 1):
                 return True
     for n in ast.walk(test):
-        if isinstance(n, ast.Call) and _name(n.func) in _COUNT_READS:
-            operand = n.func.value if isinstance(n.func, ast.Attribute) and not (
-                isinstance(n.func.value, ast.Name) and n.func.value.id in _NOT_DATA) else (n.args[0] if n.args else None)
+        # a tensor method (`mask.any()`) or torch's function (`torch.any(mask)`); the builtin `sum(list)` is no read
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _COUNT_READS:
+            operand = n.func.value if not (isinstance(n.func.value, ast.Name) and n.func.value.id in _NOT_DATA) \
+                else (n.args[0] if n.args else None)
             if operand is not None and _reads_locals(operand) and _self_attr(operand) is None:
                 return True
     return False
 
 
 def _data_names(fn: ast.AST) -> set[str]:
-    """Names ``fn`` binds from a data test (``has = mask.any()``) or to the entries the data selects (the targets of
-    ``for i, n in enumerate(counts.tolist())``)."""
+    """Names ``fn`` binds from a data test (``has = mask.any()``), from the entries the data selects (``token_idx, _
+    = torch.where(ids == e)``, the targets of ``for i, n in enumerate(counts.tolist())``), and containers it fills
+    under a data test (``if mask.any(): tokens[e].append(x[mask])``)."""
     out: set[str] = set()
-    for n in ast.walk(fn):
-        if isinstance(n, ast.Assign) and _data_test(n.value, out):
-            out.update(t.id for t in n.targets if isinstance(t, ast.Name))
-        elif isinstance(n, (ast.For, ast.AsyncFor)) and _selected(n.iter):
-            out.update(t.id for t in ast.walk(n.target) if isinstance(t, ast.Name))
+    for _ in range(2):  # containers filled under a test on names bound before
+        before = len(out)
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and (_data_test(n.value, out) or _selected(n.value)):
+                out.update(t.id for tg in n.targets for t in ast.walk(tg) if isinstance(t, ast.Name))
+            elif isinstance(n, (ast.For, ast.AsyncFor)) and _selected(n.iter):
+                out.update(t.id for t in ast.walk(n.target) if isinstance(t, ast.Name))
+            elif isinstance(n, ast.If) and _data_test(n.test, out):
+                for c in ast.walk(n):
+                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("append", "extend"):
+                        head = c.func.value
+                        while isinstance(head, ast.Subscript):
+                            head = head.value
+                        if isinstance(head, ast.Name):
+                            out.add(head.id)
+        if len(out) == before:
+            break
     return out
 
 
