@@ -6250,7 +6250,7 @@ FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, *_S39_LOADER_WORDS)
 _S39_LOADER_CALLS = frozenset(("rsplit", "split", "rpartition", "import_module", "getattr", "locate", "str"))
 # a dotted path to a class in an optimizer module (`torch.optim.AdamW`, `bitsandbytes.optim.AdamW8bit`,
 # `apex.optimizers.FusedAdam`); learning-rate schedulers are not optimizers
-_S39_OPTIM_PATH = re.compile(r"(?<![\w.])((?:[A-Za-z_]\w*\.)*[A-Za-z_]*optim\w*(?:\.[A-Za-z_]\w*)*)\.([A-Z]\w*)(?![\w.])")
+_S39_DOTTED_CLASS = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\.([A-Z]\w*)(?![\w.])")
 
 
 def _s39_path_loader(fn: ast.AST) -> bool:
@@ -6300,7 +6300,8 @@ def _s39_spelt_paths(module: ModuleInfo) -> list[str]:
     root = repo_root(module)
     if root is not None:
         texts += [t for _suffix, t in RepoIndex(root, [], 1 << 20).config_files() if "optim" in t]
-    found = [f"{m.group(1)}.{m.group(2)}" for t in texts for m in _S39_OPTIM_PATH.finditer(t) if "lr_scheduler" not in m.group(1)]
+    found = [f"{m.group(1)}.{m.group(2)}" for t in texts for m in _S39_DOTTED_CLASS.finditer(t)
+             if "optim" in m.group(1) and "lr_scheduler" not in m.group(1)]
     cached = module.__dict__["_npufuse_s39_paths"] = list(dict.fromkeys(found))
     return cached
 
