@@ -1116,10 +1116,11 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     if every_param_used(index, starts):
         return None
     registry = Registry(index, reachable_files(index, starts))
-    found = [s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)]
-    if not found and any("instantiate" in (index.text(f) or "") for f in starts):
-        found = [s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)]
-    return (found[0], False) if found else None
+    # the first skip that counts (s39: data-dependent skips made the list long; each registry check reads the files)
+    first = next((s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)), None)
+    if first is None and any("instantiate" in (index.text(f) or "") for f in starts):
+        first = next((s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)), None)
+    return (first, False) if first is not None else None
 
 
 # --- s38 (opt38): a class chosen by a name no configuration of the repository names ---------------------------------
@@ -1145,6 +1146,7 @@ class Registry:
         self.index, self.files = index, files
         self.keys: dict[str, set[str]] = {}  # class / function name -> its registry names
         self.positions: set[int] = set()  # ids of nodes that are registrations (not uses)
+        self._used_keys: dict[str, bool] = {}
         for rel in files:
             text = index.text(rel) or ""
             if "register" not in text and "{" not in text:
@@ -1175,7 +1177,15 @@ class Registry:
                 self.positions |= {id(x) for x in ast.walk(n)}
 
     def _used(self, key: str) -> bool:
-        """Does a configuration file or a string of the repository's code (not a registration) name ``key``?"""
+        """Does a configuration file or a string of the repository's code (not a registration) name ``key``? Read
+        once per key (s39: if-arm names ask per reference): registrations only grow, so a False stays false and a
+        True kept is the conservative answer."""
+        got = self._used_keys.get(key)
+        if got is None:
+            got = self._used_keys[key] = self._read_used(key)
+        return got
+
+    def _read_used(self, key: str) -> bool:
         token = re.compile(r"(?<![\w.-])" + re.escape(key) + r"(?![\w-])")
         if any(token.search(t) for t in self.index.config_texts()):
             return True

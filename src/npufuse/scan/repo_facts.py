@@ -154,25 +154,32 @@ def _s39_cross_file_forwarders(mentions: dict[str, str], chains: dict[tuple[str,
     builder) that import a function builder of the chain and return what it returns (:func:`_forwarders` read in
     that file, one file further); True when one was added."""
     added = False
+    found_for: dict[tuple[str, str], list[_Builder]] = {}  # (builder file, function) -> its forwarders elsewhere
     for chain in chains.values():
         for b in list(chain):
             if b.cls or not b.function or not b.module or b.via is not None and b.via.rel != b.rel:
                 continue  # a method is reached through objects; a cross-file forwarder is not followed further
-            for rel, text in mentions.items():
-                if rel == b.rel or b.function not in text or b.module not in text:
-                    continue
-                if rel not in trees:
-                    trees[rel] = _parse(text)
-                tree = trees[rel]
-                if tree is None:
-                    continue
-                found, imported = _imports(tree, b.module)
-                if not found or not ("*" in imported or b.function in imported):
-                    continue
-                for fwd in _forwarders(tree, b, rel=rel):
-                    if not any(c.rel == fwd.rel and c.function == fwd.function for c in chain):
-                        chain.append(fwd)
-                        added = True
+            key = (b.rel, b.function)
+            if key not in found_for:
+                found_for[key] = []
+                # text first: the file imports the builder on one line and calls it (most mentions are neither)
+                imports = _re.compile(rf"\b{_re.escape(b.module)}\b[^\n]*\bimport\b[^\n]*\b{_re.escape(b.function)}\b"
+                                      rf"|\b{_re.escape(b.module)}\b[^\n]*\bimport\s*\(|^\s*import\b[^\n]*\b{_re.escape(b.module)}\b", _re.M)
+                for rel, text in mentions.items():
+                    if rel == b.rel or f"{b.function}(" not in text or not imports.search(text):
+                        continue
+                    if rel not in trees:
+                        trees[rel] = _parse(text)
+                    tree = trees[rel]
+                    if tree is None:
+                        continue
+                    found, imported = _imports(tree, b.module)
+                    if found and ("*" in imported or b.function in imported):
+                        found_for[key] += _forwarders(tree, b, rel=rel)
+            for fwd in found_for[key]:
+                if not any(c.rel == fwd.rel and c.function == fwd.function for c in chain):
+                    chain.append(fwd)
+                    added = True
     return added
 
 
