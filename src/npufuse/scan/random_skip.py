@@ -359,6 +359,16 @@ def _data_test(test: ast.AST, data: set[str]) -> bool:
     return False
 
 
+class _AnyName(set):  # type: ignore[type-arg]
+    """Holds every name: a test :func:`_data_test` would call data if every name were."""
+
+    def __contains__(self, _name: object) -> bool:
+        return True
+
+
+_ANY_NAME = _AnyName()
+
+
 def _data_names(fn: ast.AST) -> set[str]:
     """Names ``fn`` binds from a data test (``has = mask.any()``), from the entries the data selects (``token_idx, _
     = torch.where(ids == e)``, the targets of ``for i, n in enumerate(counts.tolist())``), and containers it fills
@@ -413,10 +423,21 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
     everywhere = _called_submodules([fn], subs, loops)
     if not everywhere:
         return out
-    names = _data_names(fn) if data else set()
+    names: Optional[set[str]] = None  # the data names: read only for a test that a name or a length could decide
+
+    def data_test(test: ast.AST) -> bool:
+        nonlocal names
+        if _data_test(test, set()):
+            return True
+        if not _data_test(test, _ANY_NAME):  # no name or length the data could decide: `x is None`, `self.training`
+            return False
+        if names is None:
+            names = _data_names(fn)
+        return bool(names) and _data_test(test, names)
+
     parents: dict[int, ast.AST] = {}  # built on the first `continue` under a data test
     for n in ast.walk(fn):
-        if isinstance(n, (ast.If, ast.IfExp)) and (_data_test(n.test, names) if data else _draws(n.test, conditioned)):
+        if isinstance(n, (ast.If, ast.IfExp)) and (data_test(n.test) if data else _draws(n.test, conditioned)):
             body = n.body if isinstance(n.body, list) else [n.body]
             orelse = n.orelse if isinstance(n.orelse, list) else [n.orelse]
             a, b = _called_submodules(body, subs, loops), _called_submodules(orelse, subs, loops)

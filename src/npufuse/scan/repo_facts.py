@@ -142,9 +142,11 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
             break
         # a forwarder was found: its callers are read with the builders' (one more read of the files, rare)
         names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
+    imports_read: dict[tuple[str, str], tuple[bool, set[str]]] = {}  # (file, module) -> _imports, read once
     for o, h in list(hits):
         for b in chains[(o.file, h.finding.qualname)]:
-            if b.function and h in o.hits and _drive(root, o, h, b, texts, trees, defined, symbols, near, max_bytes, zero_in_place):
+            if b.function and h in o.hits and _drive(root, o, h, b, texts, trees, defined, symbols, near, max_bytes, zero_in_place,
+                                                     imports_read):
                 break
 
 
@@ -214,7 +216,8 @@ def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2, rel: Op
 
 
 def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees: dict[str, Optional[ast.Module]],
-           defined: dict[str, set[str]], symbols: Any, near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool) -> bool:
+           defined: dict[str, set[str]], symbols: Any, near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool,
+           imports_read: Optional[dict[tuple[str, str], tuple[bool, set[str]]]] = None) -> bool:
     """Judge the candidate ``h`` by the files that call its builder ``b`` (the builder itself or a
     forwarder of it); True when a file turned it into a near miss."""
     # a method defined nowhere else in the repo is reached through any object (minGPT's trainer
@@ -232,7 +235,11 @@ def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees
         tree = trees[rel]
         if tree is None:
             continue
-        imported = _imports(tree, b.module)
+        imported = imports_read.get((rel, b.module)) if imports_read is not None else None
+        if imported is None:
+            imported = _imports(tree, b.module)
+            if imports_read is not None:
+                imports_read[(rel, b.module)] = imported
         # a function is reached by its imported name (or module.function); a method through an
         # object of its class, which the file must import (or the module holding it)
         found, names_ = imported
