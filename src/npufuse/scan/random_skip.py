@@ -536,6 +536,7 @@ class RepoIndex:
         self._skips: dict[str, list[RandomSkip]] = {}
         self._rates: dict[str, list[tuple[str, float]]] = {}
         self._configs: Optional[list[tuple[str, str]]] = None
+        self._imports: dict[str, list[str]] = {}
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -623,7 +624,14 @@ class RepoIndex:
         return self._configs
 
     def imported_files(self, rel: str) -> list[str]:
-        """Files of the repo that ``rel`` imports (absolute and relative imports)."""
+        """Files of the repo that ``rel`` imports (absolute and relative imports), read once per file (s39: each
+        optimizer site follows the trainer's imports again)."""
+        got = self._imports.get(rel)
+        if got is None:
+            got = self._imports[rel] = self._read_imports(rel)
+        return got
+
+    def _read_imports(self, rel: str) -> list[str]:
         tree = self.tree(rel)
         if tree is None:
             return []
