@@ -127,10 +127,17 @@ class FusedOptimizer(Pattern):
             for _call, reason in _third_party_calls(module, stmt):
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
+                table_called = _s39_table_called(module, scope, stmt)
+                if table_called is not None:
+                    yield _s32_looked_up_site(module, scope, stmt, *table_called, in_place=self.zero_grad_in_place)
+                    continue
                 built = _chosen_construction(module, scope, stmt)
                 if built is None:
                     built = _s28_injected_class(module, scope, stmt)
                 looked_up = (_s32_class_lookup(module, stmt) or _s34_bound_lookup(module, scope, stmt)) if built is None else None
+                if built is None and looked_up is None:
+                    loaded = _s39_loaded_class(module, scope, stmt)  # s39: a class loaded from a dotted path
+                    built, looked_up = (loaded, None) if isinstance(loaded, NearMiss) else (None, loaded)
                 if isinstance(built, NearMiss):
                     yield built
                 elif built is not None:
@@ -164,7 +171,8 @@ def _relevant(module: ModuleInfo) -> bool:
         src = module.source
         # "optim" first: one search instead of fourteen in the files that never say it (most)
         cached = module.__dict__["_npufuse_optim_relevant"] = (("optim" in src) and any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED))) \
-            or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src or (_CALLED_LOOKUP_WORD in src and "optim" in src)
+            or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src or (_CALLED_LOOKUP_WORD in src and "optim" in src) \
+            or ("optim" in src and any(w in src for w in _S39_LOADER_WORDS))
     return bool(cached)
 
 
@@ -1059,6 +1067,8 @@ def _chosen_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt
                             f"the optimizer class is chosen at run time through {where} and {why}: torch_npu.optim."
                             f"{_OPTIMIZERS[sorted(kinds)[0]][0]} could take the place of torch.optim.{sorted(kinds)[0]} by hand "
                             "once the constraints hold (no FSDP/DeepSpeed-sharded or DTensor params, no set_to_none, fp32/fp16)")
+        if key is not None and not _side_effect_free(key):
+            return refuse("the dict key calls code (the guard would evaluate it a second time)")
         if len(kinds) > 1:
             return refuse(f"several torch.optim classes are among the choices ({', '.join(sorted(kinds))}), each with its "
                           "own arguments")
@@ -3666,9 +3676,8 @@ FusedOptimizer.FUSE += [
          expect={"optimizer": "torch.optim.SGD", "class_chosen_at_run_time": "opts[name] is torch.optim.SGD"}),
 ]
 FusedOptimizer.KEEP += [
-    # two torch.optim classes among the choices: each has its own arguments, no single swap
-    Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam'),
-         reason="several torch.optim classes are among the choices (Adam, SGD)", name="optimizer_class_from_a_dict_of_two_fusable"),
+    # (s39: two torch.optim classes among a dict's entries called at once take s32's class guard:
+    # `s39_optimizer_class_from_a_dict_of_two_fusable`)
     # the dict gains entries at run time: what `opts[name]` is cannot be read from its literal
     Keep(_CHOSEN_FROM_DICT.replace("    return opts[name]", "    opts.update(EXTRA)\n    return opts[name]"),
          reason="its value may change outside these bindings", name="optimizer_class_dict_updated"),
@@ -6224,4 +6233,166 @@ def main(make_model):
 
 FusedOptimizer.FUSE += [
     Fuse(_S37_AUGMENTATION, name="s37_random_augmentation_modules_are_not_model_parts", expect={"qualname": "main"}),
+]
+
+
+# -- s39 (opt39): an optimizer class loaded from a dotted path string -------------------------------------------------
+# LLaMA-pretrain's `opt_class = load_class(opt_conf.name)` with `load_class` splitting "torch.optim.AdamW" and running
+# `getattr(importlib.import_module(module), name)`: a run-time lookup like s32's `getattr(torch.optim, name)`. The
+# classes it may yield are the dotted optimizer paths the repository spells (this file's strings, its configuration
+# files): when every one is a torch.optim class torch_npu has a fused counterpart of, the construction is a candidate
+# whose guard checks the loaded class (s32's machinery; any other class runs the original call); a path naming another
+# class (bitsandbytes' AdamW8bit, torch.optim.Adagrad), or none spelt anywhere, is a near miss naming what is unknown.
+
+# the scope's text gate: a loader call's usual spellings (`load_class(`, `get_class(`, `import_module(`)
+_S39_LOADER_WORDS = ("_class(", "import_module")
+FusedOptimizer.SCOPE_WORDS = (*FusedOptimizer.SCOPE_WORDS, *_S39_LOADER_WORDS)
+_S39_LOADER_CALLS = frozenset(("rsplit", "split", "rpartition", "import_module", "getattr", "locate", "str"))
+# a dotted path to a class in an optimizer module (`torch.optim.AdamW`, `bitsandbytes.optim.AdamW8bit`,
+# `apex.optimizers.FusedAdam`); learning-rate schedulers are not optimizers
+_S39_DOTTED_CLASS = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\.([A-Z]\w*)(?![\w.])")
+
+
+def _s39_path_loader(fn: ast.AST) -> bool:
+    """Does ``fn`` only load a class from a dotted path: statements that split the path, import the module
+    (``importlib.import_module``, ``pydoc.locate``) and return ``getattr(<module>, <name>)`` or the located object?"""
+    if not isinstance(fn, ast.FunctionDef):
+        return False
+    imports = False
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Lambda, ast.AsyncFunctionDef, ast.ClassDef)) or (isinstance(node, ast.FunctionDef) and node is not fn):
+            return False
+        if isinstance(node, ast.stmt) and node is not fn and not isinstance(node, (ast.Assign, ast.Return, ast.Import, ast.ImportFrom, ast.Expr)):
+            return False
+        if isinstance(node, ast.Expr) and not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return False
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id if isinstance(node.func, ast.Name) else ""
+            if name not in _S39_LOADER_CALLS:
+                return False
+            imports = imports or name in ("import_module", "locate")
+    returns = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    return imports and bool(returns) and all(isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in ("getattr", "locate")
+                                             for v in returns)
+
+
+def _s39_loader(module: ModuleInfo, name: str) -> bool:
+    fn = next((n for n in module.tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None and name not in module.aliases:
+        return False
+    if fn is None:
+        from npufuse.scan import repo_facts
+
+        found = repo_facts.definition(module, name)
+        fn = found.node if found is not None else None
+    return fn is not None and _s39_path_loader(fn)
+
+
+def _s39_spelt_paths(module: ModuleInfo) -> list[str]:
+    """The dotted optimizer-class paths the file's strings and the repository's configuration files spell."""
+    cached = module.__dict__.get("_npufuse_s39_paths")
+    if cached is not None:
+        return cached
+    texts = [n.value for n in fast_walk(module.tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and "optim" in n.value]
+    from npufuse.scan.random_skip import RepoIndex
+    from npufuse.scan.repo_facts import repo_root
+
+    root = repo_root(module)
+    if root is not None:
+        texts += [t for _suffix, t in RepoIndex(root, [], 1 << 20).config_files() if "optim" in t]
+    found = [f"{m.group(1)}.{m.group(2)}" for t in texts for m in _S39_DOTTED_CLASS.finditer(t)
+             if "optim" in m.group(1) and "lr_scheduler" not in m.group(1)]
+    cached = module.__dict__["_npufuse_s39_paths"] = list(dict.fromkeys(found))
+    return cached
+
+
+def _s39_parameters_like(node: Optional[ast.expr]) -> bool:
+    """Is the first argument what an optimizer takes: ``m.parameters()`` / ``named_parameters()``, a list or
+    comprehension, or a name / attribute that says params or groups (never an optimizer: a scheduler's first
+    argument)?"""
+    if node is None:
+        return False
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("parameters", "named_parameters"):
+        return True
+    if isinstance(node, (ast.List, ast.ListComp, ast.GeneratorExp, ast.Tuple)):
+        return True
+    text = (dotted(node) or "").lower()
+    return "optim" not in text and ("param" in text or "group" in text)
+
+
+def _s39_loaded_class(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[Union[NearMiss, tuple[ast.Call, str, tuple[str, ...]]]]:
+    """(construction call, lookup text, fusable classes) of an optimizer built through a class a path loader
+    (:func:`_s39_path_loader`) returns, called at once (``load_class(path)(params, ...)``) or bound to a name of this
+    scope first; a NearMiss when a spelt path names another class, or none is spelt; None when no loader is involved."""
+    for call in fast_walk(stmt):
+        if not isinstance(call, ast.Call):
+            continue
+        lookup: Optional[ast.Call] = None
+        text = ""
+        if isinstance(call.func, ast.Call):
+            lookup, text = call.func, segment(module, call.func)
+        elif isinstance(call.func, ast.Name) and call.func.id not in scope.args and call.func.id not in module.aliases:
+            value = scope.definition(call.func.id, stmt.lineno)
+            lookup, text = (value, call.func.id) if isinstance(value, ast.Call) else (None, "")
+        if lookup is None or not isinstance(lookup.func, ast.Name) or not all(
+                _side_effect_free(a) for a in [*lookup.args, *(k.value for k in lookup.keywords)]):
+            continue
+        if not _s39_parameters_like(keyword(call, "params", 0)) or not _s39_loader(module, lookup.func.id):
+            continue  # a loaded scheduler (`sched_cls(self.optimizer, ...)`), loss or model is no optimizer
+        paths = _s39_spelt_paths(module)
+        kinds = tuple(k for k in _OPTIMIZERS if f"torch.optim.{k}" in paths)
+        unknown = [p for p in paths if not (p.startswith("torch.optim.") and p.split(".")[-1] in _OPTIMIZERS)]
+        where = f"`{segment(module, lookup)[:60]}`"
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        if unknown:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"the optimizer class is loaded from a dotted path at run time ({where}) and the repository also "
+                            f"names {', '.join(f'`{p}`' for p in unknown[:3])}, which torch_npu.optim has no fused counterpart of "
+                            "(its fused classes: " + ", ".join(f"torch.optim.{k}" for k in _OPTIMIZERS) + ")")
+        if not kinds:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"the optimizer class is loaded from a dotted path at run time ({where}) and no file or "
+                            "configuration of the repository spells the path: which class it is cannot be told")
+        return call, text, kinds
+    return None
+
+
+# s39: `OPTIMIZERS[cfg.optim](params, lr=...)` / `table.get(name)(params, ...)` called at once over a dict literal
+# holding several torch.optim classes (this scope's or the module's): the class is the dict's entry at run time, so
+# s32's guard (the looked-up class is a torch.optim class with a fused counterpart taking the arguments written)
+# decides; s35's `_chosen_construction` refused these ("several classes, each with its own arguments"), yet the
+# constructor arguments are the call's own, the same for every entry. An entry of another library's class (Lion)
+# fails the guard and runs the original call.
+
+def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, tuple[str, ...]]]:
+    """(construction call, lookup text, fusable classes) of a dict-literal lookup called at once whose table holds
+    two or more fusable torch.optim classes; None otherwise (one class: :func:`_chosen_construction` guards it)."""
+    for call in fast_walk(stmt):
+        if not isinstance(call, ast.Call):
+            continue
+        lookup = call.func
+        if isinstance(lookup, ast.Subscript):
+            key: Optional[ast.expr] = lookup.slice
+        elif isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
+            key = lookup.args[0]
+        else:
+            continue
+        if key is None or not _s39_parameters_like(keyword(call, "params", 0)) or not _side_effect_free(lookup):
+            continue
+        kinds, _table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
+        if len(kinds) >= 2:
+            return call, segment(module, lookup), kinds
+    return None
+
+
+FusedOptimizer.FUSE += [
+    Fuse(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam'), name="s39_optimizer_class_from_a_dict_of_two_fusable",
+         run="model = Net()\nopt = run(model, 'adam')\n" + _TRAIN_STEPS,
+         expect={"optimizer": "torch.optim.Adam|SGD", "class_looked_up": "opts[name]", "qualname": "run"}),
+]
+
+FusedOptimizer.KEEP += [
+    # the key calls code: the guard would run it a second time
+    Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam').replace("opts[name](", "opts[name.lower()]("),
+         reason="the dict key calls code", name="s39_dict_of_two_fusable_key_calls_code"),
 ]

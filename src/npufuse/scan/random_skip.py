@@ -104,16 +104,25 @@ class RandomSkip:
     random; ``param``: the forward parameter the skip is conditioned on when the draw is the
     caller's (None: drawn in the class itself)."""
 
-    __slots__ = ("rel", "cls", "line", "attr", "how", "param", "index", "rates", "node")
+    __slots__ = ("rel", "cls", "line", "attr", "how", "param", "index", "rates", "node", "test")
 
     def __init__(self, rel: str, cls: str, line: int, attr: str, how: str, param: Optional[str] = None, index: int = -1,
-                 rates: tuple[str, ...] = (), node: Optional[ast.ClassDef] = None) -> None:
+                 rates: tuple[str, ...] = (), node: Optional[ast.ClassDef] = None, test: str = "") -> None:
         self.rel, self.cls, self.line, self.attr, self.how, self.param, self.index = rel, cls, line, attr, how, param, index
         # s38: the `self.` attributes the draw is compared with (`torch.rand(1) < self.p`), when every random read of
         # the test is such a comparison: with each of them 0 the decision is fixed for the run (not a random skip)
         self.rates, self.node = rates, node
+        # s39: the text of a test on the step's data that decides the call (an MoE expert that receives no token);
+        # empty for a random skip
+        self.test = test
+
+    @property
+    def data_dependent(self) -> bool:
+        return bool(self.test)
 
     def where(self) -> str:
+        if self.test:
+            return f"`{self.cls}` ({self.rel}:{self.line}) {self.how} `self.{self.attr}` depending on the step's data (`{self.test}`)"
         drawn = f" when its `{self.param}` argument is drawn at random by the caller" if self.param else " on steps drawn at random"
         return f"`{self.cls}` ({self.rel}:{self.line}) {self.how} `self.{self.attr}`{drawn}"
 
@@ -129,12 +138,23 @@ def _submodules(cls: ast.ClassDef) -> set[str]:
                 if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Call, ast.Name)):
                     if isinstance(n.value, ast.Name) and n.value.id not in handed:
                         continue  # `self._resize = Resize`: a class kept to build objects from, not a module
-                    if isinstance(n.value, ast.Call) and (_PARAMETER_FREE.search(_name(n.value.func)) or _augmentation(n.value.func)):
+                    if isinstance(n.value, ast.Call) and (_PARAMETER_FREE.search(_name(n.value.func)) or _augmentation(n.value.func)
+                                                          or _torch_loss(n.value.func)):
                         continue  # nothing to train: skipping it changes no optimizer
                     for t in n.targets:
                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                             out.add(t.attr)
     return out
+
+
+def _torch_loss(func: ast.AST) -> bool:
+    """``nn.CrossEntropyLoss(...)`` / ``torch.nn.MSELoss(...)``: torch.nn's losses hold no parameters (s39: a loss
+    computed only when a batch has targets is no skipped submodule); AdaptiveLogSoftmaxWithLoss has weights."""
+    if not (isinstance(func, ast.Attribute) and func.attr.endswith("Loss") and func.attr != "AdaptiveLogSoftmaxWithLoss"):
+        return False
+    head = func.value
+    return (isinstance(head, ast.Name) and head.id == "nn") or (
+        isinstance(head, ast.Attribute) and head.attr == "nn" and isinstance(head.value, ast.Name) and head.value.id == "torch")
 
 
 def _augmentation(func: ast.AST) -> bool:
@@ -146,18 +166,28 @@ def _augmentation(func: ast.AST) -> bool:
     return isinstance(head, ast.Name) and head.id in _AUGMENTATION_MODULES and isinstance(func, ast.Attribute)
 
 
+def _submodule_called(call: ast.Call, subs: set[str], loops: dict[str, str]) -> Optional[str]:
+    """The submodule a call runs: ``self.x(...)``, an entry of a submodule list ``self.experts[i](...)`` (s39), or a
+    name bound to one (a loop variable over ``self.layers``, ``expert = self.experts[i]``)."""
+    f = call.func
+    if isinstance(f, ast.Subscript):
+        f = f.value
+    attr = _self_attr(f)
+    if attr is not None:
+        return attr if attr in subs else None
+    return loops.get(f.id) if isinstance(f, ast.Name) else None
+
+
 def _called_submodules(nodes: Iterable[ast.AST], subs: set[str], loops: dict[str, str]) -> dict[str, int]:
-    """Submodules called in ``nodes``: ``self.x(...)``, or a loop variable over ``self.x`` (``for layer in self.layers``)."""
+    """Submodules called in ``nodes``: ``self.x(...)``, ``self.x[i](...)``, or a loop variable over ``self.x``
+    (``for layer in self.layers``)."""
     out: dict[str, int] = {}
     for node in nodes:
         for n in ast.walk(node):
-            if not isinstance(n, ast.Call):
-                continue
-            f = n.func
-            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
-                out.setdefault(f.attr, n.lineno)
-            elif isinstance(f, ast.Name) and f.id in loops:
-                out.setdefault(loops[f.id], n.lineno)
+            if isinstance(n, ast.Call):
+                attr = _submodule_called(n, subs, loops)
+                if attr is not None:
+                    out.setdefault(attr, n.lineno)
     return out
 
 
@@ -173,6 +203,10 @@ def _loop_vars(fn: ast.AST, subs: set[str]) -> dict[str, str]:
                 target = n.target.elts[-1] if isinstance(n.target, ast.Tuple) and n.target.elts else n.target
                 if isinstance(target, ast.Name):
                     out[target.id] = it.attr
+        elif isinstance(n, ast.Assign) and isinstance(n.value, ast.Subscript):
+            attr = _self_attr(n.value.value)  # `expert = self.experts[i]` (s39)
+            if attr in subs:
+                out.update((t.id, attr) for t in n.targets if isinstance(t, ast.Name))  # type: ignore[misc]
     return out
 
 
@@ -262,9 +296,122 @@ def _flag_rates(fn: ast.AST, name: str, depth: int) -> Optional[set[str]]:
     return rates
 
 
-def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], conditioned: set[str]) -> list[tuple[int, str, str, tuple[str, ...]]]:
-    """(line, submodule, how, rates) of each submodule call that a test reading ``conditioned`` names skips
-    or discards in ``fn`` (``rates``: :func:`_rate_attrs` of the test, () when it is not decided by rates)."""
+# --- s39 (opt39): a submodule called only when a test on the step's data holds ---------------------------------------
+# diff-MoE's `if mask.any(): out = self.general_experts[e](x[mask])`, moe-emergence's `if not mask.any(): continue`
+# before `expert(x[mask])`: an expert no token reaches on a step is not called and gets no grad. torch.optim (the
+# default `zero_grad(set_to_none=True)`) skips such a param; a fused class zeroes grads in place and still applies
+# momentum / weight decay / Adam moments to it, and excludes for good one without a grad at the first step. Calling
+# the expert on an empty selection (no test) gives it a zero grad in both: not this class.
+
+# reads of a tensor's contents (whether any element is selected, how many)
+_COUNT_READS = frozenset(("any", "all", "numel", "nelement", "nonzero", "count_nonzero", "sum", "item", "argwhere"))
+# reads of a length (the data decides them when compared with 0 / 1, or tested for truth)
+_LENGTH_READS = frozenset(("len", "size", "shape"))
+# calls whose result lists the entries the data selects (`for e in ids.unique().tolist(): self.experts[e](...)`)
+_SELECTING_CALLS = frozenset(("unique", "nonzero", "argwhere", "where", "tolist", "bincount", "masked_select"))
+_NOT_DATA = frozenset(("self", "torch", "np", "numpy", "math", "F", "nn"))
+
+
+def _reads_locals(node: ast.AST) -> bool:
+    """Does ``node`` read a name other than ``self`` and a module (a forward's tensor or a value derived from one)?"""
+    return any(isinstance(n, ast.Name) and n.id not in _NOT_DATA for n in ast.walk(node))
+
+
+def _length_read(node: ast.AST, data: set[str]) -> bool:
+    """``len(x)``, ``x.size(0)``, ``x.shape[0]`` of a value the data selects (``x`` in ``data``: ``token_idx, _ =
+    torch.where(...)``, a list appended under a data test); a length of a list the model's configuration fixes
+    (``len(sparse_embedding_list)``) is the same every step."""
+    if isinstance(node, ast.Call) and _name(node.func) == "len" and node.args:
+        operand: Optional[ast.AST] = node.args[0]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
+        operand = node.func.value
+    elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        operand = node.value.value
+    else:
+        return False
+    while isinstance(operand, (ast.Subscript, ast.Attribute)):
+        operand = operand.value
+    return isinstance(operand, ast.Name) and operand.id in data
+
+
+def _data_test(test: ast.AST, data: set[str]) -> bool:
+    """Does the test read the step's data: a content read of a local tensor (``mask.any()``, ``idx.numel() == 0``,
+    ``torch.any(m)``), a length of a value the data selects against 0 / 1 or as a truth value (``len(token_idx) ==
+    0``, ``if rows.shape[0]:``), or a name bound from such reads?"""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _data_test(test.operand, data)
+    if isinstance(test, ast.BoolOp):
+        return any(_data_test(v, data) for v in test.values)
+    if _length_read(test, data) or (isinstance(test, ast.Name) and test.id in data):
+        return True
+    if isinstance(test, ast.Compare) and len(test.comparators) == 1:
+        left, right = test.left, test.comparators[0]
+        for a, b in ((left, right), (right, left)):
+            if (_length_read(a, data) or (isinstance(a, ast.Name) and a.id in data)) and isinstance(b, ast.Constant) and b.value in (0, 1):
+                return True
+    for n in ast.walk(test):
+        # a tensor method (`mask.any()`) or torch's function (`torch.any(mask)`); the builtin `sum(list)` is no read
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _COUNT_READS:
+            operand = n.func.value if not (isinstance(n.func.value, ast.Name) and n.func.value.id in _NOT_DATA) \
+                else (n.args[0] if n.args else None)
+            if operand is not None and _reads_locals(operand) and _self_attr(operand) is None:
+                return True
+    return False
+
+
+class _AnyName(set):  # type: ignore[type-arg]
+    """Holds every name: a test :func:`_data_test` would call data if every name were."""
+
+    def __contains__(self, _name: object) -> bool:
+        return True
+
+
+_ANY_NAME = _AnyName()
+
+
+def _data_names(fn: ast.AST) -> set[str]:
+    """Names ``fn`` binds from a data test (``has = mask.any()``), from the entries the data selects (``token_idx, _
+    = torch.where(ids == e)``, the targets of ``for i, n in enumerate(counts.tolist())``), and containers it fills
+    under a data test (``if mask.any(): tokens[e].append(x[mask])``)."""
+    out: set[str] = set()
+    for _ in range(2):  # containers filled under a test on names bound before
+        before = len(out)
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and (_data_test(n.value, out) or _selected(n.value)):
+                out.update(t.id for tg in n.targets for t in ast.walk(tg) if isinstance(t, ast.Name))
+            elif isinstance(n, (ast.For, ast.AsyncFor)) and _selected(n.iter):
+                out.update(t.id for t in ast.walk(n.target) if isinstance(t, ast.Name))
+            elif isinstance(n, ast.If) and _data_test(n.test, out):
+                for c in ast.walk(n):
+                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("append", "extend"):
+                        head = c.func.value
+                        while isinstance(head, ast.Subscript):
+                            head = head.value
+                        if isinstance(head, ast.Name):
+                            out.add(head.id)
+        if len(out) == before:
+            break
+    return out
+
+
+def _selected(it: ast.AST) -> bool:
+    """An iterable of the entries the data selects: ``ids.unique()``, ``torch.nonzero(counts)``, ``x.tolist()``."""
+    return any(isinstance(n, ast.Call) and _name(n.func) in _SELECTING_CALLS and _reads_locals(n) and not (
+        _self_attr(n.func.value) if isinstance(n.func, ast.Attribute) else None) for n in ast.walk(it))
+
+
+def _enclosing_loop(parents: dict[int, ast.AST], node: ast.AST) -> Optional[ast.AST]:
+    up = parents.get(id(node))
+    while up is not None and not isinstance(up, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        up = parents.get(id(up))
+    return up if isinstance(up, (ast.For, ast.AsyncFor, ast.While)) else None
+
+
+def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], conditioned: set[str], data: bool = False
+           ) -> list[tuple[int, str, str, tuple[str, ...], str]]:
+    """(line, submodule, how, rates, test) of each submodule call that a test reading ``conditioned`` names (with
+    ``data``: a test on the step's data, :func:`_data_test`) skips or discards in ``fn`` (``rates``:
+    :func:`_rate_attrs` of a random test, () when it is not decided by rates; ``test``: the data test's text)."""
     loops = _loop_vars(fn, subs)
     held: dict[str, str] = {}
     for n in ast.walk(fn):
@@ -272,10 +419,25 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             f = n.value.func
             if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
                 held.update((t.id, f.attr) for t in n.targets if isinstance(t, ast.Name))
-    out: list[tuple[int, str, str, tuple[str, ...]]] = []
+    out: list[tuple[int, str, str, tuple[str, ...], str]] = []
     everywhere = _called_submodules([fn], subs, loops)
+    if not everywhere:
+        return out
+    names: Optional[set[str]] = None  # the data names: read only for a test that a name or a length could decide
+
+    def data_test(test: ast.AST) -> bool:
+        nonlocal names
+        if _data_test(test, set()):
+            return True
+        if not _data_test(test, _ANY_NAME):  # no name or length the data could decide: `x is None`, `self.training`
+            return False
+        if names is None:
+            names = _data_names(fn)
+        return bool(names) and _data_test(test, names)
+
+    parents: dict[int, ast.AST] = {}  # built on the first `continue` under a data test
     for n in ast.walk(fn):
-        if isinstance(n, (ast.If, ast.IfExp)) and _draws(n.test, conditioned):
+        if isinstance(n, (ast.If, ast.IfExp)) and (data_test(n.test) if data else _draws(n.test, conditioned)):
             body = n.body if isinstance(n.body, list) else [n.body]
             orelse = n.orelse if isinstance(n.orelse, list) else [n.orelse]
             a, b = _called_submodules(body, subs, loops), _called_submodules(orelse, subs, loops)
@@ -288,23 +450,36 @@ def _skips(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str], condition
             # `for blk in self.blocks: if torch.rand([]) < p: continue`: the rest of the loop body is skipped
             if isinstance(n, ast.If) and any(isinstance(s, ast.Continue) for s in n.body):
                 found += [(attr, "skips the call of") for attr in sorted(set(loops.values()) & set(everywhere))]
+                if data and not parents:
+                    parents = _parents(fn)
+                loop = _enclosing_loop(parents, n) if data else None
+                if loop is not None:
+                    # `for e in range(E): if not mask.any(): continue; self.experts[e](x[mask])`: the calls after the test
+                    later = [s for s in ast.walk(loop) if isinstance(s, ast.stmt) and s.lineno > (n.end_lineno or n.lineno)]
+                    after = set(_called_submodules(later, subs, loops)) - _calls_outside(fn, loop, subs, loops)
+                    found += [(attr, "skips the call of") for attr in sorted(after) if (attr, "skips the call of") not in found]
             if found:
-                rates = tuple(sorted(_rate_attrs(n.test, fn) or ())) if not (conditioned - _random_flags(fn)) else ()
-                out += [(n.lineno, attr, how, rates) for attr, how in found]
+                rates = tuple(sorted(_rate_attrs(n.test, fn) or ())) if not data and not (conditioned - _random_flags(fn)) else ()
+                test = " ".join(ast.unparse(n.test).split())[:80] if data else ""
+                out += [(n.lineno, attr, how, rates, test) for attr, how in found]
+    if data:
+        # `for e in ids.unique().tolist(): out += self.experts[e](x[ids == e])`: only the experts the data selects run
+        for n in ast.walk(fn):
+            if isinstance(n, (ast.For, ast.AsyncFor)) and _selected(n.iter):
+                targets = {t.id for t in ast.walk(n.target) if isinstance(t, ast.Name)}
+                for c in ast.walk(n):
+                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript) and _self_attr(c.func.value) in subs \
+                            and any(isinstance(x, ast.Name) and x.id in targets for x in ast.walk(c.func.slice)):
+                        test = f"for {ast.unparse(n.target)} in {' '.join(ast.unparse(n.iter).split())[:60]}"
+                        out.append((n.lineno, _self_attr(c.func.value), "calls only the entries the data selects of", (), test))  # type: ignore[arg-type]
+                        break
     return out
 
 
 def _calls_outside(fn: ast.AST, branch: ast.AST, subs: set[str], loops: dict[str, str]) -> set[str]:
     inside = {id(x) for x in ast.walk(branch)}
     rest = [x for x in ast.walk(fn) if id(x) not in inside and isinstance(x, ast.Call)]
-    out: set[str] = set()
-    for c in rest:
-        f = c.func
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in subs:
-            out.add(f.attr)
-        elif isinstance(f, ast.Name) and f.id in loops:
-            out.add(loops[f.id])
-    return out
+    return {a for a in (_submodule_called(c, subs, loops) for c in rest) if a is not None}  # type: ignore[misc]
 
 
 def skip_in_class(rel: str, cls: ast.ClassDef) -> list[RandomSkip]:
@@ -320,18 +495,21 @@ def skip_in_class(rel: str, cls: ast.ClassDef) -> list[RandomSkip]:
     called = {c.func.attr for c in ast.walk(forward) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" and c.func.attr in methods}
     for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
-        for line, attr, how, rates in _skips(fn, subs, _random_flags(fn)):
+        for line, attr, how, rates, _test in _skips(fn, subs, _random_flags(fn)):
             found.append(RandomSkip(rel, cls.name, line, attr, how, rates=rates, node=cls))
+    for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
+        for line, attr, how, _rates, test in _skips(fn, subs, set(), data=True):
+            found.append(RandomSkip(rel, cls.name, line, attr, how, node=cls, test=test))
     if found:
         return found
     # the draw is the caller's: a forward parameter decides the skip (`if not uncond_fwd: self.ref(...)`)
     a = forward.args
     params = [x.arg for x in (*a.posonlyargs, *a.args)][1:]
     for i, p in enumerate(params):
-        for line, attr, how, _rates in _skips(forward, subs, {p}):
+        for line, attr, how, _rates, _test in _skips(forward, subs, {p}):
             found.append(RandomSkip(rel, cls.name, line, attr, how, p, i, node=cls))
     for p in (x.arg for x in a.kwonlyargs):
-        for line, attr, how, _rates in _skips(forward, subs, {p}):
+        for line, attr, how, _rates, _test in _skips(forward, subs, {p}):
             found.append(RandomSkip(rel, cls.name, line, attr, how, p, -1, node=cls))
     return found
 
@@ -358,6 +536,7 @@ class RepoIndex:
         self._skips: dict[str, list[RandomSkip]] = {}
         self._rates: dict[str, list[tuple[str, float]]] = {}
         self._configs: Optional[list[tuple[str, str]]] = None
+        self._imports: dict[str, list[str]] = {}
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -445,7 +624,14 @@ class RepoIndex:
         return self._configs
 
     def imported_files(self, rel: str) -> list[str]:
-        """Files of the repo that ``rel`` imports (absolute and relative imports)."""
+        """Files of the repo that ``rel`` imports (absolute and relative imports), read once per file (s39: each
+        optimizer site follows the trainer's imports again)."""
+        got = self._imports.get(rel)
+        if got is None:
+            got = self._imports[rel] = self._read_imports(rel)
+        return got
+
+    def _read_imports(self, rel: str) -> list[str]:
         tree = self.tree(rel)
         if tree is None:
             return []
@@ -863,6 +1049,8 @@ _PARAMS_MODEL = re.compile(r"([A-Za-z_][\w.]*)\.(?:named_)?parameters\(")
 
 
 def _function_of(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
+    if qualname == "<module>":
+        return tree  # a script's optimizer: the model is built at module level too (s39)
     node: ast.AST = tree
     for part in qualname.split("."):
         nxt = next((n for n in getattr(node, "body", []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -895,13 +1083,20 @@ def _constructions(tree: ast.Module, qualname: str, model: str) -> list[tuple[st
             continue
         if not any((ast.unparse(t) if isinstance(t, (ast.Name, ast.Attribute)) else "") == model for t in n.targets):
             continue
-        f = n.value.func
+        call = n.value
+        # `Model(...).to(device)`, `.cuda()`: the construction is the innermost call (s39)
+        while isinstance(call.func, ast.Attribute) and call.func.attr in _MOVES and isinstance(call.func.value, ast.Call):
+            call = call.func.value
+        f = call.func
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr.startswith("from_"):
             f = f.value
         name = f.id if isinstance(f, ast.Name) else ""
         if name[:1].isupper():
-            out.append((name, n.value))
+            out.append((name, call))
     return out
+
+
+_MOVES = frozenset(("to", "cuda", "npu", "cpu", "float", "half", "train", "eval", "requires_grad_"))
 
 
 def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
@@ -950,10 +1145,11 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     if every_param_used(index, starts):
         return None
     registry = Registry(index, reachable_files(index, starts))
-    found = [s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)]
-    if not found and any("instantiate" in (index.text(f) or "") for f in starts):
-        found = [s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)]
-    return (found[0], False) if found else None
+    # the first skip that counts (s39: data-dependent skips made the list long; each registry check reads the files)
+    first = next((s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)), None)
+    if first is None and any("instantiate" in (index.text(f) or "") for f in starts):
+        first = next((s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)), None)
+    return (first, False) if first is not None else None
 
 
 # --- s38 (opt38): a class chosen by a name no configuration of the repository names ---------------------------------
@@ -979,6 +1175,7 @@ class Registry:
         self.index, self.files = index, files
         self.keys: dict[str, set[str]] = {}  # class / function name -> its registry names
         self.positions: set[int] = set()  # ids of nodes that are registrations (not uses)
+        self._used_keys: dict[str, bool] = {}
         for rel in files:
             text = index.text(rel) or ""
             if "register" not in text and "{" not in text:
@@ -1009,7 +1206,15 @@ class Registry:
                 self.positions |= {id(x) for x in ast.walk(n)}
 
     def _used(self, key: str) -> bool:
-        """Does a configuration file or a string of the repository's code (not a registration) name ``key``?"""
+        """Does a configuration file or a string of the repository's code (not a registration) name ``key``? Read
+        once per key (s39: if-arm names ask per reference): registrations only grow, so a False stays false and a
+        True kept is the conservative answer."""
+        got = self._used_keys.get(key)
+        if got is None:
+            got = self._used_keys[key] = self._read_used(key)
+        return got
+
+    def _read_used(self, key: str) -> bool:
         token = re.compile(r"(?<![\w.-])" + re.escape(key) + r"(?![\w-])")
         if any(token.search(t) for t in self.index.config_texts()):
             return True
@@ -1038,12 +1243,34 @@ class Registry:
                     (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name))]
                 if not refs:
                     continue
+                if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) and self._chosen_by_unused_names(top, refs, name):
+                    continue  # s39: built only in `if cfg["encoder"] == "<name>":` arms no configuration names
                 if not isinstance(top, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     if isinstance(top, ast.Assign) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in top.targets):
                         continue
                     return None
                 out.add(top.name)
         return out
+
+    def _chosen_by_unused_names(self, fn: ast.AST, refs: list[ast.AST], name: str) -> bool:
+        """Is every reference in ``refs`` in the body of an ``if`` of ``fn`` testing a value against string names
+        (``cfg["encoder"] == "branchformer"``, ``name in ("a", "b")``, an ``elif`` chain) that no configuration file
+        or other code string names (wenet's ``init_model``)? The test's strings are registrations, not uses."""
+        parents = _parents(fn)
+        keys: list[str] = []
+        for ref in refs:
+            child, up = ref, parents.get(id(ref))
+            while up is not None and not (isinstance(up, ast.If) and any(child is s for s in up.body)):
+                child, up = up, parents.get(id(up))
+            names = _compared_names(up.test) if isinstance(up, ast.If) else []
+            if not names:
+                return False
+            self.positions |= {id(x) for x in ast.walk(up.test)}
+            keys += names
+        if any(self._used(k) for k in keys):
+            return False
+        self.keys.setdefault(name, set()).update(keys)  # registered under those (unused) names
+        return True
 
     def selected_out(self, name: str, depth: int = 0, seen: Optional[set[str]] = None) -> bool:
         """Is every way the reachable code builds ``name`` a registry entry whose names nothing uses?"""
@@ -1058,8 +1285,23 @@ class Registry:
         if ups is None:
             return False
         if not ups:
-            return bool(keys)  # registered under unused names only, and nothing else builds it
+            return bool(self.keys.get(name))  # registered under unused names only, and nothing else builds it
         return all(self.selected_out(u, depth + 1, seen) for u in ups)
+
+
+def _compared_names(test: ast.AST) -> list[str]:
+    """The strings an ``if`` test compares a value with for equality (``x == "a"``, ``"a" == x``, ``x in ("a", "b")``);
+    [] for any other test."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return []
+    left, right, op = test.left, test.comparators[0], test.ops[0]
+    if isinstance(op, ast.Eq):
+        const = right if isinstance(right, ast.Constant) else left if isinstance(left, ast.Constant) else None
+        return [const.value] if const is not None and isinstance(const.value, str) and const.value else []
+    if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+        vals = [e.value for e in right.elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value]
+        return vals if len(vals) == len(right.elts) else []
+    return []
 
 
 def _matters(index: RepoIndex, s: RandomSkip) -> bool:
@@ -1098,6 +1340,12 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
 def reason(skip: RandomSkip, resolved: bool) -> str:
     """The near-miss reason of an optimizer whose model may include ``skip``."""
     whose = "the model the optimizer takes" if resolved else "a model class the trainer's code reaches (its model is not told apart)"
+    if skip.data_dependent:
+        return (f"{whose} calls a trainable submodule only when a test on the step's data holds: {skip.where()}; on a "
+                "step where it fails (an expert no token reaches, a branch the batch does not take) those parameters get "
+                "no grad, which torch.optim (zero_grad's default set_to_none=True) skips, while torch_npu fused "
+                "optimizers zero grads in place and still apply momentum / weight decay / Adam moments to them (and "
+                "exclude for good a param without a grad at the first step)")
     return (f"{whose} may skip a trainable submodule on random steps: {skip.where()}; its parameters then have no grad "
             "on such steps, and torch_npu fused optimizers build their flat buffers at the first step from the params "
             "that have a grad (one without is excluded for good) and zero grads in place (later such steps still apply "

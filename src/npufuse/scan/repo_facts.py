@@ -120,28 +120,76 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
     if not names:
         return
-    texts: dict[str, str] = {}
-    defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
-    for rel in files:
-        text = _read(root, rel, max_bytes)
-        if text is not None:
+    # s39: a function of another file that returns what a builder (or its forwarder) returns
+    # (`setup()` of training/setup.py returning `build_optimizer(...)` of optim/factory.py): the trainer calling it is
+    # a third file, where the grads may be freed
+    trees: dict[str, Optional[ast.Module]] = {}  # parsed once: the forwarders' search and the driving files share it
+    for _round in range(2):
+        texts: dict[str, str] = {}
+        mentions: dict[str, str] = {}  # the files naming a builder (where a forwarder of another file may be)
+        defined: dict[str, set[str]] = {}  # builder name -> the files defining a function/method of that name
+        for rel in files:
+            text = _read(root, rel, max_bytes)
+            if text is None or not any(n in text for n in names):
+                continue
+            mentions[rel] = text
             for n in names:
                 if f"def {n}(" in text:
                     defined.setdefault(n, set()).add(rel)
-        if text is not None and any(n in text for n in names) and any(w in text for w in _WORDS):
-            texts[rel] = text
-    trees: dict[str, Optional[ast.Module]] = {}
+            if any(w in text for w in _WORDS):
+                texts[rel] = text
+        if _round or not _s39_cross_file_forwarders(mentions, chains, trees):
+            break
+        # a forwarder was found: its callers are read with the builders' (one more read of the files, rare)
+        names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
+    imports_read: dict[tuple[str, str], tuple[bool, set[str]]] = {}  # (file, module) -> _imports, read once
     for o, h in list(hits):
         for b in chains[(o.file, h.finding.qualname)]:
-            if b.function and h in o.hits and _drive(root, o, h, b, texts, trees, defined, symbols, near, max_bytes, zero_in_place):
+            if b.function and h in o.hits and _drive(root, o, h, b, texts, trees, defined, symbols, near, max_bytes, zero_in_place,
+                                                     imports_read):
                 break
 
 
-def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2) -> list[_Builder]:
-    """Module-level functions of ``b``'s file that return what the module-level builder ``b`` returns
-    (``return build(model, args)``, or a name bound from that call and returned; any ``return`` of the
-    function, so a choice between builders counts), and those that return what these return
-    (``depth`` levels). Each is a builder another file calls to get the same optimizer."""
+def _s39_cross_file_forwarders(mentions: dict[str, str], chains: dict[tuple[str, str], list[_Builder]],
+                               trees: dict[str, Optional[ast.Module]]) -> bool:
+    """Add to each chain the module-level functions of other files (``mentions``: path -> text of the files naming a
+    builder) that import a function builder of the chain and return what it returns (:func:`_forwarders` read in
+    that file, one file further); True when one was added."""
+    added = False
+    found_for: dict[tuple[str, str], list[_Builder]] = {}  # (builder file, function) -> its forwarders elsewhere
+    for chain in chains.values():
+        for b in list(chain):
+            if b.cls or not b.function or not b.module or b.via is not None and b.via.rel != b.rel:
+                continue  # a method is reached through objects; a cross-file forwarder is not followed further
+            key = (b.rel, b.function)
+            if key not in found_for:
+                found_for[key] = []
+                # text first: the file imports the builder on one line and calls it (most mentions are neither)
+                imports = _re.compile(rf"\b{_re.escape(b.module)}\b[^\n]*\bimport\b[^\n]*\b{_re.escape(b.function)}\b"
+                                      rf"|\b{_re.escape(b.module)}\b[^\n]*\bimport\s*\(|^\s*import\b[^\n]*\b{_re.escape(b.module)}\b", _re.M)
+                for rel, text in mentions.items():
+                    if rel == b.rel or f"{b.function}(" not in text or not imports.search(text):
+                        continue
+                    if rel not in trees:
+                        trees[rel] = _parse(text)
+                    tree = trees[rel]
+                    if tree is None:
+                        continue
+                    found, imported = _imports(tree, b.module)
+                    if found and ("*" in imported or b.function in imported):
+                        found_for[key] += _forwarders(tree, b, rel=rel)
+            for fwd in found_for[key]:
+                if not any(c.rel == fwd.rel and c.function == fwd.function for c in chain):
+                    chain.append(fwd)
+                    added = True
+    return added
+
+
+def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2, rel: Optional[str] = None) -> list[_Builder]:
+    """Module-level functions of ``b``'s file (``rel``: of that other file, s39) that return what the module-level
+    builder ``b`` returns (``return build(model, args)``, or a name bound from that call and returned; any ``return``
+    of the function, so a choice between builders counts), and those that return what these return (``depth``
+    levels). Each is a builder another file calls to get the same optimizer."""
     if tree is None or b.cls or not b.function:
         return []
     out: list[_Builder] = []
@@ -159,7 +207,7 @@ def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2) -> list
             if any(isinstance(n, ast.Return) and n.value is not None and (
                     (isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) and n.value.func.id == inner.function)
                     or (isinstance(n.value, ast.Name) and n.value.id in bound)) for n in ast.walk(fn)):
-                fwd = _Builder(b.rel, fn.name, tree)
+                fwd = _Builder(rel or b.rel, fn.name, tree)
                 fwd.via = b
                 seen.add(fn.name)
                 out.append(fwd)
@@ -168,7 +216,8 @@ def _forwarders(tree: Optional[ast.Module], b: _Builder, depth: int = 2) -> list
 
 
 def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees: dict[str, Optional[ast.Module]],
-           defined: dict[str, set[str]], symbols: Any, near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool) -> bool:
+           defined: dict[str, set[str]], symbols: Any, near: list[dict[str, Any]], max_bytes: int, zero_in_place: bool,
+           imports_read: Optional[dict[tuple[str, str], tuple[bool, set[str]]]] = None) -> bool:
     """Judge the candidate ``h`` by the files that call its builder ``b`` (the builder itself or a
     forwarder of it); True when a file turned it into a near miss."""
     # a method defined nowhere else in the repo is reached through any object (minGPT's trainer
@@ -186,7 +235,11 @@ def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees
         tree = trees[rel]
         if tree is None:
             continue
-        imported = _imports(tree, b.module)
+        imported = imports_read.get((rel, b.module)) if imports_read is not None else None
+        if imported is None:
+            imported = _imports(tree, b.module)
+            if imports_read is not None:
+                imports_read[(rel, b.module)] = imported
         # a function is reached by its imported name (or module.function); a method through an
         # object of its class, which the file must import (or the module holding it)
         found, names_ = imported
