@@ -58,6 +58,8 @@ class NormCall:
     home: ModuleInfo | None = None
     # s32: the norm module's expression when it is not ``self.<attr>`` (``layer.post_attention_layernorm``)
     mod: str = ""
+    # s39: the ``_library_norm.THIRD_PARTY_RMS_NORMS`` key of a verified library class (external kind)
+    third_party: str = ""
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1166,6 +1168,13 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     by_default = _default_class_norm(module, scope, call, ctx, value)
     if by_default is not None:
         return by_default
+    from npufuse.patterns._library_norm import third_party_norm_class
+
+    third_party = third_party_norm_class(module, value.func)
+    if third_party is not None:
+        # a model library's RMSNorm read from its source (torchtune's): its attributes, offset and
+        # output dtype, under a run-time check of the class and its forward's spelling
+        return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
@@ -1174,6 +1183,42 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _third_party_reading(m: NormCall, s_name: str, T: str) -> tuple[str, str, str, str, dict, Risk, str]:
+    """gamma, eps, output dtype, run-time check, params, risk and note for a verified third-party
+    RMSNorm (``_library_norm.THIRD_PARTY_RMS_NORMS``): the fused code runs where the module's class is
+    exactly the one read and its forward one of the spellings read; each spelling gives its dtype."""
+    from npufuse.patterns._library_norm import THIRD_PARTY_RMS_NORMS
+
+    spec = THIRD_PARTY_RMS_NORMS[m.third_party]
+    mod = m.mod or f"self.{m.attr}"
+    w = f"{mod}.{spec.weight}"
+    gamma = f"(1.0 + {w}.float())" if spec.offset else w
+    # the forward's code names (then ``_norm``'s, after "|", where the class defines one), as the
+    # construction swap computes them; a method without code (wrapped) gives () and no spelling matches
+    code = lambda f: f'tuple(getattr(getattr(type({mod}).__dict__.get("{f}"), "__code__", None), "co_names", ()))'
+    names = (f'({code("forward")} + ((("|",) + {code("_norm")}) if "_norm" in type({mod}).__dict__ else ()))'
+             if any("|" in n for n, _ in spec.forms) else code("forward"))
+    by_rule = {rule: tuple(n for n, r in spec.forms if r == rule) for _, rule in spec.forms}
+    promote = f"{T}.promote_types({s_name}.dtype, {w}.dtype)"
+    if set(by_rule) == {"input"}:
+        out_code = f"{s_name}.dtype"
+    elif set(by_rule) == {"promote"}:
+        out_code = promote
+    else:
+        out_code = f"({promote} if {names} in {by_rule['promote']!r} else {s_name}.dtype)"
+    forms = tuple(n for n, _ in spec.forms)
+    check = (f"type({mod}).__module__ == {spec.runtime_module!r} and type({mod}).__name__ == {spec.name!r} "
+             f"and {names} in {forms!r}")
+    params = {"eps": f"{mod}.{spec.eps}", "weight": w, "weight_offset": spec.offset, "upcast": "float32",
+              "output_dtype": "/".join(dict.fromkeys("promote(input, weight)" if r == "promote" else "input" for _, r in spec.forms)),
+              "library_class": m.third_party}
+    risk = Risk("numerics", f"{m.third_party} (library code, read from its source): {spec.semantics}; the fused op applies "
+                            "the weight in fp32 and rounds once (last-bit differences in bf16/fp16)")
+    note = (f"norm class {m.third_party} (a model library's): training keeps the module call; inference is fused where the "
+            "module's class and its forward's spelling are the ones read (checked at run time)")
+    return gamma, f"{mod}.{spec.eps}", out_code, check, params, risk, note
 
 
 # -- s32: the norm of another layer object (a decoder loop unrolling its layers) ----------------------
@@ -2028,6 +2073,15 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         notes.append(f"{m.cls}: F.normalize(x, dim=-1) times a sqrt(d) gain is x / rms(x) * gain / sqrt(d); "
                      "training keeps the module call, only inference is fused")
         variant = "l2_normalize_norm"
+    elif m.third_party:
+        confidence = "medium"
+        gamma, eps, out_code, check, params, risk, note = _third_party_reading(m, s_name, T)
+        train_norm = ""  # the module itself in training
+        norm_pre = []
+        risks.append(risk)
+        notes.append(note)
+        variant = "external_norm"
+        conditions.append(check)
     else:
         confidence = "medium"
         mod = m.mod or f"self.{m.attr}"
