@@ -209,3 +209,61 @@ class LocalRMSNorm(nn.Module):
     assert [(f, ln) for f, ln, _ in misses] == [("pkg/model.py", 9)], misses
     assert misses[0][2].startswith("fancylib.layers.FancyRMSNorm: an RMSNorm class of a third-party library"), misses
     assert not [c for c in data["candidates"] if c["file"] == "pkg/model.py"]
+
+
+# -- a norm class returned by a factory that chooses among kernels at construction (Smol-LM) ----------
+
+_CHOOSER = '''\
+from torch import nn
+
+
+def pick_norm_class():
+    try:
+        from fastkernels.norms import TritonRMS as Fast
+        return Fast
+    except ImportError:
+        from torch.nn import RMSNorm as Plain
+        return Plain
+'''
+
+_LAYER = '''\
+import torch
+from torch import nn
+
+from pkg.chooser import pick_norm_class
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        Norm = pick_norm_class()
+        self.pre = Norm(d, eps=1e-6)
+        self.post = Norm(d, eps=1e-6)
+        self.mix = nn.Linear(d, d)
+        self.ff = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.mix(self.pre(x))
+        return h + self.ff(self.post(h))
+'''
+
+
+def test_norm_class_returned_by_a_factory_is_fused_where_it_is_nn_rmsnorm(tmp_path: Path) -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/chooser.py": _CHOOSER, "pkg/layer.py": _LAYER})
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert [(c["line"], c["params"]["condition"]) for c in cands] == [
+        (17, "type(self.post).forward is torch.nn.RMSNorm.forward and self.post.weight is not None")], data["near_misses"]
+    code = cands[0]["fused"]
+    assert "npu_add_rms_norm(_npu_x1, _npu_x2, self.post.weight" in code and "epsilon=(self.post.eps" in code, code
+
+
+def test_factory_returning_no_nn_rmsnorm_is_not_read_as_one(tmp_path: Path) -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    chooser = _CHOOSER.replace("from torch.nn import RMSNorm as Plain", "from torch.nn import LayerNorm as Plain")
+    root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/chooser.py": chooser, "pkg/layer.py": _LAYER})
+    data = scan(root, patterns=[AddRmsNorm()])
+    assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"], data["candidates"]

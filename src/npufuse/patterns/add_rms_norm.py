@@ -702,6 +702,52 @@ def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Cal
     return nc
 
 
+def _factory_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, value: ast.Call) -> NormCall | None:
+    """``NORM = get_norm_class(); self.norm = NORM(d, eps)`` or ``get_norm_class()(d, eps)`` (Smol-LM, s39):
+    a function of this or another file of the repository whose every return is a class name -- a class of
+    its file, or one it imports in its body (``try: from flash_attn... import RMSNorm as A; return A``
+    ``except ImportError: from torch.nn import RMSNorm as B; return B``). Where nn.RMSNorm is among them
+    the fused code runs where the module's forward is nn.RMSNorm's (checked at run time: what runs on an
+    NPU, where CUDA-only kernels fail to import), and the original call for any other class."""
+    f, func = call.func, value.func
+    if not isinstance(f, ast.Attribute) or scope.class_name is None:
+        return None
+    if isinstance(func, ast.Name) and func.id not in module.classes:
+        init = S.method(module, scope.class_name, "__init__")
+        binds = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == func.id for t in n.targets)] \
+            if init is not None else []
+        if len(binds) != 1 or len(binds[0].targets) != 1:
+            return None
+        func = binds[0].value
+    if not (isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and not func.args and not func.keywords):
+        return None
+    name = func.func.id
+    if name in module.functions:
+        other, fn = module, module.functions[name]
+    else:
+        found = _foreign_definition(module, name)
+        if found is None or not isinstance(found[1], ast.FunctionDef):
+            return None
+        other, fn = found
+    returns = [n.value for n in _own_nodes(fn) if isinstance(n, ast.Return)]
+    if not returns or not all(isinstance(v, ast.Name) for v in returns):
+        return None  # a factory returning instances or expressions: _factory_norm's
+    imported = {a.asname or a.name: f"{n.module}.{a.name}" for n in _own_nodes(fn) if isinstance(n, ast.ImportFrom) and n.module and not n.level
+                for a in n.names}
+    arms = [imported.get(v.id) or other.aliases.get(v.id) or (v.id if v.id in other.classes else None) for v in returns]  # type: ignore[attr-defined]
+    if any(a is None for a in arms):
+        return None  # a name the factory rebinds otherwise: its class is not known here
+    from npufuse.scan import canonical
+
+    if not any(canonical.SYNONYMS.get(a, a) in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm") for a in arms):
+        return None
+    mod = f"self.{f.attr}"
+    T = S.torch_name(module) or "torch"
+    return NormCall(call, f.attr, "library", cls=f"nn.RMSNorm (one of {', '.join(dict.fromkeys(arms))} returned by {name}())",
+                    gamma=f"{mod}.weight", eps=eps_or_default(f"{mod}.eps", T),
+                    conditions=[f"type({mod}).forward is {T}.nn.RMSNorm.forward", f"{mod}.weight is not None"])
+
+
 def _mean_subtracted(module: ModuleInfo, cls: str) -> str | None:
     """The rms_norm detector's reason when the forward of ``cls`` subtracts the mean (a LayerNorm),
     as found in the class's own file (:func:`_repo_norm_class` reads it there first)."""
@@ -1165,6 +1211,9 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     factory = _factory_norm(module, call, ctx, value)
     if factory is not None:
         return factory
+    returned = _factory_class_norm(module, scope, call, value)
+    if returned is not None:
+        return returned
     by_default = _default_class_norm(module, scope, call, ctx, value)
     if by_default is not None:
         return by_default
