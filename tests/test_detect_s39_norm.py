@@ -267,3 +267,57 @@ def test_factory_returning_no_nn_rmsnorm_is_not_read_as_one(tmp_path: Path) -> N
     root = make_repo(tmp_path / "repo", {"pkg/__init__.py": "", "pkg/chooser.py": chooser, "pkg/layer.py": _LAYER})
     data = scan(root, patterns=[AddRmsNorm()])
     assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"], data["candidates"]
+
+
+# -- F.normalize over a dim chosen at run time (magvit2's channel-first RMSNorm) -----------------------
+
+_CHOSEN_DIM = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ChanNorm(nn.Module):
+    def __init__(self, d, channel_first=False):
+        super().__init__()
+        self.channel_first = channel_first
+        self.scale = d ** 0.5
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return F.normalize(x, dim=(1 if self.channel_first else -1)) * self.scale * self.g
+'''
+
+
+def test_l2_norm_over_a_chosen_dim_is_fused_where_the_choice_is_the_last_dim() -> None:
+    from pattern_harness import detect_all
+
+    from npufuse.patterns import rms_norm as R
+    from npufuse.rewrite.codegen import splice
+
+    findings, _ = detect_all(R.RmsNorm(), _CHOSEN_DIM)
+    assert [(f.line, f.params.get("condition"), f.params["eps_rule"]) for f in findings] == [
+        (14, "not (self.channel_first)", "clamp on the norm")]
+    assert any("clamp" in r.detail for r in findings[0].risks)
+    text = splice(_CHOSEN_DIM, findings)
+    for channel_first, shape, fused in ((False, (2, 5, 16), 1), (True, (2, 16, 16), 0)):
+        outs = []
+        for code in (_CHOSEN_DIM, text):
+            ns: dict = {}
+            with emulate.install() as emu:
+                exec(compile(code, "<m>", "exec"), ns)
+                torch.manual_seed(0)
+                m = ns["ChanNorm"](16, channel_first)
+                outs.append(m(torch.randn(*shape)))
+                calls = dict(emu.calls)
+        assert calls.get("npu_rms_norm", 0) == fused, calls
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_l2_norm_over_a_choice_of_two_other_dims_is_not_read_as_rms_norm() -> None:
+    from pattern_harness import detect_all
+
+    from npufuse.patterns import rms_norm as R
+
+    findings, _ = detect_all(R.RmsNorm(), _CHOSEN_DIM.replace("else -1", "else 2"))
+    assert not findings

@@ -551,6 +551,9 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         S_factors: list[ast.expr] = []
         prev: ast.stmt | None = None
         l2n = canonical.l2_normalize_of(module, call)
+        dim_check = None
+        if l2n is None:
+            l2n, dim_check = _l2_normalize_chosen_dim(module, call)
         if l2n is not None:
             x, eps = l2n.x, l2n.eps
             eps_src = S.source_of(module, eps) if eps is not None else "1e-12"
@@ -657,15 +660,43 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             S.indent(S.splice(module, stmt, [(node, after_expr)])),
         ])
         start = first if first is not None else stmt
+        params = {"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": x_param, "source": "l2_normalize"}
+        if dim_check is not None:
+            # the dim is chosen at run time (``dim = 1 if self.channel_first else -1``): the fused code where
+            # the choice is the last dim, the statements as written otherwise
+            original = S.block_source(module, [first, stmt] if first is not None else [stmt])
+            fused = "\n".join([f"if {dim_check}:", S.indent(fused), "else:", S.indent(original)])
+            params["condition"] = dim_check
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
-            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": x_param, "source": "l2_normalize"},
+            params=params,
             fused=fused, guard_tensor=guard_x, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
             training_ok=True,
         )
+
+
+def _l2_normalize_chosen_dim(module: ModuleInfo, call: ast.AST) -> tuple["canonical.L2Normalize | None", str | None]:
+    """``F.normalize(x, dim=(1 if self.channel_first else -1))`` (magvit2's RMSNorm, s39): read as the
+    last-dim normalisation under the run-time check that selects ``-1``; (None, None) where the dim is
+    not such a choice or its test is not a plain read (a call would run twice)."""
+    if not isinstance(call, ast.Call) or not any(k.arg == "dim" and isinstance(k.value, ast.IfExp) for k in call.keywords) \
+            and not (len(call.args) > 2 and isinstance(call.args[2], ast.IfExp)):
+        return None, None
+    choice = next((k.value for k in call.keywords if k.arg == "dim"), None) or call.args[2]
+    assert isinstance(choice, ast.IfExp)
+    if not _pure(module, choice.test) or canonical.is_last_dim(choice.body) == canonical.is_last_dim(choice.orelse):
+        return None, None
+    last = choice.body if canonical.is_last_dim(choice.body) else choice.orelse
+    probe = ast.Call(call.func, [last if a is choice else a for a in call.args],
+                     [ast.keyword(k.arg, last) if k.value is choice else k for k in call.keywords])
+    l2n = canonical.l2_normalize_of(module, probe)
+    if l2n is None:
+        return None, None
+    test = S.source_of(module, choice.test)
+    return l2n, (f"({test})" if last is choice.body else f"not ({test})")
 
 
 # --- Hugging Face RMSNorm classes imported into a model (issue 14) --------------------------------
