@@ -551,6 +551,9 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         S_factors: list[ast.expr] = []
         prev: ast.stmt | None = None
         l2n = canonical.l2_normalize_of(module, call)
+        dim_check = None
+        if l2n is None:
+            l2n, dim_check = _l2_normalize_chosen_dim(module, call)
         if l2n is not None:
             x, eps = l2n.x, l2n.eps
             eps_src = S.source_of(module, eps) if eps is not None else "1e-12"
@@ -657,15 +660,43 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
             S.indent(S.splice(module, stmt, [(node, after_expr)])),
         ])
         start = first if first is not None else stmt
+        params = {"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": x_param, "source": "l2_normalize"}
+        if dim_check is not None:
+            # the dim is chosen at run time (``dim = 1 if self.channel_first else -1``): the fused code where
+            # the choice is the last dim, the statements as written otherwise
+            original = S.block_source(module, [first, stmt] if first is not None else [stmt])
+            fused = "\n".join([f"if {dim_check}:", S.indent(fused), "else:", S.indent(original)])
+            params["condition"] = dim_check
         yield Finding(
             pattern="rms_norm", qualname=scope.qualname, line=start.lineno, end_line=stmt.end_lineno or stmt.lineno,
-            params={"eps": eps_src, "eps_rule": "clamp on the norm", "weight": P, "norm_scale": scale, "x": x_param, "source": "l2_normalize"},
+            params=params,
             fused=fused, guard_tensor=guard_x, confidence="medium", variant="l2_normalize" if l2n is not None else "l2_norm_clamp",
             risks=[*_RISKS, _CLAMP_RISK],
             notes=[f"{spelling} with a sqrt(d) factor is x / rms(x): replaced by npu_rms_norm with the gain folded into gamma",
                    "eps: a clamp on the norm in the original, inside the root in the fused op (see the risk)"],
             training_ok=True,
         )
+
+
+def _l2_normalize_chosen_dim(module: ModuleInfo, call: ast.AST) -> tuple["canonical.L2Normalize | None", str | None]:
+    """``F.normalize(x, dim=(1 if self.channel_first else -1))`` (magvit2's RMSNorm, s39): read as the
+    last-dim normalisation under the run-time check that selects ``-1``; (None, None) where the dim is
+    not such a choice or its test is not a plain read (a call would run twice)."""
+    if not isinstance(call, ast.Call) or not any(k.arg == "dim" and isinstance(k.value, ast.IfExp) for k in call.keywords) \
+            and not (len(call.args) > 2 and isinstance(call.args[2], ast.IfExp)):
+        return None, None
+    choice = next((k.value for k in call.keywords if k.arg == "dim"), None) or call.args[2]
+    assert isinstance(choice, ast.IfExp)
+    if not _pure(module, choice.test) or canonical.is_last_dim(choice.body) == canonical.is_last_dim(choice.orelse):
+        return None, None
+    last = choice.body if canonical.is_last_dim(choice.body) else choice.orelse
+    probe = ast.Call(call.func, [last if a is choice else a for a in call.args],
+                     [ast.keyword(k.arg, last) if k.value is choice else k for k in call.keywords])
+    l2n = canonical.l2_normalize_of(module, probe)
+    if l2n is None:
+        return None, None
+    test = S.source_of(module, choice.test)
+    return l2n, (f"({test})" if last is choice.body else f"not ({test})")
 
 
 # --- Hugging Face RMSNorm classes imported into a model (issue 14) --------------------------------
@@ -1185,6 +1216,7 @@ def library_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtInde
     swap); a near miss for TransformerEngine's."""
     yield from swap_construction_sites(_LIBRARY_SWAP, module, scope, idx)
     yield from swap_construction_sites(_IMPORT_TIME_SWAP, module, scope, idx)
+    yield from third_party_construction_sites(module, scope, idx)  # torchtune's; near misses for unread libraries
 
 
 @dataclass(frozen=True)
@@ -1564,3 +1596,188 @@ def _s28_root_power(module: ModuleInfo, node: ast.expr, init: dict) -> float | N
         if isinstance(value, ast.expr):
             p = _root_power_any(module, value, init)
     return p
+
+
+# --- s39: third-party model libraries' RMSNorm classes, read from their source ------------------------
+#
+# A model built from a model library's modules (``from torchtune.modules import RMSNorm``; HO15a's
+# mini-llm-brawl) holds no norm arithmetic of its own: the construction is the site, as for apex. Each
+# class below was read in the library's history; the swap runs npu_rms_norm only where, at run time, the
+# instance's class is exactly that class (module and name) and its forward's code names (``co_names`` of
+# ``forward``, then of ``_norm`` where the class has one) are one of the spellings read: a release that
+# rewrites the forward, a subclass or another class bound to the name keeps the library's own forward.
+# A library RMSNorm-named class missing from the table is a near miss that names it.
+
+
+@dataclass(frozen=True)
+class ThirdPartyNorm:
+    """One verified third-party RMSNorm class: where it lives at run time, the attributes the fused
+    call reads, and its forward's spellings (code names -> output dtype rule)."""
+
+    runtime_module: str  # type(norm).__module__
+    name: str  # type(norm).__name__
+    weight: str  # the gain's attribute
+    eps: str  # the epsilon's attribute
+    offset: float  # gamma = offset + weight (Gemma: 1 + w)
+    # forward's code names -> "promote" (x normalised in fp32, rounded to x's dtype, times the weight:
+    # promote(x, weight) out) or "input" (weight applied in fp32, x's dtype out)
+    forms: tuple[tuple[tuple[str, ...], str], ...]
+    semantics: str  # what the forms compute and the releases each holds for
+
+
+THIRD_PARTY_RMS_NORMS: dict[str, ThirdPartyNorm] = {
+    # torchtune/modules/rms_norm.py (read at v0.1.0 .. v0.6.1 and main 2025): ``scale`` (ones), ``eps``
+    # (1e-6); 0.1.0-0.4.0 and main after c5c160b: (x.float() * rsqrt(mean(x^2) + eps)).type_as(x) * scale;
+    # 0.5.0-0.6.1: F.rms_norm(x.float(), (dim,), scale, eps).to(x.dtype)
+    "torchtune.RMSNorm": ThirdPartyNorm(
+        "torchtune.modules.rms_norm", "RMSNorm", "scale", "eps", 0.0,
+        ((("float", "torch", "rsqrt", "pow", "mean", "eps", "type_as", "scale"), "promote"),
+         (("F", "rms_norm", "float", "normalized_shape", "scale", "eps", "to", "dtype"), "input")),
+        "fp32 statistics, eps inside the root, times scale; torchtune 0.1-0.4 and main: normalised value rounded "
+        "to x's dtype, then times scale (promote(x, scale) out); 0.5-0.6.1: scale applied in fp32, x's dtype out"),
+    # torchtune/models/gemma/rms_norm.py (the same code v0.1.0 .. main): ``scale`` (zeros), ``eps``;
+    # x.float() * rsqrt(mean(x^2) + eps) * (1 + scale.float()), then type_as(x)
+    "torchtune.GemmaRMSNorm": ThirdPartyNorm(
+        "torchtune.models.gemma.rms_norm", "GemmaRMSNorm", "scale", "eps", 1.0,
+        ((("_norm", "float", "scale", "type_as", "|", "torch", "rsqrt", "pow", "mean", "eps"), "input"),),
+        "fp32 statistics, eps inside the root, times (1 + scale) in fp32, x's dtype out (torchtune 0.1 .. main)"),
+}
+_THIRD_PARTY_PACKAGES = {key.split(".", 1)[0] for key in THIRD_PARTY_RMS_NORMS}
+
+
+def third_party_norm_class(module: ModuleInfo, func: ast.expr) -> str | None:
+    """The ``THIRD_PARTY_RMS_NORMS`` key of the class a constructor's callee stands for (through the
+    library's own re-exports and the repository's); None for anything else."""
+    name = canonical.api(module, func)
+    if not name or "." not in name:
+        return None
+    key = f"{name.split('.', 1)[0]}.{name.rsplit('.', 1)[-1]}"
+    if key in THIRD_PARTY_RMS_NORMS:
+        return key
+    if name.split(".", 1)[0] in _THIRD_PARTY_PACKAGES or not _RMS_CLASS_NAME.search(name.rsplit(".", 1)[-1]):
+        return None  # another class of a table library, or not an RMSNorm by name
+    origin = _outside_origin(module, name)
+    if origin is None:
+        return None
+    key = f"{origin.split('.', 1)[0]}.{origin.rsplit('.', 1)[-1]}"
+    return key if key in THIRD_PARTY_RMS_NORMS else None
+
+
+_RMS_CLASS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
+
+
+def _outside_origin(module: ModuleInfo, name: str) -> str | None:
+    """``name`` followed through the repository's re-exports to a class outside it (None when the
+    repository defines it, or outside a repository)."""
+    if name.startswith("torch."):
+        return None
+    from npufuse.scan import repo_facts
+
+    return repo_facts.external_origin(module, name) if repo_facts.repo_root(module) is not None else None
+
+
+_TP_SWAP = "_npufuse_third_party_rms_norm_swap"
+
+
+def _tp_swap_helper(T: str) -> str:
+    """The local function swapping one verified third-party RMSNorm instance's forward: the table's
+    facts (class, attributes, offset, spellings) are arguments written at the construction."""
+    return "\n".join([
+        f"def {_TP_SWAP}(norm, module, name, weight, eps, offset, forms):",
+        "    # a third-party RMSNorm's forward through torch_npu.npu_rms_norm for NPU input, where the instance's",
+        "    # class is exactly the one read and its forward one of the spellings read (else left as it is)",
+        "    cls = type(norm)",
+        "    if cls.__module__ != module or cls.__name__ != name:",
+        "        return norm",
+        "    code = lambda f: getattr(cls.__dict__.get(f), '__code__', None)",
+        "    names = tuple(code('forward').co_names) if code('forward') is not None else ()",
+        "    if code('_norm') is not None:",
+        "        names += ('|', *code('_norm').co_names)",
+        "    rule = dict(forms).get(names)",
+        "    if rule is None:",
+        "        return norm  # a release whose forward was not read: its own forward",
+        f"    half = ({T}.float16, {T}.bfloat16)",
+        "    def forward(self, x):",
+        f"        if _npufuse_on_npu(x) and type(self) is cls and 2 <= x.dim() <= 8 and x.dtype in (*half, {T}.float32):",
+        "            w = getattr(self, weight)",
+        "            gamma = w.float() + offset if offset else w",
+        f"            out = {T}.promote_types(x.dtype, w.dtype) if rule == 'promote' else x.dtype",
+        "            xin = x.to(out)",
+        "            # npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input",
+        f"            if gamma.dtype not in (xin.dtype, {T}.float32):",
+        "                gamma = gamma.to(xin.dtype)",
+        "            return torch_npu.npu_rms_norm(xin, gamma, epsilon=getattr(self, eps))[0]",
+        "        return cls.forward(self, x)",
+        "",
+        "    norm.forward = forward.__get__(norm)",
+        "    return norm",
+        "",
+    ])
+
+
+def _tp_wrap(src: str, key: str) -> str:
+    spec = THIRD_PARTY_RMS_NORMS[key]
+    return (f"{_TP_SWAP}({src}, {spec.runtime_module!r}, {spec.name!r}, {spec.weight!r}, {spec.eps!r}, {spec.offset!r}, "
+            f"{tuple(spec.forms)!r})")
+
+
+_TP_RISKS = (
+    Risk("numerics", "the library class's forward is replaced by npu_rms_norm (statistics in fp32, the weight applied in "
+                     "fp32, one rounding); where the library rounds the normalised value to the input's dtype before the "
+                     "weight (torchtune's RMSNorm outside 0.5-0.6.1) bf16/fp16 outputs differ in the last bit"),
+)
+
+_THIRD_PARTY_SWAP = SwapKind(
+    callee_may_be=lambda callee: "norm" in callee.lower(),
+    resolve=third_party_norm_class,
+    refusal=lambda classes: None,
+    wrap=_tp_wrap,
+    helper=_tp_swap_helper,
+    unfused_ops=("cast", "pow", "mean", "add", "rsqrt", "mul", "cast", "mul"),
+    upcast="float32",
+    risks=_TP_RISKS,
+    why=lambda classes: "; ".join(f"{c}: {THIRD_PARTY_RMS_NORMS[c].semantics}" for c in classes),
+)
+
+
+def unknown_library_norm_class(module: ModuleInfo, func: ast.expr) -> str | None:
+    """The outside name of an RMSNorm-named class from a library npufuse has no verified model of (not
+    nn.RMSNorm, the apex / xformers / diffusers / TransformerEngine / timm / torchtune tables, nor
+    transformers' Llama-style norms, which other readings handle); None for anything else."""
+    name = canonical.api(module, func)
+    if not name or "." not in name or not _RMS_CLASS_NAME.search(name.rsplit(".", 1)[-1]):
+        return None
+    origin = _outside_origin(module, name)
+    if origin is None or origin.startswith("torch.") or origin in LIBRARY_RMS_CLASSES or origin in TE_RMS_CLASSES:
+        return None
+    pkg, cls = origin.split(".", 1)[0], origin.rsplit(".", 1)[-1]
+    if pkg in _THIRD_PARTY_PACKAGES or cls in LIBRARY_RMS_FAMILIES.get(pkg, ()) or (pkg == "transformers" and cls in _HF_LLAMA_NORMS):
+        return None
+    return origin
+
+
+def _unknown_refusal(classes: list[str]) -> str:
+    known = "apex, xformers, diffusers, timm, torchtune; TransformerEngine refused"
+    return (f"{', '.join(dict.fromkeys(classes))}: an RMSNorm class of a third-party library whose forward npufuse has "
+            f"not read (its table of library norms read from their source: {known}): eps placement, weight offset "
+            "and upcast are unknown, so the construction is left as it is")
+
+
+_UNKNOWN_LIBRARY = SwapKind(
+    callee_may_be=lambda callee: bool(_RMS_CLASS_NAME.search(callee)),
+    resolve=unknown_library_norm_class,
+    refusal=_unknown_refusal,
+    wrap=lambda src, cls: src,
+    helper=lambda T: "",
+    unfused_ops=(),
+    upcast="",
+    risks=(),
+    why=lambda classes: "",
+)
+
+
+def third_party_construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterator[Result]:
+    """Constructions of the table's third-party RMSNorms (swapped), and near misses naming the
+    RMSNorm classes of libraries the table does not hold."""
+    yield from swap_construction_sites(_THIRD_PARTY_SWAP, module, scope, idx)
+    yield from swap_construction_sites(_UNKNOWN_LIBRARY, module, scope, idx)

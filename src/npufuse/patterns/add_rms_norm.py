@@ -58,6 +58,8 @@ class NormCall:
     home: ModuleInfo | None = None
     # s32: the norm module's expression when it is not ``self.<attr>`` (``layer.post_attention_layernorm``)
     mod: str = ""
+    # s39: the ``_library_norm.THIRD_PARTY_RMS_NORMS`` key of a verified library class (external kind)
+    third_party: str = ""
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -709,6 +711,52 @@ def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Cal
     return nc
 
 
+def _factory_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, value: ast.Call) -> NormCall | None:
+    """``NORM = get_norm_class(); self.norm = NORM(d, eps)`` or ``get_norm_class()(d, eps)`` (Smol-LM, s39):
+    a function of this or another file of the repository whose every return is a class name -- a class of
+    its file, or one it imports in its body (``try: from flash_attn... import RMSNorm as A; return A``
+    ``except ImportError: from torch.nn import RMSNorm as B; return B``). Where nn.RMSNorm is among them
+    the fused code runs where the module's forward is nn.RMSNorm's (checked at run time: what runs on an
+    NPU, where CUDA-only kernels fail to import), and the original call for any other class."""
+    f, func = call.func, value.func
+    if not isinstance(f, ast.Attribute) or scope.class_name is None:
+        return None
+    if isinstance(func, ast.Name) and func.id not in module.classes:
+        init = S.method(module, scope.class_name, "__init__")
+        binds = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == func.id for t in n.targets)] \
+            if init is not None else []
+        if len(binds) != 1 or len(binds[0].targets) != 1:
+            return None
+        func = binds[0].value
+    if not (isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and not func.args and not func.keywords):
+        return None
+    name = func.func.id
+    if name in module.functions:
+        other, fn = module, module.functions[name]
+    else:
+        found = _foreign_definition(module, name)
+        if found is None or not isinstance(found[1], ast.FunctionDef):
+            return None
+        other, fn = found
+    returns = [n.value for n in _own_nodes(fn) if isinstance(n, ast.Return)]
+    if not returns or not all(isinstance(v, ast.Name) for v in returns):
+        return None  # a factory returning instances or expressions: _factory_norm's
+    imported = {a.asname or a.name: f"{n.module}.{a.name}" for n in _own_nodes(fn) if isinstance(n, ast.ImportFrom) and n.module and not n.level
+                for a in n.names}
+    arms = [imported.get(v.id) or other.aliases.get(v.id) or (v.id if v.id in other.classes else None) for v in returns]  # type: ignore[attr-defined]
+    if any(a is None for a in arms):
+        return None  # a name the factory rebinds otherwise: its class is not known here
+    from npufuse.scan import canonical
+
+    if not any(canonical.SYNONYMS.get(a, a) in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm") for a in arms):
+        return None
+    mod = f"self.{f.attr}"
+    T = S.torch_name(module) or "torch"
+    return NormCall(call, f.attr, "library", cls=f"nn.RMSNorm (one of {', '.join(dict.fromkeys(arms))} returned by {name}())",
+                    gamma=f"{mod}.weight", eps=eps_or_default(f"{mod}.eps", T),
+                    conditions=[f"type({mod}).forward is {T}.nn.RMSNorm.forward", f"{mod}.weight is not None"])
+
+
 def _mean_subtracted(module: ModuleInfo, cls: str) -> str | None:
     """The rms_norm detector's reason when the forward of ``cls`` subtracts the mean (a LayerNorm),
     as found in the class's own file (:func:`_repo_norm_class` reads it there first)."""
@@ -1172,9 +1220,19 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     factory = _factory_norm(module, call, ctx, value)
     if factory is not None:
         return factory
+    returned = _factory_class_norm(module, scope, call, value)
+    if returned is not None:
+        return returned
     by_default = _default_class_norm(module, scope, call, ctx, value)
     if by_default is not None:
         return by_default
+    from npufuse.patterns._library_norm import third_party_norm_class
+
+    third_party = third_party_norm_class(module, value.func)
+    if third_party is not None:
+        # a model library's RMSNorm read from its source (torchtune's): its attributes, offset and
+        # output dtype, under a run-time check of the class and its forward's spelling
+        return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
     if _RMS_NAME.search(cls.split(".")[-1]):
         return NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
@@ -1183,6 +1241,42 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _third_party_reading(m: NormCall, s_name: str, T: str) -> tuple[str, str, str, str, dict, Risk, str]:
+    """gamma, eps, output dtype, run-time check, params, risk and note for a verified third-party
+    RMSNorm (``_library_norm.THIRD_PARTY_RMS_NORMS``): the fused code runs where the module's class is
+    exactly the one read and its forward one of the spellings read; each spelling gives its dtype."""
+    from npufuse.patterns._library_norm import THIRD_PARTY_RMS_NORMS
+
+    spec = THIRD_PARTY_RMS_NORMS[m.third_party]
+    mod = m.mod or f"self.{m.attr}"
+    w = f"{mod}.{spec.weight}"
+    gamma = f"(1.0 + {w}.float())" if spec.offset else w
+    # the forward's code names (then ``_norm``'s, after "|", where the class defines one), as the
+    # construction swap computes them; a method without code (wrapped) gives () and no spelling matches
+    code = lambda f: f'tuple(getattr(getattr(type({mod}).__dict__.get("{f}"), "__code__", None), "co_names", ()))'
+    names = (f'({code("forward")} + ((("|",) + {code("_norm")}) if "_norm" in type({mod}).__dict__ else ()))'
+             if any("|" in n for n, _ in spec.forms) else code("forward"))
+    by_rule = {rule: tuple(n for n, r in spec.forms if r == rule) for _, rule in spec.forms}
+    promote = f"{T}.promote_types({s_name}.dtype, {w}.dtype)"
+    if set(by_rule) == {"input"}:
+        out_code = f"{s_name}.dtype"
+    elif set(by_rule) == {"promote"}:
+        out_code = promote
+    else:
+        out_code = f"({promote} if {names} in {by_rule['promote']!r} else {s_name}.dtype)"
+    forms = tuple(n for n, _ in spec.forms)
+    check = (f"type({mod}).__module__ == {spec.runtime_module!r} and type({mod}).__name__ == {spec.name!r} "
+             f"and {names} in {forms!r}")
+    params = {"eps": f"{mod}.{spec.eps}", "weight": w, "weight_offset": spec.offset, "upcast": "float32",
+              "output_dtype": "/".join(dict.fromkeys("promote(input, weight)" if r == "promote" else "input" for _, r in spec.forms)),
+              "library_class": m.third_party}
+    risk = Risk("numerics", f"{m.third_party} (library code, read from its source): {spec.semantics}; the fused op applies "
+                            "the weight in fp32 and rounds once (last-bit differences in bf16/fp16)")
+    note = (f"norm class {m.third_party} (a model library's): training keeps the module call; inference is fused where the "
+            "module's class and its forward's spelling are the ones read (checked at run time)")
+    return gamma, f"{mod}.{spec.eps}", out_code, check, params, risk, note
 
 
 # -- s32: the norm of another layer object (a decoder loop unrolling its layers) ----------------------
@@ -2037,6 +2131,15 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         notes.append(f"{m.cls}: F.normalize(x, dim=-1) times a sqrt(d) gain is x / rms(x) * gain / sqrt(d); "
                      "training keeps the module call, only inference is fused")
         variant = "l2_normalize_norm"
+    elif m.third_party:
+        confidence = "medium"
+        gamma, eps, out_code, check, params, risk, note = _third_party_reading(m, s_name, T)
+        train_norm = ""  # the module itself in training
+        norm_pre = []
+        risks.append(risk)
+        notes.append(note)
+        variant = "external_norm"
+        conditions.append(check)
     else:
         confidence = "medium"
         mod = m.mod or f"self.{m.attr}"
