@@ -2231,6 +2231,27 @@ def _check_option_names(scope: Scope, site: _Site, loop: ast.For, guards: list[s
                             f"{stmt.lineno}): the guard cannot read it before the span")
 
 
+
+def _first_column(index: ast.expr) -> bool:
+    """``[0]`` (the first tensor of ``torch.where``'s tuple) or ``[:, 0]`` (the column of ``nonzero()``)."""
+    if isinstance(index, ast.Constant):
+        return index.value == 0 and not isinstance(index.value, bool)
+    return (isinstance(index, ast.Tuple) and len(index.elts) == 2 and isinstance(index.elts[0], ast.Slice)
+            and index.elts[0].lower is None and index.elts[0].upper is None and index.elts[0].step is None
+            and _first_column(index.elts[1]))
+
+
+def _nonzero_test(ops: list[ast.cmpop], comparators: list[ast.expr]) -> bool:
+    """``count > 0``, ``count != 0`` or ``count >= 1``: true for every expert with at least one token."""
+    if len(ops) != 1 or len(comparators) != 1:
+        return False
+    value = const_value(comparators[0])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    op = ops[0]
+    return (isinstance(op, (ast.Gt, ast.NotEq)) and value == 0) or (isinstance(op, ast.GtE) and value == 1)
+
+
 class _Eval:
     """Abstract interpretation of one expert loop (or one expert forward): what each name holds.
 
@@ -3566,27 +3587,72 @@ class _Eval:
         return site
 
     def _check_hit(self, indices: str) -> None:
-        """The experts iterated must be derived from the routing alone (a superset of those with tokens)."""
+        """The experts iterated must be derived from the routing alone (a superset of those with tokens).
+
+        The derivation is read through the function's own names, as many steps as it takes
+        (``count = mask.sum((-1, -2))``; ``hit = torch.where(count > 0)[0]``; ``for e in hit``): each
+        step may only count, list, reshape or compare a count with zero; a name bound nowhere in the
+        function (a parameter, an attribute) or a test against another value selects experts by
+        something else than the routing.
+        """
         it = self.loop.iter
-        root: Optional[ast.expr] = it
-        if isinstance(it, ast.Name):
-            root = self.scope.definition(it.id, self.loop.lineno)
-            if root is None:
-                raise _Miss(f"the experts iterated (`{it.id}`) are not derived from the routing in this function")
-        assert root is not None
-        allowed = {"sum", "nonzero", "unique", "squeeze", "flatten", "view", "reshape", "tolist", "ne", "gt", "any", "long", "int"}
+        if isinstance(it, ast.Name) and self.scope.definition(it.id, self.loop.lineno) is None:
+            raise _Miss(f"the experts iterated (`{it.id}`) are not derived from the routing in this function")
         roots = set(self.masks) | {indices}
-        if not any(isinstance(n, ast.Name) and n.id in roots for n in fast_walk(root)):
+        pending: list[tuple[ast.expr, int]] = [(it, self.loop.lineno)]
+        followed: set[int] = set()
+        reached = False
+        while pending:
+            root, line = pending.pop()
+            # names in a called function's position (`torch` of `torch.where`, `mask` of `mask.sum`)
+            callees = {id(n) for c in fast_walk(root) if isinstance(c, ast.Call) for n in fast_walk(c.func)}
+            for n in fast_walk(root):
+                if isinstance(n, ast.Name):
+                    if n.id in roots:
+                        reached = True
+                        continue
+                    value = self.scope.definition(n.id, line)
+                    if value is None and id(n) in callees:
+                        continue  # a module's function (`torch.where`): the calls are checked below
+                    if value is None:
+                        raise _Miss(f"the experts iterated read `{n.id}`, which is not computed from the routing in "
+                                    "this function")
+                    if id(value) not in followed:  # a name rebound from itself (`hit = hit.tolist()`) is read again
+                        followed.add(id(value))
+                        pending.append((value, value.lineno))
+                elif isinstance(n, ast.Subscript) and not _first_column(n.slice):
+                    raise _Miss("the loop runs over a subset of the experts that received tokens")
+                elif isinstance(n, (ast.BinOp, ast.BoolOp, ast.IfExp)):
+                    raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
+                elif isinstance(n, ast.Compare) and not _nonzero_test(n.ops, n.comparators):
+                    raise _Miss(f"the experts iterated are those passing `{ast.unparse(n)[:50]}`: not every expert "
+                                "that received tokens")
+                elif isinstance(n, ast.Call):
+                    self._check_hit_call(n)
+        if not reached:
             raise _Miss("the experts iterated are not derived from the routing mask or indices")
-        for n in fast_walk(root):
-            if isinstance(n, ast.Subscript) and not (isinstance(n.slice, ast.Constant) and n.slice.value == 0):
-                raise _Miss("the loop runs over a subset of the experts that received tokens")
-            if isinstance(n, ast.Call):
-                if isinstance(n.func, ast.Attribute) and n.func.attr in allowed:
-                    continue
-                if _canon(self.m, n.func) in ("torch.greater", "torch.gt", "torch.unique", "torch.nonzero", "torch.where", "torch.ne"):
-                    continue
-                raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
+
+    def _check_hit_call(self, n: ast.Call) -> None:
+        """One step of the experts' derivation: a count, a listing, a reshape or a test against zero."""
+        allowed = {"sum", "nonzero", "unique", "squeeze", "flatten", "view", "reshape", "tolist", "any", "long", "int",
+                   "bool", "cpu"}
+        if isinstance(n.func, ast.Attribute) and n.func.attr in allowed:
+            return
+        if isinstance(n.func, ast.Attribute) and n.func.attr in ("ne", "gt") and len(n.args) == 1:
+            if not _nonzero_test([ast.NotEq() if n.func.attr == "ne" else ast.Gt()], n.args):
+                raise _Miss(f"the experts iterated are those passing `{ast.unparse(n)[:50]}`: not every expert "
+                            "that received tokens")
+            return
+        name = _canon(self.m, n.func)
+        if name in ("torch.unique", "torch.nonzero", "torch.where", "torch.sum", "torch.any", "list", "set", "sorted",
+                    "tuple"):
+            return
+        if name in ("torch.greater", "torch.gt", "torch.ne") and len(n.args) == 2:
+            if not _nonzero_test([ast.NotEq() if name == "torch.ne" else ast.Gt()], n.args[1:]):
+                raise _Miss(f"the experts iterated are those passing `{ast.unparse(n)[:50]}`: not every expert "
+                            "that received tokens")
+            return
+        raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
 
     def _hit_names(self) -> set[str]:
         it = self.loop.iter
@@ -11163,4 +11229,66 @@ MoeExperts.KEEP += [
     Keep(_S36_STATS_AFTER.replace("norms = {e: expert.weight.norm() for e, expert in enumerate(self.experts)}",
                                   "norms = [q.norm() for q in expert.parameters()]"),
          reason="`expert` (set in the expert loop) is used after it", name="s36_loop_name_read_by_a_comprehensions_first_iterable"),
+]
+
+
+# --- s39 glumoe39: the experts hit, read through as many local steps as the derivation takes --------
+# (HO15a LLM-quest Qwen3MoE: `count = mask.sum((-1, -2))`; `hit = torch.where(count > 0)[0]`; `for e in hit`.
+# One step was read, so `count` was "not derived from the routing": false.) Invented spellings: the count and
+# the listing in separate statements, `.tolist()` on the host, an index_add_ write-back.
+_S39_HIT_IN_STEPS = _HEAD + '''
+class Ffn(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.inp = nn.Linear(d, h, bias=False)
+        self.out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.out(F.silu(self.inp(x)))
+
+
+class CountedHitMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k, self.n = k, n
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        w, idx = probs.topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        onehot = F.one_hot(idx, num_classes=self.n).permute(2, 1, 0)
+        per_expert = onehot.sum(dim=(-1, -2))
+        used = torch.where(per_expert > 0)[0]
+        used = used.tolist()
+        for e in used:
+            slot, rows = torch.where(onehot[e])
+            y = self.experts[e](x[rows]) * w[rows, slot].unsqueeze(-1)
+            out.index_add_(0, rows, y)
+        return out
+'''
+
+_S39_HIT_IN_STEPS_RUN = """\
+m = CountedHitMoE(16, 24, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[1].inp.weight]
+"""
+
+MoeExperts.FUSE += [
+    Fuse(_S39_HIT_IN_STEPS, name="s39_experts_hit_counted_then_listed_in_separate_steps", run=_S39_HIT_IN_STEPS_RUN,
+         expect={"routing": "mask_where", "loop": "expert_hit", "indices": "idx", "probs": "w"}),
+]
+
+MoeExperts.KEEP += [
+    # a count above one: experts with a single token are skipped, the grouped form would run them
+    Keep(_S39_HIT_IN_STEPS.replace("per_expert > 0", "per_expert > 1"),
+         reason="the experts iterated are those passing `per_expert > 1`: not every expert that received tokens",
+         name="s39_experts_hit_above_a_count_of_one"),
+    # the hit list is narrowed by a parameter: a subset chosen by something else than the routing
+    Keep(_S39_HIT_IN_STEPS.replace("def forward(self, x):", "def forward(self, x, allowed=None):")
+         .replace("used = torch.where(per_expert > 0)[0]", "used = torch.where((per_expert > 0) & allowed)[0]"),
+         reason="the experts iterated come from `(per_expert > 0) & allowed`, not only from the routing",
+         name="s39_experts_hit_narrowed_by_a_parameter"),
 ]
