@@ -36,6 +36,8 @@ GELU_DYN = "gelu_dyn"  # F.gelu(x, approximate=<expression>)
 QUICK_GELU = "quick_gelu"
 SIGMOID = "sigmoid"
 CONFIG = "config"
+# s39: a local activation class whose forward is a formula of its input npufuse cannot name
+_OWN_FORMULA = "own formula"
 
 # ACT2FN keys (transformers) by what they compute
 ACT_NAMES = {
@@ -221,13 +223,105 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
                 k = GELU
             elif "sigmoid" in text and "1.702" in text:
                 k = QUICK_GELU
-            elif re.fullmatch(rf"{re.escape(p)}\s*\*\s*(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)|(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}", text):
-                # the whole return is x * sigmoid(x) (s33: a search also took ``x * torch.sigmoid(x) * beta``, a scaled Swish)
+            elif _s39_silu_formula(module, v, p):
+                # the whole return is x * sigmoid(x), sigmoid spelled as a call or as 1 / (1 + exp(-x)) (s33: a
+                # search also took ``x * torch.sigmoid(x) * beta``, a scaled Swish)
                 k = SILU
         if k is None:
             return None
         kinds.add(k)
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _s39_is_param(node: ast.expr, p: str) -> bool:
+    while S.is_cast(node):
+        node = node.func.value  # type: ignore[union-attr]
+    return isinstance(node, ast.Name) and node.id == p
+
+
+def _s39_one(node: ast.expr) -> bool:
+    v = const_value(node)
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1
+
+
+def _s39_one_plus_exp_neg(module: ModuleInfo, node: ast.expr, p: str) -> bool:
+    """``1 + exp(-p)`` (either order; torch.exp / math-free ``p.neg().exp()`` / ``(-p).exp()``)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+        return False
+    for one, e in ((node.left, node.right), (node.right, node.left)):
+        if not _s39_one(one) or not isinstance(e, ast.Call):
+            continue
+        if module.canonical(e.func) == "torch.exp" and len(e.args) == 1 and not e.keywords:
+            arg = e.args[0]
+        elif isinstance(e.func, ast.Attribute) and e.func.attr == "exp" and not e.args and not e.keywords:
+            arg = e.func.value
+        else:
+            continue
+        if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and _s39_is_param(arg.operand, p):
+            return True
+        if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "neg" and not arg.args \
+                and _s39_is_param(arg.func.value, p):
+            return True
+    return False
+
+
+def _s39_sigmoid_of(module: ModuleInfo, node: ast.expr, p: str) -> bool:
+    """``sigmoid(p)`` spelled as a call (torch / F / method) or as ``1 / (1 + exp(-p))``."""
+    if isinstance(node, ast.Call):
+        name = module.canonical(node.func)
+        if name in ("torch.sigmoid", "torch.nn.functional.sigmoid", "torch.special.expit") and len(node.args) == 1:
+            return _s39_is_param(node.args[0], p)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "sigmoid" and not node.args:
+            return _s39_is_param(node.func.value, p)
+        if name == "torch.reciprocal" and len(node.args) == 1:
+            return _s39_one_plus_exp_neg(module, node.args[0], p)
+        return False
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _s39_one(node.left) \
+        and _s39_one_plus_exp_neg(module, node.right, p)
+
+
+def _s39_silu_formula(module: ModuleInfo, node: ast.expr, p: str) -> bool:
+    """Is ``node`` exactly ``p * sigmoid(p)``? ``p * sigmoid(p)`` / ``sigmoid(p) * p`` with any spelling of
+    the sigmoid (:func:`_s39_sigmoid_of`), ``p / (1 + exp(-p))`` and ``p * 1 / (1 + exp(-p))`` (which
+    parses as ``(p * 1) / (...)``). A scale anywhere (``p * sigmoid(p) * beta``) is not SiLU."""
+    if not isinstance(node, ast.BinOp):
+        return False
+    if isinstance(node.op, ast.Mult):
+        return (_s39_is_param(node.left, p) and _s39_sigmoid_of(module, node.right, p)) \
+            or (_s39_is_param(node.right, p) and _s39_sigmoid_of(module, node.left, p))
+    if isinstance(node.op, ast.Div) and _s39_one_plus_exp_neg(module, node.right, p):
+        num = node.left
+        if isinstance(num, ast.BinOp) and isinstance(num.op, ast.Mult):
+            num = num.left if _s39_one(num.right) else num.right if _s39_one(num.left) else num
+        return _s39_is_param(num, p)
+    return False
+
+
+def _s39_pointwise_formula(module: ModuleInfo, fn: ast.FunctionDef) -> str | None:
+    """The text a one-parameter ``forward`` returns when it is a formula of that parameter alone
+    (arithmetic, constants and ``torch`` / ``math`` functions; one return): the local activation
+    class npufuse cannot name, said in the near miss. None for anything else (a module that is no
+    activation: a projection, a norm, several statements of state)."""
+    params = [a.arg for a in fn.args.args if a.arg != "self"]
+    returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if len(params) != 1 or len(returns) != 1 or fn.args.vararg or fn.args.kwarg:
+        return None
+    value = returns[0].value
+    assert value is not None
+    if not any(isinstance(n, ast.Name) and n.id == params[0] for n in fast_walk(value)):
+        return None
+    for n in fast_walk(value):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            method = isinstance(n.func, ast.Attribute) and not (dotted(n.func) or "").startswith(("torch.", "math.", "F."))
+            if not (name.startswith(("torch.", "math.")) or method):
+                return None
+        elif isinstance(n, ast.Name) and n.id not in (params[0], "torch", "math", "F", "self"):
+            if module.canonical(n) is None or not (module.canonical(n) or "").startswith(("torch", "math")):
+                return None
+        elif isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Subscript, ast.IfExp, ast.Compare)):
+            return None
+    return ast.unparse(value)
 
 
 def _formula_kernels(module: ModuleInfo, fn: ast.FunctionDef) -> int:
@@ -331,9 +425,14 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
                     ck = _class_act(module, cname)
+                    fwd = S.method(module, cname, "forward")
                     if ck is not None:
-                        fwd = S.method(module, cname, "forward")
                         return Act(ck, gate, ctx, desc, obj=f, kernels=_formula_kernels(module, fwd) if fwd else 1)
+                    formula = _s39_pointwise_formula(module, fwd) if isinstance(fwd, ast.FunctionDef) else None
+                    if formula is not None:
+                        # s39: the module's own activation class computes something npufuse cannot name: a near
+                        # miss that says what its forward returns (no candidate: no fused op is known to match)
+                        return Act(_OWN_FORMULA, gate, ctx, f"{desc}, whose forward returns `{formula[:60]}`", obj=f)
                 # act_layer() with act_layer an __init__ parameter (timm): chosen by the caller
                 params = S.init_params(module, cls_name)
                 if isinstance(value.func, ast.Name) and value.func.id in params:
@@ -1838,6 +1937,9 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             return miss("quick_gelu (x * sigmoid(1.702 x)) is not gelu: npu_geglu has erf/tanh gelu only (npu_fast_gelu covers the activation alone)")
         if "gelu" in kind:
             return miss(f"gelu variant `{kind}` cannot be mapped: npu_geglu computes approximate=0 (erf) or 1 (tanh) only")
+        if kind == _OWN_FORMULA:
+            return miss(f"the activation is the module's own class ({g0.act.describe}), a formula npufuse does not read as "
+                        "silu or as gelu (erf / tanh): no fused gated op is known to compute it")
         return miss(f"activation is not silu ({kind}{': ' + g0.act.describe if g0.act.describe else ''}) and not gelu: no fused gated op")
     if any(g.act.kind != kind for g in gates):
         return miss("several gated products with different activations in one statement")
@@ -7857,4 +7959,54 @@ Swiglu.KEEP += [
     # a rebinding that reads the other operand: not a transform of the parameter alone
     Keep(_S38_PARAMS_THROUGH_CALLS.replace("u = grad_scale(u, self.s)", "u = grad_scale(u, v)"),
          reason="", name="s38_gating_parameter_rebound_from_the_other_operand"),
+]
+
+
+# --- s39 glumoe39: the module's own activation class, its sigmoid written out ----------------------
+# (HO15a LLM-quest: `self.silu_activ = SiLU()` with `class SiLU(nn.Module)` returning
+# `x * 1 / (1 + torch.exp(-x))`: the forward is read structurally, so the spelling of the sigmoid
+# (a call, `1 / (1 + exp(-x))`, a reciprocal) does not matter; a formula that is not exactly SiLU is
+# a near miss that says what it returns.) Invented spellings below.
+_S39_OWN_ACT_CLASS = '''
+import torch
+from torch import nn
+
+
+class Swish(nn.Module):
+    def forward(self, t):
+        return t / (1 + torch.exp(-t))
+
+
+class GatedFF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.a = nn.Linear(d, h, bias=False)
+        self.b = nn.Linear(d, h, bias=False)
+        self.o = nn.Linear(h, d, bias=False)
+        self.nl = Swish()
+
+    def forward(self, x):
+        g = self.nl(self.a(x))
+        return self.o(g * self.b(x))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S39_OWN_ACT_CLASS, expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm = GatedFF(8, 6)\nout = m(x)\nleaves = [x, m.a.weight, m.b.weight]\n",
+         name="s39_own_activation_class_sigmoid_written_out"),
+    Fuse(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t * 1 / (torch.exp(-t) + 1)"),
+         expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm = GatedFF(8, 6)\nout = m(x)\nleaves = [x, m.a.weight]\n",
+         name="s39_own_activation_class_times_one_over_one_plus_exp"),
+]
+
+Swiglu.KEEP += [
+    # a Swish with beta 2 written out: not SiLU; the near miss says what the class computes
+    Keep(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t / (1 + torch.exp(-2.0 * t))"),
+         reason="the activation is the module's own class (self.nl = Swish(), whose forward returns "
+                "`t / (1 + torch.exp(-2.0 * t))`), a formula npufuse does not read as silu",
+         name="s39_own_activation_class_swish_beta_two"),
+    # a plain `x * sigmoid(x) * beta`-free but offset formula: not SiLU either
+    Keep(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t / (1 + torch.exp(-t)) + 0.1 * t"),
+         reason="a formula npufuse does not read as silu", name="s39_own_activation_class_offset_swish"),
 ]
