@@ -5738,7 +5738,9 @@ Swiglu.KEEP += [
 
 # --- s27: operands transformed elementwise after their projection (clamped / scaled GLUs) ---
 
-_ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+_ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous",
+                                  # s39: `up = up.mul(mask)` (a scale spelled as a method)
+                                  "mul", "div"))
 # torch functions taking the tensor first and only bounds after it (`torch.clamp(t, min=None, max=None)`)
 _TORCH_CLAMPS = frozenset(("clamp", "clamp_min", "clamp_max", "clip"))
 _SHAPE_READS = frozenset(("dtype", "device", "shape"))
@@ -6182,6 +6184,19 @@ def _plain_value(e: ast.expr) -> bool:
     return all(isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.UnaryOp, ast.USub, ast.UAdd)) for n in fast_walk(e))
 
 
+def _s39_linear_call(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> bool:
+    """``self.<attr>(v)`` with ``self.<attr> = nn.Linear(...)`` in the class's ``__init__`` and ``v`` a plain
+    value: its result's shape is ``(*v.shape[:-1], self.<attr>.out_features)`` while the attribute still
+    holds an nn.Linear (the fused branch tests that too: a pruned or wrapped layer is checked at run time)."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and _plain_value(node.args[0])):
+        return False
+    f = node.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return False
+    value = S.init_assignments(module, ctx.scope.class_name).get(f.attr)
+    return isinstance(value, ast.Call) and module.canonical(value.func) == "torch.nn.Linear"
+
+
 def _inline_guard(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
                   avoid: set[str]) -> list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] | None:
     """Megatron's ``act(x_glu) * (x_linear + self.config.glu_linear_offset)``: an operand written as an
@@ -6189,10 +6204,15 @@ def _inline_guard(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx
     broadcast of the name's shape with the values' shapes, which the fused branch can read without
     computing the operand: per operand, the name and the inline values; None when an operand is
     anything else (a projection call computed in the product, a value that is itself computed)."""
-    out: list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] = []
+    out: list[tuple[ast.expr, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] = []
     for op, octx in ((a, actx), (b, ctx)):
         scales: list[tuple[ast.expr, S.Ctx]] = []
         n = op
+        if _s39_linear_call(module, n, octx):
+            # s39: `act(self.gate_proj(x)) * up` with up scaled (LLM-Shearing's optional mask): the projection's
+            # shape is read from the nn.Linear and its input, so it is not computed twice
+            out.append((n, octx, []))
+            continue
         for _ in range(8):
             if isinstance(n, ast.Name):
                 break
@@ -6211,8 +6231,13 @@ def _inline_shape_test(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str:
     ``broadcast_shapes(name.shape, value.shape...)`` (a number has shape ``()``), read from the names
     and values only (nothing is computed twice)."""
     T = S.torch_name(module) or "torch"
-    shapes = []
+    shapes, linear = [], []
     for name, nctx, scales in g.inline_guard or []:
+        if isinstance(name, ast.Call):  # an nn.Linear projection of a plain value (_s39_linear_call)
+            proj, inp = S.render(module, name.func, nctx, plan), S.render(module, name.args[0], nctx, plan)
+            linear.append(f"isinstance({proj}, {T}.nn.Linear)")
+            shapes.append(f"(*{S.atom(inp)}.shape[:-1], {proj}.out_features)")
+            continue
         base = S.render(module, name, nctx, plan)
         if not base.isidentifier():
             raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
@@ -6221,7 +6246,7 @@ def _inline_shape_test(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str:
             continue
         parts = ", ".join(f'getattr({S.render(module, e, c, plan)}, "shape", ())' for e, c in scales)
         shapes.append(f"{T}.broadcast_shapes({base}.shape, {parts})")
-    return f"{shapes[0]} == {shapes[1]}"
+    return " and ".join(linear + [f"{shapes[0]} == {shapes[1]}"])
 
 
 _S27_OFFSET_UP = '''
@@ -8009,4 +8034,72 @@ Swiglu.KEEP += [
     # a plain `x * sigmoid(x) * beta`-free but offset formula: not SiLU either
     Keep(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t / (1 + torch.exp(-t)) + 0.1 * t"),
          reason="a formula npufuse does not read as silu", name="s39_own_activation_class_offset_swish"),
+]
+
+
+# --- s39 glumoe39: the up branch scaled by an optional mask before the product ----------------------
+# (HO15a LLM-Shearing: `gate = F.silu(self.gate_proj(x)); up_v = self.up_proj(x); if z is not None:
+# up_v *= z; self.down_proj(gate * up_v)`.) A scale of the up half stays as written (npu_swiglu takes
+# the scaled half: silu(g) * (u * m) exactly); what the fused branch must check is that gate and up have
+# one shape (a mask could broadcast up to a larger shape). The gate projection is computed inside the
+# activation, so its shape is read from the nn.Linear and its input instead of computing it twice; the
+# method spelling `up.mul(mask)` is a scale like `up * mask`. Invented spellings below.
+_S39_UP_MASKED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PrunableMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_gate = nn.Linear(d, h, bias=False)
+        self.w_up = nn.Linear(d, h, bias=False)
+        self.w_down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x, keep=None):
+        act = F.silu(self.w_gate(x))
+        val = self.w_up(x)
+        if keep is not None:
+            val *= keep
+        return self.w_down(act * val)
+
+
+class MethodMasked(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.g = nn.Linear(d, h, bias=False)
+        self.u = nn.Linear(d, h, bias=False)
+
+    def forward(self, x, keep=None):
+        a, b = self.g(x), self.u(x)
+        if keep is not None:
+            b = b.mul(keep)
+        return F.silu(a) * b
+'''
+
+_S39_UP_MASKED_RUN = '''\
+x = torch.randn(2, 3, 8, requires_grad=True)
+keep = (torch.rand(6) > 0.3).float()
+m1, m2 = PrunableMLP(8, 6), MethodMasked(8, 6)
+out = (m1(x), m1(x, keep), m2(x), m2(x, keep), m2(x, torch.ones(4, 1, 1, 6)))
+leaves = [x, m1.w_gate.weight, m1.w_up.weight, m2.u.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S39_UP_MASKED, expect={"activation": "silu", "qualname": "PrunableMLP.forward"}, run=_S39_UP_MASKED_RUN,
+         name="s39_up_half_scaled_by_an_optional_mask"),
+]
+
+Swiglu.KEEP += [
+    # the gate projection is a module npufuse cannot read the shape of (a local class): its shape cannot be
+    # checked without computing it twice
+    Keep(_S39_UP_MASKED.replace("class PrunableMLP", "class Proj(nn.Linear):\n    pass\n\n\nclass PrunableMLP")
+         .replace("self.w_gate = nn.Linear(d, h, bias=False)", "self.w_gate = Proj(d, h, bias=False)")
+         .split("class MethodMasked")[0],
+         reason="computed inside the activation or product", name="s39_up_masked_gate_projection_not_an_nn_linear"),
+    # the "mask" is the projections' input: silu(g) * (u * x) gates by the input itself
+    Keep(_S39_UP_MASKED.replace("b = b.mul(keep)", "b = b.mul(x)").split("class PrunableMLP")[0]
+         + "class MethodMasked" + _S39_UP_MASKED.replace("b = b.mul(keep)", "b = b.mul(x)").split("class MethodMasked")[1],
+         reason="", name="s39_up_scaled_by_the_projections_input"),
 ]
