@@ -8432,6 +8432,9 @@ class _GroupLoop:
         self.products = 0
         self.advanced = False  # form A: the offset moves on by this group's size
         self.prefix: Optional[str] = None  # form C: offsets = cat([0], cumsum(sizes)), rows offsets[g]:offsets[g + 1]
+        # s39 form D: a table of cumulative row ends E (a parameter or any name the loop does not write), rows
+        # `(0 if g == 0 else E[g - 1]):E[g]` (ArcticTraining's torch_group_gemm_fn)
+        self.ends: Optional[ast.Name] = None
 
     # -- header ----------------------------------------------------------------------------
     def header(self) -> bool:
@@ -8462,6 +8465,9 @@ class _GroupLoop:
         if isinstance(node, ast.Name):
             return self.env.get(node.id, ("other",))
         node = leading_subscript(node)  # type: ignore[assignment]  # w[g, :, :] is w[g]; x[a:b, :] is x[a:b]
+        if self.ends is not None and isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == self.ends.id and self._is_g(node.slice):
+            return ("dend",)  # E[g]: this group's end (form D)
         if isinstance(node, ast.Subscript) and self._is_g(node.slice) and self._invariant(node.value):
             if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
                 return ("rows",)
@@ -8486,6 +8492,11 @@ class _GroupLoop:
                 return self._flip(base)
             if node.func.attr == "transpose" and len(node.args) == 2 and (const_value(node.args[0]), const_value(node.args[1])) in _GL_FLIPS:
                 return self._flip(base)
+        if self.ends is not None and isinstance(node, ast.IfExp) and self._first_end_start(node):
+            return ("dstart",)
+        if self.ends is not None and isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == self.ends.id and self._is_g(node.slice):
+            return ("dend",)
         if isinstance(node, ast.IfExp) and self._invariant(node.test):
             a, b = self.ev(node.body), self.ev(node.orelse)
             if a[0] == "w" and b[0] == "w" and ast.dump(a[2]) == ast.dump(b[2]):
@@ -8500,12 +8511,33 @@ class _GroupLoop:
                 return self._product(node.args[0], node.args[1], flip=True)
         return ("other",)
 
+    def _first_end_start(self, node: ast.IfExp) -> bool:
+        """``0 if g == 0 else E[g - 1]`` / ``E[g - 1] if g > 0 else 0`` (also ``g != 0``, ``g >= 1``): where
+        group g's rows start when E holds the groups' cumulative ends."""
+        t = node.test
+        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and self._is_g(t.left)):
+            return False
+        op, k = t.ops[0], const_value(t.comparators[0])
+        if isinstance(k, bool) or not isinstance(k, int):
+            return False
+        first_is_zero = isinstance(op, ast.Eq) and k == 0
+        first_is_prev = (isinstance(op, (ast.Gt, ast.NotEq)) and k == 0) or (isinstance(op, ast.GtE) and k == 1)
+        if not (first_is_zero or first_is_prev):
+            return False
+        zero, prev = (node.body, node.orelse) if first_is_zero else (node.orelse, node.body)
+        assert self.ends is not None
+        return const_value(zero) == 0 and not isinstance(const_value(zero), bool) and isinstance(prev, ast.Subscript) \
+            and isinstance(prev.value, ast.Name) and prev.value.id == self.ends.id and isinstance(prev.slice, ast.BinOp) \
+            and isinstance(prev.slice.op, ast.Sub) and self._is_g(prev.slice.left) and const_value(prev.slice.right) == 1
+
     def _run_slice(self, sl: ast.expr) -> bool:
         """``[start:end]`` of this group: the running offset (form A) or the prefix table (form C)."""
         if not (isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.upper is not None):
             return False
         if self.start and sl.lower.id == self.start:
             return self.ev(sl.upper)[0] == "end"
+        if self.ends is not None:
+            return self.env.get(sl.lower.id) == ("dstart",) and self.ev(sl.upper) == ("dend",)
         return self.prefix is not None and self.env.get(sl.lower.id) == ("pstart",) and self.ev(sl.upper) == ("pend",)
 
     def _flip(self, v: tuple) -> tuple:
@@ -8519,6 +8551,8 @@ class _GroupLoop:
             return ("other",)
         orient = ("flip", w[1]) if flip else w[1]
         if self.sizes is not None and ast.dump(self.sizes) == ast.dump(w[2]) or isinstance(w[2], ast.Name) and w[2].id == self.prefix:
+            return ("other",)
+        if self.ends is not None and isinstance(w[2], ast.Name) and w[2].id == self.ends.id:
             return ("other",)
         if self.weight is not None and ast.dump(self.weight) != ast.dump(w[2]):
             return ("other",)
@@ -8558,8 +8592,9 @@ class _GroupLoop:
                     return
                 self.env[tgt.id] = v
                 return
-            if isinstance(tgt, ast.Subscript) and (self.start or self.prefix) and self.ev(s.value)[0] == "y":
-                if self._run_slice(tgt.slice) and self._invariant(tgt.value) and self.out_target is None:
+            lead = leading_subscript(tgt)  # out[start:end, :] writes the rows out[start:end]
+            if isinstance(lead, ast.Subscript) and (self.start or self.prefix or self.ends is not None) and self.ev(s.value)[0] == "y":
+                if self._run_slice(lead.slice) and self._invariant(lead.value) and self.out_target is None:
                     self.out_target = tgt.value
                     return
         if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name) and s.target.id == self.start \
@@ -8600,6 +8635,21 @@ class _GroupLoop:
             left = left.args[0]
         v = self.ev(left)
         return self._is_size(v) or v[0] in ("rows", "rows_of")
+
+
+def _s39_cumulative_ends(loop: ast.For, ev: "_GroupLoop") -> Optional[ast.Name]:
+    """Form D: the table E of ``start = 0 if g == 0 else E[g - 1]`` in the loop body (E a name the loop
+    does not write), the groups' cumulative row ends; None when the loop has no such start."""
+    for n in fast_walk(loop):
+        if not isinstance(n, ast.IfExp):
+            continue
+        for arm in (n.body, n.orelse):
+            if isinstance(arm, ast.Subscript) and isinstance(arm.value, ast.Name) and ev._invariant(arm.value):
+                ev.ends = arm.value
+                if ev._first_end_start(n):
+                    return arm.value
+                ev.ends = None
+    return None
 
 
 def _grouped_loop_gate(loop: ast.For) -> bool:
@@ -8664,9 +8714,13 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
                 break
         if split_st is None:
             table = _prefix_offsets(module, scope, loop, ev.g)
-            if table is None:
+            ends = _s39_cumulative_ends(loop, ev) if table is None else None
+            if table is None and ends is None:
                 return None
-            ev.prefix, ev.sizes = table
+            if table is not None:
+                ev.prefix, ev.sizes = table
+            else:
+                ev.ends = ev.sizes = ends
     try:
         ev.body(loop.body)
     except _Miss:
@@ -8677,11 +8731,11 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     stmts = block[block.index(first_stmt): i + 1]
     cat_st: Optional[ast.stmt] = None
     out_name = ""
-    if (ev.start or ev.prefix) and not ev.out_list:
+    if (ev.start or ev.prefix or ev.ends is not None) and not ev.out_list:
         if ev.out_target is None or (ev.start and not ev.advanced):
             return None
     else:
-        if ev.out_target is not None or ev.prefix or (ev.start and not ev.advanced):
+        if ev.out_target is not None or ev.prefix or ev.ends is not None or (ev.start and not ev.advanced):
             return None
         inits = [st for st in block[max(0, i - 2): i] if st is not split_st and not (ev.start and st is prev)]
         if not ev.out_list or not any(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
@@ -8725,14 +8779,22 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     on_device = _host_counts(scope, ev.sizes, loop.lineno)  # x.split(counts.tolist()): the counts before the host copy
     if on_device is not None:
         sizes_text = on_device[0]
+    if ev.ends is not None:
+        # form D: the per-group sizes are the differences of the cumulative ends (a list or a tensor)
+        x_rows = segment(module, ev.rows)
+        sizes_text = (f"torch.diff(torch.as_tensor({sizes_text}, device={x_rows}.device).to(torch.int64), "
+                      f"prepend=torch.zeros(1, dtype=torch.int64, device={x_rows}.device))")
     bound = segment(module, ev.bound) if ev.bound is not None else ""
     check = f"{P}counts.numel() == {w_text}.shape[0]" + (f" == ({bound})" if bound else "")
+    if ev.ends is not None:
+        # decreasing ends make empty slices in the loop, negative group sizes for the grouped matmul
+        check += f" and bool(({P}counts >= 0).all())"
     original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
     lines = [_GMM_FUNCTION.rstrip("\n"),
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
              f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
              f"and {check}:"]
-    if (ev.start or ev.prefix) and not ev.out_list:
+    if (ev.start or ev.prefix or ev.ends is not None) and not ev.out_list:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
                   f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
@@ -8757,7 +8819,8 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "num_experts": bound or f"{w_text}.shape[0]", "top_k": "(rows pre-sorted by group)",
         "layout": "stacked_in_out" if ev.orient == "id" else "stacked_out_in" if orient_name == "flip" else "stacked_conditional",
         "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
-        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix else "sorted_counts",
+        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix
+        else "cumulative_ends" if ev.ends is not None else "sorted_counts",
         "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
         "output": segment(module, ev.out_target) if ev.out_target is not None else out_name, "output_dtype": None, "sentinel_index": None,
     }
@@ -8770,7 +8833,7 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     notes = ["a grouped matmul written as a Python loop over contiguous row runs (rows already sorted by group): one "
              "npu_grouped_matmul with the per-group sizes; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
              "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)"]
-    if ev.start or ev.prefix:
+    if ev.start or ev.prefix or ev.ends is not None:
         notes.append("rows past the last group keep what the output held before (the loop never wrote them)")
     return Finding(pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=end, params=params,
                    fused="\n".join(lines) + "\n", guard_tensor=guard,
@@ -11291,4 +11354,38 @@ MoeExperts.KEEP += [
          .replace("used = torch.where(per_expert > 0)[0]", "used = torch.where((per_expert > 0) & allowed)[0]"),
          reason="the experts iterated come from `(per_expert > 0) & allowed`, not only from the routing",
          name="s39_experts_hit_narrowed_by_a_parameter"),
+]
+
+
+# --- s39 glumoe39: grouped matmul loop over a table of cumulative row ends (form D) -----------------
+# (HO14a ArcticTraining `torch_group_gemm_fn`: `start = 0 if i == 0 else rows_cumsum[i - 1]; end = rows_cumsum[i];
+# C[start:end, :] = torch.matmul(A[start:end, :], B[i])`: the fallback grouped GEMM of expert-sorted rows.)
+# The per-group sizes are the differences of the ends; the fused branch also requires them non-negative
+# (decreasing ends make empty slices in the loop). Invented spelling: the previous end under `g > 0`.
+_S39_CUMULATIVE_ENDS = _HEAD + '''
+def grouped_by_expert_ends(rows, stacked, ends):
+    y = torch.zeros((ends[-1], stacked.shape[-1]), device=rows.device, dtype=rows.dtype)
+    for g in range(len(ends)):
+        lo = ends[g - 1] if g > 0 else 0
+        hi = ends[g]
+        y[lo:hi, :] = rows[lo:hi, :] @ stacked[g]
+    return y
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S39_CUMULATIVE_ENDS, name="s39_grouped_gemm_loop_cumulative_ends", run='''\
+w = (torch.randn(4, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(14, 16, requires_grad=True)
+out = (grouped_by_expert_ends(x, w, torch.tensor([2, 7, 7, 12])), grouped_by_expert_ends(x, w, [3, 3, 9, 14]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "cumulative_ends", "output": "y", "tokens": "rows"}),
+]
+
+MoeExperts.KEEP += [
+    # the start is not the previous group's end: not contiguous runs of one table
+    Keep(_S39_CUMULATIVE_ENDS.replace("lo = ends[g - 1] if g > 0 else 0", "lo = ends[g - 2] if g > 1 else 0"),
+         name="s39_grouped_loop_start_two_groups_back"),
+    # the first group starts at 1: row 0 is never written, the grouped matmul would start at 0
+    Keep(_S39_CUMULATIVE_ENDS.replace("lo = ends[g - 1] if g > 0 else 0", "lo = ends[g - 1] if g > 0 else 1"),
+         name="s39_grouped_loop_first_group_starts_at_one"),
 ]
