@@ -2634,6 +2634,10 @@ class _Eval:
             parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
             if [self._part_kind(p) for p in parts] in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 sel = V("flatmask", self.ev(parts[0]).args)  # y[idx, :] = ... with idx = (flat_idx == e).nonzero()
+            if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
+                # s39: `usage[e] = mask.sum()`: one value per expert (a statistic), not rows of tokens
+                raise _Miss(f"the loop also writes one value per expert (`{ast.unparse(s)[:60]}`), which the fused "
+                            "layer does not compute")
             if sel.kind != "flatmask":
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
@@ -11388,4 +11392,12 @@ MoeExperts.KEEP += [
     # the first group starts at 1: row 0 is never written, the grouped matmul would start at 0
     Keep(_S39_CUMULATIVE_ENDS.replace("lo = ends[g - 1] if g > 0 else 0", "lo = ends[g - 1] if g > 0 else 1"),
          name="s39_grouped_loop_first_group_starts_at_one"),
+]
+
+MoeExperts.KEEP += [
+    # s39: the loop also counts each expert's tokens into a side tensor (HO13a sidrocks `expert_usage[e] = mask.sum()`):
+    # said as a per-expert value, not as rows written through another index
+    Keep(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
+         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n"),
+         reason="the loop also writes one value per expert (`usage[e] = rows.numel()`)", name="s39_loop_counts_tokens_per_expert"),
 ]
