@@ -310,13 +310,18 @@ def _s39_pointwise_formula(module: ModuleInfo, fn: ast.FunctionDef) -> str | Non
     assert value is not None
     if not any(isinstance(n, ast.Name) and n.id == params[0] for n in fast_walk(value)):
         return None
+    nonlinear = ("exp", "sigmoid", "tanh", "erf", "relu", "softplus", "log1p", "pow", "sqrt")
+    if not any(isinstance(n, ast.Call) and ((module.canonical(n.func) or "").startswith(("torch.", "math."))
+                                             or isinstance(n.func, ast.Attribute) and n.func.attr in nonlinear)
+               for n in fast_walk(value)):
+        return None  # `return x` / `x * 2` / `x.float()`: an identity, a scale or a cast (a hook module), no activation
     for n in fast_walk(value):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or ""
             method = isinstance(n.func, ast.Attribute) and not (dotted(n.func) or "").startswith(("torch.", "math.", "F."))
             if not (name.startswith(("torch.", "math.")) or method):
                 return None
-        elif isinstance(n, ast.Name) and n.id not in (params[0], "torch", "math", "F", "self"):
+        elif isinstance(n, ast.Name) and n.id not in (params[0], "torch", "math", "F"):
             if module.canonical(n) is None or not (module.canonical(n) or "").startswith(("torch", "math")):
                 return None
         elif isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Subscript, ast.IfExp, ast.Compare)):
