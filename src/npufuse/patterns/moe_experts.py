@@ -2231,6 +2231,27 @@ def _check_option_names(scope: Scope, site: _Site, loop: ast.For, guards: list[s
                             f"{stmt.lineno}): the guard cannot read it before the span")
 
 
+
+def _first_column(index: ast.expr) -> bool:
+    """``[0]`` (the first tensor of ``torch.where``'s tuple) or ``[:, 0]`` (the column of ``nonzero()``)."""
+    if isinstance(index, ast.Constant):
+        return index.value == 0 and not isinstance(index.value, bool)
+    return (isinstance(index, ast.Tuple) and len(index.elts) == 2 and isinstance(index.elts[0], ast.Slice)
+            and index.elts[0].lower is None and index.elts[0].upper is None and index.elts[0].step is None
+            and _first_column(index.elts[1]))
+
+
+def _nonzero_test(ops: list[ast.cmpop], comparators: list[ast.expr]) -> bool:
+    """``count > 0``, ``count != 0`` or ``count >= 1``: true for every expert with at least one token."""
+    if len(ops) != 1 or len(comparators) != 1:
+        return False
+    value = const_value(comparators[0])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    op = ops[0]
+    return (isinstance(op, (ast.Gt, ast.NotEq)) and value == 0) or (isinstance(op, ast.GtE) and value == 1)
+
+
 class _Eval:
     """Abstract interpretation of one expert loop (or one expert forward): what each name holds.
 
@@ -2613,6 +2634,10 @@ class _Eval:
             parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
             if [self._part_kind(p) for p in parts] in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 sel = V("flatmask", self.ev(parts[0]).args)  # y[idx, :] = ... with idx = (flat_idx == e).nonzero()
+            if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
+                # s39: `usage[e] = mask.sum()`: one value per expert (a statistic), not rows of tokens
+                raise _Miss(f"the loop also writes one value per expert (`{ast.unparse(s)[:60]}`), which the fused "
+                            "layer does not compute")
             if sel.kind != "flatmask":
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
@@ -3566,27 +3591,72 @@ class _Eval:
         return site
 
     def _check_hit(self, indices: str) -> None:
-        """The experts iterated must be derived from the routing alone (a superset of those with tokens)."""
+        """The experts iterated must be derived from the routing alone (a superset of those with tokens).
+
+        The derivation is read through the function's own names, as many steps as it takes
+        (``count = mask.sum((-1, -2))``; ``hit = torch.where(count > 0)[0]``; ``for e in hit``): each
+        step may only count, list, reshape or compare a count with zero; a name bound nowhere in the
+        function (a parameter, an attribute) or a test against another value selects experts by
+        something else than the routing.
+        """
         it = self.loop.iter
-        root: Optional[ast.expr] = it
-        if isinstance(it, ast.Name):
-            root = self.scope.definition(it.id, self.loop.lineno)
-            if root is None:
-                raise _Miss(f"the experts iterated (`{it.id}`) are not derived from the routing in this function")
-        assert root is not None
-        allowed = {"sum", "nonzero", "unique", "squeeze", "flatten", "view", "reshape", "tolist", "ne", "gt", "any", "long", "int"}
+        if isinstance(it, ast.Name) and self.scope.definition(it.id, self.loop.lineno) is None:
+            raise _Miss(f"the experts iterated (`{it.id}`) are not derived from the routing in this function")
         roots = set(self.masks) | {indices}
-        if not any(isinstance(n, ast.Name) and n.id in roots for n in fast_walk(root)):
+        pending: list[tuple[ast.expr, int]] = [(it, self.loop.lineno)]
+        followed: set[int] = set()
+        reached = False
+        while pending:
+            root, line = pending.pop()
+            # names in a called function's position (`torch` of `torch.where`, `mask` of `mask.sum`)
+            callees = {id(n) for c in fast_walk(root) if isinstance(c, ast.Call) for n in fast_walk(c.func)}
+            for n in fast_walk(root):
+                if isinstance(n, ast.Name):
+                    if n.id in roots:
+                        reached = True
+                        continue
+                    value = self.scope.definition(n.id, line)
+                    if value is None and id(n) in callees:
+                        continue  # a module's function (`torch.where`): the calls are checked below
+                    if value is None:
+                        raise _Miss(f"the experts iterated read `{n.id}`, which is not computed from the routing in "
+                                    "this function")
+                    if id(value) not in followed:  # a name rebound from itself (`hit = hit.tolist()`) is read again
+                        followed.add(id(value))
+                        pending.append((value, value.lineno))
+                elif isinstance(n, ast.Subscript) and not _first_column(n.slice):
+                    raise _Miss("the loop runs over a subset of the experts that received tokens")
+                elif isinstance(n, (ast.BinOp, ast.BoolOp, ast.IfExp)):
+                    raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
+                elif isinstance(n, ast.Compare) and not _nonzero_test(n.ops, n.comparators):
+                    raise _Miss(f"the experts iterated are those passing `{ast.unparse(n)[:50]}`: not every expert "
+                                "that received tokens")
+                elif isinstance(n, ast.Call):
+                    self._check_hit_call(n)
+        if not reached:
             raise _Miss("the experts iterated are not derived from the routing mask or indices")
-        for n in fast_walk(root):
-            if isinstance(n, ast.Subscript) and not (isinstance(n.slice, ast.Constant) and n.slice.value == 0):
-                raise _Miss("the loop runs over a subset of the experts that received tokens")
-            if isinstance(n, ast.Call):
-                if isinstance(n.func, ast.Attribute) and n.func.attr in allowed:
-                    continue
-                if _canon(self.m, n.func) in ("torch.greater", "torch.gt", "torch.unique", "torch.nonzero", "torch.where", "torch.ne"):
-                    continue
-                raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
+
+    def _check_hit_call(self, n: ast.Call) -> None:
+        """One step of the experts' derivation: a count, a listing, a reshape or a test against zero."""
+        allowed = {"sum", "nonzero", "unique", "squeeze", "flatten", "view", "reshape", "tolist", "any", "long", "int",
+                   "bool", "cpu"}
+        if isinstance(n.func, ast.Attribute) and n.func.attr in allowed:
+            return
+        if isinstance(n.func, ast.Attribute) and n.func.attr in ("ne", "gt") and len(n.args) == 1:
+            if not _nonzero_test([ast.NotEq() if n.func.attr == "ne" else ast.Gt()], n.args):
+                raise _Miss(f"the experts iterated are those passing `{ast.unparse(n)[:50]}`: not every expert "
+                            "that received tokens")
+            return
+        name = _canon(self.m, n.func)
+        if name in ("torch.unique", "torch.nonzero", "torch.where", "torch.sum", "torch.any", "list", "set", "sorted",
+                    "tuple"):
+            return
+        if name in ("torch.greater", "torch.gt", "torch.ne") and len(n.args) == 2:
+            if not _nonzero_test([ast.NotEq() if name == "torch.ne" else ast.Gt()], n.args[1:]):
+                raise _Miss(f"the experts iterated are those passing `{ast.unparse(n)[:50]}`: not every expert "
+                            "that received tokens")
+            return
+        raise _Miss(f"the experts iterated come from `{ast.unparse(n)[:50]}`, not only from the routing")
 
     def _hit_names(self) -> set[str]:
         it = self.loop.iter
@@ -8366,6 +8436,9 @@ class _GroupLoop:
         self.products = 0
         self.advanced = False  # form A: the offset moves on by this group's size
         self.prefix: Optional[str] = None  # form C: offsets = cat([0], cumsum(sizes)), rows offsets[g]:offsets[g + 1]
+        # s39 form D: a table of cumulative row ends E (a parameter or any name the loop does not write), rows
+        # `(0 if g == 0 else E[g - 1]):E[g]` (ArcticTraining's torch_group_gemm_fn)
+        self.ends: Optional[ast.Name] = None
 
     # -- header ----------------------------------------------------------------------------
     def header(self) -> bool:
@@ -8396,6 +8469,9 @@ class _GroupLoop:
         if isinstance(node, ast.Name):
             return self.env.get(node.id, ("other",))
         node = leading_subscript(node)  # type: ignore[assignment]  # w[g, :, :] is w[g]; x[a:b, :] is x[a:b]
+        if self.ends is not None and isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == self.ends.id and self._is_g(node.slice):
+            return ("dend",)  # E[g]: this group's end (form D)
         if isinstance(node, ast.Subscript) and self._is_g(node.slice) and self._invariant(node.value):
             if isinstance(node.value, ast.Name) and node.value.id == self.pieces:
                 return ("rows",)
@@ -8420,6 +8496,11 @@ class _GroupLoop:
                 return self._flip(base)
             if node.func.attr == "transpose" and len(node.args) == 2 and (const_value(node.args[0]), const_value(node.args[1])) in _GL_FLIPS:
                 return self._flip(base)
+        if self.ends is not None and isinstance(node, ast.IfExp) and self._first_end_start(node):
+            return ("dstart",)
+        if self.ends is not None and isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id == self.ends.id and self._is_g(node.slice):
+            return ("dend",)
         if isinstance(node, ast.IfExp) and self._invariant(node.test):
             a, b = self.ev(node.body), self.ev(node.orelse)
             if a[0] == "w" and b[0] == "w" and ast.dump(a[2]) == ast.dump(b[2]):
@@ -8434,12 +8515,33 @@ class _GroupLoop:
                 return self._product(node.args[0], node.args[1], flip=True)
         return ("other",)
 
+    def _first_end_start(self, node: ast.IfExp) -> bool:
+        """``0 if g == 0 else E[g - 1]`` / ``E[g - 1] if g > 0 else 0`` (also ``g != 0``, ``g >= 1``): where
+        group g's rows start when E holds the groups' cumulative ends."""
+        t = node.test
+        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and self._is_g(t.left)):
+            return False
+        op, k = t.ops[0], const_value(t.comparators[0])
+        if isinstance(k, bool) or not isinstance(k, int):
+            return False
+        first_is_zero = isinstance(op, ast.Eq) and k == 0
+        first_is_prev = (isinstance(op, (ast.Gt, ast.NotEq)) and k == 0) or (isinstance(op, ast.GtE) and k == 1)
+        if not (first_is_zero or first_is_prev):
+            return False
+        zero, prev = (node.body, node.orelse) if first_is_zero else (node.orelse, node.body)
+        assert self.ends is not None
+        return const_value(zero) == 0 and not isinstance(const_value(zero), bool) and isinstance(prev, ast.Subscript) \
+            and isinstance(prev.value, ast.Name) and prev.value.id == self.ends.id and isinstance(prev.slice, ast.BinOp) \
+            and isinstance(prev.slice.op, ast.Sub) and self._is_g(prev.slice.left) and const_value(prev.slice.right) == 1
+
     def _run_slice(self, sl: ast.expr) -> bool:
         """``[start:end]`` of this group: the running offset (form A) or the prefix table (form C)."""
         if not (isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.upper is not None):
             return False
         if self.start and sl.lower.id == self.start:
             return self.ev(sl.upper)[0] == "end"
+        if self.ends is not None:
+            return self.env.get(sl.lower.id) == ("dstart",) and self.ev(sl.upper) == ("dend",)
         return self.prefix is not None and self.env.get(sl.lower.id) == ("pstart",) and self.ev(sl.upper) == ("pend",)
 
     def _flip(self, v: tuple) -> tuple:
@@ -8453,6 +8555,8 @@ class _GroupLoop:
             return ("other",)
         orient = ("flip", w[1]) if flip else w[1]
         if self.sizes is not None and ast.dump(self.sizes) == ast.dump(w[2]) or isinstance(w[2], ast.Name) and w[2].id == self.prefix:
+            return ("other",)
+        if self.ends is not None and isinstance(w[2], ast.Name) and w[2].id == self.ends.id:
             return ("other",)
         if self.weight is not None and ast.dump(self.weight) != ast.dump(w[2]):
             return ("other",)
@@ -8492,8 +8596,9 @@ class _GroupLoop:
                     return
                 self.env[tgt.id] = v
                 return
-            if isinstance(tgt, ast.Subscript) and (self.start or self.prefix) and self.ev(s.value)[0] == "y":
-                if self._run_slice(tgt.slice) and self._invariant(tgt.value) and self.out_target is None:
+            lead = leading_subscript(tgt)  # out[start:end, :] writes the rows out[start:end]
+            if isinstance(lead, ast.Subscript) and (self.start or self.prefix or self.ends is not None) and self.ev(s.value)[0] == "y":
+                if self._run_slice(lead.slice) and self._invariant(lead.value) and self.out_target is None:
                     self.out_target = tgt.value
                     return
         if isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name) and s.target.id == self.start \
@@ -8534,6 +8639,21 @@ class _GroupLoop:
             left = left.args[0]
         v = self.ev(left)
         return self._is_size(v) or v[0] in ("rows", "rows_of")
+
+
+def _s39_cumulative_ends(loop: ast.For, ev: "_GroupLoop") -> Optional[ast.Name]:
+    """Form D: the table E of ``start = 0 if g == 0 else E[g - 1]`` in the loop body (E a name the loop
+    does not write), the groups' cumulative row ends; None when the loop has no such start."""
+    for n in fast_walk(loop):
+        if not isinstance(n, ast.IfExp):
+            continue
+        for arm in (n.body, n.orelse):
+            if isinstance(arm, ast.Subscript) and isinstance(arm.value, ast.Name) and ev._invariant(arm.value):
+                ev.ends = arm.value
+                if ev._first_end_start(n):
+                    return arm.value
+                ev.ends = None
+    return None
 
 
 def _grouped_loop_gate(loop: ast.For) -> bool:
@@ -8598,9 +8718,13 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
                 break
         if split_st is None:
             table = _prefix_offsets(module, scope, loop, ev.g)
-            if table is None:
+            ends = _s39_cumulative_ends(loop, ev) if table is None else None
+            if table is None and ends is None:
                 return None
-            ev.prefix, ev.sizes = table
+            if table is not None:
+                ev.prefix, ev.sizes = table
+            else:
+                ev.ends = ev.sizes = ends
     try:
         ev.body(loop.body)
     except _Miss:
@@ -8611,11 +8735,11 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     stmts = block[block.index(first_stmt): i + 1]
     cat_st: Optional[ast.stmt] = None
     out_name = ""
-    if (ev.start or ev.prefix) and not ev.out_list:
+    if (ev.start or ev.prefix or ev.ends is not None) and not ev.out_list:
         if ev.out_target is None or (ev.start and not ev.advanced):
             return None
     else:
-        if ev.out_target is not None or ev.prefix or (ev.start and not ev.advanced):
+        if ev.out_target is not None or ev.prefix or ev.ends is not None or (ev.start and not ev.advanced):
             return None
         inits = [st for st in block[max(0, i - 2): i] if st is not split_st and not (ev.start and st is prev)]
         if not ev.out_list or not any(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
@@ -8659,14 +8783,22 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     on_device = _host_counts(scope, ev.sizes, loop.lineno)  # x.split(counts.tolist()): the counts before the host copy
     if on_device is not None:
         sizes_text = on_device[0]
+    if ev.ends is not None:
+        # form D: the per-group sizes are the differences of the cumulative ends (a list or a tensor)
+        x_rows = segment(module, ev.rows)
+        sizes_text = (f"torch.diff(torch.as_tensor({sizes_text}, device={x_rows}.device).to(torch.int64), "
+                      f"prepend=torch.zeros(1, dtype=torch.int64, device={x_rows}.device))")
     bound = segment(module, ev.bound) if ev.bound is not None else ""
     check = f"{P}counts.numel() == {w_text}.shape[0]" + (f" == ({bound})" if bound else "")
+    if ev.ends is not None:
+        # decreasing ends make empty slices in the loop, negative group sizes for the grouped matmul
+        check += f" and bool(({P}counts >= 0).all())"
     original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
     lines = [_GMM_FUNCTION.rstrip("\n"),
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
              f"if isinstance({w_text}, torch.Tensor) and {w_text}.dim() == 3 and {x_text}.dim() == 2 and {P}counts.dim() == 1 "
              f"and {check}:"]
-    if (ev.start or ev.prefix) and not ev.out_list:
+    if (ev.start or ev.prefix or ev.ends is not None) and not ev.out_list:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
                   f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
@@ -8691,7 +8823,8 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         "num_experts": bound or f"{w_text}.shape[0]", "top_k": "(rows pre-sorted by group)",
         "layout": "stacked_in_out" if ev.orient == "id" else "stacked_out_in" if orient_name == "flip" else "stacked_conditional",
         "weights": {"proj": w_text}, "activation": "none (one projection)", "conditional": True,
-        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix else "sorted_counts",
+        "routing_weights": "outside", "routing": "running_offsets" if ev.start else "prefix_offsets" if ev.prefix
+        else "cumulative_ends" if ev.ends is not None else "sorted_counts",
         "loop": "group_loop", "tokens": x_text, "indices": None, "probs": None, "counts": sizes_text,
         "output": segment(module, ev.out_target) if ev.out_target is not None else out_name, "output_dtype": None, "sentinel_index": None,
     }
@@ -8704,7 +8837,7 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     notes = ["a grouped matmul written as a Python loop over contiguous row runs (rows already sorted by group): one "
              "npu_grouped_matmul with the per-group sizes; npu_grouped_matmul has no backward in torch_npu 2.14: the fused "
              "text wraps it in an autograd.Function (dx: grouped dy @ W^T; dW: group_type=2 K-grouped x^T @ dy)"]
-    if ev.start or ev.prefix:
+    if ev.start or ev.prefix or ev.ends is not None:
         notes.append("rows past the last group keep what the output held before (the loop never wrote them)")
     return Finding(pattern=_ID, qualname=scope.qualname, line=stmts[0].lineno, end_line=end, params=params,
                    fused="\n".join(lines) + "\n", guard_tensor=guard,
@@ -11163,4 +11296,108 @@ MoeExperts.KEEP += [
     Keep(_S36_STATS_AFTER.replace("norms = {e: expert.weight.norm() for e, expert in enumerate(self.experts)}",
                                   "norms = [q.norm() for q in expert.parameters()]"),
          reason="`expert` (set in the expert loop) is used after it", name="s36_loop_name_read_by_a_comprehensions_first_iterable"),
+]
+
+
+# --- s39 glumoe39: the experts hit, read through as many local steps as the derivation takes --------
+# (HO15a LLM-quest Qwen3MoE: `count = mask.sum((-1, -2))`; `hit = torch.where(count > 0)[0]`; `for e in hit`.
+# One step was read, so `count` was "not derived from the routing": false.) Invented spellings: the count and
+# the listing in separate statements, `.tolist()` on the host, an index_add_ write-back.
+_S39_HIT_IN_STEPS = _HEAD + '''
+class Ffn(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.inp = nn.Linear(d, h, bias=False)
+        self.out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.out(F.silu(self.inp(x)))
+
+
+class CountedHitMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k, self.n = k, n
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        w, idx = probs.topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        onehot = F.one_hot(idx, num_classes=self.n).permute(2, 1, 0)
+        per_expert = onehot.sum(dim=(-1, -2))
+        used = torch.where(per_expert > 0)[0]
+        used = used.tolist()
+        for e in used:
+            slot, rows = torch.where(onehot[e])
+            y = self.experts[e](x[rows]) * w[rows, slot].unsqueeze(-1)
+            out.index_add_(0, rows, y)
+        return out
+'''
+
+_S39_HIT_IN_STEPS_RUN = """\
+m = CountedHitMoE(16, 24, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[1].inp.weight]
+"""
+
+MoeExperts.FUSE += [
+    Fuse(_S39_HIT_IN_STEPS, name="s39_experts_hit_counted_then_listed_in_separate_steps", run=_S39_HIT_IN_STEPS_RUN,
+         expect={"routing": "mask_where", "loop": "expert_hit", "indices": "idx", "probs": "w"}),
+]
+
+MoeExperts.KEEP += [
+    # a count above one: experts with a single token are skipped, the grouped form would run them
+    Keep(_S39_HIT_IN_STEPS.replace("per_expert > 0", "per_expert > 1"),
+         reason="the experts iterated are those passing `per_expert > 1`: not every expert that received tokens",
+         name="s39_experts_hit_above_a_count_of_one"),
+    # the hit list is narrowed by a parameter: a subset chosen by something else than the routing
+    Keep(_S39_HIT_IN_STEPS.replace("def forward(self, x):", "def forward(self, x, allowed=None):")
+         .replace("used = torch.where(per_expert > 0)[0]", "used = torch.where((per_expert > 0) & allowed)[0]"),
+         reason="the experts iterated come from `(per_expert > 0) & allowed`, not only from the routing",
+         name="s39_experts_hit_narrowed_by_a_parameter"),
+]
+
+
+# --- s39 glumoe39: grouped matmul loop over a table of cumulative row ends (form D) -----------------
+# (HO14a ArcticTraining `torch_group_gemm_fn`: `start = 0 if i == 0 else rows_cumsum[i - 1]; end = rows_cumsum[i];
+# C[start:end, :] = torch.matmul(A[start:end, :], B[i])`: the fallback grouped GEMM of expert-sorted rows.)
+# The per-group sizes are the differences of the ends; the fused branch also requires them non-negative
+# (decreasing ends make empty slices in the loop). Invented spelling: the previous end under `g > 0`.
+_S39_CUMULATIVE_ENDS = _HEAD + '''
+def grouped_by_expert_ends(rows, stacked, ends):
+    y = torch.zeros((ends[-1], stacked.shape[-1]), device=rows.device, dtype=rows.dtype)
+    for g in range(len(ends)):
+        lo = ends[g - 1] if g > 0 else 0
+        hi = ends[g]
+        y[lo:hi, :] = rows[lo:hi, :] @ stacked[g]
+    return y
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S39_CUMULATIVE_ENDS, name="s39_grouped_gemm_loop_cumulative_ends", run='''\
+w = (torch.randn(4, 16, 8) * 0.25).requires_grad_()
+x = torch.randn(14, 16, requires_grad=True)
+out = (grouped_by_expert_ends(x, w, torch.tensor([2, 7, 7, 12])), grouped_by_expert_ends(x, w, [3, 3, 9, 14]))
+leaves = [x, w]
+''', expect={"variant": "grouped_loop", "routing": "cumulative_ends", "output": "y", "tokens": "rows"}),
+]
+
+MoeExperts.KEEP += [
+    # the start is not the previous group's end: not contiguous runs of one table
+    Keep(_S39_CUMULATIVE_ENDS.replace("lo = ends[g - 1] if g > 0 else 0", "lo = ends[g - 2] if g > 1 else 0"),
+         name="s39_grouped_loop_start_two_groups_back"),
+    # the first group starts at 1: row 0 is never written, the grouped matmul would start at 0
+    Keep(_S39_CUMULATIVE_ENDS.replace("lo = ends[g - 1] if g > 0 else 0", "lo = ends[g - 1] if g > 0 else 1"),
+         name="s39_grouped_loop_first_group_starts_at_one"),
+]
+
+MoeExperts.KEEP += [
+    # s39: the loop also counts each expert's tokens into a side tensor (HO13a sidrocks `expert_usage[e] = mask.sum()`):
+    # said as a per-expert value, not as rows written through another index
+    Keep(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
+         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n"),
+         reason="the loop also writes one value per expert (`usage[e] = rows.numel()`)", name="s39_loop_counts_tokens_per_expert"),
 ]

@@ -36,6 +36,8 @@ GELU_DYN = "gelu_dyn"  # F.gelu(x, approximate=<expression>)
 QUICK_GELU = "quick_gelu"
 SIGMOID = "sigmoid"
 CONFIG = "config"
+# s39: a local activation class whose forward is a formula of its input npufuse cannot name
+_OWN_FORMULA = "own formula"
 
 # ACT2FN keys (transformers) by what they compute
 ACT_NAMES = {
@@ -221,13 +223,110 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
                 k = GELU
             elif "sigmoid" in text and "1.702" in text:
                 k = QUICK_GELU
-            elif re.fullmatch(rf"{re.escape(p)}\s*\*\s*(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)|(?:[\w.]+\.)?sigmoid\(\s*{re.escape(p)}\s*\)\s*\*\s*{re.escape(p)}", text):
-                # the whole return is x * sigmoid(x) (s33: a search also took ``x * torch.sigmoid(x) * beta``, a scaled Swish)
+            elif _s39_silu_formula(module, v, p):
+                # the whole return is x * sigmoid(x), sigmoid spelled as a call or as 1 / (1 + exp(-x)) (s33: a
+                # search also took ``x * torch.sigmoid(x) * beta``, a scaled Swish)
                 k = SILU
         if k is None:
             return None
         kinds.add(k)
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _s39_is_param(node: ast.expr, p: str) -> bool:
+    while S.is_cast(node):
+        node = node.func.value  # type: ignore[union-attr]
+    return isinstance(node, ast.Name) and node.id == p
+
+
+def _s39_one(node: ast.expr) -> bool:
+    v = const_value(node)
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1
+
+
+def _s39_one_plus_exp_neg(module: ModuleInfo, node: ast.expr, p: str) -> bool:
+    """``1 + exp(-p)`` (either order; torch.exp / math-free ``p.neg().exp()`` / ``(-p).exp()``)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+        return False
+    for one, e in ((node.left, node.right), (node.right, node.left)):
+        if not _s39_one(one) or not isinstance(e, ast.Call):
+            continue
+        if module.canonical(e.func) == "torch.exp" and len(e.args) == 1 and not e.keywords:
+            arg = e.args[0]
+        elif isinstance(e.func, ast.Attribute) and e.func.attr == "exp" and not e.args and not e.keywords:
+            arg = e.func.value
+        else:
+            continue
+        if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and _s39_is_param(arg.operand, p):
+            return True
+        if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "neg" and not arg.args \
+                and _s39_is_param(arg.func.value, p):
+            return True
+    return False
+
+
+def _s39_sigmoid_of(module: ModuleInfo, node: ast.expr, p: str) -> bool:
+    """``sigmoid(p)`` spelled as a call (torch / F / method) or as ``1 / (1 + exp(-p))``."""
+    if isinstance(node, ast.Call):
+        name = module.canonical(node.func)
+        if name in ("torch.sigmoid", "torch.nn.functional.sigmoid", "torch.special.expit") and len(node.args) == 1:
+            return _s39_is_param(node.args[0], p)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "sigmoid" and not node.args:
+            return _s39_is_param(node.func.value, p)
+        if name == "torch.reciprocal" and len(node.args) == 1:
+            return _s39_one_plus_exp_neg(module, node.args[0], p)
+        return False
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _s39_one(node.left) \
+        and _s39_one_plus_exp_neg(module, node.right, p)
+
+
+def _s39_silu_formula(module: ModuleInfo, node: ast.expr, p: str) -> bool:
+    """Is ``node`` exactly ``p * sigmoid(p)``? ``p * sigmoid(p)`` / ``sigmoid(p) * p`` with any spelling of
+    the sigmoid (:func:`_s39_sigmoid_of`), ``p / (1 + exp(-p))`` and ``p * 1 / (1 + exp(-p))`` (which
+    parses as ``(p * 1) / (...)``). A scale anywhere (``p * sigmoid(p) * beta``) is not SiLU."""
+    if not isinstance(node, ast.BinOp):
+        return False
+    if isinstance(node.op, ast.Mult):
+        return (_s39_is_param(node.left, p) and _s39_sigmoid_of(module, node.right, p)) \
+            or (_s39_is_param(node.right, p) and _s39_sigmoid_of(module, node.left, p))
+    if isinstance(node.op, ast.Div) and _s39_one_plus_exp_neg(module, node.right, p):
+        num = node.left
+        if isinstance(num, ast.BinOp) and isinstance(num.op, ast.Mult):
+            num = num.left if _s39_one(num.right) else num.right if _s39_one(num.left) else num
+        return _s39_is_param(num, p)
+    return False
+
+
+def _s39_pointwise_formula(module: ModuleInfo, fn: ast.FunctionDef) -> str | None:
+    """The text a one-parameter ``forward`` returns when it is a formula of that parameter alone
+    (arithmetic, constants and ``torch`` / ``math`` functions; one return): the local activation
+    class npufuse cannot name, said in the near miss. None for anything else (a module that is no
+    activation: a projection, a norm, several statements of state)."""
+    params = [a.arg for a in fn.args.args if a.arg != "self"]
+    returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    if len(params) != 1 or len(returns) != 1 or fn.args.vararg or fn.args.kwarg:
+        return None
+    value = returns[0].value
+    assert value is not None
+    if not any(isinstance(n, ast.Name) and n.id == params[0] for n in fast_walk(value)):
+        return None
+    nonlinear = ("exp", "sigmoid", "tanh", "erf", "relu", "softplus", "log1p", "pow", "sqrt")
+    if not any(isinstance(n, ast.Call) and ((module.canonical(n.func) or "").startswith(("torch.", "math."))
+                                             or isinstance(n.func, ast.Attribute) and n.func.attr in nonlinear)
+               for n in fast_walk(value)):
+        return None  # `return x` / `x * 2` / `x.float()`: an identity, a scale or a cast (a hook module), no activation
+    for n in fast_walk(value):
+        if isinstance(n, ast.Call):
+            name = module.canonical(n.func) or ""
+            method = isinstance(n.func, ast.Attribute) and not (dotted(n.func) or "").startswith(("torch.", "math.", "F."))
+            if not (name.startswith(("torch.", "math.")) or method):
+                return None
+        elif isinstance(n, ast.Name) and n.id not in (params[0], "torch", "math", "F"):
+            if module.canonical(n) is None or not (module.canonical(n) or "").startswith(("torch", "math")):
+                return None
+        elif isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Subscript, ast.IfExp, ast.Compare)):
+            return None
+    return ast.unparse(value)
 
 
 def _formula_kernels(module: ModuleInfo, fn: ast.FunctionDef) -> int:
@@ -331,9 +430,14 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                 cname = dotted(value.func)
                 if cname and cname in module.classes:
                     ck = _class_act(module, cname)
+                    fwd = S.method(module, cname, "forward")
                     if ck is not None:
-                        fwd = S.method(module, cname, "forward")
                         return Act(ck, gate, ctx, desc, obj=f, kernels=_formula_kernels(module, fwd) if fwd else 1)
+                    formula = _s39_pointwise_formula(module, fwd) if isinstance(fwd, ast.FunctionDef) else None
+                    if formula is not None:
+                        # s39: the module's own activation class computes something npufuse cannot name: a near
+                        # miss that says what its forward returns (no candidate: no fused op is known to match)
+                        return Act(_OWN_FORMULA, gate, ctx, f"{desc}, whose forward returns `{formula[:60]}`", obj=f)
                 # act_layer() with act_layer an __init__ parameter (timm): chosen by the caller
                 params = S.init_params(module, cls_name)
                 if isinstance(value.func, ast.Name) and value.func.id in params:
@@ -1838,6 +1942,9 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             return miss("quick_gelu (x * sigmoid(1.702 x)) is not gelu: npu_geglu has erf/tanh gelu only (npu_fast_gelu covers the activation alone)")
         if "gelu" in kind:
             return miss(f"gelu variant `{kind}` cannot be mapped: npu_geglu computes approximate=0 (erf) or 1 (tanh) only")
+        if kind == _OWN_FORMULA:
+            return miss(f"the activation is the module's own class ({g0.act.describe}), a formula npufuse does not read as "
+                        "silu or as gelu (erf / tanh): no fused gated op is known to compute it")
         return miss(f"activation is not silu ({kind}{': ' + g0.act.describe if g0.act.describe else ''}) and not gelu: no fused gated op")
     if any(g.act.kind != kind for g in gates):
         return miss("several gated products with different activations in one statement")
@@ -5636,7 +5743,9 @@ Swiglu.KEEP += [
 
 # --- s27: operands transformed elementwise after their projection (clamped / scaled GLUs) ---
 
-_ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous"))
+_ELEMENTWISE_METHODS = frozenset(("clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "to", "type_as", "contiguous",
+                                  # s39: `up = up.mul(mask)` (a scale spelled as a method)
+                                  "mul", "div"))
 # torch functions taking the tensor first and only bounds after it (`torch.clamp(t, min=None, max=None)`)
 _TORCH_CLAMPS = frozenset(("clamp", "clamp_min", "clamp_max", "clip"))
 _SHAPE_READS = frozenset(("dtype", "device", "shape"))
@@ -6080,6 +6189,19 @@ def _plain_value(e: ast.expr) -> bool:
     return all(isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.UnaryOp, ast.USub, ast.UAdd)) for n in fast_walk(e))
 
 
+def _s39_linear_call(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> bool:
+    """``self.<attr>(v)`` with ``self.<attr> = nn.Linear(...)`` in the class's ``__init__`` and ``v`` a plain
+    value: its result's shape is ``(*v.shape[:-1], self.<attr>.out_features)`` while the attribute still
+    holds an nn.Linear (the fused branch tests that too: a pruned or wrapped layer is checked at run time)."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and _plain_value(node.args[0])):
+        return False
+    f = node.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return False
+    value = S.init_assignments(module, ctx.scope.class_name).get(f.attr)
+    return isinstance(value, ast.Call) and module.canonical(value.func) == "torch.nn.Linear"
+
+
 def _inline_guard(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx,
                   avoid: set[str]) -> list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] | None:
     """Megatron's ``act(x_glu) * (x_linear + self.config.glu_linear_offset)``: an operand written as an
@@ -6087,10 +6209,15 @@ def _inline_guard(module: ModuleInfo, a: ast.expr, actx: S.Ctx, b: ast.expr, ctx
     broadcast of the name's shape with the values' shapes, which the fused branch can read without
     computing the operand: per operand, the name and the inline values; None when an operand is
     anything else (a projection call computed in the product, a value that is itself computed)."""
-    out: list[tuple[ast.Name, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] = []
+    out: list[tuple[ast.expr, S.Ctx, list[tuple[ast.expr, S.Ctx]]]] = []
     for op, octx in ((a, actx), (b, ctx)):
         scales: list[tuple[ast.expr, S.Ctx]] = []
         n = op
+        if _s39_linear_call(module, n, octx):
+            # s39: `act(self.gate_proj(x)) * up` with up scaled (LLM-Shearing's optional mask): the projection's
+            # shape is read from the nn.Linear and its input, so it is not computed twice
+            out.append((n, octx, []))
+            continue
         for _ in range(8):
             if isinstance(n, ast.Name):
                 break
@@ -6109,8 +6236,13 @@ def _inline_shape_test(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str:
     ``broadcast_shapes(name.shape, value.shape...)`` (a number has shape ``()``), read from the names
     and values only (nothing is computed twice)."""
     T = S.torch_name(module) or "torch"
-    shapes = []
+    shapes, linear = [], []
     for name, nctx, scales in g.inline_guard or []:
+        if isinstance(name, ast.Call):  # an nn.Linear projection of a plain value (_s39_linear_call)
+            proj, inp = S.render(module, name.func, nctx, plan), S.render(module, name.args[0], nctx, plan)
+            linear.append(f"isinstance({proj}, {T}.nn.Linear)")
+            shapes.append(f"(*{S.atom(inp)}.shape[:-1], {proj}.out_features)")
+            continue
         base = S.render(module, name, nctx, plan)
         if not base.isidentifier():
             raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
@@ -6119,7 +6251,7 @@ def _inline_shape_test(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str:
             continue
         parts = ", ".join(f'getattr({S.render(module, e, c, plan)}, "shape", ())' for e, c in scales)
         shapes.append(f"{T}.broadcast_shapes({base}.shape, {parts})")
-    return f"{shapes[0]} == {shapes[1]}"
+    return " and ".join(linear + [f"{shapes[0]} == {shapes[1]}"])
 
 
 _S27_OFFSET_UP = '''
@@ -7857,4 +7989,122 @@ Swiglu.KEEP += [
     # a rebinding that reads the other operand: not a transform of the parameter alone
     Keep(_S38_PARAMS_THROUGH_CALLS.replace("u = grad_scale(u, self.s)", "u = grad_scale(u, v)"),
          reason="", name="s38_gating_parameter_rebound_from_the_other_operand"),
+]
+
+
+# --- s39 glumoe39: the module's own activation class, its sigmoid written out ----------------------
+# (HO15a LLM-quest: `self.silu_activ = SiLU()` with `class SiLU(nn.Module)` returning
+# `x * 1 / (1 + torch.exp(-x))`: the forward is read structurally, so the spelling of the sigmoid
+# (a call, `1 / (1 + exp(-x))`, a reciprocal) does not matter; a formula that is not exactly SiLU is
+# a near miss that says what it returns.) Invented spellings below.
+_S39_OWN_ACT_CLASS = '''
+import torch
+from torch import nn
+
+
+class Swish(nn.Module):
+    def forward(self, t):
+        return t / (1 + torch.exp(-t))
+
+
+class GatedFF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.a = nn.Linear(d, h, bias=False)
+        self.b = nn.Linear(d, h, bias=False)
+        self.o = nn.Linear(h, d, bias=False)
+        self.nl = Swish()
+
+    def forward(self, x):
+        g = self.nl(self.a(x))
+        return self.o(g * self.b(x))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S39_OWN_ACT_CLASS, expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm = GatedFF(8, 6)\nout = m(x)\nleaves = [x, m.a.weight, m.b.weight]\n",
+         name="s39_own_activation_class_sigmoid_written_out"),
+    Fuse(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t * 1 / (torch.exp(-t) + 1)"),
+         expect={"activation": "silu"},
+         run="x = torch.randn(2, 3, 8, requires_grad=True)\nm = GatedFF(8, 6)\nout = m(x)\nleaves = [x, m.a.weight]\n",
+         name="s39_own_activation_class_times_one_over_one_plus_exp"),
+]
+
+Swiglu.KEEP += [
+    # a Swish with beta 2 written out: not SiLU; the near miss says what the class computes
+    Keep(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t / (1 + torch.exp(-2.0 * t))"),
+         reason="the activation is the module's own class (self.nl = Swish(), whose forward returns "
+                "`t / (1 + torch.exp(-2.0 * t))`), a formula npufuse does not read as silu",
+         name="s39_own_activation_class_swish_beta_two"),
+    # a plain `x * sigmoid(x) * beta`-free but offset formula: not SiLU either
+    Keep(_S39_OWN_ACT_CLASS.replace("return t / (1 + torch.exp(-t))", "return t / (1 + torch.exp(-t)) + 0.1 * t"),
+         reason="a formula npufuse does not read as silu", name="s39_own_activation_class_offset_swish"),
+]
+
+
+# --- s39 glumoe39: the up branch scaled by an optional mask before the product ----------------------
+# (HO15a LLM-Shearing: `gate = F.silu(self.gate_proj(x)); up_v = self.up_proj(x); if z is not None:
+# up_v *= z; self.down_proj(gate * up_v)`.) A scale of the up half stays as written (npu_swiglu takes
+# the scaled half: silu(g) * (u * m) exactly); what the fused branch must check is that gate and up have
+# one shape (a mask could broadcast up to a larger shape). The gate projection is computed inside the
+# activation, so its shape is read from the nn.Linear and its input instead of computing it twice; the
+# method spelling `up.mul(mask)` is a scale like `up * mask`. Invented spellings below.
+_S39_UP_MASKED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PrunableMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_gate = nn.Linear(d, h, bias=False)
+        self.w_up = nn.Linear(d, h, bias=False)
+        self.w_down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x, keep=None):
+        act = F.silu(self.w_gate(x))
+        val = self.w_up(x)
+        if keep is not None:
+            val *= keep
+        return self.w_down(act * val)
+
+
+class MethodMasked(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.g = nn.Linear(d, h, bias=False)
+        self.u = nn.Linear(d, h, bias=False)
+
+    def forward(self, x, keep=None):
+        a, b = self.g(x), self.u(x)
+        if keep is not None:
+            b = b.mul(keep)
+        return F.silu(a) * b
+'''
+
+_S39_UP_MASKED_RUN = '''\
+x = torch.randn(2, 3, 8, requires_grad=True)
+keep = (torch.rand(6) > 0.3).float()
+m1, m2 = PrunableMLP(8, 6), MethodMasked(8, 6)
+out = (m1(x), m1(x, keep), m2(x), m2(x, keep), m2(x, torch.ones(4, 1, 1, 6)))
+leaves = [x, m1.w_gate.weight, m1.w_up.weight, m2.u.weight]
+'''
+
+Swiglu.FUSE += [
+    Fuse(_S39_UP_MASKED, expect={"activation": "silu", "qualname": "PrunableMLP.forward"}, run=_S39_UP_MASKED_RUN,
+         name="s39_up_half_scaled_by_an_optional_mask"),
+]
+
+Swiglu.KEEP += [
+    # the gate projection is a module npufuse cannot read the shape of (a local class): its shape cannot be
+    # checked without computing it twice
+    Keep(_S39_UP_MASKED.replace("class PrunableMLP", "class Proj(nn.Linear):\n    pass\n\n\nclass PrunableMLP")
+         .replace("self.w_gate = nn.Linear(d, h, bias=False)", "self.w_gate = Proj(d, h, bias=False)")
+         .split("class MethodMasked")[0],
+         reason="computed inside the activation or product", name="s39_up_masked_gate_projection_not_an_nn_linear"),
+    # the "mask" is the projections' input: silu(g) * (u * x) gates by the input itself
+    Keep(_S39_UP_MASKED.replace("b = b.mul(keep)", "b = b.mul(x)").split("class PrunableMLP")[0]
+         + "class MethodMasked" + _S39_UP_MASKED.replace("b = b.mul(keep)", "b = b.mul(x)").split("class MethodMasked")[1],
+         reason="", name="s39_up_scaled_by_the_projections_input"),
 ]
