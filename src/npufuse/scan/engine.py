@@ -657,6 +657,10 @@ def _init_worker(root: str, patterns: Sequence[Pattern], options: ScanOptions, c
     parent = multiprocessing.parent_process()
     if parent is not None and parent.sentinel is not None:
         threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), name="npufuse-parent-watch", daemon=True).start()
+    # Everything the worker holds now (inherited at fork: the detectors' modules, their tables)
+    # lives as long as the worker: out of the cyclic collector's reach, a full collection does
+    # not traverse it again (about a third of a worker's collector time on a full scan).
+    gc.freeze()
 
 
 def _exit_with_parent(sentinel: int) -> None:
