@@ -543,6 +543,8 @@ class RepoIndex:
         self._flagged_functions: dict[str, list[tuple[ast.AST, set[str], dict[str, set[str]], list[ast.Call]]]] = {}
         self._caller_draws: dict[tuple[str, str, int, Optional[str]], bool] = {}
         self._registrations: dict[str, tuple[dict[str, set[str]], set[int]]] = {}
+        self.reached: dict[tuple[str, ...], list[str]] = {}  # starts -> reachable_files (a copy is handed out)
+        self._parents: dict[int, tuple[ast.AST, dict[int, ast.AST]]] = {}
         self._string_constants: dict[str, dict[str, list[int]]] = {}
         self._top_references: dict[str, list[tuple[ast.stmt, dict[str, list[ast.AST]]]]] = {}
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
@@ -721,6 +723,13 @@ class RepoIndex:
             self._top_references[rel] = got
         return got
 
+    def parents(self, fn: ast.AST) -> dict[int, ast.AST]:
+        """:func:`_parents` of a node of the index's trees, built once per node (the node is held: its id stays its)."""
+        got = self._parents.get(id(fn))
+        if got is None:
+            got = self._parents[id(fn)] = (fn, _parents(fn))
+        return got[1]
+
     def string_constants(self, rel: str) -> dict[str, list[int]]:
         """String constant -> ids of the file's ``Constant`` nodes holding it, read once per file for
         :meth:`Registry._read_used` (which asked each key of each site's registry over the whole tree)."""
@@ -764,17 +773,25 @@ class RepoIndex:
 
 
 def reachable_files(index: RepoIndex, starts: Iterable[str]) -> list[str]:
-    """The ``starts`` and the files of the repo they import, transitively (bounded)."""
+    """The ``starts`` and the files of the repo they import, transitively (bounded); followed once per scan for the
+    same starts (a site asks twice: its registry and its skips)."""
     seen = list(dict.fromkeys(starts))
+    key = tuple(seen)
+    got = index.reached.get(key)
+    if got is not None:
+        return list(got)
+    members = set(seen)  # membership by set: icefall's closures hold hundreds of files
     frontier = list(seen)
     for _ in range(_MAX_DEPTH):
         nxt: list[str] = []
         for rel in frontier:
             for f in index.imported_files(rel):
-                if f not in seen:
+                if f not in members:
+                    members.add(f)
                     seen.append(f)
                     nxt.append(f)
         frontier = nxt
+    index.reached[key] = list(seen)
     return seen
 
 
@@ -1340,7 +1357,7 @@ class Registry:
         """Is every reference in ``refs`` in the body of an ``if`` of ``fn`` testing a value against string names
         (``cfg["encoder"] == "branchformer"``, ``name in ("a", "b")``, an ``elif`` chain) that no configuration file
         or other code string names (wenet's ``init_model``)? The test's strings are registrations, not uses."""
-        parents = _parents(fn)
+        parents = self.index.parents(fn)  # each site's registry asks of the same functions
         keys: list[str] = []
         for ref in refs:
             child, up = ref, parents.get(id(ref))
