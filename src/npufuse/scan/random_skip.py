@@ -537,6 +537,16 @@ class RepoIndex:
         self._rates: dict[str, list[tuple[str, float]]] = {}
         self._configs: Optional[list[tuple[str, str]]] = None
         self._imports: dict[str, list[str]] = {}
+        # s39 (perf39): per-file answers the per-site questions repeat over the same unchanged trees (icefall: 36
+        # optimizer sites asked the same few hundred files again, 189 s); each is what the old per-call walk computed
+        self._draws_random: dict[str, bool] = {}
+        self._flagged_functions: dict[str, list[tuple[ast.AST, set[str], dict[str, set[str]], list[ast.Call]]]] = {}
+        self._caller_draws: dict[tuple[str, str, int, Optional[str]], bool] = {}
+        self._registrations: dict[str, tuple[dict[str, set[str]], set[int]]] = {}
+        self.reached: dict[tuple[str, ...], list[str]] = {}  # starts -> reachable_files (a copy is handed out)
+        self._parents: dict[int, tuple[ast.AST, dict[int, ast.AST]]] = {}
+        self._string_constants: dict[str, dict[str, list[int]]] = {}
+        self._top_references: dict[str, list[tuple[ast.stmt, dict[str, list[ast.AST]]]]] = {}
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -623,6 +633,116 @@ class RepoIndex:
                         break
         return self._configs
 
+    def draws_random(self, rel: str) -> bool:
+        """Does the file's text call a random draw (:data:`_RANDOM_WORDS`)? Searched once per file."""
+        got = self._draws_random.get(rel)
+        if got is None:
+            got = self._draws_random[rel] = bool(_RANDOM_WORDS.search(self.text(rel) or ""))
+        return got
+
+    def flagged_functions(self, rel: str) -> list[tuple[ast.AST, set[str], dict[str, set[str]], list[ast.Call]]]:
+        """The file's functions (nested ones too, in :func:`ast.walk` order) that bind a random flag: (function, its
+        :func:`_random_flags`, called name -> the plain names it assigns that call to, the calls of a plain name in
+        walk order), read once per file for :func:`_drawn_by_a_caller`."""
+        got = self._flagged_functions.get(rel)
+        if got is None:
+            got = []
+            tree = self.tree(rel)
+            for fn in ast.walk(tree) if tree is not None else ():
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                flags = _random_flags(fn)
+                if not flags:
+                    continue
+                built: dict[str, set[str]] = {}
+                named_calls: list[ast.Call] = []
+                for n in ast.walk(fn):
+                    if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+                        built.setdefault(_name(n.value.func), set()).update(t.id for t in n.targets if isinstance(t, ast.Name))
+                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                        named_calls.append(n)
+                got.append((fn, flags, built, named_calls))
+            self._flagged_functions[rel] = got
+        return got
+
+    def caller_draws(self, rel: str, cls: str, index: int, param: Optional[str]) -> bool:
+        """Does a function of ``rel`` call an object it built from ``cls`` with a random-drawn value for the forward
+        parameter ``param`` (position ``index``)? Answered once per (file, class, parameter)."""
+        key = (rel, cls, index, param)
+        got = self._caller_draws.get(key)
+        if got is None:
+            got = self._caller_draws[key] = self._read_caller_draws(rel, cls, index, param)
+        return got
+
+    def _read_caller_draws(self, rel: str, cls: str, index: int, param: Optional[str]) -> bool:
+        if cls not in (self.text(rel) or "") or not self.draws_random(rel):
+            return False
+        for _fn, flags, built, named_calls in self.flagged_functions(rel):
+            objects = built.get(cls)
+            if not objects:
+                continue
+            for c in named_calls:
+                if c.func.id not in objects:  # type: ignore[attr-defined]
+                    continue
+                arg = c.args[index] if 0 <= index < len(c.args) else next((k.value for k in c.keywords if k.arg == param), None)
+                if arg is not None and _draws(arg, flags):
+                    return True
+        return False
+
+    def registrations(self, rel: str) -> tuple[dict[str, set[str]], set[int]]:
+        """(class / function name -> its registry names, ids of the registration nodes) the file holds
+        (:meth:`Registry._read` over its tree), read once per file; every :class:`Registry` merges copies."""
+        got = self._registrations.get(rel)
+        if got is None:
+            reader = Registry(self, [])
+            text = self.text(rel) or ""
+            tree = self.tree(rel) if "register" in text or "{" in text else None
+            for n in ast.walk(tree) if tree is not None else ():
+                reader._read(n)
+            got = self._registrations[rel] = (reader.keys, reader.positions)
+        return got
+
+    def top_references(self, rel: str) -> list[tuple[ast.stmt, dict[str, list[ast.AST]]]]:
+        """The file's top-level statements other than imports, each with name -> the ``Name`` / ``Attribute``
+        nodes under it that read that name (in :func:`ast.walk` order), read once per file for
+        :meth:`Registry._referrers`."""
+        got = self._top_references.get(rel)
+        if got is None:
+            got = []
+            tree = self.tree(rel)
+            for top in tree.body if tree is not None else ():
+                if isinstance(top, (ast.Import, ast.ImportFrom)):
+                    continue
+                refs: dict[str, list[ast.AST]] = {}
+                for n in ast.walk(top):
+                    if isinstance(n, ast.Name):
+                        refs.setdefault(n.id, []).append(n)
+                    elif isinstance(n, ast.Attribute):
+                        refs.setdefault(n.attr, []).append(n)
+                got.append((top, refs))
+            self._top_references[rel] = got
+        return got
+
+    def parents(self, fn: ast.AST) -> dict[int, ast.AST]:
+        """:func:`_parents` of a node of the index's trees, built once per node (the node is held: its id stays its)."""
+        got = self._parents.get(id(fn))
+        if got is None:
+            got = self._parents[id(fn)] = (fn, _parents(fn))
+        return got[1]
+
+    def string_constants(self, rel: str) -> dict[str, list[int]]:
+        """String constant -> ids of the file's ``Constant`` nodes holding it, read once per file for
+        :meth:`Registry._read_used` (which asked each key of each site's registry over the whole tree)."""
+        got = self._string_constants.get(rel)
+        if got is None:
+            got = {}
+            tree = self.tree(rel)
+            for n in ast.walk(tree) if tree is not None else ():
+                if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                    got.setdefault(n.value, []).append(id(n))
+            self._string_constants[rel] = got
+        return got
+
     def imported_files(self, rel: str) -> list[str]:
         """Files of the repo that ``rel`` imports (absolute and relative imports), read once per file (s39: each
         optimizer site follows the trainer's imports again)."""
@@ -653,17 +773,25 @@ class RepoIndex:
 
 
 def reachable_files(index: RepoIndex, starts: Iterable[str]) -> list[str]:
-    """The ``starts`` and the files of the repo they import, transitively (bounded)."""
+    """The ``starts`` and the files of the repo they import, transitively (bounded); followed once per scan for the
+    same starts (a site asks twice: its registry and its skips)."""
     seen = list(dict.fromkeys(starts))
+    key = tuple(seen)
+    got = index.reached.get(key)
+    if got is not None:
+        return list(got)
+    members = set(seen)  # membership by set: icefall's closures hold hundreds of files
     frontier = list(seen)
     for _ in range(_MAX_DEPTH):
         nxt: list[str] = []
         for rel in frontier:
             for f in index.imported_files(rel):
-                if f not in seen:
+                if f not in members:
+                    members.add(f)
                     seen.append(f)
                     nxt.append(f)
         frontier = nxt
+    index.reached[key] = list(seen)
     return seen
 
 
@@ -992,29 +1120,8 @@ def every_param_used(index: "RepoIndex", files: Iterable[str]) -> Optional[str]:
 def _drawn_by_a_caller(index: RepoIndex, s: RandomSkip, files: Iterable[str]) -> bool:
     """Does a function of ``files`` call an object it built from ``s.cls`` with a random-drawn value
     for the parameter the skip reads (by position or keyword)?"""
-    for rel in files:
-        text = index.text(rel) or ""
-        if s.cls not in text or not _RANDOM_WORDS.search(text):
-            continue
-        tree = index.tree(rel)
-        if tree is None:
-            continue
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            flags = _random_flags(fn)
-            if not flags:
-                continue
-            objects = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-                       and _name(n.value.func) == s.cls for t in n.targets if isinstance(t, ast.Name)}
-            for c in ast.walk(fn):
-                if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in objects):
-                    continue
-                arg = c.args[s.index] if 0 <= s.index < len(c.args) else next(
-                    (k.value for k in c.keywords if k.arg == s.param), None)
-                if arg is not None and _draws(arg, flags):
-                    return True
-    return False
+    # per file, from the index's per-file functions and memo (s39, perf39: 878 calls walked the same files again)
+    return any(index.caller_draws(rel, s.cls, s.index, s.param) for rel in files)
 
 
 def model_classes(index: RepoIndex, rel: str, tree: ast.Module, cls_name: str, depth: int = 0,
@@ -1176,13 +1283,11 @@ class Registry:
         self.keys: dict[str, set[str]] = {}  # class / function name -> its registry names
         self.positions: set[int] = set()  # ids of nodes that are registrations (not uses)
         self._used_keys: dict[str, bool] = {}
-        for rel in files:
-            text = index.text(rel) or ""
-            if "register" not in text and "{" not in text:
-                continue
-            tree = index.tree(rel)
-            for n in ast.walk(tree) if tree is not None else ():
-                self._read(n)
+        for rel in files:  # each file read once per scan by the index (s39, perf39); copies: the checks add to them
+            keys, positions = index.registrations(rel)
+            for name, names in keys.items():
+                self.keys.setdefault(name, set()).update(names)
+            self.positions |= positions
 
     def _read(self, n: ast.AST) -> None:
         if isinstance(n, (ast.ClassDef, ast.FunctionDef)):
@@ -1222,9 +1327,7 @@ class Registry:
             text = self.index.text(rel) or ""
             if f'"{key}"' not in text and f"'{key}'" not in text:
                 continue
-            tree = self.index.tree(rel)
-            if tree is None or any(isinstance(n, ast.Constant) and n.value == key and id(n) not in self.positions
-                                   for n in ast.walk(tree)):
+            if self.index.tree(rel) is None or any(i not in self.positions for i in self.index.string_constants(rel).get(key, ())):
                 return True
         return False
 
@@ -1235,12 +1338,10 @@ class Registry:
         for rel in self.files:
             if name not in (self.index.text(rel) or ""):
                 continue
-            tree = self.index.tree(rel)
-            for top in tree.body if tree is not None else ():
-                if isinstance(top, (ast.Import, ast.ImportFrom)) or (isinstance(top, (ast.ClassDef, ast.FunctionDef)) and top.name == name):
+            for top, named in self.index.top_references(rel):
+                if isinstance(top, (ast.ClassDef, ast.FunctionDef)) and top.name == name:
                     continue
-                refs = [n for n in ast.walk(top) if id(n) not in self.positions and (
-                    (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name))]
+                refs = [n for n in named.get(name, ()) if id(n) not in self.positions]
                 if not refs:
                     continue
                 if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) and self._chosen_by_unused_names(top, refs, name):
@@ -1256,7 +1357,7 @@ class Registry:
         """Is every reference in ``refs`` in the body of an ``if`` of ``fn`` testing a value against string names
         (``cfg["encoder"] == "branchformer"``, ``name in ("a", "b")``, an ``elif`` chain) that no configuration file
         or other code string names (wenet's ``init_model``)? The test's strings are registrations, not uses."""
-        parents = _parents(fn)
+        parents = self.index.parents(fn)  # each site's registry asks of the same functions
         keys: list[str] = []
         for ref in refs:
             child, up = ref, parents.get(id(ref))
