@@ -50,8 +50,20 @@ def test_a_read_after_a_rebinding_in_its_block_is_not_a_use() -> None:
     assert [n.lineno for n in scope.loads_after("q", 10)] == [11]
     # a read inside a lambda counts whatever follows it in the block (it runs when called)
     assert scope.uses_after("r", 12)
-    # `s += 1` rebinds `s` (its own read of the old value is the target's, a Store: not counted, as before s39)
+    # `s += 1` reads the old `s` through its target (a Store: not counted, as before s39); nothing reads it later
     assert not scope.uses_after("s", 16)
+
+
+def test_an_augmented_assignment_does_not_hide_later_reads() -> None:
+    # `p += 1` reads the old value and, on a tensor, changes that very object: the later read still sees it
+    scope = _scope('''
+def f(s, v):
+    p = s.softmax(-1)
+    out = p @ v
+    p += 1
+    return out, p
+''')
+    assert scope.uses_after("p", 4)
 
 
 def test_both_attentions_found_when_the_second_reuses_the_probabilities_name() -> None:

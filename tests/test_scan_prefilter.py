@@ -276,15 +276,15 @@ def ref_statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:
 
 
 def ref_killed(scope: Any, load: ast.Name, line: int) -> bool:
-    """Reference of the s39 reaching-definition rule: a plain assignment to the name (``=``, ``+=``, annotated with a
-    value; tuple / starred targets too) starting after ``line`` stands earlier in a block whose later statements hold the
+    """Reference of the s39 reaching-definition rule: a plain assignment to the name (``=`` or annotated with a value,
+    not ``+=``, which reads the old value itself; tuple / starred targets too) starting after ``line`` stands earlier in a block whose later statements hold the
     read, and the read is not inside a nested function or lambda."""
     for n in ast.walk(scope.node):
         if n is not scope.node and isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)) \
                 and any(x is load for x in ast.walk(n)):
             return False
     for block, i, stmt in ref_walk_blocks(scope.body):
-        if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)) or stmt.lineno <= line:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.lineno <= line:
             continue
         if isinstance(stmt, ast.AnnAssign) and stmt.value is None:
             continue

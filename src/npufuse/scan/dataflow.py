@@ -430,15 +430,16 @@ class Scope:
 
     def _rebinding_regions(self) -> dict[str, list[tuple[int, tuple[int, int], tuple[int, int]]]]:
         """name -> (line of the assignment, start, end of the statements after it in its block) for
-        every plain assignment (``=``, ``+=``, annotated with a value) that binds ``name`` itself, a
-        tuple / list / starred element included: whatever those statements read of ``name`` comes from
-        that assignment or a later one. Computed once per scope."""
+        every plain assignment (``=``, annotated with a value) that binds ``name`` itself, a tuple /
+        list / starred element included: whatever those statements read of ``name`` comes from that
+        assignment or a later one. Not ``x += ...``: it reads the old value itself (no Load node says
+        so) and, on a tensor, changes that very object in place. Computed once per scope."""
         cached = self.__dict__.get("_rebinding_regions_cache")
         if cached is not None:
             return cached
         cached = {}
         for block, i, stmt in self.listing()[0]:
-            if i + 1 >= len(block) or not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            if i + 1 >= len(block) or not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                 continue
             if isinstance(stmt, ast.AnnAssign) and stmt.value is None:
                 continue
@@ -530,7 +531,8 @@ class Scope:
 
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-# statement type -> which of body/orelse/finalbody/handlers/cases it has (empty: a simple statement)
+
+
 def _plain_bound(target: ast.AST, out: set[str]) -> None:
     """The names an assignment target binds as a whole (``x``, ``a, (b, *c)``), not through an
     attribute or a subscript (``x[i] = ...`` changes ``x``'s value without rebinding it)."""
@@ -543,6 +545,7 @@ def _plain_bound(target: ast.AST, out: set[str]) -> None:
         _plain_bound(target.value, out)
 
 
+# statement type -> which of body/orelse/finalbody/handlers/cases it has (empty: a simple statement)
 _COMPOUND: dict[type, tuple[str, ...]] = {}
 
 
