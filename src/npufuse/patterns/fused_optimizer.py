@@ -5696,6 +5696,10 @@ def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
     """(construction call, the name it calls, torch.optim classes that name may hold) where the statement calls
     a local name last bound, before it, to a run-time class lookup (:func:`_s34_lookup_kinds`)."""
     for call in fast_walk(stmt):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            found = _s40_attribute_lookup(module, scope, stmt, call)
+            if found is not None:
+                return found
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
             continue
         name = call.func.id
@@ -5708,6 +5712,22 @@ def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
         if kinds:
             return call, name, kinds
     return None
+
+
+def _s40_attribute_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -> Optional[tuple[ast.Call, str, tuple[str, ...]]]:
+    """s40 (reflow's Trainer): ``self.optimizer = getattr(optim, cfg.get("optimizer", "Adam"))`` then, later in the same
+    method, ``self.optimizer = self.optimizer(params, lr=...)``: the attribute holds the looked-up class when the
+    construction reads it (``bound_callee.attribute_value_before``), so the guard tests that value as for a local."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    from npufuse.scan import bound_callee
+
+    value = bound_callee.attribute_value_before(scope, f.attr, stmt.lineno)
+    if value is None or not _s39_parameters_like(keyword(call, "params", 0)):
+        return None
+    kinds, _table = _s34_lookup_kinds(module, scope, value, stmt.lineno)
+    return (call, f"self.{f.attr}", kinds) if kinds else None
 
 
 def _s34_read_by_later_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> bool:
