@@ -472,3 +472,71 @@ def test_bound_callee_names_the_rebinding() -> None:
     module = ModuleInfo.from_source("m.py", _REBOUND)
     assert bound_callee.rebound_class(module, "InternRMSNorm") == "`InternRMSNorm = FusedRMSNorm` under the `try` block succeeding"
     assert bound_callee.rebound_class(module, "Block") is None
+
+
+# -- an optimizer built through functools.partial of a torch.optim class (fastai / OpenPCDet-style factories) --------
+
+_PARTIAL_OPT = '''\
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def train(model, x, y, lr=1e-2, steps=3):
+    opt_fn = partial(torch.optim.Adam, betas=(0.9, 0.99), weight_decay=0.01)
+    opt = opt_fn(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return opt
+'''
+
+
+def _trained(code: str) -> tuple[list[torch.Tensor], dict]:
+    ns: dict = {}
+    with emulate.install() as emu:
+        exec(compile(code, "<train>", "exec"), ns)
+        torch.manual_seed(0)
+        model = ns["Net"]()
+        gen = torch.Generator().manual_seed(3)
+        opt = ns["train"](model, torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen))
+        return [p.detach().clone() for p in model.parameters()], {"calls": dict(emu.calls), "class": type(opt).__name__}
+
+
+def test_optimizer_through_a_partial_is_built_as_the_same_partial_of_the_fused_class() -> None:
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.fused_optimizer import FusedOptimizer
+    from npufuse.rewrite.codegen import splice
+
+    findings, _ = detect_all(FusedOptimizer(), _PARTIAL_OPT)
+    assert [(f.line, f.params["partial_of"]) for f in findings] == [(18, "torch.optim.Adam")], findings
+    assert "type(opt_fn)(torch_npu.optim.NpuFusedAdam, **opt_fn.keywords)(model.parameters(), lr=lr)" in findings[0].fused
+    ref, _ = _trained(_PARTIAL_OPT)
+    out, info = _trained(splice(_PARTIAL_OPT, findings))
+    assert info["class"] == "NpuFusedAdam", info
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_partial_of_a_class_without_a_fused_counterpart_or_binding_other_keywords_is_no_candidate() -> None:
+    from pattern_harness import detect_all
+
+    from npufuse.patterns.fused_optimizer import FusedOptimizer
+
+    for code in (_PARTIAL_OPT.replace("torch.optim.Adam, betas=(0.9, 0.99), weight_decay=0.01", "torch.optim.Adagrad, weight_decay=0.01"),
+                 _PARTIAL_OPT.replace("weight_decay=0.01)", "weight_decay=0.01, foreach=False)")):
+        findings, _ = detect_all(FusedOptimizer(), code)
+        assert findings == [], findings
