@@ -143,14 +143,13 @@ def test_activation_returned_by_a_method_is_fused_where_it_is_silu() -> None:
     assert [f.line for f in findings] == [15], findings
     assert "self.act_fn is torch.nn.functional.silu" in findings[0].fused
     fused = splice(_METHOD_ACT, findings)
-    x = torch.randn(2, 3, 8)
+    call = "_obj(__import__('torch').randn(2, 3, 8, generator=__import__('torch').Generator().manual_seed(4)))"
     for act, expect_fused in (("silu", True), ("quick_gelu", False)):
         build = f"VisionMlp(8, 16, {act!r})"
-        ref, _ = _run_module(_METHOD_ACT, build, "_obj(x)".replace("x", "__import__('torch').ones(2, 3, 8)"))
-        out, calls = _run_module(fused, build, "_obj(x)".replace("x", "__import__('torch').ones(2, 3, 8)"))
+        ref, _ = _run_module(_METHOD_ACT, build, call)
+        out, calls = _run_module(fused, build, call)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert bool(calls.get("npu_swiglu")) is expect_fused, (act, calls)
-    del x
 
 
 def test_method_returning_only_unfusable_activations_is_no_candidate() -> None:
@@ -540,3 +539,42 @@ def test_partial_of_a_class_without_a_fused_counterpart_or_binding_other_keyword
                  _PARTIAL_OPT.replace("weight_decay=0.01)", "weight_decay=0.01, foreach=False)")):
         findings, _ = detect_all(FusedOptimizer(), code)
         assert findings == [], findings
+
+
+def test_bound_callee_reads_module_level_flags_and_conditional_expressions() -> None:
+    from npufuse.scan import bound_callee
+    from npufuse.scan.dataflow import ModuleInfo
+
+    code = '''\
+import torch.nn.functional as F
+from fastlib import FastNorm
+
+USE_FAST = False
+
+
+class RMSNorm:
+    pass
+
+
+if USE_FAST:
+    Norm = FastNorm
+else:
+    Norm = RMSNorm
+act = F.silu if USE_SILU else F.gelu
+
+
+def f(x, name):
+    local = act
+    return Norm(x), local(x), name(x)
+'''
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    ret = next(n for n in ast.walk(scope.node) if isinstance(n, ast.Return))
+    norm_call, local_call, param_call = ret.value.elts  # type: ignore[union-attr]
+    norm = bound_callee.choices(module, scope, norm_call.func)
+    assert norm is not None and [(m.name, m.condition) for m in norm.members] == [
+        ("fastlib.FastNorm", "`if USE_FAST:`"), ("RMSNorm", "the `else` of `if USE_FAST:`")]
+    local = bound_callee.choices(module, scope, local_call.func)
+    assert local is not None and local.complete and [(m.name, m.condition) for m in local.members] == [
+        ("torch.nn.functional.silu", "`USE_SILU` holding"), ("torch.nn.functional.gelu", "`USE_SILU` failing")]
+    assert bound_callee.choices(module, scope, param_call.func) is None  # a parameter: the caller chooses
