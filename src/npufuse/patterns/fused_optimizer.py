@@ -5727,8 +5727,10 @@ def _s40_attribute_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call
         return None
     from npufuse.scan import bound_callee
 
+    if not _s39_parameters_like(keyword(call, "params", 0)):
+        return None  # the cheap test first: most calls of an attribute are no construction
     value = bound_callee.attribute_value_before(scope, f.attr, stmt.lineno)
-    if value is None or not _s39_parameters_like(keyword(call, "params", 0)):
+    if value is None:
         return None
     kinds, _table = _s34_lookup_kinds(module, scope, value, stmt.lineno)
     return (call, f"self.{f.attr}", kinds) if kinds else None
@@ -6445,7 +6447,7 @@ def _s40_partial_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt) 
             continue
         if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
             continue
-        if not _s39_parameters_like(keyword(call, "params", 0)):
+        if not _s39_parameters_like(keyword(call, "params", 0)) or "partial" not in module.source:
             continue
         choice = bound_callee.choices(module, scope, f)
         if choice is None or not choice.complete or len(choice.members) != 1 or choice.members[0].partial is None:

@@ -166,8 +166,13 @@ def attribute_value_before(scope: Scope, attr: str, line: int) -> Optional[ast.e
             t = st.targets[0]
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr == attr:
                 found = st.value
-        elif any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.ctx, ast.Store) for n in ast.walk(st)):
-            return None  # bound in a nested block: which value reaches the line is not read here
+                continue
+        if isinstance(st, (ast.Expr, ast.Return)):
+            continue  # (an expression stores no attribute)
+        # the targets of an assignment, or the whole of a compound statement (an ``if`` arm may bind it)
+        parts = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, (ast.AnnAssign, ast.AugAssign)) else [st]
+        if any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.ctx, ast.Store) for p in parts for n in ast.walk(p)):
+            return None  # bound otherwise (a tuple target, an augmented assignment, a nested block): not read here
     return found
 
 
