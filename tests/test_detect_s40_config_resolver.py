@@ -234,10 +234,10 @@ def test_attribute_that_never_holds_sdpa_is_no_candidate() -> None:
 
 # -- an optimizer class looked up by name into an attribute, built later in the method (reflow's Trainer) ------------
 
-_ATTR_LOOKUP = '''\
+# a small model the optimizer examples train
+_NET = '''
 import torch
 import torch.nn as nn
-import torch.optim as optim
 
 
 class Net(nn.Module):
@@ -247,7 +247,11 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc(x)
+'''
 
+_ATTR_LOOKUP = '''\
+import torch.optim as optim
+''' + _NET + '''
 
 class Trainer:
     def __init__(self, model, config):
@@ -271,7 +275,7 @@ def test_optimizer_class_looked_up_into_an_attribute_is_a_class_checked_candidat
     from npufuse.patterns.fused_optimizer import FusedOptimizer
 
     findings, _ = detect_all(FusedOptimizer(), _ATTR_LOOKUP)
-    assert [(f.line, f.params["class_looked_up"]) for f in findings] == [(20, "self.optimizer")], findings
+    assert [(f.line, f.params["class_looked_up"]) for f in findings] == [(21, "self.optimizer")], findings
     assert "getattr(torch_npu.optim, 'NpuFused' + self.optimizer.__name__)(self.model.parameters()" in findings[0].fused
 
 
@@ -288,7 +292,7 @@ def test_attribute_bound_in_a_branch_or_to_another_library_is_not_read_as_a_look
     foreign = _ATTR_LOOKUP.replace("getattr(optim,", "getattr(bnb_optim,").replace("import torch.optim as optim", "import bitsandbytes.optim as bnb_optim")
     for code in (branched, foreign):
         findings, _ = detect_all(FusedOptimizer(), code)
-        assert not [f for f in findings if f.line >= 20], findings
+        assert not [f for f in findings if f.line >= 21], findings
 
 
 # -- add + norm where the norm comes from a registry keyed by a configuration string (mosaic-gpt) ---------------------
@@ -477,19 +481,7 @@ def test_bound_callee_names_the_rebinding() -> None:
 
 _PARTIAL_OPT = '''\
 from functools import partial
-
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
+''' + _NET + '''
 
 def train(model, x, y, lr=1e-2, steps=3):
     opt_fn = partial(torch.optim.Adam, betas=(0.9, 0.99), weight_decay=0.01)
