@@ -693,22 +693,59 @@ def _factory_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Cal
     # the classes of the factory's file it constructs; whatever else it returns (a library module, a
     # kernel wrapper) fails the run-time type check and runs the original call
     built = sorted({v.func.id for v in returns if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in other.classes})
-    read: list[tuple[str, ModuleInfo, NormCall]] = []
+    read: list[tuple[str, ModuleInfo, NormCall, str | None]] = []
     for cname in built[:4]:
         home = module if other is module else _home_with(module, other, other.classes[cname])
         nc = _class_norm_call(home, call, ctx, cname, where) if home is not None else None
         if nc is not None and nc.kind != "not_rms" and home is not None:
-            read.append((cname, home, nc))
+            read.append((cname, home, nc, None))
+    if not built:
+        read = _s40_registry_built(module, call, ctx, other, fn, returns, where)
     if len(read) != 1:
         return None  # none read as an RMSNorm, or several (each would need its own fused code)
-    cname, home, nc = read[0]
+    cname, home, nc, class_module = read[0]
     mod = f"self.{f.attr}"
-    guard = (f"type({mod}) is {cname}" if other is module
+    if class_module is not None:
+        modname = class_module  # s40: a class the factory's file imports from a third file
+    guard = (f"type({mod}) is {cname}" if other is module and class_module is None
              else f'type({mod}).__qualname__ == "{cname}" and type({mod}).__module__ == "{modname}"')
     nc.conditions = [*nc.conditions, guard]
     nc.home = home if home is not module else None
     nc.cls = f"{cname} (returned by {func.id}(...){where})"
     return nc
+
+
+def _s40_registry_built(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, other: ModuleInfo, fn: ast.FunctionDef,
+                        returns: list[ast.expr], where: str) -> list[tuple[str, ModuleInfo, NormCall, str | None]]:
+    """s40 (mosaic-gpt's ``build_norm(cfg.norm.type, d)`` returning ``NORM_REGISTRY[norm_type](d, eps=eps)``): the
+    classes a factory builds through a registry keyed by a configuration string (``bound_callee.choices`` on each
+    returned construction's callee), each a class the factory's file imports absolutely from a file of the
+    repository; those read as an RMSNorm there, with the module the guard tests (the import's), else []."""
+    from npufuse.scan import bound_callee
+
+    fscope = next((sc for sc in other.scopes if sc.node is fn), None)
+    if fscope is None:
+        return []
+    read: list[tuple[str, ModuleInfo, NormCall, str | None]] = []
+    seen: set[str] = set()
+    for v in returns:
+        if not (isinstance(v, ast.Call) and isinstance(v.func, ast.Subscript)):
+            continue
+        choice = bound_callee.choices(other, fscope, v.func)
+        for m in choice.members if choice is not None else ():
+            if m.home is not other or not isinstance(m.node, ast.Name) or m.instance or m.partial is not None \
+                    or m.name in seen or "." not in m.name or len(seen) >= 4:
+                continue
+            seen.add(m.name)
+            found = _foreign_definition(other, m.node.id)
+            if found is None or not isinstance(found[1], ast.ClassDef):
+                continue
+            cls_file, cls = found
+            home = _home_with(module, cls_file, cls)
+            nc = _class_norm_call(home, call, ctx, cls.name, where) if home is not None else None
+            if nc is not None and nc.kind != "not_rms" and home is not None:
+                read.append((cls.name, home, nc, m.name.rsplit(".", 1)[0]))
+    return read
 
 
 def _factory_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, value: ast.Call) -> NormCall | None:
@@ -1198,7 +1235,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
                         eps=eps_or_default(f"{mod}.eps", T),
                         conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
-        return _class_norm_call(module, call, ctx, cls)
+        return _s40_own_class_norm(module, call, ctx, cls, f.attr)
     foreign = _repo_norm_class(module, value.func)
     if foreign is not None:
         # a class of another file of the repository, read there (s31): its verdict replaces the
@@ -1241,6 +1278,22 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # defined elsewhere: the same assumptions as one external class (checked at run time)
         return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
     return None
+
+
+def _s40_own_class_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, attr: str) -> NormCall | None:
+    """``self.<attr> = Cls(...)`` with ``class Cls`` in this file, read through its forward. s40 (InternViT, audit39's
+    dubious): where the module also rebinds the name (``try: from apex.normalization import FusedRMSNorm;
+    InternRMSNorm = FusedRMSNorm``), the instance may be of that other class, whose attributes differ (no
+    ``variance_epsilon``): the fused code runs where the instance's class is exactly the one this file's ``class``
+    statement makes (its qualname and module), the original call otherwise."""
+    from npufuse.scan import bound_callee
+
+    nc = _class_norm_call(module, call, ctx, cls)
+    rebound = bound_callee.rebound_class(module, cls) if nc is not None and nc.kind != "not_rms" else None
+    if rebound is not None and nc is not None:
+        nc.conditions = [*nc.conditions, bound_callee.own_class_test(f"self.{attr}", cls)]
+        nc.cls = f"{nc.cls} (the file also binds {rebound}: checked at run time)"
+    return nc
 
 
 def _third_party_reading(m: NormCall, s_name: str, T: str) -> tuple[str, str, str, str, dict, Risk, str]:

@@ -127,6 +127,10 @@ class FusedOptimizer(Pattern):
             for _call, reason in _third_party_calls(module, stmt):
                 yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)
             if not calls:
+                through_partial = _s40_partial_construction(module, scope, stmt)
+                if through_partial is not None:
+                    yield _s40_partial_site(module, scope, stmt, *through_partial, in_place=self.zero_grad_in_place)
+                    continue
                 table_called = _s39_table_called(module, scope, stmt)
                 if table_called is not None:
                     yield _s32_looked_up_site(module, scope, stmt, *table_called, in_place=self.zero_grad_in_place)
@@ -5696,6 +5700,10 @@ def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
     """(construction call, the name it calls, torch.optim classes that name may hold) where the statement calls
     a local name last bound, before it, to a run-time class lookup (:func:`_s34_lookup_kinds`)."""
     for call in fast_walk(stmt):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            found = _s40_attribute_lookup(module, scope, stmt, call)
+            if found is not None:
+                return found
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
             continue
         name = call.func.id
@@ -5708,6 +5716,24 @@ def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
         if kinds:
             return call, name, kinds
     return None
+
+
+def _s40_attribute_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -> Optional[tuple[ast.Call, str, tuple[str, ...]]]:
+    """s40 (reflow's Trainer): ``self.optimizer = getattr(optim, cfg.get("optimizer", "Adam"))`` then, later in the same
+    method, ``self.optimizer = self.optimizer(params, lr=...)``: the attribute holds the looked-up class when the
+    construction reads it (``bound_callee.attribute_value_before``), so the guard tests that value as for a local."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return None
+    from npufuse.scan import bound_callee
+
+    if not _s39_parameters_like(keyword(call, "params", 0)):
+        return None  # the cheap test first: most calls of an attribute are no construction
+    value = bound_callee.attribute_value_before(scope, f.attr, stmt.lineno)
+    if value is None:
+        return None
+    kinds, _table = _s34_lookup_kinds(module, scope, value, stmt.lineno)
+    return (call, f"self.{f.attr}", kinds) if kinds else None
 
 
 def _s34_read_by_later_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> bool:
@@ -6396,3 +6422,63 @@ FusedOptimizer.KEEP += [
     Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam').replace("opts[name](", "opts[name.lower()]("),
          reason="the dict key calls code", name="s39_dict_of_two_fusable_key_calls_code"),
 ]
+
+
+# -- s40: an optimizer built through ``functools.partial(<torch.optim class>, ...)`` -----------------------------------
+# ``opt_fn = partial(torch.optim.Adam, betas=(0.9, 0.99))`` then ``opt = opt_fn(model.parameters(), lr=lr)`` (fastai-style
+# factories): ``bound_callee.choices`` reads the one partial the callee holds. The construction is the class's with the
+# partial's keywords merged (checked against the fused class like written ones); the fused call is
+# ``type(opt_fn)(torch_npu.optim.NpuFused<Name>, **opt_fn.keywords)(...)`` -- the same partial over the fused class --
+# under a run-time test that the callee still is that partial (its class, no bound positionals, the same keyword names).
+# Only keywords the fused class takes are carried (one it drops would be cut from text the statement does not hold).
+
+
+def _s40_partial_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, str, list[str]]]:
+    """(the construction with the partial's keywords merged in, the torch.optim class, the callee's text, the names
+    of the keywords the partial binds) where the
+    statement calls a local or attribute holding exactly one ``functools.partial`` of a fusable torch.optim class."""
+    from npufuse.scan import bound_callee
+
+    for call in fast_walk(stmt):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute))):
+            continue
+        f = call.func
+        if isinstance(f, ast.Name) and (f.id not in scope.assignments or f.id in scope.args):
+            continue
+        if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
+            continue
+        if not _s39_parameters_like(keyword(call, "params", 0)) or "partial" not in module.source:
+            continue
+        choice = bound_callee.choices(module, scope, f)
+        if choice is None or not choice.complete or len(choice.members) != 1 or choice.members[0].partial is None:
+            continue
+        part = choice.members[0].partial
+        kind = _CANONICAL.get(choice.members[0].name)
+        if kind is None or len(part.args) != 1 or any(k.arg is None or k.arg not in _OPTIMIZERS[kind][1] for k in part.keywords):
+            continue
+        if {k.arg for k in part.keywords} & {k.arg for k in call.keywords}:
+            continue  # the call overrides a bound keyword: read as written, not merged
+        synth = ast.Call(func=f, args=list(call.args), keywords=[*call.keywords, *part.keywords])
+        ast.copy_location(synth, call)
+        synth.end_lineno, synth.end_col_offset = call.end_lineno, call.end_col_offset
+        return synth, kind, segment(module, f), sorted(str(k.arg) for k in part.keywords)
+    return None
+
+
+def _s40_partial_site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call, kind: str, held: str, names: list[str],
+                      in_place: bool = False) -> Result:
+    """The construction through a partial (:func:`_s40_partial_construction`) as a candidate checked at run time."""
+    test = (f'(type({held}).__name__ == "partial" and getattr({held}, "func", None) is torch.optim.{kind} '
+            f"and not {held}.args and sorted({held}.keywords) == {names!r})")
+    result = _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=in_place, chosen_class=(kind, test))
+    if not isinstance(result, Finding):
+        return result
+    written = f"torch_npu.optim.{_OPTIMIZERS[kind][0]}"
+    if result.fused.count(written) != 1:
+        return NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, f"`{written}` is already written in the statement")
+    result.fused = result.fused.replace(written, f"type({held})({written}, **{held}.keywords)")
+    result.params["partial_of"] = f"torch.optim.{kind}"
+    result.notes.append(f"`{held}` is a functools.partial of torch.optim.{kind}: the fused class is wrapped in the same partial "
+                        "(its keywords, checked against the fused class), where the callee still is that partial at run time")
+    return result
+

@@ -52,6 +52,7 @@ from npufuse.patterns.attention import (
 from npufuse.patterns import _attention_s36, _attention_s39
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment, text_holds_any
 
 SDPA_NAMES = {
@@ -144,28 +145,42 @@ class SdpaPattern(Pattern):
     def held_call_words(module: ModuleInfo) -> tuple[str, ...]:
         """s39: the attributes the module sets to ``functools.partial(SDPA, ..)`` (engine.gate_words: the scope calling
         ``self.<attr>(..)`` names no SDPA word)."""
-        if not (text_holds_any(module, ("partial(",)) and text_holds_any(module, sdpa_call_words(module))):
+        if not text_holds_any(module, sdpa_call_words(module)):
             return ()
-        return _attention_s39.sdpa_partial_attributes(module, SDPA_NAMES)
+        held = _s40_sdpa_held_attributes(module)
+        if not text_holds_any(module, ("partial(",)):
+            return held
+        return tuple(dict.fromkeys((*_attention_s39.sdpa_partial_attributes(module, SDPA_NAMES), *held)))
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         words = sdpa_call_words(module)
         text = scope_text(module, scope)
         # s39: SDPA through ``functools.partial`` (a local, or ``self.<attr>`` set in __init__): the call site names neither
         partials = text_holds_any(module, ("partial(",)) and text_holds_any(module, words)
-        if not partials and not any(w in text for w in words):
+        # s40: SDPA held by an attribute or name bound to one of several callables (anemoi: ``self.attention =
+        # attn_func``, imported from flash_attn or, under ``except ImportError``, as SDPA's alias)
+        held = _s40_sdpa_held_attributes(module) if text_holds_any(module, words) else ()
+        if not partials and not any(w in text for w in words) and not any(f"self.{a}(" in text for a in held):
             return
         for block, i, stmt in scope.statements():
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)):
                 continue
             seg = segment(module, stmt)
             direct = any(w in seg for w in words)
-            if not direct and not partials:
+            through_held = bool(held) and any(f"self.{a}(" in seg for a in held)
+            if not direct and not partials and not through_held:
                 continue
             for node in fast_walk(stmt):
                 if not isinstance(node, ast.Call):
                     continue
-                if direct and module.call_name(node) in SDPA_NAMES:
+                chosen = _s40_chosen_sdpa_call(module, scope, node, held) if direct or through_held else None
+                if isinstance(chosen, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, chosen)
+                elif chosen is not None:
+                    res = self._site(module, scope, block, i, stmt, chosen)
+                    if res is not None:
+                        yield res
+                elif direct and module.call_name(node) in SDPA_NAMES:
                     res = self._site(module, scope, block, i, stmt, node)
                     if res is not None:
                         yield res
@@ -395,8 +410,9 @@ class SdpaPattern(Pattern):
         if held_partial is not None:
             # s39: SDPA through ``self.<attr> = partial(SDPA, ..)``: the attribute still holds that partial at run time
             dv_check = f"{held_partial} and {dv_check}"
-            risks.append(Risk("other", "SDPA is called through a `functools.partial` held by the module: the fused call runs where the "
-                                       "attribute still holds that partial with the same flags (checked at run time), the original otherwise"))
+            risks.append(Risk("other", getattr(call, "_npufuse_guard_risk", None) or
+                              "SDPA is called through a `functools.partial` held by the module: the fused call runs where the "
+                              "attribute still holds that partial with the same flags (checked at run time), the original otherwise"))
         if d is None and _attention_s36.learned_scale(module, scope, scale):
             # s36: a scale read off a learned temperature marks channel attention (MONAI CABlock's SDPA on
             # [b, head, c, (h w)]): the op's D <= 768 is checked at run time (above), the original runs otherwise
@@ -1026,6 +1042,73 @@ leaves = [q, k, v]
     )
 )
 
+
+
+# --- s40: SDPA as one of several callables a name or attribute may hold ----------------------------------------------
+# ``try: from flash_attn import flash_attn_func as attn_func / except ImportError: from torch.nn.functional import
+# scaled_dot_product_attention as attn_func`` then ``self.attention = attn_func`` and ``self.attention(q, k, v, ...)``
+# (anemoi-models): the call is SDPA only where the attribute holds it. ``bound_callee.choices`` reads what it may hold;
+# the fused call runs under ``<callee> is torch.nn.functional.scaled_dot_product_attention`` (the original otherwise).
+# A call passing a keyword SDPA does not take is a call of another member (SDPA would raise there).
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _s40_sdpa_held_attributes(module: ModuleInfo) -> tuple[str, ...]:
+    """The attributes ``self.<attr>`` some class of the module sets to a name bound (at module level) to SDPA among
+    other callables, or to SDPA's own dotted name (cached per module)."""
+    cached = module.__dict__.get("_npufuse_s40_sdpa_held")
+    if cached is None:
+        found: list[str] = []
+        for n in fast_walk(module.tree):
+            if not (isinstance(n, ast.Assign) and isinstance(n.value, (ast.Name, ast.Attribute))):
+                continue
+            attrs = [t.attr for t in n.targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"]
+            if attrs and _s40_names_sdpa(module, n.value):
+                found += [a for a in attrs if a not in found]
+        cached = module.__dict__["_npufuse_s40_sdpa_held"] = tuple(found)
+    return cached
+
+
+def _s40_names_sdpa(module: ModuleInfo, value: ast.expr) -> bool:
+    if module.canonical(value) in SDPA_NAMES:
+        return True
+    return isinstance(value, ast.Name) and any(
+        isinstance(st, ast.ImportFrom) and any(f"{st.module}.{a.name}" in SDPA_NAMES and (a.asname or a.name) == value.id for a in st.names)
+        for st, _v, _c in bound_callee.module_bindings(module, value.id))
+
+
+def _s40_chosen_sdpa_call(module: ModuleInfo, scope: Scope, call: ast.Call, held: tuple[str, ...]) -> ast.Call | str | None:
+    """The SDPA call ``call`` makes through a callee that may hold SDPA or something else (a held attribute, or a
+    module-level name bound more than once), carrying its run-time identity test; a reason where the call cannot be
+    SDPA's; None where the callee is no such choice (a plain SDPA call, or not SDPA at all)."""
+    f = call.func
+    if isinstance(f, ast.Attribute):
+        if not (isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in held):
+            return None
+    elif not (isinstance(f, ast.Name) and f.id not in scope.assignments and f.id not in scope.args
+              and len(bound_callee.module_bindings(module, f.id)) > 1 and _s40_names_sdpa(module, f)):
+        return None
+    choice = bound_callee.choices(module, scope, f)
+    if choice is None:
+        return None
+    sdpa = [m for m in choice.members if m.name in SDPA_NAMES and m.partial is None and not m.instance]
+    if not sdpa:
+        return None
+    held_text = segment(module, f)
+    members = "; ".join(f"`{m.name}`" + (f" ({m.condition})" if m.condition else "") for m in choice.members)
+    foreign = [k.arg for k in call.keywords if k.arg is not None and k.arg not in _SDPA_PARAMETERS]
+    if foreign or len(call.args) > 6:
+        taken = ", ".join(f"`{a}`" for a in foreign) or "more than six positional arguments"
+        return (f"`{held_text}` may hold SDPA or another function ({members}); this call passes {taken}, which SDPA does "
+                "not take, so it is a call of another one")
+    synth = ast.Call(func=f, args=list(call.args), keywords=list(call.keywords))
+    ast.copy_location(synth, call)
+    synth.end_lineno, synth.end_col_offset = call.end_lineno, call.end_col_offset
+    synth._npufuse_guard = f"{held_text} is torch.nn.functional.scaled_dot_product_attention"  # type: ignore[attr-defined]
+    synth._npufuse_guard_risk = (  # type: ignore[attr-defined]
+        f"`{held_text}` may hold SDPA or another function ({members[:200]}): the fused call runs where it is "
+        "torch.nn.functional.scaled_dot_product_attention (checked at run time), the original call otherwise")
+    return synth
 
 
 # --- SDPA imported under another name (issue 14, held-out 4) ---------------------------------------

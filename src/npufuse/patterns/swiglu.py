@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
 from npufuse.scan.value import estimate, symbolic
 
@@ -447,8 +448,12 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if isinstance(value, ast.Name) and value.id in S.init_params(module, cls_name):
                 return Act(CONFIG, gate, ctx, desc, obj=f, gelu_hint=_gelu_hint(f.attr, value),
                            default=_param_default_kind(module, ctx, value, name_only=False, cls_name=cls_name))
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.functions:
-                return _helper_chosen(module, module.functions[value.func.id], None, gate, ctx, desc, f)
+            chooser = bound_callee.function_of_call(module, cls_name, value, foreign=False) if isinstance(value, ast.Call) else None
+            if chooser is not None:
+                # a function of this file, or (s40, tiny-qwen's ``self._get_activation_fn(cfg.hidden_act)``) a method of
+                # the class, returning an activation chosen by its argument: a known kind on every return is that
+                # kind, else the fused branch dispatches on the object (``self.act_fn is F.silu``)
+                return _helper_chosen(module, chooser[1], None, gate, ctx, desc, f)
             if isinstance(value, ast.Call) and dotted(value.func) is not None and not (module.canonical(value.func) or "").startswith("torch.") \
                     and (dotted(value.func) or "").split(".")[0] in module.aliases:
                 # `self.act = build_activation_layer(...)`: an object an imported builder makes from
