@@ -1770,6 +1770,99 @@ def _is_dim_of(module: ModuleInfo, node: ast.expr, names: set[str], dim: int) ->
     return any(text in (f"{a}.size({dim})", f"{a}.shape[{dim}]") or dim == 0 and text == f"len({a})" for a in names)
 
 
+_S40_ROW_KEEPING = {"softmax", "log_softmax", "sigmoid", "float", "half", "bfloat16", "to", "type_as", "contiguous",
+                    "detach", "clone"}
+_S40_ROW_KEEPING_API = {"torch.softmax", "torch.nn.functional.softmax", "torch.log_softmax", "torch.nn.functional.log_softmax",
+                        "torch.sigmoid", "torch.nn.functional.sigmoid"}
+
+
+def _s40_topk_call(module: ModuleInfo, node: Optional[ast.expr]) -> Optional[tuple[ast.expr, Optional[ast.expr], Optional[ast.expr]]]:
+    """(input, k, dim) of ``torch.topk(src, k, dim)`` / ``src.topk(k, dim)``."""
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    if _canon(module, f) == "torch.topk" and node.args:
+        return node.args[0], keyword(node, "k", 1), keyword(node, "dim", 2)
+    if isinstance(f, ast.Attribute) and f.attr == "topk":
+        return f.value, keyword(node, "k", 0), keyword(node, "dim", 1)
+    return None
+
+
+def _s40_topk_dims(module: ModuleInfo, scope: Scope, ids: str, line: int) -> tuple[set[str], set[str]]:
+    """Source texts that provably equal ``ids.shape[0]`` and ``ids.shape[1]`` at ``line``, for top-k indices
+    ``_, ids = torch.topk(src, k)`` (last dim) of a 2-D ``src``: the columns are ``k`` as written; the rows are
+    ``src``'s, followed back through row-keeping steps (softmax / sigmoid / casts, a ``self.<attr>`` built as
+    ``nn.Linear``) to ``x.view(n, -1)`` / ``x.reshape(n, -1)`` (rows ``n``, and ``n``'s own definition). A text
+    counts only while no name in it is rebound between the topk and ``line``. (The fused branch also tests that
+    ``ids`` is 2-D.)"""
+    d = scope.definition(ids, line)
+    if isinstance(d, ast.Subscript) and const_value(d.slice) == 1:
+        d = d.value
+    elif isinstance(d, ast.Attribute) and d.attr == "indices":
+        d = d.value
+    else:
+        return set(), set()
+    top = _s40_topk_call(module, d)
+    if top is None or top[1] is None or (top[2] is not None and const_value(top[2]) not in (-1, 1)):
+        return set(), set()
+    src, k, _dim = top
+    at = getattr(d, "lineno", line)
+
+    def steady(text_node: ast.expr) -> bool:
+        # every name the text reads holds at `line` the value it held at the topk
+        return all(scope.definition(n.id, line) is scope.definition(n.id, at + 1)
+                   for n in fast_walk(text_node) if isinstance(n, ast.Name))
+
+    cols = {ast.unparse(k)} if steady(k) else set()
+    kd = scope.definition(k.id, at + 1) if isinstance(k, ast.Name) else None
+    if kd is not None and steady(k) and steady(kd):
+        cols.add(ast.unparse(kd))
+    rows: set[str] = set()
+    node, here = src, at
+    cls = module.classes.get(scope.class_name or "")
+    inits = _class_init_assigns(module, cls) if cls is not None else {}
+    for _ in range(10):
+        if isinstance(node, ast.Name):
+            if steady(node):
+                rows |= {f"{node.id}.shape[0]", f"{node.id}.size(0)", f"len({node.id})"}
+            value = scope.definition(node.id, here + 1)
+            if value is None:
+                break
+            node, here = value, getattr(value, "lineno", here)
+            continue
+        if not isinstance(node, ast.Call):
+            break
+        f = node.func
+        if _canon(module, f) in _S40_ROW_KEEPING_API and node.args:
+            node = node.args[0]
+        elif isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 2 and not node.keywords \
+                and const_value(node.args[1]) == -1:
+            n = node.args[0]
+            if steady(n):
+                rows.add(ast.unparse(n))
+            nd = scope.definition(n.id, here + 1) if isinstance(n, ast.Name) else None
+            if nd is not None and steady(n) and steady(nd):
+                rows.add(ast.unparse(nd))
+            break
+        elif isinstance(f, ast.Attribute) and f.attr in _S40_ROW_KEEPING:
+            node = f.value
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1 \
+                and not node.keywords and isinstance(inits.get(f.attr), ast.Call) \
+                and _canon(module, inits[f.attr].func) == "torch.nn.Linear":  # type: ignore[union-attr]
+            node = node.args[0]  # self.gate(x) with self.gate = nn.Linear(...): x's leading dims
+        else:
+            break
+    return rows, cols
+
+
+def _s40_bound_in(scope: Scope, bound: ast.expr, texts: set[str], line: int) -> bool:
+    """``bound`` is one of ``texts`` as written, or a name whose value (unchanged since) is."""
+    if ast.unparse(bound) in texts:
+        return True
+    value = scope.definition(bound.id, line) if isinstance(bound, ast.Name) else None
+    return value is not None and ast.unparse(value) in texts
+
+
 def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Finding]:
     """Per token, per top-k slot (ktransformers' ``moe_infer_simple`` and the like)::
 
@@ -1831,8 +1924,12 @@ def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     if used & {t, k, out} or used & set(bound):
         return None
     if not (_is_dim_of(module, tb, {ids, weights, tokens}, 0) and _is_dim_of(module, kb, {ids, weights}, 1)):
-        raise _Miss(f"the loops run over `{segment(module, tb)}` tokens and `{segment(module, kb)}` slots, not over the "
-                    f"rows and top-k columns of `{ids}`")
+        # s40: `num_tokens = b * s; x2 = x.view(num_tokens, -1); w, ids = torch.topk(gate(x2), self.top_k)`: the
+        # bounds are the topk's own dims by its dataflow (HO16a yhwlp0711 LLM MoE.forward)
+        rows, cols = _s40_topk_dims(module, scope, ids, loop.lineno)
+        if not (_s40_bound_in(scope, tb, rows, loop.lineno) and _s40_bound_in(scope, kb, cols, loop.lineno)):
+            raise _Miss(f"the loops run over `{segment(module, tb)}` tokens and `{segment(module, kb)}` slots, which "
+                        f"npufuse does not show to be the rows and top-k columns of `{ids}`")
     init = block[i - 1]
     iv = init.value if isinstance(init, ast.Assign) and len(init.targets) == 1 and isinstance(init.targets[0], ast.Name) \
         and init.targets[0].id == out else None
@@ -2936,6 +3033,8 @@ class _Eval:
             return V("tok", base.args)  # ("slot",): the rows of a slot mask
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
+        if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] == ["tokmask"]:
+            return V("rw_row")  # (w * mask).sum(-1)[rows]: [n], each selected token's weight for e
         if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
             return V("rw")  # gates[mask, e][:, None]
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
@@ -2954,8 +3053,12 @@ class _Eval:
         ([T, 1]; 0 for tokens not routed to e), with the weights shaped like the indices (one slot of
         e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum)."""
         dim, keep = keyword(call, "dim", first), keyword(call, "keepdim", first + 1)
-        if dim is None or const_value(dim) != -1 or keep is None or const_value(keep) is not True:
+        if dim is None or const_value(dim) != -1 or keep is not None and const_value(keep) not in (True, False):
             return None
+        # s40: without keepdim the sum is [T] (one weight per token, `rw_dense_row`): a column again only after
+        # `[rows].unsqueeze(-1)` (LeonelSalvo nano-moe-mla: `w = (topk_w * sel).sum(dim=-1)[tok]`, then
+        # `w.unsqueeze(-1) * expert(x[tok])`)
+        kind = "rw_dense" if keep is not None and const_value(keep) is True else "rw_dense_row"
         sides = [_strip_casts(prod.left), _strip_casts(prod.right)]
         pairs = [(n, self.ev(n)) for n in sides]
         for (w, wv), (_, mv) in (pairs, pairs[::-1]):
@@ -2963,7 +3066,7 @@ class _Eval:
                     and shaped_like_indices(self.m, self.scope, w.id, mv.args[0], self.loop.lineno):
                 self._tokmask(mv.args[0])
                 self._set_probs(w.id)
-                return V("rw_dense")
+                return V(kind)
         return None
 
     def _flat_rows(self, flat: str) -> V:
@@ -3376,6 +3479,10 @@ class _Eval:
                 if f.kind in ("unknown", "x"):
                     raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
                                 "the routing weight of the selected tokens")
+                if f.kind in ("rw_row", "rw_dense_row"):
+                    # s40: [n] (or [T]) weights against the [n, H] output broadcast along the hidden dim, not per row
+                    raise _Miss(f"`{ast.unparse(n)[:50]}` holds one routing weight per token as a vector (no trailing "
+                                "dim of 1): times the [n, H] expert output it broadcasts along the hidden dim, not per row")
         core = self._core_product([f for f in factors if f.kind != "rw"])
         return V("scaled", (core,)) if rws else core
 
@@ -7609,7 +7716,7 @@ MoeExperts.KEEP += [
     # the mask summed without keepdim is [T]: w[rows] is a vector, broadcast against the last dim
     Keep(_SLOT_WEIGHT_SUM.replace("w = (topk_w * mask.float()).sum(dim=-1, keepdim=True)",
                                   "w = (topk_w * mask.float()).sum(dim=-1)"),
-         reason="not recognised as the routing weight", name="slot_weight_sum_without_keepdim"),
+         reason="broadcasts along the hidden dim, not per row", name="slot_weight_sum_without_keepdim"),
 ]
 
 
@@ -7890,7 +7997,7 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     # the inner loop runs over the hidden dim, not the top-k slots
     Keep(_TOKEN_SLOT.replace("for slot in range(chosen.size(1))", "for slot in range(x.size(1))"),
-         reason="not over the rows and top-k columns", name="token_slot_inner_loop_not_slots"),
+         reason="not show to be the rows and top-k columns", name="token_slot_inner_loop_not_slots"),
     # the sum starts from the tokens themselves (a residual): the unpermute alone does not produce it
     Keep(_TOKEN_SLOT.replace("outs = torch.zeros_like(x)", "outs = x.clone()"),
          reason="is not a fresh `torch.zeros_like(x)`", name="token_slot_accumulator_not_fresh"),
