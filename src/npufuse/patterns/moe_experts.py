@@ -1818,9 +1818,16 @@ def _s40_topk_dims(module: ModuleInfo, scope: Scope, ids: str, line: int) -> tup
     at = getattr(d, "lineno", line)
 
     def steady(text_node: ast.expr) -> bool:
-        # every name the text reads holds at `line` the value it held at the topk
-        return all(scope.definition(n.id, line) is scope.definition(n.id, at + 1)
-                   for n in fast_walk(text_node) if isinstance(n, ast.Name))
+        # every name the text reads holds at `line` the value it held at the topk, and no attribute it reads
+        # (`self.top_k`) is assigned in this function in between
+        if not all(scope.definition(n.id, line) is scope.definition(n.id, at + 1)
+                   for n in fast_walk(text_node) if isinstance(n, ast.Name)):
+            return False
+        attrs = {ast.unparse(n) for n in fast_walk(text_node) if isinstance(n, ast.Attribute)}
+        return not attrs or not any(
+            at < st.lineno < line and isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            and any(ast.unparse(t) in attrs for t in (st.targets if isinstance(st, ast.Assign) else [st.target]))
+            for _b, _i, st in scope.statements())
 
     cols = {ast.unparse(k)} if steady(k) else set()
     kd = scope.definition(k.id, at + 1) if isinstance(k, ast.Name) else None
@@ -12055,6 +12062,10 @@ MoeExperts.KEEP += [
                                         "        k = self.top_k\n        top_w, top_i = torch.topk(torch.softmax(self.gate(X_flat), dim=-1), k)\n        k = 1\n")
          .replace("for slot in range(self.top_k):", "for slot in range(k):"),
          reason="npufuse does not show to be the rows and top-k columns", name="s40_token_slot_k_rebound_after_topk"),
+    # the attribute the slot loop runs to is assigned between the topk and the loop
+    Keep(_S40_TOKEN_SLOT_BOUNDS.replace("        output = torch.zeros_like(X_flat)\n",
+                                        "        self.top_k = 1\n        output = torch.zeros_like(X_flat)\n"),
+         reason="npufuse does not show to be the rows and top-k columns", name="s40_token_slot_attribute_reassigned"),
     # summed over the tokens (dim 0), not the slots: not a per-token weight
     Keep(_S40_MASKED_SUM_ROW.replace("w = (topk_w * sel).sum(dim=-1)[tok]", "w = (topk_w * sel).sum(dim=0)[tok]"),
          reason="not recognised as the routing weight", name="s40_mask_loop_masked_sum_over_tokens"),
