@@ -840,8 +840,9 @@ def shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, indices:
             first = 1 if api(module, node.func) == "torch.gather" else 0
             dim, index = (node.args[first] if len(node.args) > first else _kw(node, "dim")), \
                 (node.args[first + 1] if len(node.args) > first + 1 else _kw(node, "index"))
-            # torch.gather's output has the index's shape whatever the dim (s40: `torch.gather(affinity, 1, topk_i)`)
-            return dim is not None and isinstance(const_value(dim), int) and isinstance(index, ast.Name) and index.id == indices
+            # s40: dim 1 is the expert axis of 2-D [T, E] scores (`torch.gather(affinity, 1, topk_i)`); the output has
+            # the index's shape whatever the dim, but a gather across the tokens (dim 0) is not read as a routing weight
+            return dim is not None and const_value(dim) in (-1, 1) and isinstance(index, ast.Name) and index.id == indices
         step: ast.expr | None = None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_KEEPING_CASTS:
             step = node.func.value
