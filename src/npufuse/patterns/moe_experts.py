@@ -10987,6 +10987,28 @@ def _s40_expert_body(module: ModuleInfo, loop: ast.For, item_v: ast.expr, x: str
     return ""
 
 
+def _s40_mixing_layers(module: ModuleInfo, scope: Scope, loop: ast.For, item_v: ast.expr, e: str,
+                       it: Optional[ast.expr]) -> str:
+    """What the experts the body calls do across tokens ('' when nothing is found): the expert class of the
+    container (:func:`_token_mixing`), and for layers called as ``expert.<layer>(...)`` the token-mixing layers
+    (convolutions, attention, batch norm, recurrences) the class's ``__init__`` assigns to ``<obj>.<layer>``."""
+    container = it.args[0] if isinstance(it, ast.Call) and it.args else next(
+        (n.value for part in (*loop.body[:-1], item_v) for n in fast_walk(part)
+         if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == e and dotted(n.value)), None)
+    mixing = _token_mixing(module, scope, container) if container is not None else None
+    if mixing:
+        return f"the experts mix tokens ({mixing})"
+    layers = {n.func.attr for part in (*loop.body[:-1], item_v) for n in fast_walk(part)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    cls = module.classes.get(scope.class_name or "")
+    init = _method(module, cls, "__init__") if cls is not None else None
+    for n in fast_walk(init) if init is not None else ():
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (module.canonical(n.value.func) or "") in _TOKEN_MIXING_LAYERS \
+                and any(isinstance(t, ast.Attribute) and t.attr in layers for t in n.targets):
+            return f"`{ast.unparse(n)[:50]}` mixes tokens"
+    return ""
+
+
 def _s40_dense_append_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
     """The dense top-k mixture above, starting at the loop ``block[i]`` (its ``L = []`` is ``block[i - 1]``)."""
     if i == 0 or loop.orelse or len(loop.body) < 1:
@@ -11056,7 +11078,7 @@ def _s40_dense_append_site(module: ModuleInfo, scope: Scope, block: list[ast.stm
         return NearMiss(_ID, scope.qualname, first, end, "every expert runs on every token, but the expert body reads "
                         f"{len(outer)} tensors of the function ({', '.join(outer)[:60]}), not the tokens alone")
     x = outer[0]
-    why = _s40_expert_body(module, loop, item_v, x, e, item)
+    why = _s40_expert_body(module, loop, item_v, x, e, item) or _s40_mixing_layers(module, scope, loop, item_v, e, it if item else None)
     if why:
         return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on every token and {why}: the fused layer "
                         "would run it on each expert's routed rows only")
@@ -12050,6 +12072,9 @@ MoeExperts.KEEP += [
     Keep(_S40_DENSE_SCATTERED.replace("            y = expert.w_out(hidden)\n",
                                       "            y = expert.w_out(hidden.cumsum(dim=1))\n"),
          reason="which npufuse does not read as row-wise", name="s40_dense_append_body_mixes_tokens"),
+    # an expert layer built as a convolution over the sequence: not row-wise
+    Keep(_S40_DENSE_SCATTERED.replace("expert.w_in = nn.Linear(d, h, bias=False)", "expert.w_in = nn.Conv1d(d, h, 1)"),
+         reason="mixes tokens", name="s40_dense_append_conv_layer"),
     # the per-expert outputs are also returned: the fused layer never computes them for every token
     Keep(_S40_DENSE_STACK_ONE_SCATTER.replace("return torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)",
                                               "return torch.sum(gates.unsqueeze(-2) * stacked, dim=-1), stacked"),
