@@ -10987,6 +10987,23 @@ def _s40_expert_body(module: ModuleInfo, loop: ast.For, item_v: ast.expr, x: str
     return ""
 
 
+def _s40_calls_an_expert(loop: ast.For, item_v: ast.expr, e: str, item: str) -> bool:
+    """Whether the body calls something picked by the loop index (``C[e](x)``, ``C[e].layer(x)``, through a name
+    bound to ``C[e]``) or the enumerated item (``expert(x)``, ``expert.layer(x)``)."""
+    picked = {item} if item else set()
+    picked |= {st.targets[0].id for st in loop.body[:-1] if isinstance(st, ast.Assign) and len(st.targets) == 1
+               and isinstance(st.targets[0], ast.Name) and isinstance(st.value, ast.Subscript)
+               and isinstance(st.value.slice, ast.Name) and st.value.slice.id == e}
+    for part in (*loop.body[:-1], item_v):
+        for n in fast_walk(part):
+            if isinstance(n, ast.Call):
+                f = n.func.value if isinstance(n.func, ast.Attribute) else n.func
+                if isinstance(f, ast.Name) and f.id in picked or isinstance(f, ast.Subscript) \
+                        and isinstance(f.slice, ast.Name) and f.slice.id == e:
+                    return True
+    return False
+
+
 def _s40_mixing_layers(module: ModuleInfo, scope: Scope, loop: ast.For, item_v: ast.expr, e: str,
                        it: Optional[ast.expr]) -> str:
     """What the experts the body calls do across tokens ('' when nothing is found): the expert class of the
@@ -11032,6 +11049,8 @@ def _s40_dense_append_site(module: ModuleInfo, scope: Scope, block: list[ast.stm
     else:
         return None
     item_v = last.value.args[0]
+    if not _s40_calls_an_expert(loop, item_v, e, item):
+        return None  # a list built per step of some other loop (a scan over time steps): not experts
     wrapped: Optional[int] = None
     if isinstance(item_v, ast.Call) and isinstance(item_v.func, ast.Attribute) and item_v.func.attr == "unsqueeze" \
             and len(item_v.args) == 1 and not item_v.keywords and const_value(item_v.args[0]) in (-2, -1):
@@ -12039,6 +12058,48 @@ x = torch.randn(2, 5, 16, requires_grad=True)
 out = m(x)
 leaves = [x, m.router.weight, m.experts[0].w1.weight, m.experts[3].w3.weight]
 '''
+
+# one ModuleList per projection, indexed by the expert inside the body (the from-scratch Qwen3-MoE layer)
+_S40_DENSE_LAYER_LISTS = _S40_DENSE_SCATTERED.replace('''        self.experts = nn.ModuleList()
+        for _ in range(n):
+            expert = nn.Module()
+            expert.w_in = nn.Linear(d, h, bias=False)
+            expert.w_gate = nn.Linear(d, h, bias=False)
+            expert.w_out = nn.Linear(h, d, bias=False)
+            self.experts.append(expert)
+''', '''        self.fc1 = nn.ModuleList([nn.Linear(d, h, bias=False) for _ in range(n)])
+        self.fc2 = nn.ModuleList([nn.Linear(d, h, bias=False) for _ in range(n)])
+        self.fc3 = nn.ModuleList([nn.Linear(h, d, bias=False) for _ in range(n)])
+''').replace('''            expert = self.experts[e]
+            hidden = F.silu(expert.w_gate(x)) * expert.w_in(x)
+            y = expert.w_out(hidden)
+''', '''            hidden = torch.nn.functional.silu(self.fc1[e](x)) * self.fc2[e](x)
+            y = self.fc3[e](hidden)
+''').replace("self.n, self.k = n, k", "self.num_experts, self.k = n, k").replace("range(self.n)", "range(self.num_experts)")
+
+MoeExperts.FUSE += [
+    Fuse(_S40_DENSE_LAYER_LISTS, name="s40_dense_append_per_projection_module_lists", run='''\
+m = DenseRoutedMLP(16, 24, 4, 2)
+x = torch.randn(3, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.fc1[0].weight, m.fc3[3].weight]
+''', expect={"variant": "dense_scattered_topk", "indices": "top_i", "probs": "top_p", "output": "mixed"}),
+]
+
+MoeExperts.KEEP += [
+    # a list built per time step of a recurrence (no expert is called): not a mixture, and no near miss either
+    Keep(_HEAD + '''
+
+def scan(h, xs, a):
+    outs = []
+    for t in range(xs.shape[1]):
+        h = a * h + xs[:, t]
+        outs.append(h.unsqueeze(-2))
+    ys = torch.cat(outs, dim=-2)
+    gates = torch.zeros_like(xs[..., 0])
+    return (gates.unsqueeze(-1) * ys).sum(dim=-2)
+''', name="s40_dense_append_time_steps_not_experts"),
+]
 
 MoeExperts.FUSE += [
     Fuse(_S40_DENSE_SCATTERED, name="s40_dense_append_cat_slot_scatter_inline_expert_body", run=_S40_DENSE_SCATTERED_RUN,
