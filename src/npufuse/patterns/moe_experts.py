@@ -292,6 +292,11 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if slot_outer is not None:
             yield slot_outer
             continue
+        dense_append = _s40_dense_append_site(module, scope, block, i, stmt) if not quiet else None
+        if dense_append is not None:  # s40: every expert's output appended, weighted by a scattered top-k map
+            covered.append((dense_append.line, dense_append.end_line))
+            yield dense_append
+            continue
         dense_loop = _dense_loop_site(module, scope, block, i, stmt) if not quiet else None  # s26: dense top-k loop
         if dense_loop is not None:
             yield dense_loop
@@ -1770,6 +1775,110 @@ def _is_dim_of(module: ModuleInfo, node: ast.expr, names: set[str], dim: int) ->
     return any(text in (f"{a}.size({dim})", f"{a}.shape[{dim}]") or dim == 0 and text == f"len({a})" for a in names)
 
 
+_S40_ROW_KEEPING = {"softmax", "log_softmax", "sigmoid", "float", "half", "bfloat16", "to", "type_as", "contiguous",
+                    "detach", "clone"}
+_S40_ROW_KEEPING_API = {"torch.softmax", "torch.nn.functional.softmax", "torch.log_softmax", "torch.nn.functional.log_softmax",
+                        "torch.sigmoid", "torch.nn.functional.sigmoid"}
+
+
+def _s40_topk_call(module: ModuleInfo, node: Optional[ast.expr]) -> Optional[tuple[ast.expr, Optional[ast.expr], Optional[ast.expr]]]:
+    """(input, k, dim) of ``torch.topk(src, k, dim)`` / ``src.topk(k, dim)``."""
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    if _canon(module, f) == "torch.topk" and node.args:
+        return node.args[0], keyword(node, "k", 1), keyword(node, "dim", 2)
+    if isinstance(f, ast.Attribute) and f.attr == "topk":
+        return f.value, keyword(node, "k", 0), keyword(node, "dim", 1)
+    return None
+
+
+def _s40_topk_of(scope: Scope, ids: str, line: int) -> Optional[ast.expr]:
+    """The call whose indices ``ids`` holds at ``line``: ``_, ids = call`` / ``call[1]`` / ``call.indices``."""
+    d = scope.definition(ids, line)
+    if isinstance(d, ast.Subscript) and const_value(d.slice) == 1:
+        return d.value
+    if isinstance(d, ast.Attribute) and d.attr == "indices":
+        return d.value
+    return None
+
+
+def _s40_topk_dims(module: ModuleInfo, scope: Scope, ids: str, line: int) -> tuple[set[str], set[str]]:
+    """Source texts that provably equal ``ids.shape[0]`` and ``ids.shape[1]`` at ``line``, for top-k indices
+    ``_, ids = torch.topk(src, k)`` (last dim) of a 2-D ``src``: the columns are ``k`` as written; the rows are
+    ``src``'s, followed back through row-keeping steps (softmax / sigmoid / casts, a ``self.<attr>`` built as
+    ``nn.Linear``) to ``x.view(n, -1)`` / ``x.reshape(n, -1)`` (rows ``n``, and ``n``'s own definition). A text
+    counts only while no name in it is rebound between the topk and ``line``. (The fused branch also tests that
+    ``ids`` is 2-D.)"""
+    d = _s40_topk_of(scope, ids, line)
+    top = _s40_topk_call(module, d)
+    if top is None or top[1] is None or (top[2] is not None and const_value(top[2]) not in (-1, 1)):
+        return set(), set()
+    src, k, _dim = top
+    at = getattr(d, "lineno", line)
+
+    def steady(text_node: ast.expr) -> bool:
+        # every name the text reads holds at `line` the value it held at the topk, and no attribute it reads
+        # (`self.top_k`) is assigned in this function in between
+        if not all(scope.definition(n.id, line) is scope.definition(n.id, at + 1)
+                   for n in fast_walk(text_node) if isinstance(n, ast.Name)):
+            return False
+        attrs = {ast.unparse(n) for n in fast_walk(text_node) if isinstance(n, ast.Attribute)}
+        return not attrs or not any(
+            at < st.lineno < line and isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            and any(ast.unparse(t) in attrs for t in (st.targets if isinstance(st, ast.Assign) else [st.target]))
+            for _b, _i, st in scope.statements())
+
+    cols = {ast.unparse(k)} if steady(k) else set()
+    kd = scope.definition(k.id, at + 1) if isinstance(k, ast.Name) else None
+    if kd is not None and steady(k) and steady(kd):
+        cols.add(ast.unparse(kd))
+    rows: set[str] = set()
+    node, here = src, at
+    cls = module.classes.get(scope.class_name or "")
+    inits = _class_init_assigns(module, cls) if cls is not None else {}
+    for _ in range(10):
+        if isinstance(node, ast.Name):
+            if steady(node):
+                rows |= {f"{node.id}.shape[0]", f"{node.id}.size(0)", f"len({node.id})"}
+            value = scope.definition(node.id, here + 1)
+            if value is None:
+                break
+            node, here = value, getattr(value, "lineno", here)
+            continue
+        if not isinstance(node, ast.Call):
+            break
+        f = node.func
+        if _canon(module, f) in _S40_ROW_KEEPING_API and node.args:
+            node = node.args[0]
+        elif isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 2 and not node.keywords \
+                and const_value(node.args[1]) == -1:
+            n = node.args[0]
+            if steady(n):
+                rows.add(ast.unparse(n))
+            nd = scope.definition(n.id, here + 1) if isinstance(n, ast.Name) else None
+            if nd is not None and steady(n) and steady(nd):
+                rows.add(ast.unparse(nd))
+            break
+        elif isinstance(f, ast.Attribute) and f.attr in _S40_ROW_KEEPING:
+            node = f.value
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1 \
+                and not node.keywords and isinstance(inits.get(f.attr), ast.Call) \
+                and _canon(module, inits[f.attr].func) == "torch.nn.Linear":  # type: ignore[union-attr]
+            node = node.args[0]  # self.gate(x) with self.gate = nn.Linear(...): x's leading dims
+        else:
+            break
+    return rows, cols
+
+
+def _s40_bound_in(scope: Scope, bound: ast.expr, texts: set[str], line: int) -> bool:
+    """``bound`` is one of ``texts`` as written, or a name whose value (unchanged since) is."""
+    if ast.unparse(bound) in texts:
+        return True
+    value = scope.definition(bound.id, line) if isinstance(bound, ast.Name) else None
+    return value is not None and ast.unparse(value) in texts
+
+
 def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Finding]:
     """Per token, per top-k slot (ktransformers' ``moe_infer_simple`` and the like)::
 
@@ -1831,8 +1940,12 @@ def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     if used & {t, k, out} or used & set(bound):
         return None
     if not (_is_dim_of(module, tb, {ids, weights, tokens}, 0) and _is_dim_of(module, kb, {ids, weights}, 1)):
-        raise _Miss(f"the loops run over `{segment(module, tb)}` tokens and `{segment(module, kb)}` slots, not over the "
-                    f"rows and top-k columns of `{ids}`")
+        # s40: `num_tokens = b * s; x2 = x.view(num_tokens, -1); w, ids = torch.topk(gate(x2), self.top_k)`: the
+        # bounds are the topk's own dims by its dataflow (HO16a yhwlp0711 LLM MoE.forward)
+        rows, cols = _s40_topk_dims(module, scope, ids, loop.lineno)
+        if not (_s40_bound_in(scope, tb, rows, loop.lineno) and _s40_bound_in(scope, kb, cols, loop.lineno)):
+            raise _Miss(f"the loops run over `{segment(module, tb)}` tokens and `{segment(module, kb)}` slots, which "
+                        f"npufuse does not show to be the rows and top-k columns of `{ids}`")
     init = block[i - 1]
     iv = init.value if isinstance(init, ast.Assign) and len(init.targets) == 1 and isinstance(init.targets[0], ast.Name) \
         and init.targets[0].id == out else None
@@ -2936,6 +3049,8 @@ class _Eval:
             return V("tok", base.args)  # ("slot",): the rows of a slot mask
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
+        if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] == ["tokmask"]:
+            return V("rw_row")  # (w * mask).sum(-1)[rows]: [n], each selected token's weight for e
         if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
             return V("rw")  # gates[mask, e][:, None]
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
@@ -2954,8 +3069,12 @@ class _Eval:
         ([T, 1]; 0 for tokens not routed to e), with the weights shaped like the indices (one slot of
         e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum)."""
         dim, keep = keyword(call, "dim", first), keyword(call, "keepdim", first + 1)
-        if dim is None or const_value(dim) != -1 or keep is None or const_value(keep) is not True:
+        if dim is None or const_value(dim) != -1 or keep is not None and const_value(keep) not in (True, False):
             return None
+        # s40: without keepdim the sum is [T] (one weight per token, `rw_dense_row`): a column again only after
+        # `[rows].unsqueeze(-1)` (LeonelSalvo nano-moe-mla: `w = (topk_w * sel).sum(dim=-1)[tok]`, then
+        # `w.unsqueeze(-1) * expert(x[tok])`)
+        kind = "rw_dense" if keep is not None and const_value(keep) is True else "rw_dense_row"
         sides = [_strip_casts(prod.left), _strip_casts(prod.right)]
         pairs = [(n, self.ev(n)) for n in sides]
         for (w, wv), (_, mv) in (pairs, pairs[::-1]):
@@ -2963,7 +3082,7 @@ class _Eval:
                     and shaped_like_indices(self.m, self.scope, w.id, mv.args[0], self.loop.lineno):
                 self._tokmask(mv.args[0])
                 self._set_probs(w.id)
-                return V("rw_dense")
+                return V(kind)
         return None
 
     def _flat_rows(self, flat: str) -> V:
@@ -3376,6 +3495,10 @@ class _Eval:
                 if f.kind in ("unknown", "x"):
                     raise _Miss(f"the expert output is multiplied by `{ast.unparse(n)[:50]}`, which is not recognised as "
                                 "the routing weight of the selected tokens")
+                if f.kind in ("rw_row", "rw_dense_row"):
+                    # s40: [n] (or [T]) weights against the [n, H] output broadcast along the hidden dim, not per row
+                    raise _Miss(f"`{ast.unparse(n)[:50]}` holds one routing weight per token as a vector (no trailing "
+                                "dim of 1): times the [n, H] expert output it broadcasts along the hidden dim, not per row")
         core = self._core_product([f for f in factors if f.kind != "rw"])
         return V("scaled", (core,)) if rws else core
 
@@ -7609,7 +7732,7 @@ MoeExperts.KEEP += [
     # the mask summed without keepdim is [T]: w[rows] is a vector, broadcast against the last dim
     Keep(_SLOT_WEIGHT_SUM.replace("w = (topk_w * mask.float()).sum(dim=-1, keepdim=True)",
                                   "w = (topk_w * mask.float()).sum(dim=-1)"),
-         reason="not recognised as the routing weight", name="slot_weight_sum_without_keepdim"),
+         reason="broadcasts along the hidden dim, not per row", name="slot_weight_sum_without_keepdim"),
 ]
 
 
@@ -7890,7 +8013,7 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     # the inner loop runs over the hidden dim, not the top-k slots
     Keep(_TOKEN_SLOT.replace("for slot in range(chosen.size(1))", "for slot in range(x.size(1))"),
-         reason="not over the rows and top-k columns", name="token_slot_inner_loop_not_slots"),
+         reason="not show to be the rows and top-k columns", name="token_slot_inner_loop_not_slots"),
     # the sum starts from the tokens themselves (a residual): the unpermute alone does not produce it
     Keep(_TOKEN_SLOT.replace("outs = torch.zeros_like(x)", "outs = x.clone()"),
          reason="is not a fresh `torch.zeros_like(x)`", name="token_slot_accumulator_not_fresh"),
@@ -10702,6 +10825,387 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     return None
 
 
+# --- s40: every expert on every token, appended to a list, weighted by a top-k map scattered into zeros ---------
+# HO16a Emericen/tiny-qwen Qwen3MoEMLP.forward:
+#     outs = []
+#     for e in range(E): <body on x>; outs.append(y.unsqueeze(-2))
+#     outs = torch.cat(outs, dim=-2)                                   # [..., E, H]
+#     G = torch.zeros_like(scores)
+#     for i in range(K): G.scatter_(dim=-1, index=idx[..., i:i + 1], src=p[..., i:i + 1])
+#     y = (G.unsqueeze(-1) * outs).sum(dim=-2)
+# G is p at idx and 0 elsewhere, so y = sum_k p[.., k] * expert_{idx[.., k]}(x) + sum of 0 * (other experts' outputs):
+# permute by idx, each expert's body on its rows, unpermute with p. A map that is not zero outside the top-k (a
+# softmax over all experts) is a soft mixture and stays as written.
+
+
+def _s40_stacked_list(module: ModuleInfo, st: ast.stmt, lst: str, wrapped: Optional[int]) -> Optional[tuple[str, int]]:
+    """(name, expert dim) of ``S = torch.cat(lst, dim=d)`` (items appended as ``y.unsqueeze(d)``) or
+    ``S = torch.stack(lst, dim=d)`` (items appended bare), d in (-2, -1)."""
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(st.value, ast.Call) and st.value.args and isinstance(st.value.args[0], ast.Name)
+            and st.value.args[0].id == lst):
+        return None
+    api = _canon(module, st.value.func)
+    dim = const_value(keyword(st.value, "dim", 1))
+    if dim not in (-2, -1):
+        return None
+    if api == "torch.cat" and wrapped == dim or api == "torch.stack" and wrapped is None:
+        return st.targets[0].id, dim
+    return None
+
+
+def _s40_scatter_args(module: ModuleInfo, call: ast.Call) -> Optional[tuple[ast.expr, ast.expr]]:
+    """(index, src) of ``G.scatter(-1, index, src)`` / ``.scatter_(dim=-1, index=..., src=...)``."""
+    dim, index, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "src", 2)
+    if dim is None or const_value(dim) != -1 or index is None or src is None or len(call.args) + len(call.keywords) != 3:
+        return None
+    return index, src
+
+
+def _s40_scattered_gate(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt], gate: str,
+                        before: int) -> tuple[Optional[tuple[str, str, str, bool]], list[ast.stmt], str]:
+    """Whether ``gate`` (read at line ``before``) is the top-k values scattered into zeros over the experts:
+    ``((idx, p, zeros source, needs 2-D idx), the statements that build it, "")`` or ``(None, [], why not)``. ``stmts`` are the
+    statements before the combine, in order; the build is ``G = torch.zeros_like(s)`` (or ``s.new_zeros(s.shape)``)
+    then ``G.scatter_(-1, idx, p)`` / ``G = G.scatter(...)`` or one ``scatter_`` per slot in ``for i in range(K)``,
+    with ``_, idx = topk(..., K)`` and ``p`` shaped like ``idx``; top-k indices are distinct in each row, so the
+    slots never overwrite each other."""
+    build: list[ast.stmt] = []
+    zeros_of = idx = p = ""
+    slots_done = need_2d = False
+    for st in stmts:
+        if not any(isinstance(n, ast.Name) and n.id == gate for n in fast_walk(st)):
+            continue
+        rebinds = isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+            and st.targets[0].id == gate
+        v = st.value if isinstance(st, (ast.Assign, ast.Expr)) else None
+        if rebinds and isinstance(v, ast.Call) and (
+                _canon(module, v.func) == "torch.zeros_like" and len(v.args) == 1 and isinstance(v.args[0], ast.Name)
+                and not v.keywords
+                or isinstance(v.func, ast.Attribute) and v.func.attr == "new_zeros" and isinstance(v.func.value, ast.Name)
+                and len(v.args) == 1 and not v.keywords and ast.unparse(v.args[0]) == f"{v.func.value.id}.shape"):
+            zeros_of = v.args[0].id if isinstance(v.args[0], ast.Name) else v.func.value.id  # type: ignore[union-attr]
+            build, idx, p, slots_done, need_2d = [st], "", "", False, False
+            continue
+        if rebinds and not any(isinstance(n, ast.Name) and n.id == gate for n in fast_walk(v)):  # type: ignore[arg-type]
+            build, zeros_of, idx, p, slots_done, need_2d = [], "", "", "", False, False  # an unrelated earlier value
+            continue
+        if zeros_of and not slots_done and isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) \
+                and (v.func.attr == "scatter_" and isinstance(st, ast.Expr) or v.func.attr in ("scatter", "scatter_") and rebinds) \
+                and isinstance(v.func.value, ast.Name) and v.func.value.id == gate:
+            args = _s40_scatter_args(module, v)
+            if args and isinstance(args[0], ast.Name) and isinstance(args[1], ast.Name):
+                build.append(st)
+                idx, p, slots_done = args[0].id, args[1].id, True
+                continue
+        if zeros_of and not slots_done and isinstance(st, ast.For) and isinstance(st.target, ast.Name) and not st.orelse:
+            found = _s40_slot_scatters(module, scope, st, gate)
+            if found is not None:
+                build.append(st)
+                idx, p, need_2d = found
+                slots_done = True
+                continue
+        return None, [], f"`{gate}` is changed or read by `{ast.unparse(st).splitlines()[0][:60]}`"
+    if not (zeros_of and slots_done):
+        return None, [], f"`{gate}` is not built as zeros with the top-k values scattered into them"
+    if _s40_topk_indices(module, scope, idx, before) is None:
+        return None, [], f"`{idx}` is not shown to be the indices of a topk over the last dim (distinct in each row)"
+    if not shaped_like_indices(module, scope, p, idx, before):
+        return None, [], f"`{p}`, scattered at `{idx}`, is not shown to be shaped like the top-k indices"
+    return (idx, p, zeros_of, need_2d), build, ""
+
+
+def _s40_topk_indices(module: ModuleInfo, scope: Scope, idx: str, line: int) -> Optional[ast.Call]:
+    """The topk call whose indices ``idx`` holds (``_, idx = topk(...)`` / ``topk(...).indices`` / ``[1]``), over the
+    last dim (distinct indices along it); None otherwise."""
+    d = _s40_topk_of(scope, idx, line)
+    top = _s40_topk_call(module, d)
+    if top is None or top[2] is not None and const_value(top[2]) != -1:
+        return None
+    return d  # type: ignore[return-value]
+
+
+def _s40_slot_scatters(module: ModuleInfo, scope: Scope, loop: ast.For, gate: str) -> Optional[tuple[str, str, bool]]:
+    """(idx, p, the columns are written ``[:, i:i + 1]``: idx must be 2-D) of ``for i in range(K): G.scatter_(-1, idx[..., i:i + 1], p[..., i:i + 1])`` (the columns possibly
+    named first) with K the topk's own k or ``idx.shape[-1]`` / ``idx.size(-1)``: every slot once."""
+    i = loop.target.id  # type: ignore[union-attr]
+    bound = _range_bound(loop.iter)
+    if bound is None:
+        return None
+    alias: dict[str, ast.expr] = {}
+    for st in loop.body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return None
+        alias[st.targets[0].id] = st.value
+    last = loop.body[-1]
+    call = last.value if isinstance(last, ast.Expr) else last.value if isinstance(last, ast.Assign) and len(last.targets) == 1 \
+        and isinstance(last.targets[0], ast.Name) and last.targets[0].id == gate else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in (("scatter_",) if isinstance(last, ast.Expr) else ("scatter", "scatter_"))
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == gate):
+        return None
+    args = _s40_scatter_args(module, call)
+    if args is None:
+        return None
+    cols = [alias.get(a.id, a) if isinstance(a, ast.Name) else a for a in args]
+    ci, cp = _dense_gate_column(cols[0], i), _dense_gate_column(cols[1], i)
+    if ci is None or cp is None or not isinstance(ci[0], ast.Name) or not isinstance(cp[0], ast.Name) \
+            or i in (ci[0].id, cp[0].id):
+        return None
+    idx, p = ci[0].id, cp[0].id
+    ks = _s40_topk_dims(module, scope, idx, loop.lineno)[1] | {f"{idx}.shape[-1]", f"{idx}.size(-1)"}
+    if not _s40_bound_in(scope, bound, ks, loop.lineno):
+        return None
+    return idx, p, ci[1] or cp[1]
+
+
+def _s40_expert_body(module: ModuleInfo, loop: ast.For, item_v: ast.expr, x: str, e: str, item: str) -> str:
+    """Why the per-expert body (the statements before the append, and the appended value ``item_v``) may not run
+    on a subset of the rows ('' when it may): plain assignments whose calls are the expert's own layers
+    (``self.experts[e].<layer>(...)``, ``expert(...)`` through a name bound to ``self.experts[e]``), elementwise
+    activations and casts; the tokens ``x`` are never indexed."""
+    experts_alias = {item} if item else set()
+    for st in loop.body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return f"the expert body holds `{ast.unparse(st).splitlines()[0][:50]}`"
+        if isinstance(st.value, ast.Subscript) and isinstance(st.value.slice, ast.Name) and st.value.slice.id == e:
+            experts_alias.add(st.targets[0].id)
+
+    def per_expert(node: ast.expr) -> bool:
+        return isinstance(node, ast.Name) and node.id in experts_alias or isinstance(node, ast.Subscript) \
+            and isinstance(node.slice, ast.Name) and node.slice.id == e
+
+    for n in (m for part in (*loop.body[:-1], item_v) for m in fast_walk(part)):
+        if isinstance(n, ast.Call):
+            f = n.func
+            name = _canon(module, f)
+            if name in _SILU or name in _SIGMOID or name in _ACT_FUNCS or per_expert(f) \
+                    or isinstance(f, ast.Attribute) and (per_expert(f.value) or f.attr in _CASTS and not n.args):
+                continue
+            return f"the expert body calls `{ast.unparse(n)[:50]}`, which npufuse does not read as row-wise"
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == x:
+            return f"the expert body indexes the tokens (`{ast.unparse(n)[:40]}`)"
+    return ""
+
+
+def _s40_calls_an_expert(loop: ast.For, item_v: ast.expr, e: str, item: str) -> bool:
+    """Whether the body calls something picked by the loop index (``C[e](x)``, ``C[e].layer(x)``, through a name
+    bound to ``C[e]``) or the enumerated item (``expert(x)``, ``expert.layer(x)``)."""
+    picked = {item} if item else set()
+    picked |= {st.targets[0].id for st in loop.body[:-1] if isinstance(st, ast.Assign) and len(st.targets) == 1
+               and isinstance(st.targets[0], ast.Name) and isinstance(st.value, ast.Subscript)
+               and isinstance(st.value.slice, ast.Name) and st.value.slice.id == e}
+    for part in (*loop.body[:-1], item_v):
+        for n in fast_walk(part):
+            if isinstance(n, ast.Call):
+                f = n.func.value if isinstance(n.func, ast.Attribute) else n.func
+                if isinstance(f, ast.Name) and f.id in picked or isinstance(f, ast.Subscript) \
+                        and isinstance(f.slice, ast.Name) and f.slice.id == e:
+                    return True
+    return False
+
+
+def _s40_mixing_layers(module: ModuleInfo, scope: Scope, loop: ast.For, item_v: ast.expr, e: str,
+                       it: Optional[ast.expr]) -> str:
+    """What the experts the body calls do across tokens ('' when nothing is found): the expert class of the
+    container (:func:`_token_mixing`), and for layers called as ``expert.<layer>(...)`` the token-mixing layers
+    (convolutions, attention, batch norm, recurrences) the class's ``__init__`` assigns to ``<obj>.<layer>``."""
+    container = it.args[0] if isinstance(it, ast.Call) and it.args else next(
+        (n.value for part in (*loop.body[:-1], item_v) for n in fast_walk(part)
+         if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == e and dotted(n.value)), None)
+    mixing = _token_mixing(module, scope, container) if container is not None else None
+    if mixing:
+        return f"the experts mix tokens ({mixing})"
+    layers = {n.func.attr for part in (*loop.body[:-1], item_v) for n in fast_walk(part)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    cls = module.classes.get(scope.class_name or "")
+    init = _method(module, cls, "__init__") if cls is not None else None
+    for n in fast_walk(init) if init is not None else ():
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (module.canonical(n.value.func) or "") in _TOKEN_MIXING_LAYERS \
+                and any(isinstance(t, ast.Attribute) and t.attr in layers for t in n.targets):
+            return f"`{ast.unparse(n)[:50]}` mixes tokens"
+    return ""
+
+
+def _s40_dense_append_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """The dense top-k mixture above, starting at the loop ``block[i]`` (its ``L = []`` is ``block[i - 1]``)."""
+    if i == 0 or loop.orelse or len(loop.body) < 1:
+        return None
+    last = loop.body[-1]
+    if not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and isinstance(last.value.func, ast.Attribute)
+            and last.value.func.attr == "append" and isinstance(last.value.func.value, ast.Name) and len(last.value.args) == 1):
+        return None
+    lst = last.value.func.value.id
+    init = block[i - 1]
+    if not (isinstance(init, ast.Assign) and len(init.targets) == 1 and isinstance(init.targets[0], ast.Name)
+            and init.targets[0].id == lst and isinstance(init.value, ast.List) and not init.value.elts):
+        return None
+    it, tgt = loop.iter, loop.target
+    if isinstance(tgt, ast.Name) and _range_bound(it) is not None:
+        e, item, n_experts = tgt.id, "", ast.unparse(_range_bound(it))  # type: ignore[arg-type]
+    elif isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords \
+            and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(n, ast.Name) for n in tgt.elts) \
+            and dotted(it.args[0]) is not None:
+        e, item, n_experts = tgt.elts[0].id, tgt.elts[1].id, f"len({ast.unparse(it.args[0])})"  # type: ignore[attr-defined]
+    else:
+        return None
+    item_v = last.value.args[0]
+    if not _s40_calls_an_expert(loop, item_v, e, item):
+        return None  # a list built per step of some other loop (a scan over time steps): not experts
+    wrapped: Optional[int] = None
+    if isinstance(item_v, ast.Call) and isinstance(item_v.func, ast.Attribute) and item_v.func.attr == "unsqueeze" \
+            and len(item_v.args) == 1 and not item_v.keywords and const_value(item_v.args[0]) in (-2, -1):
+        wrapped, item_v = const_value(item_v.args[0]), item_v.func.value
+    # the stacked list, then the gate's build and the combine within the next few statements
+    stack_at = next((j for j in range(i + 1, min(len(block), i + 4)) if _s40_stacked_list(module, block[j], lst, wrapped)), None)
+    if stack_at is None or any(lst in {n.id for n in fast_walk(s) if isinstance(n, ast.Name)} for s in block[i + 1:stack_at]):
+        return None
+    stacked, dim = _s40_stacked_list(module, block[stack_at], lst, wrapped)  # type: ignore[misc]
+    combine_at, gate_node = None, None
+    for j in range(stack_at + 1, min(len(block), stack_at + 10)):
+        s = block[j]
+        if stacked in {n.id for n in fast_walk(s) if isinstance(n, ast.Name)}:
+            if isinstance(s, (ast.Assign, ast.Return)) and (isinstance(s, ast.Return) or len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)):
+                combine_at, gate_node = j, _s40_weighted_gate(module, scope, s.value, stacked, dim, block[stack_at + 1:j])  # type: ignore[arg-type]
+            break
+    if combine_at is None:
+        return None
+    combine = block[combine_at]
+    first, end = init.lineno, combine.end_lineno or combine.lineno
+    value = combine.value  # type: ignore[union-attr]
+    if gate_node is None and isinstance(value, ast.Tuple) and any(
+            _s40_weighted_gate(module, scope, v, stacked, dim, block[stack_at + 1:combine_at]) for v in value.elts):
+        return NearMiss(_ID, scope.qualname, first, end, f"`{stacked}` (every expert's output on every token) is used "
+                        "after it, beside the gate-weighted sum; the fused layer computes each expert on its routed "
+                        "tokens only")
+    if gate_node is None:
+        return NearMiss(_ID, scope.qualname, first, end,
+                        f"every expert runs on every token and the stacked outputs are combined as "
+                        f"`{ast.unparse(combine)[:60]}`, not as a per-token gate-weighted sum over the experts")
+    gate, unsq_stmt = gate_node
+    found, build, why = _s40_scattered_gate(module, scope, [s for s in block[:combine_at] if s is not unsq_stmt and s is not loop], gate, combine.lineno)
+    if found is None:
+        return NearMiss(_ID, scope.qualname, first, end,
+                        f"every expert runs on every token, mixed by `{gate}`, which npufuse does not trace to the top-k "
+                        f"values scattered into zeros ({why}): where it is not zero outside the top-k (a softmax over all "
+                        "experts) every expert contributes to every token, a soft mixture")
+    idx, p, zeros_of, need_2d = found
+    body = loop.body[:-1]
+    outer = sorted({n.id for part in (*body, item_v) for n in fast_walk(part) if isinstance(n, ast.Name)
+                    and isinstance(n.ctx, ast.Load) and (scope.definition(n.id, loop.lineno) is not None or n.id in scope.args)}
+                   - _assigned(body) - {e, item, "self"})
+    if len(outer) != 1:
+        return NearMiss(_ID, scope.qualname, first, end, "every expert runs on every token, but the expert body reads "
+                        f"{len(outer)} tensors of the function ({', '.join(outer)[:60]}), not the tokens alone")
+    x = outer[0]
+    why = _s40_expert_body(module, loop, item_v, x, e, item) or _s40_mixing_layers(module, scope, loop, item_v, e, it if item else None)
+    if why:
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on every token and {why}: the fused layer "
+                        "would run it on each expert's routed rows only")
+    span_stmts = block[i - 1: combine_at + 1]
+    span_names = {lst, stacked, gate} | _assigned(body) | _assigned([s for s in span_stmts if isinstance(s, ast.For)])
+    out_name = combine.targets[0].id if isinstance(combine, ast.Assign) else ""  # type: ignore[union-attr]
+    for nm in sorted(span_names - {out_name}):
+        if scope.uses_after(nm, end):
+            return NearMiss(_ID, scope.qualname, first, end, f"`{nm}` (built by the dense mixture) is used after it; the "
+                            "fused layer computes each expert on its routed tokens only")
+    outside = [s for s in block[i + 1: combine_at] if not any(s is b for b in build) and s is not block[stack_at]
+               and s is not unsq_stmt]
+    if outside:
+        return None  # other statements interleaved with the mixture: not this form
+    ind = "    "
+    rows = f"{P}rows"
+    loop_head = (f"for {e}, {rows} in enumerate({P}xs.split({P}counts)):" if not item else
+                 f"for ({e}, {item}), {rows} in zip(enumerate({ast.unparse(it.args[0])}), {P}xs.split({P}counts)):")  # type: ignore[attr-defined]
+    renamed = [_s40_renamed(s, x, rows) for s in body]
+    result = f"return {P}mixed" if isinstance(combine, ast.Return) else f"{out_name} = {P}mixed"
+    lines = [
+        f"{P}ne = {n_experts}",
+        f"if {idx}.dim() {'== 2' if need_2d else '>= 1'} and not {idx}.is_floating_point() and {p}.shape == {idx}.shape and {idx}.numel() > 0 "
+        f"and {x}.shape[:-1] == {idx}.shape[:-1] and {zeros_of}.shape[:-1] == {idx}.shape[:-1] and {zeros_of}.shape[-1] == {P}ne "
+        f"and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32) and bool((({idx} >= 0) & ({idx} < {P}ne)).all()):",
+        f"{ind}# the gate is {p} at {idx} and 0 elsewhere: permute by {idx}, each expert on its rows, unpermute with {p}",
+        f"{ind}{P}ids = {idx}.reshape(-1, {idx}.shape[-1])",
+        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}ids)",
+        f"{ind}{P}counts = torch.bincount({P}ids.flatten(), minlength={P}ne).tolist()",
+        f"{ind}{P}outs = []",
+        f"{ind}{loop_head}",
+        f"{ind}{ind}# every expert is called, on 0 rows too: as in the original, each expert's parameters get a gradient",
+        *(ind * 2 + ln for s in renamed for ln in ast.unparse(s).splitlines()),
+        f"{ind}{ind}{P}outs.append({ast.unparse(_s40_renamed(item_v, x, rows))})",
+        f"{ind}{P}h = torch.cat({P}outs)",
+        f"{ind}{P}p = {p}.reshape(-1, {idx}.shape[-1])",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
+        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
+        f"{ind}{result}",
+        "else:  # other shapes: as written",
+        *(ind + ln for s in span_stmts for ln in ast.unparse(s).splitlines()),
+    ]
+    params: dict[str, Any] = {
+        "num_experts": n_experts, "top_k": f"{idx}.shape[-1]", "layout": "expert_body", "weights": {},
+        "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "scattered_topk",
+        "loop": "dense_append", "tokens": x, "indices": idx, "probs": p, "counts": None, "output": out_name,
+        "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", f"the original adds 0 * expert(x) for the experts outside each token's top-k; the replacement skips "
+             "those terms: equal while expert outputs are finite (an inf / NaN output of an unchosen expert made the "
+             "original's token NaN), and the K chosen terms are summed in another order (rounding only)"),
+        Risk("other", "each expert's body runs once on its routed rows instead of on every token: equal only while it "
+             "treats rows independently (npufuse found only the expert's own layers and elementwise activations)"),
+        Risk("dynamic_shape", "the per-expert row counts are read on the host (one sync)"),
+    ]
+    notes = [f"every expert ran on every token and was weighted by `{gate}`, the top-k values `{p}` scattered at `{idx}` "
+             "into zeros: npu_moe_token_permute by the top-k indices, each expert's body on its rows, "
+             "npu_moe_token_unpermute with the top-k values (no grouped matmul: permute / unpermute have autograd)"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_scattered_topk",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _s40_renamed(node: Any, old: str, new: str) -> Any:
+    """A copy of ``node`` with every read of the name ``old`` reading ``new``."""
+    node = copy.deepcopy(node)
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id == old and isinstance(n.ctx, ast.Load):
+            n.id = new
+    return node
+
+
+def _s40_weighted_gate(module: ModuleInfo, scope: Scope, value: Optional[ast.expr], stacked: str, dim: int,
+                       between: list[ast.stmt]) -> Optional[tuple[str, Optional[ast.stmt]]]:
+    """(G, the statement ``Gu = G.unsqueeze(d)`` it came through, if any) of ``(Gu * stacked).sum(dim)`` with
+    ``Gu`` = ``G.unsqueeze(d)`` written inline or bound just before (d = -1 when the experts are stacked at -2,
+    -2 when at -1)."""
+    if value is None:
+        return None
+    gate = _weighted_sum(module, value, stacked, dim)
+    if isinstance(gate, ast.Name):
+        return gate.id, None
+    want = -2 if dim == -1 else -1
+    if not isinstance(value, ast.Call):
+        return None
+    if _canon(module, value.func) == "torch.sum" and value.args:
+        prod, d = value.args[0], keyword(value, "dim", 1)
+    elif isinstance(value.func, ast.Attribute) and value.func.attr == "sum":
+        prod, d = value.func.value, keyword(value, "dim", 0)
+    else:
+        return None
+    if d is None or const_value(d) != dim or keyword(value, "keepdim", 2) is not None \
+            or not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+        return None
+    for a, b in ((prod.left, prod.right), (prod.right, prod.left)):
+        if isinstance(b, ast.Name) and b.id == stacked and isinstance(a, ast.Name):
+            for s in reversed(between):
+                if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) and s.targets[0].id == a.id:
+                    v = s.value
+                    if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "unsqueeze" \
+                            and isinstance(v.func.value, ast.Name) and len(v.args) == 1 and const_value(v.args[0]) == want \
+                            and not v.keywords:
+                        return v.func.value.id, s
+                    return None
+    return None
+
+
 _S26_DENSE_LOOP = _S26_DENSE_TEMPLATE.replace("F.silu", "F.relu").replace("DenseTopK", "MaskedDense").replace(
     "self.router", "self.gate").replace("<MIX>", '''\
         kth = logits.topk(self.k, dim=-1).values[..., -1:]
@@ -11400,4 +11904,255 @@ MoeExperts.KEEP += [
     Keep(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
          .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n"),
          reason="the loop also writes one value per expert (`usage[e] = rows.numel()`)", name="s39_loop_counts_tokens_per_expert"),
+]
+
+
+# --- s40: the HO16a blind-miss classes (dense append + scattered top-k map, token x slot loops bounded by the topk's
+# dataflow, a masked-sum slot weight without keepdim), each with its near misses -----------------------------------
+
+_S40_DENSE_SCATTERED = _HEAD + '''
+
+class DenseRoutedMLP(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList()
+        for _ in range(n):
+            expert = nn.Module()
+            expert.w_in = nn.Linear(d, h, bias=False)
+            expert.w_gate = nn.Linear(d, h, bias=False)
+            expert.w_out = nn.Linear(h, d, bias=False)
+            self.experts.append(expert)
+
+    def forward(self, x):
+        scores = self.router(x)
+        top_s, top_i = torch.topk(scores, self.k, dim=-1)
+        top_p = torch.softmax(top_s, dim=-1)
+        outs = []
+        for e in range(self.n):
+            expert = self.experts[e]
+            hidden = F.silu(expert.w_gate(x)) * expert.w_in(x)
+            y = expert.w_out(hidden)
+            outs.append(y.unsqueeze(-2))
+        outs = torch.cat(outs, dim=-2)
+        probs = torch.zeros_like(scores)
+        for s in range(self.k):
+            cols = top_i[..., s:s + 1]
+            vals = top_p[..., s:s + 1]
+            probs.scatter_(dim=-1, index=cols, src=vals)
+        probs = probs.unsqueeze(-1)
+        mixed = (probs * outs).sum(dim=-2)
+        return mixed
+'''
+
+_S40_DENSE_SCATTERED_RUN = '''\
+m = DenseRoutedMLP(16, 24, 5, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0].w_in.weight, m.experts[4].w_out.weight]
+'''
+
+# expert modules over enumerate, stacked at -1, one scatter of the renormalised top-k weights
+_S40_DENSE_STACK_ONE_SCATTER = _HEAD + _FF_SWIGLU + '''
+
+class StackMix(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+        self.k = k
+
+    def forward(self, x):
+        logits = self.gate(x)
+        w, idx = logits.softmax(dim=-1).topk(self.k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        gates = logits.new_zeros(logits.shape)
+        gates.scatter_(-1, idx, w)
+        ys = []
+        for j, expert in enumerate(self.experts):
+            ys.append(expert(x))
+        stacked = torch.stack(ys, dim=-1)
+        return torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)
+'''
+
+_S40_DENSE_STACK_ONE_SCATTER_RUN = '''\
+m = StackMix(16, 24, 4, 2)
+x = torch.randn(9, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[1].w1.weight, m.experts[3].w2.weight]
+'''
+
+# per token, per slot: the bounds are the topk's rows (x viewed as [b * s, -1]) and its k (yhwlp0711 LLM MoE.forward)
+_S40_TOKEN_SLOT_BOUNDS = _HEAD + '''
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class LoopMoE(nn.Module):
+    def __init__(self, d, h, n, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+        self.gate = nn.Linear(d, n)
+
+    def forward(self, X):
+        batch_size, seq_len, _ = X.shape
+        num_tokens = batch_size * seq_len
+        X_flat = X.view(num_tokens, -1)
+        top_w, top_i = torch.topk(torch.softmax(self.gate(X_flat), dim=-1), self.top_k)
+        top_w = top_w / torch.sum(top_w, dim=-1, keepdim=True)
+        output = torch.zeros_like(X_flat)
+        for t in range(num_tokens):
+            for slot in range(self.top_k):
+                expert = self.experts[top_i[t, slot]]
+                output[t] += top_w[t, slot] * expert(X_flat[t])
+        return output.view(batch_size, seq_len, -1)
+'''
+
+_S40_TOKEN_SLOT_BOUNDS_RUN = '''\
+m = LoopMoE(8, 12, 4, 2)
+x = torch.randn(2, 3, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[2].fc1.weight]
+'''
+
+# per-expert bool mask over the top-k slots; the weight is the masked sum over the slots, without keepdim, made a
+# column after picking the rows (LeonelSalvo nano-moe-mla MoE.forward; weights gathered at dim 1)
+_S40_MASKED_SUM_ROW = _HEAD + _FF_SWIGLU + '''
+
+class MaskMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        B, T, C = x.shape
+        xf = x.reshape(-1, C)
+        affinity = F.softmax(self.router(xf), dim=-1)
+        _, topk_i = (affinity + 0.01).topk(self.k, dim=-1)
+        topk_w = torch.gather(affinity, 1, topk_i)
+        topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(xf)
+        for e in range(self.n):
+            sel = (topk_i == e)
+            tok = sel.any(dim=-1)
+            if tok.any():
+                w = (topk_w * sel).sum(dim=-1)[tok]
+                out[tok] += w.unsqueeze(-1) * self.experts[e](xf[tok])
+        return out.reshape(B, T, C)
+'''
+
+_S40_MASKED_SUM_ROW_RUN = '''\
+m = MaskMoE(16, 24, 4, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0].w1.weight, m.experts[3].w3.weight]
+'''
+
+# one ModuleList per projection, indexed by the expert inside the body (the from-scratch Qwen3-MoE layer)
+_S40_DENSE_LAYER_LISTS = _S40_DENSE_SCATTERED.replace('''        self.experts = nn.ModuleList()
+        for _ in range(n):
+            expert = nn.Module()
+            expert.w_in = nn.Linear(d, h, bias=False)
+            expert.w_gate = nn.Linear(d, h, bias=False)
+            expert.w_out = nn.Linear(h, d, bias=False)
+            self.experts.append(expert)
+''', '''        self.fc1 = nn.ModuleList([nn.Linear(d, h, bias=False) for _ in range(n)])
+        self.fc2 = nn.ModuleList([nn.Linear(d, h, bias=False) for _ in range(n)])
+        self.fc3 = nn.ModuleList([nn.Linear(h, d, bias=False) for _ in range(n)])
+''').replace('''            expert = self.experts[e]
+            hidden = F.silu(expert.w_gate(x)) * expert.w_in(x)
+            y = expert.w_out(hidden)
+''', '''            hidden = torch.nn.functional.silu(self.fc1[e](x)) * self.fc2[e](x)
+            y = self.fc3[e](hidden)
+''').replace("self.n, self.k = n, k", "self.num_experts, self.k = n, k").replace("range(self.n)", "range(self.num_experts)")
+
+MoeExperts.FUSE += [
+    Fuse(_S40_DENSE_LAYER_LISTS, name="s40_dense_append_per_projection_module_lists", run='''\
+m = DenseRoutedMLP(16, 24, 4, 2)
+x = torch.randn(3, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.fc1[0].weight, m.fc3[3].weight]
+''', expect={"variant": "dense_scattered_topk", "indices": "top_i", "probs": "top_p", "output": "mixed"}),
+]
+
+MoeExperts.KEEP += [
+    # a list built per time step of a recurrence (no expert is called): not a mixture, and no near miss either
+    Keep(_HEAD + '''
+
+def scan(h, xs, a):
+    outs = []
+    for t in range(xs.shape[1]):
+        h = a * h + xs[:, t]
+        outs.append(h.unsqueeze(-2))
+    ys = torch.cat(outs, dim=-2)
+    gates = torch.zeros_like(xs[..., 0])
+    return (gates.unsqueeze(-1) * ys).sum(dim=-2)
+''', name="s40_dense_append_time_steps_not_experts"),
+]
+
+MoeExperts.FUSE += [
+    Fuse(_S40_DENSE_SCATTERED, name="s40_dense_append_cat_slot_scatter_inline_expert_body", run=_S40_DENSE_SCATTERED_RUN,
+         expect={"variant": "dense_scattered_topk", "routing": "scattered_topk", "indices": "top_i", "probs": "top_p",
+                 "tokens": "x", "output": "mixed", "layout": "expert_body"}),
+    Fuse(_S40_DENSE_STACK_ONE_SCATTER, name="s40_dense_append_stack_one_scatter_expert_modules",
+         run=_S40_DENSE_STACK_ONE_SCATTER_RUN,
+         expect={"variant": "dense_scattered_topk", "indices": "idx", "probs": "w", "output": ""}),
+    Fuse(_S40_TOKEN_SLOT_BOUNDS, name="s40_token_slot_bounds_from_the_topk_dataflow", run=_S40_TOKEN_SLOT_BOUNDS_RUN,
+         expect={"variant": "token_slot", "indices": "top_i", "probs": "top_w", "tokens": "X_flat", "output": "output"}),
+    Fuse(_S40_MASKED_SUM_ROW, name="s40_mask_loop_masked_slot_sum_without_keepdim", run=_S40_MASKED_SUM_ROW_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "xf"}),
+]
+
+MoeExperts.KEEP += [
+    # a softmax over every expert: not zero outside the top-k, every expert contributes (a soft mixture)
+    Keep(_S40_DENSE_SCATTERED.replace('''        probs = torch.zeros_like(scores)
+        for s in range(self.k):
+            cols = top_i[..., s:s + 1]
+            vals = top_p[..., s:s + 1]
+            probs.scatter_(dim=-1, index=cols, src=vals)
+''', '''        probs = torch.softmax(scores, dim=-1)
+'''), reason="is not built as zeros with the top-k values scattered into them", name="s40_dense_append_soft_mixture"),
+    # one slot short: the last top-k slot is never scattered
+    Keep(_S40_DENSE_SCATTERED.replace("for s in range(self.k):", "for s in range(self.k - 1):"),
+         reason="does not trace to the top-k values scattered into zeros", name="s40_dense_append_scatters_k_minus_one_slots"),
+    # the scatter goes into ones: 1 outside the top-k, every other expert adds its whole output
+    Keep(_S40_DENSE_SCATTERED.replace("probs = torch.zeros_like(scores)", "probs = torch.ones_like(scores)"),
+         reason="does not trace to the top-k values scattered into zeros", name="s40_dense_append_scatter_into_ones"),
+    # the expert body mixes tokens along the sequence: not row-wise
+    Keep(_S40_DENSE_SCATTERED.replace("            y = expert.w_out(hidden)\n",
+                                      "            y = expert.w_out(hidden.cumsum(dim=1))\n"),
+         reason="which npufuse does not read as row-wise", name="s40_dense_append_body_mixes_tokens"),
+    # an expert layer built as a convolution over the sequence: not row-wise
+    Keep(_S40_DENSE_SCATTERED.replace("expert.w_in = nn.Linear(d, h, bias=False)", "expert.w_in = nn.Conv1d(d, h, 1)"),
+         reason="mixes tokens", name="s40_dense_append_conv_layer"),
+    # the per-expert outputs are also returned: the fused layer never computes them for every token
+    Keep(_S40_DENSE_STACK_ONE_SCATTER.replace("return torch.sum(gates.unsqueeze(-2) * stacked, dim=-1)",
+                                              "return torch.sum(gates.unsqueeze(-2) * stacked, dim=-1), stacked"),
+         reason="is used after it", name="s40_dense_append_outputs_used_after"),
+    # the token loop stops one short of the topk's rows
+    Keep(_S40_TOKEN_SLOT_BOUNDS.replace("for t in range(num_tokens):", "for t in range(num_tokens - 1):"),
+         reason="npufuse does not show to be the rows and top-k columns", name="s40_token_slot_one_token_short"),
+    # the top-k count is rebound between the topk and the loop
+    Keep(_S40_TOKEN_SLOT_BOUNDS.replace("        top_w, top_i = torch.topk(torch.softmax(self.gate(X_flat), dim=-1), self.top_k)\n",
+                                        "        k = self.top_k\n        top_w, top_i = torch.topk(torch.softmax(self.gate(X_flat), dim=-1), k)\n        k = 1\n")
+         .replace("for slot in range(self.top_k):", "for slot in range(k):"),
+         reason="npufuse does not show to be the rows and top-k columns", name="s40_token_slot_k_rebound_after_topk"),
+    # the attribute the slot loop runs to is assigned between the topk and the loop
+    Keep(_S40_TOKEN_SLOT_BOUNDS.replace("        output = torch.zeros_like(X_flat)\n",
+                                        "        self.top_k = 1\n        output = torch.zeros_like(X_flat)\n"),
+         reason="npufuse does not show to be the rows and top-k columns", name="s40_token_slot_attribute_reassigned"),
+    # summed over the tokens (dim 0), not the slots: not a per-token weight
+    Keep(_S40_MASKED_SUM_ROW.replace("w = (topk_w * sel).sum(dim=-1)[tok]", "w = (topk_w * sel).sum(dim=0)[tok]"),
+         reason="not recognised as the routing weight", name="s40_mask_loop_masked_sum_over_tokens"),
 ]

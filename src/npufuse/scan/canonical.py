@@ -840,13 +840,19 @@ def shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, indices:
             first = 1 if api(module, node.func) == "torch.gather" else 0
             dim, index = (node.args[first] if len(node.args) > first else _kw(node, "dim")), \
                 (node.args[first + 1] if len(node.args) > first + 1 else _kw(node, "index"))
-            return dim is not None and const_value(dim) == -1 and isinstance(index, ast.Name) and index.id == indices
+            # s40: dim 1 is the expert axis of 2-D [T, E] scores (`torch.gather(affinity, 1, topk_i)`); the output has
+            # the index's shape whatever the dim, but a gather across the tokens (dim 0) is not read as a routing weight
+            return dim is not None and const_value(dim) in (-1, 1) and isinstance(index, ast.Name) and index.id == indices
         step: ast.expr | None = None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_KEEPING_CASTS:
             step = node.func.value
         elif isinstance(node, ast.Call) and api(module, node.func) in ("torch.softmax", "torch.nn.functional.softmax") and node.args:
             dim = node.args[1] if len(node.args) > 1 else _kw(node, "dim")
             step = node.args[0] if dim is not None and const_value(dim) == -1 else None
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "softmax":
+            # w.softmax(dim=-1) (s40: torch.softmax(w, dim=-1) reads back in this spelling)
+            dim = node.args[0] if node.args else _kw(node, "dim")
+            step = node.func.value if dim is not None and const_value(dim) == -1 else None
         elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
             for own, other in ((node.left, node.right), (node.right, node.left)):
                 if isinstance(own, ast.Name) and _keepdim_or_scalar(other, own.id) \
