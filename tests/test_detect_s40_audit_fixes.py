@@ -288,19 +288,21 @@ import torch
 from torch import nn
 
 
+class FrozenNorm(nn.Module):
+    def forward(self, x):
+        rm = self.running_mean.reshape(1, -1, 1, 1)
+        scale = w * (rv + eps).rsqrt()
+        return x * scale + rm
+
+
 class PosEmb(nn.Module):
     def forward(self, input_tensor, local_window_size):
-        relative_position_bias = self.bias(input_tensor)
-        n_global_feature = input_tensor.shape[2] - local_window_size
-        if n_global_feature > 0:
-            step_for_ct = self.window_size[0] / (n_global_feature ** 0.5 + 1)
-            indices = []
-            for i in range(4):
-                for j in range(4):
-                    ind = (i + 1) * step_for_ct * self.window_size[0] + (j + 1) * step_for_ct
-                    indices.append(int(ind))
-            relative_position_bias = relative_position_bias[:, indices, :]
-        return input_tensor + relative_position_bias
+        if not self.cached:
+            n_global = input_tensor.shape[2] - local_window_size
+            if n_global > 0 and self.correct:
+                step = self.window_size[0] / (n_global ** 0.5 + 1)
+                self.indices = [int((i + 1) * step) for i in range(4)]
+        return input_tensor
 '''
 
 _EPS_OUTSIDE = '''
