@@ -55,15 +55,6 @@ def rows_lines(maybe_none: bool, sq: str) -> list[str]:
             f"    _npufuse_mask = _npufuse_mask.expand(-1, -1, {sq}, -1).contiguous()"]
 
 
-def three_d_term_lines(guard: str) -> list[str]:
-    """One mask term of a heads-in-batch chain whose rank is below 4: brought to [B*N | 1, 1, Sq, Skv] (then the
-    4-D fold below leaves it as it is, or expands a leading 1 over B*N)."""
-    return [f"if {guard}_npufuse_mask.dim() == 3:",
-            "    _npufuse_mask = _npufuse_mask.unsqueeze(1)  # a mask on the [B*N, Sq, Skv] scores: [B*N | 1, 1, Sq, Skv]",
-            f"elif {guard}_npufuse_mask.dim() < 3:",
-            "    _npufuse_mask = _npufuse_mask.reshape((1,) * (4 - _npufuse_mask.dim()) + tuple(_npufuse_mask.shape))"]
-
-
 _DTYPE_CASTS = frozenset(("to", "float", "half", "bfloat16", "double", "type", "type_as"))
 
 

@@ -3867,8 +3867,6 @@ class AttentionPattern(Pattern):
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
                     sk = f"{atom(k_3)}.shape[1]"
                     guard = "_npufuse_mask is not None and " if maybe_none else ""
-                    if three_d:  # s40 (audit40): a mask on the 3-D [b*np, sq, sk] scores (DINO's attn_mask) is [1 | b*np, sq, sk]
-                        lines += _attention_audit40.three_d_term_lines(guard)
                     lines += [f"if {guard}_npufuse_mask.dim() == 4:",
                               f"    _npufuse_mask = _npufuse_mask.expand(_npufuse_mask.shape[0], {atom(q_n)}.shape[0] // _npufuse_mask.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"]
                 elif not all(m.causal for m in chain.masks):
