@@ -13,9 +13,19 @@
 from __future__ import annotations
 
 import ast
+import re
 from typing import Any, Optional
 
 from npufuse.patterns._attention_s35 import rank_base
+
+
+_ELLIPSIS_EINSUM = re.compile(r"""einsum\(\s*(?:[rbuf]?)["'][^"']*\.\.\.""")
+
+
+def ellipsis_einsum(module: Any, first: int, last: int) -> bool:
+    """The site's text holds an einsum whose equation uses ``...`` (explicit subscripts state every rank)."""
+    text = "".join(module.lines[first - 1:last])
+    return "..." in text and _ELLIPSIS_EINSUM.search(text) is not None
 
 
 def ellipsis_rank_check(chain: Any, operands: Any, ranks: list[Optional[int]]) -> Optional[str]:

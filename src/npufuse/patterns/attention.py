@@ -3557,7 +3557,7 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
                                     f"tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads){extra}")
-            if not folded and "einsum" in chain.spelling and None in ranks:
+            if not folded and "einsum" in chain.spelling and None in ranks and _attention_audit40.ellipsis_einsum(module, span_line, end_line):
                 miss = _attention_audit40.ellipsis_rank_check(chain, operands, ranks)
                 if miss is not None:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, miss)
