@@ -536,6 +536,15 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         return NearMiss(_ID, scope.qualname, line, end,
                         f"index `{segment(module, mask)[:50]}` is integer positions (nonzero/where), not a boolean "
                         "mask: index with the mask itself to allow the masked_fill/where rewrite")
+    if _constant_key(scope, mask, line):
+        return None  # ``row[ATTENTION_MASK_KEY] = ...``: a dict key or a fixed position, not a per-call mask
+    listed = _python_list_index(scope, mask, line)
+    if listed is not None:
+        # s40 (audit40, tango's ``mask_indices = [k for k in range(n) if random.random() < 0.1]``): a list has no
+        # ``.dtype``, masked_fill_/where take no list, and a list of ints picks rows by position
+        return NearMiss(_ID, scope.qualname, line, end,
+                        f"index `{segment(module, mask)[:50]}` is a Python list (line {listed}), not a boolean mask tensor: "
+                        "masked_fill/where take a tensor mask (a list of ints selects rows by position)")
     # a mask by name or by `~` whose dtype is not visible here (HF passes attention masks in as parameters):
     # the rewrite checks `dtype == torch.bool` at run time and keeps the IndexPut otherwise
     checked = not is_bool_mask(module, scope, mask, line)
@@ -602,6 +611,8 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         # anything else keeps the original IndexPut, with the index evaluated once
         tests = [f"isinstance({P}mask, torch.Tensor)", f"{P}mask.device == {target}.device"] if placed is not None else []
         if checked:
+            # s40: a parameter may be a list of positions (no ``.dtype``): the type is tested first
+            tests = tests or [f"isinstance({P}mask, torch.Tensor)"]
             tests.append(f"{P}mask.dtype == torch.bool")
         lines.append(f"if {' and '.join(tests)}:")
         lines += ["    " + b for b in body]
@@ -777,6 +788,24 @@ def _vector_parameter(module: ModuleInfo, scope: Scope, value: ast.expr) -> bool
     return False
 
 
+def _constant_key(scope: Scope, index: ast.expr, line: int) -> bool:
+    """``row[ATTENTION_MASK_KEY] = [1] * n`` (open-instruct's dataset maps): an ALL_CAPS name the function does not
+    bind is a constant by convention (a module string or an imported one): a dict key or a fixed position, never a
+    mask computed per call. (The name test alone: a module-constant table per file cost ~2% of the scan.)"""
+    return isinstance(index, ast.Name) and index.id.isupper() and any(c.isalpha() for c in index.id) \
+        and scope.definition(index.id, line) is None
+
+
+def _python_list_index(scope: Scope, index: ast.expr, line: int) -> int | None:
+    """The line of a list display / comprehension / ``list(...)`` the index name was last bound to, else None."""
+    if not isinstance(index, ast.Name):
+        return None
+    d = scope.definition(index.id, line)
+    if isinstance(d, (ast.List, ast.ListComp)) or isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "list":
+        return d.lineno
+    return None
+
+
 def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: int, depth: int = 0) -> bool:
     """The value is made by a torch call or a method call that returns a tensor. An attribute or a subscript alone
     is not evidence: ``self.num_classes - 1`` and ``order["-"]`` are Python ints (chai-lab's feature generators)."""
@@ -794,9 +823,16 @@ def _tensor_evidence(module: ModuleInfo, scope: Scope, value: ast.expr, line: in
             name = module.canonical(n.func) or ""
             # a torch call, a tensor method, or a module looked up and called (``self.adapters[key](x)``)
             if name.startswith("torch.") or isinstance(n.func, ast.Subscript) or (
-                    isinstance(n.func, ast.Attribute) and n.func.attr not in _NON_TENSOR_METHODS):
+                    isinstance(n.func, ast.Attribute) and n.func.attr not in _NON_TENSOR_METHODS and not _text_tool(n.func.value)):
                 return True
     return False
+
+
+def _text_tool(receiver: ast.expr) -> bool:
+    """A tokenizer / processor object (``tokenizer.convert_tokens_to_ids(...)``, ``self.processor.encode(...)``):
+    its methods return Python ints, lists or encodings, not tensors by themselves (s40, caduceus's MLM masking)."""
+    name = (dotted(receiver) or "").rpartition(".")[2].lower()
+    return any(w in name for w in ("tokenizer", "processor"))
 
 
 # methods whose result is a Python value (or whatever a container holds), not a tensor by itself

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39
+from npufuse.patterns import _attention_audit40
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -3530,7 +3531,8 @@ class AttentionPattern(Pattern):
             return NearMiss(self.id, scope.qualname, span_line, end_line,
                             "keys and values differ in heads (one is shared by every head, the other is not): npu_fusion_attention takes one kv head count")
         if (chain.k.repeat is None) != (chain.v.repeat is None):
-            return NearMiss(self.id, scope.qualname, span_line, end_line, "keys and values are not repeated alike (GQA on one of them only)")
+            cast = _attention_audit40.cast_over_repeat(module, chain)
+            return NearMiss(self.id, scope.qualname, span_line, end_line, cast or "keys and values are not repeated alike (GQA on one of them only)")
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
@@ -3555,6 +3557,10 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
                                     f"tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads){extra}")
+            if not folded and "einsum" in chain.spelling and None in ranks and _attention_audit40.ellipsis_einsum(module, span_line, end_line):
+                miss = _attention_audit40.ellipsis_rank_check(chain, operands, ranks)
+                if miss is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, miss)
         else:
             folded = False
         lines: list[str] = []
@@ -3830,7 +3836,9 @@ class AttentionPattern(Pattern):
                 kwargs.append(("atten_mask", mask_expr))
                 mask_kind = "causal"
             elif chain.masks:
-                mask_lines, maybe_none = self._mask_lines(r, chain.masks)
+                fold = _attention_audit40.fold_term_lambda(chain, atom(q_n), sq, f"{atom(k_3)}.shape[1]") \
+                    if chain.heads_in_batch and three_d and len(chain.masks) > 1 else None
+                mask_lines, maybe_none = self._mask_lines(r, chain.masks, fold is not None)
                 checks = self._value_checks(r, chain.masks, module, scope)
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
@@ -3851,7 +3859,11 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     "the mask is broadcast over heads folded into the batch, but q/k/v were not read as 3-D "
                                     "[batch*heads, S, D] operands: npufuse does not fold the mask for this layout")
-                if chain.heads_in_batch:
+                if chain.heads_in_batch and fold is not None:
+                    # s40 (audit40): several terms, each folded to [B*N | 1, 1, Sq, Skv] before they are combined
+                    lines[len(lines) - len(mask_lines):len(lines) - len(mask_lines)] = [fold]
+                    lines += _attention_audit40.rows_lines(maybe_none, sq)
+                elif chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
                     sk = f"{atom(k_3)}.shape[1]"
                     guard = "_npufuse_mask is not None and " if maybe_none else ""
@@ -4120,8 +4132,9 @@ class AttentionPattern(Pattern):
             checks.append(check_under_term_condition(r, m, check))
         return checks
 
-    def _mask_lines(self, r: Renderer, masks: list[MaskTerm]) -> tuple[list[str], bool]:
-        """Statements building ``_npufuse_mask`` (True = masked) from every mask term."""
+    def _mask_lines(self, r: Renderer, masks: list[MaskTerm], fold: bool = False) -> tuple[list[str], bool]:
+        """Statements building ``_npufuse_mask`` (True = masked) from every mask term; ``fold``: each term goes
+        through ``_npufuse_fold`` (heads folded into the batch, :func:`_attention_audit40.fold_term_lambda`)."""
         lines: list[str] = []
         have = False  # a mask tensor certainly exists so far
         maybe = False  # _npufuse_mask may be None
@@ -4135,6 +4148,8 @@ class AttentionPattern(Pattern):
                 b = t
             else:
                 b = f"~{atom(t)}"
+            if fold:
+                b = f"_npufuse_fold({b})"
             cond = None
             if m.cond is not None:
                 c = r.text(m.cond)

@@ -175,6 +175,18 @@ def _strip_casts(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace)
     return node, ctx, up
 
 
+
+def _reads_a_mean(module: ModuleInfo, node: ast.expr, ctx: Any) -> bool:
+    """The expression under a root computes a mean or a variance (``x.pow(2).mean(-1)``, ``torch.mean(x * x)``,
+    ``x.var(-1)``), through local names: a norm's statistic, not a count or a constant."""
+    peeled, _ = S.peel(node, ctx)
+    for n in ast.walk(peeled):
+        if isinstance(n, ast.Call):
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id if isinstance(n.func, ast.Name) else ""
+            if name in ("mean", "var", "norm", "square", "sum", "vector_norm"):
+                return True
+    return False
+
 def _call_of(module: ModuleInfo, node: ast.AST, torch_fn: str, method: str) -> tuple[ast.expr, ast.Call, int] | None:
     """``torch.fn(t, ...)`` or ``t.method(...)``: (operand, call, index of the first non-operand arg)."""
     if not isinstance(node, ast.Call):
@@ -436,7 +448,11 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
                 # x / (sqrt(mean(x**2)) + eps): eps added after the root
                 for side in (node.left, node.right):
                     s_node, s_ctx = S.peel(side, ctx)
-                    if _call_of(module, s_node, "torch.sqrt", "sqrt") is not None or _pow_operand(module, s_node, 0.5) is not None:
+                    c_root = _call_of(module, s_node, "torch.sqrt", "sqrt")
+                    root = c_root[0] if c_root is not None else _pow_operand(module, s_node, 0.5)
+                    # s40 (audit40): only a root of a mean (of squares) is a norm; FasterViT's step size
+                    # ``w / (n ** 0.5 + 1)`` divides by the root of a count
+                    if root is not None and _reads_a_mean(module, root, s_ctx):
                         raise Miss("eps outside the sqrt: x / (sqrt(mean(x^2)) + eps) is not npu_rms_norm's x * rsqrt(mean(x^2) + eps)", node)
     if inner is None:
         return None

@@ -551,7 +551,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     if body is None:  # libcst here, in the worker, rather than in the parent one site at a time
                         body = replacement.libcst_body(text, r)
                     # codegen.original_text: module.lines are the file's lines as source_lines splits them
-                    out.hits.append(Hit(r, repo_search.site_context(module, scope), local, "".join(module.lines[r.line - 1 : r.end_line]), body))
+                    out.hits.append(Hit(r, repo_search.site_context(module, scope, r.line), local, "".join(module.lines[r.line - 1 : r.end_line]), body))
                 elif isinstance(r, NearMiss):
                     if not isinstance(r.reason, str) or not r.reason.strip() or not isinstance(r.line, int):
                         fail(pattern.id, scope, "yielded a near miss without a reason or line")

@@ -511,9 +511,39 @@ class SiteContext:
     config_expr: str | None = None  # "self.config" | "config" | None
     args_expr: str | None = None  # "args" when argparse results are in scope
     self_attrs: tuple[str, ...] = ()  # attributes the class stores on self
+    # s40 (audit40): flags that are false wherever the site runs (it sits in ``if not X:`` or in the ``else`` of
+    # ``if X:``): HLLM's eager attention under ``if not self.use_ft_flash_attn:`` took that flag as its switch,
+    # so the fused branch could never run
+    off: tuple[str, ...] = ()
 
 
-def site_context(module: ModuleInfo, scope: Scope) -> SiteContext:
+def _flags_off_at(scope: Scope, line: int) -> tuple[str, ...]:
+    """Texts of the plain flags (a name or a dotted attribute) whose falseness every path to ``line`` needs:
+    the tests of the ``if not X:`` bodies and of the ``if X: ... else:`` orelse blocks around it."""
+    off: set[str] = set()
+    stack: list[ast.stmt] = list(getattr(scope.node, "body", []))
+    while stack:
+        st = stack.pop()
+        if not (st.lineno <= line <= (st.end_lineno or st.lineno)):
+            continue
+        if isinstance(st, ast.If):
+            test = st.test
+            in_body = bool(st.body) and st.body[0].lineno <= line <= (st.body[-1].end_lineno or st.body[-1].lineno)
+            flag = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and in_body else \
+                test if not in_body and not isinstance(test, ast.UnaryOp) else None
+            name = dotted(flag) if flag is not None else None
+            if name:
+                off.add(name)
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for block in ("body", "orelse", "finalbody", "handlers"):
+            stack.extend(x for x in getattr(st, block, None) or [] if isinstance(x, ast.stmt))
+        for h in getattr(st, "handlers", None) or []:
+            stack.extend(h.body)
+    return tuple(sorted(off))
+
+
+def site_context(module: ModuleInfo, scope: Scope, line: int | None = None) -> SiteContext:
     config_expr = None
     self_attrs: set[str] = set()
     if scope.class_name and scope.class_name in module.classes and "self" in scope.args[:1]:
@@ -532,7 +562,7 @@ def site_context(module: ModuleInfo, scope: Scope) -> SiteContext:
         for _stmt, value in scope.assignments.get("args", []):
             if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("parse_args", "parse_known_args"):
                 args_expr = "args"
-    return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)))
+    return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)), _flags_off_at(scope, line) if line else ())
 
 
 _READS_SELF_CONFIG = re.compile(r"\bself\s*\.\s*config(?![\w])")
@@ -594,6 +624,14 @@ def _switch_expr(sw: dict[str, Any], ctx: SiteContext) -> str | None:
     else:
         return None
     return f"not {expr}" if _NEGATIVE.match(name) else expr
+
+
+def _off_here(sw: dict[str, Any], ctx: SiteContext) -> bool:
+    """The switch is a flag the site's own branch requires to be false (``SiteContext.off``)."""
+    if not ctx.off or sw["kind"] not in ("config_field", "argument"):
+        return False
+    bases = {"self", ctx.config_expr or "", ctx.args_expr or "", "self.config", "config", "args"} - {""}
+    return any(f.rpartition(".")[2] == sw["name"] and f.rpartition(".")[0] in bases for f in ctx.off)
 
 
 _KIND_PREF = {"config_field": 0, "argument": 1, "env": 2}
@@ -704,6 +742,12 @@ def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]]
                 declined.append(why)
             continue
         expr = _switch_expr(sw, ctx)
+        if expr is not None and _off_here(sw, ctx):
+            why = (f"repo switch `{sw['name']}` ({sw['file']}:{sw['line']}) is not reused: this code runs only where it is "
+                   "off (the site is in its `if not ...` branch), so the fused branch could never run")
+            if why not in declined:
+                declined.append(why)
+            continue
         if expr is not None:
             return Switch("existing", expr=expr), sw, notes
         unreachable.append(sw)
