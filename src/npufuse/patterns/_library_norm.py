@@ -1411,6 +1411,21 @@ def library_family_class(module: ModuleInfo, func: ast.expr) -> str | None:
     return f"{pkg}.{cls}" if cls in LIBRARY_RMS_FAMILIES.get(pkg, ()) else None
 
 
+def library_origin(module: ModuleInfo, func: ast.expr, package: str) -> str | None:
+    """``package.ClassName`` when a constructor's callee is a class that ``package`` defines (through
+    the library's and the repository's re-exports), whatever its name; None otherwise (a class the
+    repository defines itself, another package)."""
+    name = canonical.api(module, func)
+    if not name or "." not in name:
+        return None
+    from npufuse.scan import repo_facts
+
+    origin = repo_facts.external_origin(module, name) if repo_facts.repo_root(module) is not None else name
+    if origin is None or origin.split(".", 1)[0] != package:
+        return None
+    return f"{package}.{origin.rsplit('.', 1)[-1]}"
+
+
 def _timm_swap_helper(T: str) -> str:
     """The local function swapping a timm RmsNorm / RmsNormFp32 instance's forward."""
     return "\n".join([
