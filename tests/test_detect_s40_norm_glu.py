@@ -181,3 +181,62 @@ def test_timm_rmsnorm2d_after_an_add_is_a_near_miss_naming_its_channel_dim() -> 
     assert found == []
     assert [m.reason for m in misses] == [
         "norm timm.RmsNorm2d normalises dim 1 (the channels of NCHW input), not the last dim that npu_add_rms_norm normalises"]
+
+
+class _OutsideRMSNorm(nn.Module):
+    """An RMSNorm of a library npufuse has no model of (HF semantics), built with or without a weight and with
+    liger's ``offset`` attribute (the gain is ``offset + weight``)."""
+
+    def __init__(self, d: int, eps: float = 1e-6, affine: bool = True, offset: float = 0.0) -> None:
+        super().__init__()
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.ones(d)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (y * (self.offset + self.weight.float()) if self.weight is not None else y).to(x.dtype)
+
+
+_OUTSIDE = '''\
+from torch import nn
+from fancylib.layers import FancyRMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, d, **kw):
+        super().__init__()
+        self.norm = FancyRMSNorm(d, **kw)
+        self.ffn = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        h = x + y
+        return h + self.ffn(self.norm(h))
+'''
+
+
+def test_an_outside_rmsnorm_without_a_weight_or_with_an_offset_keeps_its_own_forward(monkeypatch) -> None:
+    """The generic reading's run-time check named ``hasattr(norm, "weight")``, true for a weight of None
+    (the fused code then called ``None.to``), and never looked at an ``offset`` attribute."""
+    from pattern_harness import detect_all, install_stand_in_modules
+
+    from npufuse.patterns import add_rms_norm as A
+    from npufuse.rewrite.codegen import splice
+
+    adds, _ = detect_all(A.AddRmsNorm(), _OUTSIDE)
+    assert [f.line for f in adds] == [12]
+    install_stand_in_modules(monkeypatch, {"fancylib.layers": {"FancyRMSNorm": _OutsideRMSNorm}})
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    for kw, fused in (({}, 1), ({"affine": False}, 0), ({"offset": 1.0}, 0)):
+        outs = []
+        for code in (_OUTSIDE, splice(_OUTSIDE, adds)):
+            ns: dict = {}
+            with emulate.install() as emu:
+                exec(compile(code, "<model>", "exec"), ns)
+                torch.manual_seed(0)
+                blk = ns["Block"](16, **kw)
+                with torch.no_grad():
+                    outs.append(blk(x, y))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        assert dict(emu.calls).get("npu_add_rms_norm", 0) == fused, (kw, dict(emu.calls))

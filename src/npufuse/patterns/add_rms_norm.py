@@ -2211,9 +2211,11 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         notes.append(f"norm class {m.cls} not in this module: training keeps the module call; only inference is fused")
         variant = "external_norm"
         # the assumed attributes are checked where the code runs: a module without them (another
-        # norm's parameter names, a mean over another dim) takes the original statements
-        conditions.append(f'hasattr({mod}, "weight") and (hasattr({mod}, "variance_epsilon") or hasattr({mod}, "eps")) '
-                          f'and getattr({mod}, "dim", -1) == -1')
+        # norm's parameter names, a mean over another dim) takes the original statements; so does one
+        # built without a weight (``weight`` None: the fused code would call ``.to`` on None) and one whose
+        # ``offset`` attribute says another gain than the name's (liger's ``LigerRMSNorm(offset=1.0)``)
+        conditions.append(f'getattr({mod}, "weight", None) is not None and (hasattr({mod}, "variance_epsilon") or hasattr({mod}, "eps")) '
+                          f'and getattr({mod}, "dim", -1) == -1 and getattr({mod}, "offset", {offset}) == {offset}')
     gamma_npu = f"{gamma if _simple_text(gamma) else '(' + gamma + ')'}.to({x1}.dtype)"
     norm_node = m.call
     # -- training (or mixed dtypes): the add, the aliases, the norm as npu_rms_norm (or, for a
