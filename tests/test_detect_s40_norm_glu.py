@@ -240,3 +240,60 @@ def test_an_outside_rmsnorm_without_a_weight_or_with_an_offset_keeps_its_own_for
                     outs.append(blk(x, y))
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
         assert dict(emu.calls).get("npu_add_rms_norm", 0) == fused, (kw, dict(emu.calls))
+
+
+_QWEN_VL_LAYER = '''\
+import torch
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+
+class MoEDecoderLayer(Qwen2_5_VLDecoderLayer):
+    def forward(self, hidden_states, token_types=None):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = hidden_states.to(self.post_attention_layernorm.weight.dtype)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
+class PlainLayer(Qwen2DecoderLayer):
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+'''
+
+
+def test_a_subclass_of_a_qwen_vl_decoder_layer_reads_the_base_norm_at_run_time() -> None:
+    """lerobot's wall_x: a subclass of transformers' Qwen2_5_VLDecoderLayer (its norms are Qwen2_5_VLRMSNorm,
+    LlamaRMSNorm's code under another name) adds, casts the sum to the norm's weight dtype, then norms it."""
+    from pattern_harness import detect_all
+
+    from npufuse.patterns import add_rms_norm as A
+
+    adds, _ = detect_all(A.AddRmsNorm(), _QWEN_VL_LAYER)
+    assert [(f.qualname, f.line) for f in adds] == [("MoEDecoderLayer.forward", 11), ("PlainLayer.forward", 22)]
+    vl = adds[0].params["condition"]
+    assert '"Qwen2_5_VLRMSNorm"' in vl and 'type(self.post_attention_layernorm).__module__.startswith("transformers.")' in vl
+    # the cast of the sum stays on the unfused path; a weight dtype other than the sum's takes it
+    assert "self.post_attention_layernorm.weight.dtype != residual.dtype" in adds[0].fused
+
+
+def test_a_subclass_of_another_vl_family_stays_silent() -> None:
+    """Near miss: a family whose norm npufuse has not compared with LlamaRMSNorm (Gemma 3's, with its
+    ``1 + weight`` gain) is not read from the base class."""
+    from pattern_harness import detect_all
+
+    from npufuse.patterns import add_rms_norm as A
+
+    code = _QWEN_VL_LAYER.replace("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLDecoderLayer",
+                                  "transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer as Qwen2_5_VLDecoderLayer")
+    adds, _ = detect_all(A.AddRmsNorm(), code)
+    assert [f.qualname for f in adds] == ["PlainLayer.forward"]

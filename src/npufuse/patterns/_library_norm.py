@@ -708,7 +708,9 @@ def _l2_normalize_chosen_dim(module: ModuleInfo, call: ast.AST) -> tuple["canoni
 # in. The call is rewritten where it is made, under a run-time check that the attribute holds
 # exactly that class (anything else, a subclass included, runs the original call).
 
-_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
+                   # s40: the Qwen VL families' text norms, LlamaRMSNorm's code under another name (transformers 5.25)
+                   "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm", "Qwen3VLMoeTextRMSNorm"}
 
 
 def _hf_norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, str]:

@@ -1001,7 +1001,11 @@ def _base_built_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ct
 
 # what a file imports from the transformers families whose norm is the Llama-style class: the model
 # package or modeling module, or one of its classes (not a logger or a helper borrowed from it)
-_HF_LLAMA_FAMILY = re.compile(r"transformers\.(?:models\.(?:llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe)"
+# s40: the Qwen vision-language families (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe: robot-policy and VLM
+# repositories subclass their decoder layers, lerobot's wall_x) build their decoder norms from classes whose
+# ``__init__`` and ``forward`` are LlamaRMSNorm's, token for token (transformers 5.25, compared as ASTs; 4.x
+# built them from Qwen2RMSNorm)
+_HF_LLAMA_FAMILY = re.compile(r"transformers\.(?:models\.(?:llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe|qwen2_vl|qwen2_5_vl|qwen3_vl|qwen3_vl_moe)"
                               r"(?:\.modeling_\w+)?(?:\.(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)?|(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)$")
 
 
