@@ -708,7 +708,9 @@ def _l2_normalize_chosen_dim(module: ModuleInfo, call: ast.AST) -> tuple["canoni
 # in. The call is rewritten where it is made, under a run-time check that the attribute holds
 # exactly that class (anything else, a subclass included, runs the original call).
 
-_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"}
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
+                   # s40: the Qwen VL families' text norms, LlamaRMSNorm's code under another name (transformers 5.25)
+                   "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm", "Qwen3VLMoeTextRMSNorm"}
 
 
 def _hf_norm_attributes(module: ModuleInfo, class_name: str | None) -> dict[str, str]:
@@ -1409,6 +1411,21 @@ def library_family_class(module: ModuleInfo, func: ast.expr) -> str | None:
         return None  # defined in the repository: its own class, read by the hand-written matcher
     pkg, cls = origin.split(".", 1)[0], origin.rsplit(".", 1)[-1]
     return f"{pkg}.{cls}" if cls in LIBRARY_RMS_FAMILIES.get(pkg, ()) else None
+
+
+def library_origin(module: ModuleInfo, func: ast.expr, package: str) -> str | None:
+    """``package.ClassName`` when a constructor's callee is a class that ``package`` defines (through
+    the library's and the repository's re-exports), whatever its name; None otherwise (a class the
+    repository defines itself, another package)."""
+    name = canonical.api(module, func)
+    if not name or "." not in name:
+        return None
+    from npufuse.scan import repo_facts
+
+    origin = repo_facts.external_origin(module, name) if repo_facts.repo_root(module) is not None else name
+    if origin is None or origin.split(".", 1)[0] != package:
+        return None
+    return f"{package}.{origin.rsplit('.', 1)[-1]}"
 
 
 def _timm_swap_helper(T: str) -> str:

@@ -60,6 +60,8 @@ class NormCall:
     mod: str = ""
     # s39: the ``_library_norm.THIRD_PARTY_RMS_NORMS`` key of a verified library class (external kind)
     third_party: str = ""
+    # s40: ``timm.RmsNorm`` / ``timm.RmsNormFp32`` (external kind), read from timm's source
+    timm: str = ""
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1036,7 +1038,11 @@ def _base_built_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ct
 
 # what a file imports from the transformers families whose norm is the Llama-style class: the model
 # package or modeling module, or one of its classes (not a logger or a helper borrowed from it)
-_HF_LLAMA_FAMILY = re.compile(r"transformers\.(?:models\.(?:llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe)"
+# s40: the Qwen vision-language families (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe: robot-policy and VLM
+# repositories subclass their decoder layers, lerobot's wall_x) build their decoder norms from classes whose
+# ``__init__`` and ``forward`` are LlamaRMSNorm's, token for token (transformers 5.25, compared as ASTs; 4.x
+# built them from Qwen2RMSNorm)
+_HF_LLAMA_FAMILY = re.compile(r"transformers\.(?:models\.(?:llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe|qwen2_vl|qwen2_5_vl|qwen3_vl|qwen3_vl_moe)"
                               r"(?:\.modeling_\w+)?(?:\.(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)?|(?:Llama|Mistral|Mixtral|Qwen2|Qwen3)\w*)$")
 
 
@@ -1271,7 +1277,7 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
         # output dtype, under a run-time check of the class and its forward's spelling
         return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
     if _RMS_NAME.search(cls.split(".")[-1]):
-        return NormCall(call, f.attr, "external", cls=cls)
+        return _timm_norm(module, call, f.attr, value.func) or NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
     if chosen and all(_RMS_NAME.search(c.split(".")[-1]) and c not in module.classes for c in chosen):
         # nanotron: ``norm_class = TritonRMSNorm if config.fused else RMSNorm`` in __init__, both
@@ -1294,6 +1300,57 @@ def _s40_own_class_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str
         nc.conditions = [*nc.conditions, bound_callee.own_class_test(f"self.{attr}", cls)]
         nc.cls = f"{nc.cls} (the file also binds {rebound}: checked at run time)"
     return nc
+
+
+# -- s40: timm's RMSNorm classes. The generic reading of an outside RMSNorm-named class (HF semantics under a
+# run-time check of attribute names) passed on every timm class, whose forwards are not all that: RmsNorm up to
+# timm 1.0.12 divides by the root of the unbiased variance (mean subtracted: timm issue #2380; 1.0.13 added
+# ``_fast_norm`` with the mean-of-squares fix), RmsNorm2d / RmsNorm2dFp32 normalise dim 1 of NCHW input, and
+# ``_fast_norm`` True takes apex or an autocast-dtype path. Read from timm/layers/norm.py and fast_norm.py at
+# v1.0.12, v1.0.13 and main (2025): RmsNorm computes ``x * rsqrt(mean(x^2) + eps) * weight`` in x's dtype (the
+# output promote(x, weight)); RmsNormFp32 (added after 1.0.16, never var-based) the same on x.float() and
+# weight.float(), cast back to x's dtype.
+
+_TIMM_OUT = {"timm.RmsNorm": "promote", "timm.RmsNormFp32": "input"}
+
+
+def _timm_norm(module: ModuleInfo, call: ast.Call, attr: str, func: ast.expr) -> NormCall | None:
+    """What ``self.<attr>`` built by ``func(...)`` is when ``func`` is a timm class: timm's RmsNorm /
+    RmsNormFp32 (external kind, fused under a run-time check of the class and version read), a near
+    miss for its other RMSNorm-named classes; None for a class timm does not define."""
+    from npufuse.patterns._library_norm import library_origin
+
+    origin = library_origin(module, func, "timm")
+    if origin is None:
+        return None
+    if origin in _TIMM_OUT:
+        return NormCall(call, attr, "external", cls=origin, timm=origin)
+    what = ("normalises dim 1 (the channels of NCHW input), not the last dim that npu_add_rms_norm normalises"
+            if "2d" in origin.lower() else "is not timm's RmsNorm or RmsNormFp32, the timm RMSNorm classes whose forward npufuse read")
+    return NormCall(call, attr, "not_rms", cls=origin, reason=f"norm {origin} {what}")
+
+
+def _timm_reading(m: NormCall, s_name: str, T: str) -> tuple[str, str, str, str, dict, Risk, str]:
+    """gamma, eps, output dtype, run-time check, params, risk and note for timm's RmsNorm / RmsNormFp32."""
+    mod = m.mod or f"self.{m.attr}"
+    name = m.timm.split(".", 1)[1]
+    promote = _TIMM_OUT[m.timm] == "promote"
+    out_code = f"{T}.promote_types({s_name}.dtype, {mod}.weight.dtype)" if promote else f"{s_name}.dtype"
+    # exactly timm's class; RmsNorm only from the version with ``_fast_norm`` (mean of squares) and with it
+    # off; a weight (affine) over one trailing dim
+    check = (f'type({mod}).__module__.split(".")[0] == "timm" and type({mod}).__name__ == "{name}"'
+             + (f' and not getattr({mod}, "_fast_norm", True)' if name == "RmsNorm" else "")
+             + f" and {mod}.weight is not None and len({mod}.normalized_shape) == 1")
+    params = {"eps": f"{mod}.eps", "weight": f"{mod}.weight", "weight_offset": 0, "upcast": "none" if promote else "float32",
+              "output_dtype": "promote(input, weight)" if promote else "input", "library_class": m.timm}
+    semantics = ("x * rsqrt(mean(x^2) + eps) * weight in x's dtype (no upcast)" if promote
+                 else "x.float() * rsqrt(mean(x^2) + eps) * weight.float(), cast back to x's dtype")
+    risk = Risk("numerics", f"{m.timm} (library code, read from timm's source): {semantics}; npu_add_rms_norm keeps its "
+                            "statistics in fp32 and applies the weight cast to the input's dtype (last-bit differences in "
+                            "bf16/fp16). timm <= 1.0.12 (mean-centred variance) and timm's fast-norm mode keep timm's forward")
+    note = (f"norm class {m.timm}: training keeps the module call; inference is fused where the module is exactly timm's "
+            "class, in a version whose forward was read (checked at run time)")
+    return f"{mod}.weight", f"{mod}.eps", out_code, check, params, risk, note
 
 
 def _third_party_reading(m: NormCall, s_name: str, T: str) -> tuple[str, str, str, str, dict, Risk, str]:
@@ -2184,9 +2241,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         notes.append(f"{m.cls}: F.normalize(x, dim=-1) times a sqrt(d) gain is x / rms(x) * gain / sqrt(d); "
                      "training keeps the module call, only inference is fused")
         variant = "l2_normalize_norm"
-    elif m.third_party:
+    elif m.third_party or m.timm:
         confidence = "medium"
-        gamma, eps, out_code, check, params, risk, note = _third_party_reading(m, s_name, T)
+        reading = _timm_reading if m.timm else _third_party_reading
+        gamma, eps, out_code, check, params, risk, note = reading(m, s_name, T)
         train_norm = ""  # the module itself in training
         norm_pre = []
         risks.append(risk)
@@ -2210,9 +2268,11 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         notes.append(f"norm class {m.cls} not in this module: training keeps the module call; only inference is fused")
         variant = "external_norm"
         # the assumed attributes are checked where the code runs: a module without them (another
-        # norm's parameter names, a mean over another dim) takes the original statements
-        conditions.append(f'hasattr({mod}, "weight") and (hasattr({mod}, "variance_epsilon") or hasattr({mod}, "eps")) '
-                          f'and getattr({mod}, "dim", -1) == -1')
+        # norm's parameter names, a mean over another dim) takes the original statements; so does one
+        # built without a weight (``weight`` None: the fused code would call ``.to`` on None) and one whose
+        # ``offset`` attribute says another gain than the name's (liger's ``LigerRMSNorm(offset=1.0)``)
+        conditions.append(f'getattr({mod}, "weight", None) is not None and (hasattr({mod}, "variance_epsilon") or hasattr({mod}, "eps")) '
+                          f'and getattr({mod}, "dim", -1) == -1 and getattr({mod}, "offset", {offset}) == {offset}')
     gamma_npu = f"{gamma if _simple_text(gamma) else '(' + gamma + ')'}.to({x1}.dtype)"
     norm_node = m.call
     # -- training (or mixed dtypes): the add, the aliases, the norm as npu_rms_norm (or, for a
