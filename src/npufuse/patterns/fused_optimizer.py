@@ -6612,3 +6612,138 @@ FusedOptimizer.KEEP += [
     Keep(_CHOSEN_FROM_DICT.replace('"rowwise": RowWise', '"adam": torch.optim.Adam').replace("opts[name](", "opts[name.lower()]("),
          reason="the dict key calls code", name="s39_dict_of_two_fusable_key_calls_code"),
 ]
+
+
+# -- s40 (opt40): grad None-ness read by the training code; facts that concern other arms, models or tensors ----------
+# (1) HO16b anmoa/PILF: code that tests `p.grad is None` on the model's parameters tells a grad torch.optim's
+# zero_grad freed (or a parameter the step left without one) from a kept one; the fused class keeps grads allocated
+# and zeroes them in place, so the test answers otherwise (npufuse.scan.grad_none: this file here, the files the
+# trainer's imports reach in the repo pass). A test whose outcome a zero grad does not change (a norm added to a sum,
+# an in-place scale, a finiteness check) or an optimizer's own loop over its param_groups is no such reader.
+
+_S40_GRAD_NONE = _NET + '''
+
+def pick_experts(model, k=1):
+    ranked = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            ranked.append((float("inf"), name))
+        else:
+            ranked.append((p.grad.norm().item(), name))
+    return sorted(ranked)[:k]
+
+
+def train(model, steps=3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        pick_experts(model)
+        optimizer.step()
+        optimizer.zero_grad()
+'''
+
+_S40_GRAD_NORM_LOG = _NET + '''
+
+def grad_norm(model):
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            param_norm = p.grad.data.norm(2)
+            total += param_norm.item() ** 2
+    return total ** 0.5
+
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+# (2) HO16a blueberry-llm: Muon's Newton-Schulz helper casts a gradient-derived tensor (`X = G.bfloat16()`); the
+# model keeps its dtype, and the AdamW beside the custom optimizer is fused
+_S40_HELPER_CAST = _NET + '''
+
+def orthogonalize(G, steps: int = 5):
+    assert G.ndim >= 2
+    X = G.bfloat16()
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        X = 1.5 * X - 0.5 * X @ X.mT @ X
+    return X
+
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+'''
+
+# (3) audit39 InternImage: ZeRO in the other arm of the `if` the construction sits in; (4) diffuser: `.data =` on an
+# EMA's deep copy, not on the optimizer's model
+_S40_ZERO_OTHER_ARM = _NET + '''
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def build(model, use_zero=False, lr=1e-3):
+    optimizer = None
+    if use_zero:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return optimizer
+'''
+
+_S40_EMA_COPY = _NET + '''
+import copy
+
+
+class EMA:
+    def __init__(self, beta=0.99):
+        self.beta = beta
+
+    def update(self, ma_model, current_model):
+        for current, averaged in zip(current_model.parameters(), ma_model.parameters()):
+            averaged.data = averaged.data * self.beta + (1 - self.beta) * current.data
+
+
+class Trainer:
+    def __init__(self, model, lr=1e-3):
+        self.model = model
+        self.ema = EMA()
+        self.ema_model = copy.deepcopy(self.model)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def step_ema(self):
+        self.ema.update(self.ema_model, self.model)
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S40_GRAD_NONE, reason="tests whether a parameter's grad is None (`p.grad is None` at line",
+         name="s40_training_code_tests_grad_none"),
+    # the same reader wrapped in a helper whose grads are appended: a zero grad changes the list
+    Keep(_S40_GRAD_NORM_LOG.replace("            param_norm = p.grad.data.norm(2)\n            total += param_norm.item() ** 2\n",
+                                    "            grads.append(p.grad)\n").replace("    total = 0.0\n", "    total, grads = 0.0, []\n"),
+         reason="tests whether a parameter's grad is None", name="s40_grads_collected_when_not_none"),
+    # the EMA update applied to the trained model itself
+    Keep(_S40_EMA_COPY.replace("self.ema.update(self.ema_model, self.model)", "self.ema.update(self.model, self.ema_model)"),
+         reason="parameters are re-allocated (`.data = ...`", name="s40_data_assigned_to_the_trained_model"),
+    # the cast on the model itself (a module: cast in place)
+    Keep(_S40_HELPER_CAST.replace("    return torch.optim.AdamW(", "    model.bfloat16()\n    return torch.optim.AdamW("),
+         reason="bf16 parameters unsupported", name="s40_model_cast_beside_a_tensor_cast"),
+    # FSDP wraps the model in the construction's own arm
+    Keep(_S40_ZERO_OTHER_ARM.replace(
+        "        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)\n    else:\n",
+        "        model = torch.distributed.fsdp.FullyShardedDataParallel(model)\n").replace(
+        "        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n",
+        "        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n    else:\n        optimizer = None\n").replace(
+        "    if use_zero:\n", "    if torch.distributed.is_initialized():\n"),
+         reason="FSDP/DeepSpeed/ZeRO", name="s40_fsdp_in_the_constructions_own_arm"),
+]
+
+FusedOptimizer.FUSE += [
+    Fuse(_S40_GRAD_NORM_LOG, name="s40_grad_norm_log_reads_grad_none_harmlessly", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"qualname": "build"}),
+    Fuse(_S40_HELPER_CAST, name="s40_bf16_cast_of_a_gradient_temporary", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"qualname": "build"}),
+    Fuse(_S40_ZERO_OTHER_ARM, name="s40_zero_in_the_other_arm", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"qualname": "build"}),
+    Fuse(_S40_EMA_COPY, name="s40_data_assigned_to_an_ema_copy", run="model = Net()\nopt = Trainer(model).optimizer\n" + _TRAIN_STEPS,
+         expect={"qualname": "Trainer.__init__"}),
+]

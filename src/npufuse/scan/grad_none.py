@@ -147,7 +147,7 @@ class _Reader(ast.NodeVisitor):
         self.found: list[tuple[int, str]] = []
         self.loops: list[tuple[set[str], ast.AST, list[ast.stmt]]] = []  # (target names, iterable, body)
         self.bound: list[dict[str, ast.AST]] = [{}]  # per function: name -> its last plain assignment
-        self.sums: set[int] = set()  # ids of comprehensions summed by builtin sum()
+        self.reducer: dict[int, str] = {}  # id of a comprehension reduced by builtin sum() / all() / any() -> which
         self.asserts: set[int] = set()
         self.in_optimizer_class = 0
 
@@ -177,8 +177,8 @@ class _Reader(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
-        if isinstance(node.func, ast.Name) and node.func.id == "sum" and node.args:
-            self.sums.add(id(node.args[0]))
+        if isinstance(node.func, ast.Name) and node.func.id in ("sum", "all", "any") and node.args:
+            self.reducer[id(node.args[0])] = node.func.id
         self.generic_visit(node)
 
     def visit_For(self, node: ast.For | ast.AsyncFor) -> None:
@@ -206,8 +206,17 @@ class _Reader(ast.NodeVisitor):
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension  # type: ignore[assignment]
 
     def _harmless_comprehension(self, node: ast.AST, name: str) -> bool:
+        """A sum of the grads' norms (a zero grad adds 0), an ``all`` of finiteness checks (a zero grad is finite), an
+        ``any`` of NaN / Inf checks (a zero grad has none)."""
         elt = getattr(node, "elt", None)
-        return id(node) in self.sums and elt is not None and _norm_of(elt, name, set())
+        how = self.reducer.get(id(node))
+        if elt is None or how is None:
+            return False
+        if how == "sum":
+            return _norm_of(elt, name, set())
+        if how == "any":
+            return _false_on_zero(elt, name)
+        return _false_on_zero(ast.UnaryOp(op=ast.Not(), operand=elt), name)
 
     def visit_If(self, node: ast.If) -> None:
         # the test itself, or one conjunct of an `and` (`if p.requires_grad and p.grad is not None:`)
