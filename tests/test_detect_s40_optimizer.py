@@ -297,3 +297,18 @@ def test_a_model_level_zero_grad_reason_says_what_to_write(tmp_path: Path) -> No
     for reason in near:
         assert "`self.net.zero_grad()` (line 11) sets grads to None on torch >= 2.0" in reason
         assert "write `self.net.zero_grad(set_to_none=False)` there" in reason and "every step" not in reason
+
+
+def test_a_part_selected_by_parameter_name_is_not_tied_to_a_reader_elsewhere(tmp_path: Path) -> None:
+    # PILF: the experts' optimizer (every name but the gate's) is refused; the gate's own optimizer, a part chosen by
+    # name, is not what the reader's loop over the experts' parameters reads
+    two = _MAIN.replace(
+        "    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n",
+        "    main_params = [p for n, p in model.named_parameters() if \"gate\" not in n]\n"
+        "    optimizer = torch.optim.Adam(main_params, lr=1e-3)\n"
+        "    gate_params = [p for n, p in model.named_parameters() if \"gate\" in n]\n"
+        "    gate_optimizer = torch.optim.Adam(gate_params, lr=1e-3)\n")
+    write_files(tmp_path, {"model.py": _MODEL, "choice.py": _CHOICE, "main.py": two})
+    cands, near = _optim(scan(tmp_path, patterns=[FusedOptimizer()]), "main.py")
+    assert [c["line"] for c in cands] == [11], (cands, near)
+    assert len(near) == 1 and "choice.py:11" in near[0], near

@@ -265,12 +265,43 @@ def reason(where: str, test: str, whose: str) -> str:
             "its other branch")
 
 
-def site_reads(index: "RepoIndex", rel: str, qualname: str) -> Optional[str]:
+def _selected_by_name(tree: ast.Module, qualname: str, params: str) -> bool:
+    """Are the site's params (``params``, a name bound in its function) a part of a model selected by parameter name:
+    ``[p for n, p in model.named_parameters() if "gating" in n]`` (a positive ``in`` / ``startswith`` test of the
+    name)? Code elsewhere that loops over a model's parameters cannot be tied to such a part (PILF's gating
+    optimizer beside the experts' one)."""
+    from npufuse.scan.random_skip import _function_of
+
+    fn = _function_of(tree, qualname) if params.isidentifier() else None
+    for n in ast.walk(fn) if fn is not None else ():
+        if not (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == params for t in n.targets)):
+            continue
+        if not isinstance(n.value, (ast.ListComp, ast.GeneratorExp)):
+            return False
+        for gen in n.value.generators:
+            names = {x.id for x in ast.walk(gen.target) if isinstance(x, ast.Name)}
+            for cond in gen.ifs:
+                for c in ast.walk(cond):
+                    if isinstance(c, ast.Compare) and len(c.ops) == 1 and isinstance(c.ops[0], ast.In) \
+                            and isinstance(c.left, ast.Constant) and isinstance(c.comparators[0], ast.Name) and c.comparators[0].id in names:
+                        return True
+                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("startswith", "endswith") \
+                            and isinstance(c.func.value, ast.Name) and c.func.value.id in names:
+                        return True
+        return False
+    return False
+
+
+def site_reads(index: "RepoIndex", rel: str, qualname: str, params: str = "") -> Optional[str]:
     """The near-miss reason for an optimizer site (file ``rel``, function ``qualname``) when a file its trainer
     reaches through imports (the site's file, the files importing its builder, what they import: bounded) tests
-    grad None-ness that way; the site's own file is judged by the detector with its regions (not here)."""
+    grad None-ness that way; the site's own file is judged by the detector with its regions (not here). Not for
+    params selected by parameter name (:func:`_selected_by_name`)."""
     from npufuse.scan.random_skip import _drivers, reachable_files
 
+    tree = index.tree(rel)
+    if tree is None or _selected_by_name(tree, qualname, params):
+        return None
     for other in reachable_files(index, [rel, *_drivers(index, rel, qualname)]):
         if other == rel:
             continue

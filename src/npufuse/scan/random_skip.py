@@ -1442,8 +1442,9 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
     index = RepoIndex(root, files, max_bytes)
     for o, h in hits:
         f = h.finding
-        found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", str((f.params or {}).get("params", "")))
-        why = reason(*found) if found is not None else grad_none.site_reads(index, o.file, f.qualname)
+        params = str((f.params or {}).get("params", ""))
+        found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", params)
+        why = reason(*found) if found is not None else grad_none.site_reads(index, o.file, f.qualname, params)
         if why is None:
             continue
         o.hits.remove(h)
