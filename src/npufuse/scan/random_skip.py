@@ -550,6 +550,7 @@ class RepoIndex:
         self._string_constants: dict[str, dict[str, list[int]]] = {}
         self._top_references: dict[str, list[tuple[ast.stmt, dict[str, list[ast.AST]]]]] = {}
         self._grad_none: dict[str, list[tuple[int, str]]] = {}
+        self.drivers: dict[tuple[str, str], list[str]] = {}  # (site file, builder) -> _drivers
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -1222,6 +1223,9 @@ def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
     """Files that import the site's module and name its builder (where the trainer builds the model)."""
     stem = PurePosixPath(rel).stem if PurePosixPath(rel).stem != "__init__" else PurePosixPath(rel).parent.name
     builder = qualname.split(".")[0]
+    got = index.drivers.get((rel, builder))  # s40: asked again by the grad-None readers' pass of the same site
+    if got is not None:
+        return list(got)
     out = []
     for f in index.files:
         if f == rel:
@@ -1229,6 +1233,7 @@ def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
         text = index.text(f) or ""
         if stem in text and builder in text and ("import" in text) and rel in index.imported_files(f):
             out.append(f)
+    index.drivers[(rel, builder)] = out[:8]
     return out[:8]
 
 
