@@ -185,6 +185,14 @@ def test_a_bf16_cast_of_a_gradient_temporary_is_not_the_models_dtype(tmp_path: P
     write_files(tmp_path / "module", {"opt.py": module_cast})
     cands, near = _optim(scan(tmp_path / "module", patterns=[FusedOptimizer()]), "opt.py")
     assert not cands and "bf16 parameters unsupported" in near[0], near
+    # a model's own `norm` submodule and `dim` width are no tensor evidence: the cast is the model's
+    model_cast = _HELPER_CAST.replace(
+        "def build(model: nn.Module):\n",
+        "def to_bf16(model):\n    model.norm.eps = 1e-6\n    width = model.dim\n    model.to(torch.bfloat16)\n    return width\n\n\n"
+        "def build(model: nn.Module):\n    to_bf16(model)\n")
+    write_files(tmp_path / "model", {"opt.py": model_cast})
+    cands, near = _optim(scan(tmp_path / "model", patterns=[FusedOptimizer()]), "opt.py")
+    assert not cands and "bf16 parameters unsupported" in near[0] and "(line 18)" in near[0], near
 
 
 _ARMS = '''\

@@ -387,14 +387,17 @@ class _FileFacts:
 
 # s40 (HO16a blueberry-llm): `X = G.bfloat16()` inside Muon's Newton-Schulz helper casts a gradient-derived tensor
 # (a new tensor; the parameters keep their dtype), not the model. nn.Module has none of these tensor attributes.
-_TENSOR_ONLY_ATTRS = frozenset(("ndim", "mT", "T", "shape", "size", "dim", "numel", "norm", "view", "reshape", "grad_fn"))
+# Attributes read as values, and methods called: a model may hold a submodule or a width under other such names
+# (`self.norm`, `self.dim`), so those count only as calls of the names nn.Module has no method of.
+_TENSOR_ONLY_ATTRS = frozenset(("ndim", "mT", "T", "shape", "grad_fn"))
+_TENSOR_ONLY_METHODS = frozenset(("size", "dim", "numel", "view", "reshape"))
 
 
 def _s40_tensor_temporary(root: ast.AST, cast: ast.Call) -> bool:
     """Is ``cast`` (``R.bfloat16()`` / ``R.to(torch.bfloat16)``) a cast of a tensor into a new tensor, by evidence in
     the innermost function of ``root`` holding it: ``R`` is ``<x>.grad``, or a name that function annotates as a
-    Tensor, binds from an expression reading ``.grad``, or reads a tensor-only attribute of (``G.ndim``, ``G.size(-2)``,
-    ``X.mT``)? Not when the result is stored into ``.data`` (a parameter re-cast in place of its storage)."""
+    Tensor, binds from an expression reading ``.grad``, or reads a tensor-only attribute / method of (``G.ndim``,
+    ``G.size(-2)``, ``X.mT``)? Not when the result is stored into ``.data`` (a parameter re-cast in place of its storage)."""
     recv = cast.func.value  # type: ignore[attr-defined]
     if isinstance(recv, ast.Attribute) and recv.attr == "grad":
         return True
@@ -416,6 +419,9 @@ def _s40_tensor_temporary(root: ast.AST, cast: ast.Call) -> bool:
             return True
     for n in fast_walk(fn):
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name and n.attr in _TENSOR_ONLY_ATTRS:
+            return True
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                and n.func.value.id == name and n.func.attr in _TENSOR_ONLY_METHODS:
             return True
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets) and any(
                 isinstance(x, ast.Attribute) and x.attr == "grad" for x in fast_walk(n.value)):
