@@ -74,6 +74,7 @@ class MinSurprise:
             if p.grad is None:
                 continue
             p.grad.mul_(0.5)
+            print("grad", p.grad.norm())
         finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         return total ** 0.5, finite
 '''

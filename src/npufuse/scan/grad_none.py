@@ -10,9 +10,9 @@ other branch (anmoa/PILF's expert choice gives a grad-None expert ``surprise = i
 ``p.grad is not None`` where ``p`` runs over a module's parameters (``for p in model.parameters()``, a
 comprehension over ``expert.named_parameters()``, a name bound from one). Left out, as they behave the same with
 a zero grad: an optimizer's own loop over its ``param_groups`` (a custom optimizer's ``step``: its own
-parameters, not the fused one's), a guarded body that only scales / clears the grad in place or adds its norm to a
-sum (``total += p.grad.norm() ** 2``: a zero grad adds 0), a sum of such norms, and asserts. torch's own gradient
-clipping utilities are library code (never read here).
+parameters, not the fused one's), a guarded body that only scales / clears the grad in place, adds its norm to a
+sum (``total += p.grad.norm() ** 2``: a zero grad adds 0), checks it for NaN / Inf or logs it, a sum of such norms,
+and asserts. torch's own gradient clipping utilities are library code (never read here).
 """
 
 from __future__ import annotations
@@ -112,11 +112,21 @@ def _zero_keeping(stmts: list[ast.stmt], name: str) -> bool:
             continue
         elif isinstance(st, (ast.Pass, ast.Continue)):
             continue
+        elif isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and _called_name(st.value) in _LOGGING:
+            continue  # what a log shows of a parameter without a grad is no change to the training
         elif isinstance(st, ast.If) and not st.orelse and _false_on_zero(st.test, name):
             continue  # `if torch.isnan(p.grad).any(): ...`: a zero grad never enters it
         else:
             return False
     return True
+
+
+_LOGGING = frozenset(("print", "add_histogram", "add_scalar", "add_scalars", "log", "info", "debug", "warning", "log_metrics"))
+
+
+def _called_name(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
 
 
 def _false_on_zero(test: ast.AST, name: str) -> bool:
