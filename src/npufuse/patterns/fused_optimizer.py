@@ -6102,6 +6102,8 @@ def _s37_random_skip(module: ModuleInfo, scope: Scope, guard: str, call: ast.Cal
                                    segment(module, params) if params is not None else "")
     except (Exception, RecursionError):  # an analysis aid: never lose the site over it
         return None
+
+
 def _s40_on_the_sites_path(module: ModuleInfo, stmt: ast.stmt, model: str, tiers: tuple[_FileFacts, _FileFacts, _FileFacts]
                            ) -> tuple[_FileFacts, _FileFacts, _FileFacts]:
     """s40 (audit39): the tiers less the sharding and re-allocation facts that cannot concern this optimizer: FSDP /
