@@ -261,9 +261,22 @@ class _FileFacts:
         # (line, function) of a `.data =` / `.grad =` re-allocation left out of data_assign/grad_assign
         # because it sits in a module-level function nothing in the file calls (:meth:`_Units.tiers`)
         self.uncalled_reallocation: Optional[tuple[int, str]] = None
+        # s40: lines of `X.grad is None` / `X.grad is not None` tests (see npufuse.scan.grad_none), and of
+        # `zero_grad(set_to_none=False)` calls (grads kept allocated under torch.optim too)
+        self.grad_tests: list[int] = []
+        self.kept_grads: list[int] = []
+        self.data_assigns: list[tuple[int, ast.Attribute]] = []  # every `X.data = ...` (line, target)
+        self._bf16_calls: list[ast.Call] = []  # the method casts behind `bf16` entries (s40: tensor temporaries dropped)
         for root in roots:
             for node in fast_walk(root):
                 self._visit(module, node)
+            if self._bf16_calls:
+                temporaries = {id(c) for c in self._bf16_calls if _s40_tensor_temporary(root, c)}
+                if temporaries:
+                    lines = {c.lineno for c in self._bf16_calls if id(c) in temporaries} - {
+                        c.lineno for c in self._bf16_calls if id(c) not in temporaries}
+                    self.bf16 = [(ln, r) for ln, r in self.bf16 if ln not in lines]
+                self._bf16_calls = []
             if isinstance(root, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 # s31: a function that returns its result cast to bf16 hands out a bf16 model under its own name
                 # (a pytest fixture ``def model(): m = Net(); return m.to(torch.bfloat16)`` is the test's ``model``):
@@ -282,7 +295,7 @@ class _FileFacts:
             out.grad_assign = out.grad_assign if out.grad_assign is not None else f.grad_assign
             out.data_assign = out.data_assign if out.data_assign is not None else f.data_assign
             for name in ("set_to_none", "module_zero_grad", "bf16", "prepared", "zero_grad_calls", "dtype_casts", "grad_assigns", "sparse",
-                         "create_graph"):
+                         "create_graph", "grad_tests", "kept_grads", "data_assigns"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
             out.flags.update(f.flags)
@@ -299,6 +312,8 @@ class _FileFacts:
                 name = dotted(n)
                 if name:
                     self.returned.add(name)
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "grad":
+            self.grad_tests.append(node.lineno)
         if isinstance(node, ast.Assign) or isinstance(node, ast.AugAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
@@ -310,9 +325,11 @@ class _FileFacts:
                         self.grad_assign = node.lineno
                     self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
                 # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
-                if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign) and self.data_assign is None
+                if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign)
                         and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
-                    self.data_assign = node.lineno
+                    self.data_assigns.append((node.lineno, t))
+                    if self.data_assign is None:
+                        self.data_assign = node.lineno
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             if isinstance(node, ast.Call):
                 self._bf16_kw(node)
@@ -327,6 +344,8 @@ class _FileFacts:
             optimizer_like = _looks_like_optimizer(recv, module)
             if not explicit_false and optimizer_like:
                 self.zero_grad_calls.append((node.lineno, recv))
+            elif explicit_false:
+                self.kept_grads.append(node.lineno)
             if isinstance(flag, ast.Constant) and flag.value is True:
                 self.set_to_none.append((node.lineno, recv))
             elif flag is None and not optimizer_like:
@@ -341,8 +360,10 @@ class _FileFacts:
             self.prepared.append((node.lineno, recv, args))
         elif attr == "bfloat16" and not node.args:
             self.bf16.append((node.lineno, recv))
+            self._bf16_calls.append(node)
         elif attr == "to" and any(_is_bf16(a) for a in [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]):
             self.bf16.append((node.lineno, recv))
+            self._bf16_calls.append(node)
         elif attr == "to":
             for a in [*node.args[:1], *(k.value for k in node.keywords if k.arg == "dtype")]:
                 if isinstance(a, ast.Name):
@@ -366,6 +387,50 @@ class _FileFacts:
                     self.bf16.append((node.lineno, ""))
             if name == "set_default_dtype" and node.args and _is_bf16(node.args[0]):
                 self.bf16.append((node.lineno, ""))
+
+
+# s40 (HO16a blueberry-llm): `X = G.bfloat16()` inside Muon's Newton-Schulz helper casts a gradient-derived tensor
+# (a new tensor; the parameters keep their dtype), not the model. nn.Module has none of these tensor attributes.
+# Attributes read as values, and methods called: a model may hold a submodule or a width under other such names
+# (`self.norm`, `self.dim`), so those count only as calls of the names nn.Module has no method of.
+_TENSOR_ONLY_ATTRS = frozenset(("ndim", "mT", "T", "shape", "grad_fn"))
+_TENSOR_ONLY_METHODS = frozenset(("size", "dim", "numel", "view", "reshape"))
+
+
+def _s40_tensor_temporary(root: ast.AST, cast: ast.Call) -> bool:
+    """Is ``cast`` (``R.bfloat16()`` / ``R.to(torch.bfloat16)``) a cast of a tensor into a new tensor, by evidence in
+    the innermost function of ``root`` holding it: ``R`` is ``<x>.grad``, or a name that function annotates as a
+    Tensor, binds from an expression reading ``.grad``, or reads a tensor-only attribute / method of (``G.ndim``,
+    ``G.size(-2)``, ``X.mT``)? Not when the result is stored into ``.data`` (a parameter re-cast in place of its storage)."""
+    recv = cast.func.value  # type: ignore[attr-defined]
+    if isinstance(recv, ast.Attribute) and recv.attr == "grad":
+        return True
+    if not isinstance(recv, ast.Name):
+        return False
+    fns = [n for n in fast_walk(root) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+           and n.lineno <= cast.lineno <= (n.end_lineno or n.lineno)]
+    if not fns:
+        return False
+    fn = max(fns, key=lambda n: n.lineno)
+    name = recv.id
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "data" for t in n.targets) \
+                and any(x is cast for x in fast_walk(n.value)):
+            return False
+    a = fn.args
+    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+        if arg.arg == name and arg.annotation is not None and (dotted(arg.annotation) or "").split(".")[-1] == "Tensor":
+            return True
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name and n.attr in _TENSOR_ONLY_ATTRS:
+            return True
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                and n.func.value.id == name and n.func.attr in _TENSOR_ONLY_METHODS:
+            return True
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets) and any(
+                isinstance(x, ast.Attribute) and x.attr == "grad" for x in fast_walk(n.value)):
+            return True
+    return False
 
 
 def _builds_grad_graph(module: ModuleInfo, node: ast.Call, recv: str) -> bool:
@@ -1342,8 +1407,10 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     left = [(ln, r) for ln, r in facts.module_zero_grad if fix is None or not fix.handles(ln, r)]
     if left:
         ln, recv = left[0]
-        return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0, so they are re-allocated "
-                "every step and the fused optimizer's combined grad buffer goes stale; pass set_to_none=False")
+        # s40 (ports 11 PoolNet, a once-per-epoch call): says what the call does and what to write, nothing about how often
+        return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0 (nn.Module.zero_grad defaults to "
+                "set_to_none=True): the next backward allocates new grads outside the fused optimizer's combined grad "
+                f"buffer, which its updates keep reading; write `{recv}.zero_grad(set_to_none=False)` there")
     if facts.sparse:
         ln, flag = facts.sparse[0]
         return (f"sparse gradients: an embedding built with sparse={flag or 'True'} (line {ln}) gets sparse grad tensors"
@@ -1931,6 +1998,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         tiers, ran_before = before
     else:
         ran_before = []
+    tiers = _s40_on_the_sites_path(module, stmt, model, tiers)
     sharded_when = (_sharding_condition(module, scope, stmt, [n for t in tiers for n in t.sharding_nodes])
                     if guard and all(len(t.sharding_nodes) < 16 for t in tiers) else None)
     # `if use_bf16: model = model.to(torch.bfloat16)` before the construction, in its own scope, under a
@@ -1949,7 +2017,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     single = _s27_single_tensor(module, scope, stmt, call)
     if guard is None:
         return miss(why)
-    reason = _s37_random_skip(module, scope, guard, call)
+    reason = _s37_random_skip(module, scope, guard, call) or _s40_grad_none_read(module, tiers)
     if reason is not None:
         return miss(reason)
     if plan.runtime is not None:
@@ -6060,6 +6128,162 @@ def _s37_random_skip(module: ModuleInfo, scope: Scope, guard: str, call: ast.Cal
                                    segment(module, params) if params is not None else "")
     except (Exception, RecursionError):  # an analysis aid: never lose the site over it
         return None
+
+
+def _s40_on_the_sites_path(module: ModuleInfo, stmt: ast.stmt, model: str, tiers: tuple[_FileFacts, _FileFacts, _FileFacts]
+                           ) -> tuple[_FileFacts, _FileFacts, _FileFacts]:
+    """s40 (audit39): the tiers less the sharding and re-allocation facts that cannot concern this optimizer: FSDP /
+    DeepSpeed / ZeRO named only in the other arm of an ``if`` the construction sits in (InternImage's
+    ``if use_zero: ZeroRedundancyOptimizer(...) else: optim.SGD(...)``), or in a test the path to the construction
+    has already refused by raising (OmniGen's LoRA arm: ``if distributed_type == FSDP: raise ...``, and later
+    checks of that same test); ``.data =`` assignments to the parameters of a deep copy (an EMA model), when the
+    optimizer does not take that copy (:func:`_s40_copy_reallocation`)."""
+    if not any(t.sharding_nodes or t.data_assign is not None for t in tiers):
+        return tiers
+    refused = _s40_refused_tests(module, stmt) if any(t.sharding_nodes for t in tiers) else set()
+    out = []
+    for t in tiers:
+        drop = [n for n in t.sharding_nodes if _s35_exclusive_arms(module.tree, stmt.lineno, getattr(n, "lineno", stmt.lineno))
+                or (refused and _s40_under_refused_test(module, n, refused))]
+        copies = [ln for ln, target in t.data_assigns if t.data_assign is not None and _s40_copy_reallocation(module, ln, target, model)]
+        if not drop and t.data_assign not in copies:
+            out.append(t)
+            continue
+        kept = _FileFacts.merged(module, [t])
+        kept.uncalled_reallocation = t.uncalled_reallocation
+        kept.sharding_nodes = [n for n in t.sharding_nodes if not any(n is d for d in drop)]
+        first = kept.sharding_nodes[0] if kept.sharding_nodes else None
+        kept.sharding = (getattr(first, "lineno", 0), _sharding_identifier(module, first) or "") if first is not None else None
+        if t.data_assign in copies:
+            skip = {t.uncalled_reallocation[0]} if t.uncalled_reallocation else set()
+            kept.data_assign = next((ln for ln, _t in t.data_assigns if ln not in copies and ln not in skip), None)
+        out.append(kept)
+    return out[0], out[1], out[2]
+
+
+def _s40_refused_tests(module: ModuleInfo, stmt: ast.stmt) -> set[str]:
+    """Dumps of the tests of ``if T: ... raise ...`` statements (the body ending in a raise, no else) that precede
+    ``stmt`` in a block on its path: past them, T is false."""
+    out: set[str] = set()
+    body: list[ast.stmt] = module.tree.body
+    while True:
+        holder = None
+        for st in body:
+            if st.lineno <= stmt.lineno <= (st.end_lineno or st.lineno):
+                holder = st
+                break
+            if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(st.body[-1], ast.Raise) and _side_effect_free(st.test):
+                out.add(ast.dump(st.test))
+        if holder is None or holder is stmt:
+            return out
+        blocks = [getattr(holder, f, None) or [] for f in ("body", "orelse", "finalbody")]
+        blocks += [h.body for h in getattr(holder, "handlers", None) or []]
+        nxt = [b for b in blocks if b and b[0].lineno <= stmt.lineno <= (b[-1].end_lineno or b[-1].lineno)]
+        if not nxt:
+            return out
+        body = nxt[0]
+
+
+def _s40_under_refused_test(module: ModuleInfo, node: ast.AST, refused: set[str]) -> bool:
+    """Does ``node`` sit in the test, or the body, of an ``if`` whose test is one of ``refused`` (false on the path)?"""
+    parents = _parents(module)
+    child, parent = node, parents.get(id(node))
+    while parent is not None:
+        if isinstance(parent, ast.If) and (child is parent.test or any(child is b for b in parent.body)) and ast.dump(parent.test) in refused:
+            return True
+        child, parent = parent, parents.get(id(parent))
+    return False
+
+
+def _s40_copy_reallocation(module: ModuleInfo, line: int, target: ast.Attribute, model: str) -> bool:
+    """Is ``target`` (``R.data`` assigned at ``line``) a parameter of a deep copy: ``R`` runs over
+    ``M.parameters()`` (alone or in a ``zip``) where ``M`` is a parameter of the function, and every call of that
+    function in the file passes there an expression every binding of which in the file is ``deepcopy(...)``
+    (diffuser's ``EMA.update_model_average(self.ema_model, self.model)``, ``self.ema_model = copy.deepcopy(self.model)``),
+    which is not the optimizer's model?"""
+    root = target.value
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    if not isinstance(root, ast.Name):
+        return False
+    fn = next((sc.node for sc in reversed(module.scopes) if isinstance(sc.node, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and sc.node.lineno <= line <= (sc.node.end_lineno or sc.node.lineno)), None)
+    if fn is None:
+        return False
+    owner = _s40_parameters_owner(fn, root.id)
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if owner is None or owner not in names:
+        return False
+    method = bool(names) and names[0] in ("self", "cls")
+    index = names.index(owner) - (1 if method else 0)
+    passed: list[ast.expr] = []
+    for n in fast_walk(module.tree):
+        if isinstance(n, ast.Call) and (dotted(n.func) or "").split(".")[-1] == fn.name:
+            arg = n.args[index] if 0 <= index < len(n.args) else next((k.value for k in n.keywords if k.arg == owner), None)
+            if arg is None:
+                return False
+            passed.append(arg)
+    return bool(passed) and all(_s40_deep_copy(module, a) and dotted(a) != model for a in passed)
+
+
+def _s40_parameters_owner(fn: ast.AST, name: str) -> Optional[str]:
+    """``M`` when ``name`` is bound by a ``for`` over ``M.parameters()`` (or that call's place in a ``zip``)."""
+    for n in fast_walk(fn):
+        if not isinstance(n, (ast.For, ast.AsyncFor)):
+            continue
+        it, tgt = n.iter, n.target
+        pairs: list[tuple[ast.AST, ast.AST]] = []
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and isinstance(tgt, ast.Tuple):
+            pairs = list(zip(tgt.elts, it.args))
+        else:
+            pairs = [(tgt, it)]
+        for t, src in pairs:
+            if isinstance(t, ast.Name) and t.id == name and isinstance(src, ast.Call) and isinstance(src.func, ast.Attribute) \
+                    and src.func.attr == "parameters" and isinstance(src.func.value, ast.Name):
+                return src.func.value.id
+    return None
+
+
+def _s40_deep_copy(module: ModuleInfo, value: ast.expr) -> bool:
+    """Is every binding in the file of ``value`` (a name or ``self.x``) a ``deepcopy(...)`` call?"""
+    name = dotted(value)
+    if not name:
+        return False
+    attr = name[5:] if name.startswith("self.") and name.count(".") == 1 else None
+    values: list[ast.expr] = []
+    for n in fast_walk(module.tree):
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            for t in targets:
+                if (attr is not None and isinstance(t, ast.Attribute) and t.attr == attr and dotted(t.value) == "self") or \
+                        (attr is None and dotted(t) == name):
+                    values.append(n.value)
+    def copied(v: ast.expr) -> bool:
+        while isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in ("to", "cuda", "eval", "requires_grad_"):
+            v = v.func.value
+        return isinstance(v, ast.Call) and (dotted(v.func) or "").split(".")[-1] == "deepcopy"
+    return bool(values) and all(copied(v) for v in values)
+
+
+def _s40_grad_none_read(module: ModuleInfo, tiers: tuple[_FileFacts, ...]) -> Optional[str]:
+    """s40: code of the site's region that tests a module parameter's grad for None where a zero grad changes the
+    outcome (npufuse.scan.grad_none): the fused class keeps grads allocated. Not where the code keeps grads itself
+    (every zero_grad of the region passes set_to_none=False: then torch.optim leaves no grad None after its first
+    backward either)."""
+    lines = {ln for t in tiers for ln in t.grad_tests}
+    if not lines:
+        return None
+    if any(t.kept_grads for t in tiers) and not any(t.zero_grad_calls or t.module_zero_grad for t in tiers):
+        return None
+    from npufuse.scan import grad_none
+
+    found = module.__dict__.get("_npufuse_grad_none_reads")
+    if found is None:
+        found = module.__dict__["_npufuse_grad_none_reads"] = grad_none.reads(module.source, module.tree)
+    hit = next(((ln, test) for ln, test in found if ln in lines), None)
+    return grad_none.reason(f"line {hit[0]}", hit[1], "the code that runs with this optimizer") if hit is not None else None
+
+
 # F2: DistributedDataParallel(..., gradient_as_bucket_view=True): every p.grad a view into DDP's
 # bucket (see _BUCKET_VIEW). The wrap precedes the construction in a trainer method (openvla's
 # DDPStrategy.run_setup), or comes through a kwargs dict; plain DDP and the keyword False are fused.
@@ -6482,3 +6706,137 @@ def _s40_partial_site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: as
                         "(its keywords, checked against the fused class), where the callee still is that partial at run time")
     return result
 
+
+# -- s40 (opt40): grad None-ness read by the training code; facts that concern other arms, models or tensors ----------
+# (1) HO16b anmoa/PILF: code that tests `p.grad is None` on the model's parameters tells a grad torch.optim's
+# zero_grad freed (or a parameter the step left without one) from a kept one; the fused class keeps grads allocated
+# and zeroes them in place, so the test answers otherwise (npufuse.scan.grad_none: this file here, the files the
+# trainer's imports reach in the repo pass). A test whose outcome a zero grad does not change (a norm added to a sum,
+# an in-place scale, a finiteness check) or an optimizer's own loop over its param_groups is no such reader.
+
+_S40_GRAD_NONE = _NET + '''
+
+def pick_experts(model, k=1):
+    ranked = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            ranked.append((float("inf"), name))
+        else:
+            ranked.append((p.grad.norm().item(), name))
+    return sorted(ranked)[:k]
+
+
+def train(model, steps=3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        pick_experts(model)
+        optimizer.step()
+        optimizer.zero_grad()
+'''
+
+_S40_GRAD_NORM_LOG = _NET + '''
+
+def grad_norm(model):
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            param_norm = p.grad.data.norm(2)
+            total += param_norm.item() ** 2
+    return total ** 0.5
+
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+'''
+
+# (2) HO16a blueberry-llm: Muon's Newton-Schulz helper casts a gradient-derived tensor (`X = G.bfloat16()`); the
+# model keeps its dtype, and the AdamW beside the custom optimizer is fused
+_S40_HELPER_CAST = _NET + '''
+
+def orthogonalize(G, steps: int = 5):
+    assert G.ndim >= 2
+    X = G.bfloat16()
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        X = 1.5 * X - 0.5 * X @ X.mT @ X
+    return X
+
+
+def build(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+'''
+
+# (3) audit39 InternImage: ZeRO in the other arm of the `if` the construction sits in; (4) diffuser: `.data =` on an
+# EMA's deep copy, not on the optimizer's model
+_S40_ZERO_OTHER_ARM = _NET + '''
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def build(model, use_zero=False, lr=1e-3):
+    optimizer = None
+    if use_zero:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return optimizer
+'''
+
+_S40_EMA_COPY = _NET + '''
+import copy
+
+
+class EMA:
+    def __init__(self, beta=0.99):
+        self.beta = beta
+
+    def update(self, ma_model, current_model):
+        for current, averaged in zip(current_model.parameters(), ma_model.parameters()):
+            averaged.data = averaged.data * self.beta + (1 - self.beta) * current.data
+
+
+class Trainer:
+    def __init__(self, model, lr=1e-3):
+        self.model = model
+        self.ema = EMA()
+        self.ema_model = copy.deepcopy(self.model)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def step_ema(self):
+        self.ema.update(self.ema_model, self.model)
+'''
+
+FusedOptimizer.KEEP += [
+    Keep(_S40_GRAD_NONE, reason="tests whether a parameter's grad is None (`p.grad is None` at line",
+         name="s40_training_code_tests_grad_none"),
+    # the same reader wrapped in a helper whose grads are appended: a zero grad changes the list
+    Keep(_S40_GRAD_NORM_LOG.replace("            param_norm = p.grad.data.norm(2)\n            total += param_norm.item() ** 2\n",
+                                    "            grads.append(p.grad)\n").replace("    total = 0.0\n", "    total, grads = 0.0, []\n"),
+         reason="tests whether a parameter's grad is None", name="s40_grads_collected_when_not_none"),
+    # the EMA update applied to the trained model itself
+    Keep(_S40_EMA_COPY.replace("self.ema.update(self.ema_model, self.model)", "self.ema.update(self.model, self.ema_model)"),
+         reason="parameters are re-allocated (`.data = ...`", name="s40_data_assigned_to_the_trained_model"),
+    # the cast on the model itself (a module: cast in place)
+    Keep(_S40_HELPER_CAST.replace("    return torch.optim.AdamW(", "    model.bfloat16()\n    return torch.optim.AdamW("),
+         reason="bf16 parameters unsupported", name="s40_model_cast_beside_a_tensor_cast"),
+    # FSDP wraps the model in the construction's own arm
+    Keep(_S40_ZERO_OTHER_ARM.replace(
+        "        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)\n    else:\n",
+        "        model = torch.distributed.fsdp.FullyShardedDataParallel(model)\n").replace(
+        "        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n",
+        "        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n    else:\n        optimizer = None\n").replace(
+        "    if use_zero:\n", "    if torch.distributed.is_initialized():\n"),
+         reason="FSDP/DeepSpeed/ZeRO", name="s40_fsdp_in_the_constructions_own_arm"),
+]
+
+FusedOptimizer.FUSE += [
+    Fuse(_S40_GRAD_NORM_LOG, name="s40_grad_norm_log_reads_grad_none_harmlessly", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"qualname": "build"}),
+    Fuse(_S40_HELPER_CAST, name="s40_bf16_cast_of_a_gradient_temporary", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"qualname": "build"}),
+    Fuse(_S40_ZERO_OTHER_ARM, name="s40_zero_in_the_other_arm", run="model = Net()\nopt = build(model)\n" + _TRAIN_STEPS,
+         expect={"qualname": "build"}),
+    Fuse(_S40_EMA_COPY, name="s40_data_assigned_to_an_ema_copy", run="model = Net()\nopt = Trainer(model).optimizer\n" + _TRAIN_STEPS,
+         expect={"qualname": "Trainer.__init__"}),
+]

@@ -30,6 +30,8 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Optional
 
+from npufuse.scan import grad_none
+
 # calls that draw a random number (the last part of the called name)
 _RANDOM_CALLS = frozenset(("rand", "rand_like", "randn", "random", "uniform", "uniform_", "bernoulli", "bernoulli_",
                            "randint", "random_sample", "binomial", "choice", "getrandbits"))
@@ -547,6 +549,8 @@ class RepoIndex:
         self._parents: dict[int, tuple[ast.AST, dict[int, ast.AST]]] = {}
         self._string_constants: dict[str, dict[str, list[int]]] = {}
         self._top_references: dict[str, list[tuple[ast.stmt, dict[str, list[ast.AST]]]]] = {}
+        self._grad_none: dict[str, list[tuple[int, str]]] = {}
+        self.drivers: dict[tuple[str, str], list[str]] = {}  # (site file, builder) -> _drivers
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -741,6 +745,15 @@ class RepoIndex:
                 if isinstance(n, ast.Constant) and isinstance(n.value, str):
                     got.setdefault(n.value, []).append(id(n))
             self._string_constants[rel] = got
+        return got
+
+    def grad_none_reads(self, rel: str) -> list[tuple[int, str]]:
+        """The grad-None tests of one file whose outcome a zero grad changes (:func:`grad_none.reads`), read once per
+        scan (s40)."""
+        got = self._grad_none.get(rel)
+        if got is None:
+            text = self.text(rel) or ""
+            got = self._grad_none[rel] = grad_none.reads(text, self.tree(rel) if grad_none.WORD in text else None)
         return got
 
     def imported_files(self, rel: str) -> list[str]:
@@ -1210,6 +1223,9 @@ def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
     """Files that import the site's module and name its builder (where the trainer builds the model)."""
     stem = PurePosixPath(rel).stem if PurePosixPath(rel).stem != "__init__" else PurePosixPath(rel).parent.name
     builder = qualname.split(".")[0]
+    got = index.drivers.get((rel, builder))  # s40: asked again by the grad-None readers' pass of the same site
+    if got is not None:
+        return list(got)
     out = []
     for f in index.files:
         if f == rel:
@@ -1217,6 +1233,7 @@ def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
         text = index.text(f) or ""
         if stem in text and builder in text and ("import" in text) and rel in index.imported_files(f):
             out.append(f)
+    index.drivers[(rel, builder)] = out[:8]
     return out[:8]
 
 
@@ -1430,12 +1447,14 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
     index = RepoIndex(root, files, max_bytes)
     for o, h in hits:
         f = h.finding
-        found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", str((f.params or {}).get("params", "")))
-        if found is None:
+        params = str((f.params or {}).get("params", ""))
+        found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", params)
+        why = reason(*found) if found is not None else grad_none.site_reads(index, o.file, f.qualname, params)
+        if why is None:
             continue
         o.hits.remove(h)
         near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line, "end_line": f.end_line,
-                     "reason": reason(*found)})
+                     "reason": why})
 
 
 def reason(skip: RandomSkip, resolved: bool) -> str:
