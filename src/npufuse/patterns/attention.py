@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -2951,10 +2951,14 @@ def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | Non
         return None
     if isinstance(node, ast.Name):
         d = scope.definition(node.id, line)
+        if d is None:
+            return _attention_s40.param_rank(scope, node.id)  # s40: a helper's parameter, bound to its caller's rank
         return static_rank(scope, d, getattr(d, "lineno", line), depth + 1)
     through = _attention_s35.RANK_THROUGH_HELPERS.get()
-    if through is not None and isinstance(node, ast.Call) and node.args and through(node):
-        return static_rank(scope, node.args[0], line, depth + 1)  # s35: a helper assumed to keep its input's rank (checked at run time)
+    if through is not None and isinstance(node, ast.Call):
+        r = through(scope, node, line, depth)
+        if r is not None:
+            return r  # s40: a helper's return rank given its arguments' (s35: or one assumed to keep its input's, checked at run time)
     if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, ast.Call):
         return static_rank(scope, node.value, line, depth + 1)  # x.max(dim=3).values
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -13983,5 +13987,80 @@ AttentionPattern.KEEP += [
         _S39_BOOLEAN_INDEX_WRITE.replace("scores[~keep] =", "scores[0] ="),
         reason="through an integer, not a boolean mask of its shape",
         name="s39_scores_written_through_an_integer_index",
+    ),
+]
+
+# s40 (HO16a tiny-qwen's vision attention): 3-D [N, S, D] heads whose rank passes through a helper method; the rank
+# of ``self._rotary(q.unsqueeze(0), freqs).squeeze(0)`` is read from what the helper returns given its argument's rank
+# (dataflow into the helper, not its name); the block-diagonal additive mask of packed sequences is [1, S, S]
+_S40_RANK_THROUGH_A_HELPER = '''
+import math
+import torch
+from torch import nn
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim=32, num_heads=4):
+        super().__init__()
+        self.n_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    @staticmethod
+    def _rotate_half(x):
+        x1 = x[..., : x.shape[-1] // 2]
+        x2 = x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    @staticmethod
+    def _rotary(tensor, freqs):
+        orig_dtype = tensor.dtype
+        tensor = tensor.float()
+        cos = freqs.cos().unsqueeze(1).repeat(1, 1, 2).unsqueeze(0).float()
+        sin = freqs.sin().unsqueeze(1).repeat(1, 1, 2).unsqueeze(0).float()
+        output = (tensor * cos) + (VisionAttention._rotate_half(tensor) * sin)
+        return output.to(orig_dtype)
+
+    def forward(self, hidden_states, cu_seqlens, freqs):
+        seq_length = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(seq_length, 3, self.n_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q = self._rotary(q.unsqueeze(0), freqs).squeeze(0)
+        k = self._rotary(k.unsqueeze(0), freqs).squeeze(0)
+        attention_mask = torch.full([1, seq_length, seq_length], torch.finfo(q.dtype).min, dtype=q.dtype)
+        for i in range(1, len(cu_seqlens)):
+            attention_mask[..., cu_seqlens[i - 1]:cu_seqlens[i], cu_seqlens[i - 1]:cu_seqlens[i]] = 0
+        q = q.transpose(0, 1)
+        k = k.transpose(0, 1)
+        v = v.transpose(0, 1)
+        attn_weights = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.head_dim)
+        attn_weights = attn_weights + attention_mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        attn_output = torch.matmul(attn_weights, v)
+        attn_output = attn_output.transpose(0, 1).reshape(seq_length, -1)
+        return self.proj(attn_output)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S40_RANK_THROUGH_A_HELPER, expect={"qualname": "VisionAttention.forward"}, run='''
+m = VisionAttention()
+x = torch.randn(7, 32, requires_grad=True)
+out = m(x, torch.tensor([0, 3, 7]), torch.randn(7, 4))
+leaves = [x]
+''', name="s40_three_d_heads_through_a_helper_method"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the helper's result is not squeezed back: the key is 4-D [S, 1, N, D] and dims 1, 2 are not its last two
+        _S40_RANK_THROUGH_A_HELPER.replace("k = self._rotary(k.unsqueeze(0), freqs).squeeze(0)", "k = self._rotary(k.unsqueeze(0), freqs)"),
+        reason="key transposed over dims [1, 2], not the last two of the 4-D key",
+        name="s40_helper_returns_a_four_d_key",
+    ),
+    Keep(
+        # the helper returns a 2-D or a 3-D tensor depending on a flag: the rank at the product is not one fact
+        _S40_RANK_THROUGH_A_HELPER.replace("        return output.to(orig_dtype)\n", "        if freqs.dim() == 3:\n"
+                                           "            return output.flatten(1, 2)\n        return output.to(orig_dtype)\n"),
+        reason="the code does not show the key's rank",
+        name="s40_helper_returns_ranks_that_differ",
     ),
 ]

@@ -1,0 +1,117 @@
+"""Attention constructs of the s40 pass (HO16 development data).
+
+* Rank through helper calls by dataflow (HO16a tiny-qwen's vision attention: ``q, k, v = qkv.reshape(s, 3, h,
+  -1).permute(1, 0, 2, 3).unbind(0)`` then ``q = self._apply_rotary(q.unsqueeze(0), freqs).squeeze(0)``): the rank
+  of a call of a repository function or of a method of the class is the rank its ``return`` has given the ranks of
+  the arguments it is passed (:func:`helper_return_rank`), read inside the helper with :func:`attention.static_rank`
+  and the parameters bound to the callers' ranks. A fact, not a name or an assumption: every ``return`` must agree.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextvars
+from typing import Any, Optional
+
+# parameter ranks of the helpers being read: {id(helper FunctionDef): {parameter: rank}} (nested helpers stack)
+_PARAM_RANKS: "contextvars.ContextVar[dict[int, dict[str, int]]]" = contextvars.ContextVar("npufuse_param_ranks", default={})
+_MAX_NESTING = 3  # helper inside helper inside helper: deeper reads say nothing
+
+
+def param_rank(scope: Any, name: str) -> Optional[int]:
+    """The rank bound to parameter ``name`` of ``scope``'s function while a call of it is read, else None."""
+    return _PARAM_RANKS.get().get(id(scope.node), {}).get(name)
+
+
+def _callee(module: Any, scope: Any, call: ast.Call) -> Optional[tuple[ast.FunctionDef, list[str], Any]]:
+    """(definition, the parameters the call's positional arguments bind, the helper's scope) of a call of a
+    repository function (``f(x)``, by the file's own definitions and imports) or of a method of the class or
+    of another class of the file (``self.m(x)`` in a method of ``scope``'s class, ``Cls.m(x)``: a staticmethod, or a plain / class method through
+    ``self`` / ``cls``); None for anything else (a module attribute, a decorated function, a tensor method)."""
+    from npufuse.patterns._attention_s33 import is_parameter
+    from npufuse.scan import repo_facts
+
+    class_name = scope.class_name
+    func = call.func
+    head = getattr(func.value, "id", getattr(func.value, "name", None)) if isinstance(func, ast.Attribute) else None
+    fn: Any = None
+    bound = 0  # leading parameters the call binds implicitly (self / cls)
+    if isinstance(func, ast.Attribute) and head is not None:
+        cls = module.classes.get(class_name or "") if head in ("self", "cls") else module.classes.get(head)
+        if cls is None:
+            return None
+        fn = next((st for st in cls.body if isinstance(st, ast.FunctionDef) and st.name == func.attr), None)
+        if fn is None:
+            return None
+        decorators = {getattr(d, "id", None) for d in fn.decorator_list}
+        if decorators == {"staticmethod"}:
+            bound = 0
+        elif head in ("self", "cls") and (not decorators or decorators == {"classmethod"}):
+            bound = 1
+        else:
+            return None
+    else:
+        name = getattr(func, "id", getattr(func, "name", None))
+        if not isinstance(name, str) or getattr(func, "idx", -1) != -1 or name in scope.assignments or is_parameter(scope, name):
+            return None  # a local or a parameter of that name is not the file's definition
+        d = repo_facts.definition(module, name)
+        fn = d.node if d is not None else None
+        if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
+            return None
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][bound:]
+    return fn, params, _scope_of(module, fn)
+
+
+def _scope_of(module: Any, fn: ast.FunctionDef) -> Any:
+    """The scan's scope of ``fn`` (a scope built once per definition for one of another file)."""
+    from npufuse.scan.dataflow import Scope
+
+    table = module.__dict__.setdefault("_npufuse_s40_helper_scopes", {})
+    hit = table.get(id(fn))
+    if hit is None or hit[0] is not fn:
+        scope = next((s for s in module.scopes if s.node is fn), None)
+        if scope is None:  # another file's: its names mean nothing in this file, so calls inside it are not followed
+            scope = Scope(qualname=fn.name, node=fn, class_name=None, body=fn.body)
+            module.__dict__.setdefault("_npufuse_s40_foreign", set()).add(id(scope))
+        hit = table[id(fn)] = (fn, scope)
+    return hit[1]
+
+
+def helper_return_rank(module: Any, scope: Any, call: ast.Call, line: int, depth: int) -> Optional[int]:
+    """The rank of ``call``'s result where the callee is a repository function / method whose every ``return`` has a
+    rank that :func:`attention.static_rank` reads with the parameters bound to the ranks of the arguments the call
+    passes (positional and keyword; the caller's ranks read in ``scope`` before ``line``, its class the one whose
+    ``self`` methods are looked up); None otherwise, and for calls inside a helper of another file."""
+    from npufuse.patterns.attention import static_rank
+
+    nesting = _PARAM_RANKS.get()
+    if len(nesting) >= _MAX_NESTING or any(isinstance(a, ast.Starred) for a in call.args) \
+            or id(scope) in module.__dict__.get("_npufuse_s40_foreign", ()):
+        return None
+    found = _callee(module, scope, call)
+    if found is None:
+        return None
+    fn, params, helper_scope = found
+    if id(fn) in nesting or len(call.args) > len(params):
+        return None  # recursion, or *args: not read
+    bound: dict[str, int] = {}
+    passed = list(zip(params, call.args)) + [(k.arg, k.value) for k in call.keywords if k.arg is not None]
+    for param, arg in passed:
+        r = static_rank(scope, arg, line, depth + 1)
+        if r is not None:
+            bound[param] = r
+    if not bound:
+        return None
+    memo = module.__dict__.setdefault("_npufuse_s40_return_ranks", {})
+    key = (id(fn), tuple(sorted(bound.items())))
+    if key in memo and memo[key][0] is fn:
+        return memo[key][1]
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    token = _PARAM_RANKS.set({**nesting, id(fn): bound})
+    try:
+        ranks = {static_rank(helper_scope, r.value, r.lineno, 0) if r.value is not None else None for r in returns}
+    finally:
+        _PARAM_RANKS.reset(token)
+    rank = ranks.pop() if len(ranks) == 1 else None
+    memo[key] = (fn, rank)
+    return rank
