@@ -27,3 +27,30 @@ def test_helper_return_rank_near_misses(name: str, reason: str) -> None:
     found, misses = detect_all(AttentionPattern(), _example(name))
     assert not found
     assert any(reason in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_mask_from_a_helper_method_is_bound_once() -> None:
+    (f,), misses = detect_all(AttentionPattern(), _example("s40_mask_from_a_helper_method_bound_once"))
+    # one per arm of the bound conditional (one runs), one in the original code of the else branch
+    assert f.fused.count("self._sliding_window_mask(") == 3
+    assert "_npufuse_mask = (_npufuse_term_0) if _npufuse_term_0 is not None else None" in f.fused
+    assert not misses
+
+
+def test_calls_in_the_arms_of_a_conditional_expression_count_once() -> None:
+    import ast
+
+    from npufuse.patterns.base import _module_calls_in
+
+    assert _module_calls_in(ast.parse("((self.f(x) if a else self.f(x)) if b else self.f(x))")) == {"self.f(x)": 1}
+    assert _module_calls_in(ast.parse("self.f(x) if self.f(x) is not None else None")) == {"self.f(x)": 2}
+    assert _module_calls_in(ast.parse("self.f(x) + (self.f(x) if c else 0)")) == {"self.f(x)": 2}
+
+
+def test_a_method_called_twice_is_not_called_a_module_with_dropout() -> None:
+    from npufuse.patterns.base import _is_class_method_call
+    from npufuse.scan.dataflow import ModuleInfo
+
+    module = ModuleInfo.from_source("m.py", "class A:\n    def mask(self, n):\n        return n\n    def forward(self, x):\n        return x\n")
+    assert _is_class_method_call(module, "A.forward", "self.mask(L)")
+    assert not _is_class_method_call(module, "A.forward", "self.drop(L)")

@@ -115,3 +115,69 @@ def helper_return_rank(module: Any, scope: Any, call: ast.Call, line: int, depth
     rank = ranks.pop() if len(ranks) == 1 else None
     memo[key] = (fn, rank)
     return rank
+
+
+# --- a mask term tested against None and built by a call in the span (HO16a gemma3's ``sw_mask =
+# self._sliding_window_mask(L, x.device)`` combined into ``mask`` before ``if mask is not None: masked_fill``) ---
+def none_tested_term(term: Any, text: str) -> Optional[str]:
+    """``is not None`` / ``is None`` where the term's condition tests the term's own value against None and its text
+    makes a call (evaluated in the test and again in the arm if both were rendered from the value); None otherwise."""
+    from npufuse.patterns._attention_s38 import value_key
+    from npufuse.patterns.attention import deref
+
+    cond = deref(term.cond) if term.cond is not None else None
+    if not (isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], (ast.Is, ast.IsNot))
+            and isinstance(cond.comparators[0], ast.Constant) and cond.comparators[0].value is None):
+        return None
+    if "(" not in text or value_key(cond.left) != value_key(term.node):
+        return None
+    return "is not None" if isinstance(cond.ops[0], ast.IsNot) else "is None"
+
+
+# --- an ``if`` of the span read as values (its assignments folded into the fused call's inputs) that also does
+# something else: ``print(m)``, ``self.calls += 1``, ``self.cache = m`` in an arm. The fused branch does not run the
+# statement, so it would silently drop that effect ---
+def effect_in_folded_if(stmt: ast.stmt) -> Optional[str]:
+    """A near-miss reason naming the first statement of an ``if`` (its arms, nested ``if``s included) that is not a
+    binding of local names (an assignment to names, a write into / an in-place method of a tensor the ``if``
+    assigns itself, a ``raise`` / ``assert`` / ``pass``), else None (also for a statement that is not an ``if``)."""
+    if not isinstance(stmt, ast.If):
+        return None
+    # tensors the ``if`` itself creates: writes into them change nothing the caller holds
+    own = {t.id for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    stack = [*stmt.body, *stmt.orelse]
+    while stack:
+        st = stack.pop(0)
+        if isinstance(st, ast.If):
+            stack[:0] = [*st.body, *st.orelse]
+            continue
+        if _binds_locals_only(st, own):
+            continue
+        text = " ".join(ast.unparse(st).split())[:60]
+        return (f"the `if` at line {stmt.lineno} is read as values of the attention's inputs, but it also runs `{text}` "
+                f"(line {st.lineno}), which the fused branch would not run")
+    return None
+
+
+def _binds_locals_only(st: ast.stmt, own: set[str]) -> bool:
+    if isinstance(st, (ast.Pass, ast.Raise, ast.Assert)):
+        return True
+    if isinstance(st, ast.Expr):
+        v = st.value
+        if isinstance(v, ast.Constant):
+            return True  # a string used as a comment
+        return isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and isinstance(v.func.value, ast.Name) \
+            and v.func.attr.endswith("_") and not v.func.attr.startswith("_") and v.func.value.id in own
+    targets = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, (ast.AnnAssign, ast.AugAssign)) else None
+    if targets is None:
+        return False
+    for t in targets:
+        for n in ast.walk(t):
+            if isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, ast.Store):
+                base = n.value
+                while isinstance(base, (ast.Subscript, ast.Attribute)):
+                    base = base.value
+                if isinstance(n, ast.Attribute) or not isinstance(base, ast.Name) or base.id not in own:
+                    return False  # a store into an object the caller may hold: an effect the fused branch does not make
+    return True

@@ -3578,6 +3578,9 @@ class AttentionPattern(Pattern):
         for j in range(s, e):
             if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
+                effect = _attention_s40.effect_in_folded_if(block[j])
+                if effect is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, effect)
         for j in range(s, e):
             if j in r.bound:
                 bound_lines.append(_statement_text(module, block[j]))  # runs as written (see Renderer.bound)
@@ -4131,6 +4134,12 @@ class AttentionPattern(Pattern):
         maybe = False  # _npufuse_mask may be None
         for m in masks:
             t = r.text(m.node)
+            tested = _attention_s40.none_tested_term(m, t)
+            if tested is not None:
+                # s40: ``if mask is not None: masked_fill(mask, ..)`` with ``mask`` built by a call in the span (gemma3's
+                # sliding-window helper method): the value is bound once, not rendered in the test and again in the arm
+                lines.append(f"_npufuse_term_{len(lines)} = {t}")
+                t = f"_npufuse_term_{len(lines) - 1}"
             if m.kind == "additive":
                 b = f"{atom(t)} < 0"
             elif m.kind == "keep01":
@@ -4141,9 +4150,9 @@ class AttentionPattern(Pattern):
                 b = f"~{atom(t)}"
             cond = None
             if m.cond is not None:
-                c = r.text(m.cond)
+                c = r.text(m.cond) if tested is None else f"{t} {tested}"
                 cond = f"not {atom(c)}" if m.negate_cond else c
-            if not lines:
+            if not lines or tested is not None and len(lines) == 1:
                 if cond is None:
                     lines.append(f"_npufuse_mask = {b}  # True = masked" + (" (additive 0/-inf mask)" if m.kind == "additive" else ""))
                     have = True
@@ -14062,5 +14071,67 @@ AttentionPattern.KEEP += [
                                            "            return output.flatten(1, 2)\n        return output.to(orig_dtype)\n"),
         reason="the code does not show the key's rank",
         name="s40_helper_returns_ranks_that_differ",
+    ),
+]
+
+# s40 (HO16a gemma3's GQSWAttention): the mask combined in an ``if`` from a deterministic mask-building method of the
+# class, then ``if mask is not None: masked_fill``: the mask is bound once in the fused branch (it was rendered in the
+# None test and again as the value: the method called twice, refused as "a module call ... with dropout")
+_S40_MASK_FROM_A_HELPER_METHOD = '''import torch
+from torch import nn
+
+
+class SlidingAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, window_size=3):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.window_size = window_size
+        self.use_sliding_window = True
+
+    def _sliding_window_mask(self, seq_len, device):
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+        for i in range(seq_len):
+            start = max(0, i - self.window_size + 1)
+            mask[i, start:i + 1] = False
+        return mask  # True = masked
+
+    def forward(self, x, mask=None):
+        b, L, dim = x.shape
+        q, k, v = self.qkv(x).view(b, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        dots = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        if self.use_sliding_window and self.window_size is not None:
+            sw_mask = self._sliding_window_mask(L, x.device)
+            sw_mask = sw_mask.unsqueeze(0).unsqueeze(0)
+            if mask is not None:
+                mask = mask | sw_mask
+            else:
+                mask = sw_mask
+        if mask is not None:
+            dots = dots.masked_fill(mask, -torch.inf)
+        attn = dots.softmax(dim=-1)
+        out = torch.matmul(attn, v)
+        return out.transpose(1, 2).reshape(b, L, dim)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S40_MASK_FROM_A_HELPER_METHOD, expect={"qualname": "SlidingAttention.forward"}, run='''
+m = SlidingAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+pad = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+pad[0, :, :, 0] = True
+pad[0, :, 0, 0] = False
+out = (m(x), m(x, pad))
+leaves = [x]
+''', name="s40_mask_from_a_helper_method_bound_once"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the ``if`` building the mask also counts its calls: the fused branch would not run that statement
+        _S40_MASK_FROM_A_HELPER_METHOD.replace("            sw_mask = self._sliding_window_mask(L, x.device)\n",
+                                               "            sw_mask = self._sliding_window_mask(L, x.device)\n            self.calls += 1\n"),
+        reason="but it also runs `self.calls += 1` (line 27), which the fused branch would not run",
+        name="s40_mask_if_with_another_effect",
     ),
 ]
