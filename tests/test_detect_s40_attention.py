@@ -54,3 +54,13 @@ def test_a_method_called_twice_is_not_called_a_module_with_dropout() -> None:
     module = ModuleInfo.from_source("m.py", "class A:\n    def mask(self, n):\n        return n\n    def forward(self, x):\n        return x\n")
     assert _is_class_method_call(module, "A.forward", "self.mask(L)")
     assert not _is_class_method_call(module, "A.forward", "self.drop(L)")
+
+
+def test_optional_mask_with_is_causal_runs_fused_where_the_mask_is_none() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = next(e.code for e in SdpaPattern.FUSE if e.name == "s40_optional_mask_with_is_causal")
+    (f,), misses = detect_all(SdpaPattern(), code)
+    assert f.fused.startswith("if attention_mask is None and "), f.fused
+    assert "sparse_mode=2" in f.fused and "atten_mask=_npufuse_mask," not in f.fused
+    assert not misses

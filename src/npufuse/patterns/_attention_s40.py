@@ -181,3 +181,26 @@ def _binds_locals_only(st: ast.stmt, own: set[str]) -> bool:
                 if isinstance(n, ast.Attribute) or not isinstance(base, ast.Name) or base.id not in own:
                     return False  # a store into an object the caller may hold: an effect the fused branch does not make
     return True
+
+
+# --- SDPA with an optional mask and ``is_causal=True`` (HO16a Zenith) ---
+def mask_may_be_none(scope: Any, mask: Any, line: int) -> bool:
+    """``mask`` is a parameter of the function that the code says may be None (a ``None`` default or an
+    ``Optional[...]`` / ``... | None`` annotation) and that no assignment rebinds before ``line``."""
+    fn = scope.node
+    if not isinstance(mask, ast.Name) or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    if any(st.lineno < line for st, _v in scope.assignments.get(mask.id, [])):
+        return False
+    args = fn.args
+    positional = [*args.posonlyargs, *args.args]
+    defaults: dict[str, Any] = dict(zip([a.arg for a in positional][len(positional) - len(args.defaults):], args.defaults))
+    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    arg = next((a for a in (*positional, *args.kwonlyargs) if a.arg == mask.id), None)
+    if arg is None:
+        return False
+    default = defaults.get(mask.id)
+    if isinstance(default, ast.Constant) and default.value is None:
+        return True
+    note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return note.startswith("Optional[") or note.endswith("| None") or note.startswith("None |")
