@@ -64,3 +64,61 @@ def test_optional_mask_with_is_causal_runs_fused_where_the_mask_is_none() -> Non
     assert f.fused.startswith("if attention_mask is None and "), f.fused
     assert "sparse_mode=2" in f.fused and "atten_mask=_npufuse_mask," not in f.fused
     assert not misses
+
+
+def _named_axes_einops():
+    """A stand-in for the two einops patterns of the named-axes rope example (einops is not a dependency)."""
+    import types
+
+    mod = types.ModuleType("einops")
+
+    def rearrange(t, pattern: str, **sizes: int):
+        compact = pattern.replace(" ", "")
+        if compact == "bhn(dsplit)->splitbhnd":
+            return t.unflatten(-1, (-1, sizes["split"])).movedim(-1, 0)
+        if compact == "bhndsplit->bhn(dsplit)":
+            return t.flatten(-2)
+        if compact == "bhndsplit->bhn(splitd)":
+            return t.transpose(-1, -2).flatten(-2)
+        raise NotImplementedError(pattern)
+
+    mod.rearrange = rearrange  # type: ignore[attr-defined]
+    return mod
+
+
+def test_einops_named_axes_interleaved_rope_rewrites_to_the_same_numbers(monkeypatch) -> None:
+    import sys
+
+    from pattern_harness import check_rewrite_runs
+
+    from npufuse.patterns.rope import RopePattern
+
+    monkeypatch.setitem(sys.modules, "einops", _named_axes_einops())
+    pattern = RopePattern()
+    code = next(e.code for e in RopePattern.FUSE if e.name == "s40_einops_named_axes_real_imag")
+    findings, _ = detect_all(pattern, code)
+    assert len(findings) == 1 and 'rotary_mode="interleave"' in findings[0].fused
+    run = '''
+ang = torch.arange(6).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+out = apply_rope(q, ang.cos(), ang.sin())
+leaves = [q]
+'''
+    facts = check_rewrite_runs(pattern, code, run, findings)
+    assert facts["calls"] >= 1, facts["all_calls"]
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_einops_last_two_axes_merge_is_read_by_its_axes() -> None:
+    import ast
+
+    from npufuse.patterns.rope import _einops_last_two_merged
+
+    def merged(pattern: str):
+        return _einops_last_two_merged(ast.parse(f"rearrange(t, '{pattern}', split=2)", mode="eval").body)
+
+    assert merged("b h n d split -> b h n (d split)") is not None
+    assert merged("... d split -> ... (d split)") is not None
+    assert merged("b h n d split -> b h n (split d)") is None  # the other order: halves, not the pairs
+    assert merged("b h n d split -> b n h (d split)") is None  # a transpose besides the merge
+    assert merged("b h (n d) split -> b h n (d split)") is None
