@@ -122,3 +122,122 @@ def test_einops_last_two_axes_merge_is_read_by_its_axes() -> None:
     assert merged("b h n d split -> b h n (split d)") is None  # the other order: halves, not the pairs
     assert merged("b h n d split -> b n h (d split)") is None  # a transpose besides the merge
     assert merged("b h (n d) split -> b h n (d split)") is None
+
+
+# --- torchtune's RotaryPositionalEmbeddings swapped where built (the stand-in spells v0.6.1's forward exactly: the
+# swap compares the forward's code names with the ones read at the release tags) ---
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+class _TorchtuneRope(nn.Module):
+    """torchtune.modules.position_embeddings.RotaryPositionalEmbeddings (v0.2.0 .. v0.6.1, main)."""
+
+    def __init__(self, dim: int, max_seq_len: int = 4096, base: int = 10_000) -> None:
+        super().__init__()
+        self.dim, self.base, self.max_seq_len = dim, base, max_seq_len
+        theta = 1.0 / (self.base ** (torch.arange(0, self.dim, 2)[: (self.dim // 2)].float() / self.dim))
+        self.register_buffer("theta", theta, persistent=False)
+        seq_idx = torch.arange(max_seq_len, dtype=self.theta.dtype, device=self.theta.device)
+        idx_theta = torch.einsum("i, j -> ij", seq_idx, self.theta).float()
+        cache = torch.stack([torch.cos(idx_theta), torch.sin(idx_theta)], dim=-1)
+        self.register_buffer("cache", cache, persistent=False)
+
+    def forward(self, x: torch.Tensor, *, input_pos=None) -> torch.Tensor:
+        seq_len = x.size(1)
+        rope_cache = (
+            self.cache[:seq_len] if input_pos is None else self.cache[input_pos]
+        )
+        xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+        rope_cache = rope_cache.view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+        x_out = torch.stack(
+            [
+                xshaped[..., 0] * rope_cache[..., 0]
+                - xshaped[..., 1] * rope_cache[..., 1],
+                xshaped[..., 1] * rope_cache[..., 0]
+                + xshaped[..., 0] * rope_cache[..., 1],
+            ],
+            -1,
+        )
+        x_out = x_out.flatten(3)
+        return x_out.type_as(x)
+
+
+class _TorchtuneRopeOtherwise(_TorchtuneRope):
+    """A forward no release has (the halves, not the lane pairs): the swap must leave it alone."""
+
+    def forward(self, x: torch.Tensor, *, input_pos=None) -> torch.Tensor:
+        return super().forward(x.flip(-1), input_pos=input_pos)
+
+
+_ROPE_MODEL = '''\
+import torch
+from torch import nn
+from torchtune.modules import RotaryPositionalEmbeddings
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qk = nn.Linear(d, 2 * d)
+        self.pos_emb = RotaryPositionalEmbeddings(d // heads, 64)
+
+    def forward(self, x, input_pos=None):
+        b, s, _ = x.shape
+        q, k = self.qk(x).view(b, s, 2, self.heads, -1).unbind(2)
+        return self.pos_emb(q, input_pos=input_pos), self.pos_emb(k)
+'''
+
+
+def _run_rope(code: str, x: torch.Tensor, input_pos=None):
+    from npufuse import emulate
+
+    ns: dict = {}
+    with emulate.install() as emu:
+        exec(compile(code, "<model>", "exec"), ns)
+        torch.manual_seed(0)
+        attn = ns["Attention"](32, 4).to(x.dtype)  # (the cache buffer too, as a model cast does)
+        with torch.no_grad():
+            out = attn(x, input_pos)
+        return out, dict(emu.calls)
+
+
+def test_torchtune_rope_is_swapped_where_built_and_computes_the_same(monkeypatch) -> None:
+    from pattern_harness import install_stand_in_modules
+
+    from npufuse.patterns.rope import RopePattern
+    from npufuse.rewrite.codegen import splice
+
+    findings, misses = detect_all(RopePattern(), _ROPE_MODEL)
+    assert [(f.line, f.variant, f.params["module"]) for f in findings] == [(11, "library_rope", "torchtune.RotaryPositionalEmbeddings")]
+    swapped = splice(_ROPE_MODEL, findings)
+    for cls, fused_calls in ((_TorchtuneRope, 2), (_TorchtuneRopeOtherwise, 0)):
+        cls.__module__, cls.__name__ = "torchtune.modules.position_embeddings", "RotaryPositionalEmbeddings"
+        install_stand_in_modules(monkeypatch, {"torchtune.modules": {"RotaryPositionalEmbeddings": cls}})
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(2, 5, 32, dtype=dtype)
+            ref, _ = _run_rope(_ROPE_MODEL, x)
+            out, calls = _run_rope(swapped, x)
+            assert all(o.dtype == r.dtype for o, r in zip(out, ref))
+            for o, r in zip(out, ref):
+                torch.testing.assert_close(o.float(), r.float(), atol=2e-2, rtol=2e-2)
+            assert calls.get("npu_rotary_mul", 0) == fused_calls, (cls, calls)
+    # with input_pos (decoding from a cache) the library's forward runs for that call
+    _TorchtuneRope.__module__ = "torchtune.modules.position_embeddings"
+    install_stand_in_modules(monkeypatch, {"torchtune.modules": {"RotaryPositionalEmbeddings": _TorchtuneRope}})
+    x = torch.randn(1, 5, 32)
+    pos = torch.arange(3, 8)[None]
+    ref, _ = _run_rope(_ROPE_MODEL, x, pos)
+    out, calls = _run_rope(swapped, x, pos)
+    torch.testing.assert_close(out, ref)
+    assert calls.get("npu_rotary_mul", 0) == 1, calls
+
+
+def test_a_rope_class_of_the_repository_named_like_torchtunes_is_not_swapped() -> None:
+    from npufuse.patterns.rope import RopePattern
+
+    local = _ROPE_MODEL.replace("from torchtune.modules import RotaryPositionalEmbeddings\n",
+                                "\n\nclass RotaryPositionalEmbeddings(nn.Module):\n    def forward(self, x):\n        return x\n")
+    findings, misses = detect_all(RopePattern(), local)
+    assert not findings and not misses

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
+from npufuse.patterns import _library_rope
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2013,6 +2014,7 @@ class RopePattern(Pattern):
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        yield from _library_rope.construction_sites(module, scope)  # s40: torchtune's rope module, swapped where built
         text = scope_text(module, scope)
         # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
         if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text and "addcmul_(" not in text):
@@ -9401,5 +9403,40 @@ RopePattern.KEEP += [
         # merged as (split d): the rotated parts laid out as halves, from interleaved input: no one mode computes that
         _S40_EINOPS_NAMED_AXES.replace('"b h n d split -> b h n (d split)"', '"b h n d split -> b h n (split d)"'),
         name="s40_einops_parts_merged_as_halves",
+    ),
+]
+
+# s40 (HO15a mini-llm-brawl): torchtune's RotaryPositionalEmbeddings built in the model (the rotation runs in the
+# library's forward): swapped where built (``_library_rope``); tests/test_detect_s40_attention.py runs it against a
+# stand-in spelled as torchtune's releases
+_S40_TORCHTUNE_ROPE = '''
+import torch
+from torch import nn
+from torchtune.modules import RotaryPositionalEmbeddings
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qk = nn.Linear(d, 2 * d)
+        self.pos_emb = RotaryPositionalEmbeddings(d // heads, 64)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k = self.qk(x).view(b, s, 2, self.heads, -1).unbind(2)
+        return self.pos_emb(q), self.pos_emb(k)
+'''
+
+RopePattern.FUSE += [
+    Fuse(_S40_TORCHTUNE_ROPE, expect={"module": "torchtune.RotaryPositionalEmbeddings", "mode": "interleave"},
+         name="s40_torchtune_rope_module_swapped_where_built"),
+]
+RopePattern.KEEP += [
+    Keep(
+        # the repository's own class of that name: not the library's, nothing to swap (its forward is read where defined)
+        _S40_TORCHTUNE_ROPE.replace("from torchtune.modules import RotaryPositionalEmbeddings\n",
+                                    "\n\nclass RotaryPositionalEmbeddings(nn.Module):\n    def forward(self, x):\n        return x\n"),
+        name="s40_rope_class_of_the_repository_named_like_the_library",
     ),
 ]
