@@ -241,3 +241,10 @@ def test_a_rope_class_of_the_repository_named_like_torchtunes_is_not_swapped() -
                                 "\n\nclass RotaryPositionalEmbeddings(nn.Module):\n    def forward(self, x):\n        return x\n")
     findings, misses = detect_all(RopePattern(), local)
     assert not findings and not misses
+
+
+def test_mla_rope_key_shared_by_the_heads_is_expanded_under_a_shape_guard() -> None:
+    (f,), misses = detect_all(AttentionPattern(), _example("s40_mla_rope_key_shared_by_the_heads"))
+    assert "k_r.expand(*torch.broadcast_shapes(k_c.shape[:-1], k_r.shape[:-1]), -1)" in f.fused
+    assert "(k_c.shape[-3] == k_r.shape[-3] or k_c.shape[-3] == 1 or k_r.shape[-3] == 1)" in f.fused.splitlines()[0]
+    assert not misses

@@ -14135,3 +14135,52 @@ AttentionPattern.KEEP += [
         name="s40_mask_if_with_another_effect",
     ),
 ]
+
+# s40 (HO16a nano-moe-mla): decoupled-rope MLA, scores ``q_c @ k_cᵀ + q_r @ k_rᵀ`` with the rope key one head shared by
+# every head ([B, 1, T, dr] beside [B, H, T, hd]): one product of cat([q_c, q_r]) and cat([k_c, k_r expanded over the
+# heads]); the run-time guard reads the parts' shapes (a rope key of another head count runs the original)
+_S40_SHARED_ROPE_KEY_MLA = '''
+import torch
+from torch import nn
+
+
+class MLA(nn.Module):
+    def __init__(self, d=32, heads=4, dr=8):
+        super().__init__()
+        self.h, self.hd, self.dr = heads, d // heads, dr
+        self.q = nn.Linear(d, d + heads * dr)
+        self.kv = nn.Linear(d, 2 * d)
+        self.kr = nn.Linear(d, dr)
+        self.scale = (d // heads + dr) ** -0.5
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.h, self.hd + self.dr).transpose(1, 2)
+        q_c, q_r = q.split([self.hd, self.dr], dim=-1)
+        k_c, v = self.kv(x).view(B, T, 2, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        k_r = self.kr(x).view(B, 1, T, self.dr)
+        scores = (q_c @ k_c.transpose(-2, -1) + q_r @ k_r.transpose(-2, -1)) * self.scale
+        future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
+        scores = scores.masked_fill(future, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return out.transpose(1, 2).reshape(B, T, -1)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S40_SHARED_ROPE_KEY_MLA, expect={"qualname": "MLA.forward"}, run='''
+m = MLA()
+x = torch.randn(2, 5, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''', name="s40_mla_rope_key_shared_by_the_heads"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the shared rope key passed in already transposed: the second product's key is no visible transpose, so the
+        # sum is not read as one product of concatenated features
+        _S40_SHARED_ROPE_KEY_MLA.replace("+ q_r @ k_r.transpose(-2, -1))", "+ q_r @ k_rt)")
+        .replace("def forward(self, x):", "def forward(self, x, k_rt):"),
+        reason="scores added to scores",
+        name="s40_mla_rope_key_passed_transposed",
+    ),
+]
