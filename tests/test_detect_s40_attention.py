@@ -248,3 +248,25 @@ def test_mla_rope_key_shared_by_the_heads_is_expanded_under_a_shape_guard() -> N
     assert "k_r.expand(*torch.broadcast_shapes(k_c.shape[:-1], k_r.shape[:-1]), -1)" in f.fused
     assert "(k_c.shape[-3] == k_r.shape[-3] or k_c.shape[-3] == 1 or k_r.shape[-3] == 1)" in f.fused.splitlines()[0]
     assert not misses
+
+
+def test_an_if_folded_into_the_inputs_may_update_a_local_in_place_but_not_a_parameter() -> None:
+    import ast
+
+    from npufuse.patterns._attention_s40 import effect_in_folded_if
+    from npufuse.scan.dataflow import ModuleInfo
+
+    code = '''
+def f(self, q, k, mask, cache):
+    scores = q @ k.transpose(-2, -1)
+    if self.causal:
+        scores.masked_fill_(mask, float("-inf"))
+    if self.causal:
+        cache.masked_fill_(mask, 0.0)
+    return scores
+'''
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    first, second = [st for st in scope.node.body if isinstance(st, ast.If)]
+    assert effect_in_folded_if(first, scope) is None  # amago: the scores it computed
+    assert "cache.masked_fill_(mask, 0.0)" in effect_in_folded_if(second, scope)  # the caller's tensor

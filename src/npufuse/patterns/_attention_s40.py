@@ -137,15 +137,20 @@ def none_tested_term(term: Any, text: str) -> Optional[str]:
 # --- an ``if`` of the span read as values (its assignments folded into the fused call's inputs) that also does
 # something else: ``print(m)``, ``self.calls += 1``, ``self.cache = m`` in an arm. The fused branch does not run the
 # statement, so it would silently drop that effect ---
-def effect_in_folded_if(stmt: ast.stmt) -> Optional[str]:
+def effect_in_folded_if(stmt: ast.stmt, scope: Any = None) -> Optional[str]:
     """A near-miss reason naming the first statement of an ``if`` (its arms, nested ``if``s included) that is not a
-    binding of local names (an assignment to names, a write into / an in-place method of a tensor the ``if``
-    assigns itself, a ``raise`` / ``assert`` / ``pass``), else None (also for a statement that is not an ``if``)."""
+    binding of local names (an assignment to names, a write into / an in-place method of a local tensor, a ``raise`` / ``assert`` / ``pass``), else None (also for a statement that is not an ``if``)."""
     if not isinstance(stmt, ast.If):
         return None
     # tensors the ``if`` itself creates: writes into them change nothing the caller holds
     own = {t.id for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AnnAssign))
            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    if scope is not None:
+        # and the function's own locals (amago's ``if self.causal: scores.masked_fill_(mask, -inf)`` on the scores it
+        # computed): not a parameter, whose tensor the caller holds
+        from npufuse.patterns._attention_s33 import is_parameter
+
+        own |= {name for name in scope.assignments if not is_parameter(scope, name)}
     stack = [*stmt.body, *stmt.orelse]
     while stack:
         st = stack.pop(0)

@@ -3578,7 +3578,7 @@ class AttentionPattern(Pattern):
         for j in range(s, e):
             if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
-                effect = _attention_s40.effect_in_folded_if(block[j])
+                effect = _attention_s40.effect_in_folded_if(block[j], scope)
                 if effect is not None:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, effect)
         for j in range(s, e):
