@@ -77,6 +77,17 @@ def _scope_of(module: Any, fn: ast.FunctionDef) -> Any:
     return hit[1]
 
 
+def _straight_line(fn: ast.FunctionDef) -> bool:
+    """Every name the function assigns is assigned by a statement of its own body, not inside a loop, an ``if`` arm,
+    a ``with`` or a ``try``: :func:`attention.static_rank` reads the last assignment before a line as the value,
+    which holds only there (a loop's ``base = base.unsqueeze(0)`` runs any number of times)."""
+    for st in fn.body:
+        if isinstance(st, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.If)) or type(st).__name__ in ("TryStar", "Match"):
+            if any(isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr, ast.For)) for n in ast.walk(st)):
+                return False
+    return True
+
+
 def helper_return_rank(module: Any, scope: Any, call: ast.Call, line: int, depth: int) -> Optional[int]:
     """The rank of ``call``'s result where the callee is a repository function / method whose every ``return`` has a
     rank that :func:`attention.static_rank` reads with the parameters bound to the ranks of the arguments the call
@@ -92,8 +103,8 @@ def helper_return_rank(module: Any, scope: Any, call: ast.Call, line: int, depth
     if found is None:
         return None
     fn, params, helper_scope = found
-    if id(fn) in nesting or len(call.args) > len(params):
-        return None  # recursion, or *args: not read
+    if id(fn) in nesting or len(call.args) > len(params) or not _straight_line(fn):
+        return None  # recursion, *args, or assignments a line order does not settle: not read
     bound: dict[str, int] = {}
     passed = list(zip(params, call.args)) + [(k.arg, k.value) for k in call.keywords if k.arg is not None]
     for param, arg in passed:
@@ -156,6 +167,9 @@ def effect_in_folded_if(stmt: ast.stmt, scope: Any = None) -> Optional[str]:
         st = stack.pop(0)
         if isinstance(st, ast.If):
             stack[:0] = [*st.body, *st.orelse]
+            continue
+        if isinstance(st, ast.With):
+            stack[:0] = list(st.body)  # Megatron's ``with rng_fork(): probs = dropout(probs)``: what it binds is read
             continue
         if _binds_locals_only(st, own):
             continue
