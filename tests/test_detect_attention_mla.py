@@ -26,8 +26,14 @@ def test_summed_product_concatenates_features_and_states_its_condition() -> None
     assert out is not None
     prod, guard = out
     assert ast.unparse(prod.a) == "torch.cat([a1, a2], dim=-1)"
-    assert ast.unparse(prod.b) == "torch.cat([b1, b2], dim=-1).mT"
-    assert ast.unparse(guard) == "a1.shape[:-1] == a2.shape[:-1] and b1.shape[:-1] == b2.shape[:-1]"
+    # s40: keys that are names are expanded over a head axis one of them may have once (a shared rope key)
+    assert ast.unparse(prod.b) == ("torch.cat([b1.expand(*torch.broadcast_shapes(b1.shape[:-1], b2.shape[:-1]), -1), "
+                                   "b2.expand(*torch.broadcast_shapes(b1.shape[:-1], b2.shape[:-1]), -1)], dim=-1).mT")
+    assert ast.unparse(guard) == ("a1.shape[:-1] == a2.shape[:-1] and b1.dim() == b2.dim() >= 3 and (b1.shape[:-3] == b2.shape[:-3]) "
+                                  "and (b1.shape[-2] == b2.shape[-2]) and (b1.shape[-3] == b2.shape[-3] or b1.shape[-3] == 1 or b2.shape[-3] == 1)")
+    prod, guard = summed_product(_mm("a1 @ b1.mT"), _mm("a2 @ b2.unsqueeze(1).mT"))  # a key that is a call: not read twice
+    assert ast.unparse(prod.b) == "torch.cat([b1, b2.unsqueeze(1)], dim=-1).mT"
+    assert ast.unparse(guard) == "a1.shape[:-1] == a2.shape[:-1] and b1.shape[:-1] == b2.unsqueeze(1).shape[:-1]"
     # a key that is not a visible transpose, or a scaled product: not one product
     assert summed_product(_mm("a1 @ b1.mT"), _mm("a2 @ b2")) is None
     assert summed_product(_mm("a1 @ b1.mT"), None) is None

@@ -93,17 +93,39 @@ def _module_calls_ref(stmts: list[ast.stmt]) -> dict[str, int]:
     return total
 
 
+def _self_call_key(n: ast.AST) -> str | None:
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+        b = n.func.value
+        while isinstance(b, ast.Attribute):
+            b = b.value
+        if isinstance(b, ast.Name) and b.id == "self":
+            return ast.unparse(n)
+    return None
+
+
 def _module_calls_in_ref(node: ast.AST) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
-            b = n.func.value
-            while isinstance(b, ast.Attribute):
-                b = b.value
-            if isinstance(b, ast.Name) and b.id == "self":
-                key = ast.unparse(n)
-                out[key] = out.get(key, 0) + 1
-    return out
+    """Calls on the costliest path: a conditional expression runs its test and its busier arm (s40), by recursion;
+    the keys in ast.walk's order of first occurrence (the first call found is reported)."""
+
+    def count(n: ast.AST) -> dict[str, int]:
+        if isinstance(n, ast.IfExp):
+            out = count(n.test)
+            a, b = count(n.body), count(n.orelse)
+            for k in a.keys() | b.keys():
+                out[k] = out.get(k, 0) + max(a.get(k, 0), b.get(k, 0))
+            return out
+        out = {}
+        key = _self_call_key(n)
+        if key is not None:
+            out[key] = 1
+        for child in ast.iter_child_nodes(n):
+            for k, v in count(child).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    counts = count(node)
+    order = [k for k in (_self_call_key(n) for n in ast.walk(node)) if k is not None]
+    return {k: counts[k] for k in dict.fromkeys(order) if counts.get(k, 0) > 0}
 
 
 def _called_more_often_ref(module: ModuleInfo, f: Finding) -> str | None:
@@ -136,6 +158,10 @@ SPANS = [
     ("h = self.layers[0](x)\n", "h = self.layers[0](x) + self.layers[0](x)\n"),  # not a plain chain
     ("h = f(x)\n", "h = self.g(x) + self.g(x)\n"),
     ("h = self.a(x)\n", "h = self.a(x) +\n"),  # fused code that does not parse
+    # s40: one arm of a conditional expression runs (nested too); its test always runs
+    ("h = self.a(x)\n", "h = (self.a(x) if c else self.a(x) + 1) if y else self.a(x)\n"),
+    ("h = self.a(x)\n", "h = self.a(x) if self.a(x) is not None else None\n"),
+    ("h = self.a(x)\n", "h = self.a(x) + (self.a(x) if c else 0)\n"),
 ]
 
 

@@ -84,11 +84,20 @@ def _rank_keeping_helper(matcher: Any, call: ast.Call) -> bool:
     return any(isinstance(n, ast.Name) and n.id == first and isinstance(n.ctx, ast.Load) for n in ast.walk(fn))
 
 
-def rank_through_helpers(matcher: Any, node: Any) -> Optional[int]:
-    """:func:`attention.static_rank` of ``node`` reading calls of plain repository functions as their first argument."""
+def rank_through_helpers(matcher: Any, node: Any, facts_only: bool = False) -> Optional[int]:
+    """:func:`attention.static_rank` of ``node`` reading a call of a repository function / method as the rank its
+    ``return`` has (s40, :func:`_attention_s40.helper_return_rank`), else (not ``facts_only``) a call of a plain
+    repository function as its first argument (an assumption the fused call checks at run time)."""
+    from npufuse.patterns import _attention_s40
     from npufuse.patterns.attention import static_rank
 
-    token = RANK_THROUGH_HELPERS.set(lambda call: _rank_keeping_helper(matcher, call))
+    def through(scope: Any, call: ast.Call, line: int, depth: int) -> Optional[int]:
+        r = _attention_s40.helper_return_rank(matcher.module, scope, call, line, depth)
+        if r is None and not facts_only and scope is matcher.scope and call.args and _rank_keeping_helper(matcher, call):
+            r = static_rank(scope, call.args[0], line, depth + 1)
+        return r
+
+    token = RANK_THROUGH_HELPERS.set(through)
     try:
         return static_rank(matcher.scope, node, matcher._line)
     finally:

@@ -19,7 +19,11 @@ def _rank_of(matcher: Any, node: Any) -> Optional[int]:
     from npufuse.patterns import _attention_s34
     from npufuse.patterns.attention import static_rank
 
+    from npufuse.patterns import _attention_s35
+
     rank = static_rank(matcher.scope, node, matcher._line)
+    if rank is None:
+        rank = _attention_s35.rank_through_helpers(matcher, node, facts_only=True)  # s40: through helpers' returns
     if rank is None and _attention_s34.proven_3d(matcher, node):
         rank = 3
     return rank

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
-from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39
+from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_audit40
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2952,10 +2952,14 @@ def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | Non
         return None
     if isinstance(node, ast.Name):
         d = scope.definition(node.id, line)
+        if d is None:
+            return _attention_s40.param_rank(scope, node.id)  # s40: a helper's parameter, bound to its caller's rank
         return static_rank(scope, d, getattr(d, "lineno", line), depth + 1)
     through = _attention_s35.RANK_THROUGH_HELPERS.get()
-    if through is not None and isinstance(node, ast.Call) and node.args and through(node):
-        return static_rank(scope, node.args[0], line, depth + 1)  # s35: a helper assumed to keep its input's rank (checked at run time)
+    if through is not None and isinstance(node, ast.Call):
+        r = through(scope, node, line, depth)
+        if r is not None:
+            return r  # s40: a helper's return rank given its arguments' (s35: or one assumed to keep its input's, checked at run time)
     if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, ast.Call):
         return static_rank(scope, node.value, line, depth + 1)  # x.max(dim=3).values
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -3580,6 +3584,9 @@ class AttentionPattern(Pattern):
         for j in range(s, e):
             if j in steps and j not in kept and j not in r.bound:
                 internal |= interp.assigned[j]
+                effect = _attention_s40.effect_in_folded_if(block[j], scope)
+                if effect is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, effect)
         for j in range(s, e):
             if j in r.bound:
                 bound_lines.append(_statement_text(module, block[j]))  # runs as written (see Renderer.bound)
@@ -4140,6 +4147,12 @@ class AttentionPattern(Pattern):
         maybe = False  # _npufuse_mask may be None
         for m in masks:
             t = r.text(m.node)
+            tested = _attention_s40.none_tested_term(m, t)
+            if tested is not None:
+                # s40: ``if mask is not None: masked_fill(mask, ..)`` with ``mask`` built by a call in the span (gemma3's
+                # sliding-window helper method): the value is bound once, not rendered in the test and again in the arm
+                lines.append(f"_npufuse_term_{len(lines)} = {t}")
+                t = f"_npufuse_term_{len(lines) - 1}"
             if m.kind == "additive":
                 b = f"{atom(t)} < 0"
             elif m.kind == "keep01":
@@ -4152,9 +4165,9 @@ class AttentionPattern(Pattern):
                 b = f"_npufuse_fold({b})"
             cond = None
             if m.cond is not None:
-                c = r.text(m.cond)
+                c = r.text(m.cond) if tested is None else f"{t} {tested}"
                 cond = f"not {atom(c)}" if m.negate_cond else c
-            if not lines:
+            if not lines or tested is not None and len(lines) == 1:
                 if cond is None:
                     lines.append(f"_npufuse_mask = {b}  # True = masked" + (" (additive 0/-inf mask)" if m.kind == "additive" else ""))
                     have = True
@@ -13998,5 +14011,191 @@ AttentionPattern.KEEP += [
         _S39_BOOLEAN_INDEX_WRITE.replace("scores[~keep] =", "scores[0] ="),
         reason="through an integer, not a boolean mask of its shape",
         name="s39_scores_written_through_an_integer_index",
+    ),
+]
+
+# s40 (HO16a tiny-qwen's vision attention): 3-D [N, S, D] heads whose rank passes through a helper method; the rank
+# of ``self._rotary(q.unsqueeze(0), freqs).squeeze(0)`` is read from what the helper returns given its argument's rank
+# (dataflow into the helper, not its name); the block-diagonal additive mask of packed sequences is [1, S, S]
+_S40_RANK_THROUGH_A_HELPER = '''
+import math
+import torch
+from torch import nn
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim=32, num_heads=4):
+        super().__init__()
+        self.n_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    @staticmethod
+    def _rotate_half(x):
+        x1 = x[..., : x.shape[-1] // 2]
+        x2 = x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    @staticmethod
+    def _rotary(tensor, freqs):
+        orig_dtype = tensor.dtype
+        tensor = tensor.float()
+        cos = freqs.cos().unsqueeze(1).repeat(1, 1, 2).unsqueeze(0).float()
+        sin = freqs.sin().unsqueeze(1).repeat(1, 1, 2).unsqueeze(0).float()
+        output = (tensor * cos) + (VisionAttention._rotate_half(tensor) * sin)
+        return output.to(orig_dtype)
+
+    def forward(self, hidden_states, cu_seqlens, freqs):
+        seq_length = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(seq_length, 3, self.n_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q = self._rotary(q.unsqueeze(0), freqs).squeeze(0)
+        k = self._rotary(k.unsqueeze(0), freqs).squeeze(0)
+        attention_mask = torch.full([1, seq_length, seq_length], torch.finfo(q.dtype).min, dtype=q.dtype)
+        for i in range(1, len(cu_seqlens)):
+            attention_mask[..., cu_seqlens[i - 1]:cu_seqlens[i], cu_seqlens[i - 1]:cu_seqlens[i]] = 0
+        q = q.transpose(0, 1)
+        k = k.transpose(0, 1)
+        v = v.transpose(0, 1)
+        attn_weights = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.head_dim)
+        attn_weights = attn_weights + attention_mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        attn_output = torch.matmul(attn_weights, v)
+        attn_output = attn_output.transpose(0, 1).reshape(seq_length, -1)
+        return self.proj(attn_output)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S40_RANK_THROUGH_A_HELPER, expect={"qualname": "VisionAttention.forward"}, run='''
+m = VisionAttention()
+x = torch.randn(7, 32, requires_grad=True)
+out = m(x, torch.tensor([0, 3, 7]), torch.randn(7, 4))
+leaves = [x]
+''', name="s40_three_d_heads_through_a_helper_method"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the helper's result is not squeezed back: the key is 4-D [S, 1, N, D] and dims 1, 2 are not its last two
+        _S40_RANK_THROUGH_A_HELPER.replace("k = self._rotary(k.unsqueeze(0), freqs).squeeze(0)", "k = self._rotary(k.unsqueeze(0), freqs)"),
+        reason="key transposed over dims [1, 2], not the last two of the 4-D key",
+        name="s40_helper_returns_a_four_d_key",
+    ),
+    Keep(
+        # the helper returns a 2-D or a 3-D tensor depending on a flag: the rank at the product is not one fact
+        _S40_RANK_THROUGH_A_HELPER.replace("        return output.to(orig_dtype)\n", "        if freqs.dim() == 3:\n"
+                                           "            return output.flatten(1, 2)\n        return output.to(orig_dtype)\n"),
+        reason="the code does not show the key's rank",
+        name="s40_helper_returns_ranks_that_differ",
+    ),
+]
+
+# s40 (HO16a gemma3's GQSWAttention): the mask combined in an ``if`` from a deterministic mask-building method of the
+# class, then ``if mask is not None: masked_fill``: the mask is bound once in the fused branch (it was rendered in the
+# None test and again as the value: the method called twice, refused as "a module call ... with dropout")
+_S40_MASK_FROM_A_HELPER_METHOD = '''import torch
+from torch import nn
+
+
+class SlidingAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, window_size=3):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.window_size = window_size
+        self.use_sliding_window = True
+
+    def _sliding_window_mask(self, seq_len, device):
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+        for i in range(seq_len):
+            start = max(0, i - self.window_size + 1)
+            mask[i, start:i + 1] = False
+        return mask  # True = masked
+
+    def forward(self, x, mask=None):
+        b, L, dim = x.shape
+        q, k, v = self.qkv(x).view(b, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        dots = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        if self.use_sliding_window and self.window_size is not None:
+            sw_mask = self._sliding_window_mask(L, x.device)
+            sw_mask = sw_mask.unsqueeze(0).unsqueeze(0)
+            if mask is not None:
+                mask = mask | sw_mask
+            else:
+                mask = sw_mask
+        if mask is not None:
+            dots = dots.masked_fill(mask, -torch.inf)
+        attn = dots.softmax(dim=-1)
+        out = torch.matmul(attn, v)
+        return out.transpose(1, 2).reshape(b, L, dim)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S40_MASK_FROM_A_HELPER_METHOD, expect={"qualname": "SlidingAttention.forward"}, run='''
+m = SlidingAttention()
+x = torch.randn(2, 5, 32, requires_grad=True)
+pad = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+pad[0, :, :, 0] = True
+pad[0, :, 0, 0] = False
+out = (m(x), m(x, pad))
+leaves = [x]
+''', name="s40_mask_from_a_helper_method_bound_once"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the ``if`` building the mask also counts its calls: the fused branch would not run that statement
+        _S40_MASK_FROM_A_HELPER_METHOD.replace("            sw_mask = self._sliding_window_mask(L, x.device)\n",
+                                               "            sw_mask = self._sliding_window_mask(L, x.device)\n            self.calls += 1\n"),
+        reason="but it also runs `self.calls += 1` (line 27), which the fused branch would not run",
+        name="s40_mask_if_with_another_effect",
+    ),
+]
+
+# s40 (HO16a nano-moe-mla): decoupled-rope MLA, scores ``q_c @ k_cᵀ + q_r @ k_rᵀ`` with the rope key one head shared by
+# every head ([B, 1, T, dr] beside [B, H, T, hd]): one product of cat([q_c, q_r]) and cat([k_c, k_r expanded over the
+# heads]); the run-time guard reads the parts' shapes (a rope key of another head count runs the original)
+_S40_SHARED_ROPE_KEY_MLA = '''
+import torch
+from torch import nn
+
+
+class MLA(nn.Module):
+    def __init__(self, d=32, heads=4, dr=8):
+        super().__init__()
+        self.h, self.hd, self.dr = heads, d // heads, dr
+        self.q = nn.Linear(d, d + heads * dr)
+        self.kv = nn.Linear(d, 2 * d)
+        self.kr = nn.Linear(d, dr)
+        self.scale = (d // heads + dr) ** -0.5
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.h, self.hd + self.dr).transpose(1, 2)
+        q_c, q_r = q.split([self.hd, self.dr], dim=-1)
+        k_c, v = self.kv(x).view(B, T, 2, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        k_r = self.kr(x).view(B, 1, T, self.dr)
+        scores = (q_c @ k_c.transpose(-2, -1) + q_r @ k_r.transpose(-2, -1)) * self.scale
+        future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
+        scores = scores.masked_fill(future, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        return out.transpose(1, 2).reshape(B, T, -1)
+'''
+
+AttentionPattern.FUSE += [
+    Fuse(_S40_SHARED_ROPE_KEY_MLA, expect={"qualname": "MLA.forward"}, run='''
+m = MLA()
+x = torch.randn(2, 5, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''', name="s40_mla_rope_key_shared_by_the_heads"),
+]
+AttentionPattern.KEEP += [
+    Keep(
+        # the shared rope key passed in already transposed: the second product's key is no visible transpose, so the
+        # sum is not read as one product of concatenated features
+        _S40_SHARED_ROPE_KEY_MLA.replace("+ q_r @ k_r.transpose(-2, -1))", "+ q_r @ k_rt)")
+        .replace("def forward(self, x):", "def forward(self, x, k_rt):"),
+        reason="scores added to scores",
+        name="s40_mla_rope_key_passed_transposed",
     ),
 ]

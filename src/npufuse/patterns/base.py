@@ -205,9 +205,11 @@ def _outside_compiled_code(detect: Any) -> Any:
                                         "before torch 2.2), the fused branch does not compile and the module fails to import"))
                 twice = _called_more_often(module, r)
                 if twice is not None:
+                    what = ("a method of the class evaluated again: double the work, and a different result where it draws "
+                            "random numbers or changes state") if _is_class_method_call(module, r.qualname, twice) else \
+                        "a module call evaluated twice: double the work, and a different result with dropout"
                     yield NearMiss(r.pattern, r.qualname, r.line, r.end_line,
-                                   f"the replacement would call `{twice}` more often than the original code does "
-                                   "(a module call evaluated twice: double the work, and a different result with dropout)")
+                                   f"the replacement would call `{twice}` more often than the original code does ({what})")
                     continue
                 dead = _contradicted_guard(scope, r) or _unreachable(scope, r)
                 if dead is not None:
@@ -343,12 +345,31 @@ def _module_calls_in(node: ast.AST, chains: frozenset[str] | None = None) -> dic
     from npufuse.scan.dataflow import fast_walk
 
     out: dict[str, int] = {}
+    arms = []  # s40: a conditional expression runs its test and one arm, as an if / else does
     for n in fast_walk(node):  # ast.walk's nodes in its order (the first call found is reported)
+        if type(n) is ast.IfExp:
+            arms.append(n)
         chain = _self_chain(n)
         if chain is not None and (chains is None or chain in chains):
             key = ast.unparse(n)
             out[key] = out.get(key, 0) + 1
+    if not arms or not out:
+        return out
+    inner = {id(x) for n in arms for arm in (n.body, n.orelse) for x in fast_walk(arm) if type(x) is ast.IfExp}
+    for n in arms:
+        if id(n) in inner:
+            continue  # counted within the arm that holds it
+        a, b = _module_calls_in(n.body, chains), _module_calls_in(n.orelse, chains)
+        for k in a.keys() | b.keys():  # both arms were counted by the walk above: one of them runs
+            out[k] -= _raw_calls(n.body, k) + _raw_calls(n.orelse, k) - max(a.get(k, 0), b.get(k, 0))
     return out
+
+
+def _raw_calls(node: ast.AST, key: str) -> int:
+    """How many calls unparsed ``key`` the expression holds, whichever arms run."""
+    from npufuse.scan.dataflow import fast_walk
+
+    return sum(1 for n in fast_walk(node) if type(n) is ast.Call and _self_chain(n) is not None and ast.unparse(n) == key)
 
 
 # fused code -> its parsed statements (None: it does not parse); detectors often yield the
@@ -370,6 +391,16 @@ def parsed_code(code: str) -> list[ast.stmt] | None:
             _PARSED_CODE.clear()
         _PARSED_CODE[code] = body
     return body  # type: ignore[return-value]
+
+
+def _is_class_method_call(module: "ModuleInfo", qualname: str, call_text: str) -> bool:
+    """``call_text`` (``self.<m>(...)``) calls a method ``m`` defined in the class of the site's function (s40: the
+    reason spoke of a module with dropout for gemma3's mask-building method)."""
+    cls = module.classes.get(qualname.rpartition(".")[0]) if "." in qualname else None
+    head = call_text.partition("(")[0]
+    if cls is None or not head.startswith("self.") or head.count(".") != 1:
+        return False
+    return any(isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == head[5:] for fn in cls.body)
 
 
 def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:

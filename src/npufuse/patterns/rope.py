@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
+from npufuse.patterns import _library_rope
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -708,6 +709,8 @@ def _rotation_of_halves(scope: Scope, expr: ast.expr, is_x, halves: _Halves) -> 
                 inner = expr.func.value
         elif _method(expr, "reshape_as", "view_as") and len(expr.args) == 1 and is_x(expr.args[0]):
             inner = expr.func.value  # RoFormer: stack([-x[..., 1::2], x[..., ::2]], -1).reshape_as(x)
+        elif _einops_last_two_merged(expr) is not None:
+            inner = expr.args[0]  # s40: einops with named axes, ``"b h n d two -> b h n (d two)"``
         elif isinstance(expr.func, ast.Name) and expr.func.id == "rearrange" and len(expr.args) >= 2:
             # einops: rearrange(stack(...), "... d j -> ... (d j)") merges the pair axis into the last dim
             pattern = const_value(expr.args[1])
@@ -2011,6 +2014,7 @@ class RopePattern(Pattern):
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        yield from _library_rope.construction_sites(module, scope)  # s40: torchtune's rope module, swapped where built
         text = scope_text(module, scope)
         # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
         if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text and "addcmul_(" not in text):
@@ -7394,8 +7398,27 @@ def _merged_next(block: list[ast.stmt], i: int, stmt: ast.stmt) -> bool:
     nxt = block[i + 1]
     value = nxt.value if isinstance(nxt, (ast.Assign, ast.Return)) else None
     name = stmt.targets[0].id
+    merged = _einops_last_two_merged(value)  # s40: einops ``rearrange(t, "b h n d two -> b h n (d two)")``
+    if merged is not None:
+        return isinstance(merged, ast.Name) and merged.id == name
     return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view") \
         and isinstance(value.func.value, ast.Name) and value.func.value.id == name
+
+
+def _einops_last_two_merged(node: ast.AST | None) -> ast.expr | None:
+    """t of einops ``rearrange(t, "P a b -> P (a b)")`` (P the same axes on both sides, named or ``...``, no group;
+    keywords only sizes of a / b): the last two axes merged, as ``t.flatten(-2)``; None otherwise."""
+    if not (isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] == "rearrange" and len(node.args) == 2):
+        return None
+    pattern = const_value(node.args[1])
+    if not isinstance(pattern, str) or pattern.count("->") != 1:
+        return None
+    lhs, rhs = (side.replace("(", " ( ").replace(")", " ) ").split() for side in pattern.split("->"))
+    if len(lhs) < 2 or "(" in lhs or rhs != lhs[:-2] + ["(", lhs[-2], lhs[-1], ")"] or lhs[-2] == lhs[-1]:
+        return None
+    if any(kw.arg not in (lhs[-2], lhs[-1]) for kw in node.keywords):
+        return None
+    return node.args[0]
 
 
 def _unmerged_lane_stack(node: ast.Call) -> tuple[ast.expr, ast.expr] | None:
@@ -9352,5 +9375,68 @@ RopePattern.KEEP += [
         # a rotated part is read again after the stack: the fused call does not produce it
         _S39_STACK_THEN_FLATTEN.replace("        return rotated_x\n", "        return rotated_x, rotated_x1\n"),
         name="s39_stack_then_flatten_part_read_later",
+    ),
+]
+
+# s40 (HO16b reflow): the interleaved rotation written as complex arithmetic on einops real / imaginary parts with named
+# axes (the pair axis split to the front and unpacked; the rotated parts stacked in their own statement and merged by
+# ``rearrange(.., "b h n d split -> b h n (d split)")``): interleave mode with repeat_interleave'd tables
+_S40_EINOPS_NAMED_AXES = '''
+import torch
+from einops import rearrange
+
+
+def apply_rope(q, freq_cos, freq_sin):
+    q_r, q_i = rearrange(q, "b h n (d split) -> split b h n d", split=2)
+    q_out_r = q_r * freq_cos - q_i * freq_sin
+    q_out_i = q_r * freq_sin + q_i * freq_cos
+    q_out = torch.stack([q_out_r, q_out_i], dim=-1)
+    return rearrange(q_out, "b h n d split -> b h n (d split)", split=2)
+'''
+
+RopePattern.FUSE += [
+    # einops is not a dependency: tests/test_detect_s40_attention.py runs this one under a minimal stand-in
+    Fuse(_S40_EINOPS_NAMED_AXES, expect={"mode": "interleave", "targets": ["q"]}, name="s40_einops_named_axes_real_imag"),
+]
+RopePattern.KEEP += [
+    Keep(
+        # merged as (split d): the rotated parts laid out as halves, from interleaved input: no one mode computes that
+        _S40_EINOPS_NAMED_AXES.replace('"b h n d split -> b h n (d split)"', '"b h n d split -> b h n (split d)"'),
+        name="s40_einops_parts_merged_as_halves",
+    ),
+]
+
+# s40 (HO15a mini-llm-brawl): torchtune's RotaryPositionalEmbeddings built in the model (the rotation runs in the
+# library's forward): swapped where built (``_library_rope``); tests/test_detect_s40_attention.py runs it against a
+# stand-in spelled as torchtune's releases
+_S40_TORCHTUNE_ROPE = '''
+import torch
+from torch import nn
+from torchtune.modules import RotaryPositionalEmbeddings
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qk = nn.Linear(d, 2 * d)
+        self.pos_emb = RotaryPositionalEmbeddings(d // heads, 64)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k = self.qk(x).view(b, s, 2, self.heads, -1).unbind(2)
+        return self.pos_emb(q), self.pos_emb(k)
+'''
+
+RopePattern.FUSE += [
+    Fuse(_S40_TORCHTUNE_ROPE, expect={"module": "torchtune.RotaryPositionalEmbeddings", "mode": "interleave"},
+         name="s40_torchtune_rope_module_swapped_where_built"),
+]
+RopePattern.KEEP += [
+    Keep(
+        # the repository's own class of that name: not the library's, nothing to swap (its forward is read where defined)
+        _S40_TORCHTUNE_ROPE.replace("from torchtune.modules import RotaryPositionalEmbeddings\n",
+                                    "\n\nclass RotaryPositionalEmbeddings(nn.Module):\n    def forward(self, x):\n        return x\n"),
+        name="s40_rope_class_of_the_repository_named_like_the_library",
     ),
 ]

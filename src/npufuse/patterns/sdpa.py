@@ -49,7 +49,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -226,6 +226,13 @@ class SdpaPattern(Pattern):
         if mask is not None and const_value(mask) is None and isinstance(mask, ast.Constant):
             mask = None
         causal_v = const_value(causal) if causal is not None else False
+        mask_none_guard: str | None = None
+        if mask is not None and causal_v is True and _attention_s40.mask_may_be_none(scope, mask, line):
+            # s40 (HO16a Zenith): ``attn_mask=attention_mask`` (an optional parameter) with ``is_causal=True``: where the mask
+            # is None (the generation paths) the call is a plain causal SDPA; with a mask the original runs
+            mask_none_guard, mask = f"{mask.id} is None", None  # type: ignore[attr-defined]
+            risks.append(Risk("other", f"`attn_mask={mask_none_guard[:-8]}` together with `is_causal=True`: the fused (causal) call runs "
+                                       "where the mask is None; with a mask the original runs (SDPA backends disagree on both set)"))
         if mask is not None and causal_v is True:
             return miss(
                 "both attn_mask and is_causal=True are set: SDPA backends disagree (the documented reference "
@@ -406,6 +413,8 @@ class SdpaPattern(Pattern):
             dv_check = f"{dv_check} <= 768"
         if rank_unknown:
             dv_check = f"{atom(qn)}.dim() == 4 and {dv_check}"  # s38: the rank is not stated (a 3-D call runs the original)
+        if mask_none_guard is not None:
+            dv_check = f"{mask_none_guard} and {dv_check}"
         held_partial = getattr(call, "_npufuse_guard", None)
         if held_partial is not None:
             # s39: SDPA through ``self.<attr> = partial(SDPA, ..)``: the attribute still holds that partial at run time
@@ -1567,5 +1576,54 @@ def local_attend(q, k, v, p: float):
                                           "partial(F.scaled_dot_product_attention, attn_mask=None, dropout_p=p)").split("\n\n\ndef local_attend")[1],
         reason="binds more than SDPA's flags",
         name="s39_sdpa_partial_binding_the_mask",
+    ),
+]
+
+# s40 (HO16a Zenith): ``attn_mask=attention_mask`` (an optional parameter, None when generating) with ``is_causal=True``:
+# both set has no single meaning (backends disagree), but where the mask is None the call is a plain causal SDPA: the
+# fused call runs under ``attention_mask is None``, the original otherwise
+_S40_OPTIONAL_MASK_AND_CAUSAL = '''
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attention_mask: Optional[torch.Tensor] = None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=True)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        name="s40_optional_mask_with_is_causal",
+        code=_S40_OPTIONAL_MASK_AND_CAUSAL,
+        expect={"qualname": "CausalAttention.forward", "mask_kind": "causal"},
+        run='''
+m = CausalAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+    ),
+]
+SdpaPattern.KEEP += [
+    Keep(
+        # the optional mask is filled in before the call: a mask always reaches it together with is_causal=True
+        _S40_OPTIONAL_MASK_AND_CAUSAL.replace(
+            "        out = F.scaled_dot_product_attention(",
+            "        if attention_mask is None:\n            attention_mask = torch.zeros(n, n, device=x.device)\n"
+            "        out = F.scaled_dot_product_attention("),
+        reason="both attn_mask and is_causal=True are set",
+        name="s40_optional_mask_filled_before_the_causal_call",
     ),
 ]

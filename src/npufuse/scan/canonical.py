@@ -1019,15 +1019,48 @@ def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product
         return None
     dim = [ast.keyword(arg="dim", value=ast.Constant(-1))]
     q = _torch_call("cat", [ast.List(elts=[p1.a, p2.a], ctx=ast.Load())], dim)
-    k = _torch_call("cat", [ast.List(elts=[k1, k2], ctx=ast.Load())], dim)
 
     def lead(x: ast.expr) -> ast.expr:
         shape = ast.Attribute(value=x, attr="shape", ctx=ast.Load())
         return ast.Subscript(value=shape, slice=ast.Slice(upper=ast.Constant(-1)), ctx=ast.Load())
 
-    guard = ast.BoolOp(op=ast.And(), values=[ast.Compare(left=lead(p1.a), ops=[ast.Eq()], comparators=[lead(p2.a)]),
-                                             ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
+    q_same = ast.Compare(left=lead(p1.a), ops=[ast.Eq()], comparators=[lead(p2.a)])
+    if _plain_name(k1) and _plain_name(k2):
+        # s40 (HO16a nano-moe-mla): the decoupled rope key is one head shared by every head ([B, 1, S, dr] beside
+        # [B, H, S, hd]): each product broadcasts its key's head axis, so the keys are expanded to their common
+        # leading shape before the concatenation, where they differ in the head axis (-3) only and one of them has
+        # one head there (names only: each is read several times)
+        k_lead = _substituted("torch.broadcast_shapes(K1.shape[:-1], K2.shape[:-1])", k1, k2)
+        expanded = [ast.Call(func=ast.Attribute(value=x, attr="expand", ctx=ast.Load()),
+                             args=[ast.Starred(value=k_lead, ctx=ast.Load()), ast.Constant(-1)], keywords=[]) for x in (k1, k2)]
+        k = _torch_call("cat", [ast.List(elts=expanded, ctx=ast.Load())], dim)
+        k_ok = _substituted("K1.dim() == K2.dim() >= 3 and K1.shape[:-3] == K2.shape[:-3] and K1.shape[-2] == K2.shape[-2] "
+                            "and (K1.shape[-3] == K2.shape[-3] or K1.shape[-3] == 1 or K2.shape[-3] == 1)", k1, k2)
+        guard = ast.BoolOp(op=ast.And(), values=[q_same, *k_ok.values])  # type: ignore[attr-defined]
+    else:
+        k = _torch_call("cat", [ast.List(elts=[k1, k2], ctx=ast.Load())], dim)
+        guard = ast.BoolOp(op=ast.And(), values=[q_same, ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
     return Product(q, ast.Attribute(value=k, attr="mT", ctx=ast.Load()), "matmul"), guard
+
+
+def _plain_name(node: ast.expr) -> bool:
+    """A bare name (an ``ast.Name``, or a detector's symbolic reference to one)."""
+    return isinstance(node, ast.Name) or (type(node).__name__ == "Ref" and isinstance(getattr(node, "name", None), str))
+
+
+def _substituted(template: str, k1: ast.expr, k2: ast.expr) -> ast.expr:
+    """``template`` parsed, its names ``K1`` / ``K2`` replaced by the two nodes."""
+
+    class Fill(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.expr:
+            return {"K1": k1, "K2": k2}.get(node.id, node)
+
+    tree = ast.parse(template, mode="eval").body
+    for n in ast.walk(tree):  # no positions: a renderer reads a positioned node's text from the file
+        for attr in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
+            if hasattr(n, attr):
+                delattr(n, attr)
+    return Fill().visit(tree)
 
 # --- norms: L2 normalisation of the last dim through a one-line helper ---
 # lucidrains' ``def l2norm(t): return F.normalize(t, dim=-1)`` then ``l2norm(x) * self.scale * self.gamma``:
