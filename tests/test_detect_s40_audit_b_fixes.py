@@ -1,0 +1,191 @@
+"""s40 second precision audit (audit40b): the classes behind the WRONG / dubious candidates found on 15 repositories
+new to npufuse (bench/audit_s40b_precision.json: quantization, speech, video generation, 3-D, molecules, hybrid SSMs,
+embedding and inference-engine code).
+
+C1 sdpa: ``F.scaled_dot_product_attention(q, k, v, **attn_kwargs)`` with ``attn_kwargs = {"attn_mask": ..., "is_causal":
+   ..., "scale": ...}`` (FastVideo's SDPA backend): the fused call dropped the splat, so mask, causality and scale were
+   lost. A splat is now read: a dict carrying anything but ``enable_gqa`` (or one not visible here) is a near miss.
+C2 rope: the complex form with a batch-free table was fused with no layout check, but npu_rotary_mul's interleave mode
+   takes only 11SD / 1S1D / S11D tables: MatrixGame's per-head ``freqs_i`` [S, N, D/2] reached it. Now checked at run
+   time (at most one leading dim of the table not 1), else the original.
+C3 add_rms_norm: npu_add_rms_norm adds tensors of one shape; ``h = h + temb_proj(t)[:, None, :]`` then the norm (an
+   addend that broadcasts) now takes the add, then the fused norm.
+C4 rms_norm (numeric probe): ``x.pow(2).sum(-1) / self.mean_dim`` (QuaRot's RMSN) was proved with the constructor's
+   width set to the feature size and fused unconditionally; the fused branch now checks ``self.mean_dim ==
+   x.shape[-1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.base import Keep
+from npufuse.patterns.rms_norm import RmsNorm
+from npufuse.patterns.rope import RopePattern as Rope
+from npufuse.patterns.sdpa import SdpaPattern
+from pattern_harness import check_keep_refused, check_rewrite_runs, detect_all
+
+# -- C1: keywords splatted into SDPA
+
+_SDPA_SPLAT = '''
+import torch
+import torch.nn.functional as F
+
+
+class SdpaBackend:
+    def __init__(self, causal, softmax_scale, dropout_p=0.0):
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.dropout = dropout_p
+
+    def forward(self, query, key, value, attn_mask=None):
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+{build}
+        out = F.scaled_dot_product_attention(query, key, value, **attn_kwargs)
+        return out.transpose(1, 2)
+'''
+
+_SPLAT_WITH_MASK = '''        attn_kwargs = {"attn_mask": attn_mask, "dropout_p": self.dropout, "is_causal": self.causal,
+                       "scale": self.softmax_scale}
+        if query.shape[1] != key.shape[1]:
+            attn_kwargs["enable_gqa"] = True'''
+_SPLAT_GQA_ONLY = '''        attn_kwargs = {}
+        if query.shape[1] != key.shape[1]:
+            attn_kwargs["enable_gqa"] = True'''
+
+
+def test_sdpa_splat_carrying_the_mask_or_scale_is_a_near_miss() -> None:
+    code = _SDPA_SPLAT.format(build=_SPLAT_WITH_MASK)
+    check_keep_refused(SdpaPattern(), Keep(code, reason="`**attn_kwargs` passes attn_mask, dropout_p, is_causal, scale"))
+
+
+def test_sdpa_splat_of_a_parameter_is_a_near_miss() -> None:
+    code = '''
+import torch.nn.functional as F
+
+
+def attend(q, k, v, **sdpa_kwargs):
+    return F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
+'''
+    check_keep_refused(SdpaPattern(), Keep(code, reason="keywords passed through `**sdpa_kwargs` are not visible here"))
+
+
+def test_sdpa_splat_of_enable_gqa_alone_stays_a_candidate() -> None:
+    code = _SDPA_SPLAT.format(build=_SPLAT_GQA_ONLY)
+    findings, _ = detect_all(SdpaPattern(), code)
+    assert [f.pattern for f in findings] == ["sdpa"]
+    q = "torch.randn(2, 8, 4, 16)"
+    facts = check_rewrite_runs(SdpaPattern(), code, f"m = SdpaBackend(False, None)\nout = m.forward({q}, {q}, {q})\n", findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999
+
+
+# -- C2: complex RoPE with a batch-free but per-head table
+
+_COMPLEX_PER_HEAD = '''
+import torch
+
+
+def apply_rope(x, freqs_i):
+    x_complex = torch.view_as_complex(x.to(torch.float32).reshape(x.shape[0], x.shape[1], x.shape[2], -1, 2))
+    out = torch.view_as_real(x_complex * freqs_i.unsqueeze(0).to(x_complex.dtype)).flatten(3)
+    return out.to(dtype=x.dtype)
+'''
+
+_COMPLEX_RUN = '''
+def table(s, n, d):
+    ang = torch.randn(s, n, d // 2)
+    return torch.polar(torch.ones_like(ang), ang)
+
+x = torch.randn(2, 6, 4, 16)
+out = (apply_rope(x, table(6, 1, 16)), apply_rope(x, table(6, 4, 16)))
+'''
+
+
+def test_complex_rope_checks_the_table_has_one_leading_axis() -> None:
+    findings, _ = detect_all(Rope(), _COMPLEX_PER_HEAD)
+    assert [f.pattern for f in findings] == ["rope"]
+    assert "sum(_c != 1 for _c in" in findings[0].fused
+    # the per-position table [1, S, 1, D] is fused; the per-head one [1, S, N, D] (outside interleave mode's
+    # 11SD / 1S1D / S11D) runs the original code (without the check the emulator rejects it)
+    facts = check_rewrite_runs(Rope(), _COMPLEX_PER_HEAD, _COMPLEX_RUN, findings)
+    assert facts["all_calls"].get("npu_rotary_mul") == 1
+    assert min(facts["cos_out"]) > 0.9999
+
+
+# -- C3: add + RMSNorm where the addend broadcasts
+
+_ADD_BROADCAST = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d=16, t=8):
+        super().__init__()
+        self.temb_proj = nn.Linear(t, d)
+        self.norm = RMSNorm(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, h, temb):
+        h = h + self.temb_proj(temb)[:, None, :]
+        h = self.norm(h)
+        return self.out(h)
+'''
+
+
+def test_add_rms_norm_with_a_broadcast_addend_adds_before_the_fused_norm() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _ADD_BROADCAST)
+    assert [f.pattern for f in findings] == ["add_rms_norm"]
+    run = ("m = Block()\nwith torch.no_grad():\n"
+           "    out = (m(torch.randn(2, 5, 16), torch.randn(2, 8)), m(torch.randn(2, 1, 16), torch.randn(2, 8)))\n")
+    facts = check_rewrite_runs(AddRmsNorm(), _ADD_BROADCAST, run, findings)
+    # the broadcast call takes add + npu_rms_norm, the same-shape one npu_add_rms_norm
+    assert facts["all_calls"].get("npu_rms_norm") == 1 and facts["all_calls"].get("npu_add_rms_norm") == 1
+    assert min(facts["cos_out"]) > 0.9999
+
+
+# -- C4: a probe-proved norm dividing by a width the constructor was given
+
+_SUM_OVER_WIDTH = '''
+import torch
+
+
+class RMSN(torch.nn.Module):
+    def __init__(self, mean_dim: int, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.mean_dim = mean_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        if x.dtype == torch.float16:
+            x = x.to(torch.float32)
+        variance = x.pow(2).sum(-1, keepdim=True) / self.mean_dim
+        x = x * torch.rsqrt(variance + self.eps)
+        return x.to(input_dtype)
+'''
+
+
+def test_probe_proved_norm_checks_the_constructor_width_is_the_last_dim() -> None:
+    findings, _ = detect_all(RmsNorm(), _SUM_OVER_WIDTH)
+    assert [f.params.get("found_by") for f in findings] == ["numeric_probe"]
+    assert "self.mean_dim == x.shape[-1]" in findings[0].params["guards"]
+    run = "x = torch.randn(2, 5, 16)\nout = (RMSN(16)(x), RMSN(32)(x))\n"
+    facts = check_rewrite_runs(RmsNorm(), _SUM_OVER_WIDTH, run, findings)
+    assert facts["all_calls"].get("npu_rms_norm") == 1  # RMSN(32) on 16 features keeps the original
+    assert min(facts["cos_out"]) > 0.9999
