@@ -189,3 +189,54 @@ def test_probe_proved_norm_checks_the_constructor_width_is_the_last_dim() -> Non
     facts = check_rewrite_runs(RmsNorm(), _SUM_OVER_WIDTH, run, findings)
     assert facts["all_calls"].get("npu_rms_norm") == 1  # RMSN(32) on 16 features keeps the original
     assert min(facts["cos_out"]) > 0.9999
+
+
+# -- C5 (near-miss reasons): loops of a file that says "expert" elsewhere, admitted by their dispatch shape
+
+from npufuse.patterns.moe_experts import MoeExperts  # noqa: E402
+
+_FIRST_TOKEN_LOOP = '''
+import torch
+
+# the model's experts are configured elsewhere; this helper only finds the first image token
+
+
+def first_positions(input_ids, token):
+    firsts = []
+    for seq in input_ids:
+        hits = (seq == token).nonzero(as_tuple=True)[0]
+        if len(hits) > 0:
+            firsts.append(hits[0].item())
+        else:
+            firsts.append(0)
+    return firsts
+'''
+
+_STATE_ALIAS_LOOP = '''
+import torch
+
+# an optimizer used with mixture-of-experts models
+
+
+class Opt(torch.optim.Optimizer):
+    def check_aliases(self, state):
+        seen = {}
+        for param_id, saved in state["state"].items():
+            shared_id = id(self.state[param_id]["step"])
+            if shared_id in seen and seen[shared_id] == param_id:
+                continue
+            seen[shared_id] = param_id
+'''
+
+
+def test_loop_naming_no_expert_is_not_called_an_expert_loop() -> None:
+    findings, misses = detect_all(MoeExperts(), _FIRST_TOKEN_LOOP)
+    assert not findings
+    assert misses and not any("expert loop" in m.reason for m in misses), [m.reason for m in misses]
+    assert any("conditional code inside the loop" in m.reason for m in misses)
+
+
+def test_shared_id_is_not_a_shared_expert() -> None:
+    findings, misses = detect_all(MoeExperts(), _STATE_ALIAS_LOOP)
+    assert not findings
+    assert not any("shared expert" in m.reason for m in misses), [m.reason for m in misses]
