@@ -240,3 +240,43 @@ def test_shared_id_is_not_a_shared_expert() -> None:
     findings, misses = detect_all(MoeExperts(), _STATE_ALIAS_LOOP)
     assert not findings
     assert not any("shared expert" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- C6 (near-miss reason): a product whose operand comes from a ``with`` block, with no softmax anywhere
+
+from npufuse.patterns.attention import AttentionPattern  # noqa: E402
+
+_ZERO_SHOT_LOGITS = '''
+import torch
+
+
+def evaluate(vision, dataloader, classifier, dtype):
+    top1 = 0
+    with torch.no_grad():
+        for images, target in dataloader:
+            with torch.no_grad():
+                embeddings = vision(input_ids=images)["embedding"]
+            logits = 100.0 * torch.matmul(embeddings.to(dtype), classifier)
+            pred = logits.topk(5, 1, True, True)[1].t()
+            top1 += pred.eq(target.view(1, -1).expand_as(pred))[:1].sum().item()
+    return top1
+'''
+
+_PROBS_UNDER_NO_GRAD = '''
+import torch
+
+
+def attend(q, k, v):
+    with torch.no_grad():
+        p = torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1)
+    return p @ v
+'''
+
+
+def test_matmul_without_softmax_is_no_attention_near_miss() -> None:
+    findings, misses = detect_all(AttentionPattern(), _ZERO_SHOT_LOGITS)
+    assert not findings and not any("attention probabilities" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_probabilities_under_a_context_stay_a_near_miss() -> None:
+    check_keep_refused(AttentionPattern(), Keep(_PROBS_UNDER_NO_GRAD, reason="computed inside `with torch.no_grad():`"))
