@@ -280,3 +280,44 @@ def test_matmul_without_softmax_is_no_attention_near_miss() -> None:
 
 def test_probabilities_under_a_context_stay_a_near_miss() -> None:
     check_keep_refused(AttentionPattern(), Keep(_PROBS_UNDER_NO_GRAD, reason="computed inside `with torch.no_grad():`"))
+
+
+# -- C7 (near-miss reason): a child module's stacked expert weights are stacked, only not this module's
+
+_CHILD_STACKED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, n, d, h):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, h, d))
+        self.w2 = nn.Parameter(torch.randn(n, d, h))
+        self.w3 = nn.Parameter(torch.randn(n, h, d))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, n=4, d=16, h=32):
+        super().__init__()
+        self.experts = GroupedExperts(n, d, h)
+
+    def run_experts_for_loop(self, tokens, counts):
+        splits = torch.split(tokens, counts.tolist(), dim=0)
+        outputs = []
+        for expert_index, expert_tokens in enumerate(splits):
+            if expert_tokens.numel() == 0:
+                continue
+            hidden = F.silu(expert_tokens @ self.experts.w1[expert_index].transpose(-2, -1))
+            hidden = hidden * (expert_tokens @ self.experts.w3[expert_index].transpose(-2, -1))
+            outputs.append(hidden @ self.experts.w2[expert_index].transpose(-2, -1))
+        return torch.cat(outputs, dim=0)
+'''
+
+
+def test_child_module_stacked_weight_reason_says_what_is_checked() -> None:
+    findings, misses = detect_all(MoeExperts(), _CHILD_STACKED)
+    reasons = [m.reason for m in misses]
+    assert not findings
+    assert not any("is not a stacked parameter indexed by the expert" in r for r in reasons), reasons

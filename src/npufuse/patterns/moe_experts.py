@@ -3368,7 +3368,10 @@ class _Eval:
                 and const_value(w.slice.elts[1]) is Ellipsis and self._is_eidx(w.slice.elts[0]):
             w = ast.copy_location(ast.Subscript(value=w.value, slice=w.slice.elts[0], ctx=ast.Load()), w)  # W[e, ...] is W[e]
         if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
-            raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not a stacked parameter indexed by the expert")
+            # audit40b: said what is checked (``self.experts.w1[e]``, a child module's stacked weight, is stacked and
+            # indexed by the expert, but not a parameter of this module the fused call is written against)
+            raise _Miss(f"expert weight `{ast.unparse(weight)[:50]}` is not shown to be a stacked parameter of this module (`self.<w>[e]`) "
+                        "or a stacked tensor from outside the loop, indexed by the expert")
         if how == "linear":
             orient = "in_out" if transposed else "out_in"
         else:
@@ -6585,7 +6588,7 @@ MoeExperts.KEEP += [
     # the weight indexed by the expert is rebuilt inside the loop: not one stacked tensor
     Keep(_FUNCTIONAL_SPLIT.replace("        h = F.silu(torch.matmul(x_expert, w1[expert_idx]",
                                    "        w1 = w1 * 2\n        h = F.silu(torch.matmul(x_expert, w1[expert_idx]"),
-         reason="is not a stacked parameter indexed by the expert", name="weight_rebound_inside_loop"),
+         reason="is not shown to be a stacked parameter of this module", name="weight_rebound_inside_loop"),
 ]
 
 
@@ -7955,7 +7958,7 @@ leaves = [x, m.gate, m.down]
 MoeExperts.KEEP += [
     # W[e, 0]: one row of the expert's weight, not the expert's matrix
     Keep(_STACKED_ELLIPSIS_T.replace("self.gate[e, ...].T", "self.gate[e, 0].T"),
-         reason="is not a stacked parameter indexed by the expert", name="stacked_weights_indexed_past_the_expert"),
+         reason="is not shown to be a stacked parameter of this module", name="stacked_weights_indexed_past_the_expert"),
 ]
 
 # rows padded past the per-expert counts: the split takes tokens[:sum(sizes)], the padding comes back as zeros
