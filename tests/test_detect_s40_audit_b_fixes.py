@@ -321,3 +321,30 @@ def test_child_module_stacked_weight_reason_says_what_is_checked() -> None:
     reasons = [m.reason for m in misses]
     assert not findings
     assert not any("is not a stacked parameter indexed by the expert" in r for r in reasons), reasons
+
+
+# -- C8 (near-miss reason): ``self.config.get(...)`` is a lookup, not an activation the config holds
+
+from npufuse.patterns.swiglu import Swiglu  # noqa: E402
+
+_CONFIG_LOOKUPS = '''
+import torch
+
+
+class TpModel:
+    def __init__(self, config):
+        self.config = config
+
+    def init_rotary(self):
+        if self.config.get("rope_scaling", {}) is None:
+            factor = 1.0
+        else:
+            factor = self.config.get("rope_scaling", {}).get("factor", 1.0)
+        n = self.config.get("max_position_embeddings", 2048)
+        return n * factor
+'''
+
+
+def test_config_lookup_times_a_number_is_no_gated_product() -> None:
+    findings, misses = detect_all(Swiglu(), _CONFIG_LOOKUPS)
+    assert not findings and not misses, [m.reason for m in misses]
