@@ -348,3 +348,26 @@ class TpModel:
 def test_config_lookup_times_a_number_is_no_gated_product() -> None:
     findings, misses = detect_all(Swiglu(), _CONFIG_LOOKUPS)
     assert not findings and not misses, [m.reason for m in misses]
+
+
+_EULER_STEP = '''
+import torch
+
+
+class DenoisingStage:
+    def __init__(self, transformer, scheduler):
+        self.transformer = transformer
+        self.scheduler = scheduler
+
+    def forward(self, latents, conditions):
+        for index, timestep in enumerate(self.scheduler.timesteps):
+            flow = self.transformer.guided_flow(timestep, latents, conditions)
+            delta = self.scheduler.sigmas[index + 1] - self.scheduler.sigmas[index]
+            latents = latents + delta * flow
+        return latents
+'''
+
+
+def test_child_model_method_is_not_an_activation() -> None:
+    findings, misses = detect_all(Swiglu(), _EULER_STEP)
+    assert not findings and not misses, [m.reason for m in misses]
