@@ -352,10 +352,12 @@ def test_config_lookup_times_a_number_is_no_gated_product() -> None:
 
 _EULER_STEP = '''
 import torch
+from diffusion_pipelines.stages import PipelineStage
 
 
-class DenoisingStage:
+class DenoisingStage(PipelineStage):
     def __init__(self, transformer, scheduler):
+        super().__init__()
         self.transformer = transformer
         self.scheduler = scheduler
 
