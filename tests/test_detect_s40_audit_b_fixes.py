@@ -352,19 +352,18 @@ def test_config_lookup_times_a_number_is_no_gated_product() -> None:
 
 _EULER_STEP = '''
 import torch
-from diffusion_pipelines.stages import PipelineStage
 
 
-class DenoisingStage(PipelineStage):
-    def __init__(self, transformer, scheduler):
-        super().__init__()
-        self.transformer = transformer
+class FlowDenoisingStage(PipelineStage):
+    def __init__(self, transformer, scheduler) -> None:
         self.scheduler = scheduler
 
-    def forward(self, latents, conditions):
+    def forward(self, batch, latents, delta):
         for index, timestep in enumerate(self.scheduler.timesteps):
-            flow = self.transformer.guided_flow(timestep, latents, conditions)
-            delta = self.scheduler.sigmas[index + 1] - self.scheduler.sigmas[index]
+            flow = self.transformer.guided_flow(
+                float(batch.guidance_scale),
+            )
+            # the exact Euler step of the published sampler
             latents = latents + delta * flow
         return latents
 '''
