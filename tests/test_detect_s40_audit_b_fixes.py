@@ -372,3 +372,38 @@ class FlowDenoisingStage(PipelineStage):
 def test_child_model_method_is_not_an_activation() -> None:
     findings, misses = detect_all(Swiglu(), _EULER_STEP)
     assert not findings and not misses, [m.reason for m in misses]
+
+
+# -- C9 (near-miss reason): ``2 ** bits`` with an int ``bits`` cannot be inf/NaN
+
+from npufuse.patterns.affinity_where import AffinityWhere  # noqa: E402
+
+_TWO_COMPL = '''
+import torch
+
+
+def two_compl(x, bits: int):
+    return torch.where(x < 0, 2 ** bits + x, x)
+'''
+
+_GUARDED_DIVISION = '''
+import torch
+
+
+def safe_ratio(x, d):
+    return torch.where(d > 0, x / d, x)
+'''
+
+
+def test_power_of_a_literal_to_an_int_is_not_called_inf() -> None:
+    findings, misses = detect_all(AffinityWhere(), _TWO_COMPL)
+    assert not any("inf/NaN" in m.reason for m in misses), [m.reason for m in misses]
+    # now a candidate: lerp for a float x (exact: 2 ** bits + x is finite), torch.where kept for an int x
+    assert [f.variant for f in findings] == ["where_to_lerp"]
+    run = "out = (two_compl(torch.randn(4, 8) * 8, 4), two_compl(torch.randint(-8, 8, (4, 8)), 4))\n"
+    facts = check_rewrite_runs(AffinityWhere(), _TWO_COMPL, run, findings)
+    assert min(facts["cos_out"]) > 0.9999 and facts["dtypes"][1] == (torch.int64, torch.int64)
+
+
+def test_division_by_a_tensor_under_where_stays_a_near_miss() -> None:
+    check_keep_refused(AffinityWhere(), Keep(_GUARDED_DIVISION, reason="which can be inf/NaN where it is not selected"))
