@@ -407,3 +407,23 @@ def test_power_of_a_literal_to_an_int_is_not_called_inf() -> None:
 
 def test_division_by_a_tensor_under_where_stays_a_near_miss() -> None:
     check_keep_refused(AffinityWhere(), Keep(_GUARDED_DIVISION, reason="which can be inf/NaN where it is not selected"))
+
+
+# -- C10 (near-miss reason): a re-view of the probabilities is no modification of their values
+
+_PROBS_REVIEWED = '''
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, batch_size, num_heads):
+    scores = (q @ k.transpose(-1, -2)) / 8.0
+    probs = F.softmax(scores, dim=-1)
+    probs4 = probs.view(batch_size, num_heads, q.shape[1], k.shape[1])
+    out = (probs4 @ v.view(batch_size, num_heads, -1, 64)).flatten(0, 1)
+    return out
+'''
+
+
+def test_probabilities_re_viewed_are_not_called_modified() -> None:
+    check_keep_refused(AttentionPattern(), Keep(_PROBS_REVIEWED, reason="the attention probabilities are re-viewed before P@V"))

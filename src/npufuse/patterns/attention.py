@@ -1686,6 +1686,11 @@ class _Matcher:
                 continue
             if self._qk_softmax(node):
                 self._sink_column(node)
+                if self.method(node, "view", "reshape"):
+                    # audit40b: a re-view changes no value: say what it is (OmniQuant's Falcon alibi arm re-views the
+                    # probabilities [b*n, q, kv] as [b, n, q, kv] for the product with v)
+                    raise Miss(f"the attention probabilities are re-viewed before P@V (`{self.src(node)[:70]}`): "
+                               "a reshape npufuse does not follow to the op's layout")
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
             pre = self._softmax_module(node, chain)
             if pre is not None:
