@@ -232,7 +232,7 @@ class Opt(torch.optim.Optimizer):
 def test_loop_naming_no_expert_is_not_called_an_expert_loop() -> None:
     findings, misses = detect_all(MoeExperts(), _FIRST_TOKEN_LOOP)
     assert not findings
-    assert misses and not any("expert loop" in m.reason for m in misses), [m.reason for m in misses]
+    assert misses and not any("expert" in m.reason for m in misses), [m.reason for m in misses]
     assert any("conditional code inside the loop" in m.reason for m in misses)
 
 

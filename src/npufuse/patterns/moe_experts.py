@@ -2156,7 +2156,9 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
     trainer's step loop, admitted by its dispatch shape in a file that says "expert" elsewhere, was
     called an expert loop)."""
     reason = str(miss)
-    return reason if _names_experts(loop) else reason.replace("the expert loop", "the loop")
+    if _names_experts(loop):
+        return reason
+    return reason.replace("the expert loop", "the loop").replace("skips experts", "skips items")
 
 
 def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
