@@ -2295,7 +2295,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     infer += [S.stmt_source(module, a) for a in site.aliases]
     infer.append(site.splice_norm(module, lambda call: [(call, y)]))
     body = list(pre)
-    mixed = f"{x1}.dtype != {x2}.dtype"
+    # audit40b: npu_add_rms_norm adds tensors of one shape (its outputs take x1's): an addend that broadcasts
+    # (``h + temb_proj(t)[:, :, None, None]``) takes the add, then the fused norm
+    mixed = f"{x1}.dtype != {x2}.dtype or {x1}.shape != {x2}.shape"
     if site.cast is not None:
         mixed += f" or {site.cast[1]} != {x1}.dtype"  # the cast would change the sum: add, cast, then the norm
     if out_code == "_npu_dtype":

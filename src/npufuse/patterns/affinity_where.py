@@ -262,6 +262,25 @@ def _module_constant(module: ModuleInfo, name: str) -> Optional[ast.expr]:
     return module.scopes[0].definition(name) if module.scopes else None
 
 
+def _positive_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+def _finite_scalar_op(scope: Scope, n: ast.BinOp) -> bool:
+    """``x / 2`` (a divisor that is a nonzero literal) or ``2 ** bits`` (a positive literal to an int
+    literal or an ``int``-annotated parameter: QuaRot's two's complement, audit40b): neither makes inf/NaN
+    out of finite values, so the branch is no guarded computation."""
+    if isinstance(n.op, ast.Div):
+        v = const_value(n.right)
+        return _positive_number(abs(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+    if not _positive_number(const_value(n.left)):
+        return False
+    e = const_value(n.right)
+    if isinstance(e, int) and not isinstance(e, bool):
+        return abs(e) < 64
+    return isinstance(n.right, ast.Name) and _param_annotation(scope, n.right.id) == "int"
+
+
 def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Optional[str]:
     """An op in the branch (or its one-level definition) that can produce inf/NaN."""
     roots = [node]
@@ -271,7 +290,7 @@ def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Op
             roots.append(d)
     for root in roots:
         for n in fast_walk(root):
-            if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
                 return ast.unparse(n)
             if isinstance(n, ast.Call):
                 last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]

@@ -1527,6 +1527,7 @@ class _Matcher:
 
     def peel_probs(self, node: Any, chain: Chain) -> Any:
         """Walk from the P of P@V to the softmax; returns the softmax input or None (not attention)."""
+        under_ctx = None  # a ``with`` context the probabilities were computed in (refused at the softmax)
         for _ in range(40):
             chain.probs_objs.add(id(node))
             node = deref(node, chain.seen)
@@ -1557,7 +1558,11 @@ class _Matcher:
             if isinstance(node, Under):
                 inner = deref(node.value, chain.seen)
                 if self.dropout_of(inner) is None:
-                    raise Miss(f"the attention probabilities are computed inside `with {node.ctx}:` (a context npufuse does not reproduce)")
+                    # audit40b: refused once the walk reaches a softmax (below); a product whose operand comes
+                    # from a ``with`` block but no softmax (CLIP's zero-shot logits) is no attention at all
+                    under_ctx = under_ctx or node.ctx
+                    node = inner
+                    continue
                 self._under_dropout(node, chain)
                 node = inner
             drop = self.dropout_of(node)
@@ -1636,6 +1641,8 @@ class _Matcher:
                 # s36: ``e = torch.exp(s - s.max(-1, keepdim=True).values); p = e / e.sum(-1, keepdim=True)`` (ultralytics'
                 # area attention): softmax over the last axis written out
                 chain.spelling.append("softmax_written_out")
+                if under_ctx is not None:
+                    raise Miss(f"the attention probabilities are computed inside `with {under_ctx}:` (a context npufuse does not reproduce)")
                 return written
             chosen = _flag_chosen_softmax(self, node)
             if chosen is not None:
@@ -1654,6 +1661,8 @@ class _Matcher:
                 if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 4 if getattr(self, "s28_rank", 4) == 5 else 3):  # the key axis: last of 3-D / 4-D scores
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim npufuse converts (scores laid out [.., Sq, Skv]; "
                                "keys on another axis, as in sequence-first [Sq, Skv, B, N] scores, are not converted)")
+                if under_ctx is not None:
+                    raise Miss(f"the attention probabilities are computed inside `with {under_ctx}:` (a context npufuse does not reproduce)")
                 if dtype is not None:
                     chain.softmax_dtype = self.src(dtype)
                 chain.spelling.append("softmax")
@@ -1678,6 +1687,11 @@ class _Matcher:
                 continue
             if self._qk_softmax(node):
                 self._sink_column(node)
+                if self.method(node, "view", "reshape"):
+                    # audit40b: a re-view changes no value: say what it is (OmniQuant's Falcon alibi arm re-views the
+                    # probabilities [b*n, q, kv] as [b, n, q, kv] for the product with v)
+                    raise Miss(f"the attention probabilities are re-viewed before P@V (`{self.src(node)[:70]}`): "
+                               "a reshape npufuse does not follow to the op's layout")
                 raise Miss(f"attention probabilities are modified after softmax (`{self.src(node)}`)")
             pre = self._softmax_module(node, chain)
             if pre is not None:

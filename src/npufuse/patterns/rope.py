@@ -2870,6 +2870,10 @@ class RopePattern(Pattern):
                 # the table's one long dim, D = 2 * the complex lanes, read at run time; elsewhere the original
                 m.only_if = (f"{_interleave_rows_ok(xc_src, f'max({cos}.shape[:-1], default=1)')}"
                              f" and {xc_src}.shape[-1] * 2 < {_MAX_D}")
+            # audit40b: batch-free is not enough for interleave mode, which takes 11SD / 1S1D / S11D only: a
+            # per-head table [S, N, D/2] (MatrixGame's ``freqs`` of 3 dims) has two leading dims that are not 1
+            one_axis = f"sum(_c != 1 for _c in {cos}.shape[:-1]) <= 1"
+            m.only_if = one_axis if m.only_if is None else f"{m.only_if} and {one_axis}"
             return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return _complex_parameter_product(self, module, scope, node, prod, post)
 

@@ -104,6 +104,62 @@ _TENSOR_METHODS = frozenset((
 ))
 
 
+#: SDPA keywords whose value changes the result: a ``**`` splat that may carry one of them cannot be
+#: dropped from the fused call (``enable_gqa`` alone can: npu_fusion_attention groups heads itself)
+_SPLAT_HARMLESS_KEYS = frozenset({"enable_gqa"})
+
+
+def _dict_keys(node: ast.expr) -> set[str] | None:
+    """The string keys of ``{...}`` / ``dict(k=...)`` (a conditional of two such: both arms), else None."""
+    if isinstance(node, ast.IfExp):
+        a, b = _dict_keys(node.body), _dict_keys(node.orelse)
+        return None if a is None or b is None else a | b
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            return None  # a ``**other`` inside the literal or a computed key
+        return {k.value for k in node.keys}  # type: ignore[union-attr]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
+        if any(kw.arg is None for kw in node.keywords):
+            return None
+        return {kw.arg for kw in node.keywords if kw.arg is not None}
+    return None
+
+
+def splat_keys(scope: Scope, node: ast.expr, line: int) -> set[str] | None:
+    """The keys a ``**node`` argument of the call on ``line`` can pass, or None where they are not
+    visible here (a parameter, a call's result). A local name counts every dict it is bound to before
+    the call plus its ``name["key"] = ...`` and ``name.update(key=...)`` writes (audit40b: FastVideo's
+    SDPA backend builds ``attn_kwargs = {"attn_mask": ..., "is_causal": ..., "scale": ...}``)."""
+    direct = _dict_keys(node)
+    if direct is not None or not isinstance(node, ast.Name):
+        return direct
+    name = node.id
+    defs = [v for st, v in scope.assignments.get(name, []) if st.lineno < line]
+    if not defs:
+        return None
+    keys: set[str] = set()
+    for v in defs:
+        got = _dict_keys(v)
+        if got is None:
+            return None
+        keys |= got
+    for n in fast_walk(scope.node):
+        if getattr(n, "lineno", line) >= line:
+            continue
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name:
+                    if not (isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
+                        return None
+                    keys.add(t.slice.value)
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+              and n.func.value.id == name and n.func.attr in ("update", "setdefault", "__setitem__")):
+            if n.func.attr != "update" or n.args or any(kw.arg is None for kw in n.keywords):
+                return None
+            keys |= {kw.arg for kw in n.keywords if kw.arg is not None}
+    return keys
+
+
 def operand_rank(scope: Scope, node: ast.expr, line: int) -> int | None:
     """The rank of an SDPA operand where the code states it (:func:`static_rank`), also through the
     ``q, k, v = map(lambda t: t....reshape(b * h, n, d), (q, k, v))`` idiom (DiffBIR, LDM forks): the
@@ -220,6 +276,16 @@ class SdpaPattern(Pattern):
         risks: list[Risk] = []
         notes: list[str] = []
         confidence = "high"
+        for kw in kwargs_passed:
+            # audit40b: a splat the fused call does not receive must carry nothing that changes the result
+            splat = ast.unparse(kw.value)
+            keys = splat_keys(scope, kw.value, line)
+            if keys is None:
+                return miss(f"keywords passed through `**{splat}` are not visible here: it may set attn_mask / is_causal / "
+                            "scale / dropout_p, which the fused call would not receive")
+            if keys - _SPLAT_HARMLESS_KEYS:
+                return miss(f"`**{splat}` passes {', '.join(sorted(keys - _SPLAT_HARMLESS_KEYS))} to SDPA: the fused call "
+                            "would not receive them (they are not arguments the rewrite can read)")
         if kwargs_passed:
             confidence = "medium"
             risks.append(Risk("other", f"`**{ast.unparse(kwargs_passed[0].value)}` is not forwarded to the fused call: only enable_gqa is meaningful there and npu_fusion_attention does GQA natively; check it carries nothing else"))

@@ -37,6 +37,19 @@ GELU_DYN = "gelu_dyn"  # F.gelu(x, approximate=<expression>)
 QUICK_GELU = "quick_gelu"
 SIGMOID = "sigmoid"
 CONFIG = "config"
+
+
+def _model_method_of_child(module: "ModuleInfo", f: ast.Attribute) -> bool:
+    """``self.transformer.guided_flow(...)`` (FastVideo's MMAudio Euler step, audit40b): a child that
+    ``__init__`` builds from a class or receives, called by a method name that says nothing of an
+    activation, is a model's method, not a callable a configuration holds (``self.config.activation_func``)."""
+    holder = f.value.attr if isinstance(f.value, ast.Attribute) else ""
+    if any(w in holder.lower() for w in ("config", "cfg", "args", "opt", "param", "setting")):
+        return False
+    return not any(w in f.attr.lower() for w in ("act", "gelu", "silu", "swish", "glu", "nonlin", "fn", "func"))
+#: a config's mapping reads (``self.config.get("rope_scaling", {})``, S-LoRA's RoPE set-up, audit40b): a value
+#: looked up, not a callable the config holds
+_MAPPING_READS = frozenset({"get", "pop", "setdefault", "items", "keys", "values", "copy", "to_dict"})
 # s39: a local activation class whose forward is a formula of its input npufuse cannot name
 _OWN_FORMULA = "own formula"
 
@@ -479,7 +492,8 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
         return _inherited_act(module, f, gate, ctx)
     if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2 \
-            and f.attr != "forward":  # s28: `self.up_proj.forward(x)` is the module's own call, not a callable it holds
+            and f.attr != "forward" and f.attr not in _MAPPING_READS \
+            and not _model_method_of_child(module, f):  # s28: `self.up_proj.forward(x)` is the module's own call
         # `self.config.activation_func(h[0]) * h[1]` (Megatron): a callable the config holds
         return Act(CONFIG, gate, ctx, ast.unparse(f), obj=f, gelu_hint=_gelu_hint(f.attr, None))
     if isinstance(f, ast.Name):

@@ -1217,13 +1217,17 @@ def _explore_configs(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef 
     return weightless or first
 
 
+#: the two feature widths a class-based proof runs with (a scalar read that follows them is that width)
+_PROOF_DIMS = (16, 24)
+
+
 def _proved_on_two_dims(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None, overrides: dict[str, Any]) -> RmsProof:
     """Proved with dimension arguments 16 and 24 alike (a scalar derived from the dimension is
     then covered); scalar attributes of self read by the function with the same value in both
     (a constructor default such as ``scale=1.0``) become run-time guards, eps excepted."""
     global DIM
     proofs: list[RmsProof] = []
-    for d in (16, 24):
+    for d in _PROOF_DIMS:
         DIM = d
         try:
             proofs.append(_prove_rms_norm(module, fn, cls, overrides))
@@ -1239,6 +1243,10 @@ def _proved_on_two_dims(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassD
     for attr, v in sorted(a.scalar_reads.items()):
         if b.scalar_reads.get(attr) == v and f"self.{attr}" not in (a.eps, a.eps_base) and math.isfinite(v):
             guards.append(f"self.{attr} == {v!r}")
+        elif (v, b.scalar_reads.get(attr)) == _PROOF_DIMS and f"self.{attr}" not in (a.eps, a.eps_base):
+            # audit40b: a width the constructor was given, set to the feature size by the proof (QuaRot's
+            # ``x.pow(2).sum(-1) / self.mean_dim``): the fused call equals it only where it is x's last dim
+            guards.append(f"self.{attr} == {a.x}.shape[-1]")
     a.guards = guards
     return a
 
