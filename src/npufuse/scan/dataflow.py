@@ -1223,3 +1223,97 @@ def may_name(module: "ModuleInfo", text: str, name: str) -> bool:
     decomposes to an ASCII one (an identifier is read as its NFKC form: ``folds_to_ascii``).
     A test before walking the nodes of that text for a ``Name`` of ``name``."""
     return name in text or not (text.isascii() or not folds_to_ascii(module))
+
+
+# --- s40: the shared per-scope summary the detectors' necessary conditions read ------------------
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def scope_tokens(module: ModuleInfo, scope: Scope) -> frozenset[str] | None:
+    """The shared per-scope summary the detectors' necessary conditions read (s40): every
+    identifier-like run of the scope's text -- decorator lines included, since ``ast.walk`` of a
+    def enters its decorators -- plus ``"**"`` where the text holds one. Every ``Name.id`` and
+    ``Attribute.attr`` of the scope's nodes is in it (in ASCII text an identifier is a maximal run
+    of word characters not led by a digit; only keywords may follow a number directly), and so is
+    every such name inside an f-string; strings and comments only add tokens; ``"**"`` stands for a
+    power operator (``may_raise_to_power``), not unpacking. So "the AST names X"
+    implies "X in scope_tokens": a test on it can only let more scopes through than the AST test it
+    stands for. (The canonical layer's respellings add only the name ``torch`` and the attributes
+    ``nn`` / ``functional``, and keep a respelled method's name: a condition on other names holds
+    on the tree detectors read.) None where the text is not ASCII (an identifier there may be the NFKC form of
+    other characters): callers then let the scope through. Built once per scope, on first use."""
+    cached = scope.__dict__.get("_npufuse_tokens", False)
+    if cached is not False:
+        return cached
+    text = token_text(module, scope)
+    if not text.isascii():
+        tokens = None
+    else:
+        tokens = frozenset(_IDENTIFIER.findall(text))
+        if may_raise_to_power(text):
+            tokens = tokens | {"**"}
+    scope.__dict__["_npufuse_tokens"] = tokens
+    return tokens
+
+
+def token_text(module: ModuleInfo, scope: Scope) -> str:
+    """The text ``scope_tokens`` reads: the scope's whole lines from its first decorator on (the
+    file for ``<module>``), so that it holds every node of ``ast.walk(scope.node)``."""
+    node = scope.node
+    if isinstance(node, ast.Module):
+        return module.source
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])  # type: ignore[attr-defined]
+    return "".join(module.lines[first - 1 : node.end_lineno or node.lineno])  # type: ignore[attr-defined]
+
+
+def may_raise_to_power(text: str) -> bool:
+    """Can ``text`` hold the power operator (``a ** b``, ``a **= b``)? Each ``**`` is one unless
+    :func:`_unpacks` says it cannot be. A ``**`` in a string or comment may answer True: never
+    False for a power."""
+    i = text.find("**")
+    while i >= 0:
+        if not _unpacks(text, i):
+            return True
+        i = text.find("**", i + 2)
+    return False
+
+
+def may_multiply(text: str) -> bool:
+    """Can ``text`` hold a product or power operator (``a * b``, ``a *= b``, ``a ** b``)? Every
+    run of ``*`` is one unless :func:`_unpacks` says it cannot be (``*args``, ``**kwargs``, the
+    keyword-only ``*``, ``[*a]``, ``f(**kw)``): the stars of most ``forward(self, x, **kwargs)``.
+    Never False where the code multiplies."""
+    i = text.find("*")
+    while i >= 0:
+        if not _unpacks(text, i):
+            return True
+        i = text.find("*", i + 2 if text.startswith("*", i + 1) else i + 1)
+    return False
+
+
+def _unpacks(text: str, i: int) -> bool:
+    """Is the run of stars at ``text[i]`` certainly no binary operator? True only where the
+    character before it (spaces, line ends and backslash continuations skipped) is ``(``, ``,``,
+    ``[``, ``{`` or the keyword ``lambda``: no operand ends there. A line end crossed onto a line holding ``#`` answers
+    False (that character may be a comment's: ``(a  # note,`` / ``* b)``)."""
+    j = i - 1
+    crossed = False
+    while j >= 0 and text[j] in " \t\n\r\f\\":
+        crossed = crossed or text[j] in "\n\r"
+        j -= 1
+    if j < 0:
+        return False
+    if text[j] not in "(,[{" and not (text.endswith("lambda", 0, j + 1) and (j < 6 or text[j - 6] in _NOT_NAME)):
+        return False
+    if crossed:
+        start = max(text.rfind("\n", 0, j), text.rfind("\r", 0, j)) + 1
+        if "#" in text[start:j]:
+            return False
+    return True
+
+
+# ASCII characters no identifier holds (before ``lambda``, the keyword; any other character:
+# maybe a longer name ending in "lambda", an operand)
+_NOT_NAME = frozenset(" \t\n\r\f\v()[]{}:;,.=+-*/%@&|^~<>!'\"#\\")
