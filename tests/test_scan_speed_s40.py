@@ -180,3 +180,10 @@ def test_star_word_skips_kwargs_only_scopes() -> None:
         scopes = {s.qualname: s for s in module.scopes}
         assert engine.gated_out(module, scopes["a"], words)
         assert not engine.gated_out(module, scopes["b"], words)
+    # a product without an operator star: a "mul" spelling, or an import alias of one
+    for code in ("def c(x, **kw):\n    return torch.mul (g(x, **kw), x)\n",
+                 "from torch import mul as m\n\ndef c(x, **kw):\n    return m(g(x, **kw), x)\n"):
+        module = _module(code)
+        scope = next(s for s in module.scopes if s.qualname == "c")
+        for pid in ("swiglu", "geglu", "rope"):
+            assert not engine.gated_out(module, scope, engine.gate_words(module, by_id[pid])), (pid, code)

@@ -386,12 +386,18 @@ def gated_out(module: ModuleInfo, scope: Scope, words: tuple[str, ...] | None) -
 
 
 def multiplies(module: ModuleInfo, scope: Scope, text: str) -> bool:
-    """The ``SCOPE_WORDS`` word ``"*"`` as the gates read it (s40): ``may_multiply`` of the scope's
-    ``gate_text``, once per scope. A detector declaring ``"*"`` finds nothing without a product
-    (or power) operator: a scope whose only stars unpack (``**kwargs``) is not handed to it."""
+    """The ``SCOPE_WORDS`` word ``"*"`` as the gates read it (s40), for a scope whose ``gate_text``
+    holds a ``*``: a star that can be an operator (``may_multiply``), or any spelling of a product
+    without one -- the text says ``mul`` (``.mul(``, ``torch.mul (``, ``multiply``, ``addcmul_``) or
+    names an import alias whose target does (``from torch import mul as m``). A detector declaring
+    ``"*"`` finds nothing without a product: a scope whose only stars unpack (``**kwargs``) and that
+    never says ``mul`` is not handed to it. Once per scope."""
     cached = scope.__dict__.get("_npufuse_multiplies")
     if cached is None:
-        cached = scope.__dict__["_npufuse_multiplies"] = may_multiply(text)
+        mul_aliases = module.__dict__.get("_npufuse_mul_aliases")
+        if mul_aliases is None:
+            mul_aliases = module.__dict__["_npufuse_mul_aliases"] = tuple(a for a, t in module.aliases.items() if "mul" in t)
+        cached = scope.__dict__["_npufuse_multiplies"] = may_multiply(text) or "mul" in text or any(a in text for a in mul_aliases)
     return cached
 
 
