@@ -126,6 +126,14 @@ def test_star_tests_on_real_scopes_and_unpacking() -> None:
     assert may_multiply("f(a,  # note\n  * b)") and may_raise_to_power("(a  # (\n ** 2)")
 
 
+def test_stat_or_root_token_counts_a_norm_of_another_object() -> None:
+    """s39's text gate read ``myself.norm`` / ``x.self.norm`` as ``self.norm`` (a submodule) and
+    skipped a scope whose AST names the statistic ``norm``."""
+    for text in ("return myself.norm(x)", "return x.self.norm(x)", "return x. self.norm(x)"):
+        assert numeric_probe._holds_stat_or_root_token(text), text
+    assert not numeric_probe._holds_stat_or_root_token("return self.norm(x)")
+
+
 def test_only_self_norm() -> None:
     assert numeric_probe.only_self_norm("def f(self, x):\n    return self.norm(x) + self.norm_eps\n")
     for text in ("myself.norm(x)", "x.self.norm(x)", "x. self.norm(x)", "x.\\\n  self.norm", "self .norm", "norm(x)", "y = self.norm; z = norm"):

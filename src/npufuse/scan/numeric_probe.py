@@ -1678,7 +1678,7 @@ def _holds_stat_or_root_token(text: str) -> bool:
         while i >= 0:
             end = i + len(name)
             if not (i and _is_word(text[i - 1])) and not (end < n and _is_word(text[end])) \
-                    and not (name == "norm" and text.endswith("self.", 0, i)):
+                    and not (name == "norm" and _self_attribute(text, i)):
                 return True
             i = find(name, i + 1)
     return False
@@ -1755,18 +1755,20 @@ def only_self_norm(text: str) -> bool:
     own (not ``myself.norm``, ``x.self.norm``, ``x. self.norm``)? Then no ``Name`` or ``Attribute``
     node ``norm`` of code in ``text`` is other than ``self.norm``. False for any other occurrence,
     in code, strings or comments."""
-    for m in _WHOLE_NORM.finditer(text):
-        i = m.start()
-        if not text.endswith("self.", 0, i):
-            return False
-        j = i - 6  # the character before "self."
-        if j >= 0 and (text[j].isalnum() or text[j] == "_"):
-            return False  # myself.norm
-        while j >= 0 and text[j] in " \t\n\r\f\\":
-            j -= 1
-        if j >= 0 and text[j] == ".":
-            return False  # x.self.norm, x. self.norm
-    return True
+    return all(_self_attribute(text, m.start()) for m in _WHOLE_NORM.finditer(text))
+
+
+def _self_attribute(text: str, i: int) -> bool:
+    """Is the name at ``text[i]`` written ``self.<name>``, ``self`` a name of its own (not
+    ``myself.norm``, ``x.self.norm``, ``x. self.norm``)?"""
+    if not text.endswith("self.", 0, i):
+        return False
+    j = i - 6  # the character before "self."
+    if j >= 0 and (text[j].isalnum() or text[j] == "_"):
+        return False  # myself.norm
+    while j >= 0 and text[j] in " \t\n\r\f\\":
+        j -= 1
+    return not (j >= 0 and text[j] == ".")  # x.self.norm, x. self.norm
 
 
 _ROOT_OR_POW = _ROOT_NAMES | {"**"}
