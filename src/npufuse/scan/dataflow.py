@@ -1225,47 +1225,7 @@ def may_name(module: "ModuleInfo", text: str, name: str) -> bool:
     return name in text or not (text.isascii() or not folds_to_ascii(module))
 
 
-# --- s40: the shared per-scope summary the detectors' necessary conditions read ------------------
-
-
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def scope_tokens(module: ModuleInfo, scope: Scope) -> frozenset[str] | None:
-    """The shared per-scope summary the detectors' necessary conditions read (s40): every
-    identifier-like run of the scope's text -- decorator lines included, since ``ast.walk`` of a
-    def enters its decorators -- plus ``"**"`` where the text holds one. Every ``Name.id`` and
-    ``Attribute.attr`` of the scope's nodes is in it (in ASCII text an identifier is a maximal run
-    of word characters not led by a digit; only keywords may follow a number directly), and so is
-    every such name inside an f-string; strings and comments only add tokens; ``"**"`` stands for a
-    power operator (``may_raise_to_power``), not unpacking. So "the AST names X"
-    implies "X in scope_tokens": a test on it can only let more scopes through than the AST test it
-    stands for. (The canonical layer's respellings add only the name ``torch`` and the attributes
-    ``nn`` / ``functional``, and keep a respelled method's name: a condition on other names holds
-    on the tree detectors read.) None where the text is not ASCII (an identifier there may be the NFKC form of
-    other characters): callers then let the scope through. Built once per scope, on first use."""
-    cached = scope.__dict__.get("_npufuse_tokens", False)
-    if cached is not False:
-        return cached
-    text = token_text(module, scope)
-    if not text.isascii():
-        tokens = None
-    else:
-        tokens = frozenset(_IDENTIFIER.findall(text))
-        if may_raise_to_power(text):
-            tokens = tokens | {"**"}
-    scope.__dict__["_npufuse_tokens"] = tokens
-    return tokens
-
-
-def token_text(module: ModuleInfo, scope: Scope) -> str:
-    """The text ``scope_tokens`` reads: the scope's whole lines from its first decorator on (the
-    file for ``<module>``), so that it holds every node of ``ast.walk(scope.node)``."""
-    node = scope.node
-    if isinstance(node, ast.Module):
-        return module.source
-    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])  # type: ignore[attr-defined]
-    return "".join(module.lines[first - 1 : node.end_lineno or node.lineno])  # type: ignore[attr-defined]
+# --- s40: can a star be an operator? (the gates' product and power tests) ------------------------
 
 
 def may_raise_to_power(text: str) -> bool:

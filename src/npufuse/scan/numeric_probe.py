@@ -1711,7 +1711,7 @@ def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
 
     if not (engine.scope_holds_words(module, scope, STAT_WORDS) and engine.scope_holds_words(module, scope, ROOT_WORDS)):
         return False
-    if not _may_name_stat_or_root(module, scope) or not _tokens_may_be_worthy(module, scope, fn):
+    if not _may_name_stat_or_root(module, scope):
         return False
     names = _called_names(module, fn, scope)
     if names & _STAT_NAMES and names & (_ROOT_NAMES | {"**"}):
@@ -1720,42 +1720,6 @@ def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
     # another file of the repo (the run follows both); the scope's words still name them
     helpers = {n.func.id for n in _fn_nodes(scope, fn).get(ast.Call, ()) if isinstance(n.func, ast.Name)}  # type: ignore[attr-defined]
     return bool(helpers & (set(module.functions) | _relative_imports(module))) and bool(names & (_STAT_NAMES | _ROOT_NAMES | {"**"}))
-
-
-def _tokens_may_be_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
-    """The two ways :func:`probe_worthy` accepts, asked of ``dataflow.scope_tokens`` (the scope's
-    identifier runs) instead of the AST: a superset of :func:`_called_names` (each token as
-    written and, for an import alias, its target's last segment; ``self.norm`` kept), and of the
-    plain-name callees. Necessary: where it fails, the AST test fails too, so the scope's node
-    index (one walk of every node) is never built for it. Unknown tokens (text outside ASCII) or
-    the gates switched off: True."""
-    from npufuse.scan import engine
-    from npufuse.scan.dataflow import scope_tokens, token_text
-
-    tokens = scope_tokens(module, scope) if engine.SCOPE_GATES and getattr(scope, "node", None) is fn else None
-    if tokens is None:
-        return True
-    aliases = module.aliases
-    names = set(tokens)
-    if "norm" in names and only_self_norm(token_text(module, scope)):
-        names.discard("norm")  # every "norm" is ``self.norm``: a submodule (as _called_names reads it)
-    names.update(aliases[t].rsplit(".", 1)[-1] for t in tokens if t in aliases)
-    if not names & _STAT_ROOT_POW:
-        return False
-    if names & _STAT_NAMES and names & _ROOT_OR_POW:
-        return True
-    return not tokens.isdisjoint(module.functions) or not tokens.isdisjoint(_relative_imports(module))
-
-
-_WHOLE_NORM = re.compile(r"(?<!\w)norm(?!\w)")
-
-
-def only_self_norm(text: str) -> bool:
-    """Is every whole-word ``norm`` of ``text`` written ``self.norm``, ``self`` being a name of its
-    own (not ``myself.norm``, ``x.self.norm``, ``x. self.norm``)? Then no ``Name`` or ``Attribute``
-    node ``norm`` of code in ``text`` is other than ``self.norm``. False for any other occurrence,
-    in code, strings or comments."""
-    return all(_self_attribute(text, m.start()) for m in _WHOLE_NORM.finditer(text))
 
 
 def _self_attribute(text: str, i: int) -> bool:
@@ -1769,10 +1733,6 @@ def _self_attribute(text: str, i: int) -> bool:
     while j >= 0 and text[j] in " \t\n\r\f\\":
         j -= 1
     return not (j >= 0 and text[j] == ".")  # x.self.norm, x. self.norm
-
-
-_ROOT_OR_POW = _ROOT_NAMES | {"**"}
-_STAT_ROOT_POW = _STAT_NAMES | _ROOT_OR_POW
 
 
 def structural_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> str | None:
