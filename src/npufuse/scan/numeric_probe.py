@@ -1657,8 +1657,9 @@ def _called_names(module: ModuleInfo, fn: ast.FunctionDef, scope: Any = None) ->
     return out
 
 
-#: ``self.norm`` is a submodule, not the statistic (as in :func:`_called_names`)
-_STAT_OR_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|(?<!self\.)norm)(?![\w])|\*\*" % "|".join(sorted((_STAT_NAMES | _ROOT_NAMES) - {"norm"})))
+#: ``self.norm`` is a submodule, not the statistic (as in :func:`_called_names`); ``myself.norm`` and
+#: ``x.self.norm`` are not that (the by-hand test also sees ``x. self.norm``, beyond a fixed-width lookbehind)
+_STAT_OR_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|(?<!(?<![\w.])self\.)norm)(?![\w])|\*\*" % "|".join(sorted((_STAT_NAMES | _ROOT_NAMES) - {"norm"})))
 
 
 _TOKEN_NAMES = tuple(sorted(_STAT_NAMES | _ROOT_NAMES))
