@@ -123,6 +123,10 @@ class Pattern:
     #: one. tests/test_scan_speed_paths.py checks the declaration on every example and sample file
     #: and that every FUSE/KEEP example gives the same findings and reasons with gates on and off.
     #: Words are ASCII; text outside ASCII is NFKD-decomposed first (identifiers are read in NFKC).
+    #: The word ``"*"`` means a product (s40, ``engine.multiplies``): a star that can be an operator
+    #: or any ``mul`` spelling; a scope whose only stars unpack (``**kwargs``) does not hold it.
+    #: Declare it only where every result hangs on a product; a form that multiplies by another
+    #: spelling (``einsum``, ``torch.prod``) needs its own word.
     SCOPE_WORDS: ClassVar[tuple[str, ...] | None] = None
     #: Ids of patterns whose detector reads the same sites and decides which of them reports each
     #: (swiglu / geglu: one gated product, owned by the activation's default, may dispatch to both

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from npufuse.patterns import _library_norm
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
-from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, text_holds_any
+from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
 from npufuse.scan.value import estimate, symbolic
 
 if TYPE_CHECKING:  # torch is imported only to run a reference, never to scan
@@ -2008,25 +2008,10 @@ def _reaches_root(module: ModuleInfo, scope: Scope) -> bool:
     return _power_operator(text)
 
 
-# ASCII characters no identifier holds (before ``lambda``, the keyword; any other character:
-# maybe a longer name ending in "lambda", an operand)
-_NOT_NAME = frozenset(" \t\n\r\f\v()[]{}:;,.=+-*/%@&|^~<>!'\"#\\")
-
-
 def _power_operator(text: str) -> bool:
-    """Can a ``**`` in ``text`` be the power operator (or ``**=``)? Most ``**`` unpack
-    (``**kwargs``): those follow ``(``, ``,``, ``{`` or ``lambda`` (whitespace and line breaks
-    between), where an operator cannot stand -- it needs an operand on its left. Any other ``**``
-    counts (also one in a comment or a string: only ever too many)."""
-    i = text.find("**")
-    while i >= 0:
-        j = i - 1
-        while j >= 0 and text[j] in " \t\n\r\f\v":
-            j -= 1
-        if j < 0 or not (text[j] in "(,{" or (text.endswith("lambda", 0, j + 1) and (j < 6 or text[j - 6] in _NOT_NAME))):
-            return True
-        i = text.find("**", i + 2)
-    return False
+    """Can a ``**`` in ``text`` be the power operator (or ``**=``)? ``dataflow.may_raise_to_power``,
+    the test the scan's per-scope summary makes (most ``**`` unpack ``**kwargs``)."""
+    return may_raise_to_power(text)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1223,3 +1223,57 @@ def may_name(module: "ModuleInfo", text: str, name: str) -> bool:
     decomposes to an ASCII one (an identifier is read as its NFKC form: ``folds_to_ascii``).
     A test before walking the nodes of that text for a ``Name`` of ``name``."""
     return name in text or not (text.isascii() or not folds_to_ascii(module))
+
+
+# --- s40: can a star be an operator? (the gates' product and power tests) ------------------------
+
+
+def may_raise_to_power(text: str) -> bool:
+    """Can ``text`` hold the power operator (``a ** b``, ``a **= b``)? Each ``**`` is one unless
+    :func:`_unpacks` says it cannot be. A ``**`` in a string or comment may answer True: never
+    False for a power."""
+    i = text.find("**")
+    while i >= 0:
+        if not _unpacks(text, i):
+            return True
+        i = text.find("**", i + 2)
+    return False
+
+
+def may_multiply(text: str) -> bool:
+    """Can ``text`` hold a product or power operator (``a * b``, ``a *= b``, ``a ** b``)? Every
+    run of ``*`` is one unless :func:`_unpacks` says it cannot be (``*args``, ``**kwargs``, the
+    keyword-only ``*``, ``[*a]``, ``f(**kw)``): the stars of most ``forward(self, x, **kwargs)``.
+    Never False where the code multiplies."""
+    i = text.find("*")
+    while i >= 0:
+        if not _unpacks(text, i):
+            return True
+        i = text.find("*", i + 2 if text.startswith("*", i + 1) else i + 1)
+    return False
+
+
+def _unpacks(text: str, i: int) -> bool:
+    """Is the run of stars at ``text[i]`` certainly no binary operator? True only where the
+    character before it (spaces, line ends and backslash continuations skipped) is ``(``, ``,``,
+    ``[``, ``{`` or the keyword ``lambda``: no operand ends there. A line end crossed onto a line holding ``#`` answers
+    False (that character may be a comment's: ``(a  # note,`` / ``* b)``)."""
+    j = i - 1
+    crossed = False
+    while j >= 0 and text[j] in " \t\n\r\f\\":
+        crossed = crossed or text[j] in "\n\r"
+        j -= 1
+    if j < 0:
+        return False
+    if text[j] not in "(,[{" and not (text.endswith("lambda", 0, j + 1) and (j < 6 or text[j - 6] in _NOT_NAME)):
+        return False
+    if crossed:
+        start = max(text.rfind("\n", 0, j), text.rfind("\r", 0, j)) + 1
+        if "#" in text[start:j]:
+            return False
+    return True
+
+
+# ASCII characters no identifier holds (before ``lambda``, the keyword; any other character:
+# maybe a longer name ending in "lambda", an operand)
+_NOT_NAME = frozenset(" \t\n\r\f\v()[]{}:;,.=+-*/%@&|^~<>!'\"#\\")

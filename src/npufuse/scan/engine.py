@@ -40,7 +40,7 @@ from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, repo_symbols, risks
-from npufuse.scan.dataflow import ModuleInfo, Scope, folds_to_ascii, lf_line_ends
+from npufuse.scan.dataflow import ModuleInfo, Scope, folds_to_ascii, lf_line_ends, may_multiply
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
 DEFAULT_MAX_FILE_BYTES = 10 * 1024 * 1024
@@ -375,13 +375,30 @@ def gated_out(module: ModuleInfo, scope: Scope, words: tuple[str, ...] | None) -
     if words is None:
         return False
     text = gate_text(module, scope)
-    if any(w in text for w in words):
+    top = isinstance(scope.node, ast.Module)
+    if any(w in text and (w != "*" or top or multiplies(module, scope, text)) for w in words):
         return False
     if text.isascii() or not folds_to_ascii(module):
         return True
     if isinstance(scope.node, ast.Module):
         return False
     return not any(w in gate_folded(module, scope) for w in words)
+
+
+def multiplies(module: ModuleInfo, scope: Scope, text: str) -> bool:
+    """The ``SCOPE_WORDS`` word ``"*"`` as the gates read it (s40), for a scope whose ``gate_text``
+    holds a ``*``: a star that can be an operator (``may_multiply``), or any spelling of a product
+    without one -- the text says ``mul`` (``.mul(``, ``torch.mul (``, ``multiply``, ``addcmul_``) or
+    names an import alias whose target does (``from torch import mul as m``). A detector declaring
+    ``"*"`` finds nothing without a product: a scope whose only stars unpack (``**kwargs``) and that
+    never says ``mul`` is not handed to it. Once per scope."""
+    cached = scope.__dict__.get("_npufuse_multiplies")
+    if cached is None:
+        mul_aliases = module.__dict__.get("_npufuse_mul_aliases")
+        if mul_aliases is None:
+            mul_aliases = module.__dict__["_npufuse_mul_aliases"] = tuple(a for a, t in module.aliases.items() if "mul" in t)
+        cached = scope.__dict__["_npufuse_multiplies"] = may_multiply(text) or "mul" in text or any(a in text for a in mul_aliases)
+    return cached
 
 
 class _Words:
@@ -480,7 +497,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     held = in_file[k] = _file_holds_any(module.source, words)
                 if held and not top:
                     for w in words:
-                        if w in scope_src:
+                        if w in scope_src and (w != "*" or multiplies(module, scope, scope_src)):
                             break
                     else:
                         held = False

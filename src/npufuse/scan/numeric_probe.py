@@ -1665,8 +1665,9 @@ def _called_names(module: ModuleInfo, fn: ast.FunctionDef, scope: Any = None) ->
     return out
 
 
-#: ``self.norm`` is a submodule, not the statistic (as in :func:`_called_names`)
-_STAT_OR_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|(?<!self\.)norm)(?![\w])|\*\*" % "|".join(sorted((_STAT_NAMES | _ROOT_NAMES) - {"norm"})))
+#: ``self.norm`` is a submodule, not the statistic (as in :func:`_called_names`); ``myself.norm`` and
+#: ``x.self.norm`` are not that (the by-hand test also sees ``x. self.norm``, beyond a fixed-width lookbehind)
+_STAT_OR_ROOT_TOKEN = re.compile(r"(?<![\w])(?:%s|(?<!(?<![\w.])self\.)norm)(?![\w])|\*\*" % "|".join(sorted((_STAT_NAMES | _ROOT_NAMES) - {"norm"})))
 
 
 _TOKEN_NAMES = tuple(sorted(_STAT_NAMES | _ROOT_NAMES))
@@ -1686,7 +1687,7 @@ def _holds_stat_or_root_token(text: str) -> bool:
         while i >= 0:
             end = i + len(name)
             if not (i and _is_word(text[i - 1])) and not (end < n and _is_word(text[end])) \
-                    and not (name == "norm" and text.endswith("self.", 0, i)):
+                    and not (name == "norm" and _self_attribute(text, i)):
                 return True
             i = find(name, i + 1)
     return False
@@ -1728,6 +1729,19 @@ def probe_worthy(module: ModuleInfo, scope: Any, fn: ast.FunctionDef) -> bool:
     # another file of the repo (the run follows both); the scope's words still name them
     helpers = {n.func.id for n in _fn_nodes(scope, fn).get(ast.Call, ()) if isinstance(n.func, ast.Name)}  # type: ignore[attr-defined]
     return bool(helpers & (set(module.functions) | _relative_imports(module))) and bool(names & (_STAT_NAMES | _ROOT_NAMES | {"**"}))
+
+
+def _self_attribute(text: str, i: int) -> bool:
+    """Is the name at ``text[i]`` written ``self.<name>``, ``self`` a name of its own (not
+    ``myself.norm``, ``x.self.norm``, ``x. self.norm``)?"""
+    if not text.endswith("self.", 0, i):
+        return False
+    j = i - 6  # the character before "self."
+    if j >= 0 and (text[j].isalnum() or text[j] == "_"):
+        return False  # myself.norm
+    while j >= 0 and text[j] in " \t\n\r\f\\":
+        j -= 1
+    return not (j >= 0 and text[j] == ".")  # x.self.norm, x. self.norm
 
 
 def structural_gate(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef | None) -> str | None:
