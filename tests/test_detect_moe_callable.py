@@ -198,7 +198,7 @@ def test_word_free_files_report_candidates_but_no_near_misses():
     skipped = M._LEAD_ROWS.replace("if torch.any(flat == i):", "if i % 2 == 0:")
     assert detect_all(M.MoeExperts(), skipped) == ([], [])  # refused, silently
     findings, misses = detect_all(M.MoeExperts(), skipped + "\n# experts\n")
-    assert not findings and [m.reason.split(":")[0] for m in misses] == ["conditional code inside the expert loop"]
+    assert not findings and [m.reason.split(":")[0] for m in misses] == ["conditional code inside the loop"]  # s40 audit40b: a loop naming no expert is "the loop"
 
 
 def test_dispatch_forms_are_found_whatever_the_experts_are_called():
