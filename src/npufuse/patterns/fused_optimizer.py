@@ -6657,6 +6657,27 @@ FusedOptimizer.KEEP += [
 # Only keywords the fused class takes are carried (one it drops would be cut from text the statement does not hold).
 
 
+def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
+    """``self.<attr>`` for every attribute the module sets to a ``functools.partial(..)`` (review40): the method
+    calling ``self.opt_fn(params, lr=..)`` names no optimizer class, so ``SCOPE_WORDS`` alone skipped the
+    partial-built construction :func:`_s40_partial_construction` reads through a ``self.`` attribute (engine.gate_words
+    adds these words; cached per module)."""
+    cached = module.__dict__.get("_npufuse_s40_opt_partial_words")
+    if cached is None:
+        found: list[str] = []
+        if "partial" in module.source:
+            for n in fast_walk(module.tree):
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) \
+                        and module.canonical(n.value.func) in ("functools.partial", "partial"):
+                    found += [f"self.{t.attr}" for t in n.targets if isinstance(t, ast.Attribute)
+                              and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr.isascii()]
+        cached = module.__dict__["_npufuse_s40_opt_partial_words"] = tuple(dict.fromkeys(found))
+    return cached
+
+
+FusedOptimizer.held_call_words = staticmethod(_s40_partial_attribute_words)  # type: ignore[attr-defined]
+
+
 def _s40_partial_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, str, list[str]]]:
     """(the construction with the partial's keywords merged in, the torch.optim class, the callee's text, the names
     of the keywords the partial binds) where the
