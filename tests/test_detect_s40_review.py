@@ -89,3 +89,33 @@ def test_optimizer_partial_held_by_an_attribute_and_called_in_another_method_pas
     assert trained[1][1] == "NpuFusedAdam", trained[1][1]
     for a, b in zip(trained[0][0], trained[1][0]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+_SPLAT = '''import torch
+import torch.nn.functional as F
+
+
+def attention(q, k, v, mask):
+    attn_kwargs = {}
+    %s
+    return F.scaled_dot_product_attention(q, k, v, **attn_kwargs)
+'''
+
+
+@pytest.mark.parametrize("fill", ["add_mask(attn_kwargs, mask)", "extra = attn_kwargs\n    extra['attn_mask'] = mask"])
+def test_sdpa_splat_dict_handed_to_a_helper_or_aliased_is_a_near_miss(fill: str) -> None:
+    # audit40b reads a ``**`` splat's keys from its literal and ``d[k] = ..`` / ``d.update(k=..)``: a dict handed to a
+    # helper (which may add attn_mask / is_causal) or written through an alias was fused, the mask dropped
+    from npufuse.patterns.sdpa import SdpaPattern
+    from pattern_harness import detect_all
+
+    findings, misses = detect_all(SdpaPattern(), _SPLAT % fill)
+    assert findings == [] and ["`**attn_kwargs` are not visible here" in m.reason for m in misses] == [True], (findings, misses)
+
+
+def test_sdpa_splat_read_by_a_builtin_stays_a_candidate() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+    from pattern_harness import detect_all
+
+    findings, _ = detect_all(SdpaPattern(), _SPLAT % "print(len(attn_kwargs))")
+    assert len(findings) == 1
