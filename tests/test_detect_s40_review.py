@@ -119,3 +119,41 @@ def test_sdpa_splat_read_by_a_builtin_stays_a_candidate() -> None:
 
     findings, _ = detect_all(SdpaPattern(), _SPLAT % "print(len(attn_kwargs))")
     assert len(findings) == 1
+
+
+# -- audit40's D1 (a repo switch off on the site's path): the negative-name switches and a site that is the whole ``if``
+
+_NEGATIVE_SWITCH = '''
+class Attention:
+    def __init__(self, config):
+        self.disable_fused_attn = config.disable_fused_attn
+        self.use_ft_flash_attn = config.use_ft_flash_attn
+
+    def forward(self, x):
+        if self.disable_fused_attn:
+            y = eager(x)
+        if not self.disable_fused_attn:
+            z = eager(x)
+        if self.use_ft_flash_attn:
+            w = flash(x)
+        else:
+            w = eager(x)
+        return y, z, w
+'''
+
+
+@pytest.mark.parametrize("name, line, dead", [
+    ("disable_fused_attn", 9, True),  # reused as ``not self.disable_fused_attn``: false in ``if self.disable_fused_attn:``
+    ("disable_fused_attn", 11, False),  # ... true in ``if not self.disable_fused_attn:`` (was declined)
+    ("use_ft_flash_attn", 12, False),  # a site spanning the whole ``if`` (starts at its line) runs either arm (was declined)
+    ("use_ft_flash_attn", 15, True),
+])
+def test_switch_off_on_the_sites_path_reads_negative_names_and_whole_ifs(name: str, line: int, dead: bool) -> None:
+    from npufuse.scan import repo_search
+    from npufuse.scan.dataflow import ModuleInfo
+
+    module = ModuleInfo.from_source("m.py", _NEGATIVE_SWITCH)
+    scope = next(s for s in module.scopes if s.qualname.endswith("forward"))
+    sw = {"name": name, "kind": "config_field", "file": "m.py", "line": 1}
+    _switch, reused, notes = repo_search.choose_switch("attention", repo_search.site_context(module, scope, line), [sw], "auto", None)
+    assert (reused is None and any("could never run" in n for n in notes)) if dead else reused is sw, (line, notes)
