@@ -6665,12 +6665,11 @@ def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
     cached = module.__dict__.get("_npufuse_s40_opt_partial_words")
     if cached is None:
         found: list[str] = []
-        if "partial" in module.source:
-            for n in fast_walk(module.tree):
-                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) \
-                        and module.canonical(n.value.func) in ("functools.partial", "partial"):
-                    found += [f"self.{t.attr}" for t in n.targets if isinstance(t, ast.Attribute)
-                              and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr.isascii()]
+        if "partial" in module.source or any(t == "functools.partial" for t in module.aliases.values()):
+            # the text, not a walk of the tree (most files naming ``partial`` hold no such attribute)
+            names = "|".join(re.escape(a) for a, t in module.aliases.items() if t == "functools.partial" and a.isascii())
+            rx = re.compile(r"\bself\s*\.\s*([A-Za-z_]\w*)\s*=\s*(?:[\w.]*\bpartial" + (f"|{names}" if names else "") + r")\s*\(")
+            found = [f"self.{m.group(1)}" for m in rx.finditer(module.source) if m.group(1).isascii()]
         cached = module.__dict__["_npufuse_s40_opt_partial_words"] = tuple(dict.fromkeys(found))
     return cached
 
