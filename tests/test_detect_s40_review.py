@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from apply_support import make_repo, scan
+from test_detect_s40_config_resolver import _NET
 from npufuse.scan import engine
 
 
@@ -29,21 +30,7 @@ def test_library_rope_construction_in_a_scope_without_a_product_passes_the_star_
     assert gated == _scanned(tmp_path, code, RopePattern(), False, monkeypatch) == [(12, "Attention.__init__")]
 
 
-_PARTIAL_ATTRIBUTE = '''\
-from functools import partial
-
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
+_PARTIAL_ATTRIBUTE = "from functools import partial\n" + _NET + '''
 
 class Trainer:
     def __init__(self, model, lr=1e-2):
