@@ -6657,6 +6657,26 @@ FusedOptimizer.KEEP += [
 # Only keywords the fused class takes are carried (one it drops would be cut from text the statement does not hold).
 
 
+def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
+    """``self.<attr>`` for every attribute the module sets to a ``functools.partial(..)`` (review40): the method
+    calling ``self.opt_fn(params, lr=..)`` names no optimizer class, so ``SCOPE_WORDS`` alone skipped the
+    partial-built construction :func:`_s40_partial_construction` reads through a ``self.`` attribute (engine.gate_words
+    adds these words; cached per module)."""
+    cached = module.__dict__.get("_npufuse_s40_opt_partial_words")
+    if cached is None:
+        found: list[str] = []
+        if "partial" in module.source or any(t == "functools.partial" for t in module.aliases.values()):
+            # the text, not a walk of the tree (most files naming ``partial`` hold no such attribute)
+            names = "|".join(re.escape(a) for a, t in module.aliases.items() if t == "functools.partial" and a.isascii())
+            rx = re.compile(r"\bself\s*\.\s*([A-Za-z_]\w*)\s*=\s*(?:[\w.]*\bpartial" + (f"|{names}" if names else "") + r")\s*\(")
+            found = [f"self.{m.group(1)}" for m in rx.finditer(module.source) if m.group(1).isascii()]
+        cached = module.__dict__["_npufuse_s40_opt_partial_words"] = tuple(dict.fromkeys(found))
+    return cached
+
+
+FusedOptimizer.held_call_words = staticmethod(_s40_partial_attribute_words)  # type: ignore[attr-defined]
+
+
 def _s40_partial_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, str, list[str]]]:
     """(the construction with the partial's keywords merged in, the torch.optim class, the callee's text, the names
     of the keywords the partial binds) where the

@@ -2010,7 +2010,9 @@ class RopePattern(Pattern):
     training_ok = True
     bound = "memory"
     # detect's first test (a rotation multiplies: ``a*c + b*s``), made once by the scan
-    SCOPE_WORDS = ("*",)
+    # review40: the library rope classes too -- ``_library_rope.construction_sites`` finds their construction in
+    # an ``__init__`` that need not multiply (``self.rope = RotaryPositionalEmbeddings(head_dim)``)
+    SCOPE_WORDS = ("*", *_library_rope._CLASS_NAMES)
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:

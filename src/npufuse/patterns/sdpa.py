@@ -125,6 +125,10 @@ def _dict_keys(node: ast.expr) -> set[str] | None:
     return None
 
 
+# builtins that only read a dict handed to them (a helper handed the dict may add keys)
+_READS_ONLY = frozenset(("len", "print", "isinstance", "bool", "repr", "str", "dict", "list", "sorted"))
+
+
 def splat_keys(scope: Scope, node: ast.expr, line: int) -> set[str] | None:
     """The keys a ``**node`` argument of the call on ``line`` can pass, or None where they are not
     visible here (a parameter, a call's result). A local name counts every dict it is bound to before
@@ -147,6 +151,8 @@ def splat_keys(scope: Scope, node: ast.expr, line: int) -> set[str] | None:
         if getattr(n, "lineno", line) >= line:
             continue
         if isinstance(n, (ast.Assign, ast.AugAssign)):
+            if isinstance(n.value, ast.Name) and n.value.id == name:
+                return None  # review40: an alias (``extra = kw``) whose writes are not followed
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
                 if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name:
                     if not (isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
@@ -157,6 +163,12 @@ def splat_keys(scope: Scope, node: ast.expr, line: int) -> set[str] | None:
             if n.func.attr != "update" or n.args or any(kw.arg is None for kw in n.keywords):
                 return None
             keys |= {kw.arg for kw in n.keywords if kw.arg is not None}
+        elif isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name) and n.func.id in _READS_ONLY) \
+                and any(isinstance(a, ast.Name) and a.id == name for a in
+                                             (*(x.value if isinstance(x, ast.Starred) else x for x in n.args), *(k.value for k in n.keywords))):
+            return None  # review40: handed to a call (``fill(kw, mask)``), which may add keys to it
+        elif isinstance(n, ast.NamedExpr) and isinstance(n.value, ast.Name) and n.value.id == name:
+            return None  # review40: an alias (``(extra := kw)``) whose writes are not followed
     return keys
 
 

@@ -515,12 +515,17 @@ class SiteContext:
     # ``if X:``): HLLM's eager attention under ``if not self.use_ft_flash_attn:`` took that flag as its switch,
     # so the fused branch could never run
     off: tuple[str, ...] = ()
+    # review40: flags that are true wherever the site runs (``if X:`` bodies, the ``else`` of ``if not X:``): a
+    # negative switch (``disable_fused``, reused as ``not X``) is off there
+    on: tuple[str, ...] = ()
 
 
-def _flags_off_at(scope: Scope, line: int) -> tuple[str, ...]:
-    """Texts of the plain flags (a name or a dotted attribute) whose falseness every path to ``line`` needs:
-    the tests of the ``if not X:`` bodies and of the ``if X: ... else:`` orelse blocks around it."""
+def _flags_off_at(scope: Scope, line: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Texts of the plain flags (a name or a dotted attribute) whose falseness every path to ``line`` needs (the
+    tests of the ``if not X:`` bodies and of the ``if X: ... else:`` orelse blocks around it), and of those whose
+    truth it needs (``if X:`` bodies, the ``else`` of ``if not X:``)."""
     off: set[str] = set()
+    on: set[str] = set()
     stack: list[ast.stmt] = list(getattr(scope.node, "body", []))
     while stack:
         st = stack.pop()
@@ -529,18 +534,18 @@ def _flags_off_at(scope: Scope, line: int) -> tuple[str, ...]:
         if isinstance(st, ast.If):
             test = st.test
             in_body = bool(st.body) and st.body[0].lineno <= line <= (st.body[-1].end_lineno or st.body[-1].lineno)
-            flag = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and in_body else \
-                test if not in_body and not isinstance(test, ast.UnaryOp) else None
-            name = dotted(flag) if flag is not None else None
-            if name:
-                off.add(name)
+            in_else = bool(st.orelse) and st.orelse[0].lineno <= line <= (st.orelse[-1].end_lineno or st.orelse[-1].lineno)
+            negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+            name = dotted(test.operand if negated else test)  # type: ignore[attr-defined]
+            if name and (in_body or in_else):  # review40: not a site starting at the ``if`` line (the whole if)
+                (off if negated == in_body else on).add(name)
         if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         for block in ("body", "orelse", "finalbody", "handlers"):
             stack.extend(x for x in getattr(st, block, None) or [] if isinstance(x, ast.stmt))
         for h in getattr(st, "handlers", None) or []:
             stack.extend(h.body)
-    return tuple(sorted(off))
+    return tuple(sorted(off)), tuple(sorted(on))
 
 
 def site_context(module: ModuleInfo, scope: Scope, line: int | None = None) -> SiteContext:
@@ -562,7 +567,8 @@ def site_context(module: ModuleInfo, scope: Scope, line: int | None = None) -> S
         for _stmt, value in scope.assignments.get("args", []):
             if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("parse_args", "parse_known_args"):
                 args_expr = "args"
-    return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)), _flags_off_at(scope, line) if line else ())
+    off, on = _flags_off_at(scope, line) if line else ((), ())
+    return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)), off, on)
 
 
 _READS_SELF_CONFIG = re.compile(r"\bself\s*\.\s*config(?![\w])")
@@ -627,11 +633,13 @@ def _switch_expr(sw: dict[str, Any], ctx: SiteContext) -> str | None:
 
 
 def _off_here(sw: dict[str, Any], ctx: SiteContext) -> bool:
-    """The switch is a flag the site's own branch requires to be false (``SiteContext.off``)."""
-    if not ctx.off or sw["kind"] not in ("config_field", "argument"):
+    """The switch is off wherever the site runs: a flag its own branch requires to be false (``SiteContext.off``),
+    or, for a negative name reused as ``not X`` (``disable_fused``), one it requires to be true (``SiteContext.on``)."""
+    flags = ctx.on if _NEGATIVE.match(sw["name"]) else ctx.off
+    if not flags or sw["kind"] not in ("config_field", "argument"):
         return False
     bases = {"self", ctx.config_expr or "", ctx.args_expr or "", "self.config", "config", "args"} - {""}
-    return any(f.rpartition(".")[2] == sw["name"] and f.rpartition(".")[0] in bases for f in ctx.off)
+    return any(f.rpartition(".")[2] == sw["name"] and f.rpartition(".")[0] in bases for f in flags)
 
 
 _KIND_PREF = {"config_field": 0, "argument": 1, "env": 2}
@@ -744,7 +752,8 @@ def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]]
         expr = _switch_expr(sw, ctx)
         if expr is not None and _off_here(sw, ctx):
             why = (f"repo switch `{sw['name']}` ({sw['file']}:{sw['line']}) is not reused: this code runs only where it is "
-                   "off (the site is in its `if not ...` branch), so the fused branch could never run")
+                   "off (the site is in its " + ("`if ...` branch of this negative flag" if _NEGATIVE.match(sw["name"]) else "`if not ...` branch")
+                   + "), so the fused branch could never run")
             if why not in declined:
                 declined.append(why)
             continue
