@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from npufuse.scan.dataflow import CAST_METHODS, ArmExit, ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, lf_line_ends
+from npufuse.scan.dataflow import CAST_METHODS, ArmExit, ModuleInfo, Scope, applied_lambda, child_nodes, const_value, dotted, fast_walk, lf_line_ends
 
 # Statements whose body may not run (or runs repeatedly): a value defined inside is conditional.
 _CONDITIONAL = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Match) if hasattr(ast, "Match") else (ast.If, ast.For, ast.AsyncFor, ast.While)
@@ -303,6 +303,15 @@ def follow(node: ast.expr, ctx: Ctx, trace: Trace | None = None, *, allow_condit
         and not any(isinstance(e, ast.Starred) for e in value.value.elts)
     ):
         value = value.value.elts[value.slice.value]
+    # s40 (dataflow40): ``q, k = map(lambda t: f(t), (q, k))`` records ``q`` as ``(lambda t: f(t))(q)``:
+    # the body, read with ``t`` bound to the element where the statement stands (the lambda runs
+    # there). Only where ``t`` names nothing else the scope binds (else the scope's ``t`` would win)
+    applied = applied_lambda(value)
+    if applied is not None:
+        param, body, arg = applied
+        if param not in ctx.scope.assignments and param not in ctx.scope.args and param not in ctx.bind:
+            at = ctx.at(stmt.lineno)
+            return body, Ctx(ctx.scope, stmt.lineno, {**ctx.bind, param: (arg, at)}, ctx.depth), stmt
     return value, ctx.at(stmt.lineno), stmt
 
 

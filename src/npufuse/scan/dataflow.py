@@ -1027,11 +1027,73 @@ def _assignments_of(listing: list[tuple[list[ast.stmt], int, ast.stmt]]) -> dict
             if isinstance(target, ast.Name):
                 assignments.setdefault(target.id, []).append((stmt, value))
             elif isinstance(target, (ast.Tuple, ast.List)):
-                for k, elt in enumerate(target.elts):
-                    if isinstance(elt, ast.Name):
-                        sub = ast.copy_location(ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load()), value)
-                        assignments.setdefault(elt.id, []).append((stmt, sub))
+                _record_unpacked(stmt, target, value, assignments)  # type: ignore[arg-type]
     return assignments
+
+
+def _record_unpacked(stmt: ast.stmt, target: ast.Tuple | ast.List, value: ast.expr,
+                     assignments: dict[str, list[tuple[ast.stmt, ast.expr]]]) -> None:
+    """Per-element definitions of a tuple / list target: element k of ``a, b = v`` is ``v[k]`` (an
+    element after a starred one counts from the end: ``v[-1]`` for ``c`` in ``a, *b, c = v``; the
+    starred one itself gets none); a nested target goes on inside (``(a, b), c = v``: ``a`` is
+    ``v[0][0]``). s40 (dataflow40): where ``v`` is ``map(lambda t: f(t), (x, y))`` (or a list / tuple
+    / generator comprehension ``[f(t) for t in (x, y)]``) over a literal tuple or list, element k is
+    the lambda applied to that element, ``(lambda t: f(t))(x)`` (:func:`applied_lambda` reads it),
+    so ``q, k = map(lambda t: rearrange(t, ...), (q, k))`` defines ``q`` as ``rearrange(q, ...)``."""
+    elts = target.elts
+    star = next((k for k, e in enumerate(elts) if isinstance(e, ast.Starred)), None)
+    mapped = _mapped_elements(value, len(elts)) if star is None else None
+    for k, elt in enumerate(elts):
+        if isinstance(elt, ast.Starred):
+            continue
+        index = k if star is None or k < star else k - len(elts)
+        if mapped is not None:
+            element = mapped[k]
+        else:
+            element = ast.copy_location(ast.Subscript(value=value, slice=ast.Constant(index), ctx=ast.Load()), value)
+        if isinstance(elt, ast.Name):
+            assignments.setdefault(elt.id, []).append((stmt, element))
+        elif isinstance(elt, (ast.Tuple, ast.List)):
+            _record_unpacked(stmt, elt, element, assignments)
+
+
+def _mapped_elements(value: ast.expr, n: int) -> list[ast.expr] | None:
+    """The n elements of ``map(lambda t: body, <literal of n>)`` / ``[body for t in <literal of n>]``
+    (also ``(...)`` generators and ``tuple(...)`` / ``list(...)`` of one) as lambda applications,
+    or None. Only a one-parameter lambda without defaults, one ``for`` over a plain name target,
+    no ``if``, a literal tuple / list of exactly n elements, none starred."""
+    lam: ast.Lambda | None = None
+    items: ast.expr | None = None
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("tuple", "list") \
+            and len(value.args) == 1 and not value.keywords:
+        value = value.args[0]
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "map" \
+            and len(value.args) == 2 and not value.keywords and isinstance(value.args[0], ast.Lambda):
+        lam, items = value.args[0], value.args[1]
+    elif isinstance(value, (ast.ListComp, ast.GeneratorExp)) and len(value.generators) == 1:
+        gen = value.generators[0]
+        if isinstance(gen.target, ast.Name) and not gen.ifs and not gen.is_async:
+            params = ast.arguments(posonlyargs=[], args=[ast.arg(gen.target.id)], kwonlyargs=[], kw_defaults=[], defaults=[])
+            lam = ast.copy_location(ast.Lambda(args=params, body=value.elt), value.elt)
+            items = gen.iter
+    if lam is None or not isinstance(items, (ast.Tuple, ast.List)) or len(items.elts) != n \
+            or any(isinstance(e, ast.Starred) for e in items.elts):
+        return None
+    a = lam.args
+    if a.posonlyargs or len(a.args) != 1 or a.vararg or a.kwonlyargs or a.kwarg or a.defaults:
+        return None
+    return [ast.copy_location(ast.Call(func=lam, args=[e], keywords=[]), e) for e in items.elts]
+
+
+def applied_lambda(node: ast.AST | None) -> tuple[str, ast.expr, ast.expr] | None:
+    """``(lambda t: body)(arg)`` (as :func:`_record_unpacked` records a mapped element, or written so):
+    (the parameter's name, the body, the argument), or None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Lambda) and len(node.args) == 1 and not node.keywords):
+        return None
+    a = node.func.args
+    if a.posonlyargs or len(a.args) != 1 or a.vararg or a.kwonlyargs or a.kwarg or a.defaults or isinstance(node.args[0], ast.Starred):
+        return None
+    return a.args[0].arg, node.func.body, node.args[0]
 
 
 def strip_casts(node: ast.expr) -> tuple[ast.expr, list[str]]:
