@@ -1609,9 +1609,15 @@ def _arm_exit_results(module: ModuleInfo, scope: Scope, results: list[SiteResult
             continue
         except Miss:
             continue  # the arm's own reasons are those of its statements, tried as roots above
-        res = _finalize(module, scope, root, m)
-        if res.finding is None and res.miss is None:
-            continue
+        # the other arm already runs torch_npu's kernel (or the ``if`` is an NPU test): the arm is its fallback
+        done = S.already_fused(module, scope, root) or _npu_call_in_sibling_branch(module, S.stmt_index(scope), e.last)
+        if done:
+            lo = min(s.lineno for s in e.arm if id(s) in {id(t) for t in m.trace.stmts.values()} or s is e.last)
+            res = SiteResult(root, m, None, NearMiss("rms_norm", scope.qualname, lo, e.last.end_lineno or e.last.lineno, done), m.core.rstd)
+        else:
+            res = _finalize(module, scope, root, m)
+        if res.finding is None and (res.miss is None or not done):
+            continue  # the arm's own refusal says less than the one of the read after the ``if`` (or of its statements)
         results[:] = [r for r in results if not (r.finding is None and r.miss is not None and r.stmt is e.reader)]
         results.insert(0, res)
         if res.finding is not None:
