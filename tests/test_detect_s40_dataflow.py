@@ -105,8 +105,8 @@ def test_norm_arm_beside_torch_npu_is_its_fallback_and_the_near_miss_stands_in_t
         "if self.use_kernel:", "if torch.npu.is_available():")
     findings, misses = detect_all(RmsNorm(), code)
     assert findings == []
-    # the arm's last line (it was the ``return`` after the ``if``, outside the arm the reason is about)
-    assert (misses[0].line, misses[0].reason) == (26, "already has a torch_npu branch"), misses
+    # the arm's lines (it was the ``return`` after the ``if``, outside the arm the reason is about)
+    assert [(m.line, m.end_line, m.reason) for m in misses] == [(24, 26, "already has a torch_npu branch")], misses
 
 
 def test_norm_arm_whose_statistic_is_read_after_the_if_is_refused() -> None:
