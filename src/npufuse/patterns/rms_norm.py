@@ -1597,6 +1597,9 @@ def _arm_exit_results(module: ModuleInfo, scope: Scope, results: list[SiteResult
     fused region": the read sees this arm's value). Where the arm gives a result, a near miss of a
     root after the ``if`` that the arm's value reaches is dropped (it read the name through control
     flow; the arm's own result says more)."""
+    if not any(type(s) is ast.If and s.orelse for s in S.stmt_index(scope).stmts):
+        return  # (most scopes: no ``if`` with an ``else``, no arm exit to work out)
+    # a norm's output is a product or a quotient: the arm's last statement writes one
     exits = [e for e in scope.arm_exits() if "*" in S.source_of(module, e.last) or "/" in S.source_of(module, e.last)]
     for e in exits:
         if any(id(s) in consumed for s in e.arm):
