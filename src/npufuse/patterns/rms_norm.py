@@ -1599,8 +1599,10 @@ def _arm_exit_results(module: ModuleInfo, scope: Scope, results: list[SiteResult
     flow; the arm's own result says more)."""
     if not any(type(s) is ast.If and s.orelse for s in S.stmt_index(scope).stmts):
         return  # (most scopes: no ``if`` with an ``else``, no arm exit to work out)
-    # a norm's output is a product or a quotient: the arm's last statement writes one
-    exits = [e for e in scope.arm_exits() if "*" in S.source_of(module, e.last) or "/" in S.source_of(module, e.last)]
+    # the text prefilter of scope_results' roots: a product / quotient, a cast, a norm helper's call
+    helpers = [h + "(" for h in S.functions_matching(module, "rms_norm", _norm_text)]
+    words = ("*", "/", ".to(", "float()", "type_as", "half()", "bfloat16()", "type(", *helpers)
+    exits = [e for e in scope.arm_exits() if any(w in S.source_of(module, e.last) for w in words)]
     for e in exits:
         if any(id(s) in consumed for s in e.arm):
             continue
