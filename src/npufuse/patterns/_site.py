@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from npufuse.scan.dataflow import CAST_METHODS, ModuleInfo, Scope, child_nodes, const_value, dotted, fast_walk, lf_line_ends
+from npufuse.scan.dataflow import CAST_METHODS, ArmExit, ModuleInfo, Scope, applied_lambda, child_nodes, const_value, dotted, fast_walk, lf_line_ends
 
 # Statements whose body may not run (or runs repeatedly): a value defined inside is conditional.
 _CONDITIONAL = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Match) if hasattr(ast, "Match") else (ast.If, ast.For, ast.AsyncFor, ast.While)
@@ -66,6 +66,35 @@ def stmt_index(scope: Scope) -> StmtIndex:
     idx = StmtIndex(parent, block, by_line, stmts)
     scope.__dict__["_npufuse_stmt_index"] = idx
     return idx
+
+
+def arm_exit_root(scope: Scope, exit: ArmExit) -> tuple[ast.Assign, float]:
+    """A root statement standing for the end of an ``if`` arm whose value is read after the ``if``
+    (:meth:`Scope.arm_exits`): ``name = name`` placed in the arm after its last statement (in the
+    statement index only; the tree is not changed), so a detector parsing backwards from it sees the
+    arm's own definitions, builds its span in the arm and writes ``name = <fused>`` there, the other
+    arm untouched. Returns the statement and the line to evaluate it at (just after the arm's last
+    line: the arm's bindings come before it, nothing of the other arm reaches it). Made once per exit."""
+    cache = scope.__dict__.setdefault("_npufuse_arm_roots", {})
+    got = cache.get((id(exit.last), exit.name))
+    if got is not None:
+        return got
+    idx = stmt_index(scope)
+    end = exit.last.end_lineno or exit.last.lineno
+    where = {"lineno": end, "col_offset": exit.last.col_offset, "end_lineno": end, "end_col_offset": exit.last.col_offset}
+    value = ast.Name(exit.name, ast.Load(), **where)
+    root = ast.Assign(targets=[ast.Name(exit.name, ast.Store(), **where)], value=value, **where)
+    root._npufuse_arm_exit = exit.name  # type: ignore[attr-defined]
+    line = end + 0.5  # between the arm's last line and whatever follows: no real statement starts there
+    idx.parent[id(root)] = exit.if_stmt
+    idx.block[id(root)] = (exit.arm, len(exit.arm) - 1)
+    idx.by_line[line] = root  # type: ignore[index]
+    got = cache[(id(exit.last), exit.name)] = (root, line)
+    return got
+
+
+def is_arm_exit_root(stmt: ast.stmt) -> bool:
+    return getattr(stmt, "_npufuse_arm_exit", None) is not None
 
 
 def ancestors(idx: StmtIndex, stmt: ast.stmt) -> list[ast.stmt]:
@@ -228,7 +257,8 @@ def _exclusive(idx: StmtIndex, a: ast.stmt, b: ast.stmt) -> bool:
                     if idx.parent.get(id(x)) is anc:
                         prev_b = x
                         break
-                in_body_b = any(s is prev_b for s in anc.body)
+                # (by the index: an arm_exit_root stands in the arm without being in its list)
+                in_body_b = any(s is prev_b for s in anc.body) or idx.block.get(id(prev_b), (None,))[0] is anc.body
                 return in_body_a != in_body_b
             return False
         prev = anc
@@ -273,6 +303,15 @@ def follow(node: ast.expr, ctx: Ctx, trace: Trace | None = None, *, allow_condit
         and not any(isinstance(e, ast.Starred) for e in value.value.elts)
     ):
         value = value.value.elts[value.slice.value]
+    # s40 (dataflow40): ``q, k = map(lambda t: f(t), (q, k))`` records ``q`` as ``(lambda t: f(t))(q)``:
+    # the body, read with ``t`` bound to the element where the statement stands (the lambda runs
+    # there). Only where ``t`` names nothing else the scope binds (else the scope's ``t`` would win)
+    applied = applied_lambda(value)
+    if applied is not None:
+        param, body, arg = applied
+        if param not in ctx.scope.assignments and param not in ctx.scope.args and param not in ctx.bind:
+            at = ctx.at(stmt.lineno)
+            return body, Ctx(ctx.scope, stmt.lineno, {**ctx.bind, param: (arg, at)}, ctx.depth), stmt
     return value, ctx.at(stmt.lineno), stmt
 
 
@@ -703,6 +742,11 @@ def _names_used_after(scope: Scope, line: int) -> set[str]:
 
 def splice(module: ModuleInfo, stmt: ast.stmt, replacements: list[tuple[ast.AST, str]]) -> str:
     """The statement's source lines (dedented) with each node's text replaced; byte-exact elsewhere."""
+    name = getattr(stmt, "_npufuse_arm_exit", None)
+    if name is not None:  # the end of an ``if`` arm (arm_exit_root): no text of its own
+        value = getattr(stmt, "value", None)
+        texts = [text for node, text in replacements if node is value]
+        return f"{name} = {texts[0] if texts else name}"
     lines = module_lines(module)
     first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
     raw = [ln.encode("utf-8") for ln in lines[first - 1 : last]]
@@ -778,7 +822,8 @@ def already_fused(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> str | Non
     for anc in ancestors(idx, stmt):
         if isinstance(anc, ast.If):
             test = ast.unparse(anc.test).lower()
-            in_else = any(s is child for s in anc.orelse) or _contains(anc.orelse, stmt)
+            in_else = any(s is child for s in anc.orelse) or idx.block.get(id(child), (None,))[0] is anc.orelse \
+                or _contains(anc.orelse, stmt)
             # "npu" as a word of the test (torch_npu, is_npu_available, device.type == "npu"), not
             # as letters inside another word: `if adaln_input is not None:` is no NPU branch
             if (in_else or (_negated_npu_test(anc, child) and "torch_npu" in module.source)) and _NPU_WORD.search(test):

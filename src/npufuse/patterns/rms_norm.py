@@ -1577,12 +1577,57 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
             results.append(res)
             if res.finding is not None:
                 consumed.update(m.trace.stmts.keys())
+    _arm_exit_results(module, scope, results, consumed)
     _attribute_misses(module, scope, results)
     _already_fused_statistics(module, scope, results)
     return results
 
 
 _OTHER_BLOCK = "part of the computation is in another block (control flow)"
+
+
+def _arm_exit_results(module: ModuleInfo, scope: Scope, results: list[SiteResult], consumed: set[int]) -> None:
+    """s40 (dataflow40): a norm written in one arm of an ``if`` / ``else`` whose output name the
+    other arm also binds (``if APEX: y = fused_rms_norm_affine(..) else: y = self._norm(x.float())
+    ...``) and which is read only after the ``if``: the read sees two definitions, so no root after
+    the ``if`` parses. The end of the arm is read as a root (``Scope.arm_exits``,
+    ``S.arm_exit_root``): the fused code replaces the arm's statements alone and ends with
+    ``y = <fused>``; what the ``if`` does after that is unchanged. A near miss or nothing where the
+    arm's computation fails its checks (an intermediate read after the ``if`` is "reused after the
+    fused region": the read sees this arm's value). Where the arm gives a result, a near miss of a
+    root after the ``if`` that the arm's value reaches is dropped (it read the name through control
+    flow; the arm's own result says more)."""
+    if not any(type(s) is ast.If and s.orelse for s in S.stmt_index(scope).stmts):
+        return  # (most scopes: no ``if`` with an ``else``, no arm exit to work out)
+    # the text prefilter of scope_results' roots: a product / quotient, a cast, a norm helper's call
+    helpers = [h + "(" for h in S.functions_matching(module, "rms_norm", _norm_text)]
+    words = ("*", "/", ".to(", "float()", "type_as", "half()", "bfloat16()", "type(", *helpers)
+    exits = [e for e in scope.arm_exits() if any(w in S.source_of(module, e.last) for w in words)]
+    for e in exits:
+        if any(id(s) in consumed for s in e.arm):
+            continue
+        root, line = S.arm_exit_root(scope, e)
+        ctx = S.Ctx(scope, line)  # type: ignore[arg-type]
+        try:
+            m = parse_norm(module, root.value, ctx)
+        except NoMatch:
+            continue
+        except Miss:
+            continue  # the arm's own reasons are those of its statements, tried as roots above
+        # the other arm already runs torch_npu's kernel (or the ``if`` is an NPU test): the arm is its fallback
+        done = S.already_fused(module, scope, root) or _npu_call_in_sibling_branch(module, S.stmt_index(scope), e.last)
+        if done:
+            lo = min(s.lineno for s in e.arm if id(s) in {id(t) for t in m.trace.stmts.values()} or s is e.last)
+            res = SiteResult(root, m, None, NearMiss("rms_norm", scope.qualname, lo, e.last.end_lineno or e.last.lineno, done), m.core.rstd)
+        else:
+            res = _finalize(module, scope, root, m)
+        if res.finding is None and (res.miss is None or not done):
+            continue  # the arm's own refusal says less than the one of the read after the ``if`` (or of its statements)
+        results[:] = [r for r in results if not (r.finding is None and r.miss is not None and r.stmt is e.reader)]
+        results.insert(0, res)
+        if res.finding is not None:
+            consumed.update(m.trace.stmts.keys())
+            consumed.update(id(s) for s in e.arm)
 
 
 def _lift_to_branches(module: ModuleInfo, scope: Scope, stmt: ast.Return, trace: S.Trace) -> tuple[S.SpanPlan, str] | None:
@@ -5806,4 +5851,92 @@ RmsNorm.FUSE += [
          run=("x = torch.randn(2, 5, 16, requires_grad=True)\nx4 = torch.randn(2, 3, 4, 16, requires_grad=True)\n"
               "out = (channel_rms(x), channel_rms(x4))\nleaves = [x, x4]\n"),
          name="s36_probe_rank_dependent_norm_capped_at_rank_3"),
+]
+
+
+# s40 (dataflow40): the norm in one arm of an if / else whose other arm calls a kernel, its output read
+# after the ``if`` (two reaching definitions): the fused code replaces the hand-written arm alone
+_S40_ARM_OF_IF_ELSE = '''
+import torch
+from torch import nn
+
+try:
+    from fast_norms import fused_rms_norm as _kernel_rms
+    HAVE_KERNEL = True
+except ImportError:
+    HAVE_KERNEL = False
+
+
+class SwitchableNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+        self.use_kernel = HAVE_KERNEL
+
+    def forward(self, x, r):
+        if self.use_kernel:
+            y = _kernel_rms(x, self.weight, self.eps)
+        else:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = self.weight * h.to(x.dtype)
+        return y + r
+'''
+
+# the hand-written arm first, channels moved last before the ``if`` and back after it, an optional weight
+_S40_ARM_FIRST_CHANNELS = '''
+import torch
+from torch import nn
+
+KERNEL = None
+
+
+class ChannelNorm(nn.Module):
+    def __init__(self, d, eps=1e-5, affine=True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d)) if affine else None
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        x = x.transpose(1, 2)
+        if KERNEL is None or self.weight is None:
+            out = self._norm(x.float()).type_as(x)
+            if self.weight is not None:
+                out = out * self.weight
+        else:
+            out = KERNEL(x, self.weight, self.eps)
+        out = out.transpose(1, 2)
+        return out
+'''
+
+RmsNorm.FUSE += [
+    Fuse(_S40_ARM_OF_IF_ELSE, expect={"qualname": "SwitchableNorm.forward", "weight": "self.weight"},
+         run=("m = SwitchableNorm(16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+              "x = torch.randn(2, 5, 16, requires_grad=True)\nr = torch.randn(2, 5, 16)\n"
+              "out = (m(x, r), m(x.to(torch.bfloat16), r))\nleaves = [x, m.weight]\n"),
+         name="s40_norm_in_the_else_arm_of_a_kernel_switch_read_after_the_if"),
+    Fuse(_S40_ARM_FIRST_CHANNELS, expect={"qualname": "ChannelNorm.forward", "weight": "self.weight"},
+         run=("m = ChannelNorm(16)\nwith torch.no_grad():\n    m.weight.normal_()\n"
+              "x = torch.randn(2, 16, 7, requires_grad=True)\nbare = ChannelNorm(16, affine=False)\n"
+              "out = (m(x), bare(x))\nleaves = [x, m.weight]\n"),
+         name="s40_norm_in_the_first_arm_channels_moved_around_the_if"),
+]
+
+RmsNorm.KEEP += [
+    # the other arm also binds the statistic, read after the ``if``: the hand-written arm's ``rstd``
+    # reaches that read, and the fused code would not compute it
+    Keep(_S40_ARM_OF_IF_ELSE.replace("y = _kernel_rms(x, self.weight, self.eps)", "y, rstd = _kernel_rms(x, self.weight, self.eps)")
+         .replace("h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)",
+                  "rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)\n            h = h * rstd")
+         .replace("return y + r", "return y + r, rstd"),
+         reason="intermediate `rstd` reused after the fused region", name="s40_arm_statistic_read_after_the_if"),
+    # the other arm is torch_npu's own kernel: the hand-written arm is its fallback
+    Keep(_S40_ARM_OF_IF_ELSE.replace("y = _kernel_rms(x, self.weight, self.eps)",
+                                     "import torch_npu\n            y = torch_npu.npu_rms_norm(x, self.weight, self.eps)[0]")
+         .replace("if self.use_kernel:", "if torch.npu.is_available():"),
+         reason="already has a torch_npu branch", name="s40_arm_beside_a_torch_npu_arm"),
 ]

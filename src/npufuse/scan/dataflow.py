@@ -521,6 +521,88 @@ class Scope:
         Listed once per scope (every detector asks for them; the tree is never modified)."""
         return iter(self.listing()[0])
 
+    # -- s40 (dataflow40): reaching definitions across if / else arms ----------------------------
+    def reaching_definitions(self, name: str, stmt: ast.stmt) -> tuple[list[ast.stmt], bool]:
+        """The statements of the scope whose binding of ``name`` may be the value ``stmt`` reads
+        (read where ``stmt`` starts), and whether that list is complete: False where, on some path,
+        the value comes from before the scope (a parameter, a global) or from a statement read
+        conservatively. Structured: the statements before ``stmt`` in its block, backwards; an
+        ``if`` contributes the definitions reaching the end of each arm (an arm ending in
+        ``return`` / ``raise`` / ``continue`` / ``break`` contributes none) and stops the search
+        only where every arm binds the name; a loop or ``try`` contributes every binding inside it
+        and never stops it; then the blocks around ``stmt``. ``if use_kernel: y = kernel(x) else:
+        y = norm(x)`` then ``return y + r``: both assignments reach the return."""
+        where = self._positions().get(id(stmt))
+        if where is None:
+            return [], False
+        block, i, owner = where
+        defs, definite = _reach_before(block, i, name)
+        while not definite and owner is not None:
+            if not isinstance(owner, (ast.If, ast.With, ast.AsyncWith)):
+                # a loop repeats its body (a later binding reaches an earlier read), a handler or
+                # ``finally`` runs after any part of the ``try`` body
+                defs += [s for s in _all_bindings(owner, name) if s not in defs]
+            outer = self._positions().get(id(owner))
+            if outer is None:
+                break
+            block, i, owner = outer
+            more, definite = _reach_before(block, i, name)
+            defs += [s for s in more if s not in defs]
+        return defs, definite
+
+    def arm_exits(self) -> list["ArmExit"]:
+        """Every arm of an ``if`` (its body, its ``else``) whose last statement binds a name whose
+        value at the arm's end is read after the ``if`` (by :meth:`reaching_definitions`): the end
+        of the arm is a read of that value, where a detector can take a computation written in the
+        arm (``if use_kernel: y = kernel(x) else: y = <hand-written norm>``, then ``return y + r``)
+        and replace it inside the arm alone, the other arm untouched. Computed once per scope."""
+        cached = self.__dict__.get("_arm_exits")
+        if cached is not None:
+            return cached
+        cached = []
+        listing = self.listing()[0]
+        for _block, _i, stmt in listing:
+            if type(stmt) is not ast.If or not stmt.orelse:
+                continue  # without ``else`` the value after the ``if`` may be the one from before it
+            end = stmt.end_lineno or stmt.lineno
+            for arm in (stmt.body, stmt.orelse):
+                if not arm or isinstance(arm[-1], _EXITS) or (arm is stmt.orelse and len(arm) == 1 and type(arm[0]) is ast.If):
+                    continue  # an arm that leaves; an ``elif`` (its own arms are listed with it)
+                last = arm[-1]
+                for name in sorted(_bound_at_end(last)):
+                    reader = self._first_reader_after(name, end, last)
+                    if reader is None:
+                        continue
+                    defs, _complete = self.reaching_definitions(name, reader)
+                    cached.append(ArmExit(stmt, arm, name, last, reader, [d for d in defs if not _inside(d, arm)]))
+        self.__dict__["_arm_exits"] = cached
+        return cached
+
+    def _first_reader_after(self, name: str, line: int, last: ast.stmt) -> ast.stmt | None:
+        """The first statement after ``line`` (in the scope's statement order) that reads ``name``
+        in its own expressions (not those of statements nested in it) and that ``last``'s binding
+        reaches; None where there is none."""
+        if self.last_loads().get(name, 0) <= line:
+            return None
+        for _block, _i, s in self.listing()[0]:
+            if s.lineno <= line or isinstance(s, _DEFS):
+                continue
+            if not any(type(n) is ast.Name and n.id == name and type(n.ctx) is ast.Load for n in _own_expressions(s)):
+                continue
+            defs, _complete = self.reaching_definitions(name, s)
+            if any(d is last or _inside(d, [last]) for d in defs):
+                return s
+        return None
+
+    def _positions(self) -> dict[int, tuple[list[ast.stmt], int, ast.stmt | None]]:
+        """id(statement) -> (its block, its index there, the compound statement holding the block)."""
+        cached = self.__dict__.get("_positions_cache")
+        if cached is None:
+            listing, owners = self.listing()
+            cached = {id(s): (b, i, o) for (b, i, s), o in zip(listing, owners)}
+            self.__dict__["_positions_cache"] = cached
+        return cached
+
     def listing(self) -> tuple[list[tuple[list[ast.stmt], int, ast.stmt]], list[ast.stmt | None]]:
         """What :meth:`statements` yields, as a list, and each statement's enclosing compound
         statement (None at the top of the scope); computed once per scope."""
@@ -531,6 +613,146 @@ class Scope:
 
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+# statements after which the rest of their block does not run
+_EXITS = (ast.Return, ast.Raise, ast.Continue, ast.Break)
+
+
+@dataclass
+class ArmExit:
+    """The end of one arm of an ``if``, read as a use of ``name`` (see :meth:`Scope.arm_exits`)."""
+
+    if_stmt: ast.If
+    arm: list[ast.stmt]  # the arm's block (``if_stmt.body`` or ``if_stmt.orelse``)
+    name: str
+    last: ast.stmt  # the arm's last statement, which binds ``name``
+    reader: ast.stmt  # the first statement after the ``if`` that reads the value
+    others: list[ast.stmt]  # the other bindings reaching ``reader`` (the other arm's, those before the ``if``)
+
+
+def _binding_here(stmt: ast.stmt, name: str) -> bool:
+    """Does the simple statement ``stmt`` bind ``name`` (as a whole name, tuple elements included)?"""
+    if isinstance(stmt, ast.Assign):
+        out: set[str] = set()
+        for t in stmt.targets:
+            _plain_bound(t, out)
+        return name in out
+    if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+        return isinstance(stmt.target, ast.Name) and stmt.target.id == name and (stmt.value is not None or isinstance(stmt, ast.AugAssign))
+    if isinstance(stmt, _DEFS):
+        return stmt.name == name
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
+    return False
+
+
+def _all_bindings(stmt: ast.stmt, name: str) -> list[ast.stmt]:
+    """Every statement in ``stmt`` (itself included, nested definitions not entered) that binds
+    ``name``, a loop binding it as its target and a walrus counted as binding where they stand."""
+    out: list[ast.stmt] = []
+    for _b, _i, s in _block_list([stmt])[0]:
+        if _binding_here(s, name) or name in _header_bound(s):
+            out.append(s)
+    return out
+
+
+def _header_bound(stmt: ast.stmt) -> set[str]:
+    """Names a statement binds other than by an assignment: a loop's target, ``with ... as``,
+    an ``except ... as`` handler (read on the statement), a walrus in its own expressions."""
+    out: set[str] = set()
+    if isinstance(stmt, (ast.For, ast.AsyncFor)):
+        _plain_bound(stmt.target, out)
+    elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+        for item in stmt.items:
+            if item.optional_vars is not None:
+                _plain_bound(item.optional_vars, out)
+    elif isinstance(stmt, ast.Try):
+        out.update(h.name for h in stmt.handlers if h.name)
+    for n in _own_expressions(stmt):
+        if type(n) is ast.NamedExpr and isinstance(n.target, ast.Name):
+            out.add(n.target.id)
+    return out
+
+
+def _own_expressions(stmt: ast.stmt) -> Iterator[ast.AST]:
+    """The expression nodes of ``stmt`` itself (a compound statement's header), not those of the
+    statements nested in it nor of nested lambdas' bodies kept apart (a lambda's nodes are included:
+    a read there is a read)."""
+    if isinstance(stmt, _DEFS):
+        return
+    for f in child_fields(type(stmt)):
+        if f in _BLOCK_NAMES:
+            continue
+        v = getattr(stmt, f, None)
+        for root in (v if type(v) is list else (v,)):
+            if isinstance(root, ast.AST) and not isinstance(root, ast.stmt):
+                yield from fast_walk(root)
+
+
+def _reach_before(block: list[ast.stmt], i: int, name: str) -> tuple[list[ast.stmt], bool]:
+    """The bindings of ``name`` reaching the start of ``block[i]`` from the statements before it in
+    ``block``, and whether one of them always runs last (the search need not go further out)."""
+    defs: list[ast.stmt] = []
+    for s in reversed(block[:i]):
+        got, definite = _reach_through(s, name)
+        defs += [d for d in got if d not in defs]
+        if definite:
+            return defs, True
+    return defs, False
+
+
+def _reach_end(block: list[ast.stmt], name: str) -> tuple[list[ast.stmt], bool]:
+    """:func:`_reach_before` at the end of ``block``; a block that always leaves (its last statement
+    a ``return`` / ``raise`` / ``continue`` / ``break``) passes nothing on, definitely."""
+    if block and isinstance(block[-1], _EXITS):
+        return [], True
+    return _reach_before(block, len(block), name)
+
+
+def _reach_through(s: ast.stmt, name: str) -> tuple[list[ast.stmt], bool]:
+    """The bindings of ``name`` in ``s`` that may still hold after it, and whether ``s`` always binds it."""
+    if _binding_here(s, name):
+        return [s], True
+    if isinstance(s, ast.If):
+        body, b_def = _reach_end(s.body, name)
+        other, o_def = _reach_end(s.orelse, name) if s.orelse else ([], False)
+        return body + [d for d in other if d not in body], b_def and o_def
+    if isinstance(s, (ast.With, ast.AsyncWith)):
+        if name in _header_bound(s):
+            inner, definite = _reach_end(s.body, name)
+            return (inner or [s]), True
+        return _reach_end(s.body, name)
+    if isinstance(s, ast.stmt) and not isinstance(s, _DEFS):
+        bound = _all_bindings(s, name)
+        if bound:
+            return bound, False  # a loop, ``try`` or ``match``: may or may not run them, maybe again
+        if name in _header_bound(s):
+            return [s], False
+    return [], False
+
+
+def _bound_at_end(stmt: ast.stmt) -> set[str]:
+    """Names ``stmt`` may bind where it ends: a simple assignment's names, or those bound inside
+    a compound statement (``if self.weight is not None: y = y * self.weight``)."""
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        out: set[str] = set()
+        for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]):
+            _plain_bound(t, out)
+        return out
+    if isinstance(stmt, (ast.If, ast.With, ast.AsyncWith)):
+        out = set()
+        for _b, _i, s in _block_list([stmt])[0][1:]:
+            if isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in (s.targets if isinstance(s, ast.Assign) else [s.target]):
+                    _plain_bound(t, out)
+        return out
+    return set()
+
+
+def _inside(stmt: ast.stmt, block: list[ast.stmt]) -> bool:
+    """Is ``stmt`` one of ``block``'s statements or nested in one?"""
+    lo, hi = block[0].lineno, block[-1].end_lineno or block[-1].lineno
+    return lo <= stmt.lineno <= hi
 
 
 def _plain_bound(target: ast.AST, out: set[str]) -> None:
@@ -805,11 +1027,73 @@ def _assignments_of(listing: list[tuple[list[ast.stmt], int, ast.stmt]]) -> dict
             if isinstance(target, ast.Name):
                 assignments.setdefault(target.id, []).append((stmt, value))
             elif isinstance(target, (ast.Tuple, ast.List)):
-                for k, elt in enumerate(target.elts):
-                    if isinstance(elt, ast.Name):
-                        sub = ast.copy_location(ast.Subscript(value=value, slice=ast.Constant(k), ctx=ast.Load()), value)
-                        assignments.setdefault(elt.id, []).append((stmt, sub))
+                _record_unpacked(stmt, target, value, assignments)  # type: ignore[arg-type]
     return assignments
+
+
+def _record_unpacked(stmt: ast.stmt, target: ast.Tuple | ast.List, value: ast.expr,
+                     assignments: dict[str, list[tuple[ast.stmt, ast.expr]]]) -> None:
+    """Per-element definitions of a tuple / list target: element k of ``a, b = v`` is ``v[k]`` (an
+    element after a starred one counts from the end: ``v[-1]`` for ``c`` in ``a, *b, c = v``; the
+    starred one itself gets none); a nested target goes on inside (``(a, b), c = v``: ``a`` is
+    ``v[0][0]``). s40 (dataflow40): where ``v`` is ``map(lambda t: f(t), (x, y))`` (or a list / tuple
+    / generator comprehension ``[f(t) for t in (x, y)]``) over a literal tuple or list, element k is
+    the lambda applied to that element, ``(lambda t: f(t))(x)`` (:func:`applied_lambda` reads it),
+    so ``q, k = map(lambda t: rearrange(t, ...), (q, k))`` defines ``q`` as ``rearrange(q, ...)``."""
+    elts = target.elts
+    star = next((k for k, e in enumerate(elts) if isinstance(e, ast.Starred)), None)
+    mapped = _mapped_elements(value, len(elts)) if star is None else None
+    for k, elt in enumerate(elts):
+        if isinstance(elt, ast.Starred):
+            continue
+        index = k if star is None or k < star else k - len(elts)
+        if mapped is not None:
+            element = mapped[k]
+        else:
+            element = ast.copy_location(ast.Subscript(value=value, slice=ast.Constant(index), ctx=ast.Load()), value)
+        if isinstance(elt, ast.Name):
+            assignments.setdefault(elt.id, []).append((stmt, element))
+        elif isinstance(elt, (ast.Tuple, ast.List)):
+            _record_unpacked(stmt, elt, element, assignments)
+
+
+def _mapped_elements(value: ast.expr, n: int) -> list[ast.expr] | None:
+    """The n elements of ``map(lambda t: body, <literal of n>)`` / ``[body for t in <literal of n>]``
+    (also ``(...)`` generators and ``tuple(...)`` / ``list(...)`` of one) as lambda applications,
+    or None. Only a one-parameter lambda without defaults, one ``for`` over a plain name target,
+    no ``if``, a literal tuple / list of exactly n elements, none starred."""
+    lam: ast.Lambda | None = None
+    items: ast.expr | None = None
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("tuple", "list") \
+            and len(value.args) == 1 and not value.keywords:
+        value = value.args[0]
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "map" \
+            and len(value.args) == 2 and not value.keywords and isinstance(value.args[0], ast.Lambda):
+        lam, items = value.args[0], value.args[1]
+    elif isinstance(value, (ast.ListComp, ast.GeneratorExp)) and len(value.generators) == 1:
+        gen = value.generators[0]
+        if isinstance(gen.target, ast.Name) and not gen.ifs and not gen.is_async:
+            params = ast.arguments(posonlyargs=[], args=[ast.arg(gen.target.id)], kwonlyargs=[], kw_defaults=[], defaults=[])
+            lam = ast.copy_location(ast.Lambda(args=params, body=value.elt), value.elt)
+            items = gen.iter
+    if lam is None or not isinstance(items, (ast.Tuple, ast.List)) or len(items.elts) != n \
+            or any(isinstance(e, ast.Starred) for e in items.elts):
+        return None
+    a = lam.args
+    if a.posonlyargs or len(a.args) != 1 or a.vararg or a.kwonlyargs or a.kwarg or a.defaults:
+        return None
+    return [ast.copy_location(ast.Call(func=lam, args=[e], keywords=[]), e) for e in items.elts]
+
+
+def applied_lambda(node: ast.AST | None) -> tuple[str, ast.expr, ast.expr] | None:
+    """``(lambda t: body)(arg)`` (as :func:`_record_unpacked` records a mapped element, or written so):
+    (the parameter's name, the body, the argument), or None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Lambda) and len(node.args) == 1 and not node.keywords):
+        return None
+    a = node.func.args
+    if a.posonlyargs or len(a.args) != 1 or a.vararg or a.kwonlyargs or a.kwarg or a.defaults or isinstance(node.args[0], ast.Starred):
+        return None
+    return a.args[0].arg, node.func.body, node.args[0]
 
 
 def strip_casts(node: ast.expr) -> tuple[ast.expr, list[str]]:
