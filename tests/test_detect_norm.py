@@ -210,7 +210,7 @@ def test_norm_class_chosen_by_a_flag_from_another_module(my_norms):
     findings, _ = detect_all(A.AddRmsNorm(), _EXTERNAL_LAYER)
     (f,) = findings
     assert f.variant == "external_norm" and f.params["norm_class"] == "OtherRMSNorm or FancyRMSNorm"
-    assert 'hasattr(self.norm, "weight")' in f.params["condition"]
+    assert 'getattr(self.norm, "weight", None) is not None' in f.params["condition"]  # s40 sweep40: a None weight is no weight
     infer = "torch.set_grad_enabled(False)\nm = Layer(16)\nx = torch.randn(2, 3, 16)\nout = m(x)\ntorch.set_grad_enabled(True)\n"
     facts = check_rewrite_runs(A.AddRmsNorm(), _EXTERNAL_LAYER, infer, findings)
     assert facts["all_calls"].get("npu_add_rms_norm") == 1 and min(facts["cos_out"]) >= 0.9999
