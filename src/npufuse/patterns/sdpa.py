@@ -181,6 +181,9 @@ def operand_rank(scope: Scope, node: ast.expr, line: int) -> int | None:
         if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Call) and isinstance(value.value.func, ast.Name) \
                 and value.value.func.id == "map" and len(value.value.args) == 2 and isinstance(value.value.args[0], ast.Lambda):
             return static_rank(scope, value.value.args[0].body, getattr(value, "lineno", line))
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Lambda):
+            # s40: dataflow records a mapped element as ``(lambda t: body)(element)`` (dataflow.applied_lambda)
+            return static_rank(scope, value.func.body, getattr(value, "lineno", line))
     return static_rank(scope, node, line)
 
 
