@@ -49,7 +49,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -405,6 +405,22 @@ class SdpaPattern(Pattern):
                 comment = "bool (True = keep) or additive float: decided on the dtype at run time"
                 risks.append(Risk("numerics", "the mask's dtype is not known statically: a bool mask is inverted, a float mask converted with `mask < 0` once its values are checked"))
             mask_kind = "float" if kind == "float_unverified" else kind
+            # s40 (wrong40): a mask built here whose construction can leave a query row with no key
+            polarity = {"bool": "keep", "float": "additive", "float_unverified": "additive"}.get(kind, "auto")
+            rows = _mask_rows.row_verdict(mask, polarity, _mask_rows.Resolver(module, scope, line))
+            if rows is not None and rows.kind == "empty":
+                return miss(f"attn_mask `{segment(module, mask)}`: {rows.describe()}")
+            if rows is not None and rows.kind == "varies":
+                if not is_simple(m_src):
+                    lines.append(f"_npufuse_attn_mask = {m_src}")
+                    conv = conv.replace(m_src, "_npufuse_attn_mask")
+                    m_src = "_npufuse_attn_mask"
+                    bound.append((mask, m_src))
+                row_check = _mask_rows.row_check(m_src, polarity)
+                if maybe_none:
+                    row_check = f"({m_src} is None or {row_check})"
+                value_check = row_check if value_check is None else f"({value_check}) and {row_check}"
+                risks.append(Risk("host_sync", _mask_rows.ROW_CHECK_RISK))
             if maybe_none:
                 lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
             else:
