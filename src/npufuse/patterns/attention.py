@@ -14252,3 +14252,49 @@ AttentionPattern.KEEP += [
         name="s40_mla_rope_key_passed_transposed",
     ),
 ]
+
+# s40 (wrong40): the eager form of the same class: a dilated band that skips the query itself (masked where the
+# offset is not a multiple of the stride, or is 0) keeps a key in a row only where the sequence reaches another
+# position of its stride: the fused call runs under a run-time check that every query row keeps a key; a strict
+# causal mask (`j < i` kept) leaves row 0 empty at every length: a near miss
+_S40_DILATED_WITHOUT_SELF = '''
+import torch
+from torch import nn
+
+
+class DilatedAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, stride=2):
+        super().__init__()
+        self.heads, self.hd, self.stride = heads, dim // heads, stride
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(n, device=x.device)
+        offset = pos[:, None] - pos[None, :]
+        masked = (offset % self.stride != 0) | (offset == 0)
+        scores = q @ k.transpose(-2, -1) * self.hd ** -0.5
+        scores = scores.masked_fill(masked, float("-inf"))
+        out = scores.softmax(dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE.append(Fuse(
+    name="s40_dilated_mask_without_the_query_itself",
+    code=_S40_DILATED_WITHOUT_SELF,
+    expect={"qualname": "DilatedAttention.forward"},
+    run='''
+m = DilatedAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+))
+AttentionPattern.KEEP.append(Keep(
+    _S40_DILATED_WITHOUT_SELF.replace(
+        "        masked = (offset % self.stride != 0) | (offset == 0)\n",
+        "        masked = ~(pos[None, :] < pos[:, None])\n"),
+    reason="leaves query row 0 without any key at every size",
+    name="s40_strict_causal_comparison_leaves_the_first_row_empty",
+))

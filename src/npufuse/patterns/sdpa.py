@@ -1709,3 +1709,51 @@ SdpaPattern.KEEP += [
         name="s40_optional_mask_filled_before_the_causal_call",
     ),
 ]
+
+# s40 (wrong40): a mask built here whose construction can leave a query row with no key. A band that excludes the
+# query itself keeps a key in every row once the sequence has two positions (the fused call runs under a run-time check
+# that every row keeps one); a strict causal triangle leaves row 0 empty at every length (torch: NaN there; the fused
+# op's value on a fully masked row is not pinned down): a near miss
+_S40_BAND_WITHOUT_SELF = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NeighbourAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, window=2):
+        super().__init__()
+        self.heads, self.hd, self.window = heads, dim // heads, window
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n, device=x.device)
+        keep = ((i[:, None] - i[None, :]).abs() <= self.window) & (i[:, None] != i[None, :])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        name="s40_band_mask_without_the_query_itself",
+        code=_S40_BAND_WITHOUT_SELF,
+        expect={"qualname": "NeighbourAttention.forward"},
+        run='''
+m = NeighbourAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+    ),
+]
+SdpaPattern.KEEP += [
+    Keep(
+        _S40_BAND_WITHOUT_SELF.replace(
+            "        keep = ((i[:, None] - i[None, :]).abs() <= self.window) & (i[:, None] != i[None, :])\n",
+            "        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(diagonal=-1)\n"),
+        reason="leaves query row 0 without any key at every size",
+        name="s40_strict_causal_mask_leaves_the_first_row_empty",
+    ),
+]
