@@ -7,7 +7,7 @@ the query itself (``(i - j).abs() <= w & (i != j)``), a strict causal triangle (
 pattern need not. Decided by mechanism: the mask's construction, when it is made of index arithmetic this module
 reads (``arange``, ``ones`` / ``eye`` / ``full``, ``tril`` / ``triu``, comparisons, ``& | ~ ^``, ``abs``, ``%``,
 ``where``, ``masked_fill``, broadcasting subscripts), is evaluated on small sizes, every other scalar it reads (a
-length, a window, a stride) given the positive values 1, 2, 3, 5 and 8 in every combination. Verdicts:
+length, a window, a stride) given the positive values 1, 2, 3, 5 and 8 in every combination (fewer values each where two or three combine). Verdicts:
 
 * ``kept``: every evaluation keeps a key in every row: nothing changes;
 * ``empty``: every evaluation leaves some row (``rows``) without a key: no rewrite (a near miss saying so);
@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 SAMPLES = (1, 2, 3, 5, 8)
+_GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8)}  # fewer values per unknown where several combine
 _MAX_UNKNOWNS = 3
 _INDEX_WORDS = ("arange", "tril", "triu", "eye")
 _CASTS = frozenset(("bool", "float", "half", "long", "int", "double", "bfloat16", "contiguous", "clone", "detach", "cpu",
@@ -49,7 +50,7 @@ class RowVerdict:
             which = f"query row {self.rows[0]}" if len(self.rows) == 1 else \
                 "query rows " + ", ".join(str(r) for r in self.rows[:3]) if self.rows else "some query row"
             return (f"its construction leaves {which} without any key at every size npufuse evaluates it at "
-                    f"({', '.join(map(str, SAMPLES))}): torch gives such a row NaN (or a uniform average with a finite fill), "
+                    f"(each length / window / stride it reads set to values from {SAMPLES[0]} to {SAMPLES[-1]}): torch gives such a row NaN (or a uniform average with a finite fill), "
                     "npu_fusion_attention's output on a fully masked row is not pinned down (spec 5.1 / 14)")
         return ("its construction can leave a query row without any key (it does at some of the sizes npufuse evaluates "
                 "it at, keeps one at others)")
@@ -356,7 +357,8 @@ def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opti
         return None
     empties: list[bool] = []
     common: Optional[set[int]] = None
-    for values in itertools.product(SAMPLES, repeat=len(names)):
+    grid = SAMPLES if len(names) <= 1 else _GRIDS[len(names)]  # 5, 16 or 27 evaluations
+    for values in itertools.product(grid, repeat=len(names)):
         try:
             with torch.no_grad():
                 m = _Evaluator(resolve, dict(zip(names, values))).ev(node)
@@ -370,6 +372,8 @@ def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opti
         no_key = ~keep.any(-1)  # [..., Sq]: True where the row keeps no key
         empty = bool(no_key.any())
         empties.append(empty)
+        if len(set(empties)) == 2:
+            return RowVerdict("varies")  # both seen: the answer is the run-time check's
         if empty:
             rows = set(torch.nonzero(no_key.reshape(-1, no_key.shape[-1]).any(0)).flatten().tolist())
             common = rows if common is None else common & rows
