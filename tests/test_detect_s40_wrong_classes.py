@@ -173,3 +173,17 @@ def test_an_unresolved_model_argument_is_named(tmp_path: Path) -> None:
     assert not cands and len(near) == 1, near
     assert "its model is a constructor argument and `Trainer(...)` at scripts/train.py:" in near[0]
     assert "passes `model`, which npufuse does not resolve to a model class of the repository" in near[0]
+
+
+def test_a_resolved_moe_is_named_beside_an_unresolved_instantiation(tmp_path: Path) -> None:
+    # one driver passes a factory's model, another the MoE: the MoE decides, as the model the optimizer takes
+    other = _MOE.format(body=_GUARDED).replace("class Net(", "class MoENet(") + '''
+
+def main():
+    from pkg.engine import Trainer
+    Trainer(MoENet()).step(torch.randn(16, 8))
+'''
+    driver = _DRIVER.replace("    model = Net()\n", "    model = build(Net)\n").replace("def run():", "def build(cls):\n    return cls()\n\n\ndef run():")
+    cands, near = _package(tmp_path, _UNGUARDED, driver=driver, extra={"scripts/moe_train.py": other})
+    assert not cands and len(near) == 1, near
+    assert near[0].startswith("the model the optimizer takes") and "scripts/moe_train.py:" in near[0]

@@ -1406,14 +1406,15 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     told = [c for c in (model_classes(index, rel, tree, name) for name in _classes_of_model(tree, qualname, model)) if c is not None] \
         if model else []
     handed = handed_in_models(index, rel, tree, qualname, model) if not told and model.startswith("self.") else None
-    if handed is not None and handed.sites and not handed.unknown:
-        # s40 (wrong40): `self.model = model` of a constructor argument: the classes every instantiation passes decide
+    if handed is not None and handed.classes:
+        # s40 (wrong40): `self.model = model` of a constructor argument: the classes the instantiations pass decide (where
+        # one passes a model npufuse does not resolve, the trainer's reachable code below decides after them)
         told = handed.classes
     if told:
         # the model's class is one of the repo's (a wrapper such as DDP(...) is not): its own classes decide
         classes = [c for found in told for c in found]
         if classes:
-            if every_param_used(index, [rel]):
+            if every_param_used(index, [rel, *(handed.files if handed is not None else [])]):
                 return None
             files = list(dict.fromkeys([rel, *(r for r, _ in classes)]))
             region = _function_of(tree, qualname)
@@ -1426,7 +1427,8 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
                                                   for name, call in built):
                         continue  # the site's code freezes the submodule it hands the model
                     return s, True, ""
-            return None
+            if handed is None or not handed.unknown:
+                return None
     starts = [rel, *_drivers(index, rel, qualname)]
     if handed is not None:
         # the files that instantiate the trainer build (or receive) its model: their imports are the model's (a driver
