@@ -23,7 +23,16 @@ import itertools
 import math
 from typing import Any, Callable, Optional
 
-import torch
+# torch is imported only when a mask construction is evaluated: a scan imports no torch otherwise (~1.7 s of start-up)
+torch: Any = None
+
+
+def _load_torch() -> None:
+    global torch
+    if torch is None:
+        import torch as _torch
+
+        torch = _torch
 
 SAMPLES = (1, 2, 3, 5, 8)
 _GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8)}  # fewer values per unknown where several combine
@@ -355,6 +364,7 @@ def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opti
     names = _unknowns(node, resolve)
     if names is None or len(names) > _MAX_UNKNOWNS:
         return None
+    _load_torch()
     empties: list[bool] = []
     common: Optional[set[int]] = None
     grid = SAMPLES if len(names) <= 1 else _GRIDS[len(names)]  # 5, 16 or 27 evaluations
