@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_audit40
+from npufuse.patterns import _attention_audit40, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -351,6 +351,19 @@ class BlockInterp:
     def assigned_in(self, name: str, lo: int, hi: int) -> bool:
         """Is ``name`` bound by a top-level statement with index in [lo, hi)?"""
         return any(name in self.assigned[j] for j in range(max(lo, 0), min(hi, len(self.block))))
+
+
+def _row_ref_value(scope: Scope, line: int) -> Any:
+    """s40 (wrong40): a Ref's value for :mod:`_mask_rows` (its symbolic value; before the block, the function's
+    own assignment); a value the interpreter does not follow (a branch, a loop) stops the evaluation."""
+    def value(ref: Ref) -> Any:
+        v = ref.value
+        if v is None:
+            return scope.definition(ref.name, line)
+        if isinstance(v, (Opaque, Cond, Undef, InPlace)):
+            return _mask_rows._UNREAD_NODE
+        return v
+    return value
 
 
 def deref(node: Any, seen: set[int] | None = None) -> Any:
@@ -3863,6 +3876,10 @@ class AttentionPattern(Pattern):
                 checks = self._value_checks(r, chain.masks, module, scope)
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
+                row_checks = self._row_checks(r, chain, module, scope, span_line)  # s40 (wrong40): rows left without a key
+                if row_checks:
+                    checks += row_checks
+                    risks.append(Risk("host_sync", _mask_rows.ROW_CHECK_RISK))
                 index_checks = _attention_s39.index_mask_checks(r, chain.masks, 5 if folded else 3 if three_d and not chain.heads_in_batch else 4)
                 if index_checks:
                     checks = index_checks + checks  # s39: dtype / rank reads, no host sync
@@ -4151,6 +4168,28 @@ class AttentionPattern(Pattern):
                     # would raise, so the fused call runs only where the term is a tensor
                     check = f"torch.is_tensor({atom(t)}) and {check}"
             checks.append(check_under_term_condition(r, m, check))
+        return checks
+
+    def _row_checks(self, r: Renderer, chain: Chain, module: ModuleInfo, scope: Scope, line: int) -> list[str]:
+        """s40 (wrong40): a mask term built in view whose construction can leave a query row with no key (a band
+        without the diagonal, a strict causal triangle): the fused call runs where every row keeps one (run-time
+        check); a construction that leaves a row empty at every size is a near miss (Miss). Not where the original
+        zeroes the fully masked rows after the softmax (the rewrite zeroes the same rows)."""
+        if getattr(chain, "zero_masked", None) is not None:
+            return []
+        polarity = {"masked": "masked", "keep": "keep", "additive": "additive", "keep01": "keep01"}
+        resolve = _mask_rows.Resolver(module, scope, line, _row_ref_value(scope, line))
+        checks: list[str] = []
+        for m in chain.masks:
+            if m.causal or m.kind not in polarity:
+                continue
+            verdict = _mask_rows.row_verdict(m.node, polarity[m.kind], resolve)
+            if verdict is None or verdict.kind == "kept":
+                continue
+            t = r.text(m.node)
+            if verdict.kind == "empty" and m.cond is None:
+                raise Miss(f"the mask `{t}`: {verdict.describe()}")
+            checks.append(check_under_term_condition(r, m, _mask_rows.row_check(t, polarity[m.kind])))
         return checks
 
     def _mask_lines(self, r: Renderer, masks: list[MaskTerm], fold: bool = False) -> tuple[list[str], bool]:
@@ -14213,3 +14252,49 @@ AttentionPattern.KEEP += [
         name="s40_mla_rope_key_passed_transposed",
     ),
 ]
+
+# s40 (wrong40): the eager form of the same class: a dilated band that skips the query itself (masked where the
+# offset is not a multiple of the stride, or is 0) keeps a key in a row only where the sequence reaches another
+# position of its stride: the fused call runs under a run-time check that every query row keeps a key; a strict
+# causal mask (`j < i` kept) leaves row 0 empty at every length: a near miss
+_S40_DILATED_WITHOUT_SELF = '''
+import torch
+from torch import nn
+
+
+class DilatedAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, stride=2):
+        super().__init__()
+        self.heads, self.hd, self.stride = heads, dim // heads, stride
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(n, device=x.device)
+        offset = pos[:, None] - pos[None, :]
+        masked = (offset % self.stride != 0) | (offset == 0)
+        scores = q @ k.transpose(-2, -1) * self.hd ** -0.5
+        scores = scores.masked_fill(masked, float("-inf"))
+        out = scores.softmax(dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+AttentionPattern.FUSE.append(Fuse(
+    name="s40_dilated_mask_without_the_query_itself",
+    code=_S40_DILATED_WITHOUT_SELF,
+    expect={"qualname": "DilatedAttention.forward"},
+    run='''
+m = DilatedAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+))
+AttentionPattern.KEEP.append(Keep(
+    _S40_DILATED_WITHOUT_SELF.replace(
+        "        masked = (offset % self.stride != 0) | (offset == 0)\n",
+        "        masked = ~(pos[None, :] < pos[:, None])\n"),
+    reason="leaves query row 0 without any key at every size",
+    name="s40_strict_causal_comparison_leaves_the_first_row_empty",
+))

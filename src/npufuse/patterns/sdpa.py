@@ -49,7 +49,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -420,6 +420,22 @@ class SdpaPattern(Pattern):
                 comment = "bool (True = keep) or additive float: decided on the dtype at run time"
                 risks.append(Risk("numerics", "the mask's dtype is not known statically: a bool mask is inverted, a float mask converted with `mask < 0` once its values are checked"))
             mask_kind = "float" if kind == "float_unverified" else kind
+            # s40 (wrong40): a mask built here whose construction can leave a query row with no key
+            polarity = {"bool": "keep", "float": "additive", "float_unverified": "additive"}.get(kind, "auto")
+            rows = _mask_rows.row_verdict(mask, polarity, _mask_rows.Resolver(module, scope, line))
+            if rows is not None and rows.kind == "empty":
+                return miss(f"attn_mask `{segment(module, mask)}`: {rows.describe()}")
+            if rows is not None and rows.kind == "varies":
+                if not is_simple(m_src):
+                    lines.append(f"_npufuse_attn_mask = {m_src}")
+                    conv = conv.replace(m_src, "_npufuse_attn_mask")
+                    m_src = "_npufuse_attn_mask"
+                    bound.append((mask, m_src))
+                row_check = _mask_rows.row_check(m_src, polarity)
+                if maybe_none:
+                    row_check = f"({m_src} is None or {row_check})"
+                value_check = row_check if value_check is None else f"({value_check}) and {row_check}"
+                risks.append(Risk("host_sync", _mask_rows.ROW_CHECK_RISK))
             if maybe_none:
                 lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
             else:
@@ -1706,5 +1722,53 @@ SdpaPattern.KEEP += [
             "        out = F.scaled_dot_product_attention("),
         reason="both attn_mask and is_causal=True are set",
         name="s40_optional_mask_filled_before_the_causal_call",
+    ),
+]
+
+# s40 (wrong40): a mask built here whose construction can leave a query row with no key. A band that excludes the
+# query itself keeps a key in every row once the sequence has two positions (the fused call runs under a run-time check
+# that every row keeps one); a strict causal triangle leaves row 0 empty at every length (torch: NaN there; the fused
+# op's value on a fully masked row is not pinned down): a near miss
+_S40_BAND_WITHOUT_SELF = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NeighbourAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, window=2):
+        super().__init__()
+        self.heads, self.hd, self.window = heads, dim // heads, window
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n, device=x.device)
+        keep = ((i[:, None] - i[None, :]).abs() <= self.window) & (i[:, None] != i[None, :])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+SdpaPattern.FUSE += [
+    Fuse(
+        name="s40_band_mask_without_the_query_itself",
+        code=_S40_BAND_WITHOUT_SELF,
+        expect={"qualname": "NeighbourAttention.forward"},
+        run='''
+m = NeighbourAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+''',
+    ),
+]
+SdpaPattern.KEEP += [
+    Keep(
+        _S40_BAND_WITHOUT_SELF.replace(
+            "        keep = ((i[:, None] - i[None, :]).abs() <= self.window) & (i[:, None] != i[None, :])\n",
+            "        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(diagonal=-1)\n"),
+        reason="leaves query row 0 without any key at every size",
+        name="s40_strict_causal_mask_leaves_the_first_row_empty",
     ),
 ]

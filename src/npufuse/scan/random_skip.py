@@ -551,6 +551,7 @@ class RepoIndex:
         self._top_references: dict[str, list[tuple[ast.stmt, dict[str, list[ast.AST]]]]] = {}
         self._grad_none: dict[str, list[tuple[int, str]]] = {}
         self.drivers: dict[tuple[str, str], list[str]] = {}  # (site file, builder) -> _drivers
+        self.handed: dict[tuple[str, str, str], Optional["HandedIn"]] = {}  # (site file, class, attribute) -> handed_in_models
         self.modules: dict[str, list[str]] = {}  # dotted module path (and its suffixes) -> files
         for rel in self.files:
             parts = list(PurePosixPath(rel).with_suffix("").parts)
@@ -1237,9 +1238,166 @@ def _drivers(index: RepoIndex, rel: str, qualname: str) -> list[str]:
     return out[:8]
 
 
-def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, params: str) -> Optional[tuple[RandomSkip, bool]]:
-    """The random skip an optimizer site's model may include: (skip, resolved?) where ``resolved`` says
-    the model's class was told (else the skip is one the trainer's imports or config reach)."""
+# --- s40 (wrong40): a model handed to a trainer's constructor -------------------------------------------------------
+# `class Trainer: def __init__(self, model): self.model = model; self.opt = AdamW(self.model.parameters())` builds the
+# optimizer over whatever each `Trainer(...)` passes: the classes those instantiations construct decide, as for a model
+# built where the optimizer is (a driver importing the trainer through a package's `__init__` is found here too).
+
+class HandedIn:
+    """What the instantiations of a trainer class pass for the constructor argument its model attribute holds:
+    ``classes`` (model_classes of each resolved argument), ``sites`` (``file:line`` of every instantiation),
+    ``unknown`` (a sentence per instantiation whose argument npufuse does not resolve to a repository class),
+    ``files`` (the files holding the instantiations)."""
+
+    __slots__ = ("classes", "sites", "unknown", "files")
+
+    def __init__(self) -> None:
+        self.classes: list[list[tuple[str, ast.ClassDef]]] = []
+        self.sites: list[str] = []
+        self.unknown: list[str] = []
+        self.files: list[str] = []
+
+
+def _holds_argument(value: ast.AST, names: set[str]) -> bool:
+    """Is ``value`` one of ``names`` or that object moved / wrapped (``model.to(dev)``, ``DDP(model)``,
+    ``torch.compile(model)``): the same parameters either way?"""
+    while isinstance(value, ast.Call):
+        f = value.func
+        if isinstance(f, ast.Attribute) and f.attr in _MOVES and not value.args[1:]:
+            value = f.value
+        elif value.args:
+            value = value.args[0]
+        else:
+            return False
+    return (ast.unparse(value) if isinstance(value, (ast.Name, ast.Attribute)) else "") in names
+
+
+def _constructor_argument(cls: ast.ClassDef, attr: str) -> Optional[tuple[int, str]]:
+    """(position, name) of the ``__init__`` parameter every store of ``attr`` (``self.model``) in the class holds,
+    position -1 for a keyword-only one; None when a store holds anything else."""
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    if init is None:
+        return None
+    positional = [a.arg for a in init.args.posonlyargs + init.args.args][1:]
+    candidates = set(positional) | {a.arg for a in init.args.kwonlyargs}
+    found: Optional[str] = None
+    for n in ast.walk(cls):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else []
+        if not any(isinstance(t, ast.Attribute) and ast.unparse(t) == attr for t in targets):
+            continue
+        value = getattr(n, "value", None)
+        if value is None or isinstance(n, ast.AugAssign):
+            return None
+        direct = next((c for c in candidates if _holds_argument(value, {c})), None)
+        if direct is not None and n in ast.walk(init) and found in (None, direct):
+            found = direct
+        elif not _holds_argument(value, {attr}):
+            return None  # rebound to something else (a model built here, a copy): not the argument alone
+    if found is None:
+        return None
+    return (positional.index(found) if found in positional else -1), found
+
+
+def _region_of(tree: ast.Module, node: ast.AST) -> ast.AST:
+    """The innermost function holding ``node`` (by lines), else the module."""
+    best: ast.AST = tree
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.lineno <= node.lineno <= (fn.end_lineno or fn.lineno) \
+                and (best is tree or fn.lineno >= best.lineno):  # type: ignore[attr-defined]
+            best = fn
+    return best
+
+
+def _argument_classes(index: RepoIndex, rel: str, tree: ast.Module, call: ast.Call, arg: ast.AST) -> Optional[list[str]]:
+    """The class names the argument of an instantiation is built from in its file: a construction in place
+    (``Net(...)``, ``Net.from_pretrained(...)``, moved / wrapped) or a local bound to such constructions; None
+    when any binding is something else (a factory, a parameter, a loaded object)."""
+    def built(value: ast.AST) -> Optional[str]:
+        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
+                and isinstance(value.func.value, ast.Call):
+            value = value.func.value
+        if not isinstance(value, ast.Call):
+            return None
+        f = value.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr.startswith("from_"):
+            f = f.value
+        name = f.id if isinstance(f, ast.Name) else ""
+        return name if name[:1].isupper() else None
+
+    direct = built(arg)
+    if direct is not None:
+        return [direct]
+    if not isinstance(arg, ast.Name):
+        return None
+    region = _region_of(tree, call)
+    names: list[str] = []
+    for n in ast.walk(region):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets):
+            if _holds_argument(n.value, {arg.id}):
+                continue  # `model = DDP(model)`: the same parameters
+            name = built(n.value)
+            if name is None:
+                return None
+            names.append(name)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is region and arg.id in \
+                {a.arg for a in n.args.posonlyargs + n.args.args + n.args.kwonlyargs}:
+            return None  # the caller's own parameter: handed in further up
+    return names or None
+
+
+def handed_in_models(index: RepoIndex, rel: str, tree: ast.Module, qualname: str, model: str) -> Optional[HandedIn]:
+    """For an optimizer over ``self.<attr>`` whose class stores a constructor argument there, what every
+    instantiation of that class in the repository passes; None when the attribute is not such an argument."""
+    cls = _enclosing_class(tree, qualname)
+    if cls is None:
+        return None
+    key = (rel, cls.name, model)
+    if key in index.handed:
+        return index.handed[key]
+    index.handed[key] = None
+    arg = _constructor_argument(cls, model)
+    if arg is None:
+        return None
+    pos, pname = arg
+    out = HandedIn()
+    from npufuse.scan.repo_facts import definition_in
+
+    for f in index.files:
+        text = index.text(f) or ""
+        if cls.name not in text:
+            continue
+        ftree = index.tree(f)
+        for call in (n for n in ast.walk(ftree) if isinstance(n, ast.Call)) if ftree is not None else ():
+            fn = call.func
+            if not (isinstance(fn, ast.Name) and fn.id == cls.name or isinstance(fn, ast.Attribute) and fn.attr == cls.name):
+                continue
+            if isinstance(fn, ast.Name):
+                d = definition_in(index.root, f, ftree, cls.name)
+                if d is not None and (d.rel, d.node.name) != (rel, cls.name):
+                    continue  # another class of the same name
+            where = f"{f}:{call.lineno}"
+            out.sites.append(where)
+            out.files.append(f)
+            given = next((k.value for k in call.keywords if k.arg == pname), None)
+            if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
+                given = call.args[pos]
+            names = _argument_classes(index, f, ftree, call, given) if given is not None else None
+            found = [c for c in (model_classes(index, f, ftree, name) for name in names or ()) if c is not None]
+            if not names or len(found) != len(names):
+                shown = ast.unparse(given) if given is not None else "no model argument npufuse reads"
+                out.unknown.append(f"`{cls.name}(...)` at {where} passes `{shown[:80]}`, which npufuse does not resolve to a "
+                                   "model class of the repository")
+                continue
+            out.classes += found
+    out.files = list(dict.fromkeys(out.files))
+    index.handed[key] = out
+    return out
+
+
+def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, params: str) -> Optional[tuple[RandomSkip, bool, str]]:
+    """The random skip an optimizer site's model may include: (skip, resolved?, note) where ``resolved`` says
+    the model's class was told (else the skip is one the trainer's imports or config reach); ``note`` names an
+    instantiation of the trainer whose model argument npufuse does not resolve (s40), else empty."""
     tree = index.tree(rel)
     if tree is None:
         return None
@@ -1247,11 +1405,16 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     model = m.group(1) if m else ""
     told = [c for c in (model_classes(index, rel, tree, name) for name in _classes_of_model(tree, qualname, model)) if c is not None] \
         if model else []
+    handed = handed_in_models(index, rel, tree, qualname, model) if not told and model.startswith("self.") else None
+    if handed is not None and handed.classes:
+        # s40 (wrong40): `self.model = model` of a constructor argument: the classes the instantiations pass decide (where
+        # one passes a model npufuse does not resolve, the trainer's reachable code below decides after them)
+        told = handed.classes
     if told:
         # the model's class is one of the repo's (a wrapper such as DDP(...) is not): its own classes decide
         classes = [c for found in told for c in found]
         if classes:
-            if every_param_used(index, [rel]):
+            if every_param_used(index, [rel, *(handed.files if handed is not None else [])]):
                 return None
             files = list(dict.fromkeys([rel, *(r for r, _ in classes)]))
             region = _function_of(tree, qualname)
@@ -1263,9 +1426,14 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
                     if region is not None and any(name == node.name and _frozen_at_construction(region, model, s, call)
                                                   for name, call in built):
                         continue  # the site's code freezes the submodule it hands the model
-                    return s, True
-            return None
+                    return s, True, ""
+            if handed is None or not handed.unknown:
+                return None
     starts = [rel, *_drivers(index, rel, qualname)]
+    if handed is not None:
+        # the files that instantiate the trainer build (or receive) its model: their imports are the model's (a driver
+        # importing the trainer through a package's `__init__` is not one `_drivers` finds)
+        starts = list(dict.fromkeys([*starts, *handed.files]))
     if every_param_used(index, starts):
         return None
     registry = Registry(index, reachable_files(index, starts))
@@ -1273,7 +1441,9 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     first = next((s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)), None)
     if first is None and any("instantiate" in (index.text(f) or "") for f in starts):
         first = next((s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)), None)
-    return (first, False) if first is not None else None
+    # the reason names an instantiation whose model npufuse does not resolve (the skip objects are shared: not stored there)
+    note = handed.unknown[0] if handed is not None and handed.unknown else ""
+    return (first, False, note) if first is not None else None
 
 
 # --- s38 (opt38): a class chosen by a name no configuration of the repository names ---------------------------------
@@ -1457,9 +1627,11 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
                      "reason": why})
 
 
-def reason(skip: RandomSkip, resolved: bool) -> str:
+def reason(skip: RandomSkip, resolved: bool, note: str = "") -> str:
     """The near-miss reason of an optimizer whose model may include ``skip``."""
     whose = "the model the optimizer takes" if resolved else "a model class the trainer's code reaches (its model is not told apart)"
+    if note and not resolved:
+        whose = f"a model class the trainer's code reaches (its model is a constructor argument and {note})"
     if skip.data_dependent:
         return (f"{whose} calls a trainable submodule only when a test on the step's data holds: {skip.where()}; on a "
                 "step where it fails (an expert no token reaches, a branch the batch does not take) those parameters get "

@@ -1,0 +1,484 @@
+"""s40 (wrong40): can a mask built in view leave a query row with no key?
+
+A row every key of which is masked gives NaN in torch (SDPA with a bool mask, a ``-inf`` fill before softmax) or a
+uniform average (a finite fill); npu_fusion_attention's output there is not pinned down (spec 5.1 / 14). A causal
+triangle with its diagonal, or key padding of a non-empty sequence, keeps a key in every row; a band that excludes
+the query itself (``(i - j).abs() <= w & (i != j)``), a strict causal triangle (``j < i``: row 0 empty), a dilated
+pattern need not. Decided by mechanism: the mask's construction, when it is made of index arithmetic this module
+reads (``arange``, ``ones`` / ``eye`` / ``full``, ``tril`` / ``triu``, comparisons, ``& | ~ ^``, ``abs``, ``%``,
+``where``, ``masked_fill``, broadcasting subscripts), is evaluated on small sizes, every other scalar it reads (a
+length, a window, a stride) given the positive values 1, 2, 3, 5 and 8 in every combination (fewer values each where two or three combine). Verdicts:
+
+* ``kept``: every evaluation keeps a key in every row: nothing changes;
+* ``empty``: every evaluation leaves some row (``rows``) without a key: no rewrite (a near miss saying so);
+* ``varies``: some do and some do not (``w = 0``-like sizes, a band of width 1 on one key): the fused branch runs
+  only under a run-time check that every query row keeps a key.
+
+None when the construction is not read (a mask handed in, a module call): what the detectors did before holds."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import math
+from typing import Any, Callable, Optional
+
+# torch is imported only when a mask construction is evaluated: a scan imports no torch otherwise (~1.7 s of start-up)
+torch: Any = None
+
+
+def _load_torch() -> None:
+    global torch
+    if torch is None:
+        import torch as _torch
+
+        torch = _torch
+
+SAMPLES = (1, 2, 3, 5, 8)
+_GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8)}  # fewer values per unknown where several combine
+_MAX_UNKNOWNS = 3
+_INDEX_WORDS = ("arange", "tril", "triu", "eye")
+_CASTS = frozenset(("bool", "float", "half", "long", "int", "double", "bfloat16", "contiguous", "clone", "detach", "cpu",
+                    "cuda", "npu", "requires_grad_"))
+
+
+class _Unread(Exception):
+    """A part of the construction this module does not evaluate."""
+
+
+class RowVerdict:
+    """``kind``: kept / empty / varies; ``rows``: the query rows every evaluation leaves empty (``empty``)."""
+
+    __slots__ = ("kind", "rows")
+
+    def __init__(self, kind: str, rows: tuple[int, ...] = ()) -> None:
+        self.kind, self.rows = kind, rows
+
+    def describe(self) -> str:
+        if self.kind == "empty":
+            which = f"query row {self.rows[0]}" if len(self.rows) == 1 else \
+                "query rows " + ", ".join(str(r) for r in self.rows[:3]) if self.rows else "some query row"
+            return (f"its construction leaves {which} without any key at every size npufuse evaluates it at "
+                    f"(each length / window / stride it reads set to values from {SAMPLES[0]} to {SAMPLES[-1]}): torch gives such a row NaN (or a uniform average with a finite fill), "
+                    "npu_fusion_attention's output on a fully masked row is not pinned down (spec 5.1 / 14)")
+        return ("its construction can leave a query row without any key (it does at some of the sizes npufuse evaluates "
+                "it at, keeps one at others)")
+
+
+def _name(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _is_torch_fn(call: ast.Call) -> bool:
+    f = call.func
+    return isinstance(f, ast.Attribute) and _key(f.value) in ("torch", "th")
+
+
+def _key(n: Any) -> str:
+    """A leaf's text, a detector's symbolic local (``Ref``) read as its name."""
+    if type(n).__name__ == "Ref":
+        return str(getattr(n, "name", "?"))
+    if isinstance(n, ast.Name):
+        return n.id
+    if isinstance(n, ast.Attribute):
+        return f"{_key(n.value)}.{n.attr}"
+    if isinstance(n, ast.Subscript):
+        return f"{_key(n.value)}[{_key(n.slice)}]"
+    if isinstance(n, ast.Constant):
+        return repr(n.value)
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+        return f"-{_key(n.operand)}"
+    if isinstance(n, ast.Call):
+        return f"{_key(n.func)}({', '.join(_key(a) for a in n.args)})"
+    if isinstance(n, ast.Tuple):
+        return f"({', '.join(_key(a) for a in n.elts)})"
+    return type(n).__name__
+
+
+class _Evaluator:
+    """Evaluates one construction with ``env`` (unknown scalar text -> int); ``resolve`` maps a Name / Ref /
+    ``self.`` attribute to the expression it holds (None: unknown scalar)."""
+
+    def __init__(self, resolve: Callable[[Any], Any], env: dict[str, int]) -> None:
+        self.resolve, self.env, self.depth = resolve, env, 0
+
+    def scalar(self, node: Any) -> int:
+        key = _key(node)
+        if key not in self.env:
+            raise _Unread(key)
+        return self.env[key]
+
+    def ev(self, node: Any) -> Any:
+        self.depth += 1
+        if self.depth > 200:
+            raise _Unread("too deep")
+        try:
+            return self._ev(node)
+        finally:
+            self.depth -= 1
+
+    def _ev(self, node: Any) -> Any:
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, (int, float, bool)) or node.value is None:
+                return node.value
+            raise _Unread("constant")
+        if isinstance(node, (ast.Tuple, ast.List)):
+            return tuple(self.ev(e) for e in node.elts)
+        if isinstance(node, ast.Name) and node.id in ("None",):
+            return None
+        if isinstance(node, ast.expr) and type(node).__name__ in ("Ref", "Name", "Attribute") \
+                or isinstance(node, ast.Subscript) and _shape_read(node):
+            if isinstance(node, ast.Attribute) and _key(node) in ("math.inf", "torch.inf", "np.inf", "numpy.inf"):
+                return math.inf
+            value = self.resolve(node)
+            if value is not None:
+                return self.ev(value)
+            return self.scalar(node)
+        if isinstance(node, ast.UnaryOp):
+            x = self.ev(node.operand)
+            if isinstance(node.op, ast.USub):
+                return -x
+            if isinstance(node.op, ast.Invert):
+                if not isinstance(x, torch.Tensor):
+                    raise _Unread("~ of a scalar")  # an unknown read as a number was a mask tensor
+                return ~x
+            if isinstance(node.op, ast.Not) and not isinstance(x, torch.Tensor):
+                return not x
+            raise _Unread("unary")
+        if isinstance(node, ast.BinOp):
+            a, b = self.ev(node.left), self.ev(node.right)
+            ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b, ast.FloorDiv: lambda: a // b,
+                   ast.Mod: lambda: a % b, ast.BitAnd: lambda: a & b, ast.BitOr: lambda: a | b, ast.BitXor: lambda: a ^ b,
+                   ast.Div: lambda: a / b}
+            op = ops.get(type(node.op))
+            if op is None:
+                raise _Unread("binop")
+            if isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                raise _Unread("a logical operation with a scalar")  # an unknown read as a number was a mask tensor
+            return op()
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            a, b = self.ev(node.left), self.ev(node.comparators[0])
+            ops = {ast.Lt: lambda: a < b, ast.LtE: lambda: a <= b, ast.Gt: lambda: a > b, ast.GtE: lambda: a >= b,
+                   ast.Eq: lambda: a == b, ast.NotEq: lambda: a != b}
+            op = ops.get(type(node.ops[0]))
+            if op is None:
+                raise _Unread("compare")
+            return op()
+        if isinstance(node, ast.Subscript):
+            base = self.ev(node.value)
+            if not isinstance(base, torch.Tensor):
+                raise _Unread("subscript")
+            return base[self._index(node.slice)]
+        if isinstance(node, ast.IfExp):
+            raise _Unread("conditional")
+        if isinstance(node, ast.Call):
+            return self._call(node)
+        raise _Unread(type(node).__name__)
+
+    def _index(self, s: Any) -> Any:
+        if isinstance(s, ast.Tuple):
+            return tuple(self._index(e) for e in s.elts)
+        if isinstance(s, ast.Slice):
+            return slice(*(self.ev(x) if x is not None else None for x in (s.lower, s.upper, s.step)))
+        if isinstance(s, ast.Constant) and s.value is Ellipsis:
+            return Ellipsis
+        v = self.ev(s)
+        if isinstance(v, torch.Tensor):
+            raise _Unread("tensor index")
+        return v
+
+    def _sizes(self, args: list[Any]) -> tuple[int, ...]:
+        vals = [self.ev(a) for a in args]
+        if len(vals) == 1 and isinstance(vals[0], tuple):
+            vals = list(vals[0])
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            raise _Unread("sizes")
+        return tuple(vals)
+
+    def _call(self, call: ast.Call) -> Any:
+        name = _name(call)
+        kw = {k.arg: k.value for k in call.keywords if k.arg}
+        as_bool = "dtype" in kw and _key(kw["dtype"]) == "torch.bool"
+        func = call.func
+        method = isinstance(func, ast.Attribute) and not _is_torch_fn(call)
+        if name == "float" and isinstance(func, ast.Name) and call.args:
+            text = call.args[0].value if isinstance(call.args[0], ast.Constant) else None
+            if isinstance(text, str) and text.strip().lower() in ("-inf", "inf", "+inf", "-infinity"):
+                return -math.inf if text.strip().startswith("-") else math.inf
+            raise _Unread("float")
+        if name in ("len",) and isinstance(func, ast.Name) or name in ("size",) and method or name == "numel":
+            return self.scalar(call)
+        if name == "min" and isinstance(func, ast.Attribute) and "finfo" in _key(func.value):
+            return -math.inf  # the most negative float: masks like -inf
+        if not method:
+            if not _is_torch_fn(call):
+                raise _Unread(name)
+            out = self._torch(name, call, kw)
+        else:
+            recv = self.ev(func.value)  # type: ignore[union-attr]
+            if not isinstance(recv, torch.Tensor):
+                raise _Unread("method of a scalar")
+            out = self._method(name, recv, call, kw)
+        if as_bool and isinstance(out, torch.Tensor):
+            out = out.bool()
+        return out
+
+    def _torch(self, name: str, call: ast.Call, kw: dict[str, Any]) -> Any:
+        args = call.args
+        if name == "arange":
+            vals = [self.ev(a) for a in args]
+            if "end" in kw:
+                vals.append(self.ev(kw["end"]))
+            if "start" in kw:
+                vals.insert(0, self.ev(kw["start"]))
+            return torch.arange(*vals)
+        if name in ("ones", "zeros", "empty_like_never"):
+            return (torch.ones if name == "ones" else torch.zeros)(self._sizes(list(args)))
+        if name == "full" and len(args) >= 2:
+            return torch.full(self._sizes([args[0]]), float(self.ev(args[1])))
+        if name == "eye" and args:
+            return torch.eye(*self._sizes(list(args)))
+        if name in ("tril", "triu") and args:
+            d = self.ev(args[1]) if len(args) > 1 else self.ev(kw["diagonal"]) if "diagonal" in kw else 0
+            return getattr(torch, name)(self.ev(args[0]), int(d))
+        if name in ("abs", "logical_not") and len(args) == 1:
+            return getattr(torch, name)(self.ev(args[0]))
+        if name in ("logical_and", "logical_or", "logical_xor", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge",
+                    "minimum", "maximum") and len(args) == 2:
+            return getattr(torch, name)(torch.as_tensor(self.ev(args[0])), torch.as_tensor(self.ev(args[1])))
+        if name == "where" and len(args) == 3:
+            c, a, b = (self.ev(x) for x in args)
+            return torch.where(c, torch.as_tensor(a), torch.as_tensor(b))
+        if name in ("zeros_like", "ones_like") and args:
+            return getattr(torch, name)(self.ev(args[0]))
+        raise _Unread(f"torch.{name}")
+
+    def _method(self, name: str, recv: torch.Tensor, call: ast.Call, kw: dict[str, Any]) -> Any:
+        args = [self.ev(a) for a in call.args]
+        if name in _CASTS:
+            return recv.bool() if name == "bool" else recv if name not in ("float", "half", "double", "bfloat16", "long", "int") \
+                else recv.float() if name in ("float", "half", "double", "bfloat16") else recv.long()
+        if name == "to":
+            text = _key(call.args[0]) if call.args else _key(kw.get("dtype", ast.Constant(None)))
+            return recv.bool() if text == "torch.bool" else recv.float() if "float" in text or "half" in text else recv
+        if name in ("tril", "triu"):
+            d = args[0] if args else self.ev(kw["diagonal"]) if "diagonal" in kw else 0
+            return getattr(recv, name)(int(d))
+        if name in ("unsqueeze", "squeeze") and len(args) <= 1:
+            return getattr(recv, name)(*args)
+        if name in ("abs", "logical_not", "t"):
+            return getattr(recv, name)()
+        if name in ("logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge", "remainder", "fmod") and len(args) == 1:
+            return getattr(recv, name)(torch.as_tensor(args[0]))
+        if name in ("masked_fill",) and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            return recv.float().masked_fill(args[0].bool(), float(args[1])) if not recv.is_floating_point() and not isinstance(args[1], bool) \
+                else recv.masked_fill(args[0].bool(), args[1])
+        if name in ("view", "reshape", "expand") and all(isinstance(a, int) for a in args):
+            return getattr(recv, name)(*args)
+        if name == "transpose" and len(args) == 2:
+            return recv.transpose(*args)
+        raise _Unread(f".{name}")
+
+
+def _shape_read(node: ast.Subscript) -> bool:
+    return isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
+
+
+def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Optional[list[str]]:
+    """The texts of the scalar leaves the evaluation will ask for (names / attributes / shape reads without a
+    definition it follows), in order; None past ``limit`` nodes."""
+    out: list[str] = []
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or not isinstance(n, ast.AST):
+            continue
+        seen.add(id(n))
+        limit -= 1
+        if limit < 0:
+            return None
+        leaf = type(n).__name__ in ("Ref", "Name", "Attribute") or isinstance(n, ast.Subscript) and _shape_read(n) \
+            or isinstance(n, ast.Call) and (_name(n) == "len" and isinstance(n.func, ast.Name) or _name(n) in ("size", "numel")
+                                            and isinstance(n.func, ast.Attribute))
+        if leaf and not isinstance(n, ast.Call):
+            if isinstance(n, ast.Attribute) and _key(n) in ("math.inf", "torch.inf", "torch.bool", "np.inf"):
+                continue
+            if _key(n) in ("torch", "th", "math", "None", "True", "False"):
+                continue
+            value = resolve(n)
+            if value is not None:
+                stack.append(value)
+                continue
+            text = _key(n)
+            if text not in out:
+                out.append(text)
+            continue
+        if isinstance(n, ast.Call) and leaf:
+            text = _key(n)
+            if text not in out:
+                out.append(text)
+            continue
+        if isinstance(n, ast.Call):
+            # the callee's receiver is evaluated (a method), a torch function's name is not a leaf; keywords other
+            # than sizes / diagonal (device, dtype) are not read
+            f = n.func
+            if isinstance(f, ast.Attribute) and not _is_torch_fn(n):
+                stack.append(f.value)
+            stack += list(n.args) + [k.value for k in n.keywords if k.arg in ("diagonal", "end", "start")]
+            continue
+        if isinstance(n, ast.Attribute):
+            continue
+        stack += list(ast.iter_child_nodes(n))
+    return out
+
+
+def index_built(node: Any, resolve: Callable[[Any], Any]) -> bool:
+    """Does the construction (followed through ``resolve``) call ``arange`` / ``tril`` / ``triu`` / ``eye``?"""
+    stack, seen, budget = [node], set(), 400
+    while stack and budget:
+        budget -= 1
+        n = stack.pop()
+        if id(n) in seen or not isinstance(n, ast.AST):
+            continue
+        seen.add(id(n))
+        if isinstance(n, ast.Call) and _name(n) in _INDEX_WORDS:
+            return True
+        if type(n).__name__ in ("Ref", "Name", "Attribute"):
+            value = resolve(n)
+            if value is not None:
+                stack.append(value)
+            if isinstance(n, ast.Attribute):
+                stack.append(n.value)
+            continue
+        stack += list(ast.iter_child_nodes(n))
+    return False
+
+
+def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Optional[RowVerdict]:
+    """Whether the mask ``node`` keeps a key in every query row (see the module's doc). ``polarity``: ``keep``
+    (True = attended), ``masked`` (True = masked), ``additive`` (masked where < 0), ``keep01`` (masked where 0),
+    ``auto`` (bool: keep, else additive)."""
+    if not index_built(node, resolve):
+        return None
+    names = _unknowns(node, resolve)
+    if names is None or len(names) > _MAX_UNKNOWNS:
+        return None
+    _load_torch()
+    empties: list[bool] = []
+    common: Optional[set[int]] = None
+    grid = SAMPLES if len(names) <= 1 else _GRIDS[len(names)]  # 5, 16 or 27 evaluations
+    for values in itertools.product(grid, repeat=len(names)):
+        try:
+            with torch.no_grad():
+                m = _Evaluator(resolve, dict(zip(names, values))).ev(node)
+        except (_Unread, RuntimeError, TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, AttributeError):
+            return None
+        if not isinstance(m, torch.Tensor) or m.dim() == 0 or m.numel() == 0:
+            return None
+        keep = _keep(m, polarity)
+        if keep.dim() == 1:
+            keep = keep.unsqueeze(0)
+        no_key = ~keep.any(-1)  # [..., Sq]: True where the row keeps no key
+        empty = bool(no_key.any())
+        empties.append(empty)
+        if len(set(empties)) == 2:
+            return RowVerdict("varies")  # both seen: the answer is the run-time check's
+        if empty:
+            rows = set(torch.nonzero(no_key.reshape(-1, no_key.shape[-1]).any(0)).flatten().tolist())
+            common = rows if common is None else common & rows
+    if not empties:
+        return None
+    if not any(empties):
+        return RowVerdict("kept")
+    if all(empties):
+        return RowVerdict("empty", tuple(sorted(common or ())))
+    return RowVerdict("varies")
+
+
+def _keep(m: torch.Tensor, polarity: str) -> torch.Tensor:
+    if polarity == "keep" or polarity == "auto" and m.dtype == torch.bool:
+        return m.bool()
+    if polarity == "masked":
+        return ~m.bool()
+    if polarity == "keep01":
+        return m != 0
+    return ~(m < 0)
+
+
+def row_check(text: str, polarity: str) -> str:
+    """A run-time condition that every query row of the mask ``text`` keeps a key."""
+    t = text if text.isidentifier() else f"({text})"
+    if polarity == "keep":
+        return f"bool({t}.any(-1).all())"
+    if polarity == "masked":
+        return f"not bool({t}.all(-1).any())"
+    if polarity == "keep01":
+        return f"bool(({t} != 0).any(-1).all())"
+    if polarity == "additive":
+        return f"bool(({t} >= 0).any(-1).all())"
+    return f"bool(({t} if {t}.dtype == torch.bool else {t} >= 0).any(-1).all())"
+
+
+ROW_CHECK_RISK = ("the mask is built so that a query row can keep no key (every key masked): torch gives such a row NaN "
+                  "(or a uniform average), npu_fusion_attention's value there is not pinned down (spec 5.1 / 14); the fused "
+                  "call runs where every query row keeps a key (checked at run time: a host sync), the original otherwise")
+
+
+class Resolver:
+    """Maps a leaf of a mask construction to the expression it holds: a local through the scope's assignments
+    (``ref_value`` reads a detector's own symbolic values first), a ``self.<attr>`` buffer / attribute through the
+    class's one store of it (``register_buffer("m", v)`` or ``self.m = v``, a local there through that function's one
+    store). None: an unknown scalar (a parameter, a length, a window)."""
+
+    def __init__(self, module: Any, scope: Any, line: int, ref_value: Optional[Callable[[Any], Any]] = None) -> None:
+        self.module, self.scope, self.line, self.ref_value = module, scope, line, ref_value
+        self.foreign: dict[int, ast.AST] = {}  # id(node of a value read in another method) -> that method
+
+    def __call__(self, n: Any) -> Any:
+        if self.ref_value is not None and type(n).__name__ == "Ref":
+            return self.ref_value(n)
+        fn = self.foreign.get(id(n))
+        if isinstance(n, ast.Name):
+            if fn is not None:
+                return self._one_store(fn, n.id)
+            return self.scope.definition(n.id, getattr(n, "lineno", None) or self.line)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" and fn is None:
+            return self._attribute(n.attr)
+        return None
+
+    def _one_store(self, fn: ast.AST, name: str) -> Any:
+        stores = [a for a in ast.walk(fn) if isinstance(a, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                  and any(isinstance(t, ast.Name) and t.id == name for t in (a.targets if isinstance(a, ast.Assign) else [a.target]))]
+        if len(stores) != 1 or isinstance(stores[0], ast.AugAssign) or stores[0].value is None:
+            return None if not stores else _UNREAD_NODE
+        return self._adopt(fn, stores[0].value)
+
+    def _adopt(self, fn: ast.AST, value: ast.AST) -> ast.AST:
+        for sub in ast.walk(value):
+            self.foreign[id(sub)] = fn
+        return value
+
+    def _attribute(self, attr: str) -> Any:
+        cls = getattr(self.module, "classes", {}).get(getattr(self.scope, "class_name", None) or "")
+        if cls is None:
+            return None
+        found: list[tuple[ast.AST, ast.AST]] = []
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_buffer" \
+                        and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value == attr:
+                    found.append((fn, node.args[1]))
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and any(
+                        isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr == attr
+                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+                    found.append((fn, node.value))
+        if len(found) != 1:
+            return _UNREAD_NODE if found else None
+        return self._adopt(*found[0])
+
+
+# a value this module does not read (several stores): the evaluation stops there
+_UNREAD_NODE = ast.Starred(value=ast.Constant(None))
