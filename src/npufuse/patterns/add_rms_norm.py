@@ -6282,6 +6282,8 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
     rms = [r for _m, r in readings if r is not None and r.kind != "not_rms"]
     if len(rms) == 1:
         return rms[0]
+    if not any(r is not None or _RMS_NAME.search(m.name.split(".")[-1]) for m, r in readings):
+        return nc  # no choice is read as a norm nor named an RMSNorm (an MLP, a projection): no norm site to explain
     if nc is not None and nc.kind != "not_rms" and not any(r is not None and r.kind == "not_rms" for _m, r in readings):
         return nc  # the plain reading's (nanotron's two outside RMSNorm classes): no construction is read as another norm
     parts = []
@@ -6292,8 +6294,8 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
                 r.reason.replace("norm is not RMSNorm (", "").rstrip(")").removeprefix(f"{name}: ") if r is not None
                 else "a construction npufuse does not fuse")
         parts.append(f"`{name}`{when}: {what}")
-    built = "one of several modules" if len(stores) > 1 else f"`{ast.unparse(stores[0])[:60]}`"
+    built = "" if len(stores) > 1 else f" (`{ast.unparse(stores[0])[:60]}`)"
     why = ("more than one of them is an RMSNorm (one fused branch per class is not built)" if len(rms) > 1
            else "none is an RMSNorm npufuse can fuse")
     return NormCall(call, f.attr, "not_rms", cls=" or ".join(p.split("`")[1] for p in parts),
-                    reason=f"norm `{mod}` is built in {scope.class_name} as {built}, chosen by configuration: {'; '.join(parts)}; {why}")
+                    reason=f"norm `{mod}` is one of several modules built in {scope.class_name}{built}: {'; '.join(parts)}; {why}")
