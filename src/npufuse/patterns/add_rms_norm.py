@@ -1151,7 +1151,13 @@ def _plain_module_base(module: ModuleInfo, base: ast.expr) -> bool:
 
 def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
     """What the norm call ``self.<attr>(x)`` / ``norm(x)`` / ``F.rms_norm(x, ...)`` on the sum is,
-    judged from ``__init__``, the class's or the function's own code."""
+    judged from ``__init__``, the class's or the function's own code; for ``self.<attr>`` whose class builds
+    it as one of several modules, every one of them (:func:`_s40_config_chosen_norm`)."""
+    return _s40_config_chosen_norm(module, scope, call, ctx, _norm_call_read(module, scope, call, ctx))
+
+
+def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """:func:`_norm_call` as read from one construction of the module (the last in ``__init__``)."""
     from npufuse.scan import canonical
 
     f = call.func
@@ -6216,3 +6222,80 @@ AddRmsNorm.KEEP += [
     Keep(_S38_SKIP_NORM.replace("        out = x\n", "        out = 2 * x\n"), name="s38_optional_residual_else_arm_not_an_alias"),
     Keep(_S38_SKIP_NORM.replace("out = x + skip", "out = x + weight"), name="s38_optional_residual_else_arm_adds_another_tensor"),
 ]
+
+
+# -- s40 (reasons40): a norm module chosen by configuration among several classes ------------------------------------
+#
+# ``if cfg.use_rms: self.norm = nn.RMSNorm(d) else: self.norm = nn.LayerNorm(d)``, ``norm_cls = RMSNorm if
+# cfg.rms else nn.LayerNorm; self.norm = norm_cls(d)``, ``self.norm = build_norm(cfg, d)`` / ``self._make_norm(cfg)``
+# (a factory whose returns choose): the plain reading took the last construction in ``__init__`` (a near miss that
+# described only the LayerNorm branch, false for runs with the RMSNorm; and with the arms in the other order an
+# unguarded fusion of nn.RMSNorm that ran npu_rms_norm on the LayerNorm instance) or nothing at all for a factory.
+# Every construction ``bound_callee.choices`` reads is judged like one built unconditionally; exactly one RMSNorm
+# among them is fused under an exact run-time class test (the other classes run the original code); otherwise
+# the near miss names every class the attribute may hold.
+
+
+def _s40_built_by_choice(module: ModuleInfo, value: ast.expr) -> bool:
+    """One construction of the attribute that may build one of several classes: a call of a local alias, a
+    function or method of the file, or of a conditional expression (``(A if c else B)(d)``)."""
+    if not isinstance(value, ast.Call):
+        return False
+    f = value.func
+    if isinstance(f, ast.IfExp):
+        return True
+    if isinstance(f, ast.Attribute):
+        return isinstance(f.value, ast.Name) and f.value.id == "self"
+    return isinstance(f, ast.Name) and f.id not in module.classes and f.id not in module.aliases
+
+
+def _s40_guarded(nc: NormCall, mod: str) -> bool:
+    return any(c.startswith((f"type({mod})", f"isinstance({mod}")) for c in nc.conditions)
+
+
+def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, nc: NormCall | None) -> NormCall | None:
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and scope.class_name
+            and len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)):
+        return nc
+    mod = f"self.{f.attr}"
+    if nc is not None and nc.kind != "not_rms" and _s40_guarded(nc, mod):
+        return nc  # fused under a test of the instance's class already
+    from npufuse.scan import bound_callee
+
+    stores = bound_callee.attribute_values(module, scope.class_name, f.attr)
+    if not (len(stores) > 1 or (len(stores) == 1 and _s40_built_by_choice(module, stores[0]))):
+        return nc
+    choice = bound_callee.choices(module, scope, f)
+    if choice is None or len(choice.names()) < 2:
+        return nc
+    readings: list[tuple[bound_callee.Member, NormCall | None]] = []
+    for m in choice.members:
+        r = None
+        if m.instance and m.built_by is not None and dotted(m.node):
+            ctor = ast.copy_location(ast.Call(func=m.node, args=m.built_by.args, keywords=m.built_by.keywords), m.built_by)
+            where = f" (from {m.home.path})" if m.home is not module else ""
+            r = _member_ctor_norm(module, call, ctx, m.home, ctor, mod, where)
+            if r is not None and r.kind != "not_rms" and (not _s40_guarded(r, mod) or bound_callee.rebound_class(m.home, dotted(m.node) or "")):
+                r = None  # no exact class test (or the file rebinds the class name): not fused
+        readings.append((m, r))
+    rms = [r for _m, r in readings if r is not None and r.kind != "not_rms"]
+    if len(rms) == 1:
+        return rms[0]
+    if not any(r is not None or _RMS_NAME.search(m.name.split(".")[-1]) for m, r in readings):
+        return nc  # no choice is read as a norm nor named an RMSNorm (an MLP, a projection): no norm site to explain
+    if nc is not None and nc.kind != "not_rms" and not any(r is not None and r.kind == "not_rms" for _m, r in readings):
+        return nc  # the plain reading's (nanotron's two outside RMSNorm classes): no construction is read as another norm
+    parts = []
+    for m, r in readings:
+        name = m.name.replace("torch.nn.", "nn.")
+        when = f" (under {m.condition})" if m.condition else ""
+        what = ("an RMSNorm" if r is not None and r.kind != "not_rms" else
+                r.reason.replace("norm is not RMSNorm (", "").rstrip(")").removeprefix(f"{name}: ") if r is not None
+                else "a construction npufuse does not fuse")
+        parts.append(f"`{name}`{when}: {what}")
+    built = "" if len(stores) > 1 else f" (`{ast.unparse(stores[0])[:60]}`)"
+    why = ("more than one of them is an RMSNorm (one fused branch per class is not built)" if len(rms) > 1
+           else "none is an RMSNorm npufuse can fuse")
+    return NormCall(call, f.attr, "not_rms", cls=" or ".join(p.split("`")[1] for p in parts),
+                    reason=f"norm `{mod}` is one of several modules built in {scope.class_name}{built}: {'; '.join(parts)}; {why}")

@@ -1714,6 +1714,13 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         return miss(plan)
     dropped = set().union(*(S.names_written(s) for s in plan.dropped)) if plan.dropped else set()
     outside = _names_read_outside(stmt, m.node) & dropped
+    chosen = _s40_chosen_arm(module, stmt, m.node, plan, dropped) if outside else None
+    if isinstance(chosen, str):
+        return miss(chosen)
+    if chosen is not None:
+        # s40: ``return out * self.weight if self.affine else out``: the other read of the intermediate is the
+        # alternative arm; the fused code runs where the test picks the norm's arm, the original elsewhere
+        outside = _names_read_outside(stmt, chosen[0]) & dropped
     if outside:
         return miss(f"intermediate `{sorted(outside)[0]}` reused after the fused region")
     try:
@@ -1737,10 +1744,12 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         exit_body = [S.stmt_source(module, b) for b in early.body]
         body.append(f"if {S.source_of(module, early.test)}:\n" + S.indent("\n".join(before + exit_body)))
     body += p.pre
-    body.append(S.splice(module, stmt, [(m.node, p.expr)]))
+    body.append(S.splice(module, stmt, [(m.node if chosen is None else chosen[0], p.expr)]))
     if p.condition is not None:
         # the weight is optional: fused with it, the original code without it (npu_rms_norm needs gamma)
         body = [f"if {p.condition}:", S.indent("\n".join(body)), "else:", S.indent(S.block_source(module, plan.stmts))]
+    if chosen is not None:
+        path_cond = chosen[1] if path_cond is None else f"{path_cond} and {chosen[1]}"
     if path_cond is not None:
         # the norm is returned in one branch of ifs after it (OLMo: ``if self.weight is not None: ...
         # return self.weight * x``): that path fused, every other path the original statements
@@ -1774,6 +1783,42 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         training_ok=True,
     )
     return SiteResult(stmt, m, f, None, m.core.rstd)
+
+
+# s40 (reasons40): a norm whose forward returns a conditional expression, the norm times its weight in one arm and
+# the weightless value in the other (``return out * self.weight if self.affine else out``). The intermediate is read
+# again only by the other arm: not a reuse after the fused region. The test is moved before the fused region (it
+# reads nothing the region computes or stores, and calls nothing), so the fused code runs where it picks the
+# norm's arm and the original statements run on the other path; attributes the arm reads (a weight that exists
+# only when affine) are read only after the test.
+_PLAIN_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+               ast.cmpop, ast.boolop, ast.unaryop)
+
+
+def _s40_chosen_arm(module: ModuleInfo, stmt: ast.stmt, node: ast.AST, plan: S.SpanPlan,
+                    dropped: set[str]) -> tuple[ast.IfExp, str] | str | None:
+    """For a matched norm ``node`` that is one whole arm of a conditional expression in ``stmt``: (that
+    expression, the test under which the arm is taken); a reason (str) where the test cannot be moved before
+    the fused region; None where ``node`` is no arm of one."""
+    ifexp = next((n for n in fast_walk(stmt) if isinstance(n, ast.IfExp) and (n.body is node or n.orelse is node)), None)
+    if ifexp is None:
+        return None
+    test = ifexp.test
+    text = S.source_of(module, test)
+    if "\n" in text or not all(isinstance(n, _PLAIN_TEST) for n in fast_walk(test)):
+        return (f"the norm is one arm of a conditional expression whose test `{text[:60]}` is not a plain flag or "
+                "comparison: npufuse does not move it before the fused region")
+    read = {n.id for n in fast_walk(test) if isinstance(n, ast.Name)}
+    if read & dropped:
+        return (f"the conditional expression's test `{text[:60]}` reads `{sorted(read & dropped)[0]}`, computed by the norm's "
+                "statements: it cannot be tested before the fused region")
+    paths = {dotted(n) for n in fast_walk(test) if isinstance(n, (ast.Name, ast.Attribute))} - {None}
+    for st in plan.stmts:
+        for n in fast_walk(st):
+            if isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Store) and dotted(n) in paths:
+                return (f"the conditional expression's test `{text[:60]}` reads `{dotted(n)}`, assigned inside the fused "
+                        "region: it cannot be tested before it")
+    return ifexp, f"({text})" if ifexp.body is node else f"not ({text})"
 
 
 def _early_exit(scope: Scope, root: ast.stmt, trace: S.Trace) -> tuple[ast.If, S.SpanPlan, list[ast.stmt]] | None:

@@ -447,6 +447,9 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
                     fwd = S.method(module, cname, "forward")
                     if ck is not None:
                         return Act(ck, gate, ctx, desc, obj=f, kernels=_formula_kernels(module, fwd) if fwd else 1)
+                    swish = _s40_swish_act(module, fwd, cname, value, f, gate, ctx, desc) if isinstance(fwd, ast.FunctionDef) else None
+                    if swish is not None:
+                        return swish
                     formula = _s39_pointwise_formula(module, fwd) if isinstance(fwd, ast.FunctionDef) else None
                     if formula is not None:
                         # s39: the module's own activation class computes something npufuse cannot name: a near
@@ -490,6 +493,10 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             k2 = _helper_act(module, m)
             if k2 is not None:
                 return Act(k2, gate, ctx, f"self.{f.attr}()", kernels=_formula_kernels(module, m))
+            swish = _s40_swish_act(module, m, ctx.scope.class_name, None, ast.Name("self", ast.Load(), lineno=f.lineno, col_offset=f.col_offset),
+                                   gate, ctx, f"self.{f.attr}()")
+            if swish is not None:
+                return swish
         return _inherited_act(module, f, gate, ctx)
     if isinstance(f, ast.Attribute) and (dotted(f) or "").startswith("self.") and (dotted(f) or "").count(".") == 2 \
             and f.attr != "forward" and f.attr not in _MAPPING_READS \
@@ -921,7 +928,8 @@ def _sigmoid_form(module: ModuleInfo, value: ast.BinOp, ctx: S.Ctx) -> Act | Non
                     unit = _s36_unit_beta(module, k, ctx)
                     if unit is not None:
                         return unit(z, "z * torch.sigmoid(beta * z)")
-                    return Act(f"swish with beta `{ast.unparse(k)}` (z * sigmoid(beta * z))", z, ctx, "", kernels=3)
+                    what = _s40_beta_attribute(module, k, ctx)
+                    return Act(f"swish with beta `{ast.unparse(k)}`{what} (z * sigmoid(beta * z))", z, ctx, "", kernels=3)
     return None
 
 
@@ -1393,7 +1401,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                 return g
             raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
-            raise GateMiss(f"activation is a {act.kind}, not silu: npu_swiglu computes silu(gate) * up only "
+            raise GateMiss(f"activation is a {act.kind}{'' if _S40_UNSHOWN in act.kind else ', not silu'}: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
         return None
     _one_value_check(a, actx, b, ctx)
@@ -1961,6 +1969,9 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
             return miss("quick_gelu (x * sigmoid(1.702 x)) is not gelu: npu_geglu has erf/tanh gelu only (npu_fast_gelu covers the activation alone)")
         if "gelu" in kind:
             return miss(f"gelu variant `{kind}` cannot be mapped: npu_geglu computes approximate=0 (erf) or 1 (tanh) only")
+        if kind.startswith("swish with beta") and _S40_UNSHOWN in kind:
+            # s40: beta may be 1 at run time, but nothing read shows it: not "not silu"
+            return miss(f"activation is a {kind}: npu_swiglu computes silu(gate) * up (beta 1) only")
         if kind == _OWN_FORMULA:
             return miss(f"the activation is the module's own class ({g0.act.describe}), a formula npufuse does not read as "
                         "silu or as gelu (erf / tanh): no fused gated op is known to compute it")
@@ -7706,9 +7717,7 @@ def _s36_unit_beta(module: ModuleInfo, k: ast.expr, ctx: S.Ctx) -> Any:
         if not _s36_unit_default(defaults.get(k.id)):
             return None
     elif isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "self" and ctx.scope.class_name:
-        values = _init_values(module, ctx.scope.class_name, k.attr)
-        params = S.init_params(module, ctx.scope.class_name)
-        if len(values) != 1 or not (isinstance(values[0], ast.Name) and values[0].id in params and _s36_unit_default(params[values[0].id])):
+        if _s40_unit_attribute(module, ctx.scope.class_name, k.attr, None) is not True:
             return None
         if any(isinstance(n, (ast.Assign, ast.AugAssign)) and any(dotted(t) == f"self.{k.attr}" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
                for n in fast_walk(ctx.scope.node)):
@@ -7716,6 +7725,112 @@ def _s36_unit_beta(module: ModuleInfo, k: ast.expr, ctx: S.Ctx) -> Any:
     else:
         return None
     return lambda z, desc: Act(SILU, z, ctx, desc, kernels=3, beta=k)
+
+
+# s40 (reasons40): a swish whose beta is an attribute set to the number 1 (``self.beta = 1.0`` in ``__init__``, no
+# other store in the class) is silu: the s36 reading took only a constructor argument defaulting to 1 and called the
+# constant "a swish with beta, not silu". The same for a Swish module class of the file (``self.act = Swish()``,
+# its forward ``x * torch.sigmoid(self.beta * x)``) and a method of the class, which were not read at all. The fused
+# branch still tests the attribute at run time (``self.act.beta == 1``: something outside the class may set it); a
+# beta that is an nn.Parameter, another number or not shown stays "a swish with beta", now saying which.
+
+_S40_UNSHOWN = ", not shown to be 1"
+
+
+def _s40_unit_attribute(module: ModuleInfo, cls_name: str, attr: str, ctor: ast.Call | None) -> bool | tuple[str, bool]:
+    """Whether ``self.<attr>`` of class ``cls_name`` is the number 1 where ``ctor`` (None: any construction)
+    builds it: True; else (what it is, for the reason; whether that is known not to be 1)."""
+    stores = bound_callee.attribute_values(module, cls_name, attr)
+    values = _init_values(module, cls_name, attr)
+    if not values:
+        return "not assigned in __init__", False
+    if len(stores) != 1 or len(values) != 1:
+        return "assigned more than once in the class", False
+    v = values[0]
+    if _s36_unit_default(v):
+        return True
+    if isinstance(v, ast.Name):
+        params = S.init_params(module, cls_name)
+        if v.id not in params or not _s36_unit_default(params[v.id]):
+            return f"set from `{v.id}`, which does not default to 1", False
+        if ctor is None:
+            return True  # the s36 reading: a constructor argument defaulting to 1, tested at run time
+        init = S.method(module, cls_name, "__init__")
+        names = [a.arg for a in init.args.args[1:]] if init is not None else []
+        passed = next((kw.value for kw in ctor.keywords if kw.arg == v.id), None)
+        if passed is None and v.id in names and names.index(v.id) < len(ctor.args):
+            passed = ctor.args[names.index(v.id)]
+        if passed is None and (None in {kw.arg for kw in ctor.keywords} or any(isinstance(a, ast.Starred) for a in ctor.args)):
+            return f"set from the constructor argument `{v.id}`, which `{ast.unparse(ctor)[:40]}` may pass", False
+        if passed is None or _s36_unit_default(passed):
+            return True
+        c = const_value(passed)
+        known = isinstance(c, (int, float)) and not isinstance(c, bool)
+        return f"set from the constructor argument `{v.id}`, which `{ast.unparse(ctor)[:40]}` passes", known
+    c = const_value(v)
+    if isinstance(c, (int, float)) and not isinstance(c, bool):
+        return f"set to {c!r}", True
+    if isinstance(v, ast.Call) and (module.canonical(v.func) or "").endswith("Parameter"):
+        return "a learnable nn.Parameter", True
+    return f"set to `{ast.unparse(v)[:40]}`", False
+
+
+def _s40_beta_attribute(module: ModuleInfo, k: ast.expr, ctx: S.Ctx) -> str:
+    """For a beta ``self.<attr>`` of the scope's class not shown to be 1: what it is (", set to 2.0", ", a learnable
+    nn.Parameter", ", assigned more than once in the class, not shown to be 1"); "" for any other beta."""
+    if ctx.depth or not (isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "self" and ctx.scope.class_name):
+        return ""
+    what = _s40_unit_attribute(module, ctx.scope.class_name, k.attr, None)
+    return "" if what is True else f", {what[0]}{'' if what[1] else _S40_UNSHOWN}"
+
+
+def _s40_sigmoid_arg(module: ModuleInfo, node: ast.expr) -> ast.expr | None:
+    """The argument of ``torch.sigmoid(a)`` / ``F.sigmoid(a)`` / ``a.sigmoid()`` / ``torch.special.expit(a)``."""
+    if not isinstance(node, ast.Call) or node.keywords:
+        return None
+    if module.canonical(node.func) in ("torch.sigmoid", "torch.nn.functional.sigmoid", "torch.special.expit") and len(node.args) == 1:
+        return node.args[0]
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "sigmoid" and not node.args:
+        return node.func.value
+    return None
+
+
+def _s40_swish_act(module: ModuleInfo, fn: ast.FunctionDef, cls_name: str | None, ctor: ast.Call | None, holder: ast.expr,
+                   gate: ast.expr, ctx: S.Ctx, desc: str) -> Act | None:
+    """The activation of a one-input ``forward`` / method ``fn`` of class ``cls_name`` whose one return is
+    ``p * sigmoid(self.<beta> * p)`` (either order, casts of the result peeled): silu where ``self.<beta>`` is
+    the number 1 (tested at run time on ``holder.<beta>``), a "swish with beta" saying what beta is otherwise;
+    None for any other body."""
+    params = [a.arg for a in fn.args.args[1:]]
+    returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return)]
+    if cls_name is None or len(params) != 1 or len(returns) != 1 or returns[0].value is None or fn.args.vararg or fn.args.kwarg:
+        return None
+    p = params[0]
+    v = returns[0].value
+    while S.is_cast(v):
+        v = v.func.value  # type: ignore[union-attr]
+    if not (isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult)):
+        return None
+    for z, sig in ((v.left, v.right), (v.right, v.left)):
+        arg = _s40_sigmoid_arg(module, sig) if _s39_is_param(z, p) else None
+        if not (isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mult)):
+            continue
+        for k, other in ((arg.left, arg.right), (arg.right, arg.left)):
+            if not _s39_is_param(other, p):
+                continue
+            if not (isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "self"):
+                return None  # a literal beta is read by the formula readers; another factor is not a beta
+            what = _s40_unit_attribute(module, cls_name, k.attr, ctor)
+            formula = " ".join(ast.unparse(returns[0].value).split())[:60]
+            if what is True:
+                # (no end position: rendered from the tree, not as the source text under ``holder``)
+                beta = ast.Attribute(value=holder, attr=k.attr, ctx=ast.Load(), lineno=holder.lineno, col_offset=holder.col_offset)
+                return Act(SILU, gate, ctx, f"{desc}, whose forward returns `{formula}`", obj=holder if ctor is not None else None,
+                           kernels=3, beta=beta)
+            text, other = what
+            return Act(f"swish with beta `self.{k.attr}` of {cls_name}, {text}{'' if other else _S40_UNSHOWN} (z * sigmoid(beta * z))",
+                       gate, ctx, "", kernels=3)
+    return None
 
 
 def _s36_beta_check(module: ModuleInfo, g: Gate, plan: S.SpanPlan) -> str | None:

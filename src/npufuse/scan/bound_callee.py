@@ -23,7 +23,7 @@ is named in its near miss. Everything is read from the tree, memoised per file; 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
@@ -42,6 +42,7 @@ class Member:
     instance: bool = False  # the callee holds an instance built by calling ``name`` (a class), not ``name`` itself
     condition: str = ""  # when the code binds it ("" unconditionally), for reasons
     partial: Optional[ast.Call] = None  # ``functools.partial(name, ...)``: the partial call
+    built_by: Optional[ast.Call] = None  # ``instance``: the call that builds it (its arguments: ``eps=...``), in ``home``
 
 
 @dataclass(frozen=True)
@@ -361,8 +362,12 @@ def _expand_call(module: ModuleInfo, class_name: Optional[str], node: ast.Call, 
         for r in returns:
             ok = _expand(home, owner, r, cond, out, depth - 1, fscope) and ok
         return ok
-    # ``Cls(...)``: an instance of what the callee names
-    return _expand(module, class_name, node.func, cond, out, depth - 1, local, instance=True)
+    # ``Cls(...)``: an instance of what the callee names, built by this call (the nearest one where a local
+    # alias is called: ``norm_cls = A if c else B; self.norm = norm_cls(d)``)
+    start = len(out)
+    ok = _expand(module, class_name, node.func, cond, out, depth - 1, local, instance=True)
+    out[start:] = [m if m.built_by is not None else replace(m, built_by=node) for m in out[start:]]
+    return ok
 
 
 def identity_test(held: str, member: Member, spelled: str) -> str:
