@@ -1665,19 +1665,29 @@ _THIRD_PARTY_PACKAGES = {key.split(".", 1)[0] for key in THIRD_PARTY_RMS_NORMS}
 def third_party_norm_class(module: ModuleInfo, func: ast.expr) -> str | None:
     """The ``THIRD_PARTY_RMS_NORMS`` key of the class a constructor's callee stands for (through the
     library's own re-exports and the repository's); None for anything else."""
+    return library_table_key(module, func, THIRD_PARTY_RMS_NORMS, _THIRD_PARTY_PACKAGES,
+                             lambda cls: _RMS_CLASS_NAME.search(cls) is not None)
+
+
+def library_table_key(module: ModuleInfo, func: ast.expr, table: dict, packages: set[str] | frozenset[str],
+                      named: Callable[[str], bool] | None = None) -> str | None:
+    """The ``package.ClassName`` key of ``table`` (a table of library classes whose code npufuse read: the
+    norm and rope tables) that a constructor's callee stands for: spelled through the library's own
+    re-exports, or through the repository's re-exports of a class outside it. Another class of a table
+    package, or (with ``named``) a class whose name fails the test, is None without following re-exports."""
     name = canonical.api(module, func)
     if not name or "." not in name:
         return None
     key = f"{name.split('.', 1)[0]}.{name.rsplit('.', 1)[-1]}"
-    if key in THIRD_PARTY_RMS_NORMS:
+    if key in table:
         return key
-    if name.split(".", 1)[0] in _THIRD_PARTY_PACKAGES or not _RMS_CLASS_NAME.search(name.rsplit(".", 1)[-1]):
-        return None  # another class of a table library, or not an RMSNorm by name
+    if name.split(".", 1)[0] in packages or (named is not None and not named(name.rsplit(".", 1)[-1])):
+        return None  # another class of a table library, or not the kind of class by name
     origin = _outside_origin(module, name)
     if origin is None:
         return None
     key = f"{origin.split('.', 1)[0]}.{origin.rsplit('.', 1)[-1]}"
-    return key if key in THIRD_PARTY_RMS_NORMS else None
+    return key if key in table else None
 
 
 _RMS_CLASS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from npufuse.patterns import _site as S
+from npufuse.patterns._library_norm import library_table_key
 from npufuse.patterns.base import Finding, NearMiss, Result, Risk
-from npufuse.scan import canonical
 from npufuse.scan.dataflow import ModuleInfo, Scope, dotted
 
 
@@ -53,21 +53,7 @@ _CLASS_NAMES = tuple(dict.fromkeys(spec.name for spec in THIRD_PARTY_ROPES.value
 def third_party_rope_class(module: ModuleInfo, func: ast.expr) -> str | None:
     """The ``THIRD_PARTY_ROPES`` key of the class a constructor's callee stands for (the library's own
     re-exports, or a re-export of the repository); None for anything else."""
-    name = canonical.api(module, func)
-    if not name or "." not in name:
-        return None
-    key = f"{name.split('.', 1)[0]}.{name.rsplit('.', 1)[-1]}"
-    if key in THIRD_PARTY_ROPES:
-        return key
-    if name.split(".", 1)[0] in _PACKAGES or name.startswith("torch."):
-        return None  # another class of the library
-    from npufuse.scan import repo_facts
-
-    origin = repo_facts.external_origin(module, name) if repo_facts.repo_root(module) is not None else None
-    if origin is None:
-        return None
-    key = f"{origin.split('.', 1)[0]}.{origin.rsplit('.', 1)[-1]}"
-    return key if key in THIRD_PARTY_ROPES else None
+    return library_table_key(module, func, THIRD_PARTY_ROPES, _PACKAGES)
 
 
 _SWAP = "_npufuse_third_party_rope_swap"
