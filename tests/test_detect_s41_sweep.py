@@ -19,7 +19,7 @@ import pytest
 
 from pattern_harness import check_rewrite_runs, detect_all
 
-from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.add_rms_norm import _S31_POST_NORM_HELPER, AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 
 
@@ -31,45 +31,30 @@ def _close(facts: dict) -> None:
 
 # -- 1. the inline sum of a norm call split over lines ------------------------------------------------------------
 
-_POST_NORM = '''
-import torch
-from torch import nn
-
-
-def rms_norm(hidden_states, variance_epsilon):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.square().mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + variance_epsilon)
-    return hidden_states.to(input_dtype)
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.attn = nn.Linear(d, d)
-        self.mlp = nn.Linear(d, d)
-        self.norm_eps = 1e-5
-
-    def forward(self, h):
-{body}
-        return h
-'''
+# s31's post-norm block (HRM) with its forward's two norm lines replaced by the spelling under test
+_S31_BODY = (
+    "        hidden_states = rms_norm(hidden_states + self.self_attn(hidden_states), variance_epsilon=self.norm_eps)\n"
+    "        hidden_states = rms_norm(self.mlp(hidden_states) + hidden_states, variance_epsilon=self.norm_eps)\n"
+)
+assert _S31_BODY in _S31_POST_NORM_HELPER
+_POST_NORM = _S31_POST_NORM_HELPER.replace(_S31_BODY, "{body}\n")
 
 _SPLIT_SUMS = {
     # the sum alone on the line after the parenthesis, eps as a keyword on the next
-    "sum_on_the_next_line": ("        h = rms_norm(\n            h + self.attn(h),\n            variance_epsilon=self.norm_eps,\n        )", 25),
+    "sum_on_the_next_line": ("        hidden_states = rms_norm(\n            hidden_states + self.self_attn(hidden_states),\n"
+                             "            variance_epsilon=self.norm_eps,\n        )", 25),
     # the operator opening the following line, after a call
-    "plus_opening_the_next_line": ("        h = rms_norm(\n            self.mlp(h)\n            + h,\n            self.norm_eps,\n        )", 26),
+    "plus_opening_the_next_line": ("        hidden_states = rms_norm(\n            self.mlp(hidden_states)\n            + hidden_states,\n"
+                                   "            self.norm_eps,\n        )", 26),
     # one line, the sublayer's call before the ``+`` (the gate stopped at the first parenthesis)
-    "call_before_the_plus": ("        h = rms_norm(self.mlp(self.attn(h).relu()) + h, self.norm_eps)", 22),
+    "call_before_the_plus": ("        hidden_states = rms_norm(self.mlp(self.self_attn(hidden_states).relu()) + hidden_states, self.norm_eps)", 22),
 }
 
 _RUN = '''
 blk = Block(16)
 x = torch.randn(2, 3, 16, requires_grad=True)
 out = blk(x)
-leaves = [x, blk.attn.weight, blk.mlp.weight]
+leaves = [x, blk.self_attn.weight, blk.mlp.weight]
 '''
 
 
@@ -96,7 +81,7 @@ def test_inline_sum_split_over_lines_into_a_mean_subtracting_helper_is_a_near_mi
 
 def test_a_call_split_over_lines_without_a_sum_is_no_add_site() -> None:
     # near miss: a product, not a residual sum, split the same way: nothing for add_rms_norm
-    code = _POST_NORM.format(body=_SPLIT_SUMS["sum_on_the_next_line"][0].replace("h + self.attn(h)", "h * self.attn(h)"))
+    code = _POST_NORM.format(body=_SPLIT_SUMS["sum_on_the_next_line"][0].replace("hidden_states + self.self_attn(", "hidden_states * self.self_attn("))
     findings, _ = detect_all(AddRmsNorm(), code)
     assert not findings
 
