@@ -2015,7 +2015,11 @@ def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
     return stmt, None
 
 
-_INLINE_SUM = re.compile(r"[\w\]]\([^()\n]*\+")  # ``norm(x + y)``, ``self.norms[i](x + y)``
+# ``norm(x + y)``, ``self.norms[i](x + y)``, ``norm(self.attn(x) + x)`` (calls nested up to three deep before the
+# ``+``); the sum may start on the line after the call's parenthesis and its ``+`` may open a line (a formatter's
+# ``norm(\n    x + f(x),\n    eps=...)``, ``norm(\n    f(x)\n    + x)``). A cheap gate: the AST decides.
+_NESTED_PARENS = r"\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)"
+_INLINE_SUM = re.compile(r"[\w\]]\(\s*(?:[^()\n]|" + _NESTED_PARENS + r")*(?:\n\s*)?\+")
 
 
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:

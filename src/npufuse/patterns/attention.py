@@ -3754,7 +3754,10 @@ class AttentionPattern(Pattern):
                 chain.excluded.append(gated_weights)
                 none_gated.append(name)
                 continue
-            flag_read = _s30_probs_read_under_flag(scope, name, end_line) if is_probs else None
+            # s41 (sweep41): any intermediate, not only the probabilities: ToonCrafter's ``if self.relative_position:
+            # len_q = q.shape[1] ...`` before the softmax and ``if self.relative_position: v2 = ...(len_q, len_v)``
+            # after it: the later reads run only under the flag, so the fused call runs where it is off
+            flag_read = _s30_probs_read_under_flag(scope, name, end_line)
             if flag_read is not None:
                 # s36: CodeShell / HF-GPT2-style ``outputs = (out, present)`` ... ``if output_attentions: outputs +=
                 # (attn_weights,)`` in the same function: every read of the probabilities is under the flag, so the
@@ -3927,6 +3930,7 @@ class AttentionPattern(Pattern):
             if chain.excluded:
                 # the fused call runs where none of the excluded branches (soft-capping) is taken
                 skip = [atom(t) if neg else f"not {atom(t)}" for t, neg in ((r.text(x[0]), x[1]) for x in chain.excluded)]
+                skip = list(dict.fromkeys(skip))  # several intermediates read under one flag: the test once
                 if value_check is not None:
                     skip.append(value_check)
                 value_check = " and ".join(skip) if len(skip) == 1 else " and ".join(f"({c})" for c in skip)
