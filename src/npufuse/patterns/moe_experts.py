@@ -163,6 +163,11 @@ class _Site:
     dense_tail: str = ""
     # s26: opaque experts return a tuple and the loop keeps only this element of it (`y, _ = expert(rows)`)
     expert_part: Optional[int] = None
+    # s41: the tokens of each top-k slot were picked one slot column at a time (`idx[:, :, k] == e`): every (token, slot)
+    # pair once, duplicates included, as the permute lists them
+    slot_columns: bool = False
+    # s41: tokens picked as `w > 0` / `w != 0` of each token's summed weight for the expert (the test as written)
+    weight_select: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2444,6 +2449,9 @@ class _Eval:
         self.range_pieces = ""  # `for i in range(E): ... pieces[i]` over torch.split(sorted, host counts): E
         self.tuple_call: Optional[tuple[ast.Assign, list[str], V]] = None  # `a, b = expert(rows)`
         self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
+        self.slot_dims = 0  # s41: dims of the tensors whose slot columns the slot loop reads (0: `[..., k]`, any)
+        self.expanded_to = ""  # s41: the tensor a [.., 1] slot-weight column is expanded to (must be the tokens)
+        self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2692,7 +2700,8 @@ class _Eval:
             bound = it.args[0]
         else:
             return False
-        if tgt.id in _names_in(bound) or tgt.id in _assigned(loop.body):
+        # s41: only variables count (`for k in range(self.k)`: the attribute `k` is not the loop's variable)
+        if tgt.id in {n.id for n in fast_walk(bound) if isinstance(n, ast.Name)} or tgt.id in _assigned(loop.body):
             return False
         self.slot_var = tgt.id
         self.slot_bound = segment(self.m, bound)
@@ -2918,6 +2927,13 @@ class _Eval:
                 if self._is_eidx(b) and isinstance(a, ast.Name) and a.id not in self.env and a.id not in self.eidx:
                     return V("flatmask", (a.id,))
             return V("unknown", (ast.unparse(node),))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Gt, ast.NotEq)) \
+                and const_value(node.comparators[0]) == 0 and not isinstance(const_value(node.comparators[0]), bool) \
+                and self.ev(node.left).kind == "rw_dense_row":
+            return self._weight_selection(node)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and self.ev(node.left).kind == "rw_dense_row":
+            raise _Miss(f"the tokens are picked as `{ast.unparse(node)[:60]}`, a test of their summed routing weights other "
+                        "than `> 0` / `!= 0`: tokens routed to the expert that fail it are skipped")
         if isinstance(node, ast.Subscript):
             return self._subscript(node)
         if isinstance(node, ast.Tuple) and self._token_tuple(node.elts):
@@ -2926,7 +2942,7 @@ class _Eval:
             return self._call(node)
         if isinstance(node, ast.BinOp):
             if isinstance(node.op, ast.Mult):
-                return self._product(node)
+                return self._masked_weights(node) or self._product(node)
             if isinstance(node.op, ast.MatMult):
                 return self._project(self.ev(node.left), node.right, "matmul")
             if isinstance(node.op, ast.Add) and self.loop_kind == "counts":
@@ -2980,10 +2996,13 @@ class _Eval:
                 and sl.step is None and isinstance(sl.lower, ast.Name) and sl.lower.id == r.start \
                 and isinstance(sl.upper, ast.Name) and sl.upper.id == r.end:
             return V("flatrow", (r.flat,))  # order[s:e]: the rows whose flat expert index is this run's id
-        if self.slot_var and isinstance(sl, ast.Tuple) and len(sl.elts) in (2, 3) and isinstance(node.value, ast.Name) \
-                and self._part_kind(sl.elts[0]) == "all" and isinstance(sl.elts[1], ast.Name) and sl.elts[1].id == self.slot_var \
-                and (len(sl.elts) == 2 or self._part_kind(sl.elts[2]) == "none") and self.ev(node.value).kind == "outer":
-            return V("slotcol", (node.value.id, len(sl.elts) == 3))  # idx[:, k] ([T]) / w[:, k, None] ([T, 1])
+        column = self._slot_column(sl) if self.slot_var and isinstance(node.value, ast.Name) else None
+        if column is not None and self.ev(node.value).kind == "outer":
+            # idx[:, k] ([T]) / w[:, k, None] ([T, 1]); s41: idx[:, :, k] / idx[..., k] over [B, T, K] ([B, T])
+            if self.slot_dims and self.slot_dims != column[0]:
+                raise _Miss("the slot loop reads columns of tensors with different numbers of dims")
+            self.slot_dims = column[0]
+            return V("slotcol", (node.value.id, column[1]))
         base = self.ev(node.value)
         parts = self._join_token_parts(list(sl.elts) if isinstance(sl, ast.Tuple) else [sl])
         kinds0 = [self._part_kind(p) for p in parts]
@@ -3016,7 +3035,7 @@ class _Eval:
                 self.masks.pop(name, None)  # a mask tensor indexed some other way: not this expert's mask
             if kinds in (["tok"], ["none", "tok"], ["tok", "all"]):
                 return V("x", (name,))  # hidden_states[top_x] / [None, top_x]
-            if kinds == ["flatmask"] and shaped_like_indices(self.m, self.scope, name, self.ev(sl).args[0], self.loop.lineno):
+            if kinds == ["flatmask"] and _s41_shaped_like_indices(self.m, self.scope, name, self.ev(sl).args[0], self.loop.lineno):
                 # topk_weight[topk_idx == e]: [T, K] weights under their own indices' mask, one per
                 # token routed to e in token order (top-k indices are distinct)
                 self._tokmask(self.ev(sl).args[0])
@@ -3084,10 +3103,27 @@ class _Eval:
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
 
-    def _slot_weight_sum(self, prod: ast.BinOp, call: ast.Call, first: int) -> Optional[V]:
+    def _slot_column(self, sl: ast.expr) -> Optional[tuple[int, bool]]:
+        """(dims of the tensor, a trailing None) for a subscript ``[:, k]`` / ``[:, :, k]`` / ``[..., k]`` with ``k`` the
+        slot variable, optionally followed by ``None``; dims 0 for the ellipsis (any number of leading dims)."""
+        parts = list(sl.elts) if isinstance(sl, ast.Tuple) else []
+        trailing_none = bool(parts) and self._part_kind(parts[-1]) == "none"
+        if trailing_none:
+            parts = parts[:-1]
+        if len(parts) < 2 or not (isinstance(parts[-1], ast.Name) and parts[-1].id == self.slot_var):
+            return None
+        lead = [self._part_kind(p) for p in parts[:-1]]
+        if lead == ["ellipsis"]:
+            return 0, trailing_none
+        if all(k == "all" for k in lead):
+            return len(parts), trailing_none
+        return None
+
+    def _slot_weight_sum(self, prod: ast.BinOp | V, call: ast.Call, first: int) -> Optional[V]:
         """``(topk_w * (topk_i == e)).sum(dim=-1, keepdim=True)``: each token's weight for expert e
         ([T, 1]; 0 for tokens not routed to e), with the weights shaped like the indices (one slot of
-        e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum)."""
+        e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum).
+        ``prod`` is the product as written or (s41) the ``masked_w`` value of a name bound to it."""
         dim, keep = keyword(call, "dim", first), keyword(call, "keepdim", first + 1)
         if dim is None or const_value(dim) != -1 or keep is not None and const_value(keep) not in (True, False):
             return None
@@ -3095,14 +3131,40 @@ class _Eval:
         # `[rows].unsqueeze(-1)` (LeonelSalvo nano-moe-mla: `w = (topk_w * sel).sum(dim=-1)[tok]`, then
         # `w.unsqueeze(-1) * expert(x[tok])`)
         kind = "rw_dense" if keep is not None and const_value(keep) is True else "rw_dense_row"
+        masked = prod if isinstance(prod, V) else self._masked_weights(prod)
+        if masked is None or masked.kind != "masked_w":
+            return None
+        self._tokmask(masked.args[1])
+        self._set_probs(masked.args[0])
+        return V(kind)
+
+    def _weight_selection(self, test: ast.Compare) -> V:
+        """s41: ``w > 0`` / ``w != 0`` with ``w = (topk_w * (topk_i == e)).sum(-1)`` (StoryMixtral): each token's
+        weight for e is its one slot's weight (top-k indices are distinct) and 0 for tokens not routed to e. ``!= 0``
+        picks the routed tokens but those whose weight is exactly 0, which add 0 * expert(x) anyway; ``> 0`` does so only
+        for weights that are never negative (a negative-weight token is routed but skipped), shown by dataflow."""
+        text = ast.unparse(test)[:60]
+        if isinstance(test.ops[0], ast.Gt) and not _s41_nonnegative(self.m, self.scope, ast.Name(self.probs, ast.Load()),
+                                                                    self.loop.lineno):
+            raise _Miss(f"the tokens are picked as `{text}`, which are the tokens routed to the expert only where their "
+                        f"routing weights are positive; npufuse does not show `{self.probs}` non-negative (a softmax / "
+                        "sigmoid output or its top-k values): a routed token with a negative weight is skipped")
+        if self.weight_select and self.weight_select != text:
+            raise _Miss("tokens are picked by two different weight tests")
+        self.weight_select = text
+        return V("tokmask", (self.tok_indices,))
+
+    def _masked_weights(self, prod: ast.BinOp) -> Optional[V]:
+        """``topk_w * (topk_i == e)`` (casts of either side allowed, s41: also bound to a name first): the weights of
+        expert e's slots, zero elsewhere ([.., K]), with the weights shaped like the indices."""
+        if not isinstance(prod.op, ast.Mult):
+            return None
         sides = [_strip_casts(prod.left), _strip_casts(prod.right)]
         pairs = [(n, self.ev(n)) for n in sides]
         for (w, wv), (_, mv) in (pairs, pairs[::-1]):
             if mv.kind == "flatmask" and wv.kind == "outer" and isinstance(w, ast.Name) \
-                    and shaped_like_indices(self.m, self.scope, w.id, mv.args[0], self.loop.lineno):
-                self._tokmask(mv.args[0])
-                self._set_probs(w.id)
-                return V(kind)
+                    and _s41_shaped_like_indices(self.m, self.scope, w.id, mv.args[0], self.loop.lineno):
+                return V("masked_w", (w.id, mv.args[0]))
         return None
 
     def _flat_rows(self, flat: str) -> V:
@@ -3130,7 +3192,8 @@ class _Eval:
         if self.where_indices and self.where_indices != indices:
             raise _Miss("tokens are selected from two different expert-index tensors")
         self.where_indices = indices
-        guard = f"{indices}.dim() == 2 and {indices}.shape[-1] == ({self.slot_bound})"
+        dims = f"{indices}.dim() == {self.slot_dims}" if self.slot_dims else f"{indices}.dim() >= 2"
+        guard = f"{dims} and {indices}.shape[-1] == ({self.slot_bound})"
         if guard not in self.slot_guards:
             self.slot_guards.append(guard)
         return V("slotmask1", (indices,))
@@ -3176,6 +3239,10 @@ class _Eval:
                 if dense is not None:
                     return dense
             recv = self.ev(f.value)
+            if attr == "sum" and recv.kind == "masked_w":
+                dense = self._slot_weight_sum(recv, node, first=0)  # s41: `ew = w * sel.float(); ew = ew.sum(dim=-1)`
+                if dense is not None:
+                    return dense
             if recv.kind == "mod_part":
                 # per-row-count-free steps on one unpacked output: replayed as written on each expert's result
                 args_ok = all(self.ev(a).kind in ("mod_part", "outer") for a in node.args) and not node.keywords
@@ -3189,6 +3256,14 @@ class _Eval:
                     or attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]):
                 return V("slotcol", (recv.args[0], True))  # w[:, k].unsqueeze(-1): [T, 1]
             if attr in _CASTS and recv.kind == "slotcol":
+                return recv
+            if attr == "expand_as" and recv.kind == "slotcol" and recv.args[1] and len(node.args) == 1 and not node.keywords \
+                    and isinstance(node.args[0], ast.Name) and self.ev(node.args[0]).kind == "outer":
+                # s41: w[:, :, k].unsqueeze(-1).expand_as(x): the [.., 1] column repeated along x's hidden dim; its rows
+                # times the [n, H] expert output are the column's rows times it (checked: x is the tokens dispatched)
+                if self.expanded_to and self.expanded_to != node.args[0].id:
+                    raise _Miss("the slot weights are expanded to two different tensors")
+                self.expanded_to = node.args[0].id
                 return recv
             if recv.kind == "slotmask1" and attr == "nonzero" and _as_tuple(node):
                 return V("tokrows", ("slot",))
@@ -3265,6 +3340,10 @@ class _Eval:
                 return self._chunk(recv, node, method=True)
         if name == "torch.sum" and node.args and isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Mult):
             dense = self._slot_weight_sum(node.args[0], node, first=1)
+            if dense is not None:
+                return dense
+        if name == "torch.sum" and node.args and isinstance(node.args[0], ast.Name) and self.ev(node.args[0]).kind == "masked_w":
+            dense = self._slot_weight_sum(self.ev(node.args[0]), node, first=1)
             if dense is not None:
                 return dense
         if name == "torch.gather" and node.args:
@@ -3644,11 +3723,14 @@ class _Eval:
             else:
                 self.num_experts = f"len({self._container_text()})"
                 self.bins = f"len({P}experts)"
+        if self.expanded_to and self.expanded_to != self._tokens_name(contrib):
+            raise _Miss(f"the slot weights are expanded to `{self.expanded_to}`, not to the tokens the experts take")
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
                      sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty,
-                     flat_rows=bool(self.tok_indices) or self.token_dims > 1, token_dims=self.token_dims,
-                     dense_gates=self.dense_gates)
+                     flat_rows=bool(self.tok_indices) or self.token_dims > 1 or bool(self.slot_var) and self.slot_dims != 2, token_dims=self.token_dims,
+                     dense_gates=self.dense_gates, weight_select=self.weight_select,
+                     slot_columns=bool(self.slot_var))
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
         self._experts_list(site)
         self._span(block, i, site, acc, extra={*self.masks, *self._hit_names(), *self._guard_names()})
@@ -4830,6 +4912,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         else:
             notes.append(f"the experts are one callable given the expert index, {site.index_callee}: read in this file, "
                          "no random draws; the fused layer calls it once per expert on that expert's rows")
+    if site.weight_select:
+        risks.append(Risk("other", f"the loop picks an expert's tokens as `{site.weight_select}`: a routed token whose weight "
+                          "is exactly 0 (underflow) is skipped there, while the fused layer adds 0 * expert(x) for it (the "
+                          "same value unless that output is inf / NaN)"))
     if site.zero_link:
         risks.append(Risk("other", f"the loop's else (`{site.zero_link}`) adds zero to the output so that experts "
                           "without tokens still get a (zero) gradient, for DDP without find_unused_parameters; the "
@@ -4842,7 +4928,7 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
                           "while each token's expert indices are distinct (torch.topk gives distinct ones); a token "
                           "listing one expert twice is written once by the loop (repeated index assignment) and added "
                           "twice here"))
-    elif site.flat_rows:
+    elif site.flat_rows and not site.slot_columns:
         risks.append(Risk("other", f"tokens were picked with a token mask `({site.indices} == e).any(-1)`: that equals the "
                           "permute only while each token's expert indices are distinct (torch.topk gives distinct "
                           "ones); a token listing one expert twice would be counted once by the loop and twice here"))
@@ -12180,3 +12266,125 @@ MoeExperts.KEEP += [
     Keep(_S40_MASKED_SUM_ROW.replace("w = (topk_w * sel).sum(dim=-1)[tok]", "w = (topk_w * sel).sum(dim=0)[tok]"),
          reason="not recognised as the routing weight", name="s40_mask_loop_masked_sum_over_tokens"),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# s41 (moe41): routers that are modules of this file, weights shown non-negative, masked weight products
+# ---------------------------------------------------------------------------------------------
+
+
+def _s41_router_module(module: ModuleInfo, scope: Scope, call: ast.Call) -> Optional[tuple[Scope, tuple[ast.expr, ...]]]:
+    """The forward scope and returned elements of ``self.<attr>(...)`` when the caller's class stores ``self.<attr>``
+    once, as an instance of a class of this file whose own ``forward`` (no ``__call__``, no decorator) ends in its
+    one ``return``: what the router module hands back (``w, idx, aux = self.router(x)``)."""
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"
+            and scope.class_name in module.classes):
+        return None
+    owner = module.classes[scope.class_name]  # type: ignore[index]
+    stores = [n for n in fast_walk(owner) if isinstance(n, ast.Attribute) and n.attr == f.attr
+              and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    value = _class_init_assigns(module, owner).get(f.attr) if len(stores) == 1 else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.classes):
+        return None
+    cls = module.classes[value.func.id]
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    fwd = methods.get("forward")
+    if fwd is None or "__call__" in methods or fwd.decorator_list or not fwd.body:
+        return None
+    returns = [n for n in fast_walk(fwd) if isinstance(n, ast.Return)]
+    if len(returns) != 1 or returns[0] is not fwd.body[-1] or returns[0].value is None:
+        return None
+    fscope = next((c for c in module.scopes if c.node is fwd), None)
+    if fscope is None:
+        return None
+    out = returns[0].value
+    return fscope, tuple(out.elts) if isinstance(out, ast.Tuple) else (out,)
+
+
+def _s41_call_output(module: ModuleInfo, scope: Scope, node: Optional[ast.expr]) -> Optional[tuple[Scope, ast.expr, int, ast.Call]]:
+    """For one name of ``a, b, c = callee(...)`` (``node``: what :meth:`Scope.definition` gives, the call's k-th
+    element): the callee's scope, its k-th returned expression, the line of that return, and the call. The callee is
+    a router module of this file (:func:`_s41_router_module`) or a helper :func:`_helper_call` reads."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call) and isinstance(const_value(node.slice), int)
+            and not isinstance(const_value(node.slice), bool)):
+        return None
+    call, k = node.value, const_value(node.slice)
+    found = _s41_router_module(module, scope, call)
+    if found is None:
+        helper = _helper_call(module, scope, call)
+        if helper is None:
+            return None
+        found = helper.scope, helper.returned
+    fscope, elts = found
+    if not 0 <= k < len(elts):
+        return None
+    return fscope, elts[k], fscope.node.body[-1].lineno, call  # type: ignore[attr-defined]
+
+
+def _s41_shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, indices: str, line: int) -> bool:
+    """:func:`shaped_like_indices`, also when both names are outputs of one router call (``w, idx, _ = self.gate(x)``)
+    whose callee returns names that are (a topk's values and indices, renormalised or cast)."""
+    index_value = scope.definition(indices, line)
+    for _ in range(4):  # `probs = top_v`: a plain alias of another name (the indices not rebound since)
+        alias = scope.definition(weights, line)
+        if not isinstance(alias, ast.Name) or scope.definition(indices, alias.lineno) is not index_value:
+            break
+        weights, line = alias.id, alias.lineno  # what the alias held where it was bound
+    if shaped_like_indices(module, scope, weights, indices, line):
+        return True
+    w_out = _s41_call_output(module, scope, scope.definition(weights, line))
+    i_out = _s41_call_output(module, scope, scope.definition(indices, line))
+    if w_out is None or i_out is None or w_out[3] is not i_out[3]:
+        return False
+    fscope, w_ret, end, _ = w_out
+    i_ret = i_out[1]
+    return isinstance(w_ret, ast.Name) and isinstance(i_ret, ast.Name) \
+        and shaped_like_indices(module, fscope, w_ret.id, i_ret.id, end)
+
+
+#: torch functions whose outputs are never negative (a softmax / sigmoid probability, an exponential, a relu)
+_S41_NONNEGATIVE_CALLS = ("torch.softmax", "torch.nn.functional.softmax", "torch.sigmoid", "torch.nn.functional.sigmoid",
+                          "torch.exp", "torch.relu", "torch.nn.functional.relu")
+_S41_NONNEGATIVE_METHODS = ("softmax", "sigmoid", "exp", "relu")
+_S41_VALUE_KEEPING = ("to", "float", "half", "bfloat16", "type_as", "contiguous", "detach", "clone", "sum", "mean")
+
+
+def _s41_nonnegative(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int, depth: int = 12) -> bool:
+    """Whether ``node`` (read before ``line``) provably holds no negative value: softmax / sigmoid / exp / relu outputs,
+    a topk's values or a gather of such a tensor, casts, sums, products, quotients and sums of such values and
+    non-negative constants; names through their last assignment and through a router module's or helper's return."""
+    if node is None or depth <= 0:
+        return False
+    value = const_value(node)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value >= 0
+    if isinstance(node, ast.Name):
+        defined = scope.definition(node.id, line)
+        if defined is None:
+            return False
+        return _s41_nonnegative(module, scope, defined, getattr(defined, "lineno", line), depth - 1)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call) and const_value(node.slice) == 0 \
+            and not isinstance(const_value(node.slice), bool):
+        top = node.value  # values, _ = x.topk(k): the k largest values of x, non-negative when x is
+        if isinstance(top.func, ast.Attribute) and top.func.attr == "topk":
+            return _s41_nonnegative(module, scope, top.func.value, line, depth - 1)
+        if _canon(module, top.func) == "torch.topk" and top.args:
+            return _s41_nonnegative(module, scope, top.args[0], line, depth - 1)
+    out = _s41_call_output(module, scope, node)
+    if out is not None:
+        return _s41_nonnegative(module, out[0], out[1], out[2], depth - 1)
+    if isinstance(node, ast.Call):
+        if _canon(module, node.func) in _S41_NONNEGATIVE_CALLS:
+            return True
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _S41_NONNEGATIVE_METHODS:
+            return True
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _S41_VALUE_KEEPING + ("gather",):
+            return _s41_nonnegative(module, scope, node.func.value, line, depth - 1)
+        if _canon(module, node.func) == "torch.gather" and node.args:
+            return _s41_nonnegative(module, scope, node.args[0], line, depth - 1)
+        return False
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div, ast.Add)):
+        return _s41_nonnegative(module, scope, node.left, line, depth - 1) \
+            and _s41_nonnegative(module, scope, node.right, line, depth - 1)
+    return False
