@@ -12388,3 +12388,216 @@ def _s41_nonnegative(module: ModuleInfo, scope: Scope, node: Optional[ast.expr],
         return _s41_nonnegative(module, scope, node.left, line, depth - 1) \
             and _s41_nonnegative(module, scope, node.right, line, depth - 1)
     return False
+
+
+# --- s41 examples: the s40 judge's HO17a/b moe_experts miss classes, each with invented Fuse and Keep code ---
+
+# 1. empty experts skipped on a mask of positive summed weights (StoryMixtral MoeLayer): `w = (probs * (idx == e))
+#    .sum(-1)`, `sel = w > 0`, `if not sel.any(): continue`; probs a softmax of the top-k values (never negative)
+_S41_POSITIVE_SELECT = _HEAD + _FF_SWIGLU + '''
+
+class SkipMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        top_v, top_i = torch.topk(self.gate(x), k=self.k)
+        probs = F.softmax(top_v, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            mask = (top_i == e)
+            w = (probs * mask).sum(dim=-1)
+            selected = w > 0
+            if not selected.any():
+                continue
+            y = self.experts[e](x[selected])
+            out[selected] += y * w[selected].unsqueeze(-1)
+        return out
+'''
+
+_S41_POSITIVE_SELECT_RUN = '''\
+m = SkipMoE(16, 24, 6, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[1].w1.weight, m.experts[4].w2.weight]
+'''
+
+# 2. the routing weight gathered with the expert mask, weights and indices returned by a router module of the file
+#    (llama4-tiny-vlm MoEFFNBlock: `weights[expert_mask]`, one per routed token in row-major order: top-k is distinct)
+_S41_ROUTER_MODULE = _HEAD + _FF_SWIGLU + '''
+
+class Router(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.k = k
+        self.proj = nn.Linear(d, n, bias=False)
+
+    def forward(self, x):
+        probs = F.softmax(self.proj(x), dim=-1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return w, idx, probs
+
+
+class GatherMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n = n
+        self.router = Router(d, n, k)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        b, s, d = x.shape
+        weights, indices, probs = self.router(x)
+        flat = x.reshape(-1, d)
+        out = torch.zeros_like(flat)
+        for e in range(self.n):
+            expert_mask = indices == e
+            token_mask = expert_mask.any(dim=-1).flatten(start_dim=0)
+            if token_mask.sum() == 0:
+                continue
+            token_weights = weights[expert_mask]
+            y = self.experts[e](flat[token_mask])
+            out[token_mask] += token_weights.unsqueeze(-1) * y
+        return out.view(b, s, d), probs
+'''
+
+_S41_ROUTER_MODULE_RUN = '''\
+m = GatherMoE(16, 24, 5, 2)
+x = torch.randn(2, 4, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.proj.weight, m.experts[0].w3.weight]
+'''
+
+# 2b. the masked weight product bound to a name, summed in a second statement, then indexed by the token mask
+#     (epilabram MoELayer: `ew = weights * mask.float(); ew = ew.sum(dim=-1)`; `ew[tok].unsqueeze(-1) * y`)
+_S41_NAMED_PRODUCT = _HEAD + '''
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Router(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.k = k
+        self.proj = nn.Linear(d, n, bias=False)
+
+    def forward(self, x):
+        logits = self.proj(x)
+        w, idx = logits.topk(self.k, dim=-1)
+        w = w.softmax(dim=-1)
+        return w, idx, logits.mean()
+
+
+class ProductMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n = n
+        self.router = Router(d, n, k)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        weights, indices, aux = self.router(x)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok = (indices == e).any(dim=-1)
+            if not tok.any():
+                continue
+            y = self.experts[e](x[tok])
+            sel = (indices == e)
+            ew = weights * sel.float()
+            ew = ew.sum(dim=-1)
+            out[tok] += ew[tok].unsqueeze(-1) * y
+        return out, aux
+'''
+
+_S41_NAMED_PRODUCT_RUN = '''\
+m = ProductMoE(16, 24, 4, 2)
+x = torch.randn(3, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.proj.weight, m.experts[2].net[0].weight]
+'''
+
+# 3. top-k slots outside, experts inside, over [B, T, K] indices (mini-MoE-CoT MoELayer): `idx[:, :, k] == e`, the
+#    slot's weight column expanded to the tokens, an empty-expert skip per slot; the slot loop runs to `self.k`
+_S41_SLOT_COLUMNS_3D = _HEAD + _FF_SWIGLU + '''
+
+class SlotMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        top_v, top_i = torch.topk(self.gate(x), self.k, dim=-1)
+        w = F.softmax(top_v, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(self.k):
+            ids_k = top_i[:, :, k]
+            w_k = w[:, :, k].unsqueeze(-1)
+            for e in range(self.n):
+                mask = ids_k == e
+                if not mask.any():
+                    continue
+                y = self.experts[e](x[mask])
+                out[mask] += w_k.expand_as(x)[mask] * y
+        return out
+'''
+
+_S41_SLOT_COLUMNS_3D_RUN = '''\
+m = SlotMoE(16, 24, 5, 2)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[3].w1.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S41_POSITIVE_SELECT, name="s41_skip_empty_on_positive_summed_weight", run=_S41_POSITIVE_SELECT_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "probs", "tokens": "x", "output": "out"}),
+    Fuse(_S41_POSITIVE_SELECT.replace("probs = F.softmax(top_v, dim=-1)", "probs = top_v").replace("selected = w > 0", "selected = w != 0"),
+         name="s41_skip_empty_on_nonzero_summed_weight_any_sign", run=_S41_POSITIVE_SELECT_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "probs"}),
+    Fuse(_S41_ROUTER_MODULE, name="s41_mask_gathered_weight_from_router_module", run=_S41_ROUTER_MODULE_RUN,
+         expect={"routing": "mask_where", "indices": "indices", "probs": "weights", "tokens": "flat", "output": "out"}),
+    Fuse(_S41_NAMED_PRODUCT, name="s41_named_masked_product_summed_then_indexed", run=_S41_NAMED_PRODUCT_RUN,
+         expect={"routing": "mask_where", "indices": "indices", "probs": "weights", "tokens": "x", "layout": "expert_modules"}),
+    Fuse(_S41_SLOT_COLUMNS_3D, name="s41_slot_outer_loop_over_3d_index_columns", run=_S41_SLOT_COLUMNS_3D_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "w", "tokens": "x", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # raw gate scores (no softmax) can be negative: `w > 0` skips routed tokens whose weight is negative
+    Keep(_S41_POSITIVE_SELECT.replace("probs = F.softmax(top_v, dim=-1)", "probs = top_v"),
+         reason="npufuse does not show `probs` non-negative", name="s41_positive_select_raw_scores"),
+    # a threshold above zero drops routed tokens with small weights
+    Keep(_S41_POSITIVE_SELECT.replace("selected = w > 0", "selected = w > 0.1"),
+         reason="a test of their summed routing weights other than `> 0` / `!= 0`", name="s41_positive_select_threshold"),
+    # the router returns the weights of one top-k and the indices of another (a biased selection): not paired by slot
+    Keep(_S41_ROUTER_MODULE.replace('''        w, idx = torch.topk(probs, self.k, dim=-1)
+''', '''        w, _ = torch.topk(probs, self.k, dim=-1)
+        _, idx = torch.topk(probs + 0.1 * torch.arange(probs.shape[-1]), self.k, dim=-1)
+'''), reason="not recognised as the routing weight", name="s41_router_module_weights_of_another_topk"),
+    # the router is one of two classes chosen by a flag: which forward returns the weights is not known statically
+    Keep(_S41_ROUTER_MODULE.replace("        self.router = Router(d, n, k)\n",
+                                    "        self.router = Router(d, n, k)\n        if h > 64:\n            self.router = nn.Identity()\n"),
+         reason="not recognised as the routing weight", name="s41_router_module_assigned_twice"),
+    # the masked product summed over the tokens (dim 1 of [B, T, K]), not over the slots
+    Keep(_S41_NAMED_PRODUCT.replace("ew = ew.sum(dim=-1)", "ew = ew.sum(dim=1, keepdim=True).expand_as(ew).sum(dim=-1)"),
+         reason="not recognised as the routing weight", name="s41_named_masked_product_summed_over_tokens"),
+    # every slot weighted with slot 0's weight column
+    Keep(_S41_SLOT_COLUMNS_3D.replace("w_k = w[:, :, k].unsqueeze(-1)", "w_k = w[:, :, 0].unsqueeze(-1)"),
+         reason="not recognised as the routing weight", name="s41_slot_outer_loop_weight_of_slot_zero"),
+    # the slot weight expanded to the accumulator, not to the tokens the experts take (npufuse checks the tokens)
+    Keep(_S41_SLOT_COLUMNS_3D.replace("w_k.expand_as(x)[mask]", "w_k.expand_as(out)[mask]"),
+         reason="not to the tokens the experts take", name="s41_slot_outer_loop_weight_expanded_to_output"),
+]
