@@ -2684,6 +2684,12 @@ class _Eval:
             # after the other, each adding its rows of expert e (the same sum as one pass over all (token, slot) pairs)
             self.run_body(s.body)
             return
+        if isinstance(s, ast.For) and any(isinstance(n, (ast.AugAssign, ast.Assign)) and any(
+                isinstance(t, ast.Subscript) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+                for n in fast_walk(s)):
+            # s41 (0xp47 moe-llm-from-scratch): `for t, k in zip(rows.tolist(), slots.tolist()): out[t] += w[t, k] * y[j]`
+            raise _Miss(f"the loop writes rows one at a time in a Python loop (`for {ast.unparse(s.target)[:30]} in "
+                        f"{ast.unparse(s.iter)[:50]}`), which npufuse does not read as the expert's rows added back")
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def enter_slot_loop(self, loop: ast.For) -> bool:
@@ -2781,6 +2787,7 @@ class _Eval:
                 raise _Miss(f"the loop also writes one value per expert (`{ast.unparse(s)[:60]}`), which the fused "
                             "layer does not compute")
             if sel.kind != "flatmask":
+                self._check_host_listed_rows(tgt, "rows are written back through")
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
             self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(s.value)), sel.args[0]))
@@ -3103,6 +3110,35 @@ class _Eval:
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
         return V("unknown", (ast.unparse(node),))
 
+    def _check_host_listed_rows(self, rows: ast.expr, what: str) -> None:
+        """s41: ``x[idx]`` with ``idx = torch.tensor(ids)`` (``as_tensor``, ``LongTensor``) of a Python list is refused
+        with what it is (ChemMoETransformer builds per-expert lists of token ids in a host loop)."""
+        if not (isinstance(rows, ast.Subscript) and isinstance(rows.slice, ast.Name)):
+            return
+        made = self.env.get(rows.slice.id)
+        value = next((st.value for st in fast_walk(self.loop) if isinstance(st, ast.Assign) and len(st.targets) == 1
+                      and isinstance(st.targets[0], ast.Name) and st.targets[0].id == rows.slice.id), None) \
+            if made is not None and made.kind == "unknown" else self.scope.definition(rows.slice.id, self.loop.lineno)
+        if isinstance(value, ast.Call) and _canon(self.m, value.func) in ("torch.tensor", "torch.as_tensor", "torch.LongTensor") \
+                and value.args and isinstance(value.args[0], (ast.Name, ast.List, ast.ListComp)):
+            raise _Miss(f"{what} `{ast.unparse(rows)[:40]}`, rows picked by `{ast.unparse(value)[:50]}`, token ids "
+                        "from a Python list: npufuse does not derive expert indices per token from host lists (which "
+                        "token goes to which expert is decided in Python)")
+
+    def _unique_rows_are_rows(self, tok: V, call: ast.Call, first: int) -> bool:
+        """s41: ``rows.unique()`` of ``rows, slots = torch.where(idx == e)`` is ``rows`` itself when ``idx`` holds a
+        last-dim topk's indices: torch.where lists the (row, slot) pairs row-major, so the rows ascend, and a row appears
+        once (its top-k experts are distinct); ``sorted`` must stay True (the default), nothing else may be asked."""
+        if tok.args or self.token_dims != 1 or not self.where_indices or len(call.args) > first:
+            return False
+        if any(k.arg != "sorted" or const_value(k.value) is not True for k in call.keywords):
+            return False
+        if _s40_topk_indices(self.m, self.scope, self.where_indices, self.loop.lineno) is None:
+            raise _Miss(f"the expert's rows are `{ast.unparse(call)[:40]}`, the same rows only when no token lists the "
+                        f"expert twice: `{self.where_indices}` is not shown to be the indices of a last-dim topk "
+                        "(distinct per token)")
+        return True
+
     def _slot_column(self, sl: ast.expr) -> Optional[tuple[int, bool]]:
         """(dims of the tensor, a trailing None) for a subscript ``[:, k]`` / ``[:, :, k]`` / ``[..., k]`` with ``k`` the
         slot variable, optionally followed by ``None``; dims 0 for the ellipsis (any number of leading dims)."""
@@ -3277,6 +3313,8 @@ class _Eval:
                 return recv
             if attr == "tolist" and recv.kind in ("tok", "kpos"):
                 return recv
+            if attr == "unique" and recv.kind == "tok" and self._unique_rows_are_rows(recv, node, 0):
+                return recv
             if recv.kind in ("tok", "kpos") and _device_move_of(node, None):
                 return recv  # token_idx.to(y.device): the same indices
             if attr == "squeeze" and recv.kind == "mask_e":
@@ -3351,6 +3389,9 @@ class _Eval:
             if src.kind == "x" and self._gather_slot(node, first=1):
                 self._set_probs(src.args[0])
                 return V("rw_col")
+        if name == "torch.unique" and len(node.args) == 1 and self.ev(node.args[0]).kind == "tok" \
+                and self._unique_rows_are_rows(self.ev(node.args[0]), node, 1):
+            return self.ev(node.args[0])
         if name == "torch.any" and node.args and _last_dim_reduction(node, first=1):
             arg = self.ev(node.args[0])
             if arg.kind == "flatmask":
@@ -3419,6 +3460,8 @@ class _Eval:
                 raise _Miss(f"the routing weights scale the expert's input (`{ast.unparse(node)[:60]}`), not its output: "
                             "the same only for a linear expert; the fused layer weights the expert outputs")
             if not args or args[0].kind not in ("x", "x_sorted"):
+                if node.args:
+                    self._check_host_listed_rows(node.args[0], "the expert is called on")
                 raise _Miss(f"the expert is called as `{ast.unparse(node)[:60]}`: npufuse does not trace its input to the "
                             "rows routed to this expert")
             return V("mod_out", (args[0], len(args) == 2))
@@ -12600,4 +12643,81 @@ MoeExperts.KEEP += [
     # the slot weight expanded to the accumulator, not to the tokens the experts take (npufuse checks the tokens)
     Keep(_S41_SLOT_COLUMNS_3D.replace("w_k.expand_as(x)[mask]", "w_k.expand_as(out)[mask]"),
          reason="not to the tokens the experts take", name="s41_slot_outer_loop_weight_expanded_to_output"),
+]
+
+# 4. expert input through derived token ids: `rows.unique()` of torch.where over a last-dim topk's indices is `rows`
+#    (row-major pairs, one slot per token: 0xp47 moe-llm-from-scratch); host lists of ids and per-pair Python loops are
+#    near misses with what they are
+_S41_UNIQUE_ROWS = _HEAD + _FF_SWIGLU + '''
+
+class UniqueMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        flat = x.view(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(self.n):
+            rows, slots = torch.where(idx == e)
+            if len(rows) == 0:
+                continue
+            uniq = rows.unique()
+            y = self.experts[e](flat[uniq])
+            out.index_add_(0, rows, w[rows, slots, None] * y)
+        return out.view_as(x)
+'''
+
+_S41_UNIQUE_ROWS_RUN = '''\
+m = UniqueMoE(16, 24, 5, 2)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[0].w2.weight]
+'''
+
+# top-1 with capacity: per-expert Python lists of token ids (overflow to expert 0), no gate weight
+_S41_HOST_LISTS = _HEAD + _FF_SWIGLU + '''
+
+class ListMoE(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.n = n
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, tokens):
+        best = self.router(tokens).argmax(dim=-1)
+        lists = [[] for _ in range(self.n)]
+        for t, e in enumerate(best.tolist()):
+            lists[e if len(lists[e]) < 8 else 0].append(t)
+        out = torch.empty_like(tokens)
+        for e, ids in enumerate(lists):
+            if not ids:
+                continue
+            idx = torch.tensor(ids, device=tokens.device)
+            out[idx] = self.experts[e](tokens[idx])
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S41_UNIQUE_ROWS, name="s41_unique_of_where_rows_over_topk_indices", run=_S41_UNIQUE_ROWS_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "flat", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # indices drawn with replacement: a token may list the expert twice, and unique() then drops a row
+    Keep(_S41_UNIQUE_ROWS.replace("w, idx = torch.topk(probs, self.k, dim=-1)",
+                                  "idx = torch.multinomial(probs, self.k, replacement=True)\n        w = torch.gather(probs, 1, idx)"),
+         reason="is not shown to be the indices of a last-dim topk", name="s41_unique_rows_indices_drawn_with_replacement"),
+    Keep(_S41_HOST_LISTS, reason="token ids from a Python list", name="s41_host_lists_of_token_ids_with_capacity"),
+    # the weighted rows are added back one (token, slot) pair at a time in Python
+    Keep(_S41_UNIQUE_ROWS.replace('''            out.index_add_(0, rows, w[rows, slots, None] * y)
+''', '''            for j, (t, s) in enumerate(zip(rows.tolist(), slots.tolist())):
+                out[t] += w[t, s] * y[j]
+'''), reason="writes rows one at a time in a Python loop", name="s41_rows_added_back_in_a_python_pair_loop"),
 ]
