@@ -2933,6 +2933,9 @@ class _Eval:
                     return self._slot_mask(self.ev(a).args[0])  # idx[:, k] == e: the tokens whose slot k is e
                 if self._is_eidx(b) and isinstance(a, ast.Name) and a.id not in self.env and a.id not in self.eidx:
                     return V("flatmask", (a.id,))
+                if self._is_eidx(b) and self.tok_indices and self.ev(a) == V("x", (self.tok_indices,)):
+                    # s41: `idx[tok] == e` with tok = (idx == e).any(-1): [n, K], expert e's slot in each selected row
+                    return V("rowslots", (self.tok_indices,))
             return V("unknown", (ast.unparse(node),))
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Gt, ast.NotEq)) \
                 and const_value(node.comparators[0]) == 0 and not isinstance(const_value(node.comparators[0]), bool) \
@@ -3074,6 +3077,12 @@ class _Eval:
                 self._set_probs(f"{name}.gather(-1, {self.tok_indices})")
                 self.dense_gates = name
                 return V("rw_row")
+            if kinds == ["tokmask", "kpos_sel"] and _s41_shaped_like_indices(self.m, self.scope, name, self.tok_indices,
+                                                                            self.loop.lineno):
+                # s41 (PhyChem-MoE): w[tok, slot[tok]] with slot = (idx == e).float().argmax(-1): each selected token's
+                # weight at the one slot holding e (top-k indices are distinct)
+                self._set_probs(name)
+                return V("rw_row")
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
                 self._set_probs(name)
                 return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
@@ -3093,6 +3102,9 @@ class _Eval:
             return V("slotmask")  # (indices == e)[(indices == e).any(-1)]: the same rows, picked by the token mask
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
             return V("tok", base.args)  # ("slot",): the rows of a slot mask
+        if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
+                and self.ev(parts[0]).args == base.args:
+            return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
         if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] == ["tokmask"]:
@@ -3168,6 +3180,10 @@ class _Eval:
         # `w.unsqueeze(-1) * expert(x[tok])`)
         kind = "rw_dense" if keep is not None and const_value(keep) is True else "rw_dense_row"
         masked = prod if isinstance(prod, V) else self._masked_weights(prod)
+        if masked is not None and masked.kind == "masked_w_rows":
+            # s41: rows picked first (`(w[tok] * (idx[tok] == e)).sum(-1, keepdim=True)`): the selected rows' weights
+            self._set_probs(masked.args[0])
+            return V("rw" if kind == "rw_dense" else "rw_row")
         if masked is None or masked.kind != "masked_w":
             return None
         self._tokmask(masked.args[1])
@@ -3201,6 +3217,9 @@ class _Eval:
             if mv.kind == "flatmask" and wv.kind == "outer" and isinstance(w, ast.Name) \
                     and _s41_shaped_like_indices(self.m, self.scope, w.id, mv.args[0], self.loop.lineno):
                 return V("masked_w", (w.id, mv.args[0]))
+            if mv.kind == "rowslots" and wv.kind == "x" and _s41_shaped_like_indices(self.m, self.scope, wv.args[0],
+                                                                                      mv.args[0], self.loop.lineno):
+                return V("masked_w_rows", (wv.args[0], mv.args[0]))  # s41: w[tok] * (idx[tok] == e)
         return None
 
     def _flat_rows(self, flat: str) -> V:
@@ -3275,7 +3294,14 @@ class _Eval:
                 if dense is not None:
                     return dense
             recv = self.ev(f.value)
-            if attr == "sum" and recv.kind == "masked_w":
+            if attr in _CASTS and recv.kind == "rowslots":
+                return recv  # (idx[tok] == e).float(): the same 0/1 slots
+            if attr in _CASTS | {"int", "long"} and recv.kind == "flatmask":
+                return V("flatmask_num", recv.args)  # s41: (idx == e).float(): the mask as 0 / 1 numbers
+            if attr == "argmax" and recv.kind == "flatmask_num" and const_value(keyword(node, "dim", 0)) == -1 \
+                    and keyword(node, "keepdim", 1) is None and len(node.args) + len(node.keywords) == 1:
+                return V("kpos_all", recv.args)  # s41: each token's (first) slot holding e; 0 for tokens without e
+            if attr == "sum" and recv.kind in ("masked_w", "masked_w_rows"):
                 dense = self._slot_weight_sum(recv, node, first=0)  # s41: `ew = w * sel.float(); ew = ew.sum(dim=-1)`
                 if dense is not None:
                     return dense
@@ -12720,4 +12746,81 @@ MoeExperts.KEEP += [
 ''', '''            for j, (t, s) in enumerate(zip(rows.tolist(), slots.tolist())):
                 out[t] += w[t, s] * y[j]
 '''), reason="writes rows one at a time in a Python loop", name="s41_rows_added_back_in_a_python_pair_loop"),
+]
+
+# 5. (other development files) the weight gathered from rows picked first: `(w[tok] * (idx[tok] == e).float()).sum(-1,
+#    keepdim=True)` (sidrocks deepseek_from_scratch), and at the slot `(idx == e).float().argmax(-1)` of each selected
+#    token (liuyunwu2008 PhyChem-MoE: `w[tok, slot[tok]]`); both exact because a row's top-k experts are distinct
+_S41_ROWS_FIRST = _HEAD + _FF_SWIGLU + '''
+
+class RowsFirstMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        flat = x.view(-1, x.shape[-1])
+        top_w, top_i = torch.topk(torch.sigmoid(self.router(flat)), self.k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(self.n):
+            tok = (top_i == e).any(dim=-1)
+            if tok.any():
+                y = self.experts[e](flat[tok])
+                cur_i = top_i[tok]
+                cur_w = top_w[tok]
+                slot = (cur_i == e).float()
+                scale = (cur_w * slot).sum(dim=-1, keepdim=True)
+                out[tok] += y * scale
+        return out.view_as(x)
+'''
+
+_S41_ARGMAX_SLOT = _HEAD + _FF_SWIGLU + '''
+
+class ArgmaxMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        top_w, top_i = torch.topk(self.gate(x), self.k, dim=-1)
+        top_w = F.softmax(top_w, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok = (top_i == e).any(dim=-1)
+            if not tok.any():
+                continue
+            slot = (top_i == e).float().argmax(dim=-1)
+            w = top_w[tok, slot[tok]]
+            y = self.experts[e](x[tok])
+            out[tok] += y * w.unsqueeze(-1)
+        return out
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S41_ROWS_FIRST, name="s41_weight_from_rows_picked_first_masked_slot_sum", run='''\
+m = RowsFirstMoE(16, 24, 5, 2)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[1].w1.weight]
+''', expect={"routing": "mask_where", "indices": "top_i", "probs": "top_w", "tokens": "flat", "output": "out"}),
+    Fuse(_S41_ARGMAX_SLOT, name="s41_weight_at_argmax_slot_of_selected_tokens", run='''\
+m = ArgmaxMoE(16, 24, 5, 2)
+x = torch.randn(7, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[2].w3.weight]
+''', expect={"routing": "mask_where", "indices": "top_i", "probs": "top_w", "tokens": "x", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the rows' masked weights summed over the rows (dim 0), not over the slots
+    Keep(_S41_ROWS_FIRST.replace("scale = (cur_w * slot).sum(dim=-1, keepdim=True)", "scale = (cur_w * slot).sum(dim=0, keepdim=True)"),
+         reason="is not recognised: neither the routing weight", name="s41_rows_first_weights_summed_over_rows"),
+    # argmax over the tokens (dim 0): not each token's slot
+    Keep(_S41_ARGMAX_SLOT.replace("slot = (top_i == e).float().argmax(dim=-1)", "slot = (top_i == e).float().argmax(dim=0)"),
+         reason="not recognised as the routing weight", name="s41_argmax_over_tokens_not_slots"),
 ]
