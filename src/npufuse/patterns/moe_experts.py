@@ -2684,12 +2684,14 @@ class _Eval:
             # after the other, each adding its rows of expert e (the same sum as one pass over all (token, slot) pairs)
             self.run_body(s.body)
             return
-        if isinstance(s, ast.For) and any(isinstance(n, (ast.AugAssign, ast.Assign)) and any(
-                isinstance(t, ast.Subscript) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
-                for n in fast_walk(s)):
+        if isinstance(s, ast.For) and any(isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript)
+                                          for n in fast_walk(s)) \
+                and any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "tolist"
+                        and self.ev(n.func.value).kind in ("tok", "kpos") for n in fast_walk(s.iter)):
             # s41 (0xp47 moe-llm-from-scratch): `for t, k in zip(rows.tolist(), slots.tolist()): out[t] += w[t, k] * y[j]`
-            raise _Miss(f"the loop writes rows one at a time in a Python loop (`for {ast.unparse(s.target)[:30]} in "
-                        f"{ast.unparse(s.iter)[:50]}`), which npufuse does not read as the expert's rows added back")
+            raise _Miss(f"the loop adds rows back one (token, slot) pair at a time in a Python loop over this expert's "
+                        f"selected tokens (`for {ast.unparse(s.target)[:30]} in {ast.unparse(s.iter)[:50]}`), which "
+                        "npufuse does not read")
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def enter_slot_loop(self, loop: ast.For) -> bool:
@@ -12745,7 +12747,7 @@ MoeExperts.KEEP += [
     Keep(_S41_UNIQUE_ROWS.replace('''            out.index_add_(0, rows, w[rows, slots, None] * y)
 ''', '''            for j, (t, s) in enumerate(zip(rows.tolist(), slots.tolist())):
                 out[t] += w[t, s] * y[j]
-'''), reason="writes rows one at a time in a Python loop", name="s41_rows_added_back_in_a_python_pair_loop"),
+'''), reason="adds rows back one (token, slot) pair at a time in a Python loop", name="s41_rows_added_back_in_a_python_pair_loop"),
 ]
 
 # 5. (other development files) the weight gathered from rows picked first: `(w[tok] * (idx[tok] == e).float()).sum(-1,
