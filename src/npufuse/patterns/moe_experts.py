@@ -166,6 +166,8 @@ class _Site:
     # s41: the tokens of each top-k slot were picked one slot column at a time (`idx[:, :, k] == e`): every (token, slot)
     # pair once, duplicates included, as the permute lists them
     slot_columns: bool = False
+    # s41: per-expert token counts the loop also wrote: (tensor, "assign" / "add", after an empty-expert guard, text)
+    count_stats: tuple = ()
     # s41: tokens picked as `w > 0` / `w != 0` of each token's summed weight for the expert (the test as written)
     weight_select: str = ""
 
@@ -2451,6 +2453,7 @@ class _Eval:
         self.part_steps: list[ast.stmt] = []  # `b = b.expand_as(a)`: per-expert steps on the unpacked outputs
         self.slot_dims = 0  # s41: dims of the tensors whose slot columns the slot loop reads (0: `[..., k]`, any)
         self.expanded_to = ""  # s41: the tensor a [.., 1] slot-weight column is expanded to (must be the tokens)
+        self.count_stats: list[tuple[str, str, bool, str, str]] = []  # s41: (stat, assign / add, guarded, indices, text)
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
 
     # -- header ---------------------------------------------------------------------------
@@ -2666,6 +2669,9 @@ class _Eval:
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1"):
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
+            if isinstance(tgt, ast.Subscript) and isinstance(s.op, ast.Add) and self._is_eidx(tgt.slice) \
+                    and self._expert_count_stat(tgt, s.value, "add"):
+                return  # s41: `usage[e] += mask.sum()`
             if isinstance(tgt, ast.Name) and tgt.id == self.start_name and isinstance(s.op, ast.Add) and self.ev(s.value).kind == "count":
                 self.env[tgt.id] = V("end")  # start_idx += num_tokens
                 return
@@ -2784,6 +2790,8 @@ class _Eval:
             parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
             if [self._part_kind(p) for p in parts] in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 sel = V("flatmask", self.ev(parts[0]).args)  # y[idx, :] = ... with idx = (flat_idx == e).nonzero()
+            if sel.kind != "flatmask" and self._is_eidx(tgt.slice) and self._expert_count_stat(tgt, s.value, "assign"):
+                return  # s41: `usage[e] = mask.sum()`: the count of this expert's tokens, computed for all at once
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
                 # s39: `usage[e] = mask.sum()`: one value per expert (a statistic), not rows of tokens
                 raise _Miss(f"the loop also writes one value per expert (`{ast.unparse(s)[:60]}`), which the fused "
@@ -3138,6 +3146,44 @@ class _Eval:
             raise _Miss(f"{what} `{ast.unparse(rows)[:40]}`, rows picked by `{ast.unparse(value)[:50]}`, token ids "
                         "from a Python list: npufuse does not derive expert indices per token from host lists (which "
                         "token goes to which expert is decided in Python)")
+
+    def _expert_count_stat(self, tgt: ast.Subscript, value: ast.expr, mode: str) -> bool:
+        """s41 (sidrocks deepseek_from_scratch, DeepSeek-From-Scratch): ``stat[e] = mask.sum()`` (``+=``; casts,
+        ``.item()``, ``int()`` / ``float()`` around it) with ``mask`` this expert's token mask ``(idx == e).any(-1)`` or
+        its slot mask ``idx == e``, and ``stat`` a tensor built by a torch constructor before the loop and named nowhere
+        else in it: the counts of all experts are one histc of the indices (top-k indices are distinct), written after
+        the fused layer. Recorded with whether an empty-expert guard ran first (then empty experts keep their value)."""
+        if not isinstance(tgt.value, ast.Name):
+            return False
+        stat = tgt.value.id
+        node = value
+        for _ in range(4):
+            node = _strip_casts(node)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item" and not node.args:
+                node = node.func.value
+            elif isinstance(node, ast.Call) and dotted(node.func) in ("int", "float") and len(node.args) == 1:
+                node = node.args[0]
+            else:
+                break
+        counted: Optional[ast.expr] = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("sum", "count_nonzero") \
+                and not node.args and not node.keywords:
+            counted = node.func.value
+        elif isinstance(node, ast.Call) and _canon(self.m, node.func) in ("torch.sum", "torch.count_nonzero") \
+                and len(node.args) == 1 and not node.keywords:
+            counted = node.args[0]
+        mask = self.ev(counted) if counted is not None else None
+        if mask is None or mask.kind not in ("tokmask", "flatmask") or not mask.args:
+            return False
+        if sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == stat) != 1:
+            return False
+        made = self.scope.definition(stat, self.loop.lineno)
+        if not (isinstance(made, ast.Call) and _canon(self.m, made.func) in (
+                "torch.zeros", "torch.ones", "torch.empty", "torch.full", "torch.zeros_like", "torch.ones_like",
+                "torch.empty_like", "torch.full_like", "torch.tensor")):
+            return False
+        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + " = " + ast.unparse(value)[:40]))
+        return True
 
     def _unique_rows_are_rows(self, tok: V, call: ast.Call, first: int) -> bool:
         """s41: ``rows.unique()`` of ``rows, slots = torch.where(idx == e)`` is ``rows`` itself when ``idx`` holds a
@@ -3696,6 +3742,18 @@ class _Eval:
     # -- results --------------------------------------------------------------------------
 
     def finish(self, block: list[ast.stmt], i: int) -> Optional[_Site]:
+        site = self._finish(block, i)
+        if site is not None and self.count_stats:
+            text = self.count_stats[0][4]
+            if site.routing != "mask_where" or site.sentinel or site.local_start:
+                raise _Miss(f"the loop also writes one value per expert (`{text}`), which the fused layer computes only "
+                            "for mask routing over every expert's own index")
+            if any(ind != self.where_indices or ind != site.indices for _, _, _, ind, _ in self.count_stats):
+                raise _Miss(f"the loop also counts tokens (`{text}`) of other indices than it dispatches")
+            site.count_stats = tuple((stat, mode, guarded, t) for stat, mode, guarded, _, t in self.count_stats)
+        return site
+
+    def _finish(self, block: list[ast.stmt], i: int) -> Optional[_Site]:
         if not self.results:
             return None
         if len(self.results) > 1:
@@ -4898,6 +4956,16 @@ def _fused_text(site: _Site) -> str:
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
             lines.append(f"{out}.add_({result}.to({out}.dtype))")
+    for stat, mode, guarded, text in site.count_stats:
+        # s41: the loop's per-expert count (`usage[e] = mask.sum()`), for every expert at once
+        lines.append(f"# the loop's `{text}`: every expert's token count at once")
+        lines.append(f"{P}cnt = torch.histc({site.indices}.flatten().float(), bins={site.bins}, min=0, max={site.bins})")
+        if mode == "add":
+            lines.append(f"{stat}[:{site.bins}] += {P}cnt.to({stat}.dtype)")
+        elif guarded:  # experts without tokens were skipped before the write: they keep their value
+            lines.append(f"{stat}[:{site.bins}] = torch.where({P}cnt > 0, {P}cnt.to({stat}.dtype), {stat}[:{site.bins}])")
+        else:
+            lines.append(f"{stat}[:{site.bins}] = {P}cnt.to({stat}.dtype)")
     if site.dense_tail:
         lines.append("# the experts the loop ran on every token (its other branch), as written")
         lines += site.dense_tail.splitlines()
@@ -12825,4 +12893,59 @@ MoeExperts.KEEP += [
     # argmax over the tokens (dim 0): not each token's slot
     Keep(_S41_ARGMAX_SLOT.replace("slot = (top_i == e).float().argmax(dim=-1)", "slot = (top_i == e).float().argmax(dim=0)"),
          reason="not recognised as the routing weight", name="s41_argmax_over_tokens_not_slots"),
+]
+
+# 6. (other development files) the loop also counts each expert's tokens into a tensor (sidrocks deepseek_from_scratch
+#    under the empty-expert guard, atharvahatekar DeepSeek-From-Scratch before it): one histc of the indices after the
+#    fused layer; experts skipped by the guard keep their value
+_S41_COUNT_STAT = _HEAD + _FF_SWIGLU + '''
+
+class CountingMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        flat = x.view(-1, x.shape[-1])
+        top_w, top_i = torch.topk(torch.sigmoid(self.router(flat)), self.k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        usage = torch.full((self.n,), -1.0)
+        for e in range(self.n):
+            tok = (top_i == e).any(dim=-1)
+            if tok.any():
+                usage[e] = tok.sum()
+                w = (top_w * (top_i == e)).sum(dim=-1, keepdim=True)[tok]
+                out[tok] += self.experts[e](flat[tok]) * w
+        return out.view_as(x), usage
+'''
+
+_S41_COUNT_STAT_RUN = '''\
+m = CountingMoE(16, 24, 8, 2)
+x = torch.randn(1, 3, 16, requires_grad=True)
+out = m(x)
+assert (out[1] == -1).any()  # some experts get no token: the guarded count keeps their value
+leaves = [x, m.router.weight, m.experts[1].w1.weight]
+'''
+
+MoeExperts.FUSE += [
+    Fuse(_S41_COUNT_STAT, name="s41_per_expert_count_under_empty_guard", run=_S41_COUNT_STAT_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "top_w", "tokens": "flat", "output": "out"}),
+    Fuse(_S41_COUNT_STAT.replace('''            if tok.any():
+                usage[e] = tok.sum()
+''', '''            usage[e] += (top_i == e).sum().float()
+            if tok.any():
+'''), name="s41_per_expert_slot_count_added_unguarded", run=_S41_COUNT_STAT_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "top_w"}),
+]
+
+MoeExperts.KEEP += [
+    # a Python list of counts: not a tensor a slice can be written into
+    Keep(_S41_COUNT_STAT.replace("usage = torch.full((self.n,), -1.0)", "usage = [0] * self.n"),
+         reason="the loop also writes one value per expert", name="s41_per_expert_count_into_a_python_list"),
+    # the count of the token mask's hidden values, not of the tokens
+    Keep(_S41_COUNT_STAT.replace("usage[e] = tok.sum()", "usage[e] = flat[tok].sum()"),
+         reason="the loop also writes one value per expert", name="s41_per_expert_sum_of_token_values"),
 ]
