@@ -12421,7 +12421,9 @@ def _s41_router_module(module: ModuleInfo, scope: Scope, call: ast.Call) -> Opti
             and scope.class_name in module.classes):
         return None
     owner = module.classes[scope.class_name]  # type: ignore[index]
-    stores = [n for n in fast_walk(owner) if isinstance(n, ast.Attribute) and n.attr == f.attr
+    # a subclass of this file may store another module under the name (its instances run this forward with it)
+    subclasses = [c for c in module.classes.values() if any(dotted(b) == owner.name for b in c.bases)]
+    stores = [n for c in (owner, *subclasses) for n in fast_walk(c) if isinstance(n, ast.Attribute) and n.attr == f.attr
               and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id == "self"]
     value = _class_init_assigns(module, owner).get(f.attr) if len(stores) == 1 else None
     if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in module.classes):
@@ -12727,6 +12729,20 @@ MoeExperts.KEEP += [
         _, idx = torch.topk(probs + 0.1 * torch.arange(probs.shape[-1]), self.k, dim=-1)
 '''), reason="not recognised as the routing weight", name="s41_router_module_weights_of_another_topk"),
     # the router is one of two classes chosen by a flag: which forward returns the weights is not known statically
+    # a subclass stores another router under the same name: its instances run this forward with that router
+    Keep(_S41_ROUTER_MODULE + '''
+
+class UniformRouter(nn.Module):
+    def forward(self, x):
+        idx = torch.zeros(*x.shape[:-1], 2, dtype=torch.long)
+        return torch.ones(*x.shape[:-1], 3), idx, None
+
+
+class UniformMoE(GatherMoE):
+    def __init__(self, d, h, n, k):
+        super().__init__(d, h, n, k)
+        self.router = UniformRouter()
+''', reason="not recognised as the routing weight", name="s41_router_module_replaced_by_a_subclass"),
     Keep(_S41_ROUTER_MODULE.replace("        self.router = Router(d, n, k)\n",
                                     "        self.router = Router(d, n, k)\n        if h > 64:\n            self.router = nn.Identity()\n"),
          reason="not recognised as the routing weight", name="s41_router_module_assigned_twice"),
