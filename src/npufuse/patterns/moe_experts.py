@@ -2666,7 +2666,7 @@ class _Eval:
             return
         if isinstance(s, ast.AugAssign):
             tgt = s.target
-            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1"):
+            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1", "tok1"):
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Subscript) and isinstance(s.op, ast.Add) and self._is_eidx(tgt.slice) \
@@ -2689,6 +2689,8 @@ class _Eval:
             # `for k in range(K):` inside the expert loop, over the columns of [T, K] indices: the slots run one
             # after the other, each adding its rows of expert e (the same sum as one pass over all (token, slot) pairs)
             self.run_body(s.body)
+            return
+        if isinstance(s, ast.For) and self._pair_loop(s):
             return
         if isinstance(s, ast.For) and any(isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript)
                                           for n in fast_walk(s)) \
@@ -2954,6 +2956,11 @@ class _Eval:
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and self.ev(node.left).kind == "rw_dense_row":
             raise _Miss(f"the tokens are picked as `{ast.unparse(node)[:60]}`, a test of their summed routing weights other "
                         "than `> 0` / `!= 0`: tokens routed to the expert that fail it are skipped")
+        if isinstance(node, ast.DictComp) and self._position_map(node):
+            return V("rowpos")  # s41: {u.item(): i for i, u in enumerate(rows)}
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and self.ev(node.value).kind == "rowpos" \
+                and self.ev(node.slice).kind == "tok1":
+            return V("rowj")  # pos[t]: the output row of token t
         if isinstance(node, ast.Subscript):
             return self._subscript(node)
         if isinstance(node, ast.Tuple) and self._token_tuple(node.elts):
@@ -3093,6 +3100,10 @@ class _Eval:
                 # weight at the one slot holding e (top-k indices are distinct)
                 self._set_probs(name)
                 return V("rw_row")
+            if kinds == ["tok1", "kpos1"] and _s41_shaped_like_indices(self.m, self.scope, name, self.where_indices,
+                                                                      self.loop.lineno):
+                self._set_probs(name)
+                return V("rw")  # s41: w[t, k] of one (token, slot) pair: its routing weight
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
                 self._set_probs(name)
                 return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
@@ -3112,6 +3123,8 @@ class _Eval:
             return V("slotmask")  # (indices == e)[(indices == e).any(-1)]: the same rows, picked by the token mask
         if base.kind == "tokrows" and isinstance(sl, ast.Constant) and sl.value == 0:
             return V("tok", base.args)  # ("slot",): the rows of a slot mask
+        if base.kind == "mod_out" and [self._part_kind(p) for p in parts] == ["rowj"]:
+            return base  # s41: y[j] of the pair loop: the expert output row of the pair's token
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
                 and self.ev(parts[0]).args == base.args:
             return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
@@ -3146,6 +3159,59 @@ class _Eval:
             raise _Miss(f"{what} `{ast.unparse(rows)[:40]}`, rows picked by `{ast.unparse(value)[:50]}`, token ids "
                         "from a Python list: npufuse does not derive expert indices per token from host lists (which "
                         "token goes to which expert is decided in Python)")
+
+    def _position_map(self, comp: ast.DictComp) -> bool:
+        """``{u.item(): i for i, u in enumerate(rows)}`` (``int(u)`` too) over this expert's where rows: each token's
+        position among them (its output row; rows are distinct, a last-dim topk's indices)."""
+        if len(comp.generators) != 1:
+            return False
+        gen = comp.generators[0]
+        if gen.ifs or gen.is_async or not (isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "enumerate"
+                                           and len(gen.iter.args) == 1 and not gen.iter.keywords):
+            return False
+        if not (isinstance(gen.target, ast.Tuple) and len(gen.target.elts) == 2
+                and all(isinstance(e, ast.Name) for e in gen.target.elts)):
+            return False
+        i, u = (e.id for e in gen.target.elts)  # type: ignore[attr-defined]
+        key = comp.key
+        key_ok = (isinstance(key, ast.Call) and isinstance(key.func, ast.Attribute) and key.func.attr == "item" and not key.args
+                  and isinstance(key.func.value, ast.Name) and key.func.value.id == u) \
+            or (isinstance(key, ast.Call) and dotted(key.func) == "int" and len(key.args) == 1
+                and isinstance(key.args[0], ast.Name) and key.args[0].id == u)
+        return key_ok and isinstance(comp.value, ast.Name) and comp.value.id == i and i != u \
+            and self.ev(gen.iter.args[0]).kind == "tok" and not self.ev(gen.iter.args[0]).args \
+            and _s40_topk_indices(self.m, self.scope, self.where_indices, self.loop.lineno) is not None
+
+    def _pair_loop(self, loop: ast.For) -> bool:
+        """s41 (0xp47 moe-llm-from-scratch): ``for t, k in zip(rows.tolist(), slots.tolist())`` (or ``for j, (t, k) in
+        enumerate(zip(...))``) over ``rows, slots = torch.where(idx == e)``, whose body only names ``w[t, k]``, the
+        output row of token t (``y[j]``, or ``y[pos[t]]`` with ``pos = {u.item(): i for i, u in enumerate(rows)}``) and
+        adds ``out[t] += w[t, k] * y[...]``: the pairs one at a time, the same sum as ``out.index_add_(0, rows,
+        w[rows, slots, None] * y)``. The loop variables are read as one pair's token / slot / output row."""
+        it, tgt = loop.iter, loop.target
+        j_name = ""
+        if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords \
+                and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and isinstance(tgt.elts[0], ast.Name):
+            j_name, it, tgt = tgt.elts[0].id, it.args[0], tgt.elts[1]
+        if loop.orelse or not (isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords
+                               and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2
+                               and all(isinstance(e, ast.Name) for e in tgt.elts)):
+            return False
+        listed = []
+        for a in it.args:
+            if not (isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr == "tolist" and not a.args):
+                return False
+            listed.append(self.ev(a.func.value).kind)
+        if listed != ["tok", "kpos"] or self.token_dims != 1 or not self.where_indices:
+            return False
+        names = {tgt.elts[0].id: V("tok1"), tgt.elts[1].id: V("kpos1")}  # type: ignore[union-attr]
+        if j_name:
+            names[j_name] = V("rowj")
+        if len(names) != 2 + bool(j_name) or any(n in self.env for n in names):
+            return False
+        self.env.update(names)
+        self.run_body(loop.body)
+        return True
 
     def _expert_count_stat(self, tgt: ast.Subscript, value: ast.expr, mode: str) -> bool:
         """s41 (sidrocks deepseek_from_scratch, DeepSeek-From-Scratch): ``stat[e] = mask.sum()`` (``+=``; casts,
@@ -12827,11 +12893,34 @@ MoeExperts.KEEP += [
                                   "idx = torch.multinomial(probs, self.k, replacement=True)\n        w = torch.gather(probs, 1, idx)"),
          reason="is not shown to be the indices of a last-dim topk", name="s41_unique_rows_indices_drawn_with_replacement"),
     Keep(_S41_HOST_LISTS, reason="token ids from a Python list", name="s41_host_lists_of_token_ids_with_capacity"),
-    # the weighted rows are added back one (token, slot) pair at a time in Python
+    # the pair loop reads slot 0's weight for every pair
+    Keep(_S41_UNIQUE_ROWS.replace('''            out.index_add_(0, rows, w[rows, slots, None] * y)
+''', '''            for j, (t, s) in enumerate(zip(rows.tolist(), slots.tolist())):
+                out[t] += w[t, 0] * y[j]
+'''), reason="not recognised as the routing weight", name="s41_pair_loop_weight_of_slot_zero"),
+    # the pair loop also rescales the rows it has written: a second write of the output per expert
     Keep(_S41_UNIQUE_ROWS.replace('''            out.index_add_(0, rows, w[rows, slots, None] * y)
 ''', '''            for j, (t, s) in enumerate(zip(rows.tolist(), slots.tolist())):
                 out[t] += w[t, s] * y[j]
-'''), reason="adds rows back one (token, slot) pair at a time in a Python loop", name="s41_rows_added_back_in_a_python_pair_loop"),
+                out[t] += 0.5 * out[t]
+'''), reason="the loop writes its output more than once per expert", name="s41_pair_loop_rescales_output_rows"),
+]
+
+MoeExperts.FUSE += [
+    # the weighted rows added back one (token, slot) pair at a time: by the pair's number, or by the token's position
+    # among the unique rows (0xp47 moe-llm-from-scratch)
+    Fuse(_S41_UNIQUE_ROWS.replace('''            out.index_add_(0, rows, w[rows, slots, None] * y)
+''', '''            for j, (t, s) in enumerate(zip(rows.tolist(), slots.tolist())):
+                out[t] += w[t, s] * y[j]
+'''), name="s41_pair_loop_by_pair_number", run=_S41_UNIQUE_ROWS_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "flat"}),
+    Fuse(_S41_UNIQUE_ROWS.replace('''            out.index_add_(0, rows, w[rows, slots, None] * y)
+''', '''            pos = {u.item(): i for i, u in enumerate(uniq)}
+            for t, s in zip(rows.tolist(), slots.tolist()):
+                weight = w[t, s]
+                out[t] += weight * y[pos[t]]
+'''), name="s41_pair_loop_by_token_position_map", run=_S41_UNIQUE_ROWS_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "flat"}),
 ]
 
 # 5. (other development files) the weight gathered from rows picked first: `(w[tok] * (idx[tok] == e).float()).sum(-1,
