@@ -3808,6 +3808,10 @@ class _Eval:
     # -- results --------------------------------------------------------------------------
 
     def finish(self, block: list[ast.stmt], i: int) -> Optional[_Site]:
+        if self.count_stats and not self.results:
+            # a loop that only counts (no rows dispatched): what it writes, as before s41
+            raise _Miss(f"the loop also writes one value per expert (`{self.count_stats[0][4]}`), which the fused layer "
+                        "does not compute")
         site = self._finish(block, i)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
