@@ -2949,11 +2949,13 @@ class _Eval:
                     # s41: `idx[tok] == e` with tok = (idx == e).any(-1): [n, K], expert e's slot in each selected row
                     return V("rowslots", (self.tok_indices,))
             return V("unknown", (ast.unparse(node),))
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Gt, ast.NotEq)) \
-                and const_value(node.comparators[0]) == 0 and not isinstance(const_value(node.comparators[0]), bool) \
-                and self.ev(node.left).kind == "rw_dense_row":
-            return self._weight_selection(node)
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and self.ev(node.left).kind == "rw_dense_row":
+        summed = isinstance(node, ast.Compare) and len(node.ops) == 1 and (
+            isinstance(node.left, ast.Name) or isinstance(node.left, ast.Call) and isinstance(node.left.func, ast.Attribute)
+            and node.left.func.attr == "sum") and self.ev(node.left).kind == "rw_dense_row"  # s41: a test of `w` only
+        if summed and isinstance(node.ops[0], (ast.Gt, ast.NotEq)) and const_value(node.comparators[0]) == 0 \
+                and not isinstance(const_value(node.comparators[0]), bool):
+            return self._weight_selection(node)  # type: ignore[arg-type]
+        if summed:
             raise _Miss(f"the tokens are picked as `{ast.unparse(node)[:60]}`, a test of their summed routing weights other "
                         "than `> 0` / `!= 0`: tokens routed to the expert that fail it are skipped")
         if isinstance(node, ast.DictComp) and self._position_map(node):
