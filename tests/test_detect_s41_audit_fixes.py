@@ -4,11 +4,18 @@ bench/audit_s41_near_misses.json).
 
 W1 rms_norm: the output dtype "like" an intermediate expression was rendered ``a * b.dtype`` (``.dtype`` binds to
    ``b``): a TypeError in the fused branch (SkyReels-V2's ``fast_rms_norm``). The expression is bracketed.
+W2 every pattern (engine): a site after the colon of a one-line compound statement (EVA's
+   ``def forward(self, t): return t * self.freqs_cos + rotate_half(t) * self.freqs_sin``): the whole-line rewrite put
+   the fused ``if`` (with a ``return``) where the ``def`` was, in the class body. Such a site is a near miss.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from npufuse.patterns.registry import all_patterns
 from npufuse.patterns.rms_norm import RmsNorm
+from npufuse.scan import engine
 from pattern_harness import check_rewrite_runs, detect_all
 
 # -- W1: the dtype of an intermediate product
@@ -35,3 +42,42 @@ def test_the_dtype_of_an_intermediate_product_is_bracketed() -> None:
     assert facts["calls"] >= 1
     assert facts["dtypes"] == [(facts["dtypes"][0][0],) * 2]
     assert min(facts["cos_out"]) > 0.9999
+
+
+# -- W2: a site on the line of a compound statement's header
+
+_ONE_LINE_DEF = """
+import torch
+from torch import nn
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionRotaryEmbeddingFast(nn.Module):
+    def __init__(self, cos, sin):
+        super().__init__()
+        self.register_buffer("freqs_cos", cos)
+        self.register_buffer("freqs_sin", sin)
+
+    def forward(self, t): return t * self.freqs_cos + rotate_half(t) * self.freqs_sin
+"""
+
+
+def _scan_one(tmp_path: Path, code: str) -> engine.FileOutcome:
+    (tmp_path / "site.py").write_text(code, encoding="utf-8")
+    return engine.analyze_file(tmp_path, "site.py", all_patterns(), engine.ScanOptions())
+
+
+def test_a_site_after_a_one_line_def_header_is_a_near_miss(tmp_path: Path) -> None:
+    out = _scan_one(tmp_path, _ONE_LINE_DEF)
+    assert not [h for h in out.hits if h.finding.pattern == "rope"]
+    assert any(m["pattern"] == "rope" and "header of a compound statement" in m["reason"] for m in out.near_misses)
+
+
+def test_the_same_body_on_its_own_line_is_still_a_candidate(tmp_path: Path) -> None:
+    split = _ONE_LINE_DEF.replace("def forward(self, t): return", "def forward(self, t):\n        return")
+    out = _scan_one(tmp_path, split)
+    assert [h.finding.pattern for h in out.hits] == ["rope"]

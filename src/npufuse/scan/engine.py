@@ -235,6 +235,27 @@ def _shares_line(scope: Scope, lines: list[str], line: int, end_line: int) -> bo
     return False
 
 
+# a line that opens a compound statement (its body may follow the colon on the same line)
+_HEADER_LINE = re.compile(r"\s*(?:async\s+def|def|if|elif|else|for|while|with|try|except|finally|class)\b")
+_AFTER_HEADER = "line {} holds the header of a compound statement (`def`, `if`, ...) and the site after its colon: split the body onto its own lines first"
+
+
+def _after_header(scope: Scope, lines: list[str], line: int) -> bool:
+    """Whether the span starts after the colon of a compound statement's header on the same line
+    (``def forward(self, t): return t * self.freqs_cos + ...``, ``if c: x = ...``): the rewrite
+    works on whole lines, so the fused ``if`` would take the header's place (audit41: EVA's one-line
+    rope forward became a ``return`` in the class body). Only a line that starts with a header
+    keyword pays for the statement lookup."""
+    text = lines[line - 1]
+    if ":" not in text or not _HEADER_LINE.match(text):
+        return False
+    indent = len(text) - len(text.lstrip())
+    body = getattr(scope.node, "body", None)
+    if isinstance(body, list) and body and body[0].lineno == line and body[0].col_offset > indent:
+        return True
+    return any(stmt.lineno == line and stmt.col_offset > indent for _block, _i, stmt in scope.statements())
+
+
 def _jsonable(value: Any, depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
@@ -541,6 +562,9 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         continue
                     if _shares_line(scope, module.lines, r.line, r.end_line):
                         out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, _SHARED_LINE.format(r.line, r.end_line))))
+                        continue
+                    if _after_header(scope, module.lines, r.line):
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, _AFTER_HEADER.format(r.line))))
                         continue
                     r.params = _jsonable(r.params)
                     if has_cr:
