@@ -7,6 +7,8 @@ W1 rms_norm: the output dtype "like" an intermediate expression was rendered ``a
 W2 every pattern (engine): a site after the colon of a one-line compound statement (EVA's
    ``def forward(self, t): return t * self.freqs_cos + rotate_half(t) * self.freqs_sin``): the whole-line rewrite put
    the fused ``if`` (with a ``return``) where the ``def`` was, in the class body. Such a site is a near miss.
+W3 every pattern (engine): MiniCPM's ``mlx_finetune.py`` (``import mlx.nn as nn``, no torch import) gave an
+   add_rms_norm candidate on mx.arrays. A file that imports another array framework and no torch is not scanned.
 """
 
 from __future__ import annotations
@@ -81,3 +83,34 @@ def test_the_same_body_on_its_own_line_is_still_a_candidate(tmp_path: Path) -> N
     split = _ONE_LINE_DEF.replace("def forward(self, t): return", "def forward(self, t):\n        return")
     out = _scan_one(tmp_path, split)
     assert [h.finding.pattern for h in out.hits] == ["rope"]
+
+
+# -- W3: a file of another array framework
+
+_MLX_BLOCK = """
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
+
+    def __call__(self, x: mx.array, r: mx.array) -> mx.array:
+        h = x + r
+        r = self.post_attention_layernorm(h)
+        return h + r
+"""
+
+
+def test_a_file_of_another_array_framework_without_torch_is_not_scanned(tmp_path: Path) -> None:
+    out = _scan_one(tmp_path, _MLX_BLOCK)
+    assert not out.hits and not out.near_misses
+
+
+def test_the_torch_twin_is_still_a_candidate(tmp_path: Path) -> None:
+    twin = _MLX_BLOCK.replace("import mlx.core as mx\nimport mlx.nn as nn", "import torch\nfrom torch import nn")
+    twin = twin.replace("mx.array", "torch.Tensor").replace("nn.RMSNorm(dim, eps=eps)", "nn.RMSNorm(dim, eps=eps)")
+    out = _scan_one(tmp_path, twin)
+    assert "add_rms_norm" in [h.finding.pattern for h in out.hits]

@@ -235,6 +235,21 @@ def _shares_line(scope: Scope, lines: list[str], line: int, end_line: int) -> bo
     return False
 
 
+# Array frameworks whose arrays torch_npu's fused ops do not take: a file that imports one of them and
+# no torch module is not PyTorch code (audit41: MiniCPM's mlx_finetune.py, where `nn` is mlx.nn and
+# `x + r` then `self.post_attention_layernorm(h)` adds mx.arrays before mlx.nn.RMSNorm)
+_OTHER_ARRAY_FRAMEWORKS = ("mlx", "jax", "flax", "tensorflow", "keras", "paddle", "mindspore", "oneflow", "tinygrad")
+
+
+def _other_array_framework(module: ModuleInfo) -> str | None:
+    """The other array framework the file imports where it imports no torch module; None otherwise
+    (a file with no imports at all may well be handed torch tensors)."""
+    roots = {target.split(".", 1)[0] for target in module.aliases.values()}
+    if "torch" in roots or "torch_npu" in roots:
+        return None
+    return next((r for r in _OTHER_ARRAY_FRAMEWORKS if r in roots), None)
+
+
 # a line that opens a compound statement (its body may follow the colon on the same line)
 _HEADER_LINE = re.compile(r"\s*(?:async\s+def|def|if|elif|else|for|while|with|try|except|finally|class)\b")
 _AFTER_HEADER = "line {} holds the header of a compound statement (`def`, `if`, ...) and the site after its colon: split the body onto its own lines first"
@@ -505,7 +520,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     in_file: list[bool | None] = [None] * len(patterns)
     if gated and sum(map(len, module.lines)) != len(module.source):
         in_file = [True] * len(patterns)  # lines not cut from the text as it is: search every scope
-    for scope in module.scopes:
+    for scope in (module.scopes if _other_array_framework(module) is None else ()):
         # gated_out, inline (it runs for every scope and pattern): the words as written, then
         # the NFKD form of text outside ASCII (not for the <module> scope: kept unless ASCII)
         scope_src = gate_text(module, scope) if gated else None
