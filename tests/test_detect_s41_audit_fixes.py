@@ -9,12 +9,17 @@ W2 every pattern (engine): a site after the colon of a one-line compound stateme
    the fused ``if`` (with a ``return``) where the ``def`` was, in the class body. Such a site is a near miss.
 W3 every pattern (engine): MiniCPM's ``mlx_finetune.py`` (``import mlx.nn as nn``, no torch import) gave an
    add_rms_norm candidate on mx.arrays. A file that imports another array framework and no torch is not scanned.
+W4 attention (Kimi-VL MoonViT ``eager_attention``, 2 sites): a boolean mask built from ``torch.zeros(.., dtype=torch.bool)``
+   and ADDED to the scores (True adds 1) was converted as a 0/-inf mask; and the packed ``[T, N, D]`` q/k/v, transposed
+   to 3-D, went into the 4-D BNSD call. The boolean sum is a near miss; q/k/v of no stated rank are checked 4-D at run
+   time (as SDPA's ``q.dim() == 4``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.registry import all_patterns
 from npufuse.patterns.rms_norm import RmsNorm
 from npufuse.scan import engine
@@ -114,3 +119,49 @@ def test_the_torch_twin_is_still_a_candidate(tmp_path: Path) -> None:
     twin = twin.replace("mx.array", "torch.Tensor").replace("nn.RMSNorm(dim, eps=eps)", "nn.RMSNorm(dim, eps=eps)")
     out = _scan_one(tmp_path, twin)
     assert "add_rms_norm" in [h.finding.pattern for h in out.hits]
+
+
+# -- W4: a boolean mask added to the scores; packed 3-D q/k/v
+
+_PACKED_EAGER = """
+import math
+import torch
+
+
+def eager_attention(q, k, v, q_cu_seqlens=None):
+    seq_length = q.shape[0]
+    attention_mask = torch.zeros([1, seq_length, seq_length], device=q.device, dtype=torch.bool)
+    for i in range(1, len(q_cu_seqlens)):
+        attention_mask[..., q_cu_seqlens[i - 1]:q_cu_seqlens[i], q_cu_seqlens[i - 1]:q_cu_seqlens[i]] = True
+    q = q.transpose(0, 1)
+    k = k.transpose(0, 1)
+    v = v.transpose(0, 1)
+
+    attn_weight = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    attn_weight += attention_mask
+    attn_weight = torch.softmax(attn_weight, dim=-1, dtype=torch.float32).to(q.dtype)
+
+    attn_output = attn_weight @ v
+    attn_output = attn_output.transpose(0, 1)
+    return attn_output.reshape(seq_length, -1)
+"""
+
+# the same helper with a float 0/-inf mask (a near miss no more): run on packed 3-D tokens
+_PACKED_FLOAT = _PACKED_EAGER.replace("dtype=torch.bool)", "dtype=q.dtype) - 1e9").replace("= True", "= 0.0")
+_PACKED_RUN = ("out = eager_attention(torch.randn(12, 2, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8), "
+               "torch.tensor([0, 5, 12]))")
+
+
+def test_a_boolean_mask_added_to_the_scores_is_a_near_miss() -> None:
+    findings, misses = detect_all(AttentionPattern(), _PACKED_EAGER)
+    assert not findings
+    assert any("is a boolean tensor: the sum adds 1 where it is True" in m.reason for m in misses)
+
+
+def test_packed_3d_tokens_run_the_original_code() -> None:
+    findings, _ = detect_all(AttentionPattern(), _PACKED_FLOAT)
+    assert len(findings) == 1
+    assert "_npufuse_q.dim() == 4" in findings[0].fused
+    facts = check_rewrite_runs(AttentionPattern(), _PACKED_FLOAT, _PACKED_RUN, findings)
+    assert facts["calls"] == 0  # 3-D operands: the rank check keeps the original code
+    assert min(facts["cos_out"]) > 0.9999
