@@ -13,12 +13,16 @@ W4 attention (Kimi-VL MoonViT ``eager_attention``, 2 sites): a boolean mask buil
    and ADDED to the scores (True adds 1) was converted as a 0/-inf mask; and the packed ``[T, N, D]`` q/k/v, transposed
    to 3-D, went into the 4-D BNSD call. The boolean sum is a near miss; q/k/v of no stated rank are checked 4-D at run
    time (as SDPA's ``q.dim() == 4``).
+W5 affinity_where (rl4co FJSP): ``available = torch.where(busy > t, busy, torch.inf).min(1).values`` then
+   ``torch.where(step_complete, available, time)`` became ``lerp``: inf * 0 = NaN in the rows not selected. A value
+   reduced or selected from an inf-filled blend is extreme: a near miss.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from npufuse.patterns.affinity_where import AffinityWhere
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.registry import all_patterns
 from npufuse.patterns.rms_norm import RmsNorm
@@ -165,3 +169,31 @@ def test_packed_3d_tokens_run_the_original_code() -> None:
     facts = check_rewrite_runs(AttentionPattern(), _PACKED_FLOAT, _PACKED_RUN, findings)
     assert facts["calls"] == 0  # 3-D operands: the rank check keeps the original code
     assert min(facts["cos_out"]) > 0.9999
+
+
+# -- W5: inf through a blend and a reduction
+
+_INF_REDUCED = """
+import torch
+
+
+def transit(td, step_complete):
+    available_time_ma = td["busy_until"]
+    available_time = torch.where(available_time_ma > td["time"][:, None], available_time_ma, torch.inf).min(1).values
+    td["time"] = torch.where(step_complete, available_time, td["time"])
+    return td
+"""
+
+# near miss twin's Fuse side: the same blend of a finite reduction stays a candidate
+_FINITE_REDUCED = _INF_REDUCED.replace("torch.inf", "available_time_ma")
+
+
+def test_a_value_reduced_from_an_inf_filled_blend_is_not_inf_safe() -> None:
+    findings, misses = detect_all(AffinityWhere(), _INF_REDUCED)
+    assert not [f for f in findings if f.line == 8]
+    assert any(m.line == 8 and "can hold ±inf/NaN" in m.reason for m in misses)
+
+
+def test_a_finite_reduction_is_still_a_candidate() -> None:
+    findings, _ = detect_all(AffinityWhere(), _FINITE_REDUCED)
+    assert [f.line for f in findings] == [7, 8]
