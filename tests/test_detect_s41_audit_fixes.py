@@ -16,6 +16,8 @@ W4 attention (Kimi-VL MoonViT ``eager_attention``, 2 sites): a boolean mask buil
 W5 affinity_where (rl4co FJSP): ``available = torch.where(busy > t, busy, torch.inf).min(1).values`` then
    ``torch.where(step_complete, available, time)`` became ``lerp``: inf * 0 = NaN in the rows not selected. A value
    reduced or selected from an inf-filled blend is extreme: a near miss.
+R1 affinity_where (reason, VLA-Adapter): ``repositioned_noisy_action_features = torch.zeros_like(input_embeddings)`` was
+   called "integer tensors" for the "position" inside "repositioned". Name words count as whole parts of the name.
 """
 
 from __future__ import annotations
@@ -197,3 +199,29 @@ def test_a_value_reduced_from_an_inf_filled_blend_is_not_inf_safe() -> None:
 def test_a_finite_reduction_is_still_a_candidate() -> None:
     findings, _ = detect_all(AffinityWhere(), _FINITE_REDUCED)
     assert [f.line for f in findings] == [7, 8]
+
+
+# -- R1: integer words are whole parts of a name
+
+_REPOSITIONED = """
+import torch
+
+
+def splice(input_embeddings, noisy_action_features, all_actions_mask, batch_indices, masked_indices):
+    repositioned_noisy_action_features = torch.zeros_like(input_embeddings)
+    repositioned_noisy_action_features[batch_indices, masked_indices] = noisy_action_features
+    return torch.where(all_actions_mask.unsqueeze(-1), repositioned_noisy_action_features, input_embeddings)
+"""
+
+
+def test_a_name_containing_position_inside_a_word_is_no_integer_evidence() -> None:
+    findings, misses = detect_all(AffinityWhere(), _REPOSITIONED)
+    assert [f.line for f in findings] == [8]
+    assert not any("integer tensors" in m.reason for m in misses)
+
+
+def test_a_position_ids_name_is_still_an_integer_tensor() -> None:
+    twin = _REPOSITIONED.replace("repositioned_noisy_action_features", "action_position_ids")
+    findings, misses = detect_all(AffinityWhere(), twin)
+    assert not findings
+    assert any("integer tensors (`action_position_ids`)" in m.reason for m in misses)

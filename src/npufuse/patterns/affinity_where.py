@@ -122,7 +122,8 @@ def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
         value = scope.definition(node.id, line)
         if value is not None and _float_evident(module, scope, value, getattr(value, "lineno", line)):
             return False  # TimesFM's inc_count = ((~mask).to(x.dtype)).sum(-1): a float count, whatever its name
-        if node.id.endswith(_INT_NAME) or any(w in node.id.lower() for w in _INT_WORDS):
+        # words as whole parts of the name: ``repositioned_noisy_action_features`` holds no "position" (audit41, VLA-Adapter)
+        if node.id.endswith(_INT_NAME) or any(part.startswith(_INT_WORDS) for part in node.id.lower().split("_")):
             return True
         return value is not None and _is_integer(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if isinstance(node, ast.Attribute):
