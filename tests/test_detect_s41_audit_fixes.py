@@ -18,12 +18,17 @@ W5 affinity_where (rl4co FJSP): ``available = torch.where(busy > t, busy, torch.
    reduced or selected from an inf-filled blend is extreme: a near miss.
 R1 affinity_where (reason, VLA-Adapter): ``repositioned_noisy_action_features = torch.zeros_like(input_embeddings)`` was
    called "integer tensors" for the "position" inside "repositioned". Name words count as whole parts of the name.
+W6 affinity_index_put (Eagle2.5 / LocateAnything, 3 sites): ``input_embeds[selected] = input_embeds[selected] * 0.0 +
+   vit_embeds[:n_token]`` became ``torch.where(selected, input_embeds * 0.0 + vit_embeds[:n_token], input_embeds)``:
+   the image rows are one per selected token (a masked scatter). An operand not gathered with the mask that may be
+   sized by the selection (a row slice, a tensor name that is no scalar nor 1-D parameter) is a near miss.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from npufuse.patterns.affinity_index_put import AffinityIndexPut
 from npufuse.patterns.affinity_where import AffinityWhere
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.registry import all_patterns
@@ -225,3 +230,39 @@ def test_a_position_ids_name_is_still_an_integer_tensor() -> None:
     findings, misses = detect_all(AffinityWhere(), twin)
     assert not findings
     assert any("integer tensors (`action_position_ids`)" in m.reason for m in misses)
+
+
+# -- W6: image rows spliced in by the mask (a masked scatter) beside gathered elements
+
+_SCATTER_BESIDE_GATHERED = """
+import torch
+
+
+def merge(input_embeds, input_ids, vit_embeds, img_context_token_id):
+    B, N, C = input_embeds.shape
+    input_embeds = input_embeds.reshape(B * N, C)
+    selected = input_ids.reshape(B * N) == img_context_token_id
+    n_token = selected.sum()
+    input_embeds[selected] = input_embeds[selected] * 0.0 + vit_embeds[:n_token]
+    return input_embeds.reshape(B, N, C)
+"""
+
+_SCATTER_BARE_NAME = _SCATTER_BESIDE_GATHERED.replace(
+    "    n_token = selected.sum()\n", "    vit_embeds = vit_embeds.reshape(-1, C).to(input_embeds.dtype)\n").replace(
+    "vit_embeds[:n_token]", "vit_embeds")
+
+# the near miss's twin that stays a candidate: every tensor operand gathered with the mask, a scalar beside it
+_GATHERED_ONLY = _SCATTER_BESIDE_GATHERED.replace("input_embeds[selected] * 0.0 + vit_embeds[:n_token]",
+                                                  "input_embeds[selected] * 0.5 + 1.0")
+
+
+def test_a_row_slice_beside_gathered_elements_is_a_masked_scatter() -> None:
+    for code in (_SCATTER_BESIDE_GATHERED, _SCATTER_BARE_NAME):
+        findings, misses = detect_all(AffinityIndexPut(), code)
+        assert not findings
+        assert any("is a tensor not gathered with the mask" in m.reason for m in misses)
+
+
+def test_gathered_elements_with_a_scalar_stay_a_candidate() -> None:
+    findings, _ = detect_all(AffinityIndexPut(), _GATHERED_ONLY)
+    assert len(findings) == 1
