@@ -22,6 +22,9 @@ W6 affinity_index_put (Eagle2.5 / LocateAnything, 3 sites): ``input_embeds[selec
    vit_embeds[:n_token]`` became ``torch.where(selected, input_embeds * 0.0 + vit_embeds[:n_token], input_embeds)``:
    the image rows are one per selected token (a masked scatter). An operand not gathered with the mask that may be
    sized by the selection (a row slice, a tensor name that is no scalar nor 1-D parameter) is a near miss.
+D1 every pattern (switch, Eagle: 18 attention / sdpa sites): ``os.environ["LA_FLASH_MODEL"] = model_path`` (a worker
+   passing a model path) was reused as the sites' switch, tested against "1"/"true": the fused branch never ran. An
+   environment variable the repository sets to a value that is no on/off flag is a setting, not a switch.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from npufuse.patterns.affinity_where import AffinityWhere
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.registry import all_patterns
 from npufuse.patterns.rms_norm import RmsNorm
-from npufuse.scan import engine
+from npufuse.scan import engine, repo_search
+from npufuse.scan.dataflow import ModuleInfo
 from pattern_harness import check_rewrite_runs, detect_all
 
 # -- W1: the dtype of an intermediate product
@@ -266,3 +270,46 @@ def test_a_row_slice_beside_gathered_elements_is_a_masked_scatter() -> None:
 def test_gathered_elements_with_a_scalar_stay_a_candidate() -> None:
     findings, _ = detect_all(AffinityIndexPut(), _GATHERED_ONLY)
     assert len(findings) == 1
+
+
+# -- D1: an environment variable that carries a value is no switch
+
+_WORKER = """
+import os
+
+
+def start(model_path, attn, strict):
+    os.environ["LA_FLASH_MODEL"] = model_path
+    os.environ["LA_FLASH_ATTN"] = attn
+    os.environ["USE_FLASH_ATTN"] = "1" if strict else "0"
+"""
+
+_ATTN_SITE = """
+import torch
+
+
+def attend(q, k, v):
+    attn = (q @ k.transpose(-2, -1)) * 0.125
+    attn = attn.softmax(dim=-1)
+    return attn @ v
+"""
+
+
+def _reused(switches: list[dict]) -> str | None:
+    module = ModuleInfo.from_source("m.py", _ATTN_SITE)
+    scope = next(s for s in module.scopes if s.qualname == "attend")
+    ctx = repo_search.site_context(module, scope, 6)
+    _switch, reused, _notes = repo_search.choose_switch("attention", ctx, switches, "auto", None)
+    return None if reused is None else reused["name"]
+
+
+def test_an_environment_variable_set_to_a_value_is_no_switch() -> None:
+    facts = repo_search.file_facts(ModuleInfo.from_source("worker.py", _WORKER))
+    carried = {s["name"] for s in facts.switches if s.get("carries")}
+    assert carried == {"LA_FLASH_MODEL", "LA_FLASH_ATTN"}
+    assert _reused([s for s in facts.switches if s["name"] != "USE_FLASH_ATTN"]) is None
+
+
+def test_an_environment_variable_set_to_a_flag_is_still_reused() -> None:
+    facts = repo_search.file_facts(ModuleInfo.from_source("worker.py", _WORKER))
+    assert _reused(facts.switches) == "USE_FLASH_ATTN"
