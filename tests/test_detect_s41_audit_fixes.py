@@ -25,12 +25,16 @@ W6 affinity_index_put (Eagle2.5 / LocateAnything, 3 sites): ``input_embeds[selec
 D1 every pattern (switch, Eagle: 18 attention / sdpa sites): ``os.environ["LA_FLASH_MODEL"] = model_path`` (a worker
    passing a model path) was reused as the sites' switch, tested against "1"/"true": the fused branch never ran. An
    environment variable the repository sets to a value that is no on/off flag is a setting, not a switch.
+R2 attention (reason, CLAP's prototype weighting ``F.softmax(a.squeeze(1) @ b.transpose(-1, -2), dim=1)``): "softmax over
+   dim 1, not the last (key) dim" is false for 2-D scores, where dim 1 is the key axis. Where the scores' rank is not
+   stated, the reason names both cases.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from npufuse.patterns import _attention_audit41
 from npufuse.patterns.affinity_index_put import AffinityIndexPut
 from npufuse.patterns.affinity_where import AffinityWhere
 from npufuse.patterns.attention import AttentionPattern
@@ -313,3 +317,31 @@ def test_an_environment_variable_set_to_a_value_is_no_switch() -> None:
 def test_an_environment_variable_set_to_a_flag_is_still_reused() -> None:
     facts = repo_search.file_facts(ModuleInfo.from_source("worker.py", _WORKER))
     assert _reused(facts.switches) == "USE_FLASH_ATTN"
+
+
+# -- R2: softmax over dim 1 of scores of no stated rank
+
+_DIM_ONE = """
+import torch
+import torch.nn.functional as F
+
+
+def encode(audio_embeds, text_embeds_support, temp):
+    sim = audio_embeds.squeeze(1) @ text_embeds_support.transpose(-1, -2)
+    sim = sim / temp
+    sim = F.softmax(sim, dim=1)
+    return (sim @ text_embeds_support).unsqueeze(1)
+"""
+
+
+def test_softmax_over_dim_one_of_unstated_rank_names_the_2d_case() -> None:
+    findings, misses = detect_all(AttentionPattern(), _DIM_ONE)
+    assert not findings
+    assert [m.reason for m in misses] == [_attention_audit41.DIM_ONE_SOFTMAX]
+
+
+def test_softmax_over_dim_one_of_einsum_scores_keeps_the_plain_reason() -> None:
+    einsum = _DIM_ONE.replace("audio_embeds.squeeze(1) @ text_embeds_support.transpose(-1, -2)",
+                              'torch.einsum("bqd,bkd->bqk", audio_embeds, text_embeds_support)')
+    _, misses = detect_all(AttentionPattern(), einsum)
+    assert any("softmax over dim 1, not the last (key) dim" in m.reason for m in misses)

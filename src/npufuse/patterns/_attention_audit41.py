@@ -54,3 +54,9 @@ def unstated_ranks(operands: Any, ranks: list[Optional[int]]) -> list[tuple[str,
 def rank_test(unstated: list[tuple[str, int]], bound: dict[str, str], atom: Any) -> str:
     """The run-time rank condition on the bound operands (``q.dim() == 4 and k.dim() == 4``)."""
     return " and ".join(f"{atom(bound[tag])}.dim() == {want}" for tag, want in unstated)
+
+
+# * ``F.softmax(sim, dim=1)`` on ``sim = a @ b.transpose(-1, -2)`` of 2-D operands (CLAP's prototype weighting): dim 1 IS
+#   the key axis of 2-D [Sq, Skv] scores, so "not the last (key) dim" was false there. The reason names both cases.
+DIM_ONE_SOFTMAX = ("softmax over dim 1: the key axis only of 2-D [Sq, Skv] scores (no batch or head axis), which "
+                   "npufuse does not convert to the 4-D call; on 3-D / 4-D scores dim 1 is not the key axis")

@@ -1672,6 +1672,9 @@ class _Matcher:
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
                 if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 4 if getattr(self, "s28_rank", 4) == 5 else 3):  # the key axis: last of 3-D / 4-D scores
+                    if dim_v == 1 and not getattr(self, "three_d", False) and not any(
+                            isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").endswith("einsum") for n in walk_sym(x)):
+                        raise Miss(_attention_audit41.DIM_ONE_SOFTMAX)  # s41: 2-D scores of no stated rank have their keys on dim 1
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim npufuse converts (scores laid out [.., Sq, Skv]; "
                                "keys on another axis, as in sequence-first [Sq, Skv, B, N] scores, are not converted)")
                 if under_ctx is not None:
