@@ -24,7 +24,9 @@ W6 affinity_index_put (Eagle2.5 / LocateAnything, 3 sites): ``input_embeds[selec
    sized by the selection (a row slice, a tensor name that is no scalar nor 1-D parameter) is a near miss.
 D1 every pattern (switch, Eagle: 18 attention / sdpa sites): ``os.environ["LA_FLASH_MODEL"] = model_path`` (a worker
    passing a model path) was reused as the sites' switch, tested against "1"/"true": the fused branch never ran. An
-   environment variable the repository sets to a value that is no on/off flag is a setting, not a switch.
+   environment variable the repository sets to a value that is no on/off flag is a setting, and one it only sets
+   (never reads: the worker exports LA_FLASH_STRICT_ATTN for the model's release files) an input of another
+   program: neither is a switch.
 R2 attention (reason, CLAP's prototype weighting ``F.softmax(a.squeeze(1) @ b.transpose(-1, -2), dim=1)``): "softmax over
    dim 1, not the last (key) dim" is false for 2-D scores, where dim 1 is the key axis. Where the scores' rank is not
    stated, the reason names both cases.
@@ -286,6 +288,14 @@ def start(model_path, attn, strict):
     os.environ["LA_FLASH_MODEL"] = model_path
     os.environ["LA_FLASH_ATTN"] = attn
     os.environ["USE_FLASH_ATTN"] = "1" if strict else "0"
+    os.environ["LA_FLASH_STRICT_ATTN"] = "1"
+"""
+
+# the flag set above is read by the repository's own code too: a switch of this code
+_READER = """
+import os
+
+FLASH = os.environ.get("USE_FLASH_ATTN", "0") == "1"
 """
 
 _ATTN_SITE = """
@@ -307,16 +317,17 @@ def _reused(switches: list[dict]) -> str | None:
     return None if reused is None else reused["name"]
 
 
-def test_an_environment_variable_set_to_a_value_is_no_switch() -> None:
+def test_an_environment_variable_set_to_a_value_or_only_set_is_no_switch() -> None:
     facts = repo_search.file_facts(ModuleInfo.from_source("worker.py", _WORKER))
     carried = {s["name"] for s in facts.switches if s.get("carries")}
     assert carried == {"LA_FLASH_MODEL", "LA_FLASH_ATTN"}
-    assert _reused([s for s in facts.switches if s["name"] != "USE_FLASH_ATTN"]) is None
+    assert _reused(facts.switches) is None  # LA_FLASH_STRICT_ATTN / USE_FLASH_ATTN: set here, read by no code of the repo
 
 
-def test_an_environment_variable_set_to_a_flag_is_still_reused() -> None:
+def test_an_environment_variable_set_to_a_flag_and_read_is_still_reused() -> None:
     facts = repo_search.file_facts(ModuleInfo.from_source("worker.py", _WORKER))
-    assert _reused(facts.switches) == "USE_FLASH_ATTN"
+    reader = repo_search.file_facts(ModuleInfo.from_source("config.py", _READER))
+    assert _reused(facts.switches + reader.switches) == "USE_FLASH_ATTN"
 
 
 # -- R2: softmax over dim 1 of scores of no stated rank

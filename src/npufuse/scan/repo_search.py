@@ -397,8 +397,9 @@ def file_facts(module: ModuleInfo) -> FileFacts:
             if want_env and (module.canonical(node.value) or "") in ("os.environ", "environ"):
                 var = _const_str(node.slice)
                 if var:
-                    if type(node.ctx) is ast.Store and _carries_value(module.lines, node):
-                        switch(node.lineno, var, "env", default=None, carries=True)
+                    if type(node.ctx) is ast.Store:
+                        # set here, read elsewhere (or by a library): see choose_switch
+                        switch(node.lineno, var, "env", default=None, sets=True, **({"carries": True} if _carries_value(module.lines, node) else {}))
                     else:
                         switch(node.lineno, var, "env", default=None)
         elif t is Compare:
@@ -772,9 +773,12 @@ def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]]
         return Switch("none"), None, notes
     if mode == "env":
         return env_switch(pattern), None, notes
-    # an environment variable the repository sets to a value (a path, a mode) somewhere is a setting, not a switch
-    carried = {s["name"] for s in switches if s.get("carries")}
-    relevant = [(switch_relevance(pattern, s["name"]), s) for s in switches if not (s["kind"] == "env" and s["name"] in carried)]
+    # an environment variable the repository sets to a value (a path, a mode) somewhere is a setting, and one it only
+    # sets and never reads is an input of another program (Eagle's worker exports LA_FLASH_* for the model's release
+    # files): neither is a switch of this code (audit41)
+    read = {s["name"] for s in switches if s["kind"] == "env" and not s.get("sets")}
+    not_switches = {s["name"] for s in switches if s["kind"] == "env" and (s.get("carries") or s["name"] not in read)}
+    relevant = [(switch_relevance(pattern, s["name"]), s) for s in switches if not (s["kind"] == "env" and s["name"] in not_switches)]
     relevant = [(r, s) for r, s in relevant if r]
     relevant.sort(key=lambda rs: (-rs[0], _KIND_PREF.get(rs[1]["kind"], 9), rs[1]["file"], rs[1]["line"], rs[1]["name"]))
     unreachable: list[dict[str, Any]] = []
