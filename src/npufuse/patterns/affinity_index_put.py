@@ -565,6 +565,13 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                             "a scalar nor gathered with the same mask")
         form, elem = "where", value_elem
     elif gathered is not None:
+        loose = _ungathered_operand(module, scope, value, mask, line)
+        if loose is not None:
+            # s41 (audit41, InternVL-style ``x[sel] = x[sel] * 0.0 + vit_embeds[:n_token]``): one row per selected element
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"`{loose[:50]}` in the value is a tensor not gathered with the mask: it may hold one row per "
+                            "selected element (masked scatter, e.g. image features into embeddings), which no elementwise "
+                            "rewrite reproduces")
         other = _not_elementwise(module, value)
         if other is not None:
             return NearMiss(_ID, scope.qualname, line, end,
@@ -702,6 +709,45 @@ def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[s
         if isinstance(n, ast.Call) and (module.canonical(n.func) or "").startswith(("torch.rand", "torch.randint", "torch.randn")):
             ok = False  # a fresh random tensor of the selected size: shape changes without the mask
     return ast.unparse(new) if ok else None
+
+
+def _has_row_slice(index: ast.expr) -> bool:
+    return isinstance(index, ast.Slice) or isinstance(index, ast.Tuple) and any(isinstance(e, ast.Slice) for e in index.elts)
+
+
+def _ungathered_operand(module: ModuleInfo, scope: Scope, value: ast.expr, mask: ast.expr, line: int) -> Optional[str]:
+    """An operand of the value that is not gathered with the mask and may be sized by the selection: a row slice
+    (``vit_embeds[:n_token]``) or a name with tensor evidence that is no scalar nor 1-D parameter (``vit_embeds``).
+    A gathered element's own subscripts (``x[m][:, :1]``) and constant-index table entries (``factors[0]``) are
+    not such operands. None where every operand is gathered or broadcasts alike on both sides."""
+    mask_dump = ast.dump(mask)
+    stack: list[ast.expr] = [value]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Subscript):
+            if ast.dump(n.slice) == mask_dump:
+                continue  # gathered
+            if isinstance(n.value, ast.Subscript) and ast.dump(n.value.slice) == mask_dump:
+                continue  # a part of the gathered elements
+            if _has_row_slice(n.slice):
+                return segment(module, n)
+            continue
+        if isinstance(n, ast.BinOp):
+            stack += [n.left, n.right]
+        elif isinstance(n, ast.UnaryOp):
+            stack.append(n.operand)
+        elif isinstance(n, ast.IfExp):
+            stack += [n.body, n.orelse]
+        elif isinstance(n, ast.Call):
+            stack += [a for a in n.args if not isinstance(a, ast.Starred)]
+            if isinstance(n.func, ast.Attribute):
+                stack.append(n.func.value)
+        elif isinstance(n, (ast.Name, ast.Attribute)):
+            if is_scalar(module, scope, n, line) or _vector_parameter(module, scope, n):
+                continue
+            if _tensor_evidence(module, scope, n, line):
+                return segment(module, n)
+    return None
 
 
 # calls that act element by element (torch functions and tensor methods by their last name): f(y[m]) equals

@@ -122,7 +122,8 @@ def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
         value = scope.definition(node.id, line)
         if value is not None and _float_evident(module, scope, value, getattr(value, "lineno", line)):
             return False  # TimesFM's inc_count = ((~mask).to(x.dtype)).sum(-1): a float count, whatever its name
-        if node.id.endswith(_INT_NAME) or any(w in node.id.lower() for w in _INT_WORDS):
+        # words as whole parts of the name: ``repositioned_noisy_action_features`` holds no "position" (audit41, VLA-Adapter)
+        if node.id.endswith(_INT_NAME) or any(part.startswith(_INT_WORDS) for part in node.id.lower().split("_")):
             return True
         return value is not None and _is_integer(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if isinstance(node, ast.Attribute):
@@ -227,6 +228,10 @@ _SAME_VALUES = ("to", "expand", "expand_as", "float", "double", "half", "bfloat1
                 "npu", "detach", "clone", "contiguous", "repeat", "view", "reshape", "unsqueeze")
 
 
+# reductions and selections whose result is some entry of the receiver: an extreme fill survives them
+_KEEPS_EXTREMES = ("min", "max", "amin", "amax", "cummin", "cummax", "sort", "topk", "gather", "index_select")
+
+
 def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
     """±inf, NaN, the dtype's finfo min/max, or |constant| >= 1e4 (inf in fp16): a - b overflows."""
     if depth > 6:
@@ -243,11 +248,20 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
         return True
     if isinstance(node, ast.Attribute) and node.attr in ("min", "max") and isinstance(node.value, ast.Call):
         return (module.canonical(node.value.func) or "") == "torch.finfo"
+    if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, ast.Call):
+        # s41 (audit41, rl4co's FJSP): ``torch.where(busy > t, busy, torch.inf).min(1).values`` is inf in a row
+        # where every entry was filled: the reduction keeps the fill
+        return _is_extreme(module, scope, node.value, line, depth + 1)
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line) or _module_constant(module, node.id)
         return value is not None and _is_extreme(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if isinstance(node, ast.Call):
         name = module.canonical(node.func) or ""
+        if name == "torch.where" and len(node.args) == 3:
+            # s41: a blend with an extreme branch holds that value wherever its condition picks it
+            return any(_is_extreme(module, scope, a, line, depth + 1) for a in node.args[1:])
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _KEEPS_EXTREMES:
+            return _is_extreme(module, scope, node.func.value, line, depth + 1)
         if name in ("torch.full", "torch.full_like", "torch.tensor", "torch.as_tensor") or (
             isinstance(node.func, ast.Attribute) and node.func.attr in ("new_full", "fill_", "masked_fill", *_SAME_VALUES)
         ):
@@ -370,7 +384,7 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
                         "masked_fill is the affinity form for a scalar")
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_extreme(module, scope, side, line):
-            return miss(f"branch `{text[:40]}` is ±inf/NaN or the dtype's extreme value: lerp multiplies (a - b) by a "
+            return miss(f"branch `{text[:40]}` can hold ±inf/NaN or the dtype's extreme value: lerp multiplies (a - b) by a "
                         "zero weight (inf * 0 = NaN; finfo.min overflows a - b in fp16), so the lerp form is not inf-safe")
     for side, text in ((a, texts[1]), (b, texts[2])):
         op = _unsafe_op(module, scope, side, line)

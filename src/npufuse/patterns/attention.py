@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_audit40, _mask_rows
+from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -1672,6 +1672,9 @@ class _Matcher:
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
                 if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 4 if getattr(self, "s28_rank", 4) == 5 else 3):  # the key axis: last of 3-D / 4-D scores
+                    if dim_v == 1 and not getattr(self, "three_d", False) and not any(
+                            isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").endswith("einsum") for n in walk_sym(x)):
+                        raise Miss(_attention_audit41.DIM_ONE_SOFTMAX)  # s41: 2-D scores of no stated rank have their keys on dim 1
                     raise Miss(f"softmax over dim {self.src(dim)}, not the last (key) dim npufuse converts (scores laid out [.., Sq, Skv]; "
                                "keys on another axis, as in sequence-first [Sq, Skv, B, N] scores, are not converted)")
                 if under_ctx is not None:
@@ -3564,6 +3567,7 @@ class AttentionPattern(Pattern):
         if (chain.k.repeat is None) != (chain.v.repeat is None):
             cast = _attention_audit40.cast_over_repeat(module, chain)
             return NearMiss(self.id, scope.qualname, span_line, end_line, cast or "keys and values are not repeated alike (GQA on one of them only)")
+        unstated: list[tuple[str, int]] = []  # s41: operands of no stated rank, checked 4-D at run time
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
@@ -3592,6 +3596,8 @@ class AttentionPattern(Pattern):
                 miss = _attention_audit40.ellipsis_rank_check(chain, operands, ranks)
                 if miss is not None:
                     return NearMiss(self.id, scope.qualname, span_line, end_line, miss)
+            elif not folded and None in ranks and chain.q.layout != "3D":
+                unstated = _attention_audit41.unstated_ranks(operands, ranks)
         else:
             folded = False
         lines: list[str] = []
@@ -3785,6 +3791,8 @@ class AttentionPattern(Pattern):
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
         dv_check = value_head_check(k_n, v_n, chain)
+        if unstated:
+            dv_check = _attention_audit41.rank_test(unstated, {"q": q_n, "k": k_n, "v": v_n}, atom) + f" and {dv_check}"
         if v_shared:
             v_n = f"{atom(v_n)}.unsqueeze({1 if chain.k.layout == 'BNSD' else 2})"
         if chain.k.heads_added:
@@ -4162,6 +4170,8 @@ class AttentionPattern(Pattern):
                 check = zero_one_exact(t)
             elif m.kind != "additive" or m.causal:
                 continue
+            elif _attention_audit41.boolean_built(_deref_value(m.node)):
+                raise Miss(_attention_audit41.added_boolean_reason(r.text(m.node)))  # s41: True adds 1
             elif _zero_or_minus_inf_built(m.node):
                 continue  # built in view from -inf / finfo.min (or zeros) on every branch: a 0/-inf mask
             else:

@@ -1043,9 +1043,12 @@ class _DtypeRender:
             if kept is not None:
                 return kept
             try:
-                return f"{S.render(self.module, d[1], d[2], self.plan)}.dtype"
+                text = S.render(self.module, d[1], d[2], self.plan)
             except S.RenderError as e:
                 raise Miss(f"cannot express the output dtype at the site: {e}") from None
+            # ``.dtype`` binds tighter than an operator: the dtype of ``x.float() * rsqrt(..)`` needs the
+            # brackets (SkyReels' fast_rms_norm rendered ``a * b.dtype``, a TypeError: audit41)
+            return f"{text}.dtype" if _is_atom(ast.parse(text, mode="eval").body) else f"({text}).dtype"
         if k == "expr":
             return S.render(self.module, d[1], d[2], self.plan)
         if k == "promote":

@@ -235,6 +235,42 @@ def _shares_line(scope: Scope, lines: list[str], line: int, end_line: int) -> bo
     return False
 
 
+# Array frameworks whose arrays torch_npu's fused ops do not take: a file that imports one of them and
+# no torch module is not PyTorch code (audit41: MiniCPM's mlx_finetune.py, where `nn` is mlx.nn and
+# `x + r` then `self.post_attention_layernorm(h)` adds mx.arrays before mlx.nn.RMSNorm)
+_OTHER_ARRAY_FRAMEWORKS = ("mlx", "jax", "flax", "tensorflow", "keras", "paddle", "mindspore", "oneflow", "tinygrad")
+
+
+def _other_array_framework(module: ModuleInfo) -> str | None:
+    """The other array framework the file imports where it imports no torch module; None otherwise
+    (a file with no imports at all may well be handed torch tensors)."""
+    roots = {target.split(".", 1)[0] for target in module.aliases.values()}
+    if "torch" in roots or "torch_npu" in roots:
+        return None
+    return next((r for r in _OTHER_ARRAY_FRAMEWORKS if r in roots), None)
+
+
+# a line that opens a compound statement (its body may follow the colon on the same line)
+_HEADER_LINE = re.compile(r"\s*(?:async\s+def|def|if|elif|else|for|while|with|try|except|finally|class)\b")
+_AFTER_HEADER = "line {} holds the header of a compound statement (`def`, `if`, ...) and the site after its colon: split the body onto its own lines first"
+
+
+def _after_header(scope: Scope, lines: list[str], line: int) -> bool:
+    """Whether the span starts after the colon of a compound statement's header on the same line
+    (``def forward(self, t): return t * self.freqs_cos + ...``, ``if c: x = ...``): the rewrite
+    works on whole lines, so the fused ``if`` would take the header's place (audit41: EVA's one-line
+    rope forward became a ``return`` in the class body). Only a line that starts with a header
+    keyword pays for the statement lookup."""
+    text = lines[line - 1]
+    if ":" not in text or not _HEADER_LINE.match(text):
+        return False
+    indent = len(text) - len(text.lstrip())
+    body = getattr(scope.node, "body", None)
+    if isinstance(body, list) and body and body[0].lineno == line and body[0].col_offset > indent:
+        return True
+    return any(stmt.lineno == line and stmt.col_offset > indent for _block, _i, stmt in scope.statements())
+
+
 def _jsonable(value: Any, depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
@@ -484,7 +520,7 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     in_file: list[bool | None] = [None] * len(patterns)
     if gated and sum(map(len, module.lines)) != len(module.source):
         in_file = [True] * len(patterns)  # lines not cut from the text as it is: search every scope
-    for scope in module.scopes:
+    for scope in (module.scopes if _other_array_framework(module) is None else ()):
         # gated_out, inline (it runs for every scope and pattern): the words as written, then
         # the NFKD form of text outside ASCII (not for the <module> scope: kept unless ASCII)
         scope_src = gate_text(module, scope) if gated else None
@@ -541,6 +577,9 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         continue
                     if _shares_line(scope, module.lines, r.line, r.end_line):
                         out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, _SHARED_LINE.format(r.line, r.end_line))))
+                        continue
+                    if _after_header(scope, module.lines, r.line):
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, _AFTER_HEADER.format(r.line))))
                         continue
                     r.params = _jsonable(r.params)
                     if has_cr:

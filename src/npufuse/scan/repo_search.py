@@ -40,6 +40,37 @@ _NOT_A_SWITCH = {
 }
 
 
+# values an environment variable set as an on/off flag takes (``os.environ["USE_FLASH"] = "1"``)
+_FLAG_TEXTS = frozenset(("", "0", "1", "true", "false", "yes", "no", "on", "off", "y", "n", "t", "f"))
+
+
+def _flag_value(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (bool, int)) or isinstance(node.value, str) and node.value.strip().lower() in _FLAG_TEXTS
+    if isinstance(node, ast.IfExp):
+        return _flag_value(node.body) and _flag_value(node.orelse)
+    # str(flag), str(int(flag)): a bool or number spelled as text
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("str", "int") and len(node.args) == 1
+
+
+def _carries_value(lines: list[str], target: ast.Subscript) -> bool:
+    """``os.environ["X"] = <value>`` where the value is no on/off flag (a path, a mode name, a variable): the
+    repository uses the variable to pass a setting, so it is no switch for fused kernels (audit41: Eagle's
+    ``os.environ["LA_FLASH_MODEL"] = model_path`` was reused as every attention site's switch, tested against
+    "1"/"true": the fused branch never ran). Read from the target's line; a value that does not parse alone
+    (continued on the next line) counts as a flag."""
+    if target.end_lineno != target.lineno or target.lineno > len(lines):
+        return False
+    rest = lines[target.lineno - 1][target.end_col_offset or 0:].lstrip()
+    if not rest.startswith("=") or rest.startswith("=="):
+        return False
+    try:
+        value = ast.parse(rest[1:].strip(), mode="eval").body
+    except SyntaxError:
+        return False
+    return not _flag_value(value)
+
+
 def _tokens(name: str) -> list[str]:
     spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)
     return [t for t in re.split(r"[^A-Za-z0-9]+", spaced.lower()) if t]
@@ -366,7 +397,11 @@ def file_facts(module: ModuleInfo) -> FileFacts:
             if want_env and (module.canonical(node.value) or "") in ("os.environ", "environ"):
                 var = _const_str(node.slice)
                 if var:
-                    switch(node.lineno, var, "env", default=None)
+                    if type(node.ctx) is ast.Store:
+                        # set here, read elsewhere (or by a library): see choose_switch
+                        switch(node.lineno, var, "env", default=None, sets=True, **({"carries": True} if _carries_value(module.lines, node) else {}))
+                    else:
+                        switch(node.lineno, var, "env", default=None)
         elif t is Compare:
             if want_env and len(node.ops) == 1 and type(node.ops[0]) is ast.In and (module.canonical(node.comparators[0]) or "") in ("os.environ", "environ"):
                 var = _const_str(node.left)
@@ -738,7 +773,12 @@ def choose_switch(pattern: str, ctx: SiteContext, switches: list[dict[str, Any]]
         return Switch("none"), None, notes
     if mode == "env":
         return env_switch(pattern), None, notes
-    relevant = [(switch_relevance(pattern, s["name"]), s) for s in switches]
+    # an environment variable the repository sets to a value (a path, a mode) somewhere is a setting, and one it only
+    # sets and never reads is an input of another program (Eagle's worker exports LA_FLASH_* for the model's release
+    # files): neither is a switch of this code (audit41)
+    read = {s["name"] for s in switches if s["kind"] == "env" and not s.get("sets")}
+    not_switches = {s["name"] for s in switches if s["kind"] == "env" and (s.get("carries") or s["name"] not in read)}
+    relevant = [(switch_relevance(pattern, s["name"]), s) for s in switches if not (s["kind"] == "env" and s["name"] in not_switches)]
     relevant = [(r, s) for r, s in relevant if r]
     relevant.sort(key=lambda rs: (-rs[0], _KIND_PREF.get(rs[1]["kind"], 9), rs[1]["file"], rs[1]["line"], rs[1]["name"]))
     unreachable: list[dict[str, Any]] = []
