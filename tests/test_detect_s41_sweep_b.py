@@ -11,83 +11,39 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from apply_support import scan
-from npufuse.patterns.fused_optimizer import FusedOptimizer
-from scratch_repo import write_files
+from test_detect_s40_optimizer import _main_with
 
-_MODEL = '''\
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.b(self.a(x).relu())
-'''
-
-# vocos' decoder/helpers.py: the gradient norm a Lightning callback logs
+# vocos' decoder/helpers.py gradient_norm (here the method s40's trainer imports as `choice.MinSurprise`)
 _HELPERS = '''\
 import torch
 
 
-def gradient_norm(model, norm_type: float = 2.0):
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total_norm = torch.norm(torch.stack([torch.norm(g.detach(), norm_type) for g in grads]), norm_type)
-    return total_norm
+class MinSurprise:
+    def apply(self, model, norm_type: float = 2.0):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total_norm = torch.norm(torch.stack([torch.norm(g.detach(), norm_type) for g in grads]), norm_type)
+        return total_norm
 '''
-
-_MAIN = '''\
-import torch
-from model import Net
-from helpers import gradient_norm
-
-
-def main(steps=3):
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        loss = model(torch.randn(16, 8)).pow(2).mean()
-        loss.backward()
-        print(gradient_norm(model))
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-
-def _scan_main(root: Path, helpers: str) -> tuple[list[dict], list[str]]:
-    write_files(root, {"model.py": _MODEL, "helpers.py": helpers, "main.py": _MAIN})
-    data = scan(root, patterns=[FusedOptimizer()])
-    cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer" and c["file"] == "main.py"]
-    near = [m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["file"] == "main.py"]
-    return cands, near
 
 
 def test_fuse_when_the_grads_list_only_feeds_a_total_norm(tmp_path: Path) -> None:
     for name, helpers in (("vocos", _HELPERS),
                           ("method_norm", _HELPERS.replace("torch.norm(g.detach(), norm_type)", "g.norm(norm_type)")),
                           ("linalg", _HELPERS.replace("torch.norm(g.detach(), norm_type)", "torch.linalg.vector_norm(g, norm_type)"))):
-        cands, near = _scan_main(tmp_path / name, helpers)
+        cands, near = _main_with(tmp_path / name, helpers)
         assert len(cands) == 1 and not near, (name, near)
 
 
 def test_keep_when_the_grads_list_is_read_otherwise(tmp_path: Path) -> None:
     near_misses = {
         # how many parameters have a grad: a zero grad is counted, None is not
-        "length": _HELPERS.replace("    return total_norm\n", "    return total_norm, len(grads)\n"),
+        "length": _HELPERS.replace("        return total_norm\n", "        return total_norm, len(grads)\n"),
         # a mean of the norms: a zero lowers it
         "mean": _HELPERS.replace("total_norm = torch.norm(torch.stack(", "total_norm = torch.mean(torch.stack("),
         # the smallest norm (order -inf): a zero grad is the smallest
         "min_order": _HELPERS.replace("for g in grads]), norm_type)", "for g in grads]), -float('inf'))"),
     }
     for name, helpers in near_misses.items():
-        cands, near = _scan_main(tmp_path / name, helpers)
+        cands, near = _main_with(tmp_path / name, helpers)
         assert not cands and len(near) == 1, (name, near)
-        assert "tests whether a parameter's grad is None (`p.grad is not None` at helpers.py:5)" in near[0], (name, near)
+        assert "tests whether a parameter's grad is None (`p.grad is not None` at choice.py:6)" in near[0], (name, near)
