@@ -121,6 +121,68 @@ def _zero_keeping(stmts: list[ast.stmt], name: str) -> bool:
     return True
 
 
+# s41 (sweep41b, vocos / WavTokenizer ``gradient_norm``): ``grads = [p.grad for p in model.parameters() if p.grad is
+# not None]`` then ``torch.norm(torch.stack([torch.norm(g) for g in grads]), 2)``: a zero grad adds a 0 to the norms a
+# p-norm (or a max) reduces, so the value is the same. Only where every use of the list is such a norm of its norms.
+_TOTAL_NORM = frozenset(("norm", "vector_norm"))
+
+
+def _norms_only_list(comp: ast.AST, name: str, fn: ast.AST, bound: dict[str, ast.AST]) -> bool:
+    """Is ``comp`` (a list of ``name.grad`` or its norms, filtered by a grad-None test) bound to a name in ``fn`` whose
+    every use reads it only through a total norm: ``torch.norm(torch.stack([torch.norm(g, t) for g in grads]), t)``
+    (``torch.stack(grads)`` of the norms themselves too)? A list used nowhere else, or not at all, is not read so."""
+    if not (isinstance(comp, ast.ListComp) and _norm_of(comp.elt, name, set())):
+        return False
+    held = next((k for k, v in bound.items() if v is comp), None)
+    if held is None:
+        return False
+    parents: dict[int, ast.AST] = {}
+    uses: list[ast.Name] = []
+    for n in ast.walk(fn):
+        for ch in ast.iter_child_nodes(n):
+            parents[id(ch)] = n
+        if isinstance(n, ast.Name) and n.id == held and isinstance(n.ctx, ast.Load):
+            uses.append(n)
+    return bool(uses) and all(_read_by_total_norm(u, parents) for u in uses)
+
+
+def _norm_call_of(expr: ast.AST, name: str) -> bool:
+    """``torch.norm(g.detach(), t)`` / ``torch.linalg.vector_norm(g, t)`` / ``g.norm(t)`` of the plain tensor ``name``
+    (or its ``.detach()`` / ``.data`` / ``.float()``): the order ``t`` may be any expression (a norm is >= 0 whatever it is)."""
+    if not (isinstance(expr, ast.Call) and _called_name(expr) in _TOTAL_NORM):
+        return False
+    f = expr.func
+    library = isinstance(f, ast.Name) or (isinstance(f, ast.Attribute) and (
+        (isinstance(f.value, ast.Name) and f.value.id == "torch") or (isinstance(f.value, ast.Attribute) and f.value.attr == "linalg")))
+    x: Optional[ast.AST] = (expr.args[0] if expr.args else None) if library else f.value if isinstance(f, ast.Attribute) else None
+    while isinstance(x, ast.Call) and isinstance(x.func, ast.Attribute) and x.func.attr in ("detach", "float", "double") and not x.args:
+        x = x.func.value
+    while isinstance(x, ast.Attribute) and x.attr == "data":
+        x = x.value
+    return isinstance(x, ast.Name) and x.id == name
+
+
+def _read_by_total_norm(use: ast.Name, parents: dict[int, ast.AST]) -> bool:
+    """``use`` (the grads list) is the iterable of ``[torch.norm(g, t) for g in <use>]`` stacked as the first argument
+    of ``torch.norm`` / ``torch.linalg.vector_norm``."""
+    up = parents.get(id(use))
+    if not (isinstance(up, ast.comprehension) and up.iter is use and not up.ifs and isinstance(up.target, ast.Name)):
+        return False
+    stacked = parents.get(id(up))
+    if not (isinstance(stacked, ast.ListComp) and len(stacked.generators) == 1 and _norm_call_of(stacked.elt, up.target.id)):
+        return False
+    call = parents.get(id(stacked))
+    if not (isinstance(call, ast.Call) and _called_name(call) == "stack" and call.args and call.args[0] is stacked):
+        return False
+    total = parents.get(id(call))
+    if not (isinstance(total, ast.Call) and _called_name(total) in _TOTAL_NORM and total.args and total.args[0] is call):
+        return False
+    # a negative order (-inf: the smallest norm) would see the zero; a name (a helper's `norm_type`) is taken as a norm's
+    order = total.args[1] if len(total.args) > 1 else next((k.value for k in total.keywords if k.arg in ("p", "ord")), None)
+    return not (isinstance(order, ast.UnaryOp) and isinstance(order.op, ast.USub)) and \
+        not (isinstance(order, ast.Constant) and isinstance(order.value, (int, float)) and order.value < 0)
+
+
 _LOGGING = frozenset(("print", "add_histogram", "add_scalar", "add_scalars", "log", "info", "debug", "warning", "log_metrics"))
 
 
@@ -160,6 +222,7 @@ class _Reader(ast.NodeVisitor):
         self.reducer: dict[int, str] = {}  # id of a comprehension reduced by builtin sum() / all() / any() -> which
         self.asserts: set[int] = set()
         self.in_optimizer_class = 0
+        self.functions: list[ast.AST] = []  # the enclosing defs, innermost last (s41: where a grads list is used)
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         optimizer = any("Optimizer" in ast.unparse(b) for b in node.bases)
@@ -169,9 +232,11 @@ class _Reader(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self.bound.append({})
+        self.functions.append(node)
         saved, self.loops = self.loops, []
         self.generic_visit(node)
         self.loops = saved
+        self.functions.pop()
         self.bound.pop()
 
     visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
@@ -220,6 +285,8 @@ class _Reader(ast.NodeVisitor):
         ``any`` of NaN / Inf checks (a zero grad has none)."""
         elt = getattr(node, "elt", None)
         how = self.reducer.get(id(node))
+        if elt is not None and how is None and self.functions:
+            return _norms_only_list(node, name, self.functions[-1], self.bound[-1])
         if elt is None or how is None:
             return False
         if how == "sum":
