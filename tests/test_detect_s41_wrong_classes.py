@@ -18,7 +18,184 @@ from apply_support import scan
 from scratch_repo import write_files
 from test_detect_s39_optim_data_skip import _GUARDED, _MOE, _UNGUARDED, _optim
 
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from npufuse.patterns.sdpa import SdpaPattern
+from pattern_harness import detect_all
+
+# -- 1. masks a helper builds ---------------------------------------------------------------------------------------------
+
+# a blockwise local attention: the helper method builds an additive window mask in a nested builder, cached per size
+_BLOCK_LOCAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BlockLocal(nn.Module):
+    def __init__(self, dim=32, heads=4, window=3, block=4):
+        super().__init__()
+        self.heads, self.hd, self.window, self.block = heads, dim // heads, window, block
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self._cache = {}
+
+    def _window_mask(self, q_len, k_len, offset, device):
+        def build():
+            qi = offset + torch.arange(q_len, device=device)
+            ki = torch.arange(k_len, device=device)
+            gap = qi[:, None] - ki[None, :]
+            ok = (gap > 0) & (gap <= self.window)
+            return torch.full((q_len, k_len), float("-inf"), device=device).masked_fill(ok, 0.0)
+
+        key = (q_len, k_len, offset)
+        mask = self._cache.get(key)
+        if mask is None:
+            mask = build()
+            self._cache[key] = mask
+        return mask
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        out = torch.empty_like(q)
+        for s in range(0, n, self.block):
+            e = min(s + self.block, n)
+            ks = max(0, s - self.window)
+            mask = self._window_mask(e - s, e - ks, s - ks, x.device)
+            out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e], attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+_HELPER_FN = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make_mask(n, device=None):
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+class Causal(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        keep = make_mask(n, x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+
+def _sdpa(code: str) -> tuple[list, list]:
+    return detect_all(SdpaPattern(), code)
+
+
+def _guard(fused: str) -> str:
+    """The run-time condition the fused branch runs under."""
+    return next((ln for ln in fused.splitlines() if ln.startswith("if ")), "")
+
+
+def test_a_helper_methods_cached_window_mask_runs_fused_only_where_every_row_keeps_a_key() -> None:
+    # the first block's first query has no key before it (`gap > 0`): that block runs the original
+    (f,), misses = _sdpa(_BLOCK_LOCAL)
+    assert ".any(-1).all()" in _guard(f.fused), f.fused
+    assert any("a query row can keep no key" in r.detail for r in f.risks)
+    assert not misses
+
+
+def test_a_helper_methods_cached_causal_mask_is_unchanged() -> None:
+    # Fuse twin: `gap >= 0` without an offset keeps key 0 in every row at every size, on every path the helper returns
+    # (the cache holds what the builder returned). With the offset and the window bound (`(gap >= 0) & (gap <= w)`) the
+    # sizes npufuse samples independently can empty a row (offset 8, window 1, one key): the run-time check decides
+    code = _BLOCK_LOCAL.replace("qi = offset + torch.arange", "qi = torch.arange").replace(
+        "ok = (gap > 0) & (gap <= self.window)", "ok = gap >= 0")
+    (f,), misses = _sdpa(code)
+    assert ".any(-1).all()" not in f.fused, f.fused
+    assert not any("a query row can keep no key" in r.detail for r in f.risks)
+
+
+def test_a_helper_method_that_cannot_be_evaluated_is_guarded() -> None:
+    # a size the evaluation does not read (`int(...)`): the helper builds its mask from index arithmetic, so the
+    # run-time row check decides
+    code = _BLOCK_LOCAL.replace("ok = (gap >= 0)", "ok = (gap > 0)").replace("gap <= self.window", "gap <= int(self.window)")
+    (f,), _misses = _sdpa(code)
+    assert ".any(-1).all()" in _guard(f.fused), f.fused
+
+
+def test_a_module_function_mask_with_the_diagonal_is_unchanged() -> None:
+    (f,), misses = _sdpa(_HELPER_FN)
+    assert ".any(-1).all()" not in f.fused and not misses, f.fused
+
+
+def test_keep_a_module_function_strict_causal_mask() -> None:
+    code = _HELPER_FN.replace(".tril()", ".tril(diagonal=-1)")
+    found, misses = _sdpa(code)
+    assert not found
+    assert any("leaves query row 0 without any key at every size" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_keep_a_helper_whose_constant_argument_excludes_the_query() -> None:
+    # the call binds `include_self=False`: the helper's band then drops the diagonal (row 0 empty at every size)
+    code = _HELPER_FN.replace(
+        "def make_mask(n, device=None):\n    return torch.ones(n, n, dtype=torch.bool, device=device).tril()",
+        "def make_mask(n, device=None, include_self=True):\n    i = torch.arange(n, device=device)\n"
+        "    if include_self:\n        return i[None, :] <= i[:, None]\n    return i[None, :] < i[:, None]").replace(
+        "make_mask(n, x.device)", "make_mask(n, x.device, include_self=False)")
+    found, misses = _sdpa(code)
+    assert not found and any("leaves query row 0" in m.reason for m in misses), [m.reason for m in misses]
+    # Fuse twin: the default (`include_self=True`) takes the path that keeps the diagonal: unchanged
+    (f,), _ = _sdpa(code.replace("make_mask(n, x.device, include_self=False)", "make_mask(n, x.device)"))
+    assert ".any(-1).all()" not in f.fused, f.fused
+
+
+def test_keep_an_imported_helpers_strict_causal_mask(tmp_path: Path) -> None:
+    model = _HELPER_FN.replace("\n\ndef make_mask(n, device=None):\n    return torch.ones(n, n, dtype=torch.bool, device=device).tril()\n",
+                               "\nfrom masks import make_mask\n")
+    write_files(tmp_path, {"model.py": model, "masks.py": "import torch\n\n\ndef make_mask(n, device=None):\n"
+                                                          "    return torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)\n"})
+    data = scan(tmp_path, patterns=[SdpaPattern()])
+    assert not [c for c in data["candidates"] if c["pattern"] == "sdpa"]
+    assert any("leaves query row 0" in m["reason"] for m in data["near_misses"] if m["pattern"] == "sdpa"), data["near_misses"]
+
+
+_EAGER = '''
+import torch
+from torch import nn
+
+
+class Eager(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def _past_only(self, n, device):
+        i = torch.arange(n, device=device)
+        return i[None, :] < i[:, None]
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / self.hd ** 0.5
+        scores = scores.masked_fill(~self._past_only(n, x.device), float("-inf"))
+        out = scores.softmax(dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+
+def test_keep_an_eager_attention_whose_helper_leaves_the_first_row_empty() -> None:
+    found, misses = detect_all(AttentionPattern(), _EAGER)
+    assert not found and any("leaves query row 0" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_an_eager_attention_whose_helper_keeps_the_diagonal_is_unchanged() -> None:
+    (f,), _ = detect_all(AttentionPattern(), _EAGER.replace("i[None, :] < i[:, None]", "i[None, :] <= i[:, None]"))
+    assert ".any(-1).all()" not in f.fused and ".all(-1).any()" not in f.fused, f.fused
 
 # -- 2. a model nothing in the repository tells completely --------------------------------------------------------------
 
