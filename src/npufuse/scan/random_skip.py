@@ -1549,7 +1549,7 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     if first is None:
         # s41 (wrong41): nothing in the repository tells the model (handed in, never built where npufuse sees it): any
         # module of the repository that calls an expert / branch only when the step's data reaches it may be the one
-        untold = _untold_model(tree, qualname, model, handed, open_note, starts[1:])
+        untold = _untold_model(index, rel, tree, qualname, model, handed, open_note, starts[1:])
         if untold:
             first = next((s for f in index.files for s in index.skips(f) if s.data_dependent and _matters(index, s)), None)
             note = f"{_ANY_CLASS} ({untold})"
@@ -1559,13 +1559,20 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
 _ANY_CLASS = "a model class of the repository"
 
 
-def _untold_model(tree: ast.Module, qualname: str, model: str, handed: Optional[HandedIn], open_note: str,
-                  drivers: list[str]) -> str:
+def _called_by_text(index: RepoIndex, name: str, keyword: str) -> bool:
+    """Does any file of the repository -- one npufuse could not parse included (a newer Python's f-string) -- call
+    ``name(`` other than in its own ``class`` / ``def`` line?"""
+    pattern = re.compile(rf"(?<!{keyword} )\b{re.escape(name)}\(")
+    return any(name in (text := index.text(f) or "") and pattern.search(text) for f in index.files)
+
+
+def _untold_model(index: RepoIndex, rel: str, tree: ast.Module, qualname: str, model: str, handed: Optional[HandedIn],
+                  open_note: str, drivers: list[str]) -> str:
     """Why the optimizer's model is one nothing in the repository tells (a sentence), else empty: the trainer stores
     a constructor argument no code of the repository instantiates it with (or one npufuse does not resolve), a model
     class holds a module handed to its constructor npufuse does not resolve, or the model is a parameter of the
     site's function no file of the repository calls it with."""
-    if handed is not None and not handed.sites:
+    if handed is not None and not handed.sites and not _called_by_text(index, qualname.split(".")[0], "class"):
         return f"the optimizer's model `{model}` is a constructor argument and no code of the repository instantiates the trainer"
     if handed is not None and handed.unknown:
         return f"the optimizer's model `{model}` is a constructor argument and {handed.unknown[0]}"
@@ -1574,7 +1581,7 @@ def _untold_model(tree: ast.Module, qualname: str, model: str, handed: Optional[
     region = _function_of(tree, qualname)
     if isinstance(region, (ast.FunctionDef, ast.AsyncFunctionDef)) and model.isidentifier() and not drivers \
             and model in {a.arg for a in region.args.posonlyargs + region.args.args + region.args.kwonlyargs} \
-            and not any(isinstance(n, ast.Call) and _name(n.func) == region.name for n in ast.walk(tree)):
+            and not _called_by_text(index, region.name, "def"):
         return f"the optimizer's model `{model}` is a parameter of `{qualname}`, which no file of the repository calls"
     return ""
 
