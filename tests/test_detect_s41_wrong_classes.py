@@ -323,3 +323,22 @@ def train(model, batches):
     assert not cands and len(near) == 1 and "is a parameter of `train`, which no file of the repository calls" in near[0], near
     cands, near = _repo(tmp_path / "dense", _UNGUARDED, {"pkg/engine/trainer.py": function})
     assert len(cands) == 1 and not near, near
+
+
+def test_a_training_function_called_from_a_file_npufuse_cannot_parse_is_not_untold(tmp_path: Path) -> None:
+    # the caller is there (a script with a syntax error for the scanning Python): the model is the caller's, not any
+    # module of the repository; the old reading (the trainer's reachable code, which reaches no MoE) holds
+    function = '''\
+import torch
+
+
+def train(model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for x in batches:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+'''
+    script = "from pkg.engine.trainer import train\n\ntrain(make_dense_model(), [])\nprint(f'{\n"
+    cands, near = _repo(tmp_path, _GUARDED, {"pkg/engine/trainer.py": function, "scripts/run.py": script})
+    assert len(cands) == 1 and not near, near
