@@ -342,3 +342,14 @@ def train(model, batches):
     script = "from pkg.engine.trainer import train\n\ntrain(make_dense_model(), [])\nprint(f'{\n"
     cands, near = _repo(tmp_path, _GUARDED, {"pkg/engine/trainer.py": function, "scripts/run.py": script})
     assert len(cands) == 1 and not near, near
+
+
+def test_keep_a_builder_nested_in_the_attention_function() -> None:
+    # `def past():` inside forward reads forward's `n` (a closure): strict past only, row 0 empty at every size
+    code = _HELPER_FN.replace("        keep = make_mask(n, x.device)\n",
+                              "        def past():\n            i = torch.arange(n, device=x.device)\n"
+                              "            return i[None, :] < i[:, None]\n\n        keep = past()\n")
+    found, misses = _sdpa(code)
+    assert not found and any("leaves query row 0" in m.reason for m in misses), [m.reason for m in misses]
+    (f,), _ = _sdpa(code.replace("i[None, :] < i[:, None]", "i[None, :] <= i[:, None]"))
+    assert ".any(-1).all()" not in f.fused, f.fused
