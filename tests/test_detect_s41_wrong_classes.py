@@ -353,3 +353,14 @@ def test_keep_a_builder_nested_in_the_attention_function() -> None:
     assert not found and any("leaves query row 0" in m.reason for m in misses), [m.reason for m in misses]
     (f,), _ = _sdpa(code.replace("i[None, :] < i[:, None]", "i[None, :] <= i[:, None]"))
     assert ".any(-1).all()" not in f.fused, f.fused
+
+
+def test_keep_a_bottom_right_causal_helper_mask_a_check_would_call_twice() -> None:
+    # `ones(i, j).triu(j - i + 1)` masks every key of the first rows where the queries outnumber the keys (i > j);
+    # the eager form renders the helper call in the check and again in the fused branch: a near miss saying both
+    code = next(e.code for e in AttentionPattern.FUSE if e.name == "conditional_masks_module_call_bound_once").replace(
+        ".triu(1)", ".triu(j - i + 1)")
+    found, misses = detect_all(AttentionPattern(), code)
+    assert not found
+    assert any("its construction can leave a query row without any key" in m.reason
+               and "would call `self.get_mask(q_len, k_len, device)` a second time" in m.reason for m in misses), misses

@@ -488,6 +488,22 @@ def _keep(m: torch.Tensor, polarity: str) -> torch.Tensor:
     return ~(m < 0)
 
 
+def repeated_call(text: str) -> Optional[str]:
+    """The first call of a method of the object or of a repository function in the mask's text (``self.get_mask(i,
+    j)``, ``make_mask(n)``): a run-time check rendering the text before the fused branch renders it again calls it
+    twice (s41). None when the text calls none (torch functions, tensor methods)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return text
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and not _is_torch_fn(n) and (
+                isinstance(n.func, ast.Name) and n.func.id not in ("float", "int", "bool", "len", "min", "max", "abs")
+                or isinstance(n.func, ast.Attribute) and _key(n.func.value) == "self"):
+            return ast.unparse(n)
+    return None
+
+
 def row_check(text: str, polarity: str) -> str:
     """A run-time condition that every query row of the mask ``text`` keeps a key."""
     t = text if text.isidentifier() else f"({text})"

@@ -1449,6 +1449,39 @@ def _module_argument(value: ast.AST) -> str:
     return value.id if isinstance(value, ast.Name) else ""
 
 
+def _outside_built(index: RepoIndex, tree: ast.Module, region: ast.AST, arg: ast.AST) -> bool:
+    """Is ``arg`` a module of a library class (``nn.Linear(8, 8)``, ``timm.create_model(...)``: the callee's module
+    is imported from outside the repository), in place or through every store of the local it names? Such a module
+    holds no skip of the repository's."""
+    def outside(value: ast.AST) -> bool:
+        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
+                and isinstance(value.func.value, ast.Call):
+            value = value.func.value
+        if not isinstance(value, ast.Call):
+            return False
+        root = value.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name) or root is value.func:
+            return False
+        for n in tree.body:
+            if isinstance(n, ast.Import):
+                for a in n.names:
+                    if (a.asname or a.name.split(".")[0]) == root.id:
+                        return a.name not in index.modules and a.name.split(".")[0] not in index.modules
+            elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+                for a in n.names:
+                    if (a.asname or a.name) == root.id:
+                        return f"{n.module}.{a.name}" not in index.modules and n.module not in index.modules
+        return False
+
+    if isinstance(arg, ast.Name):
+        stores = [n.value for n in ast.walk(region) if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)]
+        return bool(stores) and all(outside(v) or _holds_argument(v, {arg.id}) for v in stores)
+    return outside(arg)
+
+
 def _annotated_class(annotation: Optional[ast.expr]) -> str:
     """The class an annotation names (``BERT``, ``"BERT"``, ``models.BERT``), else empty (``Optional[...]``, ``nn.Module``)."""
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str) and annotation.value.isidentifier():
@@ -1477,6 +1510,9 @@ def _fill_open_slots(index: RepoIndex, classes: list[tuple[str, ast.ClassDef]], 
                 given = next((k.value for k in call.keywords if k.arg == pname), None)
                 if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
                     given = call.args[pos]
+                if given is not None and _outside_built(index, tree, _region_of(tree, call), given):
+                    found = []  # a library module (`nn.Linear(8, 8)`): no class of the repository
+                    continue
                 names = _argument_classes(index, rel, tree, call, given) if given is not None else None
                 got = [model_classes(index, rel, tree, c) for c in names or ()]
                 found = [c for g in got if g is not None for c in g] if names and all(g is not None for g in got) else None
