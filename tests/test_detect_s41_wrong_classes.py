@@ -17,6 +17,7 @@ from pathlib import Path
 from apply_support import scan
 from scratch_repo import write_files
 from test_detect_s39_optim_data_skip import _GUARDED, _MOE, _UNGUARDED, _optim
+from test_detect_s40_wrong_classes import _TRAINER
 
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.fused_optimizer import FusedOptimizer
@@ -277,38 +278,22 @@ def test_a_holder_built_around_an_moe_in_place_is_a_near_miss(tmp_path: Path) ->
     assert not cands and len(near) == 1 and near[0].startswith("the model the optimizer takes"), near
 
 
-_LIBRARY_TRAINER = '''\
-import torch
-
-
-class Trainer:
-    def __init__(self, model, lr=1e-3):
-        self.model = model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
-
-    def step(self, x):
-        loss = self.model(x).pow(2).mean()
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-'''
 
 
 def test_keep_a_trainer_never_instantiated_in_a_repository_with_an_moe(tmp_path: Path) -> None:
     # the trainer imports no model and nothing instantiates it: the user's script hands it a model of the repository
-    cands, near = _repo(tmp_path, _GUARDED, {"pkg/engine/trainer.py": _LIBRARY_TRAINER})
+    cands, near = _repo(tmp_path, _GUARDED, {"pkg/engine/trainer.py": _TRAINER})
     assert not cands and len(near) == 1, near
     assert near[0].startswith("a model class of the repository (the optimizer's model `self.model` is a constructor argument "
                               "and no code of the repository instantiates the trainer) calls a trainable submodule only when"), near
 
 
 def test_a_trainer_never_instantiated_in_a_dense_repository_is_fused(tmp_path: Path) -> None:
-    cands, near = _repo(tmp_path, _UNGUARDED, {"pkg/engine/trainer.py": _LIBRARY_TRAINER})
+    cands, near = _repo(tmp_path, _UNGUARDED, {"pkg/engine/trainer.py": _TRAINER})
     assert len(cands) == 1 and not near, near
 
 
-def test_a_training_function_no_file_calls(tmp_path: Path) -> None:
-    function = '''\
+_TRAIN_FUNCTION = '''\
 import torch
 
 
@@ -319,6 +304,10 @@ def train(model, batches):
         opt.step()
         opt.zero_grad()
 '''
+
+
+def test_a_training_function_no_file_calls(tmp_path: Path) -> None:
+    function = _TRAIN_FUNCTION
     cands, near = _repo(tmp_path / "moe", _GUARDED, {"pkg/engine/trainer.py": function})
     assert not cands and len(near) == 1 and "is a parameter of `train`, which no file of the repository calls" in near[0], near
     cands, near = _repo(tmp_path / "dense", _UNGUARDED, {"pkg/engine/trainer.py": function})
@@ -328,17 +317,7 @@ def train(model, batches):
 def test_a_training_function_called_from_a_file_npufuse_cannot_parse_is_not_untold(tmp_path: Path) -> None:
     # the caller is there (a script with a syntax error for the scanning Python): the model is the caller's, not any
     # module of the repository; the old reading (the trainer's reachable code, which reaches no MoE) holds
-    function = '''\
-import torch
-
-
-def train(model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for x in batches:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-'''
+    function = _TRAIN_FUNCTION
     script = "from pkg.engine.trainer import train\n\ntrain(make_dense_model(), [])\nprint(f'{\n"
     cands, near = _repo(tmp_path, _GUARDED, {"pkg/engine/trainer.py": function, "scripts/run.py": script})
     assert len(cands) == 1 and not near, near

@@ -1308,14 +1308,29 @@ def _region_of(tree: ast.Module, node: ast.AST) -> ast.AST:
     return best
 
 
+def _unmoved(value: ast.AST) -> ast.AST:
+    """The construction under moves of its result (``Net(...).to(device).train()`` -> ``Net(...)``)."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
+            and isinstance(value.func.value, ast.Call):
+        value = value.func.value
+    return value
+
+
+def _call_argument(call: ast.Call, pos: int, name: str) -> Optional[ast.expr]:
+    """What ``call`` passes for parameter ``name`` at position ``pos`` (-1: keyword-only): by keyword, else by
+    position where no ``*args`` comes before it."""
+    given = next((k.value for k in call.keywords if k.arg == name), None)
+    if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
+        given = call.args[pos]
+    return given
+
+
 def _argument_classes(index: RepoIndex, rel: str, tree: ast.Module, call: ast.Call, arg: ast.AST) -> Optional[list[str]]:
     """The class names the argument of an instantiation is built from in its file: a construction in place
     (``Net(...)``, ``Net.from_pretrained(...)``, moved / wrapped) or a local bound to such constructions; None
     when any binding is something else (a factory, a parameter, a loaded object)."""
     def built(value: ast.AST) -> Optional[str]:
-        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
-                and isinstance(value.func.value, ast.Call):
-            value = value.func.value
+        value = _unmoved(value)
         if not isinstance(value, ast.Call):
             return None
         f = value.func
@@ -1378,9 +1393,7 @@ def handed_in_models(index: RepoIndex, rel: str, tree: ast.Module, qualname: str
             where = f"{f}:{call.lineno}"
             out.sites.append(where)
             out.files.append(f)
-            given = next((k.value for k in call.keywords if k.arg == pname), None)
-            if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
-                given = call.args[pos]
+            given = _call_argument(call, pos, pname)
             names = _argument_classes(index, f, ftree, call, given) if given is not None else None
             found = [c for c in (model_classes(index, f, ftree, name) for name in names or ()) if c is not None]
             if not names or len(found) != len(names):
@@ -1454,9 +1467,7 @@ def _outside_built(index: RepoIndex, tree: ast.Module, region: ast.AST, arg: ast
     is imported from outside the repository), in place or through every store of the local it names? Such a module
     holds no skip of the repository's."""
     def outside(value: ast.AST) -> bool:
-        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
-                and isinstance(value.func.value, ast.Call):
-            value = value.func.value
+        value = _unmoved(value)
         if not isinstance(value, ast.Call):
             return False
         root = value.func
@@ -1507,9 +1518,7 @@ def _fill_open_slots(index: RepoIndex, classes: list[tuple[str, ast.ClassDef]], 
             for name, call in built:
                 if name != node.name:
                     continue
-                given = next((k.value for k in call.keywords if k.arg == pname), None)
-                if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
-                    given = call.args[pos]
+                given = _call_argument(call, pos, pname)
                 if given is not None and _outside_built(index, tree, _region_of(tree, call), given):
                     found = []  # a library module (`nn.Linear(8, 8)`): no class of the repository
                     continue
