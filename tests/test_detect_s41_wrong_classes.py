@@ -331,3 +331,45 @@ def test_keep_a_bottom_right_causal_helper_mask_a_check_would_call_twice() -> No
     assert not found
     assert any("its construction can leave a query row without any key" in m.reason
                and "would call `self.get_mask(q_len, k_len, device)` a second time" in m.reason for m in misses), misses
+
+
+_CACHE_CAUSAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cache_causal(*, q_len, k_len, device=None):
+    if q_len <= 0 or k_len <= 0:
+        raise ValueError("lengths must be positive")
+    if k_len < q_len:
+        raise ValueError("the cache holds at least the queries")
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+
+class Cached(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, past_k, past_v):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        keep = cache_causal(q_len=n, k_len=k.shape[2], device=x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+
+def test_a_helper_raising_on_the_sizes_that_would_empty_rows_is_unchanged() -> None:
+    # bottom-right causal empties the first rows only where the queries outnumber the keys, which the helper refuses
+    (f,), misses = _sdpa(_CACHE_CAUSAL)
+    assert ".any(-1).all()" not in f.fused and not misses, f.fused
+
+
+def test_the_same_helper_without_its_size_check_runs_fused_only_where_every_row_keeps_a_key() -> None:
+    code = _CACHE_CAUSAL.replace('    if k_len < q_len:\n        raise ValueError("the cache holds at least the queries")\n', "")
+    (f,), _ = _sdpa(code)
+    assert ".any(-1).all()" in _guard(f.fused), f.fused

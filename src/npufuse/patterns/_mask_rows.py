@@ -46,6 +46,10 @@ class _Unread(Exception):
     """A part of the construction this module does not evaluate."""
 
 
+class _Excluded(Exception):
+    """Sizes the helper refuses (its ``if <test>: raise`` / ``assert`` holds for them): not a size it runs at."""
+
+
 class RowVerdict:
     """``kind``: kept / empty / varies; ``rows``: the query rows every evaluation leaves empty (``empty``)."""
 
@@ -170,11 +174,27 @@ class _Evaluator:
             if not isinstance(base, torch.Tensor):
                 raise _Unread("subscript")
             return base[self._index(node.slice)]
+        if isinstance(node, ast.BoolOp):
+            vals = [self.ev(v) for v in node.values]
+            if any(isinstance(v, torch.Tensor) for v in vals):
+                raise _Unread("a boolean operator over tensors")
+            return all(vals) if isinstance(node.op, ast.And) else any(vals)
         if isinstance(node, ast.IfExp):
             raise _Unread("conditional")
         if isinstance(node, ast.Call):
             return self._call(node)
         raise _Unread(type(node).__name__)
+
+    def check_guards(self, node: Any) -> None:
+        """Raises :class:`_Excluded` where a guard of the helper returning ``node`` holds for these sizes (a size the
+        helper refuses, ``if key_length < query_length: raise``); a guard it cannot evaluate is not applied."""
+        for test in getattr(self.resolve, "guards", {}).get(id(node), ()):
+            try:
+                hit = self.ev(test)
+            except (_Unread, RuntimeError, TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, AttributeError):
+                continue
+            if not isinstance(hit, torch.Tensor) and hit:
+                raise _Excluded()
 
     def _index(self, s: Any) -> Any:
         if isinstance(s, ast.Tuple):
@@ -214,6 +234,7 @@ class _Evaluator:
         inline = getattr(self.resolve, "inline", None)
         body = inline(call) if inline is not None and not _is_torch_fn(call) else None
         if body is not None:
+            self.check_guards(body)
             return self.ev(body)  # s41: a helper's one return, its parameters bound to the call's arguments
         if not method:
             if not _is_torch_fn(call):
@@ -453,7 +474,11 @@ def _one_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opt
     for values in itertools.product(grid, repeat=len(names)):
         try:
             with torch.no_grad():
-                m = _Evaluator(resolve, dict(zip(names, values))).ev(node)
+                evaluator = _Evaluator(resolve, dict(zip(names, values)))
+                evaluator.check_guards(node)
+                m = evaluator.ev(node)
+        except _Excluded:
+            continue  # s41: sizes the helper raises on
         except (_Unread, RuntimeError, TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, AttributeError):
             return None
         if not isinstance(m, torch.Tensor) or m.dim() == 0 or m.numel() == 0:
@@ -622,6 +647,8 @@ class Resolver:
         self.module, self.scope, self.line, self.ref_value = module, scope, line, ref_value
         self.foreign: dict[int, _Frame] = {}  # id(node of a value read in another function) -> that function's frame
         self._helpers: dict[int, Optional[tuple[ast.AST, _Frame]]] = {}
+        # id(a helper's return value) -> the tests of the helper's `if <test>: raise` / `assert` statements (s41)
+        self.guards: dict[int, list[ast.AST]] = {}
 
     def __call__(self, n: Any) -> Any:
         if self.ref_value is not None and type(n).__name__ == "Ref":
@@ -693,7 +720,19 @@ class Resolver:
         returns = [r for r in _own_nodes(fn) if isinstance(r, ast.Return)]
         if len(returns) != 1 or returns[0].value is None:
             return None
-        return self._adopt(frame, returns[0].value)
+        return self._guarded(fn, frame, returns[0].value)
+
+    def _guarded(self, fn: ast.AST, frame: _Frame, value: ast.AST) -> ast.AST:
+        """``value`` read in ``frame``, with the helper's argument checks (sizes it raises on are not evaluated)."""
+        tests: list[ast.AST] = []
+        for st in getattr(fn, "body", []):
+            if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(st.body[-1], ast.Raise):
+                tests.append(self._adopt(frame, st.test))
+            elif isinstance(st, ast.Assert):
+                tests.append(self._adopt(frame, ast.UnaryOp(op=ast.Not(), operand=st.test)))
+        if tests:
+            self.guards[id(value)] = tests
+        return self._adopt(frame, value)
 
     def paths(self, n: Any) -> Optional[tuple[bool, list[Any]]]:
         """(through a helper?, the expressions ``n`` may be): a helper call's every ``return`` (a bare ``return``: None),
@@ -707,7 +746,7 @@ class Resolver:
                 return None
             fn, frame = got
             returns = _returns(fn.body, lambda test: _truth(test, frame.params))[0]  # type: ignore[attr-defined]
-            return True, [self._adopt(frame, r.value) if r.value is not None else ast.Constant(None) for r in returns] \
+            return True, [self._guarded(fn, frame, r.value) if r.value is not None else ast.Constant(None) for r in returns] \
                 or [ast.Constant(None)]
         if type(n).__name__ == "Ref" or isinstance(n, ast.Attribute):
             value = self(n)
