@@ -35,8 +35,8 @@ def _load_torch() -> None:
         torch = _torch
 
 SAMPLES = (1, 2, 3, 5, 8)
-_GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8)}  # fewer values per unknown where several combine
-_MAX_UNKNOWNS = 3
+_GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8), 4: (1, 2, 8)}  # fewer values per unknown where several combine
+_MAX_UNKNOWNS = 4
 _INDEX_WORDS = ("arange", "tril", "triu", "eye")
 _CASTS = frozenset(("bool", "float", "half", "long", "int", "double", "bfloat16", "contiguous", "clone", "detach", "cpu",
                     "cuda", "npu", "requires_grad_"))
@@ -44,6 +44,10 @@ _CASTS = frozenset(("bool", "float", "half", "long", "int", "double", "bfloat16"
 
 class _Unread(Exception):
     """A part of the construction this module does not evaluate."""
+
+
+class _Excluded(Exception):
+    """Sizes the helper refuses (its ``if <test>: raise`` / ``assert`` holds for them): not a size it runs at."""
 
 
 class RowVerdict:
@@ -170,11 +174,27 @@ class _Evaluator:
             if not isinstance(base, torch.Tensor):
                 raise _Unread("subscript")
             return base[self._index(node.slice)]
+        if isinstance(node, ast.BoolOp):
+            vals = [self.ev(v) for v in node.values]
+            if any(isinstance(v, torch.Tensor) for v in vals):
+                raise _Unread("a boolean operator over tensors")
+            return all(vals) if isinstance(node.op, ast.And) else any(vals)
         if isinstance(node, ast.IfExp):
             raise _Unread("conditional")
         if isinstance(node, ast.Call):
             return self._call(node)
         raise _Unread(type(node).__name__)
+
+    def check_guards(self, node: Any) -> None:
+        """Raises :class:`_Excluded` where a guard of the helper returning ``node`` holds for these sizes (a size the
+        helper refuses, ``if key_length < query_length: raise``); a guard it cannot evaluate is not applied."""
+        for test in getattr(self.resolve, "guards", {}).get(id(node), ()):
+            try:
+                hit = self.ev(test)
+            except (_Unread, RuntimeError, TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, AttributeError):
+                continue
+            if not isinstance(hit, torch.Tensor) and hit:
+                raise _Excluded()
 
     def _index(self, s: Any) -> Any:
         if isinstance(s, ast.Tuple):
@@ -211,6 +231,11 @@ class _Evaluator:
             return self.scalar(call)
         if name == "min" and isinstance(func, ast.Attribute) and "finfo" in _key(func.value):
             return -math.inf  # the most negative float: masks like -inf
+        inline = getattr(self.resolve, "inline", None)
+        body = inline(call) if inline is not None and not _is_torch_fn(call) else None
+        if body is not None:
+            self.check_guards(body)
+            return self.ev(body)  # s41: a helper's one return, its parameters bound to the call's arguments
         if not method:
             if not _is_torch_fn(call):
                 raise _Unread(name)
@@ -281,6 +306,12 @@ class _Evaluator:
         raise _Unread(f".{name}")
 
 
+def _inlined(resolve: Callable[[Any], Any], n: Any) -> Any:
+    """The one return of the repository helper the call ``n`` runs (None: not a call, not a helper, several returns)."""
+    inline = getattr(resolve, "inline", None)
+    return inline(n) if inline is not None and isinstance(n, ast.Call) and not _is_torch_fn(n) else None
+
+
 def _shape_read(node: ast.Subscript) -> bool:
     return isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
 
@@ -319,6 +350,10 @@ def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Opt
             if text not in out:
                 out.append(text)
             continue
+        body = _inlined(resolve, n)
+        if body is not None:
+            stack.append(body)  # s41: a helper's return, read with its parameters bound
+            continue
         if isinstance(n, ast.Call):
             # the callee's receiver is evaluated (a method), a torch function's name is not a leaf; keywords other
             # than sizes / diagonal (device, dtype) are not read
@@ -344,6 +379,10 @@ def index_built(node: Any, resolve: Callable[[Any], Any]) -> bool:
         seen.add(id(n))
         if isinstance(n, ast.Call) and _name(n) in _INDEX_WORDS:
             return True
+        body = _inlined(resolve, n)
+        if body is not None:
+            stack.append(body)
+            continue
         if type(n).__name__ in ("Ref", "Name", "Attribute"):
             value = resolve(n)
             if value is not None:
@@ -358,7 +397,71 @@ def index_built(node: Any, resolve: Callable[[Any], Any]) -> bool:
 def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Optional[RowVerdict]:
     """Whether the mask ``node`` keeps a key in every query row (see the module's doc). ``polarity``: ``keep``
     (True = attended), ``masked`` (True = masked), ``additive`` (masked where < 0), ``keep01`` (masked where 0),
-    ``auto`` (bool: keep, else additive)."""
+    ``auto`` (bool: keep, else additive).
+
+    s41 (wrong41): a mask a repository helper returns (``self._band(n, w)``, a module function, a nested builder, a
+    mask cached and rebuilt) is read per path: every ``return`` of the helper (a local stored more than once: each
+    store), each evaluated with the helper's parameters bound to the call's arguments. All keep a key: ``kept``; all
+    leave a row empty: ``empty``; otherwise, where the helper builds its mask from index arithmetic (a path npufuse
+    does not evaluate -- a cache lookup, a size it cannot read -- may still empty a row): ``varies``, the run-time
+    check decides."""
+    paths = _helper_paths(node, resolve)
+    if paths is not None:
+        return _combined([p if p is _NO_MASK else _one_verdict(p, polarity, resolve) for p in paths],
+                         any(p is not _NO_MASK and index_built(p, resolve) for p in paths))
+    return _one_verdict(node, polarity, resolve)
+
+
+def _combined(verdicts: list[Optional[RowVerdict] | object], index_made: bool) -> Optional[RowVerdict]:
+    kinds = ["kept" if v is _NO_MASK else v.kind if isinstance(v, RowVerdict) else None for v in verdicts]
+    if kinds and all(k == "kept" for k in kinds):
+        return RowVerdict("kept")
+    if kinds and all(k == "empty" for k in kinds):
+        rows = set.intersection(*(set(v.rows) for v in verdicts if isinstance(v, RowVerdict)))
+        return RowVerdict("empty", tuple(sorted(rows)))
+    if any(k in ("empty", "varies") for k in kinds) or index_made:
+        return RowVerdict("varies")
+    return None
+
+
+_NO_MASK = object()  # a helper path returning None: no mask, every key kept
+_MAX_PATHS = 8
+
+
+def _helper_paths(node: Any, resolve: Callable[[Any], Any]) -> Optional[list[Any]]:
+    """The expressions a mask reaching the site from a repository helper may be (each ``return`` of the helper, each
+    store of a local it returns, followed into helpers those call), None when the mask comes from no helper."""
+    paths_of = getattr(resolve, "paths", None)
+    if paths_of is None:
+        return None
+    out: list[Any] = []
+    through_helper = False
+    stack: list[tuple[Any, int]] = [(node, 0)]
+    seen: set[int] = set()
+    while stack:
+        n, depth = stack.pop()
+        if id(n) in seen:
+            continue  # a cache storing the value it read: nothing new on this path
+        seen.add(id(n))
+        if len(out) + len(stack) > _MAX_PATHS or depth > 12:
+            return out + [_UNREAD_NODE] if through_helper else None
+        if isinstance(n, ast.Constant) and n.value is None:
+            out.append(_NO_MASK)
+            continue
+        while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (n.func.attr in _CASTS or n.func.attr == "to") \
+                and not _is_torch_fn(n):
+            n = n.func.value  # a cast / move of the helper's result keeps its rows
+        got = paths_of(n)
+        if got is None:
+            out.append(n)
+            continue
+        helper, values = got
+        through_helper = through_helper or helper
+        stack += [(v, depth + 1) for v in reversed(values)]
+    return out if through_helper else None
+
+
+def _one_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Optional[RowVerdict]:
     if not index_built(node, resolve):
         return None
     names = _unknowns(node, resolve)
@@ -371,7 +474,11 @@ def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opti
     for values in itertools.product(grid, repeat=len(names)):
         try:
             with torch.no_grad():
-                m = _Evaluator(resolve, dict(zip(names, values))).ev(node)
+                evaluator = _Evaluator(resolve, dict(zip(names, values)))
+                evaluator.check_guards(node)
+                m = evaluator.ev(node)
+        except _Excluded:
+            continue  # s41: sizes the helper raises on
         except (_Unread, RuntimeError, TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, AttributeError):
             return None
         if not isinstance(m, torch.Tensor) or m.dim() == 0 or m.numel() == 0:
@@ -406,6 +513,22 @@ def _keep(m: torch.Tensor, polarity: str) -> torch.Tensor:
     return ~(m < 0)
 
 
+def repeated_call(text: str) -> Optional[str]:
+    """The first call of a method of the object or of a repository function in the mask's text (``self.get_mask(i,
+    j)``, ``make_mask(n)``): a run-time check rendering the text before the fused branch renders it again calls it
+    twice (s41). None when the text calls none (torch functions, tensor methods)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return text
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and not _is_torch_fn(n) and (
+                isinstance(n.func, ast.Name) and n.func.id not in ("float", "int", "bool", "len", "min", "max", "abs")
+                or isinstance(n.func, ast.Attribute) and _key(n.func.value) == "self"):
+            return ast.unparse(n)
+    return None
+
+
 def row_check(text: str, polarity: str) -> str:
     """A run-time condition that every query row of the mask ``text`` keeps a key."""
     t = text if text.isidentifier() else f"({text})"
@@ -425,38 +548,144 @@ ROW_CHECK_RISK = ("the mask is built so that a query row can keep no key (every 
                   "call runs where every query row keeps a key (checked at run time: a host sync), the original otherwise")
 
 
+class _Frame:
+    """A function whose code a mask's construction is read in: ``fn``; ``params``: what its parameters stand for (the
+    call's argument, a constant default; None: an unknown scalar); ``parent``: the enclosing function's frame (a
+    nested builder's free variables are its); ``same_class``: a method of the site's class (``self.`` attributes are
+    the site's); ``site_closure``: a function nested in the site's own function (free variables are the site's)."""
+
+    __slots__ = ("fn", "params", "parent", "same_class", "site_closure")
+
+    def __init__(self, fn: ast.AST, params: Optional[dict[str, Any]] = None, parent: Optional["_Frame"] = None,
+                 same_class: bool = False, site_closure: bool = False) -> None:
+        self.fn, self.params, self.parent = fn, params or {}, parent
+        self.same_class, self.site_closure = same_class, site_closure
+
+    def chain(self) -> list[ast.AST]:
+        out, fr = [], self
+        while fr is not None:
+            out.append(fr.fn)
+            fr = fr.parent
+        return out
+
+
+_MAX_FRAMES = 4  # helpers followed inside helpers
+
+
+def _frames(frame: Optional[_Frame]) -> list[_Frame]:
+    out = []
+    while frame is not None:
+        out.append(frame)
+        frame = frame.parent
+    return out
+
+
+def _truth(test: ast.AST, params: dict[str, Any]) -> Optional[bool]:
+    """A helper's ``if`` test on a parameter the call binds to a constant (``if include_self:``, ``if not causal:``,
+    ``if w is None:``): its value; None when it is not known."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _truth(test.operand, params)
+        return None if inner is None else not inner
+    if isinstance(test, ast.Name) and isinstance(params.get(test.id), ast.Constant):
+        return bool(params[test.id].value)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot)) \
+            and isinstance(test.left, ast.Name) and isinstance(params.get(test.left.id), ast.Constant) \
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None:
+        same = params[test.left.id].value is None
+        return same if isinstance(test.ops[0], ast.Is) else not same
+    return None
+
+
+def _returns(stmts: list[ast.stmt], truth: Callable[[ast.AST], Optional[bool]]) -> tuple[list[ast.Return], bool]:
+    """The ``return`` statements of a function body that can run (an ``if`` arm a constant-bound test rules out, and
+    statements after a branch that always returns, are left out), and whether the block always returns."""
+    out: list[ast.Return] = []
+    for st in stmts:
+        if isinstance(st, ast.Return):
+            out.append(st)
+            return out, True
+        if isinstance(st, ast.If):
+            t = truth(st.test)
+            arms = [st.body] if t is True else [st.orelse] if t is False else [st.body, st.orelse]
+            ends = []
+            for arm in arms:
+                got, ended = _returns(arm, truth)
+                out += got
+                ends.append(ended)
+            if all(ends):
+                return out, True
+        elif not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out += [r for r in _own_nodes(st) if isinstance(r, ast.Return)] + ([st] if isinstance(st, ast.Return) else [])
+    return out, False
+
+
+def _own_nodes(fn: ast.AST) -> list[ast.AST]:
+    """The nodes of ``fn``'s own body: a nested function's (or class's, lambda's) body is its own."""
+    out: list[ast.AST] = []
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack += list(ast.iter_child_nodes(n))
+    return out
+
+
 class Resolver:
     """Maps a leaf of a mask construction to the expression it holds: a local through the scope's assignments
     (``ref_value`` reads a detector's own symbolic values first), a ``self.<attr>`` buffer / attribute through the
     class's one store of it (``register_buffer("m", v)`` or ``self.m = v``, a local there through that function's one
-    store). None: an unknown scalar (a parameter, a length, a window)."""
+    store). None: an unknown scalar (a parameter, a length, a window).
+
+    s41 (wrong41): a call of a repository helper -- a method of the site's class, a function nested in the site's
+    function or in a helper, a module-level function of the file or one it imports -- is followed into the helper:
+    :meth:`inline` (its one ``return``) and :meth:`paths` (every ``return``), its parameters bound to the call's
+    arguments (a constant, or a tensor built from index arithmetic; any other argument is an unknown scalar, as a
+    parameter of the site's function is)."""
 
     def __init__(self, module: Any, scope: Any, line: int, ref_value: Optional[Callable[[Any], Any]] = None) -> None:
         self.module, self.scope, self.line, self.ref_value = module, scope, line, ref_value
-        self.foreign: dict[int, ast.AST] = {}  # id(node of a value read in another method) -> that method
+        self.foreign: dict[int, _Frame] = {}  # id(node of a value read in another function) -> that function's frame
+        self._helpers: dict[int, Optional[tuple[ast.AST, _Frame]]] = {}
+        # id(a helper's return value) -> the tests of the helper's `if <test>: raise` / `assert` statements (s41)
+        self.guards: dict[int, list[ast.AST]] = {}
 
     def __call__(self, n: Any) -> Any:
         if self.ref_value is not None and type(n).__name__ == "Ref":
             return self.ref_value(n)
-        fn = self.foreign.get(id(n))
+        frame = self.foreign.get(id(n))
         if isinstance(n, ast.Name):
-            if fn is not None:
-                return self._one_store(fn, n.id)
+            if frame is not None:
+                found = self._in_frame(frame, n.id)
+                return found[0] if found is not None and len(found) == 1 else None if found is None else _UNREAD_NODE
             return self.scope.definition(n.id, getattr(n, "lineno", None) or self.line)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" and fn is None:
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
+                and (frame is None or frame.same_class):
             return self._attribute(n.attr)
         return None
 
-    def _one_store(self, fn: ast.AST, name: str) -> Any:
-        stores = [a for a in ast.walk(fn) if isinstance(a, (ast.Assign, ast.AnnAssign, ast.AugAssign))
-                  and any(isinstance(t, ast.Name) and t.id == name for t in (a.targets if isinstance(a, ast.Assign) else [a.target]))]
-        if len(stores) != 1 or isinstance(stores[0], ast.AugAssign) or stores[0].value is None:
-            return None if not stores else _UNREAD_NODE
-        return self._adopt(fn, stores[0].value)
+    def _in_frame(self, frame: _Frame, name: str) -> Optional[list[Any]]:
+        """What ``name`` read in ``frame`` holds: [value] (a parameter's binding, the function's one store), every store
+        when it has several, None for an unknown scalar."""
+        fr: Optional[_Frame] = frame
+        while fr is not None:
+            if name in fr.params:
+                return None if fr.params[name] is None else [fr.params[name]]
+            stores = [a for a in _own_nodes(fr.fn) if isinstance(a, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                      and any(isinstance(t, ast.Name) and t.id == name for t in (a.targets if isinstance(a, ast.Assign) else [a.target]))]
+            if stores:
+                if any(isinstance(a, ast.AugAssign) or a.value is None for a in stores):
+                    return [_UNREAD_NODE]
+                return [self._adopt(fr, a.value) for a in stores]  # type: ignore[misc]
+            if fr.parent is None and fr.site_closure:
+                value = self.scope.definition(name, self.line)
+                return None if value is None else [value]
+            fr = fr.parent
+        return None
 
-    def _adopt(self, fn: ast.AST, value: ast.AST) -> ast.AST:
+    def _adopt(self, frame: _Frame, value: ast.AST) -> ast.AST:
         for sub in ast.walk(value):
-            self.foreign[id(sub)] = fn
+            self.foreign[id(sub)] = frame
         return value
 
     def _attribute(self, attr: str) -> Any:
@@ -477,7 +706,164 @@ class Resolver:
                     found.append((fn, node.value))
         if len(found) != 1:
             return _UNREAD_NODE if found else None
-        return self._adopt(*found[0])
+        fn, value = found[0]
+        return self._adopt(_Frame(fn), value)
+
+    # -- s41: helpers ------------------------------------------------------------------------------------------------
+
+    def inline(self, call: ast.Call) -> Any:
+        """The expression the repository helper ``call`` runs returns, when it has one ``return`` (None otherwise)."""
+        got = self._helper(call)
+        if got is None:
+            return None
+        fn, frame = got
+        returns = [r for r in _own_nodes(fn) if isinstance(r, ast.Return)]
+        if len(returns) != 1 or returns[0].value is None:
+            return None
+        return self._guarded(fn, frame, returns[0].value)
+
+    def _guarded(self, fn: ast.AST, frame: _Frame, value: ast.AST) -> ast.AST:
+        """``value`` read in ``frame``, with the helper's argument checks (sizes it raises on are not evaluated)."""
+        tests: list[ast.AST] = []
+        for st in getattr(fn, "body", []):
+            if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(st.body[-1], ast.Raise):
+                tests.append(self._adopt(frame, st.test))
+            elif isinstance(st, ast.Assert):
+                tests.append(self._adopt(frame, ast.UnaryOp(op=ast.Not(), operand=st.test)))
+        if tests:
+            self.guards[id(value)] = tests
+        return self._adopt(frame, value)
+
+    def paths(self, n: Any) -> Optional[tuple[bool, list[Any]]]:
+        """(through a helper?, the expressions ``n`` may be): a helper call's every ``return`` (a bare ``return``: None),
+        a name's value (each store, for a local a helper stores more than once); None for anything else."""
+        cached = self._cache_stores(n)
+        if cached is not None:
+            return False, cached
+        if isinstance(n, ast.Call):
+            got = self._helper(n)
+            if got is None:
+                return None
+            fn, frame = got
+            returns = _returns(fn.body, lambda test: _truth(test, frame.params))[0]  # type: ignore[attr-defined]
+            return True, [self._guarded(fn, frame, r.value) if r.value is not None else ast.Constant(None) for r in returns] \
+                or [ast.Constant(None)]
+        if type(n).__name__ == "Ref" or isinstance(n, ast.Attribute):
+            value = self(n)
+            return None if value is None else (False, [value])
+        if isinstance(n, ast.Name):
+            frame = self.foreign.get(id(n))
+            if frame is None:
+                value = self.scope.definition(n.id, getattr(n, "lineno", None) or self.line)
+                return None if value is None else (False, [value])
+            found = self._in_frame(frame, n.id)
+            return None if found is None else (False, found)
+        return None
+
+    def _cache_stores(self, n: Any) -> Optional[list[Any]]:
+        """A read of a cache on ``self`` (``self._cache.get(key)``, ``self._cache[key]``): the values the class's
+        methods store into it (``self._cache[key] = mask``; ``.get`` may also give None), None when ``n`` is no such
+        read or nothing is stored."""
+        frame = self.foreign.get(id(n))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args:
+            container = n.func.value
+        elif isinstance(n, ast.Subscript):
+            container = n.value
+        else:
+            return None
+        if not (isinstance(container, ast.Attribute) and _key(container.value) == "self") \
+                or frame is not None and not frame.same_class:
+            return None
+        cls = getattr(self.module, "classes", {}).get(getattr(self.scope, "class_name", None) or "")
+        chain = {id(fr.fn): fr for fr in _frames(frame)}
+        out: list[Any] = []
+        for fn in (cls.body if cls is not None else []):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for a in ast.walk(fn):
+                if isinstance(a, ast.Assign) and any(isinstance(t, ast.Subscript) and _key(t.value) == _key(container)
+                                                     for t in a.targets):
+                    out.append(self._adopt(chain.get(id(fn)) or _Frame(fn, same_class=True), a.value))
+        if not out:
+            return None
+        return out + ([ast.Constant(None)] if isinstance(n, ast.Call) else [])
+
+    def _helper(self, call: ast.Call) -> Optional[tuple[ast.AST, _Frame]]:
+        key = id(call)
+        if key not in self._helpers:
+            self._helpers[key] = None  # a helper calling itself is not followed
+            self._helpers[key] = self._find_helper(call)
+        return self._helpers[key]
+
+    def _find_helper(self, call: ast.Call) -> Optional[tuple[ast.AST, _Frame]]:
+        caller = self.foreign.get(id(call))
+        chain = caller.chain() if caller is not None else []
+        if len(chain) >= _MAX_FRAMES:
+            return None
+        f = call.func
+        fn: Optional[ast.AST] = None
+        parent: Optional[_Frame] = None
+        same_class = site_closure = False
+        if type(f).__name__ == "Ref":
+            f = ast.Name(id=str(getattr(f, "name", "")), ctx=ast.Load())  # a detector's symbolic local read as its name
+        if isinstance(f, ast.Attribute) and _key(f.value) == "self":
+            if caller is not None and not caller.same_class:
+                return None
+            cls = getattr(self.module, "classes", {}).get(getattr(self.scope, "class_name", None) or "")
+            fn = next((m for m in (cls.body if cls is not None else []) if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and m.name == f.attr), None)
+            same_class = True
+        elif isinstance(f, ast.Name):
+            # a function nested in the calling function (or one enclosing it), else in the site's function, else the
+            # file's module-level function, else one the file imports from the repository
+            for i, outer in enumerate(chain):
+                fn = next((d for d in _own_nodes(outer) if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and d.name == f.id), None)
+                if fn is not None:
+                    parent = caller
+                    for _ in range(i):
+                        parent = parent.parent if parent is not None else None
+                    break
+            site_fn = getattr(self.scope, "node", None)
+            if fn is None and caller is None and isinstance(site_fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                fn = next((d for d in _own_nodes(site_fn) if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and d.name == f.id), None)
+                site_closure = fn is not None
+            if fn is None:
+                fn = getattr(self.module, "functions", {}).get(f.id)
+            if fn is None and f.id[:1].islower() and hasattr(self.module, "tree"):
+                from npufuse.scan.repo_facts import definition
+
+                d = definition(self.module, f.id)
+                fn = d.node if d is not None and isinstance(d.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn in chain:
+            return None
+        frame = _Frame(fn, None, parent, same_class=same_class and (caller is None or caller.same_class), site_closure=site_closure)
+        frame.params = self._bind(fn, call, skip_first=same_class and not any(
+            isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list))
+        return fn, frame
+
+    def _bind(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call, skip_first: bool) -> dict[str, Any]:
+        """Each parameter of ``fn`` -> the call's argument (a constant, or a tensor built from index arithmetic), its
+        constant default, else None (an unknown scalar)."""
+        a = fn.args
+        positional = (a.posonlyargs + a.args)[1 if skip_first else 0:]
+        out: dict[str, Any] = {p.arg: None for p in positional + a.kwonlyargs}
+        for p, d in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+            out[p.arg] = d if isinstance(d, ast.Constant) else None
+        for p, d in zip(a.kwonlyargs, a.kw_defaults):
+            out[p.arg] = d if isinstance(d, ast.Constant) else None
+        given: dict[str, ast.AST] = {}
+        for p, arg in zip(positional, call.args):
+            if isinstance(arg, ast.Starred):
+                break
+            given[p.arg] = arg
+        given.update({k.arg: k.value for k in call.keywords if k.arg in out})
+        for name, arg in given.items():
+            out[name] = arg if isinstance(arg, ast.Constant) or index_built(arg, self) else None
+        if a.vararg is not None:
+            out[a.vararg.arg] = None
+        if a.kwarg is not None:
+            out[a.kwarg.arg] = None
+        return out
 
 
 # a value this module does not read (several stores): the evaluation stops there

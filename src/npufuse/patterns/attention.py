@@ -4203,6 +4203,11 @@ class AttentionPattern(Pattern):
             t = r.text(m.node)
             if verdict.kind == "empty" and m.cond is None:
                 raise Miss(f"the mask `{t}`: {verdict.describe()}")
+            again = _mask_rows.repeated_call(t)
+            if again is not None:
+                # s41 (wrong41): a helper's mask rendered in the check and again in the fused branch: called twice
+                raise Miss(f"the mask `{t}`: {verdict.describe()}; the run-time check that every query row keeps a key "
+                           f"would call `{again}` a second time")
             checks.append(check_under_term_condition(r, m, _mask_rows.row_check(t, polarity[m.kind])))
         return checks
 
@@ -5974,7 +5979,7 @@ class Attend(nn.Module):
         self.attn_dropout = nn.Dropout(0.0)
 
     def get_mask(self, i, j, device):
-        return torch.ones((i, j), device=device, dtype=torch.bool).triu(j - i + 1)
+        return torch.ones((i, j), device=device, dtype=torch.bool).triu(1)  # s41: top-left (was bottom-right: rows empty where i > j)
 
     def forward(self, q, k, v, mask=None):
         q_len, k_len, device = q.shape[-2], k.shape[-2], q.device
@@ -5998,7 +6003,7 @@ q = torch.randn(2, 4, 5, 16, requires_grad=True)
 k = torch.randn(2, 4, 7, 16, requires_grad=True)
 v = torch.randn(2, 4, 7, 16, requires_grad=True)
 keep = torch.ones(2, 7, dtype=torch.bool)
-keep[1, :2] = False
+keep[1, -2:] = False  # s41: top-left causal keeps key 0 in every row: no row fully masked
 out = m(q, k, v, keep) + m(q, k, v) + Attend()(q, k, v, keep)
 leaves = [q, k, v]
 """,

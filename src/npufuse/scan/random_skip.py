@@ -1308,14 +1308,29 @@ def _region_of(tree: ast.Module, node: ast.AST) -> ast.AST:
     return best
 
 
+def _unmoved(value: ast.AST) -> ast.AST:
+    """The construction under moves of its result (``Net(...).to(device).train()`` -> ``Net(...)``)."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
+            and isinstance(value.func.value, ast.Call):
+        value = value.func.value
+    return value
+
+
+def _call_argument(call: ast.Call, pos: int, name: str) -> Optional[ast.expr]:
+    """What ``call`` passes for parameter ``name`` at position ``pos`` (-1: keyword-only): by keyword, else by
+    position where no ``*args`` comes before it."""
+    given = next((k.value for k in call.keywords if k.arg == name), None)
+    if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
+        given = call.args[pos]
+    return given
+
+
 def _argument_classes(index: RepoIndex, rel: str, tree: ast.Module, call: ast.Call, arg: ast.AST) -> Optional[list[str]]:
     """The class names the argument of an instantiation is built from in its file: a construction in place
     (``Net(...)``, ``Net.from_pretrained(...)``, moved / wrapped) or a local bound to such constructions; None
     when any binding is something else (a factory, a parameter, a loaded object)."""
     def built(value: ast.AST) -> Optional[str]:
-        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES \
-                and isinstance(value.func.value, ast.Call):
-            value = value.func.value
+        value = _unmoved(value)
         if not isinstance(value, ast.Call):
             return None
         f = value.func
@@ -1378,9 +1393,7 @@ def handed_in_models(index: RepoIndex, rel: str, tree: ast.Module, qualname: str
             where = f"{f}:{call.lineno}"
             out.sites.append(where)
             out.files.append(f)
-            given = next((k.value for k in call.keywords if k.arg == pname), None)
-            if given is None and 0 <= pos < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:pos + 1]):
-                given = call.args[pos]
+            given = _call_argument(call, pos, pname)
             names = _argument_classes(index, f, ftree, call, given) if given is not None else None
             found = [c for c in (model_classes(index, f, ftree, name) for name in names or ()) if c is not None]
             if not names or len(found) != len(names):
@@ -1394,10 +1407,143 @@ def handed_in_models(index: RepoIndex, rel: str, tree: ast.Module, qualname: str
     return out
 
 
+# --- s41 (wrong41): a model class holding a module handed to its constructor -----------------------------------------
+# `class BERTLM(nn.Module): def __init__(self, bert: BERT): self.bert = bert` -- the classes BERTLM's own code builds
+# are not the whole model: `self.bert` is whatever the caller passes (an MoE skipping idle experts, say). The slot is
+# resolved from the construction's argument (`BERTLM(BERT(cfg))`) or the parameter's annotation (`bert: BERT`); where
+# neither names a class of the repository, the model is not told and the trainer's reachable code decides.
+
+def _open_slots(cls: ast.ClassDef) -> list[tuple[str, int, str, Optional[ast.expr], int]]:
+    """(attribute, parameter position (-1: keyword-only), parameter, annotation, line) of each submodule the class's
+    ``__init__`` stores from one of its own parameters (moved / wrapped: ``self.bert = bert``, ``self.enc = enc.to(d)``)
+    and the class calls (``self.bert(x)``, ``self.bert.forward(x)``)."""
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    if init is None:
+        return []
+    positional = [a for a in init.args.posonlyargs + init.args.args][1:]
+    params = {a.arg: (i, a.annotation) for i, a in enumerate(positional)}
+    params.update({a.arg: (-1, a.annotation) for a in init.args.kwonlyargs})
+    if not params:
+        return []
+    called: set[str] = set()
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Attribute) and f.attr == "forward":
+                f = f.value
+            attr = _self_attr(f)
+            if attr is not None:
+                called.add(attr)
+    out: list[tuple[str, int, str, Optional[ast.expr], int]] = []
+    for n in ast.walk(init):
+        if not isinstance(n, (ast.Assign, ast.AnnAssign)) or n.value is None:
+            continue
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+            attr = _self_attr(t)
+            if attr is None or attr not in called:
+                continue
+            given = next((p for p in params if _module_argument(n.value) == p), None)
+            if given is not None:
+                out.append((attr, params[given][0], given, params[given][1], n.lineno))
+    return out
+
+
+def _module_argument(value: ast.AST) -> str:
+    """The parameter name ``value`` is, moved or copied (``bert``, ``bert.to(device)``, ``copy.deepcopy(bert)``); a
+    module built from it (``nn.Linear(dim, dim)``) is not."""
+    while isinstance(value, ast.Call):
+        f = value.func
+        if isinstance(f, ast.Attribute) and f.attr in _MOVES:
+            value = f.value
+        elif _name(f) == "deepcopy" and len(value.args) == 1:
+            value = value.args[0]
+        else:
+            return ""
+    return value.id if isinstance(value, ast.Name) else ""
+
+
+def _outside_built(index: RepoIndex, tree: ast.Module, region: ast.AST, arg: ast.AST) -> bool:
+    """Is ``arg`` a module of a library class (``nn.Linear(8, 8)``, ``timm.create_model(...)``: the callee's module
+    is imported from outside the repository), in place or through every store of the local it names? Such a module
+    holds no skip of the repository's."""
+    def outside(value: ast.AST) -> bool:
+        value = _unmoved(value)
+        if not isinstance(value, ast.Call):
+            return False
+        root = value.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name) or root is value.func:
+            return False
+        for n in tree.body:
+            if isinstance(n, ast.Import):
+                for a in n.names:
+                    if (a.asname or a.name.split(".")[0]) == root.id:
+                        return a.name not in index.modules and a.name.split(".")[0] not in index.modules
+            elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+                for a in n.names:
+                    if (a.asname or a.name) == root.id:
+                        return f"{n.module}.{a.name}" not in index.modules and n.module not in index.modules
+        return False
+
+    if isinstance(arg, ast.Name):
+        stores = [n.value for n in ast.walk(region) if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)]
+        return bool(stores) and all(outside(v) or _holds_argument(v, {arg.id}) for v in stores)
+    return outside(arg)
+
+
+def _annotated_class(annotation: Optional[ast.expr]) -> str:
+    """The class an annotation names (``BERT``, ``"BERT"``, ``models.BERT``), else empty (``Optional[...]``, ``nn.Module``)."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str) and annotation.value.isidentifier():
+        return annotation.value
+    if isinstance(annotation, ast.Name):
+        return annotation.id
+    return ""
+
+
+def _fill_open_slots(index: RepoIndex, classes: list[tuple[str, ast.ClassDef]], built: list[tuple[str, ast.Call]],
+                     rel: str, tree: ast.Module) -> str:
+    """Adds to ``classes`` (in place) the classes of the modules handed to their constructors (:func:`_open_slots`):
+    from the site's construction of the holder (``BERTLM(BERT(cfg))``), else the parameter's annotation. Returns a
+    sentence naming the first slot neither resolves (empty when all are)."""
+    unresolved = ""
+    seen = {(r, node.name) for r, node in classes}
+    i = 0
+    while i < len(classes) and i < 64:
+        r, node = classes[i]
+        i += 1
+        for attr, pos, pname, annotation, line in _open_slots(node):
+            found: Optional[list[tuple[str, ast.ClassDef]]] = None
+            for name, call in built:
+                if name != node.name:
+                    continue
+                given = _call_argument(call, pos, pname)
+                if given is not None and _outside_built(index, tree, _region_of(tree, call), given):
+                    found = []  # a library module (`nn.Linear(8, 8)`): no class of the repository
+                    continue
+                names = _argument_classes(index, rel, tree, call, given) if given is not None else None
+                got = [model_classes(index, rel, tree, c) for c in names or ()]
+                found = [c for g in got if g is not None for c in g] if names and all(g is not None for g in got) else None
+            rtree = index.tree(r)
+            if found is None and _annotated_class(annotation)[:1].isupper() and rtree is not None:
+                found = model_classes(index, r, rtree, _annotated_class(annotation))
+            if found is None:
+                unresolved = unresolved or (f"its model's class `{node.name}` holds a module handed to its constructor "
+                                            f"(`self.{attr} = {pname}` at {r}:{line}), whose class npufuse does not resolve")
+                continue
+            for c in found:
+                if (c[0], c[1].name) not in seen:
+                    seen.add((c[0], c[1].name))
+                    classes.append(c)
+    return unresolved
+
+
 def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, params: str) -> Optional[tuple[RandomSkip, bool, str]]:
     """The random skip an optimizer site's model may include: (skip, resolved?, note) where ``resolved`` says
-    the model's class was told (else the skip is one the trainer's imports or config reach); ``note`` names an
-    instantiation of the trainer whose model argument npufuse does not resolve (s40), else empty."""
+    the model's class was told (else the skip is one the trainer's imports or config reach); ``note`` says why the
+    model is not told: an instantiation of the trainer whose model argument npufuse does not resolve (s40), a module
+    handed to the model class's constructor it does not resolve (s41), else empty."""
     tree = index.tree(rel)
     if tree is None:
         return None
@@ -1410,15 +1556,17 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
         # s40 (wrong40): `self.model = model` of a constructor argument: the classes the instantiations pass decide (where
         # one passes a model npufuse does not resolve, the trainer's reachable code below decides after them)
         told = handed.classes
+    open_note = ""
     if told:
         # the model's class is one of the repo's (a wrapper such as DDP(...) is not): its own classes decide
         classes = [c for found in told for c in found]
         if classes:
             if every_param_used(index, [rel, *(handed.files if handed is not None else [])]):
                 return None
-            files = list(dict.fromkeys([rel, *(r for r, _ in classes)]))
             region = _function_of(tree, qualname)
             built = [(name, call) for name, call in _constructions(tree, qualname, model)] if region is not None else []
+            open_note = _fill_open_slots(index, classes, built, rel, tree)  # s41: modules handed to a class's constructor
+            files = list(dict.fromkeys([rel, *(r for r, _ in classes)]))
             for r, node in classes:
                 for s in skip_in_class(r, node):
                     if not (s.param is None or _drawn_by_a_caller(index, s, files)) or not _matters(index, s):
@@ -1427,7 +1575,7 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
                                                   for name, call in built):
                         continue  # the site's code freezes the submodule it hands the model
                     return s, True, ""
-            if handed is None or not handed.unknown:
+            if (handed is None or not handed.unknown) and not open_note:
                 return None
     starts = [rel, *_drivers(index, rel, qualname)]
     if handed is not None:
@@ -1442,8 +1590,45 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
     if first is None and any("instantiate" in (index.text(f) or "") for f in starts):
         first = next((s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)), None)
     # the reason names an instantiation whose model npufuse does not resolve (the skip objects are shared: not stored there)
-    note = handed.unknown[0] if handed is not None and handed.unknown else ""
+    note = f"its model is a constructor argument and {handed.unknown[0]}" if handed is not None and handed.unknown else open_note
+    if first is None:
+        # s41 (wrong41): nothing in the repository tells the model (handed in, never built where npufuse sees it): any
+        # module of the repository that calls an expert / branch only when the step's data reaches it may be the one
+        untold = _untold_model(index, rel, tree, qualname, model, handed, open_note, starts[1:])
+        if untold:
+            first = next((s for f in index.files for s in index.skips(f) if s.data_dependent and _matters(index, s)), None)
+            note = f"{_ANY_CLASS} ({untold})"
     return (first, False, note) if first is not None else None
+
+
+_ANY_CLASS = "a model class of the repository"
+
+
+def _called_by_text(index: RepoIndex, name: str, keyword: str) -> bool:
+    """Does any file of the repository -- one npufuse could not parse included (a newer Python's f-string) -- call
+    ``name(`` other than in its own ``class`` / ``def`` line?"""
+    pattern = re.compile(rf"(?<!{keyword} )\b{re.escape(name)}\(")
+    return any(name in (text := index.text(f) or "") and pattern.search(text) for f in index.files)
+
+
+def _untold_model(index: RepoIndex, rel: str, tree: ast.Module, qualname: str, model: str, handed: Optional[HandedIn],
+                  open_note: str, drivers: list[str]) -> str:
+    """Why the optimizer's model is one nothing in the repository tells (a sentence), else empty: the trainer stores
+    a constructor argument no code of the repository instantiates it with (or one npufuse does not resolve), a model
+    class holds a module handed to its constructor npufuse does not resolve, or the model is a parameter of the
+    site's function no file of the repository calls it with."""
+    if handed is not None and not handed.sites and not _called_by_text(index, qualname.split(".")[0], "class"):
+        return f"the optimizer's model `{model}` is a constructor argument and no code of the repository instantiates the trainer"
+    if handed is not None and handed.unknown:
+        return f"the optimizer's model `{model}` is a constructor argument and {handed.unknown[0]}"
+    if open_note:
+        return open_note
+    region = _function_of(tree, qualname)
+    if isinstance(region, (ast.FunctionDef, ast.AsyncFunctionDef)) and model.isidentifier() and not drivers \
+            and model in {a.arg for a in region.args.posonlyargs + region.args.args + region.args.kwonlyargs} \
+            and not _called_by_text(index, region.name, "def"):
+        return f"the optimizer's model `{model}` is a parameter of `{qualname}`, which no file of the repository calls"
+    return ""
 
 
 # --- s38 (opt38): a class chosen by a name no configuration of the repository names ---------------------------------
@@ -1631,7 +1816,7 @@ def reason(skip: RandomSkip, resolved: bool, note: str = "") -> str:
     """The near-miss reason of an optimizer whose model may include ``skip``."""
     whose = "the model the optimizer takes" if resolved else "a model class the trainer's code reaches (its model is not told apart)"
     if note and not resolved:
-        whose = f"a model class the trainer's code reaches (its model is a constructor argument and {note})"
+        whose = note if note.startswith(_ANY_CLASS) else f"a model class the trainer's code reaches ({note})"
     if skip.data_dependent:
         return (f"{whose} calls a trainable submodule only when a test on the step's data holds: {skip.where()}; on a "
                 "step where it fails (an expert no token reaches, a branch the batch does not take) those parameters get "
