@@ -1,0 +1,122 @@
+"""s41 (issue 14 item 3): a pool worker leaves to the parent only the detector calls that need
+torch (the numeric probe), not the whole file (``engine.finish_deferred``).
+
+A worker is simulated in this process: ``engine._DEFERRING`` on and ``engine.defer_import``
+answering as in a worker without torch (it raises ``LeftToParent``). The worker's outcome lists
+the calls left (``pending``); the parent parses the file again and runs just those calls. The
+finished outcome must equal a plain ``analyze_file`` of the file in every detail and order
+(findings, replacement texts, near misses with reasons, risks, repo facts, problems), on every
+rms_norm and rope example (the two detectors that call the probe) and on files holding several
+probed functions between other findings; a deferral outside a detector call, a file changed
+since, or a call that fails in the parent falls back to analysing the whole file.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from npufuse.patterns import rms_norm as R
+from npufuse.patterns.registry import all_patterns
+from npufuse.scan import engine
+
+PATTERNS = list(all_patterns())
+OPTIONS = engine.ScanOptions()
+
+
+def _summary(o: engine.FileOutcome) -> tuple[Any, ...]:
+    hits = [(h.finding.pattern, h.finding.qualname, h.finding.line, h.finding.end_line, repr(h.finding.params), h.finding.fused,
+             h.finding.guard_tensor, h.finding.variant, repr(h.body), h.code, repr(h.local_risks), repr(h.context)) for h in o.hits]
+    near = [tuple(sorted(m.items())) for m in o.near_misses]
+    return hits, near, [(f.kind, f.error) for f in o.failures], o.sha256, o.lines, o.source, repr(o.facts), o.deferred, o.pending
+
+
+def _in_worker(monkeypatch: pytest.MonkeyPatch, root: Path, rel: str) -> engine.FileOutcome:
+    def defer_import(module: Any, name: str) -> bool:  # a worker without torch
+        module.__dict__["_npufuse_deferred"] = True
+        raise engine.LeftToParent(name)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "_DEFERRING", True)
+        m.setattr(engine, "defer_import", defer_import)
+        return engine.analyze_file(root, rel, PATTERNS, OPTIONS)
+
+
+def test_the_parent_runs_only_the_calls_left_and_gets_the_plain_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    codes = [ex.code for p in PATTERNS if p.id in ("rms_norm", "rope") for ex in (*p.FUSE, *p.KEEP)]
+    finished = 0
+    for i, code in enumerate(codes):
+        rel = f"ex{i}.py"
+        (tmp_path / rel).write_text(textwrap.dedent(code))
+        plain = engine.analyze_file(tmp_path, rel, PATTERNS, OPTIONS)
+        worker = _in_worker(monkeypatch, tmp_path, rel)
+        if not worker.deferred:
+            assert _summary(worker) == _summary(plain), rel
+            continue
+        assert worker.pending, rel  # the probe runs inside a detector call: only that call is left
+        whole = []
+        monkeypatch.setattr(engine, "analyze_file", lambda *a, **k: whole.append(a) or engine._analyze_file(*a, **k))
+        done = engine.finish_deferred(tmp_path, worker, PATTERNS, OPTIONS)
+        monkeypatch.undo()
+        assert not whole, rel  # no whole-file analysis in the parent
+        assert _summary(done) == _summary(plain), rel
+        finished += 1
+    assert finished >= 10  # the probe examples do reach the probe
+
+
+def test_several_calls_left_in_one_file_keep_their_places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # several probed functions and other detectors' findings in one file: each insertion shifts the later ones
+    code = "\n\n".join(textwrap.dedent(c) for c in (R._PROBE_VECTOR_NORM, R._PROBE_VAR, R._PROBE_NORM_METHOD, R.RmsNorm.FUSE[0].code))
+    (tmp_path / "m.py").write_text(code)
+    plain = engine.analyze_file(tmp_path, "m.py", PATTERNS, OPTIONS)
+    worker = _in_worker(monkeypatch, tmp_path, "m.py")
+    assert len(worker.pending) >= 2
+    assert _summary(engine.finish_deferred(tmp_path, worker, PATTERNS, OPTIONS)) == _summary(plain)
+
+
+def test_a_file_changed_since_the_worker_read_it_is_analysed_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "m.py").write_text(textwrap.dedent(R._PROBE_VECTOR_NORM))
+    worker = _in_worker(monkeypatch, tmp_path, "m.py")
+    assert worker.deferred and worker.pending
+    (tmp_path / "m.py").write_text(textwrap.dedent(R._PROBE_VAR))
+    plain = engine.analyze_file(tmp_path, "m.py", PATTERNS, OPTIONS)
+    assert _summary(engine.finish_deferred(tmp_path, worker, PATTERNS, OPTIONS)) == _summary(plain)
+
+
+def test_a_deferral_outside_a_detector_call_leaves_the_whole_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "m.py").write_text(textwrap.dedent(R._PROBE_VECTOR_NORM))
+    plain = engine.analyze_file(tmp_path, "m.py", PATTERNS, OPTIONS)
+
+    def facts(module: Any) -> Any:
+        raise engine.LeftToParent("torch")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "_DEFERRING", True)
+        m.setattr(engine.repo_search, "file_facts", facts)
+        worker = engine.analyze_file(tmp_path, "m.py", PATTERNS, OPTIONS)
+    assert worker.deferred and not worker.pending and not worker.hits
+    assert _summary(engine.finish_deferred(tmp_path, worker, PATTERNS, OPTIONS)) == _summary(plain)
+
+
+def test_a_call_that_fails_in_the_parent_falls_back_to_the_whole_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "m.py").write_text(textwrap.dedent(R._PROBE_VECTOR_NORM))
+    worker = _in_worker(monkeypatch, tmp_path, "m.py")
+    assert worker.pending
+    calls = []
+    real = engine._analyze_file
+
+    def spy(*a: Any, **k: Any) -> engine.FileOutcome:
+        calls.append(bool(a[4:] or k))
+        out = real(*a, **k)
+        if a[4:] or k:  # the parent's partial run: make it report a problem
+            out.failures.append(engine.Failure("m.py", "detector_error", "boom"))
+        return out
+
+    monkeypatch.setattr(engine, "_analyze_file", spy)
+    done = engine.finish_deferred(tmp_path, worker, PATTERNS, OPTIONS)
+    monkeypatch.undo()
+    assert calls == [True, False]  # the partial run, then the whole file
+    assert _summary(done) == _summary(engine.analyze_file(tmp_path, "m.py", PATTERNS, OPTIONS))
