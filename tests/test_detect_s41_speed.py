@@ -120,3 +120,75 @@ def test_a_call_that_fails_in_the_parent_falls_back_to_the_whole_file(tmp_path: 
     monkeypatch.undo()
     assert calls == [True, False]  # the partial run, then the whole file
     assert _summary(done) == _summary(engine.analyze_file(tmp_path, "m.py", PATTERNS, OPTIONS))
+
+
+# --- the repo-text regexes: the same answers, cheaper --------------------------------------------
+
+import random
+import re
+
+from npufuse.patterns import attention
+from npufuse.scan import repo_facts
+
+from test_scan_prefilter import _texts
+
+_OLD_SELF_ATTR_CTOR = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*(\w+)\s*\(")
+_TOKENS = ["self", ".", "x", "norm_1", " ", "  ", "\n", ":", "Dict[str, int]", "=", "==", "Foo", "Bar.Baz", "(", ")", "cls",
+           "register_buffer", "setattr", ",", "myself", "é", "\t", "_", "'", '"', "alibi"]
+
+
+def _soups(n: int) -> list[str]:
+    rnd = random.Random(41)
+    return ["".join(rnd.choice(_TOKENS) for _ in range(rnd.randint(1, 40))) for _ in range(n)]
+
+
+def _register_on_another_ungated(text: str) -> bool:
+    """may_register_on_another before s41: the two regexes on every text"""
+    from types import SimpleNamespace
+
+    from npufuse.scan.dataflow import folds_to_ascii
+
+    if not (text.isascii() or not folds_to_ascii(SimpleNamespace(source=text))):  # type: ignore[arg-type]
+        return True
+    return text.count("register_buffer") > len(repo_facts._SELF_REGISTER_BUFFER.findall(text)) \
+        or text.count("setattr") > len(repo_facts._SELF_SETATTR.findall(text))
+
+
+def test_the_possessive_attribute_constructor_regex_finds_what_the_backtracking_one_found() -> None:
+    crafted = ["self.a = Foo(", "self.a: Dict[str, int] = Foo (", "self.a(x)", "self.a.b = Foo(", "self.a = Foo.Bar(",
+               "self.a =\n  Foo(", "self.a : int=Foo(", "self.ab = cd (e)\nself.f = g(", "self.a: x == Foo("]
+    for text in [*crafted, *_soups(4000), *_texts()]:
+        assert attention._SELF_ATTR_CTOR.findall(text) == _OLD_SELF_ATTR_CTOR.findall(text)
+
+
+def test_may_register_on_another_answers_as_the_ungated_counts(tmp_path: Path) -> None:
+    crafted = ["x = 1\n", "self.register_buffer('a', t)\n", "m.register_buffer('a', t)\n", "setattr(self, 'a', t)\n",
+               "setattr(m, 'a', t)\n", "# setattr only in a comment\n", "myself.register_buffer('a', t)\n", "cls . register_buffer('a', t)\n"]
+    texts = [*crafted, *_soups(2000), *_texts()[:40]]
+    for i, text in enumerate(texts):
+        rel = f"f{i}.py"
+        (tmp_path / rel).write_text(text, encoding="utf-8")
+        assert repo_facts.may_register_on_another(tmp_path, rel) == _register_on_another_ungated(
+            (tmp_path / rel).read_text(encoding="utf-8", errors="replace")), text
+    repo_facts.reset()
+
+
+def test_a_text_without_the_calls_runs_no_regex(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    class Spy:
+        def __init__(self, rx: re.Pattern[str]) -> None:
+            self.rx = rx
+
+        def findall(self, text: str) -> list[Any]:
+            ran.append(self.rx.pattern)
+            return self.rx.findall(text)
+
+    monkeypatch.setattr(repo_facts, "_SELF_REGISTER_BUFFER", Spy(repo_facts._SELF_REGISTER_BUFFER))
+    monkeypatch.setattr(repo_facts, "_SELF_SETATTR", Spy(repo_facts._SELF_SETATTR))
+    (tmp_path / "a.py").write_text("def f(x):\n    return setattr(x, 'y', 1)\n")  # setattr only: no register_buffer regex
+    assert repo_facts.may_register_on_another(tmp_path, "a.py") is True
+    assert ran == [repo_facts._SELF_SETATTR.rx.pattern]
+    repo_facts.reset()
+    # and the attribute-constructor regex is possessive (no backtracking through a called name)
+    assert "\\w++" in attention._SELF_ATTR_CTOR.pattern
