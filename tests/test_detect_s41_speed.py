@@ -192,3 +192,26 @@ def test_a_text_without_the_calls_runs_no_regex(tmp_path: Path, monkeypatch: pyt
     repo_facts.reset()
     # and the attribute-constructor regex is possessive (no backtracking through a called name)
     assert "\\w++" in attention._SELF_ATTR_CTOR.pattern
+
+
+@pytest.mark.parametrize("worker_read_others", [True, False])
+def test_a_finished_outcome_is_cached_only_where_neither_process_read_other_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker_read_others: bool) -> None:
+    (tmp_path / "m.py").write_text(textwrap.dedent(R._PROBE_VECTOR_NORM))
+    put: list[engine.FileOutcome] = []
+    cache = type("C", (), {"put": lambda self, o: put.append(o)})()
+
+    def defer_import(module: Any, name: str) -> bool:
+        module.__dict__["_npufuse_deferred"] = True
+        raise engine.LeftToParent(name)
+
+    with monkeypatch.context() as m:  # the worker: its process's record says whether it read other files
+        m.setattr(engine, "_DEFERRING", True)
+        m.setattr(engine, "defer_import", defer_import)
+        m.setattr(engine.repo_facts, "reads_other_files", lambda root, rel: worker_read_others)
+        worker = engine._analyze_and_store(tmp_path, "m.py", PATTERNS, OPTIONS, cache)
+    assert worker.deferred and worker.pending and put == []
+    monkeypatch.setattr(engine.repo_facts, "reads_other_files", lambda root, rel: False)  # the parent's record
+    done = engine._analyze_and_store(tmp_path, "m.py", PATTERNS, OPTIONS, cache, worker)
+    assert not done.deferred and done.hits
+    assert put == ([] if worker_read_others else [done])

@@ -91,6 +91,9 @@ class FileOutcome:
     # len(hits), len(near_misses) where its results belong); empty with ``deferred``: the
     # whole file is left to the parent
     pending: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # with ``pending``: the worker's part read other files of the repo (repo_facts.reads_other_files,
+    # a record of that process): the finished outcome is not cached either
+    worker_read_others: bool = False
 
 
 # -- reading and parsing -----------------------------------------------------------------------
@@ -785,7 +788,9 @@ def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], option
                        deferred: FileOutcome | None = None) -> FileOutcome:
     """analyze_file, or ``deferred`` finished (:func:`finish_deferred`), cached unless still deferred."""
     outcome = analyze_file(root, rel, patterns, options) if deferred is None else finish_deferred(root, deferred, patterns, options)
-    if cache is not None and not outcome.deferred and not repo_facts.reads_other_files(root, rel):
+    if outcome.deferred and outcome.pending:
+        outcome.worker_read_others = repo_facts.reads_other_files(root, rel)  # (this process's record: the parent's lacks it)
+    elif cache is not None and not outcome.deferred and not outcome.worker_read_others and not repo_facts.reads_other_files(root, rel):
         # (an outcome that read other files of the repo is not cached: the entry is keyed by this file's content only)
         cache.put(outcome)  # in the worker: writing entries is spread over the cores too
     return outcome
