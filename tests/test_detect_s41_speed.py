@@ -8,20 +8,28 @@ finished outcome must equal a plain ``analyze_file`` of the file in every detail
 (findings, replacement texts, near misses with reasons, risks, repo facts, problems), on every
 rms_norm and rope example (the two detectors that call the probe) and on files holding several
 probed functions between other findings; a deferral outside a detector call, a file changed
-since, or a call that fails in the parent falls back to analysing the whole file.
+since, or a call that fails in the parent falls back to analysing the whole file; a finished
+outcome is cached only where neither the worker nor the parent read other files of the repo.
+Also: the repo-text regexes made cheaper (``repo_facts.may_register_on_another`` gated by the
+call's word, ``attention._SELF_ATTR_CTOR`` possessive) answer as before.
 """
 
 from __future__ import annotations
 
+import random
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from npufuse.patterns import attention
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns.registry import all_patterns
-from npufuse.scan import engine
+from npufuse.scan import engine, repo_facts
+
+from test_scan_prefilter import _texts
 
 PATTERNS = list(all_patterns())
 OPTIONS = engine.ScanOptions()
@@ -123,14 +131,6 @@ def test_a_call_that_fails_in_the_parent_falls_back_to_the_whole_file(tmp_path: 
 
 
 # --- the repo-text regexes: the same answers, cheaper --------------------------------------------
-
-import random
-import re
-
-from npufuse.patterns import attention
-from npufuse.scan import repo_facts
-
-from test_scan_prefilter import _texts
 
 _OLD_SELF_ATTR_CTOR = re.compile(r"self\.(\w+)\s*(?::[^=\n]*)?=\s*(\w+)\s*\(")
 _TOKENS = ["self", ".", "x", "norm_1", " ", "  ", "\n", ":", "Dict[str, int]", "=", "==", "Foo", "Bar.Baz", "(", ")", "cls",
