@@ -85,8 +85,15 @@ class FileOutcome:
     facts: repo_search.FileFacts | None = None
     source: str | None = None  # kept only when the file has hits (the replacement needs it)
     # a pool worker left a costly part of this file's analysis to the parent (see defer_import):
-    # never cached nor reported as is; the parent analyses the file again
+    # never cached nor reported as is; the parent completes it (finish_deferred)
     deferred: bool = False
+    # s41: the detector calls that worker left to the parent, each (scope index, pattern index,
+    # len(hits), len(near_misses) where its results belong); empty with ``deferred``: the
+    # whole file is left to the parent
+    pending: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # with ``pending``: the worker's part read other files of the repo (repo_facts.reads_other_files,
+    # a record of that process): the finished outcome is not cached either
+    worker_read_others: bool = False
 
 
 # -- reading and parsing -----------------------------------------------------------------------
@@ -473,7 +480,11 @@ def analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sca
             gc.enable()
 
 
-def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
+def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions,
+                  only: dict[tuple[int, int], list[tuple[int, int]]] | None = None) -> FileOutcome:
+    """``only``: run just these (scope index, pattern index) detector calls (the parent finishing
+    a worker's outcome, :func:`finish_deferred`); each call's list receives (len(hits),
+    len(near_misses)) after its results, where they end."""
     out = FileOutcome(rel)
     text, sha, failure = read_source(root / rel, rel, options.max_file_bytes)
     out.sha256 = sha
@@ -520,13 +531,18 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     in_file: list[bool | None] = [None] * len(patterns)
     if gated and sum(map(len, module.lines)) != len(module.source):
         in_file = [True] * len(patterns)  # lines not cut from the text as it is: search every scope
-    for scope in (module.scopes if _other_array_framework(module) is None else ()):
+    for si, scope in enumerate(module.scopes if _other_array_framework(module) is None else ()):
         # gated_out, inline (it runs for every scope and pattern): the words as written, then
         # the NFKD form of text outside ASCII (not for the <module> scope: kept unless ASCII)
         scope_src = gate_text(module, scope) if gated else None
         plain: bool | None = None
         top = isinstance(scope.node, ast.Module)
         for k, (pattern, words) in enumerate(zip(patterns, gates)):
+            ends = None
+            if only is not None:
+                ends = only.get((si, k))
+                if ends is None:
+                    continue
             if words is not None and scope_src is not None:
                 held = in_file[k]
                 if held is None:
@@ -544,6 +560,12 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                         continue
             try:
                 results = list(pattern.detect(module, scope))
+            except LeftToParent:
+                # s41: a pool worker leaves this one call to the parent (defer_import) and goes on
+                # with the rest of the file; the parent runs only the calls left (finish_deferred),
+                # where it analysed the whole file again (~1 s of CPU on transformers)
+                out.pending.append((si, k, len(out.hits), len(out.near_misses)))
+                continue
             except RecursionError:
                 # Where and with what text the recursion limit hits depends on how deep the stack
                 # already was (pool worker vs in-process): report it in words that do not vary.
@@ -617,6 +639,8 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     out.near_misses.append(_near(rel, r))
                 else:
                     fail(pattern.id, scope, f"yielded a {type(r).__name__}, not a Finding or NearMiss")
+            if ends is not None:
+                ends.append((len(out.hits), len(out.near_misses)))
     for pid in sorted(errors):
         message, qual, count, scopes = errors[pid]
         more = f" (and {count - 1} more problem(s), {len(scopes)} scope(s) in all)" if count > 1 else ""
@@ -745,26 +769,67 @@ _DEFERRING = False  # True in pool workers
 
 
 class LeftToParent(BaseException):
-    """Raised by :func:`defer_import` in a pool worker: the analysis of this file stops at once and
-    :func:`analyze_file` returns an outcome marked ``deferred`` (nothing else in it). A
-    BaseException, so that the detectors' and the engine's ``except Exception`` (which turn a
-    detector's crash into a reported problem) let it through."""
+    """Raised by :func:`defer_import` in a pool worker. Inside a detector call the engine's loop
+    catches it: that call is left to the parent (``FileOutcome.pending``) and the rest of the file
+    is analysed; anywhere else the analysis of this file stops at once and :func:`analyze_file`
+    returns an outcome marked ``deferred`` (nothing else in it). A BaseException, so that the
+    detectors' and the engine's ``except Exception`` (which turn a detector's crash into a
+    reported problem) let it through."""
 
 
 def defer_import(module: ModuleInfo, name: str) -> bool:
     """Should a detector skip the part of its work that imports ``name`` in this process? False
     outside pool workers and where ``name`` is imported already. In a pool worker without it the
-    file is marked and :class:`LeftToParent` is raised: the worker drops the file (its outcome is
-    not cached) and the parent, where this returns False, analyses it again."""
+    file is marked and :class:`LeftToParent` is raised: the worker leaves that detector call (or
+    the file) to the parent, where this returns False (:func:`finish_deferred`); such an outcome is
+    not cached by the worker."""
     if not _DEFERRING or name in sys.modules:
         return False
     module.__dict__["_npufuse_deferred"] = True
     raise LeftToParent(name)
 
 
-def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any) -> FileOutcome:
-    outcome = analyze_file(root, rel, patterns, options)
-    if cache is not None and not outcome.deferred and not repo_facts.reads_other_files(root, rel):
+def finish_deferred(root: Path, outcome: FileOutcome, patterns: Sequence[Pattern], options: ScanOptions) -> FileOutcome:
+    """The outcome a worker left to this process (``deferred``), complete: where the worker left
+    only some detector calls (``pending``), the file is parsed again and just those calls run,
+    their results put where the worker's loop would have put them; otherwise (a deferral outside
+    a detector call, a file changed since, a call that fails here) the whole file is analysed."""
+    if not outcome.pending:
+        return analyze_file(root, outcome.file, patterns, options)
+    only: dict[tuple[int, int], list[tuple[int, int]]] = {(si, k): [] for si, k, _h, _n in outcome.pending}
+    enabled = gc.isenabled()
+    gc.disable()  # as analyze_file
+    try:
+        part = _analyze_file(root, outcome.file, patterns, options, only)
+    finally:
+        if enabled:
+            gc.enable()
+    if part.sha256 != outcome.sha256 or part.failures or part.deferred or any(len(v) != 1 for v in only.values()):
+        return analyze_file(root, outcome.file, patterns, options)
+    hits, near = list(outcome.hits), list(outcome.near_misses)
+    h0 = n0 = 0  # where the previous call's results ended in ``part``
+    added_h = added_n = 0
+    for si, k, at_h, at_n in outcome.pending:  # in the worker's order: each insertion shifts the later ones
+        h1, n1 = only[(si, k)][0]
+        hits[at_h + added_h:at_h + added_h] = part.hits[h0:h1]
+        near[at_n + added_n:at_n + added_n] = part.near_misses[n0:n1]
+        added_h += h1 - h0
+        added_n += n1 - n0
+        h0, n0 = h1, n1
+    outcome.hits, outcome.near_misses = hits, near
+    if part.source is not None:
+        outcome.source = part.source  # a spliced hit needs render_site (libcst): the whole file
+    outcome.deferred, outcome.pending = False, []
+    return outcome
+
+
+def _analyze_and_store(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions, cache: Any,
+                       deferred: FileOutcome | None = None) -> FileOutcome:
+    """analyze_file, or ``deferred`` finished (:func:`finish_deferred`), cached unless still deferred."""
+    outcome = analyze_file(root, rel, patterns, options) if deferred is None else finish_deferred(root, deferred, patterns, options)
+    if outcome.deferred and outcome.pending:
+        outcome.worker_read_others = repo_facts.reads_other_files(root, rel)  # (this process's record: the parent's lacks it)
+    elif cache is not None and not outcome.deferred and not outcome.worker_read_others and not repo_facts.reads_other_files(root, rel):
         # (an outcome that read other files of the repo is not cached: the entry is keyed by this file's content only)
         cache.put(outcome)  # in the worker: writing entries is spread over the cores too
     return outcome
@@ -870,7 +935,7 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
                     for fut in as_completed(futures):
                         for outcome in fut.result():
                             if outcome.deferred:  # its costly part left to this process (defer_import)
-                                outcome = _analyze_and_store(root, outcome.file, patterns, options, cache)
+                                outcome = _analyze_and_store(root, outcome.file, patterns, options, cache, outcome)
                             results[outcome.file] = outcome
                             done += 1
                             if progress:
