@@ -4,7 +4,10 @@ with invented spellings: a Fuse (found, and where it runs, run under the emulato
 
 1. add + a norm module whose forward only the numeric probe reads (``((x**2).sum(-1, keepdim=True) / x.size(-1) +
    eps) ** 0.5`` as the divisor), the sum kept in an alias before the norm rebinds the name
-   (``x = attn(x) + x_original; x_original = x; x = norm(x)``): the add was not seen (no near miss either)."""
+   (``x = attn(x) + x_original; x_original = x; x = norm(x)``): the add was not seen (no near miss either).
+2. a gated MLP whose activation is an instance of the repository's own activation class with a straight-line
+   forward (``swish = x * self.sig(x); return swish`` with ``self.sig = nn.Sigmoid()``; GELU written with erf / tanh
+   through locals): the class's forward was read only where it returned the formula itself."""
 
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ import torch
 
 from pattern_harness import check_rewrite_runs, detect_all
 
+import pytest
+
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.geglu import Geglu
+from npufuse.patterns.swiglu import Swiglu
 
 
 def _close(facts: dict, tol: float = 0.99999) -> None:
@@ -109,3 +116,84 @@ def test_add_then_a_sum_normalisation_subtracting_the_mean_is_not_fused() -> Non
     code = _probed(_ALIAS_BODY, ret="((x - x.mean(-1, keepdim=True)) / den) * self.gamma")
     findings, _ = detect_all(AddRmsNorm(), code)
     assert not findings
+
+
+# -- 2. a gated MLP whose activation is the repository's own activation class, its forward through locals -------------
+
+_OWN_ACT = '''
+import math
+import torch
+import torch.nn as nn
+
+
+class Act(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.beta = {beta}
+        self.sig = nn.Sigmoid()
+
+    def forward(self, x):
+        {act}
+        return y
+
+
+class FF(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.act = Act(width=h)
+        self.l1 = nn.Linear(d, h, bias=False)
+        self.l2 = nn.Linear(d, h, bias=False)
+        self.l3 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        g = self.act(self.l1(x))
+        v = self.l2(x)
+        return self.l3(torch.mul(g, v))
+'''
+
+_ACT_RUN = '''
+ff = FF(16, 32)
+with torch.no_grad():
+    infer = ff(torch.randn(2, 5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, ff(x))
+leaves = [x, ff.l1.weight, ff.l2.weight]
+'''
+
+_ACTS = {
+    "sigmoid_module": ("s = self.sig(x)\n        y = x * s", "1.0"),
+    "sigmoid_call_beta_one": ("y = x * torch.sigmoid(self.beta * x)", "1.0"),
+    "gelu_erf": ("y = 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))", "1.0"),
+    "gelu_tanh": ("c = math.sqrt(2.0 / math.pi)\n        y = 0.5 * x * (1.0 + torch.tanh(c * (x + 0.044715 * torch.pow(x, 3))))", "1.0"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ACTS), ids=list(_ACTS))
+def test_gated_mlp_with_an_own_activation_class_read_through_locals_is_fused(name: str) -> None:
+    act, beta = _ACTS[name]
+    code = _OWN_ACT.format(act=act, beta=beta)
+    pattern = Geglu() if name.startswith("gelu") else Swiglu()
+    findings, misses = detect_all(pattern, code)
+    assert [f.qualname for f in findings] == ["FF.forward"], misses
+    if name == "gelu_tanh":
+        assert findings[0].params["approximate"] == 1, findings[0].params
+    if name == "gelu_erf":
+        assert findings[0].params["approximate"] == 0, findings[0].params
+    facts = check_rewrite_runs(pattern, code, _ACT_RUN, findings)
+    assert facts["calls"], facts["all_calls"]
+    _close(facts, 0.9999 if name.startswith("gelu") else 0.99999)
+
+
+@pytest.mark.parametrize("act, beta, pattern, said", [
+    ("y = x * self.sig(self.beta * x)", "nn.Parameter(torch.ones(1))", Swiglu(), "a learnable nn.Parameter"),
+    ("y = x * torch.sigmoid(self.beta * x)", "1.5", Swiglu(), "set to 1.5"),
+    ("y = x * torch.sigmoid(1.702 * x)", "1.0", Geglu(), "quick_gelu"),
+    # not straight-line: a statement between the formula and the return may change the value (an in-place scale)
+    ("y = x * torch.sigmoid(x)\n        y.mul_(2.0)", "1.0", Swiglu(), None),
+], ids=["learnable_beta", "beta_not_one", "quick_gelu_is_not_gelu", "in_place_change_before_return"])
+def test_own_activation_class_that_is_not_the_fused_activation_is_kept(act: str, beta: str, pattern, said: str | None) -> None:
+    findings, misses = detect_all(pattern, _OWN_ACT.format(act=act, beta=beta))
+    assert not findings
+    reasons = [m.reason for m in misses if m.qualname == "FF.forward"]
+    if said is not None:
+        assert reasons and said in reasons[0], reasons
