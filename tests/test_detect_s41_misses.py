@@ -7,7 +7,9 @@ with invented spellings: a Fuse (found, and where it runs, run under the emulato
    (``x = attn(x) + x_original; x_original = x; x = norm(x)``): the add was not seen (no near miss either).
 2. a gated MLP whose activation is an instance of the repository's own activation class with a straight-line
    forward (``swish = x * self.sig(x); return swish`` with ``self.sig = nn.Sigmoid()``; GELU written with erf / tanh
-   through locals): the class's forward was read only where it returned the formula itself."""
+   through locals): the class's forward was read only where it returned the formula itself.
+3. SDPA on 5-D q/k/v (``[B, L, H, S, D]``: an extra leading dim): merged into the op's batch where q, k and v share
+   both leading dims (checked at run time), split back after; with a mask or a causal flag a true near miss."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.geglu import Geglu
+from npufuse.patterns.sdpa import SdpaPattern as Sdpa
 from npufuse.patterns.swiglu import Swiglu
 
 
@@ -197,3 +200,75 @@ def test_own_activation_class_that_is_not_the_fused_activation_is_kept(act: str,
     reasons = [m.reason for m in misses if m.qualname == "FF.forward"]
     if said is not None:
         assert reasons and said in reasons[0], reasons
+
+
+# -- 3. SDPA on 5-D q / k / v ------------------------------------------------------------------------------------------
+
+_SDPA_5D = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LeafAttention(nn.Module):
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x, pts, mask=None):
+        B, L, _ = x.shape
+        P = pts.shape[2]
+        q = self.q(x).view(B, L, self.h, self.d).unsqueeze(-2)                  # (B, L, H, 1, D)
+        k, v = self.kv(pts).view(B, L, P, 2, self.h, self.d).unbind(3)
+        k = k.permute(0, 1, 3, 2, 4)                                              # (B, L, H, P, D)
+        v = v.permute(0, 1, 3, 2, 4)
+        o = F.scaled_dot_product_attention(q, k, v{extra})
+        return o.squeeze(-2).reshape(B, L, -1)
+'''
+
+_SDPA_5D_RUN = '''
+m = LeafAttention()
+with torch.no_grad():
+    infer = m(torch.randn(2, 3, 32), torch.randn(2, 3, 5, 32))
+x = torch.randn(2, 3, 32, requires_grad=True)
+p = torch.randn(2, 3, 5, 32, requires_grad=True)
+out = (infer, m(x, p))
+leaves = [x, p]
+'''
+
+
+def test_sdpa_on_five_d_operands_merges_the_leading_dims_into_the_batch() -> None:
+    code = _SDPA_5D.format(extra="")
+    findings, misses = detect_all(Sdpa(), code)
+    assert [f.qualname for f in findings] == ["LeafAttention.forward"], misses
+    fused = findings[0].fused
+    assert "q.flatten(0, 1)" in fused and ".unflatten(0, (q.shape[0], q.shape[1]))" in fused, fused
+    assert "q.shape[:2] == k.shape[:2] == v.shape[:2]" in fused, fused
+    facts = check_rewrite_runs(Sdpa(), code, _SDPA_5D_RUN, findings)
+    assert facts["all_calls"].get("npu_fusion_attention"), facts["all_calls"]
+    assert facts["shapes"][0][0] == facts["shapes"][0][1]
+    _close(facts, 0.9999)
+
+
+def test_sdpa_on_five_d_operands_whose_leading_dims_broadcast_runs_the_original() -> None:
+    # k / v shared by every leaf (leading dims [B, 1]): SDPA broadcasts them, the merged batch cannot: the original runs
+    code = _SDPA_5D.format(extra="").replace("k = k.permute(0, 1, 3, 2, 4)", "k = k.permute(0, 1, 3, 2, 4)[:, :1]") \
+        .replace("v = v.permute(0, 1, 3, 2, 4)", "v = v.permute(0, 1, 3, 2, 4)[:, :1]")
+    findings, misses = detect_all(Sdpa(), code)
+    assert [f.qualname for f in findings] == ["LeafAttention.forward"], misses
+    facts = check_rewrite_runs(Sdpa(), code, _SDPA_5D_RUN, findings)
+    assert not facts["all_calls"].get("npu_fusion_attention"), facts["all_calls"]
+    _close(facts)
+
+
+@pytest.mark.parametrize("extra, said", [
+    (", attn_mask=mask", "5-D with an attn_mask"),
+    (", is_causal=True", "5-D with `is_causal`"),
+], ids=["with_mask", "causal"])
+def test_sdpa_on_five_d_operands_with_a_mask_or_causal_flag_is_a_near_miss(extra: str, said: str) -> None:
+    findings, misses = detect_all(Sdpa(), _SDPA_5D.format(extra=extra))
+    assert not findings
+    reasons = [m.reason for m in misses if m.qualname == "LeafAttention.forward"]
+    assert reasons and said in reasons[0], reasons
