@@ -9,7 +9,10 @@ with invented spellings: a Fuse (found, and where it runs, run under the emulato
    forward (``swish = x * self.sig(x); return swish`` with ``self.sig = nn.Sigmoid()``; GELU written with erf / tanh
    through locals): the class's forward was read only where it returned the formula itself.
 3. SDPA on 5-D q/k/v (``[B, L, H, S, D]``: an extra leading dim): merged into the op's batch where q, k and v share
-   both leading dims (checked at run time), split back after; with a mask or a causal flag a true near miss."""
+   both leading dims (checked at run time), split back after; with a mask or a causal flag a true near miss.
+4. an interleaved (or half) rotation written by slice assignment into a ``zeros_like`` / ``empty_like`` buffer
+   allocated earlier, other statements between, or its fills indexed ``out[:, :, :, 0::2]``: only the adjacent
+   ``out[..., 0::2]`` spelling was read."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import pytest
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.geglu import Geglu
+from npufuse.patterns.rope import RopePattern
 from npufuse.patterns.sdpa import SdpaPattern as Sdpa
 from npufuse.patterns.swiglu import Swiglu
 
@@ -272,3 +276,66 @@ def test_sdpa_on_five_d_operands_with_a_mask_or_causal_flag_is_a_near_miss(extra
     assert not findings
     reasons = [m.reason for m in misses if m.qualname == "LeafAttention.forward"]
     assert reasons and said in reasons[0], reasons
+
+
+# -- 4. a rotation written by slice assignment into a buffer allocated earlier ----------------------------------------
+
+_FILLED_ROPE = '''
+import torch
+
+
+def apply_rope(x, base=10_000):
+    s, _, dim = x.shape[1:]
+{early}
+    m = torch.arange(s, device=x.device).unsqueeze(-1)
+    i = torch.arange(0, dim, 2, device=x.device)
+    theta = base ** (-i / dim)
+    x1, x2 = x[{ix}{lane1}], x[{ix}{lane2}]
+    angle = (m * theta).unsqueeze(-2)
+{late}
+    out[{ix}{lane1}] = x1 * torch.cos(angle) - x2 * torch.sin(angle)
+    out[{ix}{lane2}] = {second}
+    return out
+'''
+
+_ROPE_RUN = '''
+x = torch.randn(2, 5, 3, 8, requires_grad=True)
+out = apply_rope(x)
+leaves = [x]
+'''
+
+_INTERLEAVED = dict(lane1="0::2", lane2="1::2", second="x1 * torch.sin(angle) + x2 * torch.cos(angle)")
+_HALVES = dict(lane1=":dim // 2", lane2="dim // 2:", second="x2 * torch.cos(angle) + x1 * torch.sin(angle)")
+
+
+@pytest.mark.parametrize("early, late, ix, lanes", [
+    ("    out = torch.zeros_like(x)", "", "..., ", _INTERLEAVED),
+    ("    out = torch.zeros_like(x)", "", ":, :, :, ", _INTERLEAVED),
+    ("", "    out = torch.empty_like(x)", ":, :, :, ", _INTERLEAVED),
+    ("    out = torch.empty_like(x)", "", "..., ", _HALVES),
+], ids=["zeros_early_ellipsis", "zeros_early_colons", "empty_adjacent_colons", "halves_empty_early"])
+def test_rotation_filled_into_a_buffer_allocated_earlier_is_fused(early: str, late: str, ix: str, lanes: dict) -> None:
+    code = _FILLED_ROPE.format(early=early, late=late, ix=ix, **lanes)
+    findings, misses = detect_all(RopePattern(), code)
+    assert [f.qualname for f in findings] == ["apply_rope"], misses
+    assert findings[0].params["mode"] == ("interleave" if lanes is _INTERLEAVED else "half"), findings[0].params
+    facts = check_rewrite_runs(RopePattern(), code, _ROPE_RUN, findings)
+    assert facts["all_calls"].get("npu_rotary_mul"), facts["all_calls"]
+    _close(facts)
+
+
+@pytest.mark.parametrize("between", [
+    "    keep = out",                      # another name holds the buffer: it would not see the rotation
+    "    out[..., 0] = 1.0",               # the buffer is written before the fills
+], ids=["aliased_buffer", "written_before"])
+def test_rotation_filled_into_a_buffer_something_else_reads_is_not_fused(between: str) -> None:
+    code = _FILLED_ROPE.format(early="    out = torch.zeros_like(x)\n" + between, late="", ix="..., ", **_INTERLEAVED)
+    findings, _ = detect_all(RopePattern(), code)
+    assert not findings
+
+
+def test_rotation_filled_into_a_buffer_shaped_like_another_tensor_is_a_near_miss() -> None:
+    code = _FILLED_ROPE.format(early="    y = x.clone()\n    out = torch.zeros_like(y)", late="", ix="..., ", **_INTERLEAVED)
+    findings, misses = detect_all(RopePattern(), code)
+    assert not findings
+    assert any("a new tensor shaped like another tensor" in m.reason for m in misses), misses
