@@ -5,6 +5,9 @@ with invented spellings: a Fuse (found, and where it runs, run under the emulato
 1. add + a norm module whose forward only the numeric probe reads (``((x**2).sum(-1, keepdim=True) / x.size(-1) +
    eps) ** 0.5`` as the divisor), the sum kept in an alias before the norm rebinds the name
    (``x = attn(x) + x_original; x_original = x; x = norm(x)``): the add was not seen (no near miss either).
+   Beside it (HO17a mamba.py, still a miss): a norm class imported inside ``__init__``'s flag arm
+   (``if cfg.use_rms: from .layers import RMSNorm; self.norm = RMSNorm(d) else: self.norm = nn.LayerNorm(d)``) is not
+   resolved (bound_callee reads module-level bindings): the near miss named only the LayerNorm; now it names both.
 2. a gated MLP whose activation is an instance of the repository's own activation class with a straight-line
    forward (``swish = x * self.sig(x); return swish`` with ``self.sig = nn.Sigmoid()``; GELU written with erf / tanh
    through locals): the class's forward was read only where it returned the formula itself.
@@ -123,6 +126,33 @@ def test_add_then_a_sum_normalisation_subtracting_the_mean_is_not_fused() -> Non
     code = _probed(_ALIAS_BODY, ret="((x - x.mean(-1, keepdim=True)) / den) * self.gamma")
     findings, _ = detect_all(AddRmsNorm(), code)
     assert not findings
+
+
+def test_add_then_norm_whose_other_arm_imports_its_class_inside_init_names_both() -> None:
+    code = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.use_rms:
+            from .layers import RMSNorm
+            self.norm = RMSNorm(cfg.d)
+        else:
+            self.norm = nn.LayerNorm(cfg.d)
+        self.mlp = nn.Linear(cfg.d, cfg.d)
+
+    def forward(self, x, h):
+        x = x + h
+        return x + self.mlp(self.norm(x))
+'''
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert not findings
+    reason = next(m.reason for m in misses if m.qualname == "Block.forward")
+    assert "nn.LayerNorm: mean subtracted" in reason and "also built as `RMSNorm(cfg.d)`" in reason, reason
+    assert "`RMSNorm` not bound at module level" in reason, reason
 
 
 # -- 2. a gated MLP whose activation is the repository's own activation class, its forward through locals -------------

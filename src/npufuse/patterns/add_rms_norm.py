@@ -6318,6 +6318,29 @@ def _s40_guarded(nc: NormCall, mod: str) -> bool:
     return any(c.startswith((f"type({mod})", f"isinstance({mod}")) for c in nc.conditions)
 
 
+def _s41_unresolved_stores(module: ModuleInfo, nc: NormCall | None, stores: list[ast.expr], choice: Any, mod: str,
+                           cls: str | None) -> NormCall | None:
+    """s41 (HO17a vjsingh1984 mamba.py: ``if config.use_rmsnorm: from .transformer import RMSNorm; self.norm =
+    RMSNorm(d)`` else ``nn.LayerNorm(d)``): where the attribute is built more than once and some construction names a
+    class npufuse does not resolve (imported inside the method), the reason read from the one it resolves (a
+    LayerNorm) is no answer for the other path: the near miss names the unresolved construction too."""
+    if nc is None or nc.kind != "not_rms" or len(stores) < 2:
+        return nc
+    read = {m.name.split(".")[-1] for m in choice.members} if choice is not None else set()
+    from npufuse.scan import bound_callee
+
+    unread = [v for v in stores if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id not in read
+              and not bound_callee.module_bindings(module, v.func.id)]
+    if not unread or (choice is not None and choice.complete):
+        return nc
+    built = ", ".join(f"`{' '.join(ast.unparse(v).split())[:60]}`" for v in unread)
+    names = ", ".join(dict.fromkeys(f"`{v.func.id}`" for v in unread))  # type: ignore[attr-defined]
+    return NormCall(nc.call, nc.attr, "not_rms", cls=nc.cls,
+                    reason=f"{nc.reason}; `{mod}` is also built as {built} in {cls}, whose class npufuse does not resolve "
+                           f"({names} not bound at module level): on that path the norm may be another module, an RMSNorm, "
+                           "and nothing is fused")
+
+
 def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, nc: NormCall | None) -> NormCall | None:
     f = call.func
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and scope.class_name
@@ -6333,7 +6356,7 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
         return nc
     choice = bound_callee.choices(module, scope, f)
     if choice is None or len(choice.names()) < 2:
-        return nc
+        return _s41_unresolved_stores(module, nc, stores, choice, mod, scope.class_name)
     readings: list[tuple[bound_callee.Member, NormCall | None]] = []
     for m in choice.members:
         r = None
