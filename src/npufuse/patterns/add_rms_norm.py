@@ -1737,6 +1737,8 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
     0.5`` as the divisor). Taken only in the plain form: eps inside the root, a weight without offset that is an
     attribute of the module, eps a number or an attribute, no run-time guard the probe assumed; its weight and eps
     are read on the instance (``self`` becomes the module expression)."""
+    if where or "_npufuse_borrowed" in module.__dict__:
+        return None  # a class of another file, read in a view of this file: its probe would read the wrong text
     found = R.probed_forward(module, fwd)
     if found is None:
         return None
