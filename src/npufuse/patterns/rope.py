@@ -2037,13 +2037,7 @@ class RopePattern(Pattern):
             _TORCH_IMPORTS.set(torch_imports)
             filled = _filled_site(block, i, stmt)
             if filled is not None:
-                res = self._match(module, scope, filled.value)
-                if isinstance(res, _Match) and not same_expr(stmt.value.args[0], res.x):  # type: ignore[attr-defined]
-                    res = (f"the rotated halves are written into `{segment(module, stmt.value)}`, a new tensor shaped "  # type: ignore[attr-defined]
-                           f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
-                elif isinstance(res, _Match):
-                    # the fills cast into the new tensor's dtype (x's): the fused result is cast the same way
-                    res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+                res = self._filled_match(module, scope, filled, stmt.value)  # type: ignore[attr-defined]
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + 3])
                     runs.append((block, [(i, filled, [res])]))
@@ -2053,16 +2047,10 @@ class RopePattern(Pattern):
             distant = _s41_fills_after_allocation(block, i, stmt) if filled is None and "_like(" in text else None
             if distant is not None:
                 alloc, site = distant
-                res = self._match(module, scope, site.value)
-                if isinstance(res, _Match) and not same_expr(alloc.value.args[0], res.x):  # type: ignore[attr-defined]
-                    res = (f"the rotated halves are written into `{segment(module, alloc.value)}`, a new tensor shaped "  # type: ignore[attr-defined]
-                           f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
-                elif isinstance(res, _Match):
-                    # the fills cast into the buffer's dtype (x's): the fused result is cast the same way; the site's
-                    # value spans the two whole fill statements (their targets too): the rendering rebinds the name
-                    res.post += f".to({_atom(segment(module, res.x))}.dtype)"
-                    res.wrap = f"{site.targets[0].id} = {res.wrap}"  # type: ignore[attr-defined]
+                res = self._filled_match(module, scope, site, alloc.value)  # type: ignore[arg-type]
                 if isinstance(res, _Match):
+                    # the site's value spans the two whole fill statements (their targets too): the rendering rebinds the name
+                    res.wrap = f"{site.targets[0].id} = {res.wrap}"  # type: ignore[attr-defined]
                     filled_done.add(id(block[i + 1]))
                     runs.append((block, [(i, site, [res])]))
                     continue
@@ -2222,6 +2210,18 @@ class RopePattern(Pattern):
         for _block, items in runs:
             _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
+
+    def _filled_match(self, module: ModuleInfo, scope: Scope, site: ast.Assign, alloc: ast.Call) -> _Match | str | None:
+        """The rotation a fill site (``out = <the value the fills leave>``) computes, where the buffer ``alloc``
+        (``empty_like(x)`` / ``zeros_like(x)``) is shaped like the rotated x; its result cast to x's dtype as the fills
+        cast into the buffer. A near miss where the buffer is shaped like another tensor."""
+        res = self._match(module, scope, site.value)
+        if isinstance(res, _Match) and not same_expr(alloc.args[0], res.x):
+            return (f"the rotated halves are written into `{segment(module, alloc)}`, a new tensor shaped "
+                    f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
+        if isinstance(res, _Match):
+            res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+        return res
 
     @staticmethod
     def _rotation_hints(module: ModuleInfo) -> tuple[str, ...]:
