@@ -124,8 +124,15 @@ def test_an_unstated_rank_is_checked_and_a_three_d_call_runs_the_original() -> N
     assert check_rewrite_runs(SdpaPattern(), _SDPA_UNSTATED, run4, findings)["calls"] == 1
 
 
-def test_a_stated_five_d_sdpa_is_a_near_miss() -> None:
-    check_keep_refused(SdpaPattern(), Keep(_SDPA_5D, reason="q/k/v are 5-D"))
+def test_a_stated_five_d_sdpa_merges_its_leading_dims_and_with_a_mask_is_a_near_miss() -> None:
+    # s41 (misses41): without a mask the two leading dims merge into the op's batch (it was a near miss until s40)
+    findings, _ = detect_all(SdpaPattern(), _SDPA_5D)
+    assert len(findings) == 1 and "q.flatten(0, 1)" in findings[0].fused
+    run = "x = torch.randn(2, 3, 5, 16, requires_grad=True)\nout = window_attend(x)\nleaves = [x]\n"
+    facts = check_rewrite_runs(SdpaPattern(), _SDPA_5D, run, findings)
+    assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.9999
+    masked = _SDPA_5D.replace("def window_attend(x, heads=2):", "def window_attend(x, m, heads=2):").replace("(q, q, q)", "(q, q, q, attn_mask=m)")
+    check_keep_refused(SdpaPattern(), Keep(masked, reason="q/k/v are 5-D with an attn_mask"))
 
 
 # -- A2: a mask compared off a CPU-built tensor

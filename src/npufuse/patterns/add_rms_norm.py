@@ -62,6 +62,8 @@ class NormCall:
     third_party: str = ""
     # s40: ``timm.RmsNorm`` / ``timm.RmsNormFp32`` (external kind), read from timm's source
     timm: str = ""
+    # s41: probed kind (a forward the numeric probe proves): its output dtype rule and the highest input rank proved
+    probe: tuple[str, int] = ("", 0)
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1712,7 +1714,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     try:
         m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
     except R.NoMatch:
-        return _l2_class_norm(module, call, cls, fwd, where) or _clamp_class_norm(module, call, cls, fwd, where)
+        return (_l2_class_norm(module, call, cls, fwd, where) or _clamp_class_norm(module, call, cls, fwd, where)
+                or _probed_class_norm(module, call, cls, fwd, where, attr, mod))
     except R.Miss as e:
         if "LayerNorm" in e.reason or "mean subtracted" in e.reason:
             return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({cls}{where}: {e.reason})", cls=cls + where)
@@ -1725,6 +1728,52 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
+
+
+def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str, attr: str,
+                       mod: str) -> NormCall | None:
+    """s41: a norm class whose forward the syntactic matcher cannot read but the numeric probe proves an RMSNorm
+    (rms_norm's own finding on the forward, memoised there: ``((x**2).sum(-1, keepdim=True) / x.size(-1) + eps) **
+    0.5`` as the divisor). Taken only in the plain form: eps inside the root, a weight without offset that is an
+    attribute of the module, eps a number or an attribute, no run-time guard the probe assumed; its weight and eps
+    are read on the instance (``self`` becomes the module expression)."""
+    if where or "_npufuse_borrowed" in module.__dict__:
+        return None  # a class of another file, read in a view of this file: its probe would read the wrong text
+    found = R.probed_forward(module, fwd)
+    if found is None:
+        return None
+    p = found.params
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if p.get("eps_rule") or p.get("weight_offset") or p.get("guards") or not p.get("weight") or p.get("input") != params[1]:
+        return None
+
+    def on_instance(text: str) -> str | None:
+        # only ``self.<attr>`` chains and numbers: anything else names a value of the class's file or scope
+        try:
+            node = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return text
+        chain = dotted(node)
+        if chain is None or not chain.startswith(params[0] + ".") or "\n" in mod:
+            return None
+        return mod + chain[len(params[0]):]
+
+    gamma, eps = on_instance(p["weight"]), on_instance(p["eps"])
+    if gamma is None or eps is None:
+        return None
+    rule = p.get("output_dtype")
+    if rule not in ("input", "promote", "weight", "float32"):
+        return None
+    return NormCall(call, attr, "probed", cls=cls + where, gamma=gamma, eps=eps, mod=mod,
+                    probe=(rule, _probed_rank(found)))
+
+
+def _probed_rank(found: Finding) -> int:
+    """The highest input rank the probe's finding admits (its first guard ``2 <= x.dim() <= R``; 3 if unreadable)."""
+    m = re.search(r"2 <= \w+\.dim\(\) <= (\d+)", found.fused.split("\n", 1)[0])
+    return int(m.group(1)) if m else 3
 
 
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"})
@@ -2251,6 +2300,24 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         notes.append(f"{m.cls}: F.normalize(x, dim=-1) times a sqrt(d) gain is x / rms(x) * gain / sqrt(d); "
                      "training keeps the module call, only inference is fused")
         variant = "l2_normalize_norm"
+    elif m.kind == "probed":
+        # s41: a forward the numeric probe proves an RMSNorm on sampled inputs: inference only (training keeps
+        # the module call); ranks, dtypes and the weight's shape the probe did not cover take the original path
+        confidence = "medium"
+        gamma, eps = m.gamma, m.eps
+        rule, rank = m.probe
+        out_code = {"input": f"{s_name}.dtype", "promote": f"{T}.promote_types({s_name}.dtype, {gamma}.dtype)",
+                    "weight": f"{gamma}.dtype", "float32": f"{T}.float32"}[rule]
+        train_norm = ""  # the module itself in training
+        norm_pre = []
+        conditions.append(f"isinstance({gamma}, {T}.Tensor) and {gamma}.dim() == 1")
+        unproved = (f" or not 2 <= {x1}.dim() <= {rank} or {x1}.dtype not in ({T}.float16, {T}.bfloat16, {T}.float32)"
+                    f" or {x1}.shape[-1] != {gamma}.shape[0]")
+        params = {"eps": eps, "weight": gamma, "weight_offset": 0, "upcast": None, "output_dtype": rule, "found_by": "numeric_probe"}
+        risks.append(Risk("numerics", f"{m.cls}'s forward is proved an RMSNorm by npufuse's numeric probe on sampled inputs "
+                                      "(random x of ranks 2-3, fp32/bf16/fp16, random weights), not by a proof over all inputs"))
+        notes.append(f"norm class {m.cls}: read by the numeric probe; training keeps the module call, only inference is fused")
+        variant = "probed_norm"
     elif m.third_party or m.timm:
         confidence = "medium"
         reading = _timm_reading if m.timm else _third_party_reading
@@ -2307,7 +2374,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     body = list(pre)
     # audit40b: npu_add_rms_norm adds tensors of one shape (its outputs take x1's): an addend that broadcasts
     # (``h + temb_proj(t)[:, :, None, None]``) takes the add, then the fused norm
-    mixed = f"{x1}.dtype != {x2}.dtype or {x1}.shape != {x2}.shape"
+    mixed = f"{x1}.dtype != {x2}.dtype or {x1}.shape != {x2}.shape" + (unproved if m.kind == "probed" else "")
     if site.cast is not None:
         mixed += f" or {site.cast[1]} != {x1}.dtype"  # the cast would change the sum: add, cast, then the norm
     if out_code == "_npu_dtype":
@@ -6257,6 +6324,29 @@ def _s40_guarded(nc: NormCall, mod: str) -> bool:
     return any(c.startswith((f"type({mod})", f"isinstance({mod}")) for c in nc.conditions)
 
 
+def _s41_unresolved_stores(module: ModuleInfo, nc: NormCall | None, stores: list[ast.expr], choice: Any, mod: str,
+                           cls: str | None) -> NormCall | None:
+    """s41 (HO17a vjsingh1984 mamba.py: ``if config.use_rmsnorm: from .transformer import RMSNorm; self.norm =
+    RMSNorm(d)`` else ``nn.LayerNorm(d)``): where the attribute is built more than once and some construction names a
+    class npufuse does not resolve (imported inside the method), the reason read from the one it resolves (a
+    LayerNorm) is no answer for the other path: the near miss names the unresolved construction too."""
+    if nc is None or nc.kind != "not_rms" or len(stores) < 2:
+        return nc
+    read = {m.name.split(".")[-1] for m in choice.members} if choice is not None else set()
+    from npufuse.scan import bound_callee
+
+    unread = [v for v in stores if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id not in read
+              and not bound_callee.module_bindings(module, v.func.id)]
+    if not unread or (choice is not None and choice.complete):
+        return nc
+    built = ", ".join(f"`{' '.join(ast.unparse(v).split())[:60]}`" for v in unread)
+    names = ", ".join(dict.fromkeys(f"`{v.func.id}`" for v in unread))  # type: ignore[attr-defined]
+    return NormCall(nc.call, nc.attr, "not_rms", cls=nc.cls,
+                    reason=f"{nc.reason}; `{mod}` is also built as {built} in {cls}, whose class npufuse does not resolve "
+                           f"({names} not bound at module level): on that path the norm may be another module, an RMSNorm, "
+                           "and nothing is fused")
+
+
 def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx, nc: NormCall | None) -> NormCall | None:
     f = call.func
     if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and scope.class_name
@@ -6272,7 +6362,7 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
         return nc
     choice = bound_callee.choices(module, scope, f)
     if choice is None or len(choice.names()) < 2:
-        return nc
+        return _s41_unresolved_stores(module, nc, stores, choice, mod, scope.class_name)
     readings: list[tuple[bound_callee.Member, NormCall | None]] = []
     for m in choice.members:
         r = None

@@ -2150,23 +2150,7 @@ class RmsNorm(Pattern):
     bound = "memory"
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        out: list[Result] = []
-        for r in scope_results(module, scope):
-            if r.finding is not None:
-                if (r.finding.variant == "no_weight" or _import_fallback_def(module, scope)) and _weightless_helper_covered(module, scope):
-                    out.append(None)  # type: ignore[arg-type]  # covered: no probe either
-                    continue  # Meta's ``_norm``: its callers apply the weight and are replaced whole
-                out.append(r.finding)
-            elif r.miss is not None:
-                out.append(r.miss)
-            elif r.match is not None:
-                out.append(None)  # type: ignore[arg-type]  # a norm covered elsewhere: no probe
-        # PyTorch's own RMSNorm (nn.RMSNorm modules, F.rms_norm calls): issue 14, class 1
-        library = list(_library_norm.detect(module, scope))
-        # numeric probe fallback (end of module): only where nothing was found
-        probed = probe_results(module, scope, out) if not library else []
-        yield from (_s28_unless_reference(module, scope, r) for r in (probed or out) if r is not None)
-        yield from library
+        yield from detected(module, scope)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         ops = list(finding.params.get("unfused_ops") or [])
@@ -2203,6 +2187,44 @@ class RmsNorm(Pattern):
     FUSE = []  # filled below
     KEEP = []
 
+
+
+def detected(module: ModuleInfo, scope: Scope) -> list[Result]:
+    """The rms_norm pattern's results in ``scope``, memoised on it: s41, add_rms_norm reads a norm class's forward
+    through them (a forward only the numeric probe proves), so the probe runs once per forward."""
+    cached = scope.__dict__.get("_npufuse_rms_detected")
+    if cached is None:
+        cached = scope.__dict__["_npufuse_rms_detected"] = list(_detect(module, scope))
+    return cached
+
+
+def probed_forward(module: ModuleInfo, fn: ast.FunctionDef) -> Finding | None:
+    """The numeric probe's rms_norm finding for the whole function ``fn`` (a norm class's forward that the syntactic
+    matcher cannot read: ``sum(x ** 2, -1) / x.size(-1)``), None where there is none."""
+    scope = S.scope_of(module, fn)
+    if scope is None:
+        return None
+    return next((r for r in detected(module, scope) if isinstance(r, Finding) and r.params.get("found_by") == "numeric_probe"), None)
+
+
+def _detect(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    out: list[Result] = []
+    for r in scope_results(module, scope):
+        if r.finding is not None:
+            if (r.finding.variant == "no_weight" or _import_fallback_def(module, scope)) and _weightless_helper_covered(module, scope):
+                out.append(None)  # type: ignore[arg-type]  # covered: no probe either
+                continue  # Meta's ``_norm``: its callers apply the weight and are replaced whole
+            out.append(r.finding)
+        elif r.miss is not None:
+            out.append(r.miss)
+        elif r.match is not None:
+            out.append(None)  # type: ignore[arg-type]  # a norm covered elsewhere: no probe
+    # PyTorch's own RMSNorm (nn.RMSNorm modules, F.rms_norm calls): issue 14, class 1
+    library = list(_library_norm.detect(module, scope))
+    # numeric probe fallback (end of module): only where nothing was found
+    probed = probe_results(module, scope, out) if not library else []
+    yield from (_s28_unless_reference(module, scope, r) for r in (probed or out) if r is not None)
+    yield from library
 
 # --------------------------------------------------------------------------------------------
 # examples (they are the tests)

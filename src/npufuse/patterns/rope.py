@@ -2037,19 +2037,25 @@ class RopePattern(Pattern):
             _TORCH_IMPORTS.set(torch_imports)
             filled = _filled_site(block, i, stmt)
             if filled is not None:
-                res = self._match(module, scope, filled.value)
-                if isinstance(res, _Match) and not same_expr(stmt.value.args[0], res.x):  # type: ignore[attr-defined]
-                    res = (f"the rotated halves are written into `{segment(module, stmt.value)}`, a new tensor shaped "  # type: ignore[attr-defined]
-                           f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
-                elif isinstance(res, _Match):
-                    # the fills cast into the new tensor's dtype (x's): the fused result is cast the same way
-                    res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+                res = self._filled_match(module, scope, filled, stmt.value)  # type: ignore[attr-defined]
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + 3])
                     runs.append((block, [(i, filled, [res])]))
                     continue
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 2].end_lineno or stmt.lineno, res)
+            distant = _s41_fills_after_allocation(block, i, stmt) if filled is None and "_like(" in text else None
+            if distant is not None:
+                alloc, site = distant
+                res = self._filled_match(module, scope, site, alloc.value)  # type: ignore[arg-type]
+                if isinstance(res, _Match):
+                    # the site's value spans the two whole fill statements (their targets too): the rendering rebinds the name
+                    res.wrap = f"{site.targets[0].id} = {res.wrap}"  # type: ignore[attr-defined]
+                    filled_done.add(id(block[i + 1]))
+                    runs.append((block, [(i, site, [res])]))
+                    continue
+                if isinstance(res, str):
+                    yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 1].end_lineno or stmt.lineno, res)
             if has_addcmul and filled is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.BinOp):
                 acc = _accumulated_halves_site(module, scope, block, i, stmt)
                 if acc is not None:
@@ -2204,6 +2210,18 @@ class RopePattern(Pattern):
         for _block, items in runs:
             _TORCH_IMPORTS.set(torch_imports)
             yield self._finding(module, scope, items)
+
+    def _filled_match(self, module: ModuleInfo, scope: Scope, site: ast.Assign, alloc: ast.Call) -> _Match | str | None:
+        """The rotation a fill site (``out = <the value the fills leave>``) computes, where the buffer ``alloc``
+        (``empty_like(x)`` / ``zeros_like(x)``) is shaped like the rotated x; its result cast to x's dtype as the fills
+        cast into the buffer. A near miss where the buffer is shaped like another tensor."""
+        res = self._match(module, scope, site.value)
+        if isinstance(res, _Match) and not same_expr(alloc.args[0], res.x):
+            return (f"the rotated halves are written into `{segment(module, alloc)}`, a new tensor shaped "
+                    f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
+        if isinstance(res, _Match):
+            res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+        return res
 
     @staticmethod
     def _rotation_hints(module: ModuleInfo) -> tuple[str, ...]:
@@ -6485,6 +6503,62 @@ def _filled_lanes_site(scope: Scope, block: list[ast.stmt], i: int, stmt: ast.st
     ast.copy_location(site, stmt)
     site.end_lineno, site.end_col_offset = last.end_lineno, last.end_col_offset
     return site, upper, used
+
+
+def _s41_fills_after_allocation(block: list[ast.stmt], j: int, stmt: ast.stmt) -> tuple[ast.Assign, ast.Assign] | None:
+    """s41 (HO17a llama4-tiny-vlm): the two fills ``out[..., 0::2] = A; out[..., 1::2] = B`` (or the halves) at
+    ``block[j]``, ``block[j + 1]`` of a buffer ``out = torch.zeros_like(x)`` / ``empty_like(x)`` allocated earlier in
+    the block with statements between that never name ``out``, or with the fills indexed ``out[:, :, :, s]`` (the
+    last dim of a 4-D tensor, as x's own slices are read): as (the allocation, one statement ``out = <value>``
+    spanning the two fills only). The allocation stays as written (an unused buffer: nothing else holds it, as no
+    statement between names it); the fused call rebinds ``out`` where the fills were. None for any other shape
+    (the adjacent ``[..., s]`` spelling is :func:`_filled_site`'s)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)
+            and isinstance(stmt.targets[0].value, ast.Name) and j + 1 < len(block)):
+        return None
+    out = stmt.targets[0].value.id
+    k = j - 1
+    while k >= 0 and not any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(block[k])):
+        k -= 1
+    if k < 0:
+        return None
+    alloc = block[k]
+    if not (isinstance(alloc, ast.Assign) and len(alloc.targets) == 1 and isinstance(alloc.targets[0], ast.Name)
+            and alloc.targets[0].id == out and isinstance(alloc.value, ast.Call) and isinstance(alloc.value.func, ast.Attribute)
+            and alloc.value.func.attr in ("empty_like", "zeros_like") and len(alloc.value.args) == 1 and not alloc.value.keywords):
+        return None
+
+    def as_ellipsis(st: ast.stmt) -> ast.stmt | None:
+        # ``out[:, :, :, s]``: the last dim of a 4-D tensor, written ``out[..., s]`` for the shared reading
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)):
+            return None
+        t = st.targets[0]
+        sl = t.slice
+        if isinstance(sl, ast.Tuple) and len(sl.elts) == 4 and all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None
+                                                                   and e.step is None for e in sl.elts[:3]):
+            sl = ast.Tuple(elts=[ast.Constant(Ellipsis), sl.elts[3]], ctx=ast.Load())
+        target = ast.copy_location(ast.Subscript(value=t.value, slice=sl, ctx=ast.Store()), t)
+        return ast.copy_location(ast.Assign(targets=[target], value=st.value), st)
+
+    fills = [as_ellipsis(block[j]), as_ellipsis(block[j + 1])]
+    if fills[0] is None or fills[1] is None:
+        return None
+    adjacent = k == j - 1 and fills[0].targets[0].slice is block[j].targets[0].slice  # type: ignore[attr-defined]
+    if adjacent:
+        return None  # the canonical spelling, read by _filled_site / _filled_lanes_site
+    # the allocation as if written right before the fills: the wrapper nodes then span the two fills only
+    value = ast.Call(func=alloc.value.func, args=alloc.value.args, keywords=[])
+    ast.copy_location(value, stmt)
+    moved = ast.copy_location(ast.Assign(targets=alloc.targets, value=value), stmt)
+    for f, orig in zip(fills, (block[j], block[j + 1])):
+        f.end_lineno, f.end_col_offset = orig.end_lineno, orig.end_col_offset
+    found = canonical.filled_output([moved, *fills])  # type: ignore[list-item]
+    if found is None:
+        return None
+    target = ast.copy_location(ast.Name(id=out, ctx=ast.Store()), stmt.targets[0])
+    site = ast.copy_location(ast.Assign(targets=[target], value=found[1]), stmt)
+    site.end_lineno, site.end_col_offset = block[j + 1].end_lineno, block[j + 1].end_col_offset
+    return alloc, site
 
 
 def _bounded_lane_fills(alloc: ast.Assign, fills: list[ast.stmt]) -> tuple[str, ast.expr, ast.expr] | None:

@@ -350,7 +350,14 @@ class SdpaPattern(Pattern):
         # BNSD with one head; an unstated rank is checked at run time (``q.dim() == 4``, else the original)
         ranks = {operand_rank(scope, n, line) for n in (q, k, v)}
         rank = ranks.pop() if len(ranks) == 1 else None
-        if rank is not None and rank != 4 and not (rank == 3 and layout == "BNSD" and n_rep is None):
+        # s41 (HO17b drivaerv1): 5-D [A, B, N, S, D] with no mask and no causal flag: the two leading dims merge into the
+        # op's batch where q, k and v share them (checked at run time; SDPA would broadcast unequal ones), split after
+        five_d = rank == 5 and layout == "BNSD" and n_rep is None and mask is None and causal_v is False
+        if rank == 5 and not five_d and layout == "BNSD" and n_rep is None:
+            what = "an attn_mask" if mask is not None else "`is_causal`"
+            return miss(f"q/k/v are 5-D with {what}: npu_fusion_attention takes 4-D [B,N,S,D]; npufuse merges the two leading dims "
+                        f"into the batch only for a call without a mask or causal flag (the mask would have to be merged alike)")
+        if rank is not None and rank != 4 and not (rank == 3 and layout == "BNSD" and n_rep is None) and not five_d:
             # another rank, or 3-D beside a dropped repeat / an inner transpose: no one-head form of it here
             return miss(f"q/k/v are {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] (or 3-D [B*N,S,D] as one head); "
                         "SDPA broadcasts the other leading dims")
@@ -371,7 +378,14 @@ class SdpaPattern(Pattern):
                     bound.append((node, names[tag]))
         qn, kn, vn = names["q"], names["k"], names["v"]
         n_qkv = len(lines)  # the lines binding q/k/v: the head-dim check below reads them
-        if three_d:
+        if five_d:
+            qa, ka, va = (f"{atom(x)}.flatten(0, 1).contiguous()" for x in (qn, kn, vn))
+            head_num, sq, d_expr = f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[3]", f"{atom(qn)}.shape[-1]"
+            notes.append("q/k/v are 5-D [A, B, N, S, D] here: the two leading dims merge into the batch ([A*B, N, S, D], BNSD) where "
+                         "q, k and v share them (checked at run time), the output split back to [A, B, N, S, Dv]")
+            risks.append(Risk("layout", "q/k/v are 5-D: flattened to [A*B, N, S, D] and made contiguous for the BNSD call (a copy "
+                                        "where the permuted views are not contiguous)"))
+        elif three_d:
             qa, ka, va = (f"{atom(x)}.unsqueeze(1).contiguous()" for x in (qn, kn, vn))
             head_num, sq, d_expr = "1", f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[-1]"
             notes.append("q/k/v are 3-D [B*N, S, D] here: passed as BNSD with one head ([B*N, 1, S, D]), the output squeezed back")
@@ -500,6 +514,8 @@ class SdpaPattern(Pattern):
             fa = f"{fa}.transpose(1, 2)"  # SDPA returns [B, N, S, D]
         if three_d:
             fa = f"{fa}.squeeze(1)"  # SDPA returns [B*N, S, D] for 3-D operands
+        if five_d:
+            fa = f"{fa}.unflatten(0, ({atom(qn)}.shape[0], {atom(qn)}.shape[1]))"  # SDPA returns [A, B, N, S, Dv]
         lines.append(replace_segments(module, stmt, [(call, fa)]))
         # npu_fusion_attention takes Dk >= Dv only (SDPA any Dv): where v's head dim exceeds k's the
         # original runs (two shape reads; a value head wider than the key's is rare but real)
@@ -510,6 +526,11 @@ class SdpaPattern(Pattern):
             dv_check = f"{dv_check} <= 768"
         if rank_unknown:
             dv_check = f"{atom(qn)}.dim() == 4 and {dv_check}"  # s38: the rank is not stated (a 3-D call runs the original)
+        if five_d:
+            # every operand 5-D with the same two leading dims (SDPA broadcasts them; the merged batch does not)
+            dv_check = (f"{atom(qn)}.dim() == {atom(kn)}.dim() == {atom(vn)}.dim() == 5 and "
+                        f"{atom(qn)}.shape[:2] == {atom(kn)}.shape[:2] == {atom(vn)}.shape[:2] and "
+                        f"{atom(qn)}.shape[0] * {atom(qn)}.shape[1] <= 2000000 and {dv_check}")  # the op's B: 1..2M (spec 5.1)
         if mask_none_guard is not None:
             dv_check = f"{mask_none_guard} and {dv_check}"
         held_partial = getattr(call, "_npufuse_guard", None)

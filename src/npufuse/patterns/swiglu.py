@@ -13,6 +13,7 @@ exact, but it adds a copy — merging the projections' weights into one is what 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -218,7 +219,7 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
         return None
     kinds = set()
     for r in returns:
-        v = r.value
+        v = _s41_straight_value(module, fn, r.value) if len(returns) == 1 else r.value
         while S.is_cast(v):
             v = v.func.value  # type: ignore[union-attr]
         k = None
@@ -245,6 +246,54 @@ def _helper_act(module: ModuleInfo, fn: ast.FunctionDef, depth: int = 0) -> str 
             return None
         kinds.add(k)
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _s41_straight_value(module: ModuleInfo, fn: ast.FunctionDef, value: ast.expr | None) -> ast.expr | None:
+    """s41 (StoryMixtral's ``Swish``): the value a straight-line one-return body returns, its locals substituted
+    (``swish = x * self.sig(x); return swish`` is ``x * self.sig(x)``) and a call of a ``self.<attr>`` that the
+    class builds once as ``nn.Sigmoid()`` read as ``p.sigmoid()``. Only where the body is assignments to plain names
+    (each stored once) and the return, so nothing else changes a value in between; ``value`` unchanged otherwise
+    (a copy is returned where something was substituted)."""
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if value is None or not body or not isinstance(body[-1], ast.Return) or body[-1].value is not value:
+        return value
+    local: dict[str, ast.expr] = {}
+    for st in body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)) \
+                or st.targets[0].id in local or st.targets[0].id in {a.arg for a in fn.args.args}:
+            return value
+        local[st.targets[0].id] = st.value
+    cls = next((c for c in module.classes.values() if fn in c.body), None)
+    sigmoids: set[str] = set()
+    if cls is not None:
+        for attr, v in S.init_assignments(module, cls.name).items():
+            if isinstance(v, ast.Call) and module.canonical(v.func) == "torch.nn.Sigmoid" and not v.args and not v.keywords \
+                    and len(bound_callee.attribute_values(module, cls.name, attr)) == 1:
+                sigmoids.add(attr)
+    if not local and not sigmoids:
+        return value
+
+    class _Substitute(ast.NodeTransformer):
+        def __init__(self) -> None:
+            self.depth = 0
+
+        def visit_Name(self, node: ast.Name) -> ast.expr:
+            if node.id in local and self.depth < 4:
+                self.depth += 1
+                out = self.visit(copy.deepcopy(local[node.id]))
+                self.depth -= 1
+                return out
+            return node
+
+        def visit_Call(self, node: ast.Call) -> ast.expr:
+            self.generic_visit(node)
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in sigmoids \
+                    and len(node.args) == 1 and not node.keywords:
+                return ast.copy_location(ast.Call(func=ast.Attribute(value=node.args[0], attr="sigmoid", ctx=ast.Load()), args=[], keywords=[]), node)
+            return node
+
+    return _Substitute().visit(copy.deepcopy(value))
 
 
 def _s39_is_param(node: ast.expr, p: str) -> bool:
@@ -320,8 +369,9 @@ def _s39_pointwise_formula(module: ModuleInfo, fn: ast.FunctionDef) -> str | Non
     returns = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if len(params) != 1 or len(returns) != 1 or fn.args.vararg or fn.args.kwarg:
         return None
-    value = returns[0].value
-    assert value is not None
+    value = _s41_straight_value(module, fn, returns[0].value)
+    if value is None:
+        return None
     if not any(isinstance(n, ast.Name) and n.id == params[0] for n in fast_walk(value)):
         return None
     nonlinear = ("exp", "sigmoid", "tanh", "erf", "relu", "softplus", "log1p", "pow", "sqrt")
@@ -349,7 +399,7 @@ def _formula_kernels(module: ModuleInfo, fn: ast.FunctionDef) -> int:
     rets = [n for n in fast_walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     if len(params) != 1 or not rets:
         return 1
-    v = rets[-1].value
+    v = _s41_straight_value(module, fn, rets[-1].value) if len(rets) == 1 else rets[-1].value
     while S.is_cast(v):
         v = v.func.value  # type: ignore[union-attr]
     if isinstance(v, ast.Call) and module.canonical(v.func) in _FUNCS:
@@ -7806,7 +7856,7 @@ def _s40_swish_act(module: ModuleInfo, fn: ast.FunctionDef, cls_name: str | None
     if cls_name is None or len(params) != 1 or len(returns) != 1 or returns[0].value is None or fn.args.vararg or fn.args.kwarg:
         return None
     p = params[0]
-    v = returns[0].value
+    v = _s41_straight_value(module, fn, returns[0].value)
     while S.is_cast(v):
         v = v.func.value  # type: ignore[union-attr]
     if not (isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult)):
@@ -7821,7 +7871,7 @@ def _s40_swish_act(module: ModuleInfo, fn: ast.FunctionDef, cls_name: str | None
             if not (isinstance(k, ast.Attribute) and isinstance(k.value, ast.Name) and k.value.id == "self"):
                 return None  # a literal beta is read by the formula readers; another factor is not a beta
             what = _s40_unit_attribute(module, cls_name, k.attr, ctor)
-            formula = " ".join(ast.unparse(returns[0].value).split())[:60]
+            formula = " ".join(ast.unparse(_s41_straight_value(module, fn, returns[0].value)).split())[:60]  # type: ignore[arg-type]
             if what is True:
                 # (no end position: rendered from the tree, not as the source text under ``holder``)
                 beta = ast.Attribute(value=holder, attr=k.attr, ctx=ast.Load(), lineno=holder.lineno, col_offset=holder.col_offset)
