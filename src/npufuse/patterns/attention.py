@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_audit40, _mask_rows
+from npufuse.patterns import _attention_audit40, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -2269,6 +2269,13 @@ class _Matcher:
             passed = _attention_s33.identity_method(self, node, chain) or _attention_s36.identity_module(self, node, chain)
             if passed is not None:
                 node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
+                continue
+            try:
+                masked = _score_method.inline_masking_method(self, node, chain)
+            except _score_method.NotMasking as why:
+                raise Miss(str(why)) from None
+            if masked is not None:
+                node = masked  # s41: ``scores = self._apply_causal(scores)``: the method's masked_fill read as if inline
                 continue
             _s30_helper_writing_into_the_scores(self, node, stop)
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")

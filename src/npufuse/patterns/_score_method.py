@@ -1,0 +1,146 @@
+"""Attention scores masked by a helper METHOD of the same class (s41, classes41).
+
+``scores = self._apply_causal(scores)`` / ``scores = self.mask_fn(scores, T)`` where the method's body is
+straight-line code that builds a mask and returns ``scores.masked_fill(mask, -inf)`` (or ``torch.where``):
+the method is read as if its body were written at the call, its parameters replaced by the call's
+arguments, its locals by their values and its ``self`` by the caller's, so the attention matcher decides
+the mask (causal triangle -> sparse_mode, any other boolean mask -> atten_mask) as it does for inline code.
+A subclass may override the method, so the fused call runs only where ``type(self).<m>`` is still this
+class's function. A method that does anything else to the scores (adds a bias, scales them, a soft
+penalty) is a near miss that says what it does."""
+
+from __future__ import annotations
+
+import ast
+import copy
+from typing import Any, Optional
+
+from npufuse.scan import canonical
+
+class NotMasking(Exception):
+    """The method computes something on the scores other than a mask (its description in ``args[0]``)."""
+
+
+def _method_of(cls: ast.ClassDef, name: str) -> Optional[ast.FunctionDef]:
+    return next((st for st in cls.body if isinstance(st, ast.FunctionDef) and st.name == name), None)
+
+
+def _straight_line(fn: ast.FunctionDef) -> Optional[tuple[list[ast.stmt], ast.expr]]:
+    """(the statements before the return, the returned expression) where the body (docstring aside) is only
+    single-name assignments and ``<param>.masked_fill_(..)`` statements ended by one ``return <expr>``."""
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(canonical.const_value(st.value), str))]
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    for st in body[:-1]:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            continue
+        if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
+                and st.value.func.attr == "masked_fill_" and isinstance(st.value.func.value, ast.Name):
+            continue
+        return None
+    if any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension, ast.Yield, ast.YieldFrom, ast.Await))
+           for st in body for n in ast.walk(st)):
+        return None
+    return body[:-1], body[-1].value  # type: ignore[return-value]
+
+
+def _bind(fn: ast.FunctionDef, call: ast.Call) -> Optional[dict[str, Any]]:
+    """The method's parameters after ``self`` bound to the call's arguments (positional, keyword, defaults)."""
+    a = fn.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not a.args or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    params = [p.arg for p in a.args[1:]]
+    if len(call.args) > len(params):
+        return None
+    bound: dict[str, Any] = dict(zip(params, call.args))
+    for kw in call.keywords:
+        if kw.arg is None or kw.arg not in params or kw.arg in bound:
+            return None
+        bound[kw.arg] = kw.value
+    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    for p in params:
+        if p not in bound:
+            if p not in defaults:
+                return None
+            bound[p] = defaults[p]
+    return bound
+
+
+def _masking(matcher: Any, expr: Any) -> bool:
+    """``x.masked_fill(..)`` / ``x.masked_fill_(..)`` / ``torch.masked_fill(..)`` / ``torch.where(c, a, b)``."""
+    if not isinstance(expr, ast.Call):
+        return False
+    return matcher.method(expr, "masked_fill", "masked_fill_") or matcher._fn(expr) in ("torch.masked_fill", "torch.where")
+
+
+def _describe(matcher: Any, expr: Any) -> str:
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.Sub)):
+        return f"adds `{matcher.src(expr)}` to the scores (a float bias, not a mask)"
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Mult, ast.Div)):
+        return f"scales the scores (`{matcher.src(expr)}`)"
+    return f"returns `{matcher.src(expr)}`, not the scores masked by masked_fill / where"
+
+
+def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
+    """The returned expression of ``self.<m>(scores, ...)`` with the method's body inlined (see the module
+    docstring), where ``<m>`` is a plain method of this module-level class (or of its one base named in this
+    file); a run-time requirement that ``type(self).<m>`` is that function is added to ``chain``. None where
+    the call is not such a method or its body is not straight-line code; raises :class:`NotMasking` where
+    it is, but returns something other than a masked_fill / where of the scores."""
+    from npufuse.patterns.attention import Ref
+
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, Ref)
+            and node.func.value.name == "self" and node.func.value.idx == -1 and node.args):
+        return None
+    cls_name = matcher.scope.class_name
+    cls = matcher.module.classes.get(cls_name or "")
+    if cls is None or "." in (cls_name or "") or not any(st is cls for st in matcher.module.tree.body):
+        return None  # a nested class: its name is not a module-level name the guard can read
+    owner, fn = cls.name, _method_of(cls, node.func.attr)
+    if fn is None and len(cls.bases) == 1 and isinstance(cls.bases[0], ast.Name) and cls.bases[0].id in matcher.module.classes:
+        base = matcher.module.classes[cls.bases[0].id]
+        owner, fn = base.name, _method_of(base, node.func.attr)
+    if fn is None or fn.decorator_list:
+        return None
+    parts = _straight_line(fn)
+    bound = _bind(fn, node)
+    if parts is None or bound is None:
+        return None
+    stmts, returned = parts
+    self_name = fn.args.args[0].arg
+    caller_locals = set(matcher.scope.assignments) | set(matcher.scope.args)
+    env: dict[str, Any] = dict(bound)
+    env[self_name] = node.func.value
+    shadowed: list[str] = []
+
+    class _Substitute(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> Any:
+            if n.id in env:
+                return env[n.id]
+            if n.id in caller_locals:
+                shadowed.append(n.id)  # a module-level name the caller rebinds: its text would mean another value there
+            return Ref(n.id, -1, None, n)
+
+    def substitute(expr: ast.expr) -> Any:
+        return _Substitute().visit(copy.deepcopy(expr))
+
+    for st in stmts:
+        if isinstance(st, ast.Assign):
+            env[st.targets[0].id] = substitute(st.value)  # type: ignore[union-attr]
+        else:  # ``p.masked_fill_(mask, v)``: p holds the filled tensor from here on
+            call = st.value  # type: ignore[attr-defined]
+            target = call.func.value.id
+            filled = substitute(call)
+            filled.func.attr = "masked_fill"
+            env[target] = filled
+    result = substitute(returned)
+    if shadowed:
+        return None
+    if not _masking(matcher, result):
+        raise NotMasking(f"`self.{fn.name}(..)` {_describe(matcher, result)}: npu_fusion_attention takes a boolean mask "
+                         "(masked_fill / where with a large negative fill), not what this method does to the scores")
+    guard = ast.parse(f"type(self).{fn.name} is {owner}.{fn.name}", mode="eval").body
+    chain.requires.append((guard, f"`self.{fn.name}(..)` masks the scores in `{owner}`; a subclass may override it: the fused call "
+                                  f"runs only where `type(self).{fn.name}` is `{owner}`'s"))
+    chain.spelling.append("masking_method_inlined")
+    return result

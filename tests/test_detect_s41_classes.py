@@ -1,0 +1,141 @@
+"""s41 recall classes outside MoE (helper classes41): attention scores masked by a helper method of the same
+class; norms / GLUs in files that never ``import torch`` (``from torch import Tensor, nn``; ``Tensor.rsqrt(x)``);
+each class with Fuse and near-miss (Keep) examples, the Fuse ones run under the emulator against the original."""
+
+from __future__ import annotations
+
+import pytest
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.attention import AttentionPattern
+
+# --- attention: the causal (or other boolean) mask applied by a method of the same class ----------------------
+
+_HELPER_HEAD = '''
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, nh=4):
+        super().__init__()
+        self.nh, self.hd = nh, d // nh
+        self.qkv = nn.Linear(d, 3 * d)
+        self.register_buffer("bias", torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
+        self.slopes = nn.Parameter(torch.linspace(0.1, 0.5, nh))
+'''
+
+_HELPER_FORWARD = '''
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.nh, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.nh, self.hd).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
+        scores = CALL
+        att = F.softmax(scores, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+'''
+
+_RUN = '''
+m = SelfAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+'''
+
+# (name, method text, call) of masking methods as real repositories write them
+_MASKING_METHODS = [
+    ("triu_bool_minus_inf", '''
+    def _apply_causal(self, scores):
+        T = scores.size(-1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=scores.device), diagonal=1)
+        return scores.masked_fill(mask, float("-inf"))
+''', "self._apply_causal(scores)"),
+    ("tril_eq_zero_large_negative_with_length", '''
+    def mask_fn(self, scores, T):
+        causal = torch.tril(torch.ones(T, T, device=scores.device)).view(1, 1, T, T)
+        return scores.masked_fill(causal == 0, -1e9)
+''', "self.mask_fn(scores, T)"),
+    ("registered_buffer_in_place", '''
+    def causal_mask(self, att, T):
+        """nanoGPT's buffer, sliced to the length."""
+        att.masked_fill_(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        return att
+''', "self.causal_mask(scores, T=T)"),
+]
+
+
+def _masking_code(method: str, call: str) -> str:
+    return _HELPER_HEAD + method + _HELPER_FORWARD.replace("CALL", call)
+
+
+@pytest.mark.parametrize("name, method, call", _MASKING_METHODS, ids=[m[0] for m in _MASKING_METHODS])
+def test_causal_mask_from_a_method_of_the_class_fuses(name: str, method: str, call: str) -> None:
+    code = _masking_code(method, call)
+    (f,), misses = detect_all(AttentionPattern(), code)
+    assert not misses
+    fn = call.split("(")[0].split(".")[1]
+    assert f"type(self).{fn} is SelfAttention.{fn}" in f.fused  # a subclass may override the method
+    assert "sparse_mode=2" in f.fused, f.fused
+    facts = check_rewrite_runs(AttentionPattern(), code, _RUN, [f])
+    assert facts["calls"] >= 1, facts["all_calls"]
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_a_padding_mask_from_a_method_passes_as_atten_mask() -> None:
+    code = _masking_code('''
+    def _mask_padding(self, scores, keep):
+        return scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+''', "self._mask_padding(scores, keep)").replace("def forward(self, x):", "def forward(self, x, keep):")
+    (f,), misses = detect_all(AttentionPattern(), code)
+    assert "atten_mask=" in f.fused and "sparse_mode" not in f.fused, f.fused
+    run = _RUN.replace("out = m(x)", "keep = torch.ones(2, 6, dtype=torch.bool)\nkeep[1, 4:] = False\nout = m(x, keep)")
+    facts = check_rewrite_runs(AttentionPattern(), code, run, [f])
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+@pytest.mark.parametrize("method, call, reason", [
+    # ALiBi written as a method: a float bias per head and distance, no boolean mask
+    ('''
+    def _apply_alibi(self, scores):
+        T = scores.size(-1)
+        pos = torch.arange(T, device=scores.device)
+        return scores + self.slopes.view(1, -1, 1, 1) * (pos[None, :] - pos[:, None]).float()
+''', "self._apply_alibi(scores)", "adds `"),
+    # a soft penalty: future keys scaled down, still attended
+    ('''
+    def _soften_future(self, scores):
+        T = scores.size(-1)
+        future = torch.triu(torch.ones(T, T, device=scores.device), diagonal=1)
+        return scores * (1.0 - 0.5 * future)
+''', "self._soften_future(scores)", "scales the scores"),
+    # a branch inside the method: not straight-line code, not read
+    ('''
+    def _maybe_causal(self, scores):
+        if self.training:
+            return scores
+        T = scores.size(-1)
+        return scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+''', "self._maybe_causal(scores)", "unsupported operation on the attention scores: `self._maybe_causal(scores)`"),
+])
+def test_a_method_that_does_not_mask_the_scores_is_a_near_miss(method: str, call: str, reason: str) -> None:
+    found, misses = detect_all(AttentionPattern(), _masking_code(method, call))
+    assert not found
+    assert any(reason in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_a_module_level_name_the_caller_rebinds_is_not_inlined() -> None:
+    # the method reads the module-level NEG; the caller has a local NEG of its own: the inlined text would name it
+    code = _masking_code('''
+    def _apply_causal(self, scores):
+        T = scores.size(-1)
+        return scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1), NEG)
+''', "self._apply_causal(scores)").replace("import math\n", "import math\nNEG = float('-inf')\n") \
+        .replace("        scores = (q @", "        NEG = 0.0\n        scores = (q @")
+    found, misses = detect_all(AttentionPattern(), code)
+    assert not found
+    assert any("self._apply_causal(scores)" in m.reason for m in misses), [m.reason for m in misses]
