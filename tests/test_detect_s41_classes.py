@@ -139,3 +139,96 @@ def test_a_module_level_name_the_caller_rebinds_is_not_inlined() -> None:
     found, misses = detect_all(AttentionPattern(), code)
     assert not found
     assert any("self._apply_causal(scores)" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# --- files that never ``import torch``: ``from torch import Tensor, nn``, ``Tensor.rsqrt(v)`` -------------------
+
+_NO_TORCH_NORM = '''
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int = 16, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(Tensor(dim).uniform_(0.5, 1.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * Tensor.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.scale
+'''
+
+_NO_TORCH_ATTENTION = '''
+from torch import Tensor, nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 32, nh: int = 4):
+        super().__init__()
+        self.nh = nh
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.nh, C // self.nh).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = Tensor.matmul(q, k.transpose(-2, -1)) * (C // self.nh) ** -0.5
+        attn = Tensor.softmax(attn, dim=-1)
+        return Tensor.matmul(attn, v).transpose(1, 2).reshape(B, N, C)
+'''
+
+
+def test_unbound_tensor_methods_read_as_method_calls() -> None:
+    import ast
+
+    from npufuse.scan.dataflow import canonicalise_unbound_tensor_methods
+
+    tree = ast.parse("from torch import Tensor as T\nimport torch\ny = T.rsqrt(v + 1) + torch.Tensor.mean(x, -1) + T.__add__(a, b)\n")
+    src = "from torch import Tensor as T\nimport torch\ny = T.rsqrt(v + 1) + torch.Tensor.mean(x, -1) + T.__add__(a, b)\n"
+    # the line holds ``Tensor.mean(``: every unbound call of torch's Tensor on it is respelled, dunders are not
+    assert canonicalise_unbound_tensor_methods(tree, src) == 2
+    assert ast.unparse(tree).endswith("(v + 1).rsqrt() + x.mean(-1) + T.__add__(a, b)")
+    src = "from torch import Tensor\ny = Tensor.rsqrt(v + 1) * Tensor.__mul__(a, b)\n"
+    tree = ast.parse(src)
+    assert canonicalise_unbound_tensor_methods(tree, src) == 1
+    assert ast.unparse(tree).endswith("y = (v + 1).rsqrt() * Tensor.__mul__(a, b)")
+    # ``Tensor`` from another library is not torch's
+    src = "from jax import Tensor\ny = Tensor.rsqrt(v)\n"
+    tree = ast.parse(src)
+    assert canonicalise_unbound_tensor_methods(tree, src) == 0
+
+
+@pytest.mark.parametrize("code, pattern_id, run", [
+    (_NO_TORCH_NORM, "rms_norm", "m = RMSNorm()\nx = torch.randn(2, 3, 16, requires_grad=True)\nout = m(x)\nleaves = [x]\n"),
+    (_NO_TORCH_ATTENTION, "attention", "m = Attention()\nx = torch.randn(2, 5, 32, requires_grad=True)\nout = m(x)\nleaves = [x]\n"),
+], ids=["rms_norm", "attention"])
+def test_a_file_without_import_torch_fuses_and_the_rewrite_imports_torch(code: str, pattern_id: str, run: str) -> None:
+    from npufuse.patterns.registry import get_pattern
+
+    pattern = get_pattern(pattern_id)
+    (f,), misses = detect_all(pattern, code)
+    assert not misses
+    facts = check_rewrite_runs(pattern, "import torch\n" + code, run, detect_all(pattern, "import torch\n" + code)[0])
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+    from npufuse.rewrite.transform import binds_torch, names_torch
+
+    # the fused text names torch (dtypes, promote_types) or not; where it does, the file does not bind it, so
+    # apply's prelude adds ``import torch`` (test_apply covers the prelude itself)
+    import ast
+
+    assert not binds_torch(ast.parse(code))
+    if pattern_id == "rms_norm":
+        assert names_torch([f.fused])
+
+
+@pytest.mark.parametrize("code, reason", [
+    # channel-first: the mean is over dim 1 of NCHW input
+    (_NO_TORCH_NORM.replace("mean(dim=-1", "mean(dim=1"), "mean over dim 1, not the last dim"),
+    # eps added outside the root
+    (_NO_TORCH_NORM.replace("x * Tensor.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)",
+                            "x / (Tensor.sqrt(x.pow(2).mean(dim=-1, keepdim=True)) + self.eps)"), "eps outside the sqrt"),
+], ids=["channel_first", "eps_outside_the_root"])
+def test_no_torch_file_norm_near_misses(code: str, reason: str) -> None:
+    from npufuse.patterns.rms_norm import RmsNorm
+
+    found, misses = detect_all(RmsNorm(), code)
+    assert not found
+    assert any(reason in m.reason for m in misses), [m.reason for m in misses]
