@@ -232,3 +232,85 @@ def test_no_torch_file_norm_near_misses(code: str, reason: str) -> None:
     found, misses = detect_all(RmsNorm(), code)
     assert not found
     assert any(reason in m.reason for m in misses), [m.reason for m in misses]
+
+
+# --- interleaved rope: lanes indexed off a pair view, the un-split projection, the view rebound to the name -----
+
+_ROPE_LANES = '''
+import torch
+import torch.nn as nn
+
+
+def rope_indexed_lanes(x, cos, sin):
+    x = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = x[..., 0], x[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def rope_rebound_view(q, cos, sin):
+    B, T, C = q.shape
+    q = q.view(B, T, -1, 2)
+    q0, q1 = q.unbind(-1)
+    return torch.stack((q0 * cos - q1 * sin, q0 * sin + q1 * cos), -1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """rope on the projection before the head split: the pair view is sized by the layer's input."""
+
+    def __init__(self, d=16, nh=2):
+        super().__init__()
+        self.nh = nh
+        self.wq = nn.Linear(d, d, bias=False)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, h, cos, sin):
+        B, T, C = h.shape
+        q = self.wq(h)
+        q = q.view(B, T, -1, 2)
+        q0, q1 = q.unbind(-1)
+        q = torch.stack((q0 * cos - q1 * sin, q0 * sin + q1 * cos), -1).flatten(-2)
+        q = q.view(B, T, self.nh, C // self.nh)
+        return self.proj(q.flatten(2))
+'''
+
+_ROPE_RUN = '''
+ang = torch.arange(6).float()[:, None] * torch.rand(8)
+c, s = ang.cos(), ang.sin()
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+h = torch.randn(2, 6, 16, requires_grad=True)
+out = (rope_indexed_lanes(x, c[:, None], s[:, None]), rope_rebound_view(h, c, s), Attention()(h, c, s))
+leaves = [x, h]
+'''
+
+
+def test_interleaved_rope_lane_spellings_fuse_in_interleave_mode() -> None:
+    from npufuse.patterns.rope import RopePattern
+
+    found, misses = detect_all(RopePattern(), _ROPE_LANES)
+    assert sorted(f.qualname for f in found) == ["Attention.forward", "rope_indexed_lanes", "rope_rebound_view"], misses
+    assert all(f.params.get("mode") == "interleave" for f in found)
+    # the name holds the pair view where the lanes are read: the op's input is that view flattened back
+    assert all("q.flatten(-2)" in f.fused for f in found if f.qualname == "rope_rebound_view")
+    facts = check_rewrite_runs(RopePattern(), _ROPE_LANES, _ROPE_RUN, found)
+    assert facts["calls"] >= 3, facts["all_calls"]
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+@pytest.mark.parametrize("old, new", [
+    # both parts with + signs: no rotation
+    ("torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)", "torch.stack((x0 * cos + x1 * sin, x0 * sin + x1 * cos), dim=-1)"),
+    # stacked before the lanes: halves, not the interleaved layout
+    ("torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)", "torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-2)"),
+    # a 1x1 convolution in place of the linear layer: the sizes read off its input are not its output's leading dims
+    ("self.wq = nn.Linear(d, d, bias=False)", "self.wq = nn.Conv1d(d, d, 1)"),
+    # the sizes of another tensor than the layer's input
+    ("B, T, C = h.shape\n        q = self.wq(h)", "B, T, C = cos.shape[0], cos.shape[0], 0\n        q = self.wq(h)"),
+], ids=["not_a_rotation", "stacked_before_the_lanes", "not_a_linear_layer", "sizes_of_another_tensor"])
+def test_interleaved_rope_near_misses(old: str, new: str) -> None:
+    from npufuse.patterns.rope import RopePattern
+
+    assert old in _ROPE_LANES
+    found, _ = detect_all(RopePattern(), _ROPE_LANES.replace(old, new))
+    expected = {"rope_indexed_lanes", "rope_rebound_view", "Attention.forward"}
+    expected.discard("rope_indexed_lanes" if "x0" in old else "Attention.forward")
+    assert {f.qualname for f in found} == expected
