@@ -417,6 +417,9 @@ class Lane:
     index: int
     kind: str  # halves | pairs
     spelling: str
+    # where the name holding x is rebound to the view itself (``q = q.view(.., -1, 2)``), ``source`` is the view
+    # flattened back (x's values where the lanes are read) and this is the name as it was before the view
+    before_view: ast.expr | None = None
 
 
 def _shape_lead(node: ast.AST, x: ast.expr) -> bool:
@@ -563,7 +566,7 @@ def _size_of(node: ast.expr, x: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "shape" and same(node.value, x)
 
 
-def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[ast.expr, str, str] | None:
+def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[ast.expr, ...] | None:
     """(x, kind, spelling) for ``<two-axis view of x>.unbind(axis)`` unbinding the 2-sized axis (the
     view inline or bound to a name first, as rotary-embedding-torch's ``x = rearrange(...)`` does)."""
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "unbind"):
@@ -581,7 +584,12 @@ def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[as
         # ``q = q.view(B, T, -1, 2); a, b = q.unbind(-1)``: where the lanes are read the name holds the view, and
         # x is its flatten back (x's values and shape), as ``indexed_lane`` gives it
         minus_two = ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2))
-        x = ast.Call(func=ast.Attribute(value=ast.Name(id=held.id, ctx=ast.Load()), attr="flatten", ctx=ast.Load()), args=[minus_two], keywords=[])
+        flat = ast.Call(func=ast.Attribute(value=ast.Name(id=held.id, ctx=ast.Load()), attr="flatten", ctx=ast.Load()), args=[minus_two], keywords=[])
+        if how == "outer2" and const_value(dim) == -2:
+            return flat, "halves", "unbind", x
+        if how == "inner2" and const_value(dim) == -1:
+            return flat, "pairs", "unbind", x
+        return None
     if how == "outer2" and const_value(dim) == -2:
         return x, "halves", "unbind"
     if how == "inner2" and const_value(dim) == -1:
@@ -660,14 +668,14 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
                 inner = (first[0], first[1], "einops") if first is not None else None
             if inner is not None and (stmt is None or _unpacks_two(stmt) or not isinstance(stmt, ast.Assign)
                                       or not isinstance(stmt.targets[0], ast.Tuple)):
-                return Lane(inner[0], k, inner[1], inner[2])
+                return Lane(inner[0], k, inner[1], inner[2], *inner[3:])
     if stmt is not None and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple):
         inner = _unbound_lanes(module, scope, value)
         elts = stmt.targets[0].elts
         if inner is not None and len(elts) == 2:
             idx = next((i for i, e in enumerate(elts) if isinstance(e, ast.Name) and e.id == node.id), None)  # type: ignore[attr-defined]
             if idx is not None:
-                return Lane(inner[0], idx, inner[1], inner[2])
+                return Lane(inner[0], idx, inner[1], inner[2], *inner[3:])
     # chunk / split / slices (and unbind of a 2-wide last dim, whose halves are its two lanes) — after the
     # views above, which name the tensor before the view
     h = half_of(module, scope, node, before_line)
