@@ -314,3 +314,65 @@ def test_interleaved_rope_near_misses(old: str, new: str) -> None:
     expected = {"rope_indexed_lanes", "rope_rebound_view", "Attention.forward"}
     expected.discard("rope_indexed_lanes" if "x0" in old else "Attention.forward")
     assert {f.qualname for f in found} == expected
+
+
+# --- attention: an optional score transform, off by default, gated by a flag ------------------------------------
+
+_FLAGGED_TEMPERATURE = '''
+import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d=32, nh=4, learn_temp=False):
+        super().__init__()
+        self.nh, self.hd = nh, d // nh
+        self.qkv = nn.Linear(d, 3 * d)
+        self.learn_temp = learn_temp
+        self.temperature = nn.Parameter(torch.ones(nh, 1, 1))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1)) * self.hd ** -0.5
+        if self.learn_temp:
+            attn = attn * self.temperature
+        attn = attn.softmax(dim=-1)
+        return (attn @ v).transpose(1, 2).reshape(B, T, C)
+'''
+
+
+def test_a_flag_gated_per_head_temperature_runs_fused_where_the_flag_is_off() -> None:
+    # before s41 the factor was read as the float scale ``temperature if flag else 1.0``: a [heads, 1, 1] tensor
+    # passed as npu_fusion_attention's float ``scale`` where the flag is on
+    (f,), _ = detect_all(AttentionPattern(), _FLAGGED_TEMPERATURE)
+    assert f.fused.startswith("if (not self.learn_temp) and "), f.fused
+    assert "self.temperature if" not in f.fused
+    run = '''
+out = []
+for flag in (True, False):
+    m = Attention(learn_temp=flag)
+    with torch.no_grad():
+        m.temperature.uniform_(0.5, 2.0)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    out.append(m(x))
+leaves = [x]
+'''
+    facts = check_rewrite_runs(AttentionPattern(), _FLAGGED_TEMPERATURE, run, [f])
+    assert facts["calls"] == 1, facts["all_calls"]  # the flag-off module only
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_a_flag_gated_float_scale_stays_a_scale() -> None:
+    # near miss of the class above: a number under the flag is still folded into ``scale`` (no exclusion)
+    code = _FLAGGED_TEMPERATURE.replace("attn = attn * self.temperature", "attn = attn * 2.0")
+    (f,), _ = detect_all(AttentionPattern(), code)
+    assert "not self.learn_temp" not in f.fused and "2.0 if self.learn_temp else 1.0" in f.fused, f.fused
+
+
+def test_a_temperature_under_a_computed_test_is_a_near_miss() -> None:
+    # the test computes from a tensor (not a flag read at run time): no exclusion is possible
+    code = _FLAGGED_TEMPERATURE.replace("if self.learn_temp:", "if x.mean() > 0:")
+    found, misses = detect_all(AttentionPattern(), code)
+    assert not found
+    assert any("the scale is applied only under `if x.mean() > 0`" in m.reason for m in misses), [m.reason for m in misses]

@@ -144,3 +144,18 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
                                   f"runs only where `type(self).{fn.name}` is `{owner}`'s"))
     chain.spelling.append("masking_method_inlined")
     return result
+
+
+def flag_tensor_factor(matcher: Any, branch: Any, base: Any) -> Optional[Any]:
+    """The product node of ``branch`` (the scores after an ``if``) that multiplies or divides the scores ``base`` by a
+    tensor attribute of the module (``attn * self.temperature`` with ``nn.Parameter(torch.ones(heads, 1, 1))``), or
+    None. Under a flag such a factor is no Python-float scale for the fused call (``scale`` takes a float): the
+    branch is excluded (the fused call runs where the flag is off) rather than read as ``flag ? factor : 1.0``."""
+    from npufuse.patterns import _attention_s35
+
+    for n in matcher._until(branch, base):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Div)):
+            left, right = matcher._reaches(n.left, base), matcher._reaches(n.right, base)
+            if left != right and _attention_s35.module_tensor(matcher, n.right if left else n.left):
+                return n
+    return None

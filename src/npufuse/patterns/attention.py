@@ -2115,6 +2115,13 @@ class _Matcher:
                         chain.excluded.append((node.test, neg, self.src(capped)))
                         node = base
                         continue
+                    tensor_factor = _score_method.flag_tensor_factor(self, branch, base)
+                    if tensor_factor is not None and cond is None and not _heavy(node.test, through_meta=False) and _pure_test(self, node.test):
+                        # s41: ``if self.learn_temp: attn = attn * self.temperature`` (a per-head Parameter, not a float
+                        # scale): the fused call runs where the option is off, the original code where it is on
+                        chain.excluded.append((node.test, neg, self.src(tensor_factor)))
+                        node = base
+                        continue
                     opaque = next((n for n in self._until(branch, base) if self._module_on_scores(n, base)), None)
                     if opaque is not None and cond is None and not _heavy(node.test, through_meta=False):
                         # gpt-neox ``if self.pos_emb == "alibi": s = self.alibi_embed(s)``: a module applied to the scores
