@@ -12400,7 +12400,7 @@ AttentionPattern.KEEP += [
         return attn_weights * 0.5
 
     def forward'''),
-        reason="unsupported operation on the attention scores: `self.apply_sparse_mask(",
+        reason="`self.apply_sparse_mask(..)` scales the scores",  # (s41: the method is read, and says what it does)
         name="s33_hook_that_changes_the_scores",
     ),
 ]
