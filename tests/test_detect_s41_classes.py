@@ -376,3 +376,77 @@ def test_a_temperature_under_a_computed_test_is_a_near_miss() -> None:
     found, misses = detect_all(AttentionPattern(), code)
     assert not found
     assert any("the scale is applied only under `if x.mean() > 0`" in m.reason for m in misses), [m.reason for m in misses]
+
+
+_FLAGGED_SINKS = '''
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SinkAttention(nn.Module):
+    """gpt-oss style sinks, optional: one learned logit per head joins every row, dropped after the softmax."""
+
+    def __init__(self, d=32, nh=4, use_sinks=False):
+        super().__init__()
+        self.nh, self.hd, self.use_sinks = nh, d // nh, use_sinks
+        self.qkv = nn.Linear(d, 3 * d)
+        self.sinks = nn.Parameter(torch.zeros(nh))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.nh, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.nh, self.hd).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hd)
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        if self.use_sinks:
+            sink = self.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = F.softmax(scores, dim=-1)
+        if self.use_sinks:
+            probs = probs[..., :-1]
+        y = torch.matmul(probs, v)
+        return y.transpose(1, 2).reshape(B, T, C)
+'''
+
+
+def test_flag_gated_attention_sinks_run_fused_where_the_flag_is_off() -> None:
+    (f,), misses = detect_all(AttentionPattern(), _FLAGGED_SINKS)
+    assert not misses
+    assert f.fused.startswith("if ((not self.use_sinks) and (not self.use_sinks)) and "), f.fused
+    assert "sparse_mode=2" in f.fused
+    run = '''
+out = []
+for flag in (True, False):
+    m = SinkAttention(use_sinks=flag)
+    with torch.no_grad():
+        m.sinks.uniform_(-1.0, 1.0)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    out.append(m(x))
+leaves = [x]
+'''
+    facts = check_rewrite_runs(AttentionPattern(), _FLAGGED_SINKS, run, [f])
+    assert facts["calls"] == 1, facts["all_calls"]
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+
+
+def test_sinks_sliced_off_on_every_path_are_a_near_miss() -> None:
+    # the extra column is always there (zero where the flag is off) and always sliced off: no path is plain attention
+    code = _FLAGGED_SINKS.replace('''        if self.use_sinks:
+            sink = self.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = F.softmax(scores, dim=-1)
+        if self.use_sinks:
+            probs = probs[..., :-1]''', '''        sink = self.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
+        if self.use_sinks:
+            scores = torch.cat([scores, sink], dim=-1)
+        else:
+            scores = torch.cat([scores, sink * 0], dim=-1)
+        probs = F.softmax(scores, dim=-1)[..., :-1]''')
+    found, misses = detect_all(AttentionPattern(), code)
+    assert not found
+    assert any("attention probabilities are modified after softmax" in m.reason for m in misses), [m.reason for m in misses]

@@ -159,3 +159,17 @@ def flag_tensor_factor(matcher: Any, branch: Any, base: Any) -> Optional[Any]:
             if left != right and _attention_s35.module_tensor(matcher, n.right if left else n.left):
                 return n
     return None
+
+
+def flag_extra_columns(matcher: Any, branch: Any, base: Any) -> Optional[Any]:
+    """The ``torch.cat([scores, extra], dim=-1)`` of ``branch`` (attention sinks: one more logit per row, dropped from
+    the probabilities after the softmax), the scores ``base`` first and the cat along the last dim; else None. The
+    fused op has no extra key column: under a flag the branch is excluded (fused where the flag is off)."""
+    for n in matcher._until(branch, base):
+        if isinstance(n, ast.Call) and matcher._fn(n) in ("torch.cat", "torch.concat", "torch.concatenate") and n.args \
+                and isinstance(n.args[0], (ast.List, ast.Tuple)) and len(n.args[0].elts) == 2:
+            dim = n.args[1] if len(n.args) > 1 else next((k.value for k in n.keywords if k.arg in ("dim", "axis")), None)
+            first, extra = n.args[0].elts
+            if canonical.const_value(dim) == -1 and matcher._reaches(first, base) and not matcher._reaches(extra, base):
+                return n
+    return None

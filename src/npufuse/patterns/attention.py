@@ -2115,10 +2115,11 @@ class _Matcher:
                         chain.excluded.append((node.test, neg, self.src(capped)))
                         node = base
                         continue
-                    tensor_factor = _score_method.flag_tensor_factor(self, branch, base)
+                    tensor_factor = _score_method.flag_tensor_factor(self, branch, base) or _score_method.flag_extra_columns(self, branch, base)
                     if tensor_factor is not None and cond is None and not _heavy(node.test, through_meta=False) and _pure_test(self, node.test):
                         # s41: ``if self.learn_temp: attn = attn * self.temperature`` (a per-head Parameter, not a float
-                        # scale): the fused call runs where the option is off, the original code where it is on
+                        # scale), ``if use_sinks: s = torch.cat([s, sink], -1)`` (extra key columns, sliced off after the
+                        # softmax under the same flag): the fused call runs where the option is off, the original where on
                         chain.excluded.append((node.test, neg, self.src(tensor_factor)))
                         node = base
                         continue
