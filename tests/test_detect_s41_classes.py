@@ -113,6 +113,18 @@ def test_a_padding_mask_from_a_method_passes_as_atten_mask() -> None:
         future = torch.triu(torch.ones(T, T, device=scores.device), diagonal=1)
         return scores * (1.0 - 0.5 * future)
 ''', "self._soften_future(scores)", "scales the scores"),
+    # top-k sparsification: the mask is computed from the scores' values
+    ('''
+    def _topk(self, scores):
+        kth = scores.topk(3, dim=-1).values[..., -1:]
+        return scores.masked_fill(scores < kth, float("-inf"))
+''', "self._topk(scores)", "computed from the attention scores themselves"),
+    # the future filled with 0 (still attended), not a large negative value
+    ('''
+    def _zero_future(self, scores):
+        T = scores.size(-1)
+        return scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool, device=scores.device), 1), 0.0)
+''', "self._zero_future(scores)", "masked with `0.0`, not −inf or a large negative value"),
     # a branch inside the method: not straight-line code, not read
     ('''
     def _maybe_causal(self, scores):
