@@ -499,11 +499,10 @@ def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr, module: Module
     names = []
     unpack = None
     sizes_of = x
-    layer_input = _linear_input(module, scope, x, view.lineno) if module is not None and lead and isinstance(lead[0], ast.Name) else None
-    if layer_input is not None:
-        first = [v for st, v in scope.assignments.get(lead[0].id, []) if st.lineno < view.lineno]  # type: ignore[attr-defined]
-        if not (first and isinstance(first[-1], ast.Subscript) and _size_of(first[-1].value, x)):
-            sizes_of = layer_input
+    if module is not None and lead and isinstance(lead[0], ast.Name):
+        first = [v for st, v in scope.assignments.get(lead[0].id, []) if st.lineno < view.lineno]
+        if first and isinstance(first[-1], ast.Subscript) and not _size_of(first[-1].value, x):
+            sizes_of = _linear_input(module, scope, x, view.lineno) or x  # (only then is the class read)
     for i, arg in enumerate(lead):
         if not isinstance(arg, ast.Name):
             return None
