@@ -27,18 +27,21 @@ class SelfAttention(nn.Module):
         self.slopes = nn.Parameter(torch.linspace(0.1, 0.5, nh))
 '''
 
-_HELPER_FORWARD = '''
-    def forward(self, x):
-        B, T, C = x.shape
+# nanoGPT's projection to [B, heads, T, head_dim]
+_SPLIT_HEADS = '''        B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
         k = k.view(B, T, self.nh, self.hd).transpose(1, 2)
-        v = v.view(B, T, self.nh, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.nh, self.hd).transpose(1, 2)'''
+
+_HELPER_FORWARD = '''
+    def forward(self, x):
+SPLIT_HEADS
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
         scores = CALL
         att = F.softmax(scores, dim=-1)
         return (att @ v).transpose(1, 2).reshape(B, T, C)
-'''
+'''.replace("SPLIT_HEADS", _SPLIT_HEADS)
 
 _RUN = '''
 m = SelfAttention()
@@ -407,11 +410,7 @@ class SinkAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(nh))
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = k.view(B, T, self.nh, self.hd).transpose(1, 2)
-        v = v.view(B, T, self.nh, self.hd).transpose(1, 2)
+SPLIT_HEADS
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hd)
         causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
         scores = scores.masked_fill(causal, float("-inf"))
@@ -423,7 +422,7 @@ class SinkAttention(nn.Module):
             probs = probs[..., :-1]
         y = torch.matmul(probs, v)
         return y.transpose(1, 2).reshape(B, T, C)
-'''
+'''.replace("SPLIT_HEADS", _SPLIT_HEADS)
 
 
 def test_flag_gated_attention_sinks_run_fused_where_the_flag_is_off() -> None:

@@ -15,14 +15,11 @@ import ast
 import copy
 from typing import Any, Optional
 
+from npufuse.patterns import _attention_s33
 from npufuse.scan import canonical
 
 class NotMasking(Exception):
     """The method computes something on the scores other than a mask (its description in ``args[0]``)."""
-
-
-def _method_of(cls: ast.ClassDef, name: str) -> Optional[ast.FunctionDef]:
-    return next((st for st in cls.body if isinstance(st, ast.FunctionDef) and st.name == name), None)
 
 
 def _straight_line(fn: ast.FunctionDef) -> Optional[tuple[list[ast.stmt], ast.expr]]:
@@ -46,23 +43,13 @@ def _straight_line(fn: ast.FunctionDef) -> Optional[tuple[list[ast.stmt], ast.ex
 
 def _bind(fn: ast.FunctionDef, call: ast.Call) -> Optional[dict[str, Any]]:
     """The method's parameters after ``self`` bound to the call's arguments (positional, keyword, defaults)."""
-    a = fn.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not a.args or any(isinstance(x, ast.Starred) for x in call.args):
+    if not fn.args.args or fn.args.posonlyargs:
         return None
-    params = [p.arg for p in a.args[1:]]
-    if len(call.args) > len(params):
+    receiver = call.func.value  # type: ignore[attr-defined]
+    bound = canonical._bind_call(fn, ast.Call(func=call.func, args=[receiver, *call.args], keywords=call.keywords))
+    if bound is None:
         return None
-    bound: dict[str, Any] = dict(zip(params, call.args))
-    for kw in call.keywords:
-        if kw.arg is None or kw.arg not in params or kw.arg in bound:
-            return None
-        bound[kw.arg] = kw.value
-    defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
-    for p in params:
-        if p not in bound:
-            if p not in defaults:
-                return None
-            bound[p] = defaults[p]
+    del bound[fn.args.args[0].arg]
     return bound
 
 
@@ -84,24 +71,15 @@ def _describe(matcher: Any, expr: Any) -> str:
 def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     """The returned expression of ``self.<m>(scores, ...)`` with the method's body inlined (see the module
     docstring), where ``<m>`` is a plain method of this module-level class (or of its one base named in this
-    file); a run-time requirement that ``type(self).<m>`` is that function is added to ``chain``. None where
+    file, see ``_attention_s33.own_method``); a run-time requirement that ``type(self).<m>`` is that function is added to ``chain``. None where
     the call is not such a method or its body is not straight-line code; raises :class:`NotMasking` where
     it is, but returns something other than a masked_fill / where of the scores."""
     from npufuse.patterns.attention import Ref
 
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, Ref)
-            and node.func.value.name == "self" and node.func.value.idx == -1 and node.args):
+    found = _attention_s33.own_method(matcher, node)
+    if found is None:
         return None
-    cls_name = matcher.scope.class_name
-    cls = matcher.module.classes.get(cls_name or "")
-    if cls is None or "." in (cls_name or "") or not any(st is cls for st in matcher.module.tree.body):
-        return None  # a nested class: its name is not a module-level name the guard can read
-    owner, fn = cls.name, _method_of(cls, node.func.attr)
-    if fn is None and len(cls.bases) == 1 and isinstance(cls.bases[0], ast.Name) and cls.bases[0].id in matcher.module.classes:
-        base = matcher.module.classes[cls.bases[0].id]
-        owner, fn = base.name, _method_of(base, node.func.attr)
-    if fn is None or fn.decorator_list:
-        return None
+    owner, fn = found
     parts = _straight_line(fn)
     bound = _bind(fn, node)
     if parts is None or bound is None:
