@@ -461,3 +461,24 @@ def test_sinks_sliced_off_on_every_path_are_a_near_miss() -> None:
     found, misses = detect_all(AttentionPattern(), code)
     assert not found
     assert any("attention probabilities are modified after softmax" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_causal_mask_from_a_function_of_the_file_fuses() -> None:
+    # the same class as a module-level function of several statements (one ``return`` is _inlined_helper's)
+    code = _masking_code("", "apply_causal(scores)").replace("class SelfAttention", '''def apply_causal(scores):
+    T = scores.size(-1)
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=scores.device), diagonal=1)
+    return scores.masked_fill(mask, float("-inf"))
+
+
+class SelfAttention''')
+    (f,), misses = detect_all(AttentionPattern(), code)
+    assert not misses and "sparse_mode=2" in f.fused and "type(self)" not in f.fused, f.fused
+    facts = check_rewrite_runs(AttentionPattern(), code, _RUN, [f])
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999
+    # near miss: the function adds a distance bias (ALiBi-like), not a mask
+    biased = code.replace('return scores.masked_fill(mask, float("-inf"))', "return scores - mask.float() * 0.5")
+    found, misses = detect_all(AttentionPattern(), biased)
+    assert not found
+    assert any(m.reason.startswith("`apply_causal(..)` subtracts `") and "from the scores (a float bias, not a mask)" in m.reason
+               for m in misses), [m.reason for m in misses]

@@ -1,4 +1,4 @@
-"""Attention scores masked by a helper METHOD of the same class (s41, classes41).
+"""Attention scores masked by a helper METHOD of the same class, or a function of the file (s41, classes41).
 
 ``scores = self._apply_causal(scores)`` / ``scores = self.mask_fn(scores, T)`` where the method's body is
 straight-line code that builds a mask and returns ``scores.masked_fill(mask, -inf)`` (or ``torch.where``):
@@ -42,15 +42,12 @@ def _straight_line(fn: ast.FunctionDef) -> Optional[tuple[list[ast.stmt], ast.ex
 
 
 def _bind(fn: ast.FunctionDef, call: ast.Call) -> Optional[dict[str, Any]]:
-    """The method's parameters after ``self`` bound to the call's arguments (positional, keyword, defaults)."""
+    """The method's parameters bound to the call's arguments (positional, keyword, defaults), ``self`` to the
+    caller's ``self``."""
     if not fn.args.args or fn.args.posonlyargs:
         return None
     receiver = call.func.value  # type: ignore[attr-defined]
-    bound = canonical._bind_call(fn, ast.Call(func=call.func, args=[receiver, *call.args], keywords=call.keywords))
-    if bound is None:
-        return None
-    del bound[fn.args.args[0].arg]
-    return bound
+    return canonical._bind_call(fn, ast.Call(func=call.func, args=[receiver, *call.args], keywords=call.keywords))
 
 
 def _masking(matcher: Any, expr: Any) -> bool:
@@ -61,10 +58,15 @@ def _masking(matcher: Any, expr: Any) -> bool:
 
 
 def _describe(matcher: Any, expr: Any) -> str:
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.Sub)):
-        return f"adds `{matcher.src(expr)}` to the scores (a float bias, not a mask)"
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Mult, ast.Div)):
-        return f"scales the scores (`{matcher.src(expr)}`)"
+    """What ``expr`` (the helper's result) does to the scores, in words."""
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        left = matcher._reaches(expr.left, None)
+        term = matcher.src(expr.right if left else expr.left)
+        if isinstance(expr.op, ast.Add):
+            return f"adds `{term}` to the scores (a float bias, not a mask)"
+        if isinstance(expr.op, ast.Sub):
+            return f"subtracts `{term}` from the scores (a float bias, not a mask)" if left else f"returns `{matcher.src(expr)}`"
+        return f"scales the scores by `{term}`"
     return f"returns `{matcher.src(expr)}`, not the scores masked by masked_fill / where"
 
 
@@ -76,20 +78,27 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     it is, but returns something other than a masked_fill / where of the scores."""
     from npufuse.patterns.attention import Ref
 
+    caller_locals = set(matcher.scope.assignments) | set(matcher.scope.args)
     found = _attention_s33.own_method(matcher, node)
-    if found is None:
-        return None
-    owner, fn = found
+    owner: Optional[str] = None
+    if found is not None:
+        owner, fn = found
+        bound = _bind(fn, node)
+    else:
+        # ``scores = apply_causal_mask(scores)``: a plain function of this file (not decorated, the name not rebound
+        # by the caller); a function of one ``return`` is read by ``_inlined_helper`` before this
+        name = node.func.name if isinstance(node, ast.Call) and isinstance(node.func, Ref) and node.func.idx == -1 else None
+        fn = matcher.module.functions.get(name) if name is not None and name not in caller_locals else None
+        if not isinstance(fn, ast.FunctionDef) or fn.decorator_list or any(isinstance(a, ast.Starred) for a in node.args):
+            return None
+        bound = canonical._bind_call(fn, node)
     parts = _straight_line(fn)
-    bound = _bind(fn, node)
     if parts is None or bound is None:
         return None
     stmts, returned = parts
-    self_name = fn.args.args[0].arg
-    caller_locals = set(matcher.scope.assignments) | set(matcher.scope.args)
     env: dict[str, Any] = dict(bound)
-    env[self_name] = node.func.value
     shadowed: list[str] = []
+    called = f"self.{fn.name}(..)" if owner is not None else f"{fn.name}(..)"
 
     class _Substitute(ast.NodeTransformer):
         def visit_Name(self, n: ast.Name) -> Any:
@@ -115,8 +124,11 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     if shadowed:
         return None
     if not _masking(matcher, result):
-        raise NotMasking(f"`self.{fn.name}(..)` {_describe(matcher, result)}: npu_fusion_attention takes a boolean mask "
-                         "(masked_fill / where with a large negative fill), not what this method does to the scores")
+        raise NotMasking(f"`{called}` {_describe(matcher, result)}: npu_fusion_attention takes a boolean mask "
+                         "(masked_fill / where with a large negative fill), not what this helper does to the scores")
+    if owner is None:
+        chain.spelling.append("masking_function_inlined")
+        return result
     guard = ast.parse(f"type(self).{fn.name} is {owner}.{fn.name}", mode="eval").body
     chain.requires.append((guard, f"`self.{fn.name}(..)` masks the scores in `{owner}`; a subclass may override it: the fused call "
                                   f"runs only where `type(self).{fn.name}` is `{owner}`'s"))
