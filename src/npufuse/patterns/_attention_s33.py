@@ -255,26 +255,12 @@ def identity_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     this file) whose body only returns its first parameter (fairseq's ``apply_sparse_mask(self, w, tgt, src, bsz):
     return w``, a hook a sparse subclass overrides). A subclass anywhere may override it, so the fused call runs only
     where ``type(self).<m>`` is still this class's function (``chain.requires``); None for any other call."""
-    from npufuse.patterns.attention import Ref
-
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, Ref)
-            and node.func.value.name == "self" and node.func.value.idx == -1 and node.args and not node.keywords
-            and not any(isinstance(a, ast.Starred) for a in node.args)):
+    if isinstance(node, ast.Call) and node.keywords:
         return None
-    cls_name = matcher.scope.class_name
-    cls = matcher.module.classes.get(cls_name or "")
-    if cls is None or "." in (cls_name or "") or not any(st is cls for st in matcher.module.tree.body):
-        return None  # a nested class: its name is not a module-level name the guard can read
-    owner, fn = cls.name, _method_of(cls, node.func.attr)
-    if fn is None and len(cls.bases) == 1 and isinstance(cls.bases[0], ast.Name):
-        # inherited from the one base this file names (MegaTTS3's ``RotMultiheadAttention(MultiheadAttention)``)
-        base = repo_definition(matcher, cls.bases[0].id)
-        if base is not None and isinstance(base.node, ast.ClassDef):
-            owner, fn = cls.bases[0].id, _method_of(base.node, node.func.attr)
-    elif fn is None:
+    found = own_method(matcher, node)
+    if found is None:
         return None
-    if fn is None or fn.decorator_list or isinstance(fn, ast.AsyncFunctionDef):
-        return None
+    owner, fn = found
     params = [a.arg for a in fn.args.args]
     body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(canonical.const_value(st.value), str))]
     if len(params) < 2 or len(node.args) != len(params) - 1 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.args.posonlyargs \
@@ -284,6 +270,30 @@ def identity_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     chain.requires.append((guard, f"`self.{fn.name}(..)` returns the scores unchanged in `{owner}`; a subclass may override it: the fused call "
                                   f"runs only where `type(self).{fn.name}` is `{owner}`'s"))
     return node.args[0]
+
+
+def own_method(matcher: Any, node: Any) -> Optional[tuple[str, ast.FunctionDef]]:
+    """(the class that defines it, the method) for a call ``self.<m>(..)`` with positional arguments, none starred,
+    where ``<m>`` is a plain (undecorated, not async) method of the module-level class of the scope, or of the one
+    base class that file names (MegaTTS3's ``RotMultiheadAttention(MultiheadAttention)``); None otherwise."""
+    from npufuse.patterns.attention import Ref
+
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, Ref)
+            and node.func.value.name == "self" and node.func.value.idx == -1 and node.args
+            and not any(isinstance(a, ast.Starred) for a in node.args)):
+        return None
+    cls_name = matcher.scope.class_name
+    cls = matcher.module.classes.get(cls_name or "")
+    if cls is None or "." in (cls_name or "") or not any(st is cls for st in matcher.module.tree.body):
+        return None  # a nested class: its name is not a module-level name the guard can read
+    owner, fn = cls.name, _method_of(cls, node.func.attr)
+    if fn is None and len(cls.bases) == 1 and isinstance(cls.bases[0], ast.Name):
+        base = repo_definition(matcher, cls.bases[0].id)
+        if base is not None and isinstance(base.node, ast.ClassDef):
+            owner, fn = cls.bases[0].id, _method_of(base.node, node.func.attr)
+    if fn is None or fn.decorator_list or not isinstance(fn, ast.FunctionDef):
+        return None
+    return owner, fn
 
 
 def _method_of(cls: ast.ClassDef, name: str) -> Optional[ast.AST]:

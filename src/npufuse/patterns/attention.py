@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows
+from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -2118,6 +2118,14 @@ class _Matcher:
                         chain.excluded.append((node.test, neg, self.src(capped)))
                         node = base
                         continue
+                    tensor_factor = _score_method.flag_tensor_factor(self, branch, base) or _score_method.flag_extra_columns(self, branch, base)
+                    if tensor_factor is not None and cond is None and not _heavy(node.test, through_meta=False) and _pure_test(self, node.test):
+                        # s41: ``if self.learn_temp: attn = attn * self.temperature`` (a per-head Parameter, not a float
+                        # scale), ``if use_sinks: s = torch.cat([s, sink], -1)`` (extra key columns, sliced off after the
+                        # softmax under the same flag): the fused call runs where the option is off, the original where on
+                        chain.excluded.append((node.test, neg, self.src(tensor_factor)))
+                        node = base
+                        continue
                     opaque = next((n for n in self._until(branch, base) if self._module_on_scores(n, base)), None)
                     if opaque is not None and cond is None and not _heavy(node.test, through_meta=False):
                         # gpt-neox ``if self.pos_emb == "alibi": s = self.alibi_embed(s)``: a module applied to the scores
@@ -2272,6 +2280,13 @@ class _Matcher:
             passed = _attention_s33.identity_method(self, node, chain) or _attention_s36.identity_module(self, node, chain)
             if passed is not None:
                 node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
+                continue
+            try:
+                masked = _score_method.inline_masking_method(self, node, chain)
+            except _score_method.NotMasking as why:
+                raise Miss(str(why)) from None
+            if masked is not None:
+                node = masked  # s41: ``scores = self._apply_causal(scores)``: the method's masked_fill read as if inline
                 continue
             _s30_helper_writing_into_the_scores(self, node, stop)
             raise Miss(f"unsupported operation on the attention scores: `{self.src(node)}`")
@@ -12409,7 +12424,7 @@ AttentionPattern.KEEP += [
         return attn_weights * 0.5
 
     def forward'''),
-        reason="unsupported operation on the attention scores: `self.apply_sparse_mask(",
+        reason="`self.apply_sparse_mask(..)` scales the scores",  # (s41: the method is read, and says what it does)
         name="s33_hook_that_changes_the_scores",
     ),
 ]

@@ -443,8 +443,11 @@ class _Halves:
             lane = canonical.lane_of(self.module, self.scope, node)
             # not the layer's contiguous slices / split sizes: those are halves only at D/2, which _part proves itself
             if lane is not None and not (lane.kind == "halves" and lane.spelling in ("slice", "split")):
-                src, casts = strip_casts(lane.source)
-                if self.is_x(lane.source) or (casts and set(casts) <= {".float()"} and self.is_x(src)):
+                whole = lane.source
+                if lane.before_view is not None and not self.is_x(whole):
+                    whole = lane.before_view  # a helper's x is its parameter, the name before it held the view
+                src, casts = strip_casts(whole)
+                if self.is_x(whole) or (casts and set(casts) <= {".float()"} and self.is_x(src)):
                     # HunyuanVideo: ``x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)``: the rotation of x, made in
                     # fp32 (the caller widens the fused dtype to fp32 to match)
                     self.upcast = self.upcast or bool(casts)
@@ -8727,7 +8730,8 @@ RopePattern.KEEP += [
     Keep(_S31_TE_HALVES.replace("torch.cat((-x2, x1), dim=-1)", "torch.cat((x2, -x1), dim=-1)"),
          reason="evaluated on sampled inputs", name="s31_unbound_view_helper_with_the_sign_swapped"),
     Keep(_S31_PAIRS_RESHAPED.replace("torch.stack((-x2, x1), dim=-1)", "torch.stack((-x1, x2), dim=-1)"),
-         reason="evaluated on sampled inputs", name="s31_spread_reshape_helper_that_is_no_rotation"),
+         # (s41: the lanes indexed off the pair view are read statically: the sign placement is named, not evaluated)
+         reason="is not the standard stack(-x2, x1)", name="s31_spread_reshape_helper_that_is_no_rotation"),
 ]
 
 

@@ -417,6 +417,9 @@ class Lane:
     index: int
     kind: str  # halves | pairs
     spelling: str
+    # where the name holding x is rebound to the view itself (``q = q.view(.., -1, 2)``), ``source`` is the view
+    # flattened back (x's values where the lanes are read) and this is the name as it was before the view
+    before_view: ast.expr | None = None
 
 
 def _shape_lead(node: ast.AST, x: ast.expr) -> bool:
@@ -469,7 +472,7 @@ def _two_axes(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) ->
         return None
     if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) >= 3 and scope is not None:
         # OLMo: ``B, nh, T, hs = x.size(); x.view(B, nh, T, 2, hs // 2)``: x's own dims, the last one cut in two
-        return _explicit_two_axes(scope, node, f.value)
+        return _explicit_two_axes(scope, node, f.value, module)
     if api(module, node) in ("einops.rearrange",) or (isinstance(f, ast.Name) and f.id == "rearrange"):
         if len(node.args) != 2 or not isinstance(node.args[1], ast.Constant) or not isinstance(node.args[1].value, str):
             return None
@@ -487,12 +490,19 @@ def _two_axes(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) ->
     return None
 
 
-def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr) -> tuple[ast.expr, str] | None:
+def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr, module: ModuleInfo | None = None) -> tuple[ast.expr, str] | None:
     """``x.view(d0, .., dk-1, 2, dk // 2)`` (or ``dk // 2, 2``) with ``d0, .., dk = x.size()`` unpacked
-    in this scope: (x, "outer2" | "inner2")."""
+    in this scope: (x, "outer2" | "inner2"). The sizes may also be those of the input of the ``nn.Linear``
+    x comes from, with ``-1`` for the half (``B, T, C = h.shape; q = self.wq(h); q.view(B, T, -1, 2)``: a
+    linear layer keeps every leading dim, not the last)."""
     *lead, a, b = view.args
     names = []
     unpack = None
+    sizes_of = x
+    if module is not None and lead and isinstance(lead[0], ast.Name):
+        first = [v for st, v in scope.assignments.get(lead[0].id, []) if st.lineno < view.lineno]
+        if first and isinstance(first[-1], ast.Subscript) and not _size_of(first[-1].value, x):
+            sizes_of = _linear_input(module, scope, x, view.lineno) or x  # (only then is the class read)
     for i, arg in enumerate(lead):
         if not isinstance(arg, ast.Name):
             return None
@@ -500,7 +510,7 @@ def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr) -> tuple[ast.e
         if not binds:
             return None
         st, v = binds[-1]
-        if not (isinstance(v, ast.Subscript) and const_value(v.slice) == i and _size_of(v.value, x)):
+        if not (isinstance(v, ast.Subscript) and const_value(v.slice) == i and _size_of(v.value, sizes_of)):
             return None
         if unpack is None:
             unpack = st
@@ -512,7 +522,7 @@ def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr) -> tuple[ast.e
     elts = unpack.targets[0].elts
     if len(elts) != len(lead) + 1 or not isinstance(elts[-1], ast.Name):
         return None
-    last = elts[-1].id
+    last = elts[-1].id if sizes_of is x else None  # (the layer's output width is not its input's)
 
     def half_of_last(e: ast.expr) -> bool:
         return const_value(e) == -1 or (isinstance(e, ast.BinOp) and isinstance(e.op, ast.FloorDiv)
@@ -524,6 +534,30 @@ def _explicit_two_axes(scope: Scope, view: ast.Call, x: ast.expr) -> tuple[ast.e
     return None
 
 
+def _linear_input(module: ModuleInfo, scope: Scope, x: ast.expr, line: int) -> ast.expr | None:
+    """z where x is ``self.<attr>(z)`` (inline, or the name x bound to it last before ``line``) and every
+    assignment of ``self.<attr>`` in the scope's class is an ``nn.Linear(..)``; else None."""
+    call = x
+    if isinstance(x, ast.Name):
+        binds = [v for st, v in scope.assignments.get(x.id, []) if st.lineno < line]
+        call = binds[-1] if binds else None
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and not isinstance(call.args[0], ast.Starred)):
+        return None
+    cls = module.classes.get(scope.class_name or "")
+    if cls is None:
+        return None
+    attr = call.func.attr
+    made = [st.value for st in ast.walk(cls) if isinstance(st, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self" for t in st.targets)]
+    if not made or not all(isinstance(v, ast.Call) and api(module, v) == "torch.nn.Linear" for v in made):
+        return None
+    z = call.args[0]
+    if isinstance(x, ast.Name) and isinstance(z, ast.Name) and z.id == x.id:
+        return None  # ``x = self.wq(x)``: the name no longer holds the layer's input where the sizes were read
+    return z
+
+
 def _size_of(node: ast.expr, x: ast.expr) -> bool:
     """``x.size()`` / ``x.shape``."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" and not node.args:
@@ -531,19 +565,30 @@ def _size_of(node: ast.expr, x: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "shape" and same(node.value, x)
 
 
-def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[ast.expr, str, str] | None:
+def _unbound_lanes(module: ModuleInfo, scope: Scope, call: ast.expr) -> tuple[ast.expr, ...] | None:
     """(x, kind, spelling) for ``<two-axis view of x>.unbind(axis)`` unbinding the 2-sized axis (the
     view inline or bound to a name first, as rotary-embedding-torch's ``x = rearrange(...)`` does)."""
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "unbind"):
         return None
     dim = call.args[0] if call.args else _kw(call, "dim")
-    receiver = call.func.value
+    receiver = held = call.func.value
     if isinstance(receiver, ast.Name):
         receiver = scope.resolve(receiver, getattr(call, "lineno", None), depth=1)
     view = _two_axes(module, receiver, scope)
     if view is None:
         return None
     x, how = view
+    base = strip_casts(x)[0]
+    if isinstance(held, ast.Name) and receiver is not held and isinstance(base, ast.Name) and base.id == held.id:
+        # ``q = q.view(B, T, -1, 2); a, b = q.unbind(-1)``: where the lanes are read the name holds the view, and
+        # x is its flatten back (x's values and shape), as ``indexed_lane`` gives it
+        minus_two = ast.UnaryOp(op=ast.USub(), operand=ast.Constant(2))
+        flat = ast.Call(func=ast.Attribute(value=ast.Name(id=held.id, ctx=ast.Load()), attr="flatten", ctx=ast.Load()), args=[minus_two], keywords=[])
+        if how == "outer2" and const_value(dim) == -2:
+            return flat, "halves", "unbind", x
+        if how == "inner2" and const_value(dim) == -1:
+            return flat, "pairs", "unbind", x
+        return None
     if how == "outer2" and const_value(dim) == -2:
         return x, "halves", "unbind"
     if how == "inner2" and const_value(dim) == -1:
@@ -622,20 +667,31 @@ def lane_of(module: ModuleInfo, scope: Scope, node: ast.expr, before_line: int |
                 inner = (first[0], first[1], "einops") if first is not None else None
             if inner is not None and (stmt is None or _unpacks_two(stmt) or not isinstance(stmt, ast.Assign)
                                       or not isinstance(stmt.targets[0], ast.Tuple)):
-                return Lane(inner[0], k, inner[1], inner[2])
+                return Lane(inner[0], k, inner[1], inner[2], *inner[3:])
     if stmt is not None and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple):
         inner = _unbound_lanes(module, scope, value)
         elts = stmt.targets[0].elts
         if inner is not None and len(elts) == 2:
             idx = next((i for i, e in enumerate(elts) if isinstance(e, ast.Name) and e.id == node.id), None)  # type: ignore[attr-defined]
             if idx is not None:
-                return Lane(inner[0], idx, inner[1], inner[2])
+                return Lane(inner[0], idx, inner[1], inner[2], *inner[3:])
     # chunk / split / slices (and unbind of a 2-wide last dim, whose halves are its two lanes) — after the
     # views above, which name the tensor before the view
     h = half_of(module, scope, node, before_line)
     if h is not None:
         return Lane(h.source, h.index, "halves", h.spelling)
-    return indexed_lane(module, scope, node, before_line)
+    lane = indexed_lane(module, scope, node, before_line)
+    if lane is None and stmt is not None and value is not node and isinstance(value, ast.Subscript):
+        # ``x0, x1 = p[..., 0], p[..., 1]`` / ``x0 = p[..., 0]``: the lane indexed where the name is bound
+        lane = indexed_lane(module, scope, value, stmt.lineno)
+        use = before_line if before_line is not None else getattr(node, "lineno", None)
+        base = strip_casts(lane.source)[0] if lane is not None else None
+        while isinstance(base, (ast.Call, ast.Attribute)) and lane is not None and lane.spelling == "index":
+            base = base.func.value if isinstance(base, ast.Call) else base.value  # ``x.flatten(-2)``: x
+        if lane is not None and (not isinstance(base, ast.Name) or use is None
+                                 or any(stmt.lineno < st.lineno < use for st, _v in scope.assignments.get(base.id, []))):
+            return None  # the source's name is rebound between the lane's binding and its use: another tensor there
+    return lane
 
 # --- attention: products as matmuls with a layout ---
 # ``a @ b``, ``torch.matmul``/``bmm`` (function or method), a two-operand ``torch.einsum`` and

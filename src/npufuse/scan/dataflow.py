@@ -175,6 +175,52 @@ def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -
     return count
 
 
+# ``Tensor.f(`` / ``Tensor . f (``: the text of an unbound tensor method called as a function
+_UNBOUND_METHOD_CALL = re.compile(r"Tensor\s*\.\s*[A-Za-z]\w*\s*\(")
+
+
+def canonicalise_unbound_tensor_methods(tree: ast.Module, source: str) -> int:
+    """Respell, in ``tree``, ``Tensor.f(x, ...)`` (``from torch import Tensor``) and ``torch.Tensor.f(x, ...)``
+    as ``x.f(...)``: an unbound method called on its receiver is that method call, and files that never
+    ``import torch`` (``from torch import Tensor, nn``) write ``Tensor.rsqrt(v)`` where others write
+    ``torch.rsqrt(v)``. Each call node changes in place (the quoted source is unchanged). Only where the module
+    binds ``Tensor`` by ``from torch import Tensor`` (or ``torch`` by ``import torch``) at its top level, with a
+    positional first argument and no ``**``; dunder methods are left alone. Text-gated: a file without
+    ``Tensor.<name>(`` is not walked. Returns how many calls it respelled."""
+    at = source.find("Tensor")
+    offsets: list[int] = []
+    while at >= 0:
+        if _UNBOUND_METHOD_CALL.match(source, at) and not (at and _is_word(source[at - 1])):
+            offsets.append(at)
+        at = source.find("Tensor", at + 6)
+    if not offsets:
+        return 0
+    names: set[str] = set()
+    torch_bound = False
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "torch" and node.level == 0:
+            names.update(a.asname or a.name for a in node.names if a.name == "Tensor")
+        elif isinstance(node, ast.Import):
+            torch_bound = torch_bound or any(a.name.split(".")[0] == "torch" and a.asname is None for a in node.names)
+    if not names and not torch_bound:
+        return 0
+    count = 0
+    for call in _tensor_calls_on_lines(tree, lines_of_offsets(source, offsets)):
+        f = call.func
+        if type(f) is not ast.Attribute or f.attr.startswith("__") or not call.args or type(call.args[0]) is ast.Starred \
+                or any(k.arg is None for k in call.keywords):
+            continue
+        owner = f.value
+        if not (type(owner) is ast.Name and owner.id in names
+                or torch_bound and type(owner) is ast.Attribute and owner.attr == "Tensor"
+                and type(owner.value) is ast.Name and owner.value.id == "torch"):
+            continue
+        call.func = ast.copy_location(ast.Attribute(call.args[0], f.attr, ast.Load()), f)
+        call.args = call.args[1:]
+        count += 1
+    return count
+
+
 # after a ``torch`` that is a name: ``torch`` where a statement could bind it (``torch = ..``, ``torch, x = ..``,
 # ``def f(torch)``, ``lambda torch:``, ``for torch in``, ``def torch(``, ``del torch``): followed by ``=`` (not ``==``),
 # ``:``, ``,``, a bracket, ``;``, ``in`` or the line's end. Prose in comments and docstrings mostly is not (``a torch
@@ -883,6 +929,7 @@ class ModuleInfo:
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
         tree = tree if tree is not None else ast.parse(source)
         aliased = canonicalise_module_aliases(tree)
+        canonicalise_unbound_tensor_methods(tree, source)
         # the text gate reads ``torch.``: a module that spells it ``th.`` is walked without it
         canonicalise_tensor_functions(tree, None if aliased else source)
         info = cls(path=path, source=source, tree=tree)
