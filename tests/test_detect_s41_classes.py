@@ -428,7 +428,9 @@ SPLIT_HEADS
 def test_flag_gated_attention_sinks_run_fused_where_the_flag_is_off() -> None:
     (f,), misses = detect_all(AttentionPattern(), _FLAGGED_SINKS)
     assert not misses
-    assert f.fused.startswith("if ((not self.use_sinks) and (not self.use_sinks)) and "), f.fused
+    # one test of the flag however many intermediates it gates (sweep41 writes a shared test once)
+    assert f.fused.startswith("if (not self.use_sinks) and "), f.fused
+    assert f.fused.split(":", 1)[0].count("self.use_sinks") == 1, f.fused
     assert "sparse_mode=2" in f.fused
     run = '''
 out = []
