@@ -50,6 +50,8 @@ from scratch_repo import import_fresh
     ("from torch.autograd.functional import jacobian\nJ = jacobian(abs, 1.0)\n", []),
     ("import torch\nout = torch.func.functional_call(None, {}, ())\n", []),
     ("# we tried torch.func.jvp here\nNOTE = 'vmap over the batch is slower'\n", []),
+    ("import torch.functional as F\nout = F.norm(1.0)\n", []),  # torch.functional is not torch.func
+    ("from torch import vmap\nbatched = vmap(abs)\n", [("transform", 2, "torch.vmap")]),
 ])
 def test_transform_uses_by_api(code: str, expected: list[tuple[str, int, str]]) -> None:
     assert forward_ad.uses(ModuleInfo.from_source("m.py", code)) == expected
