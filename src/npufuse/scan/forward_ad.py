@@ -10,8 +10,8 @@ inside ``torch.autograd.forward_ad.dual_level()`` (``make_dual``; ``torch.autogr
 ``jacobian`` / ``hessian`` with a forward-mode strategy run there).
 
 The fact is gathered per file in the workers (:func:`uses`, kept in ``FileFacts.transforms``; a
-a gate on its imports and one regex first, the tree walked only when the file names one of the APIs) and applied once per
-scan in the parent (:func:`apply`). Scope: the whole repository. The function handed to ``jvp`` is
+gate on its imports and one regex first, the tree walked only when the file names one of the APIs)
+and applied once per scan in the parent (:func:`apply`). Scope: the whole repository. The function handed to ``jvp`` is
 usually a closure over a model that a config builds in another file (``model_fn = lambda x, t:
 net(x, t)``), so which modules it reaches cannot be told reliably from the text; the run-time
 test below costs two attribute reads per call and leaves the fused branch on everywhere no
