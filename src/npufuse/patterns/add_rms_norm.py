@@ -1285,12 +1285,29 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         # output dtype, under a run-time check of the class and its forward's spelling
         return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
     if _RMS_NAME.search(cls.split(".")[-1]):
-        return _timm_norm(module, call, f.attr, value.func) or NormCall(call, f.attr, "external", cls=cls)
+        return _timm_norm(module, call, f.attr, value.func) or _s41_eps_outside(module, call, f.attr, [cls]) \
+            or NormCall(call, f.attr, "external", cls=cls)
     chosen = _chosen_classes(module, scope.class_name, value.func)
     if chosen and all(_RMS_NAME.search(c.split(".")[-1]) and c not in module.classes for c in chosen):
         # nanotron: ``norm_class = TritonRMSNorm if config.fused else RMSNorm`` in __init__, both
         # defined elsewhere: the same assumptions as one external class (checked at run time)
-        return NormCall(call, f.attr, "external", cls=" or ".join(chosen))
+        return _s41_eps_outside(module, call, f.attr, chosen) or NormCall(call, f.attr, "external", cls=" or ".join(chosen))
+    return None
+
+
+def _s41_eps_outside(module: ModuleInfo, call: ast.Call, attr: str, names: list[str]) -> NormCall | None:
+    """s41 (fwdad41): a class of another file of the repository taken by its RMSNorm name (its code could not be
+    read into this file: it reads a constant or a helper of its own file), whose forward adds eps to the rms outside
+    the root or clamps the norm (rms_norm's reading, :func:`rms_norm.class_eps_outside_root`): the HF reading would
+    hand its eps to npu_add_rms_norm inside the root, another function. Refused, as for a class read here."""
+    for name in names:
+        found = _foreign_definition(module, name)
+        if found is None or not isinstance(found[1], ast.ClassDef):
+            continue
+        other, cdef = found
+        why = R.class_eps_outside_root(other, cdef.name)
+        if why is not None:
+            return NormCall(call, attr, "not_rms", reason=f"norm {name} (from {other.path}:{cdef.lineno}) cannot be fused: {why}", cls=name)
     return None
 
 

@@ -4588,6 +4588,62 @@ class Norm(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# s41 (fwdad41): where a repository norm class puts its eps, read the way this detector reads it.
+# add_rms_norm takes a class it cannot read into its own file (the class reads a constant or a
+# helper of its file) by its RMSNorm name, with HF semantics assumed: the class's eps handed to
+# npu_add_rms_norm inside the root. A class that adds eps to the rms outside the root
+# (``x / (sqrt(mean(x^2)) + eps)``, ``x / (rms + eps)``) computes another function (0.06% at rms
+# 0.03, up to 1.41x near rms 1e-3); this detector maps such an eps to eps' = eps ** 2 (numeric
+# probe, with its stated difference); add_rms_norm refuses it, as it does for a class it reads
+# (parse_norm's "eps outside the sqrt"). One reader for both: this function.
+
+_EPS_WORD = re.compile(r"eps|epsilon", re.IGNORECASE)
+_CLAMPS = frozenset(("clamp", "clamp_min", "clip", "max", "maximum"))
+
+
+def _reads_eps(node: ast.expr, me: str) -> bool:
+    """``self.<..eps..>``, a parameter or name spelled like an eps, or a small literal (``1e-6``)."""
+    d = dotted(node)
+    if d is not None:
+        last = d.rsplit(".", 1)[-1]
+        return (d.startswith(me + ".") or "." not in d) and _EPS_WORD.search(last) is not None
+    v = const_value(node)
+    return type(v) is float and 0 < v < 1e-2
+
+
+def class_eps_outside_root(module: ModuleInfo, cls_name: str) -> str | None:
+    """Why the ``forward`` of class ``cls_name`` (a class of ``module``, read in its own file) does
+    not put eps inside the root as ``npu_rms_norm`` does; None where nothing says so. Two readings:
+    this detector's own verdict on the forward (its matcher's "eps outside the sqrt" refusal), and a
+    division by a sum holding an eps (``x / (rms + eps)``) or by a norm clamped at one
+    (``x / rms.clamp(min=eps)``), wherever the rms comes from (a helper of the file, a constant)."""
+    fwd = S.method(module, cls_name, "forward")
+    scope = S.scope_of(module, fwd) if fwd is not None else None
+    if fwd is None or scope is None:
+        return None
+    for r in scope_results(module, scope):
+        if r.miss is not None and r.miss.reason.startswith("eps outside the sqrt"):
+            return r.miss.reason
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    me = params[0] if params else "self"
+    for node in fast_walk(fwd):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+            continue
+        den, _ctx = S.peel(node.right, S.Ctx(scope, node.lineno))
+        if isinstance(den, ast.BinOp) and isinstance(den.op, ast.Add) and any(_reads_eps(s, me) for s in (den.left, den.right)):
+            return (f"eps outside the sqrt: `{ast.unparse(node)}` divides by the rms plus eps, not npu_rms_norm's "
+                    "x * rsqrt(mean(x^2) + eps)")
+        if isinstance(den, ast.Call):
+            name = dotted(den.func) or ""
+            operands = [*den.args, *(k.value for k in den.keywords)]
+            last = den.func.attr if isinstance(den.func, ast.Attribute) else name.rsplit(".", 1)[-1]
+            if last in _CLAMPS and any(_reads_eps(a, me) for a in operands):
+                return (f"eps clamps the norm from below: `{ast.unparse(node)}` divides by max(rms, eps), not "
+                        "npu_rms_norm's x * rsqrt(mean(x^2) + eps)")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
 # numeric probe fallback (issue 14): a function the syntactic matcher found nothing in, whose
 # text names a statistic and a root/norm, is EVALUATED on sampled inputs by
 # npufuse.scan.numeric_probe and compared with RMSNorm's reference; proven ones become findings.

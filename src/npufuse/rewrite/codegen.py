@@ -143,10 +143,53 @@ def env_switch(pattern: str, candidate_id: int | None = None) -> Switch:
     return Switch("env", name=name)
 
 
+# s41 (fwdad41): the fused branch of a repository that runs code under a functorch transform or
+# forward-mode AD (npufuse.scan.forward_ad) falls back while one is active: torch_npu's fused ops
+# have no forward-mode derivative. The finding's params name the place (TRANSFORM_PARAM); the test
+# comes right after the device check. Measured on torch 2.13: the first call is True inside
+# torch.func.jvp / vmap / grad, the level >= 0 inside forward_ad.dual_level(); torch.compile
+# traces both (no graph break). ``torch`` is named as such: the prelude imports it where the
+# module does not bind it (transform.TORCH_IMPORT_LINE).
+TRANSFORM_PARAM = "transform_fallback"
+NO_TRANSFORM = "not torch._C._are_functorch_transforms_active() and torch.autograd.forward_ad._current_level < 0"
+
+
+def transform_guarded(fused: str) -> str | None:
+    """``fused`` with every device check npufuse writes inside fused code (``_npufuse_on_npu(x)``,
+    e.g. in an nn.RMSNorm swap's forward, run on every call) joined with :data:`NO_TRANSFORM`;
+    None when the text does not parse (the caller then refuses the site)."""
+    if "_npufuse_on_npu" not in fused:
+        return fused
+    try:
+        tree = ast.parse(fused)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    lines = fused.splitlines(keepends=True)
+    starts = [0]
+    for row in lines:
+        starts.append(starts[-1] + len(row))
+
+    def offset(line: int, col: int) -> int:  # ast columns count UTF-8 bytes
+        return starts[line - 1] + len(lines[line - 1].encode("utf-8")[:col].decode("utf-8", "replace"))
+
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "_npufuse_on_npu"
+             and n.end_lineno is not None and n.end_col_offset is not None]
+    if len(calls) != fused.count("_npufuse_on_npu("):
+        return None  # a mention that is no call of the name (a string, another spelling): not rewritten blindly
+    out = fused
+    for n in sorted(calls, key=lambda c: (c.lineno, c.col_offset), reverse=True):
+        a, b = offset(n.lineno, n.col_offset), offset(n.end_lineno, n.end_col_offset)  # type: ignore[arg-type]
+        out = f"{out[:a]}({out[a:b]} and {NO_TRANSFORM}){out[b:]}"
+    return out
+
+
 def guard_expression(finding: Finding, switch: Switch, site_id: int | None = None) -> str:
     """The ``if`` test of a fused site. ``site_id``: the candidate id, whose per-candidate switch
-    ``_npufuse_site(id)`` comes right after the device check."""
+    ``_npufuse_site(id)`` comes right after the device check (and, in a repository that runs code
+    under a functorch transform or forward-mode AD, the :data:`NO_TRANSFORM` test)."""
     on_npu = f"_npufuse_on_npu({finding.guard_tensor})"
+    if isinstance(finding.params, dict) and finding.params.get(TRANSFORM_PARAM):
+        on_npu = f"{on_npu} and {NO_TRANSFORM}"
     if site_id is not None:
         on_npu = f"{on_npu} and _npufuse_site({int(site_id)})"
     if switch.kind == "env":

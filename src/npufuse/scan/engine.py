@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from npufuse import __version__
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
-from npufuse.scan import config_shapes, replacement, repo_facts, repo_search, repo_symbols, risks
+from npufuse.scan import config_shapes, forward_ad, replacement, repo_facts, repo_search, repo_symbols, risks
 from npufuse.scan.dataflow import ModuleInfo, Scope, folds_to_ascii, lf_line_ends, may_multiply
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
@@ -1253,6 +1253,8 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
         repo_facts.apply(walked.root, walked.files, outcomes, near, max_file_bytes, zero_in_place=options.optimizer_zero_grad_in_place)
     finally:
         repo_symbols.forget()  # the cross-file passes' shared index lives for this scan only
+    # s41: a repository that runs code under forward-mode AD / a functorch transform (every fused branch falls back there)
+    forward_ad.apply(outcomes, near)
     existing.sort(key=lambda e: (e["file"], e["line"], e["what"]))
     switches.sort(key=lambda s: (s["file"], s["line"], s["name"], s["kind"]))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))

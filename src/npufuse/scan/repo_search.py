@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from npufuse.rewrite.codegen import Switch, env_switch
-from npufuse.scan import config_shapes
+from npufuse.scan import config_shapes, forward_ad
 from npufuse.scan.dataflow import _CHILD_FIELDS, ModuleInfo, Scope, child_fields, dotted, folds_to_ascii, lines_of_offsets
 
 # Cheap prefilter: a switch name mentions one of these (is_switch decides).
@@ -126,6 +126,9 @@ class FileFacts:
     # class-like names the module imports (``from .configuration_x import XConfig``): a config
     # field of a class the module imports is in scope for its sites (:func:`choose_switch`)
     imports: tuple[str, ...] = ()
+    # s41: (kind, line, api) where the file runs code under a functorch transform, forward-mode AD or a
+    # double-backward functional API (npufuse.scan.forward_ad)
+    transforms: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 def _norm(name: str) -> str:
@@ -340,6 +343,7 @@ def file_facts(module: ModuleInfo) -> FileFacts:
                 switch(line, name, "config_field", value, owner=cls.name, default=value if isinstance(value, bool) else None)
 
     facts.imports = _imported_classes(module.tree)
+    facts.transforms = forward_ad.uses(module)
     if not (want_npu or want_env or want_args or want_train or want_cfg):
         return facts
     Call, Attribute, Subscript, Compare = ast.Call, ast.Attribute, ast.Subscript, ast.Compare
