@@ -50,3 +50,43 @@ def test_histc_counts_move_to_the_device_of_the_tensor_the_loop_wrote() -> None:
     (f,), _ = detect_all(MoeExperts(), code)
     line = next(ln for ln in f.fused.splitlines() if ln.startswith("_npufuse_cnt = torch.histc("))
     assert line.endswith(".to(usage.device)"), line
+
+
+# -- 3. intermediates read under both arms of one flag --------------------------------------------------------------------
+
+def _rel_pos_read_in_both_arms() -> str:
+    import test_detect_s41_sweep as sweep
+
+    code = sweep._REL_POS.replace('''        if self.relative_position:
+            out = out + torch.einsum("b t s, t s d -> b t d", sim, self.rel_v(len_q, len_k))
+''', '''        if self.relative_position:
+            out = out + torch.einsum("b t s, t s d -> b t d", sim, self.rel_v(len_q, len_q))
+        else:
+            out = out * (len_k / len_k)
+''').replace('''        if self.relative_position:
+            len_q, len_k = q.shape[1], k.shape[1]
+''', '''        len_k = k.shape[1]
+        if self.relative_position:
+            len_q, len_k = q.shape[1], k.shape[1]
+''')
+    assert "out * (len_k / len_k)" in code and "        len_k = k.shape[1]\n" in code
+    return code
+
+
+def test_intermediates_read_under_both_arms_of_one_flag_are_a_near_miss() -> None:
+    # was a candidate guarded by `(self.relative_position) and (not self.relative_position)`: never fused
+    found, misses = detect_all(AttentionPattern(), _rel_pos_read_in_both_arms())
+    assert not found, found[0].fused
+    assert any("where `self.relative_position` holds" in m.reason and "no value of the test" in m.reason for m in misses), \
+        [m.reason for m in misses]
+
+
+def test_intermediates_read_under_one_arm_stay_fused() -> None:
+    # Fuse twin: the else arm reads nothing of the attention
+    import test_detect_s41_sweep as sweep
+
+    code = _rel_pos_read_in_both_arms().replace("out = out * (len_k / len_k)", "out = out * 1.0")
+    (f,), _ = detect_all(AttentionPattern(), code)
+    assert "not self.relative_position" in f.fused.splitlines()[0], f.fused
+    facts = check_rewrite_runs(AttentionPattern(), code, sweep._REL_RUN, [f])
+    assert facts["all_calls"].get("npu_fusion_attention") == 1 and all(c > 0.99999 for c in facts["cos_out"]), facts
