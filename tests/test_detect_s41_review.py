@@ -90,3 +90,64 @@ def test_intermediates_read_under_one_arm_stay_fused() -> None:
     assert "not self.relative_position" in f.fused.splitlines()[0], f.fused
     facts = check_rewrite_runs(AttentionPattern(), code, sweep._REL_RUN, [f])
     assert facts["all_calls"].get("npu_fusion_attention") == 1 and all(c > 0.99999 for c in facts["cos_out"]), facts
+
+
+# -- 4. a helper's size check after an early return -----------------------------------------------------------------------
+
+_EARLY_RETURN = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def band(q_len, k_len, bottom_right=True):
+    if bottom_right:
+        return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    if k_len < q_len:
+        raise ValueError("fewer keys than queries")
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril()
+
+
+class Cross(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x, ctx):
+        b, n, c = x.shape
+        m = ctx.shape[1]
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(ctx).view(b, m, 2, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        keep = band(n, m)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+
+def _sdpa_guard(code: str) -> str:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    (f,), _ = detect_all(SdpaPattern(), code)
+    return f.fused.splitlines()[0]
+
+
+def test_a_size_check_after_an_early_return_does_not_cover_that_return() -> None:
+    # the default path returns bottom-right causal before the check: more queries than keys empty its first rows
+    # (was "kept": no run-time row check)
+    assert ".any(-1).all()" in _sdpa_guard(_EARLY_RETURN)
+
+
+def test_a_size_check_before_every_return_still_excludes_its_sizes() -> None:
+    # twin: the check moved before the early return covers both paths: kept, no row check
+    code = _EARLY_RETURN.replace('''    if bottom_right:
+        return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    if k_len < q_len:
+        raise ValueError("fewer keys than queries")
+''', '''    if k_len < q_len:
+        raise ValueError("fewer keys than queries")
+    if bottom_right:
+        return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+''')
+    assert ".any(-1).all()" not in _sdpa_guard(code)

@@ -723,9 +723,13 @@ class Resolver:
         return self._guarded(fn, frame, returns[0].value)
 
     def _guarded(self, fn: ast.AST, frame: _Frame, value: ast.AST) -> ast.AST:
-        """``value`` read in ``frame``, with the helper's argument checks (sizes it raises on are not evaluated)."""
+        """``value`` read in ``frame``, with the helper's argument checks (sizes it raises on are not evaluated): those
+        before the first statement that may return, which every return runs after (s41 review: a check after an
+        early ``return`` does not refuse the sizes that return runs at)."""
         tests: list[ast.AST] = []
         for st in getattr(fn, "body", []):
+            if isinstance(st, ast.Return) or any(isinstance(n, ast.Return) for n in _own_nodes(st)):
+                break
             if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(st.body[-1], ast.Raise):
                 tests.append(self._adopt(frame, st.test))
             elif isinstance(st, ast.Assert):
