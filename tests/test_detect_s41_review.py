@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import ast
+import pytest
 
 from pattern_harness import check_rewrite_runs, detect_all
 
@@ -151,3 +151,66 @@ def test_a_size_check_before_every_return_still_excludes_its_sizes() -> None:
         return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
 ''')
     assert ".any(-1).all()" not in _sdpa_guard(code)
+
+
+# -- 5. constant sizes the evaluation would allocate ----------------------------------------------------------------------
+
+_BIG_HELPER = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def full_causal():
+    return torch.ones(65536, 65536, dtype=torch.bool).tril()
+
+
+def positions(n):
+    return torch.arange(n)
+
+
+class Causal(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        i = positions(1099511627776)
+        keep = {mask}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(b, n, c)
+'''
+
+
+@pytest.mark.parametrize("mask", ["full_causal()[:n, :n] & (i[:n, None] >= i[None, :n])",
+                                  "(i[:n, None] >= i[None, :n]) & full_causal()[:n, :n]"])
+def test_the_mask_evaluation_allocates_no_tensor_of_a_hostile_size(monkeypatch, mask: str) -> None:
+    import torch
+
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    asked: list[str] = []
+    real_ones, real_arange = torch.ones, torch.arange
+
+    def ones(*size, **kw):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
+        if torch.Size(shape).numel() > 1 << 24:
+            asked.append(f"ones{tuple(shape)}")
+            raise RuntimeError("refused by the test")
+        return real_ones(*size, **kw)
+
+    def arange(*args, **kw):
+        if args and max(abs(a) for a in args if isinstance(a, (int, float))) > 1 << 24:
+            asked.append(f"arange{args}")
+            raise RuntimeError("refused by the test")
+        return real_arange(*args, **kw)
+
+    _mask_rows._load_torch()
+    monkeypatch.setattr(torch, "ones", ones)
+    monkeypatch.setattr(torch, "arange", arange)
+    found, misses = detect_all(SdpaPattern(), _BIG_HELPER.replace("{mask}", mask))
+    assert not asked, asked
+    assert found or misses  # the site is still read (the construction itself is not: no row verdict)

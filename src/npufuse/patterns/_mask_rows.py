@@ -37,6 +37,10 @@ def _load_torch() -> None:
 SAMPLES = (1, 2, 3, 5, 8)
 _GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8), 4: (1, 2, 8)}  # fewer values per unknown where several combine
 _MAX_UNKNOWNS = 4
+# s41 review: the evaluation builds real tensors, and a repository's constants (a helper's ``torch.ones(65536, 65536)``,
+# a bound argument ``make_mask(100_000)``) are read as written: every tensor it would build is bounded first (a larger
+# one is not evaluated: the construction is not read), so a hostile file cannot make the scan allocate gigabytes
+_MAX_ELEMENTS = 1 << 22
 _INDEX_WORDS = ("arange", "tril", "triu", "eye")
 _CASTS = frozenset(("bool", "float", "half", "long", "int", "double", "bfloat16", "contiguous", "clone", "detach", "cpu",
                     "cuda", "npu", "requires_grad_"))
@@ -160,6 +164,7 @@ class _Evaluator:
                 raise _Unread("binop")
             if isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
                 raise _Unread("a logical operation with a scalar")  # an unknown read as a number was a mask tensor
+            _bounded(a, b)
             return op()
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
             a, b = self.ev(node.left), self.ev(node.comparators[0])
@@ -168,6 +173,7 @@ class _Evaluator:
             op = ops.get(type(node.ops[0]))
             if op is None:
                 raise _Unread("compare")
+            _bounded(a, b)
             return op()
         if isinstance(node, ast.Subscript):
             base = self.ev(node.value)
@@ -214,6 +220,7 @@ class _Evaluator:
             vals = list(vals[0])
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
             raise _Unread("sizes")
+        _bounded_shape(vals)
         return tuple(vals)
 
     def _call(self, call: ast.Call) -> Any:
@@ -257,6 +264,11 @@ class _Evaluator:
                 vals.append(self.ev(kw["end"]))
             if "start" in kw:
                 vals.insert(0, self.ev(kw["start"]))
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals) or not vals:
+                raise _Unread("arange bounds")
+            lo, hi, step = (0, vals[0], 1) if len(vals) == 1 else (vals[0], vals[1], vals[2] if len(vals) > 2 else 1)
+            if step == 0 or (hi - lo) / step > _MAX_ELEMENTS:
+                raise _Unread("a longer arange than npufuse evaluates")
             return torch.arange(*vals)
         if name in ("ones", "zeros", "empty_like_never"):
             return (torch.ones if name == "ones" else torch.zeros)(self._sizes(list(args)))
@@ -271,9 +283,12 @@ class _Evaluator:
             return getattr(torch, name)(self.ev(args[0]))
         if name in ("logical_and", "logical_or", "logical_xor", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge",
                     "minimum", "maximum") and len(args) == 2:
-            return getattr(torch, name)(torch.as_tensor(self.ev(args[0])), torch.as_tensor(self.ev(args[1])))
+            x, y = torch.as_tensor(self.ev(args[0])), torch.as_tensor(self.ev(args[1]))
+            _bounded(x, y)
+            return getattr(torch, name)(x, y)
         if name == "where" and len(args) == 3:
             c, a, b = (self.ev(x) for x in args)
+            _bounded(c, a, b)
             return torch.where(c, torch.as_tensor(a), torch.as_tensor(b))
         if name in ("zeros_like", "ones_like") and args:
             return getattr(torch, name)(self.ev(args[0]))
@@ -295,15 +310,41 @@ class _Evaluator:
         if name in ("abs", "logical_not", "t"):
             return getattr(recv, name)()
         if name in ("logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge", "remainder", "fmod") and len(args) == 1:
+            _bounded(recv, args[0])
             return getattr(recv, name)(torch.as_tensor(args[0]))
         if name in ("masked_fill",) and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            _bounded(recv, args[0])
             return recv.float().masked_fill(args[0].bool(), float(args[1])) if not recv.is_floating_point() and not isinstance(args[1], bool) \
                 else recv.masked_fill(args[0].bool(), args[1])
         if name in ("view", "reshape", "expand") and all(isinstance(a, int) for a in args):
+            if name == "expand":
+                _bounded_shape([s if a == -1 else a for a, s in zip(args, (1,) * (len(args) - recv.dim()) + tuple(recv.shape))])
             return getattr(recv, name)(*args)
         if name == "transpose" and len(args) == 2:
             return recv.transpose(*args)
         raise _Unread(f".{name}")
+
+
+def _bounded_shape(shape: Any) -> None:
+    """Raises :class:`_Unread` for a tensor of more than ``_MAX_ELEMENTS`` elements (or a negative size)."""
+    n = 1
+    for d in shape:
+        if not isinstance(d, int) or d < 0:
+            raise _Unread("sizes")
+        n *= d
+        if n > _MAX_ELEMENTS:
+            raise _Unread("a larger tensor than npufuse evaluates")
+
+
+def _bounded(*values: Any) -> None:
+    """The broadcast of ``values`` (tensors among scalars) is not larger than ``_MAX_ELEMENTS``: checked before an
+    elementwise operation builds it."""
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+    if len(shapes) > 1:
+        try:
+            _bounded_shape(torch.broadcast_shapes(*shapes))
+        except RuntimeError as exc:
+            raise _Unread("shapes that do not broadcast") from exc
 
 
 def _inlined(resolve: Callable[[Any], Any], n: Any) -> Any:
