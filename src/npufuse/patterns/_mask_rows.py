@@ -884,11 +884,68 @@ class Resolver:
         frame = _Frame(fn, None, parent, same_class=same_class and (caller is None or caller.same_class), site_closure=site_closure)
         frame.params = self._bind(fn, call, skip_first=same_class and not any(
             isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list))
+        if any(v is not None and self._reaches(v, fn) for v in frame.params.values()):
+            # s41 review: ``narrow(narrow(causal, 4), w)`` (or through a local): the helper's nodes are read in one frame
+            # at a time, so an argument evaluated by the same helper would rebind them under the outer call's reading
+            return None
         return fn, frame
 
+    def _plain_size(self, node: Any, budget: int = 40) -> bool:
+        """``node`` is integer arithmetic (``+ - * //``, unary minus) of constants and of leaves that are unknown
+        scalars here (a parameter, a shape read, ``len``), followed through the locals it reads."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            budget -= 1
+            if budget < 0:
+                return False
+            if isinstance(n, ast.Constant):
+                if not isinstance(n.value, int) or isinstance(n.value, bool):
+                    return False
+            elif isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
+                stack += [n.left, n.right]
+            elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+                stack.append(n.operand)
+            elif type(n).__name__ in ("Ref", "Name", "Attribute") or isinstance(n, ast.Subscript) and _shape_read(n):
+                value = self(n)
+                if value is _UNREAD_NODE:
+                    return False
+                if value is not None:
+                    stack.append(value)
+            elif not (isinstance(n, ast.Call) and (_name(n) == "len" and isinstance(n.func, ast.Name)
+                                                   or _name(n) in ("size", "numel") and isinstance(n.func, ast.Attribute))):
+                return False
+        return True
+
+    def _reaches(self, node: Any, fn: ast.AST, budget: int = 200) -> bool:
+        """Does evaluating ``node`` (through the locals it reads and the helpers it calls) run the helper ``fn``?
+        True also when the walk runs out of budget (not shown otherwise)."""
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if id(n) in seen or not isinstance(n, ast.AST):
+                continue
+            seen.add(id(n))
+            budget -= 1
+            if budget < 0:
+                return True
+            if isinstance(n, ast.Call) and not _is_torch_fn(n):
+                got = self._helper(n)
+                if got is not None:
+                    if got[0] is fn:
+                        return True
+                    stack += [r.value for r in _own_nodes(got[0]) if isinstance(r, ast.Return) and r.value is not None]
+                    stack += [v for v in got[1].params.values() if v is not None]
+            if type(n).__name__ in ("Ref", "Name"):
+                value = self(n)
+                if isinstance(value, ast.AST):
+                    stack.append(value)
+            stack += list(ast.iter_child_nodes(n))
+        return False
+
     def _bind(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call, skip_first: bool) -> dict[str, Any]:
-        """Each parameter of ``fn`` -> the call's argument (a constant, or a tensor built from index arithmetic), its
-        constant default, else None (an unknown scalar)."""
+        """Each parameter of ``fn`` -> the call's argument (a constant, a tensor built from index arithmetic, integer
+        arithmetic of sizes: read in the caller), its constant default, else None (an unknown scalar)."""
         a = fn.args
         positional = (a.posonlyargs + a.args)[1 if skip_first else 0:]
         out: dict[str, Any] = {p.arg: None for p in positional + a.kwonlyargs}
@@ -903,7 +960,11 @@ class Resolver:
             given[p.arg] = arg
         given.update({k.arg: k.value for k in call.keywords if k.arg in out})
         for name, arg in given.items():
-            out[name] = arg if isinstance(arg, ast.Constant) or index_built(arg, self) else None
+            # s41 review: a size expression of the caller is bound too (``band(n, w - 1)``: the parameter is ``w - 1``
+            # of the caller's unknown ``w``; left unbound it was an unknown of its own name, sampled as the caller's
+            # ``w`` itself). One npufuse cannot evaluate (``min(..)``) stays an unknown of its own
+            read = isinstance(arg, ast.Constant) or index_built(arg, self) or self._plain_size(arg)
+            out[name] = arg if read else None
         if a.vararg is not None:
             out[a.vararg.arg] = None
         if a.kwarg is not None:
