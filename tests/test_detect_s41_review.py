@@ -275,3 +275,16 @@ def test_a_helper_evaluated_inside_its_own_argument_is_not_read_as_kept(monkeypa
     code = _NARROW.replace("        wide = causal & (torch.arange(n)[None, :] > torch.arange(n)[:, None] - 4)\n",
                            "        wide = narrow(causal, n, 4)\n")
     assert "kept" not in _verdicts(code, monkeypatch)
+
+
+# -- 7. integer names in camelCase or with the word at a part's end --------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tokenPositions", "kvcacheindex"])
+def test_integer_names_stay_integer_after_the_whole_part_reading(name: str) -> None:
+    # integer tensors before audit41's R1 (the word anywhere), torch.lerp candidates after it (a part had to START
+    # with the word, and camelCase was one part): lerp takes floating point only
+    from npufuse.patterns.affinity_where import AffinityWhere
+
+    code = f"import torch\n\n\ndef shift(ids, {name}):\n    {name} = torch.where({name} == -1, ids, {name})\n    return {name}\n"
+    found, misses = detect_all(AffinityWhere(), code)
+    assert not found and any("integer tensors" in m.reason for m in misses), [m.reason for m in misses]
