@@ -934,7 +934,10 @@ class Resolver:
                 if got is not None:
                     if got[0] is fn:
                         return True
-                    stack += [r.value for r in _own_nodes(got[0]) if isinstance(r, ast.Return) and r.value is not None]
+                    # its returns read in its frame (adopted there, as the evaluation reads them: a call inside them
+                    # is then found from that frame), and what the call binds
+                    returned = self.paths(n)
+                    stack += [v for v in (returned[1] if returned is not None else ()) if isinstance(v, ast.AST)]
                     stack += [v for v in got[1].params.values() if v is not None]
             if type(n).__name__ in ("Ref", "Name"):
                 value = self(n)
