@@ -155,34 +155,16 @@ def test_a_size_check_before_every_return_still_excludes_its_sizes() -> None:
 
 # -- 5. constant sizes the evaluation would allocate ----------------------------------------------------------------------
 
-_BIG_HELPER = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
+def _big_helper(mask: str) -> str:
+    """wrong41's module-function site, its mask built from helpers with hostile constant sizes."""
+    from test_detect_s41_wrong_classes import _HELPER_FN
 
-
-def full_causal():
-    return torch.ones(65536, 65536, dtype=torch.bool).tril()
-
-
-def positions(n):
-    return torch.arange(n)
-
-
-class Causal(nn.Module):
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.heads, self.hd = heads, dim // heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-
-    def forward(self, x):
-        b, n, c = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
-        i = positions(1099511627776)
-        keep = {mask}
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        return out.transpose(1, 2).reshape(b, n, c)
-'''
+    helper = "def make_mask(n, device=None):\n    return torch.ones(n, n, dtype=torch.bool, device=device).tril()\n"
+    assert helper in _HELPER_FN and "        keep = make_mask(n, x.device)\n" in _HELPER_FN
+    return _HELPER_FN.replace(helper, (
+        "def full_causal():\n    return torch.ones(65536, 65536, dtype=torch.bool).tril()\n\n\n"
+        "def positions(n):\n    return torch.arange(n)\n")).replace(
+        "        keep = make_mask(n, x.device)\n", f"        i = positions(1099511627776)\n        keep = {mask}\n")
 
 
 @pytest.mark.parametrize("mask", ["full_causal()[:n, :n] & (i[:n, None] >= i[None, :n])",
@@ -211,7 +193,7 @@ def test_the_mask_evaluation_allocates_no_tensor_of_a_hostile_size(monkeypatch, 
     _mask_rows._load_torch()
     monkeypatch.setattr(torch, "ones", ones)
     monkeypatch.setattr(torch, "arange", arange)
-    found, misses = detect_all(SdpaPattern(), _BIG_HELPER.replace("{mask}", mask))
+    found, misses = detect_all(SdpaPattern(), _big_helper(mask))
     assert not asked, asked
     assert found or misses  # the site is still read (the construction itself is not: no row verdict)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import itertools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # torch is imported only when a mask construction is evaluated: a scan imports no torch otherwise (~1.7 s of start-up)
 torch: Any = None
@@ -357,18 +357,32 @@ def _shape_read(node: ast.Subscript) -> bool:
     return isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
 
 
-def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Optional[list[str]]:
-    """The texts of the scalar leaves the evaluation will ask for (names / attributes / shape reads without a
-    definition it follows), in order; None past ``limit`` nodes."""
-    out: list[str] = []
-    stack, seen = [node], set()
+_OVER_BUDGET = object()
+
+
+def _each_once(stack: list[Any], budget: int) -> Iterator[Any]:
+    """Pops ``stack`` (which the caller extends while it walks) and yields each AST node once, then ``_OVER_BUDGET``
+    (and stops) after ``budget`` nodes."""
+    seen: set[int] = set()
     while stack:
         n = stack.pop()
         if id(n) in seen or not isinstance(n, ast.AST):
             continue
         seen.add(id(n))
-        limit -= 1
-        if limit < 0:
+        budget -= 1
+        if budget < 0:
+            yield _OVER_BUDGET
+            return
+        yield n
+
+
+def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Optional[list[str]]:
+    """The texts of the scalar leaves the evaluation will ask for (names / attributes / shape reads without a
+    definition it follows), in order; None past ``limit`` nodes."""
+    out: list[str] = []
+    stack: list[Any] = [node]
+    for n in _each_once(stack, limit):
+        if n is _OVER_BUDGET:
             return None
         leaf = type(n).__name__ in ("Ref", "Name", "Attribute") or isinstance(n, ast.Subscript) and _shape_read(n) \
             or isinstance(n, ast.Call) and (_name(n) == "len" and isinstance(n.func, ast.Name) or _name(n) in ("size", "numel")
@@ -920,14 +934,9 @@ class Resolver:
     def _reaches(self, node: Any, fn: ast.AST, budget: int = 200) -> bool:
         """Does evaluating ``node`` (through the locals it reads and the helpers it calls) run the helper ``fn``?
         True also when the walk runs out of budget (not shown otherwise)."""
-        stack, seen = [node], set()
-        while stack:
-            n = stack.pop()
-            if id(n) in seen or not isinstance(n, ast.AST):
-                continue
-            seen.add(id(n))
-            budget -= 1
-            if budget < 0:
+        stack: list[Any] = [node]
+        for n in _each_once(stack, budget):
+            if n is _OVER_BUDGET:
                 return True
             if isinstance(n, ast.Call) and not _is_torch_fn(n):
                 got = self._helper(n)
