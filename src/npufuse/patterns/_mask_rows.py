@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import itertools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # torch is imported only when a mask construction is evaluated: a scan imports no torch otherwise (~1.7 s of start-up)
 torch: Any = None
@@ -37,6 +37,10 @@ def _load_torch() -> None:
 SAMPLES = (1, 2, 3, 5, 8)
 _GRIDS = {2: (1, 2, 5, 8), 3: (1, 2, 8), 4: (1, 2, 8)}  # fewer values per unknown where several combine
 _MAX_UNKNOWNS = 4
+# s41 review: the evaluation builds real tensors, and a repository's constants (a helper's ``torch.ones(65536, 65536)``,
+# a bound argument ``make_mask(100_000)``) are read as written: every tensor it would build is bounded first (a larger
+# one is not evaluated: the construction is not read), so a hostile file cannot make the scan allocate gigabytes
+_MAX_ELEMENTS = 1 << 22
 _INDEX_WORDS = ("arange", "tril", "triu", "eye")
 _CASTS = frozenset(("bool", "float", "half", "long", "int", "double", "bfloat16", "contiguous", "clone", "detach", "cpu",
                     "cuda", "npu", "requires_grad_"))
@@ -160,6 +164,7 @@ class _Evaluator:
                 raise _Unread("binop")
             if isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
                 raise _Unread("a logical operation with a scalar")  # an unknown read as a number was a mask tensor
+            _bounded(a, b)
             return op()
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
             a, b = self.ev(node.left), self.ev(node.comparators[0])
@@ -168,6 +173,7 @@ class _Evaluator:
             op = ops.get(type(node.ops[0]))
             if op is None:
                 raise _Unread("compare")
+            _bounded(a, b)
             return op()
         if isinstance(node, ast.Subscript):
             base = self.ev(node.value)
@@ -214,6 +220,7 @@ class _Evaluator:
             vals = list(vals[0])
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
             raise _Unread("sizes")
+        _bounded_shape(vals)
         return tuple(vals)
 
     def _call(self, call: ast.Call) -> Any:
@@ -257,6 +264,11 @@ class _Evaluator:
                 vals.append(self.ev(kw["end"]))
             if "start" in kw:
                 vals.insert(0, self.ev(kw["start"]))
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals) or not vals:
+                raise _Unread("arange bounds")
+            lo, hi, step = (0, vals[0], 1) if len(vals) == 1 else (vals[0], vals[1], vals[2] if len(vals) > 2 else 1)
+            if step == 0 or (hi - lo) / step > _MAX_ELEMENTS:
+                raise _Unread("a longer arange than npufuse evaluates")
             return torch.arange(*vals)
         if name in ("ones", "zeros", "empty_like_never"):
             return (torch.ones if name == "ones" else torch.zeros)(self._sizes(list(args)))
@@ -271,9 +283,12 @@ class _Evaluator:
             return getattr(torch, name)(self.ev(args[0]))
         if name in ("logical_and", "logical_or", "logical_xor", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge",
                     "minimum", "maximum") and len(args) == 2:
-            return getattr(torch, name)(torch.as_tensor(self.ev(args[0])), torch.as_tensor(self.ev(args[1])))
+            x, y = torch.as_tensor(self.ev(args[0])), torch.as_tensor(self.ev(args[1]))
+            _bounded(x, y)
+            return getattr(torch, name)(x, y)
         if name == "where" and len(args) == 3:
             c, a, b = (self.ev(x) for x in args)
+            _bounded(c, a, b)
             return torch.where(c, torch.as_tensor(a), torch.as_tensor(b))
         if name in ("zeros_like", "ones_like") and args:
             return getattr(torch, name)(self.ev(args[0]))
@@ -295,15 +310,41 @@ class _Evaluator:
         if name in ("abs", "logical_not", "t"):
             return getattr(recv, name)()
         if name in ("logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge", "remainder", "fmod") and len(args) == 1:
+            _bounded(recv, args[0])
             return getattr(recv, name)(torch.as_tensor(args[0]))
         if name in ("masked_fill",) and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            _bounded(recv, args[0])
             return recv.float().masked_fill(args[0].bool(), float(args[1])) if not recv.is_floating_point() and not isinstance(args[1], bool) \
                 else recv.masked_fill(args[0].bool(), args[1])
         if name in ("view", "reshape", "expand") and all(isinstance(a, int) for a in args):
+            if name == "expand":
+                _bounded_shape([s if a == -1 else a for a, s in zip(args, (1,) * (len(args) - recv.dim()) + tuple(recv.shape))])
             return getattr(recv, name)(*args)
         if name == "transpose" and len(args) == 2:
             return recv.transpose(*args)
         raise _Unread(f".{name}")
+
+
+def _bounded_shape(shape: Any) -> None:
+    """Raises :class:`_Unread` for a tensor of more than ``_MAX_ELEMENTS`` elements (or a negative size)."""
+    n = 1
+    for d in shape:
+        if not isinstance(d, int) or d < 0:
+            raise _Unread("sizes")
+        n *= d
+        if n > _MAX_ELEMENTS:
+            raise _Unread("a larger tensor than npufuse evaluates")
+
+
+def _bounded(*values: Any) -> None:
+    """The broadcast of ``values`` (tensors among scalars) is not larger than ``_MAX_ELEMENTS``: checked before an
+    elementwise operation builds it."""
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+    if len(shapes) > 1:
+        try:
+            _bounded_shape(torch.broadcast_shapes(*shapes))
+        except RuntimeError as exc:
+            raise _Unread("shapes that do not broadcast") from exc
 
 
 def _inlined(resolve: Callable[[Any], Any], n: Any) -> Any:
@@ -316,18 +357,32 @@ def _shape_read(node: ast.Subscript) -> bool:
     return isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
 
 
-def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Optional[list[str]]:
-    """The texts of the scalar leaves the evaluation will ask for (names / attributes / shape reads without a
-    definition it follows), in order; None past ``limit`` nodes."""
-    out: list[str] = []
-    stack, seen = [node], set()
+_OVER_BUDGET = object()
+
+
+def _each_once(stack: list[Any], budget: int) -> Iterator[Any]:
+    """Pops ``stack`` (which the caller extends while it walks) and yields each AST node once, then ``_OVER_BUDGET``
+    (and stops) after ``budget`` nodes."""
+    seen: set[int] = set()
     while stack:
         n = stack.pop()
         if id(n) in seen or not isinstance(n, ast.AST):
             continue
         seen.add(id(n))
-        limit -= 1
-        if limit < 0:
+        budget -= 1
+        if budget < 0:
+            yield _OVER_BUDGET
+            return
+        yield n
+
+
+def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Optional[list[str]]:
+    """The texts of the scalar leaves the evaluation will ask for (names / attributes / shape reads without a
+    definition it follows), in order; None past ``limit`` nodes."""
+    out: list[str] = []
+    stack: list[Any] = [node]
+    for n in _each_once(stack, limit):
+        if n is _OVER_BUDGET:
             return None
         leaf = type(n).__name__ in ("Ref", "Name", "Attribute") or isinstance(n, ast.Subscript) and _shape_read(n) \
             or isinstance(n, ast.Call) and (_name(n) == "len" and isinstance(n.func, ast.Name) or _name(n) in ("size", "numel")
@@ -723,9 +778,13 @@ class Resolver:
         return self._guarded(fn, frame, returns[0].value)
 
     def _guarded(self, fn: ast.AST, frame: _Frame, value: ast.AST) -> ast.AST:
-        """``value`` read in ``frame``, with the helper's argument checks (sizes it raises on are not evaluated)."""
+        """``value`` read in ``frame``, with the helper's argument checks (sizes it raises on are not evaluated): those
+        before the first statement that may return, which every return runs after (s41 review: a check after an
+        early ``return`` does not refuse the sizes that return runs at)."""
         tests: list[ast.AST] = []
         for st in getattr(fn, "body", []):
+            if isinstance(st, ast.Return) or any(isinstance(n, ast.Return) for n in _own_nodes(st)):
+                break
             if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(st.body[-1], ast.Raise):
                 tests.append(self._adopt(frame, st.test))
             elif isinstance(st, ast.Assert):
@@ -839,11 +898,66 @@ class Resolver:
         frame = _Frame(fn, None, parent, same_class=same_class and (caller is None or caller.same_class), site_closure=site_closure)
         frame.params = self._bind(fn, call, skip_first=same_class and not any(
             isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list))
+        if any(v is not None and self._reaches(v, fn) for v in frame.params.values()):
+            # s41 review: ``narrow(narrow(causal, 4), w)`` (or through a local): the helper's nodes are read in one frame
+            # at a time, so an argument evaluated by the same helper would rebind them under the outer call's reading
+            return None
         return fn, frame
 
+    def _plain_size(self, node: Any, budget: int = 40) -> bool:
+        """``node`` is integer arithmetic (``+ - * //``, unary minus) of constants and of leaves that are unknown
+        scalars here (a parameter, a shape read, ``len``), followed through the locals it reads."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            budget -= 1
+            if budget < 0:
+                return False
+            if isinstance(n, ast.Constant):
+                if not isinstance(n.value, int) or isinstance(n.value, bool):
+                    return False
+            elif isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
+                stack += [n.left, n.right]
+            elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+                stack.append(n.operand)
+            elif type(n).__name__ in ("Ref", "Name", "Attribute") or isinstance(n, ast.Subscript) and _shape_read(n):
+                value = self(n)
+                if value is _UNREAD_NODE:
+                    return False
+                if value is not None:
+                    stack.append(value)
+            elif not (isinstance(n, ast.Call) and (_name(n) == "len" and isinstance(n.func, ast.Name)
+                                                   or _name(n) in ("size", "numel") and isinstance(n.func, ast.Attribute))):
+                return False
+        return True
+
+    def _reaches(self, node: Any, fn: ast.AST, budget: int = 200) -> bool:
+        """Does evaluating ``node`` (through the locals it reads and the helpers it calls) run the helper ``fn``?
+        True also when the walk runs out of budget (not shown otherwise)."""
+        stack: list[Any] = [node]
+        for n in _each_once(stack, budget):
+            if n is _OVER_BUDGET:
+                return True
+            if isinstance(n, ast.Call) and not _is_torch_fn(n):
+                got = self._helper(n)
+                if got is not None:
+                    if got[0] is fn:
+                        return True
+                    # its returns read in its frame (adopted there, as the evaluation reads them: a call inside them
+                    # is then found from that frame), and what the call binds
+                    returned = self.paths(n)
+                    stack += [v for v in (returned[1] if returned is not None else ()) if isinstance(v, ast.AST)]
+                    stack += [v for v in got[1].params.values() if v is not None]
+            if type(n).__name__ in ("Ref", "Name"):
+                value = self(n)
+                if isinstance(value, ast.AST):
+                    stack.append(value)
+            stack += list(ast.iter_child_nodes(n))
+        return False
+
     def _bind(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call, skip_first: bool) -> dict[str, Any]:
-        """Each parameter of ``fn`` -> the call's argument (a constant, or a tensor built from index arithmetic), its
-        constant default, else None (an unknown scalar)."""
+        """Each parameter of ``fn`` -> the call's argument (a constant, a tensor built from index arithmetic, integer
+        arithmetic of sizes: read in the caller), its constant default, else None (an unknown scalar)."""
         a = fn.args
         positional = (a.posonlyargs + a.args)[1 if skip_first else 0:]
         out: dict[str, Any] = {p.arg: None for p in positional + a.kwonlyargs}
@@ -858,7 +972,11 @@ class Resolver:
             given[p.arg] = arg
         given.update({k.arg: k.value for k in call.keywords if k.arg in out})
         for name, arg in given.items():
-            out[name] = arg if isinstance(arg, ast.Constant) or index_built(arg, self) else None
+            # s41 review: a size expression of the caller is bound too (``band(n, w - 1)``: the parameter is ``w - 1``
+            # of the caller's unknown ``w``; left unbound it was an unknown of its own name, sampled as the caller's
+            # ``w`` itself). One npufuse cannot evaluate (``min(..)``) stays an unknown of its own
+            read = isinstance(arg, ast.Constant) or index_built(arg, self) or self._plain_size(arg)
+            out[name] = arg if read else None
         if a.vararg is not None:
             out[a.vararg.arg] = None
         if a.kwarg is not None:

@@ -15,6 +15,7 @@ be, and never fails on a dtype the static analysis could not see.
 from __future__ import annotations
 
 import ast
+import re
 from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
@@ -36,6 +37,11 @@ _PROMOTING_FUNCS = {"torch.minimum", "torch.maximum", "torch.min", "torch.max"}
 _INT_NAME = ("_ids", "_idx", "_index", "indices", "_pos", "position_ids", "labels", "_id", "_count", "count", "_mask",
              "bucket", "position", "positions", "_len", "_lens", "lengths", "_type")
 _INT_WORDS = ("position", "bucket", "index", "indices", "count", "label")
+
+
+def _name_parts(name: str) -> list[str]:
+    """The lower-case parts of an identifier: split at underscores and at camelCase humps."""
+    return [p.lower() for p in re.split(r"_|(?<=[a-z0-9])(?=[A-Z])", name) if p]
 
 
 class AffinityWhere(Pattern):
@@ -122,8 +128,11 @@ def _is_integer(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
         value = scope.definition(node.id, line)
         if value is not None and _float_evident(module, scope, value, getattr(value, "lineno", line)):
             return False  # TimesFM's inc_count = ((~mask).to(x.dtype)).sum(-1): a float count, whatever its name
-        # words as whole parts of the name: ``repositioned_noisy_action_features`` holds no "position" (audit41, VLA-Adapter)
-        if node.id.endswith(_INT_NAME) or any(part.startswith(_INT_WORDS) for part in node.id.lower().split("_")):
+        # words at the start or end of a part of the name: ``repositioned_noisy_action_features`` holds no "position"
+        # (audit41, VLA-Adapter); camelCase splits too, and a part may end with the word (s41 review: ``tokenPositions``,
+        # ``kvcacheindex`` were integer names before audit41's change and lerp candidates after it)
+        if node.id.endswith(_INT_NAME) or any(part.startswith(_INT_WORDS) or part.rstrip("s").endswith(_INT_WORDS)
+                                              for part in _name_parts(node.id)):
             return True
         return value is not None and _is_integer(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if isinstance(node, ast.Attribute):

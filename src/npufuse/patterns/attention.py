@@ -3956,6 +3956,13 @@ class AttentionPattern(Pattern):
             test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
             if chain.excluded:
                 # the fused call runs where none of the excluded branches (soft-capping) is taken
+                both = _excluded_both_ways(chain.excluded)
+                if both is not None:
+                    # s41 review: `len_q` read under `if self.rel:` after the site, `len_k` in its else: no value of the
+                    # flag leaves both unread, so the guard `(not flag) and (flag)` would never run the fused call
+                    return NearMiss(self.id, scope.qualname, span_line, end_line,
+                                    f"{both[0]} where `{r.text(both[2])}` holds and {both[1]} where it does not: the fused "
+                                    "call runs only where neither is read, which no value of the test gives")
                 skip = [atom(t) if neg else f"not {atom(t)}" for t, neg in ((r.text(x[0]), x[1]) for x in chain.excluded)]
                 skip = list(dict.fromkeys(skip))  # several intermediates read under one flag: the test once
                 if value_check is not None:
@@ -10977,6 +10984,19 @@ AttentionPattern.KEEP += [
 
 
 # --- s30: probabilities returned only under a flag (Time-Series-Library ``if self.output_attention: return V, A``) ---
+def _excluded_both_ways(excluded: list[tuple[Any, bool, str]]) -> tuple[str, str, Any] | None:
+    """(what one branch needs, what the other needs, the test) where ``Chain.excluded`` holds one test under both
+    polarities: the fused call, run where no excluded branch is taken, could then never run. None otherwise."""
+    seen: dict[tuple[str, bool], str] = {}
+    for test, neg, step in excluded:
+        key = ast.dump(test)
+        other = seen.get((key, not neg))
+        if other is not None:
+            return (other, step, test) if neg else (step, other, test)
+        seen.setdefault((key, neg), step)
+    return None
+
+
 def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast.expr, bool] | None:
     """(test, negated) where every read of ``name`` after line ``after`` sits in the same branch of ``if test`` /
     ``x if test else y`` and the test is a flag the fused branch can read before the site: ``self.<attr>`` or a

@@ -3822,6 +3822,12 @@ class _Eval:
                             "for mask routing over every expert's own index")
             if any(ind != self.where_indices or ind != site.indices for _, _, _, ind, _ in self.count_stats):
                 raise _Miss(f"the loop also counts tokens (`{text}`) of other indices than it dispatches")
+            if self.weight_select:
+                # s41 review: `sel = w > 0` leaves out routed tokens whose weight is exactly 0 (an underflowed softmax,
+                # a relu): harmless for the output (they add 0), not for a count, which histc of the indices includes
+                raise _Miss(f"the loop also counts tokens (`{text}`) picked as `{self.weight_select}`, which leaves out "
+                            "routed tokens whose weight is 0 (and skips an expert all of whose tokens have it): the "
+                            "fused layer's histc of the indices counts them")
             site.count_stats = tuple((stat, mode, guarded, t) for stat, mode, guarded, _, t in self.count_stats)
         return site
 
@@ -5031,7 +5037,9 @@ def _fused_text(site: _Site) -> str:
     for stat, mode, guarded, text in site.count_stats:
         # s41: the loop's per-expert count (`usage[e] = mask.sum()`), for every expert at once
         lines.append(f"# the loop's `{text}`: every expert's token count at once")
-        lines.append(f"{P}cnt = torch.histc({site.indices}.flatten().float(), bins={site.bins}, min=0, max={site.bins})")
+        # on the count's own device (a CPU tensor the loop wrote `.item()` into): torch.where / += do not mix devices
+        lines.append(f"{P}cnt = torch.histc({site.indices}.flatten().float(), bins={site.bins}, min=0, max={site.bins})"
+                     f".to({stat}.device)")
         if mode == "add":
             lines.append(f"{stat}[:{site.bins}] += {P}cnt.to({stat}.dtype)")
         elif guarded:  # experts without tokens were skipped before the write: they keep their value
