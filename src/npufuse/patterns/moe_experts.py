@@ -170,6 +170,10 @@ class _Site:
     count_stats: tuple = ()
     # s41: tokens picked as `w > 0` / `w != 0` of each token's summed weight for the expert (the test as written)
     weight_select: str = ""
+    # s41b: opaque experts of a two-input forward called with the same rows twice (`expert(x_sel, x_sel)`)
+    rows_twice: bool = False
+    # s41b: the expert outputs pass through this row-wise dropout (the call with `{}` for its input), as written
+    post_dropout: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2455,6 +2459,8 @@ class _Eval:
         self.expanded_to = ""  # s41: the tensor a [.., 1] slot-weight column is expanded to (must be the tokens)
         self.count_stats: list[tuple[str, str, bool, str, str]] = []  # s41: (stat, assign / add, guarded, indices, text)
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
+        self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
+        self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2685,6 +2691,8 @@ class _Eval:
             for b in s.body:  # `with torch.no_grad(): idx, top_x = torch.where(...)`
                 self.stmt(b)
             return
+        if isinstance(s, ast.For) and self._s41b_rows_of_pairs(s) is not None and self._pair_loop(s):
+            return  # s41b: `for j in range(len(tok))` is a loop over this expert's pairs, not over top-k slots
         if isinstance(s, ast.For) and self.enter_slot_loop(s):
             # `for k in range(K):` inside the expert loop, over the columns of [T, K] indices: the slots run one
             # after the other, each adding its rows of expert e (the same sum as one pass over all (token, slot) pairs)
@@ -2792,6 +2800,12 @@ class _Eval:
             parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
             if [self._part_kind(p) for p in parts] in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 sel = V("flatmask", self.ev(parts[0]).args)  # y[idx, :] = ... with idx = (flat_idx == e).nonzero()
+            if isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add) \
+                    and ast.dump(s.value.left) == ast.dump(ast.Subscript(value=tgt.value, slice=tgt.slice, ctx=ast.Load())) \
+                    and sel.kind in ("tok", "tokmask", "slotmask1", "tok1"):
+                # s41b: `out[rows] = out[rows] + y`, the spelled-out `out[rows] += y` (the same index_put)
+                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value.right)), None))
+                return
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice) and self._expert_count_stat(tgt, s.value, "assign"):
                 return  # s41: `usage[e] = mask.sum()`: the count of this expert's tokens, computed for all at once
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
@@ -3127,6 +3141,8 @@ class _Eval:
             return V("tok", base.args)  # ("slot",): the rows of a slot mask
         if base.kind == "mod_out" and [self._part_kind(p) for p in parts] == ["rowj"]:
             return base  # s41: y[j] of the pair loop: the expert output row of the pair's token
+        if base.kind in ("tok", "kpos") and not base.args and [self._part_kind(p) for p in parts] == ["rowj"]:
+            return V(base.kind + "1")  # s41b: tok[j] / slot[j]: the token and slot of pair j
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
                 and self.ev(parts[0]).args == base.args:
             return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
@@ -3192,6 +3208,13 @@ class _Eval:
         w[rows, slots, None] * y)``. The loop variables are read as one pair's token / slot / output row."""
         it, tgt = loop.iter, loop.target
         j_name = ""
+        per_row = self._s41b_rows_of_pairs(loop)
+        if per_row is not None:
+            if loop.orelse or any(n in self.env for n in per_row):
+                return False
+            self.env.update(per_row)
+            self.run_body(loop.body)
+            return True
         if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords \
                 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and isinstance(tgt.elts[0], ast.Name):
             j_name, it, tgt = tgt.elts[0].id, it.args[0], tgt.elts[1]
@@ -3215,15 +3238,84 @@ class _Eval:
         self.run_body(loop.body)
         return True
 
+    def _s41b_dropout(self, node: ast.Call) -> Optional[V]:
+        """s41b: ``self.<drop>(y)`` with ``self.<drop> = nn.Dropout(...)`` built in ``__init__`` (or ``F.dropout(y, ...)``
+        whose other arguments the loop does not bind) around an expert module's output ``y``: an elementwise draw on
+        each expert's rows, replayed on all experts' rows at once. The call is kept with ``{}`` for its input."""
+        f = node.func
+        if not node.args or any(k.arg in ("input", "inplace") for k in node.keywords):
+            return None
+        if isinstance(f, ast.Attribute) and _s41b_self_attr(f) and len(node.args) == 1 and not node.keywords:
+            cls = self.m.classes.get(self.scope.class_name or "")
+            made = _class_init_assigns(self.m, cls).get(f.attr) if cls is not None else None
+            if not (isinstance(made, ast.Call) and _canon(self.m, made.func) == "torch.nn.Dropout"
+                    and not any(k.arg == "inplace" for k in made.keywords) and len(made.args) <= 1):
+                return None
+        elif _canon(self.m, f) not in ("torch.nn.functional.dropout", "torch.dropout"):
+            return None
+        elif any(n.id in self._loop_names() for a in (*node.args[1:], *node.keywords) for n in fast_walk(a)
+                 if isinstance(n, ast.Name)) or len(node.args) > 3:
+            return None
+        inner = self.ev(node.args[0])
+        if inner.kind != "mod_out" or inner.args[1]:
+            return None
+        call = copy.copy(node)
+        call.args = [ast.Name("__npufuse_rows__", ast.Load()), *node.args[1:]]
+        text = ast.unparse(call).replace("{", "{{").replace("}", "}}").replace("__npufuse_rows__", "{}")
+        if self.post_dropout and self.post_dropout != text:
+            raise _Miss("two different dropouts on the expert outputs")
+        self.post_dropout = text
+        return inner
+
+    def _s41b_rows_of_pairs(self, loop: ast.For) -> Optional[dict[str, V]]:
+        """s41b: the loop variables of a per-pair Python combine over ``tok, slot = torch.where(idx == e)`` (or
+        ``nonzero(as_tuple=True)``): ``for j in range(len(tok))`` (``tok.shape[0]``, ``tok.size(0)``, ``tok.numel()``)
+        makes ``j`` the pair's number (``tok[j]`` its token, ``slot[j]`` its slot, ``y[j]`` its output row);
+        ``for j, t in enumerate(tok.tolist())`` also names the token. None for any other loop."""
+        it, tgt = loop.iter, loop.target
+        if self.token_dims != 1 or not self.where_indices:
+            return None
+
+        def pairs(node: ast.expr) -> bool:
+            v = self.ev(node) if isinstance(node, ast.Name) else None  # a name only: no evaluation side effects
+            return v is not None and v.kind == "tok" and not v.args
+
+        if isinstance(tgt, ast.Name) and isinstance(it, ast.Call) and dotted(it.func) == "range" and len(it.args) == 1 \
+                and not it.keywords:
+            n = it.args[0]
+            if isinstance(n, ast.Call) and dotted(n.func) == "len" and len(n.args) == 1 and not n.keywords:
+                counted = n.args[0]
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                    n.func.attr == "numel" and not n.args or n.func.attr == "size" and len(n.args) == 1
+                    and const_value(n.args[0]) == 0) and not n.keywords:
+                counted = n.func.value
+            elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "shape" \
+                    and const_value(n.slice) == 0:
+                counted = n.value.value
+            else:
+                return None
+            return {tgt.id: V("rowj")} if pairs(counted) else None
+        if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords \
+                and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts) \
+                and tgt.elts[0].id != tgt.elts[1].id:  # type: ignore[attr-defined]
+            a = it.args[0]
+            if isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr == "tolist" and not a.args \
+                    and pairs(a.func.value):
+                return {tgt.elts[0].id: V("rowj"), tgt.elts[1].id: V("tok1")}  # type: ignore[attr-defined]
+        return None
+
     def _expert_count_stat(self, tgt: ast.Subscript, value: ast.expr, mode: str) -> bool:
         """s41 (sidrocks deepseek_from_scratch, DeepSeek-From-Scratch): ``stat[e] = mask.sum()`` (``+=``; casts,
         ``.item()``, ``int()`` / ``float()`` around it) with ``mask`` this expert's token mask ``(idx == e).any(-1)`` or
         its slot mask ``idx == e``, and ``stat`` a tensor built by a torch constructor before the loop and named nowhere
         else in it: the counts of all experts are one histc of the indices (top-k indices are distinct), written after
         the fused layer. Recorded with whether an empty-expert guard ran first (then empty experts keep their value)."""
-        if not isinstance(tgt.value, ast.Name):
+        if isinstance(tgt.value, ast.Name):
+            stat = tgt.value.id
+        elif _s41b_self_attr(tgt.value) and self.expert_init is None:
+            stat = ast.unparse(tgt.value)  # s41b: `self.expert_load[e] += n`, a buffer of the module
+        else:
             return False
-        stat = tgt.value.id
         node = value
         for _ in range(4):
             node = _strip_casts(node)
@@ -3241,16 +3333,26 @@ class _Eval:
                 and len(node.args) == 1 and not node.keywords:
             counted = node.args[0]
         mask = self.ev(counted) if counted is not None else None
+        rows = _s41b_counted_rows(node)
+        if mask is None and isinstance(rows, ast.Name) and self.where_indices and self.ev(rows) == V("tok"):
+            # s41b: `idx.numel()` / `len(idx)` / `idx.shape[0]` of `idx, slot = torch.where(indices == e)`: the
+            # number of (token, slot) pairs routed to e, the same count
+            mask = V("flatmask", (self.where_indices,))
         if mask is None or mask.kind not in ("tokmask", "flatmask") or not mask.args:
             return False
-        if sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == stat) != 1:
+        if "." in stat:
+            if sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Attribute) and ast.unparse(n) == stat) != 1:
+                return False
+            made = _s41b_buffer_made(self.m, self.scope, stat.split(".", 1)[1])
+        elif sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == stat) != 1:
             return False
-        made = self.scope.definition(stat, self.loop.lineno)
+        else:
+            made = self.scope.definition(stat, self.loop.lineno)
         if not (isinstance(made, ast.Call) and _canon(self.m, made.func) in (
                 "torch.zeros", "torch.ones", "torch.empty", "torch.full", "torch.zeros_like", "torch.ones_like",
                 "torch.empty_like", "torch.full_like", "torch.tensor")):
             return False
-        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + " = " + ast.unparse(value)[:40]))
+        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + (" += " if mode == "add" else " = ") + ast.unparse(value)[:40]))
         return True
 
     def _unique_rows_are_rows(self, tok: V, call: ast.Call, first: int) -> bool:
@@ -3582,6 +3684,9 @@ class _Eval:
             self.indexed_module = f
             self.indexed_call = node
             return V("mod_out", (self.ev(self._index_call_rows(node)), False))
+        dropped = self._s41b_dropout(node) if self.expert_init is None else None
+        if dropped is not None:
+            return dropped  # s41b: `self.dropout(expert(rows))`
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
         if fv.kind == "unknown" and isinstance(f, ast.Subscript) and isinstance(f.value, ast.Name) and self._is_eidx(f.slice) \
@@ -3595,6 +3700,12 @@ class _Eval:
             fv = self._expert_from_indexed(fv.args[0], bool(node.args) and self.ev(node.args[0]).kind in ("x", "x_sorted"))
         if fv.kind == "expert":
             args = [self.ev(a) for a in node.args]
+            if len(args) == 2 and not node.keywords and args[0].kind in ("x", "x_sorted") and self.expert_init is None \
+                    and ast.dump(node.args[0]) == ast.dump(node.args[1]):
+                # s41b: `expert(x_sel, x_sel)`: a two-input forward given the same rows twice; the experts are called
+                # as they are (npufuse reads no MLP off a two-input forward), with each expert's rows twice
+                self.rows_twice = True
+                return V("mod_out", (args[0], False))
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
                             "the fused layer calls each expert on its rows only")
@@ -3864,6 +3975,8 @@ class _Eval:
         core = contrib.args[0] if scaled else contrib
         if core.kind == "mod_out":
             try:
+                if self.rows_twice:
+                    raise _Miss("the expert's forward takes the rows twice")
                 mlp = _expert_module_mlp(self, core.args[1])
             except _Miss as why:
                 if core.args[1]:
@@ -4144,6 +4257,11 @@ class _Eval:
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
+        site.rows_twice = self.rows_twice
+        site.post_dropout = self.post_dropout
+        if self.post_dropout and (site.part_outs or site.column_rows or site.lead_rows or mlp.weights_at == "inside_expert"):
+            raise _Miss(f"the expert outputs pass through `{self.post_dropout.format('...')}`, which npufuse replays only "
+                        "on one [rows, H] output of experts called on their rows alone")
         if self.indexed_module is not None:
             if self.loop_kind not in ("range", "expert_hit") or self.local_start or f"{P}experts" in site.bins:
                 # the number of callables to bind comes from range(E) or the routing mask's classes
@@ -4958,6 +5076,7 @@ def _fused_text(site: _Site) -> str:
         # acc[idx] = v is v broadcast to the rows
         rows = f"{P}rows_e"
         arg = f"{rows}.unsqueeze(1)" if site.column_rows else f"{rows}.unsqueeze(0)" if site.lead_rows else rows
+        arg = f"{arg}, {arg}" if site.rows_twice else arg  # s41b: a two-input expert given its rows twice
         parts = site.part_outs or (("", site.out_name, site.out_dtype),)
 
         def rowwise(v: str) -> str:
@@ -4997,7 +5116,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert{site.expert_call}({rows})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
+        call = f"{P}expert{site.expert_call}({rows}{', ' + rows if site.rows_twice else ''})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -5011,6 +5130,9 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
         lines += _act_text(site)
         lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    if site.post_dropout:
+        # s41b: the loop's dropout on each expert's output, once on all of them (row-wise: the same in eval mode)
+        lines.append(f"{h} = {site.post_dropout.format(h)}")
     if local and site.routing != "sorted_counts":
         lines.append(f"{h} = torch.cat([{h}, {h}.new_zeros({P}order.numel() - {h}.shape[0], {h}.shape[-1])])  # rows of no local expert: 0")
     out = site.out_name
@@ -5123,6 +5245,11 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         else:
             notes.append(f"the experts are one callable given the expert index, {site.index_callee}: read in this file, "
                          "no random draws; the fused layer calls it once per expert on that expert's rows")
+    if site.post_dropout:
+        risks.append(Risk("numerics", f"the expert outputs pass through `{site.post_dropout.format('y')}` as in the loop: "
+                          "the same in eval mode; in training the fused layer draws one dropout mask over all experts' "
+                          "rows at once instead of one per expert, so other elements are dropped (equal in distribution, "
+                          "not bit-equal to the loop under the same seed)"))
     if site.weight_select:
         risks.append(Risk("other", f"the loop picks an expert's tokens as `{site.weight_select}`: a routed token whose weight "
                           "is exactly 0 (underflow) is skipped there, while the fused layer adds 0 * expert(x) for it (the "
@@ -13060,3 +13187,41 @@ MoeExperts.KEEP += [
     Keep(_S41_COUNT_STAT.replace("usage[e] = tok.sum()", "usage[e] = flat[tok].sum()"),
          reason="the loop also writes one value per expert", name="s41_per_expert_sum_of_token_values"),
 ]
+
+
+# --- s41b (helper moe41b): the s41 judge's blind moe_experts recall classes ---------------------------------------
+
+
+def _s41b_self_attr(node: ast.expr) -> bool:
+    """``self.<attr>`` (one level)."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def _s41b_counted_rows(node: ast.expr) -> Optional[ast.expr]:
+    """``r`` of ``r.numel()`` / ``len(r)`` / ``r.shape[0]`` / ``r.size(0)``: how many rows an index tensor holds."""
+    if isinstance(node, ast.Call) and dotted(node.func) == "len" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords and (
+            node.func.attr == "numel" and not node.args or node.func.attr == "size" and len(node.args) == 1
+            and const_value(node.args[0]) == 0):
+        return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" \
+            and const_value(node.slice) == 0:
+        return node.value.value
+    return None
+
+
+def _s41b_buffer_made(module: ModuleInfo, scope: Scope, attr: str) -> Optional[ast.expr]:
+    """The value a module attribute holds, built in ``__init__`` of the scope's class: ``self.<attr> = value`` or
+    ``self.register_buffer("<attr>", value)``; None when it is built otherwise or assigned in the scope itself."""
+    cls = module.classes.get(scope.class_name or "")
+    if cls is None or any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == attr
+                          and isinstance(n.value, ast.Name) and n.value.id == "self" for n in fast_walk(scope.node)):
+        return None
+    made = _class_init_assigns(module, cls).get(attr)
+    if made is not None:
+        return made
+    init = _method(module, cls, "__init__")
+    calls = [n for n in fast_walk(init) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "register_buffer" and len(n.args) >= 2 and const_value(n.args[0]) == attr] if init else []
+    return calls[0].args[1] if len(calls) == 1 else None
