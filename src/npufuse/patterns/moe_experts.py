@@ -3146,6 +3146,8 @@ class _Eval:
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
                 and self.ev(parts[0]).args == base.args:
             return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
+        if base.kind == "rw_at_slot" and [self._part_kind(p) for p in parts] in (["tokmask"], ["tok"]):
+            return V("rw")  # s41b: w.gather(1, slot)[tok]: [n, 1], each selected token's weight at its slot of e
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
         if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] == ["tokmask"]:
@@ -3237,6 +3239,48 @@ class _Eval:
         self.env.update(names)
         self.run_body(loop.body)
         return True
+
+    def _s41b_argmax_slot(self, node: ast.Call, recv: V) -> Optional[V]:
+        """s41b: ``(idx == e).float().argmax(-1, keepdim=True)`` ([T, 1]: each token's slot holding e, 0 without e) and
+        ``(idx[tok] == e).float().argmax(-1)`` ([n]: the slot of e in each selected row; ``keepdim=True`` [n, 1]);
+        top-k indices are distinct in a row, so the slot is the only one."""
+        f = node.func
+        if not (isinstance(f, ast.Attribute) and f.attr == "argmax" and recv.kind in ("flatmask_num", "rowslots")
+                and const_value(keyword(node, "dim", 0)) == -1 and len(node.args) <= 1):
+            return None
+        keep = keyword(node, "keepdim", 1)
+        if len(node.args) + len(node.keywords) != 1 + (keep is not None) or keep is not None and const_value(keep) is not True:
+            return None
+        if recv.kind == "flatmask_num":
+            return V("kpos_all_col", recv.args) if keep is not None else None
+        return V("kpos_rows_col" if keep is not None else "kpos_rows", recv.args)
+
+    def _s41b_gather_at_slot(self, src: ast.expr, node: ast.Call, first: int) -> Optional[V]:
+        """s41b: the routing weight at the slot of e: ``w.gather(1, slot)`` with ``slot`` the [T, 1] argmax over all
+        tokens (read at the selected rows afterwards), or ``w[tok].gather(1, slot[:, None])`` with the [n] argmax of the
+        selected rows; ``w`` shaped like the indices (its dim 1 / -1 is the slot)."""
+        dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
+        if dim is None or index is None or const_value(dim) not in (1, -1) or len(node.args) + len(node.keywords) != first + 2:
+            return None
+        if isinstance(index, ast.Call) and isinstance(index.func, ast.Attribute) and index.func.attr == "unsqueeze" \
+                and len(index.args) == 1 and const_value(index.args[0]) == -1 and not index.keywords \
+                and self.ev(index.func.value).kind == "kpos_rows":
+            iv = V("kpos_rows_col", self.ev(index.func.value).args)  # slot[:, None] spelled unsqueeze(-1)
+        else:
+            iv = self.ev(index)
+        if iv.kind not in ("kpos_all_col", "kpos_rows_col") or not iv.args:
+            return None
+        sv = self.ev(src)
+        name = sv.args[0] if sv.kind in ("outer", "x") and sv.args and isinstance(sv.args[0], str) else ""
+        if not name or not _s41_shaped_like_indices(self.m, self.scope, name, iv.args[0], self.loop.lineno):
+            return None
+        if iv.kind == "kpos_all_col" and sv.kind == "outer":
+            self._set_probs(name)
+            return V("rw_at_slot")
+        if iv.kind == "kpos_rows_col" and sv.kind == "x" and iv.args[0] == self.tok_indices:
+            self._set_probs(name)
+            return V("rw")
+        return None
 
     def _s41b_dropout(self, node: ast.Call) -> Optional[V]:
         """s41b: ``self.<drop>(y)`` with ``self.<drop> = nn.Dropout(...)`` built in ``__init__`` (or ``F.dropout(y, ...)``
@@ -3519,6 +3563,13 @@ class _Eval:
             if attr == "argmax" and recv.kind == "flatmask_num" and const_value(keyword(node, "dim", 0)) == -1 \
                     and keyword(node, "keepdim", 1) is None and len(node.args) + len(node.keywords) == 1:
                 return V("kpos_all", recv.args)  # s41: each token's (first) slot holding e; 0 for tokens without e
+            slots = self._s41b_argmax_slot(node, recv)
+            if slots is not None:
+                return slots
+            if attr == "gather":
+                gathered = self._s41b_gather_at_slot(f.value, node, first=0)
+                if gathered is not None:
+                    return gathered
             if attr == "sum" and recv.kind in ("masked_w", "masked_w_rows"):
                 dense = self._slot_weight_sum(recv, node, first=0)  # s41: `ew = w * sel.float(); ew = ew.sum(dim=-1)`
                 if dense is not None:
@@ -3629,6 +3680,9 @@ class _Eval:
             if dense is not None:
                 return dense
         if name == "torch.gather" and node.args:
+            gathered = self._s41b_gather_at_slot(node.args[0], node, first=1)
+            if gathered is not None:
+                return gathered
             src = self.ev(node.args[0])
             if src.kind == "x" and self._gather_slot(node, first=1):
                 self._set_probs(src.args[0])
