@@ -257,7 +257,8 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 if found is not None:
                     yield found
                     continue
-            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp):
+            if not quiet and isinstance(stmt, ast.Assign) and (isinstance(stmt.value, ast.ListComp) or isinstance(
+                    stmt.value, ast.Call) and len(stmt.value.args) == 1 and isinstance(stmt.value.args[0], ast.ListComp)):
                 dense = _dense_stack_site(module, scope, block, i)  # s26: every expert on every token, sparse gate
                 if dense is not None:
                     yield dense
@@ -10802,6 +10803,12 @@ def _gate_evidence(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, 
             value = scope.definition(n.id, line)
             if value is not None and id(value) not in seen:
                 found |= _gate_evidence(module, scope, value, getattr(value, "lineno", line), seen, depth + 1)
+                # s41b: `G.scatter_(-1, idx, v)` / `G.masked_fill_(...)` statements on the name after it is bound
+                for c in scope.nodes().get(ast.Call, ()):
+                    if isinstance(c.func, ast.Attribute) and c.func.attr in ("scatter_", "masked_fill_") \
+                            and isinstance(c.func.value, ast.Name) and c.func.value.id == n.id \
+                            and getattr(value, "lineno", line) <= c.lineno < line and id(c) not in seen:  # type: ignore[attr-defined]
+                        found |= _gate_evidence(module, scope, c, c.lineno, seen, depth + 1)  # type: ignore[arg-type]
     return found
 
 
@@ -10827,10 +10834,18 @@ def _gate_module_evidence(module: ModuleInfo, cls_name: Optional[str], attr: str
 def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
     """The dense top-k mixture above starting at ``block[i]`` (the comprehension over the experts)."""
     st = block[i]
-    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-            and isinstance(st.value, ast.ListComp) and len(st.value.generators) == 1):
+    stacked = ""
+    stack_dim: Any = None
+    inline = _s41b_inline_stack(module, st)
+    if inline is not None:
+        # s41b: `S = torch.stack([expert(x) for expert in self.experts], dim=d)`: the list is never named
+        stacked, stack_dim, comp = inline
+        outs = stacked
+    elif not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+              and isinstance(st.value, ast.ListComp) and len(st.value.generators) == 1):
         return None
-    outs, comp = st.targets[0].id, st.value
+    else:
+        outs, comp = st.targets[0].id, st.value
     gen = comp.generators[0]
     call = comp.elt
     if gen.ifs or gen.is_async or not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
@@ -10847,8 +10862,6 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
         return None
     if x == gen.target.id:  # type: ignore[attr-defined]
         return None
-    stacked = ""
-    stack_dim: Any = None
     nan_zero = False
     replay: list[ast.stmt] = []
     combine: Optional[ast.stmt] = None
@@ -10954,9 +10967,12 @@ def _nan_zeroing(s: ast.stmt, name: str) -> bool:
 
 def _weighted_sum(module: ModuleInfo, node: Optional[ast.expr], stacked: str, stack_dim: Any) -> Optional[ast.expr]:
     """The gate G of ``torch.sum(G.unsqueeze(d) * stacked, dim=s)`` / ``(G.unsqueeze(d) * stacked).sum(s)`` where
-    the experts are stacked at ``stack_dim`` (-1: [.., D, E], d = -2; -2: [.., E, D], d = -1) and s = stack_dim."""
+    the experts are stacked at ``stack_dim`` (-1: [.., D, E], d = -2; -2: [.., E, D], d = -1) and s = stack_dim;
+    s41b: or ``torch.einsum("bte,bted->btd", G, stacked)`` (the same sum spelled as an einsum)."""
     if not isinstance(node, ast.Call):
         return None
+    if _canon(module, node.func) == "torch.einsum":
+        return _s41b_einsum_gate(node, stacked, stack_dim)
     if _canon(module, node.func) == "torch.sum" and node.args:
         prod, dim = node.args[0], keyword(node, "dim", 1)
     elif isinstance(node.func, ast.Attribute) and node.func.attr == "sum":
@@ -11179,12 +11195,15 @@ class ChannelGroups(nn.Module):
 ]
 
 
-def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result_line: str, rank2: bool) -> list[str]:
+def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result_line: str, rank2: bool,
+                       count: str = "") -> list[str]:
     """The fused branch of a dense top-k mixture (``gate_text`` [..., E] weights ``cont``'s experts on ``x``):
     permute by the gate's non-zero entries (read at run time), one call per expert, unpermute with those
     entries into ``{P}mixed``, then ``result_line``. Ends with the ``if`` header's body; the caller adds the else."""
     ind = "    "
     rank = f" and {P}g.dim() == 2" if rank2 else ""
+    if count:
+        rank += f" and ({count}) == len({P}experts)"  # s41b: the loop's range(E) covers every expert of the list
     lines = [
         f"{P}g = {gate_text}",
         f"{P}experts = list({cont})",
@@ -11283,11 +11302,17 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
         x = b.args[0].id
         if x in (e, item, out) or {n.id for n in fast_walk(gate) if isinstance(n, ast.Name)} & {e, item, out}:
             return None
+        count = ""
         if container is None:
             bound = _range_bound(it)
             if not (isinstance(bound, ast.Call) and dotted(bound.func) == "len" and len(bound.args) == 1
                     and ast.dump(bound.args[0]) == ast.dump(cont_node)):  # type: ignore[arg-type]
-                return None  # range(E) over a count npufuse cannot tie to the module list
+                # s41b: range(self.n): the fused branch runs only where it equals the list's length (checked at
+                # run time); other loop variables or names it binds are not such a count
+                if bound is None or any(isinstance(n, ast.Name) and n.id in (e, out) for n in fast_walk(bound)) \
+                        or any(isinstance(n, ast.Call) for n in fast_walk(bound)):
+                    return None
+                count = segment(module, bound)
         gate_text = segment(module, gate)
         end = loop.end_lineno or loop.lineno
         evidence = _gate_evidence(module, scope, gate, loop.lineno)
@@ -11302,7 +11327,7 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
                             f"experts mix tokens ({mixing}): the fused layer would call each on its routed rows only")
         cont = segment(module, cont_node)  # type: ignore[arg-type]
         result = f"{out} += {P}mixed" if aug else f"{out} = {out} + {P}mixed"
-        lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2)
+        lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2, count)
         lines += ["else:  # other shapes: as written", *("    " + ln for ln in ast.unparse(loop).splitlines())]
         params: dict[str, Any] = {
             "num_experts": f"len({cont})", "top_k": "non-zero gate entries per token (read at run time)",
@@ -11385,6 +11410,12 @@ def _s40_scattered_gate(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt],
         rebinds = isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
             and st.targets[0].id == gate
         v = st.value if isinstance(st, (ast.Assign, ast.Expr)) else None
+        chained = _s41b_zeros_scattered(module, v) if rebinds else None
+        if chained is not None:
+            # s41b: `G = torch.zeros_like(s).scatter(-1, idx, p)`: the zeros and the scatter in one expression
+            zeros_of, idx, p = chained
+            build, slots_done, need_2d = [st], True, False
+            continue
         if rebinds and isinstance(v, ast.Call) and (
                 _canon(module, v.func) == "torch.zeros_like" and len(v.args) == 1 and isinstance(v.args[0], ast.Name)
                 and not v.keywords
@@ -13549,4 +13580,157 @@ MoeExperts.KEEP += [
         "        self.experts = nn.ModuleList([ResidualExpert(d, h) for _ in range(n)])\n",
         "        self.experts = nn.ModuleList([ResidualExpert(d, h) for _ in range(n)])\n        self.local_experts = [0, 2]\n"),
          reason="the loop skips experts on `e not in self.local_experts`", name="s41b_local_experts_by_list_membership"),
+]
+
+
+def _s41b_inline_stack(module: ModuleInfo, st: ast.stmt) -> Optional[tuple[str, Any, ast.ListComp]]:
+    """(S, its expert dim, the comprehension) of ``S = torch.stack([... for ... in ...], dim=d)``."""
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(st.value, ast.Call) and len(st.value.args) == 1 and isinstance(st.value.args[0], ast.ListComp)
+            and len(st.value.args[0].generators) == 1 and _canon(module, st.value.func) == "torch.stack"):
+        return None
+    dim = keyword(st.value, "dim", 1)
+    if len(st.value.keywords) > 1 or dim is None and st.value.keywords:
+        return None
+    return st.targets[0].id, const_value(dim) if dim is not None else 0, st.value.args[0]
+
+
+def _s41b_einsum_gate(call: ast.Call, stacked: str, stack_dim: Any) -> Optional[ast.expr]:
+    """G of ``torch.einsum(spec, G, S)`` summing over the expert letter: spec ``<p>e,<p>ed-><p>d`` for experts
+    stacked at -2 (``<p>de`` at -1), ``<p>`` the same leading letters (or ``...``) on every side; the letters of the
+    expert and feature dims distinct and not among them."""
+    if len(call.args) != 3 or call.keywords or not isinstance(call.args[2], ast.Name) or call.args[2].id != stacked:
+        return None
+    spec = const_value(call.args[0])
+    if not isinstance(spec, str) or stack_dim not in (-1, -2):
+        return None
+    spec = spec.replace(" ", "")
+    if spec.count("->") != 1 or spec.count(",") != 1:
+        return None
+    ins, out = spec.split("->")
+    g, sv = ins.split(",")
+    if not g or not out or len(sv) != len(g) + 1:
+        return None
+    e, d, lead = g[-1], out[-1], g[:-1]
+    want = lead + e + d if stack_dim == -2 else lead + d + e
+    letters = lead.replace("...", "")
+    if sv != want or out != lead + d or e == d or e in letters or d in letters or not (e + d).isalpha() \
+            or len(set(letters)) != len(letters):
+        return None
+    return call.args[1]
+
+
+def _s41b_zeros_scattered(module: ModuleInfo, v: Optional[ast.expr]) -> Optional[tuple[str, str, str]]:
+    """(s, idx, p) of ``torch.zeros_like(s).scatter(-1, idx, p)`` / ``s.new_zeros(s.shape).scatter_(-1, idx, p)``."""
+    if not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in ("scatter", "scatter_")):
+        return None
+    z = v.func.value
+    if not isinstance(z, ast.Call) or z.keywords or len(z.args) != 1:
+        return None
+    if _canon(module, z.func) == "torch.zeros_like" and isinstance(z.args[0], ast.Name):
+        src = z.args[0].id
+    elif isinstance(z.func, ast.Attribute) and z.func.attr == "new_zeros" and isinstance(z.func.value, ast.Name) \
+            and ast.unparse(z.args[0]) == f"{z.func.value.id}.shape":
+        src = z.func.value.id
+    else:
+        return None
+    args = _s40_scatter_args(module, v)
+    if args is None or not isinstance(args[0], ast.Name) or not isinstance(args[1], ast.Name):
+        return None
+    return src, args[0].id, args[1].id
+
+
+# 4. dense-gated MoE: every expert on every token, the gate zero outside the top-k (read at run time, exact for any
+#    gate): an accumulating loop over range(self.n) (a run-time check ties n to the list), an inline stack combined by
+#    einsum over a softmax of -inf-scattered top-k logits, masked_fill of the non-top-k entries, zeros_like().scatter()
+_S41B_DENSE_LOOP = _HEAD + _FF_SWIGLU + '''
+
+class DenseMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_v, topk_i = torch.topk(probs, self.k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+'''
+
+_S41B_DENSE_RUN = '''\
+m = DenseMoE(16, 24, 5, 2)
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[4].w2.weight]
+'''
+
+_S41B_DENSE_EINSUM = _S41B_DENSE_LOOP.replace('''        probs = F.softmax(self.gate(x), dim=-1)
+        topk_v, topk_i = torch.topk(probs, self.k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''', '''        logits = self.gate(x)
+        topk_v, topk_i = logits.topk(self.k, dim=-1)
+        masked = torch.full_like(logits, float("-inf"))
+        masked.scatter_(-1, topk_i, topk_v)
+        gates = F.softmax(masked, dim=-1)
+        expert_outs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        out = torch.einsum("bte,bted->btd", gates, expert_outs)
+        return out
+''')
+
+_S41B_DENSE_MASKED_FILL = _S41B_DENSE_LOOP.replace('''        gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''', '''        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, topk_i, True)
+        gates = probs.masked_fill(~keep, 0.0)
+        expert_outs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        return (gates.unsqueeze(-1) * expert_outs).sum(dim=-2)
+''')
+
+_S41B_DENSE_APPEND = _S41B_DENSE_LOOP.replace('''        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''', '''        expert_outs = []
+        for e in range(self.n):
+            expert_outs.append(self.experts[e](x))
+        expert_outs = torch.stack(expert_outs, dim=-1)
+        return (expert_outs * gates.unsqueeze(-2)).sum(dim=-1)
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_S41B_DENSE_LOOP, name="s41b_dense_loop_over_range_of_a_count", run=_S41B_DENSE_RUN,
+         expect={"routing": "dense_gate", "tokens": "x", "probs": "gates", "output": "out"}),
+    Fuse(_S41B_DENSE_EINSUM, name="s41b_dense_inline_stack_einsum_of_neg_inf_scatter_softmax", run=_S41B_DENSE_RUN,
+         expect={"routing": "dense_gate", "tokens": "x", "probs": "gates", "output": "out"}),
+    Fuse(_S41B_DENSE_MASKED_FILL, name="s41b_dense_inline_stack_masked_fill_outside_topk", run=_S41B_DENSE_RUN,
+         expect={"routing": "dense_gate", "tokens": "x", "probs": "gates"}),
+    Fuse(_S41B_DENSE_APPEND, name="s41b_dense_append_gate_zeros_scattered_in_one_expression", run=_S41B_DENSE_RUN,
+         expect={"routing": "scattered_topk", "indices": "topk_i", "probs": "topk_v", "tokens": "x"}),
+]
+
+MoeExperts.KEEP += [
+    # a softmax over all experts: every expert weighs every token (a soft mixture), nothing to route
+    Keep(_S41B_DENSE_EINSUM.replace('''        masked = torch.full_like(logits, float("-inf"))
+        masked.scatter_(-1, topk_i, topk_v)
+        gates = F.softmax(masked, dim=-1)
+''', '''        gates = F.softmax(logits, dim=-1)
+'''), reason="does not trace to a top-k routing", name="s41b_dense_einsum_soft_mixture"),
+    # the einsum keeps the expert axis (no sum over experts): not a gate-weighted mixture
+    Keep(_S41B_DENSE_EINSUM.replace('torch.einsum("bte,bted->btd", gates, expert_outs)',
+                                    'torch.einsum("bte,bted->bted", gates, expert_outs)'),
+         reason="not as a per-token gate-weighted sum over the experts", name="s41b_dense_einsum_keeps_expert_axis"),
+    # top-k values scattered into ones: unchosen experts weigh 1, not 0
+    Keep(_S41B_DENSE_APPEND.replace("torch.zeros_like(probs).scatter(", "torch.ones_like(probs).scatter("),
+         reason="is not built as zeros with the top-k values scattered into them", name="s41b_dense_append_scattered_into_ones"),
 ]
