@@ -4006,6 +4006,17 @@ class _Eval:
                 site = self._finish_flat(block, i, self.results[0][1], self.tuple_call[2], self.results[0][3])
                 site.zero_link = self.zero_link
                 return site
+            targets = [t for _, t, _, _ in self.results]
+            if len(set(targets)) == len(targets) and all(m == "append" for m, _, _, _ in self.results):
+                # s41b: two-phase loops (`outs.append(y); rows.append(tok)`, combined after the loop)
+                raise _Miss(f"the loop collects per-expert values into several Python lists "
+                            f"({', '.join(f'`{t}`' for t in targets)}) that are combined after the loop, which npufuse "
+                            "does not read")
+            appended = [t for m, t, _, _ in self.results if m == "append"]
+            written = [t for m, t, _, _ in self.results if m != "append"]
+            if len(set(targets)) == len(targets) and appended and written:
+                raise _Miss(f"the loop writes {' and '.join(f'`{t}`' for t in written)} and also appends to "
+                            f"{' and '.join(f'`{t}`' for t in appended)} per expert, which the fused layer does not")
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
         kept = _kept_part(self, contrib, block[i]) if mode == "accumulate" else None  # s26: `y, _ = expert(rows)`
@@ -13733,4 +13744,36 @@ MoeExperts.KEEP += [
     # top-k values scattered into ones: unchosen experts weigh 1, not 0
     Keep(_S41B_DENSE_APPEND.replace("torch.zeros_like(probs).scatter(", "torch.ones_like(probs).scatter("),
          reason="is not built as zeros with the top-k values scattered into them", name="s41b_dense_append_scattered_into_ones"),
+]
+
+
+# 5 / 7. near misses with what they are: per-expert counts appended to a Python list next to the output write, and
+#    two-phase loops collecting outputs, rows and weights into lists combined after the loop
+MoeExperts.KEEP += [
+    Keep(_S41B_LOAD_BUFFER.replace("            self.expert_load[e] += token_idx.numel()\n",
+                                   "            counts.append(token_idx.numel())\n").replace(
+        "        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        counts = []\n"),
+         reason="the loop writes `out` and also appends to `counts` per expert", name="s41b_counts_appended_to_python_list"),
+    Keep(_S41B_ROWS_TWICE.replace('''        out = torch.zeros_like(x)
+        for e in range(self.n):
+            token_idx, slot_idx = torch.where(topk_i == e)
+            if token_idx.numel() == 0:
+                continue
+            x_sel = x[token_idx]
+            y = self.experts[e](x_sel, x_sel)
+            out.index_add_(0, token_idx, topk_w[token_idx, slot_idx, None] * y)
+        return out
+''', '''        outs, rows, weights = [], [], []
+        for e in range(self.n):
+            token_idx, slot_idx = torch.where(topk_i == e)
+            if token_idx.numel() == 0:
+                continue
+            x_sel = x[token_idx]
+            outs.append(self.experts[e](x_sel, x_sel))
+            rows.append(token_idx)
+            weights.append(topk_w[token_idx, slot_idx])
+        y = torch.cat(outs) * torch.cat(weights).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, torch.cat(rows), y)
+'''), reason="collects per-expert values into several Python lists (`outs`, `rows`, `weights`)",
+         name="s41b_two_phase_lists_combined_after_the_loop"),
 ]
