@@ -4009,9 +4009,8 @@ class _Eval:
             targets = [t for _, t, _, _ in self.results]
             if len(set(targets)) == len(targets) and all(m == "append" for m, _, _, _ in self.results):
                 # s41b: two-phase loops (`outs.append(y); rows.append(tok)`, combined after the loop)
-                raise _Miss(f"the loop collects per-expert values into several Python lists "
-                            f"({', '.join(f'`{t}`' for t in targets)}) that are combined after the loop, which npufuse "
-                            "does not read")
+                raise _Miss(f"the loop appends to several Python lists per expert ({', '.join(f'`{t}`' for t in targets)}): "
+                            "npufuse reads loops that collect one list of expert outputs")
             appended = [t for m, t, _, _ in self.results if m == "append"]
             written = [t for m, t, _, _ in self.results if m != "append"]
             if len(set(targets)) == len(targets) and appended and written:
@@ -10902,8 +10901,8 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
     if gate is None:
         return NearMiss(_ID, scope.qualname, st.lineno, combine.end_lineno or combine.lineno,
                         f"every expert runs on the same input `{x}` and the stacked outputs are combined as "
-                        f"`{ast.unparse(combine)[:60]}`, not as a per-token gate-weighted sum over the experts: "
-                        "no token routing to replace")
+                        f"`{ast.unparse(combine)[:60]}`, which npufuse does not read as a per-token gate-weighted sum "
+                        "over the experts (`G.unsqueeze(d) * S` summed over the experts' dim, or an einsum doing so)")
     gate_text = segment(module, gate)
     end = combine.end_lineno or combine.lineno
     first = st.lineno
@@ -11108,7 +11107,7 @@ MoeExperts.KEEP += [
          reason="is used after the mixture", name="s26_dense_all_outputs_used_after"),
     # the experts' outputs are averaged (an ensemble), not weighted by a gate
     Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)", "return stacked.mean(dim=-2)"),
-         reason="not as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
+         reason="does not read as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
 ]
 
 
@@ -13740,7 +13739,7 @@ MoeExperts.KEEP += [
     # the einsum keeps the expert axis (no sum over experts): not a gate-weighted mixture
     Keep(_S41B_DENSE_EINSUM.replace('torch.einsum("bte,bted->btd", gates, expert_outs)',
                                     'torch.einsum("bte,bted->bted", gates, expert_outs)'),
-         reason="not as a per-token gate-weighted sum over the experts", name="s41b_dense_einsum_keeps_expert_axis"),
+         reason="does not read as a per-token gate-weighted sum over the experts", name="s41b_dense_einsum_keeps_expert_axis"),
     # top-k values scattered into ones: unchosen experts weigh 1, not 0
     Keep(_S41B_DENSE_APPEND.replace("torch.zeros_like(probs).scatter(", "torch.ones_like(probs).scatter("),
          reason="is not built as zeros with the top-k values scattered into them", name="s41b_dense_append_scattered_into_ones"),
@@ -13774,6 +13773,6 @@ MoeExperts.KEEP += [
             weights.append(topk_w[token_idx, slot_idx])
         y = torch.cat(outs) * torch.cat(weights).unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, torch.cat(rows), y)
-'''), reason="collects per-expert values into several Python lists (`outs`, `rows`, `weights`)",
+'''), reason="the loop appends to several Python lists per expert (`outs`, `rows`, `weights`)",
          name="s41b_two_phase_lists_combined_after_the_loop"),
 ]
