@@ -13330,16 +13330,26 @@ def _s41b_buffer_made(module: ModuleInfo, scope: Scope, attr: str) -> Optional[a
 
 # 1. an empty-expert skip, then the weighted rows added back one (token, slot) pair at a time by the pair's number:
 #    `for j in range(tok.shape[0]): out[tok[j]] += w[tok[j], slot[j]] * y[j]` (the same sum as index_add_)
-_S41B_PAIR_RANGE = _HEAD + _FF_SWIGLU + '''
-
-class PairMoE(nn.Module):
+def _s41b_moe(cls: str, forward: str, init_extra: str = "", expert: str = "FF", head: str = _FF_SWIGLU) -> str:
+    """An example MoE module: ``n`` experts ``expert(d, h)``, a linear gate to ``n`` logits, top-``k`` routing;
+    ``forward`` is the body of ``forward(self, x)`` (8 spaces in), ``init_extra`` more ``__init__`` lines."""
+    return _HEAD + head + "\n\nclass " + cls + """(nn.Module):
     def __init__(self, d, h, n, k):
         super().__init__()
         self.n, self.k = n, k
         self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
-
+        self.experts = nn.ModuleList([""" + expert + """(d, h) for _ in range(n)])
+""" + init_extra + """
     def forward(self, x):
+""" + forward
+
+
+def _s41b_run(make: str, x_shape: str, leaves: str, check: str = "") -> str:
+    """The run of an example: the module, random tokens of ``x_shape``, gradients of ``x`` and ``leaves``."""
+    return f"m = {make}\nx = torch.randn({x_shape}, requires_grad=True)\nout = m(x)\n{check}leaves = [x, {leaves}]\n"
+
+
+_S41B_PAIR_RANGE = _s41b_moe('PairMoE', '''\
         topk_w, topk_i = torch.topk(self.gate(x), self.k, dim=-1)
         topk_w = F.softmax(topk_w, dim=-1)
         out = torch.zeros_like(x)
@@ -13352,27 +13362,12 @@ class PairMoE(nn.Module):
             for j in range(tok.shape[0]):
                 out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
         return out
-'''
+''')
 
-_S41B_PAIR_RUN = '''\
-m = PairMoE(16, 24, 5, 2)
-x = torch.randn(7, 16, requires_grad=True)
-out = m(x)
-leaves = [x, m.gate.weight, m.experts[2].w1.weight]
-'''
+_S41B_PAIR_RUN = _s41b_run("PairMoE(16, 24, 5, 2)", "7, 16", "m.gate.weight, m.experts[2].w1.weight")
 
 # 2. the expert output wrapped in a dropout module, tokens picked by two coordinates of [T, B, K] indices
-_S41B_DROPOUT_TBD = _HEAD + _FF_SWIGLU + '''
-
-class DropMoE(nn.Module):
-    def __init__(self, d, h, n, k, p=0.1):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
-        self.dropout = nn.Dropout(p)
-
-    def forward(self, x):
+_S41B_DROPOUT_TBD = _s41b_moe('DropMoE', '''\
         probs = F.softmax(self.gate(x), dim=-1)
         topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
         out = torch.zeros_like(x)
@@ -13384,15 +13379,10 @@ class DropMoE(nn.Module):
             y = self.dropout(self.experts[e](x_sel))
             out[token_idx, batch_idx] += topk_w[token_idx, batch_idx, slot_idx].unsqueeze(-1) * y
         return out
-'''
+''', init_extra='        self.dropout = nn.Dropout(0.1)\n')
 
 # eval mode: dropout is the identity (training draws other masks: equal in distribution only, a risk line says so)
-_S41B_DROPOUT_RUN = '''\
-m = DropMoE(16, 24, 5, 2).eval()
-x = torch.randn(6, 3, 16, requires_grad=True)
-out = m(x)
-leaves = [x, m.gate.weight, m.experts[1].w2.weight]
-'''
+_S41B_DROPOUT_RUN = _s41b_run("DropMoE(16, 24, 5, 2).eval()", "6, 3, 16", "m.gate.weight, m.experts[1].w2.weight")
 
 # 3. a two-input expert (`forward(self, x, residual)`) called with the selected rows twice
 _S41B_ROWS_TWICE = _HEAD + '''
@@ -13428,25 +13418,10 @@ class TwiceMoE(nn.Module):
         return out
 '''
 
-_S41B_ROWS_TWICE_RUN = '''\
-m = TwiceMoE(16, 24, 5, 2)
-x = torch.randn(9, 16, requires_grad=True)
-out = m(x)
-leaves = [x, m.gate.weight, m.experts[3].fc1.weight]
-'''
+_S41B_ROWS_TWICE_RUN = _s41b_run("TwiceMoE(16, 24, 5, 2)", "9, 16", "m.gate.weight, m.experts[3].fc1.weight")
 
 # 5. per-expert load statistics in a buffer of the module, counted by the where rows' numel
-_S41B_LOAD_BUFFER = _HEAD + _FF_SWIGLU + '''
-
-class LoadMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
-        self.register_buffer("expert_load", torch.zeros(n))
-
-    def forward(self, x):
+_S41B_LOAD_BUFFER = _s41b_moe('LoadMoE', '''\
         probs = F.softmax(self.gate(x), dim=-1)
         topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
         out = torch.zeros_like(x)
@@ -13458,28 +13433,14 @@ class LoadMoE(nn.Module):
             y = self.experts[e](x[token_idx])
             out.index_add_(0, token_idx, topk_w[token_idx, slot_idx, None] * y)
         return out, self.expert_load.clone()
-'''
+''', init_extra='        self.register_buffer("expert_load", torch.zeros(n))\n')
 
-_S41B_LOAD_RUN = '''\
-m = LoadMoE(16, 24, 8, 2)
-x = torch.randn(3, 16, requires_grad=True)
-out = m(x)
-assert (out[1] == 0).any()  # some experts get no token
-leaves = [x, m.gate.weight, m.experts[1].w3.weight]
-'''
+_S41B_LOAD_RUN = _s41b_run("LoadMoE(16, 24, 8, 2)", "3, 16", "m.gate.weight, m.experts[1].w3.weight",
+                           check="assert (out[1] == 0).any()  # some experts get no token\n")
 
 # 8. the routing weight gathered at the expert's slot: `slot = (idx == e).float().argmax(-1, keepdim=True)`,
 #    `w = topk_w.gather(1, slot)` read at the selected rows (top-k indices are distinct: one slot holds e)
-_S41B_ARGMAX_GATHER = _HEAD + _FF_SWIGLU + '''
-
-class GatherSlotMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
-
-    def forward(self, x):
+_S41B_ARGMAX_GATHER = _s41b_moe('GatherSlotMoE', '''\
         probs = F.softmax(self.gate(x), dim=-1)
         topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
         out = torch.zeros_like(x)
@@ -13493,14 +13454,9 @@ class GatherSlotMoE(nn.Module):
             y = self.experts[e](x[tok])
             out[tok] += w[tok] * y
         return out
-'''
+''')
 
-_S41B_ARGMAX_GATHER_RUN = '''\
-m = GatherSlotMoE(16, 24, 5, 2)
-x = torch.randn(8, 16, requires_grad=True)
-out = m(x)
-leaves = [x, m.gate.weight, m.experts[0].w1.weight]
-'''
+_S41B_ARGMAX_GATHER_RUN = _s41b_run("GatherSlotMoE(16, 24, 5, 2)", "8, 16", "m.gate.weight, m.experts[0].w1.weight")
 
 MoeExperts.FUSE += [
     Fuse(_S41B_PAIR_RANGE, name="s41b_pair_loop_over_range_of_rows", run=_S41B_PAIR_RUN,
@@ -13653,16 +13609,7 @@ def _s41b_zeros_scattered(module: ModuleInfo, v: Optional[ast.expr]) -> Optional
 # 4. dense-gated MoE: every expert on every token, the gate zero outside the top-k (read at run time, exact for any
 #    gate): an accumulating loop over range(self.n) (a run-time check ties n to the list), an inline stack combined by
 #    einsum over a softmax of -inf-scattered top-k logits, masked_fill of the non-top-k entries, zeros_like().scatter()
-_S41B_DENSE_LOOP = _HEAD + _FF_SWIGLU + '''
-
-class DenseMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
-
-    def forward(self, x):
+_S41B_DENSE_LOOP = _s41b_moe('DenseMoE', '''\
         probs = F.softmax(self.gate(x), dim=-1)
         topk_v, topk_i = torch.topk(probs, self.k, dim=-1)
         gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
@@ -13670,14 +13617,9 @@ class DenseMoE(nn.Module):
         for e in range(self.n):
             out += gates[..., e:e + 1] * self.experts[e](x)
         return out
-'''
+''')
 
-_S41B_DENSE_RUN = '''\
-m = DenseMoE(16, 24, 5, 2)
-x = torch.randn(2, 6, 16, requires_grad=True)
-out = m(x)
-leaves = [x, m.gate.weight, m.experts[4].w2.weight]
-'''
+_S41B_DENSE_RUN = _s41b_run("DenseMoE(16, 24, 5, 2)", "2, 6, 16", "m.gate.weight, m.experts[4].w2.weight")
 
 _S41B_DENSE_EINSUM = _S41B_DENSE_LOOP.replace('''        probs = F.softmax(self.gate(x), dim=-1)
         topk_v, topk_i = torch.topk(probs, self.k, dim=-1)
