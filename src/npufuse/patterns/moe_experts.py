@@ -2807,6 +2807,8 @@ class _Eval:
                 # s41b: `out[rows] = out[rows] + y`, the spelled-out `out[rows] += y` (the same index_put)
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value.right)), None))
                 return
+            if sel.kind in ("tok", "tokmask") and not sel.args and self._s41b_weight_scatter(tgt, s.value, sel):
+                return  # s41b: `wt[tok] = w[tok, slot]`: each selected row's weight, read back at the same rows
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice) and self._expert_count_stat(tgt, s.value, "assign"):
                 return  # s41: `usage[e] = mask.sum()`: the count of this expert's tokens, computed for all at once
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
@@ -3150,6 +3152,9 @@ class _Eval:
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
                 and self.ev(parts[0]).args == base.args:
             return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
+        if base.kind == "scattered_w" and [self._part_kind(p) for p in parts] == [base.args[1]] \
+                and ast.dump(sl) == base.args[2]:
+            return base.args[0]  # s41b: wt[tok] after wt[tok] = v: v (the rows are distinct)
         if base.kind == "rw_at_slot" and [self._part_kind(p) for p in parts] in (["tokmask"], ["tok"]):
             return V("rw")  # s41b: w.gather(1, slot)[tok]: [n, 1], each selected token's weight at its slot of e
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
@@ -3242,6 +3247,21 @@ class _Eval:
             return False
         self.env.update(names)
         self.run_body(loop.body)
+        return True
+
+    def _s41b_weight_scatter(self, tgt: ast.Subscript, value: ast.expr, sel: V) -> bool:
+        """s41b: ``wt[tok] = w[tok, slot]`` (or another routing weight of the selected rows) into a buffer ``wt`` that
+        the loop reads back only as ``wt[tok]`` and that nothing reads after the loop: the same rows (distinct: where
+        rows of a last-dim topk's indices, or a boolean mask) give back the values written."""
+        if not isinstance(tgt.value, ast.Name):
+            return False
+        v = self.ev(_strip_casts(value))
+        if v.kind not in ("rw_pre", "rw_row", "rw_flat", "rw") or self.scope.uses_after(tgt.value.id, self.loop.end_lineno or self.loop.lineno):
+            return False
+        if sel.kind == "tok" and not (self.where_indices and _s40_topk_indices(self.m, self.scope, self.where_indices,
+                                                                               self.loop.lineno) is not None):
+            return False  # index rows: distinct only for a last-dim topk's indices
+        self.env[tgt.value.id] = V("scattered_w", (v, sel.kind, ast.dump(tgt.slice)))
         return True
 
     def _s41b_argmax_slot(self, node: ast.Call, recv: V) -> Optional[V]:
@@ -13717,4 +13737,25 @@ MoeExperts.KEEP += [
         return torch.zeros_like(x).index_add_(0, torch.cat(rows), y)
 '''), reason="the loop appends to several Python lists per expert (`outs`, `rows`, `weights`)",
          name="s41b_two_phase_lists_combined_after_the_loop"),
+]
+
+
+# 1 (per-slot weight scatter): each selected row's weight written into a per-expert buffer at the selected rows, then
+#    read back at the same rows
+_S41B_WEIGHT_BUFFER = _S41B_PAIR_RANGE.replace('''            for j in range(tok.shape[0]):
+                out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
+''', '''            wt = torch.zeros(x.shape[0], device=x.device, dtype=topk_w.dtype)
+            wt[tok] = topk_w[tok, slot]
+            out[tok] += y * wt[tok].unsqueeze(-1)
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_S41B_WEIGHT_BUFFER, name="s41b_weight_scattered_into_buffer_read_at_same_rows", run=_S41B_PAIR_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "x", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the buffer read back at other rows (reversed): not each selected row's own weight
+    Keep(_S41B_WEIGHT_BUFFER.replace("out[tok] += y * wt[tok].unsqueeze(-1)", "out[tok] += y * wt[tok.flip(0)].unsqueeze(-1)"),
+         reason="not recognised as the routing weight", name="s41b_weight_buffer_read_at_other_rows"),
 ]
