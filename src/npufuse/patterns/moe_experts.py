@@ -170,6 +170,10 @@ class _Site:
     count_stats: tuple = ()
     # s41: tokens picked as `w > 0` / `w != 0` of each token's summed weight for the expert (the test as written)
     weight_select: str = ""
+    # s41b: opaque experts of a two-input forward called with the same rows twice (`expert(x_sel, x_sel)`)
+    rows_twice: bool = False
+    # s41b: the expert outputs pass through this row-wise dropout (the call with `{}` for its input), as written
+    post_dropout: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +257,8 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 if found is not None:
                     yield found
                     continue
-            if not quiet and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.ListComp):
+            if not quiet and isinstance(stmt, ast.Assign) and (isinstance(stmt.value, ast.ListComp) or isinstance(
+                    stmt.value, ast.Call) and len(stmt.value.args) == 1 and isinstance(stmt.value.args[0], ast.ListComp)):
                 dense = _dense_stack_site(module, scope, block, i)  # s26: every expert on every token, sparse gate
                 if dense is not None:
                     yield dense
@@ -2455,6 +2460,8 @@ class _Eval:
         self.expanded_to = ""  # s41: the tensor a [.., 1] slot-weight column is expanded to (must be the tokens)
         self.count_stats: list[tuple[str, str, bool, str, str]] = []  # s41: (stat, assign / add, guarded, indices, text)
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
+        self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
+        self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2685,6 +2692,8 @@ class _Eval:
             for b in s.body:  # `with torch.no_grad(): idx, top_x = torch.where(...)`
                 self.stmt(b)
             return
+        if isinstance(s, ast.For) and self._s41b_rows_of_pairs(s) is not None and self._pair_loop(s):
+            return  # s41b: `for j in range(len(tok))` is a loop over this expert's pairs, not over top-k slots
         if isinstance(s, ast.For) and self.enter_slot_loop(s):
             # `for k in range(K):` inside the expert loop, over the columns of [T, K] indices: the slots run one
             # after the other, each adding its rows of expert e (the same sum as one pass over all (token, slot) pairs)
@@ -2792,6 +2801,14 @@ class _Eval:
             parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
             if [self._part_kind(p) for p in parts] in (["flatcol"], ["flatcol", "all"], ["flatrow"], ["flatrow", "all"]):
                 sel = V("flatmask", self.ev(parts[0]).args)  # y[idx, :] = ... with idx = (flat_idx == e).nonzero()
+            if isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add) \
+                    and ast.dump(s.value.left) == ast.dump(ast.Subscript(value=tgt.value, slice=tgt.slice, ctx=ast.Load())) \
+                    and sel.kind in ("tok", "tokmask", "slotmask1", "tok1"):
+                # s41b: `out[rows] = out[rows] + y`, the spelled-out `out[rows] += y` (the same index_put)
+                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value.right)), None))
+                return
+            if sel.kind in ("tok", "tokmask") and not sel.args and self._s41b_weight_scatter(tgt, s.value, sel):
+                return  # s41b: `wt[tok] = w[tok, slot]`: each selected row's weight, read back at the same rows
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice) and self._expert_count_stat(tgt, s.value, "assign"):
                 return  # s41: `usage[e] = mask.sum()`: the count of this expert's tokens, computed for all at once
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
@@ -2804,6 +2821,9 @@ class _Eval:
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
             self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(s.value)), sel.args[0]))
             return
+        if isinstance(tgt, ast.Subscript) and _s41b_self_attr(tgt.value) and self._is_eidx(tgt.slice) \
+                and self._expert_count_stat(tgt, s.value, "assign"):
+            return  # s41b: `self.expert_load[e] = len(rows)`: the count of this expert's tokens into a module buffer
         raise _Miss(f"unrecognised assignment in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def _call_stmt(self, call: ast.Call) -> None:
@@ -3127,9 +3147,16 @@ class _Eval:
             return V("tok", base.args)  # ("slot",): the rows of a slot mask
         if base.kind == "mod_out" and [self._part_kind(p) for p in parts] == ["rowj"]:
             return base  # s41: y[j] of the pair loop: the expert output row of the pair's token
+        if base.kind in ("tok", "kpos") and not base.args and [self._part_kind(p) for p in parts] == ["rowj"]:
+            return V(base.kind + "1")  # s41b: tok[j] / slot[j]: the token and slot of pair j
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
                 and self.ev(parts[0]).args == base.args:
             return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
+        if base.kind == "scattered_w" and [self._part_kind(p) for p in parts] == [base.args[1]] \
+                and ast.dump(sl) == base.args[2]:
+            return base.args[0]  # s41b: wt[tok] after wt[tok] = v: v (the rows are distinct)
+        if base.kind == "rw_at_slot" and [self._part_kind(p) for p in parts] in (["tokmask"], ["tok"]):
+            return V("rw")  # s41b: w.gather(1, slot)[tok]: [n, 1], each selected token's weight at its slot of e
         if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
         if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] == ["tokmask"]:
@@ -3192,6 +3219,13 @@ class _Eval:
         w[rows, slots, None] * y)``. The loop variables are read as one pair's token / slot / output row."""
         it, tgt = loop.iter, loop.target
         j_name = ""
+        per_row = self._s41b_rows_of_pairs(loop)
+        if per_row is not None:
+            if loop.orelse or any(n in self.env for n in per_row):
+                return False
+            self.env.update(per_row)
+            self.run_body(loop.body)
+            return True
         if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords \
                 and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and isinstance(tgt.elts[0], ast.Name):
             j_name, it, tgt = tgt.elts[0].id, it.args[0], tgt.elts[1]
@@ -3215,15 +3249,142 @@ class _Eval:
         self.run_body(loop.body)
         return True
 
+    def _s41b_weight_scatter(self, tgt: ast.Subscript, value: ast.expr, sel: V) -> bool:
+        """s41b: ``wt[tok] = w[tok, slot]`` (or another routing weight of the selected rows) into a buffer ``wt`` that
+        the loop reads back only as ``wt[tok]`` and that nothing reads after the loop: the same rows (distinct: where
+        rows of a last-dim topk's indices, or a boolean mask) give back the values written."""
+        if not isinstance(tgt.value, ast.Name):
+            return False
+        v = self.ev(_strip_casts(value))
+        if v.kind not in ("rw_pre", "rw_row", "rw_flat", "rw") or self.scope.uses_after(tgt.value.id, self.loop.end_lineno or self.loop.lineno):
+            return False
+        if sel.kind == "tok" and not (self.where_indices and _s40_topk_indices(self.m, self.scope, self.where_indices,
+                                                                               self.loop.lineno) is not None):
+            return False  # index rows: distinct only for a last-dim topk's indices
+        self.env[tgt.value.id] = V("scattered_w", (v, sel.kind, ast.dump(tgt.slice)))
+        return True
+
+    def _s41b_argmax_slot(self, node: ast.Call, recv: V) -> Optional[V]:
+        """s41b: ``(idx == e).float().argmax(-1, keepdim=True)`` ([T, 1]: each token's slot holding e, 0 without e) and
+        ``(idx[tok] == e).float().argmax(-1)`` ([n]: the slot of e in each selected row; ``keepdim=True`` [n, 1]);
+        top-k indices are distinct in a row, so the slot is the only one."""
+        f = node.func
+        if not (isinstance(f, ast.Attribute) and f.attr == "argmax" and recv.kind in ("flatmask_num", "rowslots")
+                and const_value(keyword(node, "dim", 0)) == -1 and len(node.args) <= 1):
+            return None
+        keep = keyword(node, "keepdim", 1)
+        if len(node.args) + len(node.keywords) != 1 + (keep is not None) or keep is not None and const_value(keep) is not True:
+            return None
+        if recv.kind == "flatmask_num":
+            return V("kpos_all_col", recv.args) if keep is not None else None
+        return V("kpos_rows_col" if keep is not None else "kpos_rows", recv.args)
+
+    def _s41b_gather_at_slot(self, src: ast.expr, node: ast.Call, first: int) -> Optional[V]:
+        """s41b: the routing weight at the slot of e: ``w.gather(1, slot)`` with ``slot`` the [T, 1] argmax over all
+        tokens (read at the selected rows afterwards), or ``w[tok].gather(1, slot[:, None])`` with the [n] argmax of the
+        selected rows; ``w`` shaped like the indices (its dim 1 / -1 is the slot)."""
+        dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
+        if dim is None or index is None or const_value(dim) not in (1, -1) or len(node.args) + len(node.keywords) != first + 2:
+            return None
+        if isinstance(index, ast.Call) and isinstance(index.func, ast.Attribute) and index.func.attr == "unsqueeze" \
+                and len(index.args) == 1 and const_value(index.args[0]) == -1 and not index.keywords \
+                and self.ev(index.func.value).kind == "kpos_rows":
+            iv = V("kpos_rows_col", self.ev(index.func.value).args)  # slot[:, None] spelled unsqueeze(-1)
+        else:
+            iv = self.ev(index)
+        if iv.kind not in ("kpos_all_col", "kpos_rows_col") or not iv.args:
+            return None
+        sv = self.ev(src)
+        name = sv.args[0] if sv.kind in ("outer", "x") and sv.args and isinstance(sv.args[0], str) else ""
+        if not name or not _s41_shaped_like_indices(self.m, self.scope, name, iv.args[0], self.loop.lineno):
+            return None
+        if iv.kind == "kpos_all_col" and sv.kind == "outer":
+            self._set_probs(name)
+            return V("rw_at_slot")
+        if iv.kind == "kpos_rows_col" and sv.kind == "x" and iv.args[0] == self.tok_indices:
+            self._set_probs(name)
+            return V("rw")
+        return None
+
+    def _s41b_dropout(self, node: ast.Call) -> Optional[V]:
+        """s41b: ``self.<drop>(y)`` with ``self.<drop> = nn.Dropout(...)`` built in ``__init__`` (or ``F.dropout(y, ...)``
+        whose other arguments the loop does not bind) around an expert module's output ``y``: an elementwise draw on
+        each expert's rows, replayed on all experts' rows at once. The call is kept with ``{}`` for its input."""
+        f = node.func
+        if not node.args or any(k.arg in ("input", "inplace") for k in node.keywords):
+            return None
+        if isinstance(f, ast.Attribute) and _s41b_self_attr(f) and len(node.args) == 1 and not node.keywords:
+            cls = self.m.classes.get(self.scope.class_name or "")
+            made = _class_init_assigns(self.m, cls).get(f.attr) if cls is not None else None
+            if not (isinstance(made, ast.Call) and _canon(self.m, made.func) == "torch.nn.Dropout"
+                    and not any(k.arg == "inplace" for k in made.keywords) and len(made.args) <= 1):
+                return None
+        elif _canon(self.m, f) not in ("torch.nn.functional.dropout", "torch.dropout"):
+            return None
+        inner = self.ev(node.args[0])
+        if inner.kind != "mod_out" or inner.args[1]:
+            return None
+        if any(n.id in self._loop_names() for a in (*node.args[1:], *node.keywords) for n in fast_walk(a)
+               if isinstance(n, ast.Name)) or len(node.args) > 3:
+            raise _Miss(f"the expert output passes through `{ast.unparse(node)[:70]}`, a dropout whose arguments the "
+                        "loop sets per expert: the fused layer applies one dropout to all experts' rows")
+        call = copy.copy(node)
+        call.args = [ast.Name("__npufuse_rows__", ast.Load()), *node.args[1:]]
+        text = ast.unparse(call).replace("{", "{{").replace("}", "}}").replace("__npufuse_rows__", "{}")
+        if self.post_dropout and self.post_dropout != text:
+            raise _Miss("two different dropouts on the expert outputs")
+        self.post_dropout = text
+        return inner
+
+    def _s41b_rows_of_pairs(self, loop: ast.For) -> Optional[dict[str, V]]:
+        """s41b: the loop variables of a per-pair Python combine over ``tok, slot = torch.where(idx == e)`` (or
+        ``nonzero(as_tuple=True)``): ``for j in range(len(tok))`` (``tok.shape[0]``, ``tok.size(0)``, ``tok.numel()``)
+        makes ``j`` the pair's number (``tok[j]`` its token, ``slot[j]`` its slot, ``y[j]`` its output row);
+        ``for j, t in enumerate(tok.tolist())`` also names the token. None for any other loop."""
+        it, tgt = loop.iter, loop.target
+        if self.token_dims != 1 or not self.where_indices:
+            return None
+
+        def pairs(node: ast.expr) -> bool:
+            v = self.ev(node) if isinstance(node, ast.Name) else None  # a name only: no evaluation side effects
+            return v is not None and v.kind == "tok" and not v.args
+
+        if isinstance(tgt, ast.Name) and isinstance(it, ast.Call) and dotted(it.func) == "range" and len(it.args) == 1 \
+                and not it.keywords:
+            n = it.args[0]
+            if isinstance(n, ast.Call) and dotted(n.func) == "len" and len(n.args) == 1 and not n.keywords:
+                counted = n.args[0]
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                    n.func.attr == "numel" and not n.args or n.func.attr == "size" and len(n.args) == 1
+                    and const_value(n.args[0]) == 0) and not n.keywords:
+                counted = n.func.value
+            elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "shape" \
+                    and const_value(n.slice) == 0:
+                counted = n.value.value
+            else:
+                return None
+            return {tgt.id: V("rowj")} if pairs(counted) else None
+        if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords \
+                and isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts) \
+                and tgt.elts[0].id != tgt.elts[1].id:  # type: ignore[attr-defined]
+            a = it.args[0]
+            if isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr == "tolist" and not a.args \
+                    and pairs(a.func.value):
+                return {tgt.elts[0].id: V("rowj"), tgt.elts[1].id: V("tok1")}  # type: ignore[attr-defined]
+        return None
+
     def _expert_count_stat(self, tgt: ast.Subscript, value: ast.expr, mode: str) -> bool:
         """s41 (sidrocks deepseek_from_scratch, DeepSeek-From-Scratch): ``stat[e] = mask.sum()`` (``+=``; casts,
         ``.item()``, ``int()`` / ``float()`` around it) with ``mask`` this expert's token mask ``(idx == e).any(-1)`` or
         its slot mask ``idx == e``, and ``stat`` a tensor built by a torch constructor before the loop and named nowhere
         else in it: the counts of all experts are one histc of the indices (top-k indices are distinct), written after
         the fused layer. Recorded with whether an empty-expert guard ran first (then empty experts keep their value)."""
-        if not isinstance(tgt.value, ast.Name):
+        if isinstance(tgt.value, ast.Name):
+            stat = tgt.value.id
+        elif _s41b_self_attr(tgt.value) and self.expert_init is None:
+            stat = ast.unparse(tgt.value)  # s41b: `self.expert_load[e] += n`, a buffer of the module
+        else:
             return False
-        stat = tgt.value.id
         node = value
         for _ in range(4):
             node = _strip_casts(node)
@@ -3241,16 +3402,26 @@ class _Eval:
                 and len(node.args) == 1 and not node.keywords:
             counted = node.args[0]
         mask = self.ev(counted) if counted is not None else None
+        rows = _s41b_counted_rows(node)
+        if mask is None and isinstance(rows, ast.Name) and self.where_indices and self.ev(rows) == V("tok"):
+            # s41b: `idx.numel()` / `len(idx)` / `idx.shape[0]` of `idx, slot = torch.where(indices == e)`: the
+            # number of (token, slot) pairs routed to e, the same count
+            mask = V("flatmask", (self.where_indices,))
         if mask is None or mask.kind not in ("tokmask", "flatmask") or not mask.args:
             return False
-        if sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == stat) != 1:
+        if "." in stat:
+            if sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Attribute) and ast.unparse(n) == stat) != 1:
+                return False
+            made = _s41b_buffer_made(self.m, self.scope, stat.split(".", 1)[1])
+        elif sum(1 for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == stat) != 1:
             return False
-        made = self.scope.definition(stat, self.loop.lineno)
+        else:
+            made = self.scope.definition(stat, self.loop.lineno)
         if not (isinstance(made, ast.Call) and _canon(self.m, made.func) in (
                 "torch.zeros", "torch.ones", "torch.empty", "torch.full", "torch.zeros_like", "torch.ones_like",
                 "torch.empty_like", "torch.full_like", "torch.tensor")):
             return False
-        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + " = " + ast.unparse(value)[:40]))
+        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + (" += " if mode == "add" else " = ") + ast.unparse(value)[:40]))
         return True
 
     def _unique_rows_are_rows(self, tok: V, call: ast.Call, first: int) -> bool:
@@ -3417,6 +3588,13 @@ class _Eval:
             if attr == "argmax" and recv.kind == "flatmask_num" and const_value(keyword(node, "dim", 0)) == -1 \
                     and keyword(node, "keepdim", 1) is None and len(node.args) + len(node.keywords) == 1:
                 return V("kpos_all", recv.args)  # s41: each token's (first) slot holding e; 0 for tokens without e
+            slots = self._s41b_argmax_slot(node, recv)
+            if slots is not None:
+                return slots
+            if attr == "gather":
+                gathered = self._s41b_gather_at_slot(f.value, node, first=0)
+                if gathered is not None:
+                    return gathered
             if attr == "sum" and recv.kind in ("masked_w", "masked_w_rows"):
                 dense = self._slot_weight_sum(recv, node, first=0)  # s41: `ew = w * sel.float(); ew = ew.sum(dim=-1)`
                 if dense is not None:
@@ -3527,6 +3705,9 @@ class _Eval:
             if dense is not None:
                 return dense
         if name == "torch.gather" and node.args:
+            gathered = self._s41b_gather_at_slot(node.args[0], node, first=1)
+            if gathered is not None:
+                return gathered
             src = self.ev(node.args[0])
             if src.kind == "x" and self._gather_slot(node, first=1):
                 self._set_probs(src.args[0])
@@ -3582,6 +3763,9 @@ class _Eval:
             self.indexed_module = f
             self.indexed_call = node
             return V("mod_out", (self.ev(self._index_call_rows(node)), False))
+        dropped = self._s41b_dropout(node) if self.expert_init is None else None
+        if dropped is not None:
+            return dropped  # s41b: `self.dropout(expert(rows))`
         # calling an expert module: expert_layer(x) / self.experts[e](x)
         fv = self.ev(f)
         if fv.kind == "unknown" and isinstance(f, ast.Subscript) and isinstance(f.value, ast.Name) and self._is_eidx(f.slice) \
@@ -3595,6 +3779,12 @@ class _Eval:
             fv = self._expert_from_indexed(fv.args[0], bool(node.args) and self.ev(node.args[0]).kind in ("x", "x_sorted"))
         if fv.kind == "expert":
             args = [self.ev(a) for a in node.args]
+            if len(args) == 2 and not node.keywords and args[0].kind in ("x", "x_sorted") and self.expert_init is None \
+                    and ast.dump(node.args[0]) == ast.dump(node.args[1]):
+                # s41b: `expert(x_sel, x_sel)`: a two-input forward given the same rows twice; the experts are called
+                # as they are (npufuse reads no MLP off a two-input forward), with each expert's rows twice
+                self.rows_twice = True
+                return V("mod_out", (args[0], False))
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
                             "the fused layer calls each expert on its rows only")
@@ -3842,6 +4032,16 @@ class _Eval:
                 site = self._finish_flat(block, i, self.results[0][1], self.tuple_call[2], self.results[0][3])
                 site.zero_link = self.zero_link
                 return site
+            targets = [t for _, t, _, _ in self.results]
+            if len(set(targets)) == len(targets) and all(m == "append" for m, _, _, _ in self.results):
+                # s41b: two-phase loops (`outs.append(y); rows.append(tok)`, combined after the loop)
+                raise _Miss(f"the loop appends to several Python lists per expert ({', '.join(f'`{t}`' for t in targets)}): "
+                            "npufuse reads loops that collect one list of expert outputs")
+            appended = [t for m, t, _, _ in self.results if m == "append"]
+            written = [t for m, t, _, _ in self.results if m != "append"]
+            if len(set(targets)) == len(targets) and appended and written:
+                raise _Miss(f"the loop writes {' and '.join(f'`{t}`' for t in written)} and also appends to "
+                            f"{' and '.join(f'`{t}`' for t in appended)} per expert, which the fused layer does not")
             raise _Miss("the loop writes its output more than once per expert")
         mode, target, contrib, extra = self.results[0]
         kept = _kept_part(self, contrib, block[i]) if mode == "accumulate" else None  # s26: `y, _ = expert(rows)`
@@ -3870,6 +4070,8 @@ class _Eval:
         core = contrib.args[0] if scaled else contrib
         if core.kind == "mod_out":
             try:
+                if self.rows_twice:
+                    raise _Miss("the expert's forward takes the rows twice")
                 mlp = _expert_module_mlp(self, core.args[1])
             except _Miss as why:
                 if core.args[1]:
@@ -4150,6 +4352,11 @@ class _Eval:
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
+        site.rows_twice = self.rows_twice
+        site.post_dropout = self.post_dropout
+        if self.post_dropout and (site.part_outs or site.column_rows or site.lead_rows or mlp.weights_at == "inside_expert"):
+            raise _Miss(f"the expert outputs pass through `{self.post_dropout.format('...')}`, which npufuse replays only "
+                        "on one [rows, H] output of experts called on their rows alone")
         if self.indexed_module is not None:
             if self.loop_kind not in ("range", "expert_hit") or self.local_start or f"{P}experts" in site.bins:
                 # the number of callables to bind comes from range(E) or the routing mask's classes
@@ -4964,6 +5171,7 @@ def _fused_text(site: _Site) -> str:
         # acc[idx] = v is v broadcast to the rows
         rows = f"{P}rows_e"
         arg = f"{rows}.unsqueeze(1)" if site.column_rows else f"{rows}.unsqueeze(0)" if site.lead_rows else rows
+        arg = f"{arg}, {arg}" if site.rows_twice else arg  # s41b: a two-input expert given its rows twice
         parts = site.part_outs or (("", site.out_name, site.out_dtype),)
 
         def rowwise(v: str) -> str:
@@ -5003,7 +5211,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert{site.expert_call}({rows})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
+        call = f"{P}expert{site.expert_call}({rows}{', ' + rows if site.rows_twice else ''})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -5017,6 +5225,9 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
         lines += _act_text(site)
         lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+    if site.post_dropout:
+        # s41b: the loop's dropout on each expert's output, once on all of them (row-wise: the same in eval mode)
+        lines.append(f"{h} = {site.post_dropout.format(h)}")
     if local and site.routing != "sorted_counts":
         lines.append(f"{h} = torch.cat([{h}, {h}.new_zeros({P}order.numel() - {h}.shape[0], {h}.shape[-1])])  # rows of no local expert: 0")
     out = site.out_name
@@ -5131,6 +5342,11 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         else:
             notes.append(f"the experts are one callable given the expert index, {site.index_callee}: read in this file, "
                          "no random draws; the fused layer calls it once per expert on that expert's rows")
+    if site.post_dropout:
+        risks.append(Risk("numerics", f"the expert outputs pass through `{site.post_dropout.format('y')}` as in the loop: "
+                          "the same in eval mode; in training the fused layer draws one dropout mask over all experts' "
+                          "rows at once instead of one per expert, so other elements are dropped (equal in distribution, "
+                          "not bit-equal to the loop under the same seed)"))
     if site.weight_select:
         risks.append(Risk("other", f"the loop picks an expert's tokens as `{site.weight_select}`: a routed token whose weight "
                           "is exactly 0 (underflow) is skipped there, while the fused layer adds 0 * expert(x) for it (the "
@@ -10625,6 +10841,12 @@ def _gate_evidence(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, 
             value = scope.definition(n.id, line)
             if value is not None and id(value) not in seen:
                 found |= _gate_evidence(module, scope, value, getattr(value, "lineno", line), seen, depth + 1)
+                # s41b: `G.scatter_(-1, idx, v)` / `G.masked_fill_(...)` statements on the name after it is bound
+                for c in scope.nodes().get(ast.Call, ()):
+                    if isinstance(c.func, ast.Attribute) and c.func.attr in ("scatter_", "masked_fill_") \
+                            and isinstance(c.func.value, ast.Name) and c.func.value.id == n.id \
+                            and getattr(value, "lineno", line) <= c.lineno < line and id(c) not in seen:  # type: ignore[attr-defined]
+                        found |= _gate_evidence(module, scope, c, c.lineno, seen, depth + 1)  # type: ignore[arg-type]
     return found
 
 
@@ -10650,10 +10872,18 @@ def _gate_module_evidence(module: ModuleInfo, cls_name: Optional[str], attr: str
 def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int) -> Optional[Result]:
     """The dense top-k mixture above starting at ``block[i]`` (the comprehension over the experts)."""
     st = block[i]
-    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-            and isinstance(st.value, ast.ListComp) and len(st.value.generators) == 1):
+    stacked = ""
+    stack_dim: Any = None
+    inline = _s41b_inline_stack(module, st)
+    if inline is not None:
+        # s41b: `S = torch.stack([expert(x) for expert in self.experts], dim=d)`: the list is never named
+        stacked, stack_dim, comp = inline
+        outs = stacked
+    elif not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+              and isinstance(st.value, ast.ListComp) and len(st.value.generators) == 1):
         return None
-    outs, comp = st.targets[0].id, st.value
+    else:
+        outs, comp = st.targets[0].id, st.value
     gen = comp.generators[0]
     call = comp.elt
     if gen.ifs or gen.is_async or not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
@@ -10670,8 +10900,6 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
         return None
     if x == gen.target.id:  # type: ignore[attr-defined]
         return None
-    stacked = ""
-    stack_dim: Any = None
     nan_zero = False
     replay: list[ast.stmt] = []
     combine: Optional[ast.stmt] = None
@@ -10701,8 +10929,8 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
     if gate is None:
         return NearMiss(_ID, scope.qualname, st.lineno, combine.end_lineno or combine.lineno,
                         f"every expert runs on the same input `{x}` and the stacked outputs are combined as "
-                        f"`{ast.unparse(combine)[:60]}`, not as a per-token gate-weighted sum over the experts: "
-                        "no token routing to replace")
+                        f"`{ast.unparse(combine)[:60]}`, which npufuse does not read as a per-token gate-weighted sum "
+                        "over the experts (`G.unsqueeze(d) * S` summed over the experts' dim, or an einsum doing so)")
     gate_text = segment(module, gate)
     end = combine.end_lineno or combine.lineno
     first = st.lineno
@@ -10777,9 +11005,12 @@ def _nan_zeroing(s: ast.stmt, name: str) -> bool:
 
 def _weighted_sum(module: ModuleInfo, node: Optional[ast.expr], stacked: str, stack_dim: Any) -> Optional[ast.expr]:
     """The gate G of ``torch.sum(G.unsqueeze(d) * stacked, dim=s)`` / ``(G.unsqueeze(d) * stacked).sum(s)`` where
-    the experts are stacked at ``stack_dim`` (-1: [.., D, E], d = -2; -2: [.., E, D], d = -1) and s = stack_dim."""
+    the experts are stacked at ``stack_dim`` (-1: [.., D, E], d = -2; -2: [.., E, D], d = -1) and s = stack_dim;
+    s41b: or ``torch.einsum("bte,bted->btd", G, stacked)`` (the same sum spelled as an einsum)."""
     if not isinstance(node, ast.Call):
         return None
+    if _canon(module, node.func) == "torch.einsum":
+        return _s41b_einsum_gate(node, stacked, stack_dim)
     if _canon(module, node.func) == "torch.sum" and node.args:
         prod, dim = node.args[0], keyword(node, "dim", 1)
     elif isinstance(node.func, ast.Attribute) and node.func.attr == "sum":
@@ -10904,7 +11135,7 @@ MoeExperts.KEEP += [
          reason="is used after the mixture", name="s26_dense_all_outputs_used_after"),
     # the experts' outputs are averaged (an ensemble), not weighted by a gate
     Keep(_S26_DENSE_NEG_INF.replace("return (stacked * gates.unsqueeze(-1)).sum(dim=-2)", "return stacked.mean(dim=-2)"),
-         reason="not as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
+         reason="does not read as a per-token gate-weighted sum", name="s26_dense_ensemble_mean"),
 ]
 
 
@@ -11002,12 +11233,15 @@ class ChannelGroups(nn.Module):
 ]
 
 
-def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result_line: str, rank2: bool) -> list[str]:
+def _dense_fused_lines(gate_text: str, x: str, cont: str, nan_zero: bool, result_line: str, rank2: bool,
+                       count: str = "") -> list[str]:
     """The fused branch of a dense top-k mixture (``gate_text`` [..., E] weights ``cont``'s experts on ``x``):
     permute by the gate's non-zero entries (read at run time), one call per expert, unpermute with those
     entries into ``{P}mixed``, then ``result_line``. Ends with the ``if`` header's body; the caller adds the else."""
     ind = "    "
     rank = f" and {P}g.dim() == 2" if rank2 else ""
+    if count:
+        rank += f" and ({count}) == len({P}experts)"  # s41b: the loop's range(E) covers every expert of the list
     lines = [
         f"{P}g = {gate_text}",
         f"{P}experts = list({cont})",
@@ -11106,11 +11340,17 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
         x = b.args[0].id
         if x in (e, item, out) or {n.id for n in fast_walk(gate) if isinstance(n, ast.Name)} & {e, item, out}:
             return None
+        count = ""
         if container is None:
             bound = _range_bound(it)
             if not (isinstance(bound, ast.Call) and dotted(bound.func) == "len" and len(bound.args) == 1
                     and ast.dump(bound.args[0]) == ast.dump(cont_node)):  # type: ignore[arg-type]
-                return None  # range(E) over a count npufuse cannot tie to the module list
+                # s41b: range(self.n): the fused branch runs only where it equals the list's length (checked at
+                # run time); other loop variables or names it binds are not such a count
+                if bound is None or any(isinstance(n, ast.Name) and n.id in (e, out) for n in fast_walk(bound)) \
+                        or any(isinstance(n, ast.Call) for n in fast_walk(bound)):
+                    return None
+                count = segment(module, bound)
         gate_text = segment(module, gate)
         end = loop.end_lineno or loop.lineno
         evidence = _gate_evidence(module, scope, gate, loop.lineno)
@@ -11125,7 +11365,7 @@ def _dense_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
                             f"experts mix tokens ({mixing}): the fused layer would call each on its routed rows only")
         cont = segment(module, cont_node)  # type: ignore[arg-type]
         result = f"{out} += {P}mixed" if aug else f"{out} = {out} + {P}mixed"
-        lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2)
+        lines = _dense_fused_lines(gate_text, x, cont, False, result, rank2, count)
         lines += ["else:  # other shapes: as written", *("    " + ln for ln in ast.unparse(loop).splitlines())]
         params: dict[str, Any] = {
             "num_experts": f"len({cont})", "top_k": "non-zero gate entries per token (read at run time)",
@@ -11208,6 +11448,12 @@ def _s40_scattered_gate(module: ModuleInfo, scope: Scope, stmts: list[ast.stmt],
         rebinds = isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
             and st.targets[0].id == gate
         v = st.value if isinstance(st, (ast.Assign, ast.Expr)) else None
+        chained = _s41b_zeros_scattered(module, v) if rebinds else None
+        if chained is not None:
+            # s41b: `G = torch.zeros_like(s).scatter(-1, idx, p)`: the zeros and the scatter in one expression
+            zeros_of, idx, p = chained
+            build, slots_done, need_2d = [st], True, False
+            continue
         if rebinds and isinstance(v, ast.Call) and (
                 _canon(module, v.func) == "torch.zeros_like" and len(v.args) == 1 and isinstance(v.args[0], ast.Name)
                 and not v.keywords
@@ -13067,4 +13313,457 @@ MoeExperts.KEEP += [
     # the count of the token mask's hidden values, not of the tokens
     Keep(_S41_COUNT_STAT.replace("usage[e] = tok.sum()", "usage[e] = flat[tok].sum()"),
          reason="the loop also writes one value per expert", name="s41_per_expert_sum_of_token_values"),
+]
+
+
+# --- s41b (helper moe41b): the s41 judge's blind moe_experts recall classes ---------------------------------------
+
+
+def _s41b_self_attr(node: ast.expr) -> bool:
+    """``self.<attr>`` (one level)."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def _s41b_counted_rows(node: ast.expr) -> Optional[ast.expr]:
+    """``r`` of ``r.numel()`` / ``len(r)`` / ``r.shape[0]`` / ``r.size(0)``: how many rows an index tensor holds."""
+    if isinstance(node, ast.Call) and dotted(node.func) == "len" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords and (
+            node.func.attr == "numel" and not node.args or node.func.attr == "size" and len(node.args) == 1
+            and const_value(node.args[0]) == 0):
+        return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" \
+            and const_value(node.slice) == 0:
+        return node.value.value
+    return None
+
+
+def _s41b_buffer_made(module: ModuleInfo, scope: Scope, attr: str) -> Optional[ast.expr]:
+    """The value a module attribute holds, built in ``__init__`` of the scope's class: ``self.<attr> = value`` or
+    ``self.register_buffer("<attr>", value)``; None when it is built otherwise or assigned in the scope itself."""
+    cls = module.classes.get(scope.class_name or "")
+    if cls is None or any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == attr
+                          and isinstance(n.value, ast.Name) and n.value.id == "self" for n in fast_walk(scope.node)):
+        return None
+    made = _class_init_assigns(module, cls).get(attr)
+    if made is not None:
+        return made
+    init = _method(module, cls, "__init__")
+    calls = [n for n in fast_walk(init) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "register_buffer" and len(n.args) >= 2 and const_value(n.args[0]) == attr] if init else []
+    return calls[0].args[1] if len(calls) == 1 else None
+
+
+# --- s41b examples: the s41 judge's blind moe_experts recall classes (invented code in the styles of the dev mirrors) --
+
+# 1. an empty-expert skip, then the weighted rows added back one (token, slot) pair at a time by the pair's number:
+#    `for j in range(tok.shape[0]): out[tok[j]] += w[tok[j], slot[j]] * y[j]` (the same sum as index_add_)
+def _s41b_moe(cls: str, forward: str, init_extra: str = "", expert: str = "FF", head: str = _FF_SWIGLU) -> str:
+    """An example MoE module: ``n`` experts ``expert(d, h)``, a linear gate to ``n`` logits, top-``k`` routing;
+    ``forward`` is the body of ``forward(self, x)`` (8 spaces in), ``init_extra`` more ``__init__`` lines."""
+    return _HEAD + head + "\n\nclass " + cls + """(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([""" + expert + """(d, h) for _ in range(n)])
+""" + init_extra + """
+    def forward(self, x):
+""" + forward
+
+
+def _s41b_run(make: str, x_shape: str, leaves: str, check: str = "") -> str:
+    """The run of an example: the module, random tokens of ``x_shape``, gradients of ``x`` and ``leaves``."""
+    return f"m = {make}\nx = torch.randn({x_shape}, requires_grad=True)\nout = m(x)\n{check}leaves = [x, {leaves}]\n"
+
+
+_S41B_PAIR_RANGE = _s41b_moe('PairMoE', '''\
+        topk_w, topk_i = torch.topk(self.gate(x), self.k, dim=-1)
+        topk_w = F.softmax(topk_w, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = (topk_i == e)
+            if not mask.any():
+                continue
+            tok, slot = mask.nonzero(as_tuple=True)
+            y = expert(x[tok])
+            for j in range(tok.shape[0]):
+                out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
+        return out
+''')
+
+_S41B_PAIR_RUN = _s41b_run("PairMoE(16, 24, 5, 2)", "7, 16", "m.gate.weight, m.experts[2].w1.weight")
+
+# 2. the expert output wrapped in a dropout module, tokens picked by two coordinates of [T, B, K] indices
+_S41B_DROPOUT_TBD = _s41b_moe('DropMoE', '''\
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            token_idx, batch_idx, slot_idx = torch.where(topk_i == e)
+            if token_idx.numel() == 0:
+                continue
+            x_sel = x[token_idx, batch_idx]
+            y = self.dropout(self.experts[e](x_sel))
+            out[token_idx, batch_idx] += topk_w[token_idx, batch_idx, slot_idx].unsqueeze(-1) * y
+        return out
+''', init_extra='        self.dropout = nn.Dropout(0.1)\n')
+
+# eval mode: dropout is the identity (training draws other masks: equal in distribution only, a risk line says so)
+_S41B_DROPOUT_RUN = _s41b_run("DropMoE(16, 24, 5, 2).eval()", "6, 3, 16", "m.gate.weight, m.experts[1].w2.weight")
+
+# 3. a two-input expert (`forward(self, x, residual)`) called with the selected rows twice
+_S41B_ROWS_TWICE = _HEAD + '''
+
+class ResidualExpert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x, residual):
+        return self.fc2(F.gelu(self.fc1(x))) + residual
+
+
+class TwiceMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([ResidualExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            token_idx, slot_idx = torch.where(topk_i == e)
+            if token_idx.numel() == 0:
+                continue
+            x_sel = x[token_idx]
+            y = self.experts[e](x_sel, x_sel)
+            out.index_add_(0, token_idx, topk_w[token_idx, slot_idx, None] * y)
+        return out
+'''
+
+_S41B_ROWS_TWICE_RUN = _s41b_run("TwiceMoE(16, 24, 5, 2)", "9, 16", "m.gate.weight, m.experts[3].fc1.weight")
+
+# 5. per-expert load statistics in a buffer of the module, counted by the where rows' numel
+_S41B_LOAD_BUFFER = _s41b_moe('LoadMoE', '''\
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            token_idx, slot_idx = torch.where(topk_i == e)
+            self.expert_load[e] += token_idx.numel()
+            if token_idx.numel() == 0:
+                continue
+            y = self.experts[e](x[token_idx])
+            out.index_add_(0, token_idx, topk_w[token_idx, slot_idx, None] * y)
+        return out, self.expert_load.clone()
+''', init_extra='        self.register_buffer("expert_load", torch.zeros(n))\n')
+
+_S41B_LOAD_RUN = _s41b_run("LoadMoE(16, 24, 8, 2)", "3, 16", "m.gate.weight, m.experts[1].w3.weight",
+                           check="assert (out[1] == 0).any()  # some experts get no token\n")
+
+# 8. the routing weight gathered at the expert's slot: `slot = (idx == e).float().argmax(-1, keepdim=True)`,
+#    `w = topk_w.gather(1, slot)` read at the selected rows (top-k indices are distinct: one slot holds e)
+_S41B_ARGMAX_GATHER = _s41b_moe('GatherSlotMoE', '''\
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            match = topk_i == e
+            tok = match.any(dim=-1)
+            if not tok.any():
+                continue
+            slot = match.float().argmax(dim=-1, keepdim=True)
+            w = topk_w.gather(1, slot)
+            y = self.experts[e](x[tok])
+            out[tok] += w[tok] * y
+        return out
+''')
+
+_S41B_ARGMAX_GATHER_RUN = _s41b_run("GatherSlotMoE(16, 24, 5, 2)", "8, 16", "m.gate.weight, m.experts[0].w1.weight")
+
+MoeExperts.FUSE += [
+    Fuse(_S41B_PAIR_RANGE, name="s41b_pair_loop_over_range_of_rows", run=_S41B_PAIR_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "x", "output": "out"}),
+    Fuse(_S41B_PAIR_RANGE.replace('''            for j in range(tok.shape[0]):
+                out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
+''', '''            for i, t in enumerate(tok.tolist()):
+                out[t] += topk_w[t, slot[i]] * y[i]
+'''), name="s41b_pair_loop_enumerate_token_list", run=_S41B_PAIR_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w"}),
+    Fuse(_S41B_PAIR_RANGE.replace('''            for j in range(tok.shape[0]):
+                out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
+''', '''            for j in range(len(tok)):
+                t = tok[j]
+                out[t] = out[t] + topk_w[t, slot[j]] * y[j]
+'''), name="s41b_pair_loop_named_token_spelled_out_sum", run=_S41B_PAIR_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w"}),
+    Fuse(_S41B_PAIR_RANGE.replace('''            for j in range(tok.shape[0]):
+                out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
+''', '''            out[tok] = out[tok] + topk_w[tok, slot].unsqueeze(1) * y
+'''), name="s41b_rows_spelled_out_sum", run=_S41B_PAIR_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
+    Fuse(_S41B_DROPOUT_TBD, name="s41b_dropout_around_expert_rows_of_tbk_indices", run=_S41B_DROPOUT_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "x", "output": "out"}),
+    Fuse(_S41B_DROPOUT_TBD.replace("            y = self.dropout(self.experts[e](x_sel))\n",
+                                   "            y = self.experts[e](x_sel)\n"
+                                   "            y = F.dropout(y, p=0.1, training=self.training)\n"),
+         name="s41b_functional_dropout_on_expert_output", run=_S41B_DROPOUT_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w"}),
+    Fuse(_S41B_ROWS_TWICE, name="s41b_two_input_expert_given_rows_twice", run=_S41B_ROWS_TWICE_RUN,
+         expect={"routing": "mask_where", "layout": "expert_modules", "indices": "topk_i", "probs": "topk_w"}),
+    Fuse(_S41B_LOAD_BUFFER, name="s41b_expert_load_buffer_counted_by_numel", run=_S41B_LOAD_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
+    Fuse(_S41B_LOAD_BUFFER.replace('''            self.expert_load[e] += token_idx.numel()
+            if token_idx.numel() == 0:
+                continue
+''', '''            if token_idx.numel() == 0:
+                continue
+            self.expert_load[e] = len(token_idx)
+'''), name="s41b_expert_load_assigned_after_empty_skip", run=_S41B_LOAD_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w"}),
+    Fuse(_S41B_ARGMAX_GATHER, name="s41b_weight_gathered_at_argmax_slot", run=_S41B_ARGMAX_GATHER_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "x", "output": "out"}),
+    Fuse(_S41B_ARGMAX_GATHER.replace('''            match = topk_i == e
+            tok = match.any(dim=-1)
+            if not tok.any():
+                continue
+            slot = match.float().argmax(dim=-1, keepdim=True)
+            w = topk_w.gather(1, slot)
+            y = self.experts[e](x[tok])
+            out[tok] += w[tok] * y
+''', '''            tok = (topk_i == e).any(dim=-1).nonzero(as_tuple=True)[0]
+            if tok.numel() == 0:
+                continue
+            slot = (topk_i[tok] == e).float().argmax(-1)
+            w = topk_w[tok].gather(1, slot.unsqueeze(-1))
+            y = self.experts[e](x[tok])
+            out.index_add_(0, tok, w * y)
+'''), name="s41b_weight_gathered_at_argmax_slot_of_selected_rows", run=_S41B_ARGMAX_GATHER_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "x"}),
+]
+
+MoeExperts.KEEP += [
+    # every pair weighted with the slot of pair 0: not each pair's own weight
+    Keep(_S41B_PAIR_RANGE.replace("out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]", "out[tok[j]] += topk_w[tok[j], slot[0]] * y[j]"),
+         reason="not recognised as the routing weight", name="s41b_pair_loop_weight_of_pair_zero"),
+    # every pair adds expert output row 0: not the pair's own row
+    Keep(_S41B_PAIR_RANGE.replace("out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]", "out[tok[j]] += topk_w[tok[j], slot[j]] * y[0]"),
+         reason="is not recognised", name="s41b_pair_loop_adds_row_zero"),
+    # a dropout rate per expert: one dropout over all experts' rows would not draw with each expert's rate
+    Keep(_S41B_DROPOUT_TBD.replace("            y = self.dropout(self.experts[e](x_sel))\n",
+                                   "            y = F.dropout(self.experts[e](x_sel), p=0.1 * e, training=self.training)\n"),
+         reason="a dropout whose arguments the loop sets per expert", name="s41b_dropout_rate_per_expert"),
+    # the second input is not the selected rows (the rows scaled): the fused layer gives each expert its rows only
+    Keep(_S41B_ROWS_TWICE.replace("y = self.experts[e](x_sel, x_sel)", "y = self.experts[e](x_sel, 2 * x_sel)"),
+         reason="takes arguments besides its rows", name="s41b_two_input_expert_given_other_second_input"),
+    # the buffer sums the selected token values, not their number
+    Keep(_S41B_LOAD_BUFFER.replace("self.expert_load[e] += token_idx.numel()", "self.expert_load[e] += x[token_idx].sum()"),
+         reason="unrecognised update in the expert loop", name="s41b_expert_load_sum_of_token_values"),
+    # the weight gathered along the tokens (dim 0), not along the slots
+    Keep(_S41B_ARGMAX_GATHER.replace("w = topk_w.gather(1, slot)", "w = topk_w.gather(0, slot)"),
+         reason="not recognised as the routing weight", name="s41b_weight_gathered_along_tokens"),
+    # expert parallelism by membership in a Python list: only this rank's subset of the experts runs, and npufuse does
+    # not show the list to be a contiguous range it could map indices onto (range(start, end) is taken as such)
+    Keep(_S41B_ROWS_TWICE.replace("        for e in range(self.n):\n", "        for e in range(self.n):\n"
+                                  "            if e not in self.local_experts:\n                continue\n").replace(
+        "        self.experts = nn.ModuleList([ResidualExpert(d, h) for _ in range(n)])\n",
+        "        self.experts = nn.ModuleList([ResidualExpert(d, h) for _ in range(n)])\n        self.local_experts = [0, 2]\n"),
+         reason="the loop skips experts on `e not in self.local_experts`", name="s41b_local_experts_by_list_membership"),
+]
+
+
+def _s41b_inline_stack(module: ModuleInfo, st: ast.stmt) -> Optional[tuple[str, Any, ast.ListComp]]:
+    """(S, its expert dim, the comprehension) of ``S = torch.stack([... for ... in ...], dim=d)``."""
+    if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+            and isinstance(st.value, ast.Call) and len(st.value.args) == 1 and isinstance(st.value.args[0], ast.ListComp)
+            and len(st.value.args[0].generators) == 1 and _canon(module, st.value.func) == "torch.stack"):
+        return None
+    dim = keyword(st.value, "dim", 1)
+    if len(st.value.keywords) > 1 or dim is None and st.value.keywords:
+        return None
+    return st.targets[0].id, const_value(dim) if dim is not None else 0, st.value.args[0]
+
+
+def _s41b_einsum_gate(call: ast.Call, stacked: str, stack_dim: Any) -> Optional[ast.expr]:
+    """G of ``torch.einsum(spec, G, S)`` summing over the expert letter: spec ``<p>e,<p>ed-><p>d`` for experts
+    stacked at -2 (``<p>de`` at -1), ``<p>`` the same leading letters (or ``...``) on every side; the letters of the
+    expert and feature dims distinct and not among them."""
+    if len(call.args) != 3 or call.keywords or not isinstance(call.args[2], ast.Name) or call.args[2].id != stacked:
+        return None
+    spec = const_value(call.args[0])
+    if not isinstance(spec, str) or stack_dim not in (-1, -2):
+        return None
+    spec = spec.replace(" ", "")
+    if spec.count("->") != 1 or spec.count(",") != 1:
+        return None
+    ins, out = spec.split("->")
+    g, sv = ins.split(",")
+    if not g or not out or len(sv) != len(g) + 1:
+        return None
+    e, d, lead = g[-1], out[-1], g[:-1]
+    want = lead + e + d if stack_dim == -2 else lead + d + e
+    letters = lead.replace("...", "")
+    if sv != want or out != lead + d or e == d or e in letters or d in letters or not (e + d).isalpha() \
+            or len(set(letters)) != len(letters):
+        return None
+    return call.args[1]
+
+
+def _s41b_zeros_scattered(module: ModuleInfo, v: Optional[ast.expr]) -> Optional[tuple[str, str, str]]:
+    """(s, idx, p) of ``torch.zeros_like(s).scatter(-1, idx, p)`` / ``s.new_zeros(s.shape).scatter_(-1, idx, p)``."""
+    if not (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in ("scatter", "scatter_")):
+        return None
+    z = v.func.value
+    if not isinstance(z, ast.Call) or z.keywords or len(z.args) != 1:
+        return None
+    if _canon(module, z.func) == "torch.zeros_like" and isinstance(z.args[0], ast.Name):
+        src = z.args[0].id
+    elif isinstance(z.func, ast.Attribute) and z.func.attr == "new_zeros" and isinstance(z.func.value, ast.Name) \
+            and ast.unparse(z.args[0]) == f"{z.func.value.id}.shape":
+        src = z.func.value.id
+    else:
+        return None
+    args = _s40_scatter_args(module, v)
+    if args is None or not isinstance(args[0], ast.Name) or not isinstance(args[1], ast.Name):
+        return None
+    return src, args[0].id, args[1].id
+
+
+# 4. dense-gated MoE: every expert on every token, the gate zero outside the top-k (read at run time, exact for any
+#    gate): an accumulating loop over range(self.n) (a run-time check ties n to the list), an inline stack combined by
+#    einsum over a softmax of -inf-scattered top-k logits, masked_fill of the non-top-k entries, zeros_like().scatter()
+_S41B_DENSE_LOOP = _s41b_moe('DenseMoE', '''\
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_v, topk_i = torch.topk(probs, self.k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''')
+
+_S41B_DENSE_RUN = _s41b_run("DenseMoE(16, 24, 5, 2)", "2, 6, 16", "m.gate.weight, m.experts[4].w2.weight")
+
+_S41B_DENSE_EINSUM = _S41B_DENSE_LOOP.replace('''        probs = F.softmax(self.gate(x), dim=-1)
+        topk_v, topk_i = torch.topk(probs, self.k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''', '''        logits = self.gate(x)
+        topk_v, topk_i = logits.topk(self.k, dim=-1)
+        masked = torch.full_like(logits, float("-inf"))
+        masked.scatter_(-1, topk_i, topk_v)
+        gates = F.softmax(masked, dim=-1)
+        expert_outs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        out = torch.einsum("bte,bted->btd", gates, expert_outs)
+        return out
+''')
+
+_S41B_DENSE_MASKED_FILL = _S41B_DENSE_LOOP.replace('''        gates = torch.zeros_like(probs).scatter(-1, topk_i, topk_v)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''', '''        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, topk_i, True)
+        gates = probs.masked_fill(~keep, 0.0)
+        expert_outs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        return (gates.unsqueeze(-1) * expert_outs).sum(dim=-2)
+''')
+
+_S41B_DENSE_APPEND = _S41B_DENSE_LOOP.replace('''        out = torch.zeros_like(x)
+        for e in range(self.n):
+            out += gates[..., e:e + 1] * self.experts[e](x)
+        return out
+''', '''        expert_outs = []
+        for e in range(self.n):
+            expert_outs.append(self.experts[e](x))
+        expert_outs = torch.stack(expert_outs, dim=-1)
+        return (expert_outs * gates.unsqueeze(-2)).sum(dim=-1)
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_S41B_DENSE_LOOP, name="s41b_dense_loop_over_range_of_a_count", run=_S41B_DENSE_RUN,
+         expect={"routing": "dense_gate", "tokens": "x", "probs": "gates", "output": "out"}),
+    Fuse(_S41B_DENSE_EINSUM, name="s41b_dense_inline_stack_einsum_of_neg_inf_scatter_softmax", run=_S41B_DENSE_RUN,
+         expect={"routing": "dense_gate", "tokens": "x", "probs": "gates", "output": "out"}),
+    Fuse(_S41B_DENSE_MASKED_FILL, name="s41b_dense_inline_stack_masked_fill_outside_topk", run=_S41B_DENSE_RUN,
+         expect={"routing": "dense_gate", "tokens": "x", "probs": "gates"}),
+    Fuse(_S41B_DENSE_APPEND, name="s41b_dense_append_gate_zeros_scattered_in_one_expression", run=_S41B_DENSE_RUN,
+         expect={"routing": "scattered_topk", "indices": "topk_i", "probs": "topk_v", "tokens": "x"}),
+]
+
+MoeExperts.KEEP += [
+    # a softmax over all experts: every expert weighs every token (a soft mixture), nothing to route
+    Keep(_S41B_DENSE_EINSUM.replace('''        masked = torch.full_like(logits, float("-inf"))
+        masked.scatter_(-1, topk_i, topk_v)
+        gates = F.softmax(masked, dim=-1)
+''', '''        gates = F.softmax(logits, dim=-1)
+'''), reason="does not trace to a top-k routing", name="s41b_dense_einsum_soft_mixture"),
+    # the einsum keeps the expert axis (no sum over experts): not a gate-weighted mixture
+    Keep(_S41B_DENSE_EINSUM.replace('torch.einsum("bte,bted->btd", gates, expert_outs)',
+                                    'torch.einsum("bte,bted->bted", gates, expert_outs)'),
+         reason="does not read as a per-token gate-weighted sum over the experts", name="s41b_dense_einsum_keeps_expert_axis"),
+    # top-k values scattered into ones: unchosen experts weigh 1, not 0
+    Keep(_S41B_DENSE_APPEND.replace("torch.zeros_like(probs).scatter(", "torch.ones_like(probs).scatter("),
+         reason="is not built as zeros with the top-k values scattered into them", name="s41b_dense_append_scattered_into_ones"),
+]
+
+
+# 5 / 7. near misses with what they are: per-expert counts appended to a Python list next to the output write, and
+#    two-phase loops collecting outputs, rows and weights into lists combined after the loop
+MoeExperts.KEEP += [
+    Keep(_S41B_LOAD_BUFFER.replace("            self.expert_load[e] += token_idx.numel()\n",
+                                   "            counts.append(token_idx.numel())\n").replace(
+        "        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        counts = []\n"),
+         reason="the loop writes `out` and also appends to `counts` per expert", name="s41b_counts_appended_to_python_list"),
+    Keep(_S41B_ROWS_TWICE.replace('''        out = torch.zeros_like(x)
+        for e in range(self.n):
+            token_idx, slot_idx = torch.where(topk_i == e)
+            if token_idx.numel() == 0:
+                continue
+            x_sel = x[token_idx]
+            y = self.experts[e](x_sel, x_sel)
+            out.index_add_(0, token_idx, topk_w[token_idx, slot_idx, None] * y)
+        return out
+''', '''        outs, rows, weights = [], [], []
+        for e in range(self.n):
+            token_idx, slot_idx = torch.where(topk_i == e)
+            if token_idx.numel() == 0:
+                continue
+            x_sel = x[token_idx]
+            outs.append(self.experts[e](x_sel, x_sel))
+            rows.append(token_idx)
+            weights.append(topk_w[token_idx, slot_idx])
+        y = torch.cat(outs) * torch.cat(weights).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, torch.cat(rows), y)
+'''), reason="the loop appends to several Python lists per expert (`outs`, `rows`, `weights`)",
+         name="s41b_two_phase_lists_combined_after_the_loop"),
+]
+
+
+# 1 (per-slot weight scatter): each selected row's weight written into a per-expert buffer at the selected rows, then
+#    read back at the same rows
+_S41B_WEIGHT_BUFFER = _S41B_PAIR_RANGE.replace('''            for j in range(tok.shape[0]):
+                out[tok[j]] += topk_w[tok[j], slot[j]] * y[j]
+''', '''            wt = torch.zeros(x.shape[0], device=x.device, dtype=topk_w.dtype)
+            wt[tok] = topk_w[tok, slot]
+            out[tok] += y * wt[tok].unsqueeze(-1)
+''')
+
+MoeExperts.FUSE += [
+    Fuse(_S41B_WEIGHT_BUFFER, name="s41b_weight_scattered_into_buffer_read_at_same_rows", run=_S41B_PAIR_RUN,
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "tokens": "x", "output": "out"}),
+]
+
+MoeExperts.KEEP += [
+    # the buffer read back at other rows (reversed): not each selected row's own weight
+    Keep(_S41B_WEIGHT_BUFFER.replace("out[tok] += y * wt[tok].unsqueeze(-1)", "out[tok] += y * wt[tok.flip(0)].unsqueeze(-1)"),
+         reason="not recognised as the routing weight", name="s41b_weight_buffer_read_at_other_rows"),
 ]
