@@ -177,3 +177,45 @@ class Attn(nn.Module):
     findings, misses = detect_all(SdpaPattern(), code)
     assert not findings
     assert any("`causal`" in m.reason and "flash_attn.flash_attn_func" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_norm_class_imported_in_an_init_flag_arm_runs_fused_and_original_arms(tmp_path: Path) -> None:
+    """The fused text spliced into the block's file, imported as a package under the emulator: the RMSNorm arm runs
+    npu_add_rms_norm with the original's result, the LayerNorm arm the original code."""
+    import importlib
+    import sys
+    import textwrap
+    from types import SimpleNamespace
+
+    import torch
+
+    from npufuse import emulate
+
+    data = _norm_scan(tmp_path, _RMS_BODY)
+    cand = next(c for c in data["candidates"] if c["pattern"] == "add_rms_norm")
+    lines = _BLOCK.splitlines(keepends=True)
+    fused = textwrap.indent(cand["fused"], " " * 8) + "\n"
+    spliced = "import torch_npu\n" + "".join(lines[:cand["line"] - 1]) + fused + "".join(lines[cand["end_line"]:])
+    (tmp_path / "repo" / "pkg" / "fused_block.py").write_text(spliced, encoding="utf-8")
+    sys.path.insert(0, str(tmp_path / "repo"))
+    try:
+        with emulate.install() as emu:
+            for name in [n for n in sys.modules if n == "pkg" or n.startswith("pkg.")]:
+                del sys.modules[name]
+            original = importlib.import_module("pkg.block")
+            rewritten = importlib.import_module("pkg.fused_block")
+            for rms in (True, False):
+                cfg = SimpleNamespace(use_rmsnorm=rms, d=16)
+                torch.manual_seed(0)
+                ref = original.Block(cfg).eval()
+                torch.manual_seed(0)
+                new = rewritten.Block(cfg).eval()
+                x = torch.randn(2, 5, 16)
+                before = emu.calls.get("npu_add_rms_norm", 0)
+                with torch.no_grad():
+                    torch.testing.assert_close(new(x), ref(x), atol=1e-5, rtol=1e-5)
+                assert (emu.calls.get("npu_add_rms_norm", 0) - before == 1) == rms, (rms, dict(emu.calls))
+    finally:
+        sys.path.remove(str(tmp_path / "repo"))
+        for name in [n for n in sys.modules if n == "pkg" or n.startswith("pkg.")]:
+            del sys.modules[name]
