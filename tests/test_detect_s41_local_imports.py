@@ -219,3 +219,27 @@ def test_norm_class_imported_in_an_init_flag_arm_runs_fused_and_original_arms(tm
         sys.path.remove(str(tmp_path / "repo"))
         for name in [n for n in sys.modules if n == "pkg" or n.startswith("pkg.")]:
             del sys.modules[name]
+
+
+def test_name_imported_as_flash_attention_here_and_as_sdpa_in_another_function_is_not_fused_here() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = '''
+import torch
+import torch.nn as nn
+
+
+class Flash(nn.Module):
+    def forward(self, q, k, v):
+        from flash_attn import flash_attn_func as attn
+        return attn(q, k, v)
+
+
+class Plain(nn.Module):
+    def forward(self, q, k, v):
+        from torch.nn.functional import scaled_dot_product_attention as attn
+        return attn(q, k, v)
+'''
+    findings, misses = detect_all(SdpaPattern(), code)
+    assert [f.qualname for f in findings] == ["Plain.forward"], (findings, misses)
+    assert [m.qualname for m in misses if "not SDPA" in m.reason] == ["Flash.forward"], [m.reason for m in misses]

@@ -1219,6 +1219,13 @@ def _s40_chosen_sdpa_call(module: ModuleInfo, scope: Scope, call: ast.Call, held
         # s41: the bindings the call sees: the function's own imports (``try: from flash_attn import f as attn``
         # inside ``forward``), an enclosing function's, else the module's
         seen = bound_callee.name_bindings(module, scope.node, f.id) if isinstance(f, ast.Name) else None
+        only = seen[0][0] if seen and len(seen) == 1 else None
+        if isinstance(only, (ast.Import, ast.ImportFrom)) and module.call_name(call) in SDPA_NAMES and not (
+                isinstance(only, ast.ImportFrom) and not only.level
+                and any(f"{only.module}.{a.name}" in SDPA_NAMES for a in only.names if (a.asname or a.name) == f.id)):
+            # the file-wide alias table keeps the file's last import of the name (SDPA, in another function)
+            return (f"`{f.id}` is bound here by `{' '.join(ast.unparse(only).split())[:80]}`, not SDPA (another "
+                    "import of the file binds SDPA to the same name)")
         if not (isinstance(f, ast.Name) and f.id not in scope.assignments and f.id not in scope.args
                 and seen is not None and len(seen) > 1 and _s40_names_sdpa(module, f, seen)):
             return None
