@@ -151,8 +151,9 @@ class Block(nn.Module):
     findings, misses = detect_all(AddRmsNorm(), code)
     assert not findings
     reason = next(m.reason for m in misses if m.qualname == "Block.forward")
-    assert "nn.LayerNorm: mean subtracted" in reason and "also built as `RMSNorm(cfg.d)`" in reason, reason
-    assert "`RMSNorm` not bound at module level" in reason, reason
+    # (s41 local41: the import inside ``__init__`` is read by bound_callee now; outside a repository the class's file
+    # is not there to read, so that arm is named as a construction npufuse does not fuse)
+    assert "`nn.LayerNorm`: mean subtracted" in reason and "`RMSNorm` (under `if cfg.use_rms:`)" in reason, reason
 
 
 # -- 2. a gated MLP whose activation is the repository's own activation class, its forward through locals -------------

@@ -539,10 +539,14 @@ def _find_foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo,
     target = module.aliases.get(head)
     if target is not None and dot:
         target = f"{target}.{attr}"
-    relative = any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == head for a in n.names)
-                   for n in module.tree.body)
+    # s41: an import inside a function or an ``if`` arm (``if cfg.rms: from .layers import RMSNorm`` in ``__init__``)
+    # counts like a top-level one (``relative_imports`` holds the whole file's), where every import of the name in
+    # the file names the same thing (the definition is looked up per file and name, not per scope)
+    relative = head in module.relative_imports
     if target is None and not relative:
         return None  # not imported: asking other files would only cost
+    if not _imports_agree(module, head):
+        return None
     root = repo_facts.repo_root(module)
     if root is None:
         return None
@@ -572,6 +576,24 @@ def _find_foreign_definition(module: ModuleInfo, name: str) -> tuple[ModuleInfo,
         return None
     repo_facts.attach_root(other, root)
     return other, d.node
+
+
+def _imports_agree(module: ModuleInfo, name: str) -> bool:
+    """Every import binding ``name`` in the file names the same thing, or all of them are top-level ones (whose first
+    one the lookup reads, as before s41); False where an import inside a function or block names something else."""
+    table = module.__dict__.get("_npufuse_norm_imports")
+    if table is None:
+        from npufuse.scan.dataflow import _statements_bfs
+
+        table = module.__dict__["_npufuse_norm_imports"] = {}
+        top = {id(n) for n in module.tree.body}
+        for n in _statements_bfs(module.tree):
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                for a in n.names:
+                    key = (getattr(n, "level", 0), getattr(n, "module", None), a.name)
+                    table.setdefault(a.asname or a.name.split(".")[0], []).append((key, id(n) in top))
+    found = table.get(name, [])
+    return all(t for _k, t in found) or len({k for k, _t in found}) <= 1
 
 
 def _free_names(module: ModuleInfo, other: ModuleInfo, node: ast.AST, also: frozenset[str] = frozenset()) -> dict[str, str] | None:
@@ -1661,7 +1683,13 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
     nc = _class_norm_call(home, call, ctx, cls, where)
     if nc is not None and nc.kind != "not_rms":
         # this file names the class where it builds it; another file's class is told by its forward's file
-        nc.conditions = [*nc.conditions, _type_guard(module, mod, ctor.func, module if file is module else cfile)]
+        # (s41: a class imported inside a method, ``if cfg.rms: from .layers import RMSNorm``, is not a name the
+        # forward can read: told by its forward's file too)
+        from npufuse.scan import bound_callee
+
+        head = (dotted(ctor.func) or "").split(".")[0]
+        named = file is module and (cfile is module or bool(bound_callee.module_bindings(module, head)))
+        nc.conditions = [*nc.conditions, _type_guard(module, mod, ctor.func, module if named else cfile)]
         nc.mod = mod
         nc.home = home if home is not module else None
     return nc

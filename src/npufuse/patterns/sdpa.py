@@ -1196,12 +1196,15 @@ def _s40_sdpa_held_attributes(module: ModuleInfo) -> tuple[str, ...]:
     return cached
 
 
-def _s40_names_sdpa(module: ModuleInfo, value: ast.expr) -> bool:
+def _s40_names_sdpa(module: ModuleInfo, value: ast.expr, bindings: list | None = None) -> bool:
+    """``value`` is SDPA's dotted name, or a name one of ``bindings`` (default: its module-level ones) imports SDPA as."""
     if module.canonical(value) in SDPA_NAMES:
         return True
+    if bindings is None and isinstance(value, ast.Name):
+        bindings = bound_callee.module_bindings(module, value.id)
     return isinstance(value, ast.Name) and any(
         isinstance(st, ast.ImportFrom) and any(f"{st.module}.{a.name}" in SDPA_NAMES and (a.asname or a.name) == value.id for a in st.names)
-        for st, _v, _c in bound_callee.module_bindings(module, value.id))
+        for st, _v, _c in bindings or ())
 
 
 def _s40_chosen_sdpa_call(module: ModuleInfo, scope: Scope, call: ast.Call, held: tuple[str, ...]) -> ast.Call | str | None:
@@ -1212,9 +1215,20 @@ def _s40_chosen_sdpa_call(module: ModuleInfo, scope: Scope, call: ast.Call, held
     if isinstance(f, ast.Attribute):
         if not (isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr in held):
             return None
-    elif not (isinstance(f, ast.Name) and f.id not in scope.assignments and f.id not in scope.args
-              and len(bound_callee.module_bindings(module, f.id)) > 1 and _s40_names_sdpa(module, f)):
-        return None
+    else:
+        # s41: the bindings the call sees: the function's own imports (``try: from flash_attn import f as attn``
+        # inside ``forward``), an enclosing function's, else the module's
+        seen = bound_callee.name_bindings(module, scope.node, f.id) if isinstance(f, ast.Name) else None
+        only = seen[0][0] if seen and len(seen) == 1 else None
+        if isinstance(only, (ast.Import, ast.ImportFrom)) and module.call_name(call) in SDPA_NAMES and not (
+                isinstance(only, ast.ImportFrom) and not only.level
+                and any(f"{only.module}.{a.name}" in SDPA_NAMES for a in only.names if (a.asname or a.name) == f.id)):
+            # the file-wide alias table keeps the file's last import of the name (SDPA, in another function)
+            return (f"`{f.id}` is bound here by `{' '.join(ast.unparse(only).split())[:80]}`, not SDPA (another "
+                    "import of the file binds SDPA to the same name)")
+        if not (isinstance(f, ast.Name) and f.id not in scope.assignments and f.id not in scope.args
+                and seen is not None and len(seen) > 1 and _s40_names_sdpa(module, f, seen)):
+            return None
     choice = bound_callee.choices(module, scope, f)
     if choice is None:
         return None
@@ -1251,6 +1265,10 @@ def sdpa_call_words(module: ModuleInfo) -> tuple[str, ...]:
     cached = module.__dict__.get("_npufuse_sdpa_words")
     if cached is None:
         aliases = [a + "(" for a, full in module.aliases.items() if full in SDPA_NAMES and a != "scaled_dot_product_attention"]
+        # s41: ``aliases`` keeps one import per name (the file's last); a name imported as SDPA in one place (a
+        # ``try`` arm inside a function) and as another function after it is SDPA's alias too
+        if "scaled_dot_product_attention as" in module.source:
+            aliases += [f"{a}(" for a in bound_callee.import_aliases(module, SDPA_NAMES) if f"{a}(" not in aliases]
         cached = module.__dict__["_npufuse_sdpa_words"] = ("scaled_dot_product_attention", *aliases)
     return cached
 

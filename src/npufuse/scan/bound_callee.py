@@ -99,6 +99,98 @@ def _collect_module(body: list[ast.stmt], cond: str, out: dict) -> None:
             _collect_module(st.body, cond, out)
 
 
+# -- function-local bindings (issue 14, s41): ``if cfg.rms: from .layers import RMSNorm`` inside ``__init__``, ``try:
+# from flash_attn import f as attn`` inside ``forward``. A name a function binds anywhere is local to the whole
+# function (Python's rule): its uses read only the function's own bindings; a name it does not bind reads the
+# nearest enclosing function's, and only then the module's.
+
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _function_table(module: ModuleInfo, fn: ast.AST) -> tuple[dict, frozenset[str]]:
+    """(``module_bindings``' table for ``fn``'s own body, every other name ``fn`` binds: parameters, loop / with /
+    except targets, tuple targets, augmented assignments), memoised per function."""
+    memo = _cache(module, "_npufuse_bc_functions")
+    found = memo.get(id(fn))
+    if found is None:
+        table: dict = {}
+        _collect_module(fn.body, "", table)  # type: ignore[attr-defined]
+        other: set[str] = set()
+        stores: dict[str, int] = {}
+        args = fn.args  # type: ignore[attr-defined]
+        other.update(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg) if a is not None)
+        todo: list[ast.AST] = list(fn.body)  # type: ignore[attr-defined]
+        while todo:
+            n = todo.pop()
+            if isinstance(n, (*_FUNCTIONS, ast.ClassDef)):
+                other.add(n.name)
+                continue  # (a nested def's body is its own scope)
+            if isinstance(n, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                continue
+            if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+                stores[n.id] = stores.get(n.id, 0) + 1
+            elif isinstance(n, ast.ExceptHandler) and n.name:
+                other.add(n.name)
+            elif isinstance(n, ast.Global):
+                other.add("\0global")  # (rare: such a function is not read)
+            todo.extend(ast.iter_child_nodes(n))
+        # a name stored more often than the table's plain assignments of it is bound otherwise too (a loop target)
+        other.update(k for k, c in stores.items() if c > sum(1 for _st, v, _c in table.get(k, ()) if v is not None))
+        found = memo[id(fn)] = (table, frozenset(other))
+    return found
+
+
+def _enclosing_function(module: ModuleInfo, fn: ast.AST) -> Optional[ast.AST]:
+    """The function whose body (through classes and blocks) defines ``fn``; None at module level (memoised)."""
+    parents = _cache(module, "_npufuse_bc_parents")
+    if not parents:
+        parents["\0built"] = True
+        todo: list[tuple[ast.AST, Optional[ast.AST]]] = [(module.tree, None)]
+        while todo:
+            node, owner = todo.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, _FUNCTIONS):
+                    parents[id(child)] = owner
+                    todo.append((child, child))
+                elif isinstance(child, (ast.stmt, ast.ExceptHandler, ast.match_case)):
+                    todo.append((child, owner))
+    return parents.get(id(fn))
+
+
+def name_bindings(module: ModuleInfo, fn: Optional[ast.AST], name: str) -> Optional[list[tuple[ast.AST, ast.expr | None, str]]]:
+    """The bindings of ``name`` a read of it inside function ``fn`` sees, as :func:`module_bindings` gives them: the
+    function's own where it binds the name (an import in an ``if`` arm or under ``try`` included), else the nearest
+    enclosing function's, else the module's; None where the function that binds it binds it in a way not read here
+    (a parameter, a loop target, a ``global`` statement)."""
+    while isinstance(fn, _FUNCTIONS):
+        table, other = _function_table(module, fn)
+        if "\0global" in other:
+            return None
+        if name in table or name in other:
+            return None if name in other else table[name]
+        fn = _enclosing_function(module, fn)
+    return module_bindings(module, name)
+
+
+def import_aliases(module: ModuleInfo, targets: frozenset[str] | set[str] | tuple[str, ...]) -> list[str]:
+    """The names any ``from m import x as name`` of the file (in a function or block too) binds to a dotted name of
+    ``targets``."""
+    from npufuse.scan.dataflow import _statements_bfs
+
+    return list(dict.fromkeys(a.asname or a.name for n in _statements_bfs(module.tree)
+                              if isinstance(n, ast.ImportFrom) and n.module and not n.level
+                              for a in n.names if f"{n.module}.{a.name}" in targets))
+
+
+def _import_member(node: ast.Name, st: ast.Import | ast.ImportFrom, module: ModuleInfo, instance: bool, cond: str) -> Member:
+    """The member an import statement binds ``node``'s name to: its dotted name (the name itself for a relative
+    import, read through the repository by the detectors)."""
+    a = next(a for a in st.names if (a.asname or a.name.split(".")[0]) == node.id)
+    full = (f"{st.module}.{a.name}" if isinstance(st, ast.ImportFrom) and st.module and not st.level
+            else a.name if isinstance(st, ast.Import) else node.id)
+    return Member(full, node, module, instance, cond)
+
+
 def rebound_class(module: ModuleInfo, name: str) -> Optional[str]:
     """For a class ``name`` defined in this file: a description of another module-level binding of the same name
     (InternViT's ``try: from apex.normalization import FusedRMSNorm; InternRMSNorm = FusedRMSNorm``), else None.
@@ -261,6 +353,9 @@ def _expand(module: ModuleInfo, class_name: Optional[str], node: ast.expr, cond:
         for v, where in stores:
             ok = _expand(module, class_name, v, cond, out, depth - 1, where, instance) and ok
         return ok
+    if isinstance(node, ast.Name) and local is not None and isinstance(local.node, _FUNCTIONS) and \
+            _locally_bound(module, local.node, node.id):
+        return _expand_local_name(module, class_name, node, cond, out, depth, local, instance)
     if isinstance(node, ast.Name) and local is not None and node.id in local.assignments:
         ok = True
         for _st, v in local.assignments[node.id]:
@@ -280,6 +375,39 @@ def _expand(module: ModuleInfo, class_name: Optional[str], node: ast.expr, cond:
     return False
 
 
+def _locally_bound(module: ModuleInfo, fn: ast.AST, name: str) -> bool:
+    """Does ``fn`` or a function enclosing it bind ``name`` by an import (the reads :func:`_expand_local_name` adds)?"""
+    while isinstance(fn, _FUNCTIONS):
+        table, other = _function_table(module, fn)
+        if name in table or name in other:
+            return any(isinstance(st, (ast.Import, ast.ImportFrom)) for st, _v, _c in table.get(name, ()))
+        fn = _enclosing_function(module, fn)
+    return False
+
+
+def _expand_local_name(module: ModuleInfo, class_name: Optional[str], node: ast.Name, cond: str, out: list[Member],
+                       depth: int, local: Scope, instance: bool) -> bool:
+    """A name imported inside the reading function or one enclosing it: each import's member (under its ``if`` arm /
+    ``try`` condition), and the values of that function's assignments of the name."""
+    fn: Optional[ast.AST] = local.node
+    while isinstance(fn, _FUNCTIONS):
+        table, other = _function_table(module, fn)
+        if node.id in table or node.id in other:
+            break
+        fn = _enclosing_function(module, fn)
+    owner = local if fn is local.node else next((s for s in module.scopes if s.node is fn), None)
+    bindings = name_bindings(module, fn, node.id) or []
+    ok = owner is not None and not any(isinstance(st, (*_FUNCTIONS, ast.ClassDef)) for st, _v, _c in bindings)
+    for st, _value, where in bindings:
+        if isinstance(st, (ast.Import, ast.ImportFrom)):
+            out.append(_import_member(node, st, module, instance, where or cond))
+    if owner is not None:
+        for _st, v in owner.assignments.get(node.id, ()):
+            ok = _expand(module, class_name, v, cond, out, depth - 1, owner, instance) and ok
+    _table, other = _function_table(module, fn) if fn is not None else ({}, frozenset())
+    return ok and node.id not in other
+
+
 def _expand_module_name(module: ModuleInfo, class_name: Optional[str], node: ast.Name, cond: str, out: list[Member],
                         depth: int, instance: bool) -> bool:
     found = module_bindings(module, node.id)
@@ -291,10 +419,7 @@ def _expand_module_name(module: ModuleInfo, class_name: Optional[str], node: ast
         if value is not None:
             ok = _expand(module, class_name, value, c, out, depth - 1, None, instance) and ok
         elif isinstance(st, (ast.Import, ast.ImportFrom)):
-            a = next(a for a in st.names if (a.asname or a.name.split(".")[0]) == node.id)
-            full = (f"{st.module}.{a.name}" if isinstance(st, ast.ImportFrom) and st.module and not st.level
-                    else a.name if isinstance(st, ast.Import) else node.id)
-            out.append(Member(full, node, module, instance, c))
+            out.append(_import_member(node, st, module, instance, c))
         else:
             out.append(Member(node.id, node, module, instance, c))  # the file's own def / class
     return ok
