@@ -3572,6 +3572,9 @@ class _Eval:
             self.forward_spelled = True
             return self._call(ast.copy_location(ast.Call(func=f.value, args=node.args, keywords=node.keywords), node))
         name = _canon(m, f)
+        if isinstance(f, ast.Name) and f.id == "int" and len(node.args) == 1 and not node.keywords \
+                and self.ev(node.args[0]).kind == "count":
+            return V("count")  # s41c: int(n) of one expert's count (a 0-d tensor when the counts are iterated as a tensor)
         if isinstance(f, ast.Attribute):
             attr = f.attr
             if self.expert_init is not None and isinstance(f.value, ast.Name) and f.value.id == "self":
@@ -4336,6 +4339,14 @@ class _Eval:
         if hops and _counting_call(inner):
             # counts = torch.bincount(flat_idx, ...).tolist(): the fused text computes the same counts on the
             # device (the names it reads are checked not to change inside the loop)
+            text = f"({segment(self.m, inner)})"
+            if {n.id for n in fast_walk(inner) if isinstance(n, ast.Name)} & _assigned(self.loop.body):
+                raise _Miss(f"the tensor the counts `{self.counts_name}` are computed from changes inside the loop")
+            self.count_source = text
+            return text
+        if hops == 0 and _counting_call(inner):
+            # s41c: counts = torch.histc(ids, ...) iterated as a device tensor (each step a 0-d tensor read on the
+            # host): the same numbers as after .tolist(); the fused text computes them again on the device
             text = f"({segment(self.m, inner)})"
             if {n.id for n in fast_walk(inner) if isinstance(n, ast.Name)} & _assigned(self.loop.body):
                 raise _Miss(f"the tensor the counts `{self.counts_name}` are computed from changes inside the loop")
@@ -13766,4 +13777,85 @@ MoeExperts.KEEP += [
     # the buffer read back at other rows (reversed): not each selected row's own weight
     Keep(_S41B_WEIGHT_BUFFER.replace("out[tok] += y * wt[tok].unsqueeze(-1)", "out[tok] += y * wt[tok.flip(0)].unsqueeze(-1)"),
          reason="not recognised as the routing weight", name="s41b_weight_buffer_read_at_other_rows"),
+]
+
+
+# -- s41c: HF-integration-style eager experts over argsort-sorted pairs ------------------------------------------------
+# (token, slot) pairs sorted by expert id (argsort of the flattened top-k indices), `counts = torch.histc(...)` iterated
+# as a device tensor (`for i, n in enumerate(counts)`, `end = start + int(n)`), each contiguous slice of the sorted rows
+# through the raw stacked weights, outputs appended and concatenated, weighted, un-sorted and summed over k after the
+# loop (kept as written). The sorted_counts site: the loop + cat become grouped matmuls over the same sorted rows.
+_S41C_EAGER = _HEAD + '''
+
+class EagerExperts(nn.Module):
+    def __init__(self, n, dim, hidden):
+        super().__init__()
+        self.num_experts = n
+        self.gate_up_proj = nn.Parameter(torch.randn(n, 2 * hidden, dim) * dim ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(n, dim, hidden) * hidden ** -0.5)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        num_tokens, num_top_k = top_k_index.shape
+        token_idx = torch.arange(num_tokens, device=hidden_states.device).unsqueeze(1).expand(-1, num_top_k).reshape(-1)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        perm = torch.argsort(expert_ids)
+        inv_perm = torch.argsort(perm)
+        x_sorted = hidden_states[token_idx][perm]
+        w_sorted = sample_weights[perm]
+        counts = torch.histc(expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        start = 0
+        outputs = []
+        for i, n in enumerate(counts):
+            end = start + int(n)
+            if n == 0:
+                continue
+            rows = x_sorted[start:end]
+            gate, up = (rows @ self.gate_up_proj[i].T).chunk(2, dim=-1)
+            outputs.append((F.silu(gate) * up) @ self.down_proj[i].T)
+            start = end
+        outs = torch.cat(outputs, dim=0)
+        outs = outs * w_sorted.unsqueeze(-1)
+        return outs[inv_perm].view(num_tokens, num_top_k, -1).sum(dim=1)
+'''
+
+_S41C_EAGER_RUN = '''\
+m = EagerExperts(6, 16, 24)
+x = torch.randn(9, 16, requires_grad=True)
+top_k_weights, top_k_index = torch.randn(9, 6).softmax(-1).topk(2, dim=-1)
+out = m(x, top_k_index, top_k_weights)
+leaves = [x, m.gate_up_proj, m.down_proj]
+'''
+
+_S41C_EAGER_LINEAR = _S41C_EAGER.replace(
+    "            gate, up = (rows @ self.gate_up_proj[i].T).chunk(2, dim=-1)\n"
+    "            outputs.append((F.silu(gate) * up) @ self.down_proj[i].T)\n",
+    "            gate, up = F.linear(rows, self.gate_up_proj[i]).chunk(2, dim=-1)\n"
+    "            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[i]))\n")
+
+MoeExperts.FUSE += [
+    Fuse(_S41C_EAGER, name="s41c_eager_sorted_slices_of_histc_counts", run=_S41C_EAGER_RUN,
+         expect={"routing": "sorted_counts", "tokens": "x_sorted", "layout": "stacked_out_in"}),
+    Fuse(_S41C_EAGER_LINEAR, name="s41c_eager_sorted_slices_through_f_linear", run=_S41C_EAGER_RUN,
+         expect={"routing": "sorted_counts", "tokens": "x_sorted"}),
+]
+
+MoeExperts.KEEP += [
+    # the down weight picked by the loop's running start, not by the expert id: not one expert's weights per slice
+    Keep(_S41C_EAGER.replace("@ self.down_proj[i].T)", "@ self.down_proj[start].T)"),
+         reason="is not shown to be a stacked parameter of this module (`self.<w>[e]`) or a stacked tensor from "
+                "outside the loop, indexed by the expert", name="s41c_eager_weight_indexed_by_start"),
+    # gpt-oss GLU: gate clamped to a limit and gated by sigmoid(alpha * gate), up clamped and shifted by 1:
+    # not the silu(gate) * up that npu_swiglu computes
+    Keep(_S41C_EAGER.replace(
+        "            outputs.append((F.silu(gate) * up) @ self.down_proj[i].T)\n",
+        "            gate = gate.clamp(max=7.0)\n"
+        "            up = up.clamp(min=-7.0, max=7.0)\n"
+        "            glu = gate * torch.sigmoid(gate * 1.702)\n"
+        "            outputs.append(((up + 1) * glu) @ self.down_proj[i].T)\n"),
+         reason="is not recognised: only silu-gated, act(gate) * up and plain act(x) experts", name="s41c_eager_clamped_gpt_oss_glu"),
+    # the counts iterated are rebuilt inside the loop from a tensor the loop changes: not the sort's counts
+    Keep(_S41C_EAGER.replace("            start = end\n", "            start = end\n            expert_ids = expert_ids + 0\n"),
+         reason="the tensor the counts `counts` are computed from changes inside the loop",
+         name="s41c_eager_counts_source_changed_in_loop"),
 ]
