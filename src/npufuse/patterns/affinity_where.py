@@ -308,9 +308,10 @@ def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Op
     """An op in the branch (or its one-level definition) that can produce inf/NaN."""
     roots = [node]
     if isinstance(node, ast.Name):
-        d = scope.definition(node.id, line)
-        if d is not None:
-            roots.append(d)
+        # every earlier assignment, not only the last: an update in an `if` arm
+        # (`loss = torch.log(s) - p`, then `if smoothing: loss = (1 - a) * loss + ...`) keeps the
+        # first value on the other path (audit42, Liger's vocab-parallel cross entropy)
+        roots += [value for stmt, value in scope.assignments.get(node.id, []) if stmt.lineno < line]
     for root in roots:
         for n in fast_walk(root):
             if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
