@@ -2792,8 +2792,9 @@ class _Eval:
                     self.env[n] = V("mod_part", (val, j))
                 return
             if val.kind == "unknown" and isinstance(s.value, ast.Call) and _canon(self.m, s.value.func) == "torch.where":
-                raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask that is not "
-                            "one_hot(expert indices).permute(...) built in this function (e.g. a router mask with capacity)")
+                raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask npufuse does not trace to "
+                            "one_hot(expert indices).permute(...) of this function's top-k indices (a router mask with capacity, "
+                            "or a mask built in a form npufuse does not follow)")
             raise _Miss(f"unrecognised unpacking in the expert loop: `{ast.unparse(s)[:60]}`")
         if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             # DeepSeek: y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
