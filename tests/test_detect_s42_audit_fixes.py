@@ -264,3 +264,28 @@ def test_an_untraced_token_mask_is_said_to_be_untraced() -> None:
     assert not findings
     reasons = [m.reason for m in misses if "tokens are picked with" in m.reason]
     assert reasons and all("npufuse does not trace" in r and "that is not one_hot" not in r for r in reasons)
+
+
+# W3 twin: a log whose result is cast to an integer dtype leaves no inf/NaN in the branch (T5's buckets)
+
+_BUCKETS = """
+import math
+import torch
+
+
+def bucket(relative_position, max_exact, num_buckets, max_distance):
+    is_small = relative_position < max_exact
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1))
+    relative_buckets = torch.where(is_small, relative_position, relative_position_if_large)
+    return relative_buckets
+"""
+
+
+def test_a_log_cast_to_an_integer_dtype_is_no_inf_source() -> None:
+    findings, misses = detect_all(AffinityWhere(), _BUCKETS)
+    assert not findings
+    assert [m.reason for m in misses if "not inf-safe" in m.reason] == []
+    assert any("integer tensors" in m.reason for m in misses)
