@@ -6796,10 +6796,10 @@ class CapacityMoE(nn.Module):
             token_idx, slot = torch.where(mask)
             y[token_idx] += probs[token_idx, slot, None] * expert(x[token_idx])
         return y
-''', reason="from a mask that is not one_hot", name="router_mask_not_from_indices"),
+''', reason="from a mask npufuse does not trace to one_hot", name="router_mask_not_from_indices"),
     # permute of an arange comparison along another order than expert-first
     Keep(_ARANGE_MASKS.replace("masks.permute(2, 0, 1)", "masks.permute(0, 2, 1)"),
-         reason="from a mask that is not one_hot", name="arange_masks_not_expert_first"),
+         reason="from a mask npufuse does not trace to one_hot", name="arange_masks_not_expert_first"),
 ]
 
 
@@ -7182,7 +7182,7 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     # the one-hot read along another axis than the experts' is not expert e's mask
     Keep(_ONE_HOT_LAST.replace("torch.where(onehot[..., e])", "torch.where(onehot[e])"),
-         reason="from a mask that is not one_hot", name="one_hot_indexed_on_the_token_axis"),
+         reason="from a mask npufuse does not trace to one_hot", name="one_hot_indexed_on_the_token_axis"),
 ]
 
 # a function over stacked weights passed in ([E, out, in], used as W[e].transpose(-2, -1)), tokens
