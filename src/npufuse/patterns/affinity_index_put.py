@@ -509,8 +509,9 @@ def _other_form(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[Ne
         idx = keyword(v, "indices", 0)
         if idx is not None and (integer_index(module, idx, scope, line) or isinstance(idx, (ast.Tuple, ast.List)) and any(integer_index(module, e, scope, line) for e in idx.elts)):
             return NearMiss(_ID, scope.qualname, line, end,
-                            f"index_put with `{segment(module, idx)[:40]}`, integer positions (nonzero), not a boolean "
-                            "mask: index with the mask itself to allow the masked_fill/where rewrite")
+                            f"index_put with `{segment(module, idx)[:40]}`, integer positions, not a boolean mask: a "
+                            "scatter to given positions, which masked_fill/where (they take a mask) do not express; where "
+                            "the positions come from `mask.nonzero()`, index with the mask itself to allow the rewrite")
     return None
 
 

@@ -304,15 +304,33 @@ def _finite_scalar_op(scope: Scope, n: ast.BinOp) -> bool:
     return isinstance(n.right, ast.Name) and _param_annotation(scope, n.right.id) == "int"
 
 
+_INTEGER_DTYPES = {"torch.long", "torch.int", "torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8"}
+
+
+def _integer_cast(module: ModuleInfo, node: ast.AST) -> bool:
+    """``x.long()`` / ``x.int()`` / ``x.to(torch.long)``: a cast of a computed value to an integer dtype."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    if node.func.attr in ("long", "int", "short") and not node.args:
+        return True
+    return node.func.attr == "to" and len(node.args) == 1 and (module.canonical(node.args[0]) or "") in _INTEGER_DTYPES
+
+
 def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Optional[str]:
     """An op in the branch (or its one-level definition) that can produce inf/NaN."""
     roots = [node]
     if isinstance(node, ast.Name):
-        d = scope.definition(node.id, line)
-        if d is not None:
-            roots.append(d)
+        # every earlier assignment, not only the last: an update in an `if` arm
+        # (`loss = torch.log(s) - p`, then `if smoothing: loss = (1 - a) * loss + ...`) keeps the
+        # first value on the other path (audit42, Liger's vocab-parallel cross entropy)
+        roots += [value for stmt, value in scope.assignments.get(node.id, []) if stmt.lineno < line]
     for root in roots:
+        # an op whose result is cast to an integer dtype leaves no inf/NaN in the branch (T5's
+        # `max_exact + (torch.log(rel.float() / max_exact) * k).to(torch.long)`): not searched
+        cast = {id(x) for c in fast_walk(root) if _integer_cast(module, c) for x in fast_walk(c.func.value)}
         for n in fast_walk(root):
+            if id(n) in cast:
+                continue
             if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
                 return ast.unparse(n)
             if isinstance(n, ast.Call):

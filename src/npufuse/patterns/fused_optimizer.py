@@ -1947,6 +1947,22 @@ def _lambda_parameters_read(stmt: ast.stmt, call: ast.Call) -> set[str]:
     return found
 
 
+def _comprehension_targets_read(stmt: ast.stmt, call: ast.Call) -> set[str]:
+    """The loop variables of a comprehension in ``stmt`` around ``call`` that the call's arguments read
+    (`{name: Adam(params) for name, params in groups.items()}`): bound only inside the comprehension,
+    so a guard before the statement that reads them raises NameError."""
+    comps = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    if not any(isinstance(n, comps) for n in fast_walk(stmt)):
+        return set()
+    read = {n.id for a in (*call.args, *(k.value for k in call.keywords)) for n in fast_walk(a) if isinstance(n, ast.Name)}
+    found: set[str] = set()
+    for comp in (n for n in fast_walk(stmt) if isinstance(n, comps)):
+        if any(n is call for n in fast_walk(comp)):
+            for gen in comp.generators:
+                found |= {n.id for n in fast_walk(gen.target) if isinstance(n, ast.Name)} & read
+    return found
+
+
 def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
           tiers: tuple[_FileFacts, _FileFacts, _FileFacts], in_place: bool = False,
           chosen_class: Optional[tuple[str, str]] = None) -> Result:
@@ -1980,6 +1996,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         return miss(f"the optimizer is built inside a lambda from its own parameter(s) ({', '.join(sorted(bound))}): "
                     "an optimizer factory whose caller supplies the params; the guard that checks them is a statement "
                     "around the construction and cannot read a lambda's parameters (a def factory can be rewritten)")
+    looped = _comprehension_targets_read(stmt, call)
+    if looped:
+        return miss(f"the optimizer is built inside a comprehension from its loop variable(s) ({', '.join(sorted(looped))}): "
+                    "one optimizer per parameter group; the guard that checks the params is a statement around the "
+                    "construction and cannot read names bound only inside the comprehension")
     star_test = _s34_starred_test(module, call, accepted if chosen_class is None else _FEWEST_POSITIONAL)
     if any(isinstance(a, ast.Starred) for a in call.args) and star_test is None:
         return miss("positional arguments passed through `*args`: cannot check them against the fused class")

@@ -2792,8 +2792,9 @@ class _Eval:
                     self.env[n] = V("mod_part", (val, j))
                 return
             if val.kind == "unknown" and isinstance(s.value, ast.Call) and _canon(self.m, s.value.func) == "torch.where":
-                raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask that is not "
-                            "one_hot(expert indices).permute(...) built in this function (e.g. a router mask with capacity)")
+                raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask npufuse does not trace to "
+                            "one_hot(expert indices).permute(...) of this function's top-k indices (a router mask with capacity, "
+                            "or a mask built in a form npufuse does not follow)")
             raise _Miss(f"unrecognised unpacking in the expert loop: `{ast.unparse(s)[:60]}`")
         if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             # DeepSeek: y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
@@ -6795,10 +6796,10 @@ class CapacityMoE(nn.Module):
             token_idx, slot = torch.where(mask)
             y[token_idx] += probs[token_idx, slot, None] * expert(x[token_idx])
         return y
-''', reason="from a mask that is not one_hot", name="router_mask_not_from_indices"),
+''', reason="from a mask npufuse does not trace to one_hot", name="router_mask_not_from_indices"),
     # permute of an arange comparison along another order than expert-first
     Keep(_ARANGE_MASKS.replace("masks.permute(2, 0, 1)", "masks.permute(0, 2, 1)"),
-         reason="from a mask that is not one_hot", name="arange_masks_not_expert_first"),
+         reason="from a mask npufuse does not trace to one_hot", name="arange_masks_not_expert_first"),
 ]
 
 
@@ -7181,7 +7182,7 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     # the one-hot read along another axis than the experts' is not expert e's mask
     Keep(_ONE_HOT_LAST.replace("torch.where(onehot[..., e])", "torch.where(onehot[e])"),
-         reason="from a mask that is not one_hot", name="one_hot_indexed_on_the_token_axis"),
+         reason="from a mask npufuse does not trace to one_hot", name="one_hot_indexed_on_the_token_axis"),
 ]
 
 # a function over stacked weights passed in ([E, out, in], used as W[e].transpose(-2, -1)), tokens

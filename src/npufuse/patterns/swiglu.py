@@ -154,6 +154,10 @@ def _module_act(module: ModuleInfo, value: ast.expr) -> tuple[str, ast.expr | No
                     return GELU_DYN, approx
             return kind, None
         short = (dotted(value.func) or "").split(".")[-1]
+        if short in _GETTERS and _config_object_arg(value):
+            # `get_activation(global_config, act_default=...)`: the getter reads the name from a config
+            # object, which is no name itself: the fused branch dispatches on the object it returns (audit42)
+            return CONFIG, None
         named = _getter_name_arg(value) if short in _GETTERS else None
         if named is not None:
             v = const_value(named)
@@ -4409,6 +4413,18 @@ def _aliased_in_place(scope: Scope, stmt: ast.stmt) -> tuple[str, int, ast.stmt]
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and first < n.lineno < last:
             return name, n.lineno, d[0]
     return None
+
+
+_CONFIG_OBJECT_SUFFIXES = ("config", "cfg", "conf", "args", "opt", "opts", "hparams")
+
+
+def _config_object_arg(call: ast.Call) -> bool:
+    """An activation getter's first argument is a config object (``global_config``, ``self.cfg``,
+    ``neox_args``), not the activation's name: compared with names it never equals one."""
+    if not call.args or not isinstance(call.args[0], (ast.Name, ast.Attribute)):
+        return False
+    last = (dotted(call.args[0]) or "").split(".")[-1].lower()
+    return last.endswith(_CONFIG_OBJECT_SUFFIXES)
 
 
 def _getter_name_arg(call: ast.Call) -> ast.expr | None:

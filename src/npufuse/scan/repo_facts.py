@@ -1807,7 +1807,9 @@ def _trace_reexport(root: Path, from_rel: str, mod: str, attr: str, hops: int = 
         if not mod or any(p in ("", "..") for p in mod.split(".")):
             return None
         parts = mod.split(".")
-        bases = [PurePosixPath(".")] + list(PurePosixPath(from_rel).parents)
+        # the repository root, its `src/` folder (the src layout: `src/liger_kernel/...` imported as
+        # `liger_kernel...`, audit42) and the importing file's folders
+        bases = [PurePosixPath("."), PurePosixPath("src")] + list(PurePosixPath(from_rel).parents)
         found: Optional[tuple[str, ast.Module]] = None
         for base in dict.fromkeys(bases):
             for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):

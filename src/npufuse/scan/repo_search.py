@@ -37,6 +37,9 @@ _NOT_A_SWITCH = {
     "implementation", "version", "mode", "type", "path", "dir", "home", "devices", "device", "visible", "rank", "deterministic",
     "input", "inputs", "embed", "hidden", "intermediate", "factor", "scale", "id", "ids", "index", "count", "uses",
     "supports", "supported", "available", "top", "left", "mask", "window", "length", "len",
+    # diagnostics: a flag that turns on logging or tracing of a kernel does not choose the kernel
+    # (Liger's `LIGER_RMS_DEBUG` prints from its RMSNorm kernel; audit42)
+    "debug", "verbose", "log", "logging", "trace", "tracing", "profile", "profiling", "dump",
 }
 
 
@@ -87,8 +90,13 @@ def is_switch(name: str, kind: str, value: Any = None) -> bool:
     if tokens[0] in _FLAG_VERBS or isinstance(value, bool) or value in ("store_true", "store_false"):
         return True
     # an environment variable named for fusion: ``NPU_FUSED_ROPE``, and ``NPUFUSE_RMS_NORM``
-    # (npufuse's own spelling, one token)
-    return kind == "env" and any(t.startswith(_FUSION_TOPIC) or (t.startswith(("npu", "ascend")) and "fus" in t) for t in tokens)
+    # (npufuse's own spelling, one token); with no flag verb first, every other word must name the
+    # topic, an op or a kernel: ``LIGER_RMS_COMPILE_BUCKET`` or ``LIGER_RMS_FORCE_NO_FAST`` tune the
+    # repository's own kernel and do not choose one (audit42)
+    if kind != "env" or not any(t.startswith(_FUSION_TOPIC) or (t.startswith(("npu", "ascend")) and "fus" in t) for t in tokens):
+        return False
+    return all(t.startswith(_TOPIC) or t in _FLAG_VERBS or t in _FILLER or t in _KERNEL_WORDS or t in _OP_WORDS or any(w in t for w in _ALL_WORDS) or t.isdigit()
+               for t in tokens)
 # Words (separators removed, lower case) that tie a switch to a pattern.
 PATTERN_WORDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rmsnorm", "rms"),
@@ -104,6 +112,10 @@ PATTERN_WORDS: dict[str, tuple[str, ...]] = {
     "affinity_where": ("affinity", "where"),
 }
 _ALL_WORDS = {w for words in PATTERN_WORDS.values() for w in words}
+# Single words of switch names that name an op a fused kernel replaces (is_switch: an environment
+# variable named for one, ``NPU_FUSED_ADD_RMS_NORM``, ``FLASH_ATTN_V2``).
+_OP_WORDS = _ALL_WORDS | {"norm", "add", "attn", "rotary", "emb", "embedding", "pos", "mlp", "glu", "experts", "optimizer",
+                          "layernorm", "ln", "v1", "v2", "v3", "fa", "fa2", "fa3", "all", "model", "kv", "put", "index"}
 _NEGATIVE = re.compile(r"^(disable|no|without|skip)[_-]", re.IGNORECASE)
 
 GUARD_CALLS = {"is_torch_npu_available", "is_npu_available", "is_torch_npu_avaliable", "npu_is_available"}
