@@ -2343,6 +2343,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.option_guards.extend(f"({g})" for g in ev.slot_guards)
     elif ev.slot_var and site is not None:
         raise _Miss(f"the loop over `{ev.slot_var}` does not select tokens by the columns of the expert indices")
+    if site is not None and ev.rank_guards:
+        ev.option_guards.extend(f"({g})" for g in ev.rank_guards)
     if site is not None and ev.token_dims > 1 and site.probs and site.routing == "mask_where":
         # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
         # indices slot by slot when they have the indices' shape (a run-time check)
@@ -2462,6 +2464,7 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
 
     # -- header ---------------------------------------------------------------------------
 
@@ -3460,13 +3463,19 @@ class _Eval:
         e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum).
         ``prod`` is the product as written or (s41) the ``masked_w`` value of a name bound to it."""
         dim, keep = keyword(call, "dim", first), keyword(call, "keepdim", first + 1)
-        if dim is None or const_value(dim) != -1 or keep is not None and const_value(keep) not in (True, False):
+        if dim is None or const_value(dim) not in (-1, 1) or isinstance(const_value(dim), bool) \
+                or keep is not None and const_value(keep) not in (True, False):
             return None
         # s40: without keepdim the sum is [T] (one weight per token, `rw_dense_row`): a column again only after
         # `[rows].unsqueeze(-1)` (LeonelSalvo nano-moe-mla: `w = (topk_w * sel).sum(dim=-1)[tok]`, then
         # `w.unsqueeze(-1) * expert(x[tok])`)
         kind = "rw_dense" if keep is not None and const_value(keep) is True else "rw_dense_row"
         masked = prod if isinstance(prod, V) else self._masked_weights(prod)
+        if masked is not None and masked.kind in ("masked_w", "masked_w_rows") and const_value(dim) == 1:
+            # s42: a sum over dim 1 is the sum over the slots only for 2-D [T, K] indices (a run-time check)
+            guard = f"{masked.args[1]}.dim() == 2"
+            if guard not in self.rank_guards:
+                self.rank_guards.append(guard)
         if masked is not None and masked.kind == "masked_w_rows":
             # s41: rows picked first (`(w[tok] * (idx[tok] == e)).sum(-1, keepdim=True)`): the selected rows' weights
             self._set_probs(masked.args[0])
@@ -3658,6 +3667,12 @@ class _Eval:
                 return recv
             if attr == "any" and recv.kind == "flatmask" and _last_dim_reduction(node):
                 return self._tokmask(recv.args[0])  # (indices == e).any(dim=-1): the tokens routed to e
+            if attr == "any" and recv.kind == "flatmask" and _s42_second_dim_reduction(node):
+                # (indices == e).any(dim=1): the last dim only for 2-D [T, K] indices (a run-time check)
+                guard = f"{recv.args[0]}.dim() == 2"
+                if guard not in self.rank_guards:
+                    self.rank_guards.append(guard)
+                return self._tokmask(recv.args[0])
             if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
                                            and const_value(node.args[0]) == -1):
                 return recv  # the same token mask over flattened rows
@@ -4635,6 +4650,13 @@ def _last_dim_reduction(call: ast.Call, first: int = 0) -> bool:
     """``.any(dim=-1)`` / ``.any(-1)`` (``first``: where the dim sits positionally; 1 for ``torch.any(x, -1)``)."""
     dim = keyword(call, "dim", first)
     return dim is not None and const_value(dim) == -1 and keyword(call, "keepdim") is None
+
+
+def _s42_second_dim_reduction(call: ast.Call) -> bool:
+    """``.any(dim=1)`` / ``.any(1)`` without keepdim: the indices' last dim when they are 2-D (checked at run time)."""
+    dim = keyword(call, "dim", 0)
+    return dim is not None and const_value(dim) == 1 and not isinstance(const_value(dim), bool) \
+        and keyword(call, "keepdim") is None and len(call.args) + len(call.keywords) == 1
 
 
 def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str, str]]:
