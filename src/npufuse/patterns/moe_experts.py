@@ -594,7 +594,8 @@ def _gather_assign(module: ModuleInfo, stmt: ast.stmt) -> Optional[_Gathered]:
     if not isinstance(value, ast.Subscript):
         return None
     parts = list(value.slice.elts) if isinstance(value.slice, ast.Tuple) else [value.slice]
-    if not isinstance(parts[0], ast.Name) or not all(
+    index = _s42_index_column(module, parts[0])
+    if index is None or not all(
             isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None for p in parts[1:]):
         return None
     weight = value.value
@@ -604,7 +605,22 @@ def _gather_assign(module: ModuleInfo, stmt: ast.stmt) -> Optional[_Gathered]:
         base = base.func.value  # W.to(x.dtype)[idx]: a dtype cast of the whole stack, then the gather
     if not (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "self"):
         return None
-    return _Gathered(stmt.targets[0].id, weight, base, parts[0].id, transposed, stmt)
+    return _Gathered(stmt.targets[0].id, weight, base, index, transposed, stmt)
+
+
+def _s42_index_column(module: ModuleInfo, node: ast.expr) -> Optional[str]:
+    """The expert indices a gather reads, as text: a name, or (s42, top-k slot loops) one column of named indices
+    (``idx[:, k]``, ``idx[..., k]``: full slices then one name or integer), which the products' run-time checks
+    read as written (rank, dtype, range)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Tuple)):
+        return None
+    *lead, last = node.slice.elts
+    full = all(isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None
+               or isinstance(p, ast.Constant) and p.value is Ellipsis for p in lead)
+    column = isinstance(last, ast.Name) or isinstance(last, ast.Constant) and type(last.value) is int
+    return segment(module, node) if lead and full and column else None
 
 
 def _einsum_letters(spec: str) -> Optional[tuple[list[str], str]]:
@@ -767,7 +783,8 @@ def _gathered_weight_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
         return NearMiss(_ID, scope.qualname, first_line, end, "the gathered expert weights are multiplied as if the "
                         "indices had different ranks")
     idx, r = first.indices, next(iter(dims))
-    rebound = _assigned(rest) & ({idx} | names)
+    idx_names = {n.id for n in fast_walk(first.stmt.value) if isinstance(n, ast.Name) and n.id != "self"}
+    rebound = _assigned(rest) & (idx_names | names)
     if rebound:
         return NearMiss(_ID, scope.qualname, first_line, end, f"`{sorted(rebound)[0]}` is rebound between the gathers and "
                         "the projections")
@@ -2849,6 +2866,8 @@ class _Eval:
 
     def _check_skip(self, test: ast.expr) -> None:
         """``continue`` guards that skip experts without tokens (or the sentinel index == E)."""
+        if self._s42_absent_expert_skip(test):
+            return
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.LtE)):
             left, right = test.left, test.comparators[0]
             if self._is_eidx(left):
@@ -2873,6 +2892,27 @@ class _Eval:
             self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _s42_absent_expert_skip(self, test: ast.expr) -> bool:
+        """s42: ``if expert is None: continue`` / ``if self.experts[e] is None: continue`` (expert-parallel shards hold
+        None for the experts of other ranks). The fused text runs only where every expert is present (one rank holds
+        them all: the skip never fires); a shard keeps the loop as written (a run-time check)."""
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is)
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+            return False
+        module = self.ev(test.left)
+        if module.kind != "expert":
+            return False
+        if module.args and isinstance(module.args[0], ast.Subscript):
+            container = segment(self.m, module.args[0].value)  # self.experts[e] is None
+        elif self.experts_list:
+            container = self.experts_list  # the enumerate item over list(self.experts)
+        else:
+            return False
+        guard = f"all({P}m is not None for {P}m in {container})"
+        if guard not in self.option_guards:
+            self.option_guards.append(guard)
+        return True
 
     def _empty_test(self, test: ast.expr) -> bool:
         """The negation of a :meth:`_nonempty_test`: ``not <nonempty>`` or ``<count> == 0`` / ``<= 0`` / ``< 1``
