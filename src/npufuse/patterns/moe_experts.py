@@ -5336,6 +5336,17 @@ def _fused_text(site: _Site) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _s42_guard_tensor(site: _Site) -> str:
+    """The tokens, or None where an option guard says the fused text does not apply. s42: a loop over sorted
+    per-expert counts covers the first sum(counts) sorted rows while the grouped matmul takes every row: the fused
+    text runs only where the counts add up to the rows (one host sync; the loop moved the counts to the host anyway).
+    Read where the span starts, as the fused text's own first lines read the counts and the rows."""
+    guards = list(site.option_guards)
+    if site.routing == "sorted_counts" and not site.count_bound and site.counts:
+        guards.append(f"(int({site.counts}.sum()) == {site.tokens}.shape[0])")
+    return site.tokens if not guards else f"{site.tokens} if {' and '.join(guards)} else None"
+
+
 def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     mlp = site.mlp
     assert mlp is not None
@@ -5495,7 +5506,7 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         params=params,
         fused=_fused_text(site),
         # option guards: the original loop runs whenever an option the fused text left out is on
-        guard_tensor=site.tokens if not site.option_guards else f"{site.tokens} if {' and '.join(site.option_guards)} else None",
+        guard_tensor=_s42_guard_tensor(site),
         confidence="high" if mlp.act.kind == "silu" and mlp.gated else "medium",
         variant=variant,
         risks=risks,
@@ -13920,4 +13931,207 @@ MoeExperts.KEEP += [
     Keep(_S41C_EAGER.replace("            start = end\n", "            start = end\n            expert_ids = expert_ids + 0\n"),
          reason="the tensor the counts `counts` are computed from changes inside the loop",
          name="s41c_eager_counts_source_changed_in_loop"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# s42 (moe42): dev-set moe_experts recall classes, each with Fuse and Keep examples
+# ---------------------------------------------------------------------------------------------
+# 1. `(idx == e).any(dim=1)` / `(w * (idx == e)).sum(dim=1)`: the slots of 2-D [T, K] indices (run-time rank check),
+#    the dispatch under `if mask.any():`, weights read from the full gates `gates[mask, e]`; the dense path of the same
+#    forward rebinds the loop names in its own loop (a for target is a fresh binding: no false "used after")
+# 2. experts of other ranks held as None and skipped (`if expert is None: continue`): fused where all are present
+# 3. a top-k slot loop gathering stacked weights at one column of the indices (`self.w1[idx[:, k]]` + einsum / bmm)
+
+_S42_ANY_DIM1 = _HEAD + '''
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SparseGateMoE(nn.Module):
+    def __init__(self, d, h, n, k, sparse=True):
+        super().__init__()
+        self.top_k, self.sparse = k, sparse
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        gates = F.softmax(self.gate(x), dim=1)
+        if self.sparse:
+            top_v, top_i = torch.topk(gates, self.top_k, dim=1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                mask = (top_i == i).any(dim=1)
+                if mask.any():
+                    y = expert(x[mask])
+                    out[mask] += y * gates[mask, i].unsqueeze(1)
+        else:
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                out += expert(x) * gates[:, i].unsqueeze(1)
+        return out
+'''
+
+_S42_ANY_DIM1_RUN = _s41b_run("SparseGateMoE(16, 24, 5, 2)", "11, 16", "m.gate.weight, m.experts[2].fc1.weight")
+
+_S42_SUM_DIM1 = _HEAD + '''
+
+class MaskSumMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.top_k = n, k
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token_mask = (idx == e).any(dim=-1)
+            if token_mask.sum() == 0:
+                continue
+            y = self.experts[e](x[token_mask])
+            pos = idx[token_mask] == e
+            weights = (w[token_mask] * pos).sum(dim=1)
+            out[token_mask] += y * weights.unsqueeze(-1)
+        return out
+'''
+
+_S42_SUM_DIM1_RUN = _s41b_run("MaskSumMoE(16, 24, 6, 2)", "13, 16", "m.router.weight, m.experts[4][0].weight")
+
+_S42_ABSENT = _HEAD + '''
+
+class ShardMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(a) * b)
+
+
+class ShardedMoE(nn.Module):
+    def __init__(self, d, h, n, k, rank=0, world=1):
+        super().__init__()
+        self.k = k
+        per = n // world
+        self.start, self.end = rank * per, (rank + 1) * per
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([ShardMLP(d, h) if self.start <= i < self.end else None for i in range(n)])
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x))
+        topk_w, topk_idx = scores.topk(self.k, dim=-1)
+        topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(x)
+        for expert_id, expert in enumerate(self.experts):
+            # experts of other ranks are not here
+            if expert is None:
+                continue
+            mask = topk_idx == expert_id
+            if not mask.any():
+                continue
+            token_idx, slot_idx = mask.nonzero(as_tuple=True)
+            y = expert(x[token_idx])
+            routed.index_add_(0, token_idx, y * topk_w[token_idx, slot_idx].unsqueeze(-1))
+        return routed
+'''
+
+_S42_ABSENT_RUN = _s41b_run("ShardedMoE(16, 12, 6, 2)", "10, 16", "m.gate.weight, m.experts[5].fc1.weight")
+# a shard (rank 1 of 2): the run-time check keeps the loop as written
+_S42_ABSENT_SHARD_RUN = _s41b_run("ShardedMoE(16, 12, 6, 2, rank=1, world=2)", "10, 16", "m.gate.weight, m.experts[5].fc1.weight")
+
+_S42_SLOT_GATHER = _HEAD + '''
+
+class StackedExpertsMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.top_k = n, k
+        self.router = nn.Linear(d, n)
+        self.w1 = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(n, h, d) * 0.1)
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(self.top_k):
+            gate_w = self.w1[idx[:, k]]
+            up_w = self.w3[idx[:, k]]
+            down_w = self.w2[idx[:, k]]
+            g = torch.bmm(x.unsqueeze(1), gate_w).squeeze(1)
+            u = torch.bmm(x.unsqueeze(1), up_w).squeeze(1)
+            y = torch.bmm((F.silu(g) * u).unsqueeze(1), down_w).squeeze(1)
+            out = out + w[:, k:k + 1] * y
+        return out
+'''
+
+_S42_SLOT_GATHER_RUN = _s41b_run("StackedExpertsMoE(16, 24, 5, 2)", "9, 16", "m.router.weight, m.w1, m.w2")
+
+_S42_SLOT_EINSUM = _HEAD + '''
+
+class EinsumSlotMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.top_k = n, k
+        self.router = nn.Linear(d, n)
+        self.w_in = nn.Parameter(torch.randn(n, h, d) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(n, d, h) * 0.1)
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(self.top_k):
+            w_in = self.w_in[idx[..., k]]
+            w_out = self.w_out[idx[..., k]]
+            h = F.gelu(torch.einsum("bd,bhd->bh", x, w_in))
+            out = out + w[..., k, None] * torch.einsum("bh,bdh->bd", h, w_out)
+        return out
+'''
+
+_S42_SLOT_EINSUM_RUN = _s41b_run("EinsumSlotMoE(16, 24, 5, 2)", "9, 16", "m.router.weight, m.w_in, m.w_out")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_ANY_DIM1, name="s42_any_dim1_dispatch_under_if_mask_any_full_gates", run=_S42_ANY_DIM1_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "gates.gather(-1, top_i)", "tokens": "x", "output": "out"}),
+    Fuse(_S42_SUM_DIM1, name="s42_masked_weight_sum_over_dim1_named_slot_mask", run=_S42_SUM_DIM1_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "x", "output": "out"}),
+    Fuse(_S42_ABSENT, name="s42_absent_experts_skipped_when_none", run=_S42_ABSENT_RUN,
+         expect={"routing": "mask_where", "indices": "topk_idx", "probs": "topk_w", "tokens": "x", "output": "routed"}),
+    Fuse(_S42_SLOT_GATHER, name="s42_slot_loop_gathers_stacked_weights_at_a_column", run=_S42_SLOT_GATHER_RUN,
+         expect={"routing": "gathered_weights", "indices": "idx[:, k]", "projections": 3}),
+    Fuse(_S42_SLOT_EINSUM, name="s42_slot_loop_einsum_over_gathered_column", run=_S42_SLOT_EINSUM_RUN,
+         expect={"routing": "gathered_weights", "indices": "idx[..., k]", "projections": 2}),
+]
+
+MoeExperts.KEEP += [
+    # any over dim 0 reduces over the tokens (one flag per slot), not over a token's slots
+    Keep(_S42_ANY_DIM1.replace("mask = (top_i == i).any(dim=1)", "mask = (top_i == i).any(dim=0)"),
+         reason="conditional code inside the expert loop: `if mask.any()`", name="s42_any_over_tokens_is_not_the_routed_tokens"),
+    # the masked weights summed over dim 0 (over the selected tokens), not over each token's slots
+    Keep(_S42_SUM_DIM1.replace("(w[token_mask] * pos).sum(dim=1)", "(w[token_mask] * pos).sum(dim=0)"),
+         reason="which is not recognised as the routing weight of the selected tokens",
+         name="s42_masked_weight_sum_over_tokens"),
+    # the loop variable read after the sparse loop: the fused layer binds no `expert`
+    Keep(_S42_ANY_DIM1.replace("        else:\n            out = torch.zeros_like(x)\n",
+                               "            self.last_expert = expert\n        else:\n            out = torch.zeros_like(x)\n"),
+         reason="`expert` (set in the expert loop) is used after it", name="s42_loop_expert_read_after_the_loop"),
+    # experts switched off by a per-expert flag: a skip of experts with tokens, not of absent ones
+    Keep(_S42_ABSENT.replace("            if expert is None:\n", "            if not self.active[expert_id]:\n")
+         .replace("        self.k = k\n", "        self.k = k\n        self.active = [True] * n\n"),
+         reason="the loop skips experts on `not self.active[expert_id]`", name="s42_experts_switched_off_by_a_flag"),
+    # the gathered weights also feed a penalty: the grouped matmul never builds them
+    Keep(_S42_SLOT_GATHER.replace("            out = out + w[:, k:k + 1] * y\n",
+                                  "            out = out + w[:, k:k + 1] * y\n            self.penalty = gate_w.pow(2).mean()\n"),
+         reason="is read other than as the weight of an einsum / bmm over the rows", name="s42_slot_gathered_weight_read_for_a_penalty"),
 ]
