@@ -93,3 +93,13 @@ def test_s42_for_target_is_a_fresh_binding_for_its_body():
     scope = next(s for s in module.scopes if s.qualname == "f")
     reads = scope.loads_after("e", 3)
     assert [n.lineno for n in reads] == [6]  # the second loop's body reads its own binding; `return e` may not
+
+
+def test_s42_index_select_along_dim_1_is_not_the_rows():
+    # a one-input expert on feature columns picked by index_select(1, tok): fused as token rows before s42
+    code = _example("s42_weight_index_selected_then_gathered_at_the_where_slot").code.replace(
+        "y = expert(inputs.index_select(0, batch_idx), inputs.index_select(0, batch_idx))",
+        "y = expert.wide(inputs.index_select(1, batch_idx))")
+    findings, misses = detect_all(PATTERN, code)
+    assert not findings
+    assert misses

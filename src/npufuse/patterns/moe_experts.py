@@ -608,6 +608,21 @@ def _gather_assign(module: ModuleInfo, stmt: ast.stmt) -> Optional[_Gathered]:
     return _Gathered(stmt.targets[0].id, weight, base, index, transposed, stmt)
 
 
+def _s42_slot_column(node: ast.expr) -> Optional[ast.expr]:
+    """``v`` of ``v.unsqueeze(1)`` / ``v.unsqueeze(-1)`` / ``v[:, None]`` / ``v.view(-1, 1)``: a 1-D value as an
+    [n, 1] column (what gather along dim 1 takes as index)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([1], [-1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        full, none = node.slice.elts
+        if isinstance(full, ast.Slice) and full.lower is None and full.upper is None and full.step is None \
+                and isinstance(none, ast.Constant) and none.value is None:
+            return node.value
+    return None
+
+
 def _s42_index_column(module: ModuleInfo, node: ast.expr) -> Optional[str]:
     """The expert indices a gather reads, as text: a name, or (s42, top-k slot loops) one column of named indices
     (``idx[:, k]``, ``idx[..., k]``: full slices then one name or integer), which the products' run-time checks
@@ -3329,6 +3344,17 @@ class _Eval:
         dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
         if dim is None or index is None or const_value(dim) not in (1, -1) or len(node.args) + len(node.keywords) != first + 2:
             return None
+        pair_slot = _s42_slot_column(index)
+        if pair_slot is not None and self.ev(pair_slot).kind == "kpos" and const_value(dim) == 1:
+            # s42: `w.index_select(0, tok).gather(1, slot.unsqueeze(1))` with (tok, slot) = torch.where(idx == e) of 2-D
+            # indices: w[tok, slot, None], each pair's routing weight
+            sv = self.ev(src)
+            name = sv.args[0] if sv.kind == "x" and sv.args and isinstance(sv.args[0], str) else ""
+            if name and self.where_indices and _s41_shaped_like_indices(self.m, self.scope, name, self.where_indices,
+                                                                        self.loop.lineno):
+                self._set_probs(name)
+                return V("rw")
+            return None
         if isinstance(index, ast.Call) and isinstance(index.func, ast.Attribute) and index.func.attr == "unsqueeze" \
                 and len(index.args) == 1 and const_value(index.args[0]) == -1 and not index.keywords \
                 and self.ev(index.func.value).kind == "kpos_rows":
@@ -3700,7 +3726,8 @@ class _Eval:
             if recv.kind == "flatcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
                                            or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
                 return V("flatrow", recv.args)  # [n] row numbers
-            if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
+            if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and const_value(node.args[0]) == 0 \
+                    and not isinstance(const_value(node.args[0]), bool) and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
             if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 # [n, H].squeeze(1) is [n, H] for H > 1 (with H == 1 the original's `out[mask] += ...` cannot broadcast)
@@ -14134,4 +14161,54 @@ MoeExperts.KEEP += [
     Keep(_S42_SLOT_GATHER.replace("            out = out + w[:, k:k + 1] * y\n",
                                   "            out = out + w[:, k:k + 1] * y\n            self.penalty = gate_w.pow(2).mean()\n"),
          reason="is read other than as the weight of an einsum / bmm over the rows", name="s42_slot_gathered_weight_read_for_a_penalty"),
+]
+
+# 4. the routing weight read as `w.index_select(0, tok).gather(1, slot.unsqueeze(1))` of torch.where's (tok, slot)
+#    pairs, with the weights softmaxed over dim 1 of 2-D top-k values (a softmax over any dim keeps their shape)
+_S42_SELECT_GATHER = _HEAD + '''
+
+class DeepWideExpert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.deep = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d))
+        self.wide = nn.Linear(d, d)
+
+    def forward(self, deep_x, wide_x):
+        return self.deep(deep_x) + self.wide(wide_x)
+
+
+class RankMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([DeepWideExpert(d, h) for _ in range(n)])
+
+    def forward(self, inputs):
+        weights, selected = torch.topk(self.gate(inputs), self.k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected == i)
+            y = expert(inputs.index_select(0, batch_idx), inputs.index_select(0, batch_idx))
+            results.index_add_(0, batch_idx, y * weights.index_select(0, batch_idx).gather(1, nth_expert.unsqueeze(1)))
+        return results
+'''
+
+_S42_SELECT_GATHER_RUN = _s41b_run("RankMoE(16, 24, 5, 2)", "9, 16", "m.gate.weight, m.experts[1].wide.weight")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_SELECT_GATHER, name="s42_weight_index_selected_then_gathered_at_the_where_slot", run=_S42_SELECT_GATHER_RUN,
+         expect={"routing": "mask_where", "indices": "selected", "probs": "weights", "tokens": "inputs", "output": "results"}),
+]
+
+MoeExperts.KEEP += [
+    # gathered along dim 0 (across the selected tokens), not at each pair's slot
+    Keep(_S42_SELECT_GATHER.replace(".gather(1, nth_expert.unsqueeze(1))", ".gather(0, nth_expert.unsqueeze(1))"),
+         reason="which is not recognised as the routing weight of the selected tokens",
+         name="s42_weight_gathered_along_the_tokens"),
+    # index_select along dim 1 picks feature columns, not the expert's token rows (fused as rows before s42)
+    Keep(_S42_SELECT_GATHER.replace("y = expert(inputs.index_select(0, batch_idx), inputs.index_select(0, batch_idx))",
+                                    "y = expert(inputs.index_select(1, batch_idx), inputs.index_select(1, batch_idx))"),
+         reason="the expert takes arguments besides its rows", name="s42_index_select_of_feature_columns"),
 ]
