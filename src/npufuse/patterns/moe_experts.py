@@ -664,7 +664,7 @@ def _slot_projection(module: ModuleInfo, node: ast.AST, gathered: dict[str, _Gat
         (a_l, g_l), out_l = letters
         g = gathered[node.args[2].id]
         r = len(g_l) - 2
-        if r not in (1, 2):
+        if r not in (1, 2, 3):  # s42: [B, T, K] indices (`W[top_idx]` of a [B, T, D] input's top-k)
             return None
         idx_l, (p, q) = g_l[:r], (g_l[r], g_l[r + 1])
         u0, u1 = (q, p) if g.transposed else (p, q)  # the letters of W[e]'s own two dims
@@ -673,8 +673,8 @@ def _slot_projection(module: ModuleInfo, node: ast.AST, gathered: dict[str, _Gat
             return None
         if a_l == idx_l + c:
             per_slot = True
-        elif r == 2 and a_l == idx_l[0] + c:
-            per_slot = False  # one row per token, taken by each of its slots
+        elif r >= 2 and a_l == idx_l[:-1] + c:
+            per_slot = False  # one row per token (its leading dims those of the indices), taken by each of its slots
         else:
             return None
         other = u1 if c == u0 else u0
@@ -731,13 +731,13 @@ _SLOT_MM_FUNCTION = f'''\
 def {P}slot_mm(a, w, ids, per_slot, original):
     # y[t, k] = a[t] (per token) or a[t, k] (per slot) @ w[ids[t, k]]: the rows permuted by expert, one grouped
     # matmul over the stacked weight, each result put back at its (token, slot); no weight matrix is copied
-    if a.shape[:-1] != (ids.shape if per_slot else ids.shape[:1]) \\
+    if a.shape[:-1] != (ids.shape if per_slot else ids.shape[:-1]) \\
             or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return original(a)  # rows the einsum / bmm broadcasts, or another dtype: the product as written
     if per_slot:
         {P}x, {P}order = torch_npu.npu_moe_token_permute(a.reshape(-1, a.shape[-1]), ids.reshape(-1))
     else:
-        {P}x, {P}order = torch_npu.npu_moe_token_permute(a, ids.reshape(a.shape[0], -1))
+        {P}x, {P}order = torch_npu.npu_moe_token_permute(a.reshape(-1, a.shape[-1]), ids.reshape(-1, ids.shape[-1]))
     {P}e = w.shape[0]
     {P}counts = torch.histc(ids.flatten().float(), bins={P}e, min=0, max={P}e).to(torch.int64)
     {P}y = {P}gmm({P}x, w.to({P}x.dtype), {P}counts)
@@ -888,7 +888,7 @@ def _gathered_weight_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     guard = tokens.id if tokens is not None else idx
     params: dict[str, Any] = {
         "num_experts": f"{bases[0]}.shape[0]",
-        "top_k": f"{idx}.shape[-1]" if r == 2 else "1",
+        "top_k": f"{idx}.shape[-1]" if r >= 2 else "1",
         "layout": "gathered_stacked",
         "weights": {g.name: segment(module, g.base) for g in gathered.values()},
         "activation": "as written between the projections",
@@ -14211,4 +14211,37 @@ MoeExperts.KEEP += [
     Keep(_S42_SELECT_GATHER.replace("y = expert(inputs.index_select(0, batch_idx), inputs.index_select(0, batch_idx))",
                                     "y = expert(inputs.index_select(1, batch_idx), inputs.index_select(1, batch_idx))"),
          reason="the expert takes arguments besides its rows", name="s42_index_select_of_feature_columns"),
+]
+
+# 5. one stacked weight gathered at [B, T, K] top-k indices of a [B, T, D] input (no loop): each token's row through
+#    each of its K experts' matrices, weighted after the einsum (the s34 gathered-weight site, indices of rank 3)
+_S42_BTK_GATHER = _HEAD + '''
+
+class LinearExpertsMoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.n_experts, self.top_k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.We = nn.Parameter(torch.randn(n, d, d) * 0.1)
+
+    def forward(self, x):
+        top_val, top_idx = torch.topk(self.gate(x), k=self.top_k, dim=-1)
+        top_w = F.softmax(top_val, dim=-1)
+        W_selected = self.We[top_idx]
+        x_experts = torch.einsum("btd,btkdm->btkm", x, W_selected)
+        return (x_experts * top_w.unsqueeze(-1)).sum(dim=2)
+'''
+
+_S42_BTK_GATHER_RUN = _s41b_run("LinearExpertsMoE(16, 5, 2)", "2, 7, 16", "m.gate.weight, m.We")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_BTK_GATHER, name="s42_gathered_weights_at_btk_indices_einsum", run=_S42_BTK_GATHER_RUN,
+         expect={"routing": "gathered_weights", "indices": "top_idx", "top_k": "top_idx.shape[-1]", "projections": 1}),
+]
+
+MoeExperts.KEEP += [
+    # the input's second dim summed against the tokens' matrices (letters `bsd`): not one row per token. No near
+    # miss: a gather with no product npufuse maps stays silent (embedding lookups `self.table[ids]` look the same)
+    Keep(_S42_BTK_GATHER.replace('"btd,btkdm->btkm"', '"bsd,btkdm->btkm"'),
+         reason="", name="s42_btk_einsum_over_another_axis"),
 ]
