@@ -316,6 +316,26 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
+        two_phase = _s42_two_phase(scope, block, i, stmt)
+        if two_phase is not None:
+            # s42: `pairs.append((rows, y))` per expert, then `for rows, y in pairs: <combine>`: read as one loop
+            merged, combine = two_phase
+            covered.append((combine.lineno, combine.end_lineno or combine.lineno))
+            try:
+                site = _analyze_loop(module, scope, block[:i] + [merged] + block[i + 2:], i, merged)
+            except _Miss as miss:
+                if looks:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, merged.end_lineno or stmt.lineno,
+                                   f"read as one loop with the combine loop after it: {_loop_reason(merged, miss)}")
+                continue
+            if site is not None:
+                covered.append((site.first_line, site.last_line))
+                yield _finding(module, scope, site)
+            elif looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, merged.end_lineno or stmt.lineno,
+                               "not a token dispatch: the loop (read with the combine loop after it) does not select "
+                               "tokens per expert and combine the outputs")
+            continue
         try:
             site = _analyze_loop(module, scope, block, i, stmt)
         except _SortedOpaque as miss:
@@ -14244,4 +14264,140 @@ MoeExperts.KEEP += [
     # miss: a gather with no product npufuse maps stays silent (embedding lookups `self.table[ids]` look the same)
     Keep(_S42_BTK_GATHER.replace('"btd,btkdm->btkm"', '"bsd,btkdm->btkm"'),
          reason="", name="s42_btk_einsum_over_another_axis"),
+]
+
+
+def _s42_mutated(stmts: list[ast.stmt]) -> set[str]:
+    """Names these statements bind or change in place: targets, subscript / attribute stores, receivers of
+    in-place methods (``out.index_add_(...)``, ``outs.append(...)``)."""
+    out = _assigned(stmts)
+    for st in stmts:
+        for n in fast_walk(st):
+            if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store):
+                base = n.value
+                while isinstance(base, (ast.Subscript, ast.Attribute)):
+                    base = base.value
+                if isinstance(base, ast.Name):
+                    out.add(base.id)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and (n.func.attr.endswith("_") and not n.func.attr.startswith("_") or n.func.attr in ("append", "extend")):
+                out.add(n.func.value.id)
+    return out
+
+
+def _s42_two_phase(scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[tuple[ast.For, ast.For]]:
+    """s42: ``pairs = []``; ``for e in ...: ...; pairs.append((a, b))`` (the last statement of the loop body or of an
+    ``if`` arm in it); then, right after the loop, ``for x, y in pairs: <combine>``. The combine of each pair can run
+    where the pair is appended (one merged loop, returned with the combine loop) when neither loop reads what the other
+    changes, the list is read nowhere else and the pair's values are not changed after the append."""
+    if i + 1 >= len(block) or loop.orelse:
+        return None
+    combine = block[i + 1]
+    if not (isinstance(combine, ast.For) and not combine.orelse and isinstance(combine.iter, ast.Name)
+            and isinstance(combine.target, ast.Tuple) and all(isinstance(t, ast.Name) for t in combine.target.elts)):
+        return None
+    lst = combine.iter.id
+    appends = [n for n in fast_walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr == "append" and isinstance(n.func.value, ast.Name) and n.func.value.id == lst]
+    if len(appends) != 1 or sum(isinstance(n, ast.Name) and n.id == lst for n in fast_walk(loop)) != 1:
+        return None
+    call = appends[0]
+    pair = call.args[0] if len(call.args) == 1 and not call.keywords else None
+    if not (isinstance(pair, ast.Tuple) and len(pair.elts) == len(combine.target.elts)):  # type: ignore[attr-defined]
+        return None
+    # the append: the last statement of the loop body or of one `if` arm directly in it
+    holder: Optional[list[ast.stmt]] = None
+    for body in [loop.body] + [st.body for st in loop.body if isinstance(st, ast.If)]:
+        if body and isinstance(body[-1], ast.Expr) and body[-1].value is call:
+            holder = body
+    if holder is None:
+        return None
+    # the list: made empty before the loop in this block, read by nothing but the append and the combine loop
+    made = next((st for st in reversed(block[:i]) if lst in _assigned([st])), None)
+    if not (isinstance(made, ast.Assign) and len(made.targets) == 1 and isinstance(made.value, ast.List)
+            and not made.value.elts):
+        return None
+    if sum(isinstance(n, ast.Name) and n.id == lst for st in block[block.index(made) + 1 : i] for n in fast_walk(st)) \
+            or sum(isinstance(n, ast.Name) and n.id == lst for n in fast_walk(combine)) != 1 \
+            or scope.uses_after(lst, combine.end_lineno or combine.lineno):
+        return None
+    targets = [t.id for t in combine.target.elts]  # type: ignore[attr-defined]
+    # `pairs.append((tok, y))` then `for tok, y in pairs`: the pair's own names, bound again to the values they hold
+    same = {t for t, v in zip(targets, pair.elts) if isinstance(v, ast.Name) and v.id == t}  # type: ignore[attr-defined]
+    first_changes = _s42_mutated([loop]) - {lst}
+    second_changes = _s42_mutated(combine.body) | (set(targets) - same)
+    if same & _s42_mutated(combine.body):
+        return None
+    first_reads = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - {lst}
+    second_reads = {n.id for st in combine.body for n in fast_walk(st) if isinstance(n, ast.Name)
+                    and isinstance(n.ctx, ast.Load)} - set(targets)
+    if first_changes & second_reads or second_changes & (first_reads | first_changes):
+        return None
+    binds: list[ast.stmt] = [ast.copy_location(ast.Assign(targets=[ast.Name(t, ast.Store())], value=v), call)
+                             for t, v in zip(targets, pair.elts) if t not in same]  # type: ignore[attr-defined]
+    for b in binds:
+        b.end_lineno = call.end_lineno  # type: ignore[attr-defined]
+    merged_holder = holder[:-1] + binds + list(combine.body)
+
+    def rebuilt(body: list[ast.stmt]) -> list[ast.stmt]:
+        if body is holder:
+            return merged_holder
+        out: list[ast.stmt] = []
+        for st in body:
+            if isinstance(st, ast.If) and st.body is holder:
+                arm = ast.If(test=st.test, body=merged_holder, orelse=st.orelse)
+                out.append(ast.copy_location(arm, st))
+                arm.end_lineno = st.end_lineno  # type: ignore[attr-defined]
+            else:
+                out.append(st)
+        return out
+
+    merged = ast.For(target=loop.target, iter=loop.iter, body=rebuilt(loop.body), orelse=[], type_comment=None)
+    ast.copy_location(merged, loop)
+    merged.end_lineno, merged.end_col_offset = combine.end_lineno, combine.end_col_offset
+    return merged, combine
+
+# 6. two-phase loops: each expert's (rows, slots, output) appended to a Python list, combined by a second loop over
+#    the list right after the first (read as one loop: the combine of a pair runs where the pair is appended)
+_S42_TWO_PHASE = _HEAD + '''
+
+class TwoPhaseMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.k = n, k
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        collected = []
+        for e in range(self.num_experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() > 0:
+                y = self.experts[e](x[tok])
+                collected.append((tok, slot, y))
+        for rows, slots, expert_out in collected:
+            out.index_add_(0, rows, expert_out * w[rows, slots].unsqueeze(-1))
+        return out
+'''
+
+_S42_TWO_PHASE_RUN = _s41b_run("TwoPhaseMoE(16, 24, 5, 2)", "9, 16", "m.gate.weight, m.experts[2][0].weight")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_TWO_PHASE, name="s42_two_phase_collect_then_combine", run=_S42_TWO_PHASE_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "x", "output": "out"}),
+    Fuse(_S42_TWO_PHASE.replace("for rows, slots, expert_out in collected:", "for tok, slot, y in collected:")
+         .replace("out.index_add_(0, rows, expert_out * w[rows, slots].unsqueeze(-1))", "out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))"),
+         name="s42_two_phase_same_names_in_both_loops", run=_S42_TWO_PHASE_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w"}),
+]
+
+MoeExperts.KEEP += [
+    # the collected pairs are returned too: the fused layer builds no list
+    Keep(_S42_TWO_PHASE.replace("        return out\n", "        return out, collected\n"),
+         reason="expert outputs are appended to a list", name="s42_two_phase_list_returned"),
+    # the combine reads the first loop's last expert index (`e` after the loop), not a value of the pair
+    Keep(_S42_TWO_PHASE.replace("expert_out * w[rows, slots].unsqueeze(-1))", "expert_out * w[rows, slots].unsqueeze(-1) / (e + 1))"),
+         reason="expert outputs are appended to a list", name="s42_two_phase_combine_reads_the_loop_index"),
 ]
