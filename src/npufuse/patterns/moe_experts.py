@@ -316,6 +316,26 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
+        two_phase = _s42_two_phase(scope, block, i, stmt)
+        if two_phase is not None:
+            # s42: `pairs.append((rows, y))` per expert, then `for rows, y in pairs: <combine>`: read as one loop
+            merged, combine = two_phase
+            covered.append((combine.lineno, combine.end_lineno or combine.lineno))
+            try:
+                site = _analyze_loop(module, scope, block[:i] + [merged] + block[i + 2:], i, merged)
+            except _Miss as miss:
+                if looks:
+                    yield NearMiss(_ID, scope.qualname, stmt.lineno, merged.end_lineno or stmt.lineno,
+                                   f"read as one loop with the combine loop after it: {_loop_reason(merged, miss)}")
+                continue
+            if site is not None:
+                covered.append((site.first_line, site.last_line))
+                yield _finding(module, scope, site)
+            elif looks:
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, merged.end_lineno or stmt.lineno,
+                               "not a token dispatch: the loop (read with the combine loop after it) does not select "
+                               "tokens per expert and combine the outputs")
+            continue
         try:
             site = _analyze_loop(module, scope, block, i, stmt)
         except _SortedOpaque as miss:
@@ -594,7 +614,8 @@ def _gather_assign(module: ModuleInfo, stmt: ast.stmt) -> Optional[_Gathered]:
     if not isinstance(value, ast.Subscript):
         return None
     parts = list(value.slice.elts) if isinstance(value.slice, ast.Tuple) else [value.slice]
-    if not isinstance(parts[0], ast.Name) or not all(
+    index = _s42_index_column(module, parts[0])
+    if index is None or not all(
             isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None for p in parts[1:]):
         return None
     weight = value.value
@@ -604,7 +625,37 @@ def _gather_assign(module: ModuleInfo, stmt: ast.stmt) -> Optional[_Gathered]:
         base = base.func.value  # W.to(x.dtype)[idx]: a dtype cast of the whole stack, then the gather
     if not (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "self"):
         return None
-    return _Gathered(stmt.targets[0].id, weight, base, parts[0].id, transposed, stmt)
+    return _Gathered(stmt.targets[0].id, weight, base, index, transposed, stmt)
+
+
+def _s42_slot_column(node: ast.expr) -> Optional[ast.expr]:
+    """``v`` of ``v.unsqueeze(1)`` / ``v.unsqueeze(-1)`` / ``v[:, None]`` / ``v.view(-1, 1)``: a 1-D value as an
+    [n, 1] column (what gather along dim 1 takes as index)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([1], [-1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        full, none = node.slice.elts
+        if isinstance(full, ast.Slice) and full.lower is None and full.upper is None and full.step is None \
+                and isinstance(none, ast.Constant) and none.value is None:
+            return node.value
+    return None
+
+
+def _s42_index_column(module: ModuleInfo, node: ast.expr) -> Optional[str]:
+    """The expert indices a gather reads, as text: a name, or (s42, top-k slot loops) one column of named indices
+    (``idx[:, k]``, ``idx[..., k]``: full slices then one name or integer), which the products' run-time checks
+    read as written (rank, dtype, range)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Tuple)):
+        return None
+    *lead, last = node.slice.elts
+    full = all(isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None
+               or isinstance(p, ast.Constant) and p.value is Ellipsis for p in lead)
+    column = isinstance(last, ast.Name) or isinstance(last, ast.Constant) and type(last.value) is int
+    return segment(module, node) if lead and full and column else None
 
 
 def _einsum_letters(spec: str) -> Optional[tuple[list[str], str]]:
@@ -633,7 +684,7 @@ def _slot_projection(module: ModuleInfo, node: ast.AST, gathered: dict[str, _Gat
         (a_l, g_l), out_l = letters
         g = gathered[node.args[2].id]
         r = len(g_l) - 2
-        if r not in (1, 2):
+        if r not in (1, 2, 3):  # s42: [B, T, K] indices (`W[top_idx]` of a [B, T, D] input's top-k)
             return None
         idx_l, (p, q) = g_l[:r], (g_l[r], g_l[r + 1])
         u0, u1 = (q, p) if g.transposed else (p, q)  # the letters of W[e]'s own two dims
@@ -642,8 +693,8 @@ def _slot_projection(module: ModuleInfo, node: ast.AST, gathered: dict[str, _Gat
             return None
         if a_l == idx_l + c:
             per_slot = True
-        elif r == 2 and a_l == idx_l[0] + c:
-            per_slot = False  # one row per token, taken by each of its slots
+        elif r >= 2 and a_l == idx_l[:-1] + c:
+            per_slot = False  # one row per token (its leading dims those of the indices), taken by each of its slots
         else:
             return None
         other = u1 if c == u0 else u0
@@ -700,13 +751,13 @@ _SLOT_MM_FUNCTION = f'''\
 def {P}slot_mm(a, w, ids, per_slot, original):
     # y[t, k] = a[t] (per token) or a[t, k] (per slot) @ w[ids[t, k]]: the rows permuted by expert, one grouped
     # matmul over the stacked weight, each result put back at its (token, slot); no weight matrix is copied
-    if a.shape[:-1] != (ids.shape if per_slot else ids.shape[:1]) \\
+    if a.shape[:-1] != (ids.shape if per_slot else ids.shape[:-1]) \\
             or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return original(a)  # rows the einsum / bmm broadcasts, or another dtype: the product as written
     if per_slot:
         {P}x, {P}order = torch_npu.npu_moe_token_permute(a.reshape(-1, a.shape[-1]), ids.reshape(-1))
     else:
-        {P}x, {P}order = torch_npu.npu_moe_token_permute(a, ids.reshape(a.shape[0], -1))
+        {P}x, {P}order = torch_npu.npu_moe_token_permute(a.reshape(-1, a.shape[-1]), ids.reshape(-1, ids.shape[-1]))
     {P}e = w.shape[0]
     {P}counts = torch.histc(ids.flatten().float(), bins={P}e, min=0, max={P}e).to(torch.int64)
     {P}y = {P}gmm({P}x, w.to({P}x.dtype), {P}counts)
@@ -767,7 +818,8 @@ def _gathered_weight_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
         return NearMiss(_ID, scope.qualname, first_line, end, "the gathered expert weights are multiplied as if the "
                         "indices had different ranks")
     idx, r = first.indices, next(iter(dims))
-    rebound = _assigned(rest) & ({idx} | names)
+    idx_names = {n.id for n in fast_walk(first.stmt.value) if isinstance(n, ast.Name) and n.id != "self"}
+    rebound = _assigned(rest) & (idx_names | names)
     if rebound:
         return NearMiss(_ID, scope.qualname, first_line, end, f"`{sorted(rebound)[0]}` is rebound between the gathers and "
                         "the projections")
@@ -856,7 +908,7 @@ def _gathered_weight_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     guard = tokens.id if tokens is not None else idx
     params: dict[str, Any] = {
         "num_experts": f"{bases[0]}.shape[0]",
-        "top_k": f"{idx}.shape[-1]" if r == 2 else "1",
+        "top_k": f"{idx}.shape[-1]" if r >= 2 else "1",
         "layout": "gathered_stacked",
         "weights": {g.name: segment(module, g.base) for g in gathered.values()},
         "activation": "as written between the projections",
@@ -2343,6 +2395,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.option_guards.extend(f"({g})" for g in ev.slot_guards)
     elif ev.slot_var and site is not None:
         raise _Miss(f"the loop over `{ev.slot_var}` does not select tokens by the columns of the expert indices")
+    if site is not None and ev.rank_guards:
+        ev.option_guards.extend(f"({g})" for g in ev.rank_guards)
     if site is not None and ev.token_dims > 1 and site.probs and site.routing == "mask_where":
         # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
         # indices slot by slot when they have the indices' shape (a run-time check)
@@ -2462,6 +2516,7 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2847,6 +2902,8 @@ class _Eval:
 
     def _check_skip(self, test: ast.expr) -> None:
         """``continue`` guards that skip experts without tokens (or the sentinel index == E)."""
+        if self._s42_absent_expert_skip(test):
+            return
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.LtE)):
             left, right = test.left, test.comparators[0]
             if self._is_eidx(left):
@@ -2871,6 +2928,27 @@ class _Eval:
             self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _s42_absent_expert_skip(self, test: ast.expr) -> bool:
+        """s42: ``if expert is None: continue`` / ``if self.experts[e] is None: continue`` (expert-parallel shards hold
+        None for the experts of other ranks). The fused text runs only where every expert is present (one rank holds
+        them all: the skip never fires); a shard keeps the loop as written (a run-time check)."""
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is)
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+            return False
+        module = self.ev(test.left)
+        if module.kind != "expert":
+            return False
+        if module.args and isinstance(module.args[0], ast.Subscript):
+            container = segment(self.m, module.args[0].value)  # self.experts[e] is None
+        elif self.experts_list:
+            container = self.experts_list  # the enumerate item over list(self.experts)
+        else:
+            return False
+        guard = f"all({P}m is not None for {P}m in {container})"
+        if guard not in self.option_guards:
+            self.option_guards.append(guard)
+        return True
 
     def _empty_test(self, test: ast.expr) -> bool:
         """The negation of a :meth:`_nonempty_test`: ``not <nonempty>`` or ``<count> == 0`` / ``<= 0`` / ``< 1``
@@ -3287,6 +3365,17 @@ class _Eval:
         dim, index = keyword(node, "dim", first), keyword(node, "index", first + 1)
         if dim is None or index is None or const_value(dim) not in (1, -1) or len(node.args) + len(node.keywords) != first + 2:
             return None
+        pair_slot = _s42_slot_column(index)
+        if pair_slot is not None and self.ev(pair_slot).kind == "kpos" and const_value(dim) == 1:
+            # s42: `w.index_select(0, tok).gather(1, slot.unsqueeze(1))` with (tok, slot) = torch.where(idx == e) of 2-D
+            # indices: w[tok, slot, None], each pair's routing weight
+            sv = self.ev(src)
+            name = sv.args[0] if sv.kind == "x" and sv.args and isinstance(sv.args[0], str) else ""
+            if name and self.where_indices and _s41_shaped_like_indices(self.m, self.scope, name, self.where_indices,
+                                                                        self.loop.lineno):
+                self._set_probs(name)
+                return V("rw")
+            return None
         if isinstance(index, ast.Call) and isinstance(index.func, ast.Attribute) and index.func.attr == "unsqueeze" \
                 and len(index.args) == 1 and const_value(index.args[0]) == -1 and not index.keywords \
                 and self.ev(index.func.value).kind == "kpos_rows":
@@ -3461,13 +3550,19 @@ class _Eval:
         e per token: top-k indices are distinct). ``first``: the dim's position (1 for torch.sum).
         ``prod`` is the product as written or (s41) the ``masked_w`` value of a name bound to it."""
         dim, keep = keyword(call, "dim", first), keyword(call, "keepdim", first + 1)
-        if dim is None or const_value(dim) != -1 or keep is not None and const_value(keep) not in (True, False):
+        if dim is None or const_value(dim) not in (-1, 1) or isinstance(const_value(dim), bool) \
+                or keep is not None and const_value(keep) not in (True, False):
             return None
         # s40: without keepdim the sum is [T] (one weight per token, `rw_dense_row`): a column again only after
         # `[rows].unsqueeze(-1)` (LeonelSalvo nano-moe-mla: `w = (topk_w * sel).sum(dim=-1)[tok]`, then
         # `w.unsqueeze(-1) * expert(x[tok])`)
         kind = "rw_dense" if keep is not None and const_value(keep) is True else "rw_dense_row"
         masked = prod if isinstance(prod, V) else self._masked_weights(prod)
+        if masked is not None and masked.kind in ("masked_w", "masked_w_rows") and const_value(dim) == 1:
+            # s42: a sum over dim 1 is the sum over the slots only for 2-D [T, K] indices (a run-time check)
+            guard = f"{masked.args[1]}.dim() == 2"
+            if guard not in self.rank_guards:
+                self.rank_guards.append(guard)
         if masked is not None and masked.kind == "masked_w_rows":
             # s41: rows picked first (`(w[tok] * (idx[tok] == e)).sum(-1, keepdim=True)`): the selected rows' weights
             self._set_probs(masked.args[0])
@@ -3652,13 +3747,20 @@ class _Eval:
             if recv.kind == "flatcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
                                            or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
                 return V("flatrow", recv.args)  # [n] row numbers
-            if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and self.ev(node.args[1]).kind == "tok":
+            if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and const_value(node.args[0]) == 0 \
+                    and not isinstance(const_value(node.args[0]), bool) and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
             if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 # [n, H].squeeze(1) is [n, H] for H > 1 (with H == 1 the original's `out[mask] += ...` cannot broadcast)
                 return recv
             if attr == "any" and recv.kind == "flatmask" and _last_dim_reduction(node):
                 return self._tokmask(recv.args[0])  # (indices == e).any(dim=-1): the tokens routed to e
+            if attr == "any" and recv.kind == "flatmask" and _s42_second_dim_reduction(node):
+                # (indices == e).any(dim=1): the last dim only for 2-D [T, K] indices (a run-time check)
+                guard = f"{recv.args[0]}.dim() == 2"
+                if guard not in self.rank_guards:
+                    self.rank_guards.append(guard)
+                return self._tokmask(recv.args[0])
             if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
                                            and const_value(node.args[0]) == -1):
                 return recv  # the same token mask over flattened rows
@@ -4638,6 +4740,13 @@ def _last_dim_reduction(call: ast.Call, first: int = 0) -> bool:
     return dim is not None and const_value(dim) == -1 and keyword(call, "keepdim") is None
 
 
+def _s42_second_dim_reduction(call: ast.Call) -> bool:
+    """``.any(dim=1)`` / ``.any(1)`` without keepdim: the indices' last dim when they are 2-D (checked at run time)."""
+    dim = keyword(call, "dim", 0)
+    return dim is not None and const_value(dim) == 1 and not isinstance(const_value(dim), bool) \
+        and keyword(call, "keepdim") is None and len(call.args) + len(call.keywords) == 1
+
+
 def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str, str]]:
     """(device tensor, host name) for per-expert split sizes moved to the host: ``counts.tolist()``
     inline, or a name bound to ``counts.tolist()`` / ``.cpu().numpy()`` ("" host name when inline)."""
@@ -5275,6 +5384,17 @@ def _fused_text(site: _Site) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _s42_guard_tensor(site: _Site) -> str:
+    """The tokens, or None where an option guard says the fused text does not apply. s42: a loop over sorted
+    per-expert counts covers the first sum(counts) sorted rows while the grouped matmul takes every row: the fused
+    text runs only where the counts add up to the rows (one host sync; the loop moved the counts to the host anyway).
+    Read where the span starts, as the fused text's own first lines read the counts and the rows."""
+    guards = list(site.option_guards)
+    if site.routing == "sorted_counts" and not site.count_bound and site.counts:
+        guards.append(f"(int({site.counts}.sum()) == {site.tokens}.shape[0])")
+    return site.tokens if not guards else f"{site.tokens} if {' and '.join(guards)} else None"
+
+
 def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     mlp = site.mlp
     assert mlp is not None
@@ -5434,7 +5554,7 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         params=params,
         fused=_fused_text(site),
         # option guards: the original loop runs whenever an option the fused text left out is on
-        guard_tensor=site.tokens if not site.option_guards else f"{site.tokens} if {' and '.join(site.option_guards)} else None",
+        guard_tensor=_s42_guard_tensor(site),
         confidence="high" if mlp.act.kind == "silu" and mlp.gated else "medium",
         variant=variant,
         risks=risks,
@@ -13859,4 +13979,426 @@ MoeExperts.KEEP += [
     Keep(_S41C_EAGER.replace("            start = end\n", "            start = end\n            expert_ids = expert_ids + 0\n"),
          reason="the tensor the counts `counts` are computed from changes inside the loop",
          name="s41c_eager_counts_source_changed_in_loop"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# s42 (moe42): dev-set moe_experts recall classes, each with Fuse and Keep examples
+# ---------------------------------------------------------------------------------------------
+# 1. `(idx == e).any(dim=1)` / `(w * (idx == e)).sum(dim=1)`: the slots of 2-D [T, K] indices (run-time rank check),
+#    the dispatch under `if mask.any():`, weights read from the full gates `gates[mask, e]`; the dense path of the same
+#    forward rebinds the loop names in its own loop (a for target is a fresh binding: no false "used after")
+# 2. experts of other ranks held as None and skipped (`if expert is None: continue`): fused where all are present
+# 3. a top-k slot loop gathering stacked weights at one column of the indices (`self.w1[idx[:, k]]` + einsum / bmm)
+
+_S42_ANY_DIM1 = _HEAD + '''
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SparseGateMoE(nn.Module):
+    def __init__(self, d, h, n, k, sparse=True):
+        super().__init__()
+        self.top_k, self.sparse = k, sparse
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        gates = F.softmax(self.gate(x), dim=1)
+        if self.sparse:
+            top_v, top_i = torch.topk(gates, self.top_k, dim=1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                mask = (top_i == i).any(dim=1)
+                if mask.any():
+                    y = expert(x[mask])
+                    out[mask] += y * gates[mask, i].unsqueeze(1)
+        else:
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                out += expert(x) * gates[:, i].unsqueeze(1)
+        return out
+'''
+
+_S42_ANY_DIM1_RUN = _s41b_run("SparseGateMoE(16, 24, 5, 2)", "11, 16", "m.gate.weight, m.experts[2].fc1.weight")
+
+_S42_SUM_DIM1 = _HEAD + '''
+
+class MaskSumMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.top_k = n, k
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token_mask = (idx == e).any(dim=-1)
+            if token_mask.sum() == 0:
+                continue
+            y = self.experts[e](x[token_mask])
+            pos = idx[token_mask] == e
+            weights = (w[token_mask] * pos).sum(dim=1)
+            out[token_mask] += y * weights.unsqueeze(-1)
+        return out
+'''
+
+_S42_SUM_DIM1_RUN = _s41b_run("MaskSumMoE(16, 24, 6, 2)", "13, 16", "m.router.weight, m.experts[4][0].weight")
+
+_S42_ABSENT = _HEAD + '''
+
+class ShardMLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(a) * b)
+
+
+class ShardedMoE(nn.Module):
+    def __init__(self, d, h, n, k, rank=0, world=1):
+        super().__init__()
+        self.k = k
+        per = n // world
+        self.start, self.end = rank * per, (rank + 1) * per
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([ShardMLP(d, h) if self.start <= i < self.end else None for i in range(n)])
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x))
+        topk_w, topk_idx = scores.topk(self.k, dim=-1)
+        topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(x)
+        for expert_id, expert in enumerate(self.experts):
+            # experts of other ranks are not here
+            if expert is None:
+                continue
+            mask = topk_idx == expert_id
+            if not mask.any():
+                continue
+            token_idx, slot_idx = mask.nonzero(as_tuple=True)
+            y = expert(x[token_idx])
+            routed.index_add_(0, token_idx, y * topk_w[token_idx, slot_idx].unsqueeze(-1))
+        return routed
+'''
+
+_S42_ABSENT_RUN = _s41b_run("ShardedMoE(16, 12, 6, 2)", "10, 16", "m.gate.weight, m.experts[5].fc1.weight")
+# a shard (rank 1 of 2): the run-time check keeps the loop as written
+_S42_ABSENT_SHARD_RUN = _s41b_run("ShardedMoE(16, 12, 6, 2, rank=1, world=2)", "10, 16", "m.gate.weight, m.experts[5].fc1.weight")
+
+_S42_SLOT_GATHER = _HEAD + '''
+
+class StackedExpertsMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.top_k = n, k
+        self.router = nn.Linear(d, n)
+        self.w1 = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(n, h, d) * 0.1)
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(self.top_k):
+            gate_w = self.w1[idx[:, k]]
+            up_w = self.w3[idx[:, k]]
+            down_w = self.w2[idx[:, k]]
+            g = torch.bmm(x.unsqueeze(1), gate_w).squeeze(1)
+            u = torch.bmm(x.unsqueeze(1), up_w).squeeze(1)
+            y = torch.bmm((F.silu(g) * u).unsqueeze(1), down_w).squeeze(1)
+            out = out + w[:, k:k + 1] * y
+        return out
+'''
+
+_S42_SLOT_GATHER_RUN = _s41b_run("StackedExpertsMoE(16, 24, 5, 2)", "9, 16", "m.router.weight, m.w1, m.w2")
+
+_S42_SLOT_EINSUM = _HEAD + '''
+
+class EinsumSlotMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.top_k = n, k
+        self.router = nn.Linear(d, n)
+        self.w_in = nn.Parameter(torch.randn(n, h, d) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(n, d, h) * 0.1)
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(self.top_k):
+            w_in = self.w_in[idx[..., k]]
+            w_out = self.w_out[idx[..., k]]
+            h = F.gelu(torch.einsum("bd,bhd->bh", x, w_in))
+            out = out + w[..., k, None] * torch.einsum("bh,bdh->bd", h, w_out)
+        return out
+'''
+
+_S42_SLOT_EINSUM_RUN = _s41b_run("EinsumSlotMoE(16, 24, 5, 2)", "9, 16", "m.router.weight, m.w_in, m.w_out")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_ANY_DIM1, name="s42_any_dim1_dispatch_under_if_mask_any_full_gates", run=_S42_ANY_DIM1_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "gates.gather(-1, top_i)", "tokens": "x", "output": "out"}),
+    Fuse(_S42_SUM_DIM1, name="s42_masked_weight_sum_over_dim1_named_slot_mask", run=_S42_SUM_DIM1_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "x", "output": "out"}),
+    Fuse(_S42_ABSENT, name="s42_absent_experts_skipped_when_none", run=_S42_ABSENT_RUN,
+         expect={"routing": "mask_where", "indices": "topk_idx", "probs": "topk_w", "tokens": "x", "output": "routed"}),
+    Fuse(_S42_SLOT_GATHER, name="s42_slot_loop_gathers_stacked_weights_at_a_column", run=_S42_SLOT_GATHER_RUN,
+         expect={"routing": "gathered_weights", "indices": "idx[:, k]", "projections": 3}),
+    Fuse(_S42_SLOT_EINSUM, name="s42_slot_loop_einsum_over_gathered_column", run=_S42_SLOT_EINSUM_RUN,
+         expect={"routing": "gathered_weights", "indices": "idx[..., k]", "projections": 2}),
+]
+
+MoeExperts.KEEP += [
+    # any over dim 0 reduces over the tokens (one flag per slot), not over a token's slots
+    Keep(_S42_ANY_DIM1.replace("mask = (top_i == i).any(dim=1)", "mask = (top_i == i).any(dim=0)"),
+         reason="conditional code inside the expert loop: `if mask.any()`", name="s42_any_over_tokens_is_not_the_routed_tokens"),
+    # the masked weights summed over dim 0 (over the selected tokens), not over each token's slots
+    Keep(_S42_SUM_DIM1.replace("(w[token_mask] * pos).sum(dim=1)", "(w[token_mask] * pos).sum(dim=0)"),
+         reason="which is not recognised as the routing weight of the selected tokens",
+         name="s42_masked_weight_sum_over_tokens"),
+    # the loop variable read after the sparse loop: the fused layer binds no `expert`
+    Keep(_S42_ANY_DIM1.replace("        else:\n            out = torch.zeros_like(x)\n",
+                               "            self.last_expert = expert\n        else:\n            out = torch.zeros_like(x)\n"),
+         reason="`expert` (set in the expert loop) is used after it", name="s42_loop_expert_read_after_the_loop"),
+    # experts switched off by a per-expert flag: a skip of experts with tokens, not of absent ones
+    Keep(_S42_ABSENT.replace("            if expert is None:\n", "            if not self.active[expert_id]:\n")
+         .replace("        self.k = k\n", "        self.k = k\n        self.active = [True] * n\n"),
+         reason="the loop skips experts on `not self.active[expert_id]`", name="s42_experts_switched_off_by_a_flag"),
+    # the gathered weights also feed a penalty: the grouped matmul never builds them
+    Keep(_S42_SLOT_GATHER.replace("            out = out + w[:, k:k + 1] * y\n",
+                                  "            out = out + w[:, k:k + 1] * y\n            self.penalty = gate_w.pow(2).mean()\n"),
+         reason="is read other than as the weight of an einsum / bmm over the rows", name="s42_slot_gathered_weight_read_for_a_penalty"),
+]
+
+# 4. the routing weight read as `w.index_select(0, tok).gather(1, slot.unsqueeze(1))` of torch.where's (tok, slot)
+#    pairs, with the weights softmaxed over dim 1 of 2-D top-k values (a softmax over any dim keeps their shape)
+_S42_SELECT_GATHER = _HEAD + '''
+
+class DeepWideExpert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.deep = nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d))
+        self.wide = nn.Linear(d, d)
+
+    def forward(self, deep_x, wide_x):
+        return self.deep(deep_x) + self.wide(wide_x)
+
+
+class RankMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([DeepWideExpert(d, h) for _ in range(n)])
+
+    def forward(self, inputs):
+        weights, selected = torch.topk(self.gate(inputs), self.k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected == i)
+            y = expert(inputs.index_select(0, batch_idx), inputs.index_select(0, batch_idx))
+            results.index_add_(0, batch_idx, y * weights.index_select(0, batch_idx).gather(1, nth_expert.unsqueeze(1)))
+        return results
+'''
+
+_S42_SELECT_GATHER_RUN = _s41b_run("RankMoE(16, 24, 5, 2)", "9, 16", "m.gate.weight, m.experts[1].wide.weight")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_SELECT_GATHER, name="s42_weight_index_selected_then_gathered_at_the_where_slot", run=_S42_SELECT_GATHER_RUN,
+         expect={"routing": "mask_where", "indices": "selected", "probs": "weights", "tokens": "inputs", "output": "results"}),
+]
+
+MoeExperts.KEEP += [
+    # gathered along dim 0 (across the selected tokens), not at each pair's slot
+    Keep(_S42_SELECT_GATHER.replace(".gather(1, nth_expert.unsqueeze(1))", ".gather(0, nth_expert.unsqueeze(1))"),
+         reason="which is not recognised as the routing weight of the selected tokens",
+         name="s42_weight_gathered_along_the_tokens"),
+    # index_select along dim 1 picks feature columns, not the expert's token rows (fused as rows before s42)
+    Keep(_S42_SELECT_GATHER.replace("y = expert(inputs.index_select(0, batch_idx), inputs.index_select(0, batch_idx))",
+                                    "y = expert(inputs.index_select(1, batch_idx), inputs.index_select(1, batch_idx))"),
+         reason="the expert takes arguments besides its rows", name="s42_index_select_of_feature_columns"),
+]
+
+# 5. one stacked weight gathered at [B, T, K] top-k indices of a [B, T, D] input (no loop): each token's row through
+#    each of its K experts' matrices, weighted after the einsum (the s34 gathered-weight site, indices of rank 3)
+_S42_BTK_GATHER = _HEAD + '''
+
+class LinearExpertsMoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.n_experts, self.top_k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.We = nn.Parameter(torch.randn(n, d, d) * 0.1)
+
+    def forward(self, x):
+        top_val, top_idx = torch.topk(self.gate(x), k=self.top_k, dim=-1)
+        top_w = F.softmax(top_val, dim=-1)
+        W_selected = self.We[top_idx]
+        x_experts = torch.einsum("btd,btkdm->btkm", x, W_selected)
+        return (x_experts * top_w.unsqueeze(-1)).sum(dim=2)
+'''
+
+_S42_BTK_GATHER_RUN = _s41b_run("LinearExpertsMoE(16, 5, 2)", "2, 7, 16", "m.gate.weight, m.We")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_BTK_GATHER, name="s42_gathered_weights_at_btk_indices_einsum", run=_S42_BTK_GATHER_RUN,
+         expect={"routing": "gathered_weights", "indices": "top_idx", "top_k": "top_idx.shape[-1]", "projections": 1}),
+]
+
+MoeExperts.KEEP += [
+    # the input's second dim summed against the tokens' matrices (letters `bsd`): not one row per token. No near
+    # miss: a gather with no product npufuse maps stays silent (embedding lookups `self.table[ids]` look the same)
+    Keep(_S42_BTK_GATHER.replace('"btd,btkdm->btkm"', '"bsd,btkdm->btkm"'),
+         reason="", name="s42_btk_einsum_over_another_axis"),
+]
+
+
+def _s42_mutated(stmts: list[ast.stmt]) -> set[str]:
+    """Names these statements bind or change in place: targets, subscript / attribute stores, receivers of
+    in-place methods (``out.index_add_(...)``, ``outs.append(...)``)."""
+    out = _assigned(stmts)
+    for st in stmts:
+        for n in fast_walk(st):
+            if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store):
+                base = n.value
+                while isinstance(base, (ast.Subscript, ast.Attribute)):
+                    base = base.value
+                if isinstance(base, ast.Name):
+                    out.add(base.id)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and (n.func.attr.endswith("_") and not n.func.attr.startswith("_") or n.func.attr in ("append", "extend")):
+                out.add(n.func.value.id)
+    return out
+
+
+def _s42_two_phase(scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[tuple[ast.For, ast.For]]:
+    """s42: ``pairs = []``; ``for e in ...: ...; pairs.append((a, b))`` (the last statement of the loop body or of an
+    ``if`` arm in it); then, right after the loop, ``for x, y in pairs: <combine>``. The combine of each pair can run
+    where the pair is appended (one merged loop, returned with the combine loop) when neither loop reads what the other
+    changes, the list is read nowhere else and the pair's values are not changed after the append."""
+    if i + 1 >= len(block) or loop.orelse:
+        return None
+    combine = block[i + 1]
+    if not (isinstance(combine, ast.For) and not combine.orelse and isinstance(combine.iter, ast.Name)
+            and isinstance(combine.target, ast.Tuple) and all(isinstance(t, ast.Name) for t in combine.target.elts)):
+        return None
+    lst = combine.iter.id
+    appends = [n for n in fast_walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr == "append" and isinstance(n.func.value, ast.Name) and n.func.value.id == lst]
+    if len(appends) != 1 or sum(isinstance(n, ast.Name) and n.id == lst for n in fast_walk(loop)) != 1:
+        return None
+    call = appends[0]
+    pair = call.args[0] if len(call.args) == 1 and not call.keywords else None
+    if not (isinstance(pair, ast.Tuple) and len(pair.elts) == len(combine.target.elts)):  # type: ignore[attr-defined]
+        return None
+    # the append: the last statement of the loop body or of one `if` arm directly in it
+    holder: Optional[list[ast.stmt]] = None
+    for body in [loop.body] + [st.body for st in loop.body if isinstance(st, ast.If)]:
+        if body and isinstance(body[-1], ast.Expr) and body[-1].value is call:
+            holder = body
+    if holder is None:
+        return None
+    # the list: made empty before the loop in this block, read by nothing but the append and the combine loop
+    made = next((st for st in reversed(block[:i]) if lst in _assigned([st])), None)
+    if not (isinstance(made, ast.Assign) and len(made.targets) == 1 and isinstance(made.value, ast.List)
+            and not made.value.elts):
+        return None
+    if sum(isinstance(n, ast.Name) and n.id == lst for st in block[block.index(made) + 1 : i] for n in fast_walk(st)) \
+            or sum(isinstance(n, ast.Name) and n.id == lst for n in fast_walk(combine)) != 1 \
+            or scope.uses_after(lst, combine.end_lineno or combine.lineno):
+        return None
+    targets = [t.id for t in combine.target.elts]  # type: ignore[attr-defined]
+    # `pairs.append((tok, y))` then `for tok, y in pairs`: the pair's own names, bound again to the values they hold
+    same = {t for t, v in zip(targets, pair.elts) if isinstance(v, ast.Name) and v.id == t}  # type: ignore[attr-defined]
+    first_changes = _s42_mutated([loop]) - {lst}
+    second_changes = _s42_mutated(combine.body) | (set(targets) - same)
+    if same & _s42_mutated(combine.body):
+        return None
+    first_reads = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - {lst}
+    second_reads = {n.id for st in combine.body for n in fast_walk(st) if isinstance(n, ast.Name)
+                    and isinstance(n.ctx, ast.Load)} - set(targets)
+    if first_changes & second_reads or second_changes & (first_reads | first_changes):
+        return None
+    binds: list[ast.stmt] = [ast.copy_location(ast.Assign(targets=[ast.Name(t, ast.Store())], value=v), call)
+                             for t, v in zip(targets, pair.elts) if t not in same]  # type: ignore[attr-defined]
+    for b in binds:
+        b.end_lineno = call.end_lineno  # type: ignore[attr-defined]
+    merged_holder = holder[:-1] + binds + list(combine.body)
+
+    def rebuilt(body: list[ast.stmt]) -> list[ast.stmt]:
+        if body is holder:
+            return merged_holder
+        out: list[ast.stmt] = []
+        for st in body:
+            if isinstance(st, ast.If) and st.body is holder:
+                arm = ast.If(test=st.test, body=merged_holder, orelse=st.orelse)
+                out.append(ast.copy_location(arm, st))
+                arm.end_lineno = st.end_lineno  # type: ignore[attr-defined]
+            else:
+                out.append(st)
+        return out
+
+    merged = ast.For(target=loop.target, iter=loop.iter, body=rebuilt(loop.body), orelse=[], type_comment=None)
+    ast.copy_location(merged, loop)
+    merged.end_lineno, merged.end_col_offset = combine.end_lineno, combine.end_col_offset
+    return merged, combine
+
+# 6. two-phase loops: each expert's (rows, slots, output) appended to a Python list, combined by a second loop over
+#    the list right after the first (read as one loop: the combine of a pair runs where the pair is appended)
+_S42_TWO_PHASE = _HEAD + '''
+
+class TwoPhaseMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts, self.k = n, k
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        collected = []
+        for e in range(self.num_experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() > 0:
+                y = self.experts[e](x[tok])
+                collected.append((tok, slot, y))
+        for rows, slots, expert_out in collected:
+            out.index_add_(0, rows, expert_out * w[rows, slots].unsqueeze(-1))
+        return out
+'''
+
+_S42_TWO_PHASE_RUN = _s41b_run("TwoPhaseMoE(16, 24, 5, 2)", "9, 16", "m.gate.weight, m.experts[2][0].weight")
+
+MoeExperts.FUSE += [
+    Fuse(_S42_TWO_PHASE, name="s42_two_phase_collect_then_combine", run=_S42_TWO_PHASE_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "x", "output": "out"}),
+    Fuse(_S42_TWO_PHASE.replace("for rows, slots, expert_out in collected:", "for tok, slot, y in collected:")
+         .replace("out.index_add_(0, rows, expert_out * w[rows, slots].unsqueeze(-1))", "out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))"),
+         name="s42_two_phase_same_names_in_both_loops", run=_S42_TWO_PHASE_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w"}),
+]
+
+MoeExperts.KEEP += [
+    # the collected pairs are returned too: the fused layer builds no list
+    Keep(_S42_TWO_PHASE.replace("        return out\n", "        return out, collected\n"),
+         reason="expert outputs are appended to a list", name="s42_two_phase_list_returned"),
+    # the combine reads the first loop's last expert index (`e` after the loop), not a value of the pair
+    Keep(_S42_TWO_PHASE.replace("expert_out * w[rows, slots].unsqueeze(-1))", "expert_out * w[rows, slots].unsqueeze(-1) / (e + 1))"),
+         reason="expert outputs are appended to a list", name="s42_two_phase_combine_reads_the_loop_index"),
 ]

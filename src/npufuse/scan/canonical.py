@@ -903,12 +903,14 @@ def shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, indices:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_KEEPING_CASTS:
             step = node.func.value
         elif isinstance(node, ast.Call) and api(module, node.func) in ("torch.softmax", "torch.nn.functional.softmax") and node.args:
+            # s42: a softmax over any one dim keeps the shape (element [t, k] stays slot k of token t; which values the
+            # weights hold is the site's business, it reads them as they are)
             dim = node.args[1] if len(node.args) > 1 else _kw(node, "dim")
-            step = node.args[0] if dim is not None and const_value(dim) == -1 else None
+            step = node.args[0] if dim is not None and type(const_value(dim)) is int else None
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "softmax":
             # w.softmax(dim=-1) (s40: torch.softmax(w, dim=-1) reads back in this spelling)
             dim = node.args[0] if node.args else _kw(node, "dim")
-            step = node.func.value if dim is not None and const_value(dim) == -1 else None
+            step = node.func.value if dim is not None and type(const_value(dim)) is int else None
         elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div, ast.Add, ast.Sub)):
             for own, other in ((node.left, node.right), (node.right, node.left)):
                 if isinstance(own, ast.Name) and _keepdim_or_scalar(other, own.id) \

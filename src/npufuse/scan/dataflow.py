@@ -485,6 +485,15 @@ class Scope:
             return cached
         cached = {}
         for block, i, stmt in self.listing()[0]:
+            if isinstance(stmt, (ast.For, ast.AsyncFor)) and stmt.body:
+                # a loop's target is bound before each run of its body: reads in the body see that binding
+                loop_bound: set[str] = set()
+                _plain_bound(stmt.target, loop_bound)
+                first, last = stmt.body[0], stmt.body[-1]
+                region = (stmt.lineno, (first.lineno, first.col_offset), (last.end_lineno or last.lineno, last.end_col_offset or 0))
+                for name in loop_bound:
+                    cached.setdefault(name, []).append(region)
+                continue
             if i + 1 >= len(block) or not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                 continue
             if isinstance(stmt, ast.AnnAssign) and stmt.value is None:
