@@ -83,3 +83,59 @@ def test_a_conditional_choice_of_norm_class_is_no_alias(tmp_path: Path) -> None:
 def test_an_alias_of_layernorm_is_no_rmsnorm(tmp_path: Path) -> None:
     out = _scan(tmp_path, _ALIASED_NORM.replace("nn.RMSNorm", "nn.LayerNorm"))
     assert not _hits(out, "rms_norm") and not _hits(out, "add_rms_norm")
+
+
+# -- A2: rope with the minus written on a factor (``sin * -b``)
+
+_NEG_FACTOR_ROPE = '''
+import torch
+from torch import nn
+
+
+class RotaryPositionalEncoding(nn.Module):
+    def __init__(self, d_hidden, seq_len, base=50000):
+        super().__init__()
+        dim_idx = torch.arange(0, d_hidden, 2, dtype=torch.float64)
+        theta = base ** (-dim_idx / d_hidden)
+        angles = theta.unsqueeze(0) * torch.arange(seq_len).type_as(theta).unsqueeze(-1)
+        self.register_buffer("sin_cached", angles.sin(), persistent=False)
+        self.register_buffer("cos_cached", angles.cos(), persistent=False)
+
+    def forward(self, x):
+        dtype = x.dtype
+        a = x[..., 0::2]
+        b = x[..., 1::2]
+        cos = self.cos_cached.narrow(-2, 0, a.shape[-2])
+        sin = self.sin_cached.narrow(-2, 0, a.shape[-2])
+        a2 = (cos * a + sin * -b).to(dtype=dtype)
+        b2 = (sin * a + cos * b).to(dtype=dtype)
+        return torch.stack((a2, b2), dim=-1).flatten(-2, -1)
+'''
+
+_NEG_FACTOR_RUN = '''
+rope = RotaryPositionalEncoding(16, 32)
+x = torch.randn(2, 4, 8, 16, requires_grad=True)
+out = rope(x)
+leaves = [x]
+'''
+
+
+def test_rope_with_the_minus_on_a_factor_is_found_and_runs() -> None:
+    from npufuse.patterns.rope import RopePattern
+    from pattern_harness import check_rewrite_runs, detect_all
+
+    findings, _ = detect_all(RopePattern(), _NEG_FACTOR_ROPE)
+    assert [(f.qualname, f.line) for f in findings] == [("RotaryPositionalEncoding.forward", 21)]
+    facts = check_rewrite_runs(RopePattern(), _NEG_FACTOR_ROPE, _NEG_FACTOR_RUN, findings)
+    assert facts["calls"] >= 1
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+
+
+def test_the_minus_on_the_wrong_factor_is_no_rotation() -> None:
+    from npufuse.patterns.rope import RopePattern
+    from pattern_harness import detect_all
+
+    # (cos*a - sin*b, -sin*a + cos*b)... written with the minus on `a` in the second part: a reflection, not a rotation
+    code = _NEG_FACTOR_ROPE.replace("b2 = (sin * a + cos * b)", "b2 = (sin * -a - cos * b)")
+    findings, _ = detect_all(RopePattern(), code)
+    assert not findings
