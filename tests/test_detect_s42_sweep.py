@@ -139,3 +139,61 @@ def test_the_minus_on_the_wrong_factor_is_no_rotation() -> None:
     code = _NEG_FACTOR_ROPE.replace("b2 = (sin * a + cos * b)", "b2 = (sin * -a - cos * b)")
     findings, _ = detect_all(RopePattern(), code)
     assert not findings
+
+
+# -- A3: CS336's functional rope: lane pairs cut by ``x.reshape(*x.shape[:-1], d_k // 2, 2)`` (a size written out
+# beside the 2), rotated parts stacked into a name that the next statement merges with ``reshape_as``
+
+_CS336_ROPE = '''
+import torch
+
+
+def rope(d_k, theta, in_query_or_key, token_positions):
+    dtype = in_query_or_key.dtype
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d_k, 2, dtype=dtype) / d_k))
+    angles = token_positions.to(dtype)[..., None] * inv_freq
+    cos = torch.cos(angles)
+    sin = torch.sin(angles)
+    x = in_query_or_key.reshape(*in_query_or_key.shape[:-1], d_k // 2, 2)
+    x1 = x[..., 0]
+    x2 = x[..., 1]
+    out1 = x1 * cos - x2 * sin
+    out2 = x1 * sin + x2 * cos
+    out = torch.stack([out1, out2], dim=-1)
+    return out.reshape_as(in_query_or_key)
+'''
+
+_CS336_RUN = '''
+q = torch.randn(2, 4, 8, 16, requires_grad=True)
+out = rope(16, 10000.0, q, torch.arange(8))
+leaves = [q]
+'''
+
+
+def test_cs336_lane_pair_rope_is_found_and_runs() -> None:
+    from npufuse.patterns.rope import RopePattern
+    from pattern_harness import check_rewrite_runs, detect_all
+
+    findings, _ = detect_all(RopePattern(), _CS336_ROPE)
+    assert [(f.qualname, f.params["mode"]) for f in findings] == [("rope", "interleave")]
+    facts = check_rewrite_runs(RopePattern(), _CS336_ROPE, _CS336_RUN, findings)
+    assert facts["calls"] >= 1 and facts["shapes"][0][0] == facts["shapes"][0][1]
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+
+
+def test_a_two_by_half_view_indexed_on_its_last_axis_is_no_lane_pair() -> None:
+    from npufuse.patterns.rope import RopePattern
+    from pattern_harness import detect_all
+
+    # (2, d_k // 2): x[..., 0] is a column of the halves view, not the even lanes
+    code = _CS336_ROPE.replace("d_k // 2, 2)", "2, d_k // 2)")
+    findings, _ = detect_all(RopePattern(), code)
+    assert not findings
+
+
+def test_stacked_parts_in_the_wrong_order_are_no_rotation() -> None:
+    from npufuse.patterns.rope import RopePattern
+    from pattern_harness import detect_all
+
+    findings, _ = detect_all(RopePattern(), _CS336_ROPE.replace("torch.stack([out1, out2]", "torch.stack([out2, out1]"))
+    assert not findings

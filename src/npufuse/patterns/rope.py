@@ -7495,7 +7495,9 @@ def _merged_next(block: list[ast.stmt], i: int, stmt: ast.stmt) -> bool:
     merged = _einops_last_two_merged(value)  # s40: einops ``rearrange(t, "b h n d two -> b h n (d two)")``
     if merged is not None:
         return isinstance(merged, ast.Name) and merged.id == name
-    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view") \
+    # s42: ``reshape_as(x)`` / ``view_as(x)`` too (CS336's ``out.reshape_as(in_query_or_key)``): the fused result is the
+    # stacked [.., D/2, 2] tensor itself, so whatever merge follows runs as written
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view", "reshape_as", "view_as") \
         and isinstance(value.func.value, ast.Name) and value.func.value.id == name
 
 
