@@ -197,3 +197,67 @@ def test_stacked_parts_in_the_wrong_order_are_no_rotation() -> None:
 
     findings, _ = detect_all(RopePattern(), _CS336_ROPE.replace("torch.stack([out1, out2]", "torch.stack([out2, out1]"))
     assert not findings
+
+
+# -- A4: add_rms_norm with CS336's functional norm: ``rmsnorm(d_model, eps, weights, in_features)`` normalizes its
+# LAST parameter (passed by keyword) and the weight is read from a state dict by a string key
+
+_FUNCTIONAL_BLOCK = '''
+import math
+import torch
+
+
+def rmsnorm(d_model, eps, weights, in_features):
+    variance = in_features.pow(2).mean(dim=-1, keepdim=True)
+    normalized = in_features / torch.sqrt(variance + eps)
+    return normalized * weights
+
+
+def ffn(w, x):
+    return torch.relu(x @ w.t())
+
+
+def block(d_model, weights, in_features):
+    x = in_features
+    h = ffn(weights["attn.weight"], rmsnorm(d_model, eps=1e-5, weights=weights["ln1.weight"], in_features=x))
+    x = x + h
+    x_norm = rmsnorm(d_model, eps=1e-5, weights=weights["ln2.weight"], in_features=x)
+    return x + ffn(weights["ffn.weight"], x_norm)
+'''
+
+_FUNCTIONAL_RUN = '''
+d = 16
+weights = {k: torch.randn(d, d) if "ln" not in k else torch.rand(d) + 0.5 for k in ("attn.weight", "ffn.weight", "ln1.weight", "ln2.weight")}
+x = torch.randn(2, 5, d, requires_grad=True)
+out = block(d, weights, x)
+leaves = [x]
+'''
+
+
+def test_a_functional_norm_of_a_later_parameter_after_the_add_is_found_and_runs() -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+    from pattern_harness import check_rewrite_runs, detect_all
+
+    findings, _ = detect_all(AddRmsNorm(), _FUNCTIONAL_BLOCK)
+    assert [(f.qualname, f.line, f.end_line) for f in findings] == [("block", 19, 20)]
+    facts = check_rewrite_runs(AddRmsNorm(), _FUNCTIONAL_BLOCK, _FUNCTIONAL_RUN, findings)
+    assert facts["calls"] >= 1
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+
+
+def test_the_sum_passed_as_the_weight_is_no_norm_of_the_sum() -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+    from pattern_harness import detect_all
+
+    code = _FUNCTIONAL_BLOCK.replace('weights=weights["ln2.weight"], in_features=x)', 'weights=x, in_features=weights["ln2.weight"])')
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert not findings
+
+
+def test_a_weight_row_of_a_tensor_stays_refused() -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+    from pattern_harness import detect_all
+
+    # ``weights[1]``: an integer index may be a row of one tensor (a per-layer table), not a stored gamma
+    findings, _ = detect_all(AddRmsNorm(), _FUNCTIONAL_BLOCK.replace('weights["ln2.weight"], in_features=x)', 'weights[1], in_features=x)'))
+    assert not findings
