@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.registry import all_patterns
+from npufuse.patterns.rope import RopePattern
 from npufuse.scan import engine
 from npufuse.scan.dataflow import ModuleInfo
+from pattern_harness import check_rewrite_runs, detect_all
 
 
 def _scan(tmp_path: Path, code: str) -> engine.FileOutcome:
@@ -23,6 +26,20 @@ def _scan(tmp_path: Path, code: str) -> engine.FileOutcome:
 
 def _hits(out: engine.FileOutcome, pattern: str) -> list[tuple[str, int]]:
     return [(h.finding.qualname, h.finding.line) for h in out.hits if h.finding.pattern == pattern]
+
+
+def _found_and_faithful(pattern, code: str, run: str) -> list:
+    """The findings of ``pattern`` on ``code``, after checking that the rewrite runs the fused op and gives the
+    original's outputs and gradients."""
+    findings, _ = detect_all(pattern, code)
+    facts = check_rewrite_runs(pattern, code, run, findings)
+    assert facts["calls"] >= 1 and [a == b for a, b in facts["shapes"]] == [True] * len(facts["shapes"])
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+    return findings
+
+
+def _nothing_found(pattern, code: str) -> bool:
+    return not detect_all(pattern, code)[0]
 
 
 # -- A1: a module-level alias of nn.RMSNorm
@@ -121,24 +138,13 @@ leaves = [x]
 
 
 def test_rope_with_the_minus_on_a_factor_is_found_and_runs() -> None:
-    from npufuse.patterns.rope import RopePattern
-    from pattern_harness import check_rewrite_runs, detect_all
-
-    findings, _ = detect_all(RopePattern(), _NEG_FACTOR_ROPE)
+    findings = _found_and_faithful(RopePattern(), _NEG_FACTOR_ROPE, _NEG_FACTOR_RUN)
     assert [(f.qualname, f.line) for f in findings] == [("RotaryPositionalEncoding.forward", 21)]
-    facts = check_rewrite_runs(RopePattern(), _NEG_FACTOR_ROPE, _NEG_FACTOR_RUN, findings)
-    assert facts["calls"] >= 1
-    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
 
 
 def test_the_minus_on_the_wrong_factor_is_no_rotation() -> None:
-    from npufuse.patterns.rope import RopePattern
-    from pattern_harness import detect_all
-
     # (cos*a - sin*b, -sin*a + cos*b)... written with the minus on `a` in the second part: a reflection, not a rotation
-    code = _NEG_FACTOR_ROPE.replace("b2 = (sin * a + cos * b)", "b2 = (sin * -a - cos * b)")
-    findings, _ = detect_all(RopePattern(), code)
-    assert not findings
+    assert _nothing_found(RopePattern(), _NEG_FACTOR_ROPE.replace("b2 = (sin * a + cos * b)", "b2 = (sin * -a - cos * b)"))
 
 
 # -- A3: CS336's functional rope: lane pairs cut by ``x.reshape(*x.shape[:-1], d_k // 2, 2)`` (a size written out
@@ -171,32 +177,17 @@ leaves = [q]
 
 
 def test_cs336_lane_pair_rope_is_found_and_runs() -> None:
-    from npufuse.patterns.rope import RopePattern
-    from pattern_harness import check_rewrite_runs, detect_all
-
-    findings, _ = detect_all(RopePattern(), _CS336_ROPE)
+    findings = _found_and_faithful(RopePattern(), _CS336_ROPE, _CS336_RUN)
     assert [(f.qualname, f.params["mode"]) for f in findings] == [("rope", "interleave")]
-    facts = check_rewrite_runs(RopePattern(), _CS336_ROPE, _CS336_RUN, findings)
-    assert facts["calls"] >= 1 and facts["shapes"][0][0] == facts["shapes"][0][1]
-    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
 
 
 def test_a_two_by_half_view_indexed_on_its_last_axis_is_no_lane_pair() -> None:
-    from npufuse.patterns.rope import RopePattern
-    from pattern_harness import detect_all
-
     # (2, d_k // 2): x[..., 0] is a column of the halves view, not the even lanes
-    code = _CS336_ROPE.replace("d_k // 2, 2)", "2, d_k // 2)")
-    findings, _ = detect_all(RopePattern(), code)
-    assert not findings
+    assert _nothing_found(RopePattern(), _CS336_ROPE.replace("d_k // 2, 2)", "2, d_k // 2)"))
 
 
 def test_stacked_parts_in_the_wrong_order_are_no_rotation() -> None:
-    from npufuse.patterns.rope import RopePattern
-    from pattern_harness import detect_all
-
-    findings, _ = detect_all(RopePattern(), _CS336_ROPE.replace("torch.stack([out1, out2]", "torch.stack([out2, out1]"))
-    assert not findings
+    assert _nothing_found(RopePattern(), _CS336_ROPE.replace("torch.stack([out1, out2]", "torch.stack([out2, out1]"))
 
 
 # -- A4: add_rms_norm with CS336's functional norm: ``rmsnorm(d_model, eps, weights, in_features)`` normalizes its
@@ -235,29 +226,15 @@ leaves = [x]
 
 
 def test_a_functional_norm_of_a_later_parameter_after_the_add_is_found_and_runs() -> None:
-    from npufuse.patterns.add_rms_norm import AddRmsNorm
-    from pattern_harness import check_rewrite_runs, detect_all
-
-    findings, _ = detect_all(AddRmsNorm(), _FUNCTIONAL_BLOCK)
+    findings = _found_and_faithful(AddRmsNorm(), _FUNCTIONAL_BLOCK, _FUNCTIONAL_RUN)
     assert [(f.qualname, f.line, f.end_line) for f in findings] == [("block", 19, 20)]
-    facts = check_rewrite_runs(AddRmsNorm(), _FUNCTIONAL_BLOCK, _FUNCTIONAL_RUN, findings)
-    assert facts["calls"] >= 1
-    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
 
 
 def test_the_sum_passed_as_the_weight_is_no_norm_of_the_sum() -> None:
-    from npufuse.patterns.add_rms_norm import AddRmsNorm
-    from pattern_harness import detect_all
-
-    code = _FUNCTIONAL_BLOCK.replace('weights=weights["ln2.weight"], in_features=x)', 'weights=x, in_features=weights["ln2.weight"])')
-    findings, _ = detect_all(AddRmsNorm(), code)
-    assert not findings
+    assert _nothing_found(AddRmsNorm(), _FUNCTIONAL_BLOCK.replace('weights=weights["ln2.weight"], in_features=x)',
+                                                                  'weights=x, in_features=weights["ln2.weight"])'))
 
 
 def test_a_weight_row_of_a_tensor_stays_refused() -> None:
-    from npufuse.patterns.add_rms_norm import AddRmsNorm
-    from pattern_harness import detect_all
-
     # ``weights[1]``: an integer index may be a row of one tensor (a per-layer table), not a stored gamma
-    findings, _ = detect_all(AddRmsNorm(), _FUNCTIONAL_BLOCK.replace('weights["ln2.weight"], in_features=x)', 'weights[1], in_features=x)'))
-    assert not findings
+    assert _nothing_found(AddRmsNorm(), _FUNCTIONAL_BLOCK.replace('weights["ln2.weight"], in_features=x)', 'weights[1], in_features=x)'))
