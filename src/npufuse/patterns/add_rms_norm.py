@@ -2107,6 +2107,18 @@ def _helper_keyword_input(module: ModuleInfo, call: ast.Call) -> ast.expr | None
     return next((k.value for k in call.keywords if k.arg == params[0]), None)
 
 
+def _calls_norm_helper(module: ModuleInfo, scope: Scope) -> bool:
+    """The scope's text calls a module-level function of this file whose name says norm (``rmsnorm(``): the
+    cheap gate before a module-level function is read for add + norm sites."""
+    names = module.__dict__.get("_npufuse_norm_helper_calls")
+    if names is None:
+        names = module.__dict__["_npufuse_norm_helper_calls"] = tuple(f"{n}(" for n in module.functions if "norm" in n.lower())
+    if not names:
+        return False
+    text = S.scope_text(module, scope)
+    return any(n in text for n in names)
+
+
 def _helper_input_param(module: ModuleInfo, fn: ast.FunctionDef) -> str | None:
     """The parameter a module-level norm helper of this file normalizes when it is not the first one (CS336's
     ``def rmsnorm(d_model, eps, weights, in_features)``): the RMSNorm its return computes, read with the
@@ -2828,7 +2840,7 @@ class AddRmsNorm(Pattern):
         if not scope.class_name and not _installed_forward(module, scope):
             # s42: a module-level function of a functional model (CS336's ``transformer_block(.., weights, in_features)``)
             # adding a residual and calling this file's norm helper on the sum: the plain add + norm sites only
-            if "norm(" in S.scope_text(module, scope) and module.helper(scope.qualname) is scope.node:
+            if _calls_norm_helper(module, scope) and module.helper(scope.qualname) is scope.node:
                 for stmt, site in _sites(module, scope):
                     if isinstance(site, _Site) and site.nc.kind == "rms" and isinstance(site.nc.call.func, ast.Name):
                         r = _build(module, scope, site)

@@ -964,9 +964,10 @@ class ModuleInfo:
         if head in self.aliases:
             full = self.aliases[head]
             return f"{full}.{rest}" if rest else full
-        full = self.assigned_aliases.get(head)
-        if full is not None:
-            return f"{full}.{rest}" if rest else full
+        if self.assigned_aliases:  # (empty in most files: no lookup there)
+            full = self.assigned_aliases.get(head)
+            if full is not None:
+                return f"{full}.{rest}" if rest else full
         return name
 
     def call_name(self, node: ast.AST) -> str | None:
