@@ -376,7 +376,9 @@ def _ctor_words(module: ModuleInfo) -> tuple[str, ...]:
     if cached is None:
         cached = module.__dict__["_npufuse_rms_ctor_words"] = (
             "RMSNorm", *(c for c in module.classes if rms_subclass(module, c)),
-            *(local for local, full in module.aliases.items() if full in LIBRARY_RMS_CLASSES and "RMSNorm" not in local))
+            *(local for local, full in module.aliases.items() if full in LIBRARY_RMS_CLASSES and "RMSNorm" not in local),
+            # a module-level alias of the class (``LayerNormImpl = nn.RMSNorm``) constructs it by that name
+            *(local for local, full in module.assigned_aliases.items() if full == RMS_NORM_CLASS and "RMSNorm" not in local))
     return cached
 
 

@@ -438,8 +438,11 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
     assert isinstance(f, ast.Name)
     if (call.args and isinstance(call.args[0], ast.Starred)) or S.definition(ctx, f.id) is not None:
         return None
-    # the input: the first positional argument, or the keyword naming the helper's first parameter
-    arg = call.args[0] if call.args else _helper_keyword_input(module, call)
+    # the input: the first positional argument, or the keyword naming the helper's first parameter; for a helper
+    # of this file normalizing a later parameter (CS336's ``rmsnorm(d_model, eps, weights, in_features)``) that one
+    in_arg = _helper_input_arg(module, call) if "norm" in f.id.lower() else None
+    in_param = _helper_input_param(module, module.helper(f.id)) if in_arg is not None else None  # type: ignore[arg-type]
+    arg = in_arg if in_arg is not None else call.args[0] if call.args else _helper_keyword_input(module, call)
     if arg is None:
         return None
     fn = module.helper(f.id)
@@ -491,7 +494,7 @@ def _function_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> NormCall |
         return None
     # an inline sum (``rms_norm(h + attn(h), eps)``) is read as the name the fused code binds it to:
     # the helper's reads of its input (``input_dtype = x.dtype``) must not evaluate the sum again
-    hctx.bind[params[0]] = (_norm_input(arg), ctx)
+    hctx.bind[in_param or params[0]] = (_norm_input(arg), ctx)
     try:
         m = R.parse_norm(module, value, hctx.at(ret.lineno))
     except R.NoMatch:
@@ -2077,7 +2080,13 @@ def _sum_arg(call: ast.Call, name: str, module: ModuleInfo | None = None) -> boo
         # TriForce: ``RMSNorm(hidden_states=hidden_states, layernorm_variance_epsilon=..., layernorm_weight=...)``
         # (a helper of another file called with keywords only): the keyword that binds its input
         first = _helper_keyword_input(module, call)
-    return isinstance(first, ast.Name) and first.id == name
+    if isinstance(first, ast.Name) and first.id == name:
+        return True
+    if module is not None and isinstance(call.func, ast.Name) and "norm" in call.func.id.lower():
+        # s42, CS336: ``rmsnorm(d_model, eps=1e-5, weights=w, in_features=x)``: the helper normalizes a later parameter
+        arg = _helper_input_arg(module, call)
+        return isinstance(arg, ast.Name) and arg.id == name
+    return False
 
 
 def _helper_keyword_input(module: ModuleInfo, call: ast.Call) -> ast.expr | None:
@@ -2096,6 +2105,61 @@ def _helper_keyword_input(module: ModuleInfo, call: ast.Call) -> ast.expr | None
     if not params or fn.args.posonlyargs:
         return None
     return next((k.value for k in call.keywords if k.arg == params[0]), None)
+
+
+def _calls_norm_helper(module: ModuleInfo, scope: Scope) -> bool:
+    """The scope's text calls a module-level function of this file whose name says norm (``rmsnorm(``): the
+    cheap gate before a module-level function is read for add + norm sites."""
+    names = module.__dict__.get("_npufuse_norm_helper_calls")
+    if names is None:
+        names = module.__dict__["_npufuse_norm_helper_calls"] = tuple(f"{n}(" for n in module.functions if "norm" in n.lower())
+    if not names:
+        return False
+    text = S.scope_text(module, scope)
+    return any(n in text for n in names)
+
+
+def _helper_input_param(module: ModuleInfo, fn: ast.FunctionDef) -> str | None:
+    """The parameter a module-level norm helper of this file normalizes when it is not the first one (CS336's
+    ``def rmsnorm(d_model, eps, weights, in_features)``): the RMSNorm its return computes, read with the
+    parameters unbound, has that parameter as its operand. None for a first-parameter helper (the usual
+    reading) or anything else (cached per helper)."""
+    cache = module.__dict__.setdefault("_npufuse_norm_input_param", {})
+    key = id(fn)
+    if key in cache:
+        return cache[key]
+    found = None
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    ret = R._helper_return(fn)
+    nscope = S.scope_of(module, fn)
+    if len(params) > 1 and ret is not None and ret.value is not None and nscope is not None:
+        try:
+            m = R.parse_norm(module, ret.value, S.Ctx(nscope, ret.lineno))
+        except (R.NoMatch, R.Miss):
+            m = None
+        x = m.core.x if m is not None else None
+        if isinstance(x, ast.Name) and x.id in params[1:]:
+            found = x.id
+    cache[key] = found
+    return found
+
+
+def _helper_input_arg(module: ModuleInfo, call: ast.Call) -> ast.expr | None:
+    """The argument ``call`` passes for the input parameter :func:`_helper_input_param` names (by position
+    or keyword); None when the callee is no such helper of this file."""
+    if not isinstance(call.func, ast.Name) or any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    fn = module.helper(call.func.id)
+    if not isinstance(fn, ast.FunctionDef) or fn.args.posonlyargs:
+        return None
+    param = _helper_input_param(module, fn)
+    if param is None:
+        return None
+    params = [a.arg for a in fn.args.args]
+    i = params.index(param)
+    if i < len(call.args):
+        return call.args[i]
+    return next((k.value for k in call.keywords if k.arg == param), None)
 
 
 def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
@@ -2774,6 +2838,14 @@ class AddRmsNorm(Pattern):
         if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name and not _installed_forward(module, scope):
+            # s42: a module-level function of a functional model (CS336's ``transformer_block(.., weights, in_features)``)
+            # adding a residual and calling this file's norm helper on the sum: the plain add + norm sites only
+            if _calls_norm_helper(module, scope) and module.helper(scope.qualname) is scope.node:
+                for stmt, site in _sites(module, scope):
+                    if isinstance(site, _Site) and site.nc.kind == "rms" and isinstance(site.nc.call.func, ast.Name):
+                        r = _build(module, scope, site)
+                        if not isinstance(r, str):
+                            yield r
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),

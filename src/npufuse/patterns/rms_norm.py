@@ -979,7 +979,7 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
             same = all(p.dtype == D_F32 for p in parts)
             dt = D_F32 if same else ("like", inner, ictx)
         return Weight(node, ctx, inner, ictx, 0, dt, conditional=True)
-    if not (isinstance(inner, (ast.Name, ast.Attribute)) and (dotted(inner) or _indexed_attribute(inner))):
+    if not ((isinstance(inner, (ast.Name, ast.Attribute)) and (dotted(inner) or _indexed_attribute(inner))) or _named_entry(inner)):
         if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("view", "reshape"):
             # FalconH1/Mamba2 gated norms: x viewed as (groups, group_size), the weight viewed to match
             raise Miss(f"grouped norm: the weight is reshaped (`{ast.unparse(op.node)}`) to normalize per group; "
@@ -988,6 +988,13 @@ def analyse_weight(module: ModuleInfo, op: Op) -> Weight:
     if dt is None:
         dt = ("like", inner, ictx)
     return Weight(node, ctx, inner, ictx, offset, dt, flatten=flatten, casts=casts)
+
+
+def _named_entry(node: ast.expr) -> bool:
+    """A weight read from a mapping by a string key, ``weights["ln2.weight"]`` (CS336's functional model passes a
+    state dict): a tensor cannot be indexed by a string, so this is one stored tensor, read the same each time."""
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and type(node.slice.value) is str \
+        and dotted(node.value) is not None
 
 
 def _indexed_attribute(node: ast.expr) -> bool:

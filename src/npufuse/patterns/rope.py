@@ -2444,6 +2444,11 @@ class RopePattern(Pattern):
         def canon(ts: list) -> dict | None:
             out = {}
             for sign, u, v in ts:
+                # a negated factor (memes2's ``sin * -b``): the minus moves to the term's sign
+                if isinstance(u, ast.UnaryOp) and isinstance(u.op, ast.USub):
+                    sign, u = -sign, u.operand
+                if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.USub):
+                    sign, v = -sign, v.operand
                 part = halves.part(u)
                 if part is None:
                     part, u, v = halves.part(v), v, u
@@ -3121,6 +3126,7 @@ class RopePattern(Pattern):
                 same = m.x_dtype is not None and m.x_dtype == m.cs_dtype
                 if m.mode == "complex" and m.x_dtype == "float32":
                     same = True  # complex64 freqs: real/imag are float32 like the upcast x
+                to_eager = ""
                 if not same:
                     key = (x, c, s, m.widen)
                     var = dtype_vars.get(key)
@@ -3133,12 +3139,16 @@ class RopePattern(Pattern):
                             + (f"  # the eager x*cos dtype (wider of x, cos, sin)" if not m.widen else
                                f"\n{var} = torch.promote_types({var}, {m.widen})  # the helper rotates in {m.widen}: the eager sum is at least that")
                         )
+                        # s42: float64 tables (memes2's ``base.sin()`` of a float64 arange) promote x*cos to float64,
+                        # which npu_rotary_mul does not take: it computes in float32 and the result is given the eager dtype
+                        lines.append(f"{var}_npu = torch.float32 if {var} == torch.float64 else {var}  # npu_rotary_mul has no float64")
                     promoted = True
-                    x, c, s = f"{_atom(x)}.to({var})", f"{_atom(c)}.to({var})", f"{_atom(s)}.to({var})"
+                    x, c, s = f"{_atom(x)}.to({var}_npu)", f"{_atom(c)}.to({var}_npu)", f"{_atom(s)}.to({var}_npu)"
+                    to_eager = f".to({var})"
                 mode_arg = ', rotary_mode="interleave"' if m.mode in ("interleave", "complex") else ""
                 if m.mode_expr is not None:
                     mode_arg = f", rotary_mode={m.mode_expr}"
-                reps.append((m.node, m.wrap.format(f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{m.post}")))
+                reps.append((m.node, m.wrap.format(f"torch_npu.npu_rotary_mul({x}, {c}, {s}{mode_arg}){m.suffix}{lift_suffix}{to_eager}{m.post}")))
             target = next((m.site_stmt for m in matches if m.site_stmt is not None), stmt)
             local = matches[0].local
             if matches[0].anchor is not None and len(_branch_of(matches[0].anchor, matches[0].site_stmt) or []) > 1:  # type: ignore[arg-type]
@@ -3153,7 +3163,8 @@ class RopePattern(Pattern):
         if promoted:
             notes.append(
                 "dtype: the eager q*cos promotes to the wider dtype (an fp32 cos with a bf16 q gives fp32) while npu_rotary_mul "
-                "computes in x's dtype, so x, cos and sin are brought to the promoted dtype first (a no-op when they already agree)"
+                "computes in x's dtype, so x, cos and sin are brought to the promoted dtype first (a no-op when they already agree); "
+                "float64 (float64 tables) is computed in float32, which the op takes, and the result given the eager dtype"
             )
         first = all_matches[0]
         mode = first.mode
@@ -7484,7 +7495,9 @@ def _merged_next(block: list[ast.stmt], i: int, stmt: ast.stmt) -> bool:
     merged = _einops_last_two_merged(value)  # s40: einops ``rearrange(t, "b h n d two -> b h n (d two)")``
     if merged is not None:
         return isinstance(merged, ast.Name) and merged.id == name
-    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view") \
+    # s42: ``reshape_as(x)`` / ``view_as(x)`` too (CS336's ``out.reshape_as(in_query_or_key)``): the fused result is the
+    # stacked [.., D/2, 2] tensor itself, so whatever merge follows runs as written
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view", "reshape_as", "view_as") \
         and isinstance(value.func.value, ast.Name) and value.func.value.id == name
 
 

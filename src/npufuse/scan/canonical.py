@@ -469,6 +469,12 @@ def _two_axes(module: ModuleInfo, node: ast.expr, scope: Scope | None = None) ->
             return f.value, "outer2"
         if a == -1 and b == 2:
             return f.value, "inner2"
+        # x's own leading dims and a size written out beside the 2 (CS336's ``x.reshape(*x.shape[:-1], d_k // 2, 2)``):
+        # the element count forces that size to be D/2 (any other value fails the reshape), so the view is the same
+        if b == 2 and a != 2:
+            return f.value, "inner2"
+        if a == 2 and b != 2:
+            return f.value, "outer2"
         return None
     if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) >= 3 and scope is not None:
         # OLMo: ``B, nh, T, hs = x.size(); x.view(B, nh, T, 2, hs // 2)``: x's own dims, the last one cut in two

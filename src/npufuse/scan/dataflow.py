@@ -933,6 +933,9 @@ class ModuleInfo:
     relative_imports: set[str] = field(default_factory=set)
     # every class definition, nested ones included, in ``ast.walk`` order (each definition of a name)
     all_classes: list[ast.ClassDef] = field(default_factory=list)
+    # module-level names bound once to a torch API (``LayerNormImpl = nn.RMSNorm``): local name ->
+    # canonical dotted name. Kept apart from ``aliases`` (imports), which callers also iterate.
+    assigned_aliases: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
@@ -970,6 +973,10 @@ class ModuleInfo:
         if head in self.aliases:
             full = self.aliases[head]
             return f"{full}.{rest}" if rest else full
+        if self.assigned_aliases:  # (empty in most files: no lookup there)
+            full = self.assigned_aliases.get(head)
+            if full is not None:
+                return f"{full}.{rest}" if rest else full
         return name
 
     def call_name(self, node: ast.AST) -> str | None:
@@ -999,13 +1006,32 @@ class ModuleInfo:
                 elif node.module:
                     for a in node.names:
                         self.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        assigned: dict[str, str | None] = {}
         for node in self.tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions[node.name] = node  # type: ignore[assignment]
             elif isinstance(node, ast.ClassDef):
                 self.classes[node.name] = node
+            elif type(node) is ast.Assign:
+                self._note_api_alias(node, assigned)
+        self.assigned_aliases = {k: v for k, v in assigned.items() if v is not None and k not in self.aliases}
         self.scopes = [_make_scope("<module>", self.tree, None, self.tree.body)]
         self._collect_scopes(self.tree.body, prefix="", class_name=None, top=True)
+
+    def _note_api_alias(self, node: ast.Assign, assigned: dict[str, str | None]) -> None:
+        """``Name = torch.api`` at module level (``LayerNormImpl = nn.RMSNorm``): the name stands for
+        the API wherever the file calls it. A name bound twice, or to anything else, is no alias
+        (None marks it so a later binding cannot make it one)."""
+        for t in node.targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Name):
+                    name = leaf.id
+                    if name in assigned or len(node.targets) != 1 or t is not leaf:
+                        assigned[name] = None
+                        continue
+                    full = self.canonical(node.value) if isinstance(node.value, (ast.Name, ast.Attribute)) else None
+                    # only torch APIs: an alias of the file's own helper or of another package is left as written
+                    assigned[name] = full if full is not None and full.startswith("torch.") and full != name else None
 
     def _collect_scopes(self, body: list[ast.stmt], prefix: str, class_name: str | None, top: bool = False) -> None:
         """Every function/method under ``body`` becomes a scope, also one defined inside an
