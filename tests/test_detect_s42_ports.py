@@ -5,6 +5,13 @@
    replaced with ``NpuFusedAdam`` was refused. ``Tensor.data`` accepts only a Tensor (torch raises TypeError for a
    numpy array or a Python literal), so an ``X.data`` given such a value is no parameter. Near miss kept: a parameter
    given ``torch.from_numpy(...)`` (a tensor) is still a re-allocation.
+2. attention (ports 7's FunASR, the espnet / wenet family): Q@Kᵀ made in ``forward`` and handed to a method of the
+   class that masks, softmaxes, drops out and multiplies by V (``forward_attention``). s30 inlined that method only
+   for ``name = self.m(..)`` with a bare product argument. Now also the product scaled where it is made
+   (``matmul(q, kᵀ) / math.sqrt(self.d_k)``) and the call returned directly (``return self.forward_attention(v, scores,
+   mask)``, ``return self.forward_attention(..), new_cache``). Near misses kept: a method that returns the
+   probabilities under a flag (FunASR's ``ret_attn``: two returns) and one that keeps them on ``self`` (espnet's
+   ``self.attn``, read by its attention plots) are not inlined.
 The spellings are written for this test.
 """
 
@@ -13,7 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from apply_support import scan
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from pattern_harness import check_rewrite_runs, detect_all
 from scratch_repo import write_files
 
 _SPARSE_BATCH = '''\
@@ -70,3 +79,90 @@ def test_keep_a_parameter_given_a_tensor_made_from_numpy(tmp_path: Path) -> None
         "                p.data = torch.from_numpy(np.ones(tuple(p.shape), dtype=np.float32))\n")
     cands, near = _optim(tmp_path / "realloc", realloc)
     assert not cands and "parameters are re-allocated (`.data = ...` at line 22)" in near[0], near
+
+
+# -- 2: scores made (and scaled) in forward, masked + softmaxed + @V in a method the call returns
+
+_SPLIT = '''
+import math
+import torch
+from torch import nn
+
+
+class MultiHeadedAttention(nn.Module):
+    def __init__(self, n_head=2, n_feat=16, dropout_rate=0.0):
+        super().__init__()
+        self.d_k = n_feat // n_head
+        self.h = n_head
+        self.linear_q = nn.Linear(n_feat, n_feat)
+        self.linear_kv = nn.Linear(n_feat, 2 * n_feat)
+        self.linear_out = nn.Linear(n_feat, n_feat)
+        self.dropout = nn.Dropout(p=dropout_rate)
+
+    def forward_qkv(self, query, memory):
+        b = query.size(0)
+        q = self.linear_q(query).view(b, -1, self.h, self.d_k).transpose(1, 2)
+        k, v = torch.split(self.linear_kv(memory), self.h * self.d_k, dim=-1)
+        k = k.reshape(b, -1, self.h, self.d_k).transpose(1, 2)
+        v = v.reshape(b, -1, self.h, self.d_k).transpose(1, 2)
+        return q, k, v
+
+    def forward_attention(self, value, scores, mask):
+        n_batch = value.size(0)
+        if mask is not None:
+            mask = mask.unsqueeze(1).eq(0)
+            scores = scores.masked_fill(mask, -float("inf"))
+            probs = torch.softmax(scores, dim=-1).masked_fill(mask, 0.0)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        x = torch.matmul(self.dropout(probs), value)
+        x = x.transpose(1, 2).contiguous().view(n_batch, -1, self.h * self.d_k)
+        return self.linear_out(x)
+
+    def forward(self, query, memory, mask):
+        q, k, v = self.forward_qkv(query, memory)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)
+        return self.forward_attention(v, scores, mask)
+'''
+
+_SPLIT_RUN = """
+m = MultiHeadedAttention().eval()
+x = torch.randn(2, 5, 16, requires_grad=True)
+mem = torch.randn(2, 7, 16)
+keep = torch.ones(2, 1, 7)
+keep[1, :, 4:] = 0
+out = (m(x, mem, None), m(x, mem, keep))
+leaves = [x]
+"""
+
+_WITH_CACHE = _SPLIT.replace("    def forward(self, query, memory, mask):", "    def forward(self, query, memory, mask, cache=None):").replace(
+    "        return self.forward_attention(v, scores, mask)\n",
+    "        new_cache = torch.cat((k, v), dim=-1)\n        return self.forward_attention(v, scores, mask), new_cache\n")
+
+
+def _attention_runs(source: str, run: str) -> None:
+    findings, _ = detect_all(AttentionPattern(), source)
+    assert len(findings) == 1 and findings[0].qualname == "MultiHeadedAttention.forward", findings
+    facts = check_rewrite_runs(AttentionPattern(), source, run, findings)
+    assert facts["calls"] >= 1 and facts["n_out"][0] == facts["n_out"][1]
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.999, facts
+
+
+def test_scaled_scores_handed_to_a_returned_method_are_fused() -> None:
+    _attention_runs(_SPLIT, _SPLIT_RUN)
+
+
+def test_a_returned_method_call_beside_a_cache_is_fused() -> None:
+    _attention_runs(_WITH_CACHE, _SPLIT_RUN.replace("out = (m(x, mem, None), m(x, mem, keep))",
+                                                    "out = (*m(x, mem, None), *m(x, mem, keep))"))
+
+
+def test_keep_probabilities_returned_under_a_flag_or_kept_on_self() -> None:
+    flagged = _SPLIT.replace("def forward_attention(self, value, scores, mask):", "def forward_attention(self, value, scores, mask, ret_attn=False):").replace(
+        "        return self.linear_out(x)\n", "        if ret_attn:\n            return self.linear_out(x), probs\n        return self.linear_out(x)\n").replace(
+        "return self.forward_attention(v, scores, mask)", "return self.forward_attention(v, scores, mask, ret_attn=False)")
+    findings, misses = detect_all(AttentionPattern(), flagged)
+    assert not findings and any("made by a caller" in m.reason for m in misses), misses
+    kept = _SPLIT.replace("probs = torch.softmax", "self.probs = torch.softmax").replace("self.dropout(probs)", "self.dropout(self.probs)")
+    findings, _ = detect_all(AttentionPattern(), kept)
+    assert not findings

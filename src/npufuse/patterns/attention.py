@@ -11329,13 +11329,15 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
     products: set[str] = set()
     for st in fn.body:
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            if product(st.value, module.call_name) is not None:
+            # s42: the product scaled where it is made (espnet / wenet ``matmul(q, kᵀ) / math.sqrt(self.d_k)``) counts
+            if _s42_holds_product(module, st.value):
                 products.add(st.targets[0].id)
             else:
                 products.discard(st.targets[0].id)
-        call = st.value if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) else None
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-                and call.func.value.id == "self" and call.func.attr in methods and call.func.attr != fn.name):
+        # s42: ``return self.forward_attention(v, scores, mask)`` (espnet) / ``return self.m(..), cache`` (wenet) is
+        # read as ``_m_out = self.m(..)`` followed by that return of ``_m_out``
+        call, st, tail = _s42_method_call(st, set(methods) - {fn.name})
+        if call is None:
             continue
         if not any(isinstance(a, ast.Name) and a.id in products for a in call.args):
             continue
@@ -11343,6 +11345,8 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
         if inlined is None:
             continue
         text, first, last = inlined
+        if tail is not None:
+            text, last = _s42_append_line(text, last, tail)
         try:
             synthetic = ModuleInfo.from_source(module.path, text)
         except SyntaxError:
@@ -11415,6 +11419,48 @@ def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast
     new = "".join(indent + ln + "\n" for x in stmts for ln in ast.unparse(ast.fix_missing_locations(x)).splitlines())
     text = "".join(lines[: start - 1]) + new + "".join(lines[end:])
     return text, start, start + new.count("\n") - 1
+
+
+def _s42_holds_product(module: ModuleInfo, value: ast.expr) -> bool:
+    """Is ``value`` a matmul/einsum product, or an expression holding one (the product scaled or masked where it
+    is made)?"""
+    return any(product(n, module.call_name) is not None for n in fast_walk(value) if isinstance(n, (ast.BinOp, ast.Call)))
+
+
+def _s42_method_call(st: ast.stmt, methods: set[str]) -> tuple[ast.Call | None, ast.Assign | None, str | None]:
+    """(the ``self.<method>(..)`` call, the assignment it is read as, the return line that follows it or None) for
+    ``name = self.m(..)``, ``return self.m(..)`` and ``return self.m(..), other`` where ``m`` is one of ``methods``;
+    (None, None, None) for any other statement."""
+    def ours(node: ast.AST | None) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self" and node.func.attr in methods)
+
+    if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+        return (st.value, st, None) if ours(st.value) else (None, None, None)
+    if not isinstance(st, ast.Return) or st.value is None:
+        return None, None, None
+    elts = st.value.elts if isinstance(st.value, ast.Tuple) else [st.value]
+    calls = [e for e in elts if ours(e)]
+    if len(calls) != 1:
+        return None, None, None
+    call = calls[0]
+    name = f"_{call.func.attr}_out"  # type: ignore[union-attr]
+    out = ast.Name(name, ast.Load())
+    value = ast.Tuple([out if e is call else e for e in elts], ast.Load()) if isinstance(st.value, ast.Tuple) else out
+    tail = ast.unparse(ast.Return(value))
+    assign = ast.Assign(targets=[ast.Name(name, ast.Store())], value=call)
+    ast.copy_location(assign, st)
+    assign.end_lineno, assign.end_col_offset = st.end_lineno, st.end_col_offset
+    return call, assign, tail
+
+
+def _s42_append_line(text: str, last: int, line: str) -> tuple[str, int]:
+    """``text`` with ``line`` inserted after its line ``last`` (indented as that line), and the new last line."""
+    lines = text.splitlines(keepends=True)
+    ref = lines[last - 1]
+    indent = ref[: len(ref) - len(ref.lstrip())]
+    lines.insert(last, indent + line + "\n")
+    return "".join(lines), last + 1
 
 
 def _stored_names(body: list[ast.stmt]) -> set[str]:
