@@ -157,11 +157,31 @@ def test_a_returned_method_call_beside_a_cache_is_fused() -> None:
                                                     "out = (*m(x, mem, None), *m(x, mem, keep))"))
 
 
-def test_keep_probabilities_returned_under_a_flag_or_kept_on_self() -> None:
-    flagged = _SPLIT.replace("def forward_attention(self, value, scores, mask):", "def forward_attention(self, value, scores, mask, ret_attn=False):").replace(
-        "        return self.linear_out(x)\n", "        if ret_attn:\n            return self.linear_out(x), probs\n        return self.linear_out(x)\n").replace(
-        "return self.forward_attention(v, scores, mask)", "return self.forward_attention(v, scores, mask, ret_attn=False)")
-    findings, misses = detect_all(AttentionPattern(), flagged)
+_FLAGGED = _SPLIT.replace("def forward_attention(self, value, scores, mask):", "def forward_attention(self, value, scores, mask, ret_attn=False):").replace(
+    "        return self.linear_out(x)\n", "        if ret_attn:\n            return self.linear_out(x), probs\n        return self.linear_out(x)\n").replace(
+    "    def forward(self, query, memory, mask):", "    def forward(self, query, memory, mask, ret_attn=False):").replace(
+    "return self.forward_attention(v, scores, mask)", "return self.forward_attention(v, scores, mask, ret_attn=ret_attn)")
+
+
+def test_probabilities_returned_under_a_flag_run_as_written_where_it_is_true() -> None:
+    # FunASR's MultiHeadedAttentionCrossAtt: the flag is the caller's parameter, passed by keyword
+    findings, _ = detect_all(AttentionPattern(), _FLAGGED)
+    assert len(findings) == 1 and findings[0].fused.startswith("if ret_attn:\n"), findings
+    assert any("`ret_attn` asks `self.forward_attention` for the attention probabilities" in n for n in findings[0].notes)
+    run = _SPLIT_RUN.replace("out = (m(x, mem, None), m(x, mem, keep))",
+                             "out = (m(x, mem, None), *m(x, mem, None, ret_attn=True), m(x, mem, keep))")
+    facts = check_rewrite_runs(AttentionPattern(), _FLAGGED, run, findings)
+    assert facts["calls"] == 1 and facts["n_out"] == (4, 4), facts  # the ret_attn=True call ran as written
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.999, facts
+    # a false constant for the flag: that return is left out, no test in the fused branch
+    constant = _FLAGGED.replace("ret_attn=ret_attn)", "ret_attn=False)")
+    findings, _ = detect_all(AttentionPattern(), constant)
+    assert len(findings) == 1 and not findings[0].fused.startswith("if ret_attn"), findings
+
+
+def test_keep_a_computed_flag_or_probabilities_kept_on_self() -> None:
+    computed = _FLAGGED.replace("ret_attn=ret_attn)", "ret_attn=not self.training)")
+    findings, misses = detect_all(AttentionPattern(), computed)
     assert not findings and any("made by a caller" in m.reason for m in misses), misses
     kept = _SPLIT.replace("probs = torch.softmax", "self.probs = torch.softmax").replace("self.dropout(probs)", "self.dropout(self.probs)")
     findings, _ = detect_all(AttentionPattern(), kept)
