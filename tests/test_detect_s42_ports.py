@@ -12,6 +12,12 @@
    mask)``, ``return self.forward_attention(..), new_cache``). Near misses kept: a method that returns the
    probabilities under a flag (FunASR's ``ret_attn``: two returns) and one that keeps them on ``self`` (espnet's
    ``self.attn``, read by its attention plots) are not inlined.
+3. rms_norm (nano-vllm's ``RMSNorm.rms_forward``, copied by many small inference engines): ``x = x.float()`` then
+   ``x.mul_(torch.rsqrt(var + self.eps))`` and ``x.to(orig_dtype).mul_(self.weight)``. The syntactic matcher does not
+   follow in-place statements and the numeric probe fed the function its float32 sample itself: ``.float()`` of a
+   float32 tensor is that tensor, the in-place product overwrote the sample, and the reference read the overwritten
+   values (no eps fitted). The probe now passes a copy. Near miss kept: the same in-place spelling over a sum instead
+   of a mean is no RMSNorm.
 The spellings are written for this test.
 """
 
@@ -22,6 +28,7 @@ from pathlib import Path
 from apply_support import scan
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from npufuse.patterns.rms_norm import RmsNorm
 from pattern_harness import check_rewrite_runs, detect_all
 from scratch_repo import write_files
 
@@ -186,3 +193,52 @@ def test_keep_a_computed_flag_or_probabilities_kept_on_self() -> None:
     kept = _SPLIT.replace("probs = torch.softmax", "self.probs = torch.softmax").replace("self.dropout(probs)", "self.dropout(self.probs)")
     findings, _ = detect_all(AttentionPattern(), kept)
     assert not findings
+
+
+# -- 3: an RMSNorm written with in-place products (found by the numeric probe)
+
+_IN_PLACE_NORM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
+        orig_dtype = x.dtype
+        x = x.float()
+        var = x.pow(2).mean(dim=-1, keepdim=True)
+        x.mul_(torch.rsqrt(var + self.eps))
+        x = x.to(orig_dtype).mul_(self.weight)
+        return x
+
+    def forward(self, x):
+        return self.rms_forward(x)
+'''
+
+
+def test_an_rms_norm_written_with_in_place_products_is_proved() -> None:
+    findings, _ = detect_all(RmsNorm(), _IN_PLACE_NORM)
+    assert [(f.qualname, f.params.get("found_by")) for f in findings] == [("RMSNorm.rms_forward", "numeric_probe")], findings
+    assert "epsilon=self.eps" in findings[0].fused
+    assert any("changes a tensor in place (`x.mul_(torch.rsqrt(var + self.eps))`)" in r.detail for r in findings[0].risks)
+    run = """
+m = RMSNorm(16)
+with torch.no_grad():
+    m.weight.copy_(torch.rand(16) + 0.5)
+x = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+out = (m(x), m(x.float()))
+"""
+    facts = check_rewrite_runs(RmsNorm(), _IN_PLACE_NORM, run, findings)
+    assert facts["calls"] == 2 and facts["dtypes"] == [(a, a) for a, _b in facts["dtypes"]], facts
+    assert min(facts["cos_out"]) > 0.999, facts
+
+
+def test_keep_in_place_products_over_a_sum() -> None:
+    summed = _IN_PLACE_NORM.replace("x.pow(2).mean(dim=-1, keepdim=True)", "x.pow(2).sum(dim=-1, keepdim=True)")
+    findings, _ = detect_all(RmsNorm(), summed)
+    assert not findings, findings
