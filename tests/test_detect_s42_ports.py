@@ -18,14 +18,21 @@
    float32 tensor is that tensor, the in-place product overwrote the sample, and the reference read the overwritten
    values (no eps fitted). The probe now passes a copy. Near miss kept: the same in-place spelling over a sum instead
    of a mean is no RMSNorm.
+4. add_rms_norm (ports 3's Bagel ``Qwen2MoTDecoderLayer``, a render failure): the sum, then ``if mode == "und":``
+   normalising it and an ``elif mode == "gen":`` arm. The add moves into both branches; the other branch copied the
+   ``elif`` arm's text as written, ``elif`` first, and the replacement did not parse (the file failed). An ``elif``
+   chain copied into an ``else`` block now reads ``if``. Near miss kept: a test that reads the sum cannot run before
+   the add.
 The spellings are written for this test.
 """
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from apply_support import scan
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.rms_norm import RmsNorm
@@ -241,4 +248,67 @@ out = (m(x), m(x.float()))
 def test_keep_in_place_products_over_a_sum() -> None:
     summed = _IN_PLACE_NORM.replace("x.pow(2).mean(dim=-1, keepdim=True)", "x.pow(2).sum(dim=-1, keepdim=True)")
     findings, _ = detect_all(RmsNorm(), summed)
+    assert not findings, findings
+
+
+# -- 4: the add moved into an if / elif chain
+
+_ELIF_LAYER = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post_attention_layernorm = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+        self.mlp_gen = nn.Linear(d, d)
+
+    def forward(self, h, mode="und"):
+        residual = h
+        h = self.attn(h)
+        h = residual + h
+        residual = h
+        if mode == "und":
+            h = self.post_attention_layernorm(h)
+            h = self.mlp(h)
+        elif mode == "gen":
+            h = self.mlp_gen(h)
+        else:
+            h = h * 2
+        h = residual + h
+        return h
+'''
+
+
+def test_an_elif_chain_after_the_moved_add_renders_as_an_if() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _ELIF_LAYER)
+    assert len(findings) == 1 and "\n    if mode == \"gen\":\n" in findings[0].fused, findings
+    ast.parse(findings[0].fused)
+    run = """
+m = Layer(16).eval()
+x = torch.randn(2, 3, 16)
+with torch.no_grad():
+    out = (m(x), m(x, "gen"), m(x, "other"), m(x.bfloat16().float()))
+"""
+    facts = check_rewrite_runs(AddRmsNorm(), _ELIF_LAYER, run, findings)
+    assert facts["calls"] >= 2 and min(facts["cos_out"]) > 0.999, facts
+
+
+def test_keep_an_elif_chain_whose_test_reads_the_sum() -> None:
+    reads = _ELIF_LAYER.replace('if mode == "und":', "if h.mean() > 0:")
+    findings, _ = detect_all(AddRmsNorm(), reads)
     assert not findings, findings
