@@ -8596,8 +8596,9 @@ class MHA(nn.Module):
 
 AttentionPattern.KEEP += [
     Keep(
-        # the softmax and @V live in a helper that receives the caller's Q@Kᵀ: q and k are not there to fuse
-        _SPLIT_PIPELINE,
+        # the softmax and @V live in a helper that receives the caller's Q@Kᵀ: q and k are not there to fuse (s42: a
+        # helper of the plain form is inlined into the caller, see _s30_inlined_method_sites; this one returns early)
+        _SPLIT_PIPELINE.replace("        if keep is not None:\n", "        if value.size(0) == 0:\n            return value\n        if keep is not None:\n", 1),
         reason="the scores reach this softmax and P@V as parameter `logits`, made by a caller (`MHA.forward`",
         name="pipeline_split_scores_passed_to_a_helper",
     ),
