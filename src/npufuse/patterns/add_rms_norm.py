@@ -2520,7 +2520,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         taken = ([S.block_source(module, before)] if before else []) + ["\n".join(body)]
         body = [f"if {S.source_of(module, t.test)}:", S.indent("\n".join(taken))]
         # an ``else``/``elif`` runs as written, then the norm statement
-        other = ([S.block_source(module, t.orelse)] if t.orelse else []) + [S.stmt_source(module, site.norm_stmt)]
+        other = ([_s42_else_source(module, t)] if t.orelse else []) + [S.stmt_source(module, site.norm_stmt)]
         body += ["else:", S.indent("\n".join(other))]
         first_line = t.lineno
     if site.head_if is not None:
@@ -2528,7 +2528,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         # elsewhere the add (and its aliases) as written, then the ``else`` if any
         h = site.head_if
         taken = ["\n".join(body)] + ([S.block_source(module, h.body[1:])] if h.body[1:] else [])
-        other = [S.stmt_source(module, st) for st in (site.add, *site.aliases)] + ([S.block_source(module, h.orelse)] if h.orelse else [])
+        other = [S.stmt_source(module, st) for st in (site.add, *site.aliases)] + ([_s42_else_source(module, h)] if h.orelse else [])
         body = [f"if {S.source_of(module, h.test)}:", S.indent("\n".join(taken)), "else:", S.indent("\n".join(other))]
     borrowed = module.__dict__.get("_npufuse_borrowed")
     if borrowed:
@@ -2763,6 +2763,15 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         notes=["the residual is optional (`if ... is not None`): without one the rms_norm fused code runs"],
         training_ok=True,
     )
+
+
+def _s42_else_source(module: ModuleInfo, stmt: ast.If) -> str:
+    """The source of ``stmt``'s ``else`` block, to run as a block of its own: an ``elif`` chain's text begins with
+    ``elif`` (Bagel's ``if mode == "und": .. elif mode == "gen": ..``), which there reads ``if``."""
+    text = S.block_source(module, stmt.orelse)
+    if len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If) and text.startswith("elif"):
+        text = text[2:]
+    return text
 
 
 def _renamed(node: ast.expr, old: str, new: str) -> ast.expr:

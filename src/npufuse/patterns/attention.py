@@ -36,6 +36,7 @@ import ast
 import bisect
 import copy
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -8595,8 +8596,9 @@ class MHA(nn.Module):
 
 AttentionPattern.KEEP += [
     Keep(
-        # the softmax and @V live in a helper that receives the caller's Q@Kᵀ: q and k are not there to fuse
-        _SPLIT_PIPELINE,
+        # the softmax and @V live in a helper that receives the caller's Q@Kᵀ: q and k are not there to fuse (s42: a
+        # helper of the plain form is inlined into the caller, see _s30_inlined_method_sites; this one returns early)
+        _SPLIT_PIPELINE.replace("        if keep is not None:\n", "        if value.size(0) == 0:\n            return value\n        if keep is not None:\n", 1),
         reason="the scores reach this softmax and P@V as parameter `logits`, made by a caller (`MHA.forward`",
         name="pipeline_split_scores_passed_to_a_helper",
     ),
@@ -11329,20 +11331,27 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
     products: set[str] = set()
     for st in fn.body:
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            if product(st.value, module.call_name) is not None:
+            # s42: the product scaled where it is made (espnet / wenet ``matmul(q, kᵀ) / math.sqrt(self.d_k)``) counts
+            if _s42_holds_product(module, st.value):
                 products.add(st.targets[0].id)
             else:
                 products.discard(st.targets[0].id)
-        call = st.value if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) else None
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-                and call.func.value.id == "self" and call.func.attr in methods and call.func.attr != fn.name):
+        # s42: ``return self.forward_attention(v, scores, mask)`` (espnet) / ``return self.m(..), cache`` (wenet) is
+        # read as ``_m_out = self.m(..)`` followed by that return of ``_m_out``
+        call, st, tail = _s42_method_call(st, set(methods) - {fn.name})
+        if call is None:
             continue
         if not any(isinstance(a, ast.Name) and a.id in products for a in call.args):
             continue
         inlined = _s30_inline(module, fn, st, methods[call.func.attr])
         if inlined is None:
             continue
-        text, first, last = inlined
+        text, first, last, flags = inlined
+        caller_params = {x.arg for x in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+        if not all(isinstance(f, ast.Name) and f.id in caller_params for f in flags):
+            continue  # a flag the caller computes: where it is true is not read
+        if tail is not None:
+            text, last = _s42_append_line(text, last, tail)
         try:
             synthetic = ModuleInfo.from_source(module.path, text)
         except SyntaxError:
@@ -11359,38 +11368,53 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
             indent = len(lines[first - 1]) - len(lines[first - 1].lstrip())
             after = "".join(ln[indent:] if ln.strip() else ln for ln in lines[res.end_line:last]).rstrip("\n")
             fused = res.fused + ("\n" + after if after else "")
+            notes = []
+            if flags:
+                # s42: where a flag asks for the probabilities the code runs as written (the fused call returns none)
+                written = "".join(ln[indent:] if ln.strip() else ln for ln in module.lines[res.line - 1:st.end_lineno]).rstrip("\n")
+                test = " or ".join(f.id for f in flags)  # type: ignore[attr-defined]
+                fused = (f"if {test}:\n" + textwrap.indent(written, "    ") + "\nelse:\n" + textwrap.indent(fused, "    "))
+                notes.append(f"`{test}` asks `self.{call.func.attr}` for the attention probabilities, which the fused call does "
+                             "not return: where it is true the code runs as written")
             try:
                 ast.parse(fused)
             except SyntaxError:
                 continue
             note = (f"the scores are made here and passed to `self.{call.func.attr}` (mask, softmax, @V): the fused branch runs "
                     "that method's body inlined with the fused call in it; the fallback is the call as written")
+            notes.insert(0, note)
             yield Finding(res.pattern, res.qualname, res.line, st.end_lineno or st.lineno, res.params, fused, res.guard_tensor,
-                          res.confidence, res.variant, list(res.risks), [*res.notes, note], res.training_ok)
+                          res.confidence, res.variant, list(res.risks), [*res.notes, *notes], res.training_ok)
 
 
-def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast.FunctionDef) -> tuple[str, int, int] | None:
+def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast.FunctionDef
+                ) -> tuple[str, int, int, list[ast.expr]] | None:
     """The module's source with ``st`` (``name = self.m(args)``) replaced by ``m``'s body (parameters bound, locals
-    renamed away from the caller's names, the final ``return e`` as ``name = e``), and the inlined lines' range;
-    None where the method is not of that simple form."""
+    renamed away from the caller's names, the final ``return e`` as ``name = e``), the inlined lines' range, and the
+    caller's expressions for the flags whose ``if flag: return ..`` statements were left out (s42: the fused branch
+    runs only where they are false); None where the method is not of that simple form."""
     call = st.value
     a = method.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not a.args or a.args[0].arg != "self" or call.keywords \
-            or any(isinstance(x, ast.Starred) for x in call.args):
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not a.args or a.args[0].arg != "self" \
+            or any(isinstance(x, ast.Starred) for x in call.args) or any(k.arg is None for k in call.keywords):
         return None
     params = [p.arg for p in a.args[1:]]
-    if len(call.args) > len(params) or len(call.args) < len(params) - len(a.defaults):
-        return None
     defaults = dict(zip(params[len(params) - len(a.defaults):], a.defaults))
+    # s42: keyword arguments bind by name (FunASR's ``self.forward_attention(v_h, scores, memory_mask, ret_attn=ret_attn)``)
+    passed = dict(zip(params, call.args)) | {k.arg: k.value for k in call.keywords}
+    if len(call.args) > len(params) or len(passed) != len(call.args) + len(call.keywords) or not set(passed) <= set(params) \
+            or any(p not in passed and p not in defaults for p in params):
+        return None
     body = [b for b in method.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]  # docstring
+    body, flags = _s42_flag_returns(body, params, passed, defaults)
     if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None \
-            or sum(isinstance(n, ast.Return) for n in ast.walk(method)) != 1 \
+            or sum(isinstance(n, ast.Return) for b in body for n in ast.walk(b)) != 1 \
             or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Yield, ast.YieldFrom, ast.Global, ast.Nonlocal))
                    for b in body for n in ast.walk(b)):
         return None
     caller_names = {n.id for n in ast.walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in ast.walk(caller.args) if isinstance(x, ast.arg)}
     local = set(params) | {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    given = {p: (call.args[i] if i < len(call.args) else defaults[p]) for i, p in enumerate(params)}
+    given = {p: passed.get(p, defaults.get(p)) for p in params}
     stored = _stored_names(body)
     rename = {n: f"_{method.name}_{n}" for n in local if n in caller_names}
     # a parameter the method never reassigns, given a plain name, is that name (no binding statement in between)
@@ -11414,7 +11438,67 @@ def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast
     indent = lines[start - 1][: len(lines[start - 1]) - len(lines[start - 1].lstrip())]
     new = "".join(indent + ln + "\n" for x in stmts for ln in ast.unparse(ast.fix_missing_locations(x)).splitlines())
     text = "".join(lines[: start - 1]) + new + "".join(lines[end:])
-    return text, start, start + new.count("\n") - 1
+    return text, start, start + new.count("\n") - 1, flags
+
+
+def _s42_flag_returns(body: list[ast.stmt], params: list[str], passed: dict[str, ast.expr], defaults: dict[str, ast.expr]
+                      ) -> tuple[list[ast.stmt], list[ast.expr]]:
+    """``body`` less its top-level ``if <param>: return ..`` statements (FunASR's ``if ret_attn: return
+    self.linear_out(x), attn``: the probabilities handed out on request), and the caller's expressions for those
+    parameters that may be true (a parameter left at, or given, a false constant returns nothing there)."""
+    kept: list[ast.stmt] = []
+    flags: list[ast.expr] = []
+    for b in body:
+        if (isinstance(b, ast.If) and not b.orelse and isinstance(b.test, ast.Name) and b.test.id in params
+                and len(b.body) == 1 and isinstance(b.body[0], ast.Return)):
+            value = passed.get(b.test.id, defaults.get(b.test.id))
+            if not (isinstance(value, ast.Constant) and not value.value):
+                flags.append(value)  # type: ignore[arg-type]
+            continue
+        kept.append(b)
+    return kept, flags
+
+
+def _s42_holds_product(module: ModuleInfo, value: ast.expr) -> bool:
+    """Is ``value`` a matmul/einsum product, or an expression holding one (the product scaled or masked where it
+    is made)?"""
+    return any(product(n, module.call_name) is not None for n in fast_walk(value) if isinstance(n, (ast.BinOp, ast.Call)))
+
+
+def _s42_method_call(st: ast.stmt, methods: set[str]) -> tuple[ast.Call | None, ast.Assign | None, str | None]:
+    """(the ``self.<method>(..)`` call, the assignment it is read as, the return line that follows it or None) for
+    ``name = self.m(..)``, ``return self.m(..)`` and ``return self.m(..), other`` where ``m`` is one of ``methods``;
+    (None, None, None) for any other statement."""
+    def ours(node: ast.AST | None) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self" and node.func.attr in methods)
+
+    if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+        return (st.value, st, None) if ours(st.value) else (None, None, None)
+    if not isinstance(st, ast.Return) or st.value is None:
+        return None, None, None
+    elts = st.value.elts if isinstance(st.value, ast.Tuple) else [st.value]
+    calls = [e for e in elts if ours(e)]
+    if len(calls) != 1:
+        return None, None, None
+    call = calls[0]
+    name = f"_{call.func.attr}_out"  # type: ignore[union-attr]
+    out = ast.Name(name, ast.Load())
+    value = ast.Tuple([out if e is call else e for e in elts], ast.Load()) if isinstance(st.value, ast.Tuple) else out
+    tail = ast.unparse(ast.Return(value))
+    assign = ast.Assign(targets=[ast.Name(name, ast.Store())], value=call)
+    ast.copy_location(assign, st)
+    assign.end_lineno, assign.end_col_offset = st.end_lineno, st.end_col_offset
+    return call, assign, tail
+
+
+def _s42_append_line(text: str, last: int, line: str) -> tuple[str, int]:
+    """``text`` with ``line`` inserted after its line ``last`` (indented as that line), and the new last line."""
+    lines = text.splitlines(keepends=True)
+    ref = lines[last - 1]
+    indent = ref[: len(ref) - len(ref.lstrip())]
+    lines.insert(last, indent + line + "\n")
+    return "".join(lines), last + 1
 
 
 def _stored_names(body: list[ast.stmt]) -> set[str]:

@@ -326,7 +326,8 @@ class _FileFacts:
                     self.grad_assigns.append((node.lineno, dotted(t.value) or ""))
                 # `self.data = ...` is an object's attribute (a Dataset's tensor), not a parameter's storage
                 if (isinstance(t, ast.Attribute) and t.attr == "data" and isinstance(node, ast.Assign)
-                        and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
+                        and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))
+                        and not _s42_non_tensor_value(module, node.value)):
                     self.data_assigns.append((node.lineno, t))
                     if self.data_assign is None:
                         self.data_assign = node.lineno
@@ -6213,6 +6214,20 @@ def _s40_under_refused_test(module: ModuleInfo, node: ast.AST, refused: set[str]
         if isinstance(parent, ast.If) and (child is parent.test or any(child is b for b in parent.body)) and ast.dump(parent.test) in refused:
             return True
         child, parent = parent, parents.get(id(parent))
+    return False
+
+
+_S42_LITERALS = (ast.Constant, ast.List, ast.Tuple, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+
+
+def _s42_non_tensor_value(module: ModuleInfo, value: ast.expr) -> bool:
+    """s42 (ports 12, cornac's VAECF ``u_batch.data = np.ones(len(u_batch.data))`` on a scipy sparse batch): is the
+    value assigned to some ``X.data`` a numpy array or a Python literal? ``Tensor.data`` takes only a Tensor (torch
+    raises TypeError for anything else), so such an ``X`` is no parameter and nothing is re-allocated."""
+    if isinstance(value, _S42_LITERALS):
+        return True
+    if isinstance(value, ast.Call):
+        return (module.canonical(value.func) or "").startswith("numpy.")
     return False
 
 

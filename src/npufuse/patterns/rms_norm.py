@@ -4761,6 +4761,11 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
     if proof.sampled:
         risks.append(Risk("other", "branches on the input were sampled (fp32/bf16/fp16, 2-D and 3-D), not proven for every input: "
                           + "; ".join(f"`{s}`" for s in proof.sampled[:4])))
+    in_place = _s42_in_place_statement(body)
+    if in_place is not None:
+        risks.append(Risk("other", f"the original changes a tensor in place (`{in_place}`): where that tensor is the caller's "
+                                   f"input ({x}.float() of a float32 {x} is {x} itself) the caller sees it normalised; the "
+                                   "fused branch leaves the input as it was"))
     notes = ["proved by numeric probe on sampled inputs (the syntactic matcher found nothing here)",
              f"output dtype rule observed: {proof.dtype_rule}; eps solved numerically = {proof.eps_value:.3g}, matched to `{proof.eps}`"]
     if proof.guards:
@@ -4786,6 +4791,17 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
         notes=notes,
         training_ok=True,
     )
+
+
+def _s42_in_place_statement(body: list[ast.stmt]) -> str | None:
+    """The source of the first top-level ``t.mul_(..)``-style statement (an in-place tensor method whose result is
+    dropped) of a probed function's body, else None."""
+    for st in body:
+        v = st.value if isinstance(st, ast.Expr) else None
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr.endswith("_") \
+                and not v.func.attr.startswith("_") and isinstance(v.func.value, ast.Name):
+            return ast.unparse(v)
+    return None
 
 
 def _eps_form_risk(proof: Any, x: str, half_only: bool) -> Risk:

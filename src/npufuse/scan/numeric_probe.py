@@ -1277,7 +1277,9 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
     def run(xv: Any, wdtype: Any, seed: int) -> _Run:
         gen = t.Generator().manual_seed(1234 + seed)
         obj = randomize(base, gen, wdtype) if base is not None else None
-        args: list[Any] = [xv]
+        # s42 (nano-vllm's ``x = x.float(); x.mul_(torch.rsqrt(var + self.eps))``): the function gets a copy, so an
+        # in-place op on its input (``.float()`` of a float32 tensor is that tensor) leaves the sample the reference reads
+        args: list[Any] = [xv.clone()]
         tensors: dict[str, Any] = {}
         for name in extra:  # a module-level function's weight-like tensor arguments
             w = (t.rand(DIM, generator=gen, dtype=t.float64) + 0.5).to(wdtype or t.float32)
