@@ -88,3 +88,65 @@ def test_a_pooled_scan_finds_what_an_in_process_one_does_and_its_parent_keeps_no
     strip = lambda o: _summary(o)[:-2]  # noqa: E731 (deferral bookkeeping differs by design)
     assert [strip(o) for o in pooled] == [strip(o) for o in alone]
     assert engine._KEPT == [] and engine._KEEP_BUDGET[0] == 0
+
+
+# -- exact cuts of repeated work ------------------------------------------------------------------------
+
+def _modules() -> list[Any]:
+    from npufuse.scan.dataflow import ModuleInfo
+
+    return [ModuleInfo.from_source(f"t{i}.py", text) for i, text in enumerate(_texts())]
+
+
+def test_torch_name_is_memoised_and_answers_as_the_alias_scan() -> None:
+    from npufuse.patterns import _site
+
+    for module in _modules():
+        want = next((local for local, full in module.aliases.items() if full == "torch"), None)
+        assert _site.torch_name(module) == want
+        assert module.__dict__["_npufuse_torch_name"] == want  # asked again: no second scan
+        assert _site.torch_name(module) == want
+    bare = _modules()[0]
+    bare.aliases.clear()
+    bare.__dict__.pop("_npufuse_torch_name", None)
+    assert _site.torch_name(bare) is None and _site.torch_name(bare) is None  # None is remembered too
+
+
+def _attribute_stores_by_ast_walk(module: Any, class_name: str) -> dict[str, list[tuple[int, int]]]:
+    """The stores ``bound_callee._attribute_stores`` finds, by the ``ast.walk`` it walked before s42."""
+    import ast
+
+    out: dict[str, list[tuple[int, int]]] = {}
+    for item in module.classes[class_name].body:
+        if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(item):
+            if isinstance(n, ast.Assign):
+                targets, value = n.targets, n.value
+            elif isinstance(n, ast.AnnAssign) and n.value is not None:
+                targets, value = [n.target], n.value
+            else:
+                continue
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    out.setdefault(t.attr, []).append((value.lineno, value.col_offset))
+    return out
+
+
+def test_class_attribute_stores_walk_fast_in_ast_walk_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ast
+
+    from npufuse.scan import bound_callee
+
+    modules = _modules()
+    want = {(i, c): _attribute_stores_by_ast_walk(m, c) for i, m in enumerate(modules) for c in m.classes}
+    assert sum(len(v) for v in want.values()) > 50
+
+    def no_walk(node: Any) -> Any:
+        raise AssertionError("ast.walk: three times fast_walk's cost on every class asked about")
+
+    monkeypatch.setattr(ast, "walk", no_walk)
+    for (i, c), stores in want.items():
+        for attr, where in stores.items():
+            got = bound_callee.attribute_values(modules[i], c, attr)
+            assert [(v.lineno, v.col_offset) for v in got] == where
