@@ -18,17 +18,11 @@ import pytest
 from npufuse.patterns.registry import all_patterns
 from npufuse.scan import engine
 
+from test_detect_s41_speed import _summary  # every detail of an outcome, in order
 from test_scan_prefilter import _texts
 
 PATTERNS = list(all_patterns())
 OPTIONS = engine.ScanOptions()
-
-
-def _summary(o: engine.FileOutcome) -> tuple[Any, ...]:
-    hits = [(h.finding.pattern, h.finding.qualname, h.finding.line, h.finding.end_line, repr(h.finding.params), h.finding.fused,
-             h.finding.guard_tensor, h.finding.variant, repr(h.body), h.code, repr(h.local_risks), repr(h.context)) for h in o.hits]
-    near = [tuple(sorted(m.items())) for m in o.near_misses]
-    return hits, near, [(f.kind, f.error) for f in o.failures], o.sha256, o.lines, o.source, repr(o.facts), o.deferred, o.pending
 
 
 @pytest.fixture
@@ -69,6 +63,11 @@ def test_nothing_is_kept_past_the_budget(tmp_path: Path, keeping: None) -> None:
     assert [m.path for m in engine._KEPT] == ["small.py"] and engine._KEEP_BUDGET[0] == 3
     engine.analyze_file(tmp_path, "small.py", PATTERNS, OPTIONS)  # the 3 bytes left hold no second file
     assert len(engine._KEPT) == 1
+    (tmp_path / "empty.py").write_text("", encoding="utf-8")
+    engine._KEEP_BUDGET[0] = 0
+    frozen = gc.get_freeze_count()
+    engine.analyze_file(tmp_path, "empty.py", PATTERNS, OPTIONS)  # no budget: not even an empty file, no freeze
+    assert len(engine._KEPT) == 1 and gc.get_freeze_count() == frozen
 
 
 def test_the_budget_is_shared_by_the_workers_and_bounded() -> None:

@@ -749,7 +749,7 @@ def _keep_alive(module: ModuleInfo) -> None:
     """Keep ``module`` (and all its analysis reaches) alive for the life of this process, where
     the budget allows (see ``_KEPT``); the results are the same either way."""
     size = len(module.source)
-    if size <= _KEEP_BUDGET[0]:
+    if 0 < size <= _KEEP_BUDGET[0]:  # (never with no budget: an empty file would freeze the parent's objects)
         _KEEP_BUDGET[0] -= size
         _KEPT.append(module)
 
