@@ -112,23 +112,18 @@ def test_torch_name_is_memoised_and_answers_as_the_alias_scan() -> None:
 
 
 def _attribute_stores_by_ast_walk(module: Any, class_name: str) -> dict[str, list[tuple[int, int]]]:
-    """The stores ``bound_callee._attribute_stores`` finds, by the ``ast.walk`` it walked before s42."""
+    """Where each ``self.<attr> = value`` of the class's methods stores, in ``ast.walk`` order (what
+    ``bound_callee._attribute_stores`` walked before s42)."""
     import ast
 
+    methods = [it for it in module.classes[class_name].body if isinstance(it, (ast.FunctionDef, ast.AsyncFunctionDef))]
     out: dict[str, list[tuple[int, int]]] = {}
-    for item in module.classes[class_name].body:
-        if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for n in ast.walk(item):
-            if isinstance(n, ast.Assign):
-                targets, value = n.targets, n.value
-            elif isinstance(n, ast.AnnAssign) and n.value is not None:
-                targets, value = [n.target], n.value
-            else:
-                continue
-            for t in targets:
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
-                    out.setdefault(t.attr, []).append((value.lineno, value.col_offset))
+    for n in (n for m in methods for n in ast.walk(m)):
+        pairs = [(t, n.value) for t in n.targets] if isinstance(n, ast.Assign) else \
+            [(n.target, n.value)] if isinstance(n, ast.AnnAssign) and n.value is not None else []
+        for t, v in pairs:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                out.setdefault(t.attr, []).append((v.lineno, v.col_offset))
     return out
 
 
