@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from npufuse.scan.dataflow import fast_walk
+
 _CLASS_HEADER = re.compile(r"^[ \t]*class[ \t]+(\w+)[ \t]*\(([^)]*)\)", re.MULTILINE)
 _NOTEBOOK_SKIP = {".git", "__pycache__", ".venv", "venv", "node_modules", "site-packages", ".ipynb_checkpoints"}
 
@@ -157,7 +159,7 @@ def code_mentions(module: Any, word: str) -> int:
         return memo[word]
     pattern = re.compile(r"\b" + re.escape(word) + r"\b")
     count = 0
-    for node in ast.walk(module.tree):
+    for node in fast_walk(module.tree):
         if isinstance(node, ast.Name):
             count += node.id == word
         elif isinstance(node, ast.Attribute):

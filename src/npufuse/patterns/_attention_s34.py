@@ -21,6 +21,7 @@ import ast
 from typing import Any, Optional
 
 from npufuse.scan import canonical
+from npufuse.scan.dataflow import fast_walk
 
 # decorators under which a call runs the body as written (canonical's set, and torch.compile: same values)
 _KEEPS_BODY = canonical._EAGER_IDENTITY_DECORATORS | {"torch.compile"}
@@ -63,7 +64,7 @@ def _plain_statements(stmts: list[ast.stmt], top: bool) -> bool:
         elif not isinstance(st, ast.Pass):
             return False
         if any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension, ast.Yield, ast.YieldFrom, ast.Await, ast.Starred))
-               for n in ast.walk(st)):
+               for n in fast_walk(st)):
             return False
     return True
 
@@ -122,7 +123,7 @@ def inlined_helper_body(matcher: Any, node: Any) -> Optional[Any]:
         return None
     # s38: a local assigned in every arm of an ``if`` (GluonNLP's ``masked_softmax``: ``att_weights`` in both arms) is
     # listed as read before the block too; it is the helper's own, never the caller's (its unassigned reading fails below)
-    helper_locals = {t.id for st in fn.body for t in ast.walk(st) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)} - set(bound)
+    helper_locals = {t.id for st in fn.body for t in fast_walk(st) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)} - set(bound)
     for name in interp.pre:
         if name in bound or name in helper_locals:
             continue
@@ -231,7 +232,7 @@ def proven_3d(matcher: Any, node: Any) -> bool:
     fn = next((st for st in cls.body if isinstance(st, ast.FunctionDef) and st.name == n.func.attr), None) if cls is not None else None
     if fn is None or fn.decorator_list:
         return False
-    returns = [st for st in ast.walk(fn) if isinstance(st, ast.Return)]
+    returns = [st for st in fast_walk(fn) if isinstance(st, ast.Return)]
     if len(returns) != 1 or returns[0] is not fn.body[-1]:
         return False
     ret = returns[0].value
@@ -250,10 +251,10 @@ def _unpacked_as_3d(fn: Any, name: str) -> bool:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     found = False
-    for st in ast.walk(fn):
+    for st in fast_walk(fn):
         if isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = st.targets if isinstance(st, ast.Assign) else [st.target]
-            if any(isinstance(t, ast.Name) and t.id == name for tt in targets for t in ast.walk(tt)):
+            if any(isinstance(t, ast.Name) and t.id == name for tt in targets for t in fast_walk(tt)):
                 return False  # reassigned: the unpacked tensor may not be the one that reaches the product
             v = st.value
             shape_of = v.value if isinstance(v, ast.Attribute) and v.attr == "shape" else \

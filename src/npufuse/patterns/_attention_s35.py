@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
+from npufuse.scan.dataflow import fast_walk
+
 
 def flag_gated_probabilities(matcher: Any, interp: Any, chain: Any, stmt: ast.stmt, s: int, j: int) -> Optional[tuple[str, tuple[Any, bool, str]]]:
     """(name, the ``Chain.excluded`` entry) where ``stmt`` (index ``j`` of the block, inside the span starting at
@@ -21,7 +23,7 @@ def flag_gated_probabilities(matcher: Any, interp: Any, chain: Any, stmt: ast.st
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
             and isinstance(stmt.value, ast.IfExp)):
         return None
-    names = {n.id for n in ast.walk(stmt.value.test) if isinstance(n, ast.Name)}
+    names = {n.id for n in fast_walk(stmt.value.test) if isinstance(n, ast.Name)}
     if any(names & interp.assigned[i] for i in range(s, j)):
         return None  # the flag is computed inside the span: a guard before the call could not read it
     value = interp.sym(stmt.value, interp.before[j])
@@ -78,10 +80,10 @@ def _rank_keeping_helper(matcher: Any, call: ast.Call) -> bool:
     if not isinstance(fn, ast.FunctionDef) or fn.decorator_list or not fn.args.args or not fn.body \
             or not isinstance(fn.body[-1], ast.Return) or fn.body[-1].value is None:
         return False
-    if any(isinstance(n, (ast.For, ast.While, ast.Return)) and n is not fn.body[-1] for n in ast.walk(fn)):
+    if any(isinstance(n, (ast.For, ast.While, ast.Return)) and n is not fn.body[-1] for n in fast_walk(fn)):
         return False
     first = fn.args.args[0].arg
-    return any(isinstance(n, ast.Name) and n.id == first and isinstance(n.ctx, ast.Load) for n in ast.walk(fn))
+    return any(isinstance(n, ast.Name) and n.id == first and isinstance(n.ctx, ast.Load) for n in fast_walk(fn))
 
 
 def rank_through_helpers(matcher: Any, node: Any, facts_only: bool = False) -> Optional[int]:
@@ -164,7 +166,7 @@ def unbound_operand(matcher: Any, chain: Any) -> Optional[str]:
         assigned = matcher.scope.assignments.get(name, ())
         binders = [st for t in (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.comprehension,
                                 ast.ExceptHandler, ast.Import, ast.ImportFrom, ast.NamedExpr, ast.Delete) for st in groups.get(t, ())]
-        if not assigned or binders and any(name in {x.id for x in ast.walk(b) if isinstance(x, ast.Name)} or
+        if not assigned or binders and any(name in {x.id for x in fast_walk(b) if isinstance(x, ast.Name)} or
                                            isinstance(b, (ast.Import, ast.ImportFrom, ast.ExceptHandler)) for b in binders):
             continue  # bound some other way (a loop, a with, an import): not read here
         if not any(reaches(st) for st, _v in assigned):
@@ -219,10 +221,10 @@ def returns_bool(fn: Any) -> bool:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     assigned: dict[str, list[ast.expr]] = {}
-    for st in ast.walk(fn):
+    for st in fast_walk(fn):
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
             assigned.setdefault(st.targets[0].id, []).append(st.value)
-    returns = [r.value for r in ast.walk(fn) if isinstance(r, ast.Return)]
+    returns = [r.value for r in fast_walk(fn) if isinstance(r, ast.Return)]
 
     def is_bool(n: Any, depth: int = 0) -> bool:
         if depth > 12 or n is None:

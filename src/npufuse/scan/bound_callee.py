@@ -26,7 +26,7 @@ import ast
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
 
 # how deep a chain of names / returns / registries is followed (each step is one binding)
 _DEPTH = 6
@@ -234,7 +234,7 @@ def _attribute_stores(module: ModuleInfo, class_name: Optional[str], attr: str) 
         for item in cls.body:
             if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            for n in ast.walk(item):
+            for n in fast_walk(item):
                 if isinstance(n, ast.Assign):
                     targets, value = n.targets, n.value
                 elif isinstance(n, ast.AnnAssign) and n.value is not None:
@@ -264,7 +264,7 @@ def attribute_value_before(scope: Scope, attr: str, line: int) -> Optional[ast.e
             continue  # (an expression stores no attribute)
         # the targets of an assignment, or the whole of a compound statement (an ``if`` arm may bind it)
         parts = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, (ast.AnnAssign, ast.AugAssign)) else [st]
-        if any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.ctx, ast.Store) for p in parts for n in ast.walk(p)):
+        if any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.ctx, ast.Store) for p in parts for n in fast_walk(p)):
             return None  # bound otherwise (a tuple target, an augmented assignment, a nested block): not read here
     return found
 
