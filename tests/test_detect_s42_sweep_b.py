@@ -1,0 +1,160 @@
+"""s42 non-LLM recall sweep b (sweep42b, bench/detect_labels_sweep42b.json): the classes behind its wrong candidates
+and false near-miss reasons.
+
+G1 swiglu (DiG's adaLN block ``x + gate_msa * self.attn(modulate(norm1(x), ...))`` where ``self.attn`` is set by a
+   GLA base class in another file): an inherited attribute was taken for an activation the config picks, and the
+   adaLN gate times the attention output became a swiglu/geglu candidate (dispatched on the object at run time). An
+   inherited attribute whose name says it is a layer (attn, mlp, conv, proj, norm...) is that layer, never an
+   activation; ``act_fn`` / ``act_layer`` still are.
+R1 swiglu / geglu near-miss wording (audit41 / audit42 notes: HorNet's ``gamma1 * self.gnconv(...)``, seamless'
+   ``char_embeds *= self.scale``): a layer scale (an ``nn.Parameter``, maybe viewed to broadcast) or a constant scale
+   was called "a gated output". The reason now says what the factor is; a true gated output keeps its reason.
+"""
+
+from __future__ import annotations
+
+from npufuse.patterns.swiglu import Swiglu, _names_a_layer
+from pattern_harness import detect_all
+
+# -- G1: an inherited layer attribute is no activation
+
+_ADALN_INHERITED_ATTN = '''
+import torch
+from torch import nn
+from module_dig import GLABlock
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiGBlock(GLABlock):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.norm1 = nn.LayerNorm(config.hidden_size, elementwise_affine=False, eps=1e-6)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden_size, 6 * config.hidden_size))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        return x
+'''
+
+# the same base-class shape where the inherited callable IS the configured activation (megablocks' SharedGLU)
+_INHERITED_ACT_FN = '''
+import torch
+from torch import nn
+from base_mlp import BaseMLP
+
+
+class GatedMLP(BaseMLP):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+'''
+
+
+def test_an_inherited_attention_times_an_adaln_gate_is_not_a_glu() -> None:
+    findings, _ = detect_all(Swiglu(), _ADALN_INHERITED_ATTN)
+    assert not findings
+
+
+def test_an_inherited_activation_attribute_is_still_a_glu() -> None:
+    findings, _ = detect_all(Swiglu(), _INHERITED_ACT_FN)
+    assert len(findings) == 1
+
+
+def test_layer_names_and_activation_names() -> None:
+    assert all(_names_a_layer(n) for n in ("attn", "self_attn", "mlp", "dw_conv", "out_proj", "norm2", "blocks", "fc1"))
+    assert not any(_names_a_layer(n) for n in ("act", "act_fn", "act_layer", "activation", "gate_fn", "nonlinearity"))
+
+
+# -- R1: a layer scale / constant scale is not a gated output
+
+_LAYER_SCALE_BRANCH = '''
+import torch
+from torch import nn
+
+
+class gnconv(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj_in = nn.Conv2d(dim, 2 * dim, 1)
+        self.proj_out = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x):
+        a, b = self.proj_in(x).chunk(2, dim=1)
+        return self.proj_out(a * b)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, layer_scale_init_value=1e-6, gnconv=gnconv):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.gnconv = gnconv(dim)
+        self.gamma1 = nn.Parameter(layer_scale_init_value * torch.ones(dim)) if layer_scale_init_value > 0 else None
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        if self.gamma1 is not None:
+            gamma1 = self.gamma1.view(C, 1, 1)
+        else:
+            gamma1 = 1
+        x = x + gamma1 * self.gnconv(self.norm1(x))
+        return x + self.pwconv2(self.act(self.pwconv1(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
+'''
+
+# the same block with a fixed residual scale (an init-time number) in place of the learned one
+_CONSTANT_SCALE = (_LAYER_SCALE_BRANCH
+                   .replace("        self.gamma1 = nn.Parameter(", "        self.alpha = dim ** -0.5\n        self.gamma1 = nn.Parameter(")
+                   .replace("x = x + gamma1 * self.gnconv(", "x = x + self.alpha * self.gnconv("))
+
+# near miss that keeps the gated-output reason: Mamba's y * silu(z), z a projection and y the scan's output
+_GATED_OUTPUT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MambaOut(nn.Module):
+    def __init__(self, d, inner):
+        super().__init__()
+        self.in_proj = nn.Linear(d, inner)
+        self.z_proj = nn.Linear(d, inner)
+        self.out_proj = nn.Linear(inner, d)
+
+    def forward(self, x, scan):
+        y = scan(self.in_proj(x))
+        z = self.z_proj(x)
+        return self.out_proj(y * F.silu(z))
+'''
+
+
+def _swiglu_reasons(code: str) -> list[str]:
+    findings, misses = detect_all(Swiglu(), code)
+    assert not findings
+    return [m.reason for m in misses]
+
+
+def test_a_layer_scale_is_called_a_layer_scale() -> None:
+    reasons = _swiglu_reasons(_LAYER_SCALE_BRANCH)
+    assert reasons and all("learned scale" in r and "layer scale" in r and "gated output" not in r for r in reasons)
+
+
+def test_a_constant_scale_is_called_a_constant_scale() -> None:
+    assert "x = x + self.alpha * self.gnconv(" in _CONSTANT_SCALE
+    reasons = _swiglu_reasons(_CONSTANT_SCALE)
+    assert reasons and all("constant scale" in r and "gated output" not in r for r in reasons)
+
+
+def test_a_gated_output_keeps_its_reason() -> None:
+    reasons = _swiglu_reasons(_GATED_OUTPUT)
+    assert reasons and not any("scale" in r for r in reasons)
