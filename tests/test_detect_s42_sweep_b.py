@@ -158,3 +158,45 @@ def test_a_constant_scale_is_called_a_constant_scale() -> None:
 def test_a_gated_output_keeps_its_reason() -> None:
     reasons = _swiglu_reasons(_GATED_OUTPUT)
     assert reasons and not any("scale" in r for r in reasons)
+
+
+# -- G2: grad statistics gathered only for a log (diffusion-forcing's Lightning template)
+
+_LOGGED_GRAD_STATS = '''
+import torch
+
+
+class Algo:
+    def log_gradient_stats(self):
+        with torch.no_grad():
+            grad_norms = []
+            gpr = []
+            for param in self.parameters():
+                if param.grad is not None:
+                    grad_norms.append(torch.norm(param.grad).item())
+                    gpr.append(torch.norm(param.grad) / torch.norm(param))
+            if len(grad_norms) == 0:
+                return
+            grad_norms = torch.tensor(grad_norms)
+            gpr = torch.tensor(gpr)
+            self.log_dict({"train/grad_norm/min": grad_norms.min(), "train/grad_norm/mean": grad_norms.mean(),
+                           "train/gpr/max": gpr.max()})
+'''
+
+# near miss: the same statistics steer the training (the smallest norm picks a learning rate)
+_STEERING_GRAD_STATS = _LOGGED_GRAD_STATS.replace(
+    '            self.log_dict({"train/grad_norm/min": grad_norms.min(), "train/grad_norm/mean": grad_norms.mean(),\n'
+    '                           "train/gpr/max": gpr.max()})\n',
+    '            self.log_dict({"train/gpr/max": gpr.max()})\n'
+    '            self.lr = 1e-3 if grad_norms.min() > 1e-6 else 1e-4\n')
+
+
+def test_grad_statistics_gathered_for_a_log_are_no_grad_none_read() -> None:
+    import ast as _ast
+
+    from npufuse.scan import grad_none
+
+    assert grad_none.reads(_LOGGED_GRAD_STATS, _ast.parse(_LOGGED_GRAD_STATS)) == []
+    assert "self.lr = 1e-3 if grad_norms.min()" in _STEERING_GRAD_STATS
+    steering = grad_none.reads(_STEERING_GRAD_STATS, _ast.parse(_STEERING_GRAD_STATS))
+    assert [t for _, t in steering] == ["param.grad is not None"]
