@@ -200,3 +200,65 @@ def test_grad_statistics_gathered_for_a_log_are_no_grad_none_read() -> None:
     assert "self.lr = 1e-3 if grad_norms.min()" in _STEERING_GRAD_STATS
     steering = grad_none.reads(_STEERING_GRAD_STATS, _ast.parse(_STEERING_GRAD_STATS))
     assert [t for _, t in steering] == ["param.grad is not None"]
+
+
+# -- R2: `self.mp_trainer.zero_grad()` of a plain project class is not nn.Module.zero_grad (MDT / guided-diffusion)
+
+_OWN_ZERO_GRAD = '''
+import torch
+from torch.optim import AdamW
+
+
+def zero_grad(model_params):
+    for param in model_params:
+        if param.grad is not None:
+            param.grad.detach_()
+            param.grad.zero_()
+
+
+class MixedPrecisionTrainer:
+    def __init__(self, *, model):
+        self.model = model
+        self.model_params = list(self.model.parameters())
+        self.master_params = self.model_params
+
+    def zero_grad(self):
+        zero_grad(self.model_params)
+
+
+class TrainLoop:
+    def __init__(self, model, lr):
+        self.model = model
+        self.mp_trainer = MixedPrecisionTrainer(model=self.model)
+        self.opt = AdamW(self.mp_trainer.master_params, lr=lr)
+
+    def run_step(self, batch):
+        self.mp_trainer.zero_grad()
+        loss = self.model(batch).mean()
+        loss.backward()
+        self.opt.step()
+'''
+
+# near miss that keeps nn.Module's reason: the receiver is a module (its zero_grad frees the grads on torch >= 2.0)
+_MODULE_ZERO_GRAD = _OWN_ZERO_GRAD.replace("class MixedPrecisionTrainer:", "class MixedPrecisionTrainer(torch.nn.Module):").replace(
+    "    def zero_grad(self):\n        zero_grad(self.model_params)\n", "    def forward(self, x):\n        return self.model(x)\n")
+
+
+def _optimizer_reasons(code: str) -> list[str]:
+    from npufuse.patterns.fused_optimizer import FusedOptimizer
+
+    findings, misses = detect_all(FusedOptimizer(), code)
+    assert not findings
+    return [m.reason for m in misses]
+
+
+def test_a_plain_project_class_zero_grad_is_named_not_called_module_zero_grad() -> None:
+    reasons = _optimizer_reasons(_OWN_ZERO_GRAD)
+    assert len(reasons) == 1
+    assert "`MixedPrecisionTrainer.zero_grad`" in reasons[0] and "defaults to set_to_none=True" not in reasons[0]
+
+
+def test_a_module_receiver_keeps_the_module_zero_grad_reason() -> None:
+    assert "torch.nn.Module" in _MODULE_ZERO_GRAD and "def forward(self, x)" in _MODULE_ZERO_GRAD
+    reasons = _optimizer_reasons(_MODULE_ZERO_GRAD)
+    assert len(reasons) == 1 and "nn.Module.zero_grad defaults to set_to_none=True" in reasons[0]
