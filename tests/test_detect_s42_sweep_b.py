@@ -13,6 +13,8 @@ R1 swiglu / geglu near-miss wording (audit41 / audit42 notes: HorNet's ``gamma1 
 
 from __future__ import annotations
 
+from npufuse.patterns.base import Pattern
+from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.swiglu import Swiglu, _names_a_layer
 from pattern_harness import detect_all
 
@@ -138,10 +140,15 @@ class MambaOut(nn.Module):
 '''
 
 
-def _swiglu_reasons(code: str) -> list[str]:
-    findings, misses = detect_all(Swiglu(), code)
+def _near_miss_reasons(pattern: Pattern, code: str) -> list[str]:
+    """The near-miss reasons of ``pattern`` on ``code``, which must give no candidate."""
+    findings, misses = detect_all(pattern, code)
     assert not findings
     return [m.reason for m in misses]
+
+
+def _swiglu_reasons(code: str) -> list[str]:
+    return _near_miss_reasons(Swiglu(), code)
 
 
 def test_a_layer_scale_is_called_a_layer_scale() -> None:
@@ -245,11 +252,7 @@ _MODULE_ZERO_GRAD = _OWN_ZERO_GRAD.replace("class MixedPrecisionTrainer:", "clas
 
 
 def _optimizer_reasons(code: str) -> list[str]:
-    from npufuse.patterns.fused_optimizer import FusedOptimizer
-
-    findings, misses = detect_all(FusedOptimizer(), code)
-    assert not findings
-    return [m.reason for m in misses]
+    return _near_miss_reasons(FusedOptimizer(), code)
 
 
 def test_a_plain_project_class_zero_grad_is_named_not_called_module_zero_grad() -> None:
