@@ -244,6 +244,8 @@ class _FileFacts:
         self.sharding_nodes: list[ast.AST] = []  # every node naming sharding (the first few)
         self.set_to_none: list[tuple[int, str]] = []  # (line, receiver) of zero_grad(set_to_none=True)
         self.module_zero_grad: list[tuple[int, str]] = []  # receiver.zero_grad() that is not an optimizer's
+        # s42: receiver -> "Class.zero_grad (file)" when it is an instance of a plain project class with its own zero_grad
+        self.own_zero_grad: dict[str, str] = {}
         self.grad_assign: Optional[int] = None
         self.grad_assigns: list[tuple[int, str]] = []  # (line, receiver) of every `X.grad = ...`
         # (line, call text) of a backward that builds a graph of the grads (`loss.backward(create_graph=True)`)
@@ -298,6 +300,8 @@ class _FileFacts:
                          "create_graph", "grad_tests", "kept_grads", "data_assigns"):
                 getattr(out, name).extend(getattr(f, name))
             out.returned |= f.returned
+            for recv, own in f.own_zero_grad.items():
+                out.own_zero_grad.setdefault(recv, own)
             out.flags.update(f.flags)
         return out
 
@@ -351,6 +355,9 @@ class _FileFacts:
                 self.set_to_none.append((node.lineno, recv))
             elif flag is None and not optimizer_like:
                 self.module_zero_grad.append((node.lineno, recv))
+                own = _s42_own_zero_grad(module, recv)
+                if own:
+                    self.own_zero_grad[recv] = own
             elif flag is not None and not explicit_false and not isinstance(flag, ast.Constant):
                 self.set_to_none.append((node.lineno, recv))
                 self.flags[node.lineno] = flag
@@ -468,6 +475,37 @@ def _bf16_cast(value: Optional[ast.expr]) -> bool:
     if value.func.attr == "bfloat16":
         return not value.args
     return value.func.attr == "to" and any(_is_bf16(a) for a in [*value.args, *(k.value for k in value.keywords if k.arg == "dtype")])
+
+
+# s42 (sweep42b, MDT / guided-diffusion's ``self.mp_trainer.zero_grad()``): the receiver is built from a plain class
+# of the project (``self.mp_trainer = MixedPrecisionTrainer(...)``, no base class) that defines its own zero_grad:
+# that is the project's grad handling, not nn.Module.zero_grad, so "sets grads to None on torch >= 2.0" would be
+# false. Which class, and where: the near miss names it (what it does to the grads is not read).
+def _s42_own_zero_grad(module: ModuleInfo, recv: str) -> Optional[str]:
+    cache = module.__dict__.setdefault("_npufuse_s42_own_zero_grad", {})
+    if recv not in cache:
+        cache[recv] = _s42_own_zero_grad_uncached(module, recv)
+    return cache[recv]
+
+
+def _s42_own_zero_grad_uncached(module: ModuleInfo, recv: str) -> Optional[str]:
+    built = {dotted(n.value.func) for n in fast_walk(module.tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+             and any(dotted(t) == recv for t in n.targets)}
+    if len(built) != 1 or None in built:
+        return None
+    name = built.pop() or ""
+    cls: Optional[ast.AST] = module.classes.get(name)
+    where = module.path
+    if cls is None:
+        from npufuse.scan import repo_facts
+
+        found = repo_facts.definition(module, name)
+        cls, where = (found.node, found.rel) if found is not None else (None, "")
+    if not isinstance(cls, ast.ClassDef) or any(not (isinstance(b, ast.Name) and b.id == "object") for b in cls.bases):
+        return None
+    if not any(isinstance(item, ast.FunctionDef) and item.name == "zero_grad" for item in cls.body):
+        return None
+    return f"`{cls.name}.zero_grad` ({where})"
 
 
 def _looks_like_optimizer(recv: str, module: Optional[ModuleInfo] = None) -> bool:
@@ -1408,6 +1446,11 @@ def _blocker(facts: _FileFacts, model: str, prepared: Optional[tuple[int, str]],
     left = [(ln, r) for ln, r in facts.module_zero_grad if fix is None or not fix.handles(ln, r)]
     if left:
         ln, recv = left[0]
+        if recv in facts.own_zero_grad:
+            return (f"`{recv}.zero_grad()` (line {ln}) runs {facts.own_zero_grad[recv]}, the project's own handling of "
+                    "the grads, not nn.Module.zero_grad: npufuse does not check what it does to the grads of the "
+                    "parameters this optimizer steps (re-allocated or freed grads leave the fused optimizer's flat "
+                    "grad buffer stale)")
         # s40 (ports 11 PoolNet, a once-per-epoch call): says what the call does and what to write, nothing about how often
         return (f"`{recv}.zero_grad()` (line {ln}) sets grads to None on torch >= 2.0 (nn.Module.zero_grad defaults to "
                 "set_to_none=True): the next backward allocates new grads outside the fused optimizer's combined grad "

@@ -1453,6 +1453,9 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                 g = Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, caller_lines=[])
                 g.s28_kernel = callers  # type: ignore[attr-defined]
                 return g
+            scale = _s42_scale_factor(module, b, ctx) or _s42_scale_factor(module, a, actx)
+            if not callers and scale:
+                raise GateMiss(scale)
             raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}{'' if _S40_UNSHOWN in act.kind else ', not silu'}: npu_swiglu computes silu(gate) * up only "
@@ -4340,6 +4343,102 @@ def _imported_base(module: ModuleInfo, class_name: str, depth: int = 0) -> bool:
     return False
 
 
+# s42 (sweep42b; the audit41/42 near-miss wording notes on HorNet's `gamma1 * self.gnconv(...)`, seamless'
+# `char_embeds *= self.scale`, vocos / FocalNet layer scales): a factor that is a learned per-channel scale (an
+# `nn.Parameter` attribute, maybe viewed to broadcast) or a number is a layer scale or a constant scale, not a gate.
+# The near miss then says so instead of calling the product "a gated output".
+_S42_BROADCAST_VIEWS = frozenset(("view", "reshape", "unsqueeze", "expand", "expand_as", "to", "type_as", "float", "half",
+                                  "squeeze"))
+
+
+def _s42_number_expr(node: ast.expr) -> bool:
+    """Arithmetic on numbers, names and attributes only (``dim ** -0.5``, ``math.sqrt(self.model_dim)``): no tensor op."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            if (dotted(n.func) or "") not in ("math.sqrt", "math.log", "float", "int", "np.sqrt", "numpy.sqrt"):
+                return False
+        elif isinstance(n, ast.Constant) and not isinstance(n.value, (int, float)):
+            return False
+        elif not isinstance(n, (ast.Call, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Name, ast.Attribute, ast.Load,
+                                ast.operator, ast.unaryop)):
+            return False
+    return True
+
+
+def _s42_scale_kind(module: ModuleInfo, value: ast.expr, cls: str | None, scope: Scope | None, depth: int,
+                    init: bool = False) -> str | None:
+    """"learned" (an ``nn.Parameter``), "constant" (a number) or None, for what ``value`` holds. Arithmetic on names
+    counts as a number only in ``__init__`` (``init``: ``self.scale = dim ** -0.5``, its names the constructor's
+    numbers); in ``forward`` a name may be a tensor."""
+    while depth < 4:
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _S42_BROADCAST_VIEWS:
+            value = value.func.value
+        elif isinstance(value, ast.Subscript):
+            value = value.value
+        else:
+            break
+        depth += 1
+    if isinstance(value, ast.Constant) and isinstance(value.value, bool):
+        return None
+    if isinstance(value, ast.Constant) and isinstance(value.value, (int, float)):
+        return "constant"
+    if init and not isinstance(value, (ast.Name, ast.Attribute)) and _s42_number_expr(value):
+        return "constant"
+    if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] == "Parameter":
+        return "learned"
+    if depth >= 4:
+        return None
+    if isinstance(value, ast.IfExp):  # `nn.Parameter(...) if init > 0 else None`: None is no factor at all
+        return _s42_either(_s42_scale_kind(module, v, cls, scope, depth + 1, init) for v in (value.body, value.orelse)
+                           if not (isinstance(v, ast.Constant) and v.value is None))
+    if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "self" and cls:
+        held = S.init_assignments(module, cls).get(value.attr)
+        return None if held is None else _s42_scale_kind(module, held, cls, None, depth + 1, init=True)
+    if isinstance(value, ast.Name) and scope is not None:
+        # `gamma1 = self.gamma1.view(C, 1, 1)` on one branch, `gamma1 = 1` on the other
+        return _s42_either(_s42_scale_kind(module, v, cls, None, depth + 1) for _, v in scope.assignments.get(value.id) or [])
+    return None
+
+
+def _s42_either(kinds: Iterable[str | None]) -> str | None:
+    """One kind for values that are each a scale: "learned" if any is, None if any is not a scale (or none given)."""
+    seen = set(kinds)
+    if not seen or None in seen:
+        return None
+    return "learned" if "learned" in seen else "constant"
+
+
+def _s42_scale_factor(module: ModuleInfo, factor: ast.expr, ctx: S.Ctx) -> str | None:
+    """The near-miss reason when ``factor`` is a layer scale or a constant scale, else None."""
+    if ctx.depth:
+        return None
+    kind = _s42_scale_kind(module, factor, ctx.scope.class_name, ctx.scope, 0)
+    text = " ".join(ast.unparse(factor).split())[:60]
+    if kind == "learned":
+        return (f"`{text}` is a learned scale (an nn.Parameter, a layer scale) multiplying a branch, not a gate: "
+                "no two projections of one input to fuse")
+    if kind == "constant":
+        return f"`{text}` is a constant scale multiplying a tensor, not a gate: no two projections of one input to fuse"
+    return None
+
+
+# s42 (sweep42b, DiG's adaLN block `x + gate_msa * self.attn(modulate(norm1(x), ...))`, `self.attn` set by a GLA
+# base class in another file): an inherited attribute whose name says it is a layer (an attention, an MLP, a conv, a
+# norm, a projection) is that layer, not an activation the config picks; its output times an adaLN gate is no GLU.
+_LAYER_NAME_PARTS = frozenset(("attn", "attention", "mlp", "ffn", "ff", "feedforward", "conv", "norm", "proj", "linear",
+                               "block", "blocks", "layer", "layers", "embed", "embedding", "encoder", "decoder", "mixer",
+                               "head", "fc", "dense", "lstm", "gru", "rnn", "transformer"))
+
+
+def _names_a_layer(attr: str) -> bool:
+    """``attn`` / ``self_attn`` / ``mlp`` / ``dw_conv`` / ``out_proj``: a name made of a layer kind (split on ``_``
+    and trailing digits), never an activation's (``act``, ``act_fn``, ``activation``, ``gate_fn``)."""
+    parts = [part.rstrip("0123456789") for part in attr.lower().split("_")]
+    if any(part in ("act", "activation", "acti", "nonlinearity", "silu", "gelu", "swish") for part in parts):
+        return False  # `act_layer`, `activation_fn`: an activation whatever else the name says
+    return any(part in _LAYER_NAME_PARTS for part in parts)
+
+
 def _inherited_act(module: ModuleInfo, f: ast.Attribute, gate: ast.expr, ctx: S.Ctx) -> Act | None:
     """``self.act(self.gate_proj(x)) * self.up_proj(x)`` where nothing in this file assigns
     ``self.act``: a base class from another file does (megablocks' SharedGLU, TransformerLens'
@@ -4347,6 +4446,8 @@ def _inherited_act(module: ModuleInfo, f: ast.Attribute, gate: ast.expr, ctx: S.
     only when the product is a GLU's structure), dispatched on the object at run time."""
     cls = ctx.scope.class_name
     if ctx.depth or not cls or cls not in module.classes or f.attr in _TENSOR_METHODS:
+        return None
+    if _names_a_layer(f.attr):
         return None
     if _self_stores(module, cls, f.attr) or not _imported_base(module, cls):
         return None

@@ -186,6 +186,83 @@ def _read_by_total_norm(use: ast.Name, parents: dict[int, ast.AST]) -> bool:
 _LOGGING = frozenset(("print", "add_histogram", "add_scalar", "add_scalars", "log", "info", "debug", "warning", "log_metrics"))
 
 
+# s42 (sweep42b, diffusion-forcing's Lightning template ``log_gradient_stats``): ``if p.grad is not None:
+# grad_norms.append(torch.norm(p.grad).item()); gpr.append(torch.norm(p.grad) / torch.norm(p))``, the lists turned into
+# tensors whose min / max / mean only a ``self.log_dict({...})`` reads. A zero grad adds a 0 to what is logged, no
+# change to the training (like the logging calls :func:`_zero_keeping` accepts). Only where every read of the lists,
+# and of what is made of them, is a ``len`` or lies inside a logging call's arguments.
+_STAT_LOGGING = _LOGGING | frozenset(("log_dict", "add_scalar_dict", "log_scalars"))
+_TO_TENSOR = frozenset(("tensor", "as_tensor", "stack", "array", "asarray", "Tensor"))
+
+
+def _logged_statistics(stmts: list[ast.stmt], name: str, fn: ast.AST) -> bool:
+    """Is every statement of ``stmts`` ``L.append(<a norm of name.grad, or a ratio of norms>)``, with each such list
+    ``L`` read in ``fn`` only by ``len`` or, once made a tensor (``torch.tensor(L)``), inside a logging call?"""
+    lists: set[str] = set()
+    for st in stmts:
+        call = st.value if isinstance(st, ast.Expr) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "append"
+                and isinstance(call.func.value, ast.Name) and len(call.args) == 1 and not call.keywords):
+            return False
+        value = call.args[0]
+        parts = [value.left, value.right] if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div) else [value]
+        if not all(_norm_of(part, name, set()) for part in parts[:1]) or not all(_is_a_norm(part) for part in parts):
+            return False
+        lists.add(call.func.value.id)
+    return bool(lists) and all(_read_only_for_logging(fn, held) for held in lists)
+
+
+def _is_a_norm(expr: ast.AST) -> bool:
+    """``torch.norm(x)`` / ``x.norm()`` / ``torch.linalg.vector_norm(x)``, maybe followed by ``.item()``: >= 0."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in ("item", "detach", "cpu", "float"):
+        expr = expr.func.value
+    return isinstance(expr, ast.Call) and _called_name(expr) in _TOTAL_NORM
+
+
+def _read_only_for_logging(fn: ast.AST, held: str) -> bool:
+    """Every read of ``held`` in ``fn``: the receiver of ``.append``, an argument of ``len``, or the argument of a
+    tensor-making call bound to a name that is itself read only so (or inside a logging call's arguments)."""
+    parents: dict[int, ast.AST] = {}
+    reads: list[ast.Name] = []
+    for n in ast.walk(fn):
+        for ch in ast.iter_child_nodes(n):
+            parents[id(ch)] = n
+    names, seen = [held], set()
+    while names:
+        current = names.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        reads = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == current and isinstance(n.ctx, ast.Load)]
+        if not reads:
+            return False
+        for use in reads:
+            up = parents.get(id(use))
+            if isinstance(up, ast.Attribute) and up.attr == "append" and current == held:
+                continue
+            if isinstance(up, ast.Call) and _called_name(up) == "len" and up.args and up.args[0] is use:
+                continue
+            if isinstance(up, ast.Call) and _called_name(up) in _TO_TENSOR and up.args and up.args[0] is use:
+                bound = parents.get(id(up))
+                if isinstance(bound, ast.Assign) and len(bound.targets) == 1 and isinstance(bound.targets[0], ast.Name):
+                    names.append(bound.targets[0].id)
+                    continue
+                return False
+            if not _inside_logging_call(use, parents):
+                return False
+    return True
+
+
+def _inside_logging_call(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """``node`` lies in the arguments of a logging call (``self.log_dict({"grad/min": grad_norms.min()})``)."""
+    child, up = node, parents.get(id(node))
+    while up is not None and not isinstance(up, ast.stmt):
+        if isinstance(up, ast.Call) and _called_name(up) in _STAT_LOGGING and child is not up.func:
+            return True
+        child, up = up, parents.get(id(up))
+    return False
+
+
 def _called_name(call: ast.Call) -> str:
     f = call.func
     return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
@@ -311,7 +388,8 @@ class _Reader(ast.NodeVisitor):
                 at = next((i for i, s in enumerate(loop[2]) if s is node), None)
                 harmless = at is not None and _zero_keeping(loop[2][at + 1:], name)  # type: ignore[arg-type]
             elif not is_none:
-                harmless = _zero_keeping(node.body, name)  # type: ignore[arg-type]
+                harmless = _zero_keeping(node.body, name) or (  # type: ignore[arg-type]
+                    bool(self.functions) and _logged_statistics(node.body, name, self.functions[-1]))
             if not harmless:
                 self._record(test, loop[1])
         self.generic_visit(node)
