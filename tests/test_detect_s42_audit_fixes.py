@@ -289,3 +289,14 @@ def test_a_log_cast_to_an_integer_dtype_is_no_inf_source() -> None:
     assert not findings
     assert [m.reason for m in misses if "not inf-safe" in m.reason] == []
     assert any("integer tensors" in m.reason for m in misses)
+
+
+def test_an_environment_switch_may_start_with_the_project_prefix() -> None:
+    # the first word of an environment variable is often the project's own prefix; the rest must
+    # still name the topic, an op or a kernel (integrator fix: the s41 carried-value test
+    # records LA_FLASH_ATTN as a switch that carries a value)
+    assert repo_search.is_switch("VLLM_USE_TRITON_FLASH_ATTN", "env")
+    assert repo_search.is_switch("LA_FLASH_ATTN", "env")
+    assert not repo_search.is_switch("LIGER_RMS_COMPILE_BUCKET", "env")
+    assert not repo_search.is_switch("LIGER_RMS_FORCE_NO_FAST", "env")
+    assert not repo_search.is_switch("LIGER_RMS_DEBUG", "env")

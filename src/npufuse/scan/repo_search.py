@@ -95,8 +95,10 @@ def is_switch(name: str, kind: str, value: Any = None) -> bool:
     # repository's own kernel and do not choose one (audit42)
     if kind != "env" or not any(t.startswith(_FUSION_TOPIC) or (t.startswith(("npu", "ascend")) and "fus" in t) for t in tokens):
         return False
+    # the first word may be the project's own prefix (``VLLM_USE_TRITON_FLASH_ATTN``, ``LA_FLASH_ATTN``)
+    named = tokens[1:] if len(tokens) > 1 else tokens
     return all(t.startswith(_TOPIC) or t in _FLAG_VERBS or t in _FILLER or t in _KERNEL_WORDS or t in _OP_WORDS or any(w in t for w in _ALL_WORDS) or t.isdigit()
-               for t in tokens)
+               for t in named)
 # Words (separators removed, lower case) that tie a switch to a pattern.
 PATTERN_WORDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rmsnorm", "rms"),
