@@ -211,6 +211,9 @@ def row_constant_guard(factor: Any, rank: int) -> ast.expr:
 _BOOL_METHODS = frozenset(("bool", "logical_not", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge",
                            "view", "reshape", "unsqueeze", "expand", "to", "contiguous", "transpose", "permute"))
 
+# torch functions whose result is bool whatever their inputs
+_BOOL_FUNCTIONS = frozenset(("logical_not", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge", "isin"))
+
 
 def returns_bool(fn: Any) -> bool:
     """Every ``return`` of the function ``fn`` gives a bool tensor by construction: a comparison, ``~`` / ``&`` /
@@ -243,6 +246,11 @@ def returns_bool(fn: Any) -> bool:
         if isinstance(n, ast.Name):
             values = assigned.get(n.id, [])
             return bool(values) and all(is_bool(v, depth + 1) for v in values)
+        if isinstance(n, ast.Subscript):
+            return is_bool(n.value, depth + 1)  # s42: ``keep[:, None, None, :]``: an index of a bool tensor is bool
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                and n.func.value.id == "torch" and n.func.attr in _BOOL_FUNCTIONS:
+            return True  # s42: ``torch.logical_and(a, b)`` / ``torch.lt(p, n)``: bool whatever the inputs
         return False
 
     return bool(returns) and all(is_bool(r) for r in returns)

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
+from npufuse.patterns import _attention_s42
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2465,6 +2466,8 @@ class _Matcher:
             _s28_take_bias(self, term, chain, cond)  # s28: a bias goes to pse (q pre-scaled, scale 1.0)
             return
         module_call = next((n for n in walk_values(term) if isinstance(n, ast.Call) and _is_self_attr(n.func)), None)
+        if module_call is not None and _attention_s42.zero_minus_inf_helper_call(self.module, self.scope, _deref_value(term)):
+            module_call = None  # s42: a method of the class returning ``where(keep, 0, -inf)``: a mask, not a module's bias
         if module_call is not None and _s28_module_bias(self, term, chain, cond):  # s28: a module's bias goes to pse too
             return
         if module_call is not None:
@@ -4198,8 +4201,8 @@ class AttentionPattern(Pattern):
                 continue
             elif _attention_audit41.boolean_built(_deref_value(m.node)):
                 raise Miss(_attention_audit41.added_boolean_reason(r.text(m.node)))  # s41: True adds 1
-            elif _zero_or_minus_inf_built(m.node):
-                continue  # built in view from -inf / finfo.min (or zeros) on every branch: a 0/-inf mask
+            elif _zero_or_minus_inf_built(m.node) or _attention_s42.zero_minus_inf_helper_call(module, scope, _deref_value(m.node)):
+                continue  # built in view from -inf / finfo.min (or zeros) on every branch (s42: or by a helper): a 0/-inf mask
             else:
                 t = r.text(m.node)
                 check = additive_mask_exact(t)
