@@ -236,6 +236,9 @@ def returns_bool(fn: Any) -> bool:
             return is_bool(n.operand, depth + 1)
         if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
             return is_bool(n.left, depth + 1) and is_bool(n.right, depth + 1)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                and n.func.value.id == "torch" and n.func.attr in _BOOL_FUNCTIONS:
+            return True  # s42: ``torch.logical_and(a, b)`` / ``torch.lt(p, n)``: bool whatever the inputs
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _BOOL_METHODS:
             if n.func.attr == "bool" and not n.args:
                 return True
@@ -248,9 +251,6 @@ def returns_bool(fn: Any) -> bool:
             return bool(values) and all(is_bool(v, depth + 1) for v in values)
         if isinstance(n, ast.Subscript):
             return is_bool(n.value, depth + 1)  # s42: ``keep[:, None, None, :]``: an index of a bool tensor is bool
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
-                and n.func.value.id == "torch" and n.func.attr in _BOOL_FUNCTIONS:
-            return True  # s42: ``torch.logical_and(a, b)`` / ``torch.lt(p, n)``: bool whatever the inputs
         return False
 
     return bool(returns) and all(is_bool(r) for r in returns)
