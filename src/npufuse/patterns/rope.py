@@ -2006,6 +2006,54 @@ def _flush_unabsorbed(runs: list, pending: list) -> list[tuple[ast.stmt, str]]:
     return refused
 
 
+# --- s42: half rotation with the TABLES split into halves too ------------------------------------------------------
+# ``x1, x2 = x.chunk(2, -1); cos1, cos2 = cos.chunk(2, -1); sin1, sin2 = sin.chunk(2, -1)``,
+# ``y1 = x1*cos1 - x2*sin1; y2 = x2*cos2 + x1*sin2; cat((y1, y2), -1)``. npu_rotary_mul's half mode computes
+# ``x*cos + rotate_half(x)*sin`` = ``[x1*cos[:h] - x2*sin[:h], x2*cos[h:] + x1*sin[h:]]`` (spec 4.1): with the tables
+# the halves were cut from, passed whole, that is exactly the written code whatever the two halves hold (equal
+# halves, ``cat((freqs, freqs))``, are not needed). The fused call runs where each table is as wide as x (so its
+# halves are cut at x's split point), the original code elsewhere.
+def _s42_table_halves(module: ModuleInfo, scope: Scope, line: int, pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, list[str]] | None:
+    """(the table, run-time split checks) where ``pair`` is the (first, second) half of one table's last dim."""
+    lane = canonical.lane_of(module, scope, pair[0], line)
+    if lane is None or lane.kind != "halves":
+        return None
+    table = lane.source
+    halves = _Halves(scope, lambda n: same_expr(n, table), module)
+    halves.allow_split = True
+    if halves.part(pair[0]) != "first" or halves.part(pair[1]) != "second" or halves.prefix is not None:
+        return None
+    return table, list(halves.split_checks)
+
+
+def _s42_split_tables(module: ModuleInfo, scope: Scope, line: int, cos_pair: tuple[ast.expr, ast.expr],
+                      sin_pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, ast.expr, list[str]] | None:
+    """(cos table, sin table, split checks) of a rotation whose cos / sin factors are the halves of two tables."""
+    c = _s42_table_halves(module, scope, line, cos_pair)
+    s = _s42_table_halves(module, scope, line, sin_pair) if c is not None else None
+    if c is None or s is None:
+        return None
+    return c[0], s[0], c[1] + s[1]
+
+
+def _s42_split_table_match(pattern: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr,
+                           tables: tuple[ast.expr, ast.expr, list[str]], negate: bool) -> "_Match | str":
+    cos_t, sin_t, checks = tables
+    m = pattern._build_real(module, scope, node, "half", base, cos_t, sin_t)
+    if isinstance(m, str):
+        return m
+    cos_s, sin_s, x_s = segment(module, cos_t), segment(module, sin_t), segment(module, base)
+    if negate:
+        m.prep = [f"_npufuse_{_ident(sin_s)}_neg = -{_atom(sin_s)}  # y1 = x1*cos + x2*sin: the rotation by -angle"]
+        m.sin = f"_npufuse_{_ident(sin_s)}_neg"
+    width = [f"{_atom(t)}.shape[-1] == {_atom(x_s)}.shape[-1]" for t in (cos_s, sin_s)]
+    check = " and ".join(dict.fromkeys(width + checks))
+    m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+    m.only_note = (m.only_note + "; " if m.only_note else "") + (
+        "cos / sin split into halves like x: passed whole, fused where they are as wide as x (their halves cut where x's are)")
+    return m
+
+
 class RopePattern(Pattern):
     id = "rope"
     api = "torch_npu.npu_rotary_mul"
@@ -2460,8 +2508,14 @@ class RopePattern(Pattern):
             return None
         (s1a, c_a), (s1b, s_a) = a[p0], a[p1]   # y1 = ±x1*c ± x2*s
         (s2b, c_b), (s2a, s_b) = b[p1], b[p0]   # y2 = ±x2*c ± x1*s
-        if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
+        if not (s1a == 1 and s2b == 1 and s1b == -s2a):
             return None
+        # s42: ``cos1, cos2 = cos.chunk(2, -1)``, y1 = x1*cos1 - x2*sin1, y2 = x2*cos2 + x1*sin2: the full tables
+        split_tables = None
+        if not (same_expr(c_a, c_b) and same_expr(s_a, s_b)):
+            split_tables = _s42_split_tables(module, scope, node.lineno, (c_a, c_b), (s_a, s_b)) if kind == "halves" else None
+            if split_tables is None:
+                return None
         negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
         scope = scope_for_halves
         if kind == "pairs":
@@ -2473,16 +2527,21 @@ class RopePattern(Pattern):
             if isinstance(lanes, _Match):
                 _add_split_checks(lanes, halves)  # lanes of a rotated prefix ``x[..., :u:2]``: that prefix is rotated
             return lanes
-        m = self._build_real(module, scope, node, "half", base, c_a, s_a)
-        if isinstance(m, str):
-            return m
-        tag = _ident(segment(module, c_a))
-        cs = [segment(module, c_a), segment(module, s_a)]
-        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
-        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
-        m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
-                  f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
-        m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
+        if split_tables is not None:
+            m = _s42_split_table_match(self, module, scope, node, base, split_tables, negate)
+            if isinstance(m, str):
+                return m
+        else:
+            m = self._build_real(module, scope, node, "half", base, c_a, s_a)
+            if isinstance(m, str):
+                return m
+            tag = _ident(segment(module, c_a))
+            cs = [segment(module, c_a), segment(module, s_a)]
+            full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
+            sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+            m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
+                      f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
+            m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
         m.absorb = [d[0] for d in defs]
         m.post = _pair_cast_suffix(node) + def_cast + m.post
         if anchor is not site:
