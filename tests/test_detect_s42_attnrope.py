@@ -247,3 +247,92 @@ def test_a_causal_sdpa_whose_mask_is_always_given_stays_a_near_miss(signature: s
     findings, misses = detect_all(SdpaPattern(), _CAUSAL.replace("SIGNATURE", signature).replace("BUILD", build))
     assert not findings
     assert any("both attn_mask and is_causal=True are set" in m.reason for m in misses), misses
+
+
+# --- 5. rope: the half rotation with cos / sin split into halves like x -----------------------------------------
+# npu_rotary_mul's half mode is ``x*cos + rotate_half(x)*sin`` = [x1*cos[:h] - x2*sin[:h], x2*cos[h:] + x1*sin[h:]]:
+# the written code with the whole tables, whatever their halves hold (the run uses tables with unequal halves)
+_SPLIT_TABLES = '''
+import torch
+
+
+def apply_rope(x, cos, sin):
+SPLIT
+    y1 = x1 * cos1 - x2 * sin1
+    y2 = x2 * cos2 + x1 * sin2
+    return torch.cat((y1, y2), dim=-1)
+'''
+
+_RUN_SPLIT_TABLES = '''
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+angles = torch.rand(5, 8) * 3.0  # unequal halves: no duplicated freqs
+out = apply_rope(x, angles.cos(), angles.sin())
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("split", [
+    "    x1, x2 = x.chunk(2, dim=-1)\n    cos1, cos2 = cos.chunk(2, dim=-1)\n    sin1, sin2 = sin.chunk(2, dim=-1)",
+    "    d = x.shape[-1]\n    x1, x2 = x[..., : d // 2], x[..., d // 2 :]\n    cos1, cos2 = cos[..., : d // 2], cos[..., d // 2 :]\n"
+    "    sin1, sin2 = sin[..., : d // 2], sin[..., d // 2 :]",
+], ids=["chunk", "slices_at_x_half"])
+def test_a_rotation_with_split_tables_passes_the_whole_tables(split: str) -> None:
+    from npufuse.patterns.rope import RopePattern
+    code = _SPLIT_TABLES.replace("SPLIT", split)
+    facts = _emulated(RopePattern(), code, _RUN_SPLIT_TABLES)
+    fused = facts["finding"].fused
+    assert "cos.shape[-1] == x.shape[-1] and sin.shape[-1] == x.shape[-1]" in fused, fused
+    assert "torch.cat((cos" not in fused  # the tables go in whole, not a half duplicated
+
+
+@pytest.mark.parametrize("split", [
+    # the cos halves come from two different tables: no one table to pass
+    "    x1, x2 = x.chunk(2, dim=-1)\n    cos1, _ = cos.chunk(2, dim=-1)\n    _, cos2 = sin.chunk(2, dim=-1)\n    sin1, sin2 = sin.chunk(2, dim=-1)",
+    # the table halves swapped against x's: [x1*cos[h:] - .., x2*cos[:h] + ..] is no rotate_half form of the table
+    "    x1, x2 = x.chunk(2, dim=-1)\n    cos2, cos1 = cos.chunk(2, dim=-1)\n    sin2, sin1 = sin.chunk(2, dim=-1)",
+], ids=["two_tables", "halves_swapped"])
+def test_split_tables_that_are_not_one_tables_halves_are_not_fused(split: str) -> None:
+    from npufuse.patterns.rope import RopePattern
+    findings, _misses = detect_all(RopePattern(), _SPLIT_TABLES.replace("SPLIT", split))
+    assert not findings
+
+
+# --- 6. rope: interleaved pairs filled into a clone of x ----------------------------------------------------------
+_CLONE_FILL = '''
+import torch
+
+
+def apply_rope(x, cos, sin):
+    x0 = x[..., 0::2]
+    x1 = x[..., 1::2]
+    out = ALLOC
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = SECOND
+    return out
+'''
+
+_RUN_PAIRS = '''
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+angles = torch.rand(5, 4) * 3.0
+out = apply_rope(x, angles.cos(), angles.sin())
+leaves = [x]
+'''
+
+
+def test_interleaved_pairs_filled_into_a_clone_fuse_in_interleave_mode() -> None:
+    from npufuse.patterns.rope import RopePattern
+    code = _CLONE_FILL.replace("ALLOC", "x.clone()").replace("SECOND", "x1 * cos + x0 * sin")
+    facts = _emulated(RopePattern(), code, _RUN_PAIRS)
+    assert 'rotary_mode="interleave"' in facts["finding"].fused
+
+
+@pytest.mark.parametrize("alloc, second", [
+    ("x.clone()", "x1 * cos - x0 * sin"),  # the odd lanes' sign is not a rotation's
+    ("y.clone()", "x1 * cos + x0 * sin"),  # a clone of another tensor: its dtype / shape are not x's
+    ("x.clone(memory_format=torch.channels_last)", "x1 * cos + x0 * sin"),  # a clone with arguments is not read
+])
+def test_fills_of_a_clone_that_are_no_rotation_of_x_are_not_fused(alloc: str, second: str) -> None:
+    from npufuse.patterns.rope import RopePattern
+    code = _CLONE_FILL.replace("ALLOC", alloc).replace("SECOND", second).replace("def apply_rope(x, cos, sin):", "def apply_rope(x, cos, sin, y=None):")
+    findings, _misses = detect_all(RopePattern(), code)
+    assert not findings

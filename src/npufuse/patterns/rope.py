@@ -2088,7 +2088,7 @@ class RopePattern(Pattern):
             _TORCH_IMPORTS.set(torch_imports)
             filled = _filled_site(block, i, stmt)
             if filled is not None:
-                res = self._filled_match(module, scope, filled, stmt.value)  # type: ignore[attr-defined]
+                res = self._filled_match(module, scope, filled, getattr(filled, "npufuse_alloc", stmt.value))  # type: ignore[attr-defined]
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + 3])
                     runs.append((block, [(i, filled, [res])]))
@@ -2289,7 +2289,9 @@ class RopePattern(Pattern):
                 scope = scopes.get(id(fn))
                 body = scope_text(module, scope) if scope is not None else segment(module, fn)
                 # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
-                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body
+                # (s42: or a clone of x whose every lane is filled: ``out = x.clone(); out[..., 0::2] = ..``)
+                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body \
+                    or ".clone()" in body and "] =" in body
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
                 | _relative_rotation_imports(module)
@@ -6499,17 +6501,39 @@ def _filled_site(block: list[ast.stmt], i: int, stmt: ast.stmt) -> ast.Assign | 
     ``block[i]`` as one statement ``res = torch.cat((x1*cos - x2*sin, x2*cos + x1*sin), dim=-1)`` spanning
     the three (canonical.filled_output): the fused call then replaces the three with ``res = <fused>``."""
     if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
-            and stmt.value.func.attr in ("empty_like", "zeros_like") and i + 2 < len(block)):
+            and stmt.value.func.attr in ("empty_like", "zeros_like", "clone") and i + 2 < len(block)):
         return None
-    found = canonical.filled_output(block[i : i + 3])
+    alloc = _s42_clone_as_empty_like(stmt)
+    if alloc is None:
+        return None
+    found = canonical.filled_output([alloc, *block[i + 1 : i + 3]])
     if found is None:
         return None
     out, expr = found
     last = block[i + 2]
     target = ast.Name(id=out, ctx=ast.Store(), lineno=stmt.targets[0].lineno, col_offset=stmt.targets[0].col_offset,
                       end_lineno=stmt.targets[0].end_lineno, end_col_offset=stmt.targets[0].end_col_offset)
-    return ast.Assign(targets=[target], value=expr, lineno=stmt.lineno, col_offset=stmt.col_offset,
+    site = ast.Assign(targets=[target], value=expr, lineno=stmt.lineno, col_offset=stmt.col_offset,
                       end_lineno=last.end_lineno, end_col_offset=last.end_col_offset)
+    site.npufuse_alloc = alloc.value  # type: ignore[attr-defined]  # the buffer as ``empty_like(x)`` (what _filled_match reads)
+    return site
+
+
+def _s42_clone_as_empty_like(stmt: ast.Assign) -> ast.Assign | None:
+    """The allocation ``out = x.clone()`` read as ``out = torch.empty_like(x)`` (other allocations as written): where
+    the two fills that follow cover every lane of the last dim (canonical.filled_output only takes such fills),
+    nothing of the copy survives, and the buffer's dtype and shape are x's as with empty_like. None for a clone with
+    arguments (``memory_format=``) or of an expression that is no plain name / attribute (it would be evaluated
+    again)."""
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "clone"):
+        return stmt
+    if call.args or call.keywords or not isinstance(call.func.value, (ast.Name, ast.Attribute)):
+        return None
+    empty = ast.copy_location(ast.Call(func=ast.copy_location(ast.Attribute(value=ast.Name("torch", ast.Load()), attr="empty_like",
+                                                                            ctx=ast.Load()), call.func),
+                                       args=[call.func.value], keywords=[]), call)
+    return ast.copy_location(ast.Assign(targets=stmt.targets, value=empty), stmt)
 
 
 def _filled_lanes_site(scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt) -> tuple[ast.Assign, ast.expr | None, int] | None:
