@@ -242,7 +242,9 @@ def test_a_causal_sdpa_whose_mask_may_be_none_fuses_under_a_none_test(signature:
     ("pad", "        attn_mask = None\n        attn_mask = ~pad[:, None, None, :]\n"),
     # a parameter the code never says may be None
     ("attn_mask", ""),
-], ids=["always_built", "parameter_never_tested"])
+    # the None case filled in before the call
+    ("attn_mask=None", "        if attn_mask is None:\n            attn_mask = torch.ones(N, N, dtype=torch.bool, device=x.device)\n"),
+], ids=["always_built", "parameter_never_tested", "none_filled_in"])
 def test_a_causal_sdpa_whose_mask_is_always_given_stays_a_near_miss(signature: str, build: str) -> None:
     findings, misses = detect_all(SdpaPattern(), _CAUSAL.replace("SIGNATURE", signature).replace("BUILD", build))
     assert not findings

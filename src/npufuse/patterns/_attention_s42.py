@@ -31,6 +31,16 @@ def _tested_against_none(fn: ast.AST, name: str) -> bool:
     return False
 
 
+def _filled_where_none(fn: ast.AST, name: str, stmt: ast.stmt) -> bool:
+    """``stmt`` sits in the body of an ``if name is None:`` of the function ``fn``."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and len(n.test.ops) == 1 and isinstance(n.test.ops[0], ast.Is) \
+                and isinstance(n.test.left, ast.Name) and n.test.left.id == name and _none_constant(n.test.comparators[0]) \
+                and any(sub is stmt for part in n.body for sub in ast.walk(part)):
+            return True
+    return False
+
+
 def mask_may_be_none(scope: Any, mask: Any, line: int) -> bool:
     """The SDPA mask ``mask`` (a plain name) may be None where the call on ``line`` runs: a parameter the code says
     may be None (s40's None default / ``Optional`` annotation, or a test against None in the function) or a local
@@ -44,6 +54,8 @@ def mask_may_be_none(scope: Any, mask: Any, line: int) -> bool:
         last_stmt, last_value = before[-1]
         if not _none_constant(last_value) and any(last_stmt is st for st in fn.body):
             return False  # rebound on every path before the call (``mask = None`` then ``mask = build(..)``): always given
+        if any(not _none_constant(v) and _filled_where_none(fn, mask.id, st) for st, v in before):
+            return False  # ``if mask is None: mask = torch.zeros(..)``: the None case is filled in, a mask always reaches the call
         if any(_none_constant(v) for _st, v in before):
             return True
     params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
