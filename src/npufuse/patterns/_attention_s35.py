@@ -215,16 +215,22 @@ _BOOL_METHODS = frozenset(("bool", "logical_not", "logical_and", "logical_or", "
 _BOOL_FUNCTIONS = frozenset(("logical_not", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge", "isin"))
 
 
+def local_values(fn: ast.AST) -> dict[str, list[ast.expr]]:
+    """name -> every value a plain ``name = value`` assigns it in the function ``fn`` (nested blocks included)."""
+    assigned: dict[str, list[ast.expr]] = {}
+    for st in ast.walk(fn):
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    return assigned
+
+
 def returns_bool(fn: Any) -> bool:
     """Every ``return`` of the function ``fn`` gives a bool tensor by construction: a comparison, ``~`` / ``&`` /
     ``|`` / ``^`` of such, a view or ``.bool()`` of one (``.to(device)`` keeps it), through the function's local
     names; False for anything else (and for a class or a function without a returned value)."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    assigned: dict[str, list[ast.expr]] = {}
-    for st in ast.walk(fn):
-        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    assigned = local_values(fn)
     returns = [r.value for r in ast.walk(fn) if isinstance(r, ast.Return)]
 
     def is_bool(n: Any, depth: int = 0) -> bool:

@@ -14,7 +14,7 @@ import ast
 import re
 from typing import Any
 
-from npufuse.patterns import _attention_s40
+from npufuse.patterns import _attention_s35, _attention_s40
 from npufuse.scan.dataflow import const_value, dotted
 
 
@@ -96,11 +96,9 @@ def returns_zero_minus_inf(fn: Any) -> bool:
     a sum of such, through the function's local names (each of their assignments must be one)."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    assigned: dict[str, list[ast.expr]] = {}
+    assigned = _attention_s35.local_values(fn)
     for st in ast.walk(fn):
-        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            assigned.setdefault(st.targets[0].id, []).append(st.value)
-        elif isinstance(st, (ast.AugAssign, ast.AnnAssign)) and isinstance(st.target, ast.Name):
+        if isinstance(st, (ast.AugAssign, ast.AnnAssign)) and isinstance(st.target, ast.Name):
             assigned.setdefault(st.target.id, []).append(ast.Constant("unread"))  # ``b += x``: not read, unproven
     returns = [r.value for r in ast.walk(fn) if isinstance(r, ast.Return)]
 

@@ -2006,6 +2006,17 @@ def _flush_unabsorbed(runs: list, pending: list) -> list[tuple[ast.stmt, str]]:
     return refused
 
 
+def _doubled_half_tables(module: ModuleInfo, cos: ast.expr, sin: ast.expr, negate: bool, negate_note: str) -> tuple[list[str], tuple[str, str]]:
+    """(statements, (cos name, sin name)) widening half-size tables to the full head dim as ``cat((t, t))`` (sin
+    negated where the written rotation is by -angle, ``negate_note`` saying how the code shows it)."""
+    tag = _ident(segment(module, cos))
+    cs = [segment(module, cos), segment(module, sin)]
+    full = (f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full")
+    sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+    return [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
+            f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + (f"  # {negate_note}" if negate else "")], full
+
+
 # --- s42: half rotation with the TABLES split into halves too ------------------------------------------------------
 # ``x1, x2 = x.chunk(2, -1); cos1, cos2 = cos.chunk(2, -1); sin1, sin2 = sin.chunk(2, -1)``,
 # ``y1 = x1*cos1 - x2*sin1; y2 = x2*cos2 + x1*sin2; cat((y1, y2), -1)``. npu_rotary_mul's half mode computes
@@ -2537,13 +2548,8 @@ class RopePattern(Pattern):
             m = self._build_real(module, scope, node, "half", base, c_a, s_a)
             if isinstance(m, str):
                 return m
-            tag = _ident(segment(module, c_a))
-            cs = [segment(module, c_a), segment(module, s_a)]
-            full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
-            sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
-            m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
-                      f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
-            m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
+            m.prep, (m.cos, m.sin) = _doubled_half_tables(module, c_a, s_a, negate, "y1 = x1*cos + x2*sin: the rotation by -angle")
+            m.x_text = segment(module, base)
         m.absorb = [d[0] for d in defs]
         m.post = _pair_cast_suffix(node) + def_cast + m.post
         if anchor is not site:
@@ -2560,13 +2566,8 @@ class RopePattern(Pattern):
         m = self._build_real(module, scope, site.value, "half", x, cos, sin)
         if isinstance(m, str):
             return m
-        tag = _ident(segment(module, cos))
+        m.prep, (m.cos, m.sin) = _doubled_half_tables(module, cos, sin, negate, "the rotation by -angle: sin negated")
         cs = [segment(module, cos), segment(module, sin)]
-        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
-        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
-        m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
-                  f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # the rotation by -angle: sin negated" if negate else "")]
-        m.cos, m.sin = full
         xa = _atom(segment(module, x))
         m.x_text = f"{xa}.float()" if upcast else segment(module, x)
         if upcast:
