@@ -338,3 +338,23 @@ def test_fills_of_a_clone_that_are_no_rotation_of_x_are_not_fused(alloc: str, se
     code = _CLONE_FILL.replace("ALLOC", alloc).replace("SECOND", second).replace("def apply_rope(x, cos, sin):", "def apply_rope(x, cos, sin, y=None):")
     findings, _misses = detect_all(RopePattern(), code)
     assert not findings
+
+
+def test_an_unproven_mask_from_a_method_is_named_as_a_method_not_a_module() -> None:
+    # XY-Tokenizer's style: a 0/1 keep mask shifted as ``m + (1 - m) * finfo.min`` (1 on kept entries, not 0), built
+    # by a method fed the scores' dtype: not proven 0 / -inf, and no module computes it
+    code = _HEAD + '''
+    def _create_attention_mask(self, seq_len, max_len, device, dtype):
+        keep = torch.arange(max_len, device=device)[None, :] < seq_len[:, None]
+        mask = (keep[:, None, :, None] & keep[:, None, None, :]).to(dtype)
+        return mask + (1.0 - mask) * torch.finfo(dtype).min
+
+    def forward(self, x, seq_len):
+''' + _SPLIT + '''        scores = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        scores = scores + self._create_attention_mask(seq_len, N, x.device, scores.dtype)
+        return torch.matmul(F.softmax(scores, dim=-1), v).transpose(1, 2).reshape(B, N, C)
+'''
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert not findings
+    (m,) = misses
+    assert "the method `_create_attention_mask` of this class" in m.reason and "by a module" not in m.reason, m.reason

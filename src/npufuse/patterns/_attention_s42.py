@@ -168,3 +168,15 @@ def zero_minus_inf_helper_call(module: Any, scope: Any, node: Any) -> bool:
     if id(fn) not in memo:
         memo[id(fn)] = returns_zero_minus_inf(fn)
     return memo[id(fn)]
+
+
+def method_reason(module: Any, scope: Any, call: Any, text: str) -> str | None:
+    """The near-miss reason for an additive term that a METHOD of the class computes (``self._create_attention_mask(
+    ..)``), which s28's reading called a module's bias: what is known is that its values are not proven here; None
+    where ``call`` is no method of the class (a submodule attribute: the module reason stands)."""
+    fn = helper_of_call(module, scope, call)
+    if fn is None or not isinstance(call.func, ast.Attribute):
+        return None
+    return (f"an additive term computed by `{text}` (the method `{fn.name}` of this class) is added to the scores: npufuse "
+            "proves neither that it holds only 0 and -inf / a large negative value (a mask, passed as atten_mask) nor that "
+            "it is a float bias, and checking its values at run time would call the method a second time")

@@ -2474,6 +2474,9 @@ class _Matcher:
             # a term a module computes (gpt-neox ``rpe = self.rpe(sq, sk)``) is a learned bias, not a 0/-inf mask; its
             # values could only be checked after computing it, and the original code would compute it again
             if cond is None or _heavy(cond[0], through_meta=False):
+                method = _attention_s42.method_reason(self.module, self.scope, module_call, self.src(module_call))
+                if method:
+                    raise Miss(method)  # s42: a method of the class is no module, and what it returns may be a mask
                 raise Miss(f"an additive term computed by a module (`{self.src(module_call)}`) is added to the scores: a bias "
                            "(npu_fusion_attention's `pse`), which npufuse does not generate")
             chain.excluded.append((cond[0], cond[1], f"+ {self.src(term)}"))
