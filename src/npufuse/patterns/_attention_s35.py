@@ -213,6 +213,18 @@ def row_constant_guard(factor: Any, rank: int) -> ast.expr:
 _BOOL_METHODS = frozenset(("bool", "logical_not", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge",
                            "view", "reshape", "unsqueeze", "expand", "to", "contiguous", "transpose", "permute"))
 
+# torch functions whose result is bool whatever their inputs
+_BOOL_FUNCTIONS = frozenset(("logical_not", "logical_and", "logical_or", "logical_xor", "eq", "ne", "lt", "le", "gt", "ge", "isin"))
+
+
+def local_values(fn: ast.AST) -> dict[str, list[ast.expr]]:
+    """name -> every value a plain ``name = value`` assigns it in the function ``fn`` (nested blocks included)."""
+    assigned: dict[str, list[ast.expr]] = {}
+    for st in fast_walk(fn):
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    return assigned
+
 
 def returns_bool(fn: Any) -> bool:
     """Every ``return`` of the function ``fn`` gives a bool tensor by construction: a comparison, ``~`` / ``&`` /
@@ -220,10 +232,7 @@ def returns_bool(fn: Any) -> bool:
     names; False for anything else (and for a class or a function without a returned value)."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    assigned: dict[str, list[ast.expr]] = {}
-    for st in fast_walk(fn):
-        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            assigned.setdefault(st.targets[0].id, []).append(st.value)
+    assigned = local_values(fn)
     returns = [r.value for r in fast_walk(fn) if isinstance(r, ast.Return)]
 
     def is_bool(n: Any, depth: int = 0) -> bool:
@@ -235,6 +244,9 @@ def returns_bool(fn: Any) -> bool:
             return is_bool(n.operand, depth + 1)
         if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
             return is_bool(n.left, depth + 1) and is_bool(n.right, depth + 1)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                and n.func.value.id == "torch" and n.func.attr in _BOOL_FUNCTIONS:
+            return True  # s42: ``torch.logical_and(a, b)`` / ``torch.lt(p, n)``: bool whatever the inputs
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _BOOL_METHODS:
             if n.func.attr == "bool" and not n.args:
                 return True
@@ -245,6 +257,8 @@ def returns_bool(fn: Any) -> bool:
         if isinstance(n, ast.Name):
             values = assigned.get(n.id, [])
             return bool(values) and all(is_bool(v, depth + 1) for v in values)
+        if isinstance(n, ast.Subscript):
+            return is_bool(n.value, depth + 1)  # s42: ``keep[:, None, None, :]``: an index of a bool tensor is bool
         return False
 
     return bool(returns) and all(is_bool(r) for r in returns)

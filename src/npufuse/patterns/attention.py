@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
+from npufuse.patterns import _attention_s42
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2466,12 +2467,17 @@ class _Matcher:
             _s28_take_bias(self, term, chain, cond)  # s28: a bias goes to pse (q pre-scaled, scale 1.0)
             return
         module_call = next((n for n in walk_values(term) if isinstance(n, ast.Call) and _is_self_attr(n.func)), None)
+        if module_call is not None and _attention_s42.zero_minus_inf_helper_call(self.module, self.scope, _deref_value(term)):
+            module_call = None  # s42: a method of the class returning ``where(keep, 0, -inf)``: a mask, not a module's bias
         if module_call is not None and _s28_module_bias(self, term, chain, cond):  # s28: a module's bias goes to pse too
             return
         if module_call is not None:
             # a term a module computes (gpt-neox ``rpe = self.rpe(sq, sk)``) is a learned bias, not a 0/-inf mask; its
             # values could only be checked after computing it, and the original code would compute it again
             if cond is None or _heavy(cond[0], through_meta=False):
+                method = _attention_s42.method_reason(self.module, self.scope, module_call, self.src(module_call))
+                if method:
+                    raise Miss(method)  # s42: a method of the class is no module, and what it returns may be a mask
                 raise Miss(f"an additive term computed by a module (`{self.src(module_call)}`) is added to the scores: a bias "
                            "(npu_fusion_attention's `pse`), which npufuse does not generate")
             chain.excluded.append((cond[0], cond[1], f"+ {self.src(term)}"))
@@ -4199,8 +4205,8 @@ class AttentionPattern(Pattern):
                 continue
             elif _attention_audit41.boolean_built(_deref_value(m.node)):
                 raise Miss(_attention_audit41.added_boolean_reason(r.text(m.node)))  # s41: True adds 1
-            elif _zero_or_minus_inf_built(m.node):
-                continue  # built in view from -inf / finfo.min (or zeros) on every branch: a 0/-inf mask
+            elif _zero_or_minus_inf_built(m.node) or _attention_s42.zero_minus_inf_helper_call(module, scope, _deref_value(m.node)):
+                continue  # built in view from -inf / finfo.min (or zeros) on every branch (s42: or by a helper): a 0/-inf mask
             else:
                 t = r.text(m.node)
                 check = additive_mask_exact(t)
@@ -10529,39 +10535,79 @@ AttentionPattern.KEEP += [
 # original spreads the weight uniformly and the fused op's value is not pinned down (spec §14): a stated risk.
 # The value is proven (literal, finfo.min, -inf), never guessed; a ceiling (``max=``) is capping and stays refused.
 def _s28_floor_clamp(m: "_Matcher", node: Any, chain: Chain) -> Any:
-    """The clamped scores of a floor clamp at a large negative value, else None."""
+    """The clamped scores of a floor clamp at a large negative value (and / or, s42, a ceiling at a large positive
+    value the logits never reach), else None."""
     if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
         return None
     fn = (m._fn(node) or "").rpartition(".")[2] if not isinstance(node.func, ast.Attribute) or m._fn(node) else ""
     method = node.func.attr if isinstance(node.func, ast.Attribute) and not m._fn(node) else ""
     kw = {k.arg: k.value for k in node.keywords}
-    x = floor = None
+    x = floor = ceiling = None
     if fn in ("max", "maximum") and len(node.args) == 2 and not kw:
         a, b = node.args
         x, floor = (a, b) if _heavy(a, through_meta=False) and not _heavy(b, through_meta=False) else (b, a) \
             if _heavy(b, through_meta=False) and not _heavy(a, through_meta=False) else (None, None)
         if floor is not None and isinstance(const_value(floor), (int, float)):
             return None  # torch.max(x, int) is a reduction over a dim, not a clamp
-    elif fn in ("clamp", "clip", "clamp_min") and node.args and _heavy(node.args[0], through_meta=False):
-        x = node.args[0]
-        floor = node.args[1] if len(node.args) > 1 else kw.get("min")
-        if len(node.args) > 2 or kw.get("max") is not None or (fn != "clamp_min" and len(node.args) > 2):
+    elif fn in ("clamp", "clip", "clamp_min", "clamp_max") and node.args and _heavy(node.args[0], through_meta=False):
+        if len(node.args) > 3 or set(kw) - {"min", "max"}:
             return None
-    elif method in ("clamp", "clip", "clamp_min") and isinstance(node.func, ast.Attribute):
+        x, bounds = node.args[0], list(node.args[1:])
+        floor, ceiling = _s42_clamp_bounds(fn, bounds, kw)
+    elif method in ("clamp", "clip", "clamp_min", "clamp_max") and isinstance(node.func, ast.Attribute):
+        if len(node.args) > 2 or set(kw) - {"min", "max"}:
+            return None
         x = node.func.value
-        floor = node.args[0] if node.args else kw.get("min")
-        if len(node.args) > 1 or kw.get("max") is not None:
-            return None
-    if x is None or floor is None:
+        floor, ceiling = _s42_clamp_bounds(method, list(node.args), kw)
+    if x is None or floor is None and ceiling is None:
         return None
-    ok, finite = m._fill_ok(floor)
-    if not ok:
+    if floor is not None and not m._fill_ok(floor)[0]:
         return None
-    chain.risks.append(Risk("numerics", f"`{m.src(node)}` floors the scores at a large negative value: it only changes logits whose softmax weight "
-                                        "is 0 either way, except in fully masked rows (the original gives them uniform weights; the fused op's "
-                                        "value there is not pinned down, spec §14)"))
-    chain.notes.append(f"the floor clamp `{m.src(node)}` is dropped: it acts on masked logits only")
+    cap = _s42_unreached_ceiling(m, ceiling) if ceiling is not None else None
+    if ceiling is not None and cap is None:
+        return None  # a ceiling the logits can reach is capping (stays refused)
+    if floor is not None:
+        chain.risks.append(Risk("numerics", f"`{m.src(node)}` floors the scores at a large negative value: it only changes logits whose softmax weight "
+                                            "is 0 either way, except in fully masked rows (the original gives them uniform weights; the fused op's "
+                                            "value there is not pinned down, spec §14)"))
+    if cap is not None:
+        # s42: ``scores.clamp(-1e9, 1e9)`` is an overflow guard, not soft-capping (``cap * tanh(s / cap)``)
+        chain.risks.append(Risk("numerics", f"`{m.src(node)}` caps the scores at {cap}: attention logits stay far below it, so the cap never "
+                                            "acts; a logit above it (an overflowed product) would be clipped in the original, not in the fused op"))
+    chain.notes.append(f"the clamp `{m.src(node)}` is dropped: it acts on masked logits only" if cap is None
+                       else f"the clamp `{m.src(node)}` is dropped: its bounds are never reached by real logits")
     return x
+
+
+def _s42_clamp_bounds(name: str, args: list[Any], kw: dict[str, Any]) -> tuple[Any, Any]:
+    """(floor, ceiling) nodes of a clamp spelled ``name(args, **kw)`` without its input; None where absent."""
+    if name == "clamp_min":
+        return (args[0] if args else kw.get("min")), None
+    if name == "clamp_max":
+        return None, (args[0] if args else kw.get("max"))
+    floor = args[0] if args else kw.get("min")
+    ceiling = args[1] if len(args) > 1 else kw.get("max")
+    none = lambda b: b is not None and const_value(b) is None  # ``clamp(s, None, 1e4)``
+    return (None if none(floor) else floor), (None if none(ceiling) else ceiling)
+
+
+# s42: a ceiling counts as never reached from 1e4 up: a scaled q.k logit that size would already saturate the softmax
+# into a one-hot row (exp(-1e4) is 0 in every float dtype), the values models produce stay in the tens to hundreds
+_S42_UNREACHED_CEILING = 1e4
+
+
+def _s42_unreached_ceiling(m: "_Matcher", ceiling: Any) -> str | None:
+    """The text of a ceiling no real logit reaches (a literal >= 1e4, ``finfo(..).max``, +inf), else None."""
+    ceiling = deref(ceiling)
+    text = m.src(ceiling).replace(" ", "")
+    if re.fullmatch(r"(float\(['\"]inf['\"]\)|(math|torch|np|numpy)\.inf|[\w.]+\.finfo\([^()]*(\([^()]*\))?[^()]*\)\.max)", text):
+        return text
+    v = const_value(ceiling)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        v = _folded_fill(m.module, ceiling)  # ``1e9``, ``10 ** 9``, ``float("1e9")``
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= _S42_UNREACHED_CEILING:
+        return f"{v:g}"
+    return None
 
 
 _S28_FLOOR_CLAMP = '''

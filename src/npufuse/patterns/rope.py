@@ -2006,6 +2006,65 @@ def _flush_unabsorbed(runs: list, pending: list) -> list[tuple[ast.stmt, str]]:
     return refused
 
 
+def _doubled_half_tables(module: ModuleInfo, cos: ast.expr, sin: ast.expr, negate: bool, negate_note: str) -> tuple[list[str], tuple[str, str]]:
+    """(statements, (cos name, sin name)) widening half-size tables to the full head dim as ``cat((t, t))`` (sin
+    negated where the written rotation is by -angle, ``negate_note`` saying how the code shows it)."""
+    tag = _ident(segment(module, cos))
+    cs = [segment(module, cos), segment(module, sin)]
+    full = (f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full")
+    sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
+    return [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
+            f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + (f"  # {negate_note}" if negate else "")], full
+
+
+# --- s42: half rotation with the TABLES split into halves too ------------------------------------------------------
+# ``x1, x2 = x.chunk(2, -1); cos1, cos2 = cos.chunk(2, -1); sin1, sin2 = sin.chunk(2, -1)``,
+# ``y1 = x1*cos1 - x2*sin1; y2 = x2*cos2 + x1*sin2; cat((y1, y2), -1)``. npu_rotary_mul's half mode computes
+# ``x*cos + rotate_half(x)*sin`` = ``[x1*cos[:h] - x2*sin[:h], x2*cos[h:] + x1*sin[h:]]`` (spec 4.1): with the tables
+# the halves were cut from, passed whole, that is exactly the written code whatever the two halves hold (equal
+# halves, ``cat((freqs, freqs))``, are not needed). The fused call runs where each table is as wide as x (so its
+# halves are cut at x's split point), the original code elsewhere.
+def _s42_table_halves(module: ModuleInfo, scope: Scope, line: int, pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, list[str]] | None:
+    """(the table, run-time split checks) where ``pair`` is the (first, second) half of one table's last dim."""
+    lane = canonical.lane_of(module, scope, pair[0], line)
+    if lane is None or lane.kind != "halves":
+        return None
+    table = lane.source
+    halves = _Halves(scope, lambda n: same_expr(n, table), module)
+    halves.allow_split = True
+    if halves.part(pair[0]) != "first" or halves.part(pair[1]) != "second" or halves.prefix is not None:
+        return None
+    return table, list(halves.split_checks)
+
+
+def _s42_split_tables(module: ModuleInfo, scope: Scope, line: int, cos_pair: tuple[ast.expr, ast.expr],
+                      sin_pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, ast.expr, list[str]] | None:
+    """(cos table, sin table, split checks) of a rotation whose cos / sin factors are the halves of two tables."""
+    c = _s42_table_halves(module, scope, line, cos_pair)
+    s = _s42_table_halves(module, scope, line, sin_pair) if c is not None else None
+    if c is None or s is None:
+        return None
+    return c[0], s[0], c[1] + s[1]
+
+
+def _s42_split_table_match(pattern: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr,
+                           tables: tuple[ast.expr, ast.expr, list[str]], negate: bool) -> "_Match | str":
+    cos_t, sin_t, checks = tables
+    m = pattern._build_real(module, scope, node, "half", base, cos_t, sin_t)
+    if isinstance(m, str):
+        return m
+    cos_s, sin_s, x_s = segment(module, cos_t), segment(module, sin_t), segment(module, base)
+    if negate:
+        m.prep = [f"_npufuse_{_ident(sin_s)}_neg = -{_atom(sin_s)}  # y1 = x1*cos + x2*sin: the rotation by -angle"]
+        m.sin = f"_npufuse_{_ident(sin_s)}_neg"
+    width = [f"{_atom(t)}.shape[-1] == {_atom(x_s)}.shape[-1]" for t in (cos_s, sin_s)]
+    check = " and ".join(dict.fromkeys(width + checks))
+    m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
+    m.only_note = (m.only_note + "; " if m.only_note else "") + (
+        "cos / sin split into halves like x: passed whole, fused where they are as wide as x (their halves cut where x's are)")
+    return m
+
+
 class RopePattern(Pattern):
     id = "rope"
     api = "torch_npu.npu_rotary_mul"
@@ -2040,7 +2099,7 @@ class RopePattern(Pattern):
             _TORCH_IMPORTS.set(torch_imports)
             filled = _filled_site(block, i, stmt)
             if filled is not None:
-                res = self._filled_match(module, scope, filled, stmt.value)  # type: ignore[attr-defined]
+                res = self._filled_match(module, scope, filled, getattr(filled, "npufuse_alloc", stmt.value))  # type: ignore[attr-defined]
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + 3])
                     runs.append((block, [(i, filled, [res])]))
@@ -2241,7 +2300,9 @@ class RopePattern(Pattern):
                 scope = scopes.get(id(fn))
                 body = scope_text(module, scope) if scope is not None else segment(module, fn)
                 # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
-                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body
+                # (s42: or a clone of x whose every lane is filled: ``out = x.clone(); out[..., 0::2] = ..``)
+                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body \
+                    or ".clone()" in body and "] =" in body
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
                 | _relative_rotation_imports(module)
@@ -2465,8 +2526,14 @@ class RopePattern(Pattern):
             return None
         (s1a, c_a), (s1b, s_a) = a[p0], a[p1]   # y1 = ±x1*c ± x2*s
         (s2b, c_b), (s2a, s_b) = b[p1], b[p0]   # y2 = ±x2*c ± x1*s
-        if not (same_expr(c_a, c_b) and same_expr(s_a, s_b) and s1a == 1 and s2b == 1 and s1b == -s2a):
+        if not (s1a == 1 and s2b == 1 and s1b == -s2a):
             return None
+        # s42: ``cos1, cos2 = cos.chunk(2, -1)``, y1 = x1*cos1 - x2*sin1, y2 = x2*cos2 + x1*sin2: the full tables
+        split_tables = None
+        if not (same_expr(c_a, c_b) and same_expr(s_a, s_b)):
+            split_tables = _s42_split_tables(module, scope, node.lineno, (c_a, c_b), (s_a, s_b)) if kind == "halves" else None
+            if split_tables is None:
+                return None
         negate = s1b == 1  # y1 = x1*c + x2*s: the rotation by -angle, i.e. sin negated
         scope = scope_for_halves
         if kind == "pairs":
@@ -2478,16 +2545,16 @@ class RopePattern(Pattern):
             if isinstance(lanes, _Match):
                 _add_split_checks(lanes, halves)  # lanes of a rotated prefix ``x[..., :u:2]``: that prefix is rotated
             return lanes
-        m = self._build_real(module, scope, node, "half", base, c_a, s_a)
-        if isinstance(m, str):
-            return m
-        tag = _ident(segment(module, c_a))
-        cs = [segment(module, c_a), segment(module, s_a)]
-        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
-        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
-        m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
-                  f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # y1 = x1*cos + x2*sin: the rotation by -angle" if negate else "")]
-        m.cos, m.sin, m.x_text = full[0], full[1], segment(module, base)
+        if split_tables is not None:
+            m = _s42_split_table_match(self, module, scope, node, base, split_tables, negate)
+            if isinstance(m, str):
+                return m
+        else:
+            m = self._build_real(module, scope, node, "half", base, c_a, s_a)
+            if isinstance(m, str):
+                return m
+            m.prep, (m.cos, m.sin) = _doubled_half_tables(module, c_a, s_a, negate, "y1 = x1*cos + x2*sin: the rotation by -angle")
+            m.x_text = segment(module, base)
         m.absorb = [d[0] for d in defs]
         m.post = _pair_cast_suffix(node) + def_cast + m.post
         if anchor is not site:
@@ -2504,13 +2571,8 @@ class RopePattern(Pattern):
         m = self._build_real(module, scope, site.value, "half", x, cos, sin)
         if isinstance(m, str):
             return m
-        tag = _ident(segment(module, cos))
+        m.prep, (m.cos, m.sin) = _doubled_half_tables(module, cos, sin, negate, "the rotation by -angle: sin negated")
         cs = [segment(module, cos), segment(module, sin)]
-        full = [f"_npufuse_{tag}_cos_full", f"_npufuse_{tag}_sin_full"]
-        sin_half = f"-{_atom(cs[1])}" if negate else _atom(cs[1])
-        m.prep = [f"{full[0]} = torch.cat(({_atom(cs[0])}, {_atom(cs[0])}), dim=-1)  # half-size cos/sin -> the full head dim",
-                  f"{full[1]} = torch.cat(({sin_half}, {sin_half}), dim=-1)" + ("  # the rotation by -angle: sin negated" if negate else "")]
-        m.cos, m.sin = full
         xa = _atom(segment(module, x))
         m.x_text = f"{xa}.float()" if upcast else segment(module, x)
         if upcast:
@@ -6451,17 +6513,39 @@ def _filled_site(block: list[ast.stmt], i: int, stmt: ast.stmt) -> ast.Assign | 
     ``block[i]`` as one statement ``res = torch.cat((x1*cos - x2*sin, x2*cos + x1*sin), dim=-1)`` spanning
     the three (canonical.filled_output): the fused call then replaces the three with ``res = <fused>``."""
     if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
-            and stmt.value.func.attr in ("empty_like", "zeros_like") and i + 2 < len(block)):
+            and stmt.value.func.attr in ("empty_like", "zeros_like", "clone") and i + 2 < len(block)):
         return None
-    found = canonical.filled_output(block[i : i + 3])
+    alloc = _s42_clone_as_empty_like(stmt)
+    if alloc is None:
+        return None
+    found = canonical.filled_output([alloc, *block[i + 1 : i + 3]])
     if found is None:
         return None
     out, expr = found
     last = block[i + 2]
     target = ast.Name(id=out, ctx=ast.Store(), lineno=stmt.targets[0].lineno, col_offset=stmt.targets[0].col_offset,
                       end_lineno=stmt.targets[0].end_lineno, end_col_offset=stmt.targets[0].end_col_offset)
-    return ast.Assign(targets=[target], value=expr, lineno=stmt.lineno, col_offset=stmt.col_offset,
+    site = ast.Assign(targets=[target], value=expr, lineno=stmt.lineno, col_offset=stmt.col_offset,
                       end_lineno=last.end_lineno, end_col_offset=last.end_col_offset)
+    site.npufuse_alloc = alloc.value  # type: ignore[attr-defined]  # the buffer as ``empty_like(x)`` (what _filled_match reads)
+    return site
+
+
+def _s42_clone_as_empty_like(stmt: ast.Assign) -> ast.Assign | None:
+    """The allocation ``out = x.clone()`` read as ``out = torch.empty_like(x)`` (other allocations as written): where
+    the two fills that follow cover every lane of the last dim (canonical.filled_output only takes such fills),
+    nothing of the copy survives, and the buffer's dtype and shape are x's as with empty_like. None for a clone with
+    arguments (``memory_format=``) or of an expression that is no plain name / attribute (it would be evaluated
+    again)."""
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "clone"):
+        return stmt
+    if call.args or call.keywords or not isinstance(call.func.value, (ast.Name, ast.Attribute)):
+        return None
+    empty = ast.copy_location(ast.Call(func=ast.copy_location(ast.Attribute(value=ast.Name("torch", ast.Load()), attr="empty_like",
+                                                                            ctx=ast.Load()), call.func),
+                                       args=[call.func.value], keywords=[]), call)
+    return ast.copy_location(ast.Assign(targets=stmt.targets, value=empty), stmt)
 
 
 def _filled_lanes_site(scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt) -> tuple[ast.Assign, ast.expr | None, int] | None:

@@ -49,7 +49,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _mask_rows
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -308,7 +308,7 @@ class SdpaPattern(Pattern):
             mask = None
         causal_v = const_value(causal) if causal is not None else False
         mask_none_guard: str | None = None
-        if mask is not None and causal_v is True and _attention_s40.mask_may_be_none(scope, mask, line):
+        if mask is not None and causal_v is True and _attention_s42.mask_may_be_none(scope, mask, line):
             # s40 (HO16a Zenith): ``attn_mask=attention_mask`` (an optional parameter) with ``is_causal=True``: where the mask
             # is None (the generation paths) the call is a plain causal SDPA; with a mask the original runs
             mask_none_guard, mask = f"{mask.id} is None", None  # type: ignore[attr-defined]
