@@ -64,6 +64,9 @@ class NormCall:
     timm: str = ""
     # s41: probed kind (a forward the numeric probe proves): its output dtype rule and the highest input rank proved
     probe: tuple[str, int] = ("", 0)
+    # s42: probed kind whose forward places eps otherwise (outside the root, a clamp): the rule, the original's eps
+    # and the probe's relative difference on rows of rms 1 (the eps above is the probe's mapped eps')
+    s42_eps_form: tuple[str, str, float] | None = None
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1209,6 +1212,9 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
                 return NormCall(call, f.id, "not_rms", cls=f.id,
                                 reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse could not read which "
                                        "module that position of the list holds (each element a list of the same constructions in `__init__`)")
+        passed = _s42_parameter_norm(module, scope, call, ctx)
+        if passed is not None:
+            return passed
         return _function_norm(module, call, ctx)
     if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
         return _member_norm(module, scope, call, ctx)
@@ -1258,7 +1264,7 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
     if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
         lib = _library_gamma_eps(module, f"self.{f.attr}", value)
         if lib is None:
-            return None
+            return _s42_weightless_library_norm(module, call, f.attr, f"self.{f.attr}", value)
         return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1])
     cls = dotted(value.func) or ""
     from npufuse.patterns._library_norm import rms_subclass
@@ -1600,7 +1606,10 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
     """``<layer>.<attr>(s)``: a norm module of another object (see above)."""
     f = call.func
     assert isinstance(f, ast.Attribute)
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) or "norm" not in S.scope_text(module, scope).lower():
+    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+        return None
+    # s42: GPT-2's ``block.ln_2(x)`` names no "norm" anywhere in the scope: the attribute's own name counts too
+    if "norm" not in S.scope_text(module, scope).lower() and not _NORM_ATTR.search(f.attr):
         return None
     root: ast.expr = f
     while isinstance(root, (ast.Attribute, ast.Subscript)):
@@ -1627,8 +1636,10 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
     """What the module ``mod`` (called by ``call``) is, ``value`` (code of ``file``) building it; ``origin``
     says where, for reasons."""
     # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: each side read; the guard picks the one read
+    # s42: an ``nn.Identity()`` side (``RMSNorm(d) if cfg.final_norm else nn.Identity()``) is no norm: the run-time
+    # class test every reading below adds sends it to the original statements
     ctors = [v for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
-             if not (isinstance(v, ast.Constant) and v.value is None)]
+             if not (isinstance(v, ast.Constant) and v.value is None) and not _s42_identity(file, v)]
     if not ctors or not all(isinstance(v, ast.Call) and dotted(v.func) for v in ctors):
         return None
     f = call.func
@@ -1663,7 +1674,11 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
         lib = _library_gamma_eps(file, mod, ctor) if file is module else None
         if lib is None:
             if file is module:
-                return None
+                weightless = _s42_weightless_library_norm(module, call, attr, mod, ctor)
+                if weightless is not None:
+                    weightless.conditions = [f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is None"]
+                    weightless.mod = mod
+                return weightless
             # built in another file: its weight and eps are the instance's
             lib = (f"{mod}.weight", eps_or_default(f"{mod}.eps", T))
         return NormCall(call, attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
@@ -1789,7 +1804,9 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
         return None
     p = found.params
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
-    if p.get("eps_rule") or p.get("weight_offset") or p.get("guards") or not p.get("weight") or p.get("input") != params[1]:
+    # s42: eps outside the root or a clamp (on the norm, on the mean square) is taken with the probe's mapped eps'
+    if (p.get("eps_rule") and p.get("eps_rule") not in _S42_MAPPED_EPS_RULES) or p.get("weight_offset") or p.get("guards") \
+            or not p.get("weight") or p.get("input") != params[1]:
         return None
 
     def on_instance(text: str) -> str | None:
@@ -1806,13 +1823,18 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
         return mod + chain[len(params[0]):]
 
     gamma, eps = on_instance(p["weight"]), on_instance(p["eps"])
+    if eps is None and p.get("eps_rule") and "\n" not in mod:
+        eps = _s42_eps_on_instance(p["eps"], params[0], mod)  # eps' = ``(self.eps) ** 2``: an expression of the module
     if gamma is None or eps is None:
         return None
     rule = p.get("output_dtype")
     if rule not in ("input", "promote", "weight", "float32"):
         return None
-    return NormCall(call, attr, "probed", cls=cls + where, gamma=gamma, eps=eps, mod=mod,
-                    probe=(rule, _probed_rank(found)))
+    nc = NormCall(call, attr, "probed", cls=cls + where, gamma=gamma, eps=eps, mod=mod,
+                  probe=(rule, _probed_rank(found)))
+    if p.get("eps_rule"):
+        nc.s42_eps_form = (p["eps_rule"], p.get("eps_original", ""), float(p.get("eps_bound", 1.0)))
+    return nc
 
 
 def _probed_rank(found: Finding) -> int:
@@ -2361,6 +2383,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         params = {"eps": eps, "weight": gamma, "weight_offset": 0, "upcast": None, "output_dtype": rule, "found_by": "numeric_probe"}
         risks.append(Risk("numerics", f"{m.cls}'s forward is proved an RMSNorm by npufuse's numeric probe on sampled inputs "
                                       "(random x of ranks 2-3, fp32/bf16/fp16, random weights), not by a proof over all inputs"))
+        if m.s42_eps_form is not None:
+            unproved += _s42_eps_form_terms(m, x1, T, params, risks)
         notes.append(f"norm class {m.cls}: read by the numeric probe; training keeps the module call, only inference is fused")
         variant = "probed_norm"
     elif m.third_party or m.timm:
@@ -2774,6 +2798,9 @@ class AddRmsNorm(Pattern):
         if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name and not _installed_forward(module, scope):
+            # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``)
+            if _s42_norm_parameters(scope):
+                yield from self._s42_parameter_sites(module, scope)
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
@@ -2782,6 +2809,22 @@ class AddRmsNorm(Pattern):
             if isinstance(site, str):
                 yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
                 continue
+            if site.nc.kind == "not_rms":
+                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
+                continue
+            r = _build(site.nc.home or module, scope, site)
+            if isinstance(r, str):
+                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
+            else:
+                yield r
+
+    def _s42_parameter_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        """The add + norm sites of a plain function whose norm is one of its parameters (see _s42_parameter_norm)."""
+        params = _s42_norm_parameters(scope)
+        for stmt, site in _sites(module, scope):
+            if isinstance(site, str) or not (isinstance(site.nc.call.func, ast.Name) and site.nc.call.func.id in params):
+                continue
+            first = site.add
             if site.nc.kind == "not_rms":
                 yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
                 continue
@@ -6438,3 +6481,187 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
            else "none is an RMSNorm npufuse can fuse")
     return NormCall(call, f.attr, "not_rms", cls=" or ".join(p.split("`")[1] for p in parts),
                     reason=f"norm `{mod}` is one of several modules built in {scope.class_name}{built}: {'; '.join(parts)}; {why}")
+
+
+# -- s42 (addnorm42): a norm handed to a function as an argument --------------------------------------------------
+# ``def _block(x, norm, attn, mlp): x = x + attn(x); h = norm(x)`` (a helper the model's forward calls with
+# ``self.ln_2`` / ``block.ln_2`` / ``self.layers[i].post_norm``), and a method ``def _ffn(self, x, norm)`` alike: the
+# norm is a parameter, whose module only the callers in this file say. Every call of the function in the file must
+# hand that parameter a module npufuse reads as one construction of one class (followed from ``self`` through
+# ``__init__`` and layer lists, as a member norm); the fused code runs where the parameter's run-time type is that
+# class (another caller, in another file, may hand something else), the original statements otherwise.
+
+_S42_NORM_PARAM = re.compile(r"norm|(^|_)ln(_|\d|$)", re.I)
+
+
+def _s42_norm_parameters(scope: Scope) -> set[str]:
+    """The parameters of the function ``scope`` whose name says norm (``norm``, ``ln_2``, ``post_norm``) and
+    that the function never rebinds: the cheap test before any caller is looked at."""
+    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return set()
+    return {p for p in scope.args if _S42_NORM_PARAM.search(p) and p != "self" and not scope.assignments.get(p)}
+
+
+def _s42_enclosing_scope(module: ModuleInfo, node: ast.AST) -> Scope | None:
+    """The innermost function scope of ``module`` holding ``node`` (by lines)."""
+    best: Scope | None = None
+    for sc in module.scopes:
+        fn = sc.node
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.lineno <= node.lineno <= (fn.end_lineno or fn.lineno):
+            if best is None or fn.lineno >= best.node.lineno:  # type: ignore[attr-defined]
+                best = sc
+    return best
+
+
+def _s42_passed_modules(module: ModuleInfo, scope: Scope, param: str) -> list[tuple[ast.expr, Scope]] | str:
+    """The expressions every call of the function ``scope`` in this file hands ``param`` (each with the caller's
+    scope); a reason when a call hands it otherwise (``*args``, ``**kw``, left to a default) or none is found."""
+    fn = scope.node
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    positional = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    method = scope.class_name is not None
+    if method:
+        positional = positional[1:]  # ``self.<name>(...)`` binds self itself
+    pos = positional.index(param) if param in positional else None
+    found: list[tuple[ast.expr, Scope]] = []
+    for c in R._calls_naming(module, fn.name):
+        f = c.func
+        if method:
+            if not (isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id == "self"):
+                continue
+        elif not (isinstance(f, ast.Name) and f.id == fn.name):
+            continue
+        if any(isinstance(a, ast.Starred) for a in c.args) or any(k.arg is None for k in c.keywords):
+            return f"a call of `{fn.name}` (line {c.lineno}) hands its arguments unpacked"
+        arg = c.args[pos] if pos is not None and pos < len(c.args) else next((k.value for k in c.keywords if k.arg == param), None)
+        caller = _s42_enclosing_scope(module, c)
+        if arg is None or caller is None:
+            return f"a call of `{fn.name}` (line {c.lineno}) does not hand `{param}` a module"
+        found.append((arg, caller))
+    return found or f"no call of `{fn.name}` in this file says which module `{param}` is"
+
+
+def _s42_passed_ctor(module: ModuleInfo, arg: ast.expr, caller: Scope) -> tuple[ModuleInfo, ast.expr] | None:
+    """The construction of the module a caller hands over: ``self.ln_2`` / ``block.ln_2`` / ``self.layers[i].norm``
+    (an attribute built in its object's ``__init__``), or ``self.norms[i]`` (an element of a list of one construction)."""
+    if isinstance(arg, ast.Attribute):
+        owner = _object_class(module, caller, arg.value)
+        if owner is None:
+            return None
+        value = S.init_assignments(owner[0], owner[1]).get(arg.attr)
+        return (owner[0], value) if value is not None else None
+    if isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Attribute):
+        idx = arg.slice
+        if not (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int)):
+            return None
+        owner = _object_class(module, caller, arg.value.value)
+        elts = _list_elements(owner, arg.value.attr) if owner is not None else None
+        if not elts or len({ast.dump(e) for e in elts}) != 1:
+            return None
+        return owner[0], elts[0]  # type: ignore[index]
+    return None
+
+
+def _s42_parameter_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``norm(s)`` with ``norm`` a parameter of the function: read as the one construction its callers hand it."""
+    f = call.func
+    if not (isinstance(f, ast.Name) and f.id in _s42_norm_parameters(scope)) or len(call.args) != 1 or call.keywords:
+        return None
+    passed = _s42_passed_modules(module, scope, f.id)
+    if isinstance(passed, str):
+        return NormCall(call, f.id, "not_rms", cls=f.id, reason=f"`{f.id}` is a parameter of `{scope.qualname}`: {passed}; "
+                                                                   "what the norm is stays unknown")
+    ctors: dict[str, tuple[ModuleInfo, ast.expr]] = {}
+    for arg, caller in passed:
+        built = _s42_passed_ctor(module, arg, caller)
+        if built is None:
+            return NormCall(call, f.id, "not_rms", cls=f.id,
+                            reason=f"`{f.id}` is a parameter of `{scope.qualname}`; the module a caller hands it "
+                                   f"(`{ast.unparse(arg)}`, line {arg.lineno}) is not one npufuse resolves to a construction")
+        ctors.setdefault(f"{built[0].path}:{ast.dump(built[1])}", built)
+    if len(ctors) != 1:
+        return NormCall(call, f.id, "not_rms", cls=f.id,
+                        reason=f"`{f.id}` is a parameter of `{scope.qualname}` whose callers hand it modules built differently "
+                               f"({len(ctors)} constructions): one fused branch per construction is not built")
+    file, value = next(iter(ctors.values()))
+    where = f" (from {file.path})" if file is not module else ""
+    nc = _norm_of_ctor(module, call, ctx, file, value, f.id, where, f"handed to `{scope.qualname}` by its callers")
+    if nc is not None and nc.kind != "not_rms" and not any(c.startswith(("type(", f"type({f.id})")) for c in nc.conditions):
+        return None  # no run-time class test came with the reading: another caller's module would take the fused code
+    return nc
+
+
+# -- s42 (addnorm42): an optional or weightless norm after the add ------------------------------------------------
+# ``self.norm = nn.RMSNorm(d, elementwise_affine=False)`` (no weight: npu_add_rms_norm gets ones of the last dim, as
+# for ``F.rms_norm(x, (d,))``), and ``RMSNorm(d) if cfg.final_norm else nn.Identity()`` (the Identity side is no norm).
+
+
+def _s42_identity(file: ModuleInfo, node: ast.expr) -> bool:
+    """``nn.Identity()`` (any arguments: Identity ignores them)."""
+    return isinstance(node, ast.Call) and file.canonical(node.func) in ("torch.nn.Identity", "torch.nn.modules.linear.Identity")
+
+
+def _s42_weightless_library_norm(module: ModuleInfo, call: ast.Call, attr: str, mod: str, ctor: ast.Call) -> NormCall | None:
+    """``nn.RMSNorm(d, eps, elementwise_affine=False)`` over the last dim alone: npu_add_rms_norm with ones as
+    gamma and the module's eps (None: PyTorch's default). None for any other construction (a flag for the weight
+    npufuse cannot read, a normalized_shape over several dims: ones of the last dim would be the wrong gamma)."""
+    from npufuse.scan.dataflow import const_value, keyword
+
+    affine = keyword(ctor, "elementwise_affine", 2)
+    if affine is None or const_value(affine) is not False or any(k.arg is None for k in ctor.keywords):
+        return None
+    if not _last_dim_shape(keyword(ctor, "normalized_shape", 0)):
+        return None
+    T = S.torch_name(module) or "torch"
+    eps = keyword(ctor, "eps", 1)
+    v = const_value(eps) if eps is not None else None
+    if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
+        e = float32_eps(T)
+    elif type(v) in (int, float):
+        e = S.source_of(module, eps)
+    else:
+        e = eps_or_default(f"{mod}.eps", T)
+    return NormCall(call, attr, "library", cls="nn.RMSNorm (elementwise_affine=False)", gamma="", eps=e, ones=True)
+
+
+# -- s42 (addnorm42): an add + norm whose norm clamps (or adds eps outside the root) ------------------------------
+# rms_norm's numeric probe maps the original's eps to the eps' npu_rms_norm adds inside the root (c ** 2 for a floor
+# c on the rms, E itself for a floor E on the mean square, c ** 2 for c added to the rms) and states the difference;
+# the add + norm on such a norm makes the same decision with the same eps' (never the original's eps), the same
+# stated risk, and the same dtype rule: where the difference at rms 1 exceeds fp32's tolerance, the fused branch runs
+# for fp16 / bf16 sums only.
+
+_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square", "added outside the root")
+
+
+def _s42_eps_on_instance(text: str, me: str, mod: str) -> str | None:
+    """The probe's eps' (an expression of the class's forward: ``(self.eps) ** 2``) with ``self`` read as the
+    module expression ``mod``; None where it reads anything but module attributes and numbers (the input's
+    shape, a name of the class's file)."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id != me:
+            return None
+        if isinstance(n, ast.Call) or isinstance(n, ast.Subscript):
+            return None
+    return re.sub(rf"\b{re.escape(me)}\.", mod + ".", text)
+
+
+def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], risks: list[Risk]) -> str:
+    """The stated risk and params of a probed norm with a mapped eps; the extra test sending fp32 sums to the
+    original statements where the difference exceeds fp32's tolerance (as rms_norm's own finding does)."""
+    from npufuse.scan import numeric_probe
+
+    assert m.s42_eps_form is not None
+    rule, original, bound = m.s42_eps_form
+    params.update({"eps_rule": rule, "eps_original": original, "eps_bound": bound})
+    half_only = bound > numeric_probe._EPS_FORM_BOUND
+    risks.append(Risk("numerics", f"{m.cls}'s forward puts eps otherwise than npu_add_rms_norm ({rule}, `{original}`); the fused "
+                                  f"op adds eps' = {m.eps} inside the root, mapped so that both agree on zero rows and far above "
+                                  f"the floor: a relative difference of {bound:.2g} on rows of rms 1 (the probe's measurement), "
+                                  "larger on rows whose rms is near the floor"
+                                  + ("; above fp32's tolerance, so the fused branch runs for fp16 / bf16 sums only" if half_only else "")))
+    return f" or {x1}.dtype == {T}.float32" if half_only else ""
