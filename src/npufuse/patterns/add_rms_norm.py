@@ -1277,7 +1277,7 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
                         eps=eps_or_default(f"{mod}.eps", T),
                         conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
-        return _s40_own_class_norm(module, call, ctx, cls, f.attr)
+        return _s40_own_class_norm(module, call, ctx, cls, f.attr) or _s42_unread_kernel_norm(module, call, cls, f.attr)
     foreign = _repo_norm_class(module, value.func)
     if foreign is not None:
         # a class of another file of the repository, read there (s31): its verdict replaces the
@@ -1758,6 +1758,11 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     ret = S.helper_return(fwd)
     nscope = S.scope_of(module, fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    kernel_branch: tuple[ast.Return, list[str], str] | None = None
+    if ret is None and len(params) >= 2:
+        # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
+        kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
+        ret = kernel_branch[0] if kernel_branch is not None else None
     if ret is None or nscope is None or len(params) < 2:
         return None
     defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
@@ -1787,6 +1792,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
             and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
+    if kernel_branch is not None:
+        return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1])
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
@@ -6665,3 +6672,100 @@ def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], ri
                                   "larger on rows whose rms is near the floor"
                                   + ("; above fp32's tolerance, so the fused branch runs for fp16 / bf16 sums only" if half_only else "")))
     return f" or {x1}.dtype == {T}.float32" if half_only else ""
+
+
+# -- s42 (addnorm42): a norm class whose forward calls a custom kernel before its torch path ----------------------
+# ``if HAS_TRITON and x.is_cuda: return rms_norm_triton(x, self.weight, self.eps)`` then the torch code (or the
+# other way round, in an ``else``). The kernel's maths is not read (its contract may say RMSNorm, its code is
+# another language); the torch path is, and it is what runs where the test is false. A test on the input's
+# device (``x.is_cuda``, ``x.device.type == "cuda"``, in a conjunction too) is false for every tensor the fused
+# branch takes (``_npufuse_on_npu``: an NPU tensor is no CUDA tensor); a test of flags (module names, ``self``
+# attributes) is checked at run time, the fused code running where it is false. Anything else in the test
+# (a call, another read of the input): not read, nothing fused.
+
+_S42_CUDA_TYPES = ("cuda",)
+
+
+def _s42_device_test(test: ast.expr, x: str) -> bool:
+    """``x.is_cuda`` / ``x.device.type == "cuda"`` (``"cuda" == ...`` too): false on an NPU tensor."""
+    if isinstance(test, ast.Attribute) and test.attr == "is_cuda" and isinstance(test.value, ast.Name) and test.value.id == x:
+        return True
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        sides = [test.left, test.comparators[0]]
+        dev = [n for n in sides if dotted(n) == f"{x}.device.type"]
+        lit = [n for n in sides if isinstance(n, ast.Constant) and n.value in _S42_CUDA_TYPES]
+        return len(dev) == 1 and len(lit) == 1
+    return False
+
+
+def _s42_dead_on_npu(test: ast.expr, x: str) -> bool:
+    """The test is false for every NPU input: a device test of the input, or a conjunction holding one."""
+    if _s42_device_test(test, x):
+        return True
+    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(_s42_device_test(v, x) for v in test.values)
+
+
+def _s42_flag_test(test: ast.expr, me: str, x: str) -> bool:
+    """A test of flags only: names that are not the input, ``self`` attributes, constants, comparisons and
+    boolean operators (no call, no subscript: nothing whose value the run-time check could not reread)."""
+    for n in ast.walk(test):
+        if isinstance(n, (ast.Call, ast.Subscript, ast.Lambda, ast.NamedExpr)):
+            return False
+        if isinstance(n, ast.Name) and n.id == x:
+            return False
+    return True
+
+
+def _s42_kernel_branch(fwd: ast.FunctionDef, me: str, x: str, mod: str, foreign: bool) -> tuple[ast.Return, list[str], str] | None:
+    """(the torch path's return, the run-time conditions, a note) for a forward that is ``if <test>: ...; return
+    <kernel>`` then straight-line torch code ending in a return (or ``else:`` holding it); None otherwise."""
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or not isinstance(body[0], ast.If):
+        return None
+    head = body[0]
+    rest = head.orelse if head.orelse else body[1:]
+    if (head.orelse and body[1:]) or not head.body or not isinstance(head.body[-1], ast.Return) or not rest:
+        return None
+    if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) for st in head.body for n in ast.walk(st)):
+        return None
+    if len(rest) > 8 or not isinstance(rest[-1], ast.Return) or rest[-1].value is None or not all(S._straight(st) for st in rest[:-1]):
+        return None
+    test = head.test
+    if _s42_dead_on_npu(test, x):
+        note = f"its kernel branch runs under `{ast.unparse(test)}`, false for an NPU tensor: the torch path is read"
+        return rest[-1], [], note
+    if foreign or "\n" in mod or not _s42_flag_test(test, me, x):
+        return None
+    cond = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(test))
+    note = f"its kernel branch runs under `{ast.unparse(test)}`, checked false at run time: the torch path is read"
+    return rest[-1], [f"not ({cond})"], note
+
+
+def _s42_unread_kernel_norm(module: ModuleInfo, call: ast.Call, cls: str, attr: str) -> NormCall | None:
+    """A near miss for an RMSNorm-named class of this file whose forward npufuse did not read as a norm because it
+    hands the input to a kernel: with no torch path (``return fused_rms_norm(x, self.weight, self.eps)``), or under a
+    test it cannot prove false where the fused code runs. None for any other class (nothing is said there)."""
+    fwd = S.method(module, cls, "forward")
+    if fwd is None or not _RMS_NAME.search(cls):
+        return None
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(params) < 2:
+        return None
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if body and isinstance(body[0], ast.If) and isinstance(body[0].body[-1], ast.Return):
+        return NormCall(call, attr, "not_rms", cls=cls,
+                        reason=f"norm {cls}'s forward takes another path under `{ast.unparse(body[0].test)[:80]}`, a test npufuse "
+                               "cannot prove false where the fused code runs (only a CUDA test of the input or flags are read): "
+                               "which computation runs is not known")
+    ret = S.helper_return(fwd)
+    value = ret.value if ret is not None else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, (ast.Name, ast.Attribute))):
+        return None
+    name = dotted(value.func) or ""
+    canon = module.canonical(value.func) or name
+    if canon.startswith("torch.") or name.startswith(f"{params[0]}.") or not any(
+            isinstance(a, ast.Name) and a.id == params[1] for a in value.args):
+        return None
+    return NormCall(call, attr, "not_rms", cls=cls,
+                    reason=f"norm {cls}'s forward hands its input to `{name}`, a kernel npufuse does not read, with no torch "
+                           "path: that it computes an RMSNorm (its name, a weight and an eps say so) is not proved")
