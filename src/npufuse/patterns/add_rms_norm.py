@@ -6631,14 +6631,15 @@ def _s42_weightless_library_norm(module: ModuleInfo, call: ast.Call, attr: str, 
     return NormCall(call, attr, "library", cls="nn.RMSNorm (elementwise_affine=False)", gamma="", eps=e, ones=True)
 
 
-# -- s42 (addnorm42): an add + norm whose norm clamps (or adds eps outside the root) ------------------------------
+# -- s42 (addnorm42): an add + norm whose norm clamps the rms or the mean square from below ----------------------
 # rms_norm's numeric probe maps the original's eps to the eps' npu_rms_norm adds inside the root (c ** 2 for a floor
-# c on the rms, E itself for a floor E on the mean square, c ** 2 for c added to the rms) and states the difference;
+# c on the rms, E itself for a floor E on the mean square) and states the difference;
 # the add + norm on such a norm makes the same decision with the same eps' (never the original's eps), the same
 # stated risk, and the same dtype rule: where the difference at rms 1 exceeds fp32's tolerance, the fused branch runs
 # for fp16 / bf16 sums only.
 
-_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square", "added outside the root")
+# eps added outside the root stays refused here (s41's decision for the add + norm; rms_norm alone takes it)
+_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square")
 
 
 def _s42_eps_on_instance(text: str, me: str, mod: str) -> str | None:
