@@ -18,6 +18,8 @@ emulator against the original where it runs) and a Keep (no candidate; a true re
 
 from __future__ import annotations
 
+import pytest
+
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
@@ -439,3 +441,55 @@ def test_clamp_far_above_the_tolerance_is_not_fused() -> None:
     assert "ClampMsNorm.forward" not in {f.qualname for f in detect_all(RmsNorm(), code)[0]}
     findings, _ = detect_all(AddRmsNorm(), code)
     assert "self.n1.eps" not in [f.params["eps"] for f in findings]
+
+
+_TORCH_FIRST = '''
+import torch
+import torch.nn as nn
+from my_kernels import fused_rms_norm
+
+USE_KERNEL = True
+
+
+class InvRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        if {test}:
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return fused_rms_norm(x, self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = InvRMSNorm(d)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return self.norm(x)
+'''
+
+
+def test_torch_path_first_under_a_test_true_on_npu_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    code = _TORCH_FIRST.format(test="not x.is_cuda or not USE_KERNEL")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.line for f in findings] == [29], [m.reason for m in misses]
+    assert "condition" not in findings[0].params
+    stub = types.ModuleType("my_kernels")
+    stub.fused_rms_norm = None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "my_kernels", stub)
+    facts = check_rewrite_runs(AddRmsNorm(), code, _KERNEL_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    _close(facts)
+    # ``x.is_cuda or ...`` is not true for every NPU tensor: the kernel may run there
+    findings, _ = detect_all(AddRmsNorm(), _TORCH_FIRST.format(test="x.is_cuda or not USE_KERNEL"))
+    assert not findings

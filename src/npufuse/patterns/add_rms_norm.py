@@ -2805,9 +2805,10 @@ class AddRmsNorm(Pattern):
         if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name and not _installed_forward(module, scope):
-            # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``)
-            if _s42_norm_parameters(scope):
-                yield from self._s42_parameter_sites(module, scope)
+            # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``), a norm
+            # function of the file or F.rms_norm (a functional forward / training step over parameter dicts)
+            if _s42_norm_parameters(scope) or _S42_NORM_CALL_TEXT.search(S.scope_text(module, scope)):
+                yield from self._s42_function_sites(module, scope)
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
@@ -2825,11 +2826,12 @@ class AddRmsNorm(Pattern):
             else:
                 yield r
 
-    def _s42_parameter_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
-        """The add + norm sites of a plain function whose norm is one of its parameters (see _s42_parameter_norm)."""
-        params = _s42_norm_parameters(scope)
+    def _s42_function_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        """The add + norm sites of a plain function (no class) whose norm is called by a plain name (one of its
+        parameters, see _s42_parameter_norm, or a norm function of the file) or is F.rms_norm / torch.rms_norm:
+        readings that need no ``self``."""
         for stmt, site in _sites(module, scope):
-            if isinstance(site, str) or not (isinstance(site.nc.call.func, ast.Name) and site.nc.call.func.id in params):
+            if isinstance(site, str) or not (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"):
                 continue
             first = site.add
             if site.nc.kind == "not_rms":
@@ -6499,6 +6501,8 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
 # class (another caller, in another file, may hand something else), the original statements otherwise.
 
 _S42_NORM_PARAM = re.compile(r"norm|(^|_)ln(_|\d|$)", re.I)
+# a plain function's text calling a norm function by name (``rms_norm(h, w)``, ``norm(x)``, ``F.rms_norm``)
+_S42_NORM_CALL_TEXT = re.compile(r"rms|\bnorm\w*\(", re.I)
 
 
 def _s42_norm_parameters(scope: Scope) -> set[str]:
@@ -6706,6 +6710,16 @@ def _s42_dead_on_npu(test: ast.expr, x: str) -> bool:
     return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(_s42_device_test(v, x) for v in test.values)
 
 
+def _s42_true_on_npu(test: ast.expr, x: str) -> bool:
+    """The test holds for every NPU input: the negation of one false there (``not x.is_cuda``, ``x.device.type !=
+    "cuda"``), or a disjunction holding one."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _s42_dead_on_npu(test.operand, x)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotEq):
+        return _s42_device_test(ast.Compare(test.left, [ast.Eq()], test.comparators), x)
+    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and any(_s42_true_on_npu(v, x) for v in test.values)
+
+
 def _s42_flag_test(test: ast.expr, me: str, x: str) -> bool:
     """A test of flags only: names that are not the input, ``self`` attributes, constants, comparisons and
     boolean operators (no call, no subscript: nothing whose value the run-time check could not reread)."""
@@ -6727,11 +6741,17 @@ def _s42_kernel_branch(fwd: ast.FunctionDef, me: str, x: str, mod: str, foreign:
     rest = head.orelse if head.orelse else body[1:]
     if (head.orelse and body[1:]) or not head.body or not isinstance(head.body[-1], ast.Return) or not rest:
         return None
-    if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) for st in head.body for n in ast.walk(st)):
+    test = head.test
+    kernel = head.body
+    if _s42_true_on_npu(test, x):
+        # ``if not x.is_cuda: <torch path>`` then the kernel: the ``if`` body is what runs on an NPU tensor
+        kernel, rest = rest, head.body
+    if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) for st in kernel for n in ast.walk(st)):
         return None
     if len(rest) > 8 or not isinstance(rest[-1], ast.Return) or rest[-1].value is None or not all(S._straight(st) for st in rest[:-1]):
         return None
-    test = head.test
+    if kernel is not head.body:
+        return rest[-1], [], f"its torch path runs under `{ast.unparse(test)}`, true for an NPU tensor: the torch path is read"
     if _s42_dead_on_npu(test, x):
         note = f"its kernel branch runs under `{ast.unparse(test)}`, false for an NPU tensor: the torch path is read"
         return rest[-1], [], note
