@@ -2813,35 +2813,27 @@ class AddRmsNorm(Pattern):
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
                            *_head_sites(module, scope)]:
-            first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
-            if isinstance(site, str):
-                yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
-                continue
-            if site.nc.kind == "not_rms":
-                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
-                continue
-            r = _build(site.nc.home or module, scope, site)
-            if isinstance(r, str):
-                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
-            else:
-                yield r
+            yield self._site_result(module, scope, stmt, site)
+
+    def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:
+        """The candidate of one site, or the near miss saying why not."""
+        first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
+        if isinstance(site, str):
+            return NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
+        if site.nc.kind == "not_rms":
+            return NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
+        r = _build(site.nc.home or module, scope, site)
+        if isinstance(r, str):
+            return NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
+        return r
 
     def _s42_function_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         """The add + norm sites of a plain function (no class) whose norm is called by a plain name (one of its
         parameters, see _s42_parameter_norm, or a norm function of the file) or is F.rms_norm / torch.rms_norm:
         readings that need no ``self``."""
         for stmt, site in _sites(module, scope):
-            if isinstance(site, str) or not (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"):
-                continue
-            first = site.add
-            if site.nc.kind == "not_rms":
-                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
-                continue
-            r = _build(site.nc.home or module, scope, site)
-            if isinstance(r, str):
-                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
-            else:
-                yield r
+            if isinstance(site, _Site) and (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"):
+                yield self._site_result(module, scope, stmt, site)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         hidden = config.get("hidden_size") or config.get("d_model") or config.get("dim")
