@@ -493,3 +493,43 @@ def test_torch_path_first_under_a_test_true_on_npu_is_read(monkeypatch: pytest.M
     # ``x.is_cuda or ...`` is not true for every NPU tensor: the kernel may run there
     findings, _ = detect_all(AddRmsNorm(), _TORCH_FIRST.format(test="x.is_cuda or not USE_KERNEL"))
     assert not findings
+
+
+_STRIDED = _RMS + '''
+
+class Net(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.norms = nn.ModuleList([RMSNorm(d) for _ in range(2 * n)])
+        self.attns = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+        self.mlps = nn.ModuleList([nn.Linear(d, d) for _ in range(n)])
+
+    def forward(self, x):
+        for i in range(len(self.attns)):
+            x = x + self.attns[i](self.norms[2 * i](x))
+            x = x + self.mlps[i](self.norms[2 * i + 1](x))
+        return x
+
+    def picked(self, x):
+        x = x + self.attns[0](x)
+        return self.norms[int(x.sum() > 0)](x)
+'''
+
+
+def test_norm_list_indexed_by_arithmetic_in_a_layer_loop_is_fused() -> None:
+    findings, misses = detect_all(AddRmsNorm(), _STRIDED)
+    # ``self.norms[int(x.sum() > 0)]``: an index computed by a call is not read (it may differ between two reads)
+    assert [(f.qualname, f.params["eps"]) for f in findings] == [("Net.forward", "self.norms[2 * i + 1].eps")], [m.reason for m in misses]
+    run = '''
+m = Net(16)
+with torch.no_grad():
+    for p in m.parameters():
+        p.normal_()
+    infer = m(torch.randn(2, 5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, m(x))
+leaves = [x]
+'''
+    facts = check_rewrite_runs(AddRmsNorm(), _STRIDED, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    _close(facts)

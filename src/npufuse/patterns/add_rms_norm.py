@@ -1562,7 +1562,7 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
         return _attr_class(owner, node.attr) if owner is not None else None
     if isinstance(node, ast.Subscript):
         idx = node.slice
-        if not (isinstance(node.value, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))):
+        if not (isinstance(node.value, ast.Attribute) and _s42_plain_index(idx)):
             return None
         owner = _object_class(module, scope, node.value.value, depth + 1)
         return _list_element_class(owner, node.value.attr) if owner is not None else None
@@ -1724,7 +1724,7 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
     f = call.func
     assert isinstance(f, ast.Subscript)
     lst, idx = f.value, f.slice
-    if not (isinstance(lst, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))
+    if not (isinstance(lst, ast.Attribute) and _s42_plain_index(idx)
             and len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)):
         return None
     owner = _object_class(module, scope, lst.value)
@@ -6555,7 +6555,7 @@ def _s42_passed_ctor(module: ModuleInfo, arg: ast.expr, caller: Scope) -> tuple[
         return (owner[0], value) if value is not None else None
     if isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Attribute):
         idx = arg.slice
-        if not (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int)):
+        if not _s42_plain_index(idx):
             return None
         owner = _object_class(module, caller, arg.value.value)
         elts = _list_elements(owner, arg.value.attr) if owner is not None else None
@@ -6782,3 +6782,18 @@ def _s42_unread_kernel_norm(module: ModuleInfo, call: ast.Call, cls: str, attr: 
     return NormCall(call, attr, "not_rms", cls=cls,
                     reason=f"norm {cls}'s forward hands its input to `{name}`, a kernel npufuse does not read, with no torch "
                            "path: that it computes an RMSNorm (its name, a weight and an eps say so) is not proved")
+
+
+# -- s42 (addnorm42): layer lists indexed by arithmetic ---------------------------------------------------------------
+# an unrolled or strided layer loop reads ``self.norms[2 * i + 1]`` / ``self.layers[i + 1].ln_2``: where every element
+# is one construction the index only picks which instance; arithmetic on names and numbers reads the same element
+# each time it is evaluated (no call, no subscript that could change between two reads).
+
+_S42_INDEX_NODES = (ast.Name, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Attribute, ast.operator, ast.unaryop, ast.Load)
+
+
+def _s42_plain_index(idx: ast.expr) -> bool:
+    """A list index that is a name, an int, or arithmetic on names, attributes and ints (``2 * i + 1``)."""
+    if isinstance(idx, ast.Constant):
+        return type(idx.value) is int
+    return all(isinstance(n, _S42_INDEX_NODES) and (not isinstance(n, ast.Constant) or type(n.value) is int) for n in ast.walk(idx))
