@@ -533,3 +533,54 @@ leaves = [x]
     facts = check_rewrite_runs(AddRmsNorm(), _STRIDED, run, findings)
     assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
     _close(facts)
+
+
+_IFEXP = _RMS + '''
+
+class Block(nn.Module):
+    def __init__(self, d, use_residual=True, skip=False):
+        super().__init__()
+        self.use_residual = use_residual
+        self.skip = skip
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.norm1 = RMSNorm(d)
+        self.norm2 = RMSNorm(d)
+
+    def gate(self, x):
+        return bool(x.mean() > 0)
+
+    def forward(self, x):
+        h = self.attn(x)
+        x = x + h if self.use_residual else h
+        x = self.norm1(x)
+        h = self.mlp(x)
+        x = h if self.skip else h + x
+        return self.norm2(x)
+
+    def gated(self, x):
+        h = self.attn(x)
+        x = x + h if self.gate(x) else h
+        return self.norm1(x)
+'''
+
+
+def test_residual_add_in_a_conditional_expression_is_fused_where_its_test_holds() -> None:
+    findings, misses = detect_all(AddRmsNorm(), _IFEXP)
+    # ``if self.gate(x)``: a test with a call is not evaluated twice (it may differ): not read
+    assert [(f.qualname, f.params["condition"]) for f in findings] == [
+        ("Block.forward", "(self.use_residual)"), ("Block.forward", "not (self.skip)")], [m.reason for m in misses]
+    run = '''
+blocks = [Block(16), Block(16, use_residual=False, skip=True)]
+with torch.no_grad():
+    for b in blocks:
+        for p in b.parameters():
+            p.normal_()
+    infer = [b(torch.randn(2, 5, 16)) for b in blocks]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, [b(x) for b in blocks])
+leaves = [x]
+'''
+    facts = check_rewrite_runs(AddRmsNorm(), _IFEXP, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    _close(facts)

@@ -2812,7 +2812,7 @@ class AddRmsNorm(Pattern):
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
-                           *_head_sites(module, scope)]:
+                           *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope)]:
             yield self._site_result(module, scope, stmt, site)
 
     def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:
@@ -6797,3 +6797,36 @@ def _s42_plain_index(idx: ast.expr) -> bool:
     if isinstance(idx, ast.Constant):
         return type(idx.value) is int
     return all(isinstance(n, _S42_INDEX_NODES) and (not isinstance(n, ast.Constant) or type(n.value) is int) for n in ast.walk(idx))
+
+
+# -- s42 (addnorm42): a residual add chosen by a conditional expression -------------------------------------------
+# ``x = x + h if self.use_residual else h`` then ``x = self.norm(x)``: where the test holds (a test of flags, no
+# call: it reads the same both times it is evaluated) the statement is the add and the pair is fused; elsewhere
+# the statements run as written.
+
+
+def _s42_conditional_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    if " if " not in S.scope_text(module, scope) or " else " not in S.scope_text(module, scope):
+        return
+    import dataclasses
+
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, ast.IfExp) and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.value.test))):
+            continue
+        arms = [(stmt.value.body, f"({S.source_of(module, stmt.value.test)})"),
+                (stmt.value.orelse, f"not ({S.source_of(module, stmt.value.test)})")]
+        added = [(ops, cond) for arm, cond in arms for ops in [_operands(module, arm)] if isinstance(ops, tuple)]
+        if len(added) != 1:
+            continue  # no add, or an add in both arms (the branch-sum reading's form)
+        (x1, x2), cond = added[0]
+        s_name = stmt.targets[0].id
+        if s_name in {n.id for n in ast.walk(stmt.value.test) if isinstance(n, ast.Name)}:
+            continue
+        block, i = idx.block[id(stmt)]
+        if i + 1 >= len(block):
+            continue
+        yield from _norm_of_sum(module, scope, block[i + 1], s_name,
+                                lambda nstmt, nc, stmt=stmt, x1=x1, x2=x2, s_name=s_name, cond=cond:
+                                _Site(stmt, [], nstmt, dataclasses.replace(nc, conditions=[cond, *nc.conditions]), x1, x2, s_name))
