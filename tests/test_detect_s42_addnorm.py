@@ -584,3 +584,45 @@ leaves = [x]
     facts = check_rewrite_runs(AddRmsNorm(), _IFEXP, run, findings)
     assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
     _close(facts)
+
+
+_IF_BODY_ALIAS = _RMS + '''
+
+class Block(nn.Module):
+    def __init__(self, d, use_residual=True):
+        super().__init__()
+        self.use_residual = use_residual
+        self.attn = nn.Linear(d, d)
+        self.norm = RMSNorm(d)
+
+    def forward(self, x):
+        residual = x
+        h = self.attn(x)
+        if self.use_residual:
+            x = x + h
+            residual = x
+        x = self.norm(x)
+        return x, residual
+'''
+
+
+def test_add_and_its_alias_inside_an_if_then_the_norm_is_fused() -> None:
+    findings, misses = detect_all(AddRmsNorm(), _IF_BODY_ALIAS)
+    assert [(f.line, f.end_line, f.params["residual_aliases"]) for f in findings] == [(26, 29, ["residual"])], [m.reason for m in misses]
+    run = '''
+blocks = [Block(16), Block(16, use_residual=False)]
+with torch.no_grad():
+    for b in blocks:
+        for p in b.parameters():
+            p.normal_()
+    infer = [b(torch.randn(2, 5, 16)) for b in blocks]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, [b(x) for b in blocks])
+leaves = [x]
+'''
+    facts = check_rewrite_runs(AddRmsNorm(), _IF_BODY_ALIAS, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    _close(facts)
+    # an alias of another name after the add (``other = residual``) is not the sum's: not read
+    code = _IF_BODY_ALIAS.replace("            residual = x\n", "            residual = x\n            other = residual\n")
+    assert not detect_all(AddRmsNorm(), code)[0]

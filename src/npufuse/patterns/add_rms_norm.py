@@ -2468,8 +2468,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     if conditions:
         block, i = S.stmt_index(scope).block[id(site.add)]
         j = next((k for k in range(i, len(block)) if block[k] is site.last), None)
-        if site.tail_if is not None and not site.aliases:
-            original = "\n".join([S.stmt_source(module, site.add), S.stmt_source(module, site.norm_stmt)])
+        if site.tail_if is not None:
+            # s42: aliases after the add (``residual = x``) are in the ``if`` body with it
+            original = "\n".join([S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt)])
         elif site.head_if is not None:
             original = "\n".join(S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt))
         elif j is None:
@@ -2483,7 +2484,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         # the statements before the add run as written, then the fused add + norm; where the body
         # does not run, the norm statement as written
         t = site.tail_if
-        before = t.body[:-1]
+        before = t.body[: t.body.index(site.add)]
         taken = ([S.block_source(module, before)] if before else []) + ["\n".join(body)]
         body = [f"if {S.source_of(module, t.test)}:", S.indent("\n".join(taken))]
         # an ``else``/``elif`` runs as written, then the norm statement
@@ -4533,8 +4534,17 @@ def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
     for t in idx.stmts:
         if not (isinstance(t, ast.If) and t.body):
             continue
-        add = t.body[-1]
+        # s42: the body may end with aliases of the sum after the add (``x = x + h; residual = x``)
+        k = len(t.body) - 1
+        while k > 0 and isinstance(t.body[k], ast.Assign) and isinstance(t.body[k - 1], ast.Assign) \
+                and len(t.body[k - 1].targets) == 1 and isinstance(t.body[k - 1].targets[0], ast.Name) \
+                and _is_alias(t.body[k], t.body[k - 1].targets[0].id):
+            k -= 1
+        add = t.body[k]
+        aliases = t.body[k + 1:]
         if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)):
+            continue
+        if any(_is_alias(a, add.targets[0].id) is False for a in aliases):
             continue
         ops = _operands(module, add.value)
         if ops is None or isinstance(ops, str):
@@ -4544,8 +4554,8 @@ def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
         if i + 1 >= len(block) or s_name not in S.names_read(add.value):
             continue  # the stream must flow on through the branch (``h = h + a``), as it does around it
         yield from _norm_of_sum(module, scope, block[i + 1], s_name,
-                                lambda nstmt, nc, t=t, add=add, ops=ops, s_name=s_name:
-                                _Site(add, [], nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
+                                lambda nstmt, nc, t=t, add=add, ops=ops, s_name=s_name, aliases=aliases:
+                                _Site(add, list(aliases), nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
 
 
 def _head_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
