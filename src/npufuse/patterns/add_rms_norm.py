@@ -3342,10 +3342,16 @@ AddRmsNorm.FUSE += [
          run=_LIBRARY_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", ctx="torch.set_grad_enabled(False)\n", leaves="[]")
          + "torch.set_grad_enabled(True)\n",
          name="nn_rmsnorm_inference_bf16"),
+    Fuse(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=False)"),
+         expect={"variant": "library_norm", "weight": None, "norm_class": "nn.RMSNorm (elementwise_affine=False)"},
+         run=_LIBRARY_RUN.replace("    blk.ffn_norm.weight.normal_()\n", "    pass\n").format(cast="", dtype="", ctx="", leaves="[x]"),
+         name="s42_nn_rmsnorm_without_weight"),
 ]
 
 AddRmsNorm.KEEP += [
-    Keep(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=False)"), name="nn_rmsnorm_without_weight"),
+    # s42: a weightless nn.RMSNorm is fused with ones as gamma (see _s42_weightless_library_norm); a weight flag
+    # npufuse cannot read keeps it (whether there is a weight is not known)
+    Keep(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=dim > 8)"), name="nn_rmsnorm_weight_unknown"),
 ]
 
 
