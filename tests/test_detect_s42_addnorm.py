@@ -626,3 +626,41 @@ leaves = [x]
     # an alias of another name after the add (``other = residual``) is not the sum's: not read
     code = _IF_BODY_ALIAS.replace("            residual = x\n", "            residual = x\n            other = residual\n")
     assert not detect_all(AddRmsNorm(), code)[0]
+
+
+def test_no_kernel_reason_for_the_files_own_code_nor_for_a_builder_in_init() -> None:
+    # ``RMSNorm._norm(x, ...)``: a function of the class itself, not a kernel; ``norm(ch)`` in ``__init__`` builds a
+    # module from a class handed in, over channel counts: neither gets a near miss saying otherwise
+    code = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @torch.compile
+    def _norm(x, eps, weight):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).type_as(x) * weight
+
+    def forward(self, x):
+        return RMSNorm._norm(x, self.eps, self.weight)
+
+
+class Up(nn.Module):
+    def __init__(self, in_ch, out_ch, norm=nn.BatchNorm2d):
+        super().__init__()
+        ch = in_ch + out_ch
+        self.bn = norm(ch)
+        self.attn = nn.Linear(ch, ch)
+        self.ln = RMSNorm(ch)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return self.ln(x)
+'''
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert not [m.reason for m in misses if "kernel" in m.reason or "parameter of" in m.reason], [m.reason for m in misses]

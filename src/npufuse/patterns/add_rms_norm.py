@@ -6516,8 +6516,8 @@ _S42_NORM_CALL_TEXT = re.compile(r"rms|\bnorm\w*\(", re.I)
 def _s42_norm_parameters(scope: Scope) -> set[str]:
     """The parameters of the function ``scope`` whose name says norm (``norm``, ``ln_2``, ``post_norm``) and
     that the function never rebinds: the cheap test before any caller is looked at."""
-    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return set()
+    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or scope.node.name == "__init__":
+        return set()  # ``__init__``'s ``norm`` parameter is a class it builds modules with (``norm(ch)``), not a module
     return {p for p in scope.args if _S42_NORM_PARAM.search(p) and p != "self" and not scope.assignments.get(p)}
 
 
@@ -6792,6 +6792,9 @@ def _s42_unread_kernel_norm(module: ModuleInfo, call: ast.Call, cls: str, attr: 
         return None
     name = dotted(value.func) or ""
     canon = module.canonical(value.func) or name
+    head = name.split(".")[0]
+    if head not in module.aliases or head in module.classes or head in module.functions:
+        return None  # only an imported function is a kernel npufuse does not read (``RMSNorm._norm`` is this file's code)
     if canon.startswith("torch.") or name.startswith(f"{params[0]}.") or not any(
             isinstance(a, ast.Name) and a.id == params[1] for a in value.args):
         return None
