@@ -32,6 +32,31 @@ def _close(facts: dict, tol: float = 0.99999) -> None:
     assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
 
 
+# every model of the run with random parameters: an inference pass (fused by npu_add_rms_norm), then a training pass
+_RUN = '''
+models = [{ctors}]
+with torch.no_grad():
+    for m in models:
+        for p in m.parameters():
+            p.normal_()
+    infer = [{call} for m in models for x in [torch.randn(2, 5, 16)]]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, [{call} for m in models])
+leaves = [x]
+'''
+
+
+def _run(*ctors: str, call: str = "m(x)") -> str:
+    return _RUN.format(ctors=", ".join(ctors), call=call)
+
+
+def _fused_runs_like_original(code: str, run: str, findings: list) -> None:
+    """The rewritten code runs npu_add_rms_norm and matches the original's outputs and gradients."""
+    facts = check_rewrite_runs(AddRmsNorm(), code, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    _close(facts)
+
+
 _RMS = '''
 import torch
 import torch.nn as nn
@@ -76,16 +101,6 @@ class GPT(nn.Module):
         return h + self.blocks[0].mlp(self.blocks[0].ln_2(h))
 '''
 
-_GPT_RUN = '''
-m = GPT(16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = (m(torch.randn(2, 5, 16)), m.unrolled(torch.randn(2, 5, 16)))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x), m.unrolled(x))
-leaves = [x]
-'''
 
 
 def test_gpt2_layer_loop_ln_2_after_the_residual_add_is_fused() -> None:
@@ -93,9 +108,7 @@ def test_gpt2_layer_loop_ln_2_after_the_residual_add_is_fused() -> None:
     findings, misses = detect_all(AddRmsNorm(), code)
     assert sorted(f.qualname for f in findings) == ["GPT.forward", "GPT.unrolled"], misses
     assert all("type(" in f.params["condition"] and "ln_2) is RMSNorm" in f.params["condition"] for f in findings)
-    facts = check_rewrite_runs(AddRmsNorm(), code, _GPT_RUN, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(code, _run("GPT(16)", call="(m(x), m.unrolled(x))"), findings)
 
 
 def test_gpt2_layer_loop_with_layer_norm_is_a_true_near_miss() -> None:
@@ -140,16 +153,6 @@ class Layer(nn.Module):
         return mixed_block(mixed_block(x, self.attn, self.post_norm), self.mlp, self.ln)
 '''
 
-_HANDED_RUN = '''
-m = Layer(16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = m(torch.randn(2, 5, 16))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x), m.other(x))
-leaves = [x]
-'''
 
 
 def test_norm_handed_to_a_helper_is_read_through_its_callers() -> None:
@@ -159,9 +162,7 @@ def test_norm_handed_to_a_helper_is_read_through_its_callers() -> None:
     # mixed_block's callers hand it an RMSNorm and a LayerNorm: no candidate, the reason says so
     why = [m.reason for m in misses if m.qualname == "mixed_block"]
     assert why and "2 constructions" in why[0], [(m.qualname, m.reason) for m in misses]
-    facts = check_rewrite_runs(AddRmsNorm(), _HANDED, _HANDED_RUN, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(_HANDED, _run("Layer(16)", call="(m(x), m.other(x))"), findings)
 
 
 def test_norm_parameter_without_a_caller_in_the_file_is_not_fused() -> None:
@@ -238,16 +239,6 @@ class Block(nn.Module):
         return self.norm2(h)
 '''
 
-_KERNEL_RUN = '''
-m = Block(16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = m(torch.randn(2, 5, 16))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x))
-leaves = [x]
-'''
 
 
 def test_kernel_branch_dead_on_npu_or_a_flag_reads_the_torch_path() -> None:
@@ -258,9 +249,7 @@ def test_kernel_branch_dead_on_npu_or_a_flag_reads_the_torch_path() -> None:
         first, second = findings
         assert "condition" not in first.params, first.params  # false for every NPU tensor: no run-time test
         assert second.params["condition"] == "not (self.norm2.fused and HAS_TRITON)", second.params
-        facts = check_rewrite_runs(AddRmsNorm(), code, _KERNEL_RUN, findings)
-        assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-        _close(facts)
+        _fused_runs_like_original(code, _run("Block(16)"), findings)
 
 
 def test_kernel_branch_under_an_unread_test_or_without_a_torch_path_is_a_near_miss() -> None:
@@ -297,17 +286,6 @@ class Block(nn.Module):
         return x
 '''
 
-_OPTIONAL_RUN = '''
-blocks = [Block(16), Block(16, final_norm=False)]
-with torch.no_grad():
-    for b in blocks:
-        for p in b.parameters():
-            p.normal_()
-    infer = [b(torch.randn(2, 5, 16)) for b in blocks]
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, [b(x) for b in blocks])
-leaves = [x]
-'''
 
 
 def test_weightless_library_norm_and_identity_optional_norm_after_the_add_are_fused() -> None:
@@ -317,9 +295,7 @@ def test_weightless_library_norm_and_identity_optional_norm_after_the_add_are_fu
     plain, final = findings
     assert plain.params["weight"] is None and plain.params["eps"] == "1e-5", plain.params
     assert final.params["condition"] == "type(self.final) is RMSNorm", final.params
-    facts = check_rewrite_runs(AddRmsNorm(), code, _OPTIONAL_RUN, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(code, _run("Block(16)", "Block(16, final_norm=False)"), findings)
 
 
 def test_library_norm_with_a_weight_flag_npufuse_cannot_read_is_not_fused_as_weightless() -> None:
@@ -390,16 +366,6 @@ class Block(nn.Module):
         return self.n3(h)
 '''
 
-_CLAMPED_RUN = '''
-m = Block(16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = m(torch.randn(2, 5, 16))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x))
-leaves = [x]
-'''
 
 
 def test_rms_norm_with_the_mean_square_clamped_is_fused_with_a_stated_risk() -> None:
@@ -419,9 +385,7 @@ def test_add_then_clamped_norm_is_fused_with_the_mapped_eps() -> None:
     for f in findings:
         assert f.params["eps_rule"].startswith("clamp on the"), f.params
         assert any("puts eps otherwise than npu_add_rms_norm" in r.detail for r in f.risks)
-    facts = check_rewrite_runs(AddRmsNorm(), _CLAMPED, _CLAMPED_RUN, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(_CLAMPED, _run("Block(16)"), findings)
 
 
 def test_clamped_norm_with_a_large_eps_runs_fused_for_half_inputs_only() -> None:
@@ -487,9 +451,7 @@ def test_torch_path_first_under_a_test_true_on_npu_is_read(monkeypatch: pytest.M
     stub = types.ModuleType("my_kernels")
     stub.fused_rms_norm = None  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "my_kernels", stub)
-    facts = check_rewrite_runs(AddRmsNorm(), code, _KERNEL_RUN, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(code, _run("Block(16)"), findings)
     # ``x.is_cuda or ...`` is not true for every NPU tensor: the kernel may run there
     findings, _ = detect_all(AddRmsNorm(), _TORCH_FIRST.format(test="x.is_cuda or not USE_KERNEL"))
     assert not findings
@@ -520,19 +482,7 @@ def test_norm_list_indexed_by_arithmetic_in_a_layer_loop_is_fused() -> None:
     findings, misses = detect_all(AddRmsNorm(), _STRIDED)
     # ``self.norms[int(x.sum() > 0)]``: an index computed by a call is not read (it may differ between two reads)
     assert [(f.qualname, f.params["eps"]) for f in findings] == [("Net.forward", "self.norms[2 * i + 1].eps")], [m.reason for m in misses]
-    run = '''
-m = Net(16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = m(torch.randn(2, 5, 16))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x))
-leaves = [x]
-'''
-    facts = check_rewrite_runs(AddRmsNorm(), _STRIDED, run, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(_STRIDED, _run("Net(16)"), findings)
 
 
 _IFEXP = _RMS + '''
@@ -570,20 +520,7 @@ def test_residual_add_in_a_conditional_expression_is_fused_where_its_test_holds(
     # ``if self.gate(x)``: a test with a call is not evaluated twice (it may differ): not read
     assert [(f.qualname, f.params["condition"]) for f in findings] == [
         ("Block.forward", "(self.use_residual)"), ("Block.forward", "not (self.skip)")], [m.reason for m in misses]
-    run = '''
-blocks = [Block(16), Block(16, use_residual=False, skip=True)]
-with torch.no_grad():
-    for b in blocks:
-        for p in b.parameters():
-            p.normal_()
-    infer = [b(torch.randn(2, 5, 16)) for b in blocks]
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, [b(x) for b in blocks])
-leaves = [x]
-'''
-    facts = check_rewrite_runs(AddRmsNorm(), _IFEXP, run, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(_IFEXP, _run("Block(16)", "Block(16, use_residual=False, skip=True)"), findings)
 
 
 _IF_BODY_ALIAS = _RMS + '''
@@ -609,20 +546,7 @@ class Block(nn.Module):
 def test_add_and_its_alias_inside_an_if_then_the_norm_is_fused() -> None:
     findings, misses = detect_all(AddRmsNorm(), _IF_BODY_ALIAS)
     assert [(f.line, f.end_line, f.params["residual_aliases"]) for f in findings] == [(26, 29, ["residual"])], [m.reason for m in misses]
-    run = '''
-blocks = [Block(16), Block(16, use_residual=False)]
-with torch.no_grad():
-    for b in blocks:
-        for p in b.parameters():
-            p.normal_()
-    infer = [b(torch.randn(2, 5, 16)) for b in blocks]
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, [b(x) for b in blocks])
-leaves = [x]
-'''
-    facts = check_rewrite_runs(AddRmsNorm(), _IF_BODY_ALIAS, run, findings)
-    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
-    _close(facts)
+    _fused_runs_like_original(_IF_BODY_ALIAS, _run("Block(16)", "Block(16, use_residual=False)"), findings)
     # an alias of another name after the add (``other = residual``) is not the sum's: not read
     code = _IF_BODY_ALIAS.replace("            residual = x\n", "            residual = x\n            other = residual\n")
     assert not detect_all(AddRmsNorm(), code)[0]
