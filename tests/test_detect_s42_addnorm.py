@@ -588,3 +588,24 @@ class Up(nn.Module):
 '''
     findings, misses = detect_all(AddRmsNorm(), code)
     assert not [m.reason for m in misses if "kernel" in m.reason or "parameter of" in m.reason], [m.reason for m in misses]
+
+
+def test_weightless_library_norm_chosen_beside_a_layer_norm_is_fused_under_its_class_test() -> None:
+    from test_detect_s40_reasons import _NORM_BLOCK, _NORM_HEAD
+
+    build = ("if cfg.use_rms:\n            self.norm = nn.RMSNorm(cfg.d, elementwise_affine=False)\n"
+             "        else:\n            self.norm = nn.LayerNorm(cfg.d)")
+    code = _NORM_HEAD + _NORM_BLOCK.format(build=build)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.params["condition"] for f in findings] == ["type(self.norm) is torch.nn.RMSNorm and self.norm.weight is None"], misses
+    run = '''
+rms, ln = Block(Cfg(True)), Block(Cfg(False))
+with torch.no_grad():
+    x0, h0 = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    infer = (rms(x0, h0), ln(x0, h0))
+x = torch.randn(2, 3, 16, requires_grad=True)
+h = torch.randn(2, 3, 16, requires_grad=True)
+out = (infer, rms(x, h), ln(x, h))
+leaves = [x, h]
+'''
+    _fused_runs_like_original(code, run, findings)
