@@ -116,8 +116,9 @@ def test_norm_chosen_by_configuration_is_fused_for_the_rmsnorm_only(build: str) 
     # no RMSNorm among the choices: the reason names every class the attribute may hold
     ("if cfg.use_rms:\n            self.norm = nn.GroupNorm(1, cfg.d)\n        else:\n            self.norm = nn.LayerNorm(cfg.d)",
      ("`nn.GroupNorm`: mean subtracted", "`nn.LayerNorm`: mean subtracted")),
-    # an RMSNorm without a weight beside a LayerNorm: neither fused, both named
-    ("if cfg.use_rms:\n            self.norm = nn.RMSNorm(cfg.d, elementwise_affine=False)\n        else:\n            self.norm = nn.LayerNorm(cfg.d)",
+    # an RMSNorm without a weight over two dims beside a LayerNorm: neither fused, both named (s42: over the last dim
+    # alone a weightless nn.RMSNorm is fused with ones as gamma, tests/test_detect_s42_addnorm.py)
+    ("if cfg.use_rms:\n            self.norm = nn.RMSNorm((3, cfg.d), elementwise_affine=False)\n        else:\n            self.norm = nn.LayerNorm(cfg.d)",
      ("`nn.RMSNorm`: a construction npufuse does not fuse", "`nn.LayerNorm`: mean subtracted")),
 ], ids=["group_or_layer_norm", "weightless_rms_or_layer_norm"])
 def test_norm_chosen_without_a_fusable_rmsnorm_names_every_choice(build: str, names: tuple[str, ...]) -> None:

@@ -64,6 +64,9 @@ class NormCall:
     timm: str = ""
     # s41: probed kind (a forward the numeric probe proves): its output dtype rule and the highest input rank proved
     probe: tuple[str, int] = ("", 0)
+    # s42: probed kind whose forward places eps otherwise (outside the root, a clamp): the rule, the original's eps
+    # and the probe's relative difference on rows of rms 1 (the eps above is the probe's mapped eps')
+    s42_eps_form: tuple[str, str, float] | None = None
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1212,6 +1215,9 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
                 return NormCall(call, f.id, "not_rms", cls=f.id,
                                 reason=f"`{f.id}` is unpacked from `{unpacked}` in a loop: npufuse could not read which "
                                        "module that position of the list holds (each element a list of the same constructions in `__init__`)")
+        passed = _s42_parameter_norm(module, scope, call, ctx)
+        if passed is not None:
+            return passed
         return _function_norm(module, call, ctx)
     if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
         return _member_norm(module, scope, call, ctx)
@@ -1261,7 +1267,7 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
     if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
         lib = _library_gamma_eps(module, f"self.{f.attr}", value)
         if lib is None:
-            return None
+            return _s42_weightless_library_norm(module, call, f.attr, f"self.{f.attr}", value)
         return NormCall(call, f.attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1])
     cls = dotted(value.func) or ""
     from npufuse.patterns._library_norm import rms_subclass
@@ -1274,7 +1280,7 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
                         eps=eps_or_default(f"{mod}.eps", T),
                         conditions=[f"{mod}.weight is not None"])
     if cls in module.classes:
-        return _s40_own_class_norm(module, call, ctx, cls, f.attr)
+        return _s40_own_class_norm(module, call, ctx, cls, f.attr) or _s42_unread_kernel_norm(module, call, cls, f.attr)
     foreign = _repo_norm_class(module, value.func)
     if foreign is not None:
         # a class of another file of the repository, read there (s31): its verdict replaces the
@@ -1559,7 +1565,7 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
         return _attr_class(owner, node.attr) if owner is not None else None
     if isinstance(node, ast.Subscript):
         idx = node.slice
-        if not (isinstance(node.value, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))):
+        if not (isinstance(node.value, ast.Attribute) and _s42_plain_index(idx)):
             return None
         owner = _object_class(module, scope, node.value.value, depth + 1)
         return _list_element_class(owner, node.value.attr) if owner is not None else None
@@ -1603,7 +1609,10 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
     """``<layer>.<attr>(s)``: a norm module of another object (see above)."""
     f = call.func
     assert isinstance(f, ast.Attribute)
-    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) or "norm" not in S.scope_text(module, scope).lower():
+    if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+        return None
+    # s42: GPT-2's ``block.ln_2(x)`` names no "norm" anywhere in the scope: the attribute's own name counts too
+    if "norm" not in S.scope_text(module, scope).lower() and not _NORM_ATTR.search(f.attr):
         return None
     root: ast.expr = f
     while isinstance(root, (ast.Attribute, ast.Subscript)):
@@ -1630,8 +1639,10 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
     """What the module ``mod`` (called by ``call``) is, ``value`` (code of ``file``) building it; ``origin``
     says where, for reasons."""
     # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: each side read; the guard picks the one read
+    # s42: an ``nn.Identity()`` side (``RMSNorm(d) if cfg.final_norm else nn.Identity()``) is no norm: the run-time
+    # class test every reading below adds sends it to the original statements
     ctors = [v for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
-             if not (isinstance(v, ast.Constant) and v.value is None)]
+             if not (isinstance(v, ast.Constant) and v.value is None) and not _s42_identity(file, v)]
     if not ctors or not all(isinstance(v, ast.Call) and dotted(v.func) for v in ctors):
         return None
     f = call.func
@@ -1666,7 +1677,11 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
         lib = _library_gamma_eps(file, mod, ctor) if file is module else None
         if lib is None:
             if file is module:
-                return None
+                weightless = _s42_weightless_library_norm(module, call, attr, mod, ctor)
+                if weightless is not None:
+                    weightless.conditions = [f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is None"]
+                    weightless.mod = mod
+                return weightless
             # built in another file: its weight and eps are the instance's
             lib = (f"{mod}.weight", eps_or_default(f"{mod}.eps", T))
         return NormCall(call, attr, "library", cls="nn.RMSNorm", gamma=lib[0], eps=lib[1], mod=mod,
@@ -1712,7 +1727,7 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
     f = call.func
     assert isinstance(f, ast.Subscript)
     lst, idx = f.value, f.slice
-    if not (isinstance(lst, ast.Attribute) and (isinstance(idx, ast.Name) or (isinstance(idx, ast.Constant) and type(idx.value) is int))
+    if not (isinstance(lst, ast.Attribute) and _s42_plain_index(idx)
             and len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)):
         return None
     owner = _object_class(module, scope, lst.value)
@@ -1746,6 +1761,11 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     ret = S.helper_return(fwd)
     nscope = S.scope_of(module, fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    kernel_branch: tuple[ast.Return, list[str], str] | None = None
+    if ret is None and len(params) >= 2:
+        # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
+        kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
+        ret = kernel_branch[0] if kernel_branch is not None else None
     if ret is None or nscope is None or len(params) < 2:
         return None
     defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
@@ -1775,6 +1795,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
             and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
+    if kernel_branch is not None:
+        return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1])
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
@@ -1792,7 +1814,9 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
         return None
     p = found.params
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
-    if p.get("eps_rule") or p.get("weight_offset") or p.get("guards") or not p.get("weight") or p.get("input") != params[1]:
+    # s42: eps outside the root or a clamp (on the norm, on the mean square) is taken with the probe's mapped eps'
+    if (p.get("eps_rule") and p.get("eps_rule") not in _S42_MAPPED_EPS_RULES) or p.get("weight_offset") or p.get("guards") \
+            or not p.get("weight") or p.get("input") != params[1]:
         return None
 
     def on_instance(text: str) -> str | None:
@@ -1809,13 +1833,18 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
         return mod + chain[len(params[0]):]
 
     gamma, eps = on_instance(p["weight"]), on_instance(p["eps"])
+    if eps is None and p.get("eps_rule") and "\n" not in mod:
+        eps = _s42_eps_on_instance(p["eps"], params[0], mod)  # eps' = ``(self.eps) ** 2``: an expression of the module
     if gamma is None or eps is None:
         return None
     rule = p.get("output_dtype")
     if rule not in ("input", "promote", "weight", "float32"):
         return None
-    return NormCall(call, attr, "probed", cls=cls + where, gamma=gamma, eps=eps, mod=mod,
-                    probe=(rule, _probed_rank(found)))
+    nc = NormCall(call, attr, "probed", cls=cls + where, gamma=gamma, eps=eps, mod=mod,
+                  probe=(rule, _probed_rank(found)))
+    if p.get("eps_rule"):
+        nc.s42_eps_form = (p["eps_rule"], p.get("eps_original", ""), float(p.get("eps_bound", 1.0)))
+    return nc
 
 
 def _probed_rank(found: Finding) -> int:
@@ -2425,6 +2454,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         params = {"eps": eps, "weight": gamma, "weight_offset": 0, "upcast": None, "output_dtype": rule, "found_by": "numeric_probe"}
         risks.append(Risk("numerics", f"{m.cls}'s forward is proved an RMSNorm by npufuse's numeric probe on sampled inputs "
                                       "(random x of ranks 2-3, fp32/bf16/fp16, random weights), not by a proof over all inputs"))
+        if m.s42_eps_form is not None:
+            unproved += _s42_eps_form_terms(m, x1, T, params, risks)
         notes.append(f"norm class {m.cls}: read by the numeric probe; training keeps the module call, only inference is fused")
         variant = "probed_norm"
     elif m.third_party or m.timm:
@@ -2501,8 +2532,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     if conditions:
         block, i = S.stmt_index(scope).block[id(site.add)]
         j = next((k for k in range(i, len(block)) if block[k] is site.last), None)
-        if site.tail_if is not None and not site.aliases:
-            original = "\n".join([S.stmt_source(module, site.add), S.stmt_source(module, site.norm_stmt)])
+        if site.tail_if is not None:
+            # s42: aliases after the add (``residual = x``) are in the ``if`` body with it
+            original = "\n".join([S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt)])
         elif site.head_if is not None:
             original = "\n".join(S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt))
         elif j is None:
@@ -2516,7 +2548,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         # the statements before the add run as written, then the fused add + norm; where the body
         # does not run, the norm statement as written
         t = site.tail_if
-        before = t.body[:-1]
+        before = t.body[: t.body.index(site.add)]
         taken = ([S.block_source(module, before)] if before else []) + ["\n".join(body)]
         body = [f"if {S.source_of(module, t.test)}:", S.indent("\n".join(taken))]
         # an ``else``/``elif`` runs as written, then the norm statement
@@ -2847,9 +2879,13 @@ class AddRmsNorm(Pattern):
         if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
         if not scope.class_name and not _installed_forward(module, scope):
+            # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``), a norm
+            # function of the file or F.rms_norm (a functional forward / training step over parameter dicts)
+            if _s42_norm_parameters(scope) or _S42_NORM_CALL_TEXT.search(S.scope_text(module, scope)):
+                yield from self._s42_function_sites(module, scope)
             # s42: a module-level function of a functional model (CS336's ``transformer_block(.., weights, in_features)``)
             # adding a residual and calling this file's norm helper on the sum: the plain add + norm sites only
-            if _calls_norm_helper(module, scope) and module.helper(scope.qualname) is scope.node:
+            elif _calls_norm_helper(module, scope) and module.helper(scope.qualname) is scope.node:
                 for stmt, site in _sites(module, scope):
                     if isinstance(site, _Site) and site.nc.kind == "rms" and isinstance(site.nc.call.func, ast.Name):
                         r = _build(module, scope, site)
@@ -2858,19 +2894,28 @@ class AddRmsNorm(Pattern):
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
-                           *_head_sites(module, scope)]:
-            first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
-            if isinstance(site, str):
-                yield NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
-                continue
-            if site.nc.kind == "not_rms":
-                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
-                continue
-            r = _build(site.nc.home or module, scope, site)
-            if isinstance(r, str):
-                yield NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
-            else:
-                yield r
+                           *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope)]:
+            yield self._site_result(module, scope, stmt, site)
+
+    def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:
+        """The candidate of one site, or the near miss saying why not."""
+        first = (site.tail_if or site.add) if isinstance(site, _Site) else stmt
+        if isinstance(site, str):
+            return NearMiss(self.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, site)
+        if site.nc.kind == "not_rms":
+            return NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, site.nc.reason)
+        r = _build(site.nc.home or module, scope, site)
+        if isinstance(r, str):
+            return NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
+        return r
+
+    def _s42_function_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        """The add + norm sites of a plain function (no class) whose norm is called by a plain name (one of its
+        parameters, see _s42_parameter_norm, or a norm function of the file) or is F.rms_norm / torch.rms_norm:
+        readings that need no ``self``."""
+        for stmt, site in _sites(module, scope):
+            if isinstance(site, _Site) and (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"):
+                yield self._site_result(module, scope, stmt, site)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
         hidden = config.get("hidden_size") or config.get("d_model") or config.get("dim")
@@ -3378,10 +3423,16 @@ AddRmsNorm.FUSE += [
          run=_LIBRARY_RUN.format(cast=".to(torch.bfloat16)", dtype=", dtype=torch.bfloat16", ctx="torch.set_grad_enabled(False)\n", leaves="[]")
          + "torch.set_grad_enabled(True)\n",
          name="nn_rmsnorm_inference_bf16"),
+    Fuse(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=False)"),
+         expect={"variant": "library_norm", "weight": None, "norm_class": "nn.RMSNorm (elementwise_affine=False)"},
+         run=_LIBRARY_RUN.replace("    blk.ffn_norm.weight.normal_()\n", "    pass\n").format(cast="", dtype="", ctx="", leaves="[x]"),
+         name="s42_nn_rmsnorm_without_weight"),
 ]
 
 AddRmsNorm.KEEP += [
-    Keep(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=False)"), name="nn_rmsnorm_without_weight"),
+    # s42: a weightless nn.RMSNorm is fused with ones as gamma (see _s42_weightless_library_norm); a weight flag
+    # npufuse cannot read keeps it (whether there is a weight is not known)
+    Keep(_LIBRARY_BLOCK.replace("NORM", "nn.RMSNorm(dim, elementwise_affine=dim > 8)"), name="nn_rmsnorm_weight_unknown"),
 ]
 
 
@@ -4570,8 +4621,17 @@ def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
     for t in idx.stmts:
         if not (isinstance(t, ast.If) and t.body):
             continue
-        add = t.body[-1]
+        # s42: the body may end with aliases of the sum after the add (``x = x + h; residual = x``)
+        k = len(t.body) - 1
+        while k > 0 and isinstance(t.body[k], ast.Assign) and isinstance(t.body[k - 1], ast.Assign) \
+                and len(t.body[k - 1].targets) == 1 and isinstance(t.body[k - 1].targets[0], ast.Name) \
+                and _is_alias(t.body[k], t.body[k - 1].targets[0].id):
+            k -= 1
+        add = t.body[k]
+        aliases = t.body[k + 1:]
         if not (isinstance(add, ast.Assign) and len(add.targets) == 1 and isinstance(add.targets[0], ast.Name)):
+            continue
+        if any(_is_alias(a, add.targets[0].id) is False for a in aliases):
             continue
         ops = _operands(module, add.value)
         if ops is None or isinstance(ops, str):
@@ -4581,8 +4641,8 @@ def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _S
         if i + 1 >= len(block) or s_name not in S.names_read(add.value):
             continue  # the stream must flow on through the branch (``h = h + a``), as it does around it
         yield from _norm_of_sum(module, scope, block[i + 1], s_name,
-                                lambda nstmt, nc, t=t, add=add, ops=ops, s_name=s_name:
-                                _Site(add, [], nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
+                                lambda nstmt, nc, t=t, add=add, ops=ops, s_name=s_name, aliases=aliases:
+                                _Site(add, list(aliases), nstmt, nc, ops[0], ops[1], s_name, tail_if=t))
 
 
 def _head_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -6519,3 +6579,354 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
            else "none is an RMSNorm npufuse can fuse")
     return NormCall(call, f.attr, "not_rms", cls=" or ".join(p.split("`")[1] for p in parts),
                     reason=f"norm `{mod}` is one of several modules built in {scope.class_name}{built}: {'; '.join(parts)}; {why}")
+
+
+# -- s42 (addnorm42): a norm handed to a function as an argument --------------------------------------------------
+# ``def _block(x, norm, attn, mlp): x = x + attn(x); h = norm(x)`` (a helper the model's forward calls with
+# ``self.ln_2`` / ``block.ln_2`` / ``self.layers[i].post_norm``), and a method ``def _ffn(self, x, norm)`` alike: the
+# norm is a parameter, whose module only the callers in this file say. Every call of the function in the file must
+# hand that parameter a module npufuse reads as one construction of one class (followed from ``self`` through
+# ``__init__`` and layer lists, as a member norm); the fused code runs where the parameter's run-time type is that
+# class (another caller, in another file, may hand something else), the original statements otherwise.
+
+_S42_NORM_PARAM = re.compile(r"norm|(^|_)ln(_|\d|$)", re.I)
+# a plain function's text calling a norm function by name (``rms_norm(h, w)``, ``norm(x)``, ``F.rms_norm``)
+_S42_NORM_CALL_TEXT = re.compile(r"rms|\bnorm\w*\(", re.I)
+
+
+def _s42_norm_parameters(scope: Scope) -> set[str]:
+    """The parameters of the function ``scope`` whose name says norm (``norm``, ``ln_2``, ``post_norm``) and
+    that the function never rebinds: the cheap test before any caller is looked at."""
+    if not isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) or scope.node.name == "__init__":
+        return set()  # ``__init__``'s ``norm`` parameter is a class it builds modules with (``norm(ch)``), not a module
+    return {p for p in scope.args if _S42_NORM_PARAM.search(p) and p != "self" and not scope.assignments.get(p)}
+
+
+def _s42_enclosing_scope(module: ModuleInfo, node: ast.AST) -> Scope | None:
+    """The innermost function scope of ``module`` holding ``node`` (by lines)."""
+    best: Scope | None = None
+    for sc in module.scopes:
+        fn = sc.node
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.lineno <= node.lineno <= (fn.end_lineno or fn.lineno):
+            if best is None or fn.lineno >= best.node.lineno:  # type: ignore[attr-defined]
+                best = sc
+    return best
+
+
+def _s42_passed_modules(module: ModuleInfo, scope: Scope, param: str) -> list[tuple[ast.expr, Scope]] | str:
+    """The expressions every call of the function ``scope`` in this file hands ``param`` (each with the caller's
+    scope); a reason when a call hands it otherwise (``*args``, ``**kw``, left to a default) or none is found."""
+    fn = scope.node
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    positional = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    method = scope.class_name is not None
+    if method:
+        positional = positional[1:]  # ``self.<name>(...)`` binds self itself
+    pos = positional.index(param) if param in positional else None
+    found: list[tuple[ast.expr, Scope]] = []
+    for c in R._calls_naming(module, fn.name):
+        f = c.func
+        if method:
+            if not (isinstance(f, ast.Attribute) and f.attr == fn.name and isinstance(f.value, ast.Name) and f.value.id == "self"):
+                continue
+        elif not (isinstance(f, ast.Name) and f.id == fn.name):
+            continue
+        if any(isinstance(a, ast.Starred) for a in c.args) or any(k.arg is None for k in c.keywords):
+            return f"a call of `{fn.name}` (line {c.lineno}) hands its arguments unpacked"
+        arg = c.args[pos] if pos is not None and pos < len(c.args) else next((k.value for k in c.keywords if k.arg == param), None)
+        caller = _s42_enclosing_scope(module, c)
+        if arg is None or caller is None:
+            return f"a call of `{fn.name}` (line {c.lineno}) does not hand `{param}` a module"
+        found.append((arg, caller))
+    return found or f"no call of `{fn.name}` in this file says which module `{param}` is"
+
+
+def _s42_passed_ctor(module: ModuleInfo, arg: ast.expr, caller: Scope) -> tuple[ModuleInfo, ast.expr] | None:
+    """The construction of the module a caller hands over: ``self.ln_2`` / ``block.ln_2`` / ``self.layers[i].norm``
+    (an attribute built in its object's ``__init__``), or ``self.norms[i]`` (an element of a list of one construction)."""
+    if isinstance(arg, ast.Attribute):
+        owner = _object_class(module, caller, arg.value)
+        if owner is None:
+            return None
+        value = S.init_assignments(owner[0], owner[1]).get(arg.attr)
+        return (owner[0], value) if value is not None else None
+    if isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Attribute):
+        idx = arg.slice
+        if not _s42_plain_index(idx):
+            return None
+        owner = _object_class(module, caller, arg.value.value)
+        elts = _list_elements(owner, arg.value.attr) if owner is not None else None
+        if not elts or len({ast.dump(e) for e in elts}) != 1:
+            return None
+        return owner[0], elts[0]  # type: ignore[index]
+    return None
+
+
+def _s42_parameter_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
+    """``norm(s)`` with ``norm`` a parameter of the function: read as the one construction its callers hand it."""
+    f = call.func
+    if not (isinstance(f, ast.Name) and f.id in _s42_norm_parameters(scope)) or len(call.args) != 1 or call.keywords:
+        return None
+    passed = _s42_passed_modules(module, scope, f.id)
+    if isinstance(passed, str):
+        return NormCall(call, f.id, "not_rms", cls=f.id, reason=f"`{f.id}` is a parameter of `{scope.qualname}`: {passed}; "
+                                                                   "what the norm is stays unknown")
+    ctors: dict[str, tuple[ModuleInfo, ast.expr]] = {}
+    for arg, caller in passed:
+        built = _s42_passed_ctor(module, arg, caller)
+        if built is None:
+            return NormCall(call, f.id, "not_rms", cls=f.id,
+                            reason=f"`{f.id}` is a parameter of `{scope.qualname}`; the module a caller hands it "
+                                   f"(`{ast.unparse(arg)}`, line {arg.lineno}) is not one npufuse resolves to a construction")
+        ctors.setdefault(f"{built[0].path}:{ast.dump(built[1])}", built)
+    if len(ctors) != 1:
+        return NormCall(call, f.id, "not_rms", cls=f.id,
+                        reason=f"`{f.id}` is a parameter of `{scope.qualname}` whose callers hand it modules built differently "
+                               f"({len(ctors)} constructions): one fused branch per construction is not built")
+    file, value = next(iter(ctors.values()))
+    where = f" (from {file.path})" if file is not module else ""
+    nc = _norm_of_ctor(module, call, ctx, file, value, f.id, where, f"handed to `{scope.qualname}` by its callers")
+    if nc is not None and nc.kind != "not_rms" and not any(c.startswith(("type(", f"type({f.id})")) for c in nc.conditions):
+        return None  # no run-time class test came with the reading: another caller's module would take the fused code
+    return nc
+
+
+# -- s42 (addnorm42): an optional or weightless norm after the add ------------------------------------------------
+# ``self.norm = nn.RMSNorm(d, elementwise_affine=False)`` (no weight: npu_add_rms_norm gets ones of the last dim, as
+# for ``F.rms_norm(x, (d,))``), and ``RMSNorm(d) if cfg.final_norm else nn.Identity()`` (the Identity side is no norm).
+
+
+def _s42_identity(file: ModuleInfo, node: ast.expr) -> bool:
+    """``nn.Identity()`` (any arguments: Identity ignores them)."""
+    return isinstance(node, ast.Call) and file.canonical(node.func) in ("torch.nn.Identity", "torch.nn.modules.linear.Identity")
+
+
+def _s42_weightless_library_norm(module: ModuleInfo, call: ast.Call, attr: str, mod: str, ctor: ast.Call) -> NormCall | None:
+    """``nn.RMSNorm(d, eps, elementwise_affine=False)`` over the last dim alone: npu_add_rms_norm with ones as
+    gamma and the module's eps (None: PyTorch's default). None for any other construction (a flag for the weight
+    npufuse cannot read, a normalized_shape over several dims: ones of the last dim would be the wrong gamma)."""
+    from npufuse.scan.dataflow import const_value, keyword
+
+    affine = keyword(ctor, "elementwise_affine", 2)
+    if affine is None or const_value(affine) is not False or any(k.arg is None for k in ctor.keywords):
+        return None
+    if not _last_dim_shape(keyword(ctor, "normalized_shape", 0)):
+        return None
+    T = S.torch_name(module) or "torch"
+    eps = keyword(ctor, "eps", 1)
+    v = const_value(eps) if eps is not None else None
+    if eps is None or (isinstance(eps, ast.Constant) and eps.value is None):
+        e = float32_eps(T)
+    elif type(v) in (int, float):
+        e = S.source_of(module, eps)
+    else:
+        e = eps_or_default(f"{mod}.eps", T)
+    return NormCall(call, attr, "library", cls="nn.RMSNorm (elementwise_affine=False)", gamma="", eps=e, ones=True)
+
+
+# -- s42 (addnorm42): an add + norm whose norm clamps the rms or the mean square from below ----------------------
+# rms_norm's numeric probe maps the original's eps to the eps' npu_rms_norm adds inside the root (c ** 2 for a floor
+# c on the rms, E itself for a floor E on the mean square) and states the difference;
+# the add + norm on such a norm makes the same decision with the same eps' (never the original's eps), the same
+# stated risk, and the same dtype rule: where the difference at rms 1 exceeds fp32's tolerance, the fused branch runs
+# for fp16 / bf16 sums only.
+
+# eps added outside the root stays refused here (s41's decision for the add + norm; rms_norm alone takes it)
+_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square")
+
+
+def _s42_eps_on_instance(text: str, me: str, mod: str) -> str | None:
+    """The probe's eps' (an expression of the class's forward: ``(self.eps) ** 2``) with ``self`` read as the
+    module expression ``mod``; None where it reads anything but module attributes and numbers (the input's
+    shape, a name of the class's file)."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id != me:
+            return None
+        if isinstance(n, ast.Call) or isinstance(n, ast.Subscript):
+            return None
+    return re.sub(rf"\b{re.escape(me)}\.", mod + ".", text)
+
+
+def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], risks: list[Risk]) -> str:
+    """The stated risk and params of a probed norm with a mapped eps; the extra test sending fp32 sums to the
+    original statements where the difference exceeds fp32's tolerance (as rms_norm's own finding does)."""
+    from npufuse.scan import numeric_probe
+
+    assert m.s42_eps_form is not None
+    rule, original, bound = m.s42_eps_form
+    params.update({"eps_rule": rule, "eps_original": original, "eps_bound": bound})
+    half_only = bound > numeric_probe._EPS_FORM_BOUND
+    risks.append(Risk("numerics", f"{m.cls}'s forward puts eps otherwise than npu_add_rms_norm ({rule}, `{original}`); the fused "
+                                  f"op adds eps' = {m.eps} inside the root, mapped so that both agree on zero rows and far above "
+                                  f"the floor: a relative difference of {bound:.2g} on rows of rms 1 (the probe's measurement), "
+                                  "larger on rows whose rms is near the floor"
+                                  + ("; above fp32's tolerance, so the fused branch runs for fp16 / bf16 sums only" if half_only else "")))
+    return f" or {x1}.dtype == {T}.float32" if half_only else ""
+
+
+# -- s42 (addnorm42): a norm class whose forward calls a custom kernel before its torch path ----------------------
+# ``if HAS_TRITON and x.is_cuda: return rms_norm_triton(x, self.weight, self.eps)`` then the torch code (or the
+# other way round, in an ``else``). The kernel's maths is not read (its contract may say RMSNorm, its code is
+# another language); the torch path is, and it is what runs where the test is false. A test on the input's
+# device (``x.is_cuda``, ``x.device.type == "cuda"``, in a conjunction too) is false for every tensor the fused
+# branch takes (``_npufuse_on_npu``: an NPU tensor is no CUDA tensor); a test of flags (module names, ``self``
+# attributes) is checked at run time, the fused code running where it is false. Anything else in the test
+# (a call, another read of the input): not read, nothing fused.
+
+_S42_CUDA_TYPES = ("cuda",)
+
+
+def _s42_device_test(test: ast.expr, x: str) -> bool:
+    """``x.is_cuda`` / ``x.device.type == "cuda"`` (``"cuda" == ...`` too): false on an NPU tensor."""
+    if isinstance(test, ast.Attribute) and test.attr == "is_cuda" and isinstance(test.value, ast.Name) and test.value.id == x:
+        return True
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        sides = [test.left, test.comparators[0]]
+        dev = [n for n in sides if dotted(n) == f"{x}.device.type"]
+        lit = [n for n in sides if isinstance(n, ast.Constant) and n.value in _S42_CUDA_TYPES]
+        return len(dev) == 1 and len(lit) == 1
+    return False
+
+
+def _s42_dead_on_npu(test: ast.expr, x: str) -> bool:
+    """The test is false for every NPU input: a device test of the input, or a conjunction holding one."""
+    if _s42_device_test(test, x):
+        return True
+    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(_s42_device_test(v, x) for v in test.values)
+
+
+def _s42_true_on_npu(test: ast.expr, x: str) -> bool:
+    """The test holds for every NPU input: the negation of one false there (``not x.is_cuda``, ``x.device.type !=
+    "cuda"``), or a disjunction holding one."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _s42_dead_on_npu(test.operand, x)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotEq):
+        return _s42_device_test(ast.Compare(test.left, [ast.Eq()], test.comparators), x)
+    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and any(_s42_true_on_npu(v, x) for v in test.values)
+
+
+def _s42_flag_test(test: ast.expr, me: str, x: str) -> bool:
+    """A test of flags only: names that are not the input, ``self`` attributes, constants, comparisons and
+    boolean operators (no call, no subscript: nothing whose value the run-time check could not reread)."""
+    for n in ast.walk(test):
+        if isinstance(n, (ast.Call, ast.Subscript, ast.Lambda, ast.NamedExpr)):
+            return False
+        if isinstance(n, ast.Name) and n.id == x:
+            return False
+    return True
+
+
+def _s42_kernel_branch(fwd: ast.FunctionDef, me: str, x: str, mod: str, foreign: bool) -> tuple[ast.Return, list[str], str] | None:
+    """(the torch path's return, the run-time conditions, a note) for a forward that is ``if <test>: ...; return
+    <kernel>`` then straight-line torch code ending in a return (or ``else:`` holding it); None otherwise."""
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if not body or not isinstance(body[0], ast.If):
+        return None
+    head = body[0]
+    rest = head.orelse if head.orelse else body[1:]
+    if (head.orelse and body[1:]) or not head.body or not isinstance(head.body[-1], ast.Return) or not rest:
+        return None
+    test = head.test
+    kernel = head.body
+    if _s42_true_on_npu(test, x):
+        # ``if not x.is_cuda: <torch path>`` then the kernel: the ``if`` body is what runs on an NPU tensor
+        kernel, rest = rest, head.body
+    if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) for st in kernel for n in ast.walk(st)):
+        return None
+    if len(rest) > 8 or not isinstance(rest[-1], ast.Return) or rest[-1].value is None or not all(S._straight(st) for st in rest[:-1]):
+        return None
+    if kernel is not head.body:
+        return rest[-1], [], f"its torch path runs under `{ast.unparse(test)}`, true for an NPU tensor: the torch path is read"
+    if _s42_dead_on_npu(test, x):
+        note = f"its kernel branch runs under `{ast.unparse(test)}`, false for an NPU tensor: the torch path is read"
+        return rest[-1], [], note
+    if foreign or "\n" in mod or not _s42_flag_test(test, me, x):
+        return None
+    cond = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(test))
+    note = f"its kernel branch runs under `{ast.unparse(test)}`, checked false at run time: the torch path is read"
+    return rest[-1], [f"not ({cond})"], note
+
+
+def _s42_unread_kernel_norm(module: ModuleInfo, call: ast.Call, cls: str, attr: str) -> NormCall | None:
+    """A near miss for an RMSNorm-named class of this file whose forward npufuse did not read as a norm because it
+    hands the input to a kernel: with no torch path (``return fused_rms_norm(x, self.weight, self.eps)``), or under a
+    test it cannot prove false where the fused code runs. None for any other class (nothing is said there)."""
+    fwd = S.method(module, cls, "forward")
+    if fwd is None or not _RMS_NAME.search(cls):
+        return None
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(params) < 2:
+        return None
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if body and isinstance(body[0], ast.If) and isinstance(body[0].body[-1], ast.Return):
+        return NormCall(call, attr, "not_rms", cls=cls,
+                        reason=f"norm {cls}'s forward takes another path under `{ast.unparse(body[0].test)[:80]}`, a test npufuse "
+                               "cannot prove false where the fused code runs (only a CUDA test of the input or flags are read): "
+                               "which computation runs is not known")
+    ret = S.helper_return(fwd)
+    value = ret.value if ret is not None else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, (ast.Name, ast.Attribute))):
+        return None
+    name = dotted(value.func) or ""
+    canon = module.canonical(value.func) or name
+    head = name.split(".")[0]
+    if head not in module.aliases or head in module.classes or head in module.functions:
+        return None  # only an imported function is a kernel npufuse does not read (``RMSNorm._norm`` is this file's code)
+    if canon.startswith("torch.") or name.startswith(f"{params[0]}.") or not any(
+            isinstance(a, ast.Name) and a.id == params[1] for a in value.args):
+        return None
+    return NormCall(call, attr, "not_rms", cls=cls,
+                    reason=f"norm {cls}'s forward hands its input to `{name}`, a kernel npufuse does not read, with no torch "
+                           "path: that it computes an RMSNorm (its name, a weight and an eps say so) is not proved")
+
+
+# -- s42 (addnorm42): layer lists indexed by arithmetic ---------------------------------------------------------------
+# an unrolled or strided layer loop reads ``self.norms[2 * i + 1]`` / ``self.layers[i + 1].ln_2``: where every element
+# is one construction the index only picks which instance; arithmetic on names and numbers reads the same element
+# each time it is evaluated (no call, no subscript that could change between two reads).
+
+_S42_INDEX_NODES = (ast.Name, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Attribute, ast.operator, ast.unaryop, ast.Load)
+
+
+def _s42_plain_index(idx: ast.expr) -> bool:
+    """A list index that is a name, an int, or arithmetic on names, attributes and ints (``2 * i + 1``)."""
+    if isinstance(idx, ast.Constant):
+        return type(idx.value) is int
+    return all(isinstance(n, _S42_INDEX_NODES) and (not isinstance(n, ast.Constant) or type(n.value) is int) for n in ast.walk(idx))
+
+
+# -- s42 (addnorm42): a residual add chosen by a conditional expression -------------------------------------------
+# ``x = x + h if self.use_residual else h`` then ``x = self.norm(x)``: where the test holds (a test of flags, no
+# call: it reads the same both times it is evaluated) the statement is the add and the pair is fused; elsewhere
+# the statements run as written.
+
+
+def _s42_conditional_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
+    if " if " not in S.scope_text(module, scope) or " else " not in S.scope_text(module, scope):
+        return
+    import dataclasses
+
+    idx = S.stmt_index(scope)
+    for stmt in idx.stmts:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, ast.IfExp) and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.value.test))):
+            continue
+        arms = [(stmt.value.body, f"({S.source_of(module, stmt.value.test)})"),
+                (stmt.value.orelse, f"not ({S.source_of(module, stmt.value.test)})")]
+        added = [(ops, cond) for arm, cond in arms for ops in [_operands(module, arm)] if isinstance(ops, tuple)]
+        if len(added) != 1:
+            continue  # no add, or an add in both arms (the branch-sum reading's form)
+        (x1, x2), cond = added[0]
+        s_name = stmt.targets[0].id
+        if s_name in {n.id for n in ast.walk(stmt.value.test) if isinstance(n, ast.Name)}:
+            continue
+        block, i = idx.block[id(stmt)]
+        if i + 1 >= len(block):
+            continue
+        yield from _norm_of_sum(module, scope, block[i + 1], s_name,
+                                lambda nstmt, nc, stmt=stmt, x1=x1, x2=x2, s_name=s_name, cond=cond:
+                                _Site(stmt, [], nstmt, dataclasses.replace(nc, conditions=[cond, *nc.conditions]), x1, x2, s_name))

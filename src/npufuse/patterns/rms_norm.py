@@ -4772,7 +4772,8 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
         notes.append("run-time guards for what the probe assumed: " + ", ".join(proof.guards))
     params_extra: dict[str, Any] = {}
     if form != "inside":
-        rule = "added outside the root" if form == "outside" else "clamp on the norm"
+        clamps = getattr(proof, "eps_clamps", "norm")
+        rule = "added outside the root" if form == "outside" else f"clamp on the {clamps}"
         params_extra = {"eps_rule": rule, "eps_original": proof.eps_base, "eps_bound": float(f"{proof.eps_bound:.2g}")}
         notes.append(f"eps: {rule} in the original (`{proof.eps_base}`), passed as eps' = {proof.eps} inside the root "
                      "(same value where the rms is far above it and where it goes to zero; see the risk)")
@@ -4813,6 +4814,12 @@ def _eps_form_risk(proof: Any, x: str, half_only: bool) -> Risk:
                 f"c = {c:.3g} in rms units); the fused op adds eps' = {proof.eps} inside: the factor (rms + c) / "
                 f"sqrt(rms^2 + c^2) separates them, 1 on zero rows and as rms >> c, about 1 + c / rms on ordinary rows "
                 f"(measured {proof.eps_bound:.2g} at rms 1), up to 1.41x on rows whose rms is near c")
+    elif getattr(proof, "eps_clamps", "norm") == "mean square":
+        # s42: max(mean(x^2), eps) under the root: the same eps, clamped instead of added
+        text = (f"the original clamps the mean square from below (x * rsqrt(max(mean(x^2), eps)), `{proof.eps_base}`) "
+                f"where the fused op adds eps = {proof.eps} to it: equal on zero rows, a relative difference of about "
+                f"eps / (2 mean(x^2)) on ordinary rows (measured {proof.eps_bound:.2g} at rms 1), up to 0.71x on rows whose "
+                "mean square is near eps")
     else:
         text = (f"the original clamps the norm from below (x / max(norm, eps), `{proof.eps_base}`: a floor at rms "
                 f"{c:.3g}); the fused op adds eps' = {proof.eps} inside the root: equal on zero rows, a relative "

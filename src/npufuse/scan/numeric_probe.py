@@ -1090,6 +1090,9 @@ class RmsProof:
     eps_base: str = ""
     eps_floor: float = 0.0
     eps_bound: float = 0.0
+    # s42: what a "clamp" form floors: "norm" (max(rms, c), eps' = c ** 2) or "mean square" (max(mean(x^2), E):
+    # the rms floored at sqrt(E), eps' = E itself)
+    eps_clamps: str = "norm"
 
 
 # s36: the largest relative difference an eps placement may make on ordinary rows (rms 1): a tenth
@@ -1420,7 +1423,7 @@ def _prove_rms_norm(module: ModuleInfo, fn: ast.FunctionDef, cls: ast.ClassDef |
     for rr in [*fp32_runs, *half_runs]:
         reads.update(rr.scalar_reads)
     return RmsProof("proved", "", x_name, k, off, eps_expr, eps_value, rule, guards, sampled, entered, reads, max_rank,
-                    form.kind if form.kind != "none" else "inside", form.base, form.floor, form.bound)
+                    form.kind if form.kind != "none" else "inside", form.base, form.floor, form.bound, eps_clamps=form.clamps)
 
 
 @dataclass
@@ -1431,6 +1434,7 @@ class _EpsForm:
     floor: float = 0.0  # the original's eps in rms units: 1 / s as rms -> 0
     bound: float = 0.0  # relative difference of the fused op on rows of rms 1
     reason: str = ""
+    clamps: str = "norm"  # s42: a "clamp" kind's floor is on the norm, or on the mean square
 
 
 def _eps_form(module: ModuleInfo, fn: ast.FunctionDef, runs: list[_Run], k: str | None, off: int, gain: Callable[..., Any],
@@ -1473,11 +1477,20 @@ def _eps_form(module: ModuleInfo, fn: ast.FunctionDef, runs: list[_Run], k: str 
     if expr is None:
         expr, _ = _match_eps(module, fn, runs[0], floor * math.sqrt(d), params, assigned, a)
         eps_prime = f"({expr}) ** 2 / {x_name}.shape[-1]" if expr is not None else None
+    clamps = "norm"
+    if expr is None and kind == "clamp":
+        # s42: the mean square clamped from below (``x * rsqrt(ms.clamp(min=eps))``, ``x / sqrt(clamp(ms, min=eps))``):
+        # the rms floored at sqrt(eps), so eps' = eps itself makes both limits agree
+        expr, _ = _match_eps(module, fn, runs[0], floor * floor, params, assigned, a)
+        eps_prime, clamps = expr, "mean square"
     if expr is None or eps_prime is None:
         return _EpsForm("mismatch")
     if kind == "outside":
         bound = (1 + floor) / math.sqrt(1 + floor * floor) - 1
         where = f"eps ({floor:.3g}) is added outside the square root (x / (rms + eps))"
+    elif clamps == "mean square":
+        bound = 1 - 1 / math.sqrt(1 + floor * floor) if floor < 1 else 1.0
+        where = f"the mean square is clamped from below at {floor * floor:.3g} (x * rsqrt(max(mean(x^2), eps)))"
     else:
         bound = 1 - 1 / math.sqrt(1 + floor * floor) if floor < 1 else 1.0
         where = f"the norm is clamped from below at rms {floor:.3g} (x / max(rms, eps), F.normalize-like)"
@@ -1485,7 +1498,7 @@ def _eps_form(module: ModuleInfo, fn: ast.FunctionDef, runs: list[_Run], k: str 
         return _EpsForm("mismatch", reason=f"{where}: npu_rms_norm with eps' = {eps_prime} would differ by {bound:.2g} "
                                            f"(relative) on rows of rms 1, above the tolerance of every dtype (a tenth of "
                                            f"the op check's: fp32 {_EPS_FORM_BOUND:g}, fp16/bf16 {_EPS_FORM_BOUND_HALF:g}): kept")
-    return _EpsForm(kind, eps_prime, expr, floor, bound)
+    return _EpsForm(kind, eps_prime, expr, floor, bound, clamps=clamps)
 
 
 def _only_self_reads(test: ast.expr) -> bool:
