@@ -37,6 +37,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from npufuse.patterns import _moe_s42b
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -2322,6 +2323,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names):
         raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
     inner = _slot_outer_loop(loop)
+    if inner is not None and _moe_s42b.outer_variable_picks_experts(loop, inner):
+        inner = None  # s42b: `for e: for k: ... self.experts[e]`: the outer loop is the expert loop, k its slot loop
     if inner is not None:
         # s35: `for k in range(K): <columns of slot k>; for e in ...: <dispatch of slot k>`: the expert loop is read
         # with k as the slot variable; the fused span is the slot loop
@@ -3110,6 +3113,9 @@ class _Eval:
                 raise _Miss(f"rows are picked as `{ast.unparse(node)[:50]}` by `{sl.id}`, the values of "
                             f"`{self.ev(sl).args[0]}` under this expert's mask: npufuse does not trace those values "
                             "to the tokens routed to this expert")
+            if kinds == ["tok", "eidx"] and (self.tok_indices or self.where_indices):
+                kinds = ["tokmask", "eidx"]  # s42b: gates[rows, e] at the rows of `(indices == e)`: the same weights
+                self.tok_indices = self.tok_indices or self.where_indices
             if kinds == ["tokmask", "eidx"]:
                 # dense gates [T, E] (zero outside the top-k): gates[t, e] is the weight of the slot of
                 # expert e in indices[t], i.e. gates.gather(-1, indices)[t, k]
