@@ -4,11 +4,15 @@ development sweep, read by small hooks in :mod:`npufuse.patterns.moe_experts`.
 * A top-k slot loop nested INSIDE the expert loop (``for e in range(E): for k in range(K): m = idx[:, k] == e``):
   the outer loop is the expert loop when its variable picks the expert module (``self.experts[e]``), not the
   slot-outer form ``for k: for e: ...`` (:func:`outer_variable_picks_experts`).
+* Flat (token, slot) rows accumulated into zeros (``y[flat == e] += v`` / ``y[m] = y[m] + v``, DeepSeek's
+  ``y[flat == e] = v`` written as a sum): each flat row belongs to one expert, so adding into zeros is the
+  assignment (:func:`made_as_zeros`, :func:`spelled_out_sum`); into an ``empty`` buffer it is not read.
 """
 
 from __future__ import annotations
 
 import ast
+from typing import Any
 
 from npufuse.scan.dataflow import dotted, fast_walk
 
@@ -26,3 +30,30 @@ def outer_variable_picks_experts(outer: ast.For, inner: ast.For) -> bool:
         return False
     subs = [n for n in fast_walk(inner) if isinstance(n, ast.Subscript)]
     return any(_picks_experts(n, outer.target.id) for n in subs) and not any(_picks_experts(n, inner.target.id) for n in subs)
+
+
+_ZEROS_MAKERS = ("torch.zeros", "torch.zeros_like")
+
+
+def made_as_zeros(module: Any, scope: Any, name: str, before_line: int) -> bool:
+    """``name`` is bound (last, before ``before_line``) to zeros: ``torch.zeros(...)`` / ``torch.zeros_like(x)`` /
+    ``x.new_zeros(...)``, optionally moved by ``.to(...)`` / ``.float()`` (still zeros). Empty allocations are not."""
+    node = scope.definition(name, before_line)
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "float", "half", "bfloat16"):
+        node = node.func.value
+    if not isinstance(node, ast.Call):
+        return False
+    return (module.canonical(node.func) or "") in _ZEROS_MAKERS or (
+        isinstance(node.func, ast.Attribute) and node.func.attr == "new_zeros")
+
+
+def spelled_out_sum(target: ast.Subscript, value: ast.expr) -> ast.expr | None:
+    """``v`` of ``out[rows] = out[rows] + v`` (or ``v + out[rows]``): the spelled-out ``out[rows] += v``; else None."""
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
+        return None
+    read = ast.dump(ast.Subscript(value=target.value, slice=target.slice, ctx=ast.Load()))
+    if ast.dump(value.left) == read:
+        return value.right
+    if ast.dump(value.right) == read:
+        return value.left
+    return None

@@ -2679,6 +2679,9 @@ class _Eval:
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1", "tok1"):
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
+            if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) \
+                    and self._s42b_flat_sum(tgt, s.value):
+                return  # s42b: `y[flat == e] += v` into zeros: each flat row is written by one expert only
             if isinstance(tgt, ast.Subscript) and isinstance(s.op, ast.Add) and self._is_eidx(tgt.slice) \
                     and self._expert_count_stat(tgt, s.value, "add"):
                 return  # s41: `usage[e] += mask.sum()`
@@ -2810,6 +2813,9 @@ class _Eval:
                 # s41b: `out[rows] = out[rows] + y`, the spelled-out `out[rows] += y` (the same index_put)
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value.right)), None))
                 return
+            summed = _moe_s42b.spelled_out_sum(tgt, s.value)
+            if summed is not None and self._s42b_flat_sum(tgt, summed):
+                return  # s42b: `y[flat == e] = y[flat == e] + v` into zeros
             if sel.kind in ("tok", "tokmask") and not sel.args and self._s41b_weight_scatter(tgt, s.value, sel):
                 return  # s41b: `wt[tok] = w[tok, slot]`: each selected row's weight, read back at the same rows
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice) and self._expert_count_stat(tgt, s.value, "assign"):
@@ -3253,6 +3259,19 @@ class _Eval:
             return False
         self.env.update(names)
         self.run_body(loop.body)
+        return True
+
+    def _s42b_flat_sum(self, tgt: ast.Subscript, value: ast.expr) -> bool:
+        """s42b: ``y[flat == e] += v`` (rows of flat expert indices) into ``y`` made as zeros before the loop: the same
+        as DeepSeek's ``y[flat == e] = v`` (each flat row holds one expert id); recorded as that assignment."""
+        parts = list(tgt.slice.elts) if isinstance(tgt.slice, ast.Tuple) else [tgt.slice]
+        kinds = [self._part_kind(p) for p in parts]
+        if kinds not in (["flatmask"], ["flatmask", "all"]) or not isinstance(tgt.value, ast.Name):
+            return False
+        if not _moe_s42b.made_as_zeros(self.m, self.scope, tgt.value.id, self.loop.lineno):
+            raise _Miss(f"the loop adds expert rows into `{tgt.value.id}` at flat (token, slot) rows, but `{tgt.value.id}` "
+                        "is not made as zeros before the loop: the sum keeps what it held there")
+        self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(value)), self.ev(parts[0]).args[0]))
         return True
 
     def _s41b_weight_scatter(self, tgt: ast.Subscript, value: ast.expr, sel: V) -> bool:
