@@ -57,3 +57,59 @@ def spelled_out_sum(target: ast.Subscript, value: ast.expr) -> ast.expr | None:
     if ast.dump(value.right) == read:
         return value.left
     return None
+
+
+def _made_as_empty_dict(scope: Any, name: str, line: int) -> bool:
+    node = scope.definition(name, line)
+    return isinstance(node, ast.Dict) and not node.keys or (
+        isinstance(node, ast.Call) and dotted(node.func) in ("dict", "collections.defaultdict", "defaultdict") and not node.keywords)
+
+
+def _dict_reads(node: ast.AST, name: str) -> tuple[int, int]:
+    """(reads of ``name`` as a dict -- ``name[k]``, ``name.items()`` / ``keys()`` / ``values()`` / ``get``, iterated by a
+    ``for`` -- , other reads) inside ``node``."""
+    plain, other = 0, 0
+    parents: dict[int, ast.AST] = {}
+    for n in fast_walk(node):
+        for c in ast.iter_child_nodes(n):
+            parents[id(c)] = n
+    for n in fast_walk(node):
+        if not (isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)):
+            continue
+        up = parents.get(id(n))
+        if isinstance(up, ast.Subscript) and up.value is n or isinstance(up, ast.Attribute) and up.attr in (
+                "items", "keys", "values", "get") or isinstance(up, ast.For) and up.iter is n:
+            plain += 1
+        else:
+            other += 1
+    return plain, other
+
+
+def local_dict_combined_later(scope: Any, name: str, loop: ast.For) -> int | None:
+    """The line of a later ``for`` loop of the same function that reads ``name`` as a dict, when ``name`` is a local
+    dict (``{}`` / ``dict()`` before ``loop``) read nowhere else after ``loop`` (not returned, stored or passed on):
+    per-expert values kept for a second, combining loop -- an intermediate, not an output. Else None."""
+    if not _made_as_empty_dict(scope, name, loop.lineno):
+        return None
+    end = loop.end_lineno or loop.lineno
+    later = [s for s in scope.node.body if s.lineno > end] if hasattr(scope.node, "body") else []
+    combine = next((s for s in later if isinstance(s, ast.For) and _dict_reads(s, name)[0]), None)
+    if combine is None or any(_dict_reads(s, name)[1] for s in later):
+        return None
+    if any(_dict_reads(s, name) != (0, 0) for s in later if s is not combine):
+        return None
+    return combine.lineno
+
+
+def dict_filled_by_earlier_loop(scope: Any, name: str, loop: ast.For) -> int | None:
+    """The line of an earlier ``for`` loop of the same function that stores ``name[...] = ...`` into a local dict; else
+    None (the values read here as ``name[e]`` were made there, per expert)."""
+    body = getattr(scope.node, "body", [])
+    for s in body:
+        if not isinstance(s, ast.For) or s.lineno >= loop.lineno:
+            continue
+        if _made_as_empty_dict(scope, name, s.lineno) and any(
+                isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                and n.value.id == name for n in fast_walk(s)):
+            return s.lineno
+    return None

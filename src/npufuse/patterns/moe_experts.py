@@ -2820,6 +2820,11 @@ class _Eval:
                 return  # s41b: `wt[tok] = w[tok, slot]`: each selected row's weight, read back at the same rows
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice) and self._expert_count_stat(tgt, s.value, "assign"):
                 return  # s41: `usage[e] = mask.sum()`: the count of this expert's tokens, computed for all at once
+            combined = _moe_s42b.local_dict_combined_later(self.scope, tgt.value.id, self.loop) \
+                if sel.kind != "flatmask" and self._is_eidx(tgt.slice) else None
+            if combined is not None:
+                raise _Miss(f"the loop keeps each expert's values in the local dict `{tgt.value.id}` and a second loop "
+                            f"(line {combined}) combines them: npufuse reads dispatch and combine written in one loop")
             if sel.kind != "flatmask" and self._is_eidx(tgt.slice):
                 # s39: `usage[e] = mask.sum()`: one value per expert (a statistic), not rows of tokens
                 raise _Miss(f"the loop also writes one value per expert (`{ast.unparse(s)[:60]}`), which the fused "
@@ -3184,6 +3189,11 @@ class _Eval:
             return base
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
             return V("indexed", (node,))  # self.experts[expert_idx] (module or stacked parameter)
+        filled = _moe_s42b.dict_filled_by_earlier_loop(self.scope, node.value.id, self.loop) \
+            if isinstance(node.value, ast.Name) and self._is_eidx(sl) else None
+        if filled is not None:
+            raise _Miss(f"the loop reads `{ast.unparse(node)[:40]}`, a local dict an earlier loop (line {filled}) fills "
+                        "per expert: npufuse reads dispatch and combine written in one loop")
         return V("unknown", (ast.unparse(node),))
 
     def _check_host_listed_rows(self, rows: ast.expr, what: str) -> None:
