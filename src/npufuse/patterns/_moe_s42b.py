@@ -12,7 +12,7 @@ development sweep, read by small hooks in :mod:`npufuse.patterns.moe_experts`.
 from __future__ import annotations
 
 import ast
-from typing import Any
+from typing import Any, Callable
 
 from npufuse.scan.dataflow import dotted, fast_walk
 
@@ -112,4 +112,59 @@ def dict_filled_by_earlier_loop(scope: Any, name: str, loop: ast.For) -> int | N
                 isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
                 and n.value.id == name for n in fast_walk(s)):
             return s.lineno
+    return None
+
+
+def unit_axis_row_gather(node: ast.Subscript) -> ast.Subscript | None:
+    """``h[None, rows]`` for ``h.unsqueeze(0)[:, rows]`` / ``h.unsqueeze(0)[:, rows, :]`` (moesweep42 class A: the same
+    ``[1, n, D]`` rows, spelled with the unit axis added first); None for anything else."""
+    base, sl = node.value, node.slice
+    if not (isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "unsqueeze"
+            and len(base.args) == 1 and not base.keywords and isinstance(base.args[0], ast.Constant)
+            and base.args[0].value == 0 and isinstance(sl, ast.Tuple) and len(sl.elts) in (2, 3)):
+        return None
+    full = [isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None for p in sl.elts]
+    if not full[0] or not all(full[2:]) or full[1] or isinstance(sl.elts[1], (ast.Slice, ast.Constant)):
+        return None
+    same = ast.Subscript(value=base.func.value, slice=ast.Tuple(elts=[ast.Constant(None), sl.elts[1]], ctx=ast.Load()),
+                         ctx=ast.Load())
+    return ast.copy_location(same, node)
+
+
+def _caller_text(num_classes: ast.expr, router: ast.expr) -> str | None:
+    """The router's ``num_classes`` in the caller's terms: an int constant as it is, ``self.<attr>`` (and expressions of
+    such attributes) with ``self`` read as the router module the caller calls (``self.router``); else None."""
+    names = [n for n in fast_walk(num_classes) if isinstance(n, ast.Name)]
+    if any(n.id != "self" for n in names) or any(isinstance(n, ast.Call) for n in fast_walk(num_classes)):
+        return None
+    text = ast.unparse(num_classes)
+    return text.replace("self.", ast.unparse(router) + ".") if names else text
+
+
+def router_returned_mask(module: Any, scope: Any, name: str, line: int, call_output: Callable[..., Any],
+                         expert_mask: Callable[..., Any]) -> tuple[str, str, str] | None:
+    """(caller's indices name, number of classes, orientation) when ``name`` is an output of a router module's call
+    (``logits, w, sel, mask = self.router(h)``, the callee read by ``call_output``) whose forward returns, as that output,
+    ``one_hot(i, E).permute(...)`` of top-k indices ``i`` it also returns, bound by the caller to a name: the same
+    per-expert masks as if built in the caller (moesweep42 class A). A router that changes the one-hot (a capacity
+    cumsum test, a drop) is not ``one_hot(...).permute`` and gives None."""
+    made = scope.definition(name, line)
+    out = call_output(module, scope, made)
+    if out is None or not isinstance(out[1], ast.Name) or not isinstance(out[3].func, ast.Attribute):
+        return None
+    fscope, returned, end, call = out
+    found = expert_mask(module, fscope, returned.id, end)
+    if found is None:
+        return None
+    assign = next((s for s in fast_walk(scope.node) if isinstance(s, ast.Assign) and s.value is call), None)
+    if assign is None or len(assign.targets) != 1 or not isinstance(assign.targets[0], ast.Tuple):
+        return None
+    for j, target in enumerate(assign.targets[0].elts):
+        element = call_output(module, scope, ast.Subscript(value=call, slice=ast.Constant(j), ctx=ast.Load()))
+        if isinstance(target, ast.Name) and element is not None and isinstance(element[1], ast.Name) \
+                and element[1].id == found.indices and fscope.definition(found.indices, end) is not None:
+            ncls = _caller_text(found.num_classes, call.func.value)
+            if ncls is None or scope.definition(target.id, line) is not scope.definition(target.id, assign.lineno + 1):
+                return None
+            return target.id, ncls, found.orientation
     return None

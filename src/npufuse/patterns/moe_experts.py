@@ -2799,7 +2799,8 @@ class _Eval:
                 return
             if val.kind == "unknown" and isinstance(s.value, ast.Call) and _canon(self.m, s.value.func) == "torch.where":
                 raise _Miss(f"tokens are picked with `{ast.unparse(s.value)[:50]}` from a mask that is not "
-                            "one_hot(expert indices).permute(...) built in this function (e.g. a router mask with capacity)")
+                            "one_hot(expert indices).permute(...) built in this function or returned by a router module of this file "
+                            "beside those indices (e.g. a router mask with capacity)")
             raise _Miss(f"unrecognised unpacking in the expert loop: `{ast.unparse(s)[:60]}`")
         if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             # DeepSeek: y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
@@ -3048,6 +3049,9 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
+        same = _moe_s42b.unit_axis_row_gather(node)
+        if same is not None:
+            return self._subscript(same)  # s42b: h.unsqueeze(0)[:, rows, :] is h[None, rows]
         sl = node.slice
         r = self.runs
         if isinstance(sl, ast.Slice) and (sl.lower is not None or sl.upper is not None or sl.step is not None) \
@@ -3593,7 +3597,11 @@ class _Eval:
             return self.masks[name]
         found = expert_mask(self.m, self.scope, name, self.loop.lineno)
         if found is None:
-            return None
+            # s42b: the masks a router module returns beside its top-k indices (`_, w, sel, mask = self.router(h)`)
+            routed = _moe_s42b.router_returned_mask(self.m, self.scope, name, self.loop.lineno, _s41_call_output, expert_mask)
+            if routed is not None:
+                self.masks[name] = routed
+            return routed
         info = (found.indices, segment(self.m, found.num_classes), found.orientation)
         self.masks[name] = info
         return info
