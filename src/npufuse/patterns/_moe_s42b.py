@@ -168,3 +168,52 @@ def router_returned_mask(module: Any, scope: Any, name: str, line: int, call_out
                 return None
             return target.id, ncls, found.orientation
     return None
+
+
+def _add_operands(node: ast.expr) -> list[ast.expr]:
+    """The terms of a chain of ``+`` (``a + b + c`` -> [a, b, c])."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _add_operands(node.left) + _add_operands(node.right)
+    return [node]
+
+
+def _is_module_call(node: ast.expr) -> bool:
+    """``self.<attr>(arg)`` (attributes only, one positional argument): a module of the layer called on rows."""
+    return isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords \
+        and not isinstance(node.args[0], ast.Starred) and isinstance(node.func, ast.Attribute) \
+        and (dotted(node.func) or "").startswith("self.")
+
+
+def _says_shared(name: str) -> bool:
+    return "shared" in name.lower()
+
+
+def shared_term(target: ast.Subscript, value: ast.expr) -> tuple[ast.expr, ast.Call] | None:
+    """(the routed part, the shared call) of a write-back ``out[rows] += <routed> + self.shared(x[rows])``: one term of
+    the sum is a module whose name says shared (``self.shared``, ``self.shared_expert``) called on rows picked with
+    the target's own index (``x[rows]``); the other terms are the routed part. None for anything else."""
+    terms = _add_operands(value)
+    if len(terms) < 2:
+        return None
+    picks = [t for t in terms if _is_module_call(t) and _says_shared(dotted(t.func) or "")  # type: ignore[attr-defined]
+             and isinstance(t.args[0], ast.Subscript) and ast.dump(t.args[0].slice) == ast.dump(target.slice)]  # type: ignore[attr-defined]
+    if len(picks) != 1:
+        return None
+    rest = [t for t in terms if t is not picks[0]]
+    routed = rest[0]
+    for t in rest[1:]:
+        routed = ast.copy_location(ast.BinOp(left=routed, op=ast.Add(), right=t), t)
+    return routed, picks[0]  # type: ignore[return-value]
+
+
+def shared_only_in_write_back(loop: ast.For) -> bool:
+    """Every name in the loop that says shared is the callee of a :func:`shared_term` in a ``+=`` write-back (the
+    shared expert is added to the rows, not mixed into the expert's input)."""
+    allowed: set[int] = set()
+    for n in fast_walk(loop):
+        if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add) and isinstance(n.target, ast.Subscript):
+            split = shared_term(n.target, n.value)
+            if split is not None:
+                allowed.update(id(m) for m in fast_walk(split[1].func))
+    return bool(allowed) and all(id(n) in allowed for n in fast_walk(loop) if (
+        isinstance(n, ast.Name) and _says_shared(n.id) or isinstance(n, ast.Attribute) and _says_shared(n.attr)))

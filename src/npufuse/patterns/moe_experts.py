@@ -2320,7 +2320,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     body_names = _names_in(loop)
     if any("capacity" in n.lower() for n in body_names):
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
-    if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names):
+    if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
+            and not _moe_s42b.shared_only_in_write_back(loop):
         raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
     inner = _slot_outer_loop(loop)
     if inner is not None and _moe_s42b.outer_variable_picks_experts(loop, inner):
@@ -2465,6 +2466,7 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2677,6 +2679,11 @@ class _Eval:
         if isinstance(s, ast.AugAssign):
             tgt = s.target
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1", "tok1"):
+                split = _moe_s42b.shared_term(tgt, s.value) if self.expert_init is None else None
+                if split is not None and self.shared_call is None and self.ev(split[1].args[0]).kind == "x":
+                    self.shared_call = split[1]  # s42b: `out[rows] += w * expert(x[rows]) + self.shared(x[rows])`
+                    self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(split[0])), None))
+                    return
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) \
@@ -3274,6 +3281,22 @@ class _Eval:
         self.env.update(names)
         self.run_body(loop.body)
         return True
+
+    def _s42b_shared_tail(self, site: _Site) -> str:
+        """s42b: the shared module the write-back adds once per (token, expert) pair, replayed after the fused routed
+        part on all rows: every token has K routed slots, each in one expert of the loop, so it adds K times
+        ``shared(x[t])`` (a row-wise module, like the experts the fused layer runs on permuted rows)."""
+        call = self.shared_call
+        assert call is not None
+        text = ast.unparse(call)[:60]
+        if site.routing != "mask_where" or site.sentinel or site.local_start or site.dense_tail or self.lead_rows \
+                or self.column_rows or self.token_dims > 1:
+            raise _Miss(f"the write-back adds `{text}` once per expert a token is routed to, which npufuse replays only "
+                        "for mask routing over every expert's own index")
+        out, rows = site.out_name, f"{site.tokens}"
+        return (f"# `{text}` of the write-back: added once per routed (token, slot), i.e. top-k times per token\n"
+                f"{out}.add_(({site.indices}.shape[-1] * {segment(self.m, call.func)}({rows})).reshape({out}.shape)"
+                f".to({out}.dtype))")
 
     def _s42b_flat_sum(self, tgt: ast.Subscript, value: ast.expr) -> bool:
         """s42b: ``y[flat == e] += v`` (rows of flat expert indices) into ``y`` made as zeros before the loop: the same
@@ -4051,6 +4074,8 @@ class _Eval:
             raise _Miss(f"the loop also writes one value per expert (`{self.count_stats[0][4]}`), which the fused layer "
                         "does not compute")
         site = self._finish(block, i)
+        if site is not None and self.shared_call is not None:
+            site.dense_tail = self._s42b_shared_tail(site)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
@@ -5312,7 +5337,8 @@ def _fused_text(site: _Site) -> str:
         else:
             lines.append(f"{stat}[:{site.bins}] = {P}cnt.to({stat}.dtype)")
     if site.dense_tail:
-        lines.append("# the experts the loop ran on every token (its other branch), as written")
+        if not site.dense_tail.startswith("#"):  # (s42b's shared-expert tail says what it replays itself)
+            lines.append("# the experts the loop ran on every token (its other branch), as written")
         lines += site.dense_tail.splitlines()
     return "\n".join(lines) + "\n"
 
