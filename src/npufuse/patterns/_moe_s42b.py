@@ -217,3 +217,43 @@ def shared_only_in_write_back(loop: ast.For) -> bool:
                 allowed.update(id(m) for m in fast_walk(split[1].func))
     return bool(allowed) and all(id(n) in allowed for n in fast_walk(loop) if (
         isinstance(n, ast.Name) and _says_shared(n.id) or isinstance(n, ast.Attribute) and _says_shared(n.attr)))
+
+
+def _picked_in_loop(arg: ast.expr, loop: ast.For) -> ast.expr:
+    """What ``arg`` is: itself, or for a name bound once in the loop body, the value bound to it."""
+    if not isinstance(arg, ast.Name):
+        return arg
+    binds = [s for s in fast_walk(loop) if isinstance(s, ast.Assign) and len(s.targets) == 1
+             and isinstance(s.targets[0], ast.Name) and s.targets[0].id == arg.id]
+    return binds[0].value if len(binds) == 1 else arg
+
+
+def conditioning_rows(rows: ast.expr, other: ast.expr, loop: ast.For) -> str | None:
+    """``cond`` when an expert's second argument ``other`` is ``cond[sel]`` picked with the very index its rows ``rows``
+    (``x[sel]``) are picked with (directly or through names bound once in the loop), ``cond`` a name the loop does not
+    bind and not the tokens themselves: per-token conditioning rows (``expert(x[idx], t_emb[idx])``) in the rows' order.
+    Else None."""
+    a, b = _picked_in_loop(rows, loop), _picked_in_loop(other, loop)
+    if not (isinstance(a, ast.Subscript) and isinstance(b, ast.Subscript) and isinstance(a.value, ast.Name)
+            and isinstance(b.value, ast.Name)) or a.value.id == b.value.id or ast.dump(a.slice) != ast.dump(b.slice):
+        return None
+    bound = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return None if b.value.id in bound else b.value.id
+
+
+def conditioning_guard(cond: str, tokens: str) -> str:
+    """The run-time fact the permuted conditioning rows rest on: one conditioning row per token row."""
+    return f"{cond}.shape[:{tokens}.dim() - 1] == {tokens}.shape[:-1]"
+
+
+def conditioning_permute_lines(cond: str, tokens: str, prefix: str) -> list[str]:
+    """Lines of the fused text that put the conditioning rows in the permuted order: ``order`` (npu_moe_token_permute's
+    sorted_indices) sends (token t, slot k), flat position ``t * K + k``, to permuted row ``order[t * K + k]``."""
+    p = prefix
+    return [
+        "# the experts' conditioning rows, in the permuted order: permuted row order[i] comes from token i // K",
+        f"{p}nrows = {tokens}.reshape(-1, {tokens}.shape[-1]).shape[0]",
+        f"{p}src = torch.empty_like({p}order, dtype=torch.int64)",
+        f"{p}src[{p}order.long()] = torch.arange({p}order.numel(), device={p}order.device) // ({p}order.numel() // {p}nrows)",
+        f"{p}cond = {cond}.reshape({p}nrows, *{cond}.shape[{tokens}.dim() - 1:])[{p}src]",
+    ]

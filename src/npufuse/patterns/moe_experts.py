@@ -173,6 +173,8 @@ class _Site:
     weight_select: str = ""
     # s41b: opaque experts of a two-input forward called with the same rows twice (`expert(x_sel, x_sel)`)
     rows_twice: bool = False
+    cond: str = ""  # s42b: the experts' second argument, per-token conditioning rows `cond[sel]` (permuted with the rows)
+    cond_tokens: str = ""  # s42b: the tokens as the loop reads them (their leading dims are the conditioning's)
     # s41b: the expert outputs pass through this row-wise dropout (the call with `{}` for its input), as written
     post_dropout: str = ""
 
@@ -2466,6 +2468,7 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
 
     # -- header ---------------------------------------------------------------------------
@@ -3854,9 +3857,15 @@ class _Eval:
                 # as they are (npufuse reads no MLP off a two-input forward), with each expert's rows twice
                 self.rows_twice = True
                 return V("mod_out", (args[0], False))
+            cond = _moe_s42b.conditioning_rows(node.args[0], node.args[1], self.loop) if len(args) == 2 \
+                and not node.keywords and args[0].kind == "x" and args[1].kind == "x" and self.expert_init is None else None
+            if cond is not None and self.cond in ("", cond):
+                self.cond = cond  # s42b: `expert(x[sel], cond[sel])`: per-token conditioning rows, permuted with the rows
+                return V("mod_out", (args[0], False))
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
-                            "the fused layer calls each expert on its rows only")
+                            "the fused layer calls each expert on its rows only (and on conditioning rows only when they are "
+                            "picked with the rows' own index, `cond[sel]` beside `x[sel]`)")
             if args and args[0].kind == "scaled" and args[0].args[0].kind in ("x", "x_sorted"):
                 raise _Miss(f"the routing weights scale the expert's input (`{ast.unparse(node)[:60]}`), not its output: "
                             "the same only for a linear expert; the fused layer weights the expert outputs")
@@ -4141,8 +4150,8 @@ class _Eval:
         core = contrib.args[0] if scaled else contrib
         if core.kind == "mod_out":
             try:
-                if self.rows_twice:
-                    raise _Miss("the expert's forward takes the rows twice")
+                if self.rows_twice or self.cond:
+                    raise _Miss("the expert's forward takes two inputs")
                 mlp = _expert_module_mlp(self, core.args[1])
             except _Miss as why:
                 if core.args[1]:
@@ -4432,6 +4441,13 @@ class _Eval:
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
         site.rows_twice = self.rows_twice
+        site.cond, site.cond_tokens = self.cond, site.tokens
+        if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing != "mask_where"
+                          or site.local_start or site.sentinel or mlp.layout != "opaque"):
+            raise _Miss(f"the experts take conditioning rows `{self.cond}[...]` besides their rows, which npufuse permutes "
+                        "with the rows only for mask routing over every expert's own index")
+        if self.cond:
+            self.option_guards.append(f"({_moe_s42b.conditioning_guard(self.cond, site.tokens)})")
         site.post_dropout = self.post_dropout
         if self.post_dropout and (site.part_outs or site.column_rows or site.lead_rows or mlp.weights_at == "inside_expert"):
             raise _Miss(f"the expert outputs pass through `{self.post_dropout.format('...')}`, which npufuse replays only "
@@ -5233,6 +5249,8 @@ def _fused_text(site: _Site) -> str:
             ]
             indices, probs = f"{P}idx", f"{P}probs"
         lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})")
+        if site.cond:
+            lines += _moe_s42b.conditioning_permute_lines(site.cond, site.cond_tokens, P)
         if opaque:
             lines += [
                 "# one host sync for the group sizes (the loop synced once per expert)",
@@ -5290,13 +5308,15 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        call = f"{P}expert{site.expert_call}({rows}{', ' + rows if site.rows_twice else ''})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
+        second = f", {rows}" if site.rows_twice else f", {P}cond_e" if site.cond else ""
+        call = f"{P}expert{site.expert_call}({rows}{second})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
             f"# the experts' rows are contiguous after the permute: each expert runs once on its slice",
             f"{P}outs = []",
-            f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):",
+            f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):" if not site.cond else
+            f"for {P}expert, {rows}, {P}cond_e in zip({P}experts, {P}x.split({P}sizes), {P}cond.split({P}sizes)):",
             f"    {P}outs.append({call})",
             f"{h} = torch.cat({P}outs)",
         ]
