@@ -257,3 +257,18 @@ def conditioning_permute_lines(cond: str, tokens: str, prefix: str) -> list[str]
         f"{p}src[{p}order.long()] = torch.arange({p}order.numel(), device={p}order.device) // ({p}order.numel() // {p}nrows)",
         f"{p}cond = {cond}.reshape({p}nrows, *{cond}.shape[{tokens}.dim() - 1:])[{p}src]",
     ]
+
+
+def tested_mask(test: ast.expr) -> str | None:
+    """``m`` of a non-emptiness test ``m.any()`` / ``torch.any(m)`` / ``m.sum() > 0`` / ``m.numel() > 0`` (negated or
+    not): the name whose rows the guarded code dispatches; else None."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test = test.operand
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        test = test.left
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr in ("any", "sum", "numel") \
+            and not test.args and isinstance(test.func.value, ast.Name):
+        return test.func.value.id
+    if isinstance(test, ast.Call) and dotted(test.func) == "torch.any" and len(test.args) == 1 and isinstance(test.args[0], ast.Name):
+        return test.args[0].id
+    return None

@@ -2672,6 +2672,14 @@ class _Eval:
             return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
+            tested = _moe_s42b.tested_mask(s.test)
+            value = self.env.get(tested or "")
+            if value is not None and value.kind == "unknown" and value.args \
+                    and (s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body)):
+                # s42b: `mask = dispatch[:, :, e, :].any(-1); if mask.any(): ...` -- the guard is fine, the mask is not read
+                raise _Miss(f"the loop dispatches the tokens of `{tested}` = `{str(value.args[0])[:50]}`, which npufuse does "
+                            "not trace to a comparison of expert indices with the expert's index (a router's dispatch "
+                            "tensor, e.g. one with a capacity, may drop tokens)")
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
                 raise _Miss(f"conditional code inside the expert loop: `if {ast.unparse(s.test)[:50]}`")
             self._check_skip(s.test)
