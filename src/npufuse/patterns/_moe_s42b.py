@@ -12,6 +12,7 @@ development sweep, read by small hooks in :mod:`npufuse.patterns.moe_experts`.
 from __future__ import annotations
 
 import ast
+import copy
 from typing import Any, Callable
 
 from npufuse.scan.dataflow import dotted, fast_walk
@@ -272,3 +273,30 @@ def tested_mask(test: ast.expr) -> str | None:
     if isinstance(test, ast.Call) and dotted(test.func) == "torch.any" and len(test.args) == 1 and isinstance(test.args[0], ast.Name):
         return test.args[0].id
     return None
+
+
+class _Bind(ast.NodeTransformer):
+    def __init__(self, bound: dict[str, ast.expr]) -> None:
+        self.bound = bound
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return copy.deepcopy(self.bound[node.id]) if node.id in self.bound else node
+
+
+def inlined_lambda_call(lam: ast.expr, call: ast.Call) -> ast.expr | None:
+    """The body of a one-expression lambda attribute (``self.lin1 = lambda i, m: m @ self.w1[i]``) with the call's
+    arguments in place of its parameters (``self.lin1(e, rows)`` -> ``rows @ self.w1[e]``): the same value, since the
+    body reads nothing but its parameters and ``self`` (the module the lambda was made in). None otherwise (defaults,
+    ``*args``, keywords, other free names)."""
+    if not isinstance(lam, ast.Lambda):
+        return None
+    a = lam.args
+    params = [p.arg for p in a.posonlyargs + a.args]
+    if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or call.keywords or len(call.args) != len(params) \
+            or any(isinstance(x, ast.Starred) for x in call.args):
+        return None
+    free = {n.id for n in fast_walk(lam.body) if isinstance(n, ast.Name)} - set(params)
+    if free - {"self", "torch", "F"}:
+        return None
+    body = _Bind(dict(zip(params, call.args))).visit(copy.deepcopy(lam.body))
+    return ast.copy_location(body, call)
