@@ -3642,6 +3642,14 @@ class _Eval:
 
     def _call(self, node: ast.Call) -> V:
         m, f = self.m, node.func
+        if _s41b_self_attr(f) and self.scope.class_name in m.classes and self.expert_init is None:
+            lam = _class_init_assigns(m, m.classes[self.scope.class_name]).get(f.attr)  # type: ignore[index, union-attr]
+            body = _moe_s42b.inlined_lambda_call(lam, node) if isinstance(lam, ast.Lambda) else None
+            if body is not None:
+                return self.ev(body)  # s42b: `self.lin1(e, rows)` with `self.lin1 = lambda i, m: m @ self.w1[i]`
+            if isinstance(lam, ast.Lambda):
+                raise _Miss(f"`{ast.unparse(node)[:40]}` calls the lambda `{ast.unparse(lam)[:50]}`, which npufuse does "
+                            "not inline (defaults, keywords or names other than its parameters and `self`)")
         if isinstance(f, ast.Attribute) and f.attr == "forward" and self.expert_init is None \
                 and self.ev(f.value).kind in ("expert", "indexed"):
             # expert.forward(rows) is expert(rows) without the module's hooks: read as the call, and the
@@ -3888,14 +3896,6 @@ class _Eval:
             act = _activation_attr(m, self.scope, f.attr, owner="self")
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
-        if _s41b_self_attr(f) and self.scope.class_name in m.classes and self.expert_init is None:
-            lam = _class_init_assigns(m, m.classes[self.scope.class_name]).get(f.attr)  # type: ignore[index, union-attr]
-            body = _moe_s42b.inlined_lambda_call(lam, node) if isinstance(lam, ast.Lambda) else None
-            if body is not None:
-                return self.ev(body)  # s42b: `self.lin1(e, rows)` with `self.lin1 = lambda i, m: m @ self.w1[i]`
-            if isinstance(lam, ast.Lambda):
-                raise _Miss(f"`{ast.unparse(node)[:40]}` calls the lambda `{ast.unparse(lam)[:50]}`, which npufuse does "
-                            "not inline (defaults, keywords or names other than its parameters and `self`)")
         return V("unknown", (ast.unparse(node),))
 
     def _loop_names(self) -> set[str]:
