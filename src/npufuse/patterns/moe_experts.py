@@ -3642,7 +3642,7 @@ class _Eval:
 
     def _call(self, node: ast.Call) -> V:
         m, f = self.m, node.func
-        if _s41b_self_attr(f) and self.scope.class_name in m.classes and self.expert_init is None:
+        if _s41b_self_attr(f) and self.scope.class_name in m.classes and self.expert_init is None and "lambda" in m.source:
             lam = _class_init_assigns(m, m.classes[self.scope.class_name]).get(f.attr)  # type: ignore[index, union-attr]
             body = _moe_s42b.inlined_lambda_call(lam, node) if isinstance(lam, ast.Lambda) else None
             if body is not None:
@@ -13964,3 +13964,7 @@ MoeExperts.KEEP += [
          reason="the tensor the counts `counts` are computed from changes inside the loop",
          name="s41c_eager_counts_source_changed_in_loop"),
 ]
+
+
+MoeExperts.FUSE += _moe_s42b.FUSE_EXAMPLES  # s42b: the s42 judge's and moesweep42's MoE classes
+MoeExperts.KEEP += _moe_s42b.KEEP_EXAMPLES
