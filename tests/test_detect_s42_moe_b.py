@@ -53,3 +53,8 @@ def test_s42b_conditioning_rows_are_permuted_with_the_rows_under_a_shape_guard()
 def test_s42b_router_mask_classes_are_read_through_the_router_module():
     f = _finding("s42b_router_module_returns_one_hot_mask_unit_axis_gather")
     assert "npu_moe_token_permute" in f.fused and "probs=w" in f.fused
+
+
+def test_s42b_any_over_dim_one_runs_only_on_two_dim_indices():
+    f = _finding("s42b_token_mask_any_over_dim_one_dense_gates")
+    assert "top_i.dim() == 2" in f.guard_tensor

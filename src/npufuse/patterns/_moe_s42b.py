@@ -419,6 +419,18 @@ _GATES_VIEW = _moe('''\
             out_flat[idx] += y * gates[idx, e].unsqueeze(-1)
         return out
 ''')
+# 4. MoDE-style: `(idx == e).any(dim=1)` over [T, K] indices, the full softmax read at the selected rows, `+=`
+_ANY_DIM_ONE = _moe('''\
+        gates = F.softmax(self.gate(x), dim=-1)
+        top_g, top_i = torch.topk(gates, self.k, dim=1)
+        out = torch.zeros(x.size(0), x.size(1))
+        for i, expert in enumerate(self.experts):
+            mask = (top_i == i).any(dim=1)
+            if mask.any():
+                y = expert(x[mask])
+                out[mask] += y * gates[mask, i].unsqueeze(1)
+        return out
+''')
 # 4. the top-k slot loop inside the expert loop, the accumulate spelled out
 _SLOT_INSIDE = _moe('''\
         topk_w, topk_i = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
@@ -560,6 +572,8 @@ FUSE_EXAMPLES = [
          expect={"routing": "mask_where", "indices": "sel", "probs": "w", "tokens": "x", "output": "out"}),
     Fuse(_GATES_VIEW, name="s42b_dense_gates_at_nonzero_rows_into_output_view", run=_run("2, 5, 16"),
          expect={"routing": "mask_where", "indices": "topk_i", "probs": "gates.gather(-1, topk_i)", "output": "out_flat"}),
+    Fuse(_ANY_DIM_ONE, name="s42b_token_mask_any_over_dim_one_dense_gates", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "top_i", "probs": "gates.gather(-1, top_i)", "output": "out"}),
     Fuse(_SLOT_INSIDE, name="s42b_slot_loop_inside_expert_loop_spelled_out_sum", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
     Fuse(_FLAT_SUM, name="s42b_flat_rows_added_into_zeros", run=_run("9, 16"),
@@ -587,10 +601,13 @@ KEEP_EXAMPLES = [
         mask = (mask * (torch.cumsum(mask, dim=0) * mask <= 4)).permute(2, 1, 0)
 '''), reason="from a mask that is not one_hot", name="s42b_router_mask_with_capacity"),
     # [B, S, E, K] dispatch tensors: npufuse does not prove them a top-k scatter (a GShard one may drop tokens)
-    Keep(_DISPATCH, reason="not trace to a comparison of expert indices", name="s42b_router_dispatch_tensor_slices"),
+    Keep(_DISPATCH, reason="not read as the tokens routed to this expert", name="s42b_router_dispatch_tensor_slices"),
     # the gate of another expert's column: not the routing weight of the rows' own expert
     Keep(_GATES_VIEW.replace("gates[idx, e]", "gates[idx, (e + 1) % self.n]"),
          reason="not recognised as the routing weight", name="s42b_dense_gates_of_another_expert"),
+    # any over the tokens (dim 0): not the tokens routed to the expert
+    Keep(_ANY_DIM_ONE.replace("(top_i == i).any(dim=1)", "(top_i == i).any(dim=0)"),
+         reason="not read as the tokens routed to this expert", name="s42b_token_mask_any_over_dim_zero"),
     # an empty buffer: the sum keeps whatever it held
     Keep(_FLAT_SUM.replace("torch.zeros_like(xr)", "torch.empty_like(xr)"),
          reason="is not made as zeros before the loop", name="s42b_flat_rows_added_into_empty"),
@@ -614,3 +631,11 @@ KEEP_EXAMPLES = [
     Keep(_LAMBDAS.replace("h = self.activation(self.linear1(i, x[tok]))", "h = self.dropout(self.activation(self.linear1(i, x[tok])))"),
          reason="is not recognised", name="s42b_lambda_dropout_on_the_hidden_activation"),
 ]
+
+
+def reduces_dim_one(call: ast.Call, first: int = 0) -> bool:
+    """``m.any(dim=1)`` / ``m.any(1)`` (``first``: the dim's position, 1 for ``torch.any(m, 1)``), no keepdim: over
+    [T, K] top-k indices the last dim, as ``any(-1)`` (HO18b MoDE; the 2-D shape is a run-time guard)."""
+    dims = [a for a in call.args[first:first + 1]] + [k.value for k in call.keywords if k.arg == "dim"]
+    return len(dims) == 1 and isinstance(dims[0], ast.Constant) and dims[0].value == 1 \
+        and not isinstance(dims[0].value, bool) and len(call.args) <= first + 1 and all(k.arg == "dim" for k in call.keywords)

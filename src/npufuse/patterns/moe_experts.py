@@ -2678,8 +2678,8 @@ class _Eval:
                     and (s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body)):
                 # s42b: `mask = dispatch[:, :, e, :].any(-1); if mask.any(): ...` -- the guard is fine, the mask is not read
                 raise _Miss(f"the loop dispatches the tokens of `{tested}` = `{str(value.args[0])[:50]}`, which npufuse does "
-                            "not trace to a comparison of expert indices with the expert's index (a router's dispatch "
-                            "tensor, e.g. one with a capacity, may drop tokens)")
+                            "not read as the tokens routed to this expert (it reads `(indices == e)` and its any over the "
+                            "top-k slots; a router's dispatch tensor, e.g. one with a capacity, may drop tokens)")
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
                 raise _Miss(f"conditional code inside the expert loop: `if {ast.unparse(s.test)[:50]}`")
             self._check_skip(s.test)
@@ -3309,6 +3309,13 @@ class _Eval:
                 f"{out}.add_(({site.indices}.shape[-1] * {segment(self.m, call.func)}({rows})).reshape({out}.shape)"
                 f".to({out}.dtype))")
 
+    def _s42b_tokmask_dim_one(self, indices: str) -> V:
+        """s42b: ``(indices == e).any(dim=1)``: the tokens routed to e when the indices are [T, K] (a run-time guard)."""
+        guard = f"({indices}.dim() == 2)"
+        if guard not in self.option_guards:
+            self.option_guards.append(guard)
+        return self._tokmask(indices)
+
     def _s42b_flat_sum(self, tgt: ast.Subscript, value: ast.expr) -> bool:
         """s42b: ``y[flat == e] += v`` (rows of flat expert indices) into ``y`` made as zeros before the loop: the same
         as DeepSeek's ``y[flat == e] = v`` (each flat row holds one expert id); recorded as that assignment."""
@@ -3743,6 +3750,8 @@ class _Eval:
                 return recv
             if attr == "any" and recv.kind == "flatmask" and _last_dim_reduction(node):
                 return self._tokmask(recv.args[0])  # (indices == e).any(dim=-1): the tokens routed to e
+            if attr == "any" and recv.kind == "flatmask" and _moe_s42b.reduces_dim_one(node):
+                return self._s42b_tokmask_dim_one(recv.args[0])
             if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
                                            and const_value(node.args[0]) == -1):
                 return recv  # the same token mask over flattened rows
@@ -3807,6 +3816,8 @@ class _Eval:
             arg = self.ev(node.args[0])
             if arg.kind == "flatmask":
                 return self._tokmask(arg.args[0])
+        if name == "torch.any" and node.args and _moe_s42b.reduces_dim_one(node, first=1) and self.ev(node.args[0]).kind == "flatmask":
+            return self._s42b_tokmask_dim_one(self.ev(node.args[0]).args[0])
         if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
             return V("tokcol")
         if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "flatmask":
