@@ -624,6 +624,10 @@ KEEP_EXAMPLES = [
     # experts 1.. only: tokens routed to expert 0 would still get the shared part in the loop, not all K times
     Keep(_SHARED_WRITE_BACK.replace("for e in range(self.n):", "for e in range(1, self.n):"),
          reason="replays only for mask routing over every expert's own index", name="s42b_shared_expert_over_some_experts"),
+    # the shared expert run on rows of another tensor (the residual stream), not the experts' tokens
+    Keep(_SHARED_WRITE_BACK.replace("self.shared_expert(x[tok])", "self.shared_expert(r[tok])").replace(
+        "        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        r = x.flip(0)\n"),
+         reason="on rows of another tensor than the experts' tokens", name="s42b_shared_expert_on_other_rows"),
     # a lambda with a default parameter: not inlined
     Keep(_LAMBDAS.replace("lambda i, m: m @ self.w1[i]", "lambda i, m, s=1.0: s * (m @ self.w1[i])"),
          reason="which npufuse does not inline", name="s42b_lambda_with_a_default"),

@@ -3300,6 +3300,8 @@ class _Eval:
         call = self.shared_call
         assert call is not None
         text = ast.unparse(call)[:60]
+        if self.ev(call.args[0]) != V("x", (site.tokens,)):
+            raise _Miss(f"the write-back adds `{text}` on rows of another tensor than the experts' tokens `{site.tokens}`")
         if site.routing != "mask_where" or site.sentinel or site.local_start or site.dense_tail or self.lead_rows \
                 or self.column_rows or self.token_dims > 1:
             raise _Miss(f"the write-back adds `{text}` once per expert a token is routed to, which npufuse replays only "
