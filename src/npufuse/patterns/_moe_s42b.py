@@ -611,6 +611,9 @@ KEEP_EXAMPLES = [
     # an empty buffer: the sum keeps whatever it held
     Keep(_FLAT_SUM.replace("torch.zeros_like(xr)", "torch.empty_like(xr)"),
          reason="is not made as zeros before the loop", name="s42b_flat_rows_added_into_empty"),
+    # per-token top-1 indices (not flattened top-k): the labels keep this unweighted loop (HO17b), npufuse says so
+    Keep(_FLAT_SUM.replace("flat_i = topk_i.view(-1)", "flat_i = topk_i[:, 0]").replace("xr = x.repeat_interleave(self.k, dim=0)", "xr = x"),
+         reason="only over flattened top-k indices", name="s42b_rows_of_per_token_indices_added_into_zeros"),
     # dispatch and combine in two loops through a local dict: an intermediate, not an output (true reason)
     Keep(_DICT_TWO_LOOPS, reason="in the local dict `expert_out` and a second loop", name="s42b_local_dict_two_loops"),
     # conditioning rows picked by the slot numbers, not the token rows

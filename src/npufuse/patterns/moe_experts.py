@@ -3325,10 +3325,15 @@ class _Eval:
         kinds = [self._part_kind(p) for p in parts]
         if kinds not in (["flatmask"], ["flatmask", "all"]) or not isinstance(tgt.value, ast.Name):
             return False
+        flat = self.ev(parts[0]).args[0]
+        if not flattened_to_1d(self.m, self.scope, flat, self.loop.lineno):
+            # (HO17b EEG-BERT: per-token top-1 indices, unweighted; the labels keep that loop: not this reading's class)
+            raise _Miss(f"the loop adds expert rows into `{tgt.value.id}` at the rows of `{flat} == e`; npufuse reads that "
+                        f"sum only over flattened top-k indices (`{flat} = idx.view(-1)`, DeepSeek's repeated tokens)")
         if not _moe_s42b.made_as_zeros(self.m, self.scope, tgt.value.id, self.loop.lineno):
             raise _Miss(f"the loop adds expert rows into `{tgt.value.id}` at flat (token, slot) rows, but `{tgt.value.id}` "
                         "is not made as zeros before the loop: the sum keeps what it held there")
-        self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(value)), self.ev(parts[0]).args[0]))
+        self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(value)), flat))
         return True
 
     def _s41b_weight_scatter(self, tgt: ast.Subscript, value: ast.expr, sel: V) -> bool:
