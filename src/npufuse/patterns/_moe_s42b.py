@@ -26,11 +26,12 @@ def _picks_experts(node: ast.Subscript, var: str) -> bool:
 
 
 def outer_variable_picks_experts(outer: ast.For, inner: ast.For) -> bool:
-    """Whether the outer loop's variable indexes an experts container inside ``inner`` while the inner loop's does
-    not: then the outer loop is the expert loop and the inner one runs over top-k slots (not the slot-outer form)."""
+    """Whether the outer loop's variable indexes an experts container (in its body, the inner loop included) while the
+    inner loop's does not: then the outer loop is the expert loop and the inner one runs over top-k slots (not the
+    slot-outer form)."""
     if not (isinstance(outer.target, ast.Name) and isinstance(inner.target, ast.Name)):
         return False
-    subs = [n for n in fast_walk(inner) if isinstance(n, ast.Subscript)]
+    subs = [n for n in fast_walk(outer) if isinstance(n, ast.Subscript)]
     return any(_picks_experts(n, outer.target.id) for n in subs) and not any(_picks_experts(n, inner.target.id) for n in subs)
 
 
@@ -262,13 +263,13 @@ def conditioning_permute_lines(cond: str, tokens: str, prefix: str) -> list[str]
 
 
 def tested_mask(test: ast.expr) -> str | None:
-    """``m`` of a non-emptiness test ``m.any()`` / ``torch.any(m)`` / ``m.sum() > 0`` / ``m.numel() > 0`` (negated or
-    not): the name whose rows the guarded code dispatches; else None."""
+    """``m`` of a non-emptiness test of a mask, ``m.any()`` / ``torch.any(m)`` / ``m.sum() > 0`` (negated or not);
+    else None."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         test = test.operand
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         test = test.left
-    if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr in ("any", "sum", "numel") \
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr in ("any", "sum") \
             and not test.args and isinstance(test.func.value, ast.Name):
         return test.func.value.id
     if isinstance(test, ast.Call) and dotted(test.func) == "torch.any" and len(test.args) == 1 and isinstance(test.args[0], ast.Name):
@@ -576,6 +577,19 @@ FUSE_EXAMPLES = [
          expect={"routing": "mask_where", "indices": "top_i", "probs": "gates.gather(-1, top_i)", "output": "out"}),
     Fuse(_SLOT_INSIDE, name="s42b_slot_loop_inside_expert_loop_spelled_out_sum", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
+    Fuse(_SLOT_INSIDE.replace('''        for e in range(self.n):
+            for k in range(self.k):
+                m = topk_i[:, k] == e
+                out[m] = out[m] + self.experts[e](x[m]) * topk_w[:, k][m].unsqueeze(-1)
+''', '''        for e in range(self.n):
+            expert = self.experts[e]
+            for k in range(self.k):
+                m = topk_i[:, k] == e
+                if m.any():
+                    w = topk_w[m, k:k + 1]
+                    out[m] = out[m] + w * expert(x[m])
+'''), name="s42b_slot_loop_inside_expert_loop_slot_slice_weight", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
     Fuse(_FLAT_SUM, name="s42b_flat_rows_added_into_zeros", run=_run("9, 16"),
          expect={"routing": "flat_mask", "indices": "flat_i", "tokens": "xr", "output": "y"}),
     Fuse(_FLAT_SUM.replace("y[m] += self.experts[e](xr[m])", "y[m] = y[m] + self.experts[e](xr[m])"),
@@ -646,3 +660,11 @@ def reduces_dim_one(call: ast.Call, first: int = 0) -> bool:
     dims = [a for a in call.args[first:first + 1]] + [k.value for k in call.keywords if k.arg == "dim"]
     return len(dims) == 1 and isinstance(dims[0], ast.Constant) and dims[0].value == 1 \
         and not isinstance(dims[0].value, bool) and len(call.args) <= first + 1 and all(k.arg == "dim" for k in call.keywords)
+
+
+def is_slot_slice(node: ast.expr, slot_var: str) -> bool:
+    """``k:k + 1`` with ``k`` the slot loop's variable: the one-wide column of slot k."""
+    return isinstance(node, ast.Slice) and node.step is None and isinstance(node.lower, ast.Name) \
+        and node.lower.id == slot_var and isinstance(node.upper, ast.BinOp) and isinstance(node.upper.op, ast.Add) \
+        and isinstance(node.upper.left, ast.Name) and node.upper.left.id == slot_var \
+        and isinstance(node.upper.right, ast.Constant) and node.upper.right.value == 1

@@ -2677,7 +2677,7 @@ class _Eval:
             if value is not None and value.kind == "unknown" and value.args \
                     and (s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body)):
                 # s42b: `mask = dispatch[:, :, e, :].any(-1); if mask.any(): ...` -- the guard is fine, the mask is not read
-                raise _Miss(f"the loop dispatches the tokens of `{tested}` = `{str(value.args[0])[:50]}`, which npufuse does "
+                raise _Miss(f"the loop tests `{ast.unparse(s.test)[:30]}` with `{tested}` = `{str(value.args[0])[:50]}`, which npufuse does "
                             "not read as the tokens routed to this expert (it reads `(indices == e)` and its any over the "
                             "top-k slots; a router's dispatch tensor, e.g. one with a capacity, may drop tokens)")
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
@@ -3100,6 +3100,12 @@ class _Eval:
                 self._set_probs(base.args[0])
                 self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
                 return V("rw" if base.args[1] else "rw_row")
+        if base.kind == "outer" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "slotmask1" \
+                and _moe_s42b.is_slot_slice(parts[1], self.slot_var):
+            # s42b: w[mask, k:k + 1] with mask = idx[:, k] == e: each selected token's slot-k weight, [n, 1]
+            self._set_probs(base.args[0])
+            self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
+            return V("rw")
         if base.kind == "outer":
             name = base.args[0]
             kinds = [self._part_kind(p) for p in parts]
