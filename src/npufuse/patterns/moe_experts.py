@@ -3221,7 +3221,7 @@ class _Eval:
             if isinstance(node.value, ast.Name) and self._is_eidx(sl) else None
         if filled is not None:
             raise _Miss(f"the loop reads `{ast.unparse(node)[:40]}`, a local dict an earlier loop (line {filled}) fills "
-                        "per expert: npufuse reads dispatch and combine written in one loop")
+                        "per loop index: npufuse reads dispatch and combine written in one loop")
         return V("unknown", (ast.unparse(node),))
 
     def _check_host_listed_rows(self, rows: ast.expr, what: str) -> None:
