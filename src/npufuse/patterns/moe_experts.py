@@ -7179,7 +7179,7 @@ MoeExperts.FUSE += [
 MoeExperts.KEEP += [
     # a token mask over the wrong axis is not "the tokens routed to e"
     Keep(_TOKEN_MASK_DENSE.replace("(indices == i).any(dim=-1)", "(indices == i).any(dim=0)"),
-         reason="conditional code inside the expert loop", name="token_mask_any_over_another_dim"),
+         reason="not read as the tokens routed to this expert", name="token_mask_any_over_another_dim"),  # s42b wording
     # per-expert Linear lists with a bias: the grouped matmul here takes no bias
     Keep(_TOKEN_MASK_SLOT.replace("nn.Linear(dim, inter, bias=False) for _ in range(num_experts)])\n        self.w_up",
                                   "nn.Linear(dim, inter) for _ in range(num_experts)])\n        self.w_up"),
