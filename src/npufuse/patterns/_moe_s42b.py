@@ -575,6 +575,12 @@ FUSE_EXAMPLES = [
          expect={"routing": "mask_where", "indices": "topk_i", "probs": "gates.gather(-1, topk_i)", "output": "out_flat"}),
     Fuse(_ANY_DIM_ONE, name="s42b_token_mask_any_over_dim_one_dense_gates", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "top_i", "probs": "gates.gather(-1, top_i)", "output": "out"}),
+    Fuse(_ANY_DIM_ONE.replace("        return out\n", '''        if self.k == self.n:
+            for i, expert in enumerate(self.experts):
+                out += expert(x) * gates[:, i].unsqueeze(1)
+        return out
+'''), name="s42b_loop_item_rebound_by_a_later_loop", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "top_i", "output": "out"}),
     Fuse(_SLOT_INSIDE, name="s42b_slot_loop_inside_expert_loop_spelled_out_sum", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
     Fuse(_SLOT_INSIDE.replace('''        for e in range(self.n):
@@ -622,6 +628,9 @@ KEEP_EXAMPLES = [
     # any over the tokens (dim 0): not the tokens routed to the expert
     Keep(_ANY_DIM_ONE.replace("(top_i == i).any(dim=1)", "(top_i == i).any(dim=0)"),
          reason="not read as the tokens routed to this expert", name="s42b_token_mask_any_over_dim_zero"),
+    # the loop's last expert read after it outside any loop that rebinds the name
+    Keep(_ANY_DIM_ONE.replace("        return out\n", "        return out, expert\n"),
+         reason="`expert` (set in the expert loop) is used after it", name="s42b_loop_item_read_after_the_loop"),
     # an empty buffer: the sum keeps whatever it held
     Keep(_FLAT_SUM.replace("torch.zeros_like(xr)", "torch.empty_like(xr)"),
          reason="is not made as zeros before the loop", name="s42b_flat_rows_added_into_empty"),
@@ -668,3 +677,16 @@ def is_slot_slice(node: ast.expr, slot_var: str) -> bool:
         and node.lower.id == slot_var and isinstance(node.upper, ast.BinOp) and isinstance(node.upper.op, ast.Add) \
         and isinstance(node.upper.left, ast.Name) and node.upper.left.id == slot_var \
         and isinstance(node.upper.right, ast.Constant) and node.upper.right.value == 1
+
+
+def reads_only_under_loop_rebinding(scope: Any, name: str, line: int) -> bool:
+    """Whether every later read of ``name`` (after ``line``) sits in the body of a later ``for`` loop whose target binds
+    ``name``: such a read sees the loop's own binding, never the value ``name`` held at ``line`` (HO18b MoDE: a dense
+    ``for i, expert in enumerate(self.experts)`` in the other arm of an ``if``)."""
+    loads = scope.loads_after(name, line)
+    loops = [n for n in fast_walk(scope.node) if isinstance(n, (ast.For, ast.AsyncFor)) and n.lineno > line
+             and any(isinstance(t, ast.Name) and t.id == name for t in fast_walk(n.target))]
+    if not loads or not loops:
+        return False
+    spans = [(s.lineno, s.end_lineno or s.lineno) for lp in loops for s in lp.body]
+    return all(any(lo <= n.lineno <= hi for lo, hi in spans) for n in loads)

@@ -4605,7 +4605,7 @@ class _Eval:
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
         inside = _assigned(stmts) - self.device_moves
         for n in sorted(inside - produced):
-            if self.scope.uses_after(n, end):
+            if self.scope.uses_after(n, end) and not _moe_s42b.reads_only_under_loop_rebinding(self.scope, n, end):
                 where = "by the split before the expert loop" if n == self.split_name else "in the expert loop"
                 raise _Miss(f"`{n}` (set {where}) is used after it; the fused layer does not produce it")
         for name in (site.tokens, site.indices, site.probs):
