@@ -321,9 +321,26 @@ def expert_mask(module: ModuleInfo, scope: Scope, name: str, before_line: int) -
             node = node.func.value
             continue
         src = _one_hot_source(module, node)
-        if src is None or not isinstance(src[0], ast.Name):
+        indices = _integer_cast_operand(module, src[0]) if src is not None else None
+        if src is None or not isinstance(indices, ast.Name):
             return None
-        return ExpertMask(src[0].id, src[1], orient or "tke", src[2])
+        return ExpertMask(indices.id, src[1], orient or "tke", src[2])
+
+
+_INTEGER_DTYPES = {"torch.long", "torch.int64", "torch.int", "torch.int32"}
+
+
+def _integer_cast_operand(module: ModuleInfo, node: ast.expr) -> ast.expr:
+    """``idx`` of an integer cast ``idx.long()`` / ``idx.int()`` / ``idx.to(torch.int64)`` / ``idx.type(torch.long)``
+    (s42: ``one_hot(sel.long(), E)``: expert indices are integers already, the cast changes no index value); else
+    ``node`` itself."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords):
+        return node
+    if node.func.attr in ("long", "int") and not node.args:
+        return node.func.value
+    if node.func.attr in ("to", "type") and len(node.args) == 1 and api(module, node.args[0]) in _INTEGER_DTYPES:
+        return node.func.value
+    return node
 
 # --- norms (issue 14, class 1) ---
 # Spellings of the pieces an L2-normalisation RMSNorm is written with: the 2-norm over the last
