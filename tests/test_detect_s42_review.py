@@ -192,3 +192,22 @@ def test_a_flag_read_as_given_still_runs_as_written_where_true() -> None:
                              "out = (m(x, mem, None), *m(x, mem, None, ret_attn=True), m(x, mem, keep))")
     facts = check_rewrite_runs(AttentionPattern(), _FLAGGED, run, findings)
     assert facts["n_out"] == (4, 4) and min(facts["cos_out"]) > 0.9999, facts
+
+
+# -- 4: the inf/NaN search of affinity_where's branches, once per assignment value
+
+def test_the_branch_search_reads_each_earlier_assignment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from npufuse.patterns import affinity_where
+
+    n = 30
+    lines = ["import torch", "def f(x, m):", "    loss = x"]
+    lines += [f"    loss = loss * {i} + x" for i in range(n)]
+    lines += [f"    y{i} = torch.where(m, torch.zeros_like(loss), loss)" for i in range(n)]
+    code = "\n".join([*lines, "    return loss"]) + "\n"
+    searched: list[int] = []
+    real = affinity_where._unsafe_in
+    monkeypatch.setattr(affinity_where, "_unsafe_in", lambda module, scope, root: searched.append(id(root)) or real(module, scope, root))
+    pattern = next(p for p in all_patterns() if p.id == "affinity_where")
+    findings, _ = detect_all(pattern, code)
+    assert len(findings) == n  # no branch computes inf/NaN: every site is still a candidate
+    assert len(searched) == len(set(searched)) <= 3 * n + 1, len(searched)  # was n * (n + 1) + n searches
