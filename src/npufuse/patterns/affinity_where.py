@@ -324,19 +324,32 @@ def _unsafe_op(module: ModuleInfo, scope: Scope, node: ast.AST, line: int) -> Op
         # (`loss = torch.log(s) - p`, then `if smoothing: loss = (1 - a) * loss + ...`) keeps the
         # first value on the other path (audit42, Liger's vocab-parallel cross entropy)
         roots += [value for stmt, value in scope.assignments.get(node.id, []) if stmt.lineno < line]
+    # s42 review: one search per assignment value and scope (every `torch.where` reading a name searches all its
+    # earlier assignments: without the memo, N rebindings and N sites walked N * N expressions)
+    memo: dict[int, Optional[str]] = scope.__dict__.setdefault("_npufuse_where_unsafe", {})
     for root in roots:
-        # an op whose result is cast to an integer dtype leaves no inf/NaN in the branch (T5's
-        # `max_exact + (torch.log(rel.float() / max_exact) * k).to(torch.long)`): not searched
-        cast = {id(x) for c in fast_walk(root) if _integer_cast(module, c) for x in fast_walk(c.func.value)}
-        for n in fast_walk(root):
-            if id(n) in cast:
-                continue
-            if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
+        key = id(root)
+        if key not in memo:
+            memo[key] = _unsafe_in(module, scope, root)
+        if memo[key] is not None:
+            return memo[key]
+    return None
+
+
+def _unsafe_in(module: ModuleInfo, scope: Scope, root: ast.AST) -> Optional[str]:
+    """The first op under ``root`` that can produce inf/NaN, as source, else None."""
+    # an op whose result is cast to an integer dtype leaves no inf/NaN in the branch (T5's
+    # `max_exact + (torch.log(rel.float() / max_exact) * k).to(torch.long)`): not searched
+    cast = {id(x) for c in fast_walk(root) if _integer_cast(module, c) for x in fast_walk(c.func.value)}
+    for n in fast_walk(root):
+        if id(n) in cast:
+            continue
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
+            return ast.unparse(n)
+        if isinstance(n, ast.Call):
+            last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
+            if last in _UNSAFE_FUNCS:
                 return ast.unparse(n)
-            if isinstance(n, ast.Call):
-                last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
-                if last in _UNSAFE_FUNCS:
-                    return ast.unparse(n)
     return None
 
 

@@ -11396,6 +11396,8 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
         caller_params = {x.arg for x in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
         if not all(isinstance(f, ast.Name) and f.id in caller_params for f in flags):
             continue  # a flag the caller computes: where it is true is not read
+        if flags and {f.id for f in flags} & _stored_names(fn.body):  # type: ignore[attr-defined]
+            continue  # s42 review: a parameter the caller rebinds: the test at the span's start may read an older value
         if tail is not None:
             text, last = _s42_append_line(text, last, tail)
         try:
@@ -11494,9 +11496,16 @@ def _s42_flag_returns(body: list[ast.stmt], params: list[str], passed: dict[str,
     parameters that may be true (a parameter left at, or given, a false constant returns nothing there)."""
     kept: list[ast.stmt] = []
     flags: list[ast.expr] = []
+    stored: set[str] | None = None
     for b in body:
         if (isinstance(b, ast.If) and not b.orelse and isinstance(b.test, ast.Name) and b.test.id in params
                 and len(b.body) == 1 and isinstance(b.body[0], ast.Return)):
+            stored = _stored_names(body) if stored is None else stored
+            if b.test.id in stored:
+                # s42 review: the method rebinds the flag (`ret_attn = ret_attn or self.keep`): the caller's value is
+                # not what the test reads, so the return stays (two returns: not inlined)
+                kept.append(b)
+                continue
             value = passed.get(b.test.id, defaults.get(b.test.id))
             if not (isinstance(value, ast.Constant) and not value.value):
                 flags.append(value)  # type: ignore[arg-type]

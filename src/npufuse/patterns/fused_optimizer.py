@@ -1229,6 +1229,11 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     value = getattr(stmt, "value", None)
     if value is None:
         return None
+    targets = getattr(stmt, "targets", None)
+    if isinstance(scope.node, ast.Module) and targets and isinstance(targets[0], ast.Name) and targets[0].id in module.assigned_aliases:
+        # s42 review: a module-level alias (``Optim = torch.optim.AdamW``, bound nowhere else in the file) is the class
+        # itself wherever it is called (ModuleInfo.canonical): each construction reports itself, candidate or near miss
+        return None
     items: list[ast.AST] = [value]
     if isinstance(value, ast.Dict):
         items = list(value.values)

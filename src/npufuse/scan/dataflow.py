@@ -861,6 +861,35 @@ def _list_blocks(block: list[ast.stmt], owner: ast.stmt | None, out: list[tuple[
             _list_blocks(case.body, stmt, out, owners)
 
 
+def _names_bound_elsewhere(tree: ast.Module, names: set[str]) -> set[str]:
+    """Those of ``names`` (each bound by one module-level ``name = ...``) that the file binds in any other way:
+    another assignment target (a function's local, a loop or ``with`` variable, a comprehension's), a parameter,
+    a def or class, an import, an ``except .. as`` or ``match`` capture, or a ``global`` / ``nonlocal``
+    declaration."""
+    stores: dict[str, int] = {}
+    other: set[str] = set()
+    for n in fast_walk(tree):
+        t = type(n)
+        if t is ast.Name:
+            if n.id in names and type(n.ctx) is not ast.Load:  # type: ignore[attr-defined]
+                stores[n.id] = stores.get(n.id, 0) + 1  # type: ignore[attr-defined]
+        elif t is ast.arg:
+            other.add(n.arg)  # type: ignore[attr-defined]
+        elif t in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef):
+            other.add(n.name)  # type: ignore[attr-defined]
+        elif t is ast.alias:
+            other.add(n.asname or n.name.split(".")[0])  # type: ignore[attr-defined]
+        elif t in (ast.Global, ast.Nonlocal):
+            other.update(n.names)  # type: ignore[attr-defined]
+        elif t is ast.ExceptHandler and n.name:  # type: ignore[attr-defined]
+            other.add(n.name)  # type: ignore[attr-defined]
+        elif t in (ast.MatchAs, ast.MatchStar) and n.name:  # type: ignore[attr-defined]
+            other.add(n.name)  # type: ignore[attr-defined]
+        elif t is ast.MatchMapping and n.rest:  # type: ignore[attr-defined]
+            other.add(n.rest)  # type: ignore[attr-defined]
+    return {name for name in names if stores.get(name, 0) != 1 or name in other}
+
+
 def fast_walk(node: ast.AST) -> Iterator[ast.AST]:
     """``ast.walk(node)``: the same nodes in the same (breadth-first) order, at a fraction of
     its cost (no deque, no ``iter_fields``/``iter_child_nodes`` generators). Like ``ast.walk``
@@ -1014,7 +1043,14 @@ class ModuleInfo:
                 self.classes[node.name] = node
             elif type(node) is ast.Assign:
                 self._note_api_alias(node, assigned)
-        self.assigned_aliases = {k: v for k, v in assigned.items() if v is not None and k not in self.aliases}
+        candidates = {k: v for k, v in assigned.items() if v is not None and k not in self.aliases}
+        if candidates:  # (rare: one more walk of the tree only in files that have such a name)
+            # s42 review: canonical() has no scope, so the name must mean the API everywhere in the file: a name
+            # a function binds too (`act = self.act`, a parameter `act=F.gelu`, `global act`), a def, a loop
+            # variable or a relative import of the same name is no alias
+            rebound = _names_bound_elsewhere(self.tree, set(candidates))
+            candidates = {k: v for k, v in candidates.items() if k not in rebound}
+        self.assigned_aliases = candidates
         self.scopes = [_make_scope("<module>", self.tree, None, self.tree.body)]
         self._collect_scopes(self.tree.body, prefix="", class_name=None, top=True)
 

@@ -352,10 +352,12 @@ def gate_words(module: ModuleInfo, pattern: Pattern) -> tuple[str, ...] | None:
             words = words + extra_held
     targets = module.__dict__.get("_npufuse_alias_targets")
     if targets is None:  # every alias target on one line each: one test per word finds most words absent
-        targets = module.__dict__["_npufuse_alias_targets"] = "\n".join(module.aliases.values())
+        # s42 review: module-level names bound to a torch API (``Optim = torch.optim.AdamW``) resolve like imports
+        targets = module.__dict__["_npufuse_alias_targets"] = "\n".join([*module.aliases.values(), *module.assigned_aliases.values()])
     if not any(w in targets for w in words):
         return words
-    extra = tuple(local for local, target in module.aliases.items() if any(w in target for w in words))
+    extra = tuple(local for aliases in (module.aliases, module.assigned_aliases) for local, target in aliases.items()
+                  if any(w in target for w in words))
     if extra and not all(a.isascii() for a in extra):
         return None
     return words + extra
