@@ -37,6 +37,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -2516,6 +2517,7 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
 
     # -- header ---------------------------------------------------------------------------
@@ -2653,6 +2655,17 @@ class _Eval:
                 raise _Miss("range(...) with a step: not a loop over all experts")
             self.loop_kind = "range"
             self.num_experts = self.bins = segment(m, it.args[0])
+            return
+        local = self._s42c_local_list(it)
+        if local is not None:
+            # s42c: `for e in self.local_ids` over a contiguous range of global ids built in __init__: the loop
+            # range(L[0], L[0] + len(L)) of this rank's experts, as long as L is that range at run time (a guard)
+            self.loop_kind = "range"
+            self.local_start = f"{local}[0]"
+            self.num_experts = f"len({local})"
+            self.bins = f"({self.num_experts})"
+            self.s42c_bounds = f"{self.local_start}, {self.local_start} + {self.num_experts}"
+            self.option_guards.append(s42c.local_ids_loop_guard(local))
             return
         if self._is_expert_container(it):
             raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing): "
@@ -2904,6 +2917,14 @@ class _Eval:
         """``continue`` guards that skip experts without tokens (or the sentinel index == E)."""
         if self._s42_absent_expert_skip(test):
             return
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotIn) \
+                and self._is_eidx(test.left) and self.loop_kind == "range" and not self.local_start:
+            # s42c: `if e not in self.local_experts: continue` over a contiguous range built in __init__: fused only
+            # where the list holds every expert the loop visits (one rank); a shard keeps the loop (a run-time guard)
+            local = self._s42c_local_list(test.comparators[0])
+            if local is not None:
+                self.option_guards.append(s42c.membership_skip_guard(local, self.bins, P))
+                return
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.LtE)):
             left, right = test.left, test.comparators[0]
             if self._is_eidx(left):
@@ -2928,6 +2949,13 @@ class _Eval:
             self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _s42c_local_list(self, node: ast.expr) -> Optional[str]:
+        """``self.<attr>`` bound in ``__init__`` to a contiguous range of expert ids (see patterns/_moe_s42c.py)."""
+        cls = self.m.classes.get(self.scope.class_name) if self.scope.class_name else None
+        if cls is None or not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return None
+        return s42c.local_range_list(node, _class_init_assigns(self.m, cls))
 
     def _s42_absent_expert_skip(self, test: ast.expr) -> bool:
         """s42: ``if expert is None: continue`` / ``if self.experts[e] is None: continue`` (expert-parallel shards hold
@@ -4501,7 +4529,9 @@ class _Eval:
                 return self.generic_visit(node)
 
         t = _ToIndex().visit(copy.deepcopy(self.template))
-        if self.local_start:
+        if self.s42c_bounds:
+            bounds = self.s42c_bounds  # s42c: `for e in L` over a contiguous id list (guarded)
+        elif self.local_start:
             bounds = ", ".join(segment(self.m, a) for a in self.loop.iter.args)  # type: ignore[attr-defined]
         else:
             bounds = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
@@ -14402,3 +14432,7 @@ MoeExperts.KEEP += [
     Keep(_S42_TWO_PHASE.replace("expert_out * w[rows, slots].unsqueeze(-1))", "expert_out * w[rows, slots].unsqueeze(-1) / (e + 1))"),
          reason="expert outputs are appended to a list", name="s42_two_phase_combine_reads_the_loop_index"),
 ]
+
+# s42c (moe42c): expert-parallel loops over a contiguous range of this rank's expert ids (patterns/_moe_s42c.py)
+MoeExperts.FUSE += s42c.FUSE
+MoeExperts.KEEP += s42c.KEEP
