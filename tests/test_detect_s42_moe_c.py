@@ -2,7 +2,9 @@
 
 4. expert parallelism over a contiguous range of this rank's expert ids built in __init__: the global loop's
    `if e not in self.local_experts: continue` (fused only where the list holds every expert: one rank) and a loop
-   `for e in self.local_expert_ids` (read as range(L[0], L[0] + len(L)) under a run-time check that L is that range).
+   `for e in self.local_expert_ids` (read as range(L[0], L[0] + len(L)) under a run-time check that L is that range);
+5. flat positions `pos = torch.where(idx.view(-1) == e)[0]` read as (pos // K, pos % K) pairs (repeated rows, flat
+   weights), dense gates read at (token, expert).
 """
 
 from __future__ import annotations
@@ -74,3 +76,17 @@ def test_s42c_contiguous_range_spellings(built):
 def test_s42c_not_a_contiguous_range(built):
     import ast
     assert not s42c._contiguous_range(ast.parse(built, mode="eval").body)
+
+
+def test_s42c_flat_positions_rest_on_run_time_shapes():
+    from npufuse.patterns._moe_s42c import DENSE_GATES
+    f = _finding(DENSE_GATES)
+    x = torch.zeros(6, 4)
+
+    class _M:
+        k = 2
+
+    ok = {"self": _M, "x": x, "top_i": torch.zeros(6, 2, dtype=torch.long), "gates": torch.zeros(6, 5)}
+    assert eval(f.guard_tensor, ok) is x
+    assert eval(f.guard_tensor, {**ok, "top_i": torch.zeros(6, 3, dtype=torch.long)}) is None  # K is not self.k
+    assert eval(f.guard_tensor, {**ok, "top_i": torch.zeros(2, 3, 2, dtype=torch.long)}) is None  # [B, T, K]

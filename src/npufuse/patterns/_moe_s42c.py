@@ -17,10 +17,11 @@ from its loop analysis.
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from npufuse.patterns.base import Fuse, Keep
-from npufuse.scan.dataflow import dotted
+from npufuse.scan.dataflow import Scope, const_value, dotted
 
 _RANGE_WRAPPERS = {"list", "tuple", "set", "sorted"}
 
@@ -65,6 +66,128 @@ def local_ids_loop_guard(local_list: str) -> str:
     """``for e in L`` is ``for e in range(L[0], L[0] + len(L))`` where L holds those ids in order at run time (the
     __init__ code that built it may not have run as read: a subclass, a later reassignment)."""
     return f"(len({local_list}) > 0 and list({local_list}) == list(range({local_list}[0], {local_list}[0] + len({local_list}))))"
+
+
+
+# -- class 5: flat positions of [T, K] top-k pairs -------------------------------------------
+#
+# ``flat = idx.view(-1)``; ``pos = torch.where(flat == e)[0]`` lists the flat positions p = t * K + k of the pairs
+# routed to e, ascending: exactly ``torch.where(idx == e)`` of the 2-D indices, as (p // K, p % K). The loop then
+# reads the token as ``pos // K``, the slot as ``pos % K``, the token's row as ``x.repeat_interleave(K, dim=0)[pos]``
+# (row p of the repeated tokens is x[p // K]) and the pair's weight as ``w.view(-1)[pos]``. Each read is translated
+# into the (token, slot) pair form the loop analysis knows; K, 2-D indices and 2-D tokens are checked at run time.
+
+
+@dataclass
+class FlatPositions:
+    """``pos`` = positions of expert e in ``flat`` (a 1-D view of the 2-D indices ``indices``)."""
+
+    flat: str
+    indices: str
+    k_text: str = ""  # K as the loop writes it (``pos // K``, ``repeat_interleave(K)``): one text for every read
+    tokens: str = ""  # x of ``x.repeat_interleave(K, dim=0)`` rows read at pos
+    reads: list[tuple[ast.expr, ast.expr]] = field(default_factory=list)  # (read as written, its pair form)
+
+
+def _flat_view_of(scope: Scope, name: str, line: int) -> Optional[str]:
+    """``I`` when ``name`` was last bound to ``I.view(-1)`` / ``I.reshape(-1)`` / ``I.flatten()`` (I a name)."""
+    return _flat_view_call(scope.definition(name, line))
+
+
+def _flat_view_call(node: Optional[ast.expr]) -> Optional[str]:
+    """``I`` of ``I.view(-1)`` / ``I.reshape(-1)`` / ``I.flatten()`` (I a name)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and not node.keywords):
+        return None
+    if node.func.attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1:
+        return node.func.value.id
+    if node.func.attr == "flatten" and not node.args:
+        return node.func.value.id
+    return None
+
+
+def flat_positions(scope: Scope, value: ast.expr, is_expert: Callable[[ast.expr], bool], line: int) -> Optional[FlatPositions]:
+    """``torch.where(flat == e)[0]`` / ``(flat == e).nonzero(as_tuple=True)[0]`` with ``flat`` a 1-D view of a name."""
+    if not (isinstance(value, ast.Subscript) and const_value(value.slice) == 0 and isinstance(value.value, ast.Call)):
+        return None
+    call = value.value
+    if dotted(call.func) == "torch.where" and len(call.args) == 1 and not call.keywords:
+        test = call.args[0]
+    elif isinstance(call.func, ast.Attribute) and call.func.attr == "nonzero" and not call.args \
+            and len(call.keywords) == 1 and call.keywords[0].arg == "as_tuple" and const_value(call.keywords[0].value) is True:
+        test = call.func.value
+    else:
+        return None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return None
+    flat, other = test.left, test.comparators[0]
+    if not isinstance(flat, ast.Name):
+        flat, other = other, flat
+    if not (isinstance(flat, ast.Name) and is_expert(other)):
+        return None
+    indices = _flat_view_of(scope, flat.id, line)
+    return FlatPositions(flat.id, indices) if indices is not None else None
+
+
+def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: FlatPositions, tok: str, slot: str,
+                             expert: ast.expr, line: int) -> Optional[str]:
+    """Fill ``fp.reads`` with the pair form of every read of ``pos`` in ``body``; None when all are translated, else
+    the read that is not (the loop is then analysed as written). ``tok`` / ``slot`` name the pair's coordinates."""
+    loads = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Name) and n.id == pos and isinstance(n.ctx, ast.Load)]
+    parents: dict[int, ast.AST] = {}
+    for st in body:
+        for node in ast.walk(st):
+            for child in ast.iter_child_nodes(node):
+                parents[id(child)] = node
+    tok_node, slot_node = ast.Name(tok, ast.Load()), ast.Name(slot, ast.Load())
+    for n in loads:
+        parent = parents.get(id(n))
+        if isinstance(parent, ast.BinOp) and parent.left is n and isinstance(parent.op, (ast.FloorDiv, ast.Mod)):
+            k = ast.unparse(parent.right)
+            if fp.k_text and k != fp.k_text:
+                return ast.unparse(parent)
+            fp.k_text = k
+            fp.reads.append((parent, tok_node if isinstance(parent.op, ast.FloorDiv) else slot_node))
+            continue
+        if isinstance(parent, ast.Attribute) and parent.attr in ("numel", "nelement", "shape", "size"):
+            continue  # the number of pairs: the same for the pair coordinates
+        if isinstance(parent, ast.Call) and dotted(parent.func) == "len" and parent.args == [n]:
+            continue
+        if isinstance(parent, ast.Subscript) and parent.slice is n and _flat_view_call(parent.value) is not None:
+            pair = ast.Tuple([tok_node, slot_node], ast.Load())  # w.view(-1)[pos] written inline
+            fp.reads.append((parent, ast.Subscript(ast.Name(_flat_view_call(parent.value), ast.Load()), pair, ast.Load())))
+            continue
+        if isinstance(parent, ast.Subscript) and parent.slice is n and isinstance(parent.value, ast.Name):
+            src = parent.value.id
+            if src == fp.flat:
+                fp.reads.append((parent, expert))  # flat[pos] == e
+                continue
+            d = scope.definition(src, line)
+            if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "repeat_interleave" \
+                    and isinstance(d.func.value, ast.Name) and len(d.args) >= 1 and len(d.args) + len(d.keywords) == 2:
+                dim = d.args[1] if len(d.args) == 2 else (d.keywords[0].value if d.keywords[0].arg == "dim" else None)
+                k = ast.unparse(d.args[0])
+                if dim is None or const_value(dim) != 0 or (fp.k_text and k != fp.k_text) \
+                        or (fp.tokens and fp.tokens != d.func.value.id):
+                    return ast.unparse(parent)
+                fp.k_text, fp.tokens = k, d.func.value.id
+                fp.reads.append((parent, ast.Subscript(ast.Name(fp.tokens, ast.Load()), tok_node, ast.Load())))
+                continue
+            w = _flat_view_of(scope, src, line)
+            if w is not None:
+                pair = ast.Tuple([tok_node, slot_node], ast.Load())
+                fp.reads.append((parent, ast.Subscript(ast.Name(w, ast.Load()), pair, ast.Load())))
+                continue
+        return ast.unparse(parent) if parent is not None else pos
+    return None if fp.k_text else pos
+
+
+def position_guard(fp: FlatPositions) -> str:
+    """The run-time facts the pair reading rests on: 2-D [T, K] indices with K the divisor, 2-D tokens of T rows."""
+    facts = [f"{fp.indices}.dim() == 2", f"{fp.indices}.shape[1] == {fp.k_text}"]
+    if fp.tokens:
+        facts += [f"{fp.tokens}.dim() == 2", f"{fp.tokens}.shape[0] == {fp.indices}.shape[0]"]
+    return " and ".join(facts)
 
 
 # -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------
@@ -150,6 +273,61 @@ LOCAL_IDS_LOOP_RUN = _run("ShardMoE(16, 12, 6, 2)", "2, 5, 16", "m.router.weight
 LOCAL_IDS_LOOP_SHARD_RUN = _run("ShardMoE(16, 12, 6, 2, rank=1, world=2)", "2, 5, 16",
                                 "m.router.weight, m.experts[5].w_in.weight")
 
+# 5a. flat positions of the top-k pairs: repeated token rows, the token as pos // K, the weight off the flat weights
+FLAT_POSITIONS = _HEAD + '''
+
+class RepeatMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, shape[-1])
+        topk_w, topk_i = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        flat_idx = topk_i.view(-1)
+        flat_w = topk_w.view(-1)
+        x_rep = x.repeat_interleave(self.k, dim=0)
+        out = torch.zeros_like(x)
+        for i in range(self.n):
+            pos = torch.where(flat_idx == i)[0]
+            if pos.numel() == 0:
+                continue
+            y = self.experts[i](x_rep[pos])
+            out.index_add_(0, pos // self.k, y * flat_w[pos].unsqueeze(1))
+        return out.view(shape)
+'''
+FLAT_POSITIONS_RUN = _run("RepeatMoE(16, 12, 5, 2)", "2, 6, 16", "m.gate.weight, m.experts[3].w_in.weight")
+
+# 5b. the same positions from nonzero(as_tuple=True), dense gates read at (token, expert), written per token
+DENSE_GATES = _HEAD + '''
+
+class DenseGateMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        logits = self.router(x)
+        top_v, top_i = logits.topk(self.k, dim=-1)
+        gates = torch.zeros_like(logits).scatter(-1, top_i, F.softmax(top_v, dim=-1))
+        flat = top_i.reshape(-1)
+        result = torch.zeros_like(x)
+        for e in range(self.n):
+            pos = (flat == e).nonzero(as_tuple=True)[0]
+            if len(pos) == 0:
+                continue
+            tok = pos // self.k
+            y = self.experts[e](x[tok])
+            result.index_add_(0, tok, y * gates[tok, e].unsqueeze(-1))
+        return result
+'''
+DENSE_GATES_RUN = _run("DenseGateMoE(16, 12, 5, 2)", "9, 16", "m.router.weight, m.experts[1].w_out.weight")
+
 _LIST = "list(range(rank * per, (rank + 1) * per))"
 _COMP = "[i for i in range(rank * per, (rank + 1) * per)]"
 
@@ -160,7 +338,26 @@ FUSE = [
     Fuse(LOCAL_IDS_LOOP, name="s42c_loop_over_local_expert_ids_second_rank", run=LOCAL_IDS_LOOP_SHARD_RUN),
 ]
 
+FUSE += [
+    Fuse(FLAT_POSITIONS, name="s42c_flat_positions_of_repeated_rows", run=FLAT_POSITIONS_RUN),
+    Fuse(DENSE_GATES, name="s42c_flat_positions_dense_gates_at_token_expert", run=DENSE_GATES_RUN),
+]
+
 KEEP = [
+    # the repeated rows repeat each token 2 times while the positions are divided by self.k: row p of x_rep is not
+    # x[p // self.k] unless K == 2 (the reads do not agree on one K)
+    Keep(FLAT_POSITIONS.replace("x.repeat_interleave(self.k, dim=0)", "x.repeat_interleave(2, dim=0)"),
+         reason="not a token dispatch", name="s42c_flat_positions_rows_repeated_another_k"),
+    # a slot-major flatten (position k * T + t): pos // K is not the token
+    Keep(FLAT_POSITIONS.replace("flat_idx = topk_i.view(-1)", "flat_idx = topk_i.t().reshape(-1)"),
+         reason="not a token dispatch", name="s42c_flat_positions_of_a_transposed_flatten"),
+    # the positions themselves used as token rows (no // K): the flat position is not a token
+    Keep(FLAT_POSITIONS.replace("out.index_add_(0, pos // self.k,", "out.index_add_(0, pos,"),
+         reason="is not recognised as the routing weight", name="s42c_flat_positions_added_at_the_position"),
+    # gates read at the token and another expert: not this pair's weight
+    Keep(DENSE_GATES.replace("gates[tok, e]", "gates[tok, (e + 1) % self.n]"),
+         reason="not recognised as the routing weight", name="s42c_dense_gates_at_another_expert"),
+
     # a strided id list (rank, rank + world, ...): not a range of consecutive experts the fused text could map onto
     Keep(MEMBERSHIP_SKIP.replace(_LIST, "list(range(rank, n, world))"),
          reason="the loop skips experts on `e not in self.local_experts`", name="s42c_membership_in_a_strided_list"),

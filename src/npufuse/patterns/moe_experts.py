@@ -2517,6 +2517,7 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.s42c_reads: dict[int, ast.expr] = {}  # s42c: id of a flat-position read -> its (token, slot) pair form
         self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
 
@@ -2820,6 +2821,8 @@ class _Eval:
             if self._is_eidx(s.value) and self.expert_init is None:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
                 return
+            if self._s42c_flat_positions(tgt.id, s.value):
+                return
             val = self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
                 raise _Miss(f"`{ast.unparse(s)[:60]}` on an unpacked expert output is not replayed by the fused layer")
@@ -2950,6 +2953,31 @@ class _Eval:
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
 
+    def _s42c_flat_positions(self, name: str, value: ast.expr) -> bool:
+        """s42c: ``pos = torch.where(flat == e)[0]`` over ``flat = idx.view(-1)`` whose every read is a (token, slot)
+        pair form (``pos // K``, ``pos % K``, ``x.repeat_interleave(K, dim=0)[pos]``, ``w.view(-1)[pos]``): read as
+        ``torch.where(idx == e)`` of the 2-D indices (see patterns/_moe_s42c.py), under a run-time shape check."""
+        fp = s42c.flat_positions(self.scope, value, self._is_eidx, self.loop.lineno)
+        if fp is None or self.s42c_reads:
+            return False
+        stores = [n for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+        expert = next((n for n in fast_walk(value) if isinstance(n, ast.expr) and self._is_eidx(n)), None)
+        varying = _assigned([self.loop]) | self.eidx  # names the loop binds (not cached: eidx may still grow)
+        if len(stores) != 1 or expert is None or fp.indices in varying:
+            return False
+        tok, slot = f"{P}tok", f"{P}slot"
+        if s42c.translate_position_reads(self.scope, self.loop.body, name, fp, tok, slot, expert, self.loop.lineno) is not None:
+            return False
+        if any(isinstance(n, ast.Name) and n.id in varying for n in ast.walk(ast.parse(fp.k_text, mode="eval"))):
+            return False  # K must be one value for the whole loop
+        self._where_flat(V("flatmask", (fp.indices,)))
+        self.env[name], self.env[tok], self.env[slot] = V("flatpos"), V("tok"), V("kpos")
+        self.s42c_reads = {id(read): pair for read, pair in fp.reads}
+        guard = s42c.position_guard(fp)
+        if guard not in self.rank_guards:
+            self.rank_guards.append(guard)
+        return True
+
     def _s42c_local_list(self, node: ast.expr) -> Optional[str]:
         """``self.<attr>`` bound in ``__init__`` to a contiguous range of expert ids (see patterns/_moe_s42c.py)."""
         cls = self.m.classes.get(self.scope.class_name) if self.scope.class_name else None
@@ -3029,6 +3057,10 @@ class _Eval:
 
     def _size_kind(self, node: ast.expr) -> str:
         """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
+        kind = self._size_kind_of(node)
+        return "tok" if kind == "flatpos" else kind  # s42c: as many flat positions as (token, slot) pairs
+
+    def _size_kind_of(self, node: ast.expr) -> str:
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
             return self.ev(node.value.value).kind
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("numel", "size", "any", "nelement"):
@@ -3055,6 +3087,8 @@ class _Eval:
     # -- expressions ----------------------------------------------------------------------
 
     def ev(self, node: ast.AST) -> V:
+        if self.s42c_reads and id(node) in self.s42c_reads:
+            return self.ev(self.s42c_reads[id(node)])  # s42c: a flat-position read in its (token, slot) pair form
         if isinstance(node, ast.Name):
             if node.id in self.eidx:
                 return V("eidx")
@@ -3233,6 +3267,15 @@ class _Eval:
                                                                       self.loop.lineno):
                 self._set_probs(name)
                 return V("rw")  # s41: w[t, k] of one (token, slot) pair: its routing weight
+            if kinds in (["tok", "eidx"], ["tok", "eidx", "none"]) and self.where_indices and self.token_dims == 1 \
+                    and self.where_indices not in self._loop_names():
+                # s42c: dense gates [T, E] at (token, expert) of a (token, slot) pair: gates[t, idx[t, k]], the pair's
+                # entry of gates.gather(-1, idx) (a run-time check that both are 2-D)
+                guard = f"{name}.dim() == 2 and {self.where_indices}.dim() == 2"
+                if guard not in self.rank_guards:
+                    self.rank_guards.append(guard)
+                self._set_probs(f"{name}.gather(-1, {self.where_indices})")
+                return V("rw" if kinds[-1] == "none" else "rw_pre")
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
                 self._set_probs(name)
                 return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
