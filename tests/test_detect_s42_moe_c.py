@@ -3,6 +3,8 @@
 4. expert parallelism over a contiguous range of this rank's expert ids built in __init__: the global loop's
    `if e not in self.local_experts: continue` (fused only where the list holds every expert: one rank) and a loop
    `for e in self.local_expert_ids` (read as range(L[0], L[0] + len(L)) under a run-time check that L is that range);
+3. the rows of `(idx == e).nonzero()` unpacked column by column (`b, t, k = nz[:, 0], nz[:, 1], nz[:, 2]`,
+   `.unbind(-1)`) read as torch.where(idx == e); `out.index_put_((b, t), v, accumulate=True)` as `out[b, t] += v`;
 5. flat positions `pos = torch.where(idx.view(-1) == e)[0]` read as (pos // K, pos % K) pairs (repeated rows, flat
    weights), dense gates read at (token, expert).
 """
@@ -90,3 +92,8 @@ def test_s42c_flat_positions_rest_on_run_time_shapes():
     assert eval(f.guard_tensor, ok) is x
     assert eval(f.guard_tensor, {**ok, "top_i": torch.zeros(6, 3, dtype=torch.long)}) is None  # K is not self.k
     assert eval(f.guard_tensor, {**ok, "top_i": torch.zeros(2, 3, 2, dtype=torch.long)}) is None  # [B, T, K]
+
+
+def test_s42c_nonzero_columns_carry_a_rank_check():
+    from npufuse.patterns._moe_s42c import NONZERO_COLUMNS
+    assert "(idx.dim() == 3)" in _finding(NONZERO_COLUMNS).guard_tensor  # every column of the rows is unpacked

@@ -190,6 +190,126 @@ def position_guard(fp: FlatPositions) -> str:
     return " and ".join(facts)
 
 
+
+def accumulated_put(call: ast.Call) -> Optional[tuple[ast.expr, ast.expr]]:
+    """(the rows, the values) of ``out.index_put_(indices, values, accumulate=True)`` (indices a literal tuple; one
+    element stands for itself): the same sum as ``out[indices] += values`` where the rows are distinct (an expert's
+    tokens are: top-k indices are distinct)."""
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "index_put_"):
+        return None
+    names = ("indices", "values", "accumulate")
+    given = dict(zip(names, call.args))
+    for kw in call.keywords:
+        if kw.arg not in names or kw.arg in given:
+            return None
+        given[kw.arg] = kw.value
+    rows, values, acc = given.get("indices"), given.get("values"), given.get("accumulate")
+    if len(call.args) > 3 or values is None or acc is None or const_value(acc) is not True or not isinstance(rows, ast.Tuple):
+        return None
+    return (rows.elts[0] if len(rows.elts) == 1 else rows), values
+
+
+
+# -- class 3: the rows of ``(idx == e).nonzero()`` read column by column ---------------------
+#
+# ``nz = (idx == e).nonzero()`` is [n, idx.dim()]: its columns are ``torch.where(idx == e)``, in the same order. A loop
+# that reads nz only as whole columns unpacked into names (``b, t, k = nz[:, 0], nz[:, 1], nz[:, 2]``,
+# ``b, t, k = nz.unbind(-1)``, ``= nz.t()``) or through its size reads the pairs of torch.where.
+
+
+def _size_read(parent: Optional[ast.AST], n: ast.Name) -> bool:
+    return (isinstance(parent, ast.Attribute) and parent.attr in ("numel", "nelement", "shape", "size")) or (
+        isinstance(parent, ast.Call) and dotted(parent.func) == "len" and parent.args == [n])
+
+
+def _columns_of(value: ast.expr, name: str, count: int) -> bool:
+    """``name[:, 0], ..., name[:, count - 1]`` in order, ``name.unbind(-1 | 1)``, ``name.t()`` or ``name.T``."""
+    if isinstance(value, ast.Tuple):
+        return len(value.elts) == count and all(
+            isinstance(c, ast.Subscript) and isinstance(c.value, ast.Name) and c.value.id == name
+            and isinstance(c.slice, ast.Tuple) and len(c.slice.elts) == 2 and isinstance(c.slice.elts[0], ast.Slice)
+            and c.slice.elts[0].lower is None and c.slice.elts[0].upper is None and c.slice.elts[0].step is None
+            and const_value(c.slice.elts[1]) == j for j, c in enumerate(value.elts))
+    if isinstance(value, ast.Attribute) and value.attr == "T":
+        return isinstance(value.value, ast.Name) and value.value.id == name
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and isinstance(value.func.value, ast.Name)
+            and value.func.value.id == name):
+        return False
+    if value.func.attr == "t":
+        return not value.args and not value.keywords
+    if value.func.attr == "unbind":
+        dim = value.args[0] if len(value.args) == 1 and not value.keywords else (
+            value.keywords[0].value if not value.args and len(value.keywords) == 1 and value.keywords[0].arg == "dim" else None)
+        return dim is not None and const_value(dim) in (-1, 1)
+    return False
+
+
+def nonzero_columns(body: list[ast.stmt], name: str, value: ast.expr) -> Optional[tuple[ast.expr, list[tuple[ast.expr, int]]]]:
+    """For ``name = X.nonzero()`` / ``torch.nonzero(X)`` (no as_tuple): (X, [(each unpacked column read, its number of
+    names)]) when the body reads ``name`` only as unpacked columns or sizes; else None."""
+    mask = _nonzero_mask(value)
+    if mask is None:
+        return None
+    parents: dict[int, ast.AST] = {}
+    unpacks: dict[int, tuple[ast.expr, int]] = {}
+    for st in body:
+        for node in ast.walk(st):
+            for child in ast.iter_child_nodes(node):
+                parents[id(child)] = node
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple) \
+                    and all(isinstance(e, ast.Name) for e in node.targets[0].elts) \
+                    and _columns_of(node.value, name, len(node.targets[0].elts)):
+                unpacks[id(node.value)] = (node.value, len(node.targets[0].elts))
+    reads: list[tuple[ast.expr, int]] = []
+    for st in body:
+        for n in ast.walk(st):
+            if not (isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)):
+                continue
+            parent = parents.get(id(n))
+            if _size_read(parent, n):
+                continue
+            owner = parent
+            while owner is not None and id(owner) not in unpacks:
+                owner = parents.get(id(owner))
+            if owner is None:
+                return None
+            if unpacks[id(owner)] not in reads:
+                reads.append(unpacks[id(owner)])
+    return (mask, reads) if reads else None
+
+
+
+def inline_nonzero_unpack(value: ast.expr) -> Optional[ast.expr]:
+    """X of ``X.nonzero().unbind(-1)`` / ``torch.nonzero(X).t()`` / ``X.nonzero().T`` written as an unpacked value."""
+    if isinstance(value, ast.Attribute):
+        inner = value.value
+    elif isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        inner = value.func.value
+    else:
+        return None
+    mask = _nonzero_mask(inner)
+    return mask if mask is not None and _columns_of(_renamed(value, inner), "_nz", 0) else None
+
+
+def _renamed(value: ast.expr, inner: ast.expr) -> ast.expr:
+    """``value`` with its receiver ``inner`` replaced by the name ``_nz`` (to test the column spelling)."""
+    if isinstance(value, ast.Attribute):
+        return ast.Attribute(ast.Name("_nz", ast.Load()), value.attr, ast.Load())
+    assert isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+    return ast.Call(ast.Attribute(ast.Name("_nz", ast.Load()), value.func.attr, ast.Load()), value.args, value.keywords)
+
+
+def _nonzero_mask(value: ast.expr) -> Optional[ast.expr]:
+    """X of ``X.nonzero()`` / ``torch.nonzero(X)`` (no as_tuple)."""
+    if not (isinstance(value, ast.Call) and not value.keywords):
+        return None
+    if isinstance(value.func, ast.Attribute) and value.func.attr == "nonzero" and not value.args:
+        return value.func.value
+    if dotted(value.func) == "torch.nonzero" and len(value.args) == 1:
+        return value.args[0]
+    return None
+
+
 # -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------
 
 _HEAD = '''\
@@ -328,6 +448,38 @@ class DenseGateMoE(nn.Module):
 '''
 DENSE_GATES_RUN = _run("DenseGateMoE(16, 12, 5, 2)", "9, 16", "m.router.weight, m.experts[1].w_out.weight")
 
+# 3a. [B, T, K] indices, the rows of nonzero() unpacked column by column, added back with index_put_(accumulate=True)
+NONZERO_COLUMNS = _HEAD + '''
+
+class GridMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            hits = (idx == e).nonzero()
+            if hits.shape[0] == 0:
+                continue
+            b, t, k = hits[:, 0], hits[:, 1], hits[:, 2]
+            y = self.experts[e](x[b, t])
+            out.index_put_((b, t), y * w[b, t, k].unsqueeze(-1), accumulate=True)
+        return out
+'''
+NONZERO_COLUMNS_RUN = _run("GridMoE(16, 12, 5, 2)", "2, 6, 16", "m.gate.weight, m.experts[0].w_in.weight")
+
+# 3b. the same pairs unbound inline, added back per token
+NONZERO_UNBIND = NONZERO_COLUMNS.replace(
+    "            hits = (idx == e).nonzero()\n            if hits.shape[0] == 0:\n                continue\n"
+    "            b, t, k = hits[:, 0], hits[:, 1], hits[:, 2]\n",
+    "            b, t, k = torch.nonzero(idx == e).unbind(-1)\n").replace(
+    "            out.index_put_((b, t), y * w[b, t, k].unsqueeze(-1), accumulate=True)\n",
+    "            out[b, t] += w[b, t, k, None] * y\n")
+
 _LIST = "list(range(rank * per, (rank + 1) * per))"
 _COMP = "[i for i in range(rank * per, (rank + 1) * per)]"
 
@@ -343,7 +495,19 @@ FUSE += [
     Fuse(DENSE_GATES, name="s42c_flat_positions_dense_gates_at_token_expert", run=DENSE_GATES_RUN),
 ]
 
+FUSE += [
+    Fuse(NONZERO_COLUMNS, name="s42c_nonzero_columns_of_btk_indices_index_put", run=NONZERO_COLUMNS_RUN),
+    Fuse(NONZERO_UNBIND, name="s42c_nonzero_unbound_inline_btk", run=NONZERO_COLUMNS_RUN),
+]
+
 KEEP = [
+    # the columns unpacked out of order: (t, b) is not the token of (b, t)
+    Keep(NONZERO_COLUMNS.replace("b, t, k = hits[:, 0], hits[:, 1], hits[:, 2]", "t, b, k = hits[:, 1], hits[:, 0], hits[:, 2]")
+         .replace("x[b, t]", "x[t, b]"),
+         reason="lists (row, slot) pairs, not rows", name="s42c_nonzero_columns_out_of_order"),
+    # index_put_ without accumulate writes the rows (the last expert's value wins), it does not add them
+    Keep(NONZERO_COLUMNS.replace(", accumulate=True)", ")"),
+         reason="which the fused layer would not", name="s42c_index_put_without_accumulate"),
     # the repeated rows repeat each token 2 times while the positions are divided by self.k: row p of x_rep is not
     # x[p // self.k] unless K == 2 (the reads do not agree on one K)
     Keep(FLAT_POSITIONS.replace("x.repeat_interleave(self.k, dim=0)", "x.repeat_interleave(2, dim=0)"),

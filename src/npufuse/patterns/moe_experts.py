@@ -2802,6 +2802,10 @@ class _Eval:
         return True
 
     def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
+        if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts):
+            where = self._s42c_unpacked_columns(s.value)
+            if where is not None:
+                s = ast.copy_location(ast.Assign(targets=[tgt], value=where), s)
         if isinstance(tgt, ast.Tuple) and isinstance(s.value, ast.Tuple) and len(tgt.elts) == len(s.value.elts) \
                 and all(isinstance(e, ast.Name) for e in tgt.elts):
             for t_, v_ in zip(tgt.elts, s.value.elts):  # w1, w2, w3 = (self.w1[e], self.w2[e], self.w3[e])
@@ -2821,7 +2825,7 @@ class _Eval:
             if self._is_eidx(s.value) and self.expert_init is None:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
                 return
-            if self._s42c_flat_positions(tgt.id, s.value):
+            if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value):
                 return
             val = self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
@@ -2914,6 +2918,12 @@ class _Eval:
         if isinstance(f, ast.Attribute) and f.attr == "append" and isinstance(f.value, ast.Name) and len(call.args) == 1:
             self.results.append(("append", f.value.id, self.ev(_strip_casts(call.args[0])), None))
             return
+        rows = s42c.accumulated_put(call)
+        if rows is not None and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                and self.ev(rows[0]).kind in ("tok", "tokmask", "slotmask1", "tok1"):
+            # s42c: `out.index_put_((b, t), v, accumulate=True)` adds v at the selected tokens, as `out[b, t] += v`
+            self.results.append(("accumulate", f.value.id, self.ev(_strip_casts(rows[1])), None))
+            return
         raise _Miss(f"the expert loop calls `{ast.unparse(call)[:60]}`, which the fused layer would not")
 
     def _check_skip(self, test: ast.expr) -> None:
@@ -2958,7 +2968,7 @@ class _Eval:
         pair form (``pos // K``, ``pos % K``, ``x.repeat_interleave(K, dim=0)[pos]``, ``w.view(-1)[pos]``): read as
         ``torch.where(idx == e)`` of the 2-D indices (see patterns/_moe_s42c.py), under a run-time shape check."""
         fp = s42c.flat_positions(self.scope, value, self._is_eidx, self.loop.lineno)
-        if fp is None or self.s42c_reads:
+        if fp is None or self.s42c_reads:  # (one translation per loop)
             return False
         stores = [n for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
         expert = next((n for n in fast_walk(value) if isinstance(n, ast.expr) and self._is_eidx(n)), None)
@@ -2977,6 +2987,40 @@ class _Eval:
         if guard not in self.rank_guards:
             self.rank_guards.append(guard)
         return True
+
+    def _s42c_nonzero_columns(self, name: str, value: ast.expr) -> bool:
+        """s42c: ``nz = (idx == e).nonzero()`` read only as unpacked columns (``b, t, k = nz[:, 0], nz[:, 1], nz[:, 2]``,
+        ``nz.unbind(-1)``, ``nz.t()``) and sizes: each unpack is ``torch.where(idx == e)`` (a run-time rank check)."""
+        found = s42c.nonzero_columns(self.loop.body, name, value)
+        if found is None:
+            return False
+        mask, reads = found
+        if not (isinstance(mask, ast.Compare) and len(mask.ops) == 1 and isinstance(mask.ops[0], ast.Eq)):
+            return False
+        indices = next((side for side in (mask.left, mask.comparators[0]) if isinstance(side, ast.Name)
+                        and not self._is_eidx(side)), None)
+        if indices is None or len({count for _, count in reads}) != 1:
+            return False
+        where = ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], [])
+        if _canon(self.m, where.func) != "torch.where":
+            return False  # `torch` is not the torch module here
+        guard = f"{indices.id}.dim() == {reads[0][1]}"  # every column of the [n, idx.dim()] rows is unpacked
+        if guard not in self.rank_guards:
+            self.rank_guards.append(guard)
+        self.env[name] = V("flatpos")  # its size reads are the number of pairs
+        for read, _ in reads:
+            self.s42c_reads[id(read)] = where
+        return True
+
+    def _s42c_unpacked_columns(self, value: ast.expr) -> Optional[ast.expr]:
+        """s42c: ``torch.where(idx == e)`` for the columns of ``(idx == e).nonzero()`` unpacked into names (bound to a
+        name first: see _s42c_nonzero_columns; or inline, ``(idx == e).nonzero().unbind(-1)``)."""
+        if id(value) in self.s42c_reads:
+            return self.s42c_reads[id(value)]
+        mask = s42c.inline_nonzero_unpack(value)
+        if mask is None or _canon(self.m, ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load())) != "torch.where":
+            return None
+        return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
 
     def _s42c_local_list(self, node: ast.expr) -> Optional[str]:
         """``self.<attr>`` bound in ``__init__`` to a contiguous range of expert ids (see patterns/_moe_s42c.py)."""
