@@ -90,8 +90,16 @@ class FlatPositions:
 
 
 def _flat_view_of(scope: Scope, name: str, line: int) -> Optional[str]:
-    """``I`` when ``name`` was last bound to ``I.view(-1)`` / ``I.reshape(-1)`` / ``I.flatten()`` (I a name)."""
-    return _flat_view_call(scope.definition(name, line))
+    """``I`` when ``name`` was last bound to ``I.view(-1)`` / ``I.reshape(-1)`` / ``I.flatten()`` (I a name) and I is
+    not rebound between that and ``line`` (the loop reads I itself in place of the view)."""
+    node = scope.definition(name, line)
+    source = _flat_view_call(node)
+    return source if source is not None and node is not None and _unchanged(scope, source, node.lineno, line) else None
+
+
+def _unchanged(scope: Scope, name: str, since: int, line: int) -> bool:
+    """No assignment to ``name`` after line ``since`` and before ``line``."""
+    return not any(since < st.lineno < line for st, _ in scope.assignments.get(name, []))
 
 
 def _flat_view_call(node: Optional[ast.expr]) -> Optional[str]:
@@ -168,7 +176,8 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
                 dim = d.args[1] if len(d.args) == 2 else (d.keywords[0].value if d.keywords[0].arg == "dim" else None)
                 k = ast.unparse(d.args[0])
                 if dim is None or const_value(dim) != 0 or (fp.k_text and k != fp.k_text) \
-                        or (fp.tokens and fp.tokens != d.func.value.id):
+                        or (fp.tokens and fp.tokens != d.func.value.id) \
+                        or not _unchanged(scope, d.func.value.id, d.lineno, line):
                     return ast.unparse(parent)
                 fp.k_text, fp.tokens = k, d.func.value.id
                 fp.reads.append((parent, ast.Subscript(ast.Name(fp.tokens, ast.Load()), tok_node, ast.Load())))
@@ -512,6 +521,9 @@ KEEP = [
     # x[p // self.k] unless K == 2 (the reads do not agree on one K)
     Keep(FLAT_POSITIONS.replace("x.repeat_interleave(self.k, dim=0)", "x.repeat_interleave(2, dim=0)"),
          reason="not a token dispatch", name="s42c_flat_positions_rows_repeated_another_k"),
+    # the tokens rebound after they were repeated: x_rep[pos] is a row of the old x, not of the x the loop reads
+    Keep(FLAT_POSITIONS.replace("        out = torch.zeros_like(x)\n", "        x = x * 2\n        out = torch.zeros_like(x)\n"),
+         reason="not a token dispatch", name="s42c_flat_positions_tokens_rebound_after_the_repeat"),
     # a slot-major flatten (position k * T + t): pos // K is not the token
     Keep(FLAT_POSITIONS.replace("flat_idx = topk_i.view(-1)", "flat_idx = topk_i.t().reshape(-1)"),
          reason="not a token dispatch", name="s42c_flat_positions_of_a_transposed_flatten"),

@@ -2518,6 +2518,7 @@ class _Eval:
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
         self.s42c_reads: dict[int, ast.expr] = {}  # s42c: id of a flat-position read -> its (token, slot) pair form
+        self.s42c_positions = ""  # s42c: the name bound to flat positions of the top-k pairs
         self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
 
@@ -2968,6 +2969,8 @@ class _Eval:
         pair form (``pos // K``, ``pos % K``, ``x.repeat_interleave(K, dim=0)[pos]``, ``w.view(-1)[pos]``): read as
         ``torch.where(idx == e)`` of the 2-D indices (see patterns/_moe_s42c.py), under a run-time shape check."""
         fp = s42c.flat_positions(self.scope, value, self._is_eidx, self.loop.lineno)
+        if fp is not None and self.s42c_reads and self.s42c_positions == name:
+            return True  # the body analysed again (the translation is in place)
         if fp is None or self.s42c_reads:  # (one translation per loop)
             return False
         stores = [n for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
@@ -2983,6 +2986,7 @@ class _Eval:
         self._where_flat(V("flatmask", (fp.indices,)))
         self.env[name], self.env[tok], self.env[slot] = V("flatpos"), V("tok"), V("kpos")
         self.s42c_reads = {id(read): pair for read, pair in fp.reads}
+        self.s42c_positions = name
         guard = s42c.position_guard(fp)
         if guard not in self.rank_guards:
             self.rank_guards.append(guard)
@@ -3312,7 +3316,7 @@ class _Eval:
                 self._set_probs(name)
                 return V("rw")  # s41: w[t, k] of one (token, slot) pair: its routing weight
             if kinds in (["tok", "eidx"], ["tok", "eidx", "none"]) and self.where_indices and self.token_dims == 1 \
-                    and self.where_indices not in self._loop_names():
+                    and base.kind == "outer" and self.where_indices not in self._loop_names():
                 # s42c: dense gates [T, E] at (token, expert) of a (token, slot) pair: gates[t, idx[t, k]], the pair's
                 # entry of gates.gather(-1, idx) (a run-time check that both are 2-D)
                 guard = f"{name}.dim() == 2 and {self.where_indices}.dim() == 2"
