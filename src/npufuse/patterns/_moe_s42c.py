@@ -402,16 +402,18 @@ LOCAL_IDS_LOOP_RUN = _run("ShardMoE(16, 12, 6, 2)", "2, 5, 16", "m.router.weight
 LOCAL_IDS_LOOP_SHARD_RUN = _run("ShardMoE(16, 12, 6, 2, rank=1, world=2)", "2, 5, 16",
                                 "m.router.weight, m.experts[5].w_in.weight")
 
+def _init(gate: str) -> str:
+    """``__init__(d, h, n, k)`` of an example MoE: a bias-free router named ``gate`` and n GLU experts."""
+    return (f"    def __init__(self, d, h, n, k):\n        super().__init__()\n        self.n, self.k = n, k\n"
+            f"        self.{gate} = nn.Linear(d, n, bias=False)\n"
+            "        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])\n")
+
+
 # 5a. flat positions of the top-k pairs: repeated token rows, the token as pos // K, the weight off the flat weights
 FLAT_POSITIONS = _HEAD + '''
 
 class RepeatMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init('gate') + '''
     def forward(self, x):
         shape = x.shape
         x = x.view(-1, shape[-1])
@@ -434,12 +436,7 @@ FLAT_POSITIONS_RUN = _run("RepeatMoE(16, 12, 5, 2)", "2, 6, 16", "m.gate.weight,
 DENSE_GATES = _HEAD + '''
 
 class DenseGateMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.router = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init('router') + '''
     def forward(self, x):
         logits = self.router(x)
         top_v, top_i = logits.topk(self.k, dim=-1)
@@ -461,12 +458,7 @@ DENSE_GATES_RUN = _run("DenseGateMoE(16, 12, 5, 2)", "9, 16", "m.router.weight, 
 NONZERO_COLUMNS = _HEAD + '''
 
 class GridMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init('gate') + '''
     def forward(self, x):
         w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
         out = torch.zeros_like(x)
