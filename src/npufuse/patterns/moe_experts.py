@@ -3028,8 +3028,10 @@ class _Eval:
 
     def _s42c_local_list(self, node: ast.expr) -> Optional[str]:
         """``self.<attr>`` bound in ``__init__`` to a contiguous range of expert ids (see patterns/_moe_s42c.py)."""
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return None
         cls = self.m.classes.get(self.scope.class_name) if self.scope.class_name else None
-        if cls is None or not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+        if cls is None:
             return None
         return s42c.local_range_list(node, _class_init_assigns(self.m, cls))
 
