@@ -161,6 +161,8 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
             continue  # the number of pairs: the same for the pair coordinates
         if isinstance(parent, ast.Call) and dotted(parent.func) == "len" and parent.args == [n]:
             continue
+        if isinstance(parent, ast.Subscript) and not isinstance(parent.ctx, ast.Load):
+            return ast.unparse(parent)  # written through: not a read of the pair's rows
         if isinstance(parent, ast.Subscript) and parent.slice is n and _flat_view_call(parent.value) is not None:
             pair = ast.Tuple([tok_node, slot_node], ast.Load())  # w.view(-1)[pos] written inline
             fp.reads.append((parent, ast.Subscript(ast.Name(_flat_view_call(parent.value), ast.Load()), pair, ast.Load())))
