@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns import _moe_s42b
+from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -2522,6 +2523,9 @@ class _Eval:
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
+        self.s42c_reads: dict[int, ast.expr] = {}  # s42c: id of a flat-position read -> its (token, slot) pair form
+        self.s42c_positions = ""  # s42c: the name bound to flat positions of the top-k pairs
+        self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
@@ -2661,6 +2665,17 @@ class _Eval:
                 raise _Miss("range(...) with a step: not a loop over all experts")
             self.loop_kind = "range"
             self.num_experts = self.bins = segment(m, it.args[0])
+            return
+        local = self._s42c_local_list(it)
+        if local is not None:
+            # s42c: `for e in self.local_ids` over a contiguous range of global ids built in __init__: the loop
+            # range(L[0], L[0] + len(L)) of this rank's experts, as long as L is that range at run time (a guard)
+            self.loop_kind = "range"
+            self.local_start = f"{local}[0]"
+            self.num_experts = f"len({local})"
+            self.bins = f"({self.num_experts})"
+            self.s42c_bounds = f"{self.local_start}, {self.local_start} + {self.num_experts}"
+            self.option_guards.append(s42c.local_ids_loop_guard(local))
             return
         if self._is_expert_container(it):
             raise _Miss("not a token dispatch: the loop runs every expert module on its input (no index, no token routing): "
@@ -2812,6 +2827,10 @@ class _Eval:
         return True
 
     def _assign(self, s: ast.Assign, tgt: ast.expr) -> None:
+        if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts):
+            where = self._s42c_unpacked_columns(s.value)
+            if where is not None:
+                s = ast.copy_location(ast.Assign(targets=[tgt], value=where), s)
         if isinstance(tgt, ast.Tuple) and isinstance(s.value, ast.Tuple) and len(tgt.elts) == len(s.value.elts) \
                 and all(isinstance(e, ast.Name) for e in tgt.elts):
             for t_, v_ in zip(tgt.elts, s.value.elts):  # w1, w2, w3 = (self.w1[e], self.w2[e], self.w3[e])
@@ -2830,6 +2849,8 @@ class _Eval:
                 return  # expert_idx = expert_idx[0] / int(expert_idx) / expert_idx.item()
             if self._is_eidx(s.value) and self.expert_init is None:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
+                return
+            if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value):
                 return
             val = self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
@@ -2931,12 +2952,26 @@ class _Eval:
         if isinstance(f, ast.Attribute) and f.attr == "append" and isinstance(f.value, ast.Name) and len(call.args) == 1:
             self.results.append(("append", f.value.id, self.ev(_strip_casts(call.args[0])), None))
             return
+        rows = s42c.accumulated_put(call)
+        if rows is not None and isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                and self.ev(rows[0]).kind in ("tok", "tokmask", "slotmask1", "tok1"):
+            # s42c: `out.index_put_((b, t), v, accumulate=True)` adds v at the selected tokens, as `out[b, t] += v`
+            self.results.append(("accumulate", f.value.id, self.ev(_strip_casts(rows[1])), None))
+            return
         raise _Miss(f"the expert loop calls `{ast.unparse(call)[:60]}`, which the fused layer would not")
 
     def _check_skip(self, test: ast.expr) -> None:
         """``continue`` guards that skip experts without tokens (or the sentinel index == E)."""
         if self._s42_absent_expert_skip(test):
             return
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotIn) \
+                and self._is_eidx(test.left) and self.loop_kind == "range" and not self.local_start:
+            # s42c: `if e not in self.local_experts: continue` over a contiguous range built in __init__: fused only
+            # where the list holds every expert the loop visits (one rank); a shard keeps the loop (a run-time guard)
+            local = self._s42c_local_list(test.comparators[0])
+            if local is not None:
+                self.option_guards.append(s42c.membership_skip_guard(local, self.bins, P))
+                return
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.LtE)):
             left, right = test.left, test.comparators[0]
             if self._is_eidx(left):
@@ -2961,6 +2996,77 @@ class _Eval:
             self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
             return
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+
+    def _s42c_flat_positions(self, name: str, value: ast.expr) -> bool:
+        """s42c: ``pos = torch.where(flat == e)[0]`` over ``flat = idx.view(-1)`` whose every read is a (token, slot)
+        pair form (``pos // K``, ``pos % K``, ``x.repeat_interleave(K, dim=0)[pos]``, ``w.view(-1)[pos]``): read as
+        ``torch.where(idx == e)`` of the 2-D indices (see patterns/_moe_s42c.py), under a run-time shape check."""
+        fp = s42c.flat_positions(self.scope, value, self._is_eidx, self.loop.lineno)
+        if fp is not None and self.s42c_reads and self.s42c_positions == name:
+            return True  # the body analysed again (the translation is in place)
+        if fp is None or self.s42c_reads:  # (one translation per loop)
+            return False
+        stores = [n for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+        expert = next((n for n in fast_walk(value) if isinstance(n, ast.expr) and self._is_eidx(n)), None)
+        varying = _assigned([self.loop]) | self.eidx  # names the loop binds (not cached: eidx may still grow)
+        if len(stores) != 1 or expert is None or fp.indices in varying:
+            return False
+        tok, slot = f"{P}tok", f"{P}slot"
+        if s42c.translate_position_reads(self.scope, self.loop.body, name, fp, tok, slot, expert, self.loop.lineno) is not None:
+            return False
+        if any(isinstance(n, ast.Name) and n.id in varying for n in ast.walk(ast.parse(fp.k_text, mode="eval"))):
+            return False  # K must be one value for the whole loop
+        self._where_flat(V("flatmask", (fp.indices,)))
+        self.env[name], self.env[tok], self.env[slot] = V("flatpos"), V("tok"), V("kpos")
+        self.s42c_reads = {id(read): pair for read, pair in fp.reads}
+        self.s42c_positions = name
+        guard = s42c.position_guard(fp)
+        if guard not in self.rank_guards:
+            self.rank_guards.append(guard)
+        return True
+
+    def _s42c_nonzero_columns(self, name: str, value: ast.expr) -> bool:
+        """s42c: ``nz = (idx == e).nonzero()`` read only as unpacked columns (``b, t, k = nz[:, 0], nz[:, 1], nz[:, 2]``,
+        ``nz.unbind(-1)``, ``nz.t()``) and sizes: each unpack is ``torch.where(idx == e)`` (a run-time rank check)."""
+        found = s42c.nonzero_columns(self.loop.body, name, value)
+        if found is None:
+            return False
+        mask, reads = found
+        if not (isinstance(mask, ast.Compare) and len(mask.ops) == 1 and isinstance(mask.ops[0], ast.Eq)):
+            return False
+        indices = next((side for side in (mask.left, mask.comparators[0]) if isinstance(side, ast.Name)
+                        and not self._is_eidx(side)), None)
+        if indices is None or len({count for _, count in reads}) != 1:
+            return False
+        where = ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], [])
+        if _canon(self.m, where.func) != "torch.where":
+            return False  # `torch` is not the torch module here
+        guard = f"{indices.id}.dim() == {reads[0][1]}"  # every column of the [n, idx.dim()] rows is unpacked
+        if guard not in self.rank_guards:
+            self.rank_guards.append(guard)
+        self.env[name] = V("flatpos")  # its size reads are the number of pairs
+        for read, _ in reads:
+            self.s42c_reads[id(read)] = where
+        return True
+
+    def _s42c_unpacked_columns(self, value: ast.expr) -> Optional[ast.expr]:
+        """s42c: ``torch.where(idx == e)`` for the columns of ``(idx == e).nonzero()`` unpacked into names (bound to a
+        name first: see _s42c_nonzero_columns; or inline, ``(idx == e).nonzero().unbind(-1)``)."""
+        if id(value) in self.s42c_reads:
+            return self.s42c_reads[id(value)]
+        mask = s42c.inline_nonzero_unpack(value)
+        if mask is None or _canon(self.m, ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load())) != "torch.where":
+            return None
+        return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
+
+    def _s42c_local_list(self, node: ast.expr) -> Optional[str]:
+        """``self.<attr>`` bound in ``__init__`` to a contiguous range of expert ids (see patterns/_moe_s42c.py)."""
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return None
+        cls = self.m.classes.get(self.scope.class_name) if self.scope.class_name else None
+        if cls is None:
+            return None
+        return s42c.local_range_list(node, _class_init_assigns(self.m, cls))
 
     def _s42_absent_expert_skip(self, test: ast.expr) -> bool:
         """s42: ``if expert is None: continue`` / ``if self.experts[e] is None: continue`` (expert-parallel shards hold
@@ -3034,6 +3140,10 @@ class _Eval:
 
     def _size_kind(self, node: ast.expr) -> str:
         """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
+        kind = self._size_kind_of(node)
+        return "tok" if kind == "flatpos" else kind  # s42c: as many flat positions as (token, slot) pairs
+
+    def _size_kind_of(self, node: ast.expr) -> str:
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
             return self.ev(node.value.value).kind
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("numel", "size", "any", "nelement"):
@@ -3060,6 +3170,8 @@ class _Eval:
     # -- expressions ----------------------------------------------------------------------
 
     def ev(self, node: ast.AST) -> V:
+        if self.s42c_reads and id(node) in self.s42c_reads:
+            return self.ev(self.s42c_reads[id(node)])  # s42c: a flat-position read in its (token, slot) pair form
         if isinstance(node, ast.Name):
             if node.id in self.eidx:
                 return V("eidx")
@@ -3250,6 +3362,15 @@ class _Eval:
                                                                       self.loop.lineno):
                 self._set_probs(name)
                 return V("rw")  # s41: w[t, k] of one (token, slot) pair: its routing weight
+            if kinds in (["tok", "eidx"], ["tok", "eidx", "none"]) and self.where_indices and self.token_dims == 1 \
+                    and base.kind == "outer" and self.where_indices not in self._loop_names():
+                # s42c: dense gates [T, E] at (token, expert) of a (token, slot) pair: gates[t, idx[t, k]], the pair's
+                # entry of gates.gather(-1, idx) (a run-time check that both are 2-D)
+                guard = f"{name}.dim() == 2 and {self.where_indices}.dim() == 2"
+                if guard not in self.rank_guards:
+                    self.rank_guards.append(guard)
+                self._set_probs(f"{name}.gather(-1, {self.where_indices})")
+                return V("rw" if kinds[-1] == "none" else "rw_pre")
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
                 self._set_probs(name)
                 return V("rw" if kinds[-1] == "none" else "rw_pre")  # routing_weights[top_x, idx, None]
@@ -4623,7 +4744,9 @@ class _Eval:
                 return self.generic_visit(node)
 
         t = _ToIndex().visit(copy.deepcopy(self.template))
-        if self.local_start:
+        if self.s42c_bounds:
+            bounds = self.s42c_bounds  # s42c: `for e in L` over a contiguous id list (guarded)
+        elif self.local_start:
             bounds = ", ".join(segment(self.m, a) for a in self.loop.iter.args)  # type: ignore[attr-defined]
         else:
             bounds = site.bins if site.bins != f"len({P}experts)" else f"len({self._container_text()})"
@@ -14531,3 +14654,7 @@ MoeExperts.KEEP += [
 ]
 MoeExperts.FUSE += _moe_s42b.FUSE_EXAMPLES  # s42b: the s42 judge's and moesweep42's MoE classes
 MoeExperts.KEEP += _moe_s42b.KEEP_EXAMPLES
+
+# s42c (moe42c): expert-parallel loops over a contiguous range of this rank's expert ids (patterns/_moe_s42c.py)
+MoeExperts.FUSE += s42c.FUSE
+MoeExperts.KEEP += s42c.KEEP
