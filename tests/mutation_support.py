@@ -137,7 +137,7 @@ MUTANTS = [
     M("geglu", "approximate flipped (erf -> tanh)", "gelu_on_first_half_fp16", ("approximate=0", "approximate=1"), dtype="float32"),
     # rope
     M("rope", "cos/sin not expanded (half-D)", "hf_llama", ("cos.to(", "cos" + _HALF.format(t="cos") + ".to("), ("sin.to(", "sin" + _HALF.format(t="sin") + ".to("), expect="the fused branch raised NpuOpError: npu_rotary_mul"),
-    M("rope", "sin sign flipped", "hf_llama", ("sin.to(_npufuse_k_dtype))", "(-sin).to(_npufuse_k_dtype))")),
+    M("rope", "sin sign flipped", "hf_llama", ("sin.to(_npufuse_k_dtype_npu))", "(-sin).to(_npufuse_k_dtype_npu))")),
     M("rope", "dtype cast dropped", "hf_bf16_q_fp32_cos", ("_npufuse_q_dtype = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)", "_npufuse_q_dtype = q.dtype"), expect="dtype bfloat16 differs from the original's float32 (values: cosine"),
     # attention (eager)
     M("attention", "inverted mask", "bert_padding_mask", ("(attention_mask < 0)", "(attention_mask >= 0)")),

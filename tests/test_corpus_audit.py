@@ -194,8 +194,10 @@ if True:  # a class defined in a block, as peft's `if is_megatron_available():`
 
 
 weights = [nn.Parameter(torch.ones(2))]
-opt_cls = Adagrad  # (Adagrad itself is now a near miss: torch_npu.optim has no fused Adagrad)
-opt = opt_cls(weights)  # module-level code: a suspect of its own, not held by the functions' findings
+# (a plain module-level alias `opt_cls = Adagrad` now resolves to torch.optim.Adagrad, a near miss of its own:
+# torch_npu.optim has no fused Adagrad; another library's optimizer is no site of the scan's)
+import thirdparty_optim
+opt = thirdparty_optim.Adagrad(weights)  # module-level code: a suspect of its own, not held by the functions' findings
 '''
 
 

@@ -284,6 +284,13 @@ def ref_killed(scope: Any, load: ast.Name, line: int) -> bool:
                 and any(x is load for x in ast.walk(n)):
             return False
     for block, i, stmt in ref_walk_blocks(scope.body):
+        if isinstance(stmt, (ast.For, ast.AsyncFor)) and stmt.lineno > line:
+            # s42 (moe42): a loop's target is bound before each run of its body, so a read in the body sees
+            # that binding (the iterable is evaluated before it: reads there stay uses)
+            bound = {t.id for t in ast.walk(stmt.target) if isinstance(t, ast.Name)
+                     and not any(isinstance(a, (ast.Attribute, ast.Subscript)) and any(x is t for x in ast.walk(a)) for a in ast.walk(stmt.target))}
+            if load.id in bound and any(x is load for body_stmt in stmt.body for x in ast.walk(body_stmt)):
+                return True
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.lineno <= line:
             continue
         if isinstance(stmt, ast.AnnAssign) and stmt.value is None:

@@ -31,8 +31,8 @@ MUTATIONS = {
         ("wrong eps", "epsilon=self.variance_epsilon)", "epsilon=self.variance_epsilon * 1e5)"),
     ],
     "rope": [
-        ("sin sign flipped", "sin.to(_npufuse_q_dtype))", "(-sin).to(_npufuse_q_dtype))"),
-        ("cos/sin swapped", "cos.to(_npufuse_k_dtype), sin.to(_npufuse_k_dtype)", "sin.to(_npufuse_k_dtype), cos.to(_npufuse_k_dtype)"),
+        ("sin sign flipped", "sin.to(_npufuse_q_dtype_npu))", "(-sin).to(_npufuse_q_dtype_npu))"),
+        ("cos/sin swapped", "cos.to(_npufuse_k_dtype_npu), sin.to(_npufuse_k_dtype_npu)", "sin.to(_npufuse_k_dtype_npu), cos.to(_npufuse_k_dtype_npu)"),
     ],
     "attention": [
         ("inverted mask", "_npufuse_mask = attention_mask < 0", "_npufuse_mask = attention_mask >= 0"),
