@@ -3021,8 +3021,7 @@ class _Eval:
         self.s42c_reads = {id(read): pair for read, pair in fp.reads}
         self.s42c_positions = name
         guard = s42c.position_guard(fp)
-        if guard not in self.rank_guards:
-            self.rank_guards.append(guard)
+        self._rank_guard(guard)
         return True
 
     def _s42c_nonzero_columns(self, name: str, value: ast.expr) -> bool:
@@ -3042,8 +3041,7 @@ class _Eval:
         if _canon(self.m, where.func) != "torch.where":
             return False  # `torch` is not the torch module here
         guard = f"{indices.id}.dim() == {reads[0][1]}"  # every column of the [n, idx.dim()] rows is unpacked
-        if guard not in self.rank_guards:
-            self.rank_guards.append(guard)
+        self._rank_guard(guard)
         self.env[name] = V("flatpos")  # its size reads are the number of pairs
         for read, _ in reads:
             self.s42c_reads[id(read)] = where
@@ -3367,8 +3365,7 @@ class _Eval:
                 # s42c: dense gates [T, E] at (token, expert) of a (token, slot) pair: gates[t, idx[t, k]], the pair's
                 # entry of gates.gather(-1, idx) (a run-time check that both are 2-D)
                 guard = f"{name}.dim() == 2 and {self.where_indices}.dim() == 2"
-                if guard not in self.rank_guards:
-                    self.rank_guards.append(guard)
+                self._rank_guard(guard)
                 self._set_probs(f"{name}.gather(-1, {self.where_indices})")
                 return V("rw" if kinds[-1] == "none" else "rw_pre")
             if kinds in (["tok", "kpos"], ["tok", "kpos", "none"]):
@@ -3516,6 +3513,11 @@ class _Eval:
         return (f"# `{text}` of the write-back: added once per routed (token, slot), i.e. top-k times per token\n"
                 f"{out}.add_(({site.indices}.shape[-1] * {segment(self.m, call.func)}({rows})).reshape({out}.shape)"
                 f".to({out}.dtype))")
+
+    def _rank_guard(self, guard: str) -> None:
+        """Record a run-time rank fact a read rests on (once); ``_analyze_loop`` adds them to the site's guards."""
+        if guard not in self.rank_guards:
+            self.rank_guards.append(guard)
 
     def _s42b_tokmask_dim_one(self, indices: str) -> V:
         """s42b: ``(indices == e).any(dim=1)``: the tokens routed to e when the indices are [T, K] (a run-time guard)."""
@@ -3775,8 +3777,7 @@ class _Eval:
         if masked is not None and masked.kind in ("masked_w", "masked_w_rows") and const_value(dim) == 1:
             # s42: a sum over dim 1 is the sum over the slots only for 2-D [T, K] indices (a run-time check)
             guard = f"{masked.args[1]}.dim() == 2"
-            if guard not in self.rank_guards:
-                self.rank_guards.append(guard)
+            self._rank_guard(guard)
         if masked is not None and masked.kind == "masked_w_rows":
             # s41: rows picked first (`(w[tok] * (idx[tok] == e)).sum(-1, keepdim=True)`): the selected rows' weights
             self._set_probs(masked.args[0])
@@ -3981,11 +3982,10 @@ class _Eval:
                 return recv
             if attr == "any" and recv.kind == "flatmask" and _last_dim_reduction(node):
                 return self._tokmask(recv.args[0])  # (indices == e).any(dim=-1): the tokens routed to e
-            if attr == "any" and recv.kind == "flatmask" and _s42_second_dim_reduction(node):
+            if attr == "any" and recv.kind == "flatmask" and _moe_s42b.reduces_dim_one(node):
                 # (indices == e).any(dim=1): the last dim only for 2-D [T, K] indices (a run-time check)
                 guard = f"{recv.args[0]}.dim() == 2"
-                if guard not in self.rank_guards:
-                    self.rank_guards.append(guard)
+                self._rank_guard(guard)
                 return self._tokmask(recv.args[0])
             if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
                                            and const_value(node.args[0]) == -1):
@@ -4983,13 +4983,6 @@ def _last_dim_reduction(call: ast.Call, first: int = 0) -> bool:
     """``.any(dim=-1)`` / ``.any(-1)`` (``first``: where the dim sits positionally; 1 for ``torch.any(x, -1)``)."""
     dim = keyword(call, "dim", first)
     return dim is not None and const_value(dim) == -1 and keyword(call, "keepdim") is None
-
-
-def _s42_second_dim_reduction(call: ast.Call) -> bool:
-    """``.any(dim=1)`` / ``.any(1)`` without keepdim: the indices' last dim when they are 2-D (checked at run time)."""
-    dim = keyword(call, "dim", 0)
-    return dim is not None and const_value(dim) == 1 and not isinstance(const_value(dim), bool) \
-        and keyword(call, "keepdim") is None and len(call.args) + len(call.keywords) == 1
 
 
 def _host_counts(scope: Scope, node: ast.expr, line: int) -> Optional[tuple[str, str]]:
