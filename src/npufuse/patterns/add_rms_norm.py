@@ -2226,9 +2226,12 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                 block, i = idx.block[id(stmt)]
                 j = i + 1
                 aliases: list[ast.stmt] = []
-                while j < len(block) and _is_alias(block[j], s_name):
+                # s43: profiling markers (nvtx range_pop / range_push, logging) travel with the aliases, in order
+                while j < len(block) and (_is_alias(block[j], s_name) or _s43_is_marker(module, block[j])):
                     aliases.append(block[j])
                     j += 1
+                if j + 1 < len(block) and not isinstance(ops, str):
+                    yield from _s43_unmoved_marker(module, scope, block, j, s_name)
                 nstmt, wrapper = _norm_stmt(block[j]) if j < len(block) else (None, None)
                 fork = _fork(module, scope, block[j], s_name) if j < len(block) and wrapper is None else None
                 if fork is not None:
@@ -2570,7 +2573,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
             return f"the replacement would name {', '.join(sorted(named))}, which only the norm class's file imports"
     params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
                    "norm": S.source_of(module, m.call.func), "norm_class": m.cls,
-                   "residual_aliases": [a.targets[0].id for a in site.aliases]})  # type: ignore[attr-defined]
+                   "residual_aliases": [a.targets[0].id for a in site.aliases if isinstance(a, ast.Assign)]})
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
@@ -4604,8 +4607,12 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
         if S.names_read(gap.test) & written:
             continue
-        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module) for n in fast_walk(gap)):
-            continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
+        # the if's body normalises the sum itself: that is the site (a wrapper), one per add. s43: a body that only
+        # reads the sum otherwise (a debug NaN check, ``if debug: if torch.isnan(x).any(): print(...); return``) runs
+        # as written where its test holds, so it does not stop the site
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module)
+               and _norm_call(module, scope, n, S.Ctx(scope, n.lineno)) is not None for n in fast_walk(gap)):
+            continue
         yield from _norm_of_sum(module, scope, after, s_name,
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
 
@@ -6930,3 +6937,80 @@ def _s42_conditional_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tup
         yield from _norm_of_sum(module, scope, block[i + 1], s_name,
                                 lambda nstmt, nc, stmt=stmt, x1=x1, x2=x2, s_name=s_name, cond=cond:
                                 _Site(stmt, [], nstmt, dataclasses.replace(nc, conditions=[cond, *nc.conditions]), x1, x2, s_name))
+
+
+# -- s43 (addnorm43): profiling markers between the add and the norm ------------------------------------------------
+# llm-infer-engine's block: ``torch.cuda.nvtx.range_push("Attn"); x = x + self.attention(...); range_pop();
+# range_push("FFN"); x = x + self.feed_forward(self.ffn_norm(x)); range_pop()``. The pop / push between the add and
+# the norm only mark time ranges: they read no tensor the add or the norm makes and change none. They travel with
+# the sum's aliases (in their order, every marker re-emitted once on each path, so the nvtx stack stays balanced);
+# on the npu_add_rms_norm path the norm's kernel then runs before the markers instead of after (it is attributed to
+# the range before). Logging calls (``logging.info`` / a module-level ``logging.getLogger`` logger) count alike.
+# Not markers: arguments that call anything but ``str`` / ``"...".format`` (the call may have effects), any other
+# statement (``torch.cuda.synchronize()``, a cache update, a rebinding of the sum).
+
+_S43_MARKERS = frozenset({
+    "torch.cuda.nvtx.range_push", "torch.cuda.nvtx.range_pop", "torch.cuda.nvtx.mark", "torch.cuda.nvtx.range_start",
+    "torch.cuda.nvtx.range_end", "nvtx.push_range", "nvtx.pop_range", "nvtx.mark", "nvtx.start_range", "nvtx.end_range",
+})
+_S43_LOG_LEVELS = frozenset({"debug", "info", "warning", "warn", "error", "critical", "log"})
+
+
+def _s43_module_loggers(module: ModuleInfo) -> frozenset[str]:
+    """Names bound at module level to ``logging.getLogger(...)`` (memoised per file)."""
+    cached = module.__dict__.get("_s43_loggers")
+    if cached is None:
+        cached = frozenset(t.id for st in module.tree.body if isinstance(st, ast.Assign) and isinstance(st.value, ast.Call)
+                           and module.canonical(st.value.func) == "logging.getLogger"
+                           for t in st.targets if isinstance(t, ast.Name))
+        module.__dict__["_s43_loggers"] = cached
+    return cached
+
+
+def _s43_marker_call(module: ModuleInfo, stmt: ast.stmt) -> ast.Call | None:
+    """The call of an expression statement that names a profiling marker or a logging call (its arguments unread)."""
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    name = module.canonical(stmt.value.func) or ""
+    if name in _S43_MARKERS:
+        return stmt.value
+    head, _, level = name.rpartition(".")
+    if level in _S43_LOG_LEVELS and (head == "logging" or head in _s43_module_loggers(module)):
+        return stmt.value
+    return None
+
+
+def _s43_marker_reason(module: ModuleInfo, call: ast.Call) -> str | None:
+    """Why the marker ``call`` cannot be moved past the norm's kernel: an argument calls something (other than
+    ``str()`` / ``"...".format()``: formatting a message); None when it can."""
+    for arg in (*call.args, *(k.value for k in call.keywords)):
+        for n in fast_walk(arg):
+            if not isinstance(n, ast.Call):
+                continue
+            if (isinstance(n.func, ast.Name) and n.func.id == "str") or \
+                    (isinstance(n.func, ast.Attribute) and n.func.attr == "format" and isinstance(n.func.value, ast.Constant)):
+                continue
+            return (f"`{ast.unparse(call.func)}(...)` between the add and the norm calls `{ast.unparse(n.func)}` in its "
+                    "arguments: a call npufuse does not read may have effects, so the marker is not moved past the fused norm")
+    return None
+
+
+def _s43_is_marker(module: ModuleInfo, stmt: ast.stmt) -> bool:
+    """A profiling marker / logging statement that may sit between the add and the norm (see above)."""
+    call = _s43_marker_call(module, stmt)
+    return call is not None and _s43_marker_reason(module, call) is None
+
+
+def _s43_unmoved_marker(module: ModuleInfo, scope: Scope, block: list[ast.stmt], j: int, s_name: str) -> Iterator[tuple[ast.stmt, str]]:
+    """The near miss of a marker at ``block[j]`` that may not move (its reason), where the norm of the sum follows it
+    (through further aliases and markers)."""
+    call = _s43_marker_call(module, block[j])
+    reason = _s43_marker_reason(module, call) if call is not None else None
+    if reason is None:
+        return
+    k = j + 1
+    while k < len(block) and (_is_alias(block[k], s_name) or _s43_marker_call(module, block[k]) is not None):
+        k += 1
+    if k < len(block):
+        for nstmt, _site in _norm_of_sum(module, scope, block[k], s_name, lambda nstmt, nc: None):  # type: ignore[arg-type,return-value]
+            yield nstmt, reason
