@@ -1,0 +1,177 @@
+"""s43 (helper addnorm43): add_rms_norm recall classes read from the real HO19a / HO19b misses (development data).
+
+1. A gap ``if <flag>:`` between the add and the norm whose body only reads the sum (DeepSeek-V3 shakespeare's
+   ``if debug_nan: if torch.isnan(x).any(): print(...); return None, None``): the site is fused where the flag is
+   false, the original statements run where it holds. Keep: a NaN test on the sum itself (not a flag) between them.
+2. Profiling markers between the add and the norm (llm-infer-engine's ``torch.cuda.nvtx.range_pop()`` /
+   ``range_push("FFN")``, logging calls): re-emitted in their order on every path. Keep: a marker whose argument
+   calls a function (a true near miss), a ``torch.cuda.synchronize()`` between (no candidate).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+
+def _fused_runs_like_original(code: str, run: str, findings: list) -> dict:
+    """The rewritten code runs npu_add_rms_norm and matches the original's outputs and gradients."""
+    facts = check_rewrite_runs(AddRmsNorm(), code, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    assert facts["n_out"][0] == facts["n_out"][1]
+    assert all(c > 0.99999 for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > 0.99999 for c in facts["cos_grad"]), facts["cos_grad"]
+    return facts
+
+
+_RMS = '''
+import logging
+
+import torch
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-4):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+'''
+
+_RUN = '''
+m = Block(16)
+with torch.no_grad():
+    for p in m.parameters():
+        p.normal_()
+    infer = [m(torch.randn(2, 5, 16), *extra) for extra in ({extras})]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, m(x))
+leaves = [x]
+'''
+
+# -- 1. a debug block between the add and the norm --------------------------------------------------------------------
+
+_DEBUG_GAP = _RMS + '''
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attention_norm = RMSNorm(d)
+        self.attention = nn.Linear(d, d)
+        self.ffn_norm = RMSNorm(d)
+        self.feed_forward = nn.Linear(d, d)
+
+    def forward(self, x, debug_nan=False):
+        attn_out = self.attention(self.attention_norm(x))
+        x = x + attn_out
+        {gap}
+        ffn_norm_out = self.ffn_norm(x)
+        return x + self.feed_forward(ffn_norm_out)
+'''
+
+_FLAG_GAP = '''if debug_nan:
+            if torch.isnan(x).any() or torch.isinf(x).any():
+                print(f"NaN count: {torch.isnan(x).sum().item()}")
+                return None'''
+
+
+def test_debug_check_of_the_sum_under_a_flag_between_add_and_norm_is_fused_where_the_flag_is_off() -> None:
+    code = _DEBUG_GAP.replace("{gap}", _FLAG_GAP)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["Block.forward"], misses
+    assert findings[0].params["condition"].startswith("not (debug_nan)")
+    _fused_runs_like_original(code, _RUN.format(extras="(), (True,)"), findings)
+
+
+def test_nan_check_reading_the_sum_itself_between_add_and_norm_is_not_fused() -> None:
+    # the test calls torch.isnan on the sum: it cannot be evaluated before the fused add (no flag to test first)
+    gap = '''if torch.isnan(x).any():
+            raise ValueError("NaN after attention")'''
+    findings, _misses = detect_all(AddRmsNorm(), _DEBUG_GAP.replace("{gap}", gap))
+    assert not findings
+
+
+def test_flag_gap_whose_body_normalises_the_sum_itself_is_not_read_as_a_gap() -> None:
+    # the body's own norm of the sum is the wrapper form's site; the gap reading (norm after the if) is not taken
+    gap = '''if debug_nan:
+            y = self.ffn_norm(x)
+            print(y.abs().max())'''
+    findings, _misses = detect_all(AddRmsNorm(), _DEBUG_GAP.replace("{gap}", gap))
+    assert not any(f.params.get("condition", "").startswith("not (debug_nan)") for f in findings)
+
+
+# -- 2. profiling markers between the add and the norm ----------------------------------------------------------------
+
+_MARKED = _RMS + '''
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attention_norm = RMSNorm(d)
+        self.attention = nn.Linear(d, d)
+        self.ffn_norm = RMSNorm(d)
+        self.feed_forward = nn.Linear(d, d)
+
+    def forward(self, x, layer_idx=0):
+        torch.cuda.nvtx.range_push(f"Attn_{layer_idx}")
+        x = x + self.attention(
+            self.attention_norm(x),
+        )
+        torch.cuda.nvtx.range_pop()
+        {between}
+        torch.cuda.nvtx.range_push(f"FFN_{layer_idx}")
+        x = x + self.feed_forward(self.ffn_norm(x))
+        torch.cuda.nvtx.range_pop()
+        return x
+'''
+
+
+@pytest.fixture()
+def nvtx_events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """torch.cuda.nvtx push / pop recorded (a CPU build has no NVTX); the list of events in call order."""
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda msg: events.append(f"push {msg}"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: events.append("pop"))
+    return events
+
+
+def _balanced(events: list[str]) -> bool:
+    depth = 0
+    for e in events:
+        depth += 1 if e.startswith("push") else -1
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def test_nvtx_range_markers_between_add_and_norm_travel_with_the_site(nvtx_events: list[str]) -> None:
+    code = _MARKED.replace("{between}", 'logger.debug("layer %d attention done", layer_idx)')
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [(f.qualname, f.line) for f in findings] == [("Block.forward", 30)], misses
+    _fused_runs_like_original(code, _RUN.format(extras="(), (1,)"), findings)
+    # the original and the rewritten runs each pushed and popped the same ranges, in the same order
+    half = len(nvtx_events) // 2
+    assert nvtx_events[:half] == nvtx_events[half:] and _balanced(nvtx_events[:half]), nvtx_events
+    assert "push FFN_1" in nvtx_events
+
+
+def test_marker_whose_argument_calls_a_function_is_a_near_miss() -> None:
+    code = _MARKED.replace("{between}", "").replace('range_push(f"FFN_{layer_idx}")', "range_push(describe(x))")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert not findings
+    assert any("calls `describe`" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_synchronize_between_add_and_norm_is_not_moved() -> None:
+    # not a marker: a statement npufuse does not move past the fused norm
+    findings, _misses = detect_all(AddRmsNorm(), _MARKED.replace("{between}", "torch.cuda.synchronize()"))
+    assert not findings
