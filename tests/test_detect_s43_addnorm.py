@@ -175,3 +175,104 @@ def test_synchronize_between_add_and_norm_is_not_moved() -> None:
     # not a marker: a statement npufuse does not move past the fused norm
     findings, _misses = detect_all(AddRmsNorm(), _MARKED.replace("{between}", "torch.cuda.synchronize()"))
     assert not findings
+
+
+# -- 3. a norm forward returning from an if/else on its weight; a norm attribute built beside None --------------------
+
+_OPTIONAL_WEIGHT = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6, trainable=False):
+        super().__init__()
+        self.eps = eps
+        if trainable:
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.weight = None
+
+    def forward(self, x):
+        x_dtype = x.dtype
+        x = x.float()
+        norm = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        {arms}
+
+
+class Block(nn.Module):
+    def __init__(self, d, trainable=True, cross=True):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        if cross:
+            self.norm2 = RMSNorm(d, trainable=trainable)
+            self.cross = nn.Linear(d, d)
+        else:
+            self.norm2 = None
+            self.cross = None
+        self.norm3 = RMSNorm(d, trainable=trainable)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x, gate):
+        x = x + self.attn(x) * gate
+        if self.norm2 is not None:
+            h = self.norm2(x)
+            x = x + self.cross(h) * gate
+        h = self.norm3(x)
+        return x + self.mlp(h)
+'''
+
+_WEIGHT_ARMS = '''if self.weight is not None:
+            return (x * norm * self.weight).to(dtype=x_dtype)
+        else:
+            return (x * norm).to(dtype=x_dtype)'''
+
+_OPTIONAL_RUN = '''
+models = [Block(16), Block(16, trainable=False), Block(16, cross=False)]
+with torch.no_grad():
+    for m in models:
+        for p in m.parameters():
+            p.normal_()
+    infer = [m(torch.randn(2, 5, 16), torch.rand(2, 1, 16)) for m in models]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, [m(x, torch.rand(2, 1, 16)) for m in models])
+leaves = [x]
+'''
+
+
+def test_norm_forward_returning_from_an_if_on_its_weight_is_fused_where_the_weight_exists() -> None:
+    code = _OPTIONAL_WEIGHT.replace("{arms}", _WEIGHT_ARMS)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert sorted(f.params["norm"] for f in findings) == ["self.norm2", "self.norm3"], misses
+    assert all(f"(self.{n}.weight is not None)" in f.params["condition"]
+               for f, n in zip(sorted(findings, key=lambda f: f.params["norm"]), ("norm2", "norm3")))
+    # each candidate alone (their spans overlap: the report asks to accept one of them)
+    for f in findings:
+        _fused_runs_like_original(code, _OPTIONAL_RUN, [f])
+
+
+def test_weightless_arm_first_is_read_under_the_negated_test() -> None:
+    arms = '''if self.weight is None:
+            return (x * norm).to(dtype=x_dtype)
+        return (x * norm * self.weight).to(dtype=x_dtype)'''
+    code = _OPTIONAL_WEIGHT.replace("{arms}", arms)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings and all("not (self.norm" in f.params["condition"] and "weight is None)" in f.params["condition"] for f in findings), misses
+    _fused_runs_like_original(code, _OPTIONAL_RUN, [findings[0]])
+
+
+def test_forward_choosing_its_arm_by_the_input_is_not_fused() -> None:
+    # the test reads the input, not the module: npufuse does not re-evaluate it at the call site
+    arms = '''if x_dtype == torch.float16:
+            return (x * norm * self.weight).to(dtype=x_dtype)
+        return x * norm * self.weight'''
+    findings, _misses = detect_all(AddRmsNorm(), _OPTIONAL_WEIGHT.replace("{arms}", arms))
+    assert not findings
+
+
+def test_norm_attribute_built_as_two_classes_beside_none_is_not_read() -> None:
+    code = _OPTIONAL_WEIGHT.replace("{arms}", _WEIGHT_ARMS).replace(
+        "        else:\n            self.norm2 = None",
+        "        elif d > 8:\n            self.norm2 = nn.LayerNorm(d)\n        else:\n            self.norm2 = None")
+    findings, _misses = detect_all(AddRmsNorm(), code)
+    assert [f.params["norm"] for f in findings] == ["self.norm3"]

@@ -1236,6 +1236,8 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
     if chosen_norm is not None:
         return chosen_norm
     value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if isinstance(value, ast.Constant) and value.value is None:
+        value = _s43_built_beside_none(module, scope.class_name, f.attr)  # s43: ``else: self.norm2 = None``
     if value is None and scope.class_name is None:
         return _installed_forward_norm(module, scope, call, f.attr)
     if value is None:
@@ -1766,6 +1768,11 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
         kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
         ret = kernel_branch[0] if kernel_branch is not None else None
+    weight_branch: tuple[ast.Return, list[str]] | None = None
+    if ret is None and len(params) >= 2:
+        # s43: ``if self.weight is not None: return <weighted> else: return <plain>``: one arm, under its test
+        weight_branch = _s43_branch_return(fwd, params[0], mod)
+        ret = weight_branch[0] if weight_branch is not None else None
     if ret is None or nscope is None or len(params) < 2:
         return None
     defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
@@ -1797,6 +1804,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     if kernel_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1])
+    if weight_branch is not None:
+        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1])
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
@@ -7014,3 +7023,63 @@ def _s43_unmoved_marker(module: ModuleInfo, scope: Scope, block: list[ast.stmt],
     if k < len(block):
         for nstmt, _site in _norm_of_sum(module, scope, block[k], s_name, lambda nstmt, nc: None):  # type: ignore[arg-type,return-value]
             yield nstmt, reason
+
+
+# -- s43 (addnorm43): a norm forward returning from an if/else on a module attribute -----------------------------------
+# video-diffusion-speedrun's RMSNorm: ``x = x.float(); norm = rsqrt(...); if self.weight is not None: return (x * norm
+# * self.weight).to(dtype) else: return (x * norm).to(dtype)`` (the weight is built only when trainable). One arm is
+# read (the one reading more of the module's attributes: the weighted one) and the fused code runs where the test
+# selects it, checked at run time on the module (``self`` read as the call's module); the other arm takes the
+# original call. The test may read only the module's attributes and constants: it means the same at the call site.
+
+def _s43_attribute_test(test: ast.expr, me: str) -> bool:
+    """A test of ``me.<attr>`` chains, constants, comparisons and boolean operators only."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Name) and n.id != me:
+            return False
+        if not isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop,
+                              ast.boolop, ast.unaryop, ast.expr_context)):
+            return False
+    return any(isinstance(n, ast.Attribute) for n in ast.walk(test))
+
+
+def _s43_branch_return(fwd: ast.FunctionDef, me: str, mod: str) -> tuple[ast.Return, list[str]] | None:
+    """(the arm's return, its run-time condition) for a forward of straight-line statements ending in ``if <test of
+    the module's attributes>: return A`` and ``else: return B`` (or ``return B`` after the ``if``); None otherwise."""
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(body) >= 2 and isinstance(body[-2], ast.If) and not body[-2].orelse and isinstance(body[-1], ast.Return):
+        head, other, prelude = body[-2], [body[-1]], body[:-2]
+    elif body and isinstance(body[-1], ast.If) and body[-1].orelse:
+        head, other, prelude = body[-1], body[-1].orelse, body[:-1]
+    else:
+        return None
+    arms = [head.body, other]
+    if "\n" in mod or len(prelude) > 8 or not all(S._straight(st) for st in prelude) or not _s43_attribute_test(head.test, me) \
+            or not all(len(a) == 1 and isinstance(a[0], ast.Return) and a[0].value is not None for a in arms):
+        return None
+
+    def module_reads(ret: ast.stmt) -> int:
+        return sum(1 for n in ast.walk(ret) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == me)
+
+    test = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(head.test))
+    if module_reads(arms[1][0]) > module_reads(arms[0][0]):
+        return arms[1][0], [f"not ({test})"]  # type: ignore[list-item]
+    return arms[0][0], [f"({test})"]  # type: ignore[list-item]
+
+
+def _s43_built_beside_none(module: ModuleInfo, class_name: str | None, attr: str) -> ast.Call | None:
+    """The one construction ``__init__`` assigns ``self.<attr>`` where its other assignments are ``None``
+    (``if cross_attn: self.norm2 = RMSNorm(d) else: self.norm2 = None``): calling None fails in the original, so
+    where the module is called it is that construction."""
+    init = S.method(module, class_name, "__init__") if class_name else None
+    if init is None:
+        return None
+    built: dict[str, ast.Call] = {}
+    for st in S._stmts_in(init.body):
+        if isinstance(st, ast.Assign) and any(dotted(t) == f"self.{attr}" for t in st.targets):
+            if isinstance(st.value, ast.Constant) and st.value.value is None:
+                continue
+            if not isinstance(st.value, ast.Call) or len(st.targets) != 1:
+                return None
+            built.setdefault(ast.dump(st.value), st.value)
+    return next(iter(built.values())) if len(built) == 1 else None
