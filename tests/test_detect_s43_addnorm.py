@@ -270,9 +270,9 @@ def test_forward_choosing_its_arm_by_the_input_is_not_fused() -> None:
     assert not findings
 
 
-def test_norm_attribute_built_as_two_classes_beside_none_is_not_read() -> None:
+def test_layer_norm_built_beside_none_is_a_true_near_miss() -> None:
     code = _OPTIONAL_WEIGHT.replace("{arms}", _WEIGHT_ARMS).replace(
-        "        else:\n            self.norm2 = None",
-        "        elif d > 8:\n            self.norm2 = nn.LayerNorm(d)\n        else:\n            self.norm2 = None")
-    findings, _misses = detect_all(AddRmsNorm(), code)
+        "self.norm2 = RMSNorm(d, trainable=trainable)", "self.norm2 = nn.LayerNorm(d)")
+    findings, misses = detect_all(AddRmsNorm(), code)
     assert [f.params["norm"] for f in findings] == ["self.norm3"]
+    assert any("mean subtracted" in m.reason for m in misses), [m.reason for m in misses]
