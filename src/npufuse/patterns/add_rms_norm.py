@@ -1577,6 +1577,12 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
     loops = [lp for lp in scope.nodes().get(ast.For, []) if node.id in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
     args = scope.node.args if isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)} if args is not None else set()
+    if node.id in params and not bound and not loops:
+        return _s43_parameter_class(module, scope, node.id, depth)  # s43: the one class its callers hand it
+    if not loops and bound:
+        built = _s43_built_class(module, scope, node.id, [v for _st, v in bound])
+        if built is not None:
+            return built  # s43: ``model = DeepSeek(cfg)`` (``model = torch.compile(model)`` keeps it)
     if len(bound) + len(loops) != 1 or node.id in params:
         return None
     if bound:
@@ -2893,8 +2899,12 @@ class AddRmsNorm(Pattern):
         if not scope.class_name and not _installed_forward(module, scope):
             # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``), a norm
             # function of the file or F.rms_norm (a functional forward / training step over parameter dicts)
+            # s43: or a norm module of an object it is handed (``for layer in model.layers: ... layer.ffn_norm(x)``)
+            member = _S43_MEMBER_NORM_TEXT.search(S.scope_text(module, scope)) is not None
             if _s42_norm_parameters(scope) or _S42_NORM_CALL_TEXT.search(S.scope_text(module, scope)):
-                yield from self._s42_function_sites(module, scope)
+                yield from self._s42_function_sites(module, scope, member)
+            elif member:
+                yield from self._s42_function_sites(module, scope, member)
             # s42: a module-level function of a functional model (CS336's ``transformer_block(.., weights, in_features)``)
             # adding a residual and calling this file's norm helper on the sum: the plain add + norm sites only
             elif _calls_norm_helper(module, scope) and module.helper(scope.qualname) is scope.node:
@@ -2921,12 +2931,14 @@ class AddRmsNorm(Pattern):
             return NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
         return r
 
-    def _s42_function_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    def _s42_function_sites(self, module: ModuleInfo, scope: Scope, member: bool = False) -> Iterable[Result]:
         """The add + norm sites of a plain function (no class) whose norm is called by a plain name (one of its
         parameters, see _s42_parameter_norm, or a norm function of the file) or is F.rms_norm / torch.rms_norm:
-        readings that need no ``self``."""
+        readings that need no ``self``. ``member`` (s43): also a norm module of an object the function is handed
+        or builds (``layer.ffn_norm(x)``), read with its run-time class test."""
         for stmt, site in _sites(module, scope):
-            if isinstance(site, _Site) and (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"):
+            if isinstance(site, _Site) and (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"
+                                            or member and _s43_guarded_member_norm(site.nc)):
                 yield self._site_result(module, scope, stmt, site)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
@@ -7083,3 +7095,71 @@ def _s43_built_beside_none(module: ModuleInfo, class_name: str | None, attr: str
                 return None
             built.setdefault(ast.dump(st.value), st.value)
     return next(iter(built.values())) if len(built) == 1 else None
+
+
+# -- s43 (addnorm43): a layer object handed to a plain function ------------------------------------------------------
+# DeepSeek-V3 shakespeare's training script: ``def update_load_balancing(model, x): for layer in model.layers: x = x +
+# layer.attention(layer.attention_norm(x)); x_norm = layer.ffn_norm(x)``, called as ``update_load_balancing(model, x)``
+# where ``train()`` binds ``model = DeepSeek(config)`` (then maybe ``model = torch.compile(model)``, which hands
+# attribute reads to the model). The parameter's class is the one class every call in the file hands it; the norm
+# reading then adds its run-time class test as for any other layer object (another caller's object takes the
+# original call).
+
+# methods that return the module itself (``torch.compile`` returns a wrapper whose attributes are the module's)
+_S43_SAME_MODULE_METHODS = frozenset({"to", "cuda", "cpu", "float", "half", "bfloat16", "train", "eval", "requires_grad_"})
+
+
+def _s43_built_class(module: ModuleInfo, scope: Scope, name: str, values: list[ast.expr]) -> _Owner | None:
+    """The class of the local ``name`` when every assignment of it builds one class of the repository (``Cls(...)``)
+    or hands the same module on (``torch.compile(name)``, ``name.to(device)``), at least one building it."""
+    owner: _Owner | None = None
+    for v in values:
+        if not isinstance(v, ast.Call):
+            return None
+        f = v.func
+        if isinstance(f, ast.Name):
+            got = _class_named(module, f.id)
+            if got is None or (owner is not None and (got[0].path, got[1]) != (owner[0].path, owner[1])):
+                return None
+            owner = got
+            continue
+        passed = v.args[0] if module.canonical(f) == "torch.compile" and v.args else \
+            f.value if isinstance(f, ast.Attribute) and f.attr in _S43_SAME_MODULE_METHODS else None
+        if not (isinstance(passed, ast.Name) and passed.id == name):
+            return None
+    return owner
+
+
+def _s43_parameter_class(module: ModuleInfo, scope: Scope, param: str, depth: int) -> _Owner | None:
+    """The class of the parameter ``param`` of ``scope``: the one class every call of the function in this file
+    hands it (a name the caller builds, or an object followed from the caller's ``self``); None otherwise."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__" or param == "self" or depth > 3:
+        return None
+    memo = module.__dict__.setdefault("_s43_param_class", {})
+    key = (id(fn), param)
+    if key in memo:
+        return memo[key]
+    memo[key] = None  # a call cycle reads as unresolved
+    passed = _s42_passed_modules(module, scope, param)
+    owners: dict[tuple[str, str] | None, _Owner | None] = {}
+    for arg, caller in passed if not isinstance(passed, str) else ():
+        got = _object_class(module, caller, arg, depth + 1) if caller is not scope else None
+        owners[(got[0].path, got[1]) if got is not None else None] = got
+    owner = next(iter(owners.values())) if len(owners) == 1 and not isinstance(passed, str) else None
+    memo[key] = owner
+    return owner
+
+
+# a plain function's text calling a norm module of an object: ``layer.ffn_norm(``, ``block.ln_2(``
+_S43_MEMBER_NORM_TEXT = re.compile(r"\w\.\w*(?:norm|ln_?\d)\w*\(", re.I)
+
+
+def _s43_guarded_member_norm(nc: NormCall) -> bool:
+    """``<object>.<attr>(s)`` (not ``self``'s) whose reading checks the module's run-time class."""
+    f = nc.call.func
+    if not isinstance(f, ast.Attribute) or (isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return False
+    if nc.kind == "not_rms":
+        return "does not resolve" not in nc.reason  # an object of no known class: silent, as before s43
+    return any(c.startswith("type(") for c in nc.conditions)
