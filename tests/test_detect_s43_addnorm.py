@@ -276,3 +276,86 @@ def test_layer_norm_built_beside_none_is_a_true_near_miss() -> None:
     findings, misses = detect_all(AddRmsNorm(), code)
     assert [f.params["norm"] for f in findings] == ["self.norm3"]
     assert any("mean subtracted" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 4. a plain function handed the model (its class read from the file's callers) ------------------------------------
+
+_HANDED_MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-4):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        rms = torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + self.eps)
+        return (x / rms) * self.weight
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attention_norm = RMSNorm(d)
+        self.attention = nn.Linear(d, d)
+        self.ffn_norm = {ffn_norm}
+        self.feed_forward = nn.Linear(d, d)
+
+
+class Model(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(d) for _ in range(n)])
+
+
+def update_load_balancing(model, x):
+    for layer in model.layers:
+        x = x + layer.attention(layer.attention_norm(x))
+        x_norm = layer.ffn_norm(x)
+        x = x + layer.feed_forward(x_norm)
+    return x
+
+
+def train(x, d=16):
+    model = Model(d)
+    model = model.to(x.device)
+    {more}
+    return update_load_balancing(model, x)
+'''
+
+_HANDED_RUN = '''
+m = Model(16)
+with torch.no_grad():
+    for p in m.parameters():
+        p.normal_()
+    infer = update_load_balancing(m, torch.randn(2, 5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, update_load_balancing(m, x))
+leaves = [x]
+'''
+
+
+def test_norm_of_a_layer_of_a_model_handed_to_a_plain_function_is_fused_under_its_class_test() -> None:
+    code = _HANDED_MODEL.replace("{ffn_norm}", "RMSNorm(d)").replace("{more}", "")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [(f.qualname, f.params["norm"]) for f in findings] == [("update_load_balancing", "layer.ffn_norm")], misses
+    assert "type(layer.ffn_norm) is RMSNorm" in findings[0].params["condition"]
+    _fused_runs_like_original(code, _HANDED_RUN, findings)
+
+
+def test_model_handed_by_callers_of_two_classes_is_not_read() -> None:
+    # another call hands an object of another class: which layers the function walks is not one class
+    more = "update_load_balancing(Other(), x)\n    other = nn.Sequential()\n    update_load_balancing(other, x)"
+    code = _HANDED_MODEL.replace("{ffn_norm}", "RMSNorm(d)").replace("{more}", more)
+    findings, _misses = detect_all(AddRmsNorm(), code)
+    assert not findings
+
+
+def test_layer_norm_of_a_handed_model_is_a_true_near_miss() -> None:
+    code = _HANDED_MODEL.replace("{ffn_norm}", "nn.LayerNorm(d)").replace("{more}", "")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert not findings
+    assert any("mean subtracted" in m.reason for m in misses), [m.reason for m in misses]
