@@ -10,10 +10,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from apply_support import make_repo, npufuse, scan
+from npufuse import emulate
 from pattern_harness import check_rewrite_runs, detect_all
+from scratch_repo import import_fresh
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 
@@ -359,3 +364,108 @@ def test_layer_norm_of_a_handed_model_is_a_true_near_miss() -> None:
     findings, misses = detect_all(AddRmsNorm(), code)
     assert not findings
     assert any("mean subtracted" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 4b. the same across files: the plain function in a training script, the model and its norm in other files; a
+# model file importing only ``from torch import nn`` (kimi-exp: the replacement names torch, which the rewrite's
+# prelude imports; it was refused as a name "only the norm class's file imports") -------------------------------------
+
+_PKG_NORM = '''\
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-4):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+'''
+
+_PKG_MODEL = '''\
+from torch import nn
+
+from .norm import RMSNorm
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1 = RMSNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.ln2 = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        residual = x
+        x = self.ln1(x)
+        x = self.attn(x)
+        x = x + residual
+
+        residual = x
+        x = self.ln2(x)
+        x = self.mlp(x)
+        return x + residual
+
+
+class Model(nn.Module):
+    def __init__(self, d, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(d) for _ in range(n)])
+'''
+
+_PKG_TRAIN = '''\
+import torch
+
+from pkg.model import Model
+
+
+def update_load_balancing(model, x):
+    for layer in model.layers:
+        x = x + layer.attn(layer.ln1(x))
+        h = layer.ln2(x)
+        x = x + layer.mlp(h)
+    return x
+
+
+def train(x):
+    model = Model(16)
+    model = torch.compile(model) if x.is_cuda else model
+    return update_load_balancing(model, x)
+
+'''
+
+
+def test_plain_function_of_a_training_script_and_a_model_file_without_torch_are_fused(tmp_path: Path) -> None:
+    files = {"pkg/__init__.py": "", "pkg/norm.py": _PKG_NORM, "pkg/model.py": _PKG_MODEL, "pkg/train.py": _PKG_TRAIN}
+
+    def outputs(root: Path) -> list[torch.Tensor]:
+        train, model_file = import_fresh(root, "pkg.train"), import_fresh(root, "pkg.model")
+        torch.manual_seed(0)
+        model = model_file.Model(16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            x = torch.randn(2, 5, 16)
+            outs = [train.update_load_balancing(model, x), model.layers[0](x)]
+        return outs + [train.update_load_balancing(model, x), model.layers[0](x)]
+
+    ref = outputs(make_repo(tmp_path / "ref", files))
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=[AddRmsNorm()])
+    cands = {(c["file"], c["qualname"]): c for c in data["candidates"] if c["pattern"] == "add_rms_norm"}
+    assert set(cands) == {("pkg/train.py", "update_load_balancing"), ("pkg/model.py", "Layer.forward")}, \
+        (sorted(cands), data["near_misses"])
+    # another file's class: told at run time by its qualname and its forward's file
+    assert '__qualname__ == "RMSNorm"' in cands[("pkg/train.py", "update_load_balancing")]["params"]["condition"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    assert "import torch  # npufuse" in (root / "pkg/model.py").read_text()
+    with emulate.install() as emu:
+        outs = outputs(root)
+    # without grad: two layers walked by the script, one layer forward; with grad the add, then npu_rms_norm
+    assert emu.calls["npu_add_rms_norm"] == 3 and emu.calls["npu_rms_norm"] == 3, emu.calls
+    for a, b in zip(ref, outs):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

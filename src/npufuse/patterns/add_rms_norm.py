@@ -2584,6 +2584,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     if borrowed:
         # the norm class's file imports names this file does not: the replacement may not use them
         named = {n.id for n in ast.walk(ast.parse("\n".join(body))) if isinstance(n, ast.Name)} & borrowed
+        if module.aliases.get("torch") == "torch":
+            # s43: ``torch`` itself is no borrowed name: the rewrite's prelude imports it in a file that does not
+            # (``from torch import nn`` only: kimi-exp's layers/model.py)
+            named.discard("torch")
         if named:
             return f"the replacement would name {', '.join(sorted(named))}, which only the norm class's file imports"
     params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
@@ -7109,23 +7113,33 @@ def _s43_built_beside_none(module: ModuleInfo, class_name: str | None, attr: str
 _S43_SAME_MODULE_METHODS = frozenset({"to", "cuda", "cpu", "float", "half", "bfloat16", "train", "eval", "requires_grad_"})
 
 
+def _s43_hands_on(module: ModuleInfo, v: ast.expr, name: str) -> bool:
+    """``v`` is the module ``name`` holds, handed on: ``name``, ``torch.compile(name)``, ``name.to(device)``, or a
+    conditional expression of those (``torch.compile(model) if cfg.compile else model``)."""
+    if isinstance(v, ast.Name):
+        return v.id == name
+    if isinstance(v, ast.IfExp):
+        return _s43_hands_on(module, v.body, name) and _s43_hands_on(module, v.orelse, name)
+    if not isinstance(v, ast.Call):
+        return False
+    f = v.func
+    passed = v.args[0] if module.canonical(f) == "torch.compile" and v.args else \
+        f.value if isinstance(f, ast.Attribute) and f.attr in _S43_SAME_MODULE_METHODS else None
+    return isinstance(passed, ast.Name) and passed.id == name
+
+
 def _s43_built_class(module: ModuleInfo, scope: Scope, name: str, values: list[ast.expr]) -> _Owner | None:
     """The class of the local ``name`` when every assignment of it builds one class of the repository (``Cls(...)``)
-    or hands the same module on (``torch.compile(name)``, ``name.to(device)``), at least one building it."""
+    or hands the same module on (:func:`_s43_hands_on`), at least one building it."""
     owner: _Owner | None = None
     for v in values:
-        if not isinstance(v, ast.Call):
-            return None
-        f = v.func
-        if isinstance(f, ast.Name):
-            got = _class_named(module, f.id)
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name):
+            # a class's name (capitalised): a cheap gate before another file of the repository is looked up
+            got = _class_named(module, v.func.id) if v.func.id[:1].isupper() else None
             if got is None or (owner is not None and (got[0].path, got[1]) != (owner[0].path, owner[1])):
                 return None
             owner = got
-            continue
-        passed = v.args[0] if module.canonical(f) == "torch.compile" and v.args else \
-            f.value if isinstance(f, ast.Attribute) and f.attr in _S43_SAME_MODULE_METHODS else None
-        if not (isinstance(passed, ast.Name) and passed.id == name):
+        elif not _s43_hands_on(module, v, name):
             return None
     return owner
 
