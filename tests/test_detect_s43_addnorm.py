@@ -469,3 +469,76 @@ def test_plain_function_of_a_training_script_and_a_model_file_without_torch_are_
     assert emu.calls["npu_add_rms_norm"] == 3 and emu.calls["npu_rms_norm"] == 3, emu.calls
     for a, b in zip(ref, outs):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# -- 5. a norm applied through a None-guarding helper method ------------------------------------------------------------
+
+_GUARDING_HELPER = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        return x * torch.rsqrt(variance + self.eps) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, d, use_rmsnorm=True, pre_norm=True):
+        super().__init__()
+        self.pre_norm = pre_norm
+        self.ln1 = RMSNorm(d) if use_rmsnorm else None
+        self.ln2 = RMSNorm(d) if use_rmsnorm else None
+        self.attn = nn.Linear(d, d)
+        self.ffn = nn.Linear(d, d)
+
+    def _norm(self, norm, x):
+        {helper}
+
+    def forward(self, x):
+        if self.pre_norm:
+            x = x + self.attn(self._norm(self.ln1, x))
+            x = x + self.ffn(self._norm(self.ln2, x))
+            return x
+        x = self._norm(self.ln1, x + self.attn(x))
+        x = self._norm(self.ln2, x + self.ffn(x))
+        return x
+'''
+
+_HELPER_RUN = '''
+models = [Block(16), Block(16, pre_norm=False), Block(16, use_rmsnorm=False), Block(16, False, False)]
+with torch.no_grad():
+    for m in models:
+        for p in m.parameters():
+            p.normal_()
+    infer = [m(torch.randn(2, 5, 16)) for m in models]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, [m(x) for m in models])
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("helper", ["return norm(x) if norm is not None else x",
+                                    "if norm is None:\n            return x\n        return norm(x)"])
+def test_norm_applied_through_a_none_guarding_helper_is_fused_where_the_module_exists(helper: str) -> None:
+    code = _GUARDING_HELPER.replace("{helper}", helper)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    # the pre-norm pair (x + attn, then ln2 inside the next add) and both post-norm lines
+    assert sorted((f.params["sum"] or "inline", f.params["condition"]) for f in findings) == [
+        ("inline", "self.ln1 is not None"), ("inline", "self.ln2 is not None"), ("x", "self.ln2 is not None")], misses
+    _fused_runs_like_original(code, _HELPER_RUN, findings)
+
+
+@pytest.mark.parametrize("helper", ["return norm(x) if norm is not None else x.float()",
+                                    "return 2 * norm(x) if norm is not None else x",
+                                    "return norm(x) if x.dim() == 3 else x"])
+def test_helper_that_does_more_than_guard_the_norm_is_not_read(helper: str) -> None:
+    # another value where the module is None, a factor on the norm, a test of the input: not ``norm(x)`` or ``x``
+    findings, _misses = detect_all(AddRmsNorm(), _GUARDING_HELPER.replace("{helper}", helper))
+    assert not findings

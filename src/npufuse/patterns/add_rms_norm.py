@@ -1183,7 +1183,12 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     """What the norm call ``self.<attr>(x)`` / ``norm(x)`` / ``F.rms_norm(x, ...)`` on the sum is,
     judged from ``__init__``, the class's or the function's own code; for ``self.<attr>`` whose class builds
     it as one of several modules, every one of them (:func:`_s40_config_chosen_norm`)."""
-    return _s40_config_chosen_norm(module, scope, call, ctx, _norm_call_read(module, scope, call, ctx))
+    nc = _s40_config_chosen_norm(module, scope, call, ctx, _norm_call_read(module, scope, call, ctx))
+    optional = module.__dict__.get("_s43_helper_tests", {}).get(id(call))
+    if optional is not None and nc is not None and nc.kind != "not_rms":
+        # s43: ``self._norm(self.ln2, x)`` returns x where the module is None: the fused code runs where it is not
+        nc.conditions = [optional, *nc.conditions]
+    return nc
 
 
 def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
@@ -2257,6 +2262,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                         yield fork_stmt, _Site(stmt, aliases, fork_stmt, fork_nc, ops[0], ops[1], s_name, None, fork_if, fork_else)
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+                        node = _s43_unwrap(module, scope, node)
                         if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
                             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                             if nc is None:
@@ -2271,6 +2277,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
         text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
         if "+" in text and _INLINE_SUM.search(text):
             for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+                node = _s43_unwrap(module, scope, node)
                 if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], (ast.BinOp, ast.Call))):
                     continue
                 ops = _operands(module, node.args[0])
@@ -4736,6 +4743,7 @@ def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,
     if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
         return
     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+        node = _s43_unwrap(module, scope, node)
         if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
             if nc is None:
@@ -7177,3 +7185,50 @@ def _s43_guarded_member_norm(nc: NormCall) -> bool:
     if nc.kind == "not_rms":
         return "does not resolve" not in nc.reason  # an object of no known class: silent, as before s43
     return any(c.startswith("type(") for c in nc.conditions)
+
+
+# -- s43 (addnorm43): a norm applied through a None-guarding helper method ----------------------------------------------
+# CS336's ``def _norm(self, norm, x): return norm(x) if norm is not None else x`` called as ``x = x + self.ffn(
+# self._norm(self.ln2, x))`` / ``x = self._norm(self.ln1, x + self.attn(x))``, ``self.ln2 = RMSNorm(d) if cfg.rms
+# else None``. The call is read as ``self.ln2(x)`` (a call node standing at the helper call's place, so the rewrite
+# replaces the whole helper call), fused where ``self.ln2 is not None`` (elsewhere the helper returns x: the original).
+
+
+def _s43_guarding_helper(fn: ast.FunctionDef) -> bool:
+    """``def h(self, norm, x): return norm(x) if norm is not None else x`` (or ``x if norm is None else norm(x)``, or
+    ``if norm is None: return x`` then ``return norm(x)``)."""
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if len(params) != 3 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.decorator_list:
+        return False
+    _me, norm, x = params
+    applied = f"{norm}({x})"
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.IfExp):
+        v = body[0].value
+        text = (ast.unparse(v.test), ast.unparse(v.body), ast.unparse(v.orelse))
+        return text in ((f"{norm} is not None", applied, x), (f"{norm} is None", x, applied))
+    if len(body) == 2 and isinstance(body[0], ast.If) and not body[0].orelse and isinstance(body[1], ast.Return):
+        first = body[0]
+        return (ast.unparse(first.test) == f"{norm} is None" and len(first.body) == 1 and isinstance(first.body[0], ast.Return)
+                and ast.unparse(first.body[0]) == f"return {x}" and ast.unparse(body[1]) == f"return {applied}")
+    return False
+
+
+def _s43_unwrap(module: ModuleInfo, scope: Scope, node: ast.expr) -> ast.expr:
+    """``self.<helper>(<module>, <x>)`` of a None-guarding helper method of the class: a call ``<module>(<x>)`` at its
+    place (one per call, kept per file with the test it needs); any other node as it is."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 2 and not node.keywords and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and scope.class_name
+            and isinstance(node.args[0], (ast.Attribute, ast.Name)) and not isinstance(node.args[1], ast.Starred)):
+        return node
+    made = module.__dict__.setdefault("_s43_unwrapped", {})
+    if id(node) in made:
+        return made[id(node)]
+    fn = S.method(module, scope.class_name, node.func.attr)
+    out: ast.expr = node
+    if isinstance(fn, ast.FunctionDef) and _s43_guarding_helper(fn):
+        out = ast.copy_location(ast.Call(func=node.args[0], args=[node.args[1]], keywords=[]), node)
+        out.end_lineno, out.end_col_offset = node.end_lineno, node.end_col_offset  # type: ignore[attr-defined]
+        module.__dict__.setdefault("_s43_helper_tests", {})[id(out)] = f"{S.source_of(module, node.args[0])} is not None"
+    made[id(node)] = out
+    return out
