@@ -1800,6 +1800,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     try:
         m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
     except R.NoMatch:
+        if weight_branch is not None:
+            return None  # s43: the arm is no norm; the readings below take the whole forward, which has another arm
         return (_l2_class_norm(module, call, cls, fwd, where) or _clamp_class_norm(module, call, cls, fwd, where)
                 or _probed_class_norm(module, call, cls, fwd, where, attr, mod))
     except R.Miss as e:
