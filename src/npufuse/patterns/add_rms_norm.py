@@ -4641,11 +4641,13 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
         if S.names_read(gap.test) & written:
             continue
-        # the if's body normalises the sum itself: that is the site (a wrapper), one per add. s43: a body that only
-        # reads the sum otherwise (a debug NaN check, ``if debug: if torch.isnan(x).any(): print(...); return``) runs
-        # as written where its test holds, so it does not stop the site
+        # the if's body normalises the sum itself (that is the site: a wrapper, one per add), or hands it to a call and
+        # rebinds it (an optional adapter ending in an add: the tail-site reading). s43: a body that only reads the sum
+        # (a debug NaN check, ``if debug: if torch.isnan(x).any(): print(...); return``) runs as written where its
+        # test holds, so it does not stop the site
+        rebinds = s_name in S.names_written(gap)
         if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module)
-               and _norm_call(module, scope, n, S.Ctx(scope, n.lineno)) is not None for n in fast_walk(gap)):
+               and (rebinds or _norm_call(module, scope, n, S.Ctx(scope, n.lineno)) is not None) for n in fast_walk(gap)):
             continue
         yield from _norm_of_sum(module, scope, after, s_name,
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
