@@ -65,7 +65,8 @@ leaves = [x]
 
 # -- 1. a debug block between the add and the norm --------------------------------------------------------------------
 
-_DEBUG_GAP = _RMS + '''
+# a pre-norm block: attention and feed-forward, each after its own RMSNorm
+_BLOCK = _RMS + '''
 
 class Block(nn.Module):
     def __init__(self, d):
@@ -74,6 +75,9 @@ class Block(nn.Module):
         self.attention = nn.Linear(d, d)
         self.ffn_norm = RMSNorm(d)
         self.feed_forward = nn.Linear(d, d)
+'''
+
+_DEBUG_GAP = _BLOCK + '''
 
     def forward(self, x, debug_nan=False):
         attn_out = self.attention(self.attention_norm(x))
@@ -116,15 +120,7 @@ def test_flag_gap_whose_body_normalises_the_sum_itself_is_not_read_as_a_gap() ->
 
 # -- 2. profiling markers between the add and the norm ----------------------------------------------------------------
 
-_MARKED = _RMS + '''
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.attention_norm = RMSNorm(d)
-        self.attention = nn.Linear(d, d)
-        self.ffn_norm = RMSNorm(d)
-        self.feed_forward = nn.Linear(d, d)
+_MARKED = _BLOCK + '''
 
     def forward(self, x, layer_idx=0):
         torch.cuda.nvtx.range_push(f"Attn_{layer_idx}")
@@ -161,7 +157,7 @@ def _balanced(events: list[str]) -> bool:
 def test_nvtx_range_markers_between_add_and_norm_travel_with_the_site(nvtx_events: list[str]) -> None:
     code = _MARKED.replace("{between}", 'logger.debug("layer %d attention done", layer_idx)')
     findings, misses = detect_all(AddRmsNorm(), code)
-    assert [(f.qualname, f.line) for f in findings] == [("Block.forward", 30)], misses
+    assert [(f.qualname, f.params["norm"]) for f in findings] == [("Block.forward", "self.ffn_norm")], misses
     _fused_runs_like_original(code, _RUN.format(extras="(), (1,)"), findings)
     # the original and the rewritten runs each pushed and popped the same ranges, in the same order
     half = len(nvtx_events) // 2
