@@ -366,20 +366,8 @@ def test_layer_norm_of_a_handed_model_is_a_true_near_miss() -> None:
 # model file importing only ``from torch import nn`` (kimi-exp: the replacement names torch, which the rewrite's
 # prelude imports; it was refused as a name "only the norm class's file imports") -------------------------------------
 
-_PKG_NORM = '''\
-import torch
-from torch import nn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-4):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-'''
+# the same RMSNorm class, in a file of its own
+_PKG_NORM = "import torch\nfrom torch import nn\n\n\n" + _RMS[_RMS.index("class RMSNorm"):]
 
 _PKG_MODEL = '''\
 from torch import nn
