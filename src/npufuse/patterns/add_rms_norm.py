@@ -1183,7 +1183,12 @@ def _norm_call(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> 
     """What the norm call ``self.<attr>(x)`` / ``norm(x)`` / ``F.rms_norm(x, ...)`` on the sum is,
     judged from ``__init__``, the class's or the function's own code; for ``self.<attr>`` whose class builds
     it as one of several modules, every one of them (:func:`_s40_config_chosen_norm`)."""
-    return _s40_config_chosen_norm(module, scope, call, ctx, _norm_call_read(module, scope, call, ctx))
+    nc = _s40_config_chosen_norm(module, scope, call, ctx, _norm_call_read(module, scope, call, ctx))
+    optional = module.__dict__.get("_s43_helper_tests", {}).get(id(call))
+    if optional is not None and nc is not None and nc.kind != "not_rms":
+        # s43: ``self._norm(self.ln2, x)`` returns x where the module is None: the fused code runs where it is not
+        nc.conditions = [optional, *nc.conditions]
+    return nc
 
 
 def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
@@ -1236,6 +1241,8 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
     if chosen_norm is not None:
         return chosen_norm
     value = S.init_assignments(module, scope.class_name).get(f.attr)
+    if isinstance(value, ast.Constant) and value.value is None:
+        value = _s43_built_beside_none(module, scope.class_name, f.attr)  # s43: ``else: self.norm2 = None``
     if value is None and scope.class_name is None:
         return _installed_forward_norm(module, scope, call, f.attr)
     if value is None:
@@ -1575,6 +1582,12 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
     loops = [lp for lp in scope.nodes().get(ast.For, []) if node.id in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
     args = scope.node.args if isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)} if args is not None else set()
+    if node.id in params and not bound and not loops:
+        return _s43_parameter_class(module, scope, node.id, depth)  # s43: the one class its callers hand it
+    if not loops and bound:
+        built = _s43_built_class(module, scope, node.id, [v for _st, v in bound])
+        if built is not None:
+            return built  # s43: ``model = DeepSeek(cfg)`` (``model = torch.compile(model)`` keeps it)
     if len(bound) + len(loops) != 1 or node.id in params:
         return None
     if bound:
@@ -1766,6 +1779,11 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
         kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
         ret = kernel_branch[0] if kernel_branch is not None else None
+    weight_branch: tuple[ast.Return, list[str]] | None = None
+    if ret is None and len(params) >= 2:
+        # s43: ``if self.weight is not None: return <weighted> else: return <plain>``: one arm, under its test
+        weight_branch = _s43_branch_return(fwd, params[0], mod)
+        ret = weight_branch[0] if weight_branch is not None else None
     if ret is None or nscope is None or len(params) < 2:
         return None
     defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
@@ -1782,6 +1800,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     try:
         m = R.parse_norm(module, ret.value, hctx)  # type: ignore[arg-type]
     except R.NoMatch:
+        if weight_branch is not None:
+            return None  # s43: the arm is no norm; the readings below take the whole forward, which has another arm
         return (_l2_class_norm(module, call, cls, fwd, where) or _clamp_class_norm(module, call, cls, fwd, where)
                 or _probed_class_norm(module, call, cls, fwd, where, attr, mod))
     except R.Miss as e:
@@ -1797,6 +1817,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
     if kernel_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1])
+    if weight_branch is not None:
+        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1])
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
 
 
@@ -2226,9 +2248,12 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                 block, i = idx.block[id(stmt)]
                 j = i + 1
                 aliases: list[ast.stmt] = []
-                while j < len(block) and _is_alias(block[j], s_name):
+                # s43: profiling markers (nvtx range_pop / range_push, logging) travel with the aliases, in order
+                while j < len(block) and (_is_alias(block[j], s_name) or _s43_is_marker(module, block[j])):
                     aliases.append(block[j])
                     j += 1
+                if j + 1 < len(block) and not isinstance(ops, str):
+                    yield from _s43_unmoved_marker(module, scope, block, j, s_name)
                 nstmt, wrapper = _norm_stmt(block[j]) if j < len(block) else (None, None)
                 fork = _fork(module, scope, block[j], s_name) if j < len(block) and wrapper is None else None
                 if fork is not None:
@@ -2239,6 +2264,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                         yield fork_stmt, _Site(stmt, aliases, fork_stmt, fork_nc, ops[0], ops[1], s_name, None, fork_if, fork_else)
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+                        node = _s43_unwrap(module, scope, node)
                         if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
                             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                             if nc is None:
@@ -2253,6 +2279,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
         text = "".join(lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno])
         if "+" in text and _INLINE_SUM.search(text):
             for node in S.iter_exprs_topdown(stmt.value):  # type: ignore[attr-defined]
+                node = _s43_unwrap(module, scope, node)
                 if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], (ast.BinOp, ast.Call))):
                     continue
                 ops = _operands(module, node.args[0])
@@ -2566,11 +2593,15 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     if borrowed:
         # the norm class's file imports names this file does not: the replacement may not use them
         named = {n.id for n in ast.walk(ast.parse("\n".join(body))) if isinstance(n, ast.Name)} & borrowed
+        if module.aliases.get("torch") == "torch":
+            # s43: ``torch`` itself is no borrowed name: the rewrite's prelude imports it in a file that does not
+            # (``from torch import nn`` only: kimi-exp's layers/model.py)
+            named.discard("torch")
         if named:
             return f"the replacement would name {', '.join(sorted(named))}, which only the norm class's file imports"
     params.update({"x1": S.source_of(module, site.x1), "x2": S.source_of(module, site.x2), "sum": site.sum_name,
                    "norm": S.source_of(module, m.call.func), "norm_class": m.cls,
-                   "residual_aliases": [a.targets[0].id for a in site.aliases]})  # type: ignore[attr-defined]
+                   "residual_aliases": [a.targets[0].id for a in site.aliases if isinstance(a, ast.Assign)]})
     return Finding(
         pattern="add_rms_norm",
         qualname=scope.qualname,
@@ -2881,8 +2912,12 @@ class AddRmsNorm(Pattern):
         if not scope.class_name and not _installed_forward(module, scope):
             # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``), a norm
             # function of the file or F.rms_norm (a functional forward / training step over parameter dicts)
+            # s43: or a norm module of an object it is handed (``for layer in model.layers: ... layer.ffn_norm(x)``)
+            member = _S43_MEMBER_NORM_TEXT.search(S.scope_text(module, scope)) is not None
             if _s42_norm_parameters(scope) or _S42_NORM_CALL_TEXT.search(S.scope_text(module, scope)):
-                yield from self._s42_function_sites(module, scope)
+                yield from self._s42_function_sites(module, scope, member)
+            elif member:
+                yield from self._s42_function_sites(module, scope, member)
             # s42: a module-level function of a functional model (CS336's ``transformer_block(.., weights, in_features)``)
             # adding a residual and calling this file's norm helper on the sum: the plain add + norm sites only
             elif _calls_norm_helper(module, scope) and module.helper(scope.qualname) is scope.node:
@@ -2909,12 +2944,14 @@ class AddRmsNorm(Pattern):
             return NearMiss(self.id, scope.qualname, first.lineno, stmt.end_lineno or stmt.lineno, r)
         return r
 
-    def _s42_function_sites(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+    def _s42_function_sites(self, module: ModuleInfo, scope: Scope, member: bool = False) -> Iterable[Result]:
         """The add + norm sites of a plain function (no class) whose norm is called by a plain name (one of its
         parameters, see _s42_parameter_norm, or a norm function of the file) or is F.rms_norm / torch.rms_norm:
-        readings that need no ``self``."""
+        readings that need no ``self``. ``member`` (s43): also a norm module of an object the function is handed
+        or builds (``layer.ffn_norm(x)``), read with its run-time class test."""
         for stmt, site in _sites(module, scope):
-            if isinstance(site, _Site) and (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"):
+            if isinstance(site, _Site) and (isinstance(site.nc.call.func, ast.Name) or site.nc.cls == "F.rms_norm"
+                                            or member and _s43_guarded_member_norm(site.nc)):
                 yield self._site_result(module, scope, stmt, site)
 
     def assess(self, finding: Finding, config: dict[str, Any]) -> dict[str, Any]:
@@ -4604,8 +4641,14 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
         if S.names_read(gap.test) & written:
             continue
-        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module) for n in fast_walk(gap)):
-            continue  # the if's body normalises the sum itself: that is the site (a wrapper), one per add
+        # the if's body normalises the sum itself (that is the site: a wrapper, one per add), or hands it to a call and
+        # rebinds it (an optional adapter ending in an add: the tail-site reading). s43: a body that only reads the sum
+        # (a debug NaN check, ``if debug: if torch.isnan(x).any(): print(...); return``) runs as written where its
+        # test holds, so it does not stop the site
+        rebinds = s_name in S.names_written(gap)
+        if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module)
+               and (rebinds or _norm_call(module, scope, n, S.Ctx(scope, n.lineno)) is not None) for n in fast_walk(gap)):
+            continue
         yield from _norm_of_sum(module, scope, after, s_name,
                                 lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
 
@@ -4704,6 +4747,7 @@ def _norm_of_sum(module: ModuleInfo, scope: Scope, after: ast.stmt, s_name: str,
     if wrapper is not None or not (S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None):
         return
     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
+        node = _s43_unwrap(module, scope, node)
         if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
             if nc is None:
@@ -6930,3 +6974,265 @@ def _s42_conditional_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tup
         yield from _norm_of_sum(module, scope, block[i + 1], s_name,
                                 lambda nstmt, nc, stmt=stmt, x1=x1, x2=x2, s_name=s_name, cond=cond:
                                 _Site(stmt, [], nstmt, dataclasses.replace(nc, conditions=[cond, *nc.conditions]), x1, x2, s_name))
+
+
+# -- s43 (addnorm43): profiling markers between the add and the norm ------------------------------------------------
+# llm-infer-engine's block: ``torch.cuda.nvtx.range_push("Attn"); x = x + self.attention(...); range_pop();
+# range_push("FFN"); x = x + self.feed_forward(self.ffn_norm(x)); range_pop()``. The pop / push between the add and
+# the norm only mark time ranges: they read no tensor the add or the norm makes and change none. They travel with
+# the sum's aliases (in their order, every marker re-emitted once on each path, so the nvtx stack stays balanced);
+# on the npu_add_rms_norm path the norm's kernel then runs before the markers instead of after (it is attributed to
+# the range before). Logging calls (``logging.info`` / a module-level ``logging.getLogger`` logger) count alike.
+# Not markers: arguments that call anything but ``str`` / ``"...".format`` (the call may have effects), any other
+# statement (``torch.cuda.synchronize()``, a cache update, a rebinding of the sum).
+
+_S43_MARKERS = frozenset({
+    "torch.cuda.nvtx.range_push", "torch.cuda.nvtx.range_pop", "torch.cuda.nvtx.mark", "torch.cuda.nvtx.range_start",
+    "torch.cuda.nvtx.range_end", "nvtx.push_range", "nvtx.pop_range", "nvtx.mark", "nvtx.start_range", "nvtx.end_range",
+})
+_S43_LOG_LEVELS = frozenset({"debug", "info", "warning", "warn", "error", "critical", "log"})
+
+
+def _s43_module_loggers(module: ModuleInfo) -> frozenset[str]:
+    """Names bound at module level to ``logging.getLogger(...)`` (memoised per file)."""
+    cached = module.__dict__.get("_s43_loggers")
+    if cached is None:
+        cached = frozenset(t.id for st in module.tree.body if isinstance(st, ast.Assign) and isinstance(st.value, ast.Call)
+                           and module.canonical(st.value.func) == "logging.getLogger"
+                           for t in st.targets if isinstance(t, ast.Name))
+        module.__dict__["_s43_loggers"] = cached
+    return cached
+
+
+def _s43_marker_call(module: ModuleInfo, stmt: ast.stmt) -> ast.Call | None:
+    """The call of an expression statement that names a profiling marker or a logging call (its arguments unread)."""
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    name = module.canonical(stmt.value.func) or ""
+    if name in _S43_MARKERS:
+        return stmt.value
+    head, _, level = name.rpartition(".")
+    if level in _S43_LOG_LEVELS and (head == "logging" or head in _s43_module_loggers(module)):
+        return stmt.value
+    return None
+
+
+def _s43_marker_reason(module: ModuleInfo, call: ast.Call) -> str | None:
+    """Why the marker ``call`` cannot be moved past the norm's kernel: an argument calls something (other than
+    ``str()`` / ``"...".format()``: formatting a message); None when it can."""
+    for arg in (*call.args, *(k.value for k in call.keywords)):
+        for n in fast_walk(arg):
+            if not isinstance(n, ast.Call):
+                continue
+            if (isinstance(n.func, ast.Name) and n.func.id == "str") or \
+                    (isinstance(n.func, ast.Attribute) and n.func.attr == "format" and isinstance(n.func.value, ast.Constant)):
+                continue
+            return (f"`{ast.unparse(call.func)}(...)` between the add and the norm calls `{ast.unparse(n.func)}` in its "
+                    "arguments: a call npufuse does not read may have effects, so the marker is not moved past the fused norm")
+    return None
+
+
+def _s43_is_marker(module: ModuleInfo, stmt: ast.stmt) -> bool:
+    """A profiling marker / logging statement that may sit between the add and the norm (see above)."""
+    call = _s43_marker_call(module, stmt)
+    return call is not None and _s43_marker_reason(module, call) is None
+
+
+def _s43_unmoved_marker(module: ModuleInfo, scope: Scope, block: list[ast.stmt], j: int, s_name: str) -> Iterator[tuple[ast.stmt, str]]:
+    """The near miss of a marker at ``block[j]`` that may not move (its reason), where the norm of the sum follows it
+    (through further aliases and markers)."""
+    call = _s43_marker_call(module, block[j])
+    reason = _s43_marker_reason(module, call) if call is not None else None
+    if reason is None:
+        return
+    k = j + 1
+    while k < len(block) and (_is_alias(block[k], s_name) or _s43_marker_call(module, block[k]) is not None):
+        k += 1
+    if k < len(block):
+        for nstmt, _site in _norm_of_sum(module, scope, block[k], s_name, lambda nstmt, nc: None):  # type: ignore[arg-type,return-value]
+            yield nstmt, reason
+
+
+# -- s43 (addnorm43): a norm forward returning from an if/else on a module attribute -----------------------------------
+# video-diffusion-speedrun's RMSNorm: ``x = x.float(); norm = rsqrt(...); if self.weight is not None: return (x * norm
+# * self.weight).to(dtype) else: return (x * norm).to(dtype)`` (the weight is built only when trainable). One arm is
+# read (the one reading more of the module's attributes: the weighted one) and the fused code runs where the test
+# selects it, checked at run time on the module (``self`` read as the call's module); the other arm takes the
+# original call. The test may read only the module's attributes and constants: it means the same at the call site.
+
+def _s43_attribute_test(test: ast.expr, me: str) -> bool:
+    """A test of ``me.<attr>`` chains, constants, comparisons and boolean operators only."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Name) and n.id != me:
+            return False
+        if not isinstance(n, (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop,
+                              ast.boolop, ast.unaryop, ast.expr_context)):
+            return False
+    return any(isinstance(n, ast.Attribute) for n in ast.walk(test))
+
+
+def _s43_branch_return(fwd: ast.FunctionDef, me: str, mod: str) -> tuple[ast.Return, list[str]] | None:
+    """(the arm's return, its run-time condition) for a forward of straight-line statements ending in ``if <test of
+    the module's attributes>: return A`` and ``else: return B`` (or ``return B`` after the ``if``); None otherwise."""
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(body) >= 2 and isinstance(body[-2], ast.If) and not body[-2].orelse and isinstance(body[-1], ast.Return):
+        head, other, prelude = body[-2], [body[-1]], body[:-2]
+    elif body and isinstance(body[-1], ast.If) and body[-1].orelse:
+        head, other, prelude = body[-1], body[-1].orelse, body[:-1]
+    else:
+        return None
+    arms = [head.body, other]
+    if "\n" in mod or len(prelude) > 8 or not all(S._straight(st) for st in prelude) or not _s43_attribute_test(head.test, me) \
+            or not all(len(a) == 1 and isinstance(a[0], ast.Return) and a[0].value is not None for a in arms):
+        return None
+
+    def module_reads(ret: ast.stmt) -> int:
+        return sum(1 for n in ast.walk(ret) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == me)
+
+    test = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(head.test))
+    if module_reads(arms[1][0]) > module_reads(arms[0][0]):
+        return arms[1][0], [f"not ({test})"]  # type: ignore[list-item]
+    return arms[0][0], [f"({test})"]  # type: ignore[list-item]
+
+
+def _s43_built_beside_none(module: ModuleInfo, class_name: str | None, attr: str) -> ast.Call | None:
+    """The one construction ``__init__`` assigns ``self.<attr>`` where its other assignments are ``None``
+    (``if cross_attn: self.norm2 = RMSNorm(d) else: self.norm2 = None``): calling None fails in the original, so
+    where the module is called it is that construction."""
+    init = S.method(module, class_name, "__init__") if class_name else None
+    if init is None:
+        return None
+    built: dict[str, ast.Call] = {}
+    for st in S._stmts_in(init.body):
+        if isinstance(st, ast.Assign) and any(dotted(t) == f"self.{attr}" for t in st.targets):
+            if isinstance(st.value, ast.Constant) and st.value.value is None:
+                continue
+            if not isinstance(st.value, ast.Call) or len(st.targets) != 1:
+                return None
+            built.setdefault(ast.dump(st.value), st.value)
+    return next(iter(built.values())) if len(built) == 1 else None
+
+
+# -- s43 (addnorm43): a layer object handed to a plain function ------------------------------------------------------
+# DeepSeek-V3 shakespeare's training script: ``def update_load_balancing(model, x): for layer in model.layers: x = x +
+# layer.attention(layer.attention_norm(x)); x_norm = layer.ffn_norm(x)``, called as ``update_load_balancing(model, x)``
+# where ``train()`` binds ``model = DeepSeek(config)`` (then maybe ``model = torch.compile(model)``, which hands
+# attribute reads to the model). The parameter's class is the one class every call in the file hands it; the norm
+# reading then adds its run-time class test as for any other layer object (another caller's object takes the
+# original call).
+
+# methods that return the module itself (``torch.compile`` returns a wrapper whose attributes are the module's)
+_S43_SAME_MODULE_METHODS = frozenset({"to", "cuda", "cpu", "float", "half", "bfloat16", "train", "eval", "requires_grad_"})
+
+
+def _s43_hands_on(module: ModuleInfo, v: ast.expr, name: str) -> bool:
+    """``v`` is the module ``name`` holds, handed on: ``name``, ``torch.compile(name)``, ``name.to(device)``, or a
+    conditional expression of those (``torch.compile(model) if cfg.compile else model``)."""
+    if isinstance(v, ast.Name):
+        return v.id == name
+    if isinstance(v, ast.IfExp):
+        return _s43_hands_on(module, v.body, name) and _s43_hands_on(module, v.orelse, name)
+    if not isinstance(v, ast.Call):
+        return False
+    f = v.func
+    passed = v.args[0] if module.canonical(f) == "torch.compile" and v.args else \
+        f.value if isinstance(f, ast.Attribute) and f.attr in _S43_SAME_MODULE_METHODS else None
+    return isinstance(passed, ast.Name) and passed.id == name
+
+
+def _s43_built_class(module: ModuleInfo, scope: Scope, name: str, values: list[ast.expr]) -> _Owner | None:
+    """The class of the local ``name`` when every assignment of it builds one class of the repository (``Cls(...)``)
+    or hands the same module on (:func:`_s43_hands_on`), at least one building it."""
+    owner: _Owner | None = None
+    for v in values:
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name):
+            # a class's name (capitalised): a cheap gate before another file of the repository is looked up
+            got = _class_named(module, v.func.id) if v.func.id[:1].isupper() else None
+            if got is None or (owner is not None and (got[0].path, got[1]) != (owner[0].path, owner[1])):
+                return None
+            owner = got
+        elif not _s43_hands_on(module, v, name):
+            return None
+    return owner
+
+
+def _s43_parameter_class(module: ModuleInfo, scope: Scope, param: str, depth: int) -> _Owner | None:
+    """The class of the parameter ``param`` of ``scope``: the one class every call of the function in this file
+    hands it (a name the caller builds, or an object followed from the caller's ``self``); None otherwise."""
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__" or param == "self" or depth > 3:
+        return None
+    memo = module.__dict__.setdefault("_s43_param_class", {})
+    key = (id(fn), param)
+    if key in memo:
+        return memo[key]
+    memo[key] = None  # a call cycle reads as unresolved
+    passed = _s42_passed_modules(module, scope, param)
+    owners: dict[tuple[str, str] | None, _Owner | None] = {}
+    for arg, caller in passed if not isinstance(passed, str) else ():
+        got = _object_class(module, caller, arg, depth + 1) if caller is not scope else None
+        owners[(got[0].path, got[1]) if got is not None else None] = got
+    owner = next(iter(owners.values())) if len(owners) == 1 and not isinstance(passed, str) else None
+    memo[key] = owner
+    return owner
+
+
+# a plain function's text calling a norm module of an object: ``layer.ffn_norm(``, ``block.ln_2(``
+_S43_MEMBER_NORM_TEXT = re.compile(r"\w\.\w*(?:norm|ln_?\d)\w*\(", re.I)
+
+
+def _s43_guarded_member_norm(nc: NormCall) -> bool:
+    """``<object>.<attr>(s)`` (not ``self``'s) whose reading checks the module's run-time class."""
+    f = nc.call.func
+    if not isinstance(f, ast.Attribute) or (isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return False
+    if nc.kind == "not_rms":
+        return "does not resolve" not in nc.reason  # an object of no known class: silent, as before s43
+    return any(c.startswith("type(") for c in nc.conditions)
+
+
+# -- s43 (addnorm43): a norm applied through a None-guarding helper method ----------------------------------------------
+# CS336's ``def _norm(self, norm, x): return norm(x) if norm is not None else x`` called as ``x = x + self.ffn(
+# self._norm(self.ln2, x))`` / ``x = self._norm(self.ln1, x + self.attn(x))``, ``self.ln2 = RMSNorm(d) if cfg.rms
+# else None``. The call is read as ``self.ln2(x)`` (a call node standing at the helper call's place, so the rewrite
+# replaces the whole helper call), fused where ``self.ln2 is not None`` (elsewhere the helper returns x: the original).
+
+
+def _s43_guarding_helper(fn: ast.FunctionDef) -> bool:
+    """``def h(self, norm, x): return norm(x) if norm is not None else x`` (or ``x if norm is None else norm(x)``, or
+    ``if norm is None: return x`` then ``return norm(x)``)."""
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if len(params) != 3 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.decorator_list:
+        return False
+    _me, norm, x = params
+    applied = f"{norm}({x})"
+    body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    if len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.IfExp):
+        v = body[0].value
+        text = (ast.unparse(v.test), ast.unparse(v.body), ast.unparse(v.orelse))
+        return text in ((f"{norm} is not None", applied, x), (f"{norm} is None", x, applied))
+    if len(body) == 2 and isinstance(body[0], ast.If) and not body[0].orelse and isinstance(body[1], ast.Return):
+        first = body[0]
+        return (ast.unparse(first.test) == f"{norm} is None" and len(first.body) == 1 and isinstance(first.body[0], ast.Return)
+                and ast.unparse(first.body[0]) == f"return {x}" and ast.unparse(body[1]) == f"return {applied}")
+    return False
+
+
+def _s43_unwrap(module: ModuleInfo, scope: Scope, node: ast.expr) -> ast.expr:
+    """``self.<helper>(<module>, <x>)`` of a None-guarding helper method of the class: a call ``<module>(<x>)`` at its
+    place (one per call, kept per file with the test it needs); any other node as it is."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 2 and not node.keywords and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and scope.class_name
+            and isinstance(node.args[0], (ast.Attribute, ast.Name)) and not isinstance(node.args[1], ast.Starred)):
+        return node
+    made = module.__dict__.setdefault("_s43_unwrapped", {})
+    if id(node) in made:
+        return made[id(node)]
+    fn = S.method(module, scope.class_name, node.func.attr)
+    out: ast.expr = node
+    if isinstance(fn, ast.FunctionDef) and _s43_guarding_helper(fn):
+        out = ast.copy_location(ast.Call(func=node.args[0], args=[node.args[1]], keywords=[]), node)
+        out.end_lineno, out.end_col_offset = node.end_lineno, node.end_col_offset  # type: ignore[attr-defined]
+        module.__dict__.setdefault("_s43_helper_tests", {})[id(out)] = f"{S.source_of(module, node.args[0])} is not None"
+    made[id(node)] = out
+    return out
