@@ -1399,6 +1399,9 @@ LIBRARY_ROTATIONS: dict[str, str] = {
     "transformers.models.cohere.modeling_cohere.rotate_half": "interleave",
     "transformers.models.gptj.modeling_gptj.rotate_every_two": "interleave",
     "transformers.models.codegen.modeling_codegen.rotate_every_two": "interleave",
+    # lucidrains' rotary-embedding-torch: rearrange '... (d r) -> ... d r', stack((-x2, x1), -1), flatten back
+    # (the same text in every release): adjacent pairs, the interleave rotation
+    "rotary_embedding_torch.rotary_embedding_torch.rotate_half": "interleave",
 }
 
 

@@ -1,0 +1,154 @@
+"""s43 recall sweep (helper sweep43): the classes behind the misses on bench/detect_labels_sweep43.json, nine
+repositories labelled before npufuse was run on them. Every spelling here is invented, in the styles of those
+repositories; each class has a Fuse (found, and run under the emulator against the original) and a Keep.
+
+1. rope: ``from rotary_embedding_torch.rotary_embedding_torch import rotate_half`` (lucidrains' helper: adjacent
+   pairs ``(-x2, x1)``) is a known library rotation of interleave kind (``canonical.LIBRARY_ROTATIONS``). Near miss:
+   another package's ``rotate_half`` is still "not defined in this module: it cannot be verified".
+2. add_rms_norm: the sum's norm is a class the numeric probe proves an RMSNorm only under a guard it assumed
+   (``(1 / self.d_model) * torch.sum(x ** 2, -1)``: ``self.d_model == x.shape[-1]``). The guard is now checked at
+   run time on the instance (else the original statements) instead of dropping the norm; the add may be spelled
+   ``x += residual``. Near miss: a mean divided by a module constant (``1 / D_MODEL``) is not proved by the probe
+   (nothing ties the constant to the input's width): no candidate.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.rope import RopePattern
+from pattern_harness import check_rewrite_runs, detect_all, install_stand_in_modules
+
+
+def _close(facts: dict) -> None:
+    assert facts["calls"] >= 1, facts["all_calls"]
+    assert facts["shapes"] and all(a == b for a, b in facts["shapes"])
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"], default=1.0) > 0.9999
+
+
+# -- 1. rope through rotary_embedding_torch's rotate_half -------------------------------------------------------
+
+def _lucidrains_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # the library's text, spelled without einops: '... (d r) -> ... d r', stack((-x2, x1), -1), flatten back
+    x = x.unflatten(-1, (-1, 2))
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+_AXIAL_ROPE = """
+import torch
+from torch import nn
+from rotary_embedding_torch.rotary_embedding_torch import rotate_half
+
+
+class AxialRope(nn.Module):
+    def __init__(self, dim, size):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.arange(size).float()[:, None] * inv[None, :]
+        self.register_buffer("angles", ang.repeat_interleave(2, dim=-1), persistent=False)
+
+    def forward(self, x):
+        ang = self.angles[: x.shape[-2]]
+        return x * ang.cos() + rotate_half(x) * ang.sin()
+"""
+
+_ROPE_RUN = """
+m = AxialRope(8, 16)
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = m(x)
+leaves = [x]
+"""
+
+
+def test_rotary_embedding_torch_rotate_half_is_an_interleave_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_stand_in_modules(monkeypatch, {"rotary_embedding_torch.rotary_embedding_torch": {"rotate_half": _lucidrains_rotate_half}})
+    findings, _ = detect_all(RopePattern(), _AXIAL_ROPE)
+    assert [(f.qualname, f.params.get("mode")) for f in findings] == [("AxialRope.forward", "interleave")]
+    _close(check_rewrite_runs(RopePattern(), _AXIAL_ROPE, _ROPE_RUN, findings))
+
+
+def test_another_packages_rotate_half_stays_unverified() -> None:
+    code = _AXIAL_ROPE.replace("from rotary_embedding_torch.rotary_embedding_torch import rotate_half",
+                               "from some_other_pkg.layers import rotate_half")
+    findings, misses = detect_all(RopePattern(), code)
+    assert not findings
+    assert any("is not defined in this module: it cannot be verified" in m.reason for m in misses)
+
+
+# -- 2. add + a probe-proved norm with a guard on the instance -----------------------------------------------------
+
+_SUM_OVER_D_NORM = """
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.d_model = d_model
+        self.eps = eps
+        self.gain = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x):
+        rms = torch.sqrt((1 / self.d_model) * torch.sum(x ** 2, dim=-1, keepdim=True) + self.eps)
+        return (x / rms) * self.gain
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.ff = nn.Linear(d, d)
+        self.norm1 = RMSNorm(d)
+        self.norm2 = RMSNorm(d)
+
+    def forward(self, x):
+        residual = x
+        x = self.attn(self.norm1(x))
+        x += residual
+        residual = x
+        x = self.ff(self.norm2(x))
+        x += residual
+        return x
+"""
+
+_BLOCK_RUN = """
+m = Block(16)
+with torch.no_grad():
+    for p in m.parameters():
+        p.normal_()
+    infer = m(torch.randn(2, 5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, m(x))
+leaves = [x]
+"""
+
+
+def test_augmented_add_then_a_guarded_probe_norm_is_fused() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _SUM_OVER_D_NORM)
+    assert [(f.qualname, f.line) for f in findings] == [("Block.forward", 29)]
+    assert "self.norm2.d_model == " in findings[0].fused
+    facts = check_rewrite_runs(AddRmsNorm(), _SUM_OVER_D_NORM, _BLOCK_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    _close(facts)
+
+
+def test_the_instance_guard_sends_a_wrong_width_to_the_original() -> None:
+    # a norm whose d_model disagrees with the input width: the guard is false, the original statements run
+    code = _SUM_OVER_D_NORM.replace("self.norm2 = RMSNorm(d)", "self.norm2 = RMSNorm(d)\n        self.norm2.d_model = d + 1")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    facts = check_rewrite_runs(AddRmsNorm(), code, _BLOCK_RUN, findings)
+    assert not facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999
+
+
+def test_a_mean_over_a_module_constant_is_not_taken() -> None:
+    code = _SUM_OVER_D_NORM.replace("import torch\nfrom torch import nn\n", "import torch\nfrom torch import nn\n\nD_MODEL = 16\n", 1)
+    code = code.replace("(1 / self.d_model)", "(1 / D_MODEL)")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert not findings
