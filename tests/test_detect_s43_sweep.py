@@ -10,6 +10,11 @@ repositories; each class has a Fuse (found, and run under the emulator against t
    run time on the instance (else the original statements) instead of dropping the norm; the add may be spelled
    ``x += residual``. Near miss: a mean divided by a module constant (``1 / D_MODEL``) is not proved by the probe
    (nothing ties the constant to the input's width): no candidate.
+3. attention: the probabilities from ``Ops.softmax(scores, dim=-1)``, a ``@staticmethod`` of a helper class of the
+   file written as exp(x - max) / sum (CS336 style). The call was read as the tensor method ``Ops.softmax`` (the
+   class as the input); a class of the file is now a receiver whose function is read (``staticmethod`` is an
+   identity decorator for the softmax reader). Near miss: the static softmax with a temperature is not a softmax
+   npufuse reads; an instance method called on the class is not read either.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import pytest
 import torch
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.rope import RopePattern
 from pattern_harness import check_rewrite_runs, detect_all, install_stand_in_modules
 
@@ -151,4 +157,58 @@ def test_a_mean_over_a_module_constant_is_not_taken() -> None:
     code = _SUM_OVER_D_NORM.replace("import torch\nfrom torch import nn\n", "import torch\nfrom torch import nn\n\nD_MODEL = 16\n", 1)
     code = code.replace("(1 / self.d_model)", "(1 / D_MODEL)")
     findings, _ = detect_all(AddRmsNorm(), code)
+    assert not findings
+
+
+# -- 3. a softmax written as a static method of a helper class ----------------------------------------------------
+
+_STATIC_SOFTMAX = """
+import torch
+
+
+class Ops:
+    @staticmethod
+    def softmax(x: torch.Tensor, dim: int):
+        x_max = x.max(dim=dim, keepdim=True).values
+        e_x = torch.exp(x - x_max)
+        return e_x / e_x.sum(dim=dim, keepdim=True)
+
+    @staticmethod
+    def attend(q, k, v, mask):
+        d_k = q.size(-1)
+        scores = (q @ k.transpose(-2, -1)) / torch.sqrt(torch.tensor(d_k, dtype=q.dtype, device=q.device))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = Ops.softmax(scores, dim=-1)
+        return probs @ v
+"""
+
+_STATIC_RUN = """
+q = torch.randn(2, 2, 5, 8, requires_grad=True)
+k = torch.randn(2, 2, 5, 8, requires_grad=True)
+v = torch.randn(2, 2, 5, 8, requires_grad=True)
+mask = torch.tril(torch.ones(5, 5, dtype=torch.bool))[None, None]
+out = (Ops.attend(q, k, v, mask), Ops.attend(q, k, v, None))
+leaves = [q, k, v]
+"""
+
+
+def test_a_static_method_softmax_of_a_helper_class_is_read() -> None:
+    findings, _ = detect_all(AttentionPattern(), _STATIC_SOFTMAX)
+    assert [f.qualname for f in findings] == ["Ops.attend"]
+    _close(check_rewrite_runs(AttentionPattern(), _STATIC_SOFTMAX, _STATIC_RUN, findings))
+
+
+def test_a_static_softmax_with_a_temperature_is_not_read() -> None:
+    code = _STATIC_SOFTMAX.replace("def softmax(x: torch.Tensor, dim: int):", "def softmax(x: torch.Tensor, dim: int, t: float = 2.0):")
+    code = code.replace("e_x = torch.exp(x - x_max)", "e_x = torch.exp((x - x_max) / t)")
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert not findings
+    assert any("is not read as a softmax over one axis" in m.reason for m in misses)
+
+
+def test_an_instance_method_softmax_called_on_the_class_is_not_read() -> None:
+    code = _STATIC_SOFTMAX.replace("    @staticmethod\n    def softmax(x: torch.Tensor, dim: int):", "    def softmax(x: torch.Tensor, dim: int):")
+    assert "@staticmethod\n    def softmax" not in code
+    findings, _ = detect_all(AttentionPattern(), code)
     assert not findings

@@ -77,8 +77,24 @@ def _definition(matcher: Any, func: Any) -> Optional[repo_facts.Definition]:
         return None
     d = repo_facts.definition(matcher.module, name)
     if d is None and "." in name:
+        d = _s43_static_method(matcher, head, name.partition(".")[2])
+    if d is None and "." in name:
         d = _module_attribute(matcher, head, name.partition(".")[2])
     return d
+
+
+def _s43_static_method(matcher: Any, cls: str, attr: str) -> Optional[repo_facts.Definition]:
+    """s43: ``Ops.softmax`` where ``Ops`` is a top-level class of this file and ``softmax`` its ``@staticmethod``
+    (a CS336-style ``neural_operation.softmax(x, dim)``): the method's definition; None otherwise (an instance method
+    called on the class would bind its first argument to ``self``)."""
+    node = matcher.module.classes.get(cls)
+    if node is None:
+        return None
+    for st in node.body:
+        if isinstance(st, ast.FunctionDef) and st.name == attr:
+            static = any(isinstance(dec, ast.Name) and dec.id == "staticmethod" for dec in st.decorator_list)
+            return repo_facts.Definition(matcher.module.path, st, matcher.module.tree) if static else None
+    return None
 
 
 def _module_attribute(matcher: Any, head: str, attr: str) -> Optional[repo_facts.Definition]:
@@ -302,12 +318,15 @@ def _method_of(cls: ast.ClassDef, name: str) -> Optional[ast.AST]:
 
 def module_receiver(matcher: Any, node: Any) -> bool:
     """``node`` names a module bound by an import of this file that is not torch (``utils`` of ``from fairseq import
-    utils``): ``utils.softmax(x, dim=-1)`` calls a function of it, not the tensor method ``x.softmax``."""
+    utils``), or a class of this file: ``utils.softmax(x, dim=-1)`` calls a function of it, not the tensor method
+    ``x.softmax``."""
     from npufuse.patterns.attention import Ref
 
     name = node.id if isinstance(node, ast.Name) else node.name if isinstance(node, Ref) and node.idx == -1 else None
     if name is None or matcher.scope.assignments.get(name) or is_parameter(matcher.scope, name):
         return False
+    if name in matcher.module.classes:
+        return True  # s43: ``Ops.softmax(x, dim)`` calls a method of a class of this file, not the tensor method
     full = matcher.module.aliases.get(name) or ""
     return bool(full) and not full.startswith(("torch", "numpy", "jax"))
 

@@ -1709,7 +1709,9 @@ def _file_aliases(tree: ast.Module) -> dict[str, str]:
 
 
 # decorators under which an eager call runs the body as written
-_EAGER_IDENTITY_DECORATORS = {"torch.jit.ignore", "torch.jit.unused", "torch.jit.script", "torch.compiler.disable", "torch._dynamo.disable"}
+# s43: ``staticmethod`` too (a softmax written as a static method of a helper class, called ``Ops.softmax(x, dim)``)
+_EAGER_IDENTITY_DECORATORS = {"torch.jit.ignore", "torch.jit.unused", "torch.jit.script", "torch.compiler.disable", "torch._dynamo.disable",
+                              "staticmethod"}
 _SB_F32 = {"torch.float32", "torch.float"}
 
 
