@@ -15,6 +15,10 @@ repositories; each class has a Fuse (found, and run under the emulator against t
    class as the input); a class of the file is now a receiver whose function is read (``staticmethod`` is an
    identity decorator for the softmax reader). Near miss: the static softmax with a temperature is not a softmax
    npufuse reads; an instance method called on the class is not read either.
+4. attention: ``self.softmax(scores, dim=-1)`` where ``softmax`` is a method of the enclosing module class (instance
+   or static) written as exp(x - max) / sum: read like a repository softmax function (nothing was reported before).
+   Near miss: the class also assigns ``self.softmax = <a function>`` in ``__init__`` (the instance attribute shadows
+   the method): no candidate.
 """
 
 from __future__ import annotations
@@ -210,5 +214,53 @@ def test_a_static_softmax_with_a_temperature_is_not_read() -> None:
 def test_an_instance_method_softmax_called_on_the_class_is_not_read() -> None:
     code = _STATIC_SOFTMAX.replace("    @staticmethod\n    def softmax(x: torch.Tensor, dim: int):", "    def softmax(x: torch.Tensor, dim: int):")
     assert "@staticmethod\n    def softmax" not in code
+    findings, _ = detect_all(AttentionPattern(), code)
+    assert not findings
+
+
+# -- 4. a softmax method of the module class itself -----------------------------------------------------------------
+
+_SELF_SOFTMAX = """
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def softmax(self, x, dim):
+        x_max = x.max(dim=dim, keepdim=True).values
+        e_x = torch.exp(x - x_max)
+        return e_x / e_x.sum(dim=dim, keepdim=True)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        probs = self.softmax(scores, dim=-1)
+        return (probs @ v).transpose(1, 2).reshape(b, s, d)
+"""
+
+_SELF_RUN = """
+m = Attn(16)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+"""
+
+
+def test_a_softmax_method_of_the_module_class_is_read() -> None:
+    findings, _ = detect_all(AttentionPattern(), _SELF_SOFTMAX)
+    assert [f.qualname for f in findings] == ["Attn.forward"]
+    _close(check_rewrite_runs(AttentionPattern(), _SELF_SOFTMAX, _SELF_RUN, findings))
+
+
+def test_a_softmax_method_shadowed_by_an_instance_attribute_is_not_read() -> None:
+    code = _SELF_SOFTMAX.replace("        self.qkv = nn.Linear(d, 3 * d)\n",
+                                 "        self.qkv = nn.Linear(d, 3 * d)\n        self.softmax = torch.special.log_softmax\n")
+    assert "self.softmax = " in code
     findings, _ = detect_all(AttentionPattern(), code)
     assert not findings

@@ -15,7 +15,7 @@ import ast
 from typing import Any, Optional
 
 from npufuse.scan import canonical, repo_facts
-from npufuse.scan.dataflow import called_outside_def
+from npufuse.scan.dataflow import called_outside_def, dotted, fast_walk
 
 _MODULE_BASES = {"Module", "nn.Module", "torch.nn.Module"}
 
@@ -135,6 +135,57 @@ def repo_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
     if dim is None:
         return None
     return bound[body.input], dim, _float32() if body.float32 else None
+
+
+def self_method_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
+    """s43: (input, dim node, dtype node) of ``self.softmax(x, dim)`` where ``softmax`` (any method whose name says
+    softmax) is a method of the enclosing class, instance or ``@staticmethod``, whose body is a softmax over a
+    parameter's or a constant axis (:func:`canonical.softmax_body`); None otherwise, and where anything in the class
+    assigns ``self.<name>`` (an instance attribute would shadow the method)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and "softmax" in node.func.attr.lower()):
+        return None
+    cls = matcher.module.classes.get(matcher.scope.class_name or "")
+    if cls is None:
+        return None
+    cache = matcher.module.__dict__.setdefault("_npufuse_s43_method_softmax", {})
+    key = (id(cls), node.func.attr)
+    if key not in cache or cache[key][0] is not cls:
+        cache[key] = (cls, _class_softmax_method(cls, node.func.attr, matcher.module.tree))
+    found = cache[key][1]
+    if found is None:
+        return None
+    fn, body, static = found
+    bound = _bind(fn, node, skip_self=not static)
+    if bound is None or body.input not in bound:
+        return None
+    if body.dim[0] == "param":
+        dim = bound.get(body.dim[1])
+    elif body.dim[0] == "const":
+        dim = ast.Constant(body.dim[1])
+    else:
+        return None
+    if dim is None:
+        return None
+    return bound[body.input], dim, _float32() if body.float32 else None
+
+
+def _class_softmax_method(cls: ast.ClassDef, name: str, tree: ast.Module) -> Optional[tuple[ast.FunctionDef, Any, bool]]:
+    """(the method, its softmax body, whether static) of ``cls.<name>``, None where it is not a softmax or the class
+    assigns ``self.<name>`` anywhere."""
+    fn = next((st for st in cls.body if isinstance(st, ast.FunctionDef) and st.name == name), None)
+    if fn is None:
+        return None
+    want = f"self.{name}"
+    for n in fast_walk(cls):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else []
+        if any(dotted(t) == want for t in targets):
+            return None
+    static = any(isinstance(dec, ast.Name) and dec.id == "staticmethod" for dec in fn.decorator_list)
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if not static and (not params or params[0] != "self"):
+        return None  # a classmethod or an unusual first parameter: not bound here
+    body = canonical.softmax_body(fn, tree)
+    return (fn, body, static) if body is not None else None
 
 
 def repo_softmax_module(matcher: Any, node: Any, ctor: ast.Call) -> Optional[tuple[Any, Any, Any]]:
