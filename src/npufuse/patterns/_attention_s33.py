@@ -123,7 +123,14 @@ def repo_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
     body = canonical.softmax_body(d.node, d.tree)
     if body is None:
         return None
-    bound = _bind(d.node, node, skip_self=False)
+    return _bound_softmax(d.node, body, node, skip_self=False)
+
+
+def _bound_softmax(fn: ast.FunctionDef, body: Any, call: ast.Call, skip_self: bool) -> Optional[tuple[Any, Any, Any]]:
+    """(input, dim node, dtype node) of ``call`` to ``fn``, whose body is the softmax ``body``: the call's arguments
+    bound to the input and axis parameters (an axis given as a constant in the body is that constant); None where
+    they cannot be bound or the axis is not a parameter or a constant."""
+    bound = _bind(fn, call, skip_self=skip_self)
     if bound is None or body.input not in bound:
         return None
     if body.dim[0] == "param":
@@ -155,18 +162,7 @@ def self_method_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any
     if found is None:
         return None
     fn, body, static = found
-    bound = _bind(fn, node, skip_self=not static)
-    if bound is None or body.input not in bound:
-        return None
-    if body.dim[0] == "param":
-        dim = bound.get(body.dim[1])
-    elif body.dim[0] == "const":
-        dim = ast.Constant(body.dim[1])
-    else:
-        return None
-    if dim is None:
-        return None
-    return bound[body.input], dim, _float32() if body.float32 else None
+    return _bound_softmax(fn, body, node, skip_self=not static)
 
 
 def _class_softmax_method(cls: ast.ClassDef, name: str, tree: ast.Module) -> Optional[tuple[ast.FunctionDef, Any, bool]]:
