@@ -15,7 +15,7 @@ import ast
 from typing import Any, Optional
 
 from npufuse.scan import canonical, repo_facts
-from npufuse.scan.dataflow import called_outside_def
+from npufuse.scan.dataflow import called_outside_def, dotted, fast_walk
 
 _MODULE_BASES = {"Module", "nn.Module", "torch.nn.Module"}
 
@@ -77,8 +77,24 @@ def _definition(matcher: Any, func: Any) -> Optional[repo_facts.Definition]:
         return None
     d = repo_facts.definition(matcher.module, name)
     if d is None and "." in name:
+        d = _s43_static_method(matcher, head, name.partition(".")[2])
+    if d is None and "." in name:
         d = _module_attribute(matcher, head, name.partition(".")[2])
     return d
+
+
+def _s43_static_method(matcher: Any, cls: str, attr: str) -> Optional[repo_facts.Definition]:
+    """s43: ``Ops.softmax`` where ``Ops`` is a top-level class of this file and ``softmax`` its ``@staticmethod``
+    (a CS336-style ``neural_operation.softmax(x, dim)``): the method's definition; None otherwise (an instance method
+    called on the class would bind its first argument to ``self``)."""
+    node = matcher.module.classes.get(cls)
+    if node is None:
+        return None
+    for st in node.body:
+        if isinstance(st, ast.FunctionDef) and st.name == attr:
+            static = any(isinstance(dec, ast.Name) and dec.id == "staticmethod" for dec in st.decorator_list)
+            return repo_facts.Definition(matcher.module.path, st, matcher.module.tree) if static else None
+    return None
 
 
 def _module_attribute(matcher: Any, head: str, attr: str) -> Optional[repo_facts.Definition]:
@@ -107,7 +123,14 @@ def repo_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
     body = canonical.softmax_body(d.node, d.tree)
     if body is None:
         return None
-    bound = _bind(d.node, node, skip_self=False)
+    return _bound_softmax(d.node, body, node, skip_self=False)
+
+
+def _bound_softmax(fn: ast.FunctionDef, body: Any, call: ast.Call, skip_self: bool) -> Optional[tuple[Any, Any, Any]]:
+    """(input, dim node, dtype node) of ``call`` to ``fn``, whose body is the softmax ``body``: the call's arguments
+    bound to the input and axis parameters (an axis given as a constant in the body is that constant); None where
+    they cannot be bound or the axis is not a parameter or a constant."""
+    bound = _bind(fn, call, skip_self=skip_self)
     if bound is None or body.input not in bound:
         return None
     if body.dim[0] == "param":
@@ -119,6 +142,46 @@ def repo_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
     if dim is None:
         return None
     return bound[body.input], dim, _float32() if body.float32 else None
+
+
+def self_method_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
+    """s43: (input, dim node, dtype node) of ``self.softmax(x, dim)`` where ``softmax`` (any method whose name says
+    softmax) is a method of the enclosing class, instance or ``@staticmethod``, whose body is a softmax over a
+    parameter's or a constant axis (:func:`canonical.softmax_body`); None otherwise, and where anything in the class
+    assigns ``self.<name>`` (an instance attribute would shadow the method)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and "softmax" in node.func.attr.lower()):
+        return None
+    cls = matcher.module.classes.get(matcher.scope.class_name or "")
+    if cls is None:
+        return None
+    cache = matcher.module.__dict__.setdefault("_npufuse_s43_method_softmax", {})
+    key = (id(cls), node.func.attr)
+    if key not in cache or cache[key][0] is not cls:
+        cache[key] = (cls, _class_softmax_method(cls, node.func.attr, matcher.module.tree))
+    found = cache[key][1]
+    if found is None:
+        return None
+    fn, body, static = found
+    return _bound_softmax(fn, body, node, skip_self=not static)
+
+
+def _class_softmax_method(cls: ast.ClassDef, name: str, tree: ast.Module) -> Optional[tuple[ast.FunctionDef, Any, bool]]:
+    """(the method, its softmax body, whether static) of ``cls.<name>``, None where it is not a softmax or the class
+    assigns ``self.<name>`` anywhere."""
+    fn = next((st for st in cls.body if isinstance(st, ast.FunctionDef) and st.name == name), None)
+    if fn is None:
+        return None
+    want = f"self.{name}"
+    for n in fast_walk(cls):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else []
+        if any(dotted(t) == want for t in targets):
+            return None
+    static = any(isinstance(dec, ast.Name) and dec.id == "staticmethod" for dec in fn.decorator_list)
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if not static and (not params or params[0] != "self"):
+        return None  # a classmethod or an unusual first parameter: not bound here
+    body = canonical.softmax_body(fn, tree)
+    return (fn, body, static) if body is not None else None
 
 
 def repo_softmax_module(matcher: Any, node: Any, ctor: ast.Call) -> Optional[tuple[Any, Any, Any]]:
@@ -302,12 +365,15 @@ def _method_of(cls: ast.ClassDef, name: str) -> Optional[ast.AST]:
 
 def module_receiver(matcher: Any, node: Any) -> bool:
     """``node`` names a module bound by an import of this file that is not torch (``utils`` of ``from fairseq import
-    utils``): ``utils.softmax(x, dim=-1)`` calls a function of it, not the tensor method ``x.softmax``."""
+    utils``), or a class of this file: ``utils.softmax(x, dim=-1)`` calls a function of it, not the tensor method
+    ``x.softmax``."""
     from npufuse.patterns.attention import Ref
 
     name = node.id if isinstance(node, ast.Name) else node.name if isinstance(node, Ref) and node.idx == -1 else None
     if name is None or matcher.scope.assignments.get(name) or is_parameter(matcher.scope, name):
         return False
+    if name in matcher.module.classes:
+        return True  # s43: ``Ops.softmax(x, dim)`` calls a method of a class of this file, not the tensor method
     full = matcher.module.aliases.get(name) or ""
     return bool(full) and not full.startswith(("torch", "numpy", "jax"))
 

@@ -67,6 +67,10 @@ class NormCall:
     # s42: probed kind whose forward places eps otherwise (outside the root, a clamp): the rule, the original's eps
     # and the probe's relative difference on rows of rms 1 (the eps above is the probe's mapped eps')
     s42_eps_form: tuple[str, str, float] | None = None
+    # s43: probed kind: the run-time guards the probe assumed (``self.d_model == x.shape[-1]`` for a mean spelled
+    # ``(1 / self.d_model) * x.pow(2).sum(-1)``), read on the instance; the input is written ``_npu_norm_input``
+    # and renamed to the sum's first operand where the replacement is built
+    probe_guards: list[str] = field(default_factory=list)
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1837,8 +1841,11 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
     p = found.params
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     # s42: eps outside the root or a clamp (on the norm, on the mean square) is taken with the probe's mapped eps'
-    if (p.get("eps_rule") and p.get("eps_rule") not in _S42_MAPPED_EPS_RULES) or p.get("weight_offset") or p.get("guards") \
+    if (p.get("eps_rule") and p.get("eps_rule") not in _S42_MAPPED_EPS_RULES) or p.get("weight_offset") \
             or not p.get("weight") or p.get("input") != params[1]:
+        return None
+    guards = _s43_instance_guards(p.get("guards") or [], params[0], params[1], mod)
+    if guards is None:
         return None
 
     def on_instance(text: str) -> str | None:
@@ -1863,10 +1870,30 @@ def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.Fu
     if rule not in ("input", "promote", "weight", "float32"):
         return None
     nc = NormCall(call, attr, "probed", cls=cls + where, gamma=gamma, eps=eps, mod=mod,
-                  probe=(rule, _probed_rank(found)))
+                  probe=(rule, _probed_rank(found)), probe_guards=guards)
     if p.get("eps_rule"):
         nc.s42_eps_form = (p["eps_rule"], p.get("eps_original", ""), float(p.get("eps_bound", 1.0)))
     return nc
+
+
+def _s43_instance_guards(guards: list[str], me: str, x: str, mod: str) -> list[str] | None:
+    """The probe's run-time guards read on the norm instance: ``self`` becomes the module expression, the input
+    ``_npu_norm_input`` (renamed to the sum's operand by _build). None where a guard reads any other name (a value
+    of the class's scope) or the module expression spans lines: the norm is then not taken, as before s43."""
+    if guards and "\n" in mod:
+        return None
+    out: list[str] = []
+    for text in guards:
+        try:
+            node = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if not names <= {me, x} or any(isinstance(n, (ast.Call, ast.Lambda, ast.NamedExpr)) for n in ast.walk(node)):
+            return None
+        renamed = _renamed(_renamed(node, x, "_npu_norm_input"), me, "_npu_norm_module")
+        out.append(ast.unparse(renamed).replace("_npu_norm_module", mod))
+    return out
 
 
 def _probed_rank(found: Finding) -> int:
@@ -2478,6 +2505,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         conditions.append(f"isinstance({gamma}, {T}.Tensor) and {gamma}.dim() == 1")
         unproved = (f" or not 2 <= {x1}.dim() <= {rank} or {x1}.dtype not in ({T}.float16, {T}.bfloat16, {T}.float32)"
                     f" or {x1}.shape[-1] != {gamma}.shape[0]")
+        # s43: what the probe assumed of the instance (x1 has the sum's shape: a shape mismatch is tested first)
+        unproved += "".join(f" or not ({ast.unparse(_renamed(ast.parse(g, mode='eval').body, '_npu_norm_input', x1))})"
+                            for g in m.probe_guards)
         params = {"eps": eps, "weight": gamma, "weight_offset": 0, "upcast": None, "output_dtype": rule, "found_by": "numeric_probe"}
         risks.append(Risk("numerics", f"{m.cls}'s forward is proved an RMSNorm by npufuse's numeric probe on sampled inputs "
                                       "(random x of ranks 2-3, fp32/bf16/fp16, random weights), not by a proof over all inputs"))

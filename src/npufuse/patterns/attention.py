@@ -1283,6 +1283,8 @@ class _Matcher:
             if ctor is not None and not (self.module.canonical(ctor.func) or "").startswith("torch."):
                 # s33: ``self.softmax = Softmax(i=-1)``, a class of the repository whose forward is a softmax
                 return _attention_s33.repo_softmax_module(self, node, ctor)
+            if ctor is None:
+                return _attention_s33.self_method_softmax(self, node)  # s43: a softmax method of this class
             return None
         if self.method(node, "softmax") and name not in SOFTMAXES and not _attention_s33.module_receiver(self, node.func.value):
             return node.func.value, keyword(node, "dim", 0), keyword(node, "dtype", 1)

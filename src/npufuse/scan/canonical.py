@@ -1399,6 +1399,9 @@ LIBRARY_ROTATIONS: dict[str, str] = {
     "transformers.models.cohere.modeling_cohere.rotate_half": "interleave",
     "transformers.models.gptj.modeling_gptj.rotate_every_two": "interleave",
     "transformers.models.codegen.modeling_codegen.rotate_every_two": "interleave",
+    # lucidrains' rotary-embedding-torch: rearrange '... (d r) -> ... d r', stack((-x2, x1), -1), flatten back
+    # (the same text in every release): adjacent pairs, the interleave rotation
+    "rotary_embedding_torch.rotary_embedding_torch.rotate_half": "interleave",
 }
 
 
@@ -1706,7 +1709,9 @@ def _file_aliases(tree: ast.Module) -> dict[str, str]:
 
 
 # decorators under which an eager call runs the body as written
-_EAGER_IDENTITY_DECORATORS = {"torch.jit.ignore", "torch.jit.unused", "torch.jit.script", "torch.compiler.disable", "torch._dynamo.disable"}
+# s43: ``staticmethod`` too (a softmax written as a static method of a helper class, called ``Ops.softmax(x, dim)``)
+_EAGER_IDENTITY_DECORATORS = {"torch.jit.ignore", "torch.jit.unused", "torch.jit.script", "torch.compiler.disable", "torch._dynamo.disable",
+                              "staticmethod"}
 _SB_F32 = {"torch.float32", "torch.float"}
 
 
