@@ -1,0 +1,195 @@
+"""s43 rope / attention / sdpa / fused_optimizer classes read from the real HO19a / HO19b missed sites (helper
+attnrope43), each with Fuse and near-miss (Keep) examples; every Fuse example runs rewritten under the emulator
+against the original (outputs and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.rope import RopePattern
+
+
+def _emulated(pattern, code: str, run: str) -> dict:
+    findings, misses = detect_all(pattern, code)
+    assert findings, misses
+    facts = check_rewrite_runs(pattern, code, run, findings)
+    assert facts["calls"] >= len(findings), facts["all_calls"]
+    assert min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999, facts
+    return {"findings": findings, "misses": misses, **facts}
+
+
+# --- 1. rope: the half rotation inline, each element reading its own halves of the tables -------------------------
+# (HO19a deepseek-v3-mlha-moe-shakespeare RoPE.forward: ``cat([x1*cos[:h] - x2*sin[h:], x1*sin[:h] + x2*cos[h:]])``.)
+# npu_rotary_mul's half mode is [x1*C[:h] - x2*S[:h], x2*C[h:] + x1*S[h:]] (spec 4.1): the written code is that with
+# C = cat(cA, cC), S = cat(sB, sD); a table read the other way round is passed with its halves exchanged, so the result
+# is the written code whatever the halves hold (the runs use tables with unequal halves).
+_INLINE = '''
+import torch
+
+
+def rope(x, cos, sin):
+    B, H, T, D = x.shape
+    x1 = x[..., : D // 2]
+    x2 = x[..., D // 2 :]
+    return torch.cat([
+        FIRST,
+        SECOND,
+    ], dim=-1)
+'''
+
+_RUN_TABLES = '''
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+angles = torch.rand(1, 1, 5, 8) * 3.0  # unequal halves: no duplicated freqs
+out = rope(x, angles.cos(), angles.sin())
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("first, second", [
+    ("x1 * cos[..., : D // 2] - x2 * sin[..., D // 2 :]", "x1 * sin[..., : D // 2] + x2 * cos[..., D // 2 :]"),  # the site
+    ("x1 * cos[..., : D // 2] - x2 * sin[..., : D // 2]", "x2 * cos[..., D // 2 :] + x1 * sin[..., D // 2 :]"),  # in order
+    ("cos[..., D // 2 :] * x1 - sin[..., D // 2 :] * x2", "cos[..., : D // 2] * x2 + sin[..., : D // 2] * x1"),  # both exchanged
+    ("x1 * cos[..., : D // 2] + x2 * sin[..., D // 2 :]", "x2 * cos[..., D // 2 :] - x1 * sin[..., : D // 2]"),  # by -angle
+], ids=["sin_exchanged", "in_order", "both_exchanged_tables_first", "negative_angle"])
+def test_inline_rotation_with_table_halves_fuses_in_half_mode(first: str, second: str) -> None:
+    code = _INLINE.replace("FIRST", first).replace("SECOND", second)
+    facts = _emulated(RopePattern(), code, _RUN_TABLES)
+    (f,) = facts["findings"]
+    assert "cos.shape[-1] == x.shape[-1] and sin.shape[-1] == x.shape[-1]" in f.fused, f.fused
+
+
+@pytest.mark.parametrize("first, second", [
+    # both elements read sin's FIRST half: S = cat(s1, s1) is no half of the sin table
+    ("x1 * cos[..., : D // 2] - x2 * sin[..., : D // 2]", "x1 * sin[..., : D // 2] + x2 * cos[..., D // 2 :]"),
+    # the second element's sign is not a rotation's
+    ("x1 * cos[..., : D // 2] - x2 * sin[..., D // 2 :]", "x1 * sin[..., : D // 2] - x2 * cos[..., D // 2 :]"),
+    # the cos halves come from two tables
+    ("x1 * cos[..., : D // 2] - x2 * sin[..., D // 2 :]", "x1 * sin[..., : D // 2] + x2 * sin[..., D // 2 :]"),
+], ids=["one_half_twice", "wrong_sign", "two_tables"])
+def test_inline_rotation_whose_tables_are_not_one_tables_halves_is_not_fused(first: str, second: str) -> None:
+    findings, _misses = detect_all(RopePattern(), _INLINE.replace("FIRST", first).replace("SECOND", second))
+    assert not findings
+
+
+_NAMED_SWAPPED = '''
+import torch
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    cos2, cos1 = cos.chunk(2, dim=-1)
+    sin2, sin1 = sin.chunk(2, dim=-1)
+    y1 = x1 * cos1 - x2 * sin1
+    y2 = x2 * cos2 + x1 * sin2
+    return torch.cat((y1, y2), dim=-1)
+'''
+
+
+def test_split_tables_read_the_other_way_round_pass_exchanged_tables() -> None:
+    # the s42 near miss "table halves swapped against x's": exact with both tables passed halves-exchanged
+    facts = _emulated(RopePattern(), _NAMED_SWAPPED, _RUN_TABLES.replace("rope(x", "apply_rope(x"))
+    (f,) = facts["findings"]
+    assert "_cos_swapped = torch.cat((cos[..., cos.shape[-1] // 2 :], cos[..., : cos.shape[-1] // 2]), dim=-1)" in f.fused, f.fused
+    assert "_sin_swapped" in f.fused
+
+
+# --- 2. rope: interleaved lane pairs stacked and merged back by a reshape in the same statement ------------------
+# (HO19a ModernBabyBERTa RotaryEmbedding.forward.apply_rot: ``stack([even_rot, odd_rot], -1).reshape_as(x1)``, a partial
+# rotary prefix joined to the pass-through lanes, in a function nested in forward reading the enclosing tables.)
+_STACK_MERGED = '''
+import torch
+
+
+def rope(q, seq_len, rot_dim):
+    t = torch.arange(seq_len, dtype=q.dtype)
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=q.dtype) / rot_dim))
+    ang = torch.einsum("s,d->sd", t, freqs)
+    cos = torch.cos(ang)[None, :, None, :]
+    sin = torch.sin(ang)[None, :, None, :]
+
+    def apply_rot(x):
+        x1 = x[..., :rot_dim]
+        even, odd = x1[..., ::2], x1[..., 1::2]
+        rot_even = even * cos - odd * sin
+        rot_odd = SECOND
+        x1_rot = torch.stack([rot_even, rot_odd], dim=-1).MERGE
+        return torch.cat([x1_rot, x[..., rot_dim:]], dim=-1)
+
+    return apply_rot(q)
+'''
+
+_RUN_STACK = '''
+q = torch.randn(2, 5, 3, 8, requires_grad=True)
+out = rope(q, 5, ROT)
+leaves = [q]
+'''
+
+
+@pytest.mark.parametrize("merge, rot", [
+    ("reshape_as(x1)", 8), ("view_as(x1)", 8), ("reshape_as(x1)", 4), ("reshape(*x1.shape)", 8),
+], ids=["reshape_as", "view_as", "partial_prefix", "reshape_shape"])
+def test_stacked_pairs_merged_in_the_same_statement_fuse_in_interleave_mode(merge: str, rot: int) -> None:
+    code = _STACK_MERGED.replace("SECOND", "odd * cos + even * sin").replace("MERGE", merge)
+    facts = _emulated(RopePattern(), code, _RUN_STACK.replace("ROT", str(rot)))
+    assert 'rotary_mode="interleave"' in facts["findings"][0].fused
+
+
+@pytest.mark.parametrize("second", [
+    "odd * cos - even * sin",  # the odd lanes' sign is not a rotation's
+    "odd * sin + even * cos",  # cos and sin exchanged in the second part
+])
+def test_stacked_pairs_that_are_no_rotation_are_not_fused(second: str) -> None:
+    code = _STACK_MERGED.replace("SECOND", second).replace("MERGE", "reshape_as(x1)")
+    findings, _misses = detect_all(RopePattern(), code)
+    assert not findings
+
+
+# --- 3. rope: the pair axis of x's (D/2, 2) view filled into an empty buffer ---------------------------------------
+# (HO19a transformer-llm AttentionLayer.apply_rotary: ``q_ = q.view(*q.shape[:-1], dim // 2, 2);
+# q_rot = torch.empty_like(q_); q_rot[..., 0] = ..; q_rot[..., 1] = ..`` for q and k, the allocations first.)
+_PAIR_FILLS = '''
+import torch
+
+
+def apply_rotary(q, k, cos, sin):
+    dim = q.shape[-1]
+    q_ = q.view(*q.shape[:-1], dim // 2, 2)
+    k_ = k.view(*k.shape[:-1], dim // 2, 2)
+    q_rot = torch.empty_like(QALLOC)
+    k_rot = torch.empty_like(k_)
+    q_rot[..., 0] = q_[..., 0] * cos - q_[..., 1] * sin
+    q_rot[..., 1] = QSECOND
+    k_rot[..., 0] = k_[..., 0] * cos - k_[..., 1] * sin
+    k_rot[..., 1] = k_[..., 0] * sin + k_[..., 1] * cos
+    return q_rot.view_as(q), k_rot.view_as(k)
+'''
+
+_RUN_PAIRS = '''
+q = torch.randn(2, 3, 5, 8, requires_grad=True)
+k = torch.randn(2, 3, 5, 8, requires_grad=True)
+ang = torch.rand(1, 1, 5, 4) * 3.0
+out = torch.cat(apply_rotary(q, k, ang.cos(), ang.sin()), dim=-1)
+leaves = [q, k]
+'''
+
+
+def test_fills_of_the_pair_axis_fuse_in_interleave_mode() -> None:
+    code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin + q_[..., 1] * cos")
+    facts = _emulated(RopePattern(), code, _RUN_PAIRS)
+    assert len(facts["findings"]) == 2
+    assert all('rotary_mode="interleave"' in f.fused for f in facts["findings"])
+
+
+def test_fills_of_the_pair_axis_of_a_buffer_shaped_like_x_are_a_near_miss() -> None:
+    # empty_like(q) is [.., D]: its [..., 0] / [..., 1] are two lanes of the head dim, not the pairs
+    code = _PAIR_FILLS.replace("QALLOC", "q").replace("QSECOND", "q_[..., 0] * sin + q_[..., 1] * cos")
+    findings, misses = detect_all(RopePattern(), code)
+    assert [f.line for f in findings] == [13]  # k's site only
+    assert any("not shaped like the `(.., D/2, 2)` pairs of the rotated `q`" in m.reason for m in misses), misses
+
+
+def test_fills_of_the_pair_axis_that_are_no_rotation_are_not_fused() -> None:
+    code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin - q_[..., 1] * cos")
+    findings, _misses = detect_all(RopePattern(), code)
+    assert [f.line for f in findings] == [13]
