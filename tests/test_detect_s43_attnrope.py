@@ -193,3 +193,72 @@ def test_fills_of_the_pair_axis_that_are_no_rotation_are_not_fused() -> None:
     code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin - q_[..., 1] * cos")
     findings, _misses = detect_all(RopePattern(), code)
     assert [f.line for f in findings] == [13]
+
+
+# --- 4. attention: ``where(c, zeros, -inf)`` added to the scores is a mask whatever method built c ---------------
+# (HO19a deepseek-v3.2-from-scratch BlockSparseAttention.forward: c is ``self.get_block_mask(..)`` expanded to tokens;
+# the branches are tensors ``torch.zeros(1, ..)`` / ``torch.full((1,), float('-inf'), ..)``.)
+_BLOCK_MASK = '''
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class BlockSparse(nn.Module):
+    def __init__(self, dim=32, heads=4, block=2):
+        super().__init__()
+        self.heads, self.hd, self.block = heads, dim // heads, block
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.table = nn.Parameter(torch.randn(16, 16))
+        self.scale = 1.0 / math.sqrt(self.hd)
+
+    def get_block_mask(self, T, device):
+        n = (T + self.block - 1) // self.block
+        pos = torch.arange(n, device=device)
+        return (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] <= 1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        block_mask = self.get_block_mask(T, x.device)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        token_mask = block_mask.repeat_interleave(self.block, dim=0).repeat_interleave(self.block, dim=1)[:T, :T]
+        attn_mask = torch.where(token_mask, ZERO, NEG)
+        scores = scores + attn_mask
+        out = torch.matmul(F.softmax(scores, dim=-1), v)
+        return out.transpose(1, 2).reshape(B, T, C)
+'''
+
+_RUN_BLOCK = '''
+m = BlockSparse()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("zero, neg", [
+    ("torch.zeros(1, device=x.device, dtype=scores.dtype)", "torch.full((1,), float('-inf'), device=x.device, dtype=scores.dtype)"),
+    ("0.0", "float('-inf')"),
+    ("0.0", "torch.finfo(scores.dtype).min"),
+], ids=["tensor_branches", "scalar_branches", "finfo_min"])
+def test_a_where_zero_minus_inf_of_a_method_built_condition_is_a_mask(zero: str, neg: str) -> None:
+    from npufuse.patterns.attention import AttentionPattern
+    code = _BLOCK_MASK.replace("ZERO", zero).replace("NEG", neg)
+    facts = _emulated(AttentionPattern(), code, _RUN_BLOCK)
+    fused = facts["findings"][0].fused
+    assert "atten_mask=_npufuse_mask" in fused and "pse=" not in fused, fused
+
+
+@pytest.mark.parametrize("zero, neg", [
+    ("0.0", "self.table[:T, :T]"),  # a learned table on the masked-out entries: a bias, not 0 / -inf
+    ("0.0", "-5.0"),  # a small negative value: a graded bias that softmax does not zero
+], ids=["learned_branch", "small_negative"])
+def test_a_where_with_another_branch_than_minus_inf_is_not_read_as_a_mask(zero: str, neg: str) -> None:
+    from npufuse.patterns.attention import AttentionPattern
+    code = _BLOCK_MASK.replace("ZERO", zero).replace("NEG", neg)
+    findings, misses = detect_all(AttentionPattern(), code)
+    for f in findings:  # never binarised without a run-time value check
+        assert "< 0  # True = masked (additive 0/-inf mask)" not in f.fused or "<= -1000.0" in f.fused, f.fused
+    assert findings or misses
