@@ -262,3 +262,66 @@ def test_a_where_with_another_branch_than_minus_inf_is_not_read_as_a_mask(zero: 
     for f in findings:  # never binarised without a run-time value check
         assert "< 0  # True = masked (additive 0/-inf mask)" not in f.fused or "<= -1000.0" in f.fused, f.fused
     assert findings or misses
+
+
+# --- 5. sdpa: a bool keep mask a helper builds by rebinding a local from itself ---------------------------------------
+# (HO19a Large-Language-Model-GPT-4 CausalSelfAttention._apply_hierarchical: ``causal = k_idx <= q_idx + ..;
+# if self.local_window > 0: causal = causal & (k_idx >= lower)``; the scan called it a float bias from positions.)
+_LOCAL_CAUSAL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=32, heads=4, window=2):
+        super().__init__()
+        self.heads, self.hd, self.local_window = heads, dim // heads, window
+        self.qkv = nn.Linear(dim, dim * 3)
+
+    def _local_causal_mask(self, seq_q, seq_k, device):
+        q_idx = torch.arange(seq_q, device=device).unsqueeze(-1)
+        k_idx = torch.arange(seq_k, device=device).unsqueeze(0)
+        causal = k_idx <= q_idx + (seq_k - seq_q)
+        if self.local_window > 0:
+            lower = q_idx + (seq_k - seq_q) - self.local_window
+            causal = causal & (k_idx >= lower)
+        return causal
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        local_mask = self._local_causal_mask(N, N, x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=local_mask)
+        return out.transpose(1, 2).reshape(B, N, C)
+'''
+
+_RUN_LOCAL = '''
+m = Attention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+'''
+
+
+def test_a_keep_mask_rebound_from_itself_in_a_helper_fuses_inverted() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+    facts = _emulated(SdpaPattern(), _LOCAL_CAUSAL, _RUN_LOCAL)
+    assert "~local_mask if local_mask.dtype == torch.bool" in facts["findings"][0].fused
+
+
+@pytest.mark.parametrize("body, is_bool", [
+    ("m = k <= q\n    if w:\n        m = m & (k >= q - w)\n    return m", True),
+    ("m = k <= q\n    m = m | (k == 0)\n    return ~m", True),
+    # a parameter rebound from itself: its value on entry is the caller's (an int tensor gives an int result)
+    ("p = p & (k <= q)\n    return p", False),
+    # ALiBi-like: graded distances rebound from themselves stay a float bias, never a mask
+    ("m = (k - q).float()\n    m = m * w\n    return m", False),
+    ("m = k <= q\n    m = m * 2.0\n    return m", False),
+], ids=["if_rebound", "or_then_invert", "parameter", "alibi_graded", "scaled_to_float"])
+def test_returns_bool_reads_a_local_rebound_from_itself(body: str, is_bool: bool) -> None:
+    import ast
+
+    from npufuse.patterns import _attention_s35
+    fn = ast.parse(f"def mask(p, k, q, w):\n    {body}\n").body[0]
+    assert _attention_s35.returns_bool(fn) is is_bool
