@@ -325,3 +325,52 @@ def test_returns_bool_reads_a_local_rebound_from_itself(body: str, is_bool: bool
     from npufuse.patterns import _attention_s35
     fn = ast.parse(f"def mask(p, k, q, w):\n    {body}\n").body[0]
     assert _attention_s35.returns_bool(fn) is is_bool
+
+
+# --- 6. attention / sdpa: the reference a kernel test compares with is no site -------------------------------------
+# (HO19a llm-infer-engine test_flash_attention: ``out_ref = F.scaled_dot_product_attention(..)``, then
+# ``assert torch.allclose(out_flash, out_ref)``: replacing the reference compares the kernel with another kernel.)
+_KERNEL_TEST = '''
+import math
+import torch
+import torch.nn.functional as F
+
+
+def my_attention(q, k, v):
+    return v  # stands in for a Triton kernel
+
+
+def REFNAME(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_attention():
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    out = my_attention(q, k, v)
+    out_ref = F.scaled_dot_product_attention(q, k, v)
+    eager = REFNAME(q, k, v)
+    assert torch.allclose(out, out_ref, atol=1e-3) and CHECK
+'''
+
+
+def test_the_reference_of_a_closeness_check_is_a_near_miss() -> None:
+    from npufuse.patterns.attention import AttentionPattern
+    from npufuse.patterns.sdpa import SdpaPattern
+    code = _KERNEL_TEST.replace("REFNAME", "ref_attention").replace("CHECK", "torch.allclose(out, eager)")
+    for pattern in (SdpaPattern(), AttentionPattern()):
+        findings, misses = detect_all(pattern, code)
+        assert not findings, findings
+        assert any(m.reason.startswith("reference implementation:") for m in misses), misses
+
+
+def test_attention_whose_result_no_check_reads_stays_a_site() -> None:
+    from npufuse.patterns.attention import AttentionPattern
+    from npufuse.patterns.sdpa import SdpaPattern
+    # out_ref is only printed and the eager function is also called by model code: both are sites
+    code = _KERNEL_TEST.replace("REFNAME", "attend").replace("assert torch.allclose(out, out_ref, atol=1e-3) and CHECK",
+                                                             "print(out_ref, eager)\n    assert torch.allclose(out, out)") \
+        + "\n\nclass Block(torch.nn.Module):\n    def forward(self, q, k, v):\n        return attend(q, k, v)\n"
+    for pattern in (SdpaPattern(), AttentionPattern()):
+        findings, _misses = detect_all(pattern, code)
+        assert findings

@@ -62,3 +62,37 @@ def where_zero_minus_inf(node: Any) -> bool:
         return False
     a, b = node.args[1], node.args[2]
     return _zero_branch(a) and _negative_branch(b) or _negative_branch(a) and _zero_branch(b)
+
+
+# --- the reference of a closeness check ----------------------------------------------------------------------------
+# (HO19a llm-infer-engine's ``test_flash_attention``: ``out_ref = F.scaled_dot_product_attention(..)`` then
+# ``assert torch.allclose(out_flash.cpu(), out_ref.cpu(), ..)``.) A kernel test compares the kernel under test with
+# PyTorch's own attention; replacing that reference with the fused op compares one kernel with another instead of the
+# math. Decided by dataflow, not by names: the site's result (the name it binds) is an argument of a closeness check
+# later in the same function, or every call of the function holding the site feeds one (rms_norm's s28 rule).
+_CLOSENESS_CHECKS = ("allclose", "assert_close", "assert_allclose", "isclose")
+
+
+def closeness_reference(module: Any, scope: Any, stmt: ast.stmt) -> str | None:
+    """The near-miss reason where what ``stmt`` computes is the reference a closeness check compares against."""
+    from npufuse.scan.dataflow import fast_walk, text_holds_any
+
+    if not text_holds_any(module, _CLOSENESS_CHECKS):
+        return None  # cheap gate: no closeness check anywhere in the file
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        name, line = stmt.targets[0].id, stmt.end_lineno or stmt.lineno
+        for n in fast_walk(fn):
+            if isinstance(n, ast.Call) and n.lineno > line \
+                    and (getattr(n.func, "attr", None) in _CLOSENESS_CHECKS or getattr(n.func, "id", None) in _CLOSENESS_CHECKS):
+                args = [*n.args, *(k.value for k in n.keywords)]
+                if any(isinstance(m, ast.Name) and m.id == name for a in args for m in ast.walk(a)):
+                    check = (dotted(n.func) or getattr(n.func, "attr", "check"))
+                    return (f"reference implementation: `{name}` is compared with `{check}(..)` (line {n.lineno}) against the "
+                            "output under test; replacing it would compare that output with the fused op instead of PyTorch's "
+                            "reference")
+    from npufuse.patterns.rms_norm import _s28_reference_check
+
+    return _s28_reference_check(module, scope)

@@ -3452,6 +3452,10 @@ class AttentionPattern(Pattern):
             for i, stmt in enumerate(block):
                 for node, pv in anchors.get(id(stmt), []):
                     res = self._site(module, scope, interp, i, stmt, node, pv)
+                    if isinstance(res, Finding):
+                        reference = _attention_s43.closeness_reference(module, scope, stmt)
+                        if reference is not None:  # s43: the eager reference of a kernel test
+                            res = NearMiss(self.id, scope.qualname, res.line, res.end_line, reference)
                     if res is not None:
                         yield res
         if not anchors:
