@@ -374,3 +374,59 @@ def test_attention_whose_result_no_check_reads_stays_a_site() -> None:
     for pattern in (SdpaPattern(), AttentionPattern()):
         findings, _misses = detect_all(pattern, code)
         assert findings
+
+
+# --- 7. rope: interleave-mode tables bound per branch, one batch-free, one per batch -------------------------------
+# (sweep42 CS336 RotaryEmbedding.forward: ``if positions.dim() == 1: cos = cos.view(1, 1, S, -1)`` / ``elif
+# positions.dim() == 2: cos = cos[:, None, :, :]``.) Interleave mode takes only 11SD / 1S1D / S11D tables: the layout
+# is checked at run time, the original code runs for per-batch positions; one per-batch binding alone stays refused.
+_BRANCH_TABLES = '''
+import torch
+import torch.nn as nn
+
+
+class Rope(nn.Module):
+    def __init__(self, dim=8, max_len=16):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        f = torch.outer(torch.arange(max_len).float(), inv)
+        self.register_buffer("cos_cached", f.cos(), persistent=False)
+        self.register_buffer("sin_cached", f.sin(), persistent=False)
+
+    def forward(self, x, positions=None):
+        b, h, s, d = x.shape
+        if positions is None:
+            positions = torch.arange(s)
+BRANCHES
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return out.flatten(-2)
+'''
+
+_TWO_BRANCHES = '''        if positions.dim() == 1:
+            cos = self.cos_cached[positions].view(1, 1, s, -1)
+            sin = self.sin_cached[positions].view(1, 1, s, -1)
+        else:
+            cos = self.cos_cached[positions][:, None, :, :]
+            sin = self.sin_cached[positions][:, None, :, :]'''
+
+_RUN_BRANCHES = '''
+m = Rope()
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = torch.cat([m(x), m(x, torch.stack([torch.arange(5), torch.arange(5) + 3]))], dim=-1)  # 1-D, then per-batch
+leaves = [x]
+'''
+
+
+def test_interleave_tables_bound_per_branch_fuse_under_a_run_time_layout_check() -> None:
+    facts = _emulated(RopePattern(), _BRANCH_TABLES.replace("BRANCHES", _TWO_BRANCHES), _RUN_BRANCHES)
+    fused = facts["findings"][0].fused
+    assert "_cs_shape[0] == 1" in fused and 'rotary_mode="interleave"' in fused, fused
+
+
+def test_interleave_tables_with_one_per_batch_binding_stay_refused() -> None:
+    one = ("        cos = self.cos_cached[positions][:, None, :, :]\n        sin = self.sin_cached[positions][:, None, :, :]")
+    findings, misses = detect_all(RopePattern(), _BRANCH_TABLES.replace("BRANCHES", one))
+    assert not findings
+    assert any("interleave mode with cos/sin that may depend on the batch" in m.reason for m in misses), misses

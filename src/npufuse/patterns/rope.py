@@ -1467,6 +1467,23 @@ def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
     return False
 
 
+def _s43_bound_per_branch(scope: Scope, table: ast.expr) -> bool:
+    """s43 (sweep42 CS336 ``RotaryEmbedding.forward``: ``if positions.dim() == 1: cos = cos.view(1, 1, S, -1)`` /
+    ``elif positions.dim() == 2: cos = cos[:, None, :, :]``): the table name reaches the site from several branches, one
+    of which builds it without the caller's leading dim. The layout then depends on the branch taken: left to the
+    run-time check of :meth:`RopePattern._interleave_checked` (exact on every branch; the fused call runs where the
+    tables are batch-free), where one batch-dependent binding alone stays refused."""
+    if not isinstance(table, ast.Name):
+        return False
+    held = _stmt_of(scope, table)
+    if held is None:
+        return False
+    defs, complete = scope.reaching_definitions(table.id, held[2])
+    if not complete or len(defs) < 2 or not all(isinstance(d, ast.Assign) and len(d.targets) == 1 for d in defs):
+        return False
+    return any(not _keeps_lead_dim(scope, d.value) for d in defs)  # type: ignore[attr-defined]
+
+
 def _named_complex_product(scope: Scope, node: ast.Call) -> tuple[ast.Assign, ast.BinOp] | None:
     """``view_as_real(name)`` where ``name = a * b`` is bound once before, one factor a
     ``view_as_complex(..)`` (through names): (that assignment, the product)."""
@@ -2971,7 +2988,7 @@ class RopePattern(Pattern):
         # a layout described here (HF's cos.unsqueeze(1) of [B, S, D]: B1SD) stays refused: only tables whose
         # layout this function cannot see at all are left to the run-time check
         if isinstance(m, str) or m.cos_info.rank is not None or sinfo.rank is not None or m.cos_info.layout or sinfo.layout \
-                or any(_keeps_lead_dim(scope, t) for t in (cos, sin)):
+                or any(_keeps_lead_dim(scope, t) and not _s43_bound_per_branch(scope, t) for t in (cos, sin)):
             return reason  # a layout seen here with a batch dim (GPT-J's [B, S, 1, D]) stays refused
         m.mode = "interleave"
         shape = f"_npufuse_{_ident(segment(module, x))}_cs_shape"
