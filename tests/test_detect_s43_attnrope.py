@@ -157,7 +157,7 @@ def apply_rotary(q, k, cos, sin):
     q_ = q.view(*q.shape[:-1], dim // 2, 2)
     k_ = k.view(*k.shape[:-1], dim // 2, 2)
     q_rot = torch.empty_like(QALLOC)
-    k_rot = torch.empty_like(k_)
+    k_rot = torch.KALLOC(k_)
     q_rot[..., 0] = q_[..., 0] * cos - q_[..., 1] * sin
     q_rot[..., 1] = QSECOND
     k_rot[..., 0] = k_[..., 0] * cos - k_[..., 1] * sin
@@ -174,8 +174,9 @@ leaves = [q, k]
 '''
 
 
-def test_fills_of_the_pair_axis_fuse_in_interleave_mode() -> None:
-    code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin + q_[..., 1] * cos")
+@pytest.mark.parametrize("k_alloc", ["empty_like", "zeros_like"])
+def test_fills_of_the_pair_axis_fuse_in_interleave_mode(k_alloc: str) -> None:
+    code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin + q_[..., 1] * cos").replace("KALLOC", k_alloc)
     facts = _emulated(RopePattern(), code, _RUN_PAIRS)
     assert len(facts["findings"]) == 2
     assert all('rotary_mode="interleave"' in f.fused for f in facts["findings"])
@@ -183,14 +184,14 @@ def test_fills_of_the_pair_axis_fuse_in_interleave_mode() -> None:
 
 def test_fills_of_the_pair_axis_of_a_buffer_shaped_like_x_are_a_near_miss() -> None:
     # empty_like(q) is [.., D]: its [..., 0] / [..., 1] are two lanes of the head dim, not the pairs
-    code = _PAIR_FILLS.replace("QALLOC", "q").replace("QSECOND", "q_[..., 0] * sin + q_[..., 1] * cos")
+    code = _PAIR_FILLS.replace("QALLOC", "q").replace("QSECOND", "q_[..., 0] * sin + q_[..., 1] * cos").replace("KALLOC", "empty_like")
     findings, misses = detect_all(RopePattern(), code)
     assert [f.line for f in findings] == [13]  # k's site only
     assert any("not shaped like the `(.., D/2, 2)` pairs of the rotated `q`" in m.reason for m in misses), misses
 
 
 def test_fills_of_the_pair_axis_that_are_no_rotation_are_not_fused() -> None:
-    code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin - q_[..., 1] * cos")
+    code = _PAIR_FILLS.replace("QALLOC", "q_").replace("QSECOND", "q_[..., 0] * sin - q_[..., 1] * cos").replace("KALLOC", "empty_like")
     findings, _misses = detect_all(RopePattern(), code)
     assert [f.line for f in findings] == [13]
 

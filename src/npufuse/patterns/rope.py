@@ -6795,8 +6795,9 @@ def _s43_pair_axis_output(alloc: ast.stmt, fills: list[ast.stmt]) -> tuple[str, 
     two fills cover it). A and B must not read ``out``. None otherwise."""
     if len(fills) != 2 or not (isinstance(alloc, ast.Assign) and len(alloc.targets) == 1 and isinstance(alloc.targets[0], ast.Name)
                                and isinstance(alloc.value, ast.Call) and isinstance(alloc.value.func, ast.Attribute)
-                               and alloc.value.func.attr == "empty_like" and len(alloc.value.args) == 1 and not alloc.value.keywords):
-        return None
+                               and alloc.value.func.attr in ("empty_like", "zeros_like") and len(alloc.value.args) == 1
+                               and not alloc.value.keywords):
+        return None  # (zeros_like: the two fills cover the whole pair axis, so none of the zeros survives)
     out = alloc.targets[0].id
     values = []
     for k, st in enumerate(fills):
