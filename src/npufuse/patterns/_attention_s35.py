@@ -234,6 +234,11 @@ def returns_bool(fn: Any) -> bool:
         return False
     assigned = local_values(fn)
     returns = [r.value for r in fast_walk(fn) if isinstance(r, ast.Return)]
+    # s43 (HO19a GPT-4's ``causal = k <= q; if w > 0: causal = causal & (k >= lower)``): a local rebound from itself is
+    # bool where each of its assignments is, the self-reference read as bool (its earlier value is one of the others;
+    # a local is never read before its first assignment). Not a parameter: its value on entry is the caller's.
+    params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg) if a is not None}
+    open_names: set[str] = set()
 
     def is_bool(n: Any, depth: int = 0) -> bool:
         if depth > 12 or n is None:
@@ -255,8 +260,14 @@ def returns_bool(fn: Any) -> bool:
                 return False
             return is_bool(n.func.value, depth + 1)
         if isinstance(n, ast.Name):
+            if n.id in open_names:
+                return n.id not in params  # s43: the self-reference of ``m = m & c``
             values = assigned.get(n.id, [])
-            return bool(values) and all(is_bool(v, depth + 1) for v in values)
+            open_names.add(n.id)
+            try:
+                return bool(values) and all(is_bool(v, depth + 1) for v in values)
+            finally:
+                open_names.discard(n.id)
         if isinstance(n, ast.Subscript):
             return is_bool(n.value, depth + 1)  # s42: ``keep[:, None, None, :]``: an index of a bool tensor is bool
         return False

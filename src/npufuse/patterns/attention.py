@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42
+from npufuse.patterns import _attention_s42, _attention_s43
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2471,6 +2471,8 @@ class _Matcher:
         module_call = next((n for n in walk_values(term) if isinstance(n, ast.Call) and _is_self_attr(n.func)), None)
         if module_call is not None and _attention_s42.zero_minus_inf_helper_call(self.module, self.scope, _deref_value(term)):
             module_call = None  # s42: a method of the class returning ``where(keep, 0, -inf)``: a mask, not a module's bias
+        if module_call is not None and _attention_s43.where_zero_minus_inf(_plain(_deref_value(term))):
+            module_call = None  # s43: ``where(c, zeros, -inf)`` written here is a 0 / -inf mask whatever method built ``c``
         if module_call is not None and _s28_module_bias(self, term, chain, cond):  # s28: a module's bias goes to pse too
             return
         if module_call is not None:
@@ -3452,6 +3454,10 @@ class AttentionPattern(Pattern):
             for i, stmt in enumerate(block):
                 for node, pv in anchors.get(id(stmt), []):
                     res = self._site(module, scope, interp, i, stmt, node, pv)
+                    if isinstance(res, Finding):
+                        reference = _attention_s43.closeness_reference(module, scope, stmt)
+                        if reference is not None:  # s43: the eager reference of a kernel test
+                            res = NearMiss(self.id, scope.qualname, res.line, res.end_line, reference)
                     if res is not None:
                         yield res
         if not anchors:

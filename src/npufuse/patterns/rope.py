@@ -1467,6 +1467,23 @@ def _keeps_lead_dim(scope: Scope, node: ast.expr) -> bool:
     return False
 
 
+def _s43_bound_per_branch(scope: Scope, table: ast.expr) -> bool:
+    """s43 (sweep42 CS336 ``RotaryEmbedding.forward``: ``if positions.dim() == 1: cos = cos.view(1, 1, S, -1)`` /
+    ``elif positions.dim() == 2: cos = cos[:, None, :, :]``): the table name reaches the site from several branches, one
+    of which builds it without the caller's leading dim. The layout then depends on the branch taken: left to the
+    run-time check of :meth:`RopePattern._interleave_checked` (exact on every branch; the fused call runs where the
+    tables are batch-free), where one batch-dependent binding alone stays refused."""
+    if not isinstance(table, ast.Name):
+        return False
+    held = _stmt_of(scope, table)
+    if held is None:
+        return False
+    defs, complete = scope.reaching_definitions(table.id, held[2])
+    if not complete or len(defs) < 2 or not all(isinstance(d, ast.Assign) and len(d.targets) == 1 for d in defs):
+        return False
+    return any(not _keeps_lead_dim(scope, d.value) for d in defs)  # type: ignore[attr-defined]
+
+
 def _named_complex_product(scope: Scope, node: ast.Call) -> tuple[ast.Assign, ast.BinOp] | None:
     """``view_as_real(name)`` where ``name = a * b`` is bound once before, one factor a
     ``view_as_complex(..)`` (through names): (that assignment, the product)."""
@@ -2024,32 +2041,35 @@ def _doubled_half_tables(module: ModuleInfo, cos: ast.expr, sin: ast.expr, negat
 # the halves were cut from, passed whole, that is exactly the written code whatever the two halves hold (equal
 # halves, ``cat((freqs, freqs))``, are not needed). The fused call runs where each table is as wide as x (so its
 # halves are cut at x's split point), the original code elsewhere.
-def _s42_table_halves(module: ModuleInfo, scope: Scope, line: int, pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, list[str]] | None:
-    """(the table, run-time split checks) where ``pair`` is the (first, second) half of one table's last dim."""
+def _s42_table_halves(module: ModuleInfo, scope: Scope, line: int, pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, list[str], bool] | None:
+    """(the table, run-time split checks, swapped) where ``pair`` is the (first, second) half of one table's last dim,
+    or (s43) its (second, first) half: ``swapped``, the table passed with its halves exchanged."""
     lane = canonical.lane_of(module, scope, pair[0], line)
     if lane is None or lane.kind != "halves":
         return None
     table = lane.source
     halves = _Halves(scope, lambda n: same_expr(n, table), module)
     halves.allow_split = True
-    if halves.part(pair[0]) != "first" or halves.part(pair[1]) != "second" or halves.prefix is not None:
+    parts = (halves.part(pair[0]), halves.part(pair[1]))
+    if parts not in (("first", "second"), ("second", "first")) or halves.prefix is not None:
         return None
-    return table, list(halves.split_checks)
+    return table, list(halves.split_checks), parts == ("second", "first")
 
 
 def _s42_split_tables(module: ModuleInfo, scope: Scope, line: int, cos_pair: tuple[ast.expr, ast.expr],
-                      sin_pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, ast.expr, list[str]] | None:
-    """(cos table, sin table, split checks) of a rotation whose cos / sin factors are the halves of two tables."""
+                      sin_pair: tuple[ast.expr, ast.expr]) -> tuple[ast.expr, ast.expr, list[str], tuple[bool, bool]] | None:
+    """(cos table, sin table, split checks, (cos swapped, sin swapped)) of a rotation whose cos / sin factors are the
+    halves of two tables."""
     c = _s42_table_halves(module, scope, line, cos_pair)
     s = _s42_table_halves(module, scope, line, sin_pair) if c is not None else None
     if c is None or s is None:
         return None
-    return c[0], s[0], c[1] + s[1]
+    return c[0], s[0], c[1] + s[1], (c[2], s[2])
 
 
 def _s42_split_table_match(pattern: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr,
-                           tables: tuple[ast.expr, ast.expr, list[str]], negate: bool) -> "_Match | str":
-    cos_t, sin_t, checks = tables
+                           tables: tuple[ast.expr, ast.expr, list[str], tuple[bool, bool]], negate: bool) -> "_Match | str":
+    cos_t, sin_t, checks, swapped = tables
     m = pattern._build_real(module, scope, node, "half", base, cos_t, sin_t)
     if isinstance(m, str):
         return m
@@ -2057,11 +2077,103 @@ def _s42_split_table_match(pattern: "RopePattern", module: ModuleInfo, scope: Sc
     if negate:
         m.prep = [f"_npufuse_{_ident(sin_s)}_neg = -{_atom(sin_s)}  # y1 = x1*cos + x2*sin: the rotation by -angle"]
         m.sin = f"_npufuse_{_ident(sin_s)}_neg"
+    # s43 (HO19a deepseek-v3-mlha's ``cat([x1*cos[:h] - x2*sin[h:], x1*sin[:h] + x2*cos[h:]])``): a table whose halves
+    # the code reads the other way round (x1 with its second half, x2 with its first) is the table with the halves
+    # exchanged, passed so: the written code exactly, whatever the halves hold (no equal-halves proof needed)
+    for is_swapped, attr, src in ((swapped[0], "cos", cos_s), (swapped[1], "sin", sin_s)):
+        if is_swapped:
+            t, name = _atom(getattr(m, attr)), f"_npufuse_{_ident(src)}_{attr}_swapped"
+            m.prep.append(f"{name} = torch.cat(({t}[..., {t}.shape[-1] // 2 :], {t}[..., : {t}.shape[-1] // 2]), dim=-1)"
+                          f"  # the code reads this table's halves the other way round")
+            setattr(m, attr, name)
     width = [f"{_atom(t)}.shape[-1] == {_atom(x_s)}.shape[-1]" for t in (cos_s, sin_s)]
     check = " and ".join(dict.fromkeys(width + checks))
     m.only_if = check if m.only_if is None else f"({m.only_if}) and {check}"
     m.only_note = (m.only_note + "; " if m.only_note else "") + (
         "cos / sin split into halves like x: passed whole, fused where they are as wide as x (their halves cut where x's are)")
+    return m
+
+
+def _s43_is_pair_view_of(scope: Scope, like: ast.expr, x: ast.expr) -> bool:
+    """Is ``like`` (through local names) ``x.view(..., 2)`` / ``x.reshape(..., 2)`` -- x's lanes cut into pairs, the
+    last axis 2 -- with every dim of x but the last kept (``*x.shape[:-1]``)?"""
+    view = _resolve(scope, like)
+    if not (_method(view, "view", "reshape") and len(view.args) == 3 and _is_int(view.args[2], 2)  # type: ignore[union-attr]
+            and same_expr(view.func.value, x)):  # type: ignore[union-attr]
+        return False
+    lead = view.args[0]  # type: ignore[union-attr]
+    return isinstance(lead, ast.Starred) and isinstance(lead.value, ast.Subscript) and isinstance(lead.value.value, ast.Attribute) \
+        and lead.value.value.attr == "shape" and same_expr(lead.value.value.value, x) and isinstance(lead.value.slice, ast.Slice) \
+        and lead.value.slice.lower is None and _is_int(lead.value.slice.upper, -1) and lead.value.slice.step is None
+
+
+def _s43_inline_split_cat(node: ast.AST) -> tuple[list, list] | None:
+    """s43: the signed products of ``cat([p*a ± q*b, r*c ± t*d], -1)`` where the two elements are written inline and
+    are not the one-table pair form :func:`_pair_formula` reads (the tables' halves differ between the elements:
+    ``cat([x1*cos[..., :h] - x2*sin[..., h:], x1*sin[..., :h] + x2*cos[..., h:]], -1)``). Structure only; the caller
+    checks which factors are x's halves and which the tables'."""
+    if not (isinstance(node, ast.Call) and isinstance(node.args[0] if node.args else None, (ast.List, ast.Tuple))):
+        return None
+    pair = _pair_of(node, _CAT)
+    if pair is None or _pair_formula(node) is not None:
+        return None
+    terms = [_signed_products(e) for e in pair]
+    if terms[0] is None or terms[1] is None:
+        return None
+    return terms[0], terms[1]
+
+
+def _s43_inline_split_match(pattern: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call) -> "_Match | str | None":
+    """The half rotation written inline with the tables' halves as factors (:func:`_s43_inline_split_cat`):
+    ``[x1*cA - x2*sB, x2*cC + x1*sD]`` is npu_rotary_mul's half mode with cos = cat(cA, cC), sin = cat(sB, sD)
+    (spec 4.1): each pair must be the two halves of one table (in order, or exchanged: passed exchanged)."""
+    found = _s43_inline_split_cat(node)
+    if found is None:
+        return None
+    terms = found
+    tried: list[ast.expr] = []
+    for _sign, u, v in terms[0]:
+        for f in (u, v):
+            h = canonical.lane_of(module, scope, f, node.lineno)
+            if h is None or h.kind != "halves" or any(same_expr(h.source, t) for t in tried):
+                continue
+            tried.append(h.source)
+            res = _s43_split_terms_match(pattern, module, scope, node, h.source, terms)
+            if res is not None:
+                return res
+    return None
+
+
+def _s43_split_terms_match(pattern: "RopePattern", module: ModuleInfo, scope: Scope, node: ast.Call, base: ast.expr,
+                           terms: tuple[list, list]) -> "_Match | str | None":
+    halves = _Halves(scope, lambda n: same_expr(n, base), module)
+    halves.allow_split = True
+
+    def by_part(ts: list) -> dict | None:
+        out = {}
+        for sign, u, v in ts:
+            part = halves.part(u)
+            if part is None:
+                part, u, v = halves.part(v), v, u
+            if part not in ("first", "second") or part in out:
+                return None
+            out[part] = (sign, v)
+        return out if len(out) == 2 else None
+
+    a, b = by_part(terms[0]), by_part(terms[1])
+    if a is None or b is None:
+        return None
+    (s1a, c_a), (s1b, s_b) = a["first"], a["second"]   # y1 = ±x1*cA ± x2*sB
+    (s2b, c_c), (s2a, s_d) = b["second"], b["first"]   # y2 = ±x2*cC ± x1*sD
+    if not (s1a == 1 and s2b == 1 and s1b == -s2a):
+        return None
+    tables = _s42_split_tables(module, scope, node.lineno, (c_a, c_c), (s_b, s_d))
+    if tables is None:
+        return (f"the rotation `{segment(module, node)[:80]}` multiplies x's halves by table slices that are not the two "
+                "halves of one cos table and one sin table: npufuse passes no table it cannot name whole")
+    m = _s42_split_table_match(pattern, module, scope, node, base, tables, negate=s1b == 1)
+    if isinstance(m, _Match):
+        _add_split_checks(m, halves)
     return m
 
 
@@ -2171,7 +2283,8 @@ class RopePattern(Pattern):
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
                     and "concatenate(" not in st_text \
-                    and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text and not _merged_next(block, i, stmt)):
+                    and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text and not _s43_merged_here(st_text)
+                                                           and not _merged_next(block, i, stmt)):
                 continue
             if "lambda" in st_text:
                 lambda_sites = 0
@@ -2278,6 +2391,13 @@ class RopePattern(Pattern):
         (``empty_like(x)`` / ``zeros_like(x)``) is shaped like the rotated x; its result cast to x's dtype as the fills
         cast into the buffer. A near miss where the buffer is shaped like another tensor."""
         res = self._match(module, scope, site.value)
+        if isinstance(res, _Match) and getattr(site.value, "npufuse_pair_axis", False):
+            # s43: fills of a pair axis -- the buffer must be x's own ``(.., D/2, 2)`` view, so it is as wide as the pairs
+            if not _s43_is_pair_view_of(scope, alloc.args[0], res.x):
+                return (f"the rotated pairs are written into `{segment(module, alloc)}`, a new tensor not shaped like the "
+                        f"`(.., D/2, 2)` pairs of the rotated `{segment(module, res.x)}`: not verified")
+            res.post += f".to({_atom(segment(module, res.x))}.dtype)"
+            return res
         if isinstance(res, _Match) and not same_expr(alloc.args[0], res.x):
             return (f"the rotated halves are written into `{segment(module, alloc)}`, a new tensor shaped "
                     f"like another tensor than the rotated `{segment(module, res.x)}`: not verified")
@@ -2325,6 +2445,9 @@ class RopePattern(Pattern):
             if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None) \
                     or (isinstance(node, (ast.BinOp, ast.Call)) and _matrix_formula(scope, node) is not None):
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
+                return
+            if isinstance(node, ast.Call) and _s43_inline_split_cat(node) is not None:
+                found.append(node)  # s43: the halves' tables differ between the two elements
                 return
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _mult_factors(node.left) and _mult_factors(node.right):
                 found.append(node)
@@ -2385,6 +2508,10 @@ class RopePattern(Pattern):
                     return moved
             return res
         pf = _pair_formula(node)
+        if pf is None and isinstance(node, ast.Call):
+            res = _s43_inline_split_match(self, module, scope, node)
+            if res is not None:
+                return res
         if pf is not None:
             res = self._match_pairs(module, scope, node, *pf)
             if res is None:
@@ -2861,7 +2988,7 @@ class RopePattern(Pattern):
         # a layout described here (HF's cos.unsqueeze(1) of [B, S, D]: B1SD) stays refused: only tables whose
         # layout this function cannot see at all are left to the run-time check
         if isinstance(m, str) or m.cos_info.rank is not None or sinfo.rank is not None or m.cos_info.layout or sinfo.layout \
-                or any(_keeps_lead_dim(scope, t) for t in (cos, sin)):
+                or any(_keeps_lead_dim(scope, t) and not _s43_bound_per_branch(scope, t) for t in (cos, sin)):
             return reason  # a layout seen here with a batch dim (GPT-J's [B, S, 1, D]) stays refused
         m.mode = "interleave"
         shape = f"_npufuse_{_ident(segment(module, x))}_cs_shape"
@@ -6518,7 +6645,7 @@ def _filled_site(block: list[ast.stmt], i: int, stmt: ast.stmt) -> ast.Assign | 
     alloc = _s42_clone_as_empty_like(stmt)
     if alloc is None:
         return None
-    found = canonical.filled_output([alloc, *block[i + 1 : i + 3]])
+    found = canonical.filled_output([alloc, *block[i + 1 : i + 3]]) or _s43_pair_axis_output(alloc, block[i + 1 : i + 3])
     if found is None:
         return None
     out, expr = found
@@ -6650,13 +6777,50 @@ def _s41_fills_after_allocation(block: list[ast.stmt], j: int, stmt: ast.stmt) -
     moved = ast.copy_location(ast.Assign(targets=alloc.targets, value=value), stmt)
     for f, orig in zip(fills, (block[j], block[j + 1])):
         f.end_lineno, f.end_col_offset = orig.end_lineno, orig.end_col_offset
-    found = canonical.filled_output([moved, *fills])  # type: ignore[list-item]
+    found = canonical.filled_output([moved, *fills]) or _s43_pair_axis_output(moved, fills)  # type: ignore[list-item]
     if found is None:
         return None
     target = ast.copy_location(ast.Name(id=out, ctx=ast.Store()), stmt.targets[0])
     site = ast.copy_location(ast.Assign(targets=[target], value=found[1]), stmt)
     site.end_lineno, site.end_col_offset = block[j + 1].end_lineno, block[j + 1].end_col_offset
     return alloc, site
+
+
+def _s43_pair_axis_output(alloc: ast.stmt, fills: list[ast.stmt]) -> tuple[str, ast.expr] | None:
+    """s43 (HO19a transformer-llm's ``q_ = q.view(*q.shape[:-1], d // 2, 2); q_rot = torch.empty_like(q_);
+    q_rot[..., 0] = A; q_rot[..., 1] = B``): the two fills of a pair axis as (``out``, ``torch.stack((A, B), dim=-1)``),
+    the pairs left ``[.., D/2, 2]`` (the code's own ``view_as`` after it runs as written). The new nodes span the
+    allocation's value to the second fill; the value is marked ``npufuse_pair_axis``: :meth:`RopePattern._filled_match`
+    takes it only where the buffer is shaped like the rotated x's own ``(.., D/2, 2)`` view (its last axis 2, so the
+    two fills cover it). A and B must not read ``out``. None otherwise."""
+    if len(fills) != 2 or not (isinstance(alloc, ast.Assign) and len(alloc.targets) == 1 and isinstance(alloc.targets[0], ast.Name)
+                               and isinstance(alloc.value, ast.Call) and isinstance(alloc.value.func, ast.Attribute)
+                               and alloc.value.func.attr in ("empty_like", "zeros_like") and len(alloc.value.args) == 1
+                               and not alloc.value.keywords):
+        return None  # (zeros_like: the two fills cover the whole pair axis, so none of the zeros survives)
+    out = alloc.targets[0].id
+    values = []
+    for k, st in enumerate(fills):
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)):
+            return None
+        t = st.targets[0]
+        if not (isinstance(t.value, ast.Name) and t.value.id == out and _lane(t, k) is not None):
+            return None
+        if any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(st.value)):
+            return None
+        values.append(st.value)
+
+    def at(node: ast.AST) -> ast.AST:
+        node.lineno, node.col_offset = alloc.value.lineno, alloc.value.col_offset  # type: ignore[attr-defined]
+        node.end_lineno, node.end_col_offset = fills[1].end_lineno, fills[1].end_col_offset  # type: ignore[attr-defined]
+        return node
+
+    torch_mod = alloc.value.func.value
+    pair = at(ast.Tuple(elts=values, ctx=ast.Load()))
+    expr = at(ast.Call(func=at(ast.Attribute(value=torch_mod, attr="stack", ctx=ast.Load())), args=[pair],
+                       keywords=[ast.keyword(arg="dim", value=at(ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1))))]))
+    expr.npufuse_pair_axis = True  # type: ignore[attr-defined]
+    return out, expr  # type: ignore[return-value]
 
 
 def _bounded_lane_fills(alloc: ast.Assign, fills: list[ast.stmt]) -> tuple[str, ast.expr, ast.expr] | None:
@@ -7583,6 +7747,14 @@ def _merged_next(block: list[ast.stmt], i: int, stmt: ast.stmt) -> bool:
     # stacked [.., D/2, 2] tensor itself, so whatever merge follows runs as written
     return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("flatten", "reshape", "view", "reshape_as", "view_as") \
         and isinstance(value.func.value, ast.Name) and value.func.value.id == name
+
+
+def _s43_merged_here(st_text: str) -> bool:
+    """s43 (HO19a ModernBabyBERTa's ``torch.stack([even_rot, odd_rot], dim=-1).reshape_as(x1)``): the stacked lane pairs
+    merged by a reshape in the same statement. The stack inside is read as left ``[.., D/2, 2]`` (the fused result viewed
+    so, :func:`_unmerged_lane_stack`) and the reshape around it runs as written, as :func:`_merged_next` reads a merge
+    in the next statement; this only lets the statement past the text gate (the math is checked as for any stack)."""
+    return ".reshape_as(" in st_text or ".view_as(" in st_text or ".reshape(" in st_text or ".view(" in st_text
 
 
 def _einops_last_two_merged(node: ast.AST | None) -> ast.expr | None:

@@ -49,7 +49,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _mask_rows
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -277,6 +277,9 @@ class SdpaPattern(Pattern):
             return miss(f"the call is unreachable: `{' '.join(segment(module, exit_stmt).split())[:60]}` (line {exit_stmt.lineno}) "
                         "always leaves its block before it, so the SDPA call never runs")
 
+        reference = _attention_s43.closeness_reference(module, scope, stmt)
+        if reference is not None:
+            return miss(reference)  # s43: the reference of a kernel test
         if any(isinstance(a, ast.Starred) for a in call.args):
             return miss("arguments passed with `*`: which one is the mask / causal flag is not visible")
         q, k, v = (keyword(call, n, p) for n, p in (("query", 0), ("key", 1), ("value", 2)))
