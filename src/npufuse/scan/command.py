@@ -282,7 +282,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         # a repository may ship .npufuse as a symlink: refused before anything is cached or written
         check_state_dir(args.state_dir)
-        with lock(args.state_dir, verb="npufuse scan"):
+        # s43: no automatic full collections while the scan's results pile up (engine.collector_paused)
+        with lock(args.state_dir, verb="npufuse scan"), engine.collector_paused():
             return _run_locked(args, target, only, state_path, report_path, outputs, cache_dir, trace)
     except (UnsafeStatePath, StateBusy) as exc:
         raise UsageError(str(exc)) from None
