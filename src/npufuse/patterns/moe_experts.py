@@ -39,6 +39,7 @@ from typing import Any, Iterable, Optional
 
 from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
+from npufuse.patterns import _moe_s43b
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -2376,7 +2377,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     if any("capacity" in n.lower() for n in body_names):
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
-            and not _moe_s42b.shared_only_in_write_back(loop):
+            and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
         raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
     inner = _slot_outer_loop(loop)
     if inner is not None and _moe_s42b.outer_variable_picks_experts(loop, inner):
@@ -2529,6 +2530,7 @@ class _Eval:
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
+        self.s43b_rows_term: tuple[str, str] = ("", "")  # s43b: (S, write mode) of `out[rows] = y + S[rows]`, S made before
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2765,7 +2767,7 @@ class _Eval:
                     self.shared_call = split[1]  # s42b: `out[rows] += w * expert(x[rows]) + self.shared(x[rows])`
                     self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(split[0])), None))
                     return
-                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
+                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(self._s43b_rows_term(tgt, s.value, "accumulate"))), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) \
                     and self._s42b_flat_sum(tgt, s.value):
@@ -2929,7 +2931,7 @@ class _Eval:
                 self._check_host_listed_rows(tgt, "rows are written back through")
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
-            self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(s.value)), sel.args[0]))
+            self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(self._s43b_rows_term(tgt, s.value, "assign"))), sel.args[0]))
             return
         if isinstance(tgt, ast.Subscript) and _s41b_self_attr(tgt.value) and self._is_eidx(tgt.slice) \
                 and self._expert_count_stat(tgt, s.value, "assign"):
@@ -3514,6 +3516,25 @@ class _Eval:
                 f"{out}.add_(({site.indices}.shape[-1] * {segment(self.m, call.func)}({rows})).reshape({out}.shape)"
                 f".to({out}.dtype))")
 
+    def _s43b_rows_term(self, tgt: ast.Subscript, value: ast.expr, mode: str) -> ast.expr:
+        """s43b: the routed part of ``out[rows] (+)= <routed> + S[rows]`` (S a tensor made before the loop, recorded
+        for the tail); the value itself otherwise."""
+        split = _moe_s43b.precomputed_rows_term(tgt, value, self.loop) if self.expert_init is None and not self.shared_call else None
+        if split is None or self.s43b_rows_term not in (("", ""), (split[1], mode)):
+            return value
+        self.s43b_rows_term = (split[1], mode)
+        return split[0]
+
+    def _s43b_rows_term_tail(self, site: _Site) -> None:
+        shared, mode = self.s43b_rows_term
+        plain = not (site.sentinel or site.local_start or site.dense_tail or self.lead_rows or self.column_rows
+                     or self.token_dims > 1 or self.s42c_positions)
+        text, reason = _moe_s43b.rows_term_tail(site, shared, mode, plain)
+        if reason or len(self.results) != 1:
+            raise _Miss(reason or f"the write-back adds `{shared}[rows]` in more than one statement")
+        site.dense_tail = text
+        self.option_guards.append(f"({shared}.shape == {site.tokens}.shape)")
+
     def _rank_guard(self, guard: str) -> None:
         """Record a run-time rank fact a read rests on (once); ``_analyze_loop`` adds them to the site's guards."""
         if guard not in self.rank_guards:
@@ -3521,9 +3542,7 @@ class _Eval:
 
     def _s42b_tokmask_dim_one(self, indices: str) -> V:
         """s42b: ``(indices == e).any(dim=1)``: the tokens routed to e when the indices are [T, K] (a run-time guard)."""
-        guard = f"({indices}.dim() == 2)"
-        if guard not in self.option_guards:
-            self.option_guards.append(guard)
+        self._rank_guard(f"{indices}.dim() == 2")  # s43b: a rank fact like the method form's (the split path keeps it)
         return self._tokmask(indices)
 
     def _s42b_flat_sum(self, tgt: ast.Subscript, value: ast.expr) -> bool:
@@ -4347,6 +4366,8 @@ class _Eval:
         site = self._finish(block, i)
         if site is not None and self.shared_call is not None:
             site.dense_tail = self._s42b_shared_tail(site)
+        if site is not None and self.s43b_rows_term:
+            self._s43b_rows_term_tail(site)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
@@ -4781,6 +4802,13 @@ class _Eval:
                 allocated = earlier is not None and bool(self._init_dtype(earlier, acc))
             except _Miss:
                 allocated = False  # not zeros/empty: the general reason below holds
+            if allocated and j >= 0 and _moe_s43b.zeros_kept_until(self.m, self.scope, block, earlier, start, acc):
+                # s43b: zeros made earlier, the statements between never name the accumulator: the span starts
+                # after them and adds into those zeros (the same as assigning into a fresh allocation)
+                site.out_dtype, site.out_mode = f"{acc}.dtype", "add"
+                site.first_line, site.last_line = block[start].lineno, loop_end
+                self._check_span(block[start : i + 1], site, {acc} | outputs, loop_end)
+                return
             if allocated and j >= 0:
                 # s32: allocated, but other statements sit between it and the loop (aiter's torch_moe:
                 # `out = torch.zeros(...)`, then `if fc1_scale is not None:` rescaling the weights)
@@ -10834,8 +10862,11 @@ def _index_branch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     ev.run_header()
     ev.run_body(synth.body)
     site = ev.finish(block[:i] + [synth] + block[i + 1:], i)
-    if site is None or site.routing != "mask_where" or not site.out_name or ev.option_guards:
+    if site is None or site.routing != "mask_where" or not site.out_name or ev.option_guards \
+            or _moe_s43b.split_needs_unread_facts(ev):
         return None
+    site.option_guards = _moe_s43b.split_rank_guards(ev)  # s43b: e.g. `idx.dim() == 2` of `.any(dim=1)`, as _analyze_loop
+    _check_option_names(scope, site, loop, site.option_guards)
     out = site.out_name
     # the dense half may only add into the accumulator (and bind its own names): then adding it after the fused
     # routed part gives the same sum

@@ -1,0 +1,108 @@
+"""moe_experts constructs of the s43 pass b (helper moe43b): recall classes read off real missed sites of the HO19b
+development set, and one soundness fix of the s42 review, used by small hooks in :mod:`npufuse.patterns.moe_experts`.
+
+* The dense + routed split loop (``if i < S: <dense> else: <routed>``) keeps the run-time rank facts the routed
+  half's reads rest on (``(idx == e).any(dim=1)`` is the top-k axis only for 2-D indices), as the plain loop does;
+  facts it does not carry (slot loops, coordinate tuples) keep it a near miss (:func:`split_rank_guards`).
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from npufuse.patterns import _moe_s42b as _s42b
+from npufuse.scan.dataflow import fast_walk
+
+
+def split_needs_unread_facts(ev: Any) -> bool:
+    """Whether the routed half of a split loop rests on facts the split path does not turn into guards: a top-k slot
+    loop (its column checks) or tokens named by coordinate tuples (the weights' shape check); or a shared term of the
+    write-back, whose tail the dense half's replay would replace."""
+    return bool(ev.slot_var or ev.slot_guards or ev.token_dims > 1
+                or ev.shared_call is not None or ev.s43b_rows_term != ("", ""))  # their tails would be overwritten
+
+
+def split_rank_guards(ev: Any) -> list[str]:
+    """The routed half's run-time rank facts as the site's guards (the plain loop's form: parenthesised)."""
+    return [f"({g})" for g in ev.rank_guards]
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in fast_walk(node) if isinstance(n, ast.Name)}
+
+
+def zeros_kept_until(module: Any, scope: Any, block: list[ast.stmt], alloc: ast.stmt, start: int, acc: str) -> bool:
+    """Whether ``acc`` is made as zeros by ``alloc`` (``torch.zeros(...)`` / ``zeros_like`` / ``new_zeros``, not
+    ``empty``) and still holds them at ``block[start]``: no statement in between names ``acc`` at all (no read, write,
+    alias or rebinding), so nothing can reach the fresh tensor. A span starting at ``block[start]`` that adds into
+    ``acc`` then computes what the loop's writes into the fresh zeros compute (the statements in between, e.g. a
+    shared expert or an auxiliary loss, run before the span in both branches, in their own order)."""
+    try:
+        first = block.index(alloc)
+    except ValueError:
+        return False
+    if first >= start or _s42b.made_as_zeros(module, scope, acc, block[start].lineno) is False:
+        return False
+    if scope.definition(acc, block[start].lineno) is not getattr(alloc, "value", None):
+        return False
+    return not any(acc in _names(st) for st in block[first + 1 : start])
+
+
+def _add_terms(node: ast.expr) -> list[ast.expr]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _add_terms(node.left) + _add_terms(node.right)
+    return [node]
+
+
+def precomputed_rows_term(target: ast.Subscript, value: ast.expr, loop: ast.For) -> tuple[ast.expr, str] | None:
+    """(the routed part, ``S``) of a write-back ``out[rows] = <routed> + S[rows]`` (or ``+=``): one term of the sum
+    is a tensor ``S`` made before the loop (a name the loop never binds, not ``out`` itself) read at the target's very
+    index -- a shared expert's output computed once on all tokens, a residual -- the other terms are the routed part.
+    None for anything else (``S`` at another index, several such terms, no routed part)."""
+    terms = _add_terms(value)
+    if len(terms) < 2 or not isinstance(target.value, ast.Name):
+        return None
+    bound = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    if isinstance(loop.target, ast.Name):
+        bound.add(loop.target.id)
+    index = ast.dump(target.slice)
+    picks = [t for t in terms if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+             and t.value.id not in bound and t.value.id != target.value.id and ast.dump(t.slice) == index]
+    if len(picks) != 1:
+        return None
+    rest = [t for t in terms if t is not picks[0]]
+    routed = rest[0]
+    for t in rest[1:]:
+        routed = ast.copy_location(ast.BinOp(left=routed, op=ast.Add(), right=t), t)
+    return routed, picks[0].value.id  # type: ignore[union-attr]
+
+
+def shared_names_only_as_rows_terms(loop: ast.For) -> bool:
+    """Every name in the loop that says shared is the ``S`` of a :func:`precomputed_rows_term` of a write-back (a
+    shared expert's output made before the loop, added to the rows; not mixed into the experts' input)."""
+    allowed: set[int] = set()
+    for n in fast_walk(loop):
+        target = n.targets[0] if isinstance(n, ast.Assign) and len(n.targets) == 1 else (
+            n.target if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add) else None)
+        if isinstance(target, ast.Subscript):
+            split = precomputed_rows_term(target, n.value, loop)  # type: ignore[union-attr]
+            if split is not None:
+                allowed.update(id(m) for m in fast_walk(n.value) if isinstance(m, ast.Name) and m.id == split[1])
+    return bool(allowed) and all(id(n) in allowed for n in fast_walk(loop) if (
+        isinstance(n, ast.Name) and "shared" in n.id.lower() or isinstance(n, ast.Attribute) and "shared" in n.attr.lower()))
+
+
+def rows_term_tail(site: Any, shared: str, mode: str, plain_mask_loop: bool) -> tuple[str, str]:
+    """(fused text, "") adding ``shared`` (:func:`precomputed_rows_term`) after the routed part, or ("", the reason it
+    cannot). ``assign`` of flat expert ids (each row written by the one expert of its id): ``shared`` once per row;
+    ``accumulate`` of [T, K] top-k masks over every expert's own index: once per routed (token, slot), K times."""
+    out = site.out_name
+    if mode == "assign" and site.routing == "flat_mask" and not site.local_start:
+        return (f"# `+ {shared}[rows]` of the write-back: each row is written by exactly one expert\n"
+                f"{out}.add_({shared}.to({out}.dtype))"), ""
+    if mode == "accumulate" and site.routing == "mask_where" and plain_mask_loop:
+        return (f"# `+ {shared}[rows]` of the write-back: added once per routed (token, slot), i.e. top-k times per token\n"
+                f"{out}.add_(({site.indices}.shape[-1] * {shared}).to({out}.dtype))"), ""
+    return "", (f"the write-back adds `{shared}[rows]`, made before the loop, once per expert a token is routed to, which "
+                "npufuse replays only for flat expert ids written once or for mask routing over every expert's own index")
