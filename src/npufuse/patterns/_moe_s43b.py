@@ -12,7 +12,7 @@ import ast
 from typing import Any
 
 from npufuse.patterns import _moe_s42b as _s42b
-from npufuse.scan.dataflow import fast_walk
+from npufuse.scan.dataflow import fast_walk, segment
 
 
 def split_needs_unread_facts(ev: Any) -> bool:
@@ -106,3 +106,76 @@ def rows_term_tail(site: Any, shared: str, mode: str, plain_mask_loop: bool) -> 
                 f"{out}.add_(({site.indices}.shape[-1] * {shared}).to({out}.dtype))"), ""
     return "", (f"the write-back adds `{shared}[rows]`, made before the loop, once per expert a token is routed to, which "
                 "npufuse replays only for flat expert ids written once or for mask routing over every expert's own index")
+
+
+def conditioning_args(call: ast.Call, kinds: list[str], loop: ast.For) -> tuple[str, ...] | None:
+    """The conditioning tensors of an expert call ``expert(x[sel], c[sel], g[sel], ...)``: every argument after the
+    rows is a row pick of a tensor the loop does not bind, with the rows' very index (:func:`conditioning_rows` of
+    s42b), all different. None for keywords, starred or other arguments (rows picked otherwise, routing weights)."""
+    if call.keywords or len(call.args) < 2 or any(k != "x" for k in kinds) or len(kinds) != len(call.args):
+        return None
+    conds = [_s42b.conditioning_rows(call.args[0], a, loop) for a in call.args[1:]]
+    if any(c is None for c in conds) or len(set(conds)) != len(conds):
+        return None
+    return tuple(conds)  # type: ignore[arg-type]
+
+
+def more_conditioning_lines(conds: tuple[str, ...], tokens: str, prefix: str) -> list[str]:
+    """Lines putting the conditioning tensors after the first in the permuted order, with the first one's ``src``
+    (:func:`_moe_s42b.conditioning_permute_lines` made it)."""
+    p = prefix
+    return [f"{p}cond{j} = {c}.reshape({p}nrows, *{c}.shape[{tokens}.dim() - 1:])[{p}src]" for j, c in enumerate(conds, 1)]
+
+
+def more_conditioning_args(conds: tuple[str, ...], prefix: str) -> str:
+    """``, <p>cond1_e, <p>cond2_e``: one expert's slices of the conditioning tensors after the first."""
+    return "".join(f", {prefix}cond{j}_e" for j in range(1, len(conds) + 1))
+
+
+def conditioning_zip_head(rows: str, conds: tuple[str, ...], prefix: str) -> str:
+    """The per-expert loop header over the experts, their row slices and every conditioning tensor's slices."""
+    p = prefix
+    names = "".join(f", {p}cond{j}_e" for j in range(1, len(conds) + 1))
+    splits = "".join(f", {p}cond{j}.split({p}sizes)" for j in range(1, len(conds) + 1))
+    return f"for {p}expert, {rows}, {p}cond_e{names} in zip({p}experts, {p}x.split({p}sizes), {p}cond.split({p}sizes){splits}):"
+
+
+def run_conditioning(runs: Any, args: list[ast.expr]) -> bool:
+    """For an expert call over one sorted run, ``expert(x[t], c[t], g[t])`` (through names bound in the loop): whether
+    every argument after the rows is another loop-invariant tensor's rows at the run's tokens (recorded on ``runs``,
+    in order, the same tensors on every call); no arguments after the rows is the plain call."""
+    conds = []
+    for a in args:
+        v = runs.ev(a)
+        if v[0] != "cond" or isinstance(a, ast.Starred):
+            return False
+        conds.append(v[1])
+    dumps = [ast.dump(c) for c in conds]
+    if len(set(dumps)) != len(dumps) or runs.x is not None and ast.dump(runs.x) in dumps:
+        return False
+    if runs.conds and [ast.dump(c) for c in runs.conds] != dumps:
+        return False
+    runs.conds = conds
+    return True
+
+
+def run_conditioning_guard(module: Any, conds: list[ast.expr], x: str) -> str:
+    """`` and c.shape[0] == x.shape[0] ...``: one conditioning row per token row (the run's token ids index both)."""
+    return "".join(f" and {segment(module, c)}.shape[0] == {x}.shape[0]" for c in conds)
+
+
+def run_conditioning_lines(module: Any, conds: list[ast.expr], k: str, prefix: str) -> list[str]:
+    """Fused lines (4 spaces in) putting each conditioning tensor's rows in the permuted order: permuted row
+    ``order[i]`` holds the copy ``i`` of token ``i // k`` (``npu_moe_token_permute`` of ``[T, k]`` ids)."""
+    if not conds:
+        return []
+    p = prefix
+    lines = [f"    {p}src = torch.empty_like({p}order, dtype=torch.int64)",
+             f"    {p}src[{p}order.long()] = torch.arange({p}order.numel(), device={p}order.device) // ({k})"]
+    lines += [f"    {p}cond{j} = {segment(module, c)}[{p}src]" for j, c in enumerate(conds, 1)]
+    return lines
+
+
+def run_conditioning_splits(n: int, prefix: str) -> str:
+    """``, <p>cond1.split(<p>sizes), ...``: the conditioning tensors' per-expert slices."""
+    return "".join(f", {prefix}cond{j}.split({prefix}sizes)" for j in range(1, n + 1))

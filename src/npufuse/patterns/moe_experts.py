@@ -177,6 +177,7 @@ class _Site:
     rows_twice: bool = False
     cond: str = ""  # s42b: the experts' second argument, per-token conditioning rows `cond[sel]` (permuted with the rows)
     cond_tokens: str = ""  # s42b: the tokens as the loop reads them (their leading dims are the conditioning's)
+    more_conds: tuple = ()  # s43b: the experts' third, fourth, ... arguments, conditioning rows like `cond`
     # s41b: the expert outputs pass through this row-wise dropout (the call with `{}` for its input), as written
     post_dropout: str = ""
 
@@ -2529,6 +2530,7 @@ class _Eval:
         self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
+        self.more_conds: tuple[str, ...] = ()  # s43b: `expert(x[sel], c[sel], g[sel])`: the conditioning after the first
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
         self.s43b_rows_term: tuple[str, str] = ("", "")  # s43b: (S, write mode) of `out[rows] = y + S[rows]`, S made before
 
@@ -4138,10 +4140,10 @@ class _Eval:
                 # as they are (npufuse reads no MLP off a two-input forward), with each expert's rows twice
                 self.rows_twice = True
                 return V("mod_out", (args[0], False))
-            cond = _moe_s42b.conditioning_rows(node.args[0], node.args[1], self.loop) if len(args) == 2 \
-                and not node.keywords and args[0].kind == "x" and args[1].kind == "x" and self.expert_init is None else None
-            if cond is not None and self.cond in ("", cond):
-                self.cond = cond  # s42b: `expert(x[sel], cond[sel])`: per-token conditioning rows, permuted with the rows
+            conds = _moe_s43b.conditioning_args(node, [a.kind for a in args], self.loop) if self.expert_init is None else None
+            if conds and (self.cond, self.more_conds) in (("", ()), (conds[0], conds[1:])):
+                # s42b: `expert(x[sel], cond[sel])`: per-token conditioning rows, permuted with the rows (s43b: any number)
+                self.cond, self.more_conds = conds[0], conds[1:]
                 return V("mod_out", (args[0], False))
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
@@ -4366,7 +4368,7 @@ class _Eval:
         site = self._finish(block, i)
         if site is not None and self.shared_call is not None:
             site.dense_tail = self._s42b_shared_tail(site)
-        if site is not None and self.s43b_rows_term:
+        if site is not None and self.s43b_rows_term[0]:
             self._s43b_rows_term_tail(site)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
@@ -4724,13 +4726,13 @@ class _Eval:
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
         site.rows_twice = self.rows_twice
-        site.cond, site.cond_tokens = self.cond, site.tokens
-        if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing != "mask_where"
+        site.cond, site.cond_tokens, site.more_conds = self.cond, site.tokens, self.more_conds
+        if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing not in ("mask_where", "flat_mask")
                           or site.local_start or site.sentinel or mlp.layout != "opaque"):
             raise _Miss(f"the experts take conditioning rows `{self.cond}[...]` besides their rows, which npufuse permutes "
                         "with the rows only for mask routing over every expert's own index")
-        if self.cond:
-            self.option_guards.append(f"({_moe_s42b.conditioning_guard(self.cond, site.tokens)})")
+        for cond in (self.cond, *self.more_conds) if self.cond else ():
+            self.option_guards.append(f"({_moe_s42b.conditioning_guard(cond, site.tokens)})")
         site.post_dropout = self.post_dropout
         if self.post_dropout and (site.part_outs or site.column_rows or site.lead_rows or mlp.weights_at == "inside_expert"):
             raise _Miss(f"the expert outputs pass through `{self.post_dropout.format('...')}`, which npufuse replays only "
@@ -5543,6 +5545,7 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})")
         if site.cond:
             lines += _moe_s42b.conditioning_permute_lines(site.cond, site.cond_tokens, P)
+            lines += _moe_s43b.more_conditioning_lines(site.more_conds, site.cond_tokens, P)
         if opaque:
             lines += [
                 "# one host sync for the group sizes (the loop synced once per expert)",
@@ -5600,7 +5603,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        second = f", {rows}" if site.rows_twice else f", {P}cond_e" if site.cond else ""
+        second = f", {rows}" if site.rows_twice else f", {P}cond_e{_moe_s43b.more_conditioning_args(site.more_conds, P)}" if site.cond else ""
         call = f"{P}expert{site.expert_call}({rows}{second})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
@@ -5608,7 +5611,7 @@ def _fused_text(site: _Site) -> str:
             f"# the experts' rows are contiguous after the permute: each expert runs once on its slice",
             f"{P}outs = []",
             f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):" if not site.cond else
-            f"for {P}expert, {rows}, {P}cond_e in zip({P}experts, {P}x.split({P}sizes), {P}cond.split({P}sizes)):",
+            _moe_s43b.conditioning_zip_head(rows, site.more_conds, P),
             f"    {P}outs.append({call})",
             f"{h} = torch.cat({P}outs)",
         ]
@@ -10067,6 +10070,7 @@ class _CumRuns:
         self.weights: Optional[ast.expr] = None
         self.cache = ""
         self.weighted = self.combined = self.recast = False
+        self.conds: list[ast.expr] = []  # s43b: tensors gathered at the run's tokens beside the rows, given to the expert
 
     def header(self) -> bool:
         it, tgt, line = self.loop.iter, self.loop.target, self.loop.lineno
@@ -10117,14 +10121,15 @@ class _CumRuns:
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and self.env.get(node.slice.id) == ("tok",) \
                 and self._invariant(node.value):
             if self.x is not None and ast.dump(self.x) != ast.dump(node.value):
-                return ("other",)
+                return ("cond", node.value)  # s43b: another tensor's rows of the run's tokens (an expert call checks it)
             self.x = node.value
             return ("rows",)
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == self.i and self._invariant(node.value):
             return ("expert", node.value)
         if isinstance(node, ast.Subscript) and self._run_slice(node.slice, self.idxs) and self._invariant(node.value):
             return ("weight", node.value)
-        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]) == ("rows",):
+        if isinstance(node, ast.Call) and len(node.args) >= 1 and not node.keywords and self.ev(node.args[0]) == ("rows",) \
+                and _moe_s43b.run_conditioning(self, node.args[1:]):
             f = self.ev(node.func)
             if f[0] == "expert":
                 if self.experts is not None and ast.dump(self.experts) != ast.dump(f[1]):
@@ -10278,12 +10283,16 @@ def _cumulative_runs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     x, experts, w, k = segment(module, ev.x), segment(module, ev.experts), segment(module, ev.weights), ev.k
     dtype = f"{P}h.dtype" if ev.recast else f"{ev.cache}.dtype"
     fused = "\n".join([
-        f"if {ev.flat}.dim() == 1 and {x}.dim() == 2 and {ev.flat}.numel() == {x}.shape[0] * ({k}) == {w}.numel():",
+        f"if {ev.flat}.dim() == 1 and {x}.dim() == 2 and {ev.flat}.numel() == {x}.shape[0] * ({k}) == {w}.numel()"
+        f"{_moe_s43b.run_conditioning_guard(module, ev.conds, x)}:",
         f"    {P}experts = list({experts})",
         f"    {P}x, {P}order = torch_npu.npu_moe_token_permute({x}, {ev.flat}.view(-1, {k}))",
         "    # one host sync for the group sizes (the loop synced once for the run ends)",
         f"    {P}sizes = torch.bincount({ev.flat}, minlength=len({P}experts)).tolist()",
-        f"    {P}outs = [{P}e({P}r) for {P}e, {P}r, {P}n in zip({P}experts, {P}x.split({P}sizes), {P}sizes) if {P}n]",
+        *_moe_s43b.run_conditioning_lines(module, ev.conds, ev.k, P),
+        f"    {P}outs = [{P}e({P}r{_moe_s43b.more_conditioning_args(tuple(ev.conds), P)}) for {P}e, {P}r"
+        f"{_moe_s43b.more_conditioning_args(tuple(ev.conds), P)}, {P}n in zip({P}experts, {P}x.split({P}sizes)"
+        f"{_moe_s43b.run_conditioning_splits(len(ev.conds), P)}, {P}sizes) if {P}n]",
         f"    {P}h = torch.cat({P}outs) if {P}outs else {P}x[:0]",
         f"    {ev.cache} = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={w}.reshape(-1, {k}).to({P}h.dtype)).to({dtype})",
         "else:",
