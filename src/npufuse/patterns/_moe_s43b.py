@@ -179,3 +179,139 @@ def run_conditioning_lines(module: Any, conds: list[ast.expr], k: str, prefix: s
 def run_conditioning_splits(n: int, prefix: str) -> str:
     """``, <p>cond1.split(<p>sizes), ...``: the conditioning tensors' per-expert slices."""
     return "".join(f", {prefix}cond{j}.split({prefix}sizes)" for j in range(1, n + 1))
+
+
+# --- side statements of an expert loop, replayed as written after the fused dispatch --------------------------------
+
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "multinomial", "poisson", "normal_", "uniform_", "exponential_",
+                 "geometric_", "cauchy_", "log_normal_", "random_", "sample", "shuffle", "perm")
+
+
+def _bound(st: ast.stmt) -> set[str]:
+    return {n.id for n in fast_walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _read(st: ast.stmt) -> set[str]:
+    return {n.id for n in fast_walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _runs_an_expert(st: ast.stmt, items: set[str]) -> bool:
+    """The statement names the loop's expert item or calls a module: ``self.<...>(...)``, ``<container>[e](...)``, a
+    call of the item. Statements that do not may only compute with tensors and functions (replayable as written)."""
+    for n in fast_walk(st):
+        if isinstance(n, ast.Name) and n.id in items:
+            return True
+        if isinstance(n, ast.Call):
+            f = n.func
+            while isinstance(f, ast.Attribute):
+                f = f.value
+            if isinstance(n.func, ast.Subscript) or isinstance(f, ast.Name) and f.id == "self":
+                return True
+    return False
+
+
+def _draws_random(st: ast.stmt) -> bool:
+    for n in fast_walk(st):
+        if isinstance(n, ast.Call):
+            name = (ast.unparse(n.func) if isinstance(n.func, (ast.Name, ast.Attribute)) else "").lower()
+            if any(w in name.rsplit(".", 1)[-1] for w in _RANDOM_WORDS):
+                return True
+    return False
+
+
+def _skip_guard(st: ast.stmt) -> bool:
+    """``if <test>: continue`` (nothing else): the loop's skip of an expert, kept in both loops."""
+    return isinstance(st, ast.If) and not st.orelse and all(isinstance(b, ast.Continue) for b in st.body)
+
+
+def split_side_statements(loop: ast.For) -> tuple[list[ast.stmt], list[ast.stmt]] | None:
+    """(the dispatch's statements, the replay loop's statements) of an expert loop whose body also keeps per-expert
+    statistics (``load[e] += ...``, ``assignment[e][rows] += 1``, a load estimate from the logits); None when there
+    is no such split.
+
+    The dispatch is every statement that runs an expert (names the loop's item, calls a module) and everything that
+    reads what those bind, plus the statements binding what they read (the routing). The side statements are the
+    rest: they read no name the dispatch binds except the routing's (replayed before them), bind no name the dispatch
+    reads, name no output the dispatch writes, and draw no random numbers and leave the loop nowhere (no break /
+    continue / return / yield): so running the dispatch for every expert first and then the side statements for every
+    expert, with the routing and the skip guards, computes what the loop computes."""
+    if loop.orelse or not isinstance(loop.target, (ast.Name, ast.Tuple)):
+        return None
+    targets = [loop.target] if isinstance(loop.target, ast.Name) else list(loop.target.elts)
+    if not all(isinstance(t, ast.Name) for t in targets):
+        return None
+    items = {t.id for t in targets[1:]}  # type: ignore[attr-defined]  # enumerate(experts): the item; range(E): none
+    body = loop.body
+    guards = [st for st in body if _skip_guard(st)]
+    rest = [st for st in body if not _skip_guard(st)]
+    dispatch = {id(st) for st in rest if _runs_an_expert(st, items)}
+    if not dispatch or len(dispatch) == len(rest):
+        return None
+    changed = True
+    while changed:  # forward: what reads the dispatch's names is dispatch
+        changed = False
+        made = set().union(*(_bound(st) for st in rest if id(st) in dispatch))
+        for st in rest:
+            if id(st) not in dispatch and _read(st) & made:
+                dispatch.add(id(st))
+                changed = True
+    routing: set[int] = set()
+    changed = True
+    while changed:  # backward: what binds the names the dispatch (or routing) reads is routing
+        changed = False
+        needed = set().union(*(_read(st) for st in rest if id(st) in dispatch | routing))
+        for st in rest:
+            if id(st) not in dispatch | routing and _bound(st) & needed:
+                routing.add(id(st))
+                changed = True
+    side = [st for st in rest if id(st) not in dispatch | routing]
+    if not side:
+        return None
+    d_stmts = [st for st in rest if id(st) in dispatch]
+    d_bound = set().union(*(_bound(st) for st in d_stmts))
+    d_names = d_bound | set().union(*(_read(st) for st in d_stmts if id(st) in dispatch))
+    r_stmts = [st for st in rest if id(st) in routing]
+    for st in r_stmts:  # run twice (in the dispatch and in the replay): plain bindings only
+        if not isinstance(st, ast.Assign) or any(isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store)
+                                                 or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                                                 and n.func.attr.endswith("_") for n in fast_walk(st)):
+            return None
+    for st in side + r_stmts:
+        if _runs_an_expert(st, items) or _draws_random(st) or any(
+                isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom, ast.Await)) for n in fast_walk(st)):
+            return None
+    written = {t.value.id for st in d_stmts for n in fast_walk(st) for t in [n] if isinstance(t, ast.Subscript)
+               and isinstance(t.ctx, ast.Store) and isinstance(t.value, ast.Name)}
+    written |= {n.func.value.id for st in d_stmts for n in fast_walk(st) if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.attr.endswith("_")}
+    for st in side:
+        if (_bound(st) | _read(st)) & (written | d_bound) or _bound(st) & d_names:
+            return None
+    for st in guards:
+        if _read(st) & set().union(*(_bound(s) for s in side)):
+            return None
+    keep = {id(st) for st in d_stmts + r_stmts + guards}
+    replay = {id(st) for st in r_stmts + guards + side}
+    return [st for st in body if id(st) in keep], [st for st in body if id(st) in replay]
+
+
+def _as_written(module: Any, st: ast.stmt) -> list[str]:
+    """The statement's own source lines, dedented to column 0 (the user's text, not the canonicalised tree's); its
+    unparsed form where the lines are not its alone (``a = 1; b = 2``), hold non-ASCII text (byte columns) or a
+    multi-line string (dedenting would change it)."""
+    lines = [ln.rstrip("\r\n") for ln in module.lines[st.lineno - 1 : st.end_lineno]]  # type: ignore[misc]
+    col = st.col_offset
+    tail = lines[-1][st.end_col_offset:].strip() if lines else "x"  # type: ignore[index]
+    multi_str = any(isinstance(n, ast.Constant) and isinstance(n.value, str) and n.end_lineno != n.lineno for n in fast_walk(st))
+    if not lines or not all(ln.isascii() for ln in lines) or lines[0][:col].strip() or tail and not tail.startswith("#") or multi_str:
+        return ast.unparse(st).splitlines()
+    return [ln[col:] if ln[:col].strip() == "" else ln.lstrip() for ln in lines]
+
+
+def side_replay_text(module: Any, loop: ast.For, replay: list[ast.stmt]) -> str:
+    """The loop's side statements (with its routing and skip guards) as one more loop after the fused dispatch, in
+    the user's own text."""
+    head = f"for {segment(module, loop.target)} in {segment(module, loop.iter)}:"
+    body = ["    " + ln if ln else ln for st in replay for ln in _as_written(module, st)]
+    return "\n".join(["# the loop's other statements (per-expert statistics), replayed as written without the experts",
+                      head, *body])

@@ -2396,8 +2396,15 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     else:
         ev = _Eval(module, scope, loop)
         ev.run_header()
-        ev.run_body(loop.body)
+        try:
+            ev.run_body(loop.body)
+        except _Miss:
+            ev = _s43b_side_split_eval(module, scope, loop)  # s43b: per-expert statistics beside the dispatch
+            if ev is None:
+                raise
     site = ev.finish(block, i)
+    if site is not None and ev.s43b_replay:
+        site.dense_tail = "\n".join(t for t in (site.dense_tail, ev.s43b_replay) if t)
     if site is not None and ev.slot_guards:
         if not ev.slot_var or not ev.where_indices:
             raise _Miss("the slot loop's columns are not read as expert indices")
@@ -2414,6 +2421,25 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
     return site
+
+
+def _s43b_side_split_eval(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional["_Eval"]:
+    """s43b: the expert loop evaluated without its side statements (per-expert statistics the fused text replays as
+    written in one more loop, see patterns/_moe_s43b.py); None when it has none or the rest is not a dispatch either."""
+    split = _moe_s43b.split_side_statements(loop)
+    if split is None:
+        return None
+    dispatch = ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=split[0], orelse=[], type_comment=None), loop)
+    dispatch.end_lineno, dispatch.end_col_offset = loop.end_lineno, loop.end_col_offset
+    ev = _Eval(module, scope, dispatch)
+    try:
+        ev.run_header()
+        ev._loop_bound = _assigned([loop]) | set(ev.eidx)  # names any statement of the real loop binds vary per expert
+        ev.run_body(dispatch.body)
+    except _Miss:
+        return None
+    ev.s43b_replay = _moe_s43b.side_replay_text(module, loop, split[1])
+    return ev
 
 
 def _slot_outer_loop(loop: ast.For) -> Optional[ast.For]:
@@ -2532,6 +2558,7 @@ class _Eval:
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.more_conds: tuple[str, ...] = ()  # s43b: `expert(x[sel], c[sel], g[sel])`: the conditioning after the first
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
+        self.s43b_replay = ""  # s43b: the loop's side statements as a loop of their own, run after the fused dispatch
         self.s43b_rows_term: tuple[str, str] = ("", "")  # s43b: (S, write mode) of `out[rows] = y + S[rows]`, S made before
 
     # -- header ---------------------------------------------------------------------------
