@@ -224,7 +224,49 @@ def _skip_guard(st: ast.stmt) -> bool:
     return isinstance(st, ast.If) and not st.orelse and all(isinstance(b, ast.Continue) for b in st.body)
 
 
-def split_side_statements(loop: ast.For) -> tuple[list[ast.stmt], list[ast.stmt]] | None:
+_MUTATORS = ("append", "extend", "insert", "update", "add", "setdefault", "pop", "clear", "remove")
+_FACTORIES = ("torch.zeros", "torch.ones", "torch.empty", "torch.full", "torch.zeros_like", "torch.ones_like",
+              "torch.empty_like", "torch.full_like", "torch.tensor", "torch.arange")
+_SAME_OR_COPY = ("to", "float", "double", "half", "bfloat16", "long", "int", "cuda", "cpu", "clone")
+
+
+def _root(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _mutated_roots(st: ast.stmt) -> set[str]:
+    """Names whose object the statement changes in place: subscript / attribute stores, ``t += v`` (in place for a
+    tensor), in-place methods (``t.add_(v)``) and container mutators (``l.append(v)``)."""
+    roots: set[str | None] = set()
+    for n in fast_walk(st):
+        if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store):
+            roots.add(_root(n))
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+            roots.add(n.target.id)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                n.func.attr.endswith("_") and not n.func.attr.startswith("_") or n.func.attr in _MUTATORS):
+            roots.add(_root(n.func.value))
+    return {r for r in roots if r is not None} | ({"?"} if None in roots else set())
+
+
+def _fresh(module: Any, scope: Any, name: str, line: int) -> bool:
+    """``name`` holds storage of its own, made before ``line`` in this function: a tensor factory (zeros, ones,
+    empty, full, their ``_like`` / ``new_*`` forms, ``torch.tensor``) optionally moved or cast, or a literal list /
+    dict; not an argument, a view or another tensor's alias."""
+    node = scope.definition(name, line)
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SAME_OR_COPY:
+        node = node.func.value
+    if isinstance(node, (ast.List, ast.Dict, ast.ListComp, ast.DictComp)):
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.left, ast.List):
+        return True
+    return isinstance(node, ast.Call) and ((module.canonical(node.func) or "") in _FACTORIES or (
+        isinstance(node.func, ast.Attribute) and node.func.attr.startswith("new_")))
+
+
+def split_side_statements(module: Any, scope: Any, loop: ast.For) -> tuple[list[ast.stmt], list[ast.stmt]] | None:
     """(the dispatch's statements, the replay loop's statements) of an expert loop whose body also keeps per-expert
     statistics (``load[e] += ...``, ``assignment[e][rows] += 1``, a load estimate from the logits); None when there
     is no such split.
@@ -284,9 +326,21 @@ def split_side_statements(loop: ast.For) -> tuple[list[ast.stmt], list[ast.stmt]
                and isinstance(t.ctx, ast.Store) and isinstance(t.value, ast.Name)}
     written |= {n.func.value.id for st in d_stmts for n in fast_walk(st) if isinstance(n, ast.Call)
                 and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.attr.endswith("_")}
+    r_names = set().union(*(_read(st) | _bound(st) for st in r_stmts)) if r_stmts else set()
     for st in side:
         if (_bound(st) | _read(st)) & (written | d_bound) or _bound(st) & d_names:
             return None
+        for root in _mutated_roots(st):
+            # what a side statement changes in place must be its own: fresh storage made before the loop (or a
+            # module attribute) that the dispatch never reads, so no later expert sees the change
+            if root in d_names | r_names or root != "self" and not _fresh(module, scope, root, loop.lineno):
+                return None
+        if any(k.arg == "out" for n in fast_walk(st) if isinstance(n, ast.Call) for k in n.keywords):
+            return None
+    self_attrs = {ast.unparse(n) for st in d_stmts + r_stmts for n in fast_walk(st) if isinstance(n, ast.Attribute)}
+    if any(ast.unparse(n) in self_attrs for st in side for n in fast_walk(st)
+           if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)):
+        return None
     for st in guards:
         if _read(st) & set().union(*(_bound(s) for s in side)):
             return None
@@ -315,3 +369,219 @@ def side_replay_text(module: Any, loop: ast.For, replay: list[ast.stmt]) -> str:
     body = ["    " + ln if ln else ln for st in replay for ln in _as_written(module, st)]
     return "\n".join(["# the loop's other statements (per-expert statistics), replayed as written without the experts",
                       head, *body])
+
+
+# --- s43b examples: invented code in the shapes of the real HO19b sites (and the s42 review's split loop) ----------
+
+from npufuse.patterns._moe_s42b import _HEAD, _moe, _run  # noqa: E402  (the s42b FF / MoE scaffolding)
+from npufuse.patterns.base import Fuse, Keep  # noqa: E402
+
+# A. dense experts first, routed ones after (`if i < S`), the routed tokens as `.any(dim=1)` of [T, K] indices
+_SPLIT_ANY = _HEAD + '''
+
+class SplitMoE(nn.Module):
+    def __init__(self, d, h, n, n_dense, k):
+        super().__init__()
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+        self.n_dense = n_dense
+        self.gate = nn.Linear(d, n - n_dense, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        gates = F.softmax(self.gate(x), dim=-1)
+        top_g, top_i = torch.topk(gates, self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            if i < self.n_dense:
+                out += expert(x)
+            else:
+                mask = (top_i == i - self.n_dense).any(dim=1)
+                out[mask] += expert(x[mask]) * gates[mask, i - self.n_dense].unsqueeze(1)
+        return out
+'''
+_SPLIT_RUN = ("m = SplitMoE(16, 24, 6, 2, 2)\nx = torch.randn(9, 16, requires_grad=True)\nout = m(x)\n"
+              "leaves = [x, m.gate.weight, m.experts[0].w1.weight, m.experts[4].w2.weight]\n")
+
+# B + C. top-1 argmax routing, a shared expert's output computed before the loop (between the allocation and the
+# loop, beside an auxiliary loss) and added to each expert's rows inside it (ziadTeama-dev moe-image-captioning)
+_TOP1_SHARED_ROWS = _HEAD + '''
+
+class Top1Shared(nn.Module):
+    def __init__(self, d, h, n):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(n)])
+        self.shared = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+
+    def forward(self, x, logits):
+        top1 = torch.argmax(logits, dim=-1)
+        out = torch.zeros_like(x)
+        balance = logits.softmax(-1).mean(dim=(0, 1)).var()
+        shared_out = self.shared(x)
+        for i, expert in enumerate(self.experts):
+            m = top1 == i
+            if m.any():
+                out[m] = expert(x[m]) + shared_out[m]
+        return out, balance
+'''
+_TOP1_RUN = ("m = Top1Shared(16, 24, 4)\nx = torch.randn(2, 5, 16, requires_grad=True)\n"
+             "logits = torch.randn(2, 5, 4)\nout = m(x, logits)\nleaves = [x, m.experts[1][0].weight, m.shared[2].weight]\n")
+
+# C. a residual of the tokens made before the loop, added at each routed (token, slot) of top-k routing
+_TOPK_ROWS_TERM = _moe('''\
+        topk_w, topk_i = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        base = self.shared_expert(x) * 0.5
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(topk_i == e)
+            out[tok] += topk_w[tok, slot].unsqueeze(-1) * self.experts[e](x[tok]) + base[tok]
+        return out
+''')
+
+# D. experts conditioned on two per-token tensors; DeepSeek's training form: every token repeated top-k times, each
+# repeated row written by its expert, weighted and summed after the loop (ankitaawasthi-17 Diff-MoE-DiT)
+_COND3_EXPERT = '''
+
+class CondExpert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.mod = nn.Linear(d, 2 * d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x, c, g):
+        scale, shift = self.mod(c).chunk(2, dim=-1)
+        return self.fc2(F.silu(self.fc1(x * (1 + scale) + shift)) * g)
+
+
+class CondMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([CondExpert(d, h) for _ in range(n)])
+'''
+_COND3_FLAT = _HEAD + _COND3_EXPERT + '''
+    def forward(self, x, c, g):
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        flat = idx.view(-1)
+        xr = x.repeat_interleave(self.k, dim=0)
+        cr = c.repeat_interleave(self.k, dim=0)
+        gr = g.repeat_interleave(self.k, dim=0)
+        y = torch.empty_like(xr)
+        for i, expert in enumerate(self.experts):
+            mask = flat == i
+            if mask.sum() == 0:
+                continue
+            y[mask] = expert(xr[mask], cr[mask], gr[mask]).to(y.dtype)
+        return (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)
+'''
+_COND3_WHERE = _HEAD + _COND3_EXPERT + '''
+    def forward(self, x, c, g):
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, w[tok, slot, None] * self.experts[e](x[tok], c[tok], g[tok]))
+        return out
+'''
+# E. DeepSeek's moe_infer (runs of argsort-sorted ids between cumulative ends) whose experts take c and g rows too
+_COND3_RUNS = _HEAD + _COND3_EXPERT + '''
+    @torch.no_grad()
+    def forward(self, x, c, g):
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        flat_ids, flat_w = idx.view(-1), w.view(-1, 1)
+        cache = torch.zeros_like(x)
+        order = flat_ids.argsort()
+        ends = flat_ids.bincount().cpu().numpy().cumsum(0)
+        token_idxs = order // self.k
+        for i, end in enumerate(ends):
+            start = 0 if i == 0 else ends[i - 1]
+            if start == end:
+                continue
+            t = token_idxs[start:end]
+            out = self.experts[i](x[t], c[t], g[t])
+            out.mul_(flat_w[order[start:end]])
+            cache.scatter_reduce_(0, t.view(-1, 1).repeat(1, x.shape[-1]), out, reduce="sum")
+        return cache
+'''
+_COND3_RUN = ("m = CondMoE(16, 24, 4, 2)\nx = torch.randn(9, 16, requires_grad=True)\nc = torch.randn(9, 16, requires_grad=True)\n"
+              "g = torch.randn(9, 24, requires_grad=True)\nout = m(x, c, g)\n"
+              "leaves = [x, c, g, m.gate.weight, m.experts[1].mod.weight, m.experts[3].fc2.weight]\n")
+_COND3_RUNS_RUN = ("m = CondMoE(16, 24, 4, 2)\nx = torch.randn(9, 16)\nc = torch.randn(9, 16)\n"
+                   "g = torch.randn(9, 24)\nout = m(x, c, g)\n")
+
+# F. per-expert statistics kept in the same loop: an assignment matrix, sample counts and a load estimate from the
+# logits (nenuadrian Mixture-of-Expert-Graph-Transformer's MoeveForward)
+_SIDE_STATS = _moe('''\
+        logits = self.gate(x)
+        topk_w, topk_i = torch.topk(logits, self.k)
+        topk_w = F.softmax(topk_w, dim=1, dtype=torch.float)
+        out = torch.zeros_like(x)
+        loads = torch.zeros(self.n, device=x.device)
+        counts = torch.zeros(self.n, device=x.device)
+        assigned = torch.zeros(self.n, x.shape[0], device=x.device)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(topk_i == e)
+            out[rows] += topk_w[rows, slot, None] * expert(x[rows])
+            assigned[e][rows] += 1
+            others = torch.cat([logits[:, :e], logits[:, e + 1:]], dim=1)
+            kth = torch.topk(others, self.k, dim=1)[0][:, self.k - 1]
+            loads[e] += torch.sigmoid(logits[:, e] - kth).sum()
+            counts[e] += len(rows)
+        return out, loads, counts, assigned
+''')
+
+FUSE_EXAMPLES = [
+    Fuse(_SPLIT_ANY, name="s43b_split_loop_keeps_the_rank_guard_of_any_dim_one", run=_SPLIT_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "output": "out"}),
+    Fuse(_SPLIT_ANY.replace("(top_i == i - self.n_dense).any(dim=1)", "torch.any(top_i == i - self.n_dense, 1)"),
+         name="s43b_split_loop_function_form_any_dim_one", run=_SPLIT_RUN,
+         expect={"routing": "mask_where", "indices": "top_i", "output": "out"}),
+    Fuse(_TOP1_SHARED_ROWS, name="s43b_top1_shared_output_rows_added_in_write_back", run=_TOP1_RUN,
+         expect={"routing": "flat_mask", "indices": "top1", "tokens": "x", "output": "out"}),
+    Fuse(_TOPK_ROWS_TERM, name="s43b_topk_precomputed_rows_added_per_slot", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
+    Fuse(_COND3_FLAT, name="s43b_three_input_experts_flat_repeated_rows", run=_COND3_RUN,
+         expect={"routing": "flat_mask", "indices": "flat", "tokens": "xr", "output": "y"}),
+    Fuse(_COND3_WHERE, name="s43b_three_input_experts_where_pairs", run=_COND3_RUN,
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "tokens": "x", "output": "out"}),
+    Fuse(_COND3_RUNS, name="s43b_three_input_experts_sorted_cumulative_runs", run=_COND3_RUNS_RUN,
+         expect={"routing": "sorted_cumulative_ends", "indices": "flat_ids", "tokens": "x", "output": "cache"}),
+    Fuse(_SIDE_STATS, name="s43b_side_statistics_replayed_after_the_dispatch", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
+]
+
+KEEP_EXAMPLES = [
+    # the routed half's tokens: any over the tokens (dim 0), not over the top-k slots
+    Keep(_SPLIT_ANY.replace("(top_i == i - self.n_dense).any(dim=1)", "(top_i == i - self.n_dense).any(dim=0)"),
+         reason="unrecognised update in the expert loop", name="s43b_split_loop_any_over_tokens"),
+    # the statement between the zeros and the loop reads the accumulator (a view of it): not independent of it
+    Keep(_TOP1_SHARED_ROWS.replace("        balance = logits.softmax(-1).mean(dim=(0, 1)).var()\n",
+                                   "        flat_out = out.view(-1, out.shape[-1])\n        balance = logits.softmax(-1).mean(dim=(0, 1)).var()\n"),
+         reason="sits between that allocation and the loop", name="s43b_statement_between_reads_the_accumulator"),
+    # an empty buffer before the other statements: its rows are not zeros to add into
+    Keep(_TOP1_SHARED_ROWS.replace("out = torch.zeros_like(x)", "out = torch.empty_like(x)"),
+         reason="sits between that allocation and the loop", name="s43b_empty_buffer_before_other_statements"),
+    # the shared rows read at another index than the written rows (those of expert 0's tokens)
+    Keep(_TOP1_SHARED_ROWS.replace("+ shared_out[m]", "+ shared_out[top1 == 0]"),
+         reason="a shared expert is mixed into the tokens", name="s43b_shared_rows_at_another_index"),
+    # the precomputed rows added over experts 1.. only: tokens of expert 0 would get them K times in the fused text
+    Keep(_TOPK_ROWS_TERM.replace("for e in range(self.n):", "for e in range(1, self.n):"),
+         reason="which npufuse replays only for flat expert ids written once or for mask routing over every expert",
+         name="s43b_rows_term_over_some_experts"),
+    # a third input picked with the slot numbers, not the token rows
+    Keep(_COND3_WHERE.replace("g[tok])", "g[slot])"),
+         reason="conditioning rows only when they are picked", name="s43b_third_input_of_another_index"),
+    # the runs' second tensor read at the sorted copies' positions, not at the run's tokens
+    Keep(_COND3_RUNS.replace("self.experts[i](x[t], c[t], g[t])", "self.experts[i](x[t], c[order[start:end]], g[t])"),
+         reason="sorted runs over cumulative ends", name="s43b_runs_second_input_at_sorted_positions"),
+    # a side statement reads the output the dispatch writes: it sees the experts done so far, not all of them
+    Keep(_SIDE_STATS.replace("            counts[e] += len(rows)\n", "            counts[e] += out.norm()\n"),
+         reason="unrecognised update in the expert loop", name="s43b_side_statement_reads_the_output"),
+    # a side statement draws random numbers: the draws would move relative to the experts' own (dropout)
+    Keep(_SIDE_STATS.replace("            counts[e] += len(rows)\n", "            counts[e] += torch.rand(()) * len(rows)\n"),
+         reason="unrecognised update in the expert loop", name="s43b_side_statement_draws_random_numbers"),
+    # a side statement changes the tokens the next experts read
+    Keep(_SIDE_STATS.replace("            counts[e] += len(rows)\n", "            x[rows] *= 0.5\n"),
+         reason="unrecognised update in the expert loop", name="s43b_side_statement_changes_the_tokens"),
+]

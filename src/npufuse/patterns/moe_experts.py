@@ -2426,7 +2426,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
 def _s43b_side_split_eval(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional["_Eval"]:
     """s43b: the expert loop evaluated without its side statements (per-expert statistics the fused text replays as
     written in one more loop, see patterns/_moe_s43b.py); None when it has none or the rest is not a dispatch either."""
-    split = _moe_s43b.split_side_statements(loop)
+    split = _moe_s43b.split_side_statements(module, scope, loop)
     if split is None:
         return None
     dispatch = ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=split[0], orelse=[], type_comment=None), loop)
@@ -14718,3 +14718,7 @@ MoeExperts.KEEP += _moe_s42b.KEEP_EXAMPLES
 # s42c (moe42c): expert-parallel loops over a contiguous range of this rank's expert ids (patterns/_moe_s42c.py)
 MoeExperts.FUSE += s42c.FUSE
 MoeExperts.KEEP += s42c.KEEP
+
+# s43b (moe43b): recall classes of real HO19b misses, the split loop's rank guards (patterns/_moe_s43b.py)
+MoeExperts.FUSE += _moe_s43b.FUSE_EXAMPLES
+MoeExperts.KEEP += _moe_s43b.KEEP_EXAMPLES
