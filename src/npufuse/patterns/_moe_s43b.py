@@ -362,13 +362,33 @@ def _as_written(module: Any, st: ast.stmt) -> list[str]:
     return [ln[col:] if ln[:col].strip() == "" else ln.lstrip() for ln in lines]
 
 
-def side_replay_text(module: Any, loop: ast.For, replay: list[ast.stmt]) -> str:
-    """The loop's side statements (with its routing and skip guards) as one more loop after the fused dispatch, in
-    the user's own text."""
+def _plain_binding(st: ast.stmt) -> bool:
+    """An assignment that changes nothing in place (no subscript / attribute store, no in-place method): running it
+    once more rebinds the same names to the same values."""
+    return isinstance(st, (ast.Assign, ast.AnnAssign)) and not any(
+        isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store)
+        or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (n.func.attr.endswith("_") or n.func.attr in _MUTATORS)
+        for n in fast_walk(st))
+
+
+def side_replay_text(module: Any, loop: ast.For, replay: list[ast.stmt], span_before: list[ast.stmt]) -> tuple[str, str]:
+    """(the loop's side statements, with its routing and skip guards, as one more loop after the fused dispatch, in
+    the user's own text; "") or ("", why not). ``span_before``: the statements before the loop the fused text replaces
+    (the mask, the hit list): those the replay reads are replayed first, when they are plain bindings."""
+    needed = _read(ast.Module(body=[ast.Expr(loop.iter), *replay], type_ignores=[]))
+    prefix: list[ast.stmt] = []
+    for st in reversed(span_before):
+        names = _bound(st)
+        if names & needed:
+            if not _plain_binding(st):
+                return "", (f"the loop's other statements read `{sorted(names & needed)[0]}`, bound at line {st.lineno} by a "
+                            "statement the fused text replaces, not a plain assignment it can replay")
+            prefix.insert(0, st)
+            needed |= _read(st)
     head = f"for {segment(module, loop.target)} in {segment(module, loop.iter)}:"
     body = ["    " + ln if ln else ln for st in replay for ln in _as_written(module, st)]
     return "\n".join(["# the loop's other statements (per-expert statistics), replayed as written without the experts",
-                      head, *body])
+                      *(ln for st in prefix for ln in _as_written(module, st)), head, *body]), ""
 
 
 # --- s43b examples: invented code in the shapes of the real HO19b sites (and the s42 review's split loop) ----------

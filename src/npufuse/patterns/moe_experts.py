@@ -2404,7 +2404,10 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
                 raise
     site = ev.finish(block, i)
     if site is not None and ev.s43b_replay:
-        site.dense_tail = "\n".join(t for t in (site.dense_tail, ev.s43b_replay) if t)
+        text, why = _moe_s43b.side_replay_text(module, loop, ev.s43b_replay, [s for s in block[:i] if s.lineno >= site.first_line])
+        if why:
+            raise _Miss(why)
+        site.dense_tail = "\n".join(t for t in (site.dense_tail, text) if t)
     if site is not None and ev.slot_guards:
         if not ev.slot_var or not ev.where_indices:
             raise _Miss("the slot loop's columns are not read as expert indices")
@@ -2438,7 +2441,7 @@ def _s43b_side_split_eval(module: ModuleInfo, scope: Scope, loop: ast.For) -> Op
         ev.run_body(dispatch.body)
     except _Miss:
         return None
-    ev.s43b_replay = _moe_s43b.side_replay_text(module, loop, split[1])
+    ev.s43b_replay = split[1]
     return ev
 
 
@@ -2558,7 +2561,7 @@ class _Eval:
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.more_conds: tuple[str, ...] = ()  # s43b: `expert(x[sel], c[sel], g[sel])`: the conditioning after the first
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
-        self.s43b_replay = ""  # s43b: the loop's side statements as a loop of their own, run after the fused dispatch
+        self.s43b_replay: list[ast.stmt] = []  # s43b: the loop's side statements, run in a loop of their own after the dispatch
         self.s43b_rows_term: tuple[str, str] = ("", "")  # s43b: (S, write mode) of `out[rows] = y + S[rows]`, S made before
 
     # -- header ---------------------------------------------------------------------------
@@ -12378,9 +12381,17 @@ MoeExperts.KEEP += [
 # weights, then the expert loop writes `out[mask] = ...`. The accumulator IS freshly allocated (zeros);
 # what stops the rewrite is the other code between the allocation and the loop (the replacement spans
 # the allocation and the loop as one block). The reason says so instead of "not freshly allocated".
+# s43b: other code between zeros and the loop that never names the accumulator no longer stops the rewrite (the span
+# starts after it and adds into the zeros); code that reads the accumulator still does.
+MoeExperts.FUSE += [
+    Fuse(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach()\n"),
+         name="s43b_zeros_then_other_code_before_the_loop", run=_TOP1_MASK_3D_RUN,
+         expect={"routing": "flat_mask", "output": "out", "output_dtype": "out.dtype"}),
+]
 MoeExperts.KEEP += [
     Keep(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
-                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach()\n"),
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach().to(out.dtype)\n"),
          reason="is allocated at line 29, but other code (line 30) sits between that allocation and the loop",
          name="s32_accumulator_allocated_with_other_code_before_the_loop"),
     # no allocation at all (the accumulator is a parameter): the general reason stays
@@ -12869,6 +12880,15 @@ MoeExperts.FUSE += [
          expect={"routing": "mask_where", "loop": "expert_hit", "indices": "idx", "probs": "w"}),
 ]
 
+MoeExperts.FUSE += [
+    # s43b: the loop also counts each hit expert's rows into a fresh tensor: replayed as written after the dispatch
+    Fuse(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
+         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n")
+         .replace("        return out\n", "        return out, usage\n"),
+         name="s43b_hit_loop_count_replayed", run=_S39_HIT_IN_STEPS_RUN,
+         expect={"routing": "mask_where", "loop": "expert_hit", "indices": "idx", "probs": "w"}),
+]
+
 MoeExperts.KEEP += [
     # a count above one: experts with a single token are skipped, the grouped form would run them
     Keep(_S39_HIT_IN_STEPS.replace("per_expert > 0", "per_expert > 1"),
@@ -12918,9 +12938,11 @@ MoeExperts.KEEP += [
 MoeExperts.KEEP += [
     # s39: the loop also counts each expert's tokens into a side tensor (HO13a sidrocks `expert_usage[e] = mask.sum()`):
     # said as a per-expert value, not as rows written through another index
+    # (s43b: a count of the routed rows alone is now replayed after the fused dispatch, see
+    # s43b_hit_loop_count_replayed; a statistic of the expert outputs is not)
     Keep(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
-         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n"),
-         reason="the loop also writes one value per expert (`usage[e] = rows.numel()`)", name="s39_loop_counts_tokens_per_expert"),
+         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = y.abs().sum()\n"),
+         reason="the loop also writes one value per expert (`usage[e] = y.abs().sum()`)", name="s39_loop_counts_tokens_per_expert"),
 ]
 
 
