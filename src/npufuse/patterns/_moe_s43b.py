@@ -253,13 +253,15 @@ def _mutated_roots(st: ast.stmt) -> set[str]:
 
 def _fresh(module: Any, scope: Any, name: str, line: int) -> bool:
     """``name`` holds storage of its own, made before ``line`` in this function: a tensor factory (zeros, ones,
-    empty, full, their ``_like`` / ``new_*`` forms, ``torch.tensor``) optionally moved or cast, or a literal list /
-    dict; not an argument, a view or another tensor's alias."""
+    empty, full, their ``_like`` / ``new_*`` forms, ``torch.tensor``) optionally moved or cast, a literal list /
+    dict or a number; not an argument, a view or another tensor's alias."""
     node = scope.definition(name, line)
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SAME_OR_COPY:
         node = node.func.value
     if isinstance(node, (ast.List, ast.Dict, ast.ListComp, ast.DictComp)):
         return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return True  # `aux = 0.0`: the first `aux += t` makes a new tensor nothing else holds
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.left, ast.List):
         return True
     return isinstance(node, ast.Call) and ((module.canonical(node.func) or "") in _FACTORIES or (
@@ -360,6 +362,14 @@ def _as_written(module: Any, st: ast.stmt) -> list[str]:
     if not lines or not all(ln.isascii() for ln in lines) or lines[0][:col].strip() or tail and not tail.startswith("#") or multi_str:
         return ast.unparse(st).splitlines()
     return [ln[col:] if ln[:col].strip() == "" else ln.lstrip() for ln in lines]
+
+
+def replayed_names(loop: ast.For, replay: list[ast.stmt]) -> set[str]:
+    """Names the side-statement replay binds (its loop's variables and what its statements bind): after it they hold
+    what the loop left in them, so reading them after the span is fine."""
+    if not replay:
+        return set()
+    return _bound(ast.Module(body=[ast.Assign(targets=[loop.target], value=ast.Constant(0)), *replay], type_ignores=[]))
 
 
 def _plain_binding(st: ast.stmt) -> bool:
@@ -551,6 +561,19 @@ _SIDE_STATS = _moe('''\
         return out, loads, counts, assigned
 ''')
 
+# F. a load-balancing term summed in the same loop from the routing alone, read after it
+_SIDE_AUX = _moe('''\
+        probs = F.softmax(self.gate(x), dim=-1)
+        topk_w, topk_i = torch.topk(probs, self.k, dim=-1)
+        out = torch.zeros_like(x)
+        aux = 0.0
+        for e in range(self.n):
+            tok, slot = torch.where(topk_i == e)
+            aux += probs[:, e].mean() * tok.numel() / x.shape[0]
+            out.index_add_(0, tok, topk_w[tok, slot, None] * self.experts[e](x[tok]))
+        return out, aux * self.n
+''')
+
 FUSE_EXAMPLES = [
     Fuse(_SPLIT_ANY, name="s43b_split_loop_keeps_the_rank_guard_of_any_dim_one", run=_SPLIT_RUN,
          expect={"routing": "mask_where", "indices": "top_i", "output": "out"}),
@@ -569,9 +592,14 @@ FUSE_EXAMPLES = [
          expect={"routing": "sorted_cumulative_ends", "indices": "flat_ids", "tokens": "x", "output": "cache"}),
     Fuse(_SIDE_STATS, name="s43b_side_statistics_replayed_after_the_dispatch", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
+    Fuse(_SIDE_AUX, name="s43b_side_load_balancing_sum_read_after_the_loop", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "topk_i", "probs": "topk_w", "output": "out"}),
 ]
 
 KEEP_EXAMPLES = [
+    # the balancing sum goes into a tensor handed in by the caller: changed in place, it may be anything the caller holds
+    Keep(_SIDE_AUX.replace("    def forward(self, x):", "    def forward(self, x, aux):").replace("        aux = 0.0\n", ""),
+         reason="unrecognised update in the expert loop", name="s43b_side_sum_into_a_tensor_handed_in"),
     # the routed half's tokens: any over the tokens (dim 0), not over the top-k slots
     Keep(_SPLIT_ANY.replace("(top_i == i - self.n_dense).any(dim=1)", "(top_i == i - self.n_dense).any(dim=0)"),
          reason="unrecognised update in the expert loop", name="s43b_split_loop_any_over_tokens"),
