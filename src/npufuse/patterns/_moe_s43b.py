@@ -320,6 +320,10 @@ def split_side_statements(module: Any, scope: Any, loop: ast.For) -> tuple[list[
                                                  or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                                                  and n.func.attr.endswith("_") for n in fast_walk(st)):
             return None
+    index = targets[0].id  # type: ignore[attr-defined]
+    for st in side:
+        if any(isinstance(n, ast.Subscript) and _root(n) == "self" and index in _read(n) for n in fast_walk(st)):
+            return None  # `self.U[i][e]`: a per-expert weight read, an expert's computation rather than a statistic
     for st in side + r_stmts:
         if _runs_an_expert(st, items) or _draws_random(st) or any(
                 isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom, ast.Await)) for n in fast_walk(st)):

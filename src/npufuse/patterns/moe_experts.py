@@ -2381,6 +2381,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
             and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
         raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
     inner = _slot_outer_loop(loop)
+    side_site: Optional[_Site] = None  # s43b: the site of the loop read without its side statements
     if inner is not None and _moe_s42b.outer_variable_picks_experts(loop, inner):
         inner = None  # s42b: `for e: for k: ... self.experts[e]`: the outer loop is the expert loop, k its slot loop
     if inner is not None:
@@ -2398,11 +2399,15 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.run_header()
         try:
             ev.run_body(loop.body)
-        except _Miss:
+        except _Miss as plain_miss:
             ev = _s43b_side_split_eval(module, scope, loop)  # s43b: per-expert statistics beside the dispatch
             if ev is None:
                 raise
-    site = ev.finish(block, i)
+            try:
+                side_site = ev.finish(block, i)
+            except _Miss:
+                raise plain_miss from None  # the whole loop's reason, not the dispatch part's
+    site = side_site if ev.s43b_replay else ev.finish(block, i)
     if site is not None and ev.s43b_replay:
         text, why = _moe_s43b.side_replay_text(module, loop, ev.s43b_replay, [s for s in block[:i] if s.lineno >= site.first_line])
         if why:
