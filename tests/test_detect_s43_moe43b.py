@@ -88,3 +88,47 @@ def test_s43b_side_statements_are_replayed_as_written_without_the_experts():
     assert "kth = torch.topk(others, self.k, dim=1)[0][:, self.k - 1]" in tail  # the user's text, not canonicalised
     assert "expert(" not in tail.replace("enumerate(self.experts)", "")
     assert "out[" not in tail
+
+
+_SIDE_LOOP = '''
+import torch
+
+
+def f(self, x, idx, w):
+    out = torch.zeros_like(x)
+    load = torch.zeros(4)
+    for e, expert in enumerate(self.experts):
+        rows, slot = torch.where(idx == e)
+        out[rows] += w[rows, slot, None] * expert(x[rows])
+        load[e] += STAT
+    return out, load
+'''
+
+
+def _split(stat: str):
+    from npufuse.patterns import _moe_s43b
+    from npufuse.scan.dataflow import ModuleInfo
+    import ast
+
+    module = ModuleInfo.from_source("m.py", _SIDE_LOOP.replace("STAT", stat))
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    loop = next(n for n in ast.walk(scope.node) if isinstance(n, ast.For))
+    return _moe_s43b.split_side_statements(module, scope, loop)
+
+
+def test_s43b_side_split_keeps_routing_in_both_loops_and_statistics_in_the_replay():
+    split = _split("rows.numel()")
+    assert split is not None
+    dispatch, replay = split
+    assert [type(s).__name__ for s in dispatch] == ["Assign", "AugAssign"]  # routing + the write-back
+    assert [type(s).__name__ for s in replay] == ["Assign", "AugAssign"]  # routing + the count
+
+
+@pytest.mark.parametrize("stat", [
+    "self.bias[e].sum()",  # a per-expert weight: an expert's computation, not a statistic
+    "out.sum()",  # reads the output the dispatch writes
+    "torch.randn(()).abs()",  # draws random numbers
+    "x.sum()\n        x.mul_(0.5)",  # changes the tokens the next experts read
+])
+def test_s43b_side_split_refuses_what_reordering_would_change(stat):
+    assert _split(stat) is None
