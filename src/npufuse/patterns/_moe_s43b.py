@@ -49,18 +49,12 @@ def zeros_kept_until(module: Any, scope: Any, block: list[ast.stmt], alloc: ast.
     return not any(acc in _names(st) for st in block[first + 1 : start])
 
 
-def _add_terms(node: ast.expr) -> list[ast.expr]:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _add_terms(node.left) + _add_terms(node.right)
-    return [node]
-
-
 def precomputed_rows_term(target: ast.Subscript, value: ast.expr, loop: ast.For) -> tuple[ast.expr, str] | None:
     """(the routed part, ``S``) of a write-back ``out[rows] = <routed> + S[rows]`` (or ``+=``): one term of the sum
     is a tensor ``S`` made before the loop (a name the loop never binds, not ``out`` itself) read at the target's very
     index -- a shared expert's output computed once on all tokens, a residual -- the other terms are the routed part.
     None for anything else (``S`` at another index, several such terms, no routed part)."""
-    terms = _add_terms(value)
+    terms = _s42b._add_operands(value)
     if len(terms) < 2 or not isinstance(target.value, ast.Name):
         return None
     bound = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -71,11 +65,7 @@ def precomputed_rows_term(target: ast.Subscript, value: ast.expr, loop: ast.For)
              and t.value.id not in bound and t.value.id != target.value.id and ast.dump(t.slice) == index]
     if len(picks) != 1:
         return None
-    rest = [t for t in terms if t is not picks[0]]
-    routed = rest[0]
-    for t in rest[1:]:
-        routed = ast.copy_location(ast.BinOp(left=routed, op=ast.Add(), right=t), t)
-    return routed, picks[0].value.id  # type: ignore[union-attr]
+    return _s42b.sum_without(terms, picks[0]), picks[0].value.id  # type: ignore[union-attr]
 
 
 def shared_names_only_as_rows_terms(loop: ast.For) -> bool:
