@@ -68,6 +68,7 @@ def test_s43b_zeros_before_other_statements_are_added_into():
 def test_s43b_rows_term_of_topk_is_added_top_k_times():
     f = _finding("s43b_topk_precomputed_rows_added_per_slot")
     assert "out.add_((topk_i.shape[-1] * base).to(out.dtype))" in f.fused
+    assert "topk_i.dim() == 2" in f.guard_tensor  # K is the last dim of [T, K] indices
 
 
 def test_s43b_every_conditioning_input_is_permuted_and_guarded():

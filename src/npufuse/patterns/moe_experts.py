@@ -3571,6 +3571,8 @@ class _Eval:
             raise _Miss(reason or f"the write-back adds `{shared}[rows]` in more than one statement")
         site.dense_tail = text
         self.option_guards.append(f"({shared}.shape == {site.tokens}.shape)")
+        if mode == "accumulate":  # K = the last dim of [T, K] top-k indices (a run-time fact, like `.any(dim=1)`'s)
+            self._rank_guard(f"{site.indices}.dim() == 2")
 
     def _rank_guard(self, guard: str) -> None:
         """Record a run-time rank fact a read rests on (once); ``_analyze_loop`` adds them to the site's guards."""
