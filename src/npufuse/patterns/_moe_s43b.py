@@ -4,6 +4,14 @@ development set, and one soundness fix of the s42 review, used by small hooks in
 * The dense + routed split loop (``if i < S: <dense> else: <routed>``) keeps the run-time rank facts the routed
   half's reads rest on (``(idx == e).any(dim=1)`` is the top-k axis only for 2-D indices), as the plain loop does;
   facts it does not carry (slot loops, coordinate tuples) keep it a near miss (:func:`split_rank_guards`).
+* Zeros allocated before code that never names them, then the loop: the span starts at the loop and adds into the
+  zeros (:func:`zeros_kept_until`).
+* ``out[rows] = expert(x[rows]) + S[rows]`` with ``S`` made before the loop: the routed part fused, ``S`` added once
+  per written row (:func:`precomputed_rows_term`, :func:`rows_term_tail`).
+* Experts taking any number of conditioning inputs picked with the rows' index, in mask, flat and sorted-run loops
+  (:func:`conditioning_args`, :func:`run_conditioning`).
+* Per-expert statistics in the loop body: replayed as written in one more loop after the fused dispatch
+  (:func:`split_side_statements`, :func:`side_replay_text`).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ def zeros_kept_until(module: Any, scope: Any, block: list[ast.stmt], alloc: ast.
         first = block.index(alloc)
     except ValueError:
         return False
-    if first >= start or _s42b.made_as_zeros(module, scope, acc, block[start].lineno) is False:
+    if first >= start or not _s42b.made_as_zeros(module, scope, acc, block[start].lineno):
         return False
     if scope.definition(acc, block[start].lineno) is not getattr(alloc, "value", None):
         return False

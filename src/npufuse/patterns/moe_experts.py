@@ -4894,8 +4894,9 @@ class _Eval:
         self._check_span(block[start : i + 2], site, {site.out_name} - {""}, site.last_line)
 
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
-        inside = _assigned(stmts) - self.device_moves - _moe_s43b.replayed_names(self.loop, self.s43b_replay)
-        for n in sorted(inside - produced):
+        inside = _assigned(stmts) - self.device_moves
+        replayed = _moe_s43b.replayed_names(self.loop, self.s43b_replay)  # s43b: the side replay binds them again
+        for n in sorted(inside - produced - replayed):
             if self.scope.uses_after(n, end) and not _moe_s42b.reads_only_under_loop_rebinding(self.scope, n, end):
                 where = "by the split before the expert loop" if n == self.split_name else "in the expert loop"
                 raise _Miss(f"`{n}` (set {where}) is used after it; the fused layer does not produce it")
