@@ -202,11 +202,16 @@ def shared_term(target: ast.Subscript, value: ast.expr) -> tuple[ast.expr, ast.C
              and isinstance(t.args[0], ast.Subscript) and ast.dump(t.args[0].slice) == ast.dump(target.slice)]  # type: ignore[attr-defined]
     if len(picks) != 1:
         return None
-    rest = [t for t in terms if t is not picks[0]]
+    return sum_without(terms, picks[0]), picks[0]  # type: ignore[return-value]
+
+
+def sum_without(terms: list[ast.expr], pick: ast.expr) -> ast.expr:
+    """The sum of ``terms`` (at least two) but ``pick``, in their order: the routed part beside a shared term."""
+    rest = [t for t in terms if t is not pick]
     routed = rest[0]
     for t in rest[1:]:
         routed = ast.copy_location(ast.BinOp(left=routed, op=ast.Add(), right=t), t)
-    return routed, picks[0]  # type: ignore[return-value]
+    return routed
 
 
 def shared_only_in_write_back(loop: ast.For) -> bool:

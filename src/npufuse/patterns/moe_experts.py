@@ -39,6 +39,7 @@ from typing import Any, Iterable, Optional
 
 from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
+from npufuse.patterns import _moe_s43b
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -176,6 +177,7 @@ class _Site:
     rows_twice: bool = False
     cond: str = ""  # s42b: the experts' second argument, per-token conditioning rows `cond[sel]` (permuted with the rows)
     cond_tokens: str = ""  # s42b: the tokens as the loop reads them (their leading dims are the conditioning's)
+    more_conds: tuple = ()  # s43b: the experts' third, fourth, ... arguments, conditioning rows like `cond`
     # s41b: the expert outputs pass through this row-wise dropout (the call with `{}` for its input), as written
     post_dropout: str = ""
 
@@ -2376,9 +2378,10 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     if any("capacity" in n.lower() for n in body_names):
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
-            and not _moe_s42b.shared_only_in_write_back(loop):
+            and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
         raise _Miss("a shared expert is mixed into the tokens inside the expert loop: not expressible as one grouped matmul")
     inner = _slot_outer_loop(loop)
+    side_site: Optional[_Site] = None  # s43b: the site of the loop read without its side statements
     if inner is not None and _moe_s42b.outer_variable_picks_experts(loop, inner):
         inner = None  # s42b: `for e: for k: ... self.experts[e]`: the outer loop is the expert loop, k its slot loop
     if inner is not None:
@@ -2394,8 +2397,22 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     else:
         ev = _Eval(module, scope, loop)
         ev.run_header()
-        ev.run_body(loop.body)
-    site = ev.finish(block, i)
+        try:
+            ev.run_body(loop.body)
+        except _Miss as plain_miss:
+            ev = _s43b_side_split_eval(module, scope, loop)  # s43b: per-expert statistics beside the dispatch
+            if ev is None:
+                raise
+            try:
+                side_site = ev.finish(block, i)
+            except _Miss:
+                raise plain_miss from None  # the whole loop's reason, not the dispatch part's
+    site = side_site if ev.s43b_replay else ev.finish(block, i)
+    if site is not None and ev.s43b_replay:
+        text, why = _moe_s43b.side_replay_text(module, loop, ev.s43b_replay, [s for s in block[:i] if s.lineno >= site.first_line])
+        if why:
+            raise _Miss(why)
+        site.dense_tail = "\n".join(t for t in (site.dense_tail, text) if t)
     if site is not None and ev.slot_guards:
         if not ev.slot_var or not ev.where_indices:
             raise _Miss("the slot loop's columns are not read as expert indices")
@@ -2412,6 +2429,25 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
     return site
+
+
+def _s43b_side_split_eval(module: ModuleInfo, scope: Scope, loop: ast.For) -> Optional["_Eval"]:
+    """s43b: the expert loop evaluated without its side statements (per-expert statistics the fused text replays as
+    written in one more loop, see patterns/_moe_s43b.py); None when it has none or the rest is not a dispatch either."""
+    split = _moe_s43b.split_side_statements(module, scope, loop)
+    if split is None:
+        return None
+    dispatch = ast.copy_location(ast.For(target=loop.target, iter=loop.iter, body=split[0], orelse=[], type_comment=None), loop)
+    dispatch.end_lineno, dispatch.end_col_offset = loop.end_lineno, loop.end_col_offset
+    ev = _Eval(module, scope, dispatch)
+    try:
+        ev.run_header()
+        ev._loop_bound = _assigned([loop]) | set(ev.eidx)  # names any statement of the real loop binds vary per expert
+        ev.run_body(dispatch.body)
+    except _Miss:
+        return None
+    ev.s43b_replay = split[1]
+    return ev
 
 
 def _slot_outer_loop(loop: ast.For) -> Optional[ast.For]:
@@ -2528,7 +2564,10 @@ class _Eval:
         self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
+        self.more_conds: tuple[str, ...] = ()  # s43b: `expert(x[sel], c[sel], g[sel])`: the conditioning after the first
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
+        self.s43b_replay: list[ast.stmt] = []  # s43b: the loop's side statements, run in a loop of their own after the dispatch
+        self.s43b_rows_term: tuple[str, str] = ("", "")  # s43b: (S, write mode) of `out[rows] = y + S[rows]`, S made before
 
     # -- header ---------------------------------------------------------------------------
 
@@ -2765,7 +2804,7 @@ class _Eval:
                     self.shared_call = split[1]  # s42b: `out[rows] += w * expert(x[rows]) + self.shared(x[rows])`
                     self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(split[0])), None))
                     return
-                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(s.value)), None))  # final[top_x] += y
+                self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(self._s43b_rows_term(tgt, s.value, "accumulate"))), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) \
                     and self._s42b_flat_sum(tgt, s.value):
@@ -2929,7 +2968,7 @@ class _Eval:
                 self._check_host_listed_rows(tgt, "rows are written back through")
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
-            self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(s.value)), sel.args[0]))
+            self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(self._s43b_rows_term(tgt, s.value, "assign"))), sel.args[0]))
             return
         if isinstance(tgt, ast.Subscript) and _s41b_self_attr(tgt.value) and self._is_eidx(tgt.slice) \
                 and self._expert_count_stat(tgt, s.value, "assign"):
@@ -3514,6 +3553,27 @@ class _Eval:
                 f"{out}.add_(({site.indices}.shape[-1] * {segment(self.m, call.func)}({rows})).reshape({out}.shape)"
                 f".to({out}.dtype))")
 
+    def _s43b_rows_term(self, tgt: ast.Subscript, value: ast.expr, mode: str) -> ast.expr:
+        """s43b: the routed part of ``out[rows] (+)= <routed> + S[rows]`` (S a tensor made before the loop, recorded
+        for the tail); the value itself otherwise."""
+        split = _moe_s43b.precomputed_rows_term(tgt, value, self.loop) if self.expert_init is None and not self.shared_call else None
+        if split is None or self.s43b_rows_term not in (("", ""), (split[1], mode)):
+            return value
+        self.s43b_rows_term = (split[1], mode)
+        return split[0]
+
+    def _s43b_rows_term_tail(self, site: _Site) -> None:
+        shared, mode = self.s43b_rows_term
+        plain = not (site.sentinel or site.local_start or site.dense_tail or self.lead_rows or self.column_rows
+                     or self.token_dims > 1 or self.s42c_positions)
+        text, reason = _moe_s43b.rows_term_tail(site, shared, mode, plain)
+        if reason or len(self.results) != 1:
+            raise _Miss(reason or f"the write-back adds `{shared}[rows]` in more than one statement")
+        site.dense_tail = text
+        self.option_guards.append(f"({shared}.shape == {site.tokens}.shape)")
+        if mode == "accumulate":  # K = the last dim of [T, K] top-k indices (a run-time fact, like `.any(dim=1)`'s)
+            self._rank_guard(f"{site.indices}.dim() == 2")
+
     def _rank_guard(self, guard: str) -> None:
         """Record a run-time rank fact a read rests on (once); ``_analyze_loop`` adds them to the site's guards."""
         if guard not in self.rank_guards:
@@ -3521,9 +3581,7 @@ class _Eval:
 
     def _s42b_tokmask_dim_one(self, indices: str) -> V:
         """s42b: ``(indices == e).any(dim=1)``: the tokens routed to e when the indices are [T, K] (a run-time guard)."""
-        guard = f"({indices}.dim() == 2)"
-        if guard not in self.option_guards:
-            self.option_guards.append(guard)
+        self._rank_guard(f"{indices}.dim() == 2")  # s43b: a rank fact like the method form's (the split path keeps it)
         return self._tokmask(indices)
 
     def _s42b_flat_sum(self, tgt: ast.Subscript, value: ast.expr) -> bool:
@@ -4119,10 +4177,10 @@ class _Eval:
                 # as they are (npufuse reads no MLP off a two-input forward), with each expert's rows twice
                 self.rows_twice = True
                 return V("mod_out", (args[0], False))
-            cond = _moe_s42b.conditioning_rows(node.args[0], node.args[1], self.loop) if len(args) == 2 \
-                and not node.keywords and args[0].kind == "x" and args[1].kind == "x" and self.expert_init is None else None
-            if cond is not None and self.cond in ("", cond):
-                self.cond = cond  # s42b: `expert(x[sel], cond[sel])`: per-token conditioning rows, permuted with the rows
+            conds = _moe_s43b.conditioning_args(node, [a.kind for a in args], self.loop) if self.expert_init is None else None
+            if conds and (self.cond, self.more_conds) in (("", ()), (conds[0], conds[1:])):
+                # s42b: `expert(x[sel], cond[sel])`: per-token conditioning rows, permuted with the rows (s43b: any number)
+                self.cond, self.more_conds = conds[0], conds[1:]
                 return V("mod_out", (args[0], False))
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
@@ -4347,6 +4405,8 @@ class _Eval:
         site = self._finish(block, i)
         if site is not None and self.shared_call is not None:
             site.dense_tail = self._s42b_shared_tail(site)
+        if site is not None and self.s43b_rows_term[0]:
+            self._s43b_rows_term_tail(site)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
@@ -4703,13 +4763,13 @@ class _Eval:
             return
         site.expert_call = ".forward" if self.forward_spelled else ""
         site.rows_twice = self.rows_twice
-        site.cond, site.cond_tokens = self.cond, site.tokens
-        if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing != "mask_where"
+        site.cond, site.cond_tokens, site.more_conds = self.cond, site.tokens, self.more_conds
+        if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing not in ("mask_where", "flat_mask")
                           or site.local_start or site.sentinel or mlp.layout != "opaque"):
             raise _Miss(f"the experts take conditioning rows `{self.cond}[...]` besides their rows, which npufuse permutes "
                         "with the rows only for mask routing over every expert's own index")
-        if self.cond:
-            self.option_guards.append(f"({_moe_s42b.conditioning_guard(self.cond, site.tokens)})")
+        for cond in (self.cond, *self.more_conds) if self.cond else ():
+            self.option_guards.append(f"({_moe_s42b.conditioning_guard(cond, site.tokens)})")
         site.post_dropout = self.post_dropout
         if self.post_dropout and (site.part_outs or site.column_rows or site.lead_rows or mlp.weights_at == "inside_expert"):
             raise _Miss(f"the expert outputs pass through `{self.post_dropout.format('...')}`, which npufuse replays only "
@@ -4781,6 +4841,13 @@ class _Eval:
                 allocated = earlier is not None and bool(self._init_dtype(earlier, acc))
             except _Miss:
                 allocated = False  # not zeros/empty: the general reason below holds
+            if allocated and j >= 0 and _moe_s43b.zeros_kept_until(self.m, self.scope, block, earlier, start, acc):
+                # s43b: zeros made earlier, the statements between never name the accumulator: the span starts
+                # after them and adds into those zeros (the same as assigning into a fresh allocation)
+                site.out_dtype, site.out_mode = f"{acc}.dtype", "add"
+                site.first_line, site.last_line = block[start].lineno, loop_end
+                self._check_span(block[start : i + 1], site, {acc} | outputs, loop_end)
+                return
             if allocated and j >= 0:
                 # s32: allocated, but other statements sit between it and the loop (aiter's torch_moe:
                 # `out = torch.zeros(...)`, then `if fc1_scale is not None:` rescaling the weights)
@@ -4828,7 +4895,8 @@ class _Eval:
 
     def _check_span(self, stmts: list[ast.stmt], site: _Site, produced: set[str], end: int) -> None:
         inside = _assigned(stmts) - self.device_moves
-        for n in sorted(inside - produced):
+        replayed = _moe_s43b.replayed_names(self.loop, self.s43b_replay)  # s43b: the side replay binds them again
+        for n in sorted(inside - produced - replayed):
             if self.scope.uses_after(n, end) and not _moe_s42b.reads_only_under_loop_rebinding(self.scope, n, end):
                 where = "by the split before the expert loop" if n == self.split_name else "in the expert loop"
                 raise _Miss(f"`{n}` (set {where}) is used after it; the fused layer does not produce it")
@@ -5515,6 +5583,7 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})")
         if site.cond:
             lines += _moe_s42b.conditioning_permute_lines(site.cond, site.cond_tokens, P)
+            lines += _moe_s43b.more_conditioning_lines(site.more_conds, site.cond_tokens, P)
         if opaque:
             lines += [
                 "# one host sync for the group sizes (the loop synced once per expert)",
@@ -5572,7 +5641,7 @@ def _fused_text(site: _Site) -> str:
         return "\n".join(lines) + "\n"
     if opaque:
         rows = f"{P}rows_e"
-        second = f", {rows}" if site.rows_twice else f", {P}cond_e" if site.cond else ""
+        second = f", {rows}" if site.rows_twice else f", {P}cond_e{_moe_s43b.more_conditioning_args(site.more_conds, P)}" if site.cond else ""
         call = f"{P}expert{site.expert_call}({rows}{second})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
@@ -5580,7 +5649,7 @@ def _fused_text(site: _Site) -> str:
             f"# the experts' rows are contiguous after the permute: each expert runs once on its slice",
             f"{P}outs = []",
             f"for {P}expert, {rows} in zip({P}experts, {P}x.split({P}sizes)):" if not site.cond else
-            f"for {P}expert, {rows}, {P}cond_e in zip({P}experts, {P}x.split({P}sizes), {P}cond.split({P}sizes)):",
+            _moe_s43b.conditioning_zip_head(rows, site.more_conds, P),
             f"    {P}outs.append({call})",
             f"{h} = torch.cat({P}outs)",
         ]
@@ -10039,6 +10108,7 @@ class _CumRuns:
         self.weights: Optional[ast.expr] = None
         self.cache = ""
         self.weighted = self.combined = self.recast = False
+        self.conds: list[ast.expr] = []  # s43b: tensors gathered at the run's tokens beside the rows, given to the expert
 
     def header(self) -> bool:
         it, tgt, line = self.loop.iter, self.loop.target, self.loop.lineno
@@ -10089,14 +10159,15 @@ class _CumRuns:
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and self.env.get(node.slice.id) == ("tok",) \
                 and self._invariant(node.value):
             if self.x is not None and ast.dump(self.x) != ast.dump(node.value):
-                return ("other",)
+                return ("cond", node.value)  # s43b: another tensor's rows of the run's tokens (an expert call checks it)
             self.x = node.value
             return ("rows",)
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name) and node.slice.id == self.i and self._invariant(node.value):
             return ("expert", node.value)
         if isinstance(node, ast.Subscript) and self._run_slice(node.slice, self.idxs) and self._invariant(node.value):
             return ("weight", node.value)
-        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]) == ("rows",):
+        if isinstance(node, ast.Call) and len(node.args) >= 1 and not node.keywords and self.ev(node.args[0]) == ("rows",) \
+                and _moe_s43b.run_conditioning(self, node.args[1:]):
             f = self.ev(node.func)
             if f[0] == "expert":
                 if self.experts is not None and ast.dump(self.experts) != ast.dump(f[1]):
@@ -10250,12 +10321,16 @@ def _cumulative_runs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
     x, experts, w, k = segment(module, ev.x), segment(module, ev.experts), segment(module, ev.weights), ev.k
     dtype = f"{P}h.dtype" if ev.recast else f"{ev.cache}.dtype"
     fused = "\n".join([
-        f"if {ev.flat}.dim() == 1 and {x}.dim() == 2 and {ev.flat}.numel() == {x}.shape[0] * ({k}) == {w}.numel():",
+        f"if {ev.flat}.dim() == 1 and {x}.dim() == 2 and {ev.flat}.numel() == {x}.shape[0] * ({k}) == {w}.numel()"
+        f"{_moe_s43b.run_conditioning_guard(module, ev.conds, x)}:",
         f"    {P}experts = list({experts})",
         f"    {P}x, {P}order = torch_npu.npu_moe_token_permute({x}, {ev.flat}.view(-1, {k}))",
         "    # one host sync for the group sizes (the loop synced once for the run ends)",
         f"    {P}sizes = torch.bincount({ev.flat}, minlength=len({P}experts)).tolist()",
-        f"    {P}outs = [{P}e({P}r) for {P}e, {P}r, {P}n in zip({P}experts, {P}x.split({P}sizes), {P}sizes) if {P}n]",
+        *_moe_s43b.run_conditioning_lines(module, ev.conds, ev.k, P),
+        f"    {P}outs = [{P}e({P}r{_moe_s43b.more_conditioning_args(tuple(ev.conds), P)}) for {P}e, {P}r"
+        f"{_moe_s43b.more_conditioning_args(tuple(ev.conds), P)}, {P}n in zip({P}experts, {P}x.split({P}sizes)"
+        f"{_moe_s43b.run_conditioning_splits(len(ev.conds), P)}, {P}sizes) if {P}n]",
         f"    {P}h = torch.cat({P}outs) if {P}outs else {P}x[:0]",
         f"    {ev.cache} = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={w}.reshape(-1, {k}).to({P}h.dtype)).to({dtype})",
         "else:",
@@ -10834,8 +10909,11 @@ def _index_branch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     ev.run_header()
     ev.run_body(synth.body)
     site = ev.finish(block[:i] + [synth] + block[i + 1:], i)
-    if site is None or site.routing != "mask_where" or not site.out_name or ev.option_guards:
+    if site is None or site.routing != "mask_where" or not site.out_name or ev.option_guards \
+            or _moe_s43b.split_needs_unread_facts(ev):
         return None
+    site.option_guards = _moe_s43b.split_rank_guards(ev)  # s43b: e.g. `idx.dim() == 2` of `.any(dim=1)`, as _analyze_loop
+    _check_option_names(scope, site, loop, site.option_guards)
     out = site.out_name
     # the dense half may only add into the accumulator (and bind its own names): then adding it after the fused
     # routed part gives the same sum
@@ -12311,9 +12389,17 @@ MoeExperts.KEEP += [
 # weights, then the expert loop writes `out[mask] = ...`. The accumulator IS freshly allocated (zeros);
 # what stops the rewrite is the other code between the allocation and the loop (the replacement spans
 # the allocation and the loop as one block). The reason says so instead of "not freshly allocated".
+# s43b: other code between zeros and the loop that never names the accumulator no longer stops the rewrite (the span
+# starts after it and adds into the zeros); code that reads the accumulator still does.
+MoeExperts.FUSE += [
+    Fuse(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach()\n"),
+         name="s43b_zeros_then_other_code_before_the_loop", run=_TOP1_MASK_3D_RUN,
+         expect={"routing": "flat_mask", "output": "out", "output_dtype": "out.dtype"}),
+]
 MoeExperts.KEEP += [
     Keep(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
-                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach()\n"),
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach().to(out.dtype)\n"),
          reason="is allocated at line 29, but other code (line 30) sits between that allocation and the loop",
          name="s32_accumulator_allocated_with_other_code_before_the_loop"),
     # no allocation at all (the accumulator is a parameter): the general reason stays
@@ -12802,6 +12888,15 @@ MoeExperts.FUSE += [
          expect={"routing": "mask_where", "loop": "expert_hit", "indices": "idx", "probs": "w"}),
 ]
 
+MoeExperts.FUSE += [
+    # s43b: the loop also counts each hit expert's rows into a fresh tensor: replayed as written after the dispatch
+    Fuse(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
+         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n")
+         .replace("        return out\n", "        return out, usage\n"),
+         name="s43b_hit_loop_count_replayed", run=_S39_HIT_IN_STEPS_RUN,
+         expect={"routing": "mask_where", "loop": "expert_hit", "indices": "idx", "probs": "w"}),
+]
+
 MoeExperts.KEEP += [
     # a count above one: experts with a single token are skipped, the grouped form would run them
     Keep(_S39_HIT_IN_STEPS.replace("per_expert > 0", "per_expert > 1"),
@@ -12851,9 +12946,11 @@ MoeExperts.KEEP += [
 MoeExperts.KEEP += [
     # s39: the loop also counts each expert's tokens into a side tensor (HO13a sidrocks `expert_usage[e] = mask.sum()`):
     # said as a per-expert value, not as rows written through another index
+    # (s43b: a count of the routed rows alone is now replayed after the fused dispatch, see
+    # s43b_hit_loop_count_replayed; a statistic of the expert outputs is not)
     Keep(_S39_HIT_IN_STEPS.replace("        out = torch.zeros_like(x)\n", "        out = torch.zeros_like(x)\n        usage = torch.zeros(self.n)\n")
-         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = rows.numel()\n"),
-         reason="the loop also writes one value per expert (`usage[e] = rows.numel()`)", name="s39_loop_counts_tokens_per_expert"),
+         .replace("            out.index_add_(0, rows, y)\n", "            out.index_add_(0, rows, y)\n            usage[e] = y.abs().sum()\n"),
+         reason="the loop also writes one value per expert (`usage[e] = y.abs().sum()`)", name="s39_loop_counts_tokens_per_expert"),
 ]
 
 
@@ -14651,3 +14748,7 @@ MoeExperts.KEEP += _moe_s42b.KEEP_EXAMPLES
 # s42c (moe42c): expert-parallel loops over a contiguous range of this rank's expert ids (patterns/_moe_s42c.py)
 MoeExperts.FUSE += s42c.FUSE
 MoeExperts.KEEP += s42c.KEEP
+
+# s43b (moe43b): recall classes of real HO19b misses, the split loop's rank guards (patterns/_moe_s43b.py)
+MoeExperts.FUSE += _moe_s43b.FUSE_EXAMPLES
+MoeExperts.KEEP += _moe_s43b.KEEP_EXAMPLES
