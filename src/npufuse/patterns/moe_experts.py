@@ -39,6 +39,7 @@ from typing import Any, Iterable, Optional
 
 from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
+from npufuse.patterns import _moe_s43a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -320,13 +321,14 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
-        two_phase = _s42_two_phase(scope, block, i, stmt)
+        two_phase = _moe_s43a.chained_phases(scope, block, i, stmt, _s42_two_phase)
         if two_phase is not None:
             # s42: `pairs.append((rows, y))` per expert, then `for rows, y in pairs: <combine>`: read as one loop
-            merged, combine = two_phase
-            covered.append((combine.lineno, combine.end_lineno or combine.lineno))
+            # (s43a: along a chain of such loops, with the later lists made between them)
+            merged_block, k, merged, combines = two_phase
+            covered += [(c.lineno, c.end_lineno or c.lineno) for c in combines]
             try:
-                site = _analyze_loop(module, scope, block[:i] + [merged] + block[i + 2:], i, merged)
+                site = _analyze_loop(module, scope, merged_block, k, merged)
             except _Miss as miss:
                 if looks:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, merged.end_lineno or stmt.lineno,
@@ -2343,8 +2345,12 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
 
 
 def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
-    """Worth analysing: the loop is about experts or has the shape of a per-expert dispatch."""
-    return _names_experts(loop) or _dispatch_shape(loop)
+    """Worth analysing: the loop is about experts or has the shape of a per-expert dispatch (s43a: or is a top-k
+    slot loop around such a loop, whatever its experts are called)."""
+    if _names_experts(loop) or _dispatch_shape(loop):
+        return True
+    inner = _slot_outer_loop(loop)
+    return inner is not None and (_names_experts(inner) or _dispatch_shape(inner))
 
 
 def _canon(module: ModuleInfo, node: ast.AST) -> str:
@@ -2528,6 +2534,7 @@ class _Eval:
         self.s42c_bounds = ""  # s42c: range bounds of a loop over a contiguous list of this rank's expert ids
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
+        self.s43a_row_view = False  # s43a: rows added through `out.view(-1, D)[rows]`
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
 
     # -- header ---------------------------------------------------------------------------
@@ -2725,6 +2732,12 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        viewed = _moe_s43a.row_view_target(s)
+        if isinstance(viewed, str):
+            raise _Miss(viewed)
+        if viewed is not None:
+            self.s43a_row_view = True  # s43a: `out.view(-1, D)[rows] += v`: the fused result is reshaped to out's shape
+            s = viewed
         if isinstance(s, ast.If) and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
                 and self._nonempty_test(s.test) and (not s.orelse or _adds_zero_only(s.orelse)):
             # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch; an else
@@ -4345,6 +4358,13 @@ class _Eval:
             raise _Miss(f"the loop also writes one value per expert (`{self.count_stats[0][4]}`), which the fused layer "
                         "does not compute")
         site = self._finish(block, i)
+        aliased = _moe_s43a.output_aliases_tokens(self.scope, site.out_name, site.tokens, self.loop.lineno) \
+            if site is not None and site.out_name and site.tokens else None
+        if aliased is not None:
+            raise _Miss(aliased)
+        if site is not None and self.s43a_row_view and not site.flat_rows:
+            # (mask routing reads the view's rows as the output's flattened rows: the result takes its shape)
+            raise _Miss("rows are added through a `.view(-1, D)` of the output: read only for mask routing")
         if site is not None and self.shared_call is not None:
             site.dense_tail = self._s42b_shared_tail(site)
         if site is not None and self.count_stats:
@@ -4479,7 +4499,8 @@ class _Eval:
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
                      sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty,
-                     flat_rows=bool(self.tok_indices) or self.token_dims > 1 or bool(self.slot_var) and self.slot_dims != 2, token_dims=self.token_dims,
+                     flat_rows=bool(self.tok_indices) or self.token_dims > 1 or bool(self.slot_var) and self.slot_dims != 2
+                     or self.s43a_row_view, token_dims=self.token_dims,
                      dense_gates=self.dense_gates, weight_select=self.weight_select,
                      slot_columns=bool(self.slot_var))
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
@@ -14651,3 +14672,5 @@ MoeExperts.KEEP += _moe_s42b.KEEP_EXAMPLES
 # s42c (moe42c): expert-parallel loops over a contiguous range of this rank's expert ids (patterns/_moe_s42c.py)
 MoeExperts.FUSE += s42c.FUSE
 MoeExperts.KEEP += s42c.KEEP
+MoeExperts.FUSE += _moe_s43a.FUSE_EXAMPLES  # s43a: the real HO19a misses' classes (patterns/_moe_s43a.py)
+MoeExperts.KEEP += _moe_s43a.KEEP_EXAMPLES
