@@ -187,12 +187,32 @@ _SLOT_OUTER_ROUTED = _moe('''\
         return routed.view(x.shape)
 ''', init_extra="        self.routed_experts = nn.ModuleList([FF(d, h) for _ in range(n)])\n")
 
+# 4. dispatch chained over three loops joined by lists, the later list made between the loops (jha-vikas' shape)
+_CHAINED = _moe('''\
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        tasks = []
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() > 0:
+                tasks.append((e, tok, slot))
+        results = []
+        for e, tok, slot in tasks:
+            y = self.experts[e](x[tok])
+            results.append((tok, slot, y))
+        for tok, slot, y in results:
+            out.index_add_(0, tok, y * w[tok, slot].unsqueeze(-1))
+        return out
+''')
+
 FUSE_EXAMPLES = [
     Fuse(_ROW_VIEW, name="s43a_add_through_row_view_of_zero_output", run=_run("2, 5, 16"),
          expect={"routing": "mask_where", "indices": "flat_idx", "tokens": "flat_x", "output": "out"}),
     Fuse(_ROW_VIEW.replace("out = torch.zeros_like(x)", "out = x.new_zeros(x.shape)"),
          name="s43a_add_through_row_view_of_new_zeros", run=_run("2, 5, 16"), expect={"output": "out"}),
     Fuse(_ROW_VIEW_WHERE, name="s43a_where_rows_added_through_row_view", run=_run("9, 16"),
+         expect={"routing": "mask_where", "indices": "idx", "probs": "w", "output": "out"}),
+    Fuse(_CHAINED, name="s43a_dispatch_chained_over_three_loops", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "idx", "probs": "w", "output": "out"}),
     Fuse(_SLOT_OUTER_ROUTED, name="s43a_slot_loop_around_routed_experts", run=_run("2, 5, 16"),
          expect={"routing": "mask_where", "indices": "top_i", "probs": "top_p", "output": "routed"}),
@@ -211,6 +231,10 @@ KEEP_EXAMPLES = [
          reason="shares storage with the tokens", name="s43a_row_view_adds_into_the_input"),
     Keep(_ROW_VIEW.replace("out.view(-1, D)[mask] += y", "flat_x[mask] += y").replace("return out", "return x"),
          reason="shares storage with the tokens", name="s43a_adds_into_the_flat_tokens"),
+    # the middle loop's results are also returned: the list is read after the loops, so they are not one loop
+    Keep(_CHAINED.replace("        return out\n", "        return out, results\n"),
+         reason="appended to a list but the loop is not over per-expert token counts",
+         name="s43a_chained_results_read_after_the_loops"),
     # the slot loop's weight column is another slot's (k + 1): not the weight of the slot that routed the rows
     Keep(_SLOT_OUTER_ROUTED.replace("prob = top_p[:, k].unsqueeze(-1)", "prob = top_p[:, (k + 1) % self.k].unsqueeze(-1)"),
          reason="not recognised as the routing weight", name="s43a_slot_loop_weight_of_another_slot"),
