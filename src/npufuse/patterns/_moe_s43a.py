@@ -88,6 +88,71 @@ def output_aliases_tokens(scope: Any, output: str, tokens: str, line: int) -> Op
             "every token before any add")
 
 
+def without_default_as_tuple(call: ast.Call) -> ast.Call:
+    """``nonzero(m, as_tuple=False)`` spelled as the default ``nonzero(m)`` (the same [n, d] result); ``call`` itself
+    for any other call."""
+    if not any(k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value is False for k in call.keywords):
+        return call
+    keywords = [k for k in call.keywords if k.arg != "as_tuple"]
+    return ast.copy_location(ast.Call(func=call.func, args=call.args, keywords=keywords), call)
+
+
+def column_of_row_view(scope: Any, name: str, before_line: int) -> bool:
+    """``name`` is bound (last, before ``before_line``) to ``a[:, c]`` (``c`` an integer) with ``a`` -- or the name
+    it is bound to -- ``t.view(-1, k)`` / ``t.reshape(-1, k)``: one column of a 2-D tensor, so 1-D (jha-vikas'
+    ``selected_expert = topk_indices_flat[:, 0]``)."""
+    node = scope.definition(name, before_line)
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2):
+        return False
+    whole, col = node.slice.elts
+    if not (isinstance(whole, ast.Slice) and whole.lower is None and whole.upper is None and whole.step is None
+            and isinstance(col, ast.Constant) and type(col.value) is int):
+        return False
+    base = scope.definition(node.value.id, before_line) if isinstance(node.value, ast.Name) else node.value
+    return (isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr in ("view", "reshape")
+            and len(base.args) == 2 and not base.keywords and isinstance(base.args[0], ast.UnaryOp)
+            and isinstance(base.args[0].op, ast.USub) and isinstance(base.args[0].operand, ast.Constant)
+            and base.args[0].operand.value == 1)
+
+
+def _as_column(node: ast.expr) -> Optional[ast.expr]:
+    """``v`` of ``v.unsqueeze(-1)`` / ``v.unsqueeze(1)`` / ``v[:, None]`` / ``v.view(-1, 1)`` / ``v.reshape(-1, 1)``
+    (an [n] vector as an [n, 1] column); else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        args = [a.value if isinstance(a, ast.Constant) else -a.operand.value  # type: ignore[attr-defined]
+                if isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant)
+                else None for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([-1], [1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        whole, new = node.slice.elts
+        if isinstance(whole, ast.Slice) and whole.lower is None and whole.upper is None and whole.step is None \
+                and isinstance(new, ast.Constant) and new.value is None:
+            return node.value
+    return None
+
+
+def flat_row_weight(node: ast.expr, kind_of: Callable[[ast.expr], Any], bound_in_loop: dict[str, ast.expr]
+                    ) -> Optional[tuple[str, str]]:
+    """(weights name, flat indices name) for the [n, 1] column (:func:`_as_column`) of ``w[rows]`` -- written in place
+    or bound to a name earlier in the loop -- with ``rows`` this expert's rows of flat expert indices
+    (``(flat == e).nonzero().squeeze(-1)`` or the mask ``flat == e``) and ``w`` a name from before the loop: each
+    selected row's own weight when ``w`` has the indices' shape (the caller proves the indices 1-D and adds that
+    run-time check). ``kind_of`` evaluates a node in the loop; ``bound_in_loop`` maps a name to the value the loop
+    body last bound it to so far. Cheap on anything that is not a column-making call or subscript."""
+    if not isinstance(node, (ast.Subscript, ast.Call)):
+        return None
+    inner = _as_column(node)
+    if isinstance(inner, ast.Name):
+        inner = bound_in_loop.get(inner.id)
+    if not (isinstance(inner, ast.Subscript) and isinstance(inner.value, ast.Name)) or kind_of(inner.value).kind != "outer":
+        return None
+    rows = kind_of(inner.slice)
+    if rows.kind not in ("flatrow", "flatmask") or not rows.args:
+        return None
+    return inner.value.id, rows.args[0]
+
+
 def _fresh_empty_list(stmt: ast.stmt) -> Optional[str]:
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
             and isinstance(stmt.value, ast.List) and not stmt.value.elts:
@@ -136,7 +201,13 @@ def chained_phases(scope: Any, block: list[ast.stmt], i: int, loop: ast.For, two
         if moved is not None:
             blk = moved
             k = next(j for j, st in enumerate(blk) if st is merged)
-    return (blk, k, merged, merged_from) if merged_from else None
+    if not merged_from:
+        return None
+    # the merged lists are named nowhere else (checked by each merge): their `= []` are left out of the analysis,
+    # so that nothing stands between the output's allocation and the loop
+    lists = {c.iter.id for c in merged_from if isinstance(c.iter, ast.Name)}
+    blk = [st for st in blk if _fresh_empty_list(st) not in lists]
+    return blk, next(j for j, st in enumerate(blk) if st is merged), merged, merged_from
 
 
 # -- examples (tests/test_detect_s43_moe43a.py) ------------------------------------------------------------------------
@@ -205,6 +276,46 @@ _CHAINED = _moe('''\
         return out
 ''')
 
+# 5. Switch-style top-1: 1-D expert indices, each expert's rows weighted in the loop and assigned
+_TOP1_WEIGHTED = _moe('''\
+        B, T, D = x.shape
+        w, ids = torch.topk(F.softmax(self.gate(x), dim=-1), 1, dim=-1)
+        idx = ids.view(-1)
+        gate = w.view(-1)
+        flat_x = x.view(-1, D)
+        out = torch.zeros_like(flat_x)
+        for e in range(self.n):
+            mask = idx == e
+            if mask.any():
+                out[mask] = self.experts[e](flat_x[mask]) * gate[mask].unsqueeze(-1)
+        return out.view(B, T, D)
+''')
+
+# 6. jha-vikas: top-1 column of [N, K] indices, tasks gathered by nonzero rows, computed, then scattered in three loops
+_TOP1_THREE_LOOPS = _moe('''\
+        B, T, C = x.shape
+        probs = torch.sigmoid(self.gate(x))
+        topk_probs, topk_indices = torch.topk(probs, self.k, dim=-1)
+        x_flat = x.view(-1, C)
+        selected_expert = topk_indices.view(-1, self.k)[:, 0]
+        selected_prob = topk_probs.view(-1, self.k)[:, 0]
+        out_flat = torch.zeros_like(x_flat)
+        tasks = []
+        for expert_id in range(self.n):
+            mask = (selected_expert == expert_id)
+            if mask.any():
+                indices = torch.nonzero(mask, as_tuple=False).squeeze(-1)
+                tasks.append((expert_id, indices, x_flat[indices], selected_prob[indices]))
+        outputs = []
+        for expert_id, indices, expert_input, expert_weights in tasks:
+            y = self.experts[expert_id](expert_input)
+            y = y * expert_weights.unsqueeze(-1)
+            outputs.append((indices, y))
+        for indices, y in outputs:
+            out_flat[indices] = y
+        return out_flat.view(B, T, C)
+''')
+
 FUSE_EXAMPLES = [
     Fuse(_ROW_VIEW, name="s43a_add_through_row_view_of_zero_output", run=_run("2, 5, 16"),
          expect={"routing": "mask_where", "indices": "flat_idx", "tokens": "flat_x", "output": "out"}),
@@ -214,6 +325,12 @@ FUSE_EXAMPLES = [
          expect={"routing": "mask_where", "indices": "idx", "probs": "w", "output": "out"}),
     Fuse(_CHAINED, name="s43a_dispatch_chained_over_three_loops", run=_run("9, 16"),
          expect={"routing": "mask_where", "indices": "idx", "probs": "w", "output": "out"}),
+    Fuse(_TOP1_WEIGHTED, name="s43a_top1_flat_indices_weighted_in_the_loop", run=_run("2, 5, 16"),
+         expect={"routing": "flat_mask", "indices": "idx", "probs": "gate", "output": "out"}),
+    Fuse(_TOP1_WEIGHTED.replace("gate[mask].unsqueeze(-1)", "gate[mask][:, None]"),
+         name="s43a_top1_weight_column_by_none", run=_run("2, 5, 16"), expect={"routing": "flat_mask", "probs": "gate"}),
+    Fuse(_TOP1_THREE_LOOPS, name="s43a_top1_column_tasks_three_loops", run=_run("2, 5, 16"),
+         expect={"routing": "flat_mask", "indices": "selected_expert", "probs": "selected_prob", "output": "out_flat"}),
     Fuse(_SLOT_OUTER_ROUTED, name="s43a_slot_loop_around_routed_experts", run=_run("2, 5, 16"),
          expect={"routing": "mask_where", "indices": "top_i", "probs": "top_p", "output": "routed"}),
 ]
@@ -235,6 +352,12 @@ KEEP_EXAMPLES = [
     Keep(_CHAINED.replace("        return out\n", "        return out, results\n"),
          reason="appended to a list but the loop is not over per-expert token counts",
          name="s43a_chained_results_read_after_the_loops"),
+    # the weights of the next row: not the selected rows' own weights
+    Keep(_TOP1_WEIGHTED.replace("gate[mask].unsqueeze(-1)", "gate.roll(1)[mask].unsqueeze(-1)"),
+         reason="not recognised as the routing weight", name="s43a_top1_weight_of_another_row"),
+    # a column of [B, T, K] indices viewed 3-D is [B, K]-shaped rows of slots, not 1-D: nonzero lists pairs
+    Keep(_TOP1_THREE_LOOPS.replace("topk_indices.view(-1, self.k)[:, 0]", "topk_indices.view(B, -1, self.k)[:, 0]"),
+         reason="not shown to be 1-D", name="s43a_top1_column_of_a_3d_view"),
     # the slot loop's weight column is another slot's (k + 1): not the weight of the slot that routed the rows
     Keep(_SLOT_OUTER_ROUTED.replace("prob = top_p[:, k].unsqueeze(-1)", "prob = top_p[:, (k + 1) % self.k].unsqueeze(-1)"),
          reason="not recognised as the routing weight", name="s43a_slot_loop_weight_of_another_slot"),

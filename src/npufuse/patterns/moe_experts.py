@@ -2535,6 +2535,8 @@ class _Eval:
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.s43a_row_view = False  # s43a: rows added through `out.view(-1, D)[rows]`
+        self.s43a_flat_weight = False  # s43a: a weight column `w[rows][:, None]` of 1-D expert indices
+        self.s43a_bound: dict[str, ast.expr] = {}  # s43a: name -> the value the loop body last bound it to
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
 
     # -- header ---------------------------------------------------------------------------
@@ -2732,6 +2734,8 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
+            self.s43a_bound[s.targets[0].id] = s.value
         viewed = _moe_s43a.row_view_target(s)
         if isinstance(viewed, str):
             raise _Miss(viewed)
@@ -3191,6 +3195,15 @@ class _Eval:
             if node.id == self.start_name:
                 return V("start")
             return V("outer", (node.id,))
+        flat_weight = _moe_s43a.flat_row_weight(node, self.ev, self.s43a_bound)
+        if flat_weight is not None and (flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
+                                        or _moe_s43a.column_of_row_view(self.scope, flat_weight[1], self.loop.lineno)):
+            # s43a: `w[rows].unsqueeze(-1)` over 1-D expert indices (top-1 / Switch): each row's weight, applied by
+            # the unpermute as [N, 1] probs where `w` has the indices' shape (a run-time check)
+            self._set_probs(flat_weight[0])
+            self._rank_guard(f"{flat_weight[0]}.shape == {flat_weight[1]}.shape")
+            self.s43a_flat_weight = True
+            return V("rw")
         if self._is_eidx(node):
             return V("eidx")
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
@@ -3836,7 +3849,8 @@ class _Eval:
     def _flat_rows(self, flat: str) -> V:
         """``(flat_idx == e).nonzero()``: an ``[n, 1]`` column of the rows routed to e, in order, when
         ``flat_idx`` is 1-D (tokens repeated per routed expert, or top-1 indices)."""
-        if not flattened_to_1d(self.m, self.scope, flat, self.loop.lineno):
+        if not flattened_to_1d(self.m, self.scope, flat, self.loop.lineno) \
+                and not _moe_s43a.column_of_row_view(self.scope, flat, self.loop.lineno):  # s43a: `idx2d[:, 0]`
             raise _Miss(f"`({flat} == e).nonzero()` over expert indices not shown to be 1-D (a `.view(-1)` / `.flatten()` "
                         "before the loop): for [T, K] indices it lists (row, slot) pairs, not rows")
         return V("flatcol", (flat,))
@@ -3892,6 +3906,7 @@ class _Eval:
         return info
 
     def _call(self, node: ast.Call) -> V:
+        node = _moe_s43a.without_default_as_tuple(node)  # s43a: `nonzero(m, as_tuple=False)` is `nonzero(m)`
         m, f = self.m, node.func
         if _s41b_self_attr(f) and self.scope.class_name in m.classes and self.expert_init is None and "lambda" in m.source:
             lam = _class_init_assigns(m, m.classes[self.scope.class_name]).get(f.attr)  # type: ignore[index, union-attr]
@@ -4517,7 +4532,9 @@ class _Eval:
         return {self.count_guard[0]} if self.count_guard is not None else set()
 
     def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
-        mlp = self._mlp(contrib, weighted=False)
+        mlp = self._mlp(contrib, weighted=self.s43a_flat_weight)
+        if self.s43a_flat_weight and mlp.weights_at != "after_down":
+            raise _Miss("a top-1 weight is applied inside the expert: only a weight on its output maps to the unpermute")
         if self.tuple_call is not None and mlp.layout != "opaque":
             raise _Miss("the expert returns several values: only experts called as they are can give them back")
         if self.tuple_call is not None and self.skip_empty:
@@ -4543,7 +4560,7 @@ class _Eval:
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
                      num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
                      skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque",
-                     lead_rows=self.lead_rows and mlp.layout == "opaque")
+                     lead_rows=self.lead_rows and mlp.layout == "opaque", probs=self.probs if self.s43a_flat_weight else "")
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         if self.tuple_call is None:
@@ -5619,7 +5636,8 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"return {h}" if site.out_mode == "return" else f"{out} = {h}")
     else:
         probs_name = f"{P}probs" if site.sentinel and not local else site.probs
-        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
+        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else \
+            f", probs={site.probs}.reshape(-1, 1).to({h}.dtype)" if site.probs else ""  # s43a: top-1 weights in the loop
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.flat_rows:
             result = f"{result}.reshape({out}.shape)"
