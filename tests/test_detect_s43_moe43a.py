@@ -27,12 +27,10 @@ def test_s43a_replacement_matches_under_the_emulator(pattern, example):
     check_replacement_matches(pattern, example)
 
 
-def _finding(name: str):
-    ex = next(e for e in PATTERN.FUSE if e.name == name)
-    findings, _ = detect_all(PATTERN, ex.code)
-    assert len(findings) == 1
-    return findings[0]
-
-
-def test_s43a_row_view_result_takes_the_output_shape():
-    assert ".reshape(out.shape)" in _finding("s43a_add_through_row_view_of_zero_output").fused
+def test_s43a_row_view_result_takes_the_output_shape_and_top1_weights_are_checked():
+    codes = {e.name: e.code for e in PATTERN.FUSE}
+    (view,), _ = detect_all(PATTERN, codes["s43a_add_through_row_view_of_zero_output"])
+    assert ".reshape(out.shape)" in view.fused
+    (top1,), _ = detect_all(PATTERN, codes["s43a_top1_flat_indices_weighted_in_the_loop"])
+    assert "probs=gate.reshape(-1, 1)" in top1.fused
+    assert "(gate.shape == idx.shape)" in top1.guard_tensor
