@@ -133,8 +133,8 @@ def _as_column(node: ast.expr) -> Optional[ast.expr]:
 
 
 def flat_row_weight(node: ast.expr, kind_of: Callable[[ast.expr], Any], bound_in_loop: dict[str, ast.expr]
-                    ) -> Optional[tuple[str, str]]:
-    """(weights name, flat indices name) for the [n, 1] column (:func:`_as_column`) of ``w[rows]`` -- written in place
+                    ) -> Optional[tuple[str, str, str]]:
+    """(weights name, flat indices name, kind of the rows) for the [n, 1] column (:func:`_as_column`) of ``w[rows]`` -- written in place
     or bound to a name earlier in the loop -- with ``rows`` this expert's rows of flat expert indices
     (``(flat == e).nonzero().squeeze(-1)`` or the mask ``flat == e``) and ``w`` a name from before the loop: each
     selected row's own weight when ``w`` has the indices' shape (the caller proves the indices 1-D and adds that
@@ -150,7 +150,7 @@ def flat_row_weight(node: ast.expr, kind_of: Callable[[ast.expr], Any], bound_in
     rows = kind_of(inner.slice)
     if rows.kind not in ("flatrow", "flatmask") or not rows.args:
         return None
-    return inner.value.id, rows.args[0]
+    return inner.value.id, rows.args[0], rows.kind
 
 
 def _fresh_empty_list(stmt: ast.stmt) -> Optional[str]:
@@ -291,6 +291,17 @@ _TOP1_WEIGHTED = _moe('''\
         return out.view(B, T, D)
 ''')
 
+# 5b. Switch top-1 by max over [B, T, E] probs: [B, T] indices and gates, boolean masks over the 3-D tokens
+_TOP1_MAX = _moe('''\
+        gate, idx = F.softmax(self.gate(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            mask = idx == e
+            if mask.any():
+                out[mask] = self.experts[e](x[mask]) * gate[mask].unsqueeze(-1)
+        return out
+''')
+
 # 6. jha-vikas: top-1 column of [N, K] indices, tasks gathered by nonzero rows, computed, then scattered in three loops
 _TOP1_THREE_LOOPS = _moe('''\
         B, T, C = x.shape
@@ -329,6 +340,8 @@ FUSE_EXAMPLES = [
          expect={"routing": "flat_mask", "indices": "idx", "probs": "gate", "output": "out"}),
     Fuse(_TOP1_WEIGHTED.replace("gate[mask].unsqueeze(-1)", "gate[mask][:, None]"),
          name="s43a_top1_weight_column_by_none", run=_run("2, 5, 16"), expect={"routing": "flat_mask", "probs": "gate"}),
+    Fuse(_TOP1_MAX, name="s43a_top1_max_masks_over_3d_tokens", run=_run("2, 5, 16"),
+         expect={"routing": "flat_mask", "indices": "idx", "probs": "gate", "output": "out"}),
     Fuse(_TOP1_THREE_LOOPS, name="s43a_top1_column_tasks_three_loops", run=_run("2, 5, 16"),
          expect={"routing": "flat_mask", "indices": "selected_expert", "probs": "selected_prob", "output": "out_flat"}),
     Fuse(_SLOT_OUTER_ROUTED, name="s43a_slot_loop_around_routed_experts", run=_run("2, 5, 16"),
@@ -355,6 +368,10 @@ KEEP_EXAMPLES = [
     # the weights of the next row: not the selected rows' own weights
     Keep(_TOP1_WEIGHTED.replace("gate[mask].unsqueeze(-1)", "gate.roll(1)[mask].unsqueeze(-1)"),
          reason="not recognised as the routing weight", name="s43a_top1_weight_of_another_row"),
+    # the top-1 weight scales the expert's input: the same as weighting its output only for a linear expert
+    Keep(_TOP1_MAX.replace("self.experts[e](x[mask]) * gate[mask].unsqueeze(-1)",
+                           "self.experts[e](x[mask] * gate[mask].unsqueeze(-1))"),
+         reason="scale the expert's input", name="s43a_top1_weight_on_the_expert_input"),
     # a column of [B, T, K] indices viewed 3-D is [B, K]-shaped rows of slots, not 1-D: nonzero lists pairs
     Keep(_TOP1_THREE_LOOPS.replace("topk_indices.view(-1, self.k)[:, 0]", "topk_indices.view(B, -1, self.k)[:, 0]"),
          reason="not shown to be 1-D", name="s43a_top1_column_of_a_3d_view"),

@@ -3196,10 +3196,12 @@ class _Eval:
                 return V("start")
             return V("outer", (node.id,))
         flat_weight = _moe_s43a.flat_row_weight(node, self.ev, self.s43a_bound)
-        if flat_weight is not None and (flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
+        if flat_weight is not None and (flat_weight[2] == "flatmask"
+                                        or flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
                                         or _moe_s43a.column_of_row_view(self.scope, flat_weight[1], self.loop.lineno)):
-            # s43a: `w[rows].unsqueeze(-1)` over 1-D expert indices (top-1 / Switch): each row's weight, applied by
-            # the unpermute as [N, 1] probs where `w` has the indices' shape (a run-time check)
+            # s43a: `w[rows].unsqueeze(-1)` over flat expert indices (top-1 / Switch): each row's weight, applied by
+            # the unpermute as [N, 1] probs where `w` has the indices' shape (a run-time check: a boolean mask then
+            # picks w's entries in the order it picks the tokens' rows; row numbers need 1-D indices)
             self._set_probs(flat_weight[0])
             self._rank_guard(f"{flat_weight[0]}.shape == {flat_weight[1]}.shape")
             self.s43a_flat_weight = True
