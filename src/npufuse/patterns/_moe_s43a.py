@@ -115,6 +115,19 @@ def column_of_row_view(scope: Any, name: str, before_line: int) -> bool:
             and base.args[0].operand.value == 1)
 
 
+def top1_indices(scope: Any, name: str, before_line: int) -> bool:
+    """``name`` is bound (last, before ``before_line``) to the indices of a max: ``v.max(dim=-1)[1]`` /
+    ``torch.max(v, dim)`` unpacked, or ``argmax`` -- one expert per token by construction, whatever the shape."""
+    node = scope.definition(name, before_line)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 1:
+        call = node.value
+        return isinstance(call, ast.Call) and (
+            isinstance(call.func, ast.Attribute) and call.func.attr == "max" and len(call.args) + len(call.keywords) >= (
+                1 if not (isinstance(call.func.value, ast.Name) and call.func.value.id == "torch") else 2))
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "argmax" \
+        and bool(node.args or node.keywords)
+
+
 def _as_column(node: ast.expr) -> Optional[ast.expr]:
     """``v`` of ``v.unsqueeze(-1)`` / ``v.unsqueeze(1)`` / ``v[:, None]`` / ``v.view(-1, 1)`` / ``v.reshape(-1, 1)``
     (an [n] vector as an [n, 1] column); else None."""

@@ -3196,12 +3196,13 @@ class _Eval:
                 return V("start")
             return V("outer", (node.id,))
         flat_weight = _moe_s43a.flat_row_weight(node, self.ev, self.s43a_bound)
-        if flat_weight is not None and (flat_weight[2] == "flatmask"
+        if flat_weight is not None and (flat_weight[2] == "flatmask" and _moe_s43a.top1_indices(self.scope, flat_weight[1], self.loop.lineno)
                                         or flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
                                         or _moe_s43a.column_of_row_view(self.scope, flat_weight[1], self.loop.lineno)):
             # s43a: `w[rows].unsqueeze(-1)` over flat expert indices (top-1 / Switch): each row's weight, applied by
-            # the unpermute as [N, 1] probs where `w` has the indices' shape (a run-time check: a boolean mask then
-            # picks w's entries in the order it picks the tokens' rows; row numbers need 1-D indices)
+            # the unpermute as [N, 1] probs where `w` has the indices' shape (a run-time check). Indices proven 1-D, or
+            # of a max / argmax (one expert per token, any shape: a boolean mask picks w's entries in the tokens' row
+            # order); other masks are the mask routing's to read
             self._set_probs(flat_weight[0])
             self._rank_guard(f"{flat_weight[0]}.shape == {flat_weight[1]}.shape")
             self.s43a_flat_weight = True
