@@ -40,6 +40,7 @@ from typing import Any, Iterable, Optional
 from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
+from npufuse.patterns import _moe_s43a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -322,13 +323,14 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _looks_like_moe(module, stmt):
             continue  # every recognised form mentions experts or scatters rows back
         looks = not quiet
-        two_phase = _s42_two_phase(scope, block, i, stmt)
+        two_phase = _moe_s43a.chained_phases(scope, block, i, stmt, _s42_two_phase)
         if two_phase is not None:
             # s42: `pairs.append((rows, y))` per expert, then `for rows, y in pairs: <combine>`: read as one loop
-            merged, combine = two_phase
-            covered.append((combine.lineno, combine.end_lineno or combine.lineno))
+            # (s43a: along a chain of such loops, with the later lists made between them)
+            merged_block, k, merged, combines = two_phase
+            covered += [(c.lineno, c.end_lineno or c.lineno) for c in combines]
             try:
-                site = _analyze_loop(module, scope, block[:i] + [merged] + block[i + 2:], i, merged)
+                site = _analyze_loop(module, scope, merged_block, k, merged)
             except _Miss as miss:
                 if looks:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, merged.end_lineno or stmt.lineno,
@@ -2345,8 +2347,12 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
 
 
 def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
-    """Worth analysing: the loop is about experts or has the shape of a per-expert dispatch."""
-    return _names_experts(loop) or _dispatch_shape(loop)
+    """Worth analysing: the loop is about experts or has the shape of a per-expert dispatch (s43a: or is a top-k
+    slot loop around such a loop, whatever its experts are called)."""
+    if _names_experts(loop) or _dispatch_shape(loop):
+        return True
+    inner = _slot_outer_loop(loop)
+    return inner is not None and (_names_experts(inner) or _dispatch_shape(inner))
 
 
 def _canon(module: ModuleInfo, node: ast.AST) -> str:
@@ -2565,6 +2571,9 @@ class _Eval:
         self.rank_guards: list[str] = []  # s42: run-time rank facts a read rests on (`.any(dim=1)` is the last dim of 2-D indices)
         self.cond = ""  # s42b: `expert(x[sel], cond[sel])`: the conditioning tensor
         self.more_conds: tuple[str, ...] = ()  # s43b: `expert(x[sel], c[sel], g[sel])`: the conditioning after the first
+        self.s43a_row_view = False  # s43a: rows added through `out.view(-1, D)[rows]`
+        self.s43a_flat_weight = False  # s43a: a weight column `w[rows][:, None]` of 1-D expert indices
+        self.s43a_bound: dict[str, ast.expr] = {}  # s43a: name -> the value the loop body last bound it to
         self.shared_call: Optional[ast.Call] = None  # s42b: `+ self.shared(x[rows])` in the write-back, once per pair
         self.s43b_replay: list[ast.stmt] = []  # s43b: the loop's side statements, run in a loop of their own after the dispatch
         self.s43b_rows_term: tuple[str, str] = ("", "")  # s43b: (S, write mode) of `out[rows] = y + S[rows]`, S made before
@@ -2764,6 +2773,14 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
+            self.s43a_bound[s.targets[0].id] = s.value
+        viewed = _moe_s43a.row_view_target(s)
+        if isinstance(viewed, str):
+            raise _Miss(viewed)
+        if viewed is not None:
+            self.s43a_row_view = True  # s43a: `out.view(-1, D)[rows] += v`: the fused result is reshaped to out's shape
+            s = viewed
         if isinstance(s, ast.If) and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
                 and self._nonempty_test(s.test) and (not s.orelse or _adds_zero_only(s.orelse)):
             # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch; an else
@@ -3217,6 +3234,18 @@ class _Eval:
             if node.id == self.start_name:
                 return V("start")
             return V("outer", (node.id,))
+        flat_weight = _moe_s43a.flat_row_weight(node, self.ev, self.s43a_bound)
+        if flat_weight is not None and (flat_weight[2] == "flatmask" and _moe_s43a.top1_indices(self.scope, flat_weight[1], self.loop.lineno)
+                                        or flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
+                                        or _moe_s43a.column_of_row_view(self.scope, flat_weight[1], self.loop.lineno)):
+            # s43a: `w[rows].unsqueeze(-1)` over flat expert indices (top-1 / Switch): each row's weight, applied by
+            # the unpermute as [N, 1] probs where `w` has the indices' shape (a run-time check). Indices proven 1-D, or
+            # of a max / argmax (one expert per token, any shape: a boolean mask picks w's entries in the tokens' row
+            # order); other masks are the mask routing's to read
+            self._set_probs(flat_weight[0])
+            self._rank_guard(f"{flat_weight[0]}.shape == {flat_weight[1]}.shape")
+            self.s43a_flat_weight = True
+            return V("rw")
         if self._is_eidx(node):
             return V("eidx")
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
@@ -3881,7 +3910,8 @@ class _Eval:
     def _flat_rows(self, flat: str) -> V:
         """``(flat_idx == e).nonzero()``: an ``[n, 1]`` column of the rows routed to e, in order, when
         ``flat_idx`` is 1-D (tokens repeated per routed expert, or top-1 indices)."""
-        if not flattened_to_1d(self.m, self.scope, flat, self.loop.lineno):
+        if not flattened_to_1d(self.m, self.scope, flat, self.loop.lineno) \
+                and not _moe_s43a.column_of_row_view(self.scope, flat, self.loop.lineno):  # s43a: `idx2d[:, 0]`
             raise _Miss(f"`({flat} == e).nonzero()` over expert indices not shown to be 1-D (a `.view(-1)` / `.flatten()` "
                         "before the loop): for [T, K] indices it lists (row, slot) pairs, not rows")
         return V("flatcol", (flat,))
@@ -3937,6 +3967,7 @@ class _Eval:
         return info
 
     def _call(self, node: ast.Call) -> V:
+        node = _moe_s43a.without_default_as_tuple(node)  # s43a: `nonzero(m, as_tuple=False)` is `nonzero(m)`
         m, f = self.m, node.func
         if _s41b_self_attr(f) and self.scope.class_name in m.classes and self.expert_init is None and "lambda" in m.source:
             lam = _class_init_assigns(m, m.classes[self.scope.class_name]).get(f.attr)  # type: ignore[index, union-attr]
@@ -4403,6 +4434,13 @@ class _Eval:
             raise _Miss(f"the loop also writes one value per expert (`{self.count_stats[0][4]}`), which the fused layer "
                         "does not compute")
         site = self._finish(block, i)
+        aliased = _moe_s43a.output_aliases_tokens(self.scope, site.out_name, site.tokens, self.loop.lineno) \
+            if site is not None and site.out_name and site.tokens else None
+        if aliased is not None:
+            raise _Miss(aliased)
+        if site is not None and self.s43a_row_view and not site.flat_rows:
+            # (mask routing reads the view's rows as the output's flattened rows: the result takes its shape)
+            raise _Miss("rows are added through a `.view(-1, D)` of the output: read only for mask routing")
         if site is not None and self.shared_call is not None:
             site.dense_tail = self._s42b_shared_tail(site)
         if site is not None and self.s43b_rows_term[0]:
@@ -4539,7 +4577,8 @@ class _Eval:
         site = _Site(routing="mask_where", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=indices,
                      probs=self.probs, num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc,
                      sentinel=sentinel, local_start=self.local_start, skip_empty=self.skip_empty,
-                     flat_rows=bool(self.tok_indices) or self.token_dims > 1 or bool(self.slot_var) and self.slot_dims != 2, token_dims=self.token_dims,
+                     flat_rows=bool(self.tok_indices) or self.token_dims > 1 or bool(self.slot_var) and self.slot_dims != 2
+                     or self.s43a_row_view, token_dims=self.token_dims,
                      dense_gates=self.dense_gates, weight_select=self.weight_select,
                      slot_columns=bool(self.slot_var))
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
@@ -4556,7 +4595,9 @@ class _Eval:
         return {self.count_guard[0]} if self.count_guard is not None else set()
 
     def _finish_flat(self, block: list[ast.stmt], i: int, acc: str, contrib: V, flat: str) -> _Site:
-        mlp = self._mlp(contrib, weighted=False)
+        mlp = self._mlp(contrib, weighted=self.s43a_flat_weight)
+        if self.s43a_flat_weight and mlp.weights_at != "after_down":
+            raise _Miss("a top-1 weight is applied inside the expert: only a weight on its output maps to the unpermute")
         if self.tuple_call is not None and mlp.layout != "opaque":
             raise _Miss("the expert returns several values: only experts called as they are can give them back")
         if self.tuple_call is not None and self.skip_empty:
@@ -4582,7 +4623,7 @@ class _Eval:
         site = _Site(routing="flat_mask", loop=self.loop_kind, tokens=self._tokens_name(contrib), indices=flat,
                      num_experts=self.num_experts, bins=self.bins, mlp=mlp, out_name=acc, local_start=self.local_start,
                      skip_empty=self.skip_empty, column_rows=self.column_rows and mlp.layout == "opaque",
-                     lead_rows=self.lead_rows and mlp.layout == "opaque")
+                     lead_rows=self.lead_rows and mlp.layout == "opaque", probs=self.probs if self.s43a_flat_weight else "")
         site.top_k = "1 (tokens repeated per routed expert before the loop)"
         self._experts_list(site)
         if self.tuple_call is None:
@@ -5667,7 +5708,8 @@ def _fused_text(site: _Site) -> str:
         lines.append(f"return {h}" if site.out_mode == "return" else f"{out} = {h}")
     else:
         probs_name = f"{P}probs" if site.sentinel and not local else site.probs
-        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else ""
+        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else \
+            f", probs={site.probs}.reshape(-1, 1).to({h}.dtype)" if site.probs else ""  # s43a: top-1 weights in the loop
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.flat_rows:
             result = f"{result}.reshape({out}.shape)"
@@ -14752,3 +14794,5 @@ MoeExperts.KEEP += s42c.KEEP
 # s43b (moe43b): recall classes of real HO19b misses, the split loop's rank guards (patterns/_moe_s43b.py)
 MoeExperts.FUSE += _moe_s43b.FUSE_EXAMPLES
 MoeExperts.KEEP += _moe_s43b.KEEP_EXAMPLES
+MoeExperts.FUSE += _moe_s43a.FUSE_EXAMPLES  # s43a: the real HO19a misses' classes (patterns/_moe_s43a.py)
+MoeExperts.KEEP += _moe_s43a.KEEP_EXAMPLES
