@@ -264,6 +264,10 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line) or _module_constant(module, node.id)
         return value is not None and _is_extreme(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        # s43 (audit43, TorchRL's AutoResetTransform: ``self.fill_float = fill_float`` after
+        # ``fill_float = float("nan")`` in __init__): what the class stores there
+        return any(is_inf(module, where, v, getattr(v, "lineno", line)) for where, v in _attribute_values(module, scope, node.attr))
     if isinstance(node, ast.Call):
         name = module.canonical(node.func) or ""
         if name == "torch.where" and len(node.args) == 3:
@@ -279,6 +283,46 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
                 args = [node.func.value]
             return any(_is_extreme(module, scope, a, line, depth + 1) for a in args)
     return False
+
+
+def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple[Scope, ast.expr]]:
+    """The values the class of ``scope`` assigns to ``self.<attr>`` in its methods, with, for a parameter of that
+    method, its default and every rebinding there (``fill = float("nan")``). Indexed once per module and class."""
+    if scope.class_name is None:
+        return []
+    index: dict[str, dict[str, list[tuple[Scope, ast.expr]]]] = module.__dict__.setdefault("_npufuse_self_attrs", {})
+    table = index.get(scope.class_name)
+    if table is None:
+        table = index[scope.class_name] = {}
+        for method in module.scopes:
+            if method.class_name != scope.class_name:
+                continue
+            for stmt in method.body:
+                for n in fast_walk(stmt):
+                    if not isinstance(n, ast.Assign):
+                        continue
+                    for t in n.targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            table.setdefault(t.attr, []).append((method, n.value))
+    out: list[tuple[Scope, ast.expr]] = []
+    for method, value in table.get(attr, []):
+        out.append((method, value))
+        if isinstance(value, ast.Name):
+            out += [(method, v) for _, v in method.assignments.get(value.id, [])]
+            default = _param_default_of(method, value.id)
+            if default is not None:
+                out.append((method, default))
+    return out
+
+
+def _param_default_of(scope: Scope, name: str) -> Optional[ast.expr]:
+    fn = scope.node
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    a = fn.args
+    pos = [*a.posonlyargs, *a.args]
+    pairs = [*zip(pos[len(pos) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs, a.kw_defaults)]
+    return next((d for arg, d in pairs if arg.arg == name and d is not None), None)
 
 
 def _module_constant(module: ModuleInfo, name: str) -> Optional[ast.expr]:
@@ -305,6 +349,38 @@ def _finite_scalar_op(scope: Scope, n: ast.BinOp) -> bool:
 
 
 _INTEGER_DTYPES = {"torch.long", "torch.int", "torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8"}
+
+
+def _nonzero_denominator(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """A denominator that is never 0: clamped to a positive minimum (``n.clamp_min(1e-12)``, ``n.clamp(min=eps)``)
+    or a count whose zeros are filled (``bins.masked_fill(bins == 0, 1)``). s43 (audit43, encodec's kmeans, TorchRL's
+    quaternions): such a division is no guarded computation."""
+    if depth > 4:
+        return False
+    if isinstance(node, ast.Subscript):
+        return _nonzero_denominator(module, scope, node.value, line, depth + 1)
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        return value is not None and _nonzero_denominator(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if not isinstance(node, ast.Call):
+        return False
+    name = module.canonical(node.func) or ""
+    method = node.func.attr if isinstance(node.func, ast.Attribute) and not name.startswith("torch.") else ""
+    args = list(node.args) if method else list(node.args[1:])
+    low = keyword(node, "min") or (args[0] if args else None)
+    if method in ("clamp_min", "clamp", "clip") or name in ("torch.clamp", "torch.clamp_min", "torch.clip"):
+        return _positive_number(const_value(low)) if low is not None else False
+    if method == "masked_fill" and len(node.args) == 2:
+        cond, fill = node.args
+        fill_v = const_value(fill)
+        zero_test = (isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq)
+                     and const_value(cond.comparators[0]) == 0 and ast.dump(cond.left) == ast.dump(node.func.value))
+        if isinstance(cond, ast.Name):
+            d = scope.definition(cond.id, line)
+            zero_test = (isinstance(d, ast.Compare) and len(d.ops) == 1 and isinstance(d.ops[0], ast.Eq)
+                         and const_value(d.comparators[0]) == 0 and ast.dump(d.left) == ast.dump(node.func.value))
+        return zero_test and isinstance(fill_v, (int, float)) and not isinstance(fill_v, bool) and fill_v != 0
+    return False
 
 
 def _integer_cast(module: ModuleInfo, node: ast.AST) -> bool:
@@ -344,7 +420,8 @@ def _unsafe_in(module: ModuleInfo, scope: Scope, root: ast.AST) -> Optional[str]
     for n in fast_walk(root):
         if id(n) in cast:
             continue
-        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n) and not (
+                isinstance(n.op, ast.Div) and _nonzero_denominator(module, scope, n.right, n.lineno)):
             return ast.unparse(n)
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]

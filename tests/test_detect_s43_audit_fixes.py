@@ -1,0 +1,264 @@
+"""s43 audit fixes (audit43): the classes behind the wrong / dubious candidates and the false near-miss reasons of
+this session's precision audit on 15 repositories new to npufuse (bench/audit_s43_precision.json,
+bench/audit_s43_near_misses.json).
+
+W1 sdpa (optimum BetterTransformer ``bloom_forward``): ``alibi = torch.masked_fill(alibi, attention_mask,
+   torch.finfo(alibi.dtype).min)`` then ``F.scaled_dot_product_attention(q, k, v, attn_mask=alibi)``. The fill value
+   (finfo.min) was taken as proof of a 0/-inf mask, so ``alibi < 0`` went to the op with no value check: the ALiBi
+   bias (slopes * positions, not 0) was dropped. A masked_fill is a 0/-inf mask only when the tensor filled is one
+   (zeros, or a 0/-inf mask itself); otherwise its values are checked at run time.
+W2 affinity_index_put (mmdet ``RegionAssigner``): ``labels[pos] = gt_labels[gt_inds[pos] - 1]``: the gathered term
+   is the INDEX of another tensor; the where form evaluates ``gt_labels[gt_inds - 1]`` on every row, and the rows the
+   mask leaves out hold -1 / 0 (index -2 / -1: an IndexError with one ground truth, any index with none).
+W3 affinity_where (TorchRL ``AutoResetTransform``): ``torch.where(mask, torch.full_like(val, self.fill_float), val)``
+   with ``fill_float = float("nan")`` set in ``__init__``: lerp(val, nan, 0) is NaN everywhere. An attribute fill
+   value is traced to its assignments in the class (and a parameter's default / rebinding there).
+W4 affinity_index_put (ProteinWorkshop ``centralize``): ``values = batch[key][node_mask]`` then
+   ``masked[node_mask] = values - centroid[batch_index][node_mask]``: ``values`` (selection-sized) was kept as is
+   beside the whole-tensor terms (a shape mismatch). A name bound to the gathered elements is selection-sized.
+D2 affinity_index_put (ProteinWorkshop ``decentralize``): ``masked[m] = x[m] + centroid[batch_index]``: a term
+   gathered by another index tensor, not by the mask, has the index's rows (selection-sized where the eager sum runs).
+R1 affinity_where (reason, encodec kmeans / TorchRL quaternions): "computes `a / b.clamp_min(1e-12)`, which can be
+   inf/NaN": a denominator clamped to a positive minimum (or a count with its zeros filled) is never 0.
+R2 affinity_index_put (reason, TorchRL ``diff[mask] = diff.max() + 1``): "may hold one row per selected element" for
+   a full reduction (a 0-d tensor). Reworded.
+"""
+
+from __future__ import annotations
+
+from npufuse.patterns.affinity_index_put import AffinityIndexPut
+from npufuse.patterns.affinity_where import AffinityWhere
+from npufuse.patterns.sdpa import SdpaPattern
+from pattern_harness import detect_all
+
+# -- W1: a masked_fill of a bias (not of zeros) is no 0/-inf mask
+
+_BLOOM_ALIBI = """
+import torch
+
+
+def bloom_forward(self, query_layer, key_layer, value_layer, alibi, attention_mask, batch_size):
+    alibi = alibi.reshape(batch_size, -1, *alibi.shape[1:])
+    alibi = torch.masked_fill(alibi, attention_mask, torch.finfo(alibi.dtype).min)
+    context_layer = torch.nn.functional.scaled_dot_product_attention(
+        query_layer, key_layer, value_layer, attn_mask=alibi,
+    )
+    return context_layer
+"""
+
+_ZEROS_FILLED = """
+import torch
+
+
+def attend(q, k, v, keep):
+    bias = torch.zeros(q.shape[-2], k.shape[-2], device=q.device)
+    bias = bias.masked_fill(~keep, float("-inf"))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+"""
+
+
+def test_a_masked_fill_of_a_bias_gets_its_values_checked() -> None:
+    findings, _ = detect_all(SdpaPattern(), _BLOOM_ALIBI)
+    assert len(findings) == 1
+    fused = findings[0].fused
+    # the run-time value check decides: an ALiBi bias (not 0/-inf) keeps the original SDPA call
+    assert "<= -1000.0" in fused and "alibi < 0" in fused
+
+
+def test_a_masked_fill_of_zeros_is_still_a_mask_without_a_check() -> None:
+    findings, _ = detect_all(SdpaPattern(), _ZEROS_FILLED)
+    assert len(findings) == 1
+    assert "<= -1000.0" not in findings[0].fused
+
+
+# -- W2: the gathered elements used as indices of another tensor
+
+_GATHER_BY_GATHERED = """
+import torch
+
+
+def assign(gt_inds, gt_labels):
+    labels = torch.zeros_like(gt_inds)
+    pos = gt_inds > 0
+    labels[pos] = gt_labels[gt_inds[pos] - 1]
+    return labels
+"""
+
+_GATHERED_ELEMENTWISE = """
+import torch
+
+
+def assign(gt_inds, scores):
+    labels = torch.zeros_like(scores)
+    pos = gt_inds > 0
+    labels[pos] = scores[pos] * 2.0 + 1.0
+    return labels
+"""
+
+
+def test_gathered_elements_used_as_indices_are_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _GATHER_BY_GATHERED)
+    assert not findings
+    assert any("index" in m.reason and "gt_labels" in m.reason for m in misses)
+
+
+def test_gathered_elements_in_arithmetic_still_fuse() -> None:
+    findings, _ = detect_all(AffinityIndexPut(), _GATHERED_ELEMENTWISE)
+    assert len(findings) == 1
+
+
+# -- W3: a fill value read off an attribute the class sets to NaN
+
+_NAN_ATTRIBUTE = """
+import torch
+
+
+class AutoReset:
+    def __init__(self, fill_float="nan"):
+        if fill_float == "nan":
+            fill_float = float("nan")
+        self.fill_float = fill_float
+
+    def replace(self, val, mask):
+        return torch.where(mask, torch.full_like(val, self.fill_float), val)
+"""
+
+_FINITE_ATTRIBUTE = """
+import torch
+
+
+class AutoReset:
+    def __init__(self, fill_float=0.5):
+        self.fill_float = fill_float
+
+    def replace(self, val, mask):
+        return torch.where(mask, torch.full_like(val, self.fill_float), val)
+"""
+
+
+def test_a_fill_attribute_set_to_nan_is_not_inf_safe() -> None:
+    findings, misses = detect_all(AffinityWhere(), _NAN_ATTRIBUTE)
+    assert not findings
+    assert any("NaN" in m.reason for m in misses)
+
+
+def test_a_finite_fill_attribute_still_becomes_lerp() -> None:
+    findings, _ = detect_all(AffinityWhere(), _FINITE_ATTRIBUTE)
+    assert len(findings) == 1
+
+
+# -- W4 / D2: selection-sized operands beside whole-tensor terms
+
+_BOUND_GATHER = """
+import torch
+
+
+def centralize(pos, batch_index, node_mask, centroid):
+    masked = torch.ones_like(pos) * 2.0
+    values = pos[node_mask]
+    masked[node_mask] = values - centroid[batch_index][node_mask]
+    return masked
+"""
+
+_INDEX_GATHER = """
+import torch
+
+
+def decentralize(pos, batch_index: torch.Tensor, node_mask, centroid):
+    masked = torch.ones_like(pos) * 2.0
+    masked[node_mask] = pos[node_mask] + centroid[batch_index]
+    return masked
+"""
+
+_BOTH_GATHERED = """
+import torch
+
+
+def decentralize(pos, batch_index, node_mask, centroid):
+    masked = torch.ones_like(pos) * 2.0
+    masked[node_mask] = pos[node_mask] + centroid[batch_index][node_mask]
+    return masked
+"""
+
+
+def test_a_name_bound_to_the_gathered_elements_is_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _BOUND_GATHER)
+    assert not findings
+    assert any("`values`" in m.reason for m in misses)
+
+
+def test_a_term_gathered_by_another_index_is_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _INDEX_GATHER)
+    assert not findings
+    assert any("centroid[batch_index]" in m.reason for m in misses)
+
+
+def test_terms_all_gathered_with_the_mask_still_fuse() -> None:
+    findings, _ = detect_all(AffinityIndexPut(), _BOTH_GATHERED)
+    assert len(findings) == 1
+
+
+# -- R1: a denominator clamped to a positive minimum is never 0
+
+_CLAMPED_DENOMINATOR = """
+import torch
+
+
+def normalize_or_identity(quat, identity):
+    norm = quat.norm(dim=-1, keepdim=True)
+    normalized = quat / norm.clamp_min(1e-12)
+    return torch.where(norm > 1e-12, normalized, identity)
+"""
+
+_COUNT_FILLED = """
+import torch
+
+
+def update(means, sums, bins):
+    zero_mask = bins == 0
+    bins_min_clamped = bins.masked_fill(zero_mask, 1)
+    new_means = sums / bins_min_clamped[..., None]
+    return torch.where(zero_mask[..., None], means, new_means)
+"""
+
+_UNCLAMPED_DENOMINATOR = """
+import torch
+
+
+def normalize_or_identity(quat, identity):
+    norm = quat.norm(dim=-1, keepdim=True)
+    normalized = quat / norm
+    return torch.where(norm > 1e-12, normalized, identity)
+"""
+
+
+def test_a_clamped_denominator_is_no_guarded_division() -> None:
+    for code in (_CLAMPED_DENOMINATOR, _COUNT_FILLED):
+        findings, misses = detect_all(AffinityWhere(), code)
+        assert len(findings) == 1, [m.reason for m in misses]
+
+
+def test_an_unclamped_denominator_stays_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityWhere(), _UNCLAMPED_DENOMINATOR)
+    assert not findings
+    assert any("inf/NaN" in m.reason for m in misses)
+
+
+# -- R2: a full reduction is one value, not one row per selected element
+
+_FULL_REDUCTION = """
+import torch
+
+
+def mark(diff, other):
+    mask = other != 0
+    diff[mask] = diff.max() + 1
+    return diff
+"""
+
+
+def test_a_full_reduction_value_is_not_called_selection_sized() -> None:
+    _, misses = detect_all(AffinityIndexPut(), _FULL_REDUCTION)
+    assert misses
+    assert all("one row per selected element" not in m.reason for m in misses)
+    assert any("0-d" in m.reason for m in misses)
