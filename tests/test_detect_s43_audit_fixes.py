@@ -262,3 +262,24 @@ def test_a_full_reduction_value_is_not_called_selection_sized() -> None:
     assert misses
     assert all("one row per selected element" not in m.reason for m in misses)
     assert any("0-d" in m.reason for m in misses)
+
+
+# -- D1 attention (mmpose's MultiheadAttention with ``residual_attn.unsqueeze(0)``): a per-head 4-D mask term
+
+
+def test_a_per_head_mask_term_folds_over_batch_and_heads() -> None:
+    import torch
+
+    from npufuse.patterns._attention_audit40 import fold_term_lambda
+
+    b, n, sq, sk = 2, 3, 4, 5
+    q = torch.zeros(b * n, sq, 8)
+    env: dict = {"q": q, "torch": torch}
+    exec(fold_term_lambda(None, "q", "q.shape[1]", str(sk)), env)
+    fold = env["_npufuse_fold"]
+    per_head = torch.rand(1, n, sq, sk) < 0.5
+    per_batch = torch.rand(b, 1, 1, sk) < 0.5
+    view = torch.zeros(b, n, sq, sk, dtype=torch.bool)
+    for term in (per_head, per_batch, torch.rand(b, n, sq, sk) < 0.5, torch.rand(1, 1, sq, sk) < 0.5):
+        want = (view | term).reshape(b * n, 1, sq, sk)  # the eager view(B, N, ..) broadcast, folded like q
+        assert torch.equal(fold(term).expand(b * n, 1, sq, sk), want)
