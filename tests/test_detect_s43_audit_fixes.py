@@ -283,3 +283,39 @@ def test_a_per_head_mask_term_folds_over_batch_and_heads() -> None:
     for term in (per_head, per_batch, torch.rand(b, n, sq, sk) < 0.5, torch.rand(1, 1, sq, sk) < 0.5):
         want = (view | term).reshape(b * n, 1, sq, sk)  # the eager view(B, N, ..) broadcast, folded like q
         assert torch.equal(fold(term).expand(b * n, 1, sq, sk), want)
+
+
+# -- W5 affinity_where (TorchRL ``LossModule._reduce_loss``): the author's comment says the masked values may be NaN
+
+_COMMENTED_GUARD = """
+import torch
+
+
+def reduce_loss(loss, mask):
+    # Select rather than multiply: masked positions may hold non-finite
+    # values, and ``nan * 0`` is ``nan`` in both the forward and the
+    # backward pass.
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    return loss.sum()
+"""
+
+_UNCOMMENTED_MASKING = """
+import torch
+
+
+def reduce_loss(loss, mask):
+    # zero the padded positions before the sum
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    return loss.sum()
+"""
+
+
+def test_a_comment_naming_nan_at_the_blend_makes_it_a_guard() -> None:
+    findings, misses = detect_all(AffinityWhere(), _COMMENTED_GUARD)
+    assert not findings
+    assert any("non-finite" in m.reason for m in misses)
+
+
+def test_a_masking_blend_without_such_a_comment_still_becomes_lerp() -> None:
+    findings, _ = detect_all(AffinityWhere(), _UNCOMMENTED_MASKING)
+    assert len(findings) == 1

@@ -383,6 +383,24 @@ def _nonzero_denominator(module: ModuleInfo, scope: Scope, node: ast.AST, line: 
     return False
 
 
+_NON_FINITE_WORDS = re.compile(r"\b(nan|nans|inf|infs|non-?finite|infinite|infinity)\b", re.IGNORECASE)
+
+
+def _comment_says_non_finite(module: ModuleInfo, line: int, end: int) -> Optional[str]:
+    """A comment on the three lines above the statement or on its own lines that names NaN / inf: s43 (audit43,
+    TorchRL's ``_reduce_loss``: "Select rather than multiply: masked positions may hold non-finite values") the
+    author says the where is a guard, which no dataflow of a parameter shows."""
+    lines = module.lines
+    for i in range(max(line - 3, 1), min(end, len(lines)) + 1):
+        text = lines[i - 1]
+        if "#" not in text:
+            continue
+        comment = text[text.index("#") + 1:].strip()
+        if _NON_FINITE_WORDS.search(comment):
+            return comment
+    return None
+
+
 def _integer_cast(module: ModuleInfo, node: ast.AST) -> bool:
     """``x.long()`` / ``x.int()`` / ``x.to(torch.long)``: a cast of a computed value to an integer dtype."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
@@ -517,6 +535,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     if _tests_non_finite(module, cond, scope, line):
         return miss("the condition tests for NaN/inf, so the other branch is non-finite where it is not selected: lerp "
                     "would return NaN there (not inf-safe)")
+    said = _comment_says_non_finite(module, line, end)
+    if said is not None:
+        return miss(f"a comment at the blend (`{said[:50]}`) says the values it masks may be non-finite: lerp would return "
+                    "NaN where they are not selected (torch.where used as a guard, not inf-safe)")
     if _used_for_indexing(scope, stmt, call):
         return miss("the blend is used for indexing (integer positions): not a float blend")
     if not is_bool_mask(module, scope, cond, line):
