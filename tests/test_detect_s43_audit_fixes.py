@@ -319,3 +319,21 @@ def test_a_comment_naming_nan_at_the_blend_makes_it_a_guard() -> None:
 def test_a_masking_blend_without_such_a_comment_still_becomes_lerp() -> None:
     findings, _ = detect_all(AffinityWhere(), _UNCOMMENTED_MASKING)
     assert len(findings) == 1
+
+
+# -- R3 affinity_index_put (reason, ProteinWorkshop's GVP layer): a tuple of values is not "one call"
+
+_TUPLE_VALUES = """
+import torch
+
+
+def scatter_back(x_, x, node_mask):
+    x_[0][node_mask], x_[1][node_mask] = x[0], x[1]
+    return x_
+"""
+
+
+def test_masked_targets_unpacked_from_a_tuple_are_not_called_one_call() -> None:
+    _, misses = detect_all(AffinityIndexPut(), _TUPLE_VALUES)
+    assert misses and all("one call" not in m.reason for m in misses)
+    assert any("from a tuple" in m.reason for m in misses)

@@ -500,6 +500,12 @@ def _other_form(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[Ne
     if isinstance(t, (ast.Tuple, ast.List)):
         subs = [e for e in t.elts if isinstance(e, ast.Subscript) and not isinstance(e.slice, (ast.Constant, ast.Slice))]
         if any(_is_maskish(module, scope, e.slice, line) for e in subs):
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.Tuple, ast.List)):
+                # s43 (audit43, ProteinWorkshop's GVP ``x_[0][m], x_[1][m] = x[0], x[1]``): a tuple, not a call
+                return NearMiss(_ID, scope.qualname, line, end,
+                                "masked assignments unpacked from a tuple (`a[m], b[n] = x, y`): npufuse rewrites one "
+                                "masked assignment per statement, and the values may hold one row per selected element "
+                                "(a masked scatter), which no elementwise rewrite reproduces")
             return NearMiss(_ID, scope.qualname, line, end,
                             "masked assignments unpacked from one call (`a[m], b[n] = f(...)`): the values are computed "
                             "for the selected rows only (a masked scatter), which no elementwise rewrite reproduces")
