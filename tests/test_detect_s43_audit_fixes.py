@@ -337,3 +337,27 @@ def test_masked_targets_unpacked_from_a_tuple_are_not_called_one_call() -> None:
     _, misses = detect_all(AffinityIndexPut(), _TUPLE_VALUES)
     assert misses and all("one call" not in m.reason for m in misses)
     assert any("from a tuple" in m.reason for m in misses)
+
+
+# -- R1 (cont., mmdet ``smooth_l1_loss``): a divisor the function asserts positive
+
+_ASSERTED_BETA = """
+import torch
+
+
+def smooth_l1_loss(pred, target, beta=1.0):
+    assert beta > 0
+    diff = torch.abs(pred - target)
+    quadratic = 0.5 * diff * diff / beta
+    linear = diff - 0.5 * beta
+    loss = torch.where(diff < beta, quadratic, linear)
+    return loss
+"""
+
+
+def test_a_divisor_asserted_positive_is_no_guarded_division() -> None:
+    findings, misses = detect_all(AffinityWhere(), _ASSERTED_BETA)
+    assert len(findings) == 1, [m.reason for m in misses]
+    no_assert = _ASSERTED_BETA.replace("    assert beta > 0\n", "")
+    findings, misses = detect_all(AffinityWhere(), no_assert)
+    assert not findings and any("inf/NaN" in m.reason for m in misses)

@@ -361,7 +361,9 @@ def _nonzero_denominator(module: ModuleInfo, scope: Scope, node: ast.AST, line: 
         return _nonzero_denominator(module, scope, node.value, line, depth + 1)
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line)
-        return value is not None and _nonzero_denominator(module, scope, value, getattr(value, "lineno", line), depth + 1)
+        if value is None:
+            return _asserted_positive(scope, node.id, line)
+        return _nonzero_denominator(module, scope, value, getattr(value, "lineno", line), depth + 1)
     if not isinstance(node, ast.Call):
         return False
     name = module.canonical(node.func) or ""
@@ -399,6 +401,21 @@ def _comment_says_non_finite(module: ModuleInfo, line: int, end: int) -> Optiona
         if _NON_FINITE_WORDS.search(comment):
             return comment
     return None
+
+
+def _asserted_positive(scope: Scope, name: str, line: int) -> bool:
+    """``assert beta > 0`` (or ``>= c`` with c > 0) in the function's own body before ``line``: mmdet's smooth-L1
+    ``0.5 * diff * diff / beta`` divides by no zero."""
+    for stmt in scope.body:
+        if stmt.lineno >= line:
+            break
+        if isinstance(stmt, ast.Assert) and isinstance(stmt.test, ast.Compare) and len(stmt.test.ops) == 1:
+            t = stmt.test
+            bound = const_value(t.comparators[0])
+            if (isinstance(t.left, ast.Name) and t.left.id == name and isinstance(bound, (int, float)) and not isinstance(bound, bool)
+                    and (isinstance(t.ops[0], ast.Gt) and bound >= 0 or isinstance(t.ops[0], ast.GtE) and bound > 0)):
+                return True
+    return False
 
 
 def _integer_cast(module: ModuleInfo, node: ast.AST) -> bool:
