@@ -19,7 +19,7 @@ import re
 from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
-from npufuse.patterns.affinity_index_put import _param_annotation, is_bool_mask, is_inf, is_scalar
+from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
@@ -309,20 +309,10 @@ def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple
         out.append((method, value))
         if isinstance(value, ast.Name):
             out += [(method, v) for _, v in method.assignments.get(value.id, [])]
-            default = _param_default_of(method, value.id)
+            default = _param_default(method, value.id)
             if default is not None:
                 out.append((method, default))
     return out
-
-
-def _param_default_of(scope: Scope, name: str) -> Optional[ast.expr]:
-    fn = scope.node
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    a = fn.args
-    pos = [*a.posonlyargs, *a.args]
-    pairs = [*zip(pos[len(pos) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs, a.kw_defaults)]
-    return next((d for arg, d in pairs if arg.arg == name and d is not None), None)
 
 
 def _module_constant(module: ModuleInfo, name: str) -> Optional[ast.expr]:
