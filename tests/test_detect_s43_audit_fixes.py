@@ -361,3 +361,14 @@ def test_a_divisor_asserted_positive_is_no_guarded_division() -> None:
     no_assert = _ASSERTED_BETA.replace("    assert beta > 0\n", "")
     findings, misses = detect_all(AffinityWhere(), no_assert)
     assert not findings and any("inf/NaN" in m.reason for m in misses)
+
+
+def test_the_attribute_index_does_not_share_repo_search_memo() -> None:
+    """The scan's repository search memoises ``self`` attributes per class in the module (as sets): the where
+    detector's own index lives under another key (a shared key raised AttributeError on TorchRL's transforms)."""
+    from npufuse.scan.dataflow import ModuleInfo
+
+    module = ModuleInfo.from_source("example.py", _NAN_ATTRIBUTE)
+    module.__dict__["_npufuse_self_attrs"] = {"AutoReset": set()}
+    misses = [r for scope in module.scopes for r in AffinityWhere().detect(module, scope)]
+    assert misses and all("NaN" in m.reason for m in misses)

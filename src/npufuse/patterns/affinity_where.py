@@ -290,7 +290,7 @@ def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple
     method, its default and every rebinding there (``fill = float("nan")``). Indexed once per module and class."""
     if scope.class_name is None:
         return []
-    index: dict[str, dict[str, list[tuple[Scope, ast.expr]]]] = module.__dict__.setdefault("_npufuse_self_attrs", {})
+    index: dict[str, dict[str, list[tuple[Scope, ast.expr]]]] = module.__dict__.setdefault("_npufuse_where_attr_values", {})
     table = index.get(scope.class_name)
     if table is None:
         table = index[scope.class_name] = {}
