@@ -372,3 +372,20 @@ def test_the_attribute_index_does_not_share_repo_search_memo() -> None:
     module.__dict__["_npufuse_self_attrs"] = {"AutoReset": set()}
     misses = [r for scope in module.scopes for r in AffinityWhere().detect(module, scope)]
     assert misses and all("NaN" in m.reason for m in misses)
+
+
+_COMMENT_ON_AN_EARLIER_STATEMENT = """
+import torch
+
+
+def limits(lo, hi):
+    # the simulator emits 0/0 for limit-less actuators -- treat as +/-inf
+    unlimited = (lo == 0) & (hi == 0)
+    lo = torch.where(unlimited, torch.full_like(lo, -1.0), lo)
+    return lo
+"""
+
+
+def test_a_comment_on_an_earlier_statement_does_not_speak_for_the_blend() -> None:
+    findings, _ = detect_all(AffinityWhere(), _COMMENT_ON_AN_EARLIER_STATEMENT)
+    assert len(findings) == 1

@@ -379,11 +379,14 @@ _NON_FINITE_WORDS = re.compile(r"\b(nan|nans|inf|infs|non-?finite|infinite|infin
 
 
 def _comment_says_non_finite(module: ModuleInfo, line: int, end: int) -> Optional[str]:
-    """A comment on the three lines above the statement or on its own lines that names NaN / inf: s43 (audit43,
-    TorchRL's ``_reduce_loss``: "Select rather than multiply: masked positions may hold non-finite values") the
-    author says the where is a guard, which no dataflow of a parameter shows."""
+    """A comment in the block directly above the statement (up to three lines) or on its own lines that names NaN /
+    inf: s43 (audit43, TorchRL's ``_reduce_loss``: "Select rather than multiply: masked positions may hold non-finite
+    values") the author says the where is a guard, which no dataflow of a parameter shows."""
     lines = module.lines
-    for i in range(max(line - 3, 1), min(end, len(lines)) + 1):
+    first = line
+    while first > 1 and first > line - 3 and lines[first - 2].lstrip().startswith("#"):
+        first -= 1  # the comment block directly above (one on an earlier statement speaks of that one)
+    for i in range(first, min(end, len(lines)) + 1):
         text = lines[i - 1]
         if "#" not in text:
             continue
