@@ -288,14 +288,17 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
 def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple[Scope, ast.expr]]:
     """The values the class of ``scope`` assigns to ``self.<attr>`` in its methods, with, for a parameter of that
     method, its default and every rebinding there (``fill = float("nan")``). Indexed once per module and class."""
-    if scope.class_name is None:
+    # a function nested in a method (TorchRL's ``replace_and_set``) reads the method's ``self``
+    cls = scope.class_name or next((s.class_name for s in module.scopes
+                                    if s.class_name and scope.qualname.startswith(s.qualname + ".")), None)
+    if cls is None:
         return []
     index: dict[str, dict[str, list[tuple[Scope, ast.expr]]]] = module.__dict__.setdefault("_npufuse_where_attr_values", {})
-    table = index.get(scope.class_name)
+    table = index.get(cls)
     if table is None:
-        table = index[scope.class_name] = {}
+        table = index[cls] = {}
         for method in module.scopes:
-            if method.class_name != scope.class_name:
+            if method.class_name != cls:
                 continue
             for stmt in method.body:
                 for n in fast_walk(stmt):
