@@ -237,8 +237,18 @@ def normalize_or_identity(quat, identity):
 """
 
 
+_CLAMPED_THEN_RESHAPED = """
+import torch
+
+
+def axis_angle(xyz, angle, den, zeros):
+    scaled = xyz * angle.unsqueeze(-1) / den.clamp_min(1e-6).unsqueeze(-1)
+    return torch.where(den.unsqueeze(-1) > 1e-6, scaled, zeros)
+"""
+
+
 def test_a_clamped_denominator_is_no_guarded_division() -> None:
-    for code in (_CLAMPED_DENOMINATOR, _COUNT_FILLED):
+    for code in (_CLAMPED_DENOMINATOR, _COUNT_FILLED, _CLAMPED_THEN_RESHAPED):
         findings, misses = detect_all(AffinityWhere(), code)
         assert len(findings) == 1, [m.reason for m in misses]
 

@@ -361,6 +361,8 @@ def _nonzero_denominator(module: ModuleInfo, scope: Scope, node: ast.AST, line: 
         return False
     name = module.canonical(node.func) or ""
     method = node.func.attr if isinstance(node.func, ast.Attribute) and not name.startswith("torch.") else ""
+    if method in _SAME_VALUES or method == "squeeze":
+        return _nonzero_denominator(module, scope, node.func.value, line, depth + 1)  # ``den.clamp_min(1e-6).unsqueeze(-1)``
     args = list(node.args) if method else list(node.args[1:])
     low = keyword(node, "min") or (args[0] if args else None)
     if method in ("clamp_min", "clamp", "clip") or name in ("torch.clamp", "torch.clamp_min", "torch.clip"):
