@@ -404,3 +404,28 @@ def limits(lo, hi):
 def test_a_comment_on_an_earlier_statement_does_not_speak_for_the_blend() -> None:
     findings, _ = detect_all(AffinityWhere(), _COMMENT_ON_AN_EARLIER_STATEMENT)
     assert len(findings) == 1
+
+
+# -- R5 add_rms_norm (reason, TorchRL's pendulum): ``cls.angle_normalize(...)`` is a staticmethod, not a module
+
+_STATIC_NORMALIZE = """
+import torch
+
+
+class PendulumEnv:
+    @classmethod
+    def step(cls, th, thdot, dt):
+        new_th = cls.angle_normalize(th + thdot * dt)
+        return new_th
+
+    @staticmethod
+    def angle_normalize(x):
+        return ((x + torch.pi) % (2 * torch.pi)) - torch.pi
+"""
+
+
+def test_a_method_of_the_class_is_not_called_a_module() -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    _, misses = detect_all(AddRmsNorm(), _STATIC_NORMALIZE)
+    assert all("is a module of" not in m.reason for m in misses)
