@@ -52,9 +52,11 @@ def ellipsis_rank_check(chain: Any, operands: Any, ranks: list[Optional[int]]) -
 def fold_term_lambda(chain: Any, q: str, sq: str, sk: str) -> str:
     """The helper each mask term of a heads-in-batch chain goes through: a 3-D term (on the [B*N, Sq, Skv] scores)
     gains the head axis, a 1-D / 2-D one leading 1s, a 4-D one (on the [B, N, Sq, Skv] view) is expanded over the
-    heads and folded like q."""
+    heads and folded like q. s43 (audit43, mmpose's ``residual_attn.unsqueeze(0)`` [1, N, Sq, Skv]): a per-head term
+    gives the head count (its dim 1), a per-batch one the batch (its dim 0); B*N is q's dim 0 either way."""
     return (f"_npufuse_fold = lambda t: t.unsqueeze(1) if t.dim() == 3 else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) "
-            f"if t.dim() < 3 else t.expand(t.shape[0], {q}.shape[0] // t.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"
+            f"if t.dim() < 3 else (t.expand({q}.shape[0] // t.shape[1], t.shape[1], {sq}, {sk}) if t.shape[1] != 1 "
+            f"else t.expand(t.shape[0], {q}.shape[0] // t.shape[0], {sq}, {sk})).reshape(-1, 1, {sq}, {sk})"
             "  # each mask term to [B*N | 1, 1, Sq, Skv] before they are combined")
 
 

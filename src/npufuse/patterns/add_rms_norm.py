@@ -1622,6 +1622,15 @@ def _type_guard(module: ModuleInfo, mod: str, ctor: ast.expr, file: ModuleInfo) 
             f'"co_filename", "").replace("\\\\", "/").endswith("/{file.path}")')
 
 
+def _own_method(module: ModuleInfo, scope: Scope, f: ast.Attribute) -> bool:
+    """``cls.<name>`` / ``self.<name>`` where the enclosing class defines ``<name>`` as a method (a staticmethod or
+    classmethod called on the class): a function, not a module held by the object."""
+    if not (isinstance(f.value, ast.Name) and f.value.id in ("cls", "self") and scope.class_name):
+        return False
+    node = module.classes.get(scope.class_name)
+    return node is not None and any(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) and b.name == f.attr for b in node.body)
+
+
 def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -> NormCall | None:
     """``<layer>.<attr>(s)``: a norm module of another object (see above)."""
     f = call.func
@@ -1639,6 +1648,8 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
     owner = _object_class(module, scope, f.value)
     recv = S.source_of(module, f.value)
     if owner is None:
+        if _own_method(module, scope, f):
+            return None  # s43 (audit43, TorchRL's ``cls.angle_normalize(th + dth * dt)``): a function of the class
         if "norm" in f.attr.lower():
             return NormCall(call, f.attr, "not_rms", cls=f.attr,
                             reason=f"`{recv}.{f.attr}` is a module of `{recv}`, whose class npufuse does not resolve (from "

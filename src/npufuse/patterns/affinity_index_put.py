@@ -500,6 +500,12 @@ def _other_form(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[Ne
     if isinstance(t, (ast.Tuple, ast.List)):
         subs = [e for e in t.elts if isinstance(e, ast.Subscript) and not isinstance(e.slice, (ast.Constant, ast.Slice))]
         if any(_is_maskish(module, scope, e.slice, line) for e in subs):
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, (ast.Tuple, ast.List)):
+                # s43 (audit43, ProteinWorkshop's GVP ``x_[0][m], x_[1][m] = x[0], x[1]``): a tuple, not a call
+                return NearMiss(_ID, scope.qualname, line, end,
+                                "masked assignments unpacked from a tuple (`a[m], b[n] = x, y`): npufuse rewrites one "
+                                "masked assignment per statement, and the values may hold one row per selected element "
+                                "(a masked scatter), which no elementwise rewrite reproduces")
             return NearMiss(_ID, scope.qualname, line, end,
                             "masked assignments unpacked from one call (`a[m], b[n] = f(...)`): the values are computed "
                             "for the selected rows only (a masked scatter), which no elementwise rewrite reproduces")
@@ -566,6 +572,12 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                             "a scalar nor gathered with the same mask")
         form, elem = "where", value_elem
     elif gathered is not None:
+        indexed = _gathered_as_index(module, value, mask)
+        if indexed is not None:
+            return NearMiss(_ID, scope.qualname, line, end,
+                            f"`{indexed[:50]}`: the gathered elements index another tensor; the where form would index "
+                            "it with the whole tensor, whose rows outside the mask may hold positions out of range "
+                            "(-1 / 0 for unassigned entries)")
         loose = _ungathered_operand(module, scope, value, mask, line)
         if loose is not None:
             # s41 (audit41, InternVL-style ``x[sel] = x[sel] * 0.0 + vit_embeds[:n_token]``): one row per selected element
@@ -589,6 +601,11 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         return NearMiss(_ID, scope.qualname, line, end,
                         f"value `{value_text[:50]}` is not known to be a scalar, a 1-D parameter or gathered with the "
                         "same mask, so the rewrite cannot be shown exact")
+    elif _full_reduction(value):
+        # s43 (audit43, TorchRL's ``diff[mask] = diff.max() + 1``): one value for every selected element
+        return NearMiss(_ID, scope.qualname, line, end,
+                        f"value `{value_text[:50]}` is a 0-d tensor (a full reduction), not a Python number: npufuse "
+                        "rewrites only fills by a Python number, a 1-D parameter or values gathered with the same mask")
     else:
         return NearMiss(_ID, scope.qualname, line, end,
                         f"value `{value_text[:50]}` is a tensor not gathered with the same mask: it may hold one row per "
@@ -730,7 +747,9 @@ def _ungathered_operand(module: ModuleInfo, scope: Scope, value: ast.expr, mask:
                 continue  # gathered
             if isinstance(n.value, ast.Subscript) and ast.dump(n.value.slice) == mask_dump:
                 continue  # a part of the gathered elements
-            if _has_row_slice(n.slice):
+            if _has_row_slice(n.slice) or _index_tensor(module, scope, n.slice, line):
+                # s43 (audit43, ProteinWorkshop's ``x[m] + centroid[batch_index]``): rows picked by another index
+                # tensor follow that index, which the eager sum needs sized like the selection
                 return segment(module, n)
             continue
         if isinstance(n, ast.BinOp):
@@ -744,9 +763,51 @@ def _ungathered_operand(module: ModuleInfo, scope: Scope, value: ast.expr, mask:
             if isinstance(n.func, ast.Attribute):
                 stack.append(n.func.value)
         elif isinstance(n, (ast.Name, ast.Attribute)):
+            if isinstance(n, ast.Name) and _bound_to_gathered(scope, n, mask_dump, line):
+                # s43 (audit43, ProteinWorkshop's ``values = x[m]; y[m] = values - c[m]``): already selection-sized
+                return segment(module, n)
             if is_scalar(module, scope, n, line) or _vector_parameter(module, scope, n):
                 continue
             if _tensor_evidence(module, scope, n, line):
+                return segment(module, n)
+    return None
+
+
+_FULL_REDUCTIONS = frozenset(("max", "min", "sum", "mean", "amax", "amin", "prod", "norm", "std", "var"))
+
+
+def _full_reduction(value: ast.expr) -> bool:
+    """``t.max() + 1``: a reduction over every element (no dim), alone or with number literals."""
+    if isinstance(value, ast.BinOp):
+        sides = (value.left, value.right)
+        return any(_full_reduction(x) for x in sides) and all(_full_reduction(x) or isinstance(x, ast.Constant) for x in sides)
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _FULL_REDUCTIONS
+            and not value.args and not value.keywords)
+
+
+def _bound_to_gathered(scope: Scope, name: ast.Name, mask_dump: str, line: int) -> bool:
+    """``name = y[mask]`` (the last binding before the site): one row per selected element."""
+    d = scope.definition(name.id, line)
+    return isinstance(d, ast.Subscript) and ast.dump(d.slice) == mask_dump
+
+
+def _index_tensor(module: ModuleInfo, scope: Scope, index: ast.expr, line: int) -> bool:
+    """An index that is a tensor of positions (a name made by a torch call, or a parameter annotated as a Tensor):
+    not a scalar, a constant or a slice."""
+    if not isinstance(index, ast.Name):
+        return False
+    if scope.definition(index.id, line) is None and "Tensor" in _param_annotation(scope, index.id):
+        return True  # an annotation says more than a name ending in ``_index``
+    return not is_scalar(module, scope, index, line) and _tensor_evidence(module, scope, index, line)
+
+
+def _gathered_as_index(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[str]:
+    """``table[idx[mask] - 1]``: the gathered elements index another tensor. The where form evaluates
+    ``table[idx - 1]`` on every row, and the rows the mask leaves out may hold positions out of range."""
+    mask_dump = ast.dump(mask)
+    for n in fast_walk(value):
+        if isinstance(n, ast.Subscript) and ast.dump(n.slice) != mask_dump:
+            if any(isinstance(m, ast.Subscript) and ast.dump(m.slice) == mask_dump for m in fast_walk(n.slice)):
                 return segment(module, n)
     return None
 

@@ -19,7 +19,7 @@ import re
 from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
-from npufuse.patterns.affinity_index_put import _param_annotation, is_bool_mask, is_inf, is_scalar
+from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
@@ -264,6 +264,10 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
     if isinstance(node, ast.Name):
         value = scope.definition(node.id, line) or _module_constant(module, node.id)
         return value is not None and _is_extreme(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        # s43 (audit43, TorchRL's AutoResetTransform: ``self.fill_float = fill_float`` after
+        # ``fill_float = float("nan")`` in __init__): what the class stores there
+        return any(is_inf(module, where, v, getattr(v, "lineno", line)) for where, v in _attribute_values(module, scope, node.attr))
     if isinstance(node, ast.Call):
         name = module.canonical(node.func) or ""
         if name == "torch.where" and len(node.args) == 3:
@@ -279,6 +283,39 @@ def _is_extreme(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, dept
                 args = [node.func.value]
             return any(_is_extreme(module, scope, a, line, depth + 1) for a in args)
     return False
+
+
+def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple[Scope, ast.expr]]:
+    """The values the class of ``scope`` assigns to ``self.<attr>`` in its methods, with, for a parameter of that
+    method, its default and every rebinding there (``fill = float("nan")``). Indexed once per module and class."""
+    # a function nested in a method (TorchRL's ``replace_and_set``) reads the method's ``self``
+    cls = scope.class_name or next((s.class_name for s in module.scopes
+                                    if s.class_name and scope.qualname.startswith(s.qualname + ".")), None)
+    if cls is None:
+        return []
+    index: dict[str, dict[str, list[tuple[Scope, ast.expr]]]] = module.__dict__.setdefault("_npufuse_where_attr_values", {})
+    table = index.get(cls)
+    if table is None:
+        table = index[cls] = {}
+        for method in module.scopes:
+            if method.class_name != cls:
+                continue
+            for stmt in method.body:
+                for n in fast_walk(stmt):
+                    if not isinstance(n, ast.Assign):
+                        continue
+                    for t in n.targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            table.setdefault(t.attr, []).append((method, n.value))
+    out: list[tuple[Scope, ast.expr]] = []
+    for method, value in table.get(attr, []):
+        out.append((method, value))
+        if isinstance(value, ast.Name):
+            out += [(method, v) for _, v in method.assignments.get(value.id, [])]
+            default = _param_default(method, value.id)
+            if default is not None:
+                out.append((method, default))
+    return out
 
 
 def _module_constant(module: ModuleInfo, name: str) -> Optional[ast.expr]:
@@ -305,6 +342,78 @@ def _finite_scalar_op(scope: Scope, n: ast.BinOp) -> bool:
 
 
 _INTEGER_DTYPES = {"torch.long", "torch.int", "torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8"}
+
+
+def _nonzero_denominator(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth: int = 0) -> bool:
+    """A denominator that is never 0: clamped to a positive minimum (``n.clamp_min(1e-12)``, ``n.clamp(min=eps)``)
+    or a count whose zeros are filled (``bins.masked_fill(bins == 0, 1)``). s43 (audit43, encodec's kmeans, TorchRL's
+    quaternions): such a division is no guarded computation."""
+    if depth > 4:
+        return False
+    if isinstance(node, ast.Subscript):
+        return _nonzero_denominator(module, scope, node.value, line, depth + 1)
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        if value is None:
+            return _asserted_positive(scope, node.id, line)
+        return _nonzero_denominator(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    if not isinstance(node, ast.Call):
+        return False
+    name = module.canonical(node.func) or ""
+    method = node.func.attr if isinstance(node.func, ast.Attribute) and not name.startswith("torch.") else ""
+    if method in _SAME_VALUES or method == "squeeze":
+        return _nonzero_denominator(module, scope, node.func.value, line, depth + 1)  # ``den.clamp_min(1e-6).unsqueeze(-1)``
+    args = list(node.args) if method else list(node.args[1:])
+    low = keyword(node, "min") or (args[0] if args else None)
+    if method in ("clamp_min", "clamp", "clip") or name in ("torch.clamp", "torch.clamp_min", "torch.clip"):
+        return _positive_number(const_value(low)) if low is not None else False
+    if method == "masked_fill" and len(node.args) == 2:
+        cond, fill = node.args
+        fill_v = const_value(fill)
+        zero_test = (isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq)
+                     and const_value(cond.comparators[0]) == 0 and ast.dump(cond.left) == ast.dump(node.func.value))
+        if isinstance(cond, ast.Name):
+            d = scope.definition(cond.id, line)
+            zero_test = (isinstance(d, ast.Compare) and len(d.ops) == 1 and isinstance(d.ops[0], ast.Eq)
+                         and const_value(d.comparators[0]) == 0 and ast.dump(d.left) == ast.dump(node.func.value))
+        return zero_test and isinstance(fill_v, (int, float)) and not isinstance(fill_v, bool) and fill_v != 0
+    return False
+
+
+_NON_FINITE_WORDS = re.compile(r"\b(nan|nans|inf|infs|non-?finite|infinite|infinity)\b", re.IGNORECASE)
+
+
+def _comment_says_non_finite(module: ModuleInfo, line: int, end: int) -> Optional[str]:
+    """A comment in the block directly above the statement (up to three lines) or on its own lines that names NaN /
+    inf: s43 (audit43, TorchRL's ``_reduce_loss``: "Select rather than multiply: masked positions may hold non-finite
+    values") the author says the where is a guard, which no dataflow of a parameter shows."""
+    lines = module.lines
+    first = line
+    while first > 1 and first > line - 3 and lines[first - 2].lstrip().startswith("#"):
+        first -= 1  # the comment block directly above (one on an earlier statement speaks of that one)
+    for i in range(first, min(end, len(lines)) + 1):
+        text = lines[i - 1]
+        if "#" not in text:
+            continue
+        comment = text[text.index("#") + 1:].strip()
+        if _NON_FINITE_WORDS.search(comment):
+            return comment
+    return None
+
+
+def _asserted_positive(scope: Scope, name: str, line: int) -> bool:
+    """``assert beta > 0`` (or ``>= c`` with c > 0) in the function's own body before ``line``: mmdet's smooth-L1
+    ``0.5 * diff * diff / beta`` divides by no zero."""
+    for stmt in scope.body:
+        if stmt.lineno >= line:
+            break
+        if isinstance(stmt, ast.Assert) and isinstance(stmt.test, ast.Compare) and len(stmt.test.ops) == 1:
+            t = stmt.test
+            bound = const_value(t.comparators[0])
+            if (isinstance(t.left, ast.Name) and t.left.id == name and isinstance(bound, (int, float)) and not isinstance(bound, bool)
+                    and (isinstance(t.ops[0], ast.Gt) and bound >= 0 or isinstance(t.ops[0], ast.GtE) and bound > 0)):
+                return True
+    return False
 
 
 def _integer_cast(module: ModuleInfo, node: ast.AST) -> bool:
@@ -344,7 +453,8 @@ def _unsafe_in(module: ModuleInfo, scope: Scope, root: ast.AST) -> Optional[str]
     for n in fast_walk(root):
         if id(n) in cast:
             continue
-        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n) and not (
+                isinstance(n.op, ast.Div) and _nonzero_denominator(module, scope, n.right, n.lineno)):
             return ast.unparse(n)
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
@@ -440,6 +550,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     if _tests_non_finite(module, cond, scope, line):
         return miss("the condition tests for NaN/inf, so the other branch is non-finite where it is not selected: lerp "
                     "would return NaN there (not inf-safe)")
+    said = _comment_says_non_finite(module, line, end)
+    if said is not None:
+        return miss(f"a comment at the blend (`{said[:50]}`) says the values it masks may be non-finite: lerp would return "
+                    "NaN where they are not selected (torch.where used as a guard, not inf-safe)")
     if _used_for_indexing(scope, stmt, call):
         return miss("the blend is used for indexing (integer positions): not a float blend")
     if not is_bool_mask(module, scope, cond, line):

@@ -600,8 +600,9 @@ class SdpaPattern(Pattern):
                         return "bool"
                     if attr == "to" and node.args and ast.unparse(node.args[0]) == "torch.bool" or any(kw.arg == "dtype" and ast.unparse(kw.value) == "torch.bool" for kw in node.keywords):
                         return "bool"
-                    if attr in ("masked_fill",) and node.args and "inf" in ast.unparse(node.args[-1]):
-                        return "float"
+                    if attr in ("masked_fill", "masked_fill_") and node.args and "inf" in ast.unparse(node.args[-1]):
+                        # s43 (audit43): the fill proves the masked entries only; the others keep the base's values
+                        return self._filled_base_kind(module, scope, node.func.value)
                     if attr in ("float", "half", "bfloat16") or (attr == "to" and node.args and "float" in ast.unparse(node.args[0])):
                         # a cast says the dtype, not that the values are 0/-inf (a 0/1 keep mask cast to float)
                         return "float_unverified"
@@ -610,6 +611,10 @@ class SdpaPattern(Pattern):
                         continue
                 if any(kw.arg == "dtype" and ast.unparse(kw.value) == "torch.bool" for kw in node.keywords):
                     return "bool"
+                if name == "torch.masked_fill" and len(node.args) == 3 and ("finfo" in ast.unparse(node.args[2]) or "inf" in ast.unparse(node.args[2])):
+                    # s43 (audit43, BetterTransformer's bloom: ``torch.masked_fill(alibi, mask, finfo.min)``): the
+                    # unmasked entries hold the ALiBi bias, so the values are checked at run time
+                    return self._filled_base_kind(module, scope, node.args[0])
                 if "finfo" in ast.unparse(node) or (name == "torch.full" and "inf" in ast.unparse(node)):
                     return "float"
                 if name in ("torch.full", "torch.zeros"):
@@ -630,6 +635,16 @@ class SdpaPattern(Pattern):
                 continue
             break
         return "unknown"
+
+    def _filled_base_kind(self, module: ModuleInfo, scope: Scope, base: ast.expr) -> str:
+        """The kind of ``base.masked_fill(m, -inf)``: a 0/-inf mask where ``base`` is zeros or a 0/-inf mask
+        itself, else a float whose values are checked at run time (a bias filled at the masked entries)."""
+        node = _resolve(scope, base)
+        if isinstance(node, ast.Call):
+            name = module.call_name(node) or ""
+            if name in ("torch.zeros", "torch.zeros_like") or (isinstance(node.func, ast.Attribute) and node.func.attr in ("new_zeros", "zero_")):
+                return "float"
+        return "float" if self._mask_kind(module, scope, base, depth_ok=False) == "float" else "float_unverified"
 
     @staticmethod
     def _certainly_tensor(module: ModuleInfo, scope: Scope, mask: ast.expr, block: list[ast.stmt]) -> bool:
