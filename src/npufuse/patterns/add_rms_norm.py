@@ -1310,6 +1310,12 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         if layer_norm is not None:
             # read in its file, the forward subtracts the mean: no name makes it an RMSNorm
             return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm ({real} (from {rel}): {layer_norm})", cls=real)
+        # s43: the repository defines the class and its forward was read there without being proved an
+        # RMSNorm (a zero-centred norm: (1 + weight) and the output's mean subtracted after the scaling):
+        # its name is no evidence, so the HF semantics a name would let the fused code assume are not taken
+        return NormCall(call, f.attr, "not_rms", cls=real,
+                        reason=f"norm is not read as an RMSNorm ({real} (from {rel}): its forward, read in its own file, is not "
+                               "x * rsqrt(mean(x^2) + eps) * weight as npu_rms_norm computes it; the class name is not evidence)")
     factory = _factory_norm(module, call, ctx, value)
     if factory is not None:
         return factory

@@ -43,6 +43,20 @@ def parse_module(text: str) -> cst.Module:
     return cst.parse_module(text)
 
 
+def dropped_final_break(source: str, module: cst.Module) -> str | None:
+    """What libcst left out of ``source`` when it reproduces ``module`` ("" when nothing), or None when
+    the difference is anything but line breaks at the very end. libcst drops a final line break that
+    is not the module's default newline (CRLF lines whose last one ends in a bare "\\r", a file saved
+    by an editor that mixes them): the statements and their positions are unchanged, so a rewrite
+    re-appends the break and keeps the file byte for byte outside the rewritten sites."""
+    code = module.code
+    if code == source:
+        return ""
+    if source.startswith(code) and not source[len(code):].strip("\r\n"):
+        return source[len(code):]
+    return None
+
+
 def parse_expression(text: str) -> cst.BaseExpression:
     """``cst.parse_expression`` behind the same pre-check (guards come from scan.json, which is
     hand-editable)."""
@@ -382,7 +396,8 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
     """Apply ``edits`` to ``source``; unparseable source raises ``cst.ParserSyntaxError``, source
     nesting too deep for libcst :class:`nesting.TooDeep` (nothing parsed, nothing changed)."""
     module = parse_module(source)
-    if module.code != source:
+    tail = dropped_final_break(source, module)
+    if tail is None:
         # libcst cannot reproduce this file byte for byte (e.g. a line holding only a backslash
         # continuation); its positions would be off too. Never rewrite what cannot round-trip.
         outcome = RewriteOutcome(text=source)
@@ -407,7 +422,7 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
             with_torch = not binds_torch(ast.parse(source))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             with_torch = False  # libcst parsed it; keep the earlier behaviour if ast cannot
-    outcome.text = add_prelude(new, with_torch) if prelude else new.code
+    outcome.text = (add_prelude(new, with_torch) if prelude else new.code) + tail
     # Where each new if/else block landed: the k-th marked if of `new` is the k-th of the text
     # (the prelude holds no marked if), so positions map by order, identity picks ours.
     collector = _MarkedCollector()
@@ -535,6 +550,7 @@ def revert_source(source: str, lines: set[int] | None = None) -> RevertOutcome:
     """Replace marked ifs (all, or those starting at ``lines``) by their else statements; the
     prelude goes with the last one. Raises like :func:`rewrite_source`."""
     module = parse_module(source)
+    tail = dropped_final_break(source, module) or ""
     reverter = _Reverter(lines, module.default_indent)
     new = MetadataWrapper(module, unsafe_skip_copy=True).visit(reverter)
     outcome = RevertOutcome(text=source)
@@ -545,7 +561,7 @@ def revert_source(source: str, lines: set[int] | None = None) -> RevertOutcome:
     if not reverter.reverted:
         return outcome
     outcome.reverted = sorted(reverter.reverted)
-    text = new.code
+    text = new.code + tail
     if not marked_sites(text) and has_prelude(text):
         text, removed = remove_prelude(text, module.default_newline)
         if not removed:

@@ -708,11 +708,11 @@ def _apply_refuses(text: str) -> str:
     m = _LONE_BACKSLASH.search(text) if "\\" in text else None
     if m is None:
         return ""
-    from npufuse.rewrite.transform import parse_module
+    from npufuse.rewrite.transform import dropped_final_break, parse_module
 
     line = text.count("\n", 0, m.start()) + 1
     try:
-        same = parse_module(text).code == text
+        same = dropped_final_break(text, parse_module(text)) is not None
     except Exception as exc:
         # libcst cannot parse it at all (such a line before an indented block leaves it without
         # the INDENT it expects): apply skips every site of the file, and the fast replacement
