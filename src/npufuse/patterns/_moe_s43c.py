@@ -75,3 +75,136 @@ def read_since_bound(loop: ast.AST, name: str, at: ast.stmt) -> bool:
     if not bound:
         return True
     return any(isinstance(n.ctx, ast.Load) and n.lineno > max(bound) for n in names)
+
+
+# -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------
+
+_HEAD = s42c._HEAD
+_run = s42c._run
+
+
+def _init(gate: str, expert: str = "GluExpert(d, h)") -> str:
+    """``__init__(d, h, n, k)`` of an example MoE: a bias-free router named ``gate`` and n experts."""
+    return (f"    def __init__(self, d, h, n, k):\n        super().__init__()\n        self.n, self.k = n, k\n"
+            f"        self.{gate} = nn.Linear(d, n, bias=False)\n"
+            f"        self.experts = nn.ModuleList([{expert} for _ in range(n)])\n")
+
+
+# 1. nested (expert, slot) loops, boolean slot masks, the weight read as w[mask, k] (renormalised top-k)
+SLOT_MASK_WEIGHT = _HEAD + '''
+
+class NestedSlotMoE(nn.Module):
+''' + _init("gate") + '''
+    def forward(self, x):
+        shape = x.shape
+        flat = x.view(-1, shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1)
+        weights, indices = torch.topk(probs, self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for i in range(self.n):
+            for k in range(self.k):
+                mask = (indices[:, k] == i)
+                if mask.any():
+                    out[mask] += self.experts[i](flat[mask]) * weights[mask, k].unsqueeze(-1)
+        return out.view(*shape)
+'''
+SLOT_MASK_WEIGHT_RUN = _run("NestedSlotMoE(16, 12, 5, 2)", "2, 6, 16", "m.gate.weight, m.experts[2].w_in.weight")
+
+# 2. the expert output scaled in place by the pairs' weights, then added back per token
+INPLACE_SCALE = _HEAD + '''
+
+class InPlaceMoE(nn.Module):
+''' + _init("router") + '''
+    def forward(self, x):
+        b, t, d = x.shape
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), self.k, dim=-1)
+        x_flat = x.contiguous().view(b * t, d)
+        w = w.contiguous().view(b * t, self.k)
+        idx = idx.contiguous().view(b * t, self.k)
+        routed = torch.zeros_like(x_flat)
+        for i, expert in enumerate(self.experts):
+            row, slot = torch.where(idx == i)
+            y = expert(x_flat[row])
+            y *= w[row, slot].unsqueeze(-1)
+            routed[row] += y
+        return routed.view(b, t, d)
+'''
+INPLACE_SCALE_RUN = _run("InPlaceMoE(16, 12, 5, 2)", "2, 6, 16", "m.router.weight, m.experts[4].w_out.weight")
+
+# 3. the pairs of nonzero(as_tuple=True) used whole as the weights' index, added back with index_add_
+PAIR_TUPLE = _HEAD + '''
+
+class PairTupleMoE(nn.Module):
+''' + _init("gate") + '''
+    def forward(self, x):
+        top_w, top_i = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            pairs = torch.nonzero(top_i == i, as_tuple=True)
+            if pairs[0].numel() > 0:
+                y = expert(x[pairs[0]])
+                w_e = top_w[pairs]
+                out.index_add_(0, pairs[0], y * w_e.unsqueeze(-1))
+        return out
+'''
+PAIR_TUPLE_RUN = _run("PairTupleMoE(16, 12, 5, 2)", "11, 16", "m.gate.weight, m.experts[0].w_in.weight")
+
+# 4. a token mask (idx == e).any(dim=1), the slot of e in each selected row found with nonzero()[:, 1]
+ROW_SLOTS = _HEAD + '''
+
+class RowSlotMoE(nn.Module):
+''' + _init("gate", "nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))") + '''
+    def forward(self, x):
+        B, T, D = x.shape
+        x_flat = x.reshape(-1, D)
+        vals, idx = torch.topk(F.softmax(self.gate(x_flat), dim=1), k=2, dim=1)
+        output = torch.zeros_like(x_flat)
+        for e in range(self.n):
+            mask = (idx == e)
+            if not mask.any():
+                continue
+            rows = mask.any(dim=1)
+            y = self.experts[e](x_flat[rows])
+            col = (idx[rows] == e).nonzero()[:, 1]
+            output[rows] += vals[rows, col].unsqueeze(-1) * y
+        return output.view(B, T, D)
+'''
+ROW_SLOTS_RUN = _run("RowSlotMoE(16, 12, 5, 2)", "2, 6, 16", "m.gate.weight, m.experts[1][0].weight")
+
+FUSE = [
+    Fuse(SLOT_MASK_WEIGHT, name="s43c_slot_loop_weight_at_mask_and_slot", run=SLOT_MASK_WEIGHT_RUN),
+    Fuse(INPLACE_SCALE, name="s43c_expert_output_scaled_in_place", run=INPLACE_SCALE_RUN),
+    Fuse(INPLACE_SCALE.replace("            y *= w[row, slot].unsqueeze(-1)\n", "            y.mul_(w[row, slot].unsqueeze(-1))\n"),
+         name="s43c_expert_output_mul_in_place", run=INPLACE_SCALE_RUN),
+    Fuse(PAIR_TUPLE, name="s43c_weights_indexed_by_the_pair_tuple", run=PAIR_TUPLE_RUN),
+    Fuse(PAIR_TUPLE.replace("torch.nonzero(top_i == i, as_tuple=True)", "torch.where(top_i == i)"),
+         name="s43c_weights_indexed_by_the_where_tuple", run=PAIR_TUPLE_RUN),
+    Fuse(ROW_SLOTS, name="s43c_row_slots_from_nonzero_column", run=ROW_SLOTS_RUN),
+    Fuse(ROW_SLOTS.replace("(idx[rows] == e).nonzero()[:, 1]", "torch.nonzero(idx[rows] == e)[:, -1]"),
+         name="s43c_row_slots_from_torch_nonzero_last_column", run=ROW_SLOTS_RUN),
+]
+
+KEEP = [
+    # class 1: another slot's weight (slot k - 1) multiplies the rows of slot k
+    Keep(SLOT_MASK_WEIGHT.replace("weights[mask, k]", "weights[mask, k - 1]"),
+         reason="not recognised as the routing weight", name="s43c_slot_loop_weight_of_another_slot"),
+    # class 1: the [n] weights without a trailing dim broadcast along the hidden dim, not per row
+    Keep(SLOT_MASK_WEIGHT.replace("weights[mask, k].unsqueeze(-1)", "weights[mask, k]"),
+         reason="broadcasts along the hidden dim", name="s43c_slot_loop_weight_without_trailing_dim"),
+    # class 2: the transposed weights indexed by (token, slot) pairs: not the pairs' weights
+    Keep(PAIR_TUPLE.replace("top_w[pairs]", "top_w.t()[pairs]"),
+         reason="not recognised as the routing weight", name="s43c_pair_tuple_of_transposed_weights"),
+    # class 3: column 0 of nonzero() is the row's number among the selected rows, not its slot
+    Keep(ROW_SLOTS.replace("nonzero()[:, 1]", "nonzero()[:, 0]"),
+         reason="not recognised", name="s43c_row_slots_first_column"),
+    # class 4: the expert output was bound to a second name before the in-place product (that alias is scaled too)
+    Keep(INPLACE_SCALE.replace("            y *= w[row, slot].unsqueeze(-1)\n            routed[row] += y\n",
+                               "            z = y\n            y *= w[row, slot].unsqueeze(-1)\n            routed[row] += z\n"),
+         reason="is scaled in place", name="s43c_expert_output_scaled_in_place_after_an_alias"),
+    # class 4: the routing weight scales the expert's input rows in place, not its output
+    Keep(INPLACE_SCALE.replace("            y = expert(x_flat[row])\n            y *= w[row, slot].unsqueeze(-1)\n",
+                               "            rows = x_flat[row]\n            rows *= w[row, slot].unsqueeze(-1)\n            y = expert(rows)\n"),
+         reason="unrecognised update in the expert loop", name="s43c_expert_input_scaled_in_place"),
+]

@@ -14684,3 +14684,7 @@ MoeExperts.KEEP += _moe_s42b.KEEP_EXAMPLES
 # s42c (moe42c): expert-parallel loops over a contiguous range of this rank's expert ids (patterns/_moe_s42c.py)
 MoeExperts.FUSE += s42c.FUSE
 MoeExperts.KEEP += s42c.KEEP
+
+# s43c (moe43c): routing weights read as w[mask, k], w[pairs], w[rows, nonzero()[:, 1]]; y *= w (patterns/_moe_s43c.py)
+MoeExperts.FUSE += s43c.FUSE
+MoeExperts.KEEP += s43c.KEEP
