@@ -184,6 +184,12 @@ FUSE = [
     Fuse(ROW_SLOTS, name="s43c_row_slots_from_nonzero_column", run=ROW_SLOTS_RUN),
     Fuse(ROW_SLOTS.replace("(idx[rows] == e).nonzero()[:, 1]", "torch.nonzero(idx[rows] == e)[:, -1]"),
          name="s43c_row_slots_from_torch_nonzero_last_column", run=ROW_SLOTS_RUN),
+    Fuse(ROW_SLOTS.replace("(idx[rows] == e).nonzero()[:, 1]", "torch.where(idx[rows] == e)[1]"),
+         name="s43c_row_slots_from_the_where_tuple", run=ROW_SLOTS_RUN),
+    Fuse(ROW_SLOTS.replace("(idx[rows] == e).nonzero()[:, 1]", "(idx[rows] == e).nonzero(as_tuple=True)[1]"),
+         name="s43c_row_slots_from_the_nonzero_tuple", run=ROW_SLOTS_RUN),
+    Fuse(SLOT_MASK_WEIGHT.replace("weights[mask, k].unsqueeze(-1)", "weights[mask][:, k:k + 1]"),
+         name="s43c_slot_loop_weight_column_after_the_rows", run=SLOT_MASK_WEIGHT_RUN),
 ]
 
 KEEP = [
@@ -196,6 +202,12 @@ KEEP = [
     # class 2: the transposed weights indexed by (token, slot) pairs: not the pairs' weights
     Keep(PAIR_TUPLE.replace("top_w[pairs]", "top_w.t()[pairs]"),
          reason="not recognised as the routing weight", name="s43c_pair_tuple_of_transposed_weights"),
+    # class 1: the rows of the slot mask, then a fixed column 0: slot 0's weight for the rows of every slot
+    Keep(SLOT_MASK_WEIGHT.replace("weights[mask, k].unsqueeze(-1)", "weights[mask][:, 0:1]"),
+         reason="not recognised as the routing weight", name="s43c_slot_loop_weight_column_zero_after_the_rows"),
+    # class 3: the first tensor of the tuple is the row's number among the selected rows, not its slot
+    Keep(ROW_SLOTS.replace("(idx[rows] == e).nonzero()[:, 1]", "torch.where(idx[rows] == e)[0]"),
+         reason="not recognised", name="s43c_row_slots_first_tensor_of_the_where_tuple"),
     # class 3: column 0 of nonzero() is the row's number among the selected rows, not its slot
     Keep(ROW_SLOTS.replace("nonzero()[:, 1]", "nonzero()[:, 0]"),
          reason="not recognised", name="s43c_row_slots_first_column"),

@@ -3062,6 +3062,15 @@ class _Eval:
             return None
         return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
 
+    def _s43c_slot_weight(self, name: str, kind: str) -> V:
+        """s43c: ``name`` read at the rows of a slot mask ``idx[:, k] == e`` and slot ``k``: the routing weight of those
+        pairs where ``name`` has the indices' shape (a run-time check)."""
+        self._set_probs(name)
+        shaped = f"{name}.shape == {self.where_indices}.shape"
+        if shaped not in self.slot_guards:
+            self.slot_guards.append(shaped)
+        return V(kind)
+
     def _s43c_inplace_scale(self, s: ast.stmt) -> bool:
         """s43c: ``y *= f`` / ``y.mul_(f)`` on an expert output ``y`` read as ``y = y * f`` (patterns/_moe_s43c.py);
         refused where ``y`` was read after its binding (another handle on it would be scaled too)."""
@@ -3318,10 +3327,14 @@ class _Eval:
             return V("rw")
         if base.kind == "outer" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "slotmask1" \
                 and s43c.is_slot_name(parts[1], self.slot_var):
-            # s43c: w[mask, k] with mask = idx[:, k] == e: each selected token's slot-k weight, [n]
-            self._set_probs(base.args[0])
-            self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
-            return V("rw_row")
+            return self._s43c_slot_weight(base.args[0], "rw_row")  # s43c: w[mask, k] with mask = idx[:, k] == e, [n]
+        if base.kind == "x" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "all" \
+                and isinstance(node.value, ast.Subscript) and self._part_kind(node.value.slice) == "slotmask1":
+            # s43c: w[mask][:, k] ([n]) / w[mask][:, k:k + 1] ([n, 1]): the same column read after the rows
+            if s43c.is_slot_name(parts[1], self.slot_var):
+                return self._s43c_slot_weight(base.args[0], "rw_row")
+            if _moe_s42b.is_slot_slice(parts[1], self.slot_var):
+                return self._s43c_slot_weight(base.args[0], "rw")
         if base.kind == "outer":
             name = base.args[0]
             kinds = [self._part_kind(p) for p in parts]
@@ -3418,6 +3431,8 @@ class _Eval:
             return base  # s41: y[j] of the pair loop: the expert output row of the pair's token
         if base.kind in ("tok", "kpos") and not base.args and [self._part_kind(p) for p in parts] == ["rowj"]:
             return V(base.kind + "1")  # s41b: tok[j] / slot[j]: the token and slot of pair j
+        if base.kind == "rowslot_tuple" and isinstance(sl, ast.Constant) and sl.value == 1 and not isinstance(sl.value, bool):
+            return V("kpos_sel")  # s43c: torch.where(idx[tok] == e)[1]: the same slots
         if base.kind == "rowslot_pairs" and s43c.is_second_column(sl):
             return V("kpos_sel")  # s43c: (idx[tok] == e).nonzero()[:, 1]: the slot of e in each selected row, in order
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
@@ -4021,6 +4036,8 @@ class _Eval:
                 return recv  # the same token mask over flattened rows
             if recv.kind == "rowslots" and s43c.nonzero_receiver(node) is not None:
                 return V("rowslot_pairs", recv.args)  # s43c: [n, 2] (row, slot) pairs, one per row (distinct top-k ids)
+            if recv.kind == "rowslots" and attr == "nonzero" and not node.args and _as_tuple(node):
+                return V("rowslot_tuple", recv.args)  # s43c: (rows, slots)
             if attr == "nonzero" and recv.kind == "tokmask":
                 if any(k.arg == "as_tuple" and const_value(k.value) is True for k in node.keywords):
                     return V("tokrows")  # (rows,): [0] is the token rows
@@ -4100,6 +4117,8 @@ class _Eval:
             arg = self.ev(node.args[0])
             if arg.kind == "mask_e":
                 return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
+            if arg.kind == "rowslots":
+                return V("rowslot_tuple", arg.args)  # s43c: torch.where(idx[tok] == e): (rows, slots)
             if arg.kind in ("tokmask", "slotmask1"):
                 return V("tokrows", ("slot",) if arg.kind == "slotmask1" else ())
             if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
