@@ -41,6 +41,7 @@ from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
+from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -2832,7 +2833,11 @@ class _Eval:
             if isinstance(tgt, ast.Name) and tgt.id == self.start_name and isinstance(s.op, ast.Add) and self.ev(s.value).kind == "count":
                 self.env[tgt.id] = V("end")  # start_idx += num_tokens
                 return
+            if self._s43c_inplace_scale(s):
+                return  # s43c: `y *= w` on the expert output
             raise _Miss(f"unrecognised update in the expert loop: `{ast.unparse(s)[:60]}`")
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and self._s43c_inplace_scale(s):
+            return  # s43c: `y.mul_(w)` on the expert output
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
             self._call_stmt(s.value)
             return
@@ -3113,6 +3118,28 @@ class _Eval:
             return None
         return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
 
+    def _s43c_slot_weight(self, name: str, kind: str) -> V:
+        """s43c: ``name`` read at the rows of a slot mask ``idx[:, k] == e`` and slot ``k``: the routing weight of those
+        pairs where ``name`` has the indices' shape (a run-time check)."""
+        self._set_probs(name)
+        shaped = f"{name}.shape == {self.where_indices}.shape"
+        if shaped not in self.slot_guards:
+            self.slot_guards.append(shaped)
+        return V(kind)
+
+    def _s43c_inplace_scale(self, s: ast.stmt) -> bool:
+        """s43c: ``y *= f`` / ``y.mul_(f)`` on an expert output ``y`` read as ``y = y * f`` (patterns/_moe_s43c.py);
+        refused where ``y`` was read after its binding (another handle on it would be scaled too)."""
+        found = s43c.inplace_product(s) if self.expert_init is None else None
+        if found is None or self.env.get(found[0], V("none")).kind not in ("mod_out", "proj"):
+            return False
+        name, product = found
+        if s43c.read_since_bound(self.loop, name, s):
+            raise _Miss(f"the expert output `{name}` is scaled in place (`{ast.unparse(s)[:40]}`) after it was read "
+                        "again: whatever that read kept (an alias, a view) is scaled too, which the fused layer would not do")
+        self.env[name] = self.ev(product)
+        return True
+
     def _s42c_local_list(self, node: ast.expr) -> Optional[str]:
         """``self.<attr>`` bound in ``__init__`` to a contiguous range of expert ids (see patterns/_moe_s42c.py)."""
         if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
@@ -3346,7 +3373,10 @@ class _Eval:
             self.slot_dims = column[0]
             return V("slotcol", (node.value.id, column[1]))
         base = self.ev(node.value)
-        parts = self._join_token_parts(list(sl.elts) if isinstance(sl, ast.Tuple) else [sl])
+        pairs = s43c.pair_tuple_parts(sl) if base.kind == "outer" and isinstance(sl, ast.Name) and self.token_dims == 1 \
+            and self.ev(sl).kind == "where" and self.ev(sl).args[0] == "tk" else None
+        # s43c: w[pairs] with pairs = torch.where(idx == e) / nonzero(as_tuple=True): w[pairs[0], pairs[1]]
+        parts = pairs or self._join_token_parts(list(sl.elts) if isinstance(sl, ast.Tuple) else [sl])
         kinds0 = [self._part_kind(p) for p in parts]
         slot_rows = len(parts) == 1 and self.ev(parts[0]) == V("tok", ("slot",))  # rows of the slot mask
         if kinds0 in (["slotmask1"], ["slotmask1", "all"]) or slot_rows and base.kind == "slotcol":
@@ -3363,6 +3393,16 @@ class _Eval:
             self._set_probs(base.args[0])
             self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
             return V("rw")
+        if base.kind == "outer" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "slotmask1" \
+                and s43c.is_slot_name(parts[1], self.slot_var):
+            return self._s43c_slot_weight(base.args[0], "rw_row")  # s43c: w[mask, k] with mask = idx[:, k] == e, [n]
+        if base.kind == "x" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "all" \
+                and isinstance(node.value, ast.Subscript) and self._part_kind(node.value.slice) == "slotmask1":
+            # s43c: w[mask][:, k] ([n]) / w[mask][:, k:k + 1] ([n, 1]): the same column read after the rows
+            if s43c.is_slot_name(parts[1], self.slot_var):
+                return self._s43c_slot_weight(base.args[0], "rw_row")
+            if _moe_s42b.is_slot_slice(parts[1], self.slot_var):
+                return self._s43c_slot_weight(base.args[0], "rw")
         if base.kind == "outer":
             name = base.args[0]
             kinds = [self._part_kind(p) for p in parts]
@@ -3459,6 +3499,10 @@ class _Eval:
             return base  # s41: y[j] of the pair loop: the expert output row of the pair's token
         if base.kind in ("tok", "kpos") and not base.args and [self._part_kind(p) for p in parts] == ["rowj"]:
             return V(base.kind + "1")  # s41b: tok[j] / slot[j]: the token and slot of pair j
+        if base.kind == "rowslot_tuple" and isinstance(sl, ast.Constant) and sl.value == 1 and not isinstance(sl.value, bool):
+            return V("kpos_sel")  # s43c: torch.where(idx[tok] == e)[1]: the same slots
+        if base.kind == "rowslot_pairs" and s43c.is_second_column(sl):
+            return V("kpos_sel")  # s43c: (idx[tok] == e).nonzero()[:, 1]: the slot of e in each selected row, in order
         if base.kind == "kpos_all" and [self._part_kind(p) for p in parts] == ["tokmask"] \
                 and self.ev(parts[0]).args == base.args:
             return V("kpos_sel")  # s41: the slots of e of the tokens the same indices' mask picks
@@ -4079,6 +4123,10 @@ class _Eval:
             if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
                                            and const_value(node.args[0]) == -1):
                 return recv  # the same token mask over flattened rows
+            if recv.kind == "rowslots" and s43c.nonzero_receiver(node) is not None:
+                return V("rowslot_pairs", recv.args)  # s43c: [n, 2] (row, slot) pairs, one per row (distinct top-k ids)
+            if recv.kind == "rowslots" and attr == "nonzero" and not node.args and _as_tuple(node):
+                return V("rowslot_tuple", recv.args)  # s43c: (rows, slots)
             if attr == "nonzero" and recv.kind == "tokmask":
                 if any(k.arg == "as_tuple" and const_value(k.value) is True for k in node.keywords):
                     return V("tokrows")  # (rows,): [0] is the token rows
@@ -4142,6 +4190,8 @@ class _Eval:
                 return self._tokmask(arg.args[0])
         if name == "torch.any" and node.args and _moe_s42b.reduces_dim_one(node, first=1) and self.ev(node.args[0]).kind == "flatmask":
             return self._s42b_tokmask_dim_one(self.ev(node.args[0]).args[0])
+        if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "rowslots":
+            return V("rowslot_pairs", self.ev(node.args[0]).args)  # s43c: torch.nonzero(idx[tok] == e)
         if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
             return V("tokcol")
         if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "flatmask":
@@ -4156,6 +4206,8 @@ class _Eval:
             arg = self.ev(node.args[0])
             if arg.kind == "mask_e":
                 return V("where", (_pair_order(self.masks[arg.args[0]][2]),))
+            if arg.kind == "rowslots":
+                return V("rowslot_tuple", arg.args)  # s43c: torch.where(idx[tok] == e): (rows, slots)
             if arg.kind in ("tokmask", "slotmask1"):
                 return V("tokrows", ("slot",) if arg.kind == "slotmask1" else ())
             if arg.kind == "flatmask":  # torch.where(selected_experts == e) over [T, K] indices
@@ -14796,3 +14848,6 @@ MoeExperts.FUSE += _moe_s43b.FUSE_EXAMPLES
 MoeExperts.KEEP += _moe_s43b.KEEP_EXAMPLES
 MoeExperts.FUSE += _moe_s43a.FUSE_EXAMPLES  # s43a: the real HO19a misses' classes (patterns/_moe_s43a.py)
 MoeExperts.KEEP += _moe_s43a.KEEP_EXAMPLES
+# s43c (moe43c): routing weights read as w[mask, k], w[pairs], w[rows, nonzero()[:, 1]]; y *= w (patterns/_moe_s43c.py)
+MoeExperts.FUSE += s43c.FUSE
+MoeExperts.KEEP += s43c.KEEP
