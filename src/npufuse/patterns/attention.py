@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42, _attention_s43
+from npufuse.patterns import _attention_s42, _attention_s43, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -8367,7 +8367,7 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
                 return False
             if pattern.search(text):
                 # s32: another file importing the class / function is proven the same way (its calls discard the element)
-                more = _s32_other_file_discards(root, rel, text, scope, word, is_forward, index, length, depth, seen)
+                more = _s32_other_file_discards(root, rel, text, scope, word, is_forward, index, length, depth, seen, module.path)
                 if more is None:
                     return False  # another file may call it and read the element
                 calls += more
@@ -8375,7 +8375,7 @@ def _result_element_discarded(module: ModuleInfo, scope: Scope, index: int, leng
 
 
 def _s32_other_file_discards(root: Any, rel: str, text: str, scope: Scope, word: str, is_forward: bool, index: int, length: int,
-                             depth: int, seen: set[int]) -> int | None:
+                             depth: int, seen: set[int], scanned_path: str = "") -> int | None:
     """The calls of ``scope`` in the repository file ``rel`` when each one discards the result element ``index`` and every
     other mention of ``word`` there is an import of it under its own name (or a module path); None otherwise."""
     from npufuse.scan import repo_facts
@@ -8384,6 +8384,8 @@ def _s32_other_file_discards(root: Any, rel: str, text: str, scope: Scope, word:
         other = ModuleInfo.from_source(rel, text)
     except (SyntaxError, ValueError, RecursionError):
         return None
+    if _sweep43b_callers.defines_its_own(other.tree, word, scanned_path):
+        return 0  # s43: a same-named class of its own (a copied model file): its mentions are not calls of this one
     repo_facts.attach_root(other, root)  # its callers' own callers are proven over the repository too
     word_re = re.compile(r"\b" + re.escape(word) + r"\b")
     accounted = len(re.findall(r"\bsuper\(\s*" + re.escape(word) + r"\s*,", other.source))
