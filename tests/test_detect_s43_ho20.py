@@ -1,0 +1,123 @@
+"""s43 (helper ho20fix43): classes of the s43 blind sets' real misses and false reasons (every spelling here is
+invented; each class has a Fuse run under the emulator against the original and a Keep with a true reason).
+
+1. rms_norm / add_rms_norm: a norm whose optional weight is returned under an exiting ``if`` and whose weightless
+   value is returned after it (``if self.weight is not None: return y * self.weight`` / ``return y``); the residual
+   add before such a norm class (``x = x + ffn(self.norm2(x))``).
+"""
+
+from __future__ import annotations
+
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.rms_norm import RmsNorm
+
+
+def _close(facts: dict, tol: float = 0.99999) -> None:
+    assert facts["n_out"][0] == facts["n_out"][1]
+    assert facts["dtypes"] and all(a == b for a, b in facts["dtypes"]), facts["dtypes"]
+    assert all(c > tol for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
+
+
+# -- 1. the optional weight returned under an exiting ``if`` --------------------------------------------------------
+
+_OPTIONAL_WEIGHT = '''
+import torch
+import torch.nn as nn
+
+
+class ScaleFreeRMSNorm(nn.Module):
+    def __init__(self, shape, eps=1e-6, learnable=True):
+        super().__init__()
+        self.eps = eps
+        if learnable:
+            self.gain = nn.Parameter(torch.ones(shape))
+        else:
+            self.register_parameter("gain", None)
+
+    def forward(self, h):
+        denom = torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        unit = h / denom
+        if {test}:
+            return {weighted}
+        return unit
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, d, learnable=True):
+        super().__init__()
+        self.mix = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+        self.pre_mix = ScaleFreeRMSNorm(d, learnable=learnable)
+        self.pre_mlp = ScaleFreeRMSNorm(d, learnable=learnable)
+
+    def forward(self, tokens):
+        mixed = self.mix(self.pre_mix(tokens))
+        tokens = tokens + mixed
+        tokens = tokens + self.mlp(self.pre_mlp(tokens))
+        return tokens
+'''
+
+_PLAIN = {"test": "self.gain is not None", "weighted": "unit * self.gain"}
+
+_RUN_NORM = '''
+a = ScaleFreeRMSNorm(16)
+b = ScaleFreeRMSNorm(16, learnable=False)
+with torch.no_grad():
+    a.gain.normal_()
+x = torch.randn(2, 3, 16, requires_grad=True)
+out = (a(x), b(x), a(x.to(torch.bfloat16)))
+leaves = [x, a.gain]
+'''
+
+_RUN_LAYER = '''
+layers = [EncoderLayer(16), EncoderLayer(16, learnable=False)]
+with torch.no_grad():
+    for m in layers:
+        for p in m.parameters():
+            p.normal_()
+    infer = [m(torch.randn(2, 5, 16)) for m in layers]
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, [m(x) for m in layers])
+leaves = [x]
+'''
+
+
+def test_weight_returned_under_an_exiting_if_is_fused_on_that_path() -> None:
+    code = _OPTIONAL_WEIGHT.format(**_PLAIN)
+    findings, misses = detect_all(RmsNorm(), code)
+    norm = [f for f in findings if f.qualname == "ScaleFreeRMSNorm.forward"]
+    assert [(f.line, f.end_line) for f in norm] == [(16, 20)], [m.reason for m in misses]
+    assert "if (self.gain is not None):" in norm[0].fused and norm[0].params["weight"] == "self.gain"
+    facts = check_rewrite_runs(RmsNorm(), code, _RUN_NORM, norm)
+    assert facts["all_calls"].get("npu_rms_norm"), facts["all_calls"]
+    _close(facts)
+
+
+def test_exiting_if_whose_test_reads_the_normalised_value_is_a_near_miss() -> None:
+    # the test needs the computation's own value: it cannot run before the fused region
+    code = _OPTIONAL_WEIGHT.format(test="unit.dtype == torch.float32", weighted="unit * self.gain")
+    findings, misses = detect_all(RmsNorm(), code)
+    assert not [f for f in findings if f.qualname == "ScaleFreeRMSNorm.forward"]
+    assert [m.reason for m in misses if m.qualname == "ScaleFreeRMSNorm.forward"] == [
+        "part of the computation is in another block (control flow)"]
+
+
+def test_residual_add_before_an_optional_weight_norm_class_is_fused() -> None:
+    code = _OPTIONAL_WEIGHT.format(**_PLAIN)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [(f.qualname, f.line) for f in findings] == [("EncoderLayer.forward", 33)], [m.reason for m in misses]
+    assert findings[0].params["condition"] == "(self.pre_mlp.gain is not None)", findings[0].params
+    facts = check_rewrite_runs(AddRmsNorm(), code, _RUN_LAYER, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm") and facts["all_calls"].get("npu_rms_norm"), facts["all_calls"]
+    _close(facts)
+
+
+def test_residual_add_before_a_norm_whose_arms_both_compute_is_not_fused() -> None:
+    # neither arm returns the bare normalised value: which arm is the norm is not this class
+    code = _OPTIONAL_WEIGHT.format(test="self.gain is not None", weighted="unit * self.gain").replace(
+        "        return unit\n", "        return unit * 2.0\n")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert not findings
