@@ -121,3 +121,69 @@ def test_residual_add_before_a_norm_whose_arms_both_compute_is_not_fused() -> No
         "        return unit\n", "        return unit * 2.0\n")
     findings, _ = detect_all(AddRmsNorm(), code)
     assert not findings
+
+
+# -- 2. rope: an interleaved rotation helper nested in forward, its lanes named then filled into empty_like ----------
+
+_NESTED_LANES = '''
+import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, heads=2, dim=8, seq=16):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        theta = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        ang = torch.arange(seq).float()[:, None] * theta[None, :]
+        self.register_buffer("cos_t", ang.cos())
+        self.register_buffer("sin_t", ang.sin())
+
+    def forward(self, q, k, offset: int = 0):
+        n = q.shape[2]
+        cos = self.cos_t[offset:offset + n].to(q.dtype)[None, None]
+        sin = self.sin_t[offset:offset + n].to(q.dtype)[None, None]
+
+        def spin(v, c, s):
+            ev = v[..., 0::2]
+            od = v[..., 1::2]
+            new_ev = ev * c - od * s
+            new_od = ev * s + od * c
+            res = {alloc}
+            res[..., 0::2] = new_ev
+            res[..., 1::2] = new_od
+            return res
+
+        return spin(q, cos, sin), spin(k, cos, sin)
+'''
+
+_RUN_NESTED = '''
+m = Attention()
+q = torch.randn(2, 2, 5, 8, requires_grad=True)
+k = torch.randn(2, 2, 5, 8, requires_grad=True)
+out = (m(q, k), m(q, k, offset=3))
+leaves = [q, k]
+'''
+
+
+def test_nested_lane_fill_helper_is_fused_with_its_named_lanes() -> None:
+    from npufuse.patterns.rope import RopePattern
+
+    code = _NESTED_LANES.format(alloc="torch.empty_like(v)")
+    findings, misses = detect_all(RopePattern(), code)
+    # the span starts at the named rotated lanes: the fused path no longer computes them
+    assert [(f.qualname, f.line, f.end_line) for f in findings] == [("Attention.forward.spin", 23, 27)], [m.reason for m in misses]
+    assert 'rotary_mode="interleave"' in findings[0].fused
+    facts = check_rewrite_runs(RopePattern(), code, _RUN_NESTED, findings)
+    assert facts["all_calls"].get("npu_rotary_mul"), facts["all_calls"]
+    _close(facts)
+
+
+def test_nested_lane_fill_into_a_buffer_shaped_like_the_table_is_a_near_miss() -> None:
+    from npufuse.patterns.rope import RopePattern
+
+    code = _NESTED_LANES.format(alloc="torch.empty_like(c)")
+    findings, misses = detect_all(RopePattern(), code)
+    assert not findings
+    assert [m.reason for m in misses] == ["the rotated halves are written into `torch.empty_like(c)`, a new tensor shaped like "
+                                          "another tensor than the rotated `v`: not verified"]
