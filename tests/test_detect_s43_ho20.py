@@ -187,3 +187,77 @@ def test_nested_lane_fill_into_a_buffer_shaped_like_the_table_is_a_near_miss() -
     assert not findings
     assert [m.reason for m in misses] == ["the rotated halves are written into `torch.empty_like(c)`, a new tensor shaped like "
                                           "another tensor than the rotated `v`: not verified"]
+
+
+# -- 3. sdpa: the mask is an entry of a cache a builder method fills with a comparison of positions ------------------
+
+_CACHED_MASK = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self._masks = {}
+
+    def _mask_for(self, t, s, start, device):
+        key = (t, s, start, str(device))
+        if key not in self._masks:
+            rows = torch.arange(t, device=device)[:, None]
+            cols = torch.arange(s, device=device)[None, :]
+            self._masks[key] = {entry}
+        return self._masks[key]
+
+    def forward(self, x, start=0):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if start:
+            k = torch.cat([k[:, :, :1].expand(-1, -1, start, -1), k], dim=2)
+            v = torch.cat([v[:, :, :1].expand(-1, -1, start, -1), v], dim=2)
+        mask = self._mask_for(t, start + t, start, x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, d)
+'''
+
+_RUN_CACHED = '''
+m = CachedAttention()
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (m(x), m(x, start=3), m(x))
+leaves = [x]
+'''
+
+
+def test_sdpa_mask_from_a_cache_of_position_comparisons_is_fused_as_a_bool_mask() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = _CACHED_MASK.replace("{entry}", "cols <= start + rows")
+    findings, misses = detect_all(SdpaPattern(), code)
+    assert [f.qualname for f in findings] == ["CachedAttention.forward"], [m.reason for m in misses]
+    facts = check_rewrite_runs(SdpaPattern(), code, _RUN_CACHED, findings)
+    assert facts["all_calls"].get("npu_fusion_attention"), facts["all_calls"]
+    _close(facts, tol=0.9999)
+
+
+def test_sdpa_mask_from_a_cache_of_distance_biases_is_a_true_float_bias_near_miss() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    # an ALiBi-like distance bias: graded float values, not a mask
+    code = _CACHED_MASK.replace("{entry}", "(cols - rows - start).float() * 0.5")
+    findings, misses = detect_all(SdpaPattern(), code)
+    assert not findings
+    assert any(m.reason.startswith("attn_mask: a float bias is added to the scores") for m in misses), [m.reason for m in misses]
+
+
+def test_sdpa_mask_cache_another_method_also_fills_is_not_read_as_bool() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = _CACHED_MASK.replace("{entry}", "cols <= start + rows").replace(
+        "    def forward(self, x, start=0):",
+        "    def prime(self, t):\n        self._masks[(t, t, 0, 'cpu')] = torch.arange(t)[None, :] * 0.1\n\n    def forward(self, x, start=0):")
+    findings, misses = detect_all(SdpaPattern(), code)
+    assert not findings
+    assert any("float bias" in m.reason for m in misses), [m.reason for m in misses]
