@@ -261,3 +261,80 @@ def test_sdpa_mask_cache_another_method_also_fills_is_not_read_as_bool() -> None
     findings, misses = detect_all(SdpaPattern(), code)
     assert not findings
     assert any("float bias" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 4. swiglu: local projections built alike, a local activation object, the module's own statements ---------------
+
+_SCRIPT_GLU = '''
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+width, hidden, act_name = 16, 32, "silu"
+to_gate = nn.Linear(width, hidden, bias=False)
+to_value = nn.Linear(width, hidden, bias=False)
+{choice}
+tokens = torch.randn(3, width)
+g = to_gate(tokens)
+u = to_value(tokens)
+gated = nonlin(g)
+mixed = gated * u
+demo_out = mixed.sum(-1)
+'''
+
+_CHOSEN = '''if act_name == "silu":
+    nonlin = nn.SiLU()
+else:
+    raise ValueError(act_name)'''
+
+
+def _glu_in_function(script: str) -> str:
+    head, body = script.split("torch.manual_seed(0)\n")
+    return head + "\ndef run_glu():\n    torch.manual_seed(0)\n" + "".join(
+        "    " + ln + "\n" if ln else "\n" for ln in body.splitlines()) + "    return demo_out\n"
+
+
+def test_script_glu_with_alike_projections_and_a_chosen_activation_object_is_fused() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    code = _SCRIPT_GLU.format(choice=_CHOSEN)
+    findings, misses = detect_all(Swiglu(), code)
+    assert [(f.qualname, f.line, f.end_line) for f in findings] == [("<module>", 16, 17)], [m.reason for m in misses]
+    facts = check_rewrite_runs(Swiglu(), code, "out = demo_out\n", findings)
+    assert facts["all_calls"].get("npu_swiglu"), facts["all_calls"]
+    _close(facts)
+    in_function = _glu_in_function(code)
+    findings, misses = detect_all(Swiglu(), in_function)
+    assert [f.qualname for f in findings] == ["run_glu"], [m.reason for m in misses]
+    facts = check_rewrite_runs(Swiglu(), in_function, "out = run_glu()\n", findings)
+    assert facts["all_calls"].get("npu_swiglu"), facts["all_calls"]
+    _close(facts)
+
+
+def test_one_projection_object_applied_twice_is_still_one_value() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    code = _SCRIPT_GLU.format(choice="nonlin = nn.SiLU()").replace("u = to_value(tokens)", "u = to_gate(tokens)")
+    findings, misses = detect_all(Swiglu(), code)
+    assert not findings
+    assert any(m.reason.startswith("gate and up are one value") for m in misses), [m.reason for m in misses]
+
+
+def test_activation_object_rebound_on_a_fall_through_path_is_not_read() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    # GELU stays bound where the test fails: which activation runs is not known here
+    code = _SCRIPT_GLU.format(choice='nonlin = nn.GELU()\nif act_name == "silu":\n    nonlin = nn.SiLU()')
+    findings, _ = detect_all(Swiglu(), code)
+    assert not findings
+
+
+def test_script_intermediate_read_by_a_function_of_the_file_is_a_near_miss() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    code = _SCRIPT_GLU.format(choice="nonlin = nn.SiLU()").replace(
+        "torch.manual_seed(0)\n", "\ndef gate_stats():\n    return gated.mean()\n\n\ntorch.manual_seed(0)\n")
+    findings, misses = detect_all(Swiglu(), code)
+    assert not findings
+    assert [m.reason for m in misses] == ["module-level statements: `gated`, an intermediate the fused code no longer binds, is a "
+                                          "global that a function or class of this file reads"]
