@@ -338,3 +338,15 @@ def test_script_intermediate_read_by_a_function_of_the_file_is_a_near_miss() -> 
     assert not findings
     assert [m.reason for m in misses] == ["module-level statements: `gated`, an intermediate the fused code no longer binds, is a "
                                           "global that a function or class of this file reads"]
+
+
+def test_exiting_if_with_another_return_before_the_weighted_one_is_not_lifted() -> None:
+    # the bias return would be skipped on the fused path: the syntactic lift refuses (the numeric probe, which runs
+    # the forward, proves it with the bias test as a run-time guard)
+    code = _OPTIONAL_WEIGHT.format(test="self.gain is not None", weighted="unit * self.gain").replace(
+        "            return unit * self.gain\n",
+        "            if getattr(self, 'shift', None) is not None:\n                return unit * self.gain + self.shift\n"
+        "            return unit * self.gain\n")
+    findings, _ = detect_all(RmsNorm(), code)
+    norm = [f for f in findings if f.qualname == "ScaleFreeRMSNorm.forward"]
+    assert all(f.params.get("found_by") == "numeric_probe" for f in norm), [f.fused for f in norm]

@@ -29,17 +29,13 @@ _PLAIN_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, a
                ast.cmpop, ast.boolop, ast.unaryop)
 
 
-def _always_exits(body: list[ast.stmt]) -> bool:
-    return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise))
-
-
 def lift_over_exiting_if(scope: Scope, branch: ast.If, trace: S.Trace) -> S.SpanPlan | None:
-    """The span for a norm returned inside ``branch`` (an ``if`` without ``else`` whose body ends in a return or
-    raise) whose intermediate the statements after the ``if`` read: the ``if`` and every later statement of its
-    block join the fused region, so the fused code runs on the ``if``'s path only and the original statements on
+    """The span for a norm returned by ``branch`` (an ``if`` without ``else`` whose body is that return alone) whose
+    intermediate the one statement after the ``if`` returns bare (``return x_normed``): the ``if`` and that return
+    join the fused region, so the fused code runs on the ``if``'s path only and the original statements on
     every other. None where the test could not run before the computation or the span cannot be planned."""
-    if branch.orelse or not _always_exits(branch.body):
-        return None
+    if branch.orelse or len(branch.body) != 1 or not isinstance(branch.body[0], ast.Return):
+        return None  # the return alone: another statement of the arm (an earlier ``return`` under a test) would be skipped
     if not all(isinstance(n, _PLAIN_TEST) for n in fast_walk(branch.test)):
         return None
     idx = S.stmt_index(scope)
@@ -48,7 +44,8 @@ def lift_over_exiting_if(scope: Scope, branch: ast.If, trace: S.Trace) -> S.Span
         return None
     block, at = loc
     after = block[at + 1:]
-    if not after:
+    # the weightless value returned bare after the ``if`` (a norm computed there again is a root of its own)
+    if len(after) != 1 or not isinstance(after[0], ast.Return) or not isinstance(after[0].value, ast.Name):
         return None
     written = set().union(*(S.names_written(s) for s in trace.stmts.values()))
     if S.names_read(branch.test) & written:
