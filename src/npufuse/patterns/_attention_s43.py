@@ -1,7 +1,7 @@
 """s43 (helper ho20fix43): attention / sdpa mask readings the s43 blind judge found false, read by class.
 
-1. A mask-builder method that caches what it builds (``key = (T, S, start, str(device))``; ``if key not in
-   self._mask_cache: visible = j <= start + i; self._mask_cache[key] = visible``; ``return self._mask_cache[key]``):
+1. A mask-builder method that caches what it builds (``key = (t, s, start, str(device))``; ``if key not in
+   self._masks: self._masks[key] = cols <= start + rows``; ``return self._masks[key]``):
    its result is an entry of the cache, so it is bool when every value stored into the cache is. The cache must
    hold nothing else: the class binds the attribute only to an empty dict and stores into it in this method alone.
    Without this, the positions it compares (``arange``) were read as graded values and the mask as a float bias.

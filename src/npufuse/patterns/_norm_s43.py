@@ -2,17 +2,17 @@
 
 1. The optional weight returned under an exiting ``if`` with the weightless value returned after it::
 
-       x_normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-       if self.weight is not None:
-           return x_normed * self.weight
-       return x_normed
+       unit = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+       if self.gain is not None:
+           return unit * self.gain
+       return unit
 
-   The ``if`` has no ``else``, but its body always leaves the function, so the statements after it are its
-   ``else``. The span grows from the computation over the ``if`` and every statement after it in the block; the
+   The ``if`` has no ``else``, but its body (the return alone) leaves the function, so the bare return after it is
+   its ``else``. The span grows from the computation over the ``if`` and that return; the
    fused code runs only where the test picks the weighted return, the original statements everywhere else.
    The test is moved before the computation, so it must read nothing the computation writes and call nothing.
-   add_rms_norm reads such a class's forward (``x = x + ffn(self.norm2(x))``) through the weighted arm's return,
-   the test rewritten on the instance (``self.norm2.weight is not None``) and checked at run time.
+   add_rms_norm reads such a class's forward (``tokens = tokens + self.mlp(self.pre_mlp(tokens))``) through the weighted arm's return,
+   the test rewritten on the instance (``self.pre_mlp.gain is not None``) and checked at run time.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _PLAIN_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, a
 
 def lift_over_exiting_if(scope: Scope, branch: ast.If, trace: S.Trace) -> S.SpanPlan | None:
     """The span for a norm returned by ``branch`` (an ``if`` without ``else`` whose body is that return alone) whose
-    intermediate the one statement after the ``if`` returns bare (``return x_normed``): the ``if`` and that return
+    intermediate the one statement after the ``if`` returns bare (``return unit``): the ``if`` and that return
     join the fused region, so the fused code runs on the ``if``'s path only and the original statements on
     every other. None where the test could not run before the computation or the span cannot be planned."""
     if branch.orelse or len(branch.body) != 1 or not isinstance(branch.body[0], ast.Return):

@@ -1,11 +1,11 @@
 """s43 (helper ho20fix43): rope forms the s43 blind judge found missed, read by class.
 
-1. A rotation helper defined inside a method (``def apply_rope(t, cos, sin)`` in ``Attention.forward``, filling
+1. A rotation helper defined inside a method (``def spin(v, c, s)`` in ``Attention.forward``, filling
    ``out[..., 0::2]`` / ``out[..., 1::2]`` of an ``empty_like`` buffer): the scan's per-module hints (names of
    helpers that could rotate) listed only module-level functions and class methods, so the nested helper's own
    scope, whose text holds no other hint, was never read.
-2. The rotated lanes computed by named statements right before the buffer (``out_even = t_even * cos - t_odd * sin``;
-   ``out_odd = ..``; ``out = torch.empty_like(t)``; ``out[..., 0::2] = out_even``; ..): the fused call replaces
+2. The rotated lanes computed by named statements right before the buffer (``new_ev = ev * c - od * s``;
+   ``new_od = ..``; ``res = torch.empty_like(v)``; ``res[..., 0::2] = new_ev``; ..): the fused call replaces
    them with the fills, as it already did for the tuple-fill spelling (the eager products no longer run on the
    fused path, where they were computed and thrown away).
 """
@@ -24,7 +24,7 @@ def nested_rotation_helpers(module: ModuleInfo, known: set[str], could_rotate: C
     out: set[str] = set()
     for scope in module.scopes:
         node = scope.node
-        # a nested function's qualname runs through its enclosing function: ``Cls.forward.apply_rope``, ``f.g``
+        # a nested function's qualname runs through its enclosing function: ``Cls.forward.spin``, ``f.g``
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in known \
                 and scope.qualname.count(".") >= 1 and scope.qualname not in module.functions and could_rotate(node):
             out.add(node.name)

@@ -1,12 +1,12 @@
 """s43 (helper ho20fix43): swiglu readings the s43 blind judge found missed, read by class.
 
-1. Two projections built by identical constructor calls (``gate_proj = nn.Linear(d, f, bias=False)``;
-   ``up_proj = nn.Linear(d, f, bias=False)``, a script's or a function's local modules): the value key resolves
-   names to their definitions, so ``gate_proj(x)`` and ``up_proj(x)`` had one key and ``silu(gate) * up`` was
+1. Two projections built by identical constructor calls (``to_gate = nn.Linear(w, h, bias=False)``;
+   ``to_value = nn.Linear(w, h, bias=False)``, a script's or a function's local modules): the value key resolves
+   names to their definitions, so ``to_gate(t)`` and ``to_value(t)`` had one key and ``silu(gate) * up`` was
    refused as "gate and up are one value". Two construction statements make two objects: the values differ.
 2. An activation object bound to a local name of the function (or of a script's ``if __name__ == "__main__":``
-   block) and called there: ``act = nn.SiLU()`` (or chosen by ``if name == "silu": act = nn.SiLU() else: raise``),
-   then ``act(gate) * up``. Only a name the scope binds once, in straight code or in ``if`` arms whose other arm
+   block) and called there: ``nonlin = nn.SiLU()`` (or chosen by ``if act_name == "silu": nonlin = nn.SiLU() else: raise``),
+   then ``nonlin(g) * u``. Only a name the scope binds once, in straight code or in ``if`` arms whose other arm
    always leaves (raise / return): every path reaching the call took that binding.
 3. The module's own statements (a script, an ``if __name__ == "__main__":`` demo) are read like a function's. A
    name such a span binds is a global: a function of the file may read it later, which the scope's own reads do

@@ -1773,7 +1773,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
         kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
         if kernel_branch is None:
-            # s43: ``if self.weight is not None: return y * self.weight`` then ``return y``
+            # s43: ``if self.gain is not None: return unit * self.gain`` then ``return unit``
             kernel_branch = _norm_s43.exiting_if_arm(fwd, params[0], mod, bool(where))
         ret = kernel_branch[0] if kernel_branch is not None else None
     if ret is None or nscope is None or len(params) < 2:

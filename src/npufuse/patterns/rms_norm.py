@@ -1663,7 +1663,7 @@ def _lift_to_branches(module: ModuleInfo, scope: Scope, stmt: ast.Return, trace:
         if isinstance(plan, S.SpanPlan):
             return plan, " and ".join(conds)
         if plan != _OTHER_BLOCK:
-            # s43: ``if self.weight is not None: return y * self.weight`` then ``return y``: the statements
+            # s43: ``if self.gain is not None: return unit * self.gain`` then ``return unit``: the statements
             # after an exiting ``if`` are its else
             grown = _norm_s43.lift_over_exiting_if(scope, anc, trace) if child is stmt else None
             return (grown, " and ".join(conds)) if grown is not None else None

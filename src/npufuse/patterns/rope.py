@@ -2102,7 +2102,7 @@ class RopePattern(Pattern):
                 res = self._filled_match(module, scope, filled, getattr(filled, "npufuse_alloc", stmt.value))  # type: ignore[attr-defined]
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + 3])
-                    # s43: ``out_even = ..; out_odd = ..`` right before ``out = empty_like(t)`` go with the site
+                    # s43: ``new_ev = ..; new_od = ..`` right before ``res = empty_like(v)`` go with the site
                     runs.append((block, _rope_s43.parts_before(runs, block, i, res.absorb) + [(i, filled, [res])]))
                     continue
                 if isinstance(res, str):

@@ -571,7 +571,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         passed = _parameter_act(module, f, gate, ctx)
         if passed is not None:
             return passed
-        # s43: ``act = nn.SiLU()`` bound once in this scope (or in an if arm whose other arm raises)
+        # s43: ``nonlin = nn.SiLU()`` bound once in this scope (or in an if arm whose other arm raises)
         built = _swiglu_s43.sole_local_value(ctx, f.id)
         kb = _module_act(module, built) if built is not None else None
         if kb is not None and kb[0] != CONFIG:
