@@ -91,6 +91,16 @@ def sole_local_value(ctx: S.Ctx, name: str) -> ast.expr | None:
     return value
 
 
+def module_statements_multiply(module: ModuleInfo, scope: Scope, words: tuple[str, ...]) -> bool:
+    """Does a statement of the module's own (not a def, class or import) hold one of the product spellings ``words``
+    on its lines? The cheap gate before the module scope is read for a gated product."""
+    lines = S.module_lines(module)
+    return any(w in ln for st in S.stmt_index(scope).stmts
+               if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom, ast.If, ast.With,
+                                      ast.For, ast.While, ast.Try))
+               for ln in lines[st.lineno - 1 : st.end_lineno or st.lineno] for w in words)
+
+
 def _names_read_in_bodies(module: ModuleInfo) -> set[str]:
     """Names loaded anywhere inside the file's function and class bodies (memoised per file)."""
     cached = module.__dict__.get("_npufuse_s43_body_reads")

@@ -1787,6 +1787,8 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
     # function and class bodies are their own scopes)
     if not any(w in S.scope_text(module, scope) for w in _PRODUCT_WORDS):
         return results
+    if isinstance(scope.node, ast.Module) and not _swiglu_s43.module_statements_multiply(module, scope, _PRODUCT_WORDS):
+        return results  # (most files: products only inside functions, read in their own scopes)
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name) \
             and not _has_built_activation_attr(module, scope, S.scope_text(module, scope)):
