@@ -226,10 +226,12 @@ def local_values(fn: ast.AST) -> dict[str, list[ast.expr]]:
     return assigned
 
 
-def returns_bool(fn: Any) -> bool:
+def returns_bool(fn: Any, stored: dict[str, list[ast.expr]] | None = None) -> bool:
     """Every ``return`` of the function ``fn`` gives a bool tensor by construction: a comparison, ``~`` / ``&`` /
     ``|`` / ``^`` of such, a view or ``.bool()`` of one (``.to(device)`` keeps it), through the function's local
-    names; False for anything else (and for a class or a function without a returned value)."""
+    names; False for anything else (and for a class or a function without a returned value). ``stored`` (s43):
+    ``self.<attr>`` -> every value ``fn`` stores into ``self.<attr>[...]``, a cache that holds nothing else: an
+    entry read from it is one of them."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     assigned = local_values(fn)
@@ -270,6 +272,8 @@ def returns_bool(fn: Any) -> bool:
                 open_names.discard(n.id)
         if isinstance(n, ast.Subscript):
             return is_bool(n.value, depth + 1)  # s42: ``keep[:, None, None, :]``: an index of a bool tensor is bool
+        if stored and isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and f"{n.value.id}.{n.attr}" in stored:
+            return all(is_bool(v, depth + 1) for v in stored[f"{n.value.id}.{n.attr}"])  # s43: a cache's entry
         return False
 
     return bool(returns) and all(is_bool(r) for r in returns)

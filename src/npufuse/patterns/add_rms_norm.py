@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
+from npufuse.patterns import _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1799,6 +1800,9 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     if ret is None and len(params) >= 2:
         # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
         kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
+        if kernel_branch is None:
+            # s43: ``if self.gain is not None: return unit * self.gain`` then ``return unit``
+            kernel_branch = _norm_s43.exiting_if_arm(fwd, params[0], mod, bool(where))
         ret = kernel_branch[0] if kernel_branch is not None else None
     weight_branch: tuple[ast.Return, list[str]] | None = None
     if ret is None and len(params) >= 2:

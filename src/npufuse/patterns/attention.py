@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42, _attention_s43, _sweep43b_callers
+from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -3142,8 +3142,10 @@ def _class_grades(module: ModuleInfo, cls: ast.AST) -> str | None:
     <= -1e4 (it builds a mask)."""
     if any(_mask_fill(n) or _constant_fill(n) for n in fast_walk(cls)):
         return None  # it fills positions with constants: a mask (its values are checked at run time)
-    if _attention_s35.returns_bool(cls):
-        return None  # s35: it returns a comparison of positions (LLaMA2-Accessory's ``_make_causal_mask``): a bool pattern
+    if _attention_s35.returns_bool(cls, _attention_s43h.cache_entries(module, cls)):
+        # s35: it returns a comparison of positions (LLaMA2-Accessory's ``_make_causal_mask``): a bool pattern
+        # (s43: or an entry of a cache it fills only with such comparisons)
+        return None
     for n in _walk_unless_compared(cls):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""

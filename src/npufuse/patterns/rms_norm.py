@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from npufuse.patterns import _library_norm
+from npufuse.patterns import _library_norm, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -1663,7 +1663,10 @@ def _lift_to_branches(module: ModuleInfo, scope: Scope, stmt: ast.Return, trace:
         if isinstance(plan, S.SpanPlan):
             return plan, " and ".join(conds)
         if plan != _OTHER_BLOCK:
-            return None
+            # s43: ``if self.gain is not None: return unit * self.gain`` then ``return unit``: the statements
+            # after an exiting ``if`` are its else
+            grown = _norm_s43.lift_over_exiting_if(scope, anc, trace) if child is stmt else None
+            return (grown, " and ".join(conds)) if grown is not None else None
         child = anc
     return None
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
-from npufuse.patterns import _library_rope
+from npufuse.patterns import _library_rope, _rope_s43
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2214,7 +2214,8 @@ class RopePattern(Pattern):
                 res = self._filled_match(module, scope, filled, getattr(filled, "npufuse_alloc", stmt.value))  # type: ignore[attr-defined]
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + 3])
-                    runs.append((block, [(i, filled, [res])]))
+                    # s43: ``new_ev = ..; new_od = ..`` right before ``res = empty_like(v)`` go with the site
+                    runs.append((block, _rope_s43.parts_before(runs, block, i, res.absorb) + [(i, filled, [res])]))
                     continue
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 2].end_lineno or stmt.lineno, res)
@@ -2265,17 +2266,7 @@ class RopePattern(Pattern):
                         res.wrap = f"torch.cat(({{}}, {tail}), dim=-1)"
                 if isinstance(res, _Match):
                     filled_done.update(id(st) for st in block[i + 1 : i + used])
-                    ids = {id(a) for a in res.absorb}
-                    pre: list[tuple[int, ast.stmt, list[_Match]]] = []
-                    if ids and i >= len(ids) and {id(b) for b in block[i - len(ids) : i]} == ids:
-                        # the rotated lanes computed right before the allocation go with the site
-                        start = i - len(ids)
-                        pre = [(j, block[j], []) for j in range(start, i)]
-                        if runs and runs[-1][0] is block and runs[-1][1][-1][0] >= start:
-                            runs[-1][1][:] = [it for it in runs[-1][1] if it[0] < start]
-                            if not runs[-1][1]:
-                                runs.pop()
-                    runs.append((block, pre + [(i, site, [res])]))
+                    runs.append((block, _rope_s43.parts_before(runs, block, i, res.absorb) + [(i, site, [res])]))
                     continue
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + used - 1].end_lineno or stmt.lineno, res)
@@ -2431,6 +2422,7 @@ class RopePattern(Pattern):
                       for t in st.targets if isinstance(t, ast.Name) and "rot" in t.id.lower()}
             for cls in _module_classes(module):
                 names |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and ("rot" in f.name.lower() or could_rotate(f))}
+            names |= _rope_s43.nested_rotation_helpers(module, names, could_rotate)  # s43: ``def apply_rope`` inside forward
             hints = module.__dict__["_rope_hints"] = tuple(sorted(names)) + ("cat(", "concat(", "stack(", "view_as_real", "1, 2)", "addcmul_(")
         return hints
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
+from npufuse.patterns import _swiglu_s43
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -570,6 +571,11 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         passed = _parameter_act(module, f, gate, ctx)
         if passed is not None:
             return passed
+        # s43: ``nonlin = nn.SiLU()`` bound once in this scope (or in an if arm whose other arm raises)
+        built = _swiglu_s43.sole_local_value(ctx, f.id)
+        kb = _module_act(module, built) if built is not None else None
+        if kb is not None and kb[0] != CONFIG:
+            return Act(kb[0], gate, ctx, f"{f.id} = {ast.unparse(built)}", obj=f, approx=kb[1] if kb[0] == GELU_DYN else None)  # type: ignore[arg-type]
         return _local_callable_act(module, f, gate, ctx)
     return None
 
@@ -1777,8 +1783,12 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
         return cached
     results: list[GateResult] = []
     scope.__dict__["_npufuse_gates"] = results
-    if isinstance(scope.node, ast.Module) or not any(w in S.scope_text(module, scope) for w in _PRODUCT_WORDS):
+    # (s43: the module's own statements too: a script's or an ``if __name__ == "__main__":`` block's gated product;
+    # function and class bodies are their own scopes)
+    if not any(w in S.scope_text(module, scope) for w in _PRODUCT_WORDS):
         return results
+    if isinstance(scope.node, ast.Module) and not _swiglu_s43.module_statements_multiply(module, scope, _PRODUCT_WORDS):
+        return results  # (most files: products only inside functions, read in their own scopes)
     text = S.scope_text(module, scope).lower()
     if not any(w in text for w in _ACT_SEARCH) and not _has_sequential_attr(module, scope.class_name) \
             and not _has_built_activation_attr(module, scope, S.scope_text(module, scope)):
@@ -1843,6 +1853,8 @@ def gate_results(module: ModuleInfo, scope: Scope) -> list[GateResult]:
             results.append(GateResult(stmt, pat, miss=NearMiss(pat, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, reason)))
         if gates:
             results.extend(_site_results(module, scope, stmt, gates))
+    if isinstance(scope.node, ast.Module):
+        results[:] = [_swiglu_s43.module_level_result(module, scope, r) for r in results]
     return results
 
 
@@ -5241,7 +5253,7 @@ def _one_value_check(a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx) -> None:
     """``act(h) * h``: gate and up are one value. That is an activation of one tensor (x * silu(x)),
     not a gated linear unit's two projections; the fused op would take the value twice (a copy of
     both in torch.cat) for no fusion gain, so it is no candidate."""
-    if S.key(a, actx) == S.key(b, ctx):
+    if S.key(a, actx) == S.key(b, ctx) and not _swiglu_s43.distinct_objects(a, actx, b, ctx):
         raise GateMiss("gate and up are one value (act(h) * h): an activation of a single tensor, not a gated linear "
                        "unit with two projections")
 

@@ -1,0 +1,111 @@
+"""s43 (helper ho20fix43): rms_norm forms the s43 blind judge found missed, read by class.
+
+1. The optional weight returned under an exiting ``if`` with the weightless value returned after it::
+
+       unit = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+       if self.gain is not None:
+           return unit * self.gain
+       return unit
+
+   The ``if`` has no ``else``, but its body (the return alone) leaves the function, so the bare return after it is
+   its ``else``. The span grows from the computation over the ``if`` and that return; the
+   fused code runs only where the test picks the weighted return, the original statements everywhere else.
+   The test is moved before the computation, so it must read nothing the computation writes and call nothing.
+   add_rms_norm reads such a class's forward (``tokens = tokens + self.mlp(self.pre_mlp(tokens))``) through the weighted arm's return,
+   the test rewritten on the instance (``self.pre_mlp.gain is not None``) and checked at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from npufuse.patterns import _site as S
+from npufuse.scan.dataflow import Scope, dotted, fast_walk
+
+# node types of a test that can run earlier than it did without changing anything: names, attributes,
+# constants, comparisons and boolean operators (no call, no subscript that could run user code)
+_PLAIN_TEST = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+               ast.cmpop, ast.boolop, ast.unaryop)
+
+
+def lift_over_exiting_if(scope: Scope, branch: ast.If, trace: S.Trace) -> S.SpanPlan | None:
+    """The span for a norm returned by ``branch`` (an ``if`` without ``else`` whose body is that return alone) whose
+    intermediate the one statement after the ``if`` returns bare (``return unit``): the ``if`` and that return
+    join the fused region, so the fused code runs on the ``if``'s path only and the original statements on
+    every other. None where the test could not run before the computation or the span cannot be planned."""
+    if branch.orelse or len(branch.body) != 1 or not isinstance(branch.body[0], ast.Return):
+        return None  # the return alone: another statement of the arm (an earlier ``return`` under a test) would be skipped
+    if not all(isinstance(n, _PLAIN_TEST) for n in fast_walk(branch.test)):
+        return None
+    idx = S.stmt_index(scope)
+    loc = idx.block.get(id(branch))
+    if loc is None:
+        return None
+    block, at = loc
+    after = block[at + 1:]
+    # the weightless value returned bare after the ``if`` (a norm computed there again is a root of its own)
+    if len(after) != 1 or not isinstance(after[0], ast.Return) or not isinstance(after[0].value, ast.Name):
+        return None
+    written = set().union(*(S.names_written(s) for s in trace.stmts.values()))
+    if S.names_read(branch.test) & written:
+        return None  # the test reads what the norm computes: it cannot run before the fused region
+    tests = {dotted(n) for n in fast_walk(branch.test) if isinstance(n, ast.Attribute)} - {None}
+    for st in trace.stmts.values():
+        for n in fast_walk(st):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and dotted(n) in tests:
+                return None  # an attribute the test reads is assigned by the computation
+    grown = trace.copy()
+    grown.add(branch)
+    for st in after:
+        grown.add(st)
+    plan = S.plan_span(scope, after[-1], grown)
+    if isinstance(plan, str) or any(s.lineno > branch.lineno for s in plan.kept):
+        # a kept statement after the ``if`` would run before the fused code, also where the original never reached it
+        return None
+    return plan
+
+
+def _instance_test(test: ast.expr, me: str) -> bool:
+    """A test that reads only ``<me>.<attr>`` chains and constants, combined by comparisons and boolean operators:
+    rewritten on the module instance it means the same at the caller."""
+    for n in fast_walk(test):
+        if not isinstance(n, _PLAIN_TEST):
+            return False
+        if isinstance(n, ast.Name) and n.id != me:
+            return False
+        if isinstance(n, ast.Attribute) and dotted(n) is None:
+            return False
+    return not (isinstance(test, ast.Name))  # ``if self:`` tests the module's truth (its __len__ / __bool__)
+
+
+def exiting_if_arm(fwd: ast.FunctionDef, me: str, mod: str, foreign: bool) -> tuple[ast.Return, list[str], str] | None:
+    """(the return to read as the norm, the run-time conditions under which it is the path taken, a note) for a norm
+    class's forward of straight statements, one ``if <test of self attributes>: return <a>`` without ``else``,
+    straight statements, ``return <b>``, where one of ``a`` and ``b`` is a bare name (the weightless value) and the
+    other the expression read; ``mod`` is the module instance's expression at the caller. None for any other
+    forward (a kernel call in one arm and the torch path in the other is not this form)."""
+    body = [st for st in fwd.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+    branches = [i for i, st in enumerate(body) if isinstance(st, ast.If)]
+    if foreign or "\n" in mod or len(body) > 10 or len(branches) != 1:
+        return None
+    at = branches[0]
+    branch = body[at]
+    assert isinstance(branch, ast.If)
+    last = body[-1]
+    # the ``if`` holds its return alone: a name it assigned first would not reach the fall-through's reading
+    if branch.orelse or len(branch.body) != 1 or not isinstance(branch.body[0], ast.Return) \
+            or not isinstance(last, ast.Return) or last.value is None or branch.body[0].value is None:
+        return None
+    if not all(S._straight(st) for st in [*body[:at], *body[at + 1:-1]]):
+        return None
+    if not _instance_test(branch.test, me):
+        return None
+    cond = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(branch.test))
+    inner: ast.Return = branch.body[-1]
+    # the optional weight: one arm returns the bare normalised value (a name), the other the expression to read
+    if isinstance(last.value, ast.Name) and not isinstance(inner.value, ast.Name):
+        return inner, [f"({cond})"], f"its forward returns this value under `{ast.unparse(branch.test)}`, checked at run time"
+    if isinstance(inner.value, ast.Name) and not isinstance(last.value, ast.Name):
+        return last, [f"not ({cond})"], f"its forward returns this value when `{ast.unparse(branch.test)}` is false, checked at run time"
+    return None
