@@ -115,12 +115,15 @@ def test_residual_add_before_an_optional_weight_norm_class_is_fused() -> None:
     _close(facts)
 
 
-def test_residual_add_before_a_norm_whose_arms_both_compute_is_not_fused() -> None:
-    # neither arm returns the bare normalised value: which arm is the norm is not this class
+def test_residual_add_before_a_norm_whose_arms_both_compute_is_fused_only_on_the_weighted_arm() -> None:
+    # neither arm returns the bare normalised value, so this is not ho20fix43's optional-weight class; addnorm43's
+    # if / else reading (s43, merged beside it) fuses the weighted arm under its own test, checked where the code runs:
+    # the `unit * 2.0` arm always takes the original statements
     code = _OPTIONAL_WEIGHT.format(test="self.gain is not None", weighted="unit * self.gain").replace(
         "        return unit\n", "        return unit * 2.0\n")
     findings, _ = detect_all(AddRmsNorm(), code)
-    assert not findings
+    assert findings and all(f.params.get("condition") == "(self.pre_mlp.gain is not None)" for f in findings)
+    assert all(f.fused.startswith("if (self.pre_mlp.gain is not None):") for f in findings)
 
 
 # -- 2. rope: an interleaved rotation helper nested in forward, its lanes named then filled into empty_like ----------
