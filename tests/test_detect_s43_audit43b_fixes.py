@@ -1,0 +1,99 @@
+"""s43 audit fixes (audit43b): the classes behind the dubious candidate and the false near-miss reasons of this
+session's precision audit on 10 repositories new to npufuse (bench/audit_s43b_precision.json,
+bench/audit_s43b_near_misses.json).
+
+D1 affinity_index_put (EmotiVoice ``Pitch._average_by_duration(self, input: np.array, d: np.array)``):
+   ``arr = input[start:end]; arr[arr == 0] = 0`` on a parameter annotated as a numpy array became a candidate (its
+   guard keeps numpy on the original, so a dead edit). A parameter annotated ``np.ndarray`` / ``np.array`` /
+   ``NDArray`` is numpy, as an EvalPrediction already was.
+R1 affinity_index_put (reason, Pytorch_mixture-of-experts ``SparseDispatcher.combine``):
+   ``combined[combined == 0] = np.finfo(float).eps`` was called "a tensor not gathered with the same mask": numpy's
+   finfo / iinfo fields are Python scalars, like torch.finfo's. The site is a masked_fill now.
+R2 affinity_index_put (reason, InternLM-XComposer ``PLoRA.forward``): ``res[im_mask] += lora(x[im_mask])`` was
+   "the value is not a scalar nor gathered with the same mask"; the value is computed from rows gathered with that
+   mask (by Linear layers). The reason now says what holds: not shown to be the mask's gather element by element.
+"""
+
+from __future__ import annotations
+
+from npufuse.patterns.affinity_index_put import AffinityIndexPut
+from pattern_harness import detect_all
+
+_NUMPY_ANNOTATED = '''\
+import numpy as np
+import torch
+
+
+class Pitch(torch.nn.Module):
+    def _average_by_duration(self, input: np.array, d: np.ndarray) -> np.array:
+        d_cumsum = np.pad(d.cumsum(0), (1, 0), "constant")
+        out = []
+        for start, end in zip(d_cumsum[:-1], d_cumsum[1:]):
+            arr = input[start:end]
+            mask = arr == 0
+            arr[mask] = 0
+            out.append(arr.mean())
+        return out
+'''
+
+# the twin: the same code on a parameter annotated as a torch tensor stays a candidate
+_TENSOR_ANNOTATED = _NUMPY_ANNOTATED.replace("input: np.array", "input: torch.Tensor")
+
+
+def test_d1_numpy_annotated_parameter_is_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _NUMPY_ANNOTATED)
+    assert not findings
+    assert any("numpy array" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_d1_twin_tensor_annotated_parameter_stays_a_candidate() -> None:
+    findings, _ = detect_all(AffinityIndexPut(), _TENSOR_ANNOTATED)
+    assert len(findings) == 1 and findings[0].params["form"] == "masked_fill"
+
+
+_NUMPY_EPS = '''\
+import numpy as np
+import torch
+
+
+def combine(gates, batch_index, stitched):
+    zeros = torch.zeros(gates.size(0), stitched.size(1), device=stitched.device)
+    combined = zeros.index_add(0, batch_index, stitched.float())
+    combined[combined == 0] = np.finfo(float).eps
+    return combined.log()
+'''
+
+# near miss twin: a numpy array (not a scalar) as the value stays a near miss
+_NUMPY_ARRAY_VALUE = _NUMPY_EPS.replace("np.finfo(float).eps", "np.linspace(0.0, 1.0, 7)")
+
+
+def test_r1_numpy_finfo_field_is_a_scalar() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _NUMPY_EPS)
+    assert len(findings) == 1, [m.reason for m in misses]
+    assert findings[0].params["form"] == "masked_fill" and findings[0].params["value"] == "np.finfo(float).eps"
+
+
+def test_r1_twin_numpy_array_value_stays_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _NUMPY_ARRAY_VALUE)
+    assert not findings and misses
+
+
+_LORA_ON_SELECTED_ROWS = '''\
+import torch
+
+
+class PLoRA(torch.nn.Linear):
+    def forward(self, x, im_mask):
+        res = super().forward(x)
+        part_x = x[im_mask]
+        res[im_mask] += self.lora_b(self.lora_a(part_x)) * self.scaling
+        return res
+'''
+
+
+def test_r2_augmented_value_from_gathered_rows_has_a_true_reason() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _LORA_ON_SELECTED_ROWS)
+    assert not findings
+    (miss,) = misses
+    assert "nor gathered" not in miss.reason
+    assert "not shown to be the same mask's gather element by element" in miss.reason
