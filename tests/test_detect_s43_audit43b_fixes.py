@@ -97,3 +97,34 @@ def test_r2_augmented_value_from_gathered_rows_has_a_true_reason() -> None:
     (miss,) = misses
     assert "nor gathered" not in miss.reason
     assert "not shown to be the same mask's gather element by element" in miss.reason
+
+
+# R3 swiglu (reason, quip-sharp's quantized LlamaMLP): ``up, gate = self.upgate_proj(x)`` (one fused gate-up layer
+# returning two tensors) then ``act(gate) * up`` was "gate and up are not projections of one input"; the reason now
+# says they are unpacked from one call npufuse does not read.
+_UNPACKED_GATE_UP = '''\
+import torch
+from transformers.activations import ACT2FN
+
+
+class QuantizedMLP(torch.nn.Module):
+    def __init__(self, config, upgate_proj, down_proj):
+        super().__init__()
+        self.upgate_proj = upgate_proj
+        self.down_proj = down_proj
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        up_proj, gate_proj = self.upgate_proj(x.to(torch.float32))
+        return self.down_proj(self.act_fn(gate_proj) * up_proj).to(x.dtype)
+'''
+
+
+def test_r3_gate_and_up_unpacked_from_one_call_have_a_true_reason() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    findings, misses = detect_all(Swiglu(), _UNPACKED_GATE_UP)
+    assert not findings
+    reasons = [m.reason for m in misses]
+    assert any("unpacked from one call's result" in r for r in reasons), reasons
+    assert not any("not projections of one input" in r for r in reasons), reasons
