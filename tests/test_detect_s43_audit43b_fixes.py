@@ -128,3 +128,60 @@ def test_r3_gate_and_up_unpacked_from_one_call_have_a_true_reason() -> None:
     reasons = [m.reason for m in misses]
     assert any("unpacked from one call's result" in r for r in reasons), reasons
     assert not any("not projections of one input" in r for r in reasons), reasons
+
+
+# D2 fused_optimizer (quip-sharp ``get_susv_adam``): ``torch.optim.Adam([{"params": susv_params, ..}, {"params":
+# params, ..}])`` materialised and checked only the first group: a bf16 (or other-device) tensor in the second group
+# reached NpuFusedAdam, which raises on bf16. Every group of plain names is materialised and checked now.
+_TWO_NAMED_GROUPS = '''\
+import torch
+
+
+def get_susv_adam(susv_params, params, args):
+    return torch.optim.Adam([
+        {"params": susv_params, "lr": args.ft_susv_lr},
+        {"params": params, "lr": args.ft_lr},
+    ])
+'''
+
+# the twin: a later group that is not a plain name keeps the first-group guard (nothing to materialise safely)
+_NAMED_THEN_CALL = _TWO_NAMED_GROUPS.replace('{"params": params, "lr": args.ft_lr}',
+                                             '{"params": args.head_params, "lr": args.ft_lr}')
+
+
+def _guard_of(code: str) -> str:
+    import ast
+
+    from npufuse.patterns.fused_optimizer import _guard
+    from npufuse.scan.dataflow import ModuleInfo
+
+    module = ModuleInfo.from_source("example.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "get_susv_adam")
+    stmt = scope.node.body[0]
+    call = stmt.value
+    assert isinstance(call, ast.Call)
+    guard, why = _guard(module, scope, call, stmt)
+    assert guard is not None, why
+    return guard
+
+
+def test_d2_every_named_group_is_dtype_checked() -> None:
+    import torch
+
+    from npufuse.patterns.fused_optimizer import FusedOptimizer
+
+    findings, _ = detect_all(FusedOptimizer(), _TWO_NAMED_GROUPS)
+    assert len(findings) == 1
+    guard = _guard_of(_TWO_NAMED_GROUPS)
+    a = torch.nn.Parameter(torch.zeros(2))
+    bf16 = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    env = {"susv_params": iter([a]), "params": iter([bf16])}
+    assert eval(guard, {"torch": torch}, env) is None  # the bf16 group: the original optimizer runs
+    assert env["susv_params"] == [a] and env["params"] == [bf16]  # both materialised once, for either branch
+    env = {"susv_params": iter([a]), "params": iter([torch.nn.Parameter(torch.ones(3))])}
+    assert eval(guard, {"torch": torch}, env) is a
+
+
+def test_d2_twin_group_of_a_call_keeps_the_first_group_guard() -> None:
+    guard = _guard_of(_NAMED_THEN_CALL)
+    assert "susv_params := list(susv_params)" in guard and "params := list(params)" not in guard.replace("susv_params", "")
