@@ -185,3 +185,63 @@ def test_d2_every_named_group_is_dtype_checked() -> None:
 def test_d2_twin_group_of_a_call_keeps_the_first_group_guard() -> None:
     guard = _guard_of(_NAMED_THEN_CALL)
     assert "susv_params := list(susv_params)" in guard and "params := list(params)" not in guard.replace("susv_params", "")
+
+
+# R4 affinity_index_put (reason, Comprehensive-Transformer-TTS ``f0_to_coarse``): ``f0_mel = 1127 * (1 + f0 /
+# 700).log() if is_torch else 1127 * np.log(1 + f0 / 700)`` then ``f0_mel[f0_mel <= 1] = 1`` was "`f0_mel` is a numpy
+# array": it is a tensor whenever ``f0`` is one (the model calls it on tensors). A torch / numpy dispatch is numpy
+# only when both arms are; the sites are candidates whose guard keeps numpy on the original.
+_TORCH_OR_NUMPY = '''\
+import numpy as np
+import torch
+
+
+def f0_to_coarse(f0, f0_bin=256):
+    is_torch = isinstance(f0, torch.Tensor)
+    f0_mel = 1127 * (1 + f0 / 700).log() if is_torch else 1127 * np.log(1 + f0 / 700)
+    f0_mel[f0_mel <= 1] = 1
+    return f0_mel
+'''
+
+# near miss twin: both arms numpy: still a numpy array
+_NUMPY_BOTH_ARMS = _TORCH_OR_NUMPY.replace("1127 * (1 + f0 / 700).log() if is_torch", "1127 * np.log1p(f0 / 700) if is_torch")
+
+
+def test_r4_torch_or_numpy_dispatch_is_not_called_numpy() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _TORCH_OR_NUMPY)
+    assert not any("numpy array" in m.reason for m in misses), [m.reason for m in misses]
+    assert len(findings) == 1 and findings[0].params["form"] == "masked_fill"
+
+
+def test_r4_twin_numpy_in_both_arms_stays_numpy() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _NUMPY_BOTH_ARMS)
+    assert not findings and any("numpy array" in m.reason for m in misses)
+
+
+# R5 affinity_index_put (reason, same repository ``norm_interp_f0``): ``f0[uv] = np.interp(...)`` was "value ... is a
+# tensor not gathered with the same mask": np.interp returns a numpy array.
+_NUMPY_VALUE = '''\
+import numpy as np
+import torch
+
+
+def norm_f0(f0, uv, config):
+    is_torch = isinstance(f0, torch.Tensor)
+    f0 = torch.log2(f0 + 1e-8) if is_torch else np.log2(f0 + 1e-8)
+    return f0
+
+
+def norm_interp_f0(f0, config):
+    uv = f0 == 0
+    f0 = norm_f0(f0, uv, config)
+    if sum(uv) > 0:
+        f0[uv] = np.interp(np.where(uv)[0], np.where(~uv)[0], f0[~uv])
+    return f0, uv
+'''
+
+
+def test_r5_numpy_call_value_is_called_a_numpy_array() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _NUMPY_VALUE)
+    assert not findings
+    (miss,) = misses
+    assert "is a numpy array not gathered" in miss.reason and "is a tensor" not in miss.reason

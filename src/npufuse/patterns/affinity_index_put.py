@@ -594,8 +594,11 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                         f"value `{value_text[:50]}` is not known to be a scalar, a 1-D parameter or gathered with the "
                         "same mask, so the rewrite cannot be shown exact")
     else:
+        # s43 (audit43b, ``f0[uv] = np.interp(np.where(uv)[0], ...)``): a numpy call's result is an array, not a tensor
+        kind = "a numpy array" if isinstance(value, ast.Call) and (module.canonical(value.func) or "").startswith("numpy.") \
+            else "a tensor"
         return NearMiss(_ID, scope.qualname, line, end,
-                        f"value `{value_text[:50]}` is a tensor not gathered with the same mask: it may hold one row per "
+                        f"value `{value_text[:50]}` is {kind} not gathered with the same mask: it may hold one row per "
                         "selected element (masked scatter, e.g. image features into embeddings), which no "
                         "elementwise rewrite reproduces")
     same = lead == 0 and same_shape_as(module, scope, mask, target, line)
@@ -801,6 +804,17 @@ def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth
     if isinstance(value, (ast.Name, ast.Attribute)):
         # ``preds, labels = eval_preds``: the unpacked parameter
         return _is_numpy(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    return _numpy_built(module, scope, value, line, depth)
+
+
+def _numpy_built(module: ModuleInfo, scope: Scope, value: ast.expr, line: int, depth: int) -> bool:
+    """``value`` is built by numpy calls: the first library call met is numpy's, or a name it reads is numpy."""
+    if isinstance(value, ast.IfExp):
+        # s43 (audit43b, ``f0_mel = 1127 * (1 + f0 / 700).log() if is_torch else 1127 * np.log(1 + f0 / 700)``):
+        # a torch / numpy dispatch is numpy only when both arms are; otherwise the run-time guard decides
+        return _numpy_built(module, scope, value.body, line, depth) and _numpy_built(module, scope, value.orelse, line, depth)
+    if isinstance(value, ast.Name):
+        return _is_numpy(module, scope, value, line, depth + 1)
     for n in fast_walk(value):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
