@@ -261,7 +261,7 @@ def is_scalar(module: ModuleInfo, scope: Scope, node: ast.AST, line: int, depth:
         if node.attr in _INF_NAMES | {"nan", "pi", "e"} and (dotted(node.value) or "") in ("math", "torch", "np", "numpy"):
             return True
         base = node.value
-        if isinstance(base, ast.Call) and (module.canonical(base.func) or "") in ("torch.finfo", "torch.iinfo"):
+        if isinstance(base, ast.Call) and (module.canonical(base.func) or "") in ("torch.finfo", "torch.iinfo", "numpy.finfo", "numpy.iinfo"):
             return node.attr in ("min", "max", "eps", "tiny", "smallest_normal")
         # config / tokenizer ids: self.pad_token_id, tokenizer.mask_token_id, self.ignore_index
         return node.attr.endswith(("_id", "_token_id", "ignore_index", "_index", "_value", "padding_idx"))
@@ -568,8 +568,12 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(aug)]
         value_elem = f"{target} {op} ({value_text})" if gathered is None else f"{target} {op} ({gathered})"
         if gathered is None and not is_scalar(module, scope, value, line):
+            # s43 (audit43b, PLoRA ``res[mask] += lora(x[mask])``): the value may be computed from rows gathered with
+            # the mask by row-wise layers, so "not gathered" was not always a fact; what holds is that npufuse does not
+            # show it element by element with the target
             return NearMiss(_ID, scope.qualname, line, end, f"`{target}[mask] {op}= {value_text[:40]}`: the value is not "
-                            "a scalar nor gathered with the same mask")
+                            "a scalar and not shown to be the same mask's gather element by element: it may hold one row "
+                            "per selected element (a masked scatter-add), which no elementwise rewrite reproduces")
         form, elem = "where", value_elem
     elif gathered is not None:
         indexed = _gathered_as_index(module, value, mask)
@@ -607,8 +611,11 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                         f"value `{value_text[:50]}` is a 0-d tensor (a full reduction), not a Python number: npufuse "
                         "rewrites only fills by a Python number, a 1-D parameter or values gathered with the same mask")
     else:
+        # s43 (audit43b, ``f0[uv] = np.interp(np.where(uv)[0], ...)``): a numpy call's result is an array, not a tensor
+        kind = "a numpy array" if isinstance(value, ast.Call) and (module.canonical(value.func) or "").startswith("numpy.") \
+            else "a tensor"
         return NearMiss(_ID, scope.qualname, line, end,
-                        f"value `{value_text[:50]}` is a tensor not gathered with the same mask: it may hold one row per "
+                        f"value `{value_text[:50]}` is {kind} not gathered with the same mask: it may hold one row per "
                         "selected element (masked scatter, e.g. image features into embeddings), which no "
                         "elementwise rewrite reproduces")
     same = lead == 0 and same_shape_as(module, scope, mask, target, line)
@@ -852,11 +859,23 @@ def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth
         return False
     value = scope.definition(node.id, line)
     if value is None:
-        # transformers' Trainer numpifies what it hands compute_metrics: an EvalPrediction holds numpy arrays
-        return _param_annotation(scope, node.id).rsplit(".", 1)[-1] == "EvalPrediction"
+        # transformers' Trainer numpifies what it hands compute_metrics: an EvalPrediction holds numpy arrays;
+        # a parameter annotated as a numpy array (``input: np.ndarray``, ``np.array``, ``NDArray``) is one
+        return _numpy_annotation(module, _param_annotation(scope, node.id))
     if isinstance(value, (ast.Name, ast.Attribute)):
         # ``preds, labels = eval_preds``: the unpacked parameter
         return _is_numpy(module, scope, value, getattr(value, "lineno", line), depth + 1)
+    return _numpy_built(module, scope, value, line, depth)
+
+
+def _numpy_built(module: ModuleInfo, scope: Scope, value: ast.expr, line: int, depth: int) -> bool:
+    """``value`` is built by numpy calls: the first library call met is numpy's, or a name it reads is numpy."""
+    if isinstance(value, ast.IfExp):
+        # s43 (audit43b, ``f0_mel = 1127 * (1 + f0 / 700).log() if is_torch else 1127 * np.log(1 + f0 / 700)``):
+        # a torch / numpy dispatch is numpy only when both arms are; otherwise the run-time guard decides
+        return _numpy_built(module, scope, value.body, line, depth) and _numpy_built(module, scope, value.orelse, line, depth)
+    if isinstance(value, ast.Name):
+        return _is_numpy(module, scope, value, line, depth + 1)
     for n in fast_walk(value):
         if isinstance(n, ast.Call):
             name = module.canonical(n.func) or dotted(n.func) or ""
@@ -867,6 +886,18 @@ def _is_numpy(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth
         if isinstance(n, ast.Name) and n is not value and _is_numpy(module, scope, n, getattr(value, "lineno", line), depth + 1):
             return True
     return False
+
+
+def _numpy_annotation(module: ModuleInfo, annotation: str) -> bool:
+    """An annotation naming an EvalPrediction or a numpy array: ``np.ndarray``, ``np.array`` (the function,
+    used as a type by some code), ``numpy.typing.NDArray[...]``; a string annotation is read the same way."""
+    text = annotation.strip("'\"").split("[", 1)[0]
+    if text.rsplit(".", 1)[-1] == "EvalPrediction":
+        return True
+    head, _, rest = text.partition(".")
+    origin = module.aliases.get(head, head)
+    full = f"{origin}.{rest}" if rest else origin
+    return full in ("numpy.ndarray", "numpy.array", "numpy.typing.NDArray") or (full.endswith(".NDArray") and full.startswith("numpy"))
 
 
 def _vector_parameter(module: ModuleInfo, scope: Scope, value: ast.expr) -> bool:
@@ -1310,7 +1341,7 @@ AffinityIndexPut.KEEP = [
     Keep(_KEEP_SCATTER, reason="masked scatter", name="llava_image_features_masked_scatter"),
     Keep(_KEEP_NONZERO, reason="integer positions", name="nonzero_index"),
     Keep(_KEEP_NUMPY, reason="numpy", name="numpy_array_weights"),
-    Keep(_KEEP_RANDOM, reason="not a scalar nor gathered", name="fresh_random_tensor_per_selection"),
+    Keep(_KEEP_RANDOM, reason="not a scalar and not shown to be the same mask's gather", name="fresh_random_tensor_per_selection"),
     Keep(_KEEP_UNRELATED, reason="", name="dict_slice_and_integer_index"),
     Keep(_KEEP_DEEPSTACK, reason="masked scatter", name="qwen3_vl_deepstack_mask_then_full_slice"),
     Keep(_KEEP_MIXED_INDEX, reason="mixed integer/slice and mask", name="qwen2_vl_rope_index_mixed_subscript"),

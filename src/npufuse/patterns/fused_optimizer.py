@@ -861,10 +861,16 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
     first = _first_group_params(params)
     if first is not None:
         # ``[{"params": decay, ...}, ...]`` of opaque names: the first group's list is materialised
-        # once (torch.optim lists each group's params too) and its first tensor is the guard
+        # once (torch.optim lists each group's params too) and its first tensor is the guard. s43
+        # (audit43b, quip-sharp's ``[{"params": susv_params, ..}, {"params": params, ..}]``): when every
+        # group's params is a plain name, every group is materialised and dtype / device checked (a bf16
+        # tensor of the second group made the fused class raise); otherwise the first group, as before
+        names = _all_group_param_names(params) or [first]
+        listed = f"{first} := list({first})" if len(names) == 1 else \
+            "[" + ", ".join(f"*({n} := list({n}))" for n in names) + "]"
         return (f"(lambda ts: next(iter(ts), None) if all({_FUSABLE_DTYPE.format(t='t')} for t in ts "
                 f"if getattr(t, 'requires_grad', False)) and {_ONE_DEVICE.format(ts='(t for t in ts if getattr(t, ' + repr('requires_grad') + ', False))')} "
-                f"else None)({first} := list({first}))"), ""
+                f"else None)({listed})"), ""
     if (_side_effect_free(params) or _pure_listing_call(module, params)) and _list_valued(module, scope, params, stmt.lineno):
         # a list (or tuple) is read, not consumed: the guard iterates it afresh, and the
         # optimizer still gets every element. Its first element may be a param-group dict.
@@ -1092,6 +1098,21 @@ def _first_group_params(params: ast.expr) -> Optional[str]:
         if isinstance(k, ast.Constant) and k.value == "params" and isinstance(v, ast.Name):
             return v.id
     return None
+
+
+def _all_group_param_names(params: ast.expr) -> list[str]:
+    """The distinct plain names every group of an inline ``[{"params": a, ..}, {"params": b, ..}]`` takes its
+    params from, in order; empty when some group is not a dict or its params is not a plain name."""
+    names: list[str] = []
+    for group in params.elts if isinstance(params, (ast.List, ast.Tuple)) else ():
+        if not isinstance(group, ast.Dict):
+            return []
+        value = next((v for k, v in zip(group.keys, group.values) if isinstance(k, ast.Constant) and k.value == "params"), None)
+        if not isinstance(value, ast.Name):
+            return []
+        if value.id not in names:
+            names.append(value.id)
+    return names
 
 
 def _target_names(stmt: ast.stmt) -> set[str]:

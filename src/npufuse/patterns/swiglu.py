@@ -1462,7 +1462,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             scale = _s42_scale_factor(module, b, ctx) or _s42_scale_factor(module, a, actx)
             if not callers and scale:
                 raise GateMiss(scale)
-            raise GateMiss(callers or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
+            unpacked = None if callers else _s43_unpacked_from_one_call(a, actx, b, ctx, node.lineno)
+            raise GateMiss(callers or unpacked or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}{'' if _S40_UNSHOWN in act.kind else ', not silu'}: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
@@ -4418,6 +4419,25 @@ def _s42_either(kinds: Iterable[str | None]) -> str | None:
     if not seen or None in seen:
         return None
     return "learned" if "learned" in seen else "constant"
+
+
+def _s43_unpacked_from_one_call(a: ast.expr, actx: S.Ctx, b: ast.expr, ctx: S.Ctx, line: int) -> str | None:
+    """s43 (audit43b, quip-sharp's ``up, gate = self.upgate_proj(x)``): both operands unpacked from one call's result.
+    "Not projections of one input" was not a fact there (one fused gate-up layer); what holds is that npufuse does
+    not read what the call returns. None unless both are names bound by the same tuple assignment of a call."""
+    if actx.depth or ctx.depth or actx.scope is not ctx.scope or not (isinstance(a, ast.Name) and isinstance(b, ast.Name)):
+        return None
+    found = []
+    for name in (a.id, b.id):
+        stmts = [stmt for stmt, _ in ctx.scope.assignments.get(name, []) if stmt.lineno < line]
+        found.append(stmts[-1] if stmts else None)
+    stmt = found[0]
+    if stmt is None or stmt is not found[1] or a.id == b.id or not isinstance(stmt, ast.Assign) \
+            or not isinstance(stmt.targets[0], ast.Tuple) or not isinstance(stmt.value, ast.Call):
+        return None
+    text = " ".join(ast.unparse(stmt).split())[:70]
+    return (f"gate and up are unpacked from one call's result (`{text}`): npufuse does not read what "
+            f"`{ast.unparse(stmt.value.func)[:40]}` returns, so it cannot show the two are projections it may concatenate")
 
 
 def _s42_scale_factor(module: ModuleInfo, factor: ast.expr, ctx: S.Ctx) -> str | None:
