@@ -514,6 +514,21 @@ def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> t
     return node, ctx, up, n_casts
 
 
+def _factor_cast(module: ModuleInfo, f: _Factor, x_key: str) -> tuple | None:
+    """The dtype the rstd factor is cast to last before the product (``D_IN`` for ``.to(x.dtype)`` /
+    ``.type_as(x)`` of the normalized input), or None when its outermost step is no cast."""
+    node, ctx = f.node, f.ctx
+    for _ in range(32):
+        node, ctx = _peel_any(node, ctx, S.Trace())
+        if not S.is_cast(node):
+            return None
+        t = _cast_target(module, node, ctx, x_key)
+        if t != ("same",):
+            return t
+        node = node.func.value  # type: ignore[union-attr]
+    return None
+
+
 def _find_core(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tuple[Core, list[_Factor]] | None:
     for i, f in enumerate(factors):
         t = trace.copy()
@@ -538,7 +553,13 @@ def _find_core(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tu
             trace.stmts.update(t2.stmts)
             rest = [h for k, h in enumerate(factors) if k not in (i, j) and const_value(h.node) not in (1, 1.0)]
             ops = (["cast"] * n_casts if up_x else []) + ["pow"] + rops + ["mul"]
-            return Core(leaf, lctx, y_key, eps, ectx, up_x or up_y, rnode, ops, checks), rest
+            upcast = up_x or up_y
+            if up_y and not up_x and _factor_cast(module, f, y_key) == D_IN:
+                # s43: ``x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)``: the statistics
+                # are fp32 but the factor is cast back before the product, so the normalized value is in the
+                # input's dtype (read as fp32 it gave an fp32 result where the original returns bf16)
+                upcast = False
+            return Core(leaf, lctx, y_key, eps, ectx, upcast, rnode, ops, checks), rest
     return None
 
 
