@@ -115,6 +115,14 @@ def test_a_padding_keep_mask_on_bqhk_scores_fuses() -> None:
     assert "_npufuse_bnsd(" in facts["finding"].fused
 
 
+def test_a_per_query_keep_mask_on_bsht_scores_fuses() -> None:
+    # DeepSeek-V3.2's sparse prefill adds a [B, S, T] mask as ``index_mask.unsqueeze(2)``: read as [B, 1, S, T]
+    code = _PADDED.replace("~keep[:, None, None, :]", "~keep.unsqueeze(2)")
+    run = _RUN_PADDED.replace("keep = torch.ones(2, 6, dtype=torch.bool)\nkeep[1, 4:] = False",
+                              "keep = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 6, 6).clone()\nkeep[1, :, 5] = False\nkeep[1, 5, 0] = False")
+    _emulated(code, run)
+
+
 def test_scores_in_another_order_than_the_probabilities_product_reads_stay_a_near_miss() -> None:
     # [B, H, S, T] scores multiplied as if [B, S, H, T]: the einsums mix the head and query axes (no attention)
     code = _CACHED.replace('torch.einsum("bshd,bthd->bsht"', 'torch.einsum("bshd,bthd->bhst"')
@@ -125,7 +133,7 @@ def test_a_learned_bias_on_bsht_scores_stays_a_near_miss() -> None:
     code = _PADDED.replace("self.qkv = nn.Linear(dim, dim * 3)",
                            "self.qkv = nn.Linear(dim, dim * 3)\n        self.rel = nn.Parameter(torch.randn(heads, 6))")
     code = code.replace("att = att.masked_fill(", "att = att + self.rel\n        att = att.masked_fill(")
-    assert "float bias" in _near_miss(code)
+    assert "not proven a 0 / -inf mask" in _near_miss(code)
 
 
 _CAUSAL_BUILT = _PADDED.replace("att = att.masked_fill(~keep[:, None, None, :], float(\"-inf\"))", "CAUSAL")

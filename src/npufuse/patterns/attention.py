@@ -3912,8 +3912,9 @@ class AttentionPattern(Pattern):
         if isinstance(s28_pse, str):
             return NearMiss(self.id, scope.qualname, span_line, end_line, s28_pse)
         if s28_pse is not None and chain.s43_score_axes is not None:
-            return NearMiss(self.id, scope.qualname, span_line, end_line, "a float bias added to scores laid out with the heads after "
-                            "the query axis: npufuse passes a bias as `pse` only in the [B, N, Sq, Skv] order it is written in")
+            return NearMiss(self.id, scope.qualname, span_line, end_line, "an additive term not proven a 0 / -inf mask (a float bias "
+                            "for `pse`) on scores laid out with the heads after the query axis: npufuse builds `pse` only from "
+                            "[B, N, Sq, Skv] scores")
         causal_terms = [m for m in chain.masks if m.causal]
         try:
             if sole_causal:
