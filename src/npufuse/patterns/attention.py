@@ -5699,21 +5699,6 @@ class TinyAttention(nn.Module):
         reason="defined outside this file",
     ),
     Keep(
-        name="einsum_scores_heads_after_queries",
-        # DeepSeek-V3's naive MLA path lays the scores out [B, Sq, N, Skv]: masks and softmax live in that layout
-        code="""
-import torch
-
-
-def mla_naive(q, k, v, mask, softmax_scale):
-    scores = torch.einsum("bshd,bthd->bsht", q, k) * softmax_scale
-    scores = scores + mask.unsqueeze(1)
-    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
-    return torch.einsum("bsht,bthd->bshd", scores, v)
-""",
-        reason="layouts other than BNSD/BSND",
-    ),
-    Keep(
         name="multi_query_key_only",
         # a key shared by the heads beside a value with its own heads: the op takes one kv head count
         code="""
@@ -5755,6 +5740,33 @@ def capped(q, k, v, cap=30.0):
         reason="soft-capping",
     ),
 ]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="einsum_scores_heads_after_queries",
+        # DeepSeek-V3's naive MLA path lays the scores out [B, Sq, N, Skv]: q/k/v read as BNSD through permutations,
+        # the [Sq, 1, Skv] mask term permuted to [1, 1, Sq, Skv] (s43 mla43; a near miss before: the layout was not read)
+        code="""
+import torch
+
+
+def mla_naive(q, k, v, mask, softmax_scale):
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * softmax_scale
+    scores = scores + mask.unsqueeze(1)
+    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+    return torch.einsum("bsht,bthd->bshd", scores, v)
+""",
+        expect={"scale": "softmax_scale"},
+        run="""
+q = torch.randn(2, 5, 3, 12, requires_grad=True)
+k = torch.randn(2, 7, 3, 12, requires_grad=True)
+v = torch.randn(2, 7, 3, 8, requires_grad=True)
+mask = torch.full((5, 7), float("-inf")).triu_(3)
+out = mla_naive(q, k, v, mask, 12 ** -0.5)
+leaves = [q, k, v]
+""",
+    )
+)
 
 # softmax built as a module attribute in __init__ and called under another name: the method's own
 # text never says "softmax", so the scope gate asks the class (issue 14 class 3, held-out corpus)
