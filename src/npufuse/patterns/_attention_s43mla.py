@@ -70,6 +70,17 @@ def pv_scores_permuted(m: Any, c: Contraction | None, p_sub: str, v_sub: str, v_
     return True
 
 
+def query_key_sides(mm: Any, c: Contraction) -> tuple[Any, Any, str, str] | None:
+    """(q node, k node, q's letters, k's letters) of a Q@Kᵀ einsum: the key is the operand carrying the scores'
+    last axis; None where neither does (the softmax would not run over keys)."""
+    j = c.out[-1]
+    if j in c.b_free:
+        return mm.a, mm.b, c.a, c.b
+    if j in c.a_free:
+        return mm.b, mm.a, c.b, c.a
+    return None
+
+
 def qk_scores_permuted(m: Any, mm: Any, c: Contraction, chain: Any) -> bool:
     """Q@Kᵀ as a 4-D einsum producing the scores in the axis order the P@V einsum recorded (``bshd,bthd->bsht``):
     q and k read as BNSD through permutations. False where no such order was recorded or the equation does
@@ -77,13 +88,11 @@ def qk_scores_permuted(m: Any, mm: Any, c: Contraction, chain: Any) -> bool:
     axes = getattr(chain, "s43_score_axes", None)
     if axes is None or len(c.out) != 4 or len(c.summed) != 1 or len(c.a) != 4 or len(c.b) != 4:
         return False
-    j = c.out[-1]
-    if j in c.b_free:
-        q_node, k_node, qs, ks = mm.a, mm.b, c.a, c.b
-    elif j in c.a_free:
-        q_node, k_node, qs, ks = mm.b, mm.a, c.b, c.a
-    else:
+    sides = query_key_sides(mm, c)
+    if sides is None:
         return False
+    q_node, k_node, qs, ks = sides
+    j = c.out[-1]
     i = _query_letter(c.out, qs, ks)
     if i is None:
         return False

@@ -2811,12 +2811,10 @@ class _Matcher:
         if len(c.summed) != 1:
             raise Miss(f"einsum `{eq}` is not a contraction over one head-dim axis")
         j = c.out[-1]
-        if j in c.b_free:
-            q_node, k_node, qs, ks = mm.a, mm.b, c.a, c.b
-        elif j in c.a_free:
-            q_node, k_node, qs, ks = mm.b, mm.a, c.b, c.a
-        else:
+        sides = _attention_s43mla.query_key_sides(mm, c)
+        if sides is None:
             raise Miss(f"einsum `{eq}`: the scores' last axis is not a key position (softmax would not run over the keys)")
+        q_node, k_node, qs, ks = sides
         d = c.summed
         if len(c.out) == 4:
             bb, n, i = c.out[0], c.out[1], c.out[2]
