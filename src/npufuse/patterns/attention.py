@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _sweep43b_callers
+from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -1108,6 +1108,10 @@ class Chain:
     # BERT's ``relative_key`` einsum): computed as written on the fused branch, they are not the attention scores
     pse_products: set[int] = field(default_factory=set)
     qk_node: Any = None  # s39: the scores' own product Q@Kᵀ (a mask computed from another product is run as written)
+    # s43 (mla43): 4-D scores with the query axis away from the key axis (DeepSeek's ``bsht``): for each [B, N, Sq, Skv]
+    # axis its position in the written scores (mask terms are permuted by it); set by the P@V einsum, confirmed by Q@Kᵀ
+    s43_score_axes: tuple[int, ...] | None = None
+    s43_qk_read: bool = False
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1482,6 +1486,8 @@ class _Matcher:
             raise Miss(f"einsum for P@V with an equation npufuse does not parse (`{self.src(pv.spec)}`)")
         v_sub = c.b if p_node is pv.a else c.a
         if _s28_pv_einsum_permuted(self, pv, c, p_sub, v_sub, v_node, chain):  # s28: any order of the axes, 5-D folded
+            return _s28_einsum_tail(self, scores, chain, len(p_sub))
+        if _attention_s43mla.pv_scores_permuted(self, c, p_sub, v_sub, v_node, chain):  # s43: [B, Sq, N, Skv] scores
             return _s28_einsum_tail(self, scores, chain, len(p_sub))
         if len(p_sub) not in (3, 4):
             raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
@@ -2800,17 +2806,17 @@ class _Matcher:
         eq = f"{c.a},{c.b}->{c.out}"
         if _s28_qk_einsum_permuted(self, mm, c, chain):  # s28: q/k in any order of their axes, 5-D folded
             return
+        if _attention_s43mla.qk_scores_permuted(self, mm, c, chain):  # s43: the [B, Sq, N, Skv] order P@V recorded
+            return
         if len(c.out) not in (3, 4):
             raise Miss(f"einsum `{eq}` makes {len(c.out)}-D scores (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if len(c.summed) != 1:
             raise Miss(f"einsum `{eq}` is not a contraction over one head-dim axis")
         j = c.out[-1]
-        if j in c.b_free:
-            q_node, k_node, qs, ks = mm.a, mm.b, c.a, c.b
-        elif j in c.a_free:
-            q_node, k_node, qs, ks = mm.b, mm.a, c.b, c.a
-        else:
+        sides = _attention_s43mla.query_key_sides(mm, c)
+        if sides is None:
             raise Miss(f"einsum `{eq}`: the scores' last axis is not a key position (softmax would not run over the keys)")
+        q_node, k_node, qs, ks = sides
         d = c.summed
         if len(c.out) == 4:
             bb, n, i = c.out[0], c.out[1], c.out[2]
@@ -3905,9 +3911,16 @@ class AttentionPattern(Pattern):
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
         value_split = 0
         mask_kind, sparse = "none", 0
+        s43_why = _attention_s43mla.unread_scores_reason(chain)
+        if s43_why is not None:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, s43_why)
         s28_pse = _s28_pse_lines(r, chain, scale, q_n, three_d, folded)  # s28: float biases -> pse (removed from chain.masks)
         if isinstance(s28_pse, str):
             return NearMiss(self.id, scope.qualname, span_line, end_line, s28_pse)
+        if s28_pse is not None and chain.s43_score_axes is not None:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, "an additive term not proven a 0 / -inf mask (a float bias "
+                            "for `pse`) on scores laid out with the heads after the query axis: npufuse builds `pse` only from "
+                            "[B, N, Sq, Skv] scores")
         causal_terms = [m for m in chain.masks if m.causal]
         try:
             if sole_causal:
@@ -3919,7 +3932,9 @@ class AttentionPattern(Pattern):
             elif chain.masks:
                 fold = _attention_audit40.fold_term_lambda(chain, atom(q_n), sq, f"{atom(k_3)}.shape[1]") \
                     if chain.heads_in_batch and three_d and len(chain.masks) > 1 else None
-                mask_lines, maybe_none = self._mask_lines(r, chain.masks, fold is not None)
+                mask_lines, maybe_none = self._mask_lines(r, chain.masks, fold is not None, chain.s43_score_axes)
+                if chain.s43_score_axes is not None:
+                    mask_lines.insert(0, _attention_s43mla.to_bnsd_lambda(chain.s43_score_axes))
                 checks = self._value_checks(r, chain.masks, module, scope)
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
@@ -4254,9 +4269,11 @@ class AttentionPattern(Pattern):
             checks.append(check_under_term_condition(r, m, _mask_rows.row_check(t, polarity[m.kind])))
         return checks
 
-    def _mask_lines(self, r: Renderer, masks: list[MaskTerm], fold: bool = False) -> tuple[list[str], bool]:
+    def _mask_lines(self, r: Renderer, masks: list[MaskTerm], fold: bool = False,
+                    score_axes: tuple[int, ...] | None = None) -> tuple[list[str], bool]:
         """Statements building ``_npufuse_mask`` (True = masked) from every mask term; ``fold``: each term goes
-        through ``_npufuse_fold`` (heads folded into the batch, :func:`_attention_audit40.fold_term_lambda`)."""
+        through ``_npufuse_fold`` (heads folded into the batch, :func:`_attention_audit40.fold_term_lambda`);
+        ``score_axes`` (s43): each term, written against permuted scores, goes through ``_npufuse_bnsd``."""
         lines: list[str] = []
         have = False  # a mask tensor certainly exists so far
         maybe = False  # _npufuse_mask may be None
@@ -4278,6 +4295,8 @@ class AttentionPattern(Pattern):
                 b = f"~{atom(t)}"
             if fold:
                 b = f"_npufuse_fold({b})"
+            if score_axes is not None:
+                b = f"_npufuse_bnsd({b})"
             cond = None
             if m.cond is not None:
                 c = r.text(m.cond) if tested is None else f"{t} {tested}"
@@ -5686,21 +5705,6 @@ class TinyAttention(nn.Module):
         reason="defined outside this file",
     ),
     Keep(
-        name="einsum_scores_heads_after_queries",
-        # DeepSeek-V3's naive MLA path lays the scores out [B, Sq, N, Skv]: masks and softmax live in that layout
-        code="""
-import torch
-
-
-def mla_naive(q, k, v, mask, softmax_scale):
-    scores = torch.einsum("bshd,bthd->bsht", q, k) * softmax_scale
-    scores = scores + mask.unsqueeze(1)
-    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
-    return torch.einsum("bsht,bthd->bshd", scores, v)
-""",
-        reason="layouts other than BNSD/BSND",
-    ),
-    Keep(
         name="multi_query_key_only",
         # a key shared by the heads beside a value with its own heads: the op takes one kv head count
         code="""
@@ -5742,6 +5746,33 @@ def capped(q, k, v, cap=30.0):
         reason="soft-capping",
     ),
 ]
+
+AttentionPattern.FUSE.append(
+    Fuse(
+        name="einsum_scores_heads_after_queries",
+        # DeepSeek-V3's naive MLA path lays the scores out [B, Sq, N, Skv]: q/k/v read as BNSD through permutations,
+        # the [Sq, 1, Skv] mask term permuted to [1, 1, Sq, Skv] (s43 mla43; a near miss before: the layout was not read)
+        code="""
+import torch
+
+
+def mla_naive(q, k, v, mask, softmax_scale):
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * softmax_scale
+    scores = scores + mask.unsqueeze(1)
+    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+    return torch.einsum("bsht,bthd->bshd", scores, v)
+""",
+        expect={"scale": "softmax_scale"},
+        run="""
+q = torch.randn(2, 5, 3, 12, requires_grad=True)
+k = torch.randn(2, 7, 3, 12, requires_grad=True)
+v = torch.randn(2, 7, 3, 8, requires_grad=True)
+mask = torch.full((5, 7), float("-inf")).triu_(3)
+out = mla_naive(q, k, v, mask, 12 ** -0.5)
+leaves = [q, k, v]
+""",
+    )
+)
 
 # softmax built as a module attribute in __init__ and called under another name: the method's own
 # text never says "softmax", so the scope gate asks the class (issue 14 class 3, held-out corpus)
