@@ -188,3 +188,64 @@ def mask(attention_mask, q, k):
 '''
     fn = ast.parse(src).body[0]
     assert returns_bool(fn) is is_bool
+
+
+# -- 3. a norm forward that writes state ------------------------------------------------------------------------
+# The add + norm replaces the whole call of the norm module: a write its forward makes (a call counter, a cached
+# statistic) would be dropped. Found on s43's weight-branch forward (``_s43_branch_return``), true of every
+# straight-line forward read through ``S.helper_return``.
+
+_STATEFUL = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.calls = 0
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        norm = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        WRITE
+        RETURN
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm2 = RMSNorm(d)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return self.norm2(x)
+'''
+
+_BRANCH_RETURN = '''if self.weight is not None:
+            return (x * norm * self.weight).to(dt)
+        else:
+            return (x * norm).to(dt)'''
+
+
+@pytest.mark.parametrize("write", ["self.calls = self.calls + 1", "self.calls += 1", "self.last_rstd = norm.detach()"])
+@pytest.mark.parametrize("ret", [_BRANCH_RETURN, "return (x * norm * self.weight).to(dt)"], ids=["weight_branch", "plain"])
+def test_a_norm_forward_that_writes_state_is_a_near_miss(write: str, ret: str) -> None:
+    findings, misses = detect_all(AddRmsNorm(), _STATEFUL.replace("WRITE", write).replace("RETURN", ret))
+    assert not findings
+    assert any("its forward writes `self." in m.reason for m in misses), misses
+
+
+@pytest.mark.parametrize("ret", [_BRANCH_RETURN, "return (x * norm * self.weight).to(dt)"], ids=["weight_branch", "plain"])
+def test_a_norm_forward_writing_locals_only_still_fuses(ret: str) -> None:
+    code = _STATEFUL.replace("WRITE", "scale = norm").replace("RETURN", ret.replace("x * norm", "x * scale"))
+    run = '''
+m = Block(16)
+with torch.no_grad():
+    out = m(torch.randn(2, 5, 16))
+'''
+    _runs_like_original(code, run)

@@ -1784,6 +1784,12 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     fwd = S.method(module, cls, "forward")
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" \
         else S.source_of(module, f) if inner is None else ast.unparse(f)
+    written = _s43_state_write(fwd) if fwd is not None else None
+    if written is not None:
+        # s43 review: the fused code replaces the whole call, so a write the forward makes (a call counter, a cached
+        # statistic, the input changed in place) would no longer happen
+        return NormCall(call, attr, "not_rms", cls=cls + where,
+                        reason=f"norm {cls}{where} cannot be fused: its forward writes `{written}`, which the fused call would not")
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is None and fwd is not None:
         lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
@@ -1840,6 +1846,23 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     if weight_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1])
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
+
+
+def _s43_state_write(fwd: ast.FunctionDef) -> str | None:
+    """The first assignment target of ``fwd`` that writes state rather than a local name: an attribute or an
+    element of a parameter (``self.calls = ..``, ``self.stats[k] = ..``, ``x[..., 0] = ..`` on the input); None
+    where it assigns locals only (a local tensor's elements included)."""
+    params = {a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args, *fwd.args.kwonlyargs)}
+    for n in fast_walk(fwd):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for part in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                root = part
+                while isinstance(root, (ast.Attribute, ast.Subscript, ast.Starred)):
+                    root = root.value
+                if part is not root and (isinstance(part, ast.Attribute) or isinstance(root, ast.Name) and root.id in params):
+                    return ast.unparse(part)
+    return None
 
 
 def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str, attr: str,
