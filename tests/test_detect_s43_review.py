@@ -249,3 +249,56 @@ with torch.no_grad():
     out = m(torch.randn(2, 5, 16))
 '''
     _runs_like_original(code, run)
+
+
+# -- 4. a "logger" that is a parameter or a local is no logging marker ---------------------------------------------
+# s43 moves ``logging.<level>(..)`` / a module-level ``logging.getLogger`` logger's calls past the fused norm; a
+# parameter or local of that name may be any object (a metrics sink that reads or changes the sum).
+
+_LOGGED = '''
+import logging
+
+import torch
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm2 = RMSNorm(d)
+
+    def forward(self, x, SIGNATURE):
+        BIND
+        x = x + self.attn(x)
+        logger.info("sum %s", x.shape)
+        return self.norm2(x)
+'''
+
+
+def test_the_module_level_logger_between_add_and_norm_moves() -> None:
+    code = _LOGGED.replace(", SIGNATURE", "").replace("BIND", "pass")
+    run = '''
+m = Block(16)
+with torch.no_grad():
+    out = m(torch.randn(2, 5, 16))
+'''
+    _runs_like_original(code, run)
+
+
+@pytest.mark.parametrize("signature, bind", [("logger=None", "pass"), ("sink=None", "logger = sink")], ids=["parameter", "local"])
+def test_a_logger_that_is_a_parameter_or_local_is_no_marker(signature: str, bind: str) -> None:
+    findings, _misses = detect_all(AddRmsNorm(), _LOGGED.replace("SIGNATURE", signature).replace("BIND", bind))
+    assert not findings

@@ -2315,7 +2315,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                 j = i + 1
                 aliases: list[ast.stmt] = []
                 # s43: profiling markers (nvtx range_pop / range_push, logging) travel with the aliases, in order
-                while j < len(block) and (_is_alias(block[j], s_name) or _s43_is_marker(module, block[j])):
+                while j < len(block) and (_is_alias(block[j], s_name) or _s43_is_marker(module, scope, block[j])):
                     aliases.append(block[j])
                     j += 1
                 if j + 1 < len(block) and not isinstance(ops, str):
@@ -7073,9 +7073,18 @@ def _s43_module_loggers(module: ModuleInfo) -> frozenset[str]:
     return cached
 
 
-def _s43_marker_call(module: ModuleInfo, stmt: ast.stmt) -> ast.Call | None:
-    """The call of an expression statement that names a profiling marker or a logging call (its arguments unread)."""
+def _s43_marker_call(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> ast.Call | None:
+    """The call of an expression statement that names a profiling marker or a logging call (its arguments unread);
+    None where the callee's root name is a local or a parameter of ``scope`` (a ``logger`` handed in may be any
+    object: it is not the module-level logging logger its name says)."""
+    from npufuse.patterns._attention_s33 import is_parameter
+
     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    root = stmt.value.func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    if isinstance(root, ast.Name) and (scope.assignments.get(root.id) or is_parameter(scope, root.id)):
         return None
     name = module.canonical(stmt.value.func) or ""
     if name in _S43_MARKERS:
@@ -7101,21 +7110,21 @@ def _s43_marker_reason(module: ModuleInfo, call: ast.Call) -> str | None:
     return None
 
 
-def _s43_is_marker(module: ModuleInfo, stmt: ast.stmt) -> bool:
+def _s43_is_marker(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> bool:
     """A profiling marker / logging statement that may sit between the add and the norm (see above)."""
-    call = _s43_marker_call(module, stmt)
+    call = _s43_marker_call(module, scope, stmt)
     return call is not None and _s43_marker_reason(module, call) is None
 
 
 def _s43_unmoved_marker(module: ModuleInfo, scope: Scope, block: list[ast.stmt], j: int, s_name: str) -> Iterator[tuple[ast.stmt, str]]:
     """The near miss of a marker at ``block[j]`` that may not move (its reason), where the norm of the sum follows it
     (through further aliases and markers)."""
-    call = _s43_marker_call(module, block[j])
+    call = _s43_marker_call(module, scope, block[j])
     reason = _s43_marker_reason(module, call) if call is not None else None
     if reason is None:
         return
     k = j + 1
-    while k < len(block) and (_is_alias(block[k], s_name) or _s43_marker_call(module, block[k]) is not None):
+    while k < len(block) and (_is_alias(block[k], s_name) or _s43_marker_call(module, scope, block[k]) is not None):
         k += 1
     if k < len(block):
         for nstmt, _site in _norm_of_sum(module, scope, block[k], s_name, lambda nstmt, nc: None):  # type: ignore[arg-type,return-value]
