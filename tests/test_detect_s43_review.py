@@ -302,3 +302,47 @@ with torch.no_grad():
 def test_a_logger_that_is_a_parameter_or_local_is_no_marker(signature: str, bind: str) -> None:
     findings, _misses = detect_all(AddRmsNorm(), _LOGGED.replace("SIGNATURE", signature).replace("BIND", bind))
     assert not findings
+
+
+# -- 5. the weight-branch test read on the call's module by name, not by text ---------------------------------------
+
+_KIND_BRANCH = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, kind, eps=1e-6):
+        super().__init__()
+        self.eps, self.kind = eps, kind
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        norm = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kind != "self.plain":
+            return (x * norm * self.weight).to(dt)
+        else:
+            return (x * norm).to(dt)
+
+
+class Block(nn.Module):
+    def __init__(self, d, kind):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm2 = RMSNorm(d, kind)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return self.norm2(x)
+'''
+
+
+def test_the_weight_branch_test_keeps_its_string_constants() -> None:
+    run = '''
+with torch.no_grad():
+    out = (Block(16, "weighted")(torch.randn(2, 5, 16)), Block(16, "self.plain")(torch.randn(2, 5, 16)))
+'''
+    facts = _runs_like_original(_KIND_BRANCH, run)
+    assert 'self.norm2.kind != "self.plain"' in facts["findings"][0].fused.replace("'", '"')

@@ -7167,7 +7167,9 @@ def _s43_branch_return(fwd: ast.FunctionDef, me: str, mod: str) -> tuple[ast.Ret
     def module_reads(ret: ast.stmt) -> int:
         return sum(1 for n in ast.walk(ret) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == me)
 
-    test = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(head.test))
+    # the module read as the call's module by name, not by text (a string constant saying ``self.`` stays as written)
+    fresh = ast.parse(ast.unparse(head.test), mode="eval").body
+    test = ast.unparse(_renamed(fresh, me, "_npu_norm_module")).replace("_npu_norm_module", mod)
     if module_reads(arms[1][0]) > module_reads(arms[0][0]):
         return arms[1][0], [f"not ({test})"]  # type: ignore[list-item]
     return arms[0][0], [f"({test})"]  # type: ignore[list-item]
