@@ -346,3 +346,39 @@ with torch.no_grad():
 '''
     facts = _runs_like_original(_KIND_BRANCH, run)
     assert 'self.norm2.kind != "self.plain"' in facts["findings"][0].fused.replace("'", '"')
+
+
+# -- 6. a local built by a name that a parameter shadows -------------------------------------------------------------
+
+
+def test_a_local_built_by_a_parameter_named_like_a_class_takes_no_class() -> None:
+    # ``def train(Model=OtherModel)``: ``Model(..)`` builds whatever the caller hands, not the file's class Model
+    code = _LAYERS.replace("NORM", "nn.RMSNorm(d, eps=1e-5)") + '''
+
+def train(x, Model=None):
+    model = Model(16, 2)
+    for layer in model.layers:
+        x = x + layer.attention(x)
+        y = layer.ffn_norm(x)
+    return y
+'''
+    findings, _misses = detect_all(AddRmsNorm(), code)
+    assert not any("epsilon=1e-5" in f.fused for f in findings), findings[0].fused
+
+
+def test_a_local_built_by_the_files_class_reads_its_construction() -> None:
+    code = _LAYERS.replace("NORM", "nn.RMSNorm(d, eps=1e-5)") + '''
+
+def train(x):
+    model = Model(16, 2)
+    for layer in model.layers:
+        x = x + layer.attention(x)
+        y = layer.ffn_norm(x)
+    return y
+'''
+    run = '''
+with torch.no_grad():
+    out = train(torch.randn(2, 5, 16))
+'''
+    facts = _runs_like_original(code, run)
+    assert "epsilon=1e-5" in facts["findings"][0].fused

@@ -7223,11 +7223,15 @@ def _s43_hands_on(module: ModuleInfo, v: ast.expr, name: str) -> bool:
 def _s43_built_class(module: ModuleInfo, scope: Scope, name: str, values: list[ast.expr]) -> _Owner | None:
     """The class of the local ``name`` when every assignment of it builds one class of the repository (``Cls(...)``)
     or hands the same module on (:func:`_s43_hands_on`), at least one building it."""
+    from npufuse.patterns._attention_s33 import is_parameter
+
     owner: _Owner | None = None
     for v in values:
         if isinstance(v, ast.Call) and isinstance(v.func, ast.Name):
-            # a class's name (capitalised): a cheap gate before another file of the repository is looked up
-            got = _class_named(module, v.func.id) if v.func.id[:1].isupper() else None
+            # a class's name (capitalised): a cheap gate before another file of the repository is looked up; a
+            # parameter or local of that name (``def train(Model=..)``) may be any class (s43 review)
+            shadowed = bool(scope.assignments.get(v.func.id)) or is_parameter(scope, v.func.id)
+            got = _class_named(module, v.func.id) if v.func.id[:1].isupper() and not shadowed else None
             if got is None or (owner is not None and (got[0].path, got[1]) != (owner[0].path, owner[1])):
                 return None
             owner = got
