@@ -226,6 +226,43 @@ def local_values(fn: ast.AST) -> dict[str, list[ast.expr]]:
     return assigned
 
 
+def _bound_otherwise(fn: ast.AST) -> set[str]:
+    """Names ``fn`` binds other than by the plain ``name = value`` :func:`local_values` lists: ``a = b = v``, tuple /
+    starred targets, ``for`` / ``with`` / comprehension targets, augmented and annotated assignments, ``:=``,
+    ``del`` / ``global`` / ``nonlocal``."""
+    out: set[str] = set()
+    for n in fast_walk(fn):
+        if isinstance(n, ast.Assign):
+            targets = n.targets if len(n.targets) > 1 else [t for t in n.targets if not isinstance(t, ast.Name)]
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)):
+            targets = [n.target]
+        elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+            targets = [n.target]
+        elif isinstance(n, ast.withitem):
+            targets = [n.optional_vars] if n.optional_vars is not None else []
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            out.update(n.names)
+            continue
+        elif isinstance(n, ast.Delete):
+            targets = n.targets
+        else:
+            continue
+        for t in targets:
+            out |= _target_names(t)
+    return out
+
+
+def _target_names(t: ast.AST | None) -> set[str]:
+    """The names an assignment target rebinds (``m[0] = ..`` / ``m.x = ..`` write into ``m``, not rebind it)."""
+    if isinstance(t, ast.Name):
+        return {t.id}
+    if isinstance(t, (ast.Tuple, ast.List)):
+        return set().union(*(_target_names(e) for e in t.elts))
+    if isinstance(t, ast.Starred):
+        return _target_names(t.value)
+    return set()
+
+
 def returns_bool(fn: Any, stored: dict[str, list[ast.expr]] | None = None) -> bool:
     """Every ``return`` of the function ``fn`` gives a bool tensor by construction: a comparison, ``~`` / ``&`` /
     ``|`` / ``^`` of such, a view or ``.bool()`` of one (``.to(device)`` keeps it), through the function's local
@@ -241,6 +278,9 @@ def returns_bool(fn: Any, stored: dict[str, list[ast.expr]] | None = None) -> bo
     # a local is never read before its first assignment). Not a parameter: its value on entry is the caller's.
     params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg) if a is not None}
     open_names: set[str] = set()
+    # (s43 review) names also bound otherwise -- unpacked, a ``for`` / ``with`` target, ``m |= c`` -- hold values
+    # local_values does not list: their self-reference is not read as bool (walked on the first self-reference)
+    bound_otherwise: list[set[str]] = []
 
     def is_bool(n: Any, depth: int = 0) -> bool:
         if depth > 12 or n is None:
@@ -263,7 +303,11 @@ def returns_bool(fn: Any, stored: dict[str, list[ast.expr]] | None = None) -> bo
             return is_bool(n.func.value, depth + 1)
         if isinstance(n, ast.Name):
             if n.id in open_names:
-                return n.id not in params  # s43: the self-reference of ``m = m & c``
+                if n.id in params:
+                    return False
+                if not bound_otherwise:
+                    bound_otherwise.append(_bound_otherwise(fn))
+                return n.id not in bound_otherwise[0]  # s43: the self-reference of ``m = m & c``
             values = assigned.get(n.id, [])
             open_names.add(n.id)
             try:

@@ -1208,9 +1208,9 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         # name's position of every element, read in ``__init__`` (s32)
         found = _unpacked_ctor(module, scope, f.id) if len(call.args) == 1 and not call.keywords else None
         if found is not None:
-            file, ctor, lst = found
+            file, ctor, lst, handed = found
             where = f" (from {file.path})" if file is not module else ""
-            nc = _norm_of_ctor(module, call, ctx, file, ctor, f.id, where, f"unpacked from `{lst}`")
+            nc = _norm_of_ctor(module, call, ctx, file, ctor, f.id, where, f"unpacked from `{lst}`", on_instance=handed)
             if nc is not None:
                 return nc
             if "norm" in f.id.lower():
@@ -1537,11 +1537,12 @@ def _list_element_class(owner: _Owner, attr: str) -> _Owner | None:
     return _class_named(owner[0], names.pop())  # type: ignore[arg-type]
 
 
-def _unpacked_ctor(module: ModuleInfo, scope: Scope, name: str) -> tuple[ModuleInfo, ast.expr, str] | None:
+def _unpacked_ctor(module: ModuleInfo, scope: Scope, name: str) -> tuple[ModuleInfo, ast.expr, str, bool] | None:
     """lucidrains' layers: ``for attn_norm, attn, ff_norm, ff in self.layers:`` over a list whose every
     element is ``nn.ModuleList([RMSNorm(dim), Attention(...), RMSNorm(dim), FeedForward(...)])``: (the
     file, the construction at ``name``'s position, the list's expression) when every element builds the
-    same thing there and ``name`` is bound nowhere else in the scope."""
+    same thing there and ``name`` is bound nowhere else in the scope; last, whether the list's object has the class
+    this file's callers hand a parameter (its norms' numbers then read on the instance)."""
     loops = [lp for lp in scope.nodes().get(ast.For, []) if name in {n.id for n in ast.walk(lp.target) if isinstance(n, ast.Name)}]  # type: ignore[attr-defined]
     if len(loops) != 1 or any(st is not loops[0] for st, _v in scope.assignments.get(name, [])):
         return None
@@ -1552,7 +1553,8 @@ def _unpacked_ctor(module: ModuleInfo, scope: Scope, name: str) -> tuple[ModuleI
     if not (isinstance(target, ast.Tuple) and isinstance(it, ast.Attribute)):
         return None
     pos = [k for k, e in enumerate(target.elts) if isinstance(e, ast.Name) and e.id == name]
-    owner = _object_class(module, scope, it.value)
+    via: list[str] = []
+    owner = _object_class(module, scope, it.value, via=via)
     elts = _list_elements(owner, it.attr) if owner is not None and len(pos) == 1 else None
     if not elts:
         return None
@@ -1567,25 +1569,26 @@ def _unpacked_ctor(module: ModuleInfo, scope: Scope, name: str) -> tuple[ModuleI
         built.add(ast.dump(ctor))
     if len(built) != 1 or ctor is None:
         return None
-    return owner[0], ctor, ast.unparse(it)  # type: ignore[index]
+    return owner[0], ctor, ast.unparse(it), bool(via)  # type: ignore[index]
 
 
-def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int = 0) -> _Owner | None:
+def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int = 0, via: list[str] | None = None) -> _Owner | None:
     """The class the object ``node`` is an instance of, followed from ``self`` through attributes built
     in ``__init__`` and elements of layer lists: ``self.model.layers[i]``, the name a ``for`` over such a
-    list (``enumerate`` included) binds, ``layer = self.layers[i]``; a name must be bound once in the scope."""
+    list (``enumerate`` included) binds, ``layer = self.layers[i]``; a name must be bound once in the scope.
+    ``via`` (s43 review) collects the parameters whose class was taken from this file's callers on the way."""
     if depth > 6:
         return None
     if isinstance(node, ast.Name) and node.id == "self":
         return (module, scope.class_name) if scope.class_name in module.classes else None
     if isinstance(node, ast.Attribute):
-        owner = _object_class(module, scope, node.value, depth + 1)
+        owner = _object_class(module, scope, node.value, depth + 1, via)
         return _attr_class(owner, node.attr) if owner is not None else None
     if isinstance(node, ast.Subscript):
         idx = node.slice
         if not (isinstance(node.value, ast.Attribute) and _s42_plain_index(idx)):
             return None
-        owner = _object_class(module, scope, node.value.value, depth + 1)
+        owner = _object_class(module, scope, node.value.value, depth + 1, via)
         return _list_element_class(owner, node.value.attr) if owner is not None else None
     if not isinstance(node, ast.Name):
         return None
@@ -1594,7 +1597,10 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
     args = scope.node.args if isinstance(scope.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)} if args is not None else set()
     if node.id in params and not bound and not loops:
-        return _s43_parameter_class(module, scope, node.id, depth)  # s43: the one class its callers hand it
+        handed = _s43_parameter_class(module, scope, node.id, depth)  # s43: the one class its callers hand it
+        if handed is not None and via is not None:
+            via.append(node.id)
+        return handed
     if not loops and bound:
         built = _s43_built_class(module, scope, node.id, [v for _st, v in bound])
         if built is not None:
@@ -1603,7 +1609,7 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
         return None
     if bound:
         value = bound[0][1]
-        return _object_class(module, scope, value, depth + 1) if isinstance(value, (ast.Subscript, ast.Attribute)) else None
+        return _object_class(module, scope, value, depth + 1, via) if isinstance(value, (ast.Subscript, ast.Attribute)) else None
     loop = loops[0]
     it, target = loop.iter, loop.target  # type: ignore[attr-defined]
     if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and len(it.args) == 1 and not it.keywords:
@@ -1614,7 +1620,7 @@ def _object_class(module: ModuleInfo, scope: Scope, node: ast.expr, depth: int =
     elif not (isinstance(target, ast.Name) and target.id == node.id):
         return None
     if isinstance(it, ast.Attribute):
-        owner = _object_class(module, scope, it.value, depth + 1)
+        owner = _object_class(module, scope, it.value, depth + 1, via)
         return _list_element_class(owner, it.attr) if owner is not None else None
     return None
 
@@ -1652,7 +1658,8 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
         root = root.value
     if not isinstance(root, ast.Name) or root.id in module.aliases or root.id in module.classes or root.id in module.functions:
         return None  # a library function (``torch.linalg.norm``, ``np.linalg.norm``), not a module of an object
-    owner = _object_class(module, scope, f.value)
+    via: list[str] = []
+    owner = _object_class(module, scope, f.value, via=via)
     recv = S.source_of(module, f.value)
     if owner is None:
         if _own_method(module, scope, f):
@@ -1666,13 +1673,15 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
     file, owner_cls = owner
     value = S.init_assignments(file, owner_cls).get(f.attr)
     where = f" (from {file.path})" if file is not module else ""
-    return _norm_of_ctor(module, call, ctx, file, value, S.source_of(module, f), where, f"built in {owner_cls}.__init__") if value is not None else None
+    return _norm_of_ctor(module, call, ctx, file, value, S.source_of(module, f), where, f"built in {owner_cls}.__init__",
+                         on_instance=bool(via)) if value is not None else None
 
 
 def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleInfo, value: ast.expr, mod: str, where: str,
-                  origin: str) -> NormCall | None:
+                  origin: str, on_instance: bool = False) -> NormCall | None:
     """What the module ``mod`` (called by ``call``) is, ``value`` (code of ``file``) building it; ``origin``
-    says where, for reasons."""
+    says where, for reasons. ``on_instance``: ``value`` is only the construction this file's callers show (a
+    caller elsewhere may hand a module of the same class built otherwise): its numbers are read on the instance."""
     # ``RMSNorm(d) if cfg.rms else nn.LayerNorm(d)``: each side read; the guard picks the one read
     # s42: an ``nn.Identity()`` side (``RMSNorm(d) if cfg.final_norm else nn.Identity()``) is no norm: the run-time
     # class test every reading below adds sends it to the original statements
@@ -1684,7 +1693,7 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
     attr = _callee_name(f)
     found: list[NormCall] = []
     for ctor in ctors:
-        nc = _member_ctor_norm(module, call, ctx, file, ctor, mod, where)  # type: ignore[arg-type]
+        nc = _member_ctor_norm(module, call, ctx, file, ctor, mod, where, on_instance)  # type: ignore[arg-type]
         if nc is None:
             return None  # a side npufuse cannot read: which one runs decides nothing then
         found.append(nc)
@@ -1697,9 +1706,10 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
 
 
 def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleInfo, ctor: ast.Call, mod: str,
-                      where: str) -> NormCall | None:
+                      where: str, on_instance: bool = False) -> NormCall | None:
     """What the norm module ``mod`` built by ``ctor`` (code of ``file``) is, its fused code guarded on its
-    run-time type; a ``not_rms`` NormCall for a LayerNorm; None when npufuse cannot read it."""
+    run-time type; a ``not_rms`` NormCall for a LayerNorm; None when npufuse cannot read it. ``on_instance``: see
+    :func:`_norm_of_ctor`."""
     f = call.func
     attr = _callee_name(f)
     canon = file.canonical(ctor.func) or ""
@@ -1709,13 +1719,17 @@ def _member_ctor_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: Modu
     if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):
         if T is None:
             return None  # the guard names torch.nn.RMSNorm
-        lib = _library_gamma_eps(file, mod, ctor) if file is module else None
+        # s43 review: the construction's own eps (``nn.RMSNorm(d, eps=1e-5)``) is the instance's only where that
+        # construction built it; a module of a class taken from callers is known by its class test: eps read on it
+        lib = _library_gamma_eps(file, mod, ctor) if file is module and not on_instance else None
         if lib is None:
-            if file is module:
-                weightless = _s42_weightless_library_norm(module, call, attr, mod, ctor)
-                if weightless is not None:
-                    weightless.conditions = [f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is None"]
-                    weightless.mod = mod
+            weightless = _s42_weightless_library_norm(module, call, attr, mod, ctor) if file is module else None
+            if weightless is not None:
+                weightless.conditions = [f"type({mod}) is {T}.nn.RMSNorm", f"{mod}.weight is None"]
+                weightless.mod = mod
+                if on_instance:
+                    weightless.eps = eps_or_default(f"{mod}.eps", T)
+            if file is module and (weightless is not None or not on_instance):
                 return weightless
             # built in another file: its weight and eps are the instance's
             lib = (f"{mod}.weight", eps_or_default(f"{mod}.eps", T))
@@ -1765,13 +1779,15 @@ def _indexed_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) 
     if not (isinstance(lst, ast.Attribute) and _s42_plain_index(idx)
             and len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)):
         return None
-    owner = _object_class(module, scope, lst.value)
+    via: list[str] = []
+    owner = _object_class(module, scope, lst.value, via=via)
     elts = _list_elements(owner, lst.attr) if owner is not None else None
     if not elts or len({ast.dump(e) for e in elts}) != 1:
         return None
     file = owner[0]  # type: ignore[index]
     where = f" (from {file.path})" if file is not module else ""
-    return _norm_of_ctor(module, call, ctx, file, elts[0], S.source_of(module, f), where, f"an element of `{ast.unparse(lst)}`")
+    return _norm_of_ctor(module, call, ctx, file, elts[0], S.source_of(module, f), where, f"an element of `{ast.unparse(lst)}`",
+                         on_instance=bool(via))
 
 
 def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, where: str = "",
@@ -1786,6 +1802,12 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     fwd = S.method(module, cls, "forward")
     mod = f"self.{attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" \
         else S.source_of(module, f) if inner is None else ast.unparse(f)
+    written = _s43_state_write(fwd) if fwd is not None else None
+    if written is not None:
+        # s43 review: the fused code replaces the whole call, so a write the forward makes (a call counter, a cached
+        # statistic, the input changed in place) would no longer happen
+        return NormCall(call, attr, "not_rms", cls=cls + where,
+                        reason=f"norm {cls}{where} cannot be fused: its forward writes `{written}`, which the fused call would not")
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is None and fwd is not None:
         lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
@@ -1845,6 +1867,23 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     if weight_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1])
     return NormCall(call, attr, "rms", match=m, cls=cls + where)
+
+
+def _s43_state_write(fwd: ast.FunctionDef) -> str | None:
+    """The first assignment target of ``fwd`` that writes state rather than a local name: an attribute or an
+    element of a parameter (``self.calls = ..``, ``self.stats[k] = ..``, ``x[..., 0] = ..`` on the input); None
+    where it assigns locals only (a local tensor's elements included)."""
+    params = {a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args, *fwd.args.kwonlyargs)}
+    for n in fast_walk(fwd):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for part in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                root = part
+                while isinstance(root, (ast.Attribute, ast.Subscript, ast.Starred)):
+                    root = root.value
+                if part is not root and (isinstance(part, ast.Attribute) or isinstance(root, ast.Name) and root.id in params):
+                    return ast.unparse(part)
+    return None
 
 
 def _probed_class_norm(module: ModuleInfo, call: ast.Call, cls: str, fwd: ast.FunctionDef, where: str, attr: str,
@@ -2297,7 +2336,7 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                 j = i + 1
                 aliases: list[ast.stmt] = []
                 # s43: profiling markers (nvtx range_pop / range_push, logging) travel with the aliases, in order
-                while j < len(block) and (_is_alias(block[j], s_name) or _s43_is_marker(module, block[j])):
+                while j < len(block) and (_is_alias(block[j], s_name) or _s43_is_marker(module, scope, block[j])):
                     aliases.append(block[j])
                     j += 1
                 if j + 1 < len(block) and not isinstance(ops, str):
@@ -6780,7 +6819,7 @@ def _s42_parameter_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
                                f"({len(ctors)} constructions): one fused branch per construction is not built")
     file, value = next(iter(ctors.values()))
     where = f" (from {file.path})" if file is not module else ""
-    nc = _norm_of_ctor(module, call, ctx, file, value, f.id, where, f"handed to `{scope.qualname}` by its callers")
+    nc = _norm_of_ctor(module, call, ctx, file, value, f.id, where, f"handed to `{scope.qualname}` by its callers", on_instance=True)
     if nc is not None and nc.kind != "not_rms" and not any(c.startswith(("type(", f"type({f.id})")) for c in nc.conditions):
         return None  # no run-time class test came with the reading: another caller's module would take the fused code
     return nc
@@ -7055,9 +7094,18 @@ def _s43_module_loggers(module: ModuleInfo) -> frozenset[str]:
     return cached
 
 
-def _s43_marker_call(module: ModuleInfo, stmt: ast.stmt) -> ast.Call | None:
-    """The call of an expression statement that names a profiling marker or a logging call (its arguments unread)."""
+def _s43_marker_call(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> ast.Call | None:
+    """The call of an expression statement that names a profiling marker or a logging call (its arguments unread);
+    None where the callee's root name is a local or a parameter of ``scope`` (a ``logger`` handed in may be any
+    object: it is not the module-level logging logger its name says)."""
+    from npufuse.patterns._attention_s33 import is_parameter
+
     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    root = stmt.value.func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    if isinstance(root, ast.Name) and (scope.assignments.get(root.id) or is_parameter(scope, root.id)):
         return None
     name = module.canonical(stmt.value.func) or ""
     if name in _S43_MARKERS:
@@ -7083,21 +7131,21 @@ def _s43_marker_reason(module: ModuleInfo, call: ast.Call) -> str | None:
     return None
 
 
-def _s43_is_marker(module: ModuleInfo, stmt: ast.stmt) -> bool:
+def _s43_is_marker(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> bool:
     """A profiling marker / logging statement that may sit between the add and the norm (see above)."""
-    call = _s43_marker_call(module, stmt)
+    call = _s43_marker_call(module, scope, stmt)
     return call is not None and _s43_marker_reason(module, call) is None
 
 
 def _s43_unmoved_marker(module: ModuleInfo, scope: Scope, block: list[ast.stmt], j: int, s_name: str) -> Iterator[tuple[ast.stmt, str]]:
     """The near miss of a marker at ``block[j]`` that may not move (its reason), where the norm of the sum follows it
     (through further aliases and markers)."""
-    call = _s43_marker_call(module, block[j])
+    call = _s43_marker_call(module, scope, block[j])
     reason = _s43_marker_reason(module, call) if call is not None else None
     if reason is None:
         return
     k = j + 1
-    while k < len(block) and (_is_alias(block[k], s_name) or _s43_marker_call(module, block[k]) is not None):
+    while k < len(block) and (_is_alias(block[k], s_name) or _s43_marker_call(module, scope, block[k]) is not None):
         k += 1
     if k < len(block):
         for nstmt, _site in _norm_of_sum(module, scope, block[k], s_name, lambda nstmt, nc: None):  # type: ignore[arg-type,return-value]
@@ -7140,7 +7188,9 @@ def _s43_branch_return(fwd: ast.FunctionDef, me: str, mod: str) -> tuple[ast.Ret
     def module_reads(ret: ast.stmt) -> int:
         return sum(1 for n in ast.walk(ret) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == me)
 
-    test = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(head.test))
+    # the module read as the call's module by name, not by text (a string constant saying ``self.`` stays as written)
+    fresh = ast.parse(ast.unparse(head.test), mode="eval").body
+    test = ast.unparse(_renamed(fresh, me, "_npu_norm_module")).replace("_npu_norm_module", mod)
     if module_reads(arms[1][0]) > module_reads(arms[0][0]):
         return arms[1][0], [f"not ({test})"]  # type: ignore[list-item]
     return arms[0][0], [f"({test})"]  # type: ignore[list-item]
@@ -7194,11 +7244,15 @@ def _s43_hands_on(module: ModuleInfo, v: ast.expr, name: str) -> bool:
 def _s43_built_class(module: ModuleInfo, scope: Scope, name: str, values: list[ast.expr]) -> _Owner | None:
     """The class of the local ``name`` when every assignment of it builds one class of the repository (``Cls(...)``)
     or hands the same module on (:func:`_s43_hands_on`), at least one building it."""
+    from npufuse.patterns._attention_s33 import is_parameter
+
     owner: _Owner | None = None
     for v in values:
         if isinstance(v, ast.Call) and isinstance(v.func, ast.Name):
-            # a class's name (capitalised): a cheap gate before another file of the repository is looked up
-            got = _class_named(module, v.func.id) if v.func.id[:1].isupper() else None
+            # a class's name (capitalised): a cheap gate before another file of the repository is looked up; a
+            # parameter or local of that name (``def train(Model=..)``) may be any class (s43 review)
+            shadowed = bool(scope.assignments.get(v.func.id)) or is_parameter(scope, v.func.id)
+            got = _class_named(module, v.func.id) if v.func.id[:1].isupper() and not shadowed else None
             if got is None or (owner is not None and (got[0].path, got[1]) != (owner[0].path, owner[1])):
                 return None
             owner = got
