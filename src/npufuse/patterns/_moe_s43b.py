@@ -217,6 +217,36 @@ def _draws_random(st: ast.stmt) -> bool:
     return False
 
 
+# builtins a statistic may call: they read their arguments and change nothing
+_PURE_BUILTINS = frozenset(("len", "int", "float", "bool", "abs", "round", "min", "max", "sum", "str", "range", "enumerate", "zip",
+                            "isinstance", "tuple", "list", "dict", "sorted", "any", "all"))
+_PURE_HOMES = ("torch.", "math.", "numpy.", "np.")
+
+
+def _calls_opaque_function(module: Any, st: ast.stmt) -> bool:
+    """(s43 review) The statement calls a function npufuse cannot show leaves its arguments alone: one of this file or
+    of another module (``shrink_(x, rows)`` may scale the tokens in place, so replaying it after the dispatch would let
+    the experts read rows the original had already changed). Builtins above, torch / math / numpy functions (not
+    in-place ``*_``) and methods of values (their in-place forms are :func:`_mutated_roots`') are fine."""
+    for n in fast_walk(st):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        head = f
+        while isinstance(head, ast.Attribute):
+            head = head.value
+        if not isinstance(head, ast.Name):
+            continue
+        if head.id in module.aliases or head.id in (getattr(module, "assigned_aliases", None) or {}):
+            # a function reached through an import: pure only from torch / math / numpy, and not an in-place one
+            canon = module.canonical(f) or ""
+            if not canon.startswith(_PURE_HOMES) or canon.rsplit(".", 1)[-1].endswith("_"):
+                return True
+        elif f is head and f.id not in _PURE_BUILTINS:
+            return True  # a function of this file (or a name bound otherwise)
+    return False
+
+
 def _skip_guard(st: ast.stmt) -> bool:
     """``if <test>: continue`` (nothing else): the loop's skip of an expert, kept in both loops."""
     return isinstance(st, ast.If) and not st.orelse and all(isinstance(b, ast.Continue) for b in st.body)
@@ -323,7 +353,7 @@ def split_side_statements(module: Any, scope: Any, loop: ast.For) -> tuple[list[
         if any(isinstance(n, ast.Subscript) and _root(n) == "self" and index in _read(n) for n in fast_walk(st)):
             return None  # `self.U[i][e]`: a per-expert weight read, an expert's computation rather than a statistic
     for st in side + r_stmts:
-        if _runs_an_expert(st, items) or _draws_random(st) or any(
+        if _runs_an_expert(st, items) or _draws_random(st) or _calls_opaque_function(module, st) or any(
                 isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom, ast.Await)) for n in fast_walk(st)):
             return None
     written = {t.value.id for st in d_stmts for n in fast_walk(st) for t in [n] if isinstance(t, ast.Subscript)
@@ -634,4 +664,9 @@ KEEP_EXAMPLES = [
     # a side statement changes the tokens the next experts read
     Keep(_SIDE_STATS.replace("            counts[e] += len(rows)\n", "            x[rows] *= 0.5\n"),
          reason="unrecognised update in the expert loop", name="s43b_side_statement_changes_the_tokens"),
+    # (s43 review) a side statement calls a function of the file that may change its arguments in place (here it
+    # scales the tokens the next experts read): replayed after the dispatch, the experts would read unscaled rows
+    Keep(_SIDE_STATS.replace("            counts[e] += len(rows)\n", "            counts[e] += shrink_(x, rows)\n")
+         + "\n\ndef shrink_(t, rows):\n    t.data[rows] *= 0.5\n    return len(rows)\n",
+         reason="unrecognised update in the expert loop", name="s43b_side_statement_calls_a_function_that_changes_the_tokens"),
 ]
