@@ -28,6 +28,14 @@ def detect_all(pattern: Pattern, code: str, path: str = "example.py") -> tuple[l
     return findings, misses
 
 
+def only_finding(pattern: Pattern, name: str) -> Finding:
+    """The one finding of the pattern's Fuse example ``name`` (asserted to be exactly one)."""
+    ex = next(e for e in pattern.FUSE if e.name == name)
+    findings, _ = detect_all(pattern, ex.code)
+    assert len(findings) == 1
+    return findings[0]
+
+
 def _exec(code: str, name: str) -> dict[str, Any]:
     mod = types.ModuleType(name)
     mod.__file__ = f"<{name}>"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from npufuse.patterns.moe_experts import MoeExperts
-from pattern_harness import check_fuse_found, check_keep_refused, check_replacement_matches, detect_all, example_cases
+from pattern_harness import check_fuse_found, check_keep_refused, check_replacement_matches, example_cases, only_finding
 
 PATTERN = MoeExperts()
 
@@ -34,10 +34,7 @@ def test_s41b_replacement_matches_under_the_emulator(pattern, example):
 
 
 def _finding(name: str):
-    ex = next(e for e in PATTERN.FUSE if e.name == name)
-    findings, _ = detect_all(PATTERN, ex.code)
-    assert len(findings) == 1
-    return findings[0]
+    return only_finding(PATTERN, name)
 
 
 def test_s41b_dropout_is_replayed_and_names_its_training_risk():
