@@ -15,17 +15,7 @@ from __future__ import annotations
 
 from npufuse.patterns.rope import RopePattern
 from npufuse.patterns.swiglu import Swiglu
-from pattern_harness import check_rewrite_runs, detect_all
-
-
-def _found_and_faithful(pattern, code: str, run: str) -> list:
-    """The findings of ``pattern`` on ``code``, after checking that the rewrite runs the fused op and gives the
-    original's outputs and gradients."""
-    findings, _ = detect_all(pattern, code)
-    facts = check_rewrite_runs(pattern, code, run, findings)
-    assert facts["calls"] >= 1 and [a == b for a, b in facts["shapes"]] == [True] * len(facts["shapes"])
-    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
-    return findings
+from pattern_harness import detect_all, found_and_faithful
 
 
 # -- A: halves cut along axis 3 of a 4-D tensor
@@ -59,7 +49,7 @@ leaves = [x]
 
 
 def test_named_halves_cut_along_axis_3_are_found_and_run() -> None:
-    findings = _found_and_faithful(RopePattern(), _AXIS3_ROPE, _AXIS3_RUN)
+    findings = found_and_faithful(RopePattern(), _AXIS3_ROPE, _AXIS3_RUN)
     assert [(f.qualname, f.line) for f in findings] == [("Rotary.forward", 16)]
 
 
@@ -102,7 +92,7 @@ leaves = [x] + list(m.parameters())
 
 
 def test_split_sizes_held_by_a_name_are_read_as_sized_parts() -> None:
-    findings = _found_and_faithful(Swiglu(), _NAMED_SIZES, _NAMED_SIZES_RUN)
+    findings = found_and_faithful(Swiglu(), _NAMED_SIZES, _NAMED_SIZES_RUN)
     assert [(f.qualname, f.line) for f in findings] == [("Mamba2Mlp.forward", 20)]
 
 
@@ -150,7 +140,7 @@ leaves = [x] + list(m.parameters())
 
 
 def test_equal_width_slices_of_one_projection_are_found_and_run() -> None:
-    findings = _found_and_faithful(Swiglu(), _SLICED, _SLICED_RUN)
+    findings = found_and_faithful(Swiglu(), _SLICED, _SLICED_RUN)
     assert [f.qualname for f in findings] == ["SimpleSSM.forward"]
 
 
