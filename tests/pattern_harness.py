@@ -178,3 +178,13 @@ def install_stand_in_modules(monkeypatch: pytest.MonkeyPatch, contents: dict[str
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return mods
+
+
+def found_and_faithful(pattern: Pattern, code: str, run: str) -> list[Finding]:
+    """The findings of ``pattern`` on ``code``, after checking that the rewrite runs the fused op and gives the
+    original's outputs (same shapes) and gradients (cosine > 0.9999)."""
+    findings, _ = detect_all(pattern, code)
+    facts = check_rewrite_runs(pattern, code, run, findings)
+    assert facts["calls"] >= 1 and [a == b for a, b in facts["shapes"]] == [True] * len(facts["shapes"])
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+    return findings

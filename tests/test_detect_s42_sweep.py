@@ -16,7 +16,7 @@ from npufuse.patterns.registry import all_patterns
 from npufuse.patterns.rope import RopePattern
 from npufuse.scan import engine
 from npufuse.scan.dataflow import ModuleInfo
-from pattern_harness import check_rewrite_runs, detect_all
+from pattern_harness import detect_all, found_and_faithful
 
 
 def _scan(tmp_path: Path, code: str) -> engine.FileOutcome:
@@ -26,16 +26,6 @@ def _scan(tmp_path: Path, code: str) -> engine.FileOutcome:
 
 def _hits(out: engine.FileOutcome, pattern: str) -> list[tuple[str, int]]:
     return [(h.finding.qualname, h.finding.line) for h in out.hits if h.finding.pattern == pattern]
-
-
-def _found_and_faithful(pattern, code: str, run: str) -> list:
-    """The findings of ``pattern`` on ``code``, after checking that the rewrite runs the fused op and gives the
-    original's outputs and gradients."""
-    findings, _ = detect_all(pattern, code)
-    facts = check_rewrite_runs(pattern, code, run, findings)
-    assert facts["calls"] >= 1 and [a == b for a, b in facts["shapes"]] == [True] * len(facts["shapes"])
-    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
-    return findings
 
 
 def _nothing_found(pattern, code: str) -> bool:
@@ -138,7 +128,7 @@ leaves = [x]
 
 
 def test_rope_with_the_minus_on_a_factor_is_found_and_runs() -> None:
-    findings = _found_and_faithful(RopePattern(), _NEG_FACTOR_ROPE, _NEG_FACTOR_RUN)
+    findings = found_and_faithful(RopePattern(), _NEG_FACTOR_ROPE, _NEG_FACTOR_RUN)
     assert [(f.qualname, f.line) for f in findings] == [("RotaryPositionalEncoding.forward", 21)]
 
 
@@ -177,7 +167,7 @@ leaves = [q]
 
 
 def test_cs336_lane_pair_rope_is_found_and_runs() -> None:
-    findings = _found_and_faithful(RopePattern(), _CS336_ROPE, _CS336_RUN)
+    findings = found_and_faithful(RopePattern(), _CS336_ROPE, _CS336_RUN)
     assert [(f.qualname, f.params["mode"]) for f in findings] == [("rope", "interleave")]
 
 
@@ -226,7 +216,7 @@ leaves = [x]
 
 
 def test_a_functional_norm_of_a_later_parameter_after_the_add_is_found_and_runs() -> None:
-    findings = _found_and_faithful(AddRmsNorm(), _FUNCTIONAL_BLOCK, _FUNCTIONAL_RUN)
+    findings = found_and_faithful(AddRmsNorm(), _FUNCTIONAL_BLOCK, _FUNCTIONAL_RUN)
     assert [(f.qualname, f.line, f.end_line) for f in findings] == [("block", 19, 20)]
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
-from npufuse.patterns import _library_rope, _rope_s43
+from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -2616,6 +2616,10 @@ class RopePattern(Pattern):
                 base = _bounded_lane_source(scope, u) or _bounded_lane_source(scope, v)
                 if base is not None:
                     break  # (the lanes of a rotated prefix: _Halves reads them under allow_split)
+        if base is None and kind == "halves":
+            # s44: halves cut with the last axis spelled 3 (``x.chunk(2, dim=3)``), which _Halves reads and the lane layer does not
+            base = _rope_s44sweep.indexed_split_source(scope, [f for t in terms[0] + terms[1] for f in t[1:]], _resolve,
+                                                       lambda x: _Halves(scope, lambda n: same_expr(n, x), module))
         if base is None:
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)

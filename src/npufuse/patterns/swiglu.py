@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
-from npufuse.patterns import _swiglu_s43
+from npufuse.patterns import _swiglu_s43, _swiglu_s44sweep
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -1032,6 +1032,7 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                     equal = meth == "chunk"
                 else:
                     sv = const_value(size)
+                    size, sctx = _swiglu_s44sweep.sizes_literal(size, bctx)  # s44: the sizes list through a local name
                     if isinstance(size, (ast.List, ast.Tuple)) and len(size.elts) > 2 and not any(isinstance(e, ast.Starred) for e in size.elts) \
                             and -len(size.elts) <= idx < len(size.elts):
                         # one of 3+ sized parts (mamba2's in_proj split into z0, x0, z, xBC, dt): two parts
@@ -1040,11 +1041,11 @@ def _split_of(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) ->
                         # (the operands stay as written, so the split's statement need not join the
                         # rewritten span: it may sit in an enclosing block, as in ``if d_mlp > 0:``)
                         part = idx % len(size.elts)
-                        return (S.key(recv, bctx), recv, bctx, dim, part, "sized", (S.key(size.elts[part], bctx), ast.unparse(size.elts[part])))
+                        return (S.key(recv, bctx), recv, bctx, dim, part, "sized", (S.key(size.elts[part], sctx), ast.unparse(size.elts[part])))
                     if isinstance(size, (ast.List, ast.Tuple)):
                         if len(size.elts) != 2:
                             raise GateMiss("split into more than two parts")
-                        equal = S.key(size.elts[0], bctx) == S.key(size.elts[1], bctx)
+                        equal = S.key(size.elts[0], sctx) == S.key(size.elts[1], sctx)
                         if not equal:
                             raise GateMiss(f"gate and up have different sizes ({ast.unparse(size)})")
                     else:
@@ -1404,6 +1405,11 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
                            "halves its input, so act(a) * b must have two equal-width operands")
         # two parts of one size: the fused op takes them concatenated (exact for any positions)
         return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sa[0], parts="split")
+    if sa is None or sb is None:
+        # s44: two equal-width slices of one tensor's last axis, one cut at both ends (``t[..., w:2 * w]``)
+        sliced = _swiglu_s44sweep.equal_width_slices(a, actx, b, ctx)
+        if sliced is not None:
+            return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, sliced, parts="split")
     if sa is not None and sb is not None and sa[0] == sb[0]:
         if sa[5] == "slice":
             (ka, ba), (kb, bb) = sa[4], sb[4]  # type: ignore[misc]
