@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import ast
-import re
 
 from npufuse.patterns import _site as S
 from npufuse.scan.dataflow import Scope, dotted, fast_walk
@@ -79,6 +78,22 @@ def _instance_test(test: ast.expr, me: str) -> bool:
     return not (isinstance(test, ast.Name))  # ``if self:`` tests the module's truth (its __len__ / __bool__)
 
 
+def _on_instance(test: ast.expr, me: str, mod: str) -> str | None:
+    """``test`` with the name ``me`` read as the expression ``mod`` (the module instance at the caller), renamed on
+    the tree: a string constant that holds ``self.`` keeps its text (s44 review); None where ``mod`` does not parse."""
+    try:
+        instance = ast.parse(mod, mode="eval").body
+    except SyntaxError:
+        return None
+
+    class _Rename(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return ast.copy_location(instance, n) if n.id == me else n
+
+    fresh = ast.parse(ast.unparse(test), mode="eval").body  # the forward's own tree stays as it is
+    return ast.unparse(_Rename().visit(fresh))
+
+
 def exiting_if_arm(fwd: ast.FunctionDef, me: str, mod: str, foreign: bool) -> tuple[ast.Return, list[str], str] | None:
     """(the return to read as the norm, the run-time conditions under which it is the path taken, a note) for a norm
     class's forward of straight statements, one ``if <test of self attributes>: return <a>`` without ``else``,
@@ -101,7 +116,9 @@ def exiting_if_arm(fwd: ast.FunctionDef, me: str, mod: str, foreign: bool) -> tu
         return None
     if not _instance_test(branch.test, me):
         return None
-    cond = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(branch.test))
+    cond = _on_instance(branch.test, me, mod)
+    if cond is None:
+        return None
     inner: ast.Return = branch.body[-1]
     # the optional weight: one arm returns the bare normalised value (a name), the other the expression to read
     if isinstance(last.value, ast.Name) and not isinstance(inner.value, ast.Name):

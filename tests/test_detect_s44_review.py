@@ -1,0 +1,30 @@
+"""s44 review of the code merged late in s43 (`git diff 2deb8cf..00548ed -- src/`): each defect found on invented
+code, pinned here first (each test fails on b237412), then fixed; the Fuse forms run under the emulator against the
+original, outputs and gradients."""
+
+from __future__ import annotations
+
+from pattern_harness import check_rewrite_runs, detect_all
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+import test_detect_s43_ho20 as ho20
+
+
+def _close(facts: dict, tol: float = 0.9999) -> None:
+    assert facts["calls"] >= 1, facts["all_calls"]
+    assert all(a == b for a, b in facts["dtypes"]), facts["dtypes"]
+    assert all(c > tol for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
+
+
+# -- 1. _norm_s43.exiting_if_arm: the arm's test was moved onto the instance by text ---------------------------------
+
+def test_exiting_if_test_keeps_a_string_that_holds_self_dot() -> None:
+    # `re.sub(r"\bself\.", ..)` also rewrote the string constant: `self.kind != "self.plain"` became
+    # `self.pre_mlp.kind != 'self.pre_mlp.plain'` (always true), so the weighted arm ran where the original returns
+    # the bare value (here: the weightless layer's gain is None, the rewrite raised)
+    code = ho20._OPTIONAL_WEIGHT.format(test='self.kind != "self.plain"', weighted="unit * self.gain").replace(
+        "        self.eps = eps\n", "        self.eps = eps\n        self.kind = 'w' if learnable else 'self.plain'\n")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert findings and all(f.params.get("condition") == "(self.pre_mlp.kind != 'self.plain')" for f in findings)
+    _close(check_rewrite_runs(AddRmsNorm(), code, ho20._RUN_LAYER, findings))
