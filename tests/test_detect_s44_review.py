@@ -28,3 +28,27 @@ def test_exiting_if_test_keeps_a_string_that_holds_self_dot() -> None:
     findings, _ = detect_all(AddRmsNorm(), code)
     assert findings and all(f.params.get("condition") == "(self.pre_mlp.kind != 'self.plain')" for f in findings)
     _close(check_rewrite_runs(AddRmsNorm(), code, ho20._RUN_LAYER, findings))
+
+
+# -- 2. _moe_s43b.rows_term_tail: the precomputed rows term added to rows no expert writes ----------------------------
+
+import pytest  # noqa: E402
+
+from npufuse.patterns import _moe_s43b  # noqa: E402
+from npufuse.patterns.moe_experts import MoeExperts  # noqa: E402
+
+_NULL_ID = "logits = torch.randn(2, 5, 5)"  # one logit more than experts: argmax may pick id 4, which no expert takes
+_SENTINEL = ("top1 = torch.argmax(logits, dim=-1)",
+             "top1 = torch.argmax(logits, dim=-1)\n        top1 = torch.where(logits.max(-1).values > 0.5, top1, len(self.experts))")
+
+
+@pytest.mark.parametrize("code,run", [
+    (_moe_s43b._TOP1_SHARED_ROWS, _moe_s43b._TOP1_RUN.replace("logits = torch.randn(2, 5, 4)", _NULL_ID)),
+    (_moe_s43b._TOP1_SHARED_ROWS.replace(*_SENTINEL), _moe_s43b._TOP1_RUN),
+], ids=["argmax_over_more_logits_than_experts", "sentinel_id_of_dropped_tokens"])
+def test_shared_rows_term_is_added_only_to_rows_an_expert_writes(code: str, run: str) -> None:
+    # `out[m] = expert(x[m]) + shared_out[m]` over flat ids: a row whose id names no expert stays zero in the
+    # original; the fused tail added `shared_out` to every row (emulator cos 0.98)
+    findings, misses = detect_all(MoeExperts(), code)
+    assert findings, [m.reason for m in misses]
+    _close(check_rewrite_runs(MoeExperts(), code, run, findings))
