@@ -52,3 +52,27 @@ def test_shared_rows_term_is_added_only_to_rows_an_expert_writes(code: str, run:
     findings, misses = detect_all(MoeExperts(), code)
     assert findings, [m.reason for m in misses]
     _close(check_rewrite_runs(MoeExperts(), code, run, findings))
+
+
+# -- 3. affinity_where._attribute_values: a NaN fill stored by an annotated or a tuple assignment --------------------
+
+from npufuse.patterns.affinity_where import AffinityWhere  # noqa: E402
+
+import test_detect_s43_audit_fixes as audit43  # noqa: E402
+
+_STORE = "self.fill_float = fill_float"
+
+
+@pytest.mark.parametrize("store", ["self.fill_float: float = fill_float", "self.mode, self.fill_float = 0, fill_float",
+                                   "self.fill_float: float = float('nan')"])
+def test_nan_fill_attribute_stored_annotated_or_unpacked_is_not_inf_safe(store: str) -> None:
+    # audit43's W3 read `self.<attr> = v` only: lerp(val, nan, 0) is NaN on every row, where the original keeps val
+    findings, misses = detect_all(AffinityWhere(), audit43._NAN_ATTRIBUTE.replace(_STORE, store))
+    assert not findings
+    assert len([m for m in misses if "NaN" in m.reason]) == 2
+
+
+@pytest.mark.parametrize("store", ["self.fill_float: float = fill_float", "self.mode, self.fill_float = 0, fill_float"])
+def test_finite_fill_attribute_stored_annotated_or_unpacked_still_becomes_lerp(store: str) -> None:
+    findings, _ = detect_all(AffinityWhere(), audit43._FINITE_ATTRIBUTE.replace(_STORE, store))
+    assert len(findings) == 1
