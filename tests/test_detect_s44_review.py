@@ -76,3 +76,48 @@ def test_nan_fill_attribute_stored_annotated_or_unpacked_is_not_inf_safe(store: 
 def test_finite_fill_attribute_stored_annotated_or_unpacked_still_becomes_lerp(store: str) -> None:
     findings, _ = detect_all(AffinityWhere(), audit43._FINITE_ATTRIBUTE.replace(_STORE, store))
     assert len(findings) == 1
+
+
+# -- 4. sdpa._filled_base_kind: zeros changed in place before the -inf fill --------------------------------------------
+
+from npufuse.patterns.sdpa import SdpaPattern  # noqa: E402
+
+_FILLED_BIAS = '''
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, alibi, pad):
+    b, h, t, d = q.shape
+    bias = torch.zeros(b, h, t, t, dtype=q.dtype)
+{change}
+    bias = bias.masked_fill(pad, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+'''
+_FILLED_RUN = '''
+q = torch.randn(2, 2, 5, 8, requires_grad=True)
+k = torch.randn(2, 2, 5, 8)
+v = torch.randn(2, 2, 5, 8)
+alibi = torch.randn(2, 2, 5, 5)
+pad = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
+pad[..., -1] = True
+out = attend(q, k, v, alibi, pad)
+leaves = [q]
+'''
+
+
+@pytest.mark.parametrize("change", ["    bias.add_(alibi)", "    bias[:] = alibi", "    bias[..., :] += alibi"])
+def test_zeros_changed_in_place_before_the_fill_are_no_0_inf_mask(change: str) -> None:
+    # audit43's W1 took `zeros(..).masked_fill(m, -inf)` as a 0/-inf mask from the definition alone: an in-place add of
+    # the ALiBi bias in between was dropped by the fused call (emulator cos 0.84); now its values are checked at run
+    # time, which sends this input (graded values) to the original code
+    code = _FILLED_BIAS.format(change=change)
+    findings, _ = detect_all(SdpaPattern(), code)
+    facts = check_rewrite_runs(SdpaPattern(), code, _FILLED_RUN, findings)
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+def test_untouched_zeros_filled_with_minus_inf_still_run_fused() -> None:
+    code = _FILLED_BIAS.format(change="    scale = 1.0")
+    findings, _ = detect_all(SdpaPattern(), code)
+    _close(check_rewrite_runs(SdpaPattern(), code, _FILLED_RUN, findings))
