@@ -4,6 +4,8 @@ original, outputs and gradients."""
 
 from __future__ import annotations
 
+import ast
+
 from pattern_harness import check_rewrite_runs, detect_all
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 
@@ -121,3 +123,19 @@ def test_untouched_zeros_filled_with_minus_inf_still_run_fused() -> None:
     code = _FILLED_BIAS.format(change="    scale = 1.0")
     findings, _ = detect_all(SdpaPattern(), code)
     _close(check_rewrite_runs(SdpaPattern(), code, _FILLED_RUN, findings))
+
+
+# -- 5. _moe_s43a._as_column: a negated constant that is no integer ---------------------------------------------------
+
+from npufuse.patterns import _moe_s43a  # noqa: E402
+
+
+def test_column_reading_does_not_raise_on_a_negated_non_integer() -> None:
+    # `-a.operand.value` of `v.view(-None, 1)` raised TypeError: a detector error for the whole file (hostile input
+    # must leave a near miss at most)
+    code = _moe_s43a._TOP1_WEIGHTED.replace("gate[mask].unsqueeze(-1)", "gate[mask].view(-None, 1)")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert not findings and misses
+    for spelling in ("v.view(-None, 1)", "v.view(-'a', 1)", "v.unsqueeze(-1.5)"):
+        assert _moe_s43a._as_column(ast.parse(spelling, mode="eval").body) is None
+    assert _moe_s43a._as_column(ast.parse("v.view(-1, 1)", mode="eval").body) is not None
