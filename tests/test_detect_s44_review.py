@@ -139,3 +139,29 @@ def test_column_reading_does_not_raise_on_a_negated_non_integer() -> None:
     for spelling in ("v.view(-None, 1)", "v.view(-'a', 1)", "v.unsqueeze(-1.5)"):
         assert _moe_s43a._as_column(ast.parse(spelling, mode="eval").body) is None
     assert _moe_s43a._as_column(ast.parse("v.view(-1, 1)", mode="eval").body) is not None
+
+
+# -- 6. _norm_s43.lift_over_exiting_if: a kept statement before the if changes what the moved test reads --------------
+
+from npufuse.patterns.rms_norm import RmsNorm  # noqa: E402
+
+
+def _norm_findings(code: str) -> list:
+    return [f for f in detect_all(RmsNorm(), code)[0] if f.qualname == "ScaleFreeRMSNorm.forward"]
+
+
+def test_exiting_if_test_is_not_moved_before_a_statement_that_writes_what_it_reads() -> None:
+    # the fused code evaluates `self.use_gain` before the kept `self.use_gain = ..` ran: the second call took the
+    # weighted arm where the original returned the bare value (emulator cos 0.12)
+    code = ho20._OPTIONAL_WEIGHT.format(test="self.use_gain", weighted="unit * self.gain").replace(
+        "        unit = h / denom\n", "        unit = h / denom\n        self.use_gain = self.gain is not None and not self.use_gain\n").replace(
+        "        self.eps = eps\n", "        self.eps = eps\n        self.use_gain = False\n")
+    assert not _norm_findings(code)
+
+
+def test_exiting_if_with_a_kept_statement_the_test_does_not_read_is_still_fused() -> None:
+    code = ho20._OPTIONAL_WEIGHT.format(**ho20._PLAIN).replace(
+        "        unit = h / denom\n", "        unit = h / denom\n        self.calls = getattr(self, 'calls', 0) + 1\n")
+    findings = _norm_findings(code)
+    assert findings and "self.calls = getattr(self, 'calls', 0) + 1" in findings[0].fused.split("else:")[0]
+    _close(check_rewrite_runs(RmsNorm(), code, ho20._RUN_NORM, findings))

@@ -62,7 +62,27 @@ def lift_over_exiting_if(scope: Scope, branch: ast.If, trace: S.Trace) -> S.Span
     if isinstance(plan, str) or any(s.lineno > branch.lineno for s in plan.kept):
         # a kept statement after the ``if`` would run before the fused code, also where the original never reached it
         return None
+    if any(_changes_test(st, S.names_read(branch.test), tests) for st in plan.kept):
+        return None  # (s44 review) a kept statement before the ``if`` runs after the moved test on the fused path
     return plan
+
+
+def _changes_test(st: ast.stmt, names: set[str], attrs: set[str]) -> bool:
+    """Whether the kept statement ``st`` may change what the moved test reads: it binds one of its ``names``, stores
+    one of its attributes ``attrs``, calls a method of one of its names (``self.toggle()``) or ``setattr``."""
+    for n in fast_walk(st):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in names:
+            return True
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and dotted(n) in attrs:
+            return True
+        if isinstance(n, ast.Call):
+            root = n.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(n.func, ast.Attribute) and isinstance(root, ast.Name) and root.id in names \
+                    or isinstance(n.func, ast.Name) and n.func.id == "setattr":
+                return True
+    return False
 
 
 def _instance_test(test: ast.expr, me: str) -> bool:
