@@ -58,13 +58,16 @@ def test_s43b_zeros_before_other_statements_are_added_into():
     # the span is the loop: the allocation, the loss and the shared expert stay before it, in both branches
     assert code[f.line - 1].strip() == "for i, expert in enumerate(self.experts):"
     assert "out.add_(torch_npu.npu_moe_token_unpermute(" in f.fused
-    assert "out.add_(shared_out.to(out.dtype))" in f.fused
+    # (s44 review) only rows whose id names an expert: the original never writes the others
+    assert "out.add_(torch.where(((top1 >= 0) & (top1 < len(_npufuse_experts))).reshape(*shared_out.shape[:-1], 1), shared_out, 0)" \
+        ".to(out.dtype))" in f.fused
     assert "(shared_out.shape == x.shape)" in f.guard_tensor
 
 
 def test_s43b_rows_term_of_topk_is_added_top_k_times():
     f = _finding("s43b_topk_precomputed_rows_added_per_slot")
-    assert "out.add_((topk_i.shape[-1] * base).to(out.dtype))" in f.fused
+    # (s44 review) once per top-k id that names an expert (K where every id does)
+    assert "out.add_((((topk_i >= 0) & (topk_i < self.n)).sum(-1, keepdim=True) * base).to(out.dtype))" in f.fused
     assert "topk_i.dim() == 2" in f.guard_tensor  # K is the last dim of [T, K] indices
 
 

@@ -132,9 +132,10 @@ def _as_column(node: ast.expr) -> Optional[ast.expr]:
     """``v`` of ``v.unsqueeze(-1)`` / ``v.unsqueeze(1)`` / ``v[:, None]`` / ``v.view(-1, 1)`` / ``v.reshape(-1, 1)``
     (an [n] vector as an [n, 1] column); else None."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        # (s44 review: ``-a.operand.value`` of any constant raised on ``v.view(-None, 1)``: integers only)
         args = [a.value if isinstance(a, ast.Constant) else -a.operand.value  # type: ignore[attr-defined]
                 if isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant)
-                else None for a in node.args]
+                and type(a.operand.value) is int else None for a in node.args]
         if node.func.attr == "unsqueeze" and args in ([-1], [1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
             return node.func.value
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:

@@ -95,13 +95,16 @@ def rows_term_tail(site: Any, shared: str, mode: str, plain_mask_loop: bool) -> 
     """(fused text, "") adding ``shared`` (:func:`precomputed_rows_term`) after the routed part, or ("", the reason it
     cannot). ``assign`` of flat expert ids (each row written by the one expert of its id): ``shared`` once per row;
     ``accumulate`` of [T, K] top-k masks over every expert's own index: once per routed (token, slot), K times."""
-    out = site.out_name
-    if mode == "assign" and site.routing == "flat_mask" and not site.local_start:
-        return (f"# `+ {shared}[rows]` of the write-back: each row is written by exactly one expert\n"
-                f"{out}.add_({shared}.to({out}.dtype))"), ""
-    if mode == "accumulate" and site.routing == "mask_where" and plain_mask_loop:
-        return (f"# `+ {shared}[rows]` of the write-back: added once per routed (token, slot), i.e. top-k times per token\n"
-                f"{out}.add_(({site.indices}.shape[-1] * {shared}).to({out}.dtype))"), ""
+    out, ids = site.out_name, site.indices
+    # s44 review: only ids that name an expert of the loop write a row (a token routed to a dropped / null id
+    # ``E`` -- argmax over E + 1 logits, a sentinel -- is never written, so it gets no S either)
+    routed = f"(({ids} >= 0) & ({ids} < {site.bins}))"
+    if mode == "assign" and site.routing == "flat_mask" and not site.local_start and site.bins:
+        return (f"# `+ {shared}[rows]` of the write-back: each row whose id names an expert is written by exactly that one\n"
+                f"{out}.add_(torch.where({routed}.reshape(*{shared}.shape[:-1], 1), {shared}, 0).to({out}.dtype))"), ""
+    if mode == "accumulate" and site.routing == "mask_where" and plain_mask_loop and site.bins:
+        return (f"# `+ {shared}[rows]` of the write-back: added once per routed (token, slot), i.e. once per top-k id that\n"
+                f"# names an expert\n{out}.add_(({routed}.sum(-1, keepdim=True) * {shared}).to({out}.dtype))"), ""
     return "", (f"the write-back adds `{shared}[rows]`, made before the loop, once per expert a token is routed to, which "
                 "npufuse replays only for flat expert ids written once or for mask routing over every expert's own index")
 

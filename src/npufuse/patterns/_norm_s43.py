@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import ast
-import re
 
 from npufuse.patterns import _site as S
 from npufuse.scan.dataflow import Scope, dotted, fast_walk
@@ -63,7 +62,27 @@ def lift_over_exiting_if(scope: Scope, branch: ast.If, trace: S.Trace) -> S.Span
     if isinstance(plan, str) or any(s.lineno > branch.lineno for s in plan.kept):
         # a kept statement after the ``if`` would run before the fused code, also where the original never reached it
         return None
+    if any(_changes_test(st, S.names_read(branch.test), tests) for st in plan.kept):
+        return None  # (s44 review) a kept statement before the ``if`` runs after the moved test on the fused path
     return plan
+
+
+def _changes_test(st: ast.stmt, names: set[str], attrs: set[str]) -> bool:
+    """Whether the kept statement ``st`` may change what the moved test reads: it binds one of its ``names``, stores
+    one of its attributes ``attrs``, calls a method of one of its names (``self.toggle()``) or ``setattr``."""
+    for n in fast_walk(st):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in names:
+            return True
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and dotted(n) in attrs:
+            return True
+        if isinstance(n, ast.Call):
+            root = n.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(n.func, ast.Attribute) and isinstance(root, ast.Name) and root.id in names \
+                    or isinstance(n.func, ast.Name) and n.func.id == "setattr":
+                return True
+    return False
 
 
 def _instance_test(test: ast.expr, me: str) -> bool:
@@ -77,6 +96,22 @@ def _instance_test(test: ast.expr, me: str) -> bool:
         if isinstance(n, ast.Attribute) and dotted(n) is None:
             return False
     return not (isinstance(test, ast.Name))  # ``if self:`` tests the module's truth (its __len__ / __bool__)
+
+
+def _on_instance(test: ast.expr, me: str, mod: str) -> str | None:
+    """``test`` with the name ``me`` read as the expression ``mod`` (the module instance at the caller), renamed on
+    the tree: a string constant that holds ``self.`` keeps its text (s44 review); None where ``mod`` does not parse."""
+    try:
+        instance = ast.parse(mod, mode="eval").body
+    except SyntaxError:
+        return None
+
+    class _Rename(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return ast.copy_location(instance, n) if n.id == me else n
+
+    fresh = ast.parse(ast.unparse(test), mode="eval").body  # the forward's own tree stays as it is
+    return ast.unparse(_Rename().visit(fresh))
 
 
 def exiting_if_arm(fwd: ast.FunctionDef, me: str, mod: str, foreign: bool) -> tuple[ast.Return, list[str], str] | None:
@@ -101,7 +136,9 @@ def exiting_if_arm(fwd: ast.FunctionDef, me: str, mod: str, foreign: bool) -> tu
         return None
     if not _instance_test(branch.test, me):
         return None
-    cond = re.sub(rf"\b{re.escape(me)}\.", mod + ".", ast.unparse(branch.test))
+    cond = _on_instance(branch.test, me, mod)
+    if cond is None:
+        return None
     inner: ast.Return = branch.body[-1]
     # the optional weight: one arm returns the bare normalised value (a name), the other the expression to read
     if isinstance(last.value, ast.Name) and not isinstance(inner.value, ast.Name):

@@ -94,6 +94,34 @@ def _resolve(scope: Scope, node: ast.expr) -> ast.expr:
     return node
 
 
+def _changed_in_place(scope: Scope, node: ast.expr) -> bool:
+    """Whether a name ``node`` reads (through the names it is bound to, as :func:`_resolve` follows them) is changed in
+    place in the scope before ``node``: an element store (``t[:] = v``) or an in-place method (``t.add_(v)``). Read
+    only for a masked_fill's base (rare): one walk of the scope."""
+    names: set[str] = set()
+    use = getattr(node, "lineno", 0)
+    for _ in range(12):
+        if not isinstance(node, ast.Name) or node.id in names:
+            break
+        names.add(node.id)
+        value = scope.definition(node.id, getattr(node, "lineno", None))
+        if value is None:
+            break
+        node = value
+    line = getattr(node, "lineno", 0)
+    if not names:
+        return False
+    for n in fast_walk(scope.node):
+        target = n.value if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) else (
+            n.func.value if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
+            and not n.func.attr.startswith("_") else None)
+        while isinstance(target, (ast.Subscript, ast.Attribute)):
+            target = target.value
+        if isinstance(target, ast.Name) and target.id in names and line <= n.lineno <= use:
+            return True
+    return False
+
+
 # Tensor methods whose result is a tensor whenever the call succeeds (the original statement would
 # fail on None before the mask is read): a mask built with them is never None.
 _TENSOR_METHODS = frozenset((
@@ -640,6 +668,10 @@ class SdpaPattern(Pattern):
         """The kind of ``base.masked_fill(m, -inf)``: a 0/-inf mask where ``base`` is zeros or a 0/-inf mask
         itself, else a float whose values are checked at run time (a bias filled at the masked entries)."""
         node = _resolve(scope, base)
+        if _changed_in_place(scope, base):
+            # s44 review: ``bias = torch.zeros(..); bias.add_(alibi)`` (or ``bias[:] = alibi``) before the fill: the
+            # definition no longer says what the unmasked entries hold
+            return "float_unverified"
         if isinstance(node, ast.Call):
             name = module.call_name(node) or ""
             if name in ("torch.zeros", "torch.zeros_like") or (isinstance(node.func, ast.Attribute) and node.func.attr in ("new_zeros", "zero_")):
