@@ -20,6 +20,7 @@ from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
+from npufuse.patterns._affinity_where_s44audit import constant_number, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
@@ -332,7 +333,9 @@ def _finite_scalar_op(scope: Scope, n: ast.BinOp) -> bool:
     out of finite values, so the branch is no guarded computation."""
     if isinstance(n.op, ast.Div):
         v = const_value(n.right)
-        return _positive_number(abs(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+        # s44 (audit44): ``x / np.log(2.0)``, a math / numpy constant divisor, is a nonzero literal too
+        return _positive_number(abs(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None) \
+            or nonzero_constant_divisor(n.right)
     if not _positive_number(const_value(n.left)):
         return False
     e = const_value(n.right)
@@ -458,7 +461,7 @@ def _unsafe_in(module: ModuleInfo, scope: Scope, root: ast.AST) -> Optional[str]
             return ast.unparse(n)
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
-            if last in _UNSAFE_FUNCS:
+            if last in _UNSAFE_FUNCS and constant_number(n) is None:  # s44: np.log(2.0) is a finite constant
                 return ast.unparse(n)
     return None
 
@@ -539,7 +542,7 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     for side, text in ((a, texts[1]), (b, texts[2])):
         op = _unsafe_op(module, scope, side, line)
         if op is not None:
-            return miss(f"branch `{text[:40]}` computes `{op[:40]}`, which can be inf/NaN where it is not selected "
+            return miss(f"branch `{quoted(text)}` computes `{quoted(op)}`, which can be inf/NaN where it is not selected "
                         "(torch.where used as a guard): lerp would turn that into NaN, so it is not inf-safe")
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_integer(module, scope, side, line):

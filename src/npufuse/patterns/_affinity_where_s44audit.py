@@ -1,0 +1,58 @@
+"""affinity_where fixes of the s44 precision audit (helper audit44), read on code npufuse had never seen.
+
+* R1 (CogACT's guided-diffusion ``_vb_terms_bpd``: ``decoder_nll = mean_flat(decoder_nll) / np.log(2.0)``, then
+  ``th.where(t == 0, decoder_nll, kl)``): the reason said the branch "computes `a / np.log(2.0)`, which can be
+  inf/NaN". A divisor that is a math / numpy function of positive literals (``np.log(2.0)``, ``math.sqrt(2)``) or
+  ``math.pi`` / ``np.e`` is a nonzero constant, like a literal divisor: the division makes no inf/NaN out of finite
+  values.
+* R2 (GPTQModel's ``_compute_scale_inv``): the reason quoted the first 40 characters of the branch,
+  ``torch.full_like(abs_max, float(fp8_max))``, which read as the whole expression (a constant fill, never inf); the
+  branch is that fill divided by ``abs_max.clamp_min(eps)``. Quoted source is cut with an ellipsis, never silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+
+from npufuse.scan.dataflow import const_value, dotted
+
+# the value of f(*positive literals) for the math / numpy functions a scale constant is written with
+_CONSTANT_FUNCS = {
+    "log": math.log, "log2": math.log2, "log10": math.log10, "sqrt": math.sqrt, "exp": math.exp,
+}
+_CONSTANT_MODULES = ("math", "np", "numpy")
+_CONSTANT_NAMES = {"pi": math.pi, "e": math.e, "tau": math.tau}
+
+
+def constant_number(node: ast.AST) -> float | None:
+    """The value of ``np.log(2.0)`` / ``math.sqrt(8)`` / ``math.pi`` (math / numpy of positive literals); None when
+    ``node`` is anything else or the value is not a finite number."""
+    name = dotted(node.func) if isinstance(node, ast.Call) else dotted(node) if isinstance(node, ast.Attribute) else None
+    if not name or "." not in name:
+        return None
+    owner, _, attr = name.rpartition(".")
+    if owner not in _CONSTANT_MODULES:
+        return None
+    if isinstance(node, ast.Attribute):
+        return _CONSTANT_NAMES.get(attr)
+    func = _CONSTANT_FUNCS.get(attr)
+    if func is None or node.keywords or len(node.args) != 1:  # type: ignore[union-attr]
+        return None
+    arg = const_value(node.args[0])  # type: ignore[union-attr]
+    if not isinstance(arg, (int, float)) or isinstance(arg, bool) or not 0 < arg < 1e6:
+        return None
+    value = func(arg)
+    return value if math.isfinite(value) else None
+
+
+def nonzero_constant_divisor(node: ast.AST) -> bool:
+    """``x / np.log(2.0)``: the divisor is a nonzero finite constant."""
+    value = constant_number(node)
+    return value is not None and value != 0
+
+
+def quoted(text: str, limit: int = 80) -> str:
+    """Source quoted in a reason: cut with an ellipsis when longer than ``limit``, so a prefix never reads as the
+    whole expression."""
+    return text if len(text) <= limit else text[:limit].rstrip() + " …"
