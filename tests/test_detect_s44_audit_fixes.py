@@ -12,6 +12,9 @@ D1 rope (OpenDiT / Vchitect ``apply_rotary_emb``): ``view_as_real(xc * f).flatte
    flatten(3) now fuses only where x is 4-D.
 R1 affinity_where (CogACT's guided-diffusion ``_vb_terms_bpd``): "branch `decoder_nll` computes `mean_flat(..) /
    np.log(2.0)`, which can be inf/NaN": a math / numpy function of positive literals is a nonzero finite constant.
+D2 affinity_where (granite-tsfm PatchTST-FM ``forward``): ``torch.where(pred_mask | pad_mask | miss_mask, zeros_like(x), x)``
+   became lerp; time-series code keeps missing observations as NaN, which lerp propagates. A condition reading a mask
+   named for missing values (``miss_mask``, ``nan_mask``) is a guard: a near miss.
 R2 affinity_where (GPTQModel ``_compute_scale_inv``): the reason quoted `torch.full_like(abs_max, float(fp8_max))`,
    the first 40 characters of the branch, as if it were the whole branch (a constant fill is never inf); the quote
    now holds the division (``/ abs_max.clamp_min(eps)``, which overflows to inf at abs_max = 0) or ends in an ellipsis.
@@ -149,3 +152,27 @@ def test_r2_reason_quotes_the_whole_division() -> None:
     _, misses = detect_all(AffinityWhere(), _CLAMPED_QUOTIENT)
     assert len(misses) == 1
     assert "computes `torch.full_like(abs_max, float(fp8_max)) / abs_max.clamp_min(eps)`" in misses[0].reason, misses[0].reason
+
+
+_MISSING_MASK = '''\
+import torch
+
+
+def forward(x_target, pred_mask, pad_mask, miss_mask):
+    ts_mask = pred_mask | pad_mask | miss_mask
+    x_input = torch.where(ts_mask, torch.zeros_like(x_target), x_target)
+    return x_input
+'''
+
+# the twin: a padding / prediction mask alone says nothing of missing values: a candidate
+_PAD_MASK = _MISSING_MASK.replace("pred_mask | pad_mask | miss_mask", "pred_mask | pad_mask")
+
+
+def test_d2_mask_of_missing_values_is_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityWhere(), _MISSING_MASK)
+    assert not findings and any("`miss_mask`, a mask of missing values" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_d2_twin_padding_mask_stays_a_candidate() -> None:
+    findings, _ = detect_all(AffinityWhere(), _PAD_MASK)
+    assert len(findings) == 1

@@ -8,6 +8,7 @@
 * R2 (GPTQModel's ``_compute_scale_inv``): the reason quoted the first 40 characters of the branch,
   ``torch.full_like(abs_max, float(fp8_max))``, which read as the whole expression (a constant fill, never inf); the
   branch is that fill divided by ``abs_max.clamp_min(eps)``. Quoted source is cut with an ellipsis, never silently.
+* D2 (granite-tsfm PatchTST-FM): a where whose condition reads a mask of missing values (see ``missing_values_mask``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import ast
 import math
 
-from npufuse.scan.dataflow import const_value, dotted
+from npufuse.scan.dataflow import Scope, const_value, dotted
 
 # the value of f(*positive literals) for the math / numpy functions a scale constant is written with
 _CONSTANT_FUNCS = {
@@ -56,3 +57,27 @@ def quoted(text: str, limit: int = 80) -> str:
     """Source quoted in a reason: cut with an ellipsis when longer than ``limit``, so a prefix never reads as the
     whole expression."""
     return text if len(text) <= limit else text[:limit].rstrip() + " …"
+
+
+_MISSING_WORDS = {"miss", "missing", "nan", "nans"}
+
+
+def _missing_word(identifier: str) -> bool:
+    return any(word in _MISSING_WORDS for word in identifier.lower().split("_"))
+
+
+def missing_values_mask(scope: Scope, cond: ast.AST, line: int) -> str | None:
+    """D2 (granite-tsfm PatchTST-FM: ``ts_mask = pred_mask | pad_mask | miss_mask``, then ``torch.where(ts_mask,
+    zeros_like(x), x)``): the condition reads a mask named for missing values (``miss_mask``, ``nan_mask``), inline or
+    in the local definition of a name it reads. Time-series code keeps missing observations as NaN, and the where
+    replaces them: lerp would return NaN there. The name read, else None."""
+    names: list[str] = []
+    for n in ast.walk(cond):
+        if isinstance(n, ast.Name):
+            names.append(n.id)
+            value = scope.definition(n.id, line)
+            if value is not None:
+                names += [m.id if isinstance(m, ast.Name) else m.attr for m in ast.walk(value) if isinstance(m, (ast.Name, ast.Attribute))]
+        elif isinstance(n, ast.Attribute):
+            names.append(n.attr)
+    return next((name for name in names if _missing_word(name)), None)

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
-from npufuse.patterns._affinity_where_s44audit import constant_number, nonzero_constant_divisor, quoted
+from npufuse.patterns._affinity_where_s44audit import constant_number, missing_values_mask, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
@@ -557,6 +557,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     if said is not None:
         return miss(f"a comment at the blend (`{said[:50]}`) says the values it masks may be non-finite: lerp would return "
                     "NaN where they are not selected (torch.where used as a guard, not inf-safe)")
+    missing = missing_values_mask(scope, cond, line)
+    if missing is not None:
+        return miss(f"the condition reads `{missing}`, a mask of missing values: the data it replaces may be NaN there "
+                    "(missing observations), and lerp would return NaN (torch.where used as a guard, not inf-safe)")
     if _used_for_indexing(scope, stmt, call):
         return miss("the blend is used for indexing (integer positions): not a float blend")
     if not is_bool_mask(module, scope, cond, line):
