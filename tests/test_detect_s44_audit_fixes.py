@@ -15,6 +15,8 @@ R1 affinity_where (CogACT's guided-diffusion ``_vb_terms_bpd``): "branch `decode
 D2 affinity_where (granite-tsfm PatchTST-FM ``forward``): ``torch.where(pred_mask | pad_mask | miss_mask, zeros_like(x), x)``
    became lerp; time-series code keeps missing observations as NaN, which lerp propagates. A condition reading a mask
    named for missing values (``miss_mask``, ``nan_mask``) is a guard: a near miss.
+D3 affinity_where (GPTQModel EXL3 ``unpack_bf``): ``torch.where(m, torch.tensor(-1.0, dtype=fp16), torch.tensor(1.0, ..))``:
+   0-d CPU tensors beside a device condition, which torch.where takes and torch.lerp does not on every version.
 R2 affinity_where (GPTQModel ``_compute_scale_inv``): the reason quoted `torch.full_like(abs_max, float(fp8_max))`,
    the first 40 characters of the branch, as if it were the whole branch (a constant fill is never inf); the quote
    now holds the division (``/ abs_max.clamp_min(eps)``, which overflows to inf at abs_max = 0) or ends in an ellipsis.
@@ -175,4 +177,28 @@ def test_d2_mask_of_missing_values_is_a_near_miss() -> None:
 
 def test_d2_twin_padding_mask_stays_a_candidate() -> None:
     findings, _ = detect_all(AffinityWhere(), _PAD_MASK)
+    assert len(findings) == 1
+
+
+_HOST_SCALARS = '''\
+import torch
+
+
+def unpack_bf(bits):
+    expanded = bits.unsqueeze(-1) > 0
+    expanded = torch.where(expanded, torch.tensor(-1.0, dtype=torch.float16), torch.tensor(1.0, dtype=torch.float16))
+    return expanded
+'''
+
+# the twin: the same 0-d tensors made on the condition's device stay a candidate
+_DEVICE_SCALARS = _HOST_SCALARS.replace("dtype=torch.float16)", "dtype=torch.float16, device=bits.device)")
+
+
+def test_d3_cpu_scalar_tensor_branch_is_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityWhere(), _HOST_SCALARS)
+    assert not findings and any("built on the CPU (no device=)" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_d3_twin_device_scalar_tensors_stay_a_candidate() -> None:
+    findings, _ = detect_all(AffinityWhere(), _DEVICE_SCALARS)
     assert len(findings) == 1

@@ -9,6 +9,7 @@
   ``torch.full_like(abs_max, float(fp8_max))``, which read as the whole expression (a constant fill, never inf); the
   branch is that fill divided by ``abs_max.clamp_min(eps)``. Quoted source is cut with an ellipsis, never silently.
 * D2 (granite-tsfm PatchTST-FM): a where whose condition reads a mask of missing values (see ``missing_values_mask``).
+* D3 (GPTQModel EXL3): a branch that is a 0-d CPU tensor ``torch.tensor(1.0)`` (see ``host_scalar_tensor``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import ast
 import math
 
-from npufuse.scan.dataflow import Scope, const_value, dotted
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, keyword
 
 # the value of f(*positive literals) for the math / numpy functions a scale constant is written with
 _CONSTANT_FUNCS = {
@@ -81,3 +82,13 @@ def missing_values_mask(scope: Scope, cond: ast.AST, line: int) -> str | None:
         elif isinstance(n, ast.Attribute):
             names.append(n.attr)
     return next((name for name in names if _missing_word(name)), None)
+
+
+def host_scalar_tensor(module: ModuleInfo, node: ast.AST) -> bool:
+    """D3 (GPTQModel's EXL3 ``unpack_bf``: ``torch.where(bits, torch.tensor(-1.0, dtype=torch.float16),
+    torch.tensor(1.0, dtype=torch.float16))``): a branch ``torch.tensor(<number>)`` built with no ``device=`` is a 0-d
+    CPU tensor. torch.where takes such CPU scalars beside device tensors; torch.lerp does only in recent PyTorch (its
+    iterator allows CPU scalars since 2.x) and torch_npu documents no such case: the lerp form may raise a device
+    mismatch where the original runs."""
+    return isinstance(node, ast.Call) and (module.canonical(node.func) or "") == "torch.tensor" \
+        and keyword(node, "device") is None and bool(node.args) and const_value(node.args[0]) is not None

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
-from npufuse.patterns._affinity_where_s44audit import constant_number, missing_values_mask, nonzero_constant_divisor, quoted
+from npufuse.patterns._affinity_where_s44audit import constant_number, host_scalar_tensor, missing_values_mask, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
@@ -535,6 +535,11 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
             return miss(f"a branch is the scalar `{text}`: torch.lerp needs two tensors, and a Python scalar branch "
                         "takes its dtype from the other (an int tensor with a float scalar changes dtype); "
                         "masked_fill is the affinity form for a scalar")
+    for side, text in ((a, texts[1]), (b, texts[2])):
+        if host_scalar_tensor(module, side):
+            return miss(f"branch `{quoted(text)}` is a 0-d tensor built on the CPU (no device=): torch.where takes CPU "
+                        "scalars beside device tensors, torch.lerp not on every PyTorch / torch_npu version (a device "
+                        "mismatch error where the original runs)")
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_extreme(module, scope, side, line):
             return miss(f"branch `{text[:40]}` can hold ±inf/NaN or the dtype's extreme value: lerp multiplies (a - b) by a "
