@@ -20,6 +20,7 @@ from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
+from npufuse.patterns._affinity_where_s44audit import constant_number, host_scalar_tensor, missing_values_mask, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
@@ -351,7 +352,9 @@ def _finite_scalar_op(scope: Scope, n: ast.BinOp) -> bool:
     out of finite values, so the branch is no guarded computation."""
     if isinstance(n.op, ast.Div):
         v = const_value(n.right)
-        return _positive_number(abs(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+        # s44 (audit44): ``x / np.log(2.0)``, a math / numpy constant divisor, is a nonzero literal too
+        return _positive_number(abs(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None) \
+            or nonzero_constant_divisor(n.right)
     if not _positive_number(const_value(n.left)):
         return False
     e = const_value(n.right)
@@ -477,7 +480,7 @@ def _unsafe_in(module: ModuleInfo, scope: Scope, root: ast.AST) -> Optional[str]
             return ast.unparse(n)
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
-            if last in _UNSAFE_FUNCS:
+            if last in _UNSAFE_FUNCS and constant_number(n) is None:  # s44: np.log(2.0) is a finite constant
                 return ast.unparse(n)
     return None
 
@@ -552,13 +555,18 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
                         "takes its dtype from the other (an int tensor with a float scalar changes dtype); "
                         "masked_fill is the affinity form for a scalar")
     for side, text in ((a, texts[1]), (b, texts[2])):
+        if host_scalar_tensor(module, side):
+            return miss(f"branch `{quoted(text)}` is a 0-d tensor built on the CPU (no device=): torch.where takes CPU "
+                        "scalars beside device tensors, torch.lerp not on every PyTorch / torch_npu version (a device "
+                        "mismatch error where the original runs)")
+    for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_extreme(module, scope, side, line):
             return miss(f"branch `{text[:40]}` can hold ±inf/NaN or the dtype's extreme value: lerp multiplies (a - b) by a "
                         "zero weight (inf * 0 = NaN; finfo.min overflows a - b in fp16), so the lerp form is not inf-safe")
     for side, text in ((a, texts[1]), (b, texts[2])):
         op = _unsafe_op(module, scope, side, line)
         if op is not None:
-            return miss(f"branch `{text[:40]}` computes `{op[:40]}`, which can be inf/NaN where it is not selected "
+            return miss(f"branch `{quoted(text)}` computes `{quoted(op)}`, which can be inf/NaN where it is not selected "
                         "(torch.where used as a guard): lerp would turn that into NaN, so it is not inf-safe")
     for side, text in ((a, texts[1]), (b, texts[2])):
         if _is_integer(module, scope, side, line):
@@ -573,6 +581,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     if said is not None:
         return miss(f"a comment at the blend (`{said[:50]}`) says the values it masks may be non-finite: lerp would return "
                     "NaN where they are not selected (torch.where used as a guard, not inf-safe)")
+    missing = missing_values_mask(scope, cond, line)
+    if missing is not None:
+        return miss(f"the condition reads `{missing}`, a mask of missing values: the data it replaces may be NaN there "
+                    "(missing observations), and lerp would return NaN (torch.where used as a guard, not inf-safe)")
     if _used_for_indexing(scope, stmt, call):
         return miss("the blend is used for indexing (integer positions): not a float blend")
     if not is_bool_mask(module, scope, cond, line):

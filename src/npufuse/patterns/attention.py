@@ -45,6 +45,7 @@ from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _at
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
+from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name, may_name
@@ -4498,7 +4499,7 @@ def _s38_site_only_where_weights_asked(scope: Scope, site: ast.stmt, name: str) 
             negated = isinstance(up.test, ast.UnaryOp) and isinstance(up.test.op, ast.Not)
             flag = up.test.operand if negated else up.test  # type: ignore[attr-defined]
             in_body = any(child is b for b in up.body)
-            if isinstance(flag, ast.Name) and flag.id in scope.args and in_body != negated:
+            if isinstance(flag, ast.Name) and (flag.id in scope.args or flag_from_caller_kwargs(scope, flag.id)) and in_body != negated:
                 other = up.orelse if in_body else up.body
                 if any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value is None
                        and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)

@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 
 from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep
+from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -3056,11 +3057,15 @@ class RopePattern(Pattern):
                 return got
             x, cast = got
             finfo = _cos_info(scope, freqs, module)
+            # s44 (audit44): a literal flatten(3) merges the pairs back only for 4-D x (3-D tokens keep [T, N, D/2, 2])
+            flat3 = flatten3_rank_condition(node, _atom(segment(module, xc))) if not post else None
             if not finfo.batch_free or post:
                 m = self._complex_checked(module, node, x, xc, freqs, cast)
                 m.post = post
                 if rank_check is not None:
                     m.only_if = f"{m.only_if} and {_atom(segment(module, xc))}.dim() > {rank_check}"
+                if flat3 is not None:
+                    m.only_if = f"{m.only_if} and {flat3}"
                 return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
             f_src = _atom(segment(module, freqs))
             xc_src = _atom(segment(module, xc))
@@ -3087,6 +3092,8 @@ class RopePattern(Pattern):
             # per-head table [S, N, D/2] (MatrixGame's ``freqs`` of 3 dims) has two leading dims that are not 1
             one_axis = f"sum(_c != 1 for _c in {cos}.shape[:-1]) <= 1"
             m.only_if = one_axis if m.only_if is None else f"{m.only_if} and {one_axis}"
+            if flat3 is not None:
+                m.only_if = f"{m.only_if} and {flat3}"
             return _float64_in_fp32(module, scope, m, x, val.lineno, node) if cast == "float64" else m
         return _complex_parameter_product(self, module, scope, node, prod, post)
 
