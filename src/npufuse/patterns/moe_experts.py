@@ -42,6 +42,7 @@ from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s43c as s43c
+from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -3181,7 +3182,7 @@ class _Eval:
                 or (isinstance(test.ops[0], ast.Lt) and const_value(test.comparators[0]) == 1)):
             nonzero = ast.Compare(left=test.left, ops=[ast.NotEq()], comparators=[ast.Constant(0)])
             return self._nonempty_test(nonzero)
-        return False
+        return self._s44a_count_test(test, nonempty=False)
 
     def _loop_invariant_option(self, test: ast.expr) -> bool:
         """An option test: names, attributes, constants, comparisons and boolean logic only, over
@@ -3215,9 +3216,29 @@ class _Eval:
                     and isinstance(count.func, ast.Attribute) and count.func.attr in ("sum", "count_nonzero"):
                 return self.ev(count.func.value).kind in masks  # a 0/1 mask's count: > 0 iff any
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
-                and const_value(test.comparators[0]) == 0:
-            return self._size_kind(test.left) in kinds
-        return False
+                and const_value(test.comparators[0]) == 0 and self._size_kind(test.left) in kinds:
+            return True
+        return self._s44a_count_test(test, nonempty=True)
+
+    def _s44a_count_test(self, test: ast.expr, nonempty: bool) -> bool:
+        """s44a: other spellings of "this expert has (no) rows" (patterns/_moe_s44a.py): ``0 < n``, ``n >= 1``,
+        ``n < 1``, a bare ``if n:`` / ``not n``, where ``n`` is a size of this expert's rows or ``counts[e]`` with
+        ``counts`` a bincount of the indices the loop dispatches (checked against the site's indices in finish)."""
+        norm = s44a.emptiness(test, _strip_truth)
+        if norm is None or norm[0] != nonempty:
+            return False
+        count = norm[1]
+        counts = s44a.subscript_of_index(count, self._is_eidx)
+        if counts is not None:
+            src = _bincount_source(self.scope, counts, self.loop.lineno)
+            if src is None or self.count_guard not in (None, (counts, src)):
+                return False
+            self.count_guard = (counts, src)
+            return True
+        canon = ast.Compare(left=count, ops=[ast.NotEq()], comparators=[ast.Constant(0)])
+        if ast.dump(canon) == ast.dump(_strip_truth(test)):
+            return False  # already the normal form: nothing more to read
+        return self._nonempty_test(canon)
 
     def _size_kind(self, node: ast.expr) -> str:
         """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
@@ -14851,3 +14872,6 @@ MoeExperts.KEEP += _moe_s43a.KEEP_EXAMPLES
 # s43c (moe43c): routing weights read as w[mask, k], w[pairs], w[rows, nonzero()[:, 1]]; y *= w (patterns/_moe_s43c.py)
 MoeExperts.FUSE += s43c.FUSE
 MoeExperts.KEEP += s43c.KEEP
+# s44a (moe44a): skip guards counting an expert's rows in other spellings (patterns/_moe_s44a.py)
+MoeExperts.FUSE += s44a.FUSE
+MoeExperts.KEEP += s44a.KEEP

@@ -1,0 +1,179 @@
+"""s44 (helper moe44a): moe_experts skip guards written in other ways.
+
+A loop over experts may skip (``if <empty>: continue``) or guard (``if <non-empty>: <body>``) an expert on a count
+of its rows. The loop analysis read a fixed set of spellings (``count == 0``, ``count > 0``, ``not mask.any()``); real
+code also writes ``counts[i] > 0`` around the body (counts from ``bincount`` of the indices), ``0 < n``,
+``n >= 1``, ``n < 1``, a bare ``if n:`` or ``not n``. All of these say "this count is (not) zero" when the count is a
+non-negative integer; :func:`emptiness` turns them into one normal form, and the loop analysis then proves the count
+is the number of rows this expert takes (the same mask / index / bincount of the indices the body dispatches).
+Anything else (``n > 1``, ``n >= 0``, a capacity, a flag) is not an emptiness test and stays refused.
+
+The functions here read syntax only and return facts (or None); ``moe_experts`` calls them from its loop analysis.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Callable, Optional
+
+from npufuse.patterns import _moe_s42c as s42c
+from npufuse.patterns.base import Fuse, Keep
+from npufuse.scan.dataflow import const_value
+
+# comparison of a count c with a constant on the right: (operator, constant) -> True when the test is "c > 0",
+# False when it is "c == 0" (c a non-negative integer)
+_COUNT_FORMS: dict[tuple[type, int], bool] = {
+    (ast.Gt, 0): True, (ast.NotEq, 0): True, (ast.GtE, 1): True,
+    (ast.Eq, 0): False, (ast.LtE, 0): False, (ast.Lt, 1): False,
+}
+# the same comparison with the constant on the left (`0 < c` is `c > 0`)
+_MIRRORED: dict[type, type] = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE,
+                               ast.Eq: ast.Eq, ast.NotEq: ast.NotEq}
+
+
+def _int_constant(node: ast.expr) -> Optional[int]:
+    value = const_value(node)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def emptiness(test: ast.expr, strip: Callable[[ast.expr], ast.expr]) -> Optional[tuple[bool, ast.expr]]:
+    """``(nonempty, count)`` when ``test`` is true exactly when the non-negative integer ``count`` is non-zero
+    (``nonempty`` True: ``c > 0``, ``c != 0``, ``c >= 1``, ``0 < c``, a bare ``c``) or zero (False: ``c == 0``,
+    ``c <= 0``, ``c < 1``, ``not c``); ``strip`` removes conversions that keep zero-ness (``int(c)``, ``c.item()``).
+    None for any other test: whether ``count`` counts this expert's rows is the caller's proof."""
+    test = strip(test)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = emptiness(test.operand, strip)
+        return (not inner[0], inner[1]) if inner is not None else None
+    if isinstance(test, ast.Compare):
+        if len(test.ops) != 1:
+            return None
+        op, left, right = type(test.ops[0]), test.left, test.comparators[0]
+        if _int_constant(right) is None and _int_constant(left) is not None:
+            op, left, right = _MIRRORED.get(op, ast.Is), right, left
+        constant = _int_constant(right)
+        if constant is None or _int_constant(left) is not None:
+            return None
+        nonempty = _COUNT_FORMS.get((op, constant))
+        return (nonempty, strip(left)) if nonempty is not None else None
+    if isinstance(test, (ast.BoolOp, ast.Constant, ast.Name)):
+        return None  # `a and b`; a constant; a bare name (a flag as often as a count)
+    return True, test  # `if counts[i]:`, `if rows.shape[0]:`: truthy exactly when non-zero
+
+
+def subscript_of_index(node: ast.expr, is_index: Callable[[ast.expr], bool]) -> Optional[str]:
+    """``counts`` of ``counts[e]`` (``e`` the loop's expert index, ``counts`` a plain name), else None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and is_index(node.slice):
+        return node.value.id
+    return None
+
+
+# -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------
+
+_HEAD = s42c._HEAD
+_run = s42c._run
+
+# DeepSeek-V3 inference text (learn-llm-by-hands NLP/Moe.py): host counts from bincount, the body guarded by them
+COUNTS_AROUND_BODY = _HEAD + '''
+
+class CountedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        shape = x.size()
+        x = x.view(-1, shape[-1])
+        weights, indices = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(indices.flatten(), minlength=self.n).tolist()
+        for i in range(self.n):
+            if counts[i] > 0:
+                expert = self.experts[i]
+                idx, top = torch.where(indices == i)
+                y[idx] += expert(x[idx]) * weights[idx, top, None]
+        return y.view(shape)
+'''
+COUNTS_RUN = _run("CountedMoE(16, 12, 6, 2)", "2, 7, 16", "m.gate.weight, m.experts[3].w_in.weight")
+
+_GUARDED_BODY = '''            if counts[i] > 0:
+                expert = self.experts[i]
+                idx, top = torch.where(indices == i)
+                y[idx] += expert(x[idx]) * weights[idx, top, None]
+'''
+
+
+def _skipping(test: str) -> str:
+    """COUNTS_AROUND_BODY with the guard written as ``if <test>: continue`` before the body."""
+    body = ('            if TEST:\n                continue\n            expert = self.experts[i]\n'
+            '            idx, top = torch.where(indices == i)\n            y[idx] += expert(x[idx]) * weights[idx, top, None]\n')
+    return COUNTS_AROUND_BODY.replace(_GUARDED_BODY, body.replace("TEST", test))
+
+
+def _guarding(test: str) -> str:
+    """COUNTS_AROUND_BODY with the body guarded by ``if <test>:``."""
+    return COUNTS_AROUND_BODY.replace("            if counts[i] > 0:\n", f"            if {test}:\n")
+
+
+# boolean-mask dispatch whose skip guard counts the mask's rows in several ways
+MASK_GUARD = _HEAD + '''
+
+class MaskMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = torch.topk(self.router(flat).softmax(dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if len(tok) < 1:
+                continue
+            out[tok] += self.experts[e](flat[tok]) * w[tok, slot].unsqueeze(-1)
+        return out.view_as(x)
+'''
+MASK_RUN = _run("MaskMoE(16, 12, 5, 2)", "3, 5, 16", "m.router.weight, m.experts[1].w_out.weight")
+
+FUSE = [
+    Fuse(COUNTS_AROUND_BODY, name="s44a_bincount_counts_guard_the_body", run=COUNTS_RUN),
+    Fuse(_guarding("counts[i] >= 1"), name="s44a_bincount_counts_at_least_one", run=COUNTS_RUN),
+    Fuse(_guarding("0 < counts[i]"), name="s44a_bincount_counts_zero_on_the_left", run=COUNTS_RUN),
+    Fuse(_guarding("counts[i]"), name="s44a_bincount_counts_bare_truth", run=COUNTS_RUN),
+    Fuse(_guarding("int(counts[i]) != 0").replace(".tolist()", ""), name="s44a_bincount_device_counts_as_int",
+         run=COUNTS_RUN),
+    Fuse(_skipping("not counts[i]"), name="s44a_bincount_counts_not_continue", run=COUNTS_RUN),
+    Fuse(_skipping("counts[i] < 1"), name="s44a_bincount_counts_below_one_continue", run=COUNTS_RUN),
+    Fuse(_skipping("0 == counts[i]"), name="s44a_bincount_counts_zero_equals_continue", run=COUNTS_RUN),
+    Fuse(MASK_GUARD, name="s44a_rows_fewer_than_one_continue", run=MASK_RUN),
+    Fuse(MASK_GUARD.replace("            if len(tok) < 1:\n                continue\n",
+                            "            if not tok.numel():\n                continue\n"),
+         name="s44a_rows_not_numel_continue", run=MASK_RUN),
+    Fuse(MASK_GUARD.replace("            if len(tok) < 1:\n                continue\n",
+                            "            if 0 == tok.shape[0]:\n                continue\n"),
+         name="s44a_rows_zero_equals_shape_continue", run=MASK_RUN),
+]
+
+KEEP = [
+    # skips experts with exactly one token too: not "this expert has no rows"
+    Keep(_guarding("counts[i] > 1"), reason="conditional code inside the expert loop",
+         name="s44a_bincount_counts_above_one"),
+    # the counts of the previous expert: expert i runs even without rows, and is skipped when i - 1 has none
+    Keep(_guarding("counts[i - 1] > 0"), reason="conditional code inside the expert loop",
+         name="s44a_bincount_counts_of_another_expert"),
+    # counts of another tensor's ids, not of the indices the loop dispatches
+    Keep(_guarding("counts[i] > 0").replace("torch.bincount(indices.flatten()", "torch.bincount(slots.flatten()")
+         .replace("def forward(self, x):", "def forward(self, x, slots):"),
+         reason="not of the expert indices", name="s44a_bincount_of_another_tensor"),
+    # weighted counts (a sum of routing weights) are not token counts
+    Keep(_guarding("counts[i] > 0").replace("minlength=self.n)", "weights=weights.flatten(), minlength=self.n)"),
+         reason="conditional code inside the expert loop", name="s44a_weighted_bincount_guard"),
+    # a capacity threshold, not emptiness: experts with one or two rows are skipped
+    Keep(MASK_GUARD.replace("if len(tok) < 1:", "if len(tok) < 3:"), reason="the loop skips experts on `len(tok) < 3`",
+         name="s44a_rows_below_a_capacity_continue"),
+]

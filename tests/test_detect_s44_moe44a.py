@@ -1,0 +1,56 @@
+"""s44 moe44a: moe_experts skip guards that count an expert's rows in other spellings (`s44a_*` examples,
+patterns/_moe_s44a.py): `counts[i] > 0` around the body with counts from bincount of the dispatched indices,
+`0 < n`, `n >= 1`, `n < 1`, bare `if n:` / `not n`; near misses: other thresholds, another expert's count,
+counts of another tensor, weighted counts."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from npufuse.patterns import _moe_s44a as s44a
+from npufuse.patterns.moe_experts import MoeExperts
+from pattern_harness import check_fuse_found, check_keep_refused, check_replacement_matches, example_cases
+
+PATTERN = MoeExperts()
+
+
+@pytest.mark.parametrize("pattern,example", example_cases(PATTERN, "s44a_", kind="fuse"))
+def test_s44a_fuse_example_is_found(pattern, example):
+    check_fuse_found(pattern, example)
+
+
+@pytest.mark.parametrize("pattern,example", example_cases(PATTERN, "s44a_", kind="keep"))
+def test_s44a_keep_example_is_refused_with_its_reason(pattern, example):
+    check_keep_refused(pattern, example)
+
+
+@pytest.mark.parametrize("pattern,example", example_cases(PATTERN, "s44a_", kind="run"))
+def test_s44a_replacement_matches_under_the_emulator(pattern, example):
+    check_replacement_matches(pattern, example)
+
+
+def _strip(node: ast.expr) -> ast.expr:
+    # int(c) keeps whether c is zero
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "int" and len(node.args) == 1:
+        return node.args[0]
+    return node
+
+
+@pytest.mark.parametrize("text,nonempty,count", [
+    ("c.x > 0", True, "c.x"), ("c.x != 0", True, "c.x"), ("c.x >= 1", True, "c.x"), ("0 < c.x", True, "c.x"),
+    ("1 <= c.x", True, "c.x"), ("c.x", True, "c.x"), ("int(c.x) > 0", True, "c.x"),
+    ("c.x == 0", False, "c.x"), ("c.x <= 0", False, "c.x"), ("c.x < 1", False, "c.x"), ("0 == c.x", False, "c.x"),
+    ("not c.x", False, "c.x"), ("not c.x > 0", False, "c.x"), ("not c.x == 0", True, "c.x"),
+])
+def test_s44a_emptiness_normal_form(text, nonempty, count):
+    test = ast.parse(text, mode="eval").body
+    found = s44a.emptiness(test, _strip)
+    assert found is not None and found[0] is nonempty and ast.unparse(found[1]) == count
+
+
+@pytest.mark.parametrize("text", ["n.x > 1", "n.x >= 0", "n.x < 2", "n.x == 1", "n.x > 0 and m.x > 0", "flag", "True",
+                                  "n.x > m.x", "0 < n.x < 5", "n.x is None"])
+def test_s44a_emptiness_refuses_other_tests(text):
+    assert s44a.emptiness(ast.parse(text, mode="eval").body, _strip) is None
