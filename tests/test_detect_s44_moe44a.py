@@ -54,3 +54,24 @@ def test_s44a_emptiness_normal_form(text, nonempty, count):
                                   "n.x > m.x", "0 < n.x < 5", "n.x is None"])
 def test_s44a_emptiness_refuses_other_tests(text):
     assert s44a.emptiness(ast.parse(text, mode="eval").body, _strip) is None
+
+
+@pytest.mark.parametrize("name,replayed", [("s44a_shape_asserts_in_the_expert_loop", False),
+                                           ("s44a_type_and_size_asserts_in_the_expert_loop", False),
+                                           ("s44a_value_assert_replayed_after_the_fused_layer", True)])
+def test_s44a_metadata_asserts_need_no_replay_loop(name, replayed):
+    # a shape check is dropped from the fused text; a value check is replayed after it (the s43b side loop, which
+    # re-runs the loop's torch.where per expert: host syncs the shape checks no longer cost)
+    from pattern_harness import only_finding
+    finding = only_finding(PATTERN, name)
+    assert ("for e in range(self.n):" in finding.fused) is replayed
+
+
+@pytest.mark.parametrize("text,metadata", [
+    ("assert m.shape == (B, T, self.k), f'{m.shape}'", True), ("assert rows.dim() == 1 and len(rows) == len(s)", True),
+    ("assert isinstance(r, torch.Tensor)", True), ("assert r.numel() == s.size(0)", True), ("assert x.shape[-1] % 2 == 0", True),
+    ("assert (w > 0).all()", False), ("assert torch.isfinite(y).all()", False), ("assert (n := len(r)) > 0", False),
+    ("assert r.size(dim=0) > 0", False), ("assert f(r)", False), ("x = 1", False),
+])
+def test_s44a_metadata_assert(text, metadata):
+    assert s44a.metadata_assert(ast.parse(text).body[0]) is metadata

@@ -68,6 +68,30 @@ def subscript_of_index(node: ast.expr, is_index: Callable[[ast.expr], bool]) -> 
     return None
 
 
+# calls an assertion may make: sizes, ranks and types of tensors (metadata, never their values)
+_METADATA_CALLS = frozenset({"len", "isinstance", "dim", "ndimension", "size", "numel", "nelement"})
+_METADATA_NODES = (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp,
+                   ast.BinOp, ast.Tuple, ast.List, ast.Slice, ast.expr_context, ast.cmpop, ast.boolop, ast.unaryop,
+                   ast.operator, ast.Call)
+
+
+def metadata_assert(s: ast.stmt) -> bool:
+    """``assert <test>[, msg]`` whose test reads only shapes, ranks, sizes and types (``mask.shape == (B, T, K)``,
+    ``rows.dim() == 1``, ``len(rows) == len(slots)``): a check that computes nothing and binds nothing, so the fused
+    layer needs not run it (``python -O`` drops it too; only a failing check would differ: the original raises). The
+    message is evaluated only when the check fails. Tests reading values (``(w > 0).all()``) are not this."""
+    if not isinstance(s, ast.Assert):
+        return False
+    for node in ast.walk(s.test):
+        if not isinstance(node, _METADATA_NODES):
+            return False
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name not in _METADATA_CALLS or node.keywords:
+                return False
+    return True
+
+
 # -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------
 
 _HEAD = s42c._HEAD
@@ -140,7 +164,38 @@ class MaskMoE(nn.Module):
 '''
 MASK_RUN = _run("MaskMoE(16, 12, 5, 2)", "3, 5, 16", "m.router.weight, m.experts[1].w_out.weight")
 
+# shape checks inside the expert loop (vats-multimodal-lm's `assert expert_mask.shape == (B, T, self.top_k)`)
+ASSERTED = _HEAD + '''
+
+class CheckedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        B, T, D = x.shape
+        flat = x.view(-1, D)
+        w, idx = torch.topk(self.router(flat).softmax(dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e in range(self.n):
+            mask = idx == e
+            assert mask.shape == (B * T, self.k), f"mask has shape {mask.shape}"
+            rows, slots = torch.where(mask)
+            assert rows.dim() == 1 and len(rows) == len(slots)
+            out[rows] += self.experts[e](flat[rows]) * w[rows, slots, None]
+        return out.view(B, T, D)
+'''
+ASSERTED_RUN = _run("CheckedMoE(16, 12, 5, 2)", "2, 6, 16", "m.router.weight, m.experts[2].w_in.weight")
+
 FUSE = [
+    Fuse(ASSERTED, name="s44a_shape_asserts_in_the_expert_loop", run=ASSERTED_RUN),
+    Fuse(ASSERTED.replace("assert rows.dim() == 1 and len(rows) == len(slots)", "assert isinstance(rows, torch.Tensor) and rows.numel() == slots.size(0)"),
+         name="s44a_type_and_size_asserts_in_the_expert_loop", run=ASSERTED_RUN),
+    # a check of values is not dropped: s43b replays it after the fused layer, in a loop of the routing statements
+    Fuse(ASSERTED.replace("assert rows.dim() == 1 and len(rows) == len(slots)", "assert (w[rows, slots] > 0).all()"),
+         name="s44a_value_assert_replayed_after_the_fused_layer", run=ASSERTED_RUN),
     Fuse(COUNTS_AROUND_BODY, name="s44a_bincount_counts_guard_the_body", run=COUNTS_RUN),
     Fuse(_guarding("counts[i] >= 1"), name="s44a_bincount_counts_at_least_one", run=COUNTS_RUN),
     Fuse(_guarding("0 < counts[i]"), name="s44a_bincount_counts_zero_on_the_left", run=COUNTS_RUN),
@@ -160,6 +215,10 @@ FUSE = [
 ]
 
 KEEP = [
+    # an assertion that binds a name (a walrus) the body then reads
+    Keep(ASSERTED.replace("assert rows.dim() == 1 and len(rows) == len(slots)", "assert (n := len(rows)) >= 0")
+         .replace("* w[rows, slots, None]", "* w[rows, slots, None] / max(n, 1) * max(n, 1)"),
+         reason="unrecognised statement in the expert loop: `assert", name="s44a_assert_binding_a_name"),
     # skips experts with exactly one token too: not "this expert has no rows"
     Keep(_guarding("counts[i] > 1"), reason="conditional code inside the expert loop",
          name="s44a_bincount_counts_above_one"),
