@@ -68,6 +68,46 @@ def subscript_of_index(node: ast.expr, is_index: Callable[[ast.expr], bool]) -> 
     return None
 
 
+def handed_in_offsets(loop: ast.For, g: str, args: list[str], assigned: set[str]) -> Optional[ast.Name]:
+    """``T`` when the loop over groups ``g`` reads ``T[g + 1]`` of a table ``T`` that is a parameter of the function
+    and never rebound (ppl.pmx's ``expert_offset``: ``X[T[g]:T[g + 1]]``, rows already sorted by expert): group g's
+    rows would be ``T[g]:T[g + 1]``, a grouped matmul over ``diff(T)`` where ``T[0] == 0`` and ``T`` never decreases
+    (run-time checks of the caller); None otherwise."""
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in args \
+                and n.value.id not in assigned and isinstance(n.slice, ast.BinOp) and isinstance(n.slice.op, ast.Add) \
+                and isinstance(n.slice.left, ast.Name) and n.slice.left.id == g and const_value(n.slice.right) == 1:
+            return n.value
+    return None
+
+
+def group_size_difference(count: ast.expr, is_end: Callable[[ast.expr], bool], is_start: Callable[[ast.expr], bool]) -> bool:
+    """``T[g + 1] - T[g]``: the size of group g in a table of offsets (the caller says which reads are which)."""
+    return isinstance(count, ast.BinOp) and isinstance(count.op, ast.Sub) and is_end(count.left) and is_start(count.right)
+
+
+def group_bias(node: ast.expr, is_group: Callable[[ast.expr], bool],
+               invariant: Callable[[ast.expr], bool]) -> Optional[tuple[ast.expr, Optional[ast.expr]]]:
+    """``(B, test)`` for the bias argument of ``F.linear(rows, W[g], <bias>)`` in a loop over groups g: ``B[g]``
+    (test None), ``B[g] if <test> else None`` or ``None if <not test> else B[g]`` with a test the loop never changes
+    (ppl.pmx's ``B[i] if B is not None else None``); ``(None, None)``-like absence is the caller's two-argument form.
+    None for anything else (a bias that is not one row per group of a stacked table)."""
+    def row(n: ast.expr) -> Optional[ast.expr]:
+        if isinstance(n, ast.Subscript) and is_group(n.slice) and isinstance(n.value, (ast.Name, ast.Attribute)) \
+                and invariant(n.value):
+            return n.value
+        return None
+
+    if row(node) is not None:
+        return row(node), None  # type: ignore[return-value]
+    if isinstance(node, ast.IfExp) and invariant(node.test):
+        if row(node.body) is not None and isinstance(node.orelse, ast.Constant) and node.orelse.value is None:
+            return row(node.body), node.test  # type: ignore[return-value]
+        if row(node.orelse) is not None and isinstance(node.body, ast.Constant) and node.body.value is None:
+            return row(node.orelse), ast.UnaryOp(op=ast.Not(), operand=node.test)  # type: ignore[return-value]
+    return None
+
+
 # calls an assertion may make: sizes, ranks and types of tensors (metadata, never their values)
 _METADATA_CALLS = frozenset({"len", "isinstance", "dim", "ndimension", "size", "numel", "nelement"})
 _METADATA_NODES = (ast.Name, ast.Attribute, ast.Subscript, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp,

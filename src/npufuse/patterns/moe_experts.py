@@ -9666,6 +9666,8 @@ class _GroupLoop:
         # s39 form D: a table of cumulative row ends E (a parameter or any name the loop does not write), rows
         # `(0 if g == 0 else E[g - 1]):E[g]` (ArcticTraining's torch_group_gemm_fn)
         self.ends: Optional[ast.Name] = None
+        self.handed_offsets = False  # s44a: the prefix table is a parameter (rows T[g]:T[g + 1]), not built here
+        self.bias: Optional[tuple[ast.expr, Optional[ast.expr]]] = None  # s44a: F.linear(rows, W[g], B[g]): (B, test)
 
     # -- header ----------------------------------------------------------------------------
     def header(self) -> bool:
@@ -9734,6 +9736,13 @@ class _GroupLoop:
                 return ("w", ("if", node.test, a[1], b[1]), a[2])
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             return self._product(node.left, node.right, flip=False)
+        if isinstance(node, ast.Call) and len(node.args) == 3 and not node.keywords and _canon(self.m, node.func) in _LINEAR:
+            # s44a: F.linear(rows, W[g], B[g]) (or `B[g] if B is not None else None`): one bias row per group
+            bias = s44a.group_bias(node.args[2], self._is_g, self._invariant)
+            y = self._product(node.args[0], node.args[1], flip=True) if bias is not None and self.bias is None else ("other",)
+            if y[0] == "y":
+                self.bias = bias
+            return y
         if isinstance(node, ast.Call) and len(node.args) == 2 and not node.keywords:
             api = _canon(self.m, node.func)
             if api in _MATMUL or api == "torch.matmul":
@@ -9763,13 +9772,23 @@ class _GroupLoop:
 
     def _run_slice(self, sl: ast.expr) -> bool:
         """``[start:end]`` of this group: the running offset (form A) or the prefix table (form C)."""
-        if not (isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.upper is not None):
+        if not (isinstance(sl, ast.Slice) and sl.step is None and sl.upper is not None
+                and (isinstance(sl.lower, ast.Name) or self.prefix is not None and isinstance(sl.lower, ast.Subscript))):
             return False
+        if not isinstance(sl.lower, ast.Name):
+            return self._prefix_start(sl.lower) and self.ev(sl.upper) == ("pend",)
         if self.start and sl.lower.id == self.start:
             return self.ev(sl.upper)[0] == "end"
         if self.ends is not None:
             return self.env.get(sl.lower.id) == ("dstart",) and self.ev(sl.upper) == ("dend",)
-        return self.prefix is not None and self.env.get(sl.lower.id) == ("pstart",) and self.ev(sl.upper) == ("pend",)
+        return self.prefix is not None and self._prefix_start(sl.lower) and self.ev(sl.upper) == ("pend",)
+
+    def _prefix_start(self, node: ast.expr) -> bool:
+        """``start`` bound to ``offsets[g]``, or ``offsets[g]`` itself (s44a: read inline, ``X[T[g]:T[g + 1]]``)."""
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id) == ("pstart",)
+        v = self.ev(node)
+        return v[0] == "w" and v[1] == "id" and isinstance(v[2], ast.Name) and v[2].id == self.prefix
 
     def _flip(self, v: tuple) -> tuple:
         if v[0] != "w":
@@ -9851,6 +9870,10 @@ class _GroupLoop:
         return False
 
     def _size_test(self, test: ast.expr, positive: bool) -> bool:
+        norm = s44a.emptiness(test, _strip_truth) if self.prefix is not None else None
+        if norm is not None and norm[0] == positive and s44a.group_size_difference(
+                norm[1], lambda n: self.ev(n) == ("pend",), self._prefix_start):
+            return True  # s44a: `if T[g + 1] - T[g] <= 0: continue`, the group's size in the offsets table
         if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and const_value(test.comparators[0]) == 0):
             return False
         op = test.ops[0]
@@ -9866,6 +9889,19 @@ class _GroupLoop:
             left = left.args[0]
         v = self.ev(left)
         return self._is_size(v) or v[0] in ("rows", "rows_of")
+
+
+def s44a_bias_rows(module: ModuleInfo, bias: Optional[tuple[ast.expr, Optional[ast.expr]]], x_text: str) -> str:
+    """`` + <B's row g for each row of group g>`` (s44a: the bias of F.linear(rows, W[g], B[g])), conditional on
+    the loop's own test where it has one; "" without a bias."""
+    if bias is None:
+        return ""
+    table, test = bias
+    rows = (f"torch.repeat_interleave({segment(module, table)}.to({x_text}.dtype), {P}counts, dim=0, "
+            f"output_size={P}m)")
+    if test is None:
+        return f" + {rows}"
+    return f" + ({rows} if {ast.unparse(test)} else 0)"
 
 
 def _s39_cumulative_ends(loop: ast.For, ev: "_GroupLoop") -> Optional[ast.Name]:
@@ -9946,9 +9982,14 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         if split_st is None:
             table = _prefix_offsets(module, scope, loop, ev.g)
             ends = _s39_cumulative_ends(loop, ev) if table is None else None
-            if table is None and ends is None:
+            handed = s44a.handed_in_offsets(loop, ev.g, scope.args, set(scope.assignments)) \
+                if table is None and ends is None else None
+            if table is None and ends is None and handed is None:
                 return None
-            if table is not None:
+            if handed is not None:
+                # s44a: offsets handed in (`X[T[g]:T[g + 1]]`): sizes diff(T), under T[0] == 0 (checked below)
+                ev.prefix, ev.sizes, ev.handed_offsets = handed.id, handed, True
+            elif table is not None:
                 ev.prefix, ev.sizes = table
             else:
                 ev.ends = ev.sizes = ends
@@ -10006,10 +10047,15 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         gw = stacked(ev.orient)
     except _Miss:
         return None
+    if ev.bias is not None and not ((ev.start or ev.prefix or ev.ends is not None) and not ev.out_list):
+        return None  # s44a: a bias per group is added only where the loop writes an output's rows
     sizes_text = segment(module, ev.sizes)
     on_device = _host_counts(scope, ev.sizes, loop.lineno)  # x.split(counts.tolist()): the counts before the host copy
     if on_device is not None:
         sizes_text = on_device[0]
+    if ev.handed_offsets:
+        # s44a: offsets handed in (T[g]:T[g + 1]): the sizes are diff(T), the groups start at row T[0] (== 0 checked)
+        sizes_text = f"torch.diff(torch.as_tensor({sizes_text}))"
     if ev.ends is not None:
         # form D: the per-group sizes are the differences of the cumulative ends (a list or a tensor)
         x_rows = segment(module, ev.rows)
@@ -10017,9 +10063,12 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
                       f"prepend=torch.zeros(1, dtype=torch.int64, device={x_rows}.device))")
     bound = segment(module, ev.bound) if ev.bound is not None else ""
     check = f"{P}counts.numel() == {w_text}.shape[0]" + (f" == ({bound})" if bound else "")
-    if ev.ends is not None:
+    if ev.ends is not None or ev.handed_offsets:
         # decreasing ends make empty slices in the loop, negative group sizes for the grouped matmul
         check += f" and bool(({P}counts >= 0).all())"
+    if ev.handed_offsets:
+        # rows before T[0] are never written by the loop; past the rows, the loop's slices would be cut short
+        check += f" and int({ev.prefix}[0]) == 0 and int({ev.prefix}[-1]) <= {x_text}.shape[0]"
     original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
     lines = [_GMM_FUNCTION.rstrip("\n"),
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
@@ -10028,7 +10077,8 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if (ev.start or ev.prefix or ev.ends is not None) and not ev.out_list:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
-                  f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
+                  f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"
+                  + s44a_bias_rows(module, ev.bias, x_text)]
         if ev.start and scope.uses_after(ev.start, end):
             lines.append(f"    {ev.start} = {P}m")
     elif ev.start:  # offset-selected rows, concatenated: only the first sum(sizes) rows take part
