@@ -75,3 +75,27 @@ def test_s44a_metadata_asserts_need_no_replay_loop(name, replayed):
 ])
 def test_s44a_metadata_assert(text, metadata):
     assert s44a.metadata_assert(ast.parse(text).body[0]) is metadata
+
+
+def test_s44a_handed_in_offsets_run_only_where_the_table_starts_at_zero():
+    # the loop never writes rows before T[0] nor reads past the rows: the grouped matmul runs only where T[0] == 0,
+    # T[-1] <= rows and the runs never shrink (the emulator run's third call, T[0] == 2, takes the loop as written)
+    from pattern_harness import only_finding
+    finding = only_finding(PATTERN, "s44a_handed_in_offsets_linear_with_optional_bias")
+    assert "int(expert_offset[0]) == 0" in finding.fused and "int(expert_offset[-1]) <= X_flat.shape[0]" in finding.fused
+    assert "(_npufuse_counts >= 0).all()" in finding.fused
+    assert "torch.repeat_interleave(B.to(X_flat.dtype), _npufuse_counts, dim=0, output_size=_npufuse_m) if B is not None else 0" \
+        in finding.fused
+    assert finding.params["routing"] == "prefix_offsets"
+
+
+def test_s44a_group_bias_forms():
+    def bias(text: str):
+        node = ast.parse(text, mode="eval").body
+        found = s44a.group_bias(node, lambda n: isinstance(n, ast.Name) and n.id == "g",
+                                lambda n: "g" not in {m.id for m in ast.walk(n) if isinstance(m, ast.Name)})
+        return None if found is None else (ast.unparse(found[0]), found[1] and ast.unparse(found[1]))
+    assert bias("B[g]") == ("B", None)
+    assert bias("self.b[g] if self.b is not None else None") == ("self.b", "self.b is not None")
+    assert bias("None if B is None else B[g]") == ("B", "not B is None")
+    assert bias("B[0]") is None and bias("B[g] if g > 0 else None") is None and bias("B[g] if f else B[0]") is None

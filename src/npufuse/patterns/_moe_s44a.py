@@ -229,7 +229,43 @@ class CheckedMoE(nn.Module):
 '''
 ASSERTED_RUN = _run("CheckedMoE(16, 12, 5, 2)", "2, 6, 16", "m.router.weight, m.experts[2].w_in.weight")
 
+# rows already sorted by expert, an offsets table of E + 1 entries handed in (ppl.pmx MoeRowParallelLinear /
+# MoeColumnParallelLinear): each expert's projection over its run X[T[i]:T[i + 1]] written into the output's rows
+HANDED_OFFSETS = '''\
+import torch
+import torch.nn.functional as F
+
+
+def experts_linear(X, expert_offset, W, B, num_experts):
+    X_flat = X.view(-1, X.shape[-1])
+    out = torch.zeros(X_flat.shape[0], W.shape[1], dtype=X.dtype)
+    for i in range(num_experts):
+        if expert_offset[i + 1] - expert_offset[i] <= 0:
+            continue
+        out[expert_offset[i]:expert_offset[i + 1]] = F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i], B[i] if B is not None else None)
+    return out
+'''
+HANDED_OFFSETS_RUN = '''\
+W = torch.randn(4, 12, 16, requires_grad=True)
+B = torch.randn(4, 12, requires_grad=True)
+X = torch.randn(11, 16, requires_grad=True)
+out = [experts_linear(X, torch.tensor([0, 3, 3, 9, 11]), W, B, 4), experts_linear(X, torch.tensor([0, 2, 5, 5, 9]), W, None, 4),
+       experts_linear(X, torch.tensor([2, 3, 3, 9, 11]), W, B, 4), experts_linear(X, [0, 4, 6, 8, 11], W, B, 4)]
+leaves = [X, W, B]
+'''
+_GUARD = "        if expert_offset[i + 1] - expert_offset[i] <= 0:\n            continue\n"
+_HANDED_PRODUCT = "F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i], B[i] if B is not None else None)"
+
 FUSE = [
+    Fuse(HANDED_OFFSETS, name="s44a_handed_in_offsets_linear_with_optional_bias", run=HANDED_OFFSETS_RUN),
+    Fuse(HANDED_OFFSETS.replace(_HANDED_PRODUCT, "F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i])"),
+         name="s44a_handed_in_offsets_linear_without_bias", run=HANDED_OFFSETS_RUN),
+    Fuse(HANDED_OFFSETS.replace(_HANDED_PRODUCT, "F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i], B[i])")
+         .replace("        if expert_offset[i + 1] - expert_offset[i] <= 0:\n            continue\n", ""),
+         name="s44a_handed_in_offsets_linear_bias_no_guard", run=HANDED_OFFSETS_RUN.replace("W, None, 4)", "W, B, 4)")),
+    Fuse(HANDED_OFFSETS.replace(_HANDED_PRODUCT, "X_flat[expert_offset[i]:expert_offset[i + 1]] @ W[i].transpose(0, 1)")
+         .replace("if expert_offset[i + 1] - expert_offset[i] <= 0:", "if not expert_offset[i + 1] - expert_offset[i]:"),
+         name="s44a_handed_in_offsets_matmul_not_guard", run=HANDED_OFFSETS_RUN),
     Fuse(ASSERTED, name="s44a_shape_asserts_in_the_expert_loop", run=ASSERTED_RUN),
     Fuse(ASSERTED.replace("assert rows.dim() == 1 and len(rows) == len(slots)", "assert isinstance(rows, torch.Tensor) and rows.numel() == slots.size(0)"),
          name="s44a_type_and_size_asserts_in_the_expert_loop", run=ASSERTED_RUN),
@@ -255,6 +291,20 @@ FUSE = [
 ]
 
 KEEP = [
+    # the bias row of expert 0 for every run: not one bias row per group
+    Keep(HANDED_OFFSETS.replace("B[i] if B is not None else None", "B[0] if B is not None else None")
+         .replace(_GUARD, ""), reason="rows are written through", name="s44a_handed_in_offsets_bias_of_one_expert"),
+    # runs T[i]:T[i + 2] overlap: not one run per expert
+    Keep(HANDED_OFFSETS.replace("out[expert_offset[i]:expert_offset[i + 1]] = F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]]",
+                                "out[expert_offset[i]:expert_offset[i + 2]] = F.linear(X_flat[expert_offset[i]:expert_offset[i + 2]]")
+         .replace("if expert_offset[i + 1] - expert_offset[i] <= 0:", "if expert_offset[i + 2] - expert_offset[i] <= 0:"),
+         reason="the loop skips experts on", name="s44a_handed_in_offsets_overlapping_runs"),
+    # skips runs of one row too (a threshold, not an empty run)
+    Keep(HANDED_OFFSETS.replace("if expert_offset[i + 1] - expert_offset[i] <= 0:", "if expert_offset[i + 1] - expert_offset[i] <= 1:"),
+         reason="the loop skips experts on", name="s44a_handed_in_offsets_skip_short_runs"),
+    # the table is rebound in the function (shifted by one row): not the offsets the caller handed in
+    Keep(HANDED_OFFSETS.replace("    X_flat = X.view(-1, X.shape[-1])\n", "    X_flat = X.view(-1, X.shape[-1])\n    expert_offset = expert_offset + 1\n")
+         .replace(_GUARD, ""), reason="rows are written through", name="s44a_offsets_table_rebound_in_the_function"),
     # an assertion that binds a name (a walrus) the body then reads
     Keep(ASSERTED.replace("assert rows.dim() == 1 and len(rows) == len(slots)", "assert (n := len(rows)) >= 0")
          .replace("* w[rows, slots, None]", "* w[rows, slots, None] / max(n, 1) * max(n, 1)"),
