@@ -68,6 +68,24 @@ def subscript_of_index(node: ast.expr, is_index: Callable[[ast.expr], bool]) -> 
     return None
 
 
+def counted_tensor(count: ast.expr) -> Optional[ast.Name]:
+    """``X`` of a count of X's rows or entries: ``X.sum()``, ``X.any()``, ``X.numel()``, ``X.count_nonzero()``,
+    ``X.size(0)``, ``X.shape[0]``, ``len(X)``, ``torch.any(X)`` / ``torch.sum(X)`` (X a plain name); else None."""
+    node: ast.expr = count
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        node = node.value.value
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in ("sum", "any", "numel", "count_nonzero", "size", "nelement"):
+        node = node.func.value
+    elif isinstance(node, ast.Call) and len(node.args) == 1 and (
+            isinstance(node.func, ast.Name) and node.func.id == "len"
+            or isinstance(node.func, ast.Attribute) and node.func.attr in ("any", "sum", "numel", "count_nonzero")):
+        node = node.args[0]
+    else:
+        return None
+    return node if isinstance(node, ast.Name) else None
+
+
 def handed_in_offsets(loop: ast.For, g: str, args: list[str], assigned: set[str]) -> Optional[ast.Name]:
     """``T`` when the loop over groups ``g`` reads ``T[g + 1]`` of a table ``T`` that is a parameter of the function
     and never rebound (ppl.pmx's ``expert_offset``: ``X[T[g]:T[g + 1]]``, rows already sorted by expert): group g's

@@ -3057,6 +3057,13 @@ class _Eval:
         if self._empty_test(test):
             self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
             return
+        norm = s44a.emptiness(test, _strip_truth)
+        counted = s44a.counted_tensor(norm[1]) if norm is not None and not norm[0] else None
+        value = self.env.get(counted.id) if counted is not None else None
+        if counted is not None and value is not None and value.kind == "unknown" and value.args:
+            # s44a: an emptiness test is fine; what it counts is not read as this expert's rows (the real blocker)
+            raise _Miss(f"the loop skips experts without rows of `{counted.id}` = `{str(value.args[0])[:50]}`, which "
+                        "npufuse does not trace to the tokens routed to this expert")
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
 
     def _s42c_flat_positions(self, name: str, value: ast.expr) -> bool:
