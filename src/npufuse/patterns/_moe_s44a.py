@@ -86,6 +86,96 @@ def counted_tensor(count: ast.expr) -> Optional[ast.Name]:
     return node if isinstance(node, ast.Name) else None
 
 
+def _scatter_of(node: ast.expr) -> Optional[tuple[ast.expr, ast.expr, ast.expr, ast.expr]]:
+    """``(receiver, dim, index, value)`` of ``R.scatter_(dim, index, value)`` / ``R.scatter(dim, index, value)``
+    (positional, or ``value=`` / ``index=`` / ``dim=`` keywords); else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("scatter_", "scatter")):
+        return None
+    args: dict[str, ast.expr] = dict(zip(("dim", "index", "value"), node.args))
+    for k in node.keywords:
+        if k.arg not in ("dim", "index", "value") or k.arg in args:
+            return None
+        args[k.arg] = k.value
+    if set(args) != {"dim", "index", "value"}:
+        return None
+    return node.func.value, args["dim"], args["index"], args["value"]
+
+
+def _zeros_2d(node: ast.expr) -> bool:
+    """``torch.zeros(a, b, ...)`` / ``torch.zeros((a, b))`` / ``t.new_zeros(a, b)`` (two dims, keywords free)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("zeros", "new_zeros")):
+        return False
+    dims = node.args[0].elts if len(node.args) == 1 and isinstance(node.args[0], (ast.Tuple, ast.List)) else node.args
+    return len(dims) == 2 and not any(isinstance(d, ast.Starred) for d in dims)
+
+
+def scatter_membership(fn: ast.AST, loop: ast.For, matrix: str, assignments: dict[str, list[tuple[ast.stmt, ast.expr]]],
+                       is_index: Callable[[ast.expr], bool]) -> Optional[str]:
+    """The indices ``idx`` when ``matrix`` is a [T, E] membership matrix of them: bound once in the function, before
+    the loop, to 2-D zeros that one ``matrix.scatter_(1, idx, c)`` (or a chained ``zeros(..).scatter_(1, idx, c)``)
+    fills with a non-zero constant c, read nowhere else but ``matrix[:, e]`` inside the loop; ``idx`` (a name) is not
+    rebound after the scatter nor in the loop. Then ``matrix[:, e] != 0`` holds exactly for the rows whose top-k ids
+    hold e: ``(idx == e).any(dim=-1)``. None otherwise (deepsaia moe_llama's router mask, written in one function)."""
+    bound = assignments.get(matrix, [])
+    if len(bound) != 1 or bound[0][0].lineno >= loop.lineno:
+        return None
+    stmt, value = bound[0]
+    scatter = _scatter_of(value)
+    scatter_line = stmt.lineno
+    if scatter is not None and not _zeros_2d(scatter[0]):
+        return None
+    if scatter is None and not _zeros_2d(value):
+        return None
+    reads_ok: set[int] = set()
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == matrix \
+                and isinstance(n.slice, ast.Tuple) and len(n.slice.elts) == 2 and isinstance(n.slice.elts[0], ast.Slice) \
+                and n.slice.elts[0].lower is None and n.slice.elts[0].upper is None and n.slice.elts[0].step is None \
+                and is_index(n.slice.elts[1]) and isinstance(n.ctx, ast.Load):
+            reads_ok.add(id(n.value))
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Expr) and scatter is None and _scatter_of(n.value) is not None:
+            found = _scatter_of(n.value)
+            if isinstance(found[0], ast.Name) and found[0].id == matrix:  # type: ignore[index]
+                if scatter is not None or not (stmt.lineno < n.lineno < loop.lineno):
+                    return None
+                scatter, scatter_line = found, n.lineno
+                reads_ok.add(id(found[0]))  # type: ignore[index]
+    if scatter is None or not reads_ok:
+        return None
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name) and n.id == matrix and isinstance(n.ctx, ast.Load) and id(n) not in reads_ok:
+            return None  # read (or changed) anywhere else: not provably the scattered membership
+    _, dim, index, fill = scatter
+    c = const_value(fill)
+    if const_value(dim) not in (1, -1) or not isinstance(index, ast.Name) or isinstance(c, bool) \
+            or not isinstance(c, (int, float)) or c == 0:
+        return None
+    idx = index.id
+    if any(st.lineno > scatter_line for st, _ in assignments.get(idx, []) if st.lineno < loop.lineno) \
+            or any(isinstance(n, ast.Name) and n.id == idx and isinstance(n.ctx, ast.Store) for n in ast.walk(loop)):
+        return None
+    return idx
+
+
+def membership_column(node: ast.expr, matrix_of: Callable[[str], Optional[str]], is_index: Callable[[ast.expr], bool]) -> Optional[tuple[str, ast.expr]]:
+    """``(idx, e)`` for a boolean read of a membership matrix's column: ``M[:, e].bool()``, ``M[:, e] > 0``,
+    ``M[:, e] != 0``, ``M[:, e].to(torch.bool)``, with ``matrix_of(M)`` the indices M was scattered from."""
+    col: Optional[ast.expr] = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords and (
+            node.func.attr == "bool" and not node.args
+            or node.func.attr == "to" and len(node.args) == 1 and ast.unparse(node.args[0]) == "torch.bool"):
+        col = node.func.value
+    elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Gt, ast.NotEq)) \
+            and const_value(node.comparators[0]) == 0 and not isinstance(const_value(node.comparators[0]), bool):
+        col = node.left
+    if not (isinstance(col, ast.Subscript) and isinstance(col.value, ast.Name) and isinstance(col.slice, ast.Tuple)
+            and len(col.slice.elts) == 2 and is_index(col.slice.elts[1])):
+        return None
+    idx = matrix_of(col.value.id)
+    return (idx, col.slice.elts[1]) if idx is not None else None
+
+
 def handed_in_offsets(loop: ast.For, g: str, args: list[str], assigned: set[str]) -> Optional[ast.Name]:
     """``T`` when the loop over groups ``g`` reads ``T[g + 1]`` of a table ``T`` that is a parameter of the function
     and never rebound (ppl.pmx's ``expert_offset``: ``X[T[g]:T[g + 1]]``, rows already sorted by expert): group g's
@@ -274,7 +364,44 @@ leaves = [X, W, B]
 _GUARD = "        if expert_offset[i + 1] - expert_offset[i] <= 0:\n            continue\n"
 _HANDED_PRODUCT = "F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i], B[i] if B is not None else None)"
 
+# a [T, E] membership matrix scattered from the top-k ids, read per expert as a boolean column (the local form of
+# deepsaia moe_llama's router mask); the slot weight picked by (idx[rows] == e) and summed
+SCATTERED = _HEAD + '''
+
+class ScatterMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        x = x.view(-1, x.shape[-1])
+        top_logits, top_idx = torch.topk(self.router(x), self.k, dim=-1)
+        weights = F.softmax(top_logits, dim=-1)
+        expert_mask = torch.zeros(x.size(0), self.n, device=x.device)
+        expert_mask.scatter_(1, top_idx, 1.0)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            token_mask = expert_mask[:, e].bool()
+            if token_mask.sum() == 0:
+                continue
+            y = self.experts[e](x[token_mask])
+            w = (weights[token_mask] * (top_idx[token_mask] == e)).sum(dim=1)
+            out[token_mask] += y * w.unsqueeze(-1)
+        return out
+'''
+SCATTERED_RUN = _run("ScatterMoE(16, 12, 6, 2)", "13, 16", "m.router.weight, m.experts[1].w_in.weight")
+_SCATTER = "        expert_mask.scatter_(1, top_idx, 1.0)\n"
+
 FUSE = [
+    Fuse(SCATTERED, name="s44a_scatter_membership_column_bool", run=SCATTERED_RUN),
+    Fuse(SCATTERED.replace("expert_mask[:, e].bool()", "expert_mask[:, e] > 0"),
+         name="s44a_scatter_membership_column_positive", run=SCATTERED_RUN),
+    Fuse(SCATTERED.replace("        expert_mask = torch.zeros(x.size(0), self.n, device=x.device)\n" + _SCATTER,
+                           "        expert_mask = x.new_zeros(x.size(0), self.n).scatter_(-1, top_idx, value=1)\n")
+         .replace("expert_mask[:, e].bool()", "expert_mask[:, e] != 0"),
+         name="s44a_scatter_membership_chained_new_zeros", run=SCATTERED_RUN),
     Fuse(HANDED_OFFSETS, name="s44a_handed_in_offsets_linear_with_optional_bias", run=HANDED_OFFSETS_RUN),
     Fuse(HANDED_OFFSETS.replace(_HANDED_PRODUCT, "F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i])"),
          name="s44a_handed_in_offsets_linear_without_bias", run=HANDED_OFFSETS_RUN),
@@ -309,6 +436,18 @@ FUSE = [
 ]
 
 KEEP = [
+    # the routing weights scattered, not a constant: a weight of 0 (an underflowed softmax) drops the token
+    Keep(SCATTERED.replace(_SCATTER, "        expert_mask.scatter_(1, top_idx, weights)\n"),
+         reason="the loop skips experts without rows of `token_mask`", name="s44a_scatter_of_weights_not_membership"),
+    # a shared-expert column set for every token after the scatter (deepsaia's form): the matrix is changed again
+    Keep(SCATTERED.replace(_SCATTER, _SCATTER + "        expert_mask[:, 0] = 1\n"),
+         reason="the loop skips experts without rows of `token_mask`", name="s44a_scatter_membership_changed_after"),
+    # the ids rebound after the scatter (one slot kept): the loop's (top_idx == e) is not the scattered membership
+    Keep(SCATTERED.replace(_SCATTER, _SCATTER + "        top_idx = top_idx[:, :1]\n"),
+         reason="the loop skips experts without rows of `token_mask`", name="s44a_scatter_ids_rebound_after"),
+    # scattered along the token dim (rows of experts): not a [T, E] membership matrix
+    Keep(SCATTERED.replace(_SCATTER, "        expert_mask.scatter_(0, top_idx, 1.0)\n"),
+         reason="the loop skips experts without rows of `token_mask`", name="s44a_scatter_along_tokens"),
     # the bias row of expert 0 for every run: not one bias row per group
     Keep(HANDED_OFFSETS.replace("B[i] if B is not None else None", "B[0] if B is not None else None")
          .replace(_GUARD, ""), reason="rows are written through", name="s44a_handed_in_offsets_bias_of_one_expert"),

@@ -2914,7 +2914,7 @@ class _Eval:
                 return
             if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value):
                 return
-            val = self.ev(s.value)
+            val = self._s44a_membership_column(s.value) or self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
                 raise _Miss(f"`{ast.unparse(s)[:60]}` on an unpacked expert output is not replayed by the fused layer")
             if val.kind == "mod_part":
@@ -3226,6 +3226,21 @@ class _Eval:
                 and const_value(test.comparators[0]) == 0 and self._size_kind(test.left) in kinds:
             return True
         return self._s44a_count_test(test, nonempty=True)
+
+    def _s44a_membership_column(self, value: ast.expr) -> Optional[V]:
+        """s44a: ``M[:, e].bool()`` (``> 0``, ``!= 0``) of ``M = zeros(T, E); M.scatter_(1, idx, 1.0)``: the rows whose
+        top-k ids hold e, read as ``(idx == e).any(dim=-1)`` (patterns/_moe_s44a.py proves M is that matrix)."""
+        if not (isinstance(value, (ast.Call, ast.Compare))):
+            return None
+        found = s44a.membership_column(
+            value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx),
+            self._is_eidx)
+        if found is None:
+            return None
+        member = ast.parse(f"({found[0]} == {ast.unparse(found[1])}).any(dim=-1)", mode="eval").body
+        for n in ast.walk(member):  # placed where the column read is (the text npufuse quotes stays the user's)
+            ast.copy_location(n, value)
+        return self.ev(member)
 
     def _s44a_count_test(self, test: ast.expr, nonempty: bool) -> bool:
         """s44a: other spellings of "this expert has (no) rows" (patterns/_moe_s44a.py): ``0 < n``, ``n >= 1``,
