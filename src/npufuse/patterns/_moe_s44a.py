@@ -17,6 +17,7 @@ import ast
 from typing import Callable, Optional
 
 from npufuse.patterns import _moe_s42c as s42c
+from npufuse.patterns._moe_s43c import _init
 from npufuse.patterns.base import Fuse, Keep
 from npufuse.scan.dataflow import const_value
 
@@ -249,12 +250,7 @@ _run = s42c._run
 COUNTS_AROUND_BODY = _HEAD + '''
 
 class CountedMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.gate = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init("gate") + '''
     def forward(self, x):
         shape = x.size()
         x = x.view(-1, shape[-1])
@@ -293,12 +289,7 @@ def _guarding(test: str) -> str:
 MASK_GUARD = _HEAD + '''
 
 class MaskMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.router = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init("router") + '''
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         w, idx = torch.topk(self.router(flat).softmax(dim=-1), self.k, dim=-1)
@@ -316,12 +307,7 @@ MASK_RUN = _run("MaskMoE(16, 12, 5, 2)", "3, 5, 16", "m.router.weight, m.experts
 ASSERTED = _HEAD + '''
 
 class CheckedMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.router = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init("router") + '''
     def forward(self, x):
         B, T, D = x.shape
         flat = x.view(-1, D)
@@ -369,12 +355,7 @@ _HANDED_PRODUCT = "F.linear(X_flat[expert_offset[i]:expert_offset[i + 1]], W[i],
 SCATTERED = _HEAD + '''
 
 class ScatterMoE(nn.Module):
-    def __init__(self, d, h, n, k):
-        super().__init__()
-        self.n, self.k = n, k
-        self.router = nn.Linear(d, n, bias=False)
-        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
-
+''' + _init("router") + '''
     def forward(self, x):
         x = x.view(-1, x.shape[-1])
         top_logits, top_idx = torch.topk(self.router(x), self.k, dim=-1)
