@@ -99,3 +99,16 @@ def test_s44a_group_bias_forms():
     assert bias("self.b[g] if self.b is not None else None") == ("self.b", "self.b is not None")
     assert bias("None if B is None else B[g]") == ("B", "not B is None")
     assert bias("B[0]") is None and bias("B[g] if g > 0 else None") is None and bias("B[g] if f else B[0]") is None
+
+
+@pytest.mark.parametrize("test,found", [("tok.shape[0]", True), ("0 < len(tok)", True), ("tok[0]", False),
+                                        ("tok[0] > 0", False), ("tok.sum()", False), ("slot.max()", False),
+                                        ("flat[tok].sum()", False)])
+def test_s44a_guard_around_the_body_is_read_only_as_a_row_count(test, found):
+    # a bare value is truthy when non-zero: only a size of the expert's rows says "this expert has rows"
+    # (the first selected token index, or the sum of the indices, is 0 whenever token 0 is among them)
+    from pattern_harness import detect_all
+    code = s44a.MASK_GUARD.replace("            if len(tok) < 1:\n                continue\n", f"            if {test}:\n") \
+        .replace("            out[tok] += self.experts[e]", "                out[tok] += self.experts[e]")
+    findings, misses = detect_all(PATTERN, code)
+    assert bool(findings) is found and bool(misses) is not found
