@@ -42,6 +42,7 @@ from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s43c as s43c
+from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -2841,8 +2842,8 @@ class _Eval:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
             self._call_stmt(s.value)
             return
-        if isinstance(s, (ast.Continue, ast.Pass)):
-            return
+        if isinstance(s, (ast.Continue, ast.Pass)) or s44a.metadata_assert(s):
+            return  # s44a: `assert mask.shape == (B, T, K)` checks metadata only: the fused layer needs not run it
         if isinstance(s, ast.With) and all(isinstance(b, ast.Assign) for b in s.body):
             for b in s.body:  # `with torch.no_grad(): idx, top_x = torch.where(...)`
                 self.stmt(b)
@@ -2913,7 +2914,7 @@ class _Eval:
                 return
             if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value):
                 return
-            val = self.ev(s.value)
+            val = self._s44a_membership_column(s.value) or self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
                 raise _Miss(f"`{ast.unparse(s)[:60]}` on an unpacked expert output is not replayed by the fused layer")
             if val.kind == "mod_part":
@@ -3056,6 +3057,13 @@ class _Eval:
         if self._empty_test(test):
             self.skip_empty = True  # `if not bool(mask.any())`, `if mask.sum() == 0`, `if not m[e].any().item()`
             return
+        norm = s44a.emptiness(test, _strip_truth)
+        counted = s44a.counted_tensor(norm[1]) if norm is not None and not norm[0] else None
+        value = self.env.get(counted.id) if counted is not None else None
+        if counted is not None and value is not None and value.kind == "unknown" and value.args:
+            # s44a: an emptiness test is fine; what it counts is not read as this expert's rows (the real blocker)
+            raise _Miss(f"the loop skips experts without rows of `{counted.id}` = `{str(value.args[0])[:50]}`, which "
+                        "npufuse does not trace to the tokens routed to this expert")
         raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
 
     def _s42c_flat_positions(self, name: str, value: ast.expr) -> bool:
@@ -3181,7 +3189,7 @@ class _Eval:
                 or (isinstance(test.ops[0], ast.Lt) and const_value(test.comparators[0]) == 1)):
             nonzero = ast.Compare(left=test.left, ops=[ast.NotEq()], comparators=[ast.Constant(0)])
             return self._nonempty_test(nonzero)
-        return False
+        return self._s44a_count_test(test, nonempty=False)
 
     def _loop_invariant_option(self, test: ast.expr) -> bool:
         """An option test: names, attributes, constants, comparisons and boolean logic only, over
@@ -3215,9 +3223,44 @@ class _Eval:
                     and isinstance(count.func, ast.Attribute) and count.func.attr in ("sum", "count_nonzero"):
                 return self.ev(count.func.value).kind in masks  # a 0/1 mask's count: > 0 iff any
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Gt, ast.NotEq)) \
-                and const_value(test.comparators[0]) == 0:
-            return self._size_kind(test.left) in kinds
-        return False
+                and const_value(test.comparators[0]) == 0 and self._size_kind(test.left) in kinds:
+            return True
+        return self._s44a_count_test(test, nonempty=True)
+
+    def _s44a_membership_column(self, value: ast.expr) -> Optional[V]:
+        """s44a: ``M[:, e].bool()`` (``> 0``, ``!= 0``) of ``M = zeros(T, E); M.scatter_(1, idx, 1.0)``: the rows whose
+        top-k ids hold e, read as ``(idx == e).any(dim=-1)`` (patterns/_moe_s44a.py proves M is that matrix)."""
+        if not (isinstance(value, (ast.Call, ast.Compare))):
+            return None
+        found = s44a.membership_column(
+            value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx),
+            self._is_eidx)
+        if found is None:
+            return None
+        member = ast.parse(f"({found[0]} == {ast.unparse(found[1])}).any(dim=-1)", mode="eval").body
+        for n in ast.walk(member):  # placed where the column read is (the text npufuse quotes stays the user's)
+            ast.copy_location(n, value)
+        return self.ev(member)
+
+    def _s44a_count_test(self, test: ast.expr, nonempty: bool) -> bool:
+        """s44a: other spellings of "this expert has (no) rows" (patterns/_moe_s44a.py): ``0 < n``, ``n >= 1``,
+        ``n < 1``, a bare ``if n:`` / ``not n``, where ``n`` is a size of this expert's rows or ``counts[e]`` with
+        ``counts`` a bincount of the indices the loop dispatches (checked against the site's indices in finish)."""
+        norm = s44a.emptiness(test, _strip_truth)
+        if norm is None or norm[0] != nonempty:
+            return False
+        count = norm[1]
+        counts = s44a.subscript_of_index(count, self._is_eidx)
+        if counts is not None:
+            src = _bincount_source(self.scope, counts, self.loop.lineno)
+            if src is None or self.count_guard not in (None, (counts, src)):
+                return False
+            self.count_guard = (counts, src)
+            return True
+        canon = ast.Compare(left=count, ops=[ast.NotEq()], comparators=[ast.Constant(0)])
+        if ast.dump(canon) == ast.dump(_strip_truth(test)):
+            return False  # already the normal form: nothing more to read
+        return self._nonempty_test(canon)
 
     def _size_kind(self, node: ast.expr) -> str:
         """Kind of the value whose size ``node`` reads (``top_x.shape[0]``, ``len(top_x)``, ``top_x.numel()``)."""
@@ -9645,6 +9688,8 @@ class _GroupLoop:
         # s39 form D: a table of cumulative row ends E (a parameter or any name the loop does not write), rows
         # `(0 if g == 0 else E[g - 1]):E[g]` (ArcticTraining's torch_group_gemm_fn)
         self.ends: Optional[ast.Name] = None
+        self.handed_offsets = False  # s44a: the prefix table is a parameter (rows T[g]:T[g + 1]), not built here
+        self.bias: Optional[tuple[ast.expr, Optional[ast.expr]]] = None  # s44a: F.linear(rows, W[g], B[g]): (B, test)
 
     # -- header ----------------------------------------------------------------------------
     def header(self) -> bool:
@@ -9713,6 +9758,13 @@ class _GroupLoop:
                 return ("w", ("if", node.test, a[1], b[1]), a[2])
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             return self._product(node.left, node.right, flip=False)
+        if isinstance(node, ast.Call) and len(node.args) == 3 and not node.keywords and _canon(self.m, node.func) in _LINEAR:
+            # s44a: F.linear(rows, W[g], B[g]) (or `B[g] if B is not None else None`): one bias row per group
+            bias = s44a.group_bias(node.args[2], self._is_g, self._invariant)
+            y = self._product(node.args[0], node.args[1], flip=True) if bias is not None and self.bias is None else ("other",)
+            if y[0] == "y":
+                self.bias = bias
+            return y
         if isinstance(node, ast.Call) and len(node.args) == 2 and not node.keywords:
             api = _canon(self.m, node.func)
             if api in _MATMUL or api == "torch.matmul":
@@ -9742,13 +9794,23 @@ class _GroupLoop:
 
     def _run_slice(self, sl: ast.expr) -> bool:
         """``[start:end]`` of this group: the running offset (form A) or the prefix table (form C)."""
-        if not (isinstance(sl, ast.Slice) and sl.step is None and isinstance(sl.lower, ast.Name) and sl.upper is not None):
+        if not (isinstance(sl, ast.Slice) and sl.step is None and sl.upper is not None
+                and (isinstance(sl.lower, ast.Name) or self.prefix is not None and isinstance(sl.lower, ast.Subscript))):
             return False
+        if not isinstance(sl.lower, ast.Name):
+            return self._prefix_start(sl.lower) and self.ev(sl.upper) == ("pend",)
         if self.start and sl.lower.id == self.start:
             return self.ev(sl.upper)[0] == "end"
         if self.ends is not None:
             return self.env.get(sl.lower.id) == ("dstart",) and self.ev(sl.upper) == ("dend",)
-        return self.prefix is not None and self.env.get(sl.lower.id) == ("pstart",) and self.ev(sl.upper) == ("pend",)
+        return self.prefix is not None and self._prefix_start(sl.lower) and self.ev(sl.upper) == ("pend",)
+
+    def _prefix_start(self, node: ast.expr) -> bool:
+        """``start`` bound to ``offsets[g]``, or ``offsets[g]`` itself (s44a: read inline, ``X[T[g]:T[g + 1]]``)."""
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id) == ("pstart",)
+        v = self.ev(node)
+        return v[0] == "w" and v[1] == "id" and isinstance(v[2], ast.Name) and v[2].id == self.prefix
 
     def _flip(self, v: tuple) -> tuple:
         if v[0] != "w":
@@ -9830,6 +9892,10 @@ class _GroupLoop:
         return False
 
     def _size_test(self, test: ast.expr, positive: bool) -> bool:
+        norm = s44a.emptiness(test, _strip_truth) if self.prefix is not None else None
+        if norm is not None and norm[0] == positive and s44a.group_size_difference(
+                norm[1], lambda n: self.ev(n) == ("pend",), self._prefix_start):
+            return True  # s44a: `if T[g + 1] - T[g] <= 0: continue`, the group's size in the offsets table
         if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and const_value(test.comparators[0]) == 0):
             return False
         op = test.ops[0]
@@ -9845,6 +9911,19 @@ class _GroupLoop:
             left = left.args[0]
         v = self.ev(left)
         return self._is_size(v) or v[0] in ("rows", "rows_of")
+
+
+def s44a_bias_rows(module: ModuleInfo, bias: Optional[tuple[ast.expr, Optional[ast.expr]]], x_text: str) -> str:
+    """`` + <B's row g for each row of group g>`` (s44a: the bias of F.linear(rows, W[g], B[g])), conditional on
+    the loop's own test where it has one; "" without a bias."""
+    if bias is None:
+        return ""
+    table, test = bias
+    rows = (f"torch.repeat_interleave({segment(module, table)}.to({x_text}.dtype), {P}counts, dim=0, "
+            f"output_size={P}m)")
+    if test is None:
+        return f" + {rows}"
+    return f" + ({rows} if {ast.unparse(test)} else 0)"
 
 
 def _s39_cumulative_ends(loop: ast.For, ev: "_GroupLoop") -> Optional[ast.Name]:
@@ -9925,9 +10004,14 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         if split_st is None:
             table = _prefix_offsets(module, scope, loop, ev.g)
             ends = _s39_cumulative_ends(loop, ev) if table is None else None
-            if table is None and ends is None:
+            handed = s44a.handed_in_offsets(loop, ev.g, scope.args, set(scope.assignments)) \
+                if table is None and ends is None else None
+            if table is None and ends is None and handed is None:
                 return None
-            if table is not None:
+            if handed is not None:
+                # s44a: offsets handed in (`X[T[g]:T[g + 1]]`): sizes diff(T), under T[0] == 0 (checked below)
+                ev.prefix, ev.sizes, ev.handed_offsets = handed.id, handed, True
+            elif table is not None:
                 ev.prefix, ev.sizes = table
             else:
                 ev.ends = ev.sizes = ends
@@ -9985,10 +10069,15 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         gw = stacked(ev.orient)
     except _Miss:
         return None
+    if ev.bias is not None and not ((ev.start or ev.prefix or ev.ends is not None) and not ev.out_list):
+        return None  # s44a: a bias per group is added only where the loop writes an output's rows
     sizes_text = segment(module, ev.sizes)
     on_device = _host_counts(scope, ev.sizes, loop.lineno)  # x.split(counts.tolist()): the counts before the host copy
     if on_device is not None:
         sizes_text = on_device[0]
+    if ev.handed_offsets:
+        # s44a: offsets handed in (T[g]:T[g + 1]): the sizes are diff(T), the groups start at row T[0] (== 0 checked)
+        sizes_text = f"torch.diff(torch.as_tensor({sizes_text}))"
     if ev.ends is not None:
         # form D: the per-group sizes are the differences of the cumulative ends (a list or a tensor)
         x_rows = segment(module, ev.rows)
@@ -9996,9 +10085,12 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
                       f"prepend=torch.zeros(1, dtype=torch.int64, device={x_rows}.device))")
     bound = segment(module, ev.bound) if ev.bound is not None else ""
     check = f"{P}counts.numel() == {w_text}.shape[0]" + (f" == ({bound})" if bound else "")
-    if ev.ends is not None:
+    if ev.ends is not None or ev.handed_offsets:
         # decreasing ends make empty slices in the loop, negative group sizes for the grouped matmul
         check += f" and bool(({P}counts >= 0).all())"
+    if ev.handed_offsets:
+        # rows before T[0] are never written by the loop; past the rows, the loop's slices would be cut short
+        check += f" and int({ev.prefix}[0]) == 0 and int({ev.prefix}[-1]) <= {x_text}.shape[0]"
     original = "\n".join("    " + ln for st in stmts for ln in ast.unparse(st).splitlines())
     lines = [_GMM_FUNCTION.rstrip("\n"),
              f"{P}counts = torch.as_tensor({sizes_text}, device={x_text}.device).to(torch.int64)",
@@ -10007,7 +10099,8 @@ def _grouped_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if (ev.start or ev.prefix or ev.ends is not None) and not ev.out_list:
         out_text = segment(module, ev.out_target)
         lines += [f"    {P}m = int({P}counts.sum())  # one host sync (the loop read every group size on the host)",
-                  f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"]
+                  f"    {out_text}[:{P}m] = {P}gmm({x_text}[:{P}m], {gw}.to({x_text}.dtype), {P}counts)"
+                  + s44a_bias_rows(module, ev.bias, x_text)]
         if ev.start and scope.uses_after(ev.start, end):
             lines.append(f"    {ev.start} = {P}m")
     elif ev.start:  # offset-selected rows, concatenated: only the first sum(sizes) rows take part
@@ -14851,3 +14944,6 @@ MoeExperts.KEEP += _moe_s43a.KEEP_EXAMPLES
 # s43c (moe43c): routing weights read as w[mask, k], w[pairs], w[rows, nonzero()[:, 1]]; y *= w (patterns/_moe_s43c.py)
 MoeExperts.FUSE += s43c.FUSE
 MoeExperts.KEEP += s43c.KEEP
+# s44a (moe44a): skip guards counting an expert's rows in other spellings (patterns/_moe_s44a.py)
+MoeExperts.FUSE += s44a.FUSE
+MoeExperts.KEEP += s44a.KEEP
