@@ -1,0 +1,148 @@
+"""s44 (helper normopt44): recall classes read from real development misses of add_rms_norm, rms_norm and
+fused_optimizer, each with a near miss (Keep) that is truly not the same computation.
+
+1. add_rms_norm: a norm class whose forward returns apex's ``fused_rms_norm_affine`` of its input (verl's Megatron
+   ``ParallelLlamaRMSNorm``), imported in the forward or by the file: the residual add feeding it is fused.
+   Keep: apex's ``fused_layer_norm_affine`` (mean-subtracted LayerNorm kernel) in the same place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pattern_harness import check_rewrite_runs, detect_all, install_stand_in_modules
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+
+def _apex_rms(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):  # noqa: A002 (apex's names)
+    """apex's fused_rms_norm_affine as its CUDA kernel computes it: float32 statistics, the input's dtype out."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    x = input.float()
+    return (x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps) * weight.float()).to(input.dtype)
+
+
+def _apex_ln(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):  # noqa: A002
+    return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+@pytest.fixture
+def apex(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_stand_in_modules(monkeypatch, {"apex.normalization.fused_layer_norm": {
+        "fused_rms_norm_affine": _apex_rms, "fused_layer_norm_affine": _apex_ln}})
+
+
+_APEX_NORM_LOCAL = '''
+import torch
+from torch import nn
+
+
+class ParallelRMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-5):
+        super().__init__()
+        self.normalized_shape = torch.Size((hidden,))
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+
+        return fused_rms_norm_affine(
+            input=hidden_states,
+            weight=self.weight,
+            normalized_shape=self.normalized_shape,
+            eps=self.variance_epsilon,
+            memory_efficient=True,
+        )
+'''
+
+_APEX_NORM_FILE = '''
+import torch
+from torch import nn
+from apex.normalization.fused_layer_norm import fused_rms_norm_affine as rms_kernel
+
+
+class ParallelRMSNorm(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.shape = (hidden,)
+        self.gain = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x):
+        return rms_kernel(x, self.gain, self.shape, 1e-6)
+'''
+
+_APEX_LAYER_NORM = '''
+import torch
+from torch import nn
+
+
+class ParallelRMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-5):
+        super().__init__()
+        self.normalized_shape = (hidden,)
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+
+        return fused_layer_norm_affine(hidden_states, self.weight, self.bias, self.normalized_shape, self.eps)
+'''
+
+_DECODER = '''
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.self_attn = nn.Linear(hidden, hidden)
+        self.mlp = nn.Linear(hidden, hidden)
+        self.post_attention_layernorm = ParallelRMSNorm(hidden)
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+'''
+
+_DECODER_RUN = '''
+m = DecoderLayer(16)
+with torch.no_grad():
+    for p in m.parameters():
+        p.normal_()
+    infer = m(torch.randn(2, 5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, m(x))
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("norm", [_APEX_NORM_LOCAL, _APEX_NORM_FILE], ids=["imported_in_forward", "imported_by_file"])
+def test_residual_add_feeding_an_apex_rms_kernel_norm_is_fused(apex: None, norm: str) -> None:
+    code = norm + _DECODER
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["DecoderLayer.forward"], misses
+    facts = check_rewrite_runs(AddRmsNorm(), code, _DECODER_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    assert all(c > 0.99999 for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > 0.99999 for c in facts["cos_grad"]), facts["cos_grad"]
+
+
+def test_residual_add_feeding_an_apex_layer_norm_kernel_is_not_fused(apex: None) -> None:
+    findings, misses = detect_all(AddRmsNorm(), _APEX_LAYER_NORM + _DECODER)
+    assert not findings, misses
+
+
+def test_apex_rms_kernel_of_a_scaled_input_is_not_read_as_the_norm_of_the_sum(apex: None) -> None:
+    # the kernel normalises ``hidden_states * self.pre``, not the module's input: the sum is not what is normalised
+    norm = _APEX_NORM_LOCAL.replace("input=hidden_states,", "input=hidden_states * self.pre,").replace(
+        "self.variance_epsilon = eps", "self.variance_epsilon = eps\n        self.pre = nn.Parameter(torch.ones(hidden))")
+    findings, misses = detect_all(AddRmsNorm(), norm + _DECODER)
+    assert not findings, misses
