@@ -43,6 +43,16 @@ def _row(node: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, S.Ctx, int] | None:
     return n.value, c, i
 
 
+# calls returning a tuple of tensors (their parts are read by the split readings, not as rows)
+_SEQUENCE_CALLS = frozenset(("chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit"))
+
+
+def _sequence_call(node: ast.expr) -> bool:
+    f = node.func if isinstance(node, ast.Call) else None
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    return name in _SEQUENCE_CALLS
+
+
 def leading_pair(a: ast.expr, actx: S.Ctx, b: ast.expr, bctx: S.Ctx) -> LeadingPair | None:
     """The pair when the activated operand ``a`` and the other factor ``b`` are ``T[0]`` and ``T[1]`` (either way
     round) of one tensor name T; None otherwise."""
@@ -52,7 +62,7 @@ def leading_pair(a: ast.expr, actx: S.Ctx, b: ast.expr, bctx: S.Ctx) -> LeadingP
     if S.key(ra[0], ra[1]) != S.key(rb[0], rb[1]):
         return None
     built, _ = S.peel(ra[0], ra[1])
-    if isinstance(built, (ast.Tuple, ast.List, ast.ListComp, ast.GeneratorExp)):
+    if isinstance(built, (ast.Tuple, ast.List, ast.ListComp, ast.GeneratorExp)) or _sequence_call(built):
         return None  # a Python sequence of tensors, not one tensor: its items need not share a shape
     return LeadingPair(ra[0], ra[1], ra[2])
 
