@@ -7,7 +7,7 @@ fused_optimizer, each with a near miss (Keep) that is truly not the same computa
 2. swiglu / geglu: ``act(T[0]) * T[1]`` where one projection stacks gate and up on a leading dim (tapnet's TAPNext
    ``MLPBlock``: ``out = self.ffw_up(x)`` [2, ..., D], ``gelu(out[0]) * out[1]``): the halves of ``T[:2]`` on dim 0,
    fused without a concatenation. Keeps: rows of two different tensors, rows 0 and 2, a Python tuple of two
-   projections indexed so (its items need not share a shape).
+   values indexed so (its items need not share a shape), rows of the input or of a reshaped output (batch rows).
 """
 
 from __future__ import annotations
@@ -219,7 +219,9 @@ def test_act_of_one_leading_row_times_the_other_is_fused_on_dim_0(pattern, act: 
     "gate_value = F.silu(out[0])\n        activations = gate_value * self.ffw_up(x * 2)[1]",
     "gate_value = F.silu(out[0])\n        activations = gate_value * out[2]",
     "out = (self.ffw_up(x)[0], self.ffw_down.weight.sum() + x)\n        activations = F.silu(out[0]) * out[1]",
-], ids=["rows_of_two_tensors", "rows_0_and_2", "python_tuple_of_two_values"])
+    "activations = F.silu(x[0]) * x[1]",
+    "out = self.ffw_up(x).flatten(0, 1)\n        activations = F.silu(out[0]) * out[1]",
+], ids=["rows_of_two_tensors", "rows_0_and_2", "python_tuple_of_two_values", "rows_of_the_input", "rows_of_a_reshaped_output"])
 def test_rows_not_of_one_leading_pair_are_not_fused(product: str) -> None:
     code = _STACKED.format(act="F.silu", g=0, u=1).replace(
         "gate_value = F.silu(out[0])\n        activations = gate_value * out[1]", product)

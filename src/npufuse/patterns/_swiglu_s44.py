@@ -8,7 +8,9 @@ A projection whose output stacks gate and up on a leading dim of size 2 (tapnet'
 
 exactly, whatever T's size along dim 0 (``T[:2]`` is a view: no copy, contiguous when T is), with nothing
 concatenated. ``T[1]`` activated and ``T[0]`` the other factor is the same pair with the gate second. The operands
-must index one tensor by the integers 0 and 1 on its first dim only (``T[0]``, ``T[1]``); a Python list or tuple
+must index one tensor by the integers 0 and 1 on its first dim only (``T[0]``, ``T[1]``), T the output of one of the
+module's submodules (``self.ffw_up(x)``): rows of a reshaped input (``x.view(b, 2, -1)``) or of a parameter are batch
+rows, not a stacked pair (swiglu's Keep ``rows_of_a_batch_not_a_pair``). A submodule returning a list or tuple
 indexed so is no tensor, so the fused expression runs only where ``isinstance(T, torch.Tensor)`` holds at run time
 (the original product otherwise), and T must be a plain name live at the product (checking it never computes it
 twice).
@@ -53,6 +55,17 @@ def _sequence_call(node: ast.expr) -> bool:
     return name in _SEQUENCE_CALLS
 
 
+def _module_output(node: ast.expr) -> bool:
+    """``self.<attr>(...)`` / ``self.<attr>[i](...)``: the output of one of the module's own submodules (the projection
+    that stacks gate and up), not a tensor method's result nor an input."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    while isinstance(f, (ast.Attribute, ast.Subscript)):
+        f = f.value
+    return isinstance(f, ast.Name) and f.id == "self" and not isinstance(node.func, ast.Name)
+
+
 def leading_pair(a: ast.expr, actx: S.Ctx, b: ast.expr, bctx: S.Ctx) -> LeadingPair | None:
     """The pair when the activated operand ``a`` and the other factor ``b`` are ``T[0]`` and ``T[1]`` (either way
     round) of one tensor name T; None otherwise."""
@@ -62,8 +75,9 @@ def leading_pair(a: ast.expr, actx: S.Ctx, b: ast.expr, bctx: S.Ctx) -> LeadingP
     if S.key(ra[0], ra[1]) != S.key(rb[0], rb[1]):
         return None
     built, _ = S.peel(ra[0], ra[1])
-    if isinstance(built, (ast.Tuple, ast.List, ast.ListComp, ast.GeneratorExp)) or _sequence_call(built):
-        return None  # a Python sequence of tensors, not one tensor: its items need not share a shape
+    if not _module_output(built) or _sequence_call(built):
+        # a parameter, a view (``x.view(b, 2, -1)[0]`` is a batch row), a Python sequence: no stacked projection
+        return None
     return LeadingPair(ra[0], ra[1], ra[2])
 
 
