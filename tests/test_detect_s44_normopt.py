@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pattern_harness import check_rewrite_runs, detect_all, install_stand_in_modules
+from test_detect_s43_sweep import _BLOCK_RUN
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.geglu import Geglu
@@ -118,16 +119,8 @@ class DecoderLayer(nn.Module):
         return residual + hidden_states
 '''
 
-_DECODER_RUN = '''
-m = DecoderLayer(16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = m(torch.randn(2, 5, 16))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x))
-leaves = [x]
-'''
+# the s43 sweep's run: inference under no_grad (npu_add_rms_norm), then a training call (add + npu_rms_norm)
+_DECODER_RUN = _BLOCK_RUN.replace("Block(16)", "DecoderLayer(16)")
 
 
 @pytest.mark.parametrize("norm", [_APEX_NORM_LOCAL, _APEX_NORM_FILE], ids=["imported_in_forward", "imported_by_file"])
