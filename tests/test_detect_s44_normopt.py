@@ -37,7 +37,8 @@ def _apex_ln(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=F
 @pytest.fixture
 def apex(monkeypatch: pytest.MonkeyPatch) -> None:
     install_stand_in_modules(monkeypatch, {"apex.normalization.fused_layer_norm": {
-        "fused_rms_norm_affine": _apex_rms, "fused_layer_norm_affine": _apex_ln}})
+        "fused_rms_norm_affine": _apex_rms, "fused_layer_norm_affine": _apex_ln,
+        "FusedRMSNormAffineFunction": type("FusedRMSNormAffineFunction", (), {"apply": staticmethod(_apex_rms)})}})
 
 
 _APEX_NORM_LOCAL = '''
@@ -123,7 +124,12 @@ class DecoderLayer(nn.Module):
 _DECODER_RUN = _BLOCK_RUN.replace("Block(16)", "DecoderLayer(16)")
 
 
-@pytest.mark.parametrize("norm", [_APEX_NORM_LOCAL, _APEX_NORM_FILE], ids=["imported_in_forward", "imported_by_file"])
+_APEX_NORM_APPLY = _APEX_NORM_FILE.replace("import fused_rms_norm_affine as rms_kernel", "import FusedRMSNormAffineFunction").replace(
+    "rms_kernel(x, self.gain, self.shape, 1e-6)", "FusedRMSNormAffineFunction.apply(x, self.gain, self.shape, 1e-6)")
+
+
+@pytest.mark.parametrize("norm", [_APEX_NORM_LOCAL, _APEX_NORM_FILE, _APEX_NORM_APPLY],
+                         ids=["imported_in_forward", "imported_by_file", "autograd_function_apply"])
 def test_residual_add_feeding_an_apex_rms_kernel_norm_is_fused(apex: None, norm: str) -> None:
     code = norm + _DECODER
     findings, misses = detect_all(AddRmsNorm(), code)

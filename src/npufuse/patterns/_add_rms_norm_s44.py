@@ -10,7 +10,8 @@
                                         memory_efficient=True)
 
    apex's ``fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False)`` is
-   ``x * rsqrt(mean(x^2) + eps) * weight`` over ``normalized_shape`` (which apex requires to be the weight's shape),
+   ``x * rsqrt(mean(x^2) + eps) * weight`` (``FusedRMSNormAffineFunction.apply`` with the same arguments) over
+   ``normalized_shape`` (which apex requires to be the weight's shape),
    accumulated in float32 and returned in the input's dtype; ``memory_efficient`` only changes what backward saves.
    That is npu_rms_norm's math with gamma = the weight (whose rank picks the same trailing dims). The kernel is
    CUDA-only, so the class itself has nothing to replace on NPU (rms_norm keeps it); the residual add feeding it
@@ -25,7 +26,10 @@ from npufuse.patterns import _site as S
 from npufuse.scan import canonical
 from npufuse.scan.dataflow import ModuleInfo, const_value, dotted
 
-_APEX_RMS_AFFINE = "apex.normalization.fused_layer_norm.fused_rms_norm_affine"
+# the function and the autograd Function it applies (same arguments); apex's ``mixed_dtype_fused_rms_norm_affine``
+# returns the weight's dtype, not the input's, and stays out
+_APEX_RMS_AFFINE = ("apex.normalization.fused_layer_norm.fused_rms_norm_affine",
+                    "apex.normalization.fused_layer_norm.FusedRMSNormAffineFunction.apply")
 # the kernel's parameters in order; eps defaults to 1e-6
 _APEX_RMS_PARAMS = ("input", "weight", "normalized_shape", "eps", "memory_efficient")
 
@@ -57,8 +61,11 @@ def apex_rms_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign
         return None
     call = fwd.body[-1].value
     func = call.func
-    name = local.get(func.id) if isinstance(func, ast.Name) and func.id in local else canonical.api(module, func)
-    if name != _APEX_RMS_AFFINE or any(isinstance(a, ast.Starred) for a in call.args) \
+    head = func.value if isinstance(func, ast.Attribute) and func.attr == "apply" else func
+    name = local.get(head.id) if isinstance(head, ast.Name) and head.id in local else canonical.api(module, head)
+    if head is not func and name is not None:
+        name += ".apply"
+    if name not in _APEX_RMS_AFFINE or any(isinstance(a, ast.Starred) for a in call.args) \
             or any(k.arg is None for k in call.keywords) or len(call.args) > len(_APEX_RMS_PARAMS):
         return None
     given = dict(zip(_APEX_RMS_PARAMS, call.args)) | {k.arg: k.value for k in call.keywords}
