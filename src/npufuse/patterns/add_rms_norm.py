@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1811,6 +1811,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
     if lib_fwd is None and fwd is not None:
         lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
+    if lib_fwd is None and fwd is not None:
+        lib_fwd = _add_rms_norm_s44.apex_rms_forward(module, fwd, mod, foreign=bool(where))  # s44: apex's kernel
     if lib_fwd is not None:
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:

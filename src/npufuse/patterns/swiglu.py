@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
-from npufuse.patterns import _swiglu_s43, _swiglu_s44sweep
+from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -1426,6 +1426,12 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
         return Gate(act, Operand(a, actx), Operand(b, ctx), node, halves, trace, None)
     if sa is not None and sb is not None:
         raise GateMiss("gate and up are halves of different tensors")
+    if sa is None and sb is None:
+        # s44: ``act(T[0]) * T[1]``: the two leading rows of one tensor, halves of ``T[:2]`` along dim 0
+        lead = _swiglu_s44.leading_pair(a, actx, b, ctx)
+        if lead is not None:
+            halves = Halves(lead.tensor, lead.ctx, ast.Constant(0), lead.ctx, lead.gate_index, _swiglu_s44.LEADING_PAIR, True)
+            return Gate(act, Operand(a, actx), Operand(b, ctx), node, halves, trace, None)
     ia = _projection_input(a, actx, module)
     ib = _projection_input(b, ctx, module)
     if ia is None or ib is None or ia != ib:
@@ -1674,6 +1680,15 @@ def _runtime_tests(module: ModuleInfo, act: Act, plan: S.SpanPlan | None) -> dic
 def fused_expr(module: ModuleInfo, g: Gate, kind: str, plan: S.SpanPlan, approx_code: str | None = None) -> str:
     """The fused expression replacing ``act(a) * b`` for activation ``kind`` (silu or a gelu)."""
     T = S.torch_name(module) or "torch"
+    if g.halves is not None and g.halves.how == _swiglu_s44.LEADING_PAIR:
+        h = g.halves
+        original = S.render(module, g.node, g.b.ctx, plan)  # the product as written, its names as the plan has them
+        if kind == SILU:
+            call = ("torch_npu.npu_swiglu({t}.contiguous(), dim=0)" if h.gate_index == 0
+                    else f"torch_npu.npu_swiglu({T}.cat({{t}}.chunk(2, dim=0)[::-1], dim=0), dim=0)")
+        else:
+            call = f"torch_npu.npu_geglu({{t}}, dim=0, approximate={approx_code}, activate_left={h.gate_index == 0})[0]"
+        return _swiglu_s44.fused_rows(S.render(module, h.tensor, h.ctx, plan), call, original, T)
     if g.halves is not None:
         h = g.halves
         t = S.render(module, h.tensor, h.ctx, plan)
