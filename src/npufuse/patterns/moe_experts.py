@@ -41,6 +41,7 @@ from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
+from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
@@ -119,6 +120,7 @@ class _Mlp:
     orient: dict[str, str] = field(default_factory=dict)  # stacked: text -> "out_in" | "in_out"
     weights_at: str = "after_down"  # where the routing weights multiply: after_down | before_down | inside_expert | none
     why_opaque: str = ""  # opaque: why the expert MLP was not read off its class (the grouped matmul needs that)
+    biases: dict[str, str] = field(default_factory=dict)  # s44b: stacked weight text -> its stacked bias text
 
 
 @dataclass
@@ -3311,6 +3313,13 @@ class _Eval:
                 return self._masked_weights(node) or self._product(node)
             if isinstance(node.op, ast.MatMult):
                 return self._project(self.ev(node.left), node.right, "matmul")
+            if isinstance(node.op, ast.Add):
+                for proj_node, bias_node in ((node.left, node.right), (node.right, node.left)):
+                    bias = _moe_s44b.stacked_bias(bias_node, self._is_eidx, self._stacked_base)
+                    if bias is not None:  # s44b: `x @ W[e] + B[e]` / `F.linear(x, W[e]) + B[e]`
+                        proj = self.ev(proj_node)
+                        if proj.kind == "proj":
+                            return self._s44b_biased(proj, bias)
             if isinstance(node.op, ast.Add) and self.loop_kind == "counts":
                 a, b = self.ev(node.left), self.ev(node.right)
                 for one, other, other_node in ((a, b, node.right), (b, a, node.left)):
@@ -3318,6 +3327,13 @@ class _Eval:
                         self.start_name = other_node.id
                         return V("end")  # end_idx = start_idx + num_tokens
         return V("unknown", (ast.unparse(node),))
+
+    def _s44b_biased(self, proj: V, bias: str) -> V:
+        """s44b: the stacked projection ``proj`` plus its stacked bias ``bias`` (indexed by the expert)."""
+        key = _moe_s44b.with_bias(proj.args[0], bias) if proj.kind == "proj" else None
+        if key is None:
+            raise _Miss("a bias is added to an expert projection that is not one bias-free stacked projection")
+        return V("proj", (key, *proj.args[1:]))
 
     def _stacked_base(self, node: ast.expr) -> bool:
         """``self.w1`` or a name from outside the loop (a function's stacked weight argument): what
@@ -4219,7 +4235,13 @@ class _Eval:
                 return self._chunk(v, node, method=False)
         if name in _LINEAR and len(node.args) >= 2:
             if len(node.args) > 2 or keyword(node, "bias") is not None:
-                raise _Miss("the stacked expert projection has a bias")
+                # s44b: F.linear(x, W[e], B[e]): B a stacked bias indexed by the expert, added after the grouped matmul
+                bias_node = node.args[2] if len(node.args) > 2 else keyword(node, "bias")
+                bias = _moe_s44b.stacked_bias(bias_node, self._is_eidx, self._stacked_base)
+                if bias is None:
+                    raise _Miss(f"the stacked expert projection has a bias `{ast.unparse(bias_node)[:40]}` that is not one "
+                                "stacked tensor indexed by the expert (`B[e]`)")
+                return self._s44b_biased(self._project(self.ev(node.args[0]), node.args[1], "linear"), bias)
             return self._project(self.ev(node.args[0]), node.args[1], "linear")
         if name in _MATMUL and len(node.args) == 2:
             return self._project(self.ev(node.args[0]), node.args[1], "matmul")
@@ -4281,6 +4303,8 @@ class _Eval:
         # self.act_fn(x) of a stacked-experts module
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1:
             act = _activation_attr(m, self.scope, f.attr, owner="self")
+            if act is None and self.expert_init is None and not node.keywords:
+                act = _s44b_rowwise_module(m, self.scope, f.attr)  # s44b: `self.activation = GLU()` of this file
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
         return V("unknown", (ast.unparse(node),))
@@ -5298,6 +5322,19 @@ def _activation_attr(module: ModuleInfo, scope: Scope, attr: str, owner: str) ->
     return _activation_value(module, value, attr, owner) if value is not None else None
 
 
+def _s44b_rowwise_module(module: ModuleInfo, scope: Scope, attr: str) -> Optional[_Act]:
+    """s44b: ``self.<attr>`` built in ``__init__`` as ``Cls()`` of a class of this file whose forward is row-wise
+    (elementwise ops and last-dim slices of its input): called as it is on all the permuted rows at once."""
+    if scope.class_name is None or scope.class_name not in module.classes:
+        return None
+    value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
+    if not (isinstance(value, ast.Call) and dotted(value.func) in module.classes):
+        return None
+    cls = module.classes[dotted(value.func) or ""]
+    template = _moe_s44b.rowwise_activation_template(cls, _class_init_assigns(module, cls), lambda n: _canon(module, n), attr)
+    return _Act("call", template, "self") if template is not None else None
+
+
 def _activation_parameter(module: ModuleInfo, cls: ast.ClassDef, name: str) -> bool:
     """Whether ``name`` is an ``__init__`` parameter that holds an activation function: its default
     is one (``activation: Callable = F.silu``, ``nn.SiLU()``) or its annotation says ``Callable``."""
@@ -5461,6 +5498,17 @@ def _mlp_from(out: V, layout: str, owner: str) -> _Mlp:
         raise _Miss("the expert is not act(gate(x)) * up(x) -> down, nor fc2(act(fc1(x)))")
     if weights_at:
         mlp.weights_at = weights_at
+    biases, why = _moe_s44b.projection_biases(out)  # s44b: stacked biases, added after each grouped matmul
+    if why:
+        raise _Miss(why)
+    if biases:
+        if weights_at:
+            raise _Miss("the routing weights scale the hidden activation before a biased down projection: the bias "
+                        "is not weighted there, the unpermute would weight it")
+        _, why = _moe_s44b.first_layer_bias(biases, mlp.gate_up, mlp.gate, mlp.up, mlp.fc1)
+        if why:
+            raise _Miss(why)
+        mlp.biases = biases
     return mlp
 
 
@@ -5748,8 +5796,11 @@ def _fused_text(site: _Site) -> str:
         ]
     else:
         lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
+        lines += _moe_s44b.bias_lines(_moe_s44b.first_layer_bias(mlp.biases, mlp.gate_up, mlp.gate, mlp.up, mlp.fc1)[0],
+                                      h, f"{P}counts")
         lines += _act_text(site)
         lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+        lines += _moe_s44b.bias_lines(mlp.biases.get(mlp.down, ""), h, f"{P}counts")
     if site.post_dropout:
         # s41b: the loop's dropout on each expert's output, once on all of them (row-wise: the same in eval mode)
         lines.append(f"{h} = {site.post_dropout.format(h)}")
@@ -14851,3 +14902,5 @@ MoeExperts.KEEP += _moe_s43a.KEEP_EXAMPLES
 # s43c (moe43c): routing weights read as w[mask, k], w[pairs], w[rows, nonzero()[:, 1]]; y *= w (patterns/_moe_s43c.py)
 MoeExperts.FUSE += s43c.FUSE
 MoeExperts.KEEP += s43c.KEEP
+MoeExperts.FUSE += _moe_s44b.FUSE  # s44b: stacked biases, row-wise activation modules (patterns/_moe_s44b.py)
+MoeExperts.KEEP += _moe_s44b.KEEP
