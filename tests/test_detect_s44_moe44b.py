@@ -32,3 +32,12 @@ def test_s44b_biases_are_added_after_each_grouped_matmul():
     assert "self.gate_up_proj_bias[:_npufuse_counts.shape[0]]" in f.fused
     assert "self.down_proj_bias[:_npufuse_counts.shape[0]]" in f.fused
     assert "_npufuse_h = self.activation(_npufuse_h)" in f.fused  # the row-wise module, eager between the matmuls
+
+
+def test_s44b_a_lazy_torch_import_is_an_import():
+    # the unimported-torch near miss is for files that never import torch; one importing it inside a function does
+    from npufuse.patterns import _moe_s44b
+    code = _moe_s44b.UNIMPORTED.replace("    def forward(self, x):\n        b, t, d = x.shape\n",
+                                        "    def forward(self, x):\n        import torch\n        b, t, d = x.shape\n")
+    _, misses = detect_all(PATTERN, code)
+    assert not any("without importing torch" in m.reason for m in misses)

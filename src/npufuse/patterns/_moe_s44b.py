@@ -329,7 +329,11 @@ FUSE = [
     Fuse(BIASED_GATE_UP, name="s44b_stacked_gate_up_biases", run=BIASED_GATE_UP_RUN, expect={"layout": "stacked_mixed"}),
 ]
 
+# 3. a notebook fragment: torch names used, torch never imported (the loop itself is a plain Mixtral dispatch)
+UNIMPORTED = BIASED_GPT_OSS.replace(_IMPORTS, "")
+
 KEEP = [
+    Keep(UNIMPORTED, reason="without importing torch", name="s44b_torch_used_without_import"),
     # the activation module centres each column over the rows it is given: per-expert calls differ from one call
     Keep(_BATCH_STAT_ACT, reason="the expert activation `self.activation(y)` is not recognised",
          name="s44b_activation_module_with_a_statistic_over_rows"),

@@ -200,6 +200,7 @@ class MoeExperts(Pattern):
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
+            yield from _s44b_unimported_torch(module, scope)  # s44b: torch names used without an import: say so
             return  # no torch in this file
         if _moe_words(module) or module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _detect_scope(module, scope)
@@ -392,6 +393,21 @@ def _relevant(module: ModuleInfo) -> bool:
         # "num_local" as often as "expert", and selects rows with ==, != runs, where(mask[i]), ...
         cached = module.__dict__["_npufuse_moe_relevant"] = grouped or words or torch_file
     return bool(cached)
+
+
+def _s44b_unimported_torch(module: ModuleInfo, scope: Scope) -> Iterable[NearMiss]:
+    """s44b: a near miss on each loop of the dispatch shape in a file that uses torch names without importing torch
+    (text gates first, cached per file: most files without torch never get past them)."""
+    gate = module.__dict__.get("_npufuse_moe_s44b_unimported")
+    if gate is None:
+        imports = "import" in module.source and any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.dump(n)
+                                                    for n in fast_walk(module.tree))  # anywhere: a lazy import counts
+        gate = module.__dict__["_npufuse_moe_s44b_unimported"] = _moe_s44b.torch_without_import(module.source, imports)
+    if not gate:
+        return
+    for _, _, stmt in scope.statements():
+        if isinstance(stmt, ast.For) and _dispatch_shape(stmt):
+            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, _moe_s44b.UNIMPORTED_TORCH_REASON)
 
 
 def _moe_words(module: ModuleInfo) -> bool:
