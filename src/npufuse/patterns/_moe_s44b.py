@@ -210,6 +210,77 @@ def _rowwise_expr(node: ast.expr, local: set[str], init_assigns: dict[str, ast.e
     return False
 
 
+# -- class 4: dense expert outputs combined by a one-hot of the top-k indices ----------------------------------------
+
+_CASTS = frozenset(("to", "float", "half", "bfloat16", "type_as", "type"))
+
+
+def one_hot_selection(node: ast.expr, canon: Callable[[ast.expr], str]) -> Optional[tuple[ast.expr, ast.expr, ast.expr]]:
+    """(idx, num_classes, w) of ``F.one_hot(idx, num_classes=N)[.to(...)] * w.unsqueeze(-1)`` (either order; ``w[...,
+    None]`` too): ``[..., K, E]``, weight ``w[.., k]`` at expert ``idx[.., k]`` of every slot, zero elsewhere."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+        return None
+    for hot, weight in ((node.left, node.right), (node.right, node.left)):
+        while isinstance(hot, ast.Call) and isinstance(hot.func, ast.Attribute) and hot.func.attr in _CASTS:
+            hot = hot.func.value
+        if not (isinstance(hot, ast.Call) and canon(hot.func) == "torch.nn.functional.one_hot" and hot.args):
+            continue
+        ncls = hot.args[1] if len(hot.args) > 1 else next((k.value for k in hot.keywords if k.arg == "num_classes"), None)
+        w = _last_dim_column(weight)
+        if ncls is not None and w is not None and len(hot.args) + len(hot.keywords) == 2:
+            return hot.args[0], ncls, w
+    return None
+
+
+def _last_dim_column(node: ast.expr) -> Optional[ast.expr]:
+    """w of ``w.unsqueeze(-1)`` / ``w[..., None]``: a trailing dim of 1 on the slot weights."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+            and len(node.args) == 1 and not node.keywords and const_value(node.args[0]) == -1:
+        return node.func.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2 \
+            and const_value(node.slice.elts[0]) is Ellipsis and isinstance(node.slice.elts[1], ast.Constant) \
+            and node.slice.elts[1].value is None:
+        return node.value
+    return None
+
+
+def einsum_operands(call: ast.Call, canon: Callable[[ast.expr], str]) -> Optional[tuple[list[str], str, list[ast.expr]]]:
+    """(input axis lists, output axes, operands) of ``torch.einsum("ab,bc->ac", A, B)`` (one letter an axis) or
+    einops' ``einsum(A, B, "x y, y z -> x z")`` (space-separated names); None for other calls or ``...``."""
+    name = canon(call.func)
+    if call.keywords:
+        return None
+    if name == "torch.einsum" and call.args and isinstance(const_value(call.args[0]), str):
+        spec, operands = str(const_value(call.args[0])), list(call.args[1:])
+        split: Callable[[str], list[str]] = lambda part: list(part.replace(" ", ""))
+    elif name == "einops.einsum" and call.args and isinstance(const_value(call.args[-1]), str):
+        spec, operands = str(const_value(call.args[-1])), list(call.args[:-1])
+        split = lambda part: part.split()
+    else:
+        return None
+    if "..." in spec or spec.count("->") != 1:
+        return None
+    ins, out = spec.split("->")
+    return [split(p) for p in ins.split(",")], "".join(f"{a} " for a in split(out)), operands
+
+
+def one_hot_einsum_sum(axes: list[list[str]], out: str, stack_dim: int) -> bool:
+    """The einsum sums ``sel [*lead, k, e] x S`` over k and e, S holding the experts at ``stack_dim`` and the
+    features last, the output ``[*lead, d]``: sum_k w[.., k] * S[idx[.., k], .., d]."""
+    if len(axes) != 2:
+        return False
+    sel, sv = axes
+    if len(sel) < 3 or len(sv) != len(sel) or len(set(sel)) != len(sel) or len(set(sv)) != len(sv):
+        return False
+    lead, k, e = sel[:-2], sel[-2], sel[-1]
+    pos = stack_dim if stack_dim >= 0 else len(sv) + stack_dim
+    if not 0 <= pos < len(sv) - 1 or sv[pos] != e:
+        return False
+    rest = sv[:pos] + sv[pos + 1:]
+    d = rest[-1]
+    return rest[:-1] == lead and k not in sv and d not in sel and out.split() == [*lead, d]
+
+
 # -- class 3: torch names without a torch import -----------------------------------------------------------------
 
 
@@ -321,7 +392,73 @@ _BATCH_STAT_ACT = BIASED_GPT_OSS.replace("        return x_gate * torch.sigmoid(
                                          "        x_up = x_up - x_up.mean(dim=0)\n"
                                          "        return x_gate * torch.sigmoid(1.702 * x_gate) * (x_up + 1)\n")
 
+# 4. dense experts (every expert on every token) stacked at dim 0, summed against one_hot(idx) * w by an einsum
+_EXPERT = '''
+
+class MlpExpert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+'''
+ONE_HOT_EINSUM = _IMPORTS + _EXPERT + '''
+
+class DenseOneHotMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([MlpExpert(d, h) for _ in range(n)])
+
+    def forward(self, hidden_states):
+        w, idx = torch.topk(torch.sigmoid(self.gate(hidden_states)), self.k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        outs = torch.stack([expert(hidden_states) for expert in self.experts])
+        selection = F.one_hot(idx, num_classes=self.n).to(hidden_states.dtype) * w.unsqueeze(-1)
+        routed = torch.einsum("bske,ebsd->bsd", selection, outs)
+        return routed + hidden_states
+'''
+ONE_HOT_EINSUM_RUN = ("m = DenseOneHotMoE(16, 12, 6, 2)\nx = torch.randn(2, 5, 16, requires_grad=True)\nout = m(x)\n"
+                      "leaves = [x, m.gate.weight, m.experts[0].up.weight, m.experts[5].down.weight]\n")
+
+# 4. 2-D tokens, experts stacked at dim -2, the one-hot on the right of the product, the einsum returned
+ONE_HOT_EINSUM_2D = _IMPORTS + _EXPERT + '''
+
+class FlatOneHotMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([MlpExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs, top = F.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
+        every = torch.stack([self.experts[i](x) for i in range(self.n)], dim=-2)
+        sel = probs[..., None] * F.one_hot(top, self.n).float()
+        return torch.einsum("tke,ted->td", sel, every)
+'''
+ONE_HOT_EINSUM_2D_RUN = ("m = FlatOneHotMoE(16, 12, 5, 2)\nx = torch.randn(9, 16, requires_grad=True)\nout = m(x)\n"
+                         "leaves = [x, m.router.weight, m.experts[1].up.weight]\n")
+
+# 4. einops' einsum with named axes (the real site's spelling; einops is not needed to detect it)
+ONE_HOT_EINOPS = ONE_HOT_EINSUM.replace("from torch import nn\n", "from torch import nn\nfrom einops import einsum\n").replace(
+    'torch.einsum("bske,ebsd->bsd", selection, outs)',
+    "einsum(selection, outs, 'batch seq k experts, experts batch seq hidden -> batch seq hidden')")
+
+_CONV_EXPERT = ONE_HOT_EINSUM.replace("        self.up = nn.Linear(d, h)\n",
+                                      "        self.up = nn.Linear(d, h)\n        self.mix = nn.Conv1d(d, d, 3, padding=1)\n")\
+    .replace("        return self.down(F.gelu(self.up(x)))\n",
+             "        x = self.mix(x.transpose(1, 2)).transpose(1, 2)\n        return self.down(F.gelu(self.up(x)))\n")
+
 FUSE = [
+    Fuse(ONE_HOT_EINSUM, name="s44b_dense_experts_one_hot_einsum", run=ONE_HOT_EINSUM_RUN,
+         expect={"variant": "one_hot_combine", "indices": "idx", "probs": "w", "tokens": "hidden_states"}),
+    Fuse(ONE_HOT_EINSUM_2D, name="s44b_dense_experts_one_hot_einsum_flat_tokens", run=ONE_HOT_EINSUM_2D_RUN,
+         expect={"variant": "one_hot_combine", "indices": "top", "probs": "probs"}),
+    Fuse(ONE_HOT_EINOPS, name="s44b_dense_experts_one_hot_einops", expect={"variant": "one_hot_combine"}),
     Fuse(BIASED_GPT_OSS, name="s44b_stacked_biases_clamped_glu_module", run=BIASED_RUN,
          expect={"layout": "stacked_out_in", "loop": "range"}),
     Fuse(BIASED_MATMUL_ADD, name="s44b_stacked_bias_added_after_matmul", run=BIASED_MATMUL_ADD_RUN,
@@ -333,6 +470,15 @@ FUSE = [
 UNIMPORTED = BIASED_GPT_OSS.replace(_IMPORTS, "")
 
 KEEP = [
+    # the einsum keeps the slot axis: per-slot outputs, not their sum
+    Keep(ONE_HOT_EINSUM.replace('"bske,ebsd->bsd", selection, outs)\n        return routed + hidden_states',
+                                '"bske,ebsd->bskd", selection, outs)\n        return routed.sum(-2) + hidden_states'),
+         reason="does not read as the sum over the top-k slots", name="s44b_one_hot_einsum_keeps_the_slots"),
+    # the experts convolve over the sequence: on the routed rows alone they would see other neighbours
+    Keep(_CONV_EXPERT, reason="mix tokens", name="s44b_one_hot_einsum_experts_mix_tokens"),
+    # every expert's output on every token is read after the mixture
+    Keep(ONE_HOT_EINSUM.replace("        return routed + hidden_states\n", "        return routed + outs.mean(0)\n"),
+         reason="is used after the mixture", name="s44b_one_hot_einsum_outputs_read_after"),
     Keep(UNIMPORTED, reason="without importing torch", name="s44b_torch_used_without_import"),
     # the activation module centres each column over the rows it is given: per-expert calls differ from one call
     Keep(_BATCH_STAT_ACT, reason="the expert activation `self.activation(y)` is not recognised",

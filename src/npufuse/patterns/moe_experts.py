@@ -11534,6 +11534,10 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
         if outs in names or x in _assigned([s]) or stacked in names:
             return None
         replay.append(s)  # statements on other values (the gate's own NaN guard...): replayed before
+    if combine is not None and isinstance(stack_dim, int) and not isinstance(stack_dim, bool):
+        one_hot = _s44b_one_hot_site(module, scope, block, i, combine, stacked, stack_dim, x, container, replay, outs)
+        if one_hot is not None:
+            return one_hot  # s44b: the stacked outputs summed against one_hot(idx, E) * w
     if combine is None or stack_dim not in (-1, -2):
         return None
     if not (isinstance(combine, (ast.Assign, ast.Return)) and (isinstance(combine, ast.Return) or (
@@ -11600,6 +11604,87 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
              "entries, each expert runs once on its rows and npu_moe_token_unpermute weights and sums them"]
     return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
                    fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_gate",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, combine: ast.stmt, stacked: str,
+                       stack_dim: int, x: str, container: ast.expr, replay: list[ast.stmt], outs: str) -> Optional[Result]:
+    """s44b: ``S = stack([expert(x) for expert in experts], dim=d)`` then ``einsum(one_hot(idx, E) * w[..., None], S)``
+    summing the slots and experts: sum_k w[.., k] * expert_{idx[.., k]}(x) (every expert ran on every token, the
+    one-hot zeroes all but the top-k). The experts run once on their routed rows between permute and unpermute."""
+    if not (isinstance(combine, ast.Return) or isinstance(combine, ast.Assign) and len(combine.targets) == 1
+            and isinstance(combine.targets[0], ast.Name)) or not isinstance(combine.value, ast.Call):
+        return None
+    parsed = _moe_s44b.einsum_operands(combine.value, lambda n: _canon(module, n))
+    if parsed is None or len(parsed[2]) != 2 or not (isinstance(parsed[2][1], ast.Name) and parsed[2][1].id == stacked):
+        return None
+    sel: Optional[ast.expr] = parsed[2][0]
+    if isinstance(sel, ast.Name):
+        bound = [r for r in replay if isinstance(r, ast.Assign) and sel.id in _assigned([r])]
+        sel = bound[-1].value if len(bound) == 1 and len(bound[0].targets) == 1 else None  # type: ignore[attr-defined]
+    picked = _moe_s44b.one_hot_selection(sel, lambda n: _canon(module, n)) if sel is not None else None
+    if picked is None:
+        return None
+    first, end = block[i].lineno, combine.end_lineno or combine.lineno
+    if not _moe_s44b.one_hot_einsum_sum(parsed[0], parsed[1], stack_dim):
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on `{x}` and the stacked outputs are summed "
+                        f"against a one-hot of the expert indices as `{ast.unparse(combine.value)[:70]}`, which npufuse "
+                        "does not read as the sum over the top-k slots and the experts (output = the tokens' leading "
+                        "dims and the features)")
+    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
+    if mixing is not None:
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
+                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
+    for n in (outs, stacked):
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
+                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    idx, ncls, w = (segment(module, n) for n in picked)
+    cont = segment(module, container)
+    result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
+    ind = "    "
+    original = [ind + ln for s in block[i: block.index(combine) + 1] if not any(s is r for r in replay)
+                for ln in ast.unparse(s).splitlines()]
+    lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
+    lines += [
+        f"{P}experts = list({cont})",
+        f"if {idx}.shape == {w}.shape and {idx}.shape[:-1] == {x}.shape[:-1] and ({ncls}) == len({P}experts) "
+        f"and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        f"{ind}{P}ids = {idx}.reshape(-1, {idx}.shape[-1])",
+        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}ids)",
+        f"{ind}# every expert runs once on its routed rows (an expert without rows on an empty slice: its weights get",
+        f"{ind}# zero gradients, as in the original, where the one-hot zeroed all its outputs)",
+        f"{ind}{P}sizes = torch.bincount({P}ids.flatten(), minlength=len({P}experts)).tolist()",
+        f"{ind}{P}h = torch.cat([{P}e({P}r) for {P}e, {P}r in zip({P}experts, {P}xs.split({P}sizes))])",
+        f"{ind}{P}p = {w}.reshape(-1, {w}.shape[-1])",
+        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
+        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
+        f"{ind}{result.format(P + 'mixed')}",
+        "else:  # other shapes: as written",
+        *original,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"len({cont})", "top_k": f"{idx}.shape[-1]", "layout": "expert_modules", "weights": {},
+        "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "one_hot_combine",
+        "loop": "comprehension", "tokens": x, "indices": idx, "probs": w, "counts": None,
+        "output": "" if isinstance(combine, ast.Return) else combine.targets[0].id,  # type: ignore[union-attr]
+        "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+             "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+        Risk("other", "forward: exact where the unrouted expert outputs are finite (the original's one-hot multiplies "
+             "them by 0: an inf/NaN there made NaN, the replacement never computes them). Training: the gradients "
+             "are the same (unrouted terms had zero weight; an expert without rows still gets a zero gradient), but "
+             "experts with dropout or other randomness draw for K rows per token instead of E"),
+        Risk("dynamic_shape", "the per-expert row counts are read on the host (one sync) for the split: the original "
+             "computed every expert on every token without one"),
+    ]
+    notes = [f"every expert ran on every token and `one_hot({idx}) * {w}` kept the top-k slots of each token: the tokens "
+             "are permuted by those indices, each expert runs once on its rows and npu_moe_token_unpermute weights "
+             "and sums them (E / K times fewer expert rows)"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="one_hot_combine",
                    risks=risks, notes=notes, training_ok=True)
 
 
