@@ -281,6 +281,88 @@ def one_hot_einsum_sum(axes: list[list[str]], out: str, stack_dim: int) -> bool:
     return rest[:-1] == lead and k not in sv and d not in sel and out.split() == [*lead, d]
 
 
+def routed_expert_lines(tokens: str, ids: str, probs: str, experts: str, ind: str, p: str) -> list[str]:
+    """The fused body of a dense mixture (every expert ran on every token): ``tokens`` [T, H] permuted by ``ids``
+    [T, K], every expert in ``experts`` once on its rows (an expert without rows on an empty slice: its weights get
+    zero gradients, as the original's zero-weighted terms gave them), unpermuted with ``probs`` [T, K] into
+    ``{p}mixed`` [T, D]."""
+    return [
+        f"{ind}{p}ids = {ids}.reshape(-1, {ids}.shape[-1])",
+        f"{ind}{p}xs, {p}order = torch_npu.npu_moe_token_permute({tokens}, {p}ids)",
+        f"{ind}# every expert runs once on its routed rows (one host sync for the group sizes)",
+        f"{ind}{p}sizes = torch.bincount({p}ids.flatten(), minlength=len({experts})).tolist()",
+        f"{ind}{p}h = torch.cat([{p}e({p}r) for {p}e, {p}r in zip({experts}, {p}xs.split({p}sizes))])",
+        f"{ind}{p}p = {probs}",
+        f"{ind}{p}h = {p}h.to(torch.promote_types({p}h.dtype, {p}p.dtype))  # the original multiplies with promotion",
+        f"{ind}{p}mixed = torch_npu.npu_moe_token_unpermute({p}h, {p}order, probs={p}p.to({p}h.dtype))",
+    ]
+
+
+def token_expert_loop(loop: ast.For) -> Optional[tuple[ast.expr, str, str, str, tuple[str, str]]]:
+    """(T, idx, out, t, (A, B)) of ``for t in range(T): for e in idx[t]: out[t] += A[t, e] * B[t, e]``: per token,
+    per expert id of its top-k row, a product of two [T, E]-indexed tensors (the caller finds which is the
+    stacked expert outputs and which the dense gate). None for anything else."""
+    if not (isinstance(loop.target, ast.Name) and len(loop.body) == 1 and isinstance(loop.body[0], ast.For) and not loop.orelse):
+        return None
+    inner = loop.body[0]
+    it = loop.iter
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and len(it.args) == 1
+            and not it.keywords):
+        return None
+    t = loop.target.id
+    if not (isinstance(inner.target, ast.Name) and not inner.orelse and len(inner.body) == 1
+            and isinstance(inner.iter, ast.Subscript) and isinstance(inner.iter.value, ast.Name)
+            and isinstance(inner.iter.slice, ast.Name) and inner.iter.slice.id == t):
+        return None
+    e, acc = inner.target.id, inner.body[0]
+    if not (isinstance(acc, ast.AugAssign) and isinstance(acc.op, ast.Add) and isinstance(acc.target, ast.Subscript)
+            and isinstance(acc.target.value, ast.Name) and isinstance(acc.target.slice, ast.Name)
+            and acc.target.slice.id == t and isinstance(acc.value, ast.BinOp) and isinstance(acc.value.op, ast.Mult)):
+        return None
+    names = []
+    for side in (acc.value.left, acc.value.right):
+        sl = side.slice if isinstance(side, ast.Subscript) else None
+        if not (isinstance(side, ast.Subscript) and isinstance(side.value, ast.Name) and isinstance(sl, ast.Tuple)
+                and [getattr(x, "id", None) for x in sl.elts] == [t, e]):
+            return None
+        names.append(side.value.id)
+    out, idx = acc.target.value.id, inner.iter.value.id
+    if len({*names, out, idx, t, e}) != 6:
+        return None
+    return it.args[0], idx, out, t, (names[0], names[1])
+
+
+def stacked_expert_calls(value: ast.expr, canon: Callable[[ast.expr], str]) -> Optional[tuple[str, ast.expr, int, bool]]:
+    """(x, experts, stack dim, reshaped) of ``torch.stack([expert(x) for expert in C], dim=d)`` optionally followed
+    by ``.reshape(-1, E, D)`` / ``.view(-1, E, D)`` (``[self.experts[i](x) for i in range(E)]`` too)."""
+    reshaped = False
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("reshape", "view") \
+            and len(value.args) == 3 and const_value(value.args[0]) == -1 and not value.keywords:
+        value, reshaped = value.func.value, True
+    if not (isinstance(value, ast.Call) and canon(value.func) == "torch.stack" and len(value.args) == 1
+            and isinstance(value.args[0], ast.ListComp) and len(value.args[0].generators) == 1):
+        return None
+    dim_kw = [k.value for k in value.keywords if k.arg == "dim"]
+    if len(value.keywords) != len(dim_kw) or len(dim_kw) > 1:
+        return None
+    dim = const_value(dim_kw[0]) if dim_kw else 0
+    comp, gen = value.args[0], value.args[0].generators[0]
+    call = comp.elt
+    if not isinstance(dim, int) or isinstance(dim, bool) or gen.ifs or not isinstance(gen.target, ast.Name) \
+            or not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Name)):
+        return None
+    if isinstance(call.func, ast.Name) and call.func.id == gen.target.id and dotted(gen.iter) is not None:
+        container = gen.iter
+    elif isinstance(call.func, ast.Subscript) and isinstance(call.func.slice, ast.Name) and call.func.slice.id == gen.target.id \
+            and dotted(call.func.value) is not None and isinstance(gen.iter, ast.Call) and dotted(gen.iter.func) == "range":
+        container = call.func.value
+    else:
+        return None
+    if call.args[0].id == gen.target.id:
+        return None
+    return call.args[0].id, container, dim, reshaped
+
+
 # -- class 3: torch names without a torch import -----------------------------------------------------------------
 
 
@@ -453,7 +535,45 @@ _CONV_EXPERT = ONE_HOT_EINSUM.replace("        self.up = nn.Linear(d, h)\n",
     .replace("        return self.down(F.gelu(self.up(x)))\n",
              "        x = self.mix(x.transpose(1, 2)).transpose(1, 2)\n        return self.down(F.gelu(self.up(x)))\n")
 
+# 5. every expert on every token stacked [B, S, E, D] -> [T, E, D], a Python loop over tokens and their top-k ids
+DENSE_TOKEN_LOOP = _IMPORTS + _EXPERT + '''
+
+class TokenLoopMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k, self.d = n, k, d
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([MlpExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        weights = torch.softmax(self.gate(x), dim=-1).reshape(-1, self.n)
+        top_w, top_i = torch.topk(weights, self.k, dim=-1)
+        outs = torch.stack([expert(x) for expert in self.experts], dim=2).reshape(-1, self.n, self.d)
+        b, s, _ = x.shape
+        y = torch.zeros((b * s, self.d))
+        for t in range(b * s):
+            for e in top_i[t]:
+                y[t] += outs[t, e] * weights[t, e]
+        return y.reshape(b, s, -1)
+'''
+DENSE_TOKEN_LOOP_RUN = ("m = TokenLoopMoE(16, 12, 5, 2)\nx = torch.randn(2, 6, 16, requires_grad=True)\nout = m(x)\n"
+                        "leaves = [x, m.gate.weight, m.experts[3].up.weight]\n")
+
+# 5. 2-D tokens, experts indexed in the comprehension and stacked at dim 1, the gate factor first
+DENSE_TOKEN_LOOP_2D = DENSE_TOKEN_LOOP.replace(
+    "        outs = torch.stack([expert(x) for expert in self.experts], dim=2).reshape(-1, self.n, self.d)\n"
+    "        b, s, _ = x.shape\n        y = torch.zeros((b * s, self.d))\n        for t in range(b * s):\n",
+    "        outs = torch.stack([self.experts[i](x) for i in range(self.n)], dim=1)\n"
+    "        y = x.new_zeros(x.shape[0], self.d)\n        for t in range(x.shape[0]):\n",
+).replace("y[t] += outs[t, e] * weights[t, e]", "y[t] += weights[t, e] * outs[t, e]").replace(
+    "        return y.reshape(b, s, -1)\n", "        return y\n")
+DENSE_TOKEN_LOOP_2D_RUN = DENSE_TOKEN_LOOP_RUN.replace("torch.randn(2, 6, 16,", "torch.randn(11, 16,")
+
 FUSE = [
+    Fuse(DENSE_TOKEN_LOOP, name="s44b_dense_outputs_per_token_loop", run=DENSE_TOKEN_LOOP_RUN,
+         expect={"variant": "dense_token_loop", "indices": "top_i", "output": "y"}),
+    Fuse(DENSE_TOKEN_LOOP_2D, name="s44b_dense_outputs_per_token_loop_flat_tokens", run=DENSE_TOKEN_LOOP_2D_RUN,
+         expect={"variant": "dense_token_loop", "tokens": "x"}),
     Fuse(ONE_HOT_EINSUM, name="s44b_dense_experts_one_hot_einsum", run=ONE_HOT_EINSUM_RUN,
          expect={"variant": "one_hot_combine", "indices": "idx", "probs": "w", "tokens": "hidden_states"}),
     Fuse(ONE_HOT_EINSUM_2D, name="s44b_dense_experts_one_hot_einsum_flat_tokens", run=ONE_HOT_EINSUM_2D_RUN,
@@ -470,6 +590,12 @@ FUSE = [
 UNIMPORTED = BIASED_GPT_OSS.replace(_IMPORTS, "")
 
 KEEP = [
+    # every expert's output on every token is read again after the loop
+    Keep(DENSE_TOKEN_LOOP.replace("        return y.reshape(b, s, -1)\n", "        return y.reshape(b, s, -1) + outs.mean()\n"),
+         reason="is read elsewhere", name="s44b_dense_token_loop_outputs_read_after"),
+    # experts stacked last ([B, S, D, E]) then viewed as [T, E, D]: row t, column e is not token t's expert e output
+    Keep(DENSE_TOKEN_LOOP.replace("for expert in self.experts], dim=2)", "for expert in self.experts], dim=-1)"),
+         name="s44b_dense_token_loop_experts_stacked_last"),
     # the einsum keeps the slot axis: per-slot outputs, not their sum
     Keep(ONE_HOT_EINSUM.replace('"bske,ebsd->bsd", selection, outs)\n        return routed + hidden_states',
                                 '"bske,ebsd->bskd", selection, outs)\n        return routed.sum(-2) + hidden_states'),

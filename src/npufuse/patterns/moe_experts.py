@@ -304,6 +304,11 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slot_spans.append((slots.line, slots.end_line))
                 yield slots
                 continue
+            dense_tokens = _s44b_dense_token_loop_site(module, scope, block, i, stmt) if not quiet else None
+            if dense_tokens is not None:  # s44b: per token, per top-k id, a product read off stacked dense outputs
+                slot_spans.append((dense_tokens.line, dense_tokens.end_line))
+                yield dense_tokens
+                continue
         if any(a <= stmt.lineno <= b for a, b in slot_spans + covered):
             continue  # the inner loop of a per-token, per-slot site (or of a sorted dispatch) already reported
         try:
@@ -11650,16 +11655,9 @@ def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         f"{P}experts = list({cont})",
         f"if {idx}.shape == {w}.shape and {idx}.shape[:-1] == {x}.shape[:-1] and ({ncls}) == len({P}experts) "
         f"and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
-        f"{ind}{P}ids = {idx}.reshape(-1, {idx}.shape[-1])",
-        f"{ind}{P}xs, {P}order = torch_npu.npu_moe_token_permute({x}.reshape(-1, {x}.shape[-1]), {P}ids)",
-        f"{ind}# every expert runs once on its routed rows (an expert without rows on an empty slice: its weights get",
-        f"{ind}# zero gradients, as in the original, where the one-hot zeroed all its outputs)",
-        f"{ind}{P}sizes = torch.bincount({P}ids.flatten(), minlength=len({P}experts)).tolist()",
-        f"{ind}{P}h = torch.cat([{P}e({P}r) for {P}e, {P}r in zip({P}experts, {P}xs.split({P}sizes))])",
-        f"{ind}{P}p = {w}.reshape(-1, {w}.shape[-1])",
-        f"{ind}{P}h = {P}h.to(torch.promote_types({P}h.dtype, {P}p.dtype))  # the original multiplies with promotion",
-        f"{ind}{P}mixed = torch_npu.npu_moe_token_unpermute({P}h, {P}order, probs={P}p.to({P}h.dtype)).reshape(*{x}.shape[:-1], -1)",
-        f"{ind}{result.format(P + 'mixed')}",
+        *_moe_s44b.routed_expert_lines(f"{x}.reshape(-1, {x}.shape[-1])", idx, f"{w}.reshape(-1, {w}.shape[-1])",
+                                       f"{P}experts", ind, P),
+        f"{ind}{result.format(P + 'mixed' + f'.reshape(*{x}.shape[:-1], -1)')}",
         "else:  # other shapes: as written",
         *original,
     ]
@@ -11685,6 +11683,85 @@ def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
              "and sums them (E / K times fewer expert rows)"]
     return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
                    fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="one_hot_combine",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _s44b_dense_token_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """s44b: ``S = torch.stack([expert(x) for expert in C], dim=d)[.reshape(-1, E, D)]``, a fresh ``out``, then
+    ``for t in range(T): for e in idx[t]: out[t] += S[t, e] * G[t, e]``: every expert ran on every token, each token
+    sums its top-k experts' outputs weighted by the dense gate ``G`` [T, E] at those experts. The experts run once
+    on their routed rows between permute and unpermute, with ``G.gather(-1, idx)`` as the slot weights."""
+    facts = _moe_s44b.token_expert_loop(loop)
+    if facts is None:
+        return None
+    bound, idx, out, _, pair = facts
+    canon = lambda n: _canon(module, n)  # noqa: E731
+    for stacked, gate in (pair, pair[::-1]):
+        defs = [j for j in range(i) if stacked in _assigned([block[j]])]
+        if not defs or not isinstance(block[defs[-1]], ast.Assign) or len(block[defs[-1]].targets) != 1:  # type: ignore[attr-defined]
+            continue
+        made = _moe_s44b.stacked_expert_calls(block[defs[-1]].value, canon)  # type: ignore[attr-defined]
+        if made is not None:
+            break
+    else:
+        return None
+    s_at = defs[-1]
+    x, container, dim, reshaped = made
+    between = block[s_at + 1: i]
+    end = loop.end_lineno or loop.lineno
+    reads = {n.id for st in between for n in fast_walk(st) if isinstance(n, ast.Name)}
+    inits = [st for st in between if out in _assigned([st])]
+    fresh = inits and isinstance(inits[-1], ast.Assign) and isinstance(inits[-1].value, ast.Call) \
+        and (dotted(inits[-1].value.func) or "").split(".")[-1] in ("zeros", "zeros_like", "new_zeros")
+    changed = _assigned(between) & {x, idx, gate, *(n.id for n in fast_walk(container) if isinstance(n, ast.Name))}
+    if stacked in reads or changed or not fresh or scope.uses_after(stacked, end):
+        return NearMiss(_ID, scope.qualname, block[s_at].lineno, end,
+                        f"every expert runs on `{x}` into `{stacked}` and a per-token loop sums `{stacked}[t, e] * "
+                        f"{gate}[t, e]` over the top-k ids `{idx}[t]`, but `{stacked}` is read elsewhere, an input is "
+                        f"rebound in between, or `{out}` is not freshly zeroed before the loop: not replaced")
+    mixing = _token_mixing(module, scope, container)
+    if mixing is not None:
+        return NearMiss(_ID, scope.qualname, block[s_at].lineno, end, f"every expert runs on the whole input `{x}` and "
+                        f"the experts mix tokens ({mixing}): the fused layer would call each on its routed rows only")
+    cont, ind, tb = segment(module, container), "    ", segment(module, bound)
+    # S[t, e] is token t's row of expert e only when the experts sit right before the features: stacked at x.dim() - 1
+    # (then flattened to [T, E, D]), or at 1 / -2 over 2-D tokens
+    if dim not in (-2, 1) and not (reshaped and dim >= 0):
+        return None
+    layout = ("True" if dim == -2 else f"{x}.dim() == {dim + 1}") if reshaped else f"{x}.dim() == 2"
+    guard = (f"{layout} and {idx}.dim() == 2 and not {idx}.is_floating_point() and {idx}.shape[0] == ({tb}) "
+             f"and {x}.reshape(-1, {x}.shape[-1]).shape[0] == {idx}.shape[0] and {gate}.shape == ({idx}.shape[0], len({P}experts)) "
+             f"and {out}.shape[0] == {idx}.shape[0] and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32)")
+    original = [ind + ln for st in (block[s_at], loop) for ln in ast.unparse(st).splitlines()]
+    lines = [ln for st in between for ln in ast.unparse(st).splitlines()]
+    lines += [
+        f"{P}experts = list({cont})",
+        f"if {guard}:",
+        *_moe_s44b.routed_expert_lines(f"{x}.reshape(-1, {x}.shape[-1])", idx, f"{gate}.gather(-1, {idx}.long())",
+                                       f"{P}experts", ind, P),
+        f"{ind}{out} += {P}mixed.reshape({out}.shape).to(device={out}.device, dtype={out}.dtype)",
+        "else:  # other shapes: as written",
+        *original,
+    ]
+    params: dict[str, Any] = {
+        "num_experts": f"len({cont})", "top_k": f"{idx}.shape[-1]", "layout": "expert_modules", "weights": {},
+        "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "dense_token_loop",
+        "loop": "tokens_ids", "tokens": x, "indices": idx, "probs": f"{gate}.gather(-1, {idx})", "counts": None,
+        "output": out, "output_dtype": f"{out}.dtype", "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+             "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+        Risk("other", "forward: the same sum, accumulated once per token instead of slot by slot (rounding may differ in "
+             "fp16/bf16). Training: the same gradients (unrouted outputs never reached the loss; an expert without rows "
+             "still gets a zero gradient), but experts with dropout draw for K rows per token instead of E"),
+        Risk("dynamic_shape", "the per-expert row counts are read on the host (one sync) instead of T x K Python steps"),
+    ]
+    notes = [f"every expert ran on every token into `{stacked}` and a Python loop over the tokens summed the top-k "
+             f"experts' rows weighted by `{gate}`: the tokens are permuted by `{idx}`, each expert runs once on its rows "
+             "and npu_moe_token_unpermute weights and sums them (E / K times fewer expert rows, no per-token loop)"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=block[s_at].lineno, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_token_loop",
                    risks=risks, notes=notes, training_ok=True)
 
 
