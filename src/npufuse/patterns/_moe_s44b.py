@@ -363,6 +363,14 @@ def stacked_expert_calls(value: ast.expr, canon: Callable[[ast.expr], str]) -> O
     return call.args[0].id, container, dim, reshaped
 
 
+def enumerated_name(node: ast.expr) -> Optional[ast.Name]:
+    """``rows`` of ``enumerate(rows)``: the loop walks a tensor of row indices one entry at a time."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "enumerate" \
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name):
+        return node.args[0]
+    return None
+
+
 # -- class 3: torch names without a torch import -----------------------------------------------------------------
 
 
@@ -590,6 +598,11 @@ FUSE = [
 UNIMPORTED = BIASED_GPT_OSS.replace(_IMPORTS, "")
 
 KEEP = [
+    # the expert's rows are added back one at a time in a loop over them (sample routing, HO20b DiaMoE-TTS)
+    Keep(BIASED_GPT_OSS.replace("            output[token_idx] += y * weights[token_idx, slot_idx].unsqueeze(-1)\n",
+                                "            for j, row in enumerate(token_idx):\n"
+                                "                output[row] += weights[row, slot_idx[j]] * y[j]\n"),
+         reason="one at a time in a Python loop over its selected rows", name="s44b_rows_added_back_one_at_a_time"),
     # every expert's output on every token is read again after the loop
     Keep(DENSE_TOKEN_LOOP.replace("        return y.reshape(b, s, -1)\n", "        return y.reshape(b, s, -1) + outs.mean()\n"),
          reason="is read elsewhere", name="s44b_dense_token_loop_outputs_read_after"),

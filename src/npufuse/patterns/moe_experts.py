@@ -2887,6 +2887,13 @@ class _Eval:
             raise _Miss(f"the loop adds rows back one (token, slot) pair at a time in a Python loop over this expert's "
                         f"selected tokens (`for {ast.unparse(s.target)[:30]} in {ast.unparse(s.iter)[:50]}`), which "
                         "npufuse does not read")
+        if isinstance(s, ast.For) and any(isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) for n in fast_walk(s)) \
+                and _moe_s44b.enumerated_name(s.iter) is not None \
+                and self.ev(_moe_s44b.enumerated_name(s.iter)).kind in ("tok", "kpos"):  # type: ignore[arg-type]
+            # s44b (HO20b DiaMoE-TTS): `for j, idx in enumerate(sample_idx): results[idx] += w[idx, kth[j]] * y[j]`
+            raise _Miss(f"unrecognised statement in the expert loop: the loop adds this expert's rows back one at a time "
+                        f"in a Python loop over its selected rows (`for {ast.unparse(s.target)[:30]} in "
+                        f"{ast.unparse(s.iter)[:50]}`), which npufuse does not read")
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def enter_slot_loop(self, loop: ast.For) -> bool:
