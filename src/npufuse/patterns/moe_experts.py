@@ -5355,12 +5355,14 @@ def _s44b_rowwise_module(module: ModuleInfo, scope: Scope, attr: str) -> Optiona
     (elementwise ops and last-dim slices of its input): called as it is on all the permuted rows at once."""
     if scope.class_name is None or scope.class_name not in module.classes:
         return None
-    value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
-    if not (isinstance(value, ast.Call) and dotted(value.func) in module.classes):
-        return None
-    cls = module.classes[dotted(value.func) or ""]
-    template = _moe_s44b.rowwise_activation_template(cls, _class_init_assigns(module, cls), lambda n: _canon(module, n), attr)
-    return _Act("call", template, "self") if template is not None else None
+    cache = module.__dict__.setdefault("_npufuse_moe_s44b_rowwise", {})  # per file: the loop analysis asks repeatedly
+    key = (scope.class_name, attr)
+    if key not in cache:
+        value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
+        cls = module.classes.get(dotted(value.func) or "") if isinstance(value, ast.Call) else None
+        cache[key] = _moe_s44b.rowwise_activation_template(cls, _class_init_assigns(module, cls) if cls is not None else {},
+                                                           lambda n: _canon(module, n), attr)
+    return _Act("call", cache[key], "self") if cache[key] is not None else None
 
 
 def _activation_parameter(module: ModuleInfo, cls: ast.ClassDef, name: str) -> bool:
