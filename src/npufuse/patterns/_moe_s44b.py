@@ -281,6 +281,21 @@ def one_hot_einsum_sum(axes: list[list[str]], out: str, stack_dim: int) -> bool:
     return rest[:-1] == lead and k not in sv and d not in sel and out.split() == [*lead, d]
 
 
+def guarded_routed_block(experts: str, guard: str, x: str, ids: str, probs: str, result_line: str, original: list[str],
+                         p: str) -> list[str]:
+    """``if guard:`` the routed form of a dense mixture (:func:`routed_expert_lines` over ``x``'s flattened rows), then
+    ``result_line``; ``else:`` the ``original`` lines (indented already)."""
+    ind = "    "
+    return [
+        f"{p}experts = list({experts})",
+        f"if {guard}:",
+        *routed_expert_lines(f"{x}.reshape(-1, {x}.shape[-1])", ids, probs, f"{p}experts", ind, p),
+        f"{ind}{result_line}",
+        "else:  # other shapes: as written",
+        *original,
+    ]
+
+
 def routed_expert_lines(tokens: str, ids: str, probs: str, experts: str, ind: str, p: str) -> list[str]:
     """The fused body of a dense mixture (every expert ran on every token): ``tokens`` [T, H] permuted by ``ids``
     [T, K], every expert in ``experts`` once on its rows (an expert without rows on an empty slice: its weights get
@@ -605,7 +620,7 @@ KEEP = [
          reason="one at a time in a Python loop over its selected rows", name="s44b_rows_added_back_one_at_a_time"),
     # every expert's output on every token is read again after the loop
     Keep(DENSE_TOKEN_LOOP.replace("        return y.reshape(b, s, -1)\n", "        return y.reshape(b, s, -1) + outs.mean()\n"),
-         reason="is read elsewhere", name="s44b_dense_token_loop_outputs_read_after"),
+         reason="is used after the mixture", name="s44b_dense_token_loop_outputs_read_after"),
     # experts stacked last ([B, S, D, E]) then viewed as [T, E, D]: row t, column e is not token t's expert e output
     Keep(DENSE_TOKEN_LOOP.replace("for expert in self.experts], dim=2)", "for expert in self.experts], dim=-1)"),
          name="s44b_dense_token_loop_experts_stacked_last"),

@@ -11572,14 +11572,9 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
                         f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
                         "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
                         "mixture, not a token-choice MoE")
-    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
-    if mixing is not None:
-        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
-                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
-    for n in (outs, stacked):
-        if scope.uses_after(n, end):
-            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
-                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    refused = _dense_refusal(module, scope, first, end, x, container, (outs, stacked))
+    if refused is not None:
+        return refused
     result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
     cont = segment(module, container)
     ind = "    "
@@ -11621,6 +11616,21 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
                    risks=risks, notes=notes, training_ok=True)
 
 
+def _dense_refusal(module: ModuleInfo, scope: Scope, first: int, end: int, x: str, container: ast.expr,
+                   dense_names: tuple[str, ...]) -> Optional[NearMiss]:
+    """Why a dense mixture (every expert on every token) cannot become the routed one: the experts mix tokens, or
+    every expert's output on every token (``dense_names``) is read after the span. None when neither."""
+    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
+    if mixing is not None:
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
+                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
+    for n in dense_names:
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
+                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    return None
+
+
 def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, combine: ast.stmt, stacked: str,
                        stack_dim: int, x: str, container: ast.expr, replay: list[ast.stmt], outs: str) -> Optional[Result]:
     """s44b: ``S = stack([expert(x) for expert in experts], dim=d)`` then ``einsum(one_hot(idx, E) * w[..., None], S)``
@@ -11645,14 +11655,9 @@ def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
                         f"against a one-hot of the expert indices as `{ast.unparse(combine.value)[:70]}`, which npufuse "
                         "does not read as the sum over the top-k slots and the experts (output = the tokens' leading "
                         "dims and the features)")
-    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
-    if mixing is not None:
-        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
-                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
-    for n in (outs, stacked):
-        if scope.uses_after(n, end):
-            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
-                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    refused = _dense_refusal(module, scope, first, end, x, container, (outs, stacked))
+    if refused is not None:
+        return refused
     idx, ncls, w = (segment(module, n) for n in picked)
     cont = segment(module, container)
     result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
@@ -11660,16 +11665,10 @@ def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     original = [ind + ln for s in block[i: block.index(combine) + 1] if not any(s is r for r in replay)
                 for ln in ast.unparse(s).splitlines()]
     lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
-    lines += [
-        f"{P}experts = list({cont})",
-        f"if {idx}.shape == {w}.shape and {idx}.shape[:-1] == {x}.shape[:-1] and ({ncls}) == len({P}experts) "
-        f"and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
-        *_moe_s44b.routed_expert_lines(f"{x}.reshape(-1, {x}.shape[-1])", idx, f"{w}.reshape(-1, {w}.shape[-1])",
-                                       f"{P}experts", ind, P),
-        f"{ind}{result.format(P + 'mixed' + f'.reshape(*{x}.shape[:-1], -1)')}",
-        "else:  # other shapes: as written",
-        *original,
-    ]
+    guard = (f"{idx}.shape == {w}.shape and {idx}.shape[:-1] == {x}.shape[:-1] and ({ncls}) == len({P}experts) "
+             f"and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32)")
+    lines += _moe_s44b.guarded_routed_block(cont, guard, x, idx, f"{w}.reshape(-1, {w}.shape[-1])",
+                                            result.format(P + 'mixed' + f'.reshape(*{x}.shape[:-1], -1)'), original, P)
     params: dict[str, Any] = {
         "num_experts": f"len({cont})", "top_k": f"{idx}.shape[-1]", "layout": "expert_modules", "weights": {},
         "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "one_hot_combine",
@@ -11723,15 +11722,14 @@ def _s44b_dense_token_loop_site(module: ModuleInfo, scope: Scope, block: list[as
     fresh = inits and isinstance(inits[-1], ast.Assign) and isinstance(inits[-1].value, ast.Call) \
         and (dotted(inits[-1].value.func) or "").split(".")[-1] in ("zeros", "zeros_like", "new_zeros")
     changed = _assigned(between) & {x, idx, gate, *(n.id for n in fast_walk(container) if isinstance(n, ast.Name))}
-    if stacked in reads or changed or not fresh or scope.uses_after(stacked, end):
+    if stacked in reads or changed or not fresh:
         return NearMiss(_ID, scope.qualname, block[s_at].lineno, end,
                         f"every expert runs on `{x}` into `{stacked}` and a per-token loop sums `{stacked}[t, e] * "
                         f"{gate}[t, e]` over the top-k ids `{idx}[t]`, but `{stacked}` is read elsewhere, an input is "
                         f"rebound in between, or `{out}` is not freshly zeroed before the loop: not replaced")
-    mixing = _token_mixing(module, scope, container)
-    if mixing is not None:
-        return NearMiss(_ID, scope.qualname, block[s_at].lineno, end, f"every expert runs on the whole input `{x}` and "
-                        f"the experts mix tokens ({mixing}): the fused layer would call each on its routed rows only")
+    refused = _dense_refusal(module, scope, block[s_at].lineno, end, x, container, (stacked,))
+    if refused is not None:
+        return refused
     cont, ind, tb = segment(module, container), "    ", segment(module, bound)
     # S[t, e] is token t's row of expert e only when the experts sit right before the features: stacked at x.dim() - 1
     # (then flattened to [T, E, D]), or at 1 / -2 over 2-D tokens
@@ -11743,15 +11741,9 @@ def _s44b_dense_token_loop_site(module: ModuleInfo, scope: Scope, block: list[as
              f"and {out}.shape[0] == {idx}.shape[0] and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32)")
     original = [ind + ln for st in (block[s_at], loop) for ln in ast.unparse(st).splitlines()]
     lines = [ln for st in between for ln in ast.unparse(st).splitlines()]
-    lines += [
-        f"{P}experts = list({cont})",
-        f"if {guard}:",
-        *_moe_s44b.routed_expert_lines(f"{x}.reshape(-1, {x}.shape[-1])", idx, f"{gate}.gather(-1, {idx}.long())",
-                                       f"{P}experts", ind, P),
-        f"{ind}{out} += {P}mixed.reshape({out}.shape).to(device={out}.device, dtype={out}.dtype)",
-        "else:  # other shapes: as written",
-        *original,
-    ]
+    lines += _moe_s44b.guarded_routed_block(cont, guard, x, idx, f"{gate}.gather(-1, {idx}.long())",
+                                            f"{out} += {P}mixed.reshape({out}.shape).to(device={out}.device, dtype={out}.dtype)",
+                                            original, P)
     params: dict[str, Any] = {
         "num_experts": f"len({cont})", "top_k": f"{idx}.shape[-1]", "layout": "expert_modules", "weights": {},
         "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "dense_token_loop",
