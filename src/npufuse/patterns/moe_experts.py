@@ -41,6 +41,7 @@ from npufuse.patterns import _moe_s42b
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
+from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -120,6 +121,7 @@ class _Mlp:
     orient: dict[str, str] = field(default_factory=dict)  # stacked: text -> "out_in" | "in_out"
     weights_at: str = "after_down"  # where the routing weights multiply: after_down | before_down | inside_expert | none
     why_opaque: str = ""  # opaque: why the expert MLP was not read off its class (the grouped matmul needs that)
+    biases: dict[str, str] = field(default_factory=dict)  # s44b: stacked weight text -> its stacked bias text
 
 
 @dataclass
@@ -199,6 +201,7 @@ class MoeExperts(Pattern):
 
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if not _relevant(module):
+            yield from _s44b_unimported_torch(module, scope)  # s44b: torch names used without an import: say so
             return  # no torch in this file
         if _moe_words(module) or module.__dict__.get("_npufuse_moe_grouped_mm"):
             yield from _detect_scope(module, scope)
@@ -302,6 +305,11 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slot_spans.append((slots.line, slots.end_line))
                 yield slots
                 continue
+            dense_tokens = _s44b_dense_token_loop_site(module, scope, block, i, stmt) if not quiet else None
+            if dense_tokens is not None:  # s44b: per token, per top-k id, a product read off stacked dense outputs
+                slot_spans.append((dense_tokens.line, dense_tokens.end_line))
+                yield dense_tokens
+                continue
         if any(a <= stmt.lineno <= b for a, b in slot_spans + covered):
             continue  # the inner loop of a per-token, per-slot site (or of a sorted dispatch) already reported
         try:
@@ -391,6 +399,21 @@ def _relevant(module: ModuleInfo) -> bool:
         # "num_local" as often as "expert", and selects rows with ==, != runs, where(mask[i]), ...
         cached = module.__dict__["_npufuse_moe_relevant"] = grouped or words or torch_file
     return bool(cached)
+
+
+def _s44b_unimported_torch(module: ModuleInfo, scope: Scope) -> Iterable[NearMiss]:
+    """s44b: a near miss on each loop of the dispatch shape in a file that uses torch names without importing torch
+    (text gates first, cached per file: most files without torch never get past them)."""
+    gate = module.__dict__.get("_npufuse_moe_s44b_unimported")
+    if gate is None:
+        imports = "import" in module.source and any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.dump(n)
+                                                    for n in fast_walk(module.tree))  # anywhere: a lazy import counts
+        gate = module.__dict__["_npufuse_moe_s44b_unimported"] = _moe_s44b.torch_without_import(module.source, imports)
+    if not gate:
+        return
+    for _, _, stmt in scope.statements():
+        if isinstance(stmt, ast.For) and _dispatch_shape(stmt):
+            yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, _moe_s44b.UNIMPORTED_TORCH_REASON)
 
 
 def _moe_words(module: ModuleInfo) -> bool:
@@ -2865,6 +2888,13 @@ class _Eval:
             raise _Miss(f"the loop adds rows back one (token, slot) pair at a time in a Python loop over this expert's "
                         f"selected tokens (`for {ast.unparse(s.target)[:30]} in {ast.unparse(s.iter)[:50]}`), which "
                         "npufuse does not read")
+        if isinstance(s, ast.For) and any(isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) for n in fast_walk(s)) \
+                and _moe_s44b.enumerated_name(s.iter) is not None \
+                and self.ev(_moe_s44b.enumerated_name(s.iter)).kind in ("tok", "kpos"):  # type: ignore[arg-type]
+            # s44b (HO20b DiaMoE-TTS): `for j, idx in enumerate(sample_idx): results[idx] += w[idx, kth[j]] * y[j]`
+            raise _Miss(f"unrecognised statement in the expert loop: the loop adds this expert's rows back one at a time "
+                        f"in a Python loop over its selected rows (`for {ast.unparse(s.target)[:30]} in "
+                        f"{ast.unparse(s.iter)[:50]}`), which npufuse does not read")
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def enter_slot_loop(self, loop: ast.For) -> bool:
@@ -3354,6 +3384,13 @@ class _Eval:
                 return self._masked_weights(node) or self._product(node)
             if isinstance(node.op, ast.MatMult):
                 return self._project(self.ev(node.left), node.right, "matmul")
+            if isinstance(node.op, ast.Add):
+                for proj_node, bias_node in ((node.left, node.right), (node.right, node.left)):
+                    bias = _moe_s44b.stacked_bias(bias_node, self._is_eidx, self._stacked_base)
+                    if bias is not None:  # s44b: `x @ W[e] + B[e]` / `F.linear(x, W[e]) + B[e]`
+                        proj = self.ev(proj_node)
+                        if proj.kind == "proj":
+                            return self._s44b_biased(proj, bias)
             if isinstance(node.op, ast.Add) and self.loop_kind == "counts":
                 a, b = self.ev(node.left), self.ev(node.right)
                 for one, other, other_node in ((a, b, node.right), (b, a, node.left)):
@@ -3361,6 +3398,13 @@ class _Eval:
                         self.start_name = other_node.id
                         return V("end")  # end_idx = start_idx + num_tokens
         return V("unknown", (ast.unparse(node),))
+
+    def _s44b_biased(self, proj: V, bias: str) -> V:
+        """s44b: the stacked projection ``proj`` plus its stacked bias ``bias`` (indexed by the expert)."""
+        key = _moe_s44b.with_bias(proj.args[0], bias) if proj.kind == "proj" else None
+        if key is None:
+            raise _Miss("a bias is added to an expert projection that is not one bias-free stacked projection")
+        return V("proj", (key, *proj.args[1:]))
 
     def _stacked_base(self, node: ast.expr) -> bool:
         """``self.w1`` or a name from outside the loop (a function's stacked weight argument): what
@@ -4262,7 +4306,13 @@ class _Eval:
                 return self._chunk(v, node, method=False)
         if name in _LINEAR and len(node.args) >= 2:
             if len(node.args) > 2 or keyword(node, "bias") is not None:
-                raise _Miss("the stacked expert projection has a bias")
+                # s44b: F.linear(x, W[e], B[e]): B a stacked bias indexed by the expert, added after the grouped matmul
+                bias_node = node.args[2] if len(node.args) > 2 else keyword(node, "bias")
+                bias = _moe_s44b.stacked_bias(bias_node, self._is_eidx, self._stacked_base)
+                if bias is None:
+                    raise _Miss(f"the stacked expert projection has a bias `{ast.unparse(bias_node)[:40]}` that is not one "
+                                "stacked tensor indexed by the expert (`B[e]`)")
+                return self._s44b_biased(self._project(self.ev(node.args[0]), node.args[1], "linear"), bias)
             return self._project(self.ev(node.args[0]), node.args[1], "linear")
         if name in _MATMUL and len(node.args) == 2:
             return self._project(self.ev(node.args[0]), node.args[1], "matmul")
@@ -4324,6 +4374,8 @@ class _Eval:
         # self.act_fn(x) of a stacked-experts module
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1:
             act = _activation_attr(m, self.scope, f.attr, owner="self")
+            if act is None and self.expert_init is None and not node.keywords:
+                act = _s44b_rowwise_module(m, self.scope, f.attr)  # s44b: `self.activation = GLU()` of this file
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
         return V("unknown", (ast.unparse(node),))
@@ -5341,6 +5393,21 @@ def _activation_attr(module: ModuleInfo, scope: Scope, attr: str, owner: str) ->
     return _activation_value(module, value, attr, owner) if value is not None else None
 
 
+def _s44b_rowwise_module(module: ModuleInfo, scope: Scope, attr: str) -> Optional[_Act]:
+    """s44b: ``self.<attr>`` built in ``__init__`` as ``Cls()`` of a class of this file whose forward is row-wise
+    (elementwise ops and last-dim slices of its input): called as it is on all the permuted rows at once."""
+    if scope.class_name is None or scope.class_name not in module.classes:
+        return None
+    cache = module.__dict__.setdefault("_npufuse_moe_s44b_rowwise", {})  # per file: the loop analysis asks repeatedly
+    key = (scope.class_name, attr)
+    if key not in cache:
+        value = _class_init_assigns(module, module.classes[scope.class_name]).get(attr)
+        cls = module.classes.get(dotted(value.func) or "") if isinstance(value, ast.Call) else None
+        cache[key] = _moe_s44b.rowwise_activation_template(cls, _class_init_assigns(module, cls) if cls is not None else {},
+                                                           lambda n: _canon(module, n), attr)
+    return _Act("call", cache[key], "self") if cache[key] is not None else None
+
+
 def _activation_parameter(module: ModuleInfo, cls: ast.ClassDef, name: str) -> bool:
     """Whether ``name`` is an ``__init__`` parameter that holds an activation function: its default
     is one (``activation: Callable = F.silu``, ``nn.SiLU()``) or its annotation says ``Callable``."""
@@ -5504,6 +5571,17 @@ def _mlp_from(out: V, layout: str, owner: str) -> _Mlp:
         raise _Miss("the expert is not act(gate(x)) * up(x) -> down, nor fc2(act(fc1(x)))")
     if weights_at:
         mlp.weights_at = weights_at
+    biases, why = _moe_s44b.projection_biases(out)  # s44b: stacked biases, added after each grouped matmul
+    if why:
+        raise _Miss(why)
+    if biases:
+        if weights_at:
+            raise _Miss("the routing weights scale the hidden activation before a biased down projection: the bias "
+                        "is not weighted there, the unpermute would weight it")
+        _, why = _moe_s44b.first_layer_bias(biases, mlp.gate_up, mlp.gate, mlp.up, mlp.fc1)
+        if why:
+            raise _Miss(why)
+        mlp.biases = biases
     return mlp
 
 
@@ -5791,8 +5869,11 @@ def _fused_text(site: _Site) -> str:
         ]
     else:
         lines.append(f"{h} = {P}gmm({P}x, {w1}.to({P}x.dtype), {P}counts)")
+        lines += _moe_s44b.bias_lines(_moe_s44b.first_layer_bias(mlp.biases, mlp.gate_up, mlp.gate, mlp.up, mlp.fc1)[0],
+                                      h, f"{P}counts")
         lines += _act_text(site)
         lines.append(f"{h} = {P}gmm({h}.contiguous(), {w2}.to({h}.dtype), {P}counts)")
+        lines += _moe_s44b.bias_lines(mlp.biases.get(mlp.down, ""), h, f"{P}counts")
     if site.post_dropout:
         # s41b: the loop's dropout on each expert's output, once on all of them (row-wise: the same in eval mode)
         lines.append(f"{h} = {site.post_dropout.format(h)}")
@@ -11560,6 +11641,10 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
         if outs in names or x in _assigned([s]) or stacked in names:
             return None
         replay.append(s)  # statements on other values (the gate's own NaN guard...): replayed before
+    if combine is not None and isinstance(stack_dim, int) and not isinstance(stack_dim, bool):
+        one_hot = _s44b_one_hot_site(module, scope, block, i, combine, stacked, stack_dim, x, container, replay, outs)
+        if one_hot is not None:
+            return one_hot  # s44b: the stacked outputs summed against one_hot(idx, E) * w
     if combine is None or stack_dim not in (-1, -2):
         return None
     if not (isinstance(combine, (ast.Assign, ast.Return)) and (isinstance(combine, ast.Return) or (
@@ -11580,14 +11665,9 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
                         f"every expert runs on every token and the outputs are mixed by `{gate_text[:40]}`, which npufuse "
                         "does not trace to a top-k routing (topk with scatter / one_hot / masked_fill): a dense (soft) "
                         "mixture, not a token-choice MoE")
-    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
-    if mixing is not None:
-        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
-                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
-    for n in (outs, stacked):
-        if scope.uses_after(n, end):
-            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
-                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    refused = _dense_refusal(module, scope, first, end, x, container, (outs, stacked))
+    if refused is not None:
+        return refused
     result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
     cont = segment(module, container)
     ind = "    "
@@ -11626,6 +11706,156 @@ def _dense_stack_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i
              "entries, each expert runs once on its rows and npu_moe_token_unpermute weights and sums them"]
     return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
                    fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_gate",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _dense_refusal(module: ModuleInfo, scope: Scope, first: int, end: int, x: str, container: ast.expr,
+                   dense_names: tuple[str, ...]) -> Optional[NearMiss]:
+    """Why a dense mixture (every expert on every token) cannot become the routed one: the experts mix tokens, or
+    every expert's output on every token (``dense_names``) is read after the span. None when neither."""
+    mixing = _token_mixing(module, scope, container.value if isinstance(container, ast.Call) else container)
+    if mixing is not None:
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on the whole input `{x}` and the experts mix "
+                        f"tokens ({mixing}): the fused layer would call each on its routed rows only")
+    for n in dense_names:
+        if scope.uses_after(n, end):
+            return NearMiss(_ID, scope.qualname, first, end, f"`{n}` (every expert's output on every token) is used "
+                            "after the mixture; the fused layer computes each expert on its routed tokens only")
+    return None
+
+
+def _s44b_one_hot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, combine: ast.stmt, stacked: str,
+                       stack_dim: int, x: str, container: ast.expr, replay: list[ast.stmt], outs: str) -> Optional[Result]:
+    """s44b: ``S = stack([expert(x) for expert in experts], dim=d)`` then ``einsum(one_hot(idx, E) * w[..., None], S)``
+    summing the slots and experts: sum_k w[.., k] * expert_{idx[.., k]}(x) (every expert ran on every token, the
+    one-hot zeroes all but the top-k). The experts run once on their routed rows between permute and unpermute."""
+    if not (isinstance(combine, ast.Return) or isinstance(combine, ast.Assign) and len(combine.targets) == 1
+            and isinstance(combine.targets[0], ast.Name)) or not isinstance(combine.value, ast.Call):
+        return None
+    parsed = _moe_s44b.einsum_operands(combine.value, lambda n: _canon(module, n))
+    if parsed is None or len(parsed[2]) != 2 or not (isinstance(parsed[2][1], ast.Name) and parsed[2][1].id == stacked):
+        return None
+    sel: Optional[ast.expr] = parsed[2][0]
+    if isinstance(sel, ast.Name):
+        bound = [r for r in replay if isinstance(r, ast.Assign) and sel.id in _assigned([r])]
+        sel = bound[-1].value if len(bound) == 1 and len(bound[0].targets) == 1 else None  # type: ignore[attr-defined]
+    picked = _moe_s44b.one_hot_selection(sel, lambda n: _canon(module, n)) if sel is not None else None
+    if picked is None:
+        return None
+    first, end = block[i].lineno, combine.end_lineno or combine.lineno
+    if not _moe_s44b.one_hot_einsum_sum(parsed[0], parsed[1], stack_dim):
+        return NearMiss(_ID, scope.qualname, first, end, f"every expert runs on `{x}` and the stacked outputs are summed "
+                        f"against a one-hot of the expert indices as `{ast.unparse(combine.value)[:70]}`, which npufuse "
+                        "does not read as the sum over the top-k slots and the experts (output = the tokens' leading "
+                        "dims and the features)")
+    refused = _dense_refusal(module, scope, first, end, x, container, (outs, stacked))
+    if refused is not None:
+        return refused
+    idx, ncls, w = (segment(module, n) for n in picked)
+    cont = segment(module, container)
+    result = "return {}" if isinstance(combine, ast.Return) else f"{combine.targets[0].id} = {{}}"  # type: ignore[union-attr]
+    ind = "    "
+    original = [ind + ln for s in block[i: block.index(combine) + 1] if not any(s is r for r in replay)
+                for ln in ast.unparse(s).splitlines()]
+    lines = [ln for s in replay for ln in ast.unparse(s).splitlines()]
+    guard = (f"{idx}.shape == {w}.shape and {idx}.shape[:-1] == {x}.shape[:-1] and ({ncls}) == len({P}experts) "
+             f"and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32)")
+    lines += _moe_s44b.guarded_routed_block(cont, guard, x, idx, f"{w}.reshape(-1, {w}.shape[-1])",
+                                            result.format(P + 'mixed' + f'.reshape(*{x}.shape[:-1], -1)'), original, P)
+    params: dict[str, Any] = {
+        "num_experts": f"len({cont})", "top_k": f"{idx}.shape[-1]", "layout": "expert_modules", "weights": {},
+        "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "one_hot_combine",
+        "loop": "comprehension", "tokens": x, "indices": idx, "probs": w, "counts": None,
+        "output": "" if isinstance(combine, ast.Return) else combine.targets[0].id,  # type: ignore[union-attr]
+        "output_dtype": None, "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+             "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+        Risk("other", "forward: exact where the unrouted expert outputs are finite (the original's one-hot multiplies "
+             "them by 0: an inf/NaN there made NaN, the replacement never computes them). Training: the gradients "
+             "are the same (unrouted terms had zero weight; an expert without rows still gets a zero gradient), but "
+             "experts with dropout or other randomness draw for K rows per token instead of E"),
+        Risk("dynamic_shape", "the per-expert row counts are read on the host (one sync) for the split: the original "
+             "computed every expert on every token without one"),
+    ]
+    notes = [f"every expert ran on every token and `one_hot({idx}) * {w}` kept the top-k slots of each token: the tokens "
+             "are permuted by those indices, each expert runs once on its rows and npu_moe_token_unpermute weights "
+             "and sums them (E / K times fewer expert rows)"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=first, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="one_hot_combine",
+                   risks=risks, notes=notes, training_ok=True)
+
+
+def _s44b_dense_token_loop_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[Result]:
+    """s44b: ``S = torch.stack([expert(x) for expert in C], dim=d)[.reshape(-1, E, D)]``, a fresh ``out``, then
+    ``for t in range(T): for e in idx[t]: out[t] += S[t, e] * G[t, e]``: every expert ran on every token, each token
+    sums its top-k experts' outputs weighted by the dense gate ``G`` [T, E] at those experts. The experts run once
+    on their routed rows between permute and unpermute, with ``G.gather(-1, idx)`` as the slot weights."""
+    facts = _moe_s44b.token_expert_loop(loop)
+    if facts is None:
+        return None
+    bound, idx, out, _, pair = facts
+    canon = lambda n: _canon(module, n)  # noqa: E731
+    for stacked, gate in (pair, pair[::-1]):
+        defs = [j for j in range(i) if stacked in _assigned([block[j]])]
+        if not defs or not isinstance(block[defs[-1]], ast.Assign) or len(block[defs[-1]].targets) != 1:  # type: ignore[attr-defined]
+            continue
+        made = _moe_s44b.stacked_expert_calls(block[defs[-1]].value, canon)  # type: ignore[attr-defined]
+        if made is not None:
+            break
+    else:
+        return None
+    s_at = defs[-1]
+    x, container, dim, reshaped = made
+    between = block[s_at + 1: i]
+    end = loop.end_lineno or loop.lineno
+    reads = {n.id for st in between for n in fast_walk(st) if isinstance(n, ast.Name)}
+    inits = [st for st in between if out in _assigned([st])]
+    fresh = inits and isinstance(inits[-1], ast.Assign) and isinstance(inits[-1].value, ast.Call) \
+        and (dotted(inits[-1].value.func) or "").split(".")[-1] in ("zeros", "zeros_like", "new_zeros")
+    changed = _assigned(between) & {x, idx, gate, *(n.id for n in fast_walk(container) if isinstance(n, ast.Name))}
+    if stacked in reads or changed or not fresh:
+        return NearMiss(_ID, scope.qualname, block[s_at].lineno, end,
+                        f"every expert runs on `{x}` into `{stacked}` and a per-token loop sums `{stacked}[t, e] * "
+                        f"{gate}[t, e]` over the top-k ids `{idx}[t]`, but `{stacked}` is read elsewhere, an input is "
+                        f"rebound in between, or `{out}` is not freshly zeroed before the loop: not replaced")
+    refused = _dense_refusal(module, scope, block[s_at].lineno, end, x, container, (stacked,))
+    if refused is not None:
+        return refused
+    cont, ind, tb = segment(module, container), "    ", segment(module, bound)
+    # S[t, e] is token t's row of expert e only when the experts sit right before the features: stacked at x.dim() - 1
+    # (then flattened to [T, E, D]), or at 1 / -2 over 2-D tokens
+    if dim not in (-2, 1) and not (reshaped and dim >= 0):
+        return None
+    layout = ("True" if dim == -2 else f"{x}.dim() == {dim + 1}") if reshaped else f"{x}.dim() == 2"
+    guard = (f"{layout} and {idx}.dim() == 2 and not {idx}.is_floating_point() and {idx}.shape[0] == ({tb}) "
+             f"and {x}.reshape(-1, {x}.shape[-1]).shape[0] == {idx}.shape[0] and {gate}.shape == ({idx}.shape[0], len({P}experts)) "
+             f"and {out}.shape[0] == {idx}.shape[0] and {x}.dtype in (torch.float16, torch.bfloat16, torch.float32)")
+    original = [ind + ln for st in (block[s_at], loop) for ln in ast.unparse(st).splitlines()]
+    lines = [ln for st in between for ln in ast.unparse(st).splitlines()]
+    lines += _moe_s44b.guarded_routed_block(cont, guard, x, idx, f"{gate}.gather(-1, {idx}.long())",
+                                            f"{out} += {P}mixed.reshape({out}.shape).to(device={out}.device, dtype={out}.dtype)",
+                                            original, P)
+    params: dict[str, Any] = {
+        "num_experts": f"len({cont})", "top_k": f"{idx}.shape[-1]", "layout": "expert_modules", "weights": {},
+        "activation": "as written", "conditional": True, "routing_weights": "after_down", "routing": "dense_token_loop",
+        "loop": "tokens_ids", "tokens": x, "indices": idx, "probs": f"{gate}.gather(-1, {idx})", "counts": None,
+        "output": out, "output_dtype": f"{out}.dtype", "sentinel_index": None,
+    }
+    risks = [
+        Risk("other", "each expert is called once on its routed rows ([n, H]) instead of on the whole input: equal only "
+             "while the expert treats tokens independently (no attention, convolution or batch statistics over them)"),
+        Risk("other", "forward: the same sum, accumulated once per token instead of slot by slot (rounding may differ in "
+             "fp16/bf16). Training: the same gradients (unrouted outputs never reached the loss; an expert without rows "
+             "still gets a zero gradient), but experts with dropout draw for K rows per token instead of E"),
+        Risk("dynamic_shape", "the per-expert row counts are read on the host (one sync) instead of T x K Python steps"),
+    ]
+    notes = [f"every expert ran on every token into `{stacked}` and a Python loop over the tokens summed the top-k "
+             f"experts' rows weighted by `{gate}`: the tokens are permuted by `{idx}`, each expert runs once on its rows "
+             "and npu_moe_token_unpermute weights and sums them (E / K times fewer expert rows, no per-token loop)"]
+    return Finding(pattern=_ID, qualname=scope.qualname, line=block[s_at].lineno, end_line=end, params=params,
+                   fused="\n".join(lines) + "\n", guard_tensor=x, confidence="medium", variant="dense_token_loop",
                    risks=risks, notes=notes, training_ok=True)
 
 
@@ -14947,3 +15177,5 @@ MoeExperts.KEEP += s43c.KEEP
 # s44a (moe44a): skip guards counting an expert's rows in other spellings (patterns/_moe_s44a.py)
 MoeExperts.FUSE += s44a.FUSE
 MoeExperts.KEEP += s44a.KEEP
+MoeExperts.FUSE += _moe_s44b.FUSE  # s44b: stacked biases, row-wise activation modules (patterns/_moe_s44b.py)
+MoeExperts.KEEP += _moe_s44b.KEEP
