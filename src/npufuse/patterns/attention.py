@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _sweep43b_callers
+from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -1112,6 +1112,8 @@ class Chain:
     # axis its position in the written scores (mask terms are permuted by it); set by the P@V einsum, confirmed by Q@Kᵀ
     s43_score_axes: tuple[int, ...] | None = None
     s43_qk_read: bool = False
+    # s44: gpt-oss attention sinks: the per-head logit column peeled off the softmax (passed as the op's ``sink``)
+    s44_sink: Any = None
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1676,6 +1678,8 @@ class _Matcher:
             sm = self.softmax_of(node)
             if sm is not None:
                 x, dim, dtype = sm
+                if chain.s44_sink is not None and chain.s44_sink.softmax is node:
+                    x = chain.s44_sink.scores
                 if not _heavy(x, through_meta=False):
                     return None  # softmax over something that is not Q@Kᵀ: a weighted sum, not attention
                 dim_v = const_value(dim) if dim is not None else None
@@ -1712,6 +1716,11 @@ class _Matcher:
                 node = passed  # s36: ``p = self.attn_map(p)`` with ``self.attn_map = nn.Identity()`` (run-time checked)
                 continue
             if self._qk_softmax(node):
+                sunk = _attention_s44.sink_column(self, node, chain.seen) if chain.s44_sink is None else None
+                if sunk is not None:
+                    chain.s44_sink = sunk  # s44: the softmax below reads the scores without the sink column
+                    node = sunk.softmax
+                    continue
                 self._sink_column(node)
                 if self.method(node, "view", "reshape"):
                     # audit40b: a re-view changes no value: say what it is (OmniQuant's Falcon alibi arm re-views the
@@ -4075,6 +4084,18 @@ class AttentionPattern(Pattern):
                 kwargs.append(("keep_prob", keep))
                 dropout_text = p_text
                 risks.append(Risk("numerics", "dropout masks come from the NPU's Philox stream: statistically equivalent to torch's, not bit-identical (compare with dropout off)"))
+        if chain.s44_sink is not None:
+            # s44: spec 5.1's ``sink`` (float32 [head_num], one unscaled logit per query head) is the written column
+            if three_d or chain.heads_in_batch or chain.s43_score_axes is not None:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "attention sinks on scores not laid out [B, N, Sq, Skv]: "
+                                "the sink column's head axis is not the one npu_fusion_attention's `sink` ([head_num]) reads")
+            try:
+                sink_base = r.text(chain.s44_sink.base)
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+            kwargs.append(("sink", f"{atom(sink_base)}.reshape(-1).float()"))
+            risks.append(Risk("other", "attention sinks: the per-head sink logit goes to npu_fusion_attention's `sink` argument, which "
+                                       "needs a CANN with aclnnFlashAttentionScoreV3 (an older stack rejects the call)"))
         if sparse:
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)

@@ -1,0 +1,137 @@
+"""Attention constructs of the s44 pass (helper attn44: classes read from real development misses).
+
+* **Attention sinks** (gpt-oss reference text, copied into FMS and many from-scratch repositories): a per-head logit
+  column concatenated to the [B, N, Sq, Skv] scores on the key axis before the softmax, its probability column sliced
+  away after (``torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(b, -1, sq, -1)], -1)``, softmax over -1,
+  ``w[..., :-1]``). Spec 5.1 gives the exact semantics of npu_fusion_attention's ``sink`` (float32 ``[head_num]``):
+  ``m = max(max_j S, sink_h)``, ``P = exp(S - m) / (sum_j exp(S - m) + exp(sink_h - m))``, the sink NOT scaled: the
+  written code when the column holds one value per head (constant over batch and query rows), sits after every
+  scale and mask term, and is exactly one column (the last, the one dropped). The column's base must be proved
+  ``[1, N, 1, 1]``-shaped: ``X.reshape(1, -1, 1, 1)`` / ``X.view(1, h, 1, 1)`` / ``X[None, :, None, None]``, or a
+  module parameter built in ``__init__`` as ``nn.Parameter(torch.<ctor>(1, h, 1, 1))`` (or ``(h, 1, 1)``), expanded
+  with its last size kept (``-1`` / ``1``). Anything else keeps the s36 near miss "attention sinks".
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Any
+
+from npufuse.scan.dataflow import const_value, keyword
+
+_CATS = ("torch.cat", "torch.concat", "torch.concatenate")
+_PARAM_CTORS = ("empty", "zeros", "ones", "randn", "rand", "full")
+
+
+@dataclass
+class SinkColumn:
+    """A sink column found at the probabilities' slice: the softmax call, the scores it normalises without the
+    column, and the base tensor holding one logit per head (its elements in head order)."""
+    softmax: Any
+    scores: Any
+    base: Any
+
+
+def _is_one(node: Any) -> bool:
+    return const_value(node) == 1
+
+
+def _drops_last_column(matcher: Any, node: Any) -> bool:
+    """``w[..., :-1]`` / ``w[:, :, :, :-1]``: every leading index a full slice or the ellipsis, the last ``:-1``."""
+    if not isinstance(node, ast.Subscript):
+        return False
+    parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    last = parts[-1]
+    if not (isinstance(last, ast.Slice) and last.lower is None and last.step is None and const_value(last.upper) == -1):
+        return False
+    lead = parts[:-1]
+    if any(not (const_value(p) is Ellipsis or isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None)
+           for p in lead):
+        return False
+    # without an ellipsis the index must name all four axes (the sliced one is the key axis)
+    return any(const_value(p) is Ellipsis for p in lead) or len(parts) == 4
+
+
+def _parameter_head_column(matcher: Any, node: Any) -> bool:
+    """``self.<p>`` built in ``__init__`` as ``nn.Parameter(torch.<ctor>(1, h, 1, 1))`` or ``(h, 1, 1)``."""
+    ctor = matcher._module_attr_ctor(node) if isinstance(node, ast.Attribute) else None
+    if ctor is None or matcher.module.canonical(ctor.func) != "torch.nn.Parameter" or not ctor.args:
+        return False
+    inner = ctor.args[0]
+    if not isinstance(inner, ast.Call):
+        return False
+    name = matcher.module.canonical(inner.func) or ""
+    if not name.startswith("torch.") or name.rpartition(".")[2] not in _PARAM_CTORS:
+        return False
+    dims = list(inner.args)
+    if name.endswith(".full"):
+        dims = list(dims[0].elts) if dims and isinstance(dims[0], (ast.Tuple, ast.List)) else []
+    elif len(dims) == 1 and isinstance(dims[0], (ast.Tuple, ast.List)):
+        dims = list(dims[0].elts)
+    if len(dims) == 4:
+        return _is_one(dims[0]) and _is_one(dims[2]) and _is_one(dims[3])
+    return len(dims) == 3 and _is_one(dims[1]) and _is_one(dims[2])
+
+
+def _head_base(matcher: Any, node: Any, seen: set[int]) -> Any:
+    """The tensor whose elements are the per-head logits of a [1, N, 1, 1] column ``node``, else None."""
+    from npufuse.patterns.attention import deref
+
+    node = deref(node, seen)
+    if matcher.method(node, "reshape", "view") and len(node.args) == 4 and not node.keywords:
+        a = node.args
+        if _is_one(a[0]) and _is_one(a[2]) and _is_one(a[3]):
+            return node.func.value
+        return None
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 4:
+        e = node.slice.elts
+        if all(const_value(e[i]) is None and isinstance(e[i], ast.Constant) for i in (0, 2, 3)) \
+                and isinstance(e[1], ast.Slice) and e[1].lower is None and e[1].upper is None and e[1].step is None:
+            return node.value  # ``X[None, :, None, None]``: X is 1-D, else the result would not be 4-D
+        return None
+    if _parameter_head_column(matcher, node):
+        return node
+    return None
+
+
+def _sink_base(matcher: Any, column: Any, seen: set[int]) -> Any:
+    """The per-head logits of a sink column [B, N, Sq, 1]: ``base.expand(b, -1, sq, -1)`` (or ``.repeat(b, 1, sq, 1)``)
+    of a proved [1, N, 1, 1] base; None for anything else (a column per batch or row, several columns)."""
+    from npufuse.patterns.attention import deref
+
+    column = deref(column, seen)
+    if matcher.method(column, "expand") and len(column.args) == 4 and not column.keywords:
+        if const_value(column.args[3]) not in (-1, 1):
+            return None
+    elif matcher.method(column, "repeat") and len(column.args) == 4 and not column.keywords:
+        if not (_is_one(column.args[1]) and _is_one(column.args[3])):
+            return None
+    else:
+        return None
+    return _head_base(matcher, column.func.value, seen)
+
+
+def sink_column(matcher: Any, node: Any, seen: set[int]) -> SinkColumn | None:
+    """``node`` is ``softmax(cat([scores, <sink column>], -1), -1)[..., :-1]`` (the row max possibly subtracted from the
+    concatenation first: no change to a softmax) with a column proved to hold one logit per head: what it reads."""
+    from npufuse.patterns.attention import _s36_last_dim_keepdim, deref
+
+    if not _drops_last_column(matcher, node):
+        return None
+    sm_node = deref(node.value, seen)
+    sm = matcher.softmax_of(sm_node)
+    if sm is None or const_value(sm[1]) != -1:
+        return None
+    cat = deref(sm[0], seen)
+    if isinstance(cat, ast.BinOp) and isinstance(cat.op, ast.Sub) and _s36_last_dim_keepdim(matcher, cat.right, seen, "max", "amax") is not None:
+        cat = deref(cat.left, seen)
+    if not (isinstance(cat, ast.Call) and matcher._fn(cat) in _CATS and cat.args and const_value(keyword(cat, "dim", 1)) == -1):
+        return None
+    parts = cat.args[0]
+    if not isinstance(parts, (ast.List, ast.Tuple)) or len(parts.elts) != 2:
+        return None
+    base = _sink_base(matcher, parts.elts[1], seen)
+    if base is None:
+        return None
+    return SinkColumn(sm_node, parts.elts[0], base)
