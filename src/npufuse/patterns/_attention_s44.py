@@ -135,3 +135,30 @@ def sink_column(matcher: Any, node: Any, seen: set[int]) -> SinkColumn | None:
     if base is None:
         return None
     return SinkColumn(sm_node, parts.elts[0], base)
+
+
+# -- softmax over a key axis that is not the last ---------------------------------------------------------------------
+# LoFTR's FullAttention (``QK = einsum("nlhd,nshd->nlsh", q, k)``, ``softmax(QK, dim=2)``, ``einsum("nlsh,nshd->nlhd",
+# A, v)``), Transformer-XL text with sequence-first ``ijbn`` scores (``softmax(dim=1)``): the keys sit on the axis the
+# P@V einsum contracts, and the softmax runs over that axis. Each (batch, head) slice is the same attention as in BNSD
+# order, so s43's permuted-scores reading (q / k / v permuted to BNSD, mask terms permuted, the result permuted back)
+# computes it once the key axis is that einsum's contracted one; the Q@Kᵀ einsum must produce the key letter on the
+# same axis. A softmax over any other axis stays the near miss it was.
+
+def einsum_key_axis(c: Any, p_sub: str) -> int | None:
+    """The probabilities' axis a 4-D P@V einsum contracts with the values (None unless exactly one, on 4-D P)."""
+    if c is None or len(p_sub) != 4 or len(c.summed) != 1 or c.summed not in p_sub:
+        return None
+    return p_sub.index(c.summed)
+
+
+def softmax_over_einsum_key(matcher: Any, dim: Any, chain: Any) -> bool:
+    """The softmax's ``dim`` names the key axis of 4-D einsum scores that is not the last: recorded on the chain
+    (the permuted-scores reading then requires it); False otherwise, the caller's own check deciding."""
+    axis = getattr(matcher, "s44_einsum_key", None)
+    if axis is None or axis == 3 or getattr(matcher, "three_d", False) or getattr(matcher, "s28_rank", 4) != 4:
+        return False
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim not in (axis, axis - 4):
+        return False
+    chain.s44_key_axis = axis
+    return True
