@@ -162,3 +162,113 @@ def softmax_over_einsum_key(matcher: Any, dim: Any, chain: Any) -> bool:
         return False
     chain.s44_key_axis = axis
     return True
+
+
+# -- query rows zeroed after the softmax --------------------------------------------------------------------------------
+# retention's SelfAttention (``if padding_mask is not None: W = W.masked_fill(padding_mask.unsqueeze(-1), 0.0)``): the
+# probabilities of whole query rows set to 0 after the softmax (padded queries). Row i of P @ V is sum_j P[i, j] v[j],
+# so a row of P zeroed zeroes row i of the output and nothing else: the fused output gets the same masked_fill, the
+# row mask broadcasting against [.., Sq, D] exactly as it did against [.., Sq, Skv] (its last size is 1 and every other
+# axis of the output is the probabilities' own). Read only where the row mask provably has size 1 on the key axis
+# (``X.unsqueeze(-1)``, an index ending in ``None``, possibly negated) and the output keeps the probabilities' axes
+# (no transposed / permuted / re-viewed product: checked when the call is rendered). A mask over keys, or of unknown
+# shape, stays the near miss "modified after softmax".
+
+@dataclass
+class ZeroedRows:
+    """Query rows of the probabilities zeroed after the softmax: the row mask, and the branch test it runs under."""
+    rows: Any
+    test: Any = None
+    negated: bool = False
+
+
+def _key_axis_one(matcher: Any, node: Any) -> bool:
+    """``node`` has size 1 on its last axis by construction."""
+    from npufuse.patterns.attention import deref
+
+    node = deref(node)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Invert, ast.Not)):
+        node = deref(node.operand)
+    if matcher.method(node, "unsqueeze") and len(node.args) == 1 and const_value(node.args[0]) == -1:
+        return True
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and node.slice.elts:
+        last = node.slice.elts[-1]
+        return isinstance(last, ast.Constant) and last.value is None
+    return False
+
+
+# conversions a guard may evaluate again (the test ``mask is not None`` reads a mask rebound as ``mask.to(device)``)
+_PURE_METHODS = frozenset({"to", "bool", "float", "half", "unsqueeze", "view", "reshape", "contiguous", "type_as", "logical_not"})
+
+
+def _side_effect_free(matcher: Any, test: Any, pure_test: Any) -> bool:
+    """The test calls nothing but pure predicates and tensor conversions (it is evaluated again by the fused branch)."""
+    from npufuse.patterns.attention import Ref, is_meta
+
+    if pure_test(matcher, test):
+        return True
+    stack, seen = [test], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, ast.AST) or id(n) in seen or len(seen) > 2000:
+            continue
+        seen.add(id(n))
+        if is_meta(n):
+            continue  # ``scores.device``: metadata, the tensor's values (and the calls making them) are not read
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and n.func.attr in _PURE_METHODS):
+            return False
+        if isinstance(n, Ref):
+            stack.append(n.value)
+            continue
+        stack.extend(ast.iter_child_nodes(n))
+    return True
+
+
+def _row_zeroing(matcher: Any, step: Any, plain: Any) -> Any:
+    """The row mask of ``step`` = ``plain.masked_fill(rows, 0)`` with rows of size 1 on the key axis, else None."""
+    from npufuse.patterns.attention import deref
+
+    step = deref(step)
+    if not (matcher.method(step, "masked_fill", "masked_fill_") and len(step.args) == 2 and const_value(step.args[1]) in (0, 0.0)):
+        return None
+    receiver = step.func.value
+    if not (receiver is plain or deref(receiver) is deref(plain)):
+        return None
+    return step.args[0] if _key_axis_one(matcher, step.args[0]) else None
+
+
+def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
+    """The probabilities before a query-row zeroing (unconditional, or one branch of ``if <flag>:``): recorded on the
+    chain, the fused output zeroed the same way; None for anything else."""
+    from npufuse.patterns.attention import Cond, Undef, _heavy, _pure_test
+
+    if isinstance(node, Cond):
+        a, b = node.body, node.orelse
+        if isinstance(a, Undef) or isinstance(b, Undef):
+            return None
+        for step, plain, neg in ((a, b, False), (b, a, True)):
+            rows = _row_zeroing(matcher, step, plain)
+            if rows is not None:
+                break
+        else:
+            return None
+        if _heavy(node.test, through_meta=False) or not _side_effect_free(matcher, node.test, _pure_test) or not matcher._qk_softmax(plain):
+            return None
+        chain.s44_zeroed_rows.append(ZeroedRows(rows, node.test, neg))
+        return plain
+    if matcher.method(node, "masked_fill", "masked_fill_"):
+        rows = _row_zeroing(matcher, node, node.func.value)
+        if rows is None or not matcher._qk_softmax(node.func.value):
+            return None
+        chain.s44_zeroed_rows.append(ZeroedRows(rows))
+        return node.func.value
+    return None
+
+
+def zeroed_rows_problem(chain: Any, three_d: bool, folded: bool, layout: str) -> str | None:
+    """Why the fused output cannot take the recorded row zeroing (None: it can)."""
+    if chain.out_perm is not None or chain.out_transposed or chain.p_transposed or chain.heads_in_batch or chain.scores_viewed \
+            or chain.head_axis or folded or getattr(chain, "s43_score_axes", None) is not None:
+        return ("query rows of the attention probabilities are zeroed after softmax, and the product with v does not keep the "
+                "probabilities' axes here (transposed, permuted or re-viewed): npufuse zeroes the fused output's rows only where it does")
+    return None

@@ -1116,6 +1116,8 @@ class Chain:
     s44_sink: Any = None
     # s44: 4-D einsum scores whose softmax runs over a key axis that is not the last (LoFTR's ``nlsh``, dim 2)
     s44_key_axis: int | None = None
+    # s44: query rows of the probabilities zeroed after the softmax (padded queries): the fused output's rows zeroed
+    s44_zeroed_rows: list[Any] = field(default_factory=list)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1650,6 +1652,10 @@ class _Matcher:
                 if hoisted is not None:
                     node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
                     continue
+                rows = _attention_s44.zeroed_query_rows(self, node, chain)
+                if rows is not None:
+                    node = rows  # s44: ``if pad is not None: p = p.masked_fill(pad.unsqueeze(-1), 0)``
+                    continue
                 gated = _gated_probability_step(self, node, chain)
                 if gated is not None:
                     node = gated  # ``if head_mask is not None: p = p * head_mask``: the fused call runs where it is None
@@ -1708,6 +1714,10 @@ class _Matcher:
                 # s34: Uni-Mol / Graphormer ``softmax_dropout(s, p, training, mask=m, bias=b)``: the repository helper's body
                 chain.spelling.append("helper_inlined")
                 node = inlined
+                continue
+            rows = _attention_s44.zeroed_query_rows(self, node, chain)
+            if rows is not None:
+                node = rows  # s44: ``p.masked_fill(pad.unsqueeze(-1), 0)``: the fused output's rows zeroed instead
                 continue
             zeroed = self._zeroed_masked_probs(node, chain)
             if zeroed is not None:
@@ -4145,6 +4155,21 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(-2, -1)"  # s36: ``v @ Pᵀ`` is the BNSD output with its last two axes swapped
         if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
             call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
+        if chain.s44_zeroed_rows:
+            why = _attention_s44.zeroed_rows_problem(chain, three_d, bool(folded), layout)
+            if why is not None:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, why)
+            try:
+                for zr in chain.s44_zeroed_rows:
+                    rows_text = r.text(zr.rows)
+                    if zr.test is not None:
+                        test_text = r.text(zr.test)
+                        rows_text = (f"({rows_text}) if {'not ' + atom(test_text) if zr.negated else test_text} else "
+                                     f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)")
+                    # s44: query rows the original zeroed after the softmax are zero rows of P @ V
+                    call = f"{call}.masked_fill({rows_text}, 0)"
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if chain.out_factor is not None:
             # s30: (P / c) @ V = (P @ V) / c (dropout too is linear in P): the factor applied to the fused output
             try:
