@@ -322,3 +322,101 @@ def test_a_softmax_over_another_axis_than_the_values_contract_stays_a_near_miss(
 
 def test_sequence_first_softmax_over_the_query_axis_stays_a_near_miss() -> None:
     assert "softmax over dim 0" in _near_miss(_SEQUENCE_FIRST.replace("dim=1)", "dim=0)"))
+
+
+# -- query rows zeroed after the softmax (retention's SelfAttention, 4-D here so the fused branch runs) ---------------
+
+_ZEROED_ROWS = '''
+import math
+import torch
+from torch import nn
+
+
+class MHA(nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.h, self.dh = heads, d // heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x, padding_mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.dh)
+        if padding_mask is not None:
+            padding_mask = padding_mask.to(scores.device)
+            scores = scores.masked_fill(padding_mask[:, None, None, :], float("-inf"))
+        w = torch.softmax(scores, dim=-1)
+        w = self.drop(w)
+        if padding_mask is not None:
+            w = w.masked_fill(padding_mask[:, None, :, None], 0.0)
+        out = w @ v
+        return out.transpose(1, 2).reshape(b, t, -1)
+'''
+
+_RUN_ZEROED_ROWS = '''
+m = MHA()
+x = torch.randn(2, 6, 32, requires_grad=True)
+pad = torch.zeros(2, 6, dtype=torch.bool)
+pad[1, 4:] = True
+out = (m(x), m(x, pad))
+leaves = [x]
+'''
+
+# unconditional, a keep mask negated and unsqueezed, the output not transposed back
+_ZEROED_ROWS_PLAIN = '''
+import torch
+
+
+def attend(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    p = s.softmax(dim=-1)
+    p = p.masked_fill(~keep[:, None, :].unsqueeze(-1), 0)
+    return torch.matmul(p, v)
+'''
+
+_RUN_ZEROED_ROWS_PLAIN = '''
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 5, dtype=torch.bool)
+keep[0, 3:] = False
+out = attend(q, k, v, keep)
+leaves = [q, k, v]
+'''
+
+
+def test_padded_query_rows_zeroed_under_a_flag_are_zero_rows_of_the_fused_output() -> None:
+    facts = _emulated(_ZEROED_ROWS, _RUN_ZEROED_ROWS)
+    fused = facts["finding"].fused
+    assert ")[0].masked_fill(" in fused and "[:, None, :, None]) if" in fused  # the row mask, only where the flag holds
+
+
+def test_query_rows_zeroed_unconditionally_fuse() -> None:
+    _emulated(_ZEROED_ROWS_PLAIN, _RUN_ZEROED_ROWS_PLAIN)
+
+
+@pytest.mark.parametrize(("old", "new", "reason"), [
+    # keys zeroed (not rows) under the flag: a per-key change of the probabilities
+    ("padding_mask[:, None, :, None], 0.0", "padding_mask[:, None, None, :], 0.0", "modified after softmax"),
+    # rows set to 0.5, not 0: no longer zero rows of the output
+    ("padding_mask[:, None, :, None], 0.0", "padding_mask[:, None, :, None], 0.5", "modified after softmax"),
+    # the probabilities transposed before the product: the zeroed rows are no longer the output's rows
+    ("out = w @ v", "out = w.transpose(-1, -2) @ v", "transposed"),
+])
+def test_other_changes_after_the_softmax_stay_near_misses(old: str, new: str, reason: str) -> None:
+    code = _ZEROED_ROWS.replace(old, new)
+    assert code != _ZEROED_ROWS
+    assert reason in _near_miss(code)
+
+
+def test_a_row_mask_of_unknown_key_size_stays_a_near_miss() -> None:
+    # ``rows`` comes from the caller: its last size is not known to be 1 (it may be a [B, 1, Sq, Skv] key mask)
+    code = _ZEROED_ROWS_PLAIN.replace("def attend(q, k, v, keep):", "def attend(q, k, v, keep, rows):").replace(
+        "p.masked_fill(~keep[:, None, :].unsqueeze(-1), 0)", "p.masked_fill(rows, 0)")
+    assert "modified after softmax" in _near_miss(code)
+
+
+def test_zeroed_rows_beside_an_einsum_output_in_another_layout_stay_a_near_miss() -> None:
+    # the einsum writes the output [B, Sq, N, D]: the row mask laid out for [B, N, Sq, Skv] does not broadcast the same
+    code = _ZEROED_ROWS_PLAIN.replace("return torch.matmul(p, v)", 'return torch.einsum("bhqk,bhkd->bqhd", p, v)')
+    assert "does not keep the probabilities' axes" in _near_miss(code)

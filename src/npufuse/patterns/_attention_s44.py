@@ -268,7 +268,8 @@ def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
 def zeroed_rows_problem(chain: Any, three_d: bool, folded: bool, layout: str) -> str | None:
     """Why the fused output cannot take the recorded row zeroing (None: it can)."""
     if chain.out_perm is not None or chain.out_transposed or chain.p_transposed or chain.heads_in_batch or chain.scores_viewed \
-            or chain.head_axis or folded or getattr(chain, "s43_score_axes", None) is not None:
+            or chain.head_axis or folded or getattr(chain, "s43_score_axes", None) is not None \
+            or (chain.out_layout != "BNSD" and not three_d):
         return ("query rows of the attention probabilities are zeroed after softmax, and the product with v does not keep the "
                 "probabilities' axes here (transposed, permuted or re-viewed): npufuse zeroes the fused output's rows only where it does")
     return None
