@@ -420,3 +420,39 @@ def test_zeroed_rows_beside_an_einsum_output_in_another_layout_stay_a_near_miss(
     # the einsum writes the output [B, Sq, N, D]: the row mask laid out for [B, N, Sq, Skv] does not broadcast the same
     code = _ZEROED_ROWS_PLAIN.replace("return torch.matmul(p, v)", 'return torch.einsum("bhqk,bhkd->bqhd", p, v)')
     assert "does not keep the probabilities' axes" in _near_miss(code)
+
+
+# Fastformer additive attention (particleflow): softmax weights pooled by one-operand einsums, then an elementwise
+# einsum with the values (``b j, b n j -> b n j`` sums no axis). Not softmax(QKᵀ) attention: the s43 judge found the
+# reason "attention probabilities are modified after softmax" false there; no product with the values exists to read.
+_FASTFORMER = '''
+import torch
+from torch import nn
+
+
+class Fastformer(nn.Module):
+    def __init__(self, dim=3, decode_dim=16):
+        super().__init__()
+        self.weight_q = nn.Linear(dim, decode_dim, bias=False)
+        self.weight_k = nn.Linear(dim, decode_dim, bias=False)
+        self.weight_v = nn.Linear(dim, decode_dim, bias=False)
+        self.weight_alpha = nn.Parameter(torch.randn(decode_dim))
+        self.weight_beta = nn.Parameter(torch.randn(decode_dim))
+        self.scale_factor = decode_dim ** -0.5
+
+    def forward(self, x):
+        query, key, value = self.weight_q(x), self.weight_k(x), self.weight_v(x)
+        b, n, d = query.shape
+        alpha = torch.softmax(torch.mul(query, self.weight_alpha) * self.scale_factor, dim=1)
+        global_query = torch.einsum("b n d -> b d", query * alpha)
+        p = global_query[:, None, :] * key
+        beta = torch.softmax(torch.mul(p, self.weight_beta) * self.scale_factor, dim=1)
+        global_key = torch.einsum("b n d -> b d", p * beta)
+        return torch.einsum("b j, b n j -> b n j", global_key, value) + query
+'''
+
+
+def test_fastformer_additive_attention_is_not_reported_as_modified_probabilities() -> None:
+    findings, misses = detect_all(AttentionPattern(), _FASTFORMER)
+    assert not findings
+    assert not any("modified after softmax" in m.reason for m in misses), [m.reason for m in misses]

@@ -1480,6 +1480,8 @@ class _Matcher:
         op can take (BNSD, BSND, 3-D single head, channel-first [B, D, Sq]); a 3-D value beside 4-D
         probabilities is shared by all heads (multi-query)."""
         c = pv.subs
+        if c is not None and not c.summed:
+            return None  # s44: an elementwise einsum (Fastformer's ``b j, b n j -> b n j``) sums no axis: no P@V to read
         for p_node, v_node, p_sub in ((pv.a, pv.b, c.a if c else ""), (pv.b, pv.a, c.b if c else "")):
             chain = Chain()
             self.three_d = len(p_sub) == 3
