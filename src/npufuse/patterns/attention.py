@@ -1499,6 +1499,10 @@ class _Matcher:
             return _s28_einsum_tail(self, scores, chain, len(p_sub))
         if _attention_s43mla.pv_scores_permuted(self, c, p_sub, v_sub, v_node, chain):  # s43: [B, Sq, N, Skv] scores
             return _s28_einsum_tail(self, scores, chain, len(p_sub))
+        if chain.s44_key_axis is not None:
+            # s44: a softmax over a non-last axis is read only by the permuted-scores path (never as a last-axis softmax)
+            raise Miss(f"softmax over dim {chain.s44_key_axis}, not the last (key) dim npufuse converts, and the einsum "
+                       f"`{c.a},{c.b}->{c.out}` is not read with its key on that axis")
         if len(p_sub) not in (3, 4):
             raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
