@@ -456,3 +456,13 @@ def test_fastformer_additive_attention_is_not_reported_as_modified_probabilities
     findings, misses = detect_all(AttentionPattern(), _FASTFORMER)
     assert not findings
     assert not any("modified after softmax" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_band_products_concatenated_and_sliced_are_not_called_attention_sinks() -> None:
+    # BigBird block-sparse attention: several band products concatenated on the key axis, the probabilities sliced back
+    # per band; there is no sink column (the old reason said "attention sinks")
+    code = _INDEXED_SINKS.replace("col = sinks[None, :, None, None].expand(b, h, t, 1)", "col = qk * 0.5").replace(
+        "torch.cat((qk, col), dim=-1)", "torch.cat((qk, col, qk, col), dim=-1)")
+    assert code != _INDEXED_SINKS
+    reasons = _near_miss(code)
+    assert "attention sinks" not in reasons and "modified after softmax" in reasons

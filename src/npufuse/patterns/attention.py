@@ -1844,6 +1844,8 @@ class _Matcher:
         if not (isinstance(cat, ast.Call) and self._fn(cat) in ("torch.cat", "torch.concat", "torch.concatenate")
                 and const_value(keyword(cat, "dim", 1)) == -1):
             return
+        if not (cat.args and isinstance(cat.args[0], (ast.List, ast.Tuple)) and len(cat.args[0].elts) == 2):
+            return  # s44: BigBird's four band products concatenated and sliced back are not a sink column
         raise Miss(f"attention sinks: a logit column is concatenated to the scores before softmax (`{self.src(cat)}`) and its "
                    f"probability dropped after (`{self.src(node)}`); npu_fusion_attention's `sink` (float32 [head_num], one unscaled logit "
                    "per head) is passed only for one last column of a tensor proved [1, N, 1, 1] (expanded), dropped by `[..., :-1]`")
