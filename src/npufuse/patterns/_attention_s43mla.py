@@ -31,12 +31,19 @@ def _query_letter(scores: str, q_sub: str, k_sub: str) -> str | None:
     return only_q[0] if len(only_q) == 1 else None
 
 
-def canonical_axes(written: str, i: str) -> tuple[str, tuple[int, ...]]:
-    """The [batch.., Sq, Skv] order of the 4-D scores ``written`` whose query letter is ``i`` and key letter the last,
-    and for each of its axes the position of that axis in ``written``."""
-    batch = "".join(x for x in written[:-1] if x != i)
-    canon = batch + i + written[-1]
+def canonical_axes(written: str, i: str, j: str | None = None) -> tuple[str, tuple[int, ...]]:
+    """The [batch.., Sq, Skv] order of the 4-D scores ``written`` whose query letter is ``i`` and key letter ``j`` (the
+    last by default), and for each of its axes the position of that axis in ``written``."""
+    j = written[-1] if j is None else j
+    batch = "".join(x for x in written if x not in (i, j))
+    canon = batch + i + j
     return canon, tuple(written.index(x) for x in canon)
+
+
+def key_axis(chain: Any) -> int:
+    """The scores' key axis: the last, or (s44) the one a softmax over another axis of einsum scores was taken over."""
+    axis = getattr(chain, "s44_key_axis", None)
+    return 3 if axis is None else axis
 
 
 def pv_scores_permuted(m: Any, c: Contraction | None, p_sub: str, v_sub: str, v_node: Any, chain: Any) -> bool:
@@ -44,7 +51,8 @@ def pv_scores_permuted(m: Any, c: Contraction | None, p_sub: str, v_sub: str, v_
     (``bsht,bthd->bshd``): v is read as BNSD through a permutation, the fused result permuted to the output's order,
     and the scores' axis order recorded for the Q@Kᵀ einsum and the mask terms. False (nothing recorded) where the
     query axis already sits before the key axis (the BNSD / BSND / s28 readings) or the form differs."""
-    if c is None or len(p_sub) != 4 or chain.p_transposed or len(c.summed) != 1 or p_sub[-1] != c.summed:
+    ka = key_axis(chain)
+    if c is None or len(p_sub) != 4 or chain.p_transposed or len(c.summed) != 1 or p_sub[ka] != c.summed:
         return False
     j = c.summed
     d_letters = [x for x in v_sub if x not in p_sub]
@@ -52,9 +60,9 @@ def pv_scores_permuted(m: Any, c: Contraction | None, p_sub: str, v_sub: str, v_
         return False
     d = d_letters[0]
     i = _query_letter(p_sub, c.out, v_sub)
-    if i is None or p_sub.index(i) == 2:
+    if i is None or (ka == 3 and p_sub.index(i) == 2):
         return False
-    canon, axes = canonical_axes(p_sub, i)
+    canon, axes = canonical_axes(p_sub, i, j)
     batch = canon[:2]
     if set(v_sub) != set(batch) | {j, d} or set(c.out) != set(batch) | {i, d}:
         return False
@@ -70,10 +78,10 @@ def pv_scores_permuted(m: Any, c: Contraction | None, p_sub: str, v_sub: str, v_
     return True
 
 
-def query_key_sides(mm: Any, c: Contraction) -> tuple[Any, Any, str, str] | None:
+def query_key_sides(mm: Any, c: Contraction, ka: int = -1) -> tuple[Any, Any, str, str] | None:
     """(q node, k node, q's letters, k's letters) of a Q@Kᵀ einsum: the key is the operand carrying the scores'
-    last axis; None where neither does (the softmax would not run over keys)."""
-    j = c.out[-1]
+    key axis ``ka`` (the last by default); None where neither does (the softmax would not run over keys)."""
+    j = c.out[ka]
     if j in c.b_free:
         return mm.a, mm.b, c.a, c.b
     if j in c.a_free:
@@ -88,15 +96,16 @@ def qk_scores_permuted(m: Any, mm: Any, c: Contraction, chain: Any) -> bool:
     axes = getattr(chain, "s43_score_axes", None)
     if axes is None or len(c.out) != 4 or len(c.summed) != 1 or len(c.a) != 4 or len(c.b) != 4:
         return False
-    sides = query_key_sides(mm, c)
+    ka = key_axis(chain)
+    sides = query_key_sides(mm, c, ka)
     if sides is None:
         return False
     q_node, k_node, qs, ks = sides
-    j = c.out[-1]
+    j = c.out[ka]
     i = _query_letter(c.out, qs, ks)
     if i is None:
         return False
-    canon, own_axes = canonical_axes(c.out, i)
+    canon, own_axes = canonical_axes(c.out, i, j)
     d = c.summed
     if own_axes != axes or set(qs) != set(canon[:2]) | {i, d} or set(ks) != set(canon[:2]) | {j, d}:
         return False

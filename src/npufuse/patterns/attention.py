@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _sweep43b_callers
+from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
@@ -1113,6 +1113,12 @@ class Chain:
     # axis its position in the written scores (mask terms are permuted by it); set by the P@V einsum, confirmed by Q@Kᵀ
     s43_score_axes: tuple[int, ...] | None = None
     s43_qk_read: bool = False
+    # s44: gpt-oss attention sinks: the per-head logit column peeled off the softmax (passed as the op's ``sink``)
+    s44_sink: Any = None
+    # s44: 4-D einsum scores whose softmax runs over a key axis that is not the last (LoFTR's ``nlsh``, dim 2)
+    s44_key_axis: int | None = None
+    # s44: query rows of the probabilities zeroed after the softmax (padded queries): the fused output's rows zeroed
+    s44_zeroed_rows: list[Any] = field(default_factory=list)
 
 
 def _einsum_spec(node: ast.AST) -> tuple[str, str, str] | None:
@@ -1391,6 +1397,7 @@ class _Matcher:
         chain = Chain()
         s34_3d = getattr(self, "s34_3d", False)
         self.three_d = kind == "bmm" or s34_3d
+        self.s44_einsum_key = None  # s44: a softmax over another axis is read for einsum scores only
         scores = self.peel_probs(p_node, chain)
         if scores is None and kind == "bmm":
             # bmm(v, Pᵀ) = (P @ vᵀ)ᵀ: the channel-first form of Chameleon / Janus / WavTokenizer attention blocks
@@ -1474,10 +1481,13 @@ class _Matcher:
         op can take (BNSD, BSND, 3-D single head, channel-first [B, D, Sq]); a 3-D value beside 4-D
         probabilities is shared by all heads (multi-query)."""
         c = pv.subs
+        if c is not None and not c.summed:
+            return None  # s44: an elementwise einsum (Fastformer's ``b j, b n j -> b n j``) sums no axis: no P@V to read
         for p_node, v_node, p_sub in ((pv.a, pv.b, c.a if c else ""), (pv.b, pv.a, c.b if c else "")):
             chain = Chain()
             self.three_d = len(p_sub) == 3
             self.s28_rank = len(p_sub)  # s28: 5-D probabilities have their key axis at 4
+            self.s44_einsum_key = _attention_s44.einsum_key_axis(c, p_sub)  # s44: where the P@V einsum contracts
             scores = self.peel_probs(p_node, chain)
             if scores is not None and _heavy(scores, through_meta=False):
                 break
@@ -1490,6 +1500,10 @@ class _Matcher:
             return _s28_einsum_tail(self, scores, chain, len(p_sub))
         if _attention_s43mla.pv_scores_permuted(self, c, p_sub, v_sub, v_node, chain):  # s43: [B, Sq, N, Skv] scores
             return _s28_einsum_tail(self, scores, chain, len(p_sub))
+        if chain.s44_key_axis is not None:
+            # s44: a softmax over a non-last axis is read only by the permuted-scores path (never as a last-axis softmax)
+            raise Miss(f"softmax over dim {chain.s44_key_axis}, not the last (key) dim npufuse converts, and the einsum "
+                       f"`{c.a},{c.b}->{c.out}` is not read with its key on that axis")
         if len(p_sub) not in (3, 4):
             raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
         if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
@@ -1645,6 +1659,10 @@ class _Matcher:
                 if hoisted is not None:
                     node = hoisted  # ``if m: w = softmax(masked(w)) else: w = softmax(w)``: one softmax of a conditional
                     continue
+                rows = _attention_s44.zeroed_query_rows(self, node, chain)
+                if rows is not None:
+                    node = rows  # s44: ``if pad is not None: p = p.masked_fill(pad.unsqueeze(-1), 0)``
+                    continue
                 gated = _gated_probability_step(self, node, chain)
                 if gated is not None:
                     node = gated  # ``if head_mask is not None: p = p * head_mask``: the fused call runs where it is None
@@ -1677,12 +1695,16 @@ class _Matcher:
             sm = self.softmax_of(node)
             if sm is not None:
                 x, dim, dtype = sm
+                if chain.s44_sink is not None and chain.s44_sink.softmax is node:
+                    x = chain.s44_sink.scores
                 if not _heavy(x, through_meta=False):
                     return None  # softmax over something that is not Q@Kᵀ: a weighted sum, not attention
                 dim_v = const_value(dim) if dim is not None else None
                 if dim is None:
                     raise Miss("softmax without an explicit dim (implicit dim is not the key axis for 4-D scores)")
-                if dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 4 if getattr(self, "s28_rank", 4) == 5 else 3):  # the key axis: last of 3-D / 4-D scores
+                if _attention_s44.softmax_over_einsum_key(self, dim_v, chain):
+                    pass  # s44: the key axis the P@V einsum contracts, not the last (read by the permuted-scores path)
+                elif dim_v not in (-1, 2 if getattr(self, "three_d", False) and not chain.heads_in_batch else 4 if getattr(self, "s28_rank", 4) == 5 else 3):  # the key axis: last of 3-D / 4-D scores
                     if dim_v == 1 and not getattr(self, "three_d", False) and not any(
                             isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").endswith("einsum") for n in walk_sym(x)):
                         raise Miss(_attention_audit41.DIM_ONE_SOFTMAX)  # s41: 2-D scores of no stated rank have their keys on dim 1
@@ -1700,6 +1722,10 @@ class _Matcher:
                 chain.spelling.append("helper_inlined")
                 node = inlined
                 continue
+            rows = _attention_s44.zeroed_query_rows(self, node, chain)
+            if rows is not None:
+                node = rows  # s44: ``p.masked_fill(pad.unsqueeze(-1), 0)``: the fused output's rows zeroed instead
+                continue
             zeroed = self._zeroed_masked_probs(node, chain)
             if zeroed is not None:
                 node = zeroed
@@ -1713,6 +1739,11 @@ class _Matcher:
                 node = passed  # s36: ``p = self.attn_map(p)`` with ``self.attn_map = nn.Identity()`` (run-time checked)
                 continue
             if self._qk_softmax(node):
+                sunk = _attention_s44.sink_column(self, node, chain.seen) if chain.s44_sink is None else None
+                if sunk is not None:
+                    chain.s44_sink = sunk  # s44: the softmax below reads the scores without the sink column
+                    node = sunk.softmax
+                    continue
                 self._sink_column(node)
                 if self.method(node, "view", "reshape"):
                     # audit40b: a re-view changes no value: say what it is (OmniQuant's Falcon alibi arm re-views the
@@ -1814,9 +1845,11 @@ class _Matcher:
         if not (isinstance(cat, ast.Call) and self._fn(cat) in ("torch.cat", "torch.concat", "torch.concatenate")
                 and const_value(keyword(cat, "dim", 1)) == -1):
             return
+        if not (cat.args and isinstance(cat.args[0], (ast.List, ast.Tuple)) and len(cat.args[0].elts) == 2):
+            return  # s44: BigBird's four band products concatenated and sliced back are not a sink column
         raise Miss(f"attention sinks: a logit column is concatenated to the scores before softmax (`{self.src(cat)}`) and its "
-                   f"probability dropped after (`{self.src(node)}`); npu_fusion_attention's `sink` argument (float32 [head_num], "
-                   "needs a CANN with aclnnFlashAttentionScoreV3) is not generated by npufuse")
+                   f"probability dropped after (`{self.src(node)}`); npu_fusion_attention's `sink` (float32 [head_num], one unscaled logit "
+                   "per head) is passed only for one last column of a tensor proved [1, N, 1, 1] (expanded), dropped by `[..., :-1]`")
 
     def _opaque_normaliser(self, node: Any) -> None:
         """Megatron's ``self.scale_mask_softmax(scores, mask)`` (FusedScaleMaskSoftmax, built in
@@ -4076,6 +4109,18 @@ class AttentionPattern(Pattern):
                 kwargs.append(("keep_prob", keep))
                 dropout_text = p_text
                 risks.append(Risk("numerics", "dropout masks come from the NPU's Philox stream: statistically equivalent to torch's, not bit-identical (compare with dropout off)"))
+        if chain.s44_sink is not None:
+            # s44: spec 5.1's ``sink`` (float32 [head_num], one unscaled logit per query head) is the written column
+            if three_d or chain.heads_in_batch or chain.s43_score_axes is not None:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, "attention sinks on scores not laid out [B, N, Sq, Skv]: "
+                                "the sink column's head axis is not the one npu_fusion_attention's `sink` ([head_num]) reads")
+            try:
+                sink_base = r.text(chain.s44_sink.base)
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
+            kwargs.append(("sink", f"{atom(sink_base)}.reshape(-1).float()"))
+            risks.append(Risk("other", "attention sinks: the per-head sink logit goes to npu_fusion_attention's `sink` argument, which "
+                                       "needs a CANN with aclnnFlashAttentionScoreV3 (an older stack rejects the call)"))
         if sparse:
             kwargs.append(("sparse_mode", str(sparse)))
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
@@ -4119,6 +4164,21 @@ class AttentionPattern(Pattern):
             call = f"{call}.transpose(-2, -1)"  # s36: ``v @ Pᵀ`` is the BNSD output with its last two axes swapped
         if chain.out_perm is not None:  # s28: the einsum's output order of [batch.., Sq, D]
             call = f"{call}.permute({', '.join(map(str, chain.out_perm))})"
+        if chain.s44_zeroed_rows:
+            why = _attention_s44.zeroed_rows_problem(chain, three_d, bool(folded), layout)
+            if why is not None:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, why)
+            try:
+                for zr in chain.s44_zeroed_rows:
+                    rows_text = r.text(zr.rows)
+                    if zr.test is not None:
+                        test_text = r.text(zr.test)
+                        rows_text = (f"({rows_text}) if {'not ' + atom(test_text) if zr.negated else test_text} else "
+                                     f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)")
+                    # s44: query rows the original zeroed after the softmax are zero rows of P @ V
+                    call = f"{call}.masked_fill({rows_text}, 0)"
+            except Miss as miss:
+                return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if chain.out_factor is not None:
             # s30: (P / c) @ V = (P @ V) / c (dropout too is linear in P): the factor applied to the fused output
             try:
@@ -5875,11 +5935,11 @@ AttentionPattern.KEEP.append(
     )
 )
 
-AttentionPattern.KEEP.append(
-    Keep(
+AttentionPattern.FUSE.append(
+    Fuse(
         name="attention_sink_column",
-        # a per-head sink logit appended to the scores before softmax, its column dropped after: the
-        # probabilities no longer sum to 1 over the keys, which plain npu_fusion_attention does not compute
+        # s44: a per-head sink logit appended to the scores before softmax, its column dropped after: the
+        # probabilities no longer sum to 1 over the keys -- npu_fusion_attention's `sink` (spec 5.1, unscaled)
         code="""
 import torch
 
@@ -5893,7 +5953,12 @@ def sdpa_with_sinks(q, k, v, sinks, scale):
     w = w[..., :-1]
     return torch.matmul(w, v)
 """,
-        reason="attention sinks",
+        run="""
+q, k, v = (torch.randn(2, 4, 5, 8, requires_grad=True) for _ in range(3))
+sinks = torch.randn(4, requires_grad=True)
+out = sdpa_with_sinks(q, k, v, sinks, 8 ** -0.5)
+leaves = [q, k, v, sinks]
+""",
     )
 )
 
@@ -13703,8 +13768,14 @@ def sink_attention(q, k, v, sinks, scale):
     w = torch.softmax(qk, dim=-1)[..., :-1]
     return torch.matmul(w, v)
 '''
-AttentionPattern.KEEP += [
-    Keep(_S36_SINKS_ROW_MAX, reason="attention sinks", name="s36_attention_sinks_with_the_row_max_subtracted"),
+AttentionPattern.FUSE += [
+    # s44: the sink goes to npu_fusion_attention's `sink` (the row max subtracted changes no softmax)
+    Fuse(_S36_SINKS_ROW_MAX, name="s36_attention_sinks_with_the_row_max_subtracted", run="""
+q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+sinks = torch.randn(4, requires_grad=True)
+out = sink_attention(q, k, v, sinks, 8 ** -0.5)
+leaves = [q, k, v, sinks]
+"""),
 ]
 
 
