@@ -131,3 +131,91 @@ def test_double_backward_that_can_reach_the_model_still_blocks(tmp_path: Path, s
     data = scan(make_repo(tmp_path, files), patterns=_PATTERNS)
     assert _model_sites(data) == [], why
     assert len(_blocked(data)) == 2 and all(f"at {script}:" in r for r in _blocked(data)), data["near_misses"]
+
+
+# -- 2. rms_norm over trailing dims written relative to the rank ----------------------------------------------------
+
+_RANK_NORM = '''\
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, normalized_shape, eps=1e-6):
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape))
+
+    def _rms(self, h):
+        k = len(self.normalized_shape)
+        DIMS
+        ms = torch.mean(h.pow(2), dim=dims, keepdim=True)
+        return torch.sqrt(ms + self.eps)
+
+    def forward(self, h):
+        return self.weight * (h / self._rms(h))
+'''
+
+
+def _scan_code(tmp_path: Path, code: str, patterns: tuple[Any, ...]) -> dict[str, Any]:
+    return scan(make_repo(tmp_path, {"pkg/__init__.py": "", "pkg/norm.py": code}), patterns=patterns)
+
+
+@pytest.mark.parametrize("dims", [
+    "dims = tuple(range(h.ndim - k, h.ndim))",
+    "dims = tuple(range(h.dim() - k, h.dim()))",
+    "dims = list(range(len(h.shape) - k, len(h.shape)))",
+    "dims = tuple(i for i in range(h.ndim - k, h.ndim))",
+])
+def test_trailing_dims_from_the_rank_are_fused_where_one_dim(tmp_path: Path, dims: str) -> None:
+    data = _scan_code(tmp_path, _RANK_NORM.replace("DIMS", dims), (RmsNorm(),))
+    (c,) = [c for c in data["candidates"] if c["pattern"] == "rms_norm"]
+    assert c["qualname"] == "RMSNorm.forward"
+    assert "-len(self.normalized_shape) == -1" in c["replacement"], c["replacement"]
+
+
+@pytest.mark.parametrize("dims, why", [
+    ("dims = tuple(range(self.weight.ndim - k, self.weight.ndim))", "the rank of another tensor (the weight's), not the input's"),
+    ("dims = tuple(range(h.ndim - k, h.ndim - 1))", "the range stops before the last dim"),
+    ("dims = tuple(range(h.ndim - k, h.ndim, 2))", "a step of 2 skips dims"),
+])
+def test_rank_ranges_that_are_not_the_trailing_dims_are_kept(tmp_path: Path, dims: str, why: str) -> None:
+    data = _scan_code(tmp_path, _RANK_NORM.replace("DIMS", dims), (RmsNorm(),))
+    assert not [c for c in data["candidates"] if c["pattern"] == "rms_norm"], why
+    assert any("dims" in m["reason"] for m in data["near_misses"] if m["pattern"] == "rms_norm"), data["near_misses"]
+
+
+def test_trailing_dims_from_the_rank_rewrite_matches_eager_under_the_emulator(tmp_path: Path) -> None:
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    files = {"pkg/__init__.py": "", "pkg/norm.py": _RANK_NORM.replace("DIMS", "dims = tuple(range(h.ndim - k, h.ndim))")}
+
+    def run(mod: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        out = []
+        for shape in (16, (4, 16)):
+            m = mod.RMSNorm(shape)
+            with torch.no_grad():
+                m.weight.add_(0.1 * torch.randn_like(m.weight))
+            x = torch.randn(2, 3, 4, 16, requires_grad=True)
+            y = m(x)
+            y.sum().backward()
+            out += [y.detach(), x.grad]
+        return out
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.norm"))
+    root = make_repo(tmp_path / "repo", files)
+    scan(root, patterns=(RmsNorm(),))
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        got = run(import_fresh(root, "pkg.norm"))
+    assert emu.calls.get("npu_rms_norm") == 1  # the (16,) norm; the (4, 16) one runs the original
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5)
