@@ -219,3 +219,73 @@ def test_trailing_dims_from_the_rank_rewrite_matches_eager_under_the_emulator(tm
     assert emu.calls.get("npu_rms_norm") == 1  # the (16,) norm; the (4, 16) one runs the original
     for a, b in zip(ref, got):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+# -- 3. F.normalize times a learnable gain initialised to sqrt(d) (QK-norm) ------------------------------------------
+
+_QK_NORM = '''\
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QKNorm(nn.Module):
+    def __init__(self, head_dim, n_heads):
+        super().__init__()
+        self.q_scale = nn.Parameter(INIT)
+
+    def forward(self, q):
+        q = F.normalize(q, dim=-1, eps=1e-6) * self.q_scale
+        return q
+'''
+
+
+@pytest.mark.parametrize("init", [
+    "torch.full((n_heads, 1, 1), head_dim ** 0.5)",
+    "torch.ones(n_heads, 1, 1) * math.sqrt(head_dim)",
+    "math.sqrt(head_dim) * torch.ones(head_dim)",
+    "torch.full((n_heads, 1, 1), fill_value=head_dim ** 0.5)",
+])
+def test_l2_normalize_times_a_gain_initialised_to_sqrt_d_is_fused(tmp_path: Path, init: str) -> None:
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    files = {"pkg/__init__.py": "", "pkg/norm.py": _QK_NORM.replace("INIT", init)}
+    data = _scan_code(tmp_path / "s", _QK_NORM.replace("INIT", init), (RmsNorm(),))
+    (c,) = [c for c in data["candidates"] if c["pattern"] == "rms_norm"]
+    assert c["qualname"] == "QKNorm.forward" and c["params"]["eps_rule"] == "clamp on the norm"
+
+    def run(mod: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        m = mod.QKNorm(16, 4)
+        with torch.no_grad():
+            m.q_scale.mul_(torch.rand_like(m.q_scale) + 0.5)
+        q = torch.randn(2, 4, 5, 16, requires_grad=True)
+        y = m(q)
+        (y * y).sum().backward()
+        return [y.detach(), q.grad, m.q_scale.grad]
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.norm"))
+    root = make_repo(tmp_path / "repo", files)
+    scan(root, patterns=(RmsNorm(),))
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        got = run(import_fresh(root, "pkg.norm"))
+    assert emu.calls.get("npu_rms_norm") == 1
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("init, why", [
+    ("torch.ones(n_heads, 1, 1)", "a gain initialised to one: a unit vector times a free scale (ScaleNorm), no sqrt(d)"),
+    ("torch.full((n_heads, 1, 1), 10.0)", "a constant temperature, not sqrt(d)"),
+    ("torch.full((n_heads, 1, 1), head_dim ** -0.5)", "1 / sqrt(d): the gain shrinks the unit vector further"),
+])
+def test_l2_normalize_times_a_gain_without_sqrt_d_is_kept(tmp_path: Path, init: str, why: str) -> None:
+    data = _scan_code(tmp_path, _QK_NORM.replace("INIT", init), (RmsNorm(),))
+    assert not [c for c in data["candidates"] if c["pattern"] == "rms_norm"], why
+    assert any("without a sqrt(d) factor" in m["reason"] for m in data["near_misses"]), data["near_misses"]

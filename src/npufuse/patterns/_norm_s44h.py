@@ -78,3 +78,48 @@ def trailing_dims_from_rank(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace
     ast.copy_location(neg, count)
     ast.fix_missing_locations(neg)
     return neg, vctx
+
+
+# -- 2. a learnable gain initialised to sqrt(d) (QK-norm's per-head temperature) ----------------------------------------
+#
+#     self.q_scale = nn.Parameter(torch.full((n_heads, 1, 1), head_dim ** 0.5))
+#     q = F.normalize(q, dim=-1, eps=1e-6) * self.q_scale
+#
+# F.normalize(x) * g == rms_norm(x) * g / sqrt(d) for any g; the reader asks for a sqrt(d) factor only to tell a
+# norm layer from a ScaleNorm-style unit vector times a free scalar. A gain parameter whose initial value is
+# sqrt(d) carries that factor in its value: the layer starts as an RMSNorm with a unit gamma (the gain per head,
+# folded after the norm by the existing per-head path). A gain initialised to ones or to another constant does not.
+
+_PARAMETER_CTORS = ("Parameter",)
+_FILLS = ("ones", "ones_like")
+
+
+def _root_half(module: ModuleInfo, node: ast.AST | None) -> bool:
+    from npufuse.scan import canonical
+
+    return canonical.root_power(module, node) == 0.5
+
+
+def _filled_with_root(module: ModuleInfo, value: ast.AST) -> bool:
+    """``torch.full(shape, d ** 0.5)``, ``torch.ones(shape) * math.sqrt(d)`` (either order)."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "full":
+        fill = value.args[1] if len(value.args) > 1 else next((k.value for k in value.keywords if k.arg == "fill_value"), None)
+        return _root_half(module, fill)
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+        for ones, factor in ((value.left, value.right), (value.right, value.left)):
+            if isinstance(ones, ast.Call) and isinstance(ones.func, ast.Attribute) and ones.func.attr in _FILLS \
+                    and _root_half(module, factor):
+                return True
+    return False
+
+
+def gain_initialised_to_root(module: ModuleInfo, factor: ast.AST, attr_value) -> bool:
+    """``self.<g>`` whose ``__init__`` value (``attr_value(name)``) is a Parameter filled with sqrt(d)."""
+    if not (isinstance(factor, ast.Attribute) and isinstance(factor.value, ast.Name) and factor.value.id == "self"):
+        return False
+    value = attr_value(factor.attr)
+    if not (isinstance(value, ast.Call) and value.args and (
+            (isinstance(value.func, ast.Attribute) and value.func.attr in _PARAMETER_CTORS)
+            or (isinstance(value.func, ast.Name) and value.func.id in _PARAMETER_CTORS))):
+        return False
+    return _filled_with_root(module, value.args[0])
