@@ -289,3 +289,103 @@ def test_l2_normalize_times_a_gain_without_sqrt_d_is_kept(tmp_path: Path, init: 
     data = _scan_code(tmp_path, _QK_NORM.replace("INIT", init), (RmsNorm(),))
     assert not [c for c in data["candidates"] if c["pattern"] == "rms_norm"], why
     assert any("without a sqrt(d) factor" in m["reason"] for m in data["near_misses"]), data["near_misses"]
+
+
+# -- 4. MLA decoupled-rope scores: a sum of two products with keys transposed by position ---------------------------
+
+_MLA_SUM = '''\
+import math
+import torch
+import torch.nn.functional as F
+
+
+def mla(q_c, k_c, q_r, k_r, v, mask=None):
+    scores_c = torch.matmul(q_c, KC)
+    scores_r = torch.matmul(q_r, KR)
+    scores = (scores_c + scores_r) * (1.0 / math.sqrt(q_c.shape[-1] + q_r.shape[-1]))
+    if mask is not None:
+        scores = scores + mask
+    scores = F.softmax(scores.float(), dim=-1).type_as(q_c)
+    return torch.matmul(scores, v)
+'''
+
+
+def _attention_patterns() -> tuple[Any, ...]:
+    from npufuse.patterns.attention import AttentionPattern
+
+    return (AttentionPattern(),)
+
+
+@pytest.mark.parametrize("kc, kr", [
+    ("k_c.transpose(2, 3)", "k_r.transpose(2, 3)"),
+    ("k_c.transpose(3, 2)", "k_r.transpose(-2, -1)"),
+    ("k_c.swapaxes(2, 3)", "k_r.mT"),
+])
+def test_summed_products_with_keys_transposed_by_position_are_fused(tmp_path: Path, kc: str, kr: str) -> None:
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    code = _MLA_SUM.replace("KC", kc).replace("KR", kr)
+    files = {"pkg/__init__.py": "", "pkg/mla.py": code}
+    data = _scan_code(tmp_path / "s", code, _attention_patterns())
+    (c,) = [c for c in data["candidates"] if c["pattern"] == "attention"]
+    assert "k_c.dim() == 4" in c["replacement"], c["replacement"]
+
+    def run(mod: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        qc, kc_, v = (torch.randn(2, 4, 6, 16, requires_grad=True) for _ in range(3))
+        qr = torch.randn(2, 4, 6, 8, requires_grad=True)
+        kr_ = torch.randn(2, 1, 6, 8, requires_grad=True).expand(2, 4, 6, 8)
+        mask = torch.full((6, 6), float("-inf")).triu(1)
+        y = mod.mla(qc, kc_, qr, kr_, v, mask)
+        y.sum().backward()
+        return [y.detach(), qc.grad, qr.grad, v.grad]
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.mla"))
+    root = make_repo(tmp_path / "repo", files)
+    scan(root, patterns=_attention_patterns())
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        got = run(import_fresh(root, "pkg.mla"))
+    assert emu.calls.get("npu_fusion_attention", 0) == 1
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_keys_transposed_by_position_on_a_lower_rank_run_the_original(tmp_path: Path) -> None:
+    """``transpose(1, 2)`` is the last two axes of a 3-D key only: the guard checks the rank at run time."""
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    code = _MLA_SUM.replace("KC", "k_c.transpose(1, 2)").replace("KR", "k_r.transpose(1, 2)")
+    files = {"pkg/__init__.py": "", "pkg/mla.py": code}
+    root = make_repo(tmp_path / "repo", files)
+    data = scan(root, patterns=_attention_patterns())
+    (c,) = [c for c in data["candidates"] if c["pattern"] == "attention"]
+    assert "k_c.dim() == 3" in c["replacement"]
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    torch.manual_seed(0)
+    # 3-D q / k / v: the rank check holds, the fused op takes 4-D tensors only, so its own rank check runs the original
+    qc, kc, v = torch.randn(2, 6, 16), torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    qr, kr = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    ref = import_fresh(make_repo(tmp_path / "ref", files), "pkg.mla").mla(qc, kc, qr, kr, v)
+    with emulate.install():
+        got = import_fresh(root, "pkg.mla").mla(qc, kc, qr, kr, v)
+    assert torch.allclose(ref, got, atol=1e-5)
+
+
+@pytest.mark.parametrize("kc, kr, why", [
+    ("k_c.transpose(1, 3)", "k_r.transpose(2, 3)", "axes 1 and 3 are not adjacent: not a swap of the last two"),
+    ("k_c.transpose(2, 3)", "k_r", "the second key is not transposed (already laid out [.., D, S] or a bug)"),
+])
+def test_summed_products_with_other_transposes_are_kept(tmp_path: Path, kc: str, kr: str, why: str) -> None:
+    code = _MLA_SUM.replace("KC", kc).replace("KR", kr)
+    data = _scan_code(tmp_path, code, _attention_patterns())
+    assert not [c for c in data["candidates"] if c["pattern"] == "attention"], why
+    assert any("scores added to scores" in m["reason"] for m in data["near_misses"]), data["near_misses"]
