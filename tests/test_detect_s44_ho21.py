@@ -389,3 +389,210 @@ def test_summed_products_with_other_transposes_are_kept(tmp_path: Path, kc: str,
     data = _scan_code(tmp_path, code, _attention_patterns())
     assert not [c for c in data["candidates"] if c["pattern"] == "attention"], why
     assert any("scores added to scores" in m["reason"] for m in data["near_misses"]), data["near_misses"]
+
+
+# -- 5. add + norm: the norm reads a copy of the sum's name; a norm built by a decorator-filled registry --------------
+
+_FACTORY = '''\
+class Factory:
+    _registry = {"norm": {}, "mlp": {}}
+
+    @classmethod
+    def register(cls, kind, name):
+        def decorator(impl_cls):
+            cls._registry[kind][name] = impl_cls
+            return impl_cls
+
+        return decorator
+
+    @classmethod
+    def create(cls, kind, config, **kwargs):
+        return cls._registry[kind][config[kind]](config, **kwargs)
+'''
+
+_NORMS = '''\
+import torch
+from torch import nn
+
+from pkg.factory import Factory
+
+
+@Factory.register("norm", "base")
+class TorchRmsNorm(nn.Module):
+    def __init__(self, config, dim):
+        super().__init__()
+        self.eps = 1e-5
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        input_dtype = x.dtype
+        return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps).to(input_dtype)
+
+
+@Factory.register("norm", "halved")
+class HalvedNorm(TorchRmsNorm):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+'''
+
+_BLOCK = '''\
+from torch import nn
+
+from pkg.factory import Factory
+
+
+class Block(nn.Module):
+    def __init__(self, config, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.post_norm = Factory.create("norm", config, dim=dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        inp_x = x
+        x = self.attn(x)
+        ffn_inp_x = x + inp_x
+        x = ffn_inp_x
+        x = self.post_norm(x)
+        x = self.mlp(x)
+        return x + ffn_inp_x
+'''
+
+
+def _registry_files(norms: str = _NORMS, factory: str = _FACTORY) -> dict[str, str]:
+    return {"pkg/__init__.py": "", "pkg/factory.py": factory, "pkg/norms.py": norms, "pkg/block.py": _BLOCK}
+
+
+def _add_patterns() -> tuple[Any, ...]:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    return (AddRmsNorm(),)
+
+
+def test_add_then_norm_of_a_registry_built_module_runs_fused_for_the_registered_rms_class(tmp_path: Path) -> None:
+    import importlib
+    import sys
+
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+
+    root = make_repo(tmp_path / "repo", _registry_files())
+    data = scan(root, patterns=_add_patterns())
+    (c,) = [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert c["file"] == "pkg/block.py" and 'type(self.post_norm).__qualname__ == "TorchRmsNorm"' in c["replacement"]
+    assert 'type(self.post_norm).__module__ == "pkg.norms"' in c["replacement"]
+    ref_root = make_repo(tmp_path / "ref", _registry_files())
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+
+    def run(where: Path, choice: str) -> torch.Tensor:
+        sys.path.insert(0, str(where))
+        try:
+            for k in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
+                del sys.modules[k]
+            importlib.import_module("pkg.norms")  # fills the registry
+            block = importlib.import_module("pkg.block")
+            torch.manual_seed(0)
+            m = block.Block({"norm": choice}, 16).eval()
+            with torch.no_grad():
+                m.post_norm.weight.add_(0.1 * torch.randn(16))
+                return m(torch.randn(2, 3, 16))
+        finally:
+            sys.path.remove(str(where))
+            for k in [k for k in sys.modules if k == "pkg" or k.startswith("pkg.")]:
+                del sys.modules[k]
+
+    for choice, fused in (("base", 1), ("halved", 0)):
+        ref = run(ref_root, choice)
+        with emulate.install() as emu:
+            got = run(root, choice)
+        assert emu.calls.get("npu_add_rms_norm", 0) == fused, (choice, emu.calls)
+        assert torch.allclose(ref, got, atol=1e-5), choice
+
+
+@pytest.mark.parametrize("norms, factory, why", [
+    (_NORMS, _FACTORY.replace("            return impl_cls\n", "            return lambda *a, **k: impl_cls(*a, **k)\n"),
+     "the decorator binds a wrapper, not the class: the registered class is not what the name holds"),
+    (_NORMS.replace("class HalvedNorm(TorchRmsNorm):\n    def forward(self, x):\n        return super().forward(x) * 0.5\n",
+                    "class OtherNorm(nn.Module):\n    def __init__(self, config, dim):\n        super().__init__()\n"
+                    "        self.eps = 1e-6\n        self.weight = nn.Parameter(torch.ones(dim))\n\n"
+                    "    def forward(self, x):\n        return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)\n"),
+     _FACTORY, "two registered classes read as an RMSNorm: each would need its own fused code"),
+])
+def test_registry_built_norms_that_cannot_be_pinned_to_one_class_are_kept(tmp_path: Path, norms: str, factory: str, why: str) -> None:
+    data = scan(make_repo(tmp_path, _registry_files(norms, factory)), patterns=_add_patterns())
+    assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"], why
+
+
+_ALIAS_BLOCK = '''\
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        inp_x = x
+        x = self.attn(x)
+        ffn_inp_x = x + inp_x
+        COPY
+        x = self.post(x)
+        x = self.mlp(x)
+        return x + ffn_inp_x
+'''
+
+
+def test_norm_of_a_copy_of_the_sum_name_is_fused(tmp_path: Path) -> None:
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    files = {"pkg/__init__.py": "", "pkg/m.py": _ALIAS_BLOCK.replace("COPY", "x = ffn_inp_x")}
+    root = make_repo(tmp_path / "repo", files)
+    (c,) = [c for c in scan(root, patterns=_add_patterns())["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert c["qualname"] == "Block.forward"
+
+    def run(mod: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        m = mod.Block(16)
+        x = torch.randn(2, 3, 16, requires_grad=True)
+        y = m(x)
+        y.sum().backward()
+        with torch.no_grad():
+            z = m(x)
+        return [y.detach(), x.grad, z]
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.m"))
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        got = run(import_fresh(root, "pkg.m"))
+    assert emu.calls.get("npu_add_rms_norm", 0) == 1 and emu.calls.get("npu_rms_norm", 0) == 1, emu.calls
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("copy, why", [
+    ("x = ffn_inp_x.detach()", "the norm reads a detached copy: not the sum's autograd value"),
+    ("x = inp_x", "the norm reads the block's input, not the sum"),
+])
+def test_norm_of_something_other_than_a_plain_copy_of_the_sum_is_kept(tmp_path: Path, copy: str, why: str) -> None:
+    data = _scan_code(tmp_path, _ALIAS_BLOCK.replace("COPY", copy), _add_patterns())
+    assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"], why
