@@ -596,3 +596,10 @@ def test_norm_of_a_copy_of_the_sum_name_is_fused(tmp_path: Path) -> None:
 def test_norm_of_something_other_than_a_plain_copy_of_the_sum_is_kept(tmp_path: Path, copy: str, why: str) -> None:
     data = _scan_code(tmp_path, _ALIAS_BLOCK.replace("COPY", copy), _add_patterns())
     assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"], why
+
+
+def test_statistic_helper_over_rank_relative_trailing_dims_gets_a_true_reason(tmp_path: Path) -> None:
+    # the helper computes the rms only (the caller applies it): its near miss says that, not "a run-time value"
+    data = _scan_code(tmp_path, _RANK_NORM.replace("DIMS", "dims = tuple(range(h.ndim - k, h.ndim))"), (RmsNorm(),))
+    reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "rms_norm" and m["qualname"] == "RMSNorm._rms"]
+    assert all("run-time value" not in r for r in reasons), reasons

@@ -1956,7 +1956,8 @@ def _stat_reason(module: ModuleInfo, scope: Scope, stmt: ast.stmt, node: ast.AST
             r = _rstd(module, f, S.Trace())
         if r is None:
             return None
-        _mean_of_square(module, r[0], r[1], S.Trace(), r[4])
+        # s44: dims a replacement would check at run time are no reason here (the statistic alone is not applied)
+        _mean_of_square(module, r[0], r[1], S.Trace(), r[4], [])
     except Miss as e:
         return e.reason
     except NoMatch:
