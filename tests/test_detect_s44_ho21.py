@@ -164,6 +164,27 @@ def _scan_code(tmp_path: Path, code: str, patterns: tuple[Any, ...]) -> dict[str
     return scan(make_repo(tmp_path, {"pkg/__init__.py": "", "pkg/norm.py": code}), patterns=patterns)
 
 
+def _fused_against_eager(tmp_path: Path, files: dict[str, str], name: str, patterns: tuple[Any, ...], run: Any,
+                         atol: float = 1e-5) -> dict[str, int]:
+    """Scan and apply every candidate of ``files``, then compare ``run(module)`` of the original and of the rewritten
+    module (emulated torch_npu); the emulated op calls made by the rewritten run."""
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), name))
+    root = make_repo(tmp_path / "repo", files)
+    scan(root, patterns=patterns)
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        got = run(import_fresh(root, name))
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=atol), (a - b).abs().max()
+    return dict(emu.calls)
+
+
 @pytest.mark.parametrize("dims", [
     "dims = tuple(range(h.ndim - k, h.ndim))",
     "dims = tuple(range(h.dim() - k, h.dim()))",
@@ -191,10 +212,6 @@ def test_rank_ranges_that_are_not_the_trailing_dims_are_kept(tmp_path: Path, dim
 def test_trailing_dims_from_the_rank_rewrite_matches_eager_under_the_emulator(tmp_path: Path) -> None:
     import torch
 
-    from apply_support import npufuse
-    from npufuse import emulate
-    from scratch_repo import import_fresh
-
     files = {"pkg/__init__.py": "", "pkg/norm.py": _RANK_NORM.replace("DIMS", "dims = tuple(range(h.ndim - k, h.ndim))")}
 
     def run(mod: Any) -> list[torch.Tensor]:
@@ -210,15 +227,8 @@ def test_trailing_dims_from_the_rank_rewrite_matches_eager_under_the_emulator(tm
             out += [y.detach(), x.grad]
         return out
 
-    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.norm"))
-    root = make_repo(tmp_path / "repo", files)
-    scan(root, patterns=(RmsNorm(),))
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    with emulate.install() as emu:
-        got = run(import_fresh(root, "pkg.norm"))
-    assert emu.calls.get("npu_rms_norm") == 1  # the (16,) norm; the (4, 16) one runs the original
-    for a, b in zip(ref, got):
-        assert torch.allclose(a, b, atol=1e-5)
+    calls = _fused_against_eager(tmp_path, files, "pkg.norm", (RmsNorm(),), run)
+    assert calls.get("npu_rms_norm") == 1  # the (16,) norm; the (4, 16) one runs the original
 
 
 # -- 3. F.normalize times a learnable gain initialised to sqrt(d) (QK-norm) ------------------------------------------
@@ -250,10 +260,6 @@ class QKNorm(nn.Module):
 def test_l2_normalize_times_a_gain_initialised_to_sqrt_d_is_fused(tmp_path: Path, init: str) -> None:
     import torch
 
-    from apply_support import npufuse
-    from npufuse import emulate
-    from scratch_repo import import_fresh
-
     files = {"pkg/__init__.py": "", "pkg/norm.py": _QK_NORM.replace("INIT", init)}
     data = _scan_code(tmp_path / "s", _QK_NORM.replace("INIT", init), (RmsNorm(),))
     (c,) = [c for c in data["candidates"] if c["pattern"] == "rms_norm"]
@@ -269,15 +275,7 @@ def test_l2_normalize_times_a_gain_initialised_to_sqrt_d_is_fused(tmp_path: Path
         (y * y).sum().backward()
         return [y.detach(), q.grad, m.q_scale.grad]
 
-    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.norm"))
-    root = make_repo(tmp_path / "repo", files)
-    scan(root, patterns=(RmsNorm(),))
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    with emulate.install() as emu:
-        got = run(import_fresh(root, "pkg.norm"))
-    assert emu.calls.get("npu_rms_norm") == 1
-    for a, b in zip(ref, got):
-        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert _fused_against_eager(tmp_path, files, "pkg.norm", (RmsNorm(),), run).get("npu_rms_norm") == 1
 
 
 @pytest.mark.parametrize("init, why", [
@@ -324,10 +322,6 @@ def _attention_patterns() -> tuple[Any, ...]:
 def test_summed_products_with_keys_transposed_by_position_are_fused(tmp_path: Path, kc: str, kr: str) -> None:
     import torch
 
-    from apply_support import npufuse
-    from npufuse import emulate
-    from scratch_repo import import_fresh
-
     code = _MLA_SUM.replace("KC", kc).replace("KR", kr)
     files = {"pkg/__init__.py": "", "pkg/mla.py": code}
     data = _scan_code(tmp_path / "s", code, _attention_patterns())
@@ -344,15 +338,8 @@ def test_summed_products_with_keys_transposed_by_position_are_fused(tmp_path: Pa
         y.sum().backward()
         return [y.detach(), qc.grad, qr.grad, v.grad]
 
-    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.mla"))
-    root = make_repo(tmp_path / "repo", files)
-    scan(root, patterns=_attention_patterns())
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    with emulate.install() as emu:
-        got = run(import_fresh(root, "pkg.mla"))
-    assert emu.calls.get("npu_fusion_attention", 0) == 1
-    for a, b in zip(ref, got):
-        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    calls = _fused_against_eager(tmp_path, files, "pkg.mla", _attention_patterns(), run)
+    assert calls.get("npu_fusion_attention", 0) == 1
 
 
 def test_keys_transposed_by_position_on_a_lower_rank_run_the_original(tmp_path: Path) -> None:
@@ -525,20 +512,7 @@ def test_registry_built_norms_that_cannot_be_pinned_to_one_class_are_kept(tmp_pa
     assert not [c for c in data["candidates"] if c["pattern"] == "add_rms_norm"], why
 
 
-_ALIAS_BLOCK = '''\
-import torch
-from torch import nn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
+_ALIAS_BLOCK = _MODEL + '''
 
 class Block(nn.Module):
     def __init__(self, d):
@@ -561,10 +535,6 @@ class Block(nn.Module):
 def test_norm_of_a_copy_of_the_sum_name_is_fused(tmp_path: Path) -> None:
     import torch
 
-    from apply_support import npufuse
-    from npufuse import emulate
-    from scratch_repo import import_fresh
-
     files = {"pkg/__init__.py": "", "pkg/m.py": _ALIAS_BLOCK.replace("COPY", "x = ffn_inp_x")}
     root = make_repo(tmp_path / "repo", files)
     (c,) = [c for c in scan(root, patterns=_add_patterns())["candidates"] if c["pattern"] == "add_rms_norm"]
@@ -580,13 +550,8 @@ def test_norm_of_a_copy_of_the_sum_name_is_fused(tmp_path: Path) -> None:
             z = m(x)
         return [y.detach(), x.grad, z]
 
-    ref = run(import_fresh(make_repo(tmp_path / "ref", files), "pkg.m"))
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    with emulate.install() as emu:
-        got = run(import_fresh(root, "pkg.m"))
-    assert emu.calls.get("npu_add_rms_norm", 0) == 1 and emu.calls.get("npu_rms_norm", 0) == 1, emu.calls
-    for a, b in zip(ref, got):
-        assert torch.allclose(a, b, atol=1e-5)
+    calls = _fused_against_eager(tmp_path / "emu", files, "pkg.m", _add_patterns(), run)
+    assert calls.get("npu_add_rms_norm", 0) == 1 and calls.get("npu_rms_norm", 0) == 1, calls
 
 
 @pytest.mark.parametrize("copy, why", [
