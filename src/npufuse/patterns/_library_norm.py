@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from npufuse.patterns import _norm_s44h
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, NearMiss, Result, Risk
 from npufuse.scan import canonical
@@ -621,7 +622,7 @@ def l2_norm_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> Iterato
         powers = [canonical.root_power(module, f, init.get) for f, _ in rest] + [canonical.root_power(module, f, init.get) for f in S_factors]
         signed = [pw if not inv else -pw for (f, inv), pw in zip(rest, powers) if pw is not None] + \
                  [-pw for f, pw in zip(S_factors, powers[len(rest):]) if pw is not None]
-        if 0.5 not in signed:
+        if 0.5 not in signed and not any(_norm_s44h.gain_initialised_to_root(module, f, init.get) for f, inv in rest if not inv):
             yield _miss(scope, stmt, f"{spelling} times a gain without a sqrt(d) factor: an L2 normalisation (ScaleNorm), "
                                      "not an RMSNorm (npu_rms_norm divides by the root of the mean, ||x|| / sqrt(d))")
             continue

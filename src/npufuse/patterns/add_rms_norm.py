@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _add_rms_norm_s44, _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1320,6 +1320,10 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
     factory = _factory_norm(module, call, ctx, value)
     if factory is not None:
         return factory
+    # s44: ``Factory.create("norm", cfg)``, the class picked from a string-keyed registry filled by decorators
+    registered = _add_rms_norm_s44h.registry_created_norm(module, call, ctx, value, _home_with, _class_norm_call)
+    if registered is not None:
+        return registered
     returned = _factory_class_norm(module, scope, call, value)
     if returned is not None:
         return returned
@@ -1813,6 +1817,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
     if lib_fwd is None and fwd is not None:
         lib_fwd = _add_rms_norm_s44.apex_rms_forward(module, fwd, mod, foreign=bool(where))  # s44: apex's kernel
+    if lib_fwd is None and fwd is not None:  # s44: ``F.rms_norm(...).to(x.dtype)``
+        lib_fwd = _add_rms_norm_s44h.cast_back_library_forward(module, fwd, mod, bool(where), _library_forward)
     if lib_fwd is not None:
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
@@ -2354,7 +2360,8 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
                 if nstmt is not None and S.simple_stmt(nstmt) and getattr(nstmt, "value", None) is not None:
                     for node in S.iter_exprs_topdown(nstmt.value):  # type: ignore[attr-defined]
                         node = _s43_unwrap(module, scope, node)
-                        if isinstance(node, ast.Call) and _sum_arg(node, s_name, module):
+                        if isinstance(node, ast.Call) and (_sum_arg(node, s_name, module)
+                                                           or _add_rms_norm_s44h.norm_reads_alias(node, aliases)):  # s44: ``x = s; norm(x)``
                             nc = _norm_call(module, scope, node, S.Ctx(scope, nstmt.lineno))
                             if nc is None:
                                 continue

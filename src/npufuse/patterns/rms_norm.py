@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from npufuse.patterns import _library_norm, _norm_s43
+from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -266,6 +266,8 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
                 raise Miss("mean without keepdim=True", rstd)
             return y, sqctx, up or up2 or up3
         trailing = _trailing_dims_of(module, dim, vctx, trace)
+        if trailing is None:  # s44: ``range(x.ndim - k, x.ndim)``, the rank read from the squared tensor
+            trailing = _norm_s44h.trailing_dims_from_rank(module, dim, vctx, trace, S.key(y, sqctx))
         if trailing is not None and dim_checks is not None:
             # ``dims = tuple(range(-1, -len(shape) - 1, -1))``: the last len(shape) dims; the fused
             # branch runs when that is the last dim alone (len(shape) == 1), the original otherwise
@@ -1954,7 +1956,8 @@ def _stat_reason(module: ModuleInfo, scope: Scope, stmt: ast.stmt, node: ast.AST
             r = _rstd(module, f, S.Trace())
         if r is None:
             return None
-        _mean_of_square(module, r[0], r[1], S.Trace(), r[4])
+        # s44: dims a replacement would check at run time are no reason here (the statistic alone is not applied)
+        _mean_of_square(module, r[0], r[1], S.Trace(), r[4], [])
     except Miss as e:
         return e.reason
     except NoMatch:

@@ -1096,8 +1096,17 @@ def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product
     if p1 is None or p2 is None or p1.kind not in ("@", "matmul") or p2.kind not in ("@", "matmul") or p1.alpha is not None or p2.alpha is not None:
         return None
     k1, k2 = _last_two_swapped_base(p1.b), _last_two_swapped_base(p2.b)
+    ranks: list[ast.expr] = []
     if k1 is None or k2 is None:
-        return None
+        # s44: ``k.transpose(2, 3)``: the last two axes where k has 4 dims (checked at run time)
+        from npufuse.patterns import _attention_s44h
+
+        by_pos = [None if k is not None else _attention_s44h.positional_last_two_swap(p.b) for k, p in ((k1, p1), (k2, p2))]
+        if (k1 is None and by_pos[0] is None) or (k2 is None and by_pos[1] is None):
+            return None
+        ranks = [_attention_s44h.rank_check(base, rank) for base, rank in (r for r in by_pos if r is not None)]
+        k1 = k1 if k1 is not None else by_pos[0][0]  # type: ignore[index]
+        k2 = k2 if k2 is not None else by_pos[1][0]  # type: ignore[index]
     dim = [ast.keyword(arg="dim", value=ast.Constant(-1))]
     q = _torch_call("cat", [ast.List(elts=[p1.a, p2.a], ctx=ast.Load())], dim)
 
@@ -1117,10 +1126,10 @@ def summed_product(p1: "Product | None", p2: "Product | None") -> "tuple[Product
         k = _torch_call("cat", [ast.List(elts=expanded, ctx=ast.Load())], dim)
         k_ok = _substituted("K1.dim() == K2.dim() >= 3 and K1.shape[:-3] == K2.shape[:-3] and K1.shape[-2] == K2.shape[-2] "
                             "and (K1.shape[-3] == K2.shape[-3] or K1.shape[-3] == 1 or K2.shape[-3] == 1)", k1, k2)
-        guard = ast.BoolOp(op=ast.And(), values=[q_same, *k_ok.values])  # type: ignore[attr-defined]
+        guard = ast.BoolOp(op=ast.And(), values=[*ranks, q_same, *k_ok.values])  # type: ignore[attr-defined]
     else:
         k = _torch_call("cat", [ast.List(elts=[k1, k2], ctx=ast.Load())], dim)
-        guard = ast.BoolOp(op=ast.And(), values=[q_same, ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
+        guard = ast.BoolOp(op=ast.And(), values=[*ranks, q_same, ast.Compare(left=lead(k1), ops=[ast.Eq()], comparators=[lead(k2)])])
     return Product(q, ast.Attribute(value=k, attr="mT", ctx=ast.Load()), "matmul"), guard
 
 

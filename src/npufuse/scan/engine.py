@@ -1315,7 +1315,7 @@ def run_scan(inputs: ScanInputs, *, jobs: int | None = None, progress: Callable[
     finally:
         repo_symbols.forget()  # the cross-file passes' shared index lives for this scan only
     # s41: a repository that runs code under forward-mode AD / a functorch transform (every fused branch falls back there)
-    forward_ad.apply(outcomes, near)
+    forward_ad.apply(outcomes, near, walked.root, walked.files)
     existing.sort(key=lambda e: (e["file"], e["line"], e["what"]))
     switches.sort(key=lambda s: (s["file"], s["line"], s["name"], s["kind"]))
     near.sort(key=lambda m: (m["file"], m["line"], m["pattern"], m["reason"]))

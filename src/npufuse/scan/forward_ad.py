@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from npufuse.rewrite.codegen import TRANSFORM_PARAM, transform_guarded
+from npufuse.scan import double_backward_reach
 
 # The APIs are reached through an import of their module or name (found in ModuleInfo.aliases, no
 # text read) or spelled out from ``torch`` (``torch.func.jvp``, ``torch.vmap``): one regex whose
@@ -121,17 +123,20 @@ def _needs_guard(finding: Any) -> bool:
     return finding.pattern not in _PLAIN_TORCH or "torch_npu" in finding.fused
 
 
-def apply(outcomes: list[Any], near: list[dict[str, Any]]) -> None:
+def apply(outcomes: list[Any], near: list[dict[str, Any]], root: Optional[Path] = None,
+          files: Optional[list[str]] = None) -> None:
     """Every candidate's fused branch of a repository with such a use falls back under an active
-    transform, or, with a double-backward use, becomes a near miss (appended to ``near``).
-    Mutates ``outcomes``' hits; nothing changes in a repository without such a use."""
+    transform, or, with a double-backward use that can reach its file (``root`` / ``files``: the
+    repository, to follow the using file's imports; without them every file is reached), becomes a
+    near miss (appended to ``near``). Mutates ``outcomes``' hits; nothing changes in a repository
+    without such a use."""
     try:
-        _apply(outcomes, near)
+        _apply(outcomes, near, double_backward_reach.Reach(root, files or []))
     except (Exception, RecursionError):  # an analysis aid: never lose the scan over it
         return
 
 
-def _apply(outcomes: list[Any], near: list[dict[str, Any]]) -> None:
+def _apply(outcomes: list[Any], near: list[dict[str, Any]], reach: double_backward_reach.Reach) -> None:
     found = sorted((o.file, line, api, kind) for o in outcomes if o.facts is not None
                    for kind, line, api in getattr(o.facts, "transforms", ()) or ())
     if not found:
@@ -145,7 +150,9 @@ def _apply(outcomes: list[Any], near: list[dict[str, Any]]) -> None:
         for h in o.hits:
             f = h.finding
             if _needs_guard(f):
-                why = _double_backward_reason(double[0]) if double else _mark(h, guarded)
+                # s44: a double-backward call blocks only the files its code can reach (a toy script does not)
+                reaching = [u for u in double if reach.reaches(u[0], u[1], o.file)]
+                why = _double_backward_reason(reaching[0]) if reaching else _mark(h, guarded) if guarded else None
                 if why is not None:
                     near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line,
                                  "end_line": f.end_line, "reason": why})

@@ -283,6 +283,10 @@ class RepoSymbols:
         # a module or regular package on any import root beats a namespace package (Python's rule)
         return sorted(keys, key=lambda k: (k.endswith("/"), -shared_prefix(k), k.count("/"), k))[0]
 
+    def holds_module_named(self, dotted_name: str) -> bool:
+        """Does some file or folder of the repository end in module path ``dotted_name`` (on any root)?"""
+        return bool(self._module_table().get(dotted_name))
+
     # --- names -------------------------------------------------------------------------------
 
     def resolve(self, from_file: str, name: str, scope: Optional[ast.AST] = None) -> Symbol:
