@@ -58,6 +58,8 @@ _ONE_HOT = _moe('''\
             out[top_x] += w[top_x, idx, None] * self.experts[e](x[top_x])
         return out
 ''')
+# the one-hot spelled as a comparison: ids outside arange(E) match no expert (skipped), where F.one_hot raises
+_ARANGE_EQ = _ONE_HOT.replace("F.one_hot(sel, num_classes=self.n)", "(sel.unsqueeze(-1) == torch.arange(self.n))")
 # the ids read through a copy of the top-k's
 _COPY = ("w, sel = torch.topk", "w, top = torch.topk", "        out = torch.zeros_like(x)\n",
          "        out = torch.zeros_like(x)\n        sel = top.clone()\n")
@@ -103,8 +105,10 @@ _HANDED_RUN = ("m = MoE(16, 24, 5, 2)\nx = torch.randn(9, 16, requires_grad=True
                "sel = torch.randint(0, 5, (9, 2))\nsel[::3, 1] = -1\nout = m(x, w, sel)\nleaves = [x, w, m.experts[1].w1.weight]\n")
 
 
-@pytest.mark.parametrize("code", [_WIDER_GATE, _FEWER_EXPERTS, _opaque(_WIDER_GATE), _opaque(_FEWER_EXPERTS)],
-                         ids=["topk_over_a_wider_gate", "loop_over_fewer_experts", "opaque_wider_gate", "opaque_fewer_experts"])
+@pytest.mark.parametrize("code", [_WIDER_GATE, _FEWER_EXPERTS, _opaque(_WIDER_GATE), _opaque(_FEWER_EXPERTS),
+                                  _ARANGE_EQ.replace("nn.Linear(d, n, bias=False)", "nn.Linear(d, n + 1, bias=False)")],
+                         ids=["topk_over_a_wider_gate", "loop_over_fewer_experts", "opaque_wider_gate", "opaque_fewer_experts",
+                              "arange_eq_masks_of_a_wider_gate"])
 def test_mask_routing_ids_at_or_past_the_loops_experts_are_skipped(code: str) -> None:
     # the loop never runs ids >= its E; the fused unpermute combined them (emulator cos 0.89)
     findings = _fused(MoeExperts(), code)

@@ -76,7 +76,7 @@ def _tag(node: ast.expr | str, where: str) -> _Text:
     """Texts that read only ``self`` mean the same in every method; others are read in their own method."""
     tree = ast.parse(node, mode="eval").body if isinstance(node, str) else node
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - {"len"}
-    return ("self" if names == {"self"} else where, ast.unparse(tree))
+    return ("self" if names <= {"self"} else where, ast.unparse(tree))
 
 
 class _InitValues:

@@ -4501,10 +4501,13 @@ class _Eval:
         if site is not None and self.s43b_rows_term[0]:
             self._s43b_rows_term_tail(site)
         if site is not None and site.routing in ("mask_where", "flat_mask") and not site.sentinel and not site.local_start \
-                and site.loop != "sorted_runs" and not (site.loop == "expert_hit" and self.masks):
-            # (a sentinel / local range masks its ids already; hit experts of a one-hot mask are its classes)
-            ncls = next(iter(self.masks.values()))[1] if self.masks else ""
-            site.unnamed_ids = not _defects_s44.ids_name_an_expert(self.m, self.scope, self.loop, site.indices, ncls)
+                and site.loop != "sorted_runs":
+            # (a sentinel / local range masks its ids already; F.one_hot raises on ids outside its classes, which are
+            # the hit experts' range; `ids[..., None] == arange(E)` does not: such ids are skipped)
+            found = expert_mask(self.m, self.scope, next(iter(self.masks)), self.loop.lineno) if self.masks else None
+            one_hot = self.masks[next(iter(self.masks))][1] if found is not None and found.spelling == "one_hot" else ""
+            site.unnamed_ids = not (site.loop == "expert_hit" and one_hot) and \
+                not _defects_s44.ids_name_an_expert(self.m, self.scope, self.loop, site.indices, one_hot)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
