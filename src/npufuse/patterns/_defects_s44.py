@@ -16,11 +16,6 @@ from typing import Optional
 
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword
 
-# calls that keep the last dim of the logits (and so the gate's width)
-_WIDTH_KEEPING = {"softmax", "log_softmax", "sigmoid", "float", "half", "bfloat16", "to", "type_as", "contiguous",
-                  "detach", "clone"}
-_WIDTH_KEEPING_API = {"torch.softmax", "torch.nn.functional.softmax", "torch.log_softmax", "torch.nn.functional.log_softmax",
-                      "torch.sigmoid", "torch.nn.functional.sigmoid"}
 # calls that keep every value of the ids (layout or integer type only)
 _VALUE_KEEPING = {"view", "reshape", "flatten", "long", "int", "to", "contiguous", "squeeze", "unsqueeze", "detach",
                   "clone", "view_as", "reshape_as"}
@@ -222,6 +217,9 @@ def _top_source(module: ModuleInfo, call: ast.Call) -> ast.expr:
 
 
 def _logits_width(module: ModuleInfo, scope: Scope, init: _InitValues, node: ast.expr, line: int) -> Optional[_Text]:
+    # the calls s40's top-k reading takes to keep the logits' rows keep their last dim too (the gate's width)
+    from npufuse.patterns.moe_experts import _S40_ROW_KEEPING as width_keeping, _S40_ROW_KEEPING_API as width_keeping_api
+
     for _ in range(12):
         if isinstance(node, ast.Name):
             if len(scope.assignments.get(node.id, [])) != 1 or _written_in_place(scope, [node.id]):
@@ -234,13 +232,13 @@ def _logits_width(module: ModuleInfo, scope: Scope, init: _InitValues, node: ast
         if not isinstance(node, ast.Call):
             return None
         f = node.func
-        if (module.canonical(f) or "") in _WIDTH_KEEPING_API and node.args:
+        if (module.canonical(f) or "") in width_keeping_api and node.args:
             node = node.args[0]
         elif isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and node.args and not node.keywords \
                 and not isinstance(node.args[-1], ast.Starred) and const_value(node.args[-1]) != -1 \
                 and not isinstance(node.args[0], (ast.Tuple, ast.List)):
             return _tag(node.args[-1], "fwd")  # `.view(-1, W)`: last dim W as written
-        elif isinstance(f, ast.Attribute) and f.attr in _WIDTH_KEEPING:
+        elif isinstance(f, ast.Attribute) and f.attr in width_keeping:
             node = f.value
         elif _self_attr(f) and len(node.args) == 1 and not node.keywords:
             layer = init.attrs.get(_self_attr(f))
