@@ -36,6 +36,13 @@ def _fused(pattern, code: str) -> list:
     return findings
 
 
+def _moe_matches(code: str, ids_masked: bool, run: str = _run("9, 16")) -> None:
+    """Fused (with or without the run-time id mask) and, rewritten, the same as the original under the emulator."""
+    findings = _fused(MoeExperts(), code)
+    assert ("_npufuse_named" in findings[0].fused) == ids_masked
+    _close(check_rewrite_runs(MoeExperts(), code, run, findings))
+
+
 # -- 1. mask routing whose ids can name no expert of the loop -----------------------------------------------------------
 
 _WHERE = _moe('''\
@@ -111,15 +118,11 @@ _HANDED_RUN = ("m = MoE(16, 24, 5, 2)\nx = torch.randn(9, 16, requires_grad=True
                               "arange_eq_masks_of_a_wider_gate"])
 def test_mask_routing_ids_at_or_past_the_loops_experts_are_skipped(code: str) -> None:
     # the loop never runs ids >= its E; the fused unpermute combined them (emulator cos 0.89)
-    findings = _fused(MoeExperts(), code)
-    assert "_npufuse_named" in findings[0].fused
-    _close(check_rewrite_runs(MoeExperts(), code, _run("9, 16"), findings))
+    _moe_matches(code, ids_masked=True)
 
 
 def test_mask_routing_ids_handed_in_with_minus_one_drops() -> None:
-    findings = _fused(MoeExperts(), _HANDED_IN)
-    assert "_npufuse_named" in findings[0].fused
-    _close(check_rewrite_runs(MoeExperts(), _HANDED_IN, _HANDED_RUN, findings))
+    _moe_matches(_HANDED_IN, True, _HANDED_RUN)
 
 
 @pytest.mark.parametrize("code", [_WHERE, _ONE_HOT, _opaque(_WHERE), _WHERE.replace(*_COPY[:2]).replace(*_COPY[2:])],
@@ -127,9 +130,7 @@ def test_mask_routing_ids_handed_in_with_minus_one_drops() -> None:
 def test_ids_proven_to_name_an_expert_keep_the_fused_text(code: str) -> None:
     # top-k over nn.Linear(d, n) with the loop over range(self.n) (self.n = n): every id is in [0, n); a one-hot of
     # n classes raises on any other id. No mask is added (the fused text is the one before s44)
-    findings = _fused(MoeExperts(), code)
-    assert "_npufuse_named" not in findings[0].fused
-    _close(check_rewrite_runs(MoeExperts(), code, _run("9, 16"), findings))
+    _moe_matches(code, ids_masked=False)
 
 
 @pytest.mark.parametrize("changes", [
@@ -145,9 +146,7 @@ def test_ids_not_proven_are_masked_at_run_time(changes: tuple[str, ...]) -> None
     for old, new in zip(changes[::2], changes[1::2]):
         assert old in code
         code = code.replace(old, new)
-    findings = _fused(MoeExperts(), code)
-    assert "_npufuse_named" in findings[0].fused
-    _close(check_rewrite_runs(MoeExperts(), code, _run("9, 16"), findings))
+    _moe_matches(code, ids_masked=True)
 
 
 # -- 2. flat routing with -1 ids ------------------------------------------------------------------------------------
@@ -168,15 +167,11 @@ _FLAT_PLAIN = _FLAT_DROPS.replace("        flat = torch.where(w.view(-1) > 0.25,
 @pytest.mark.parametrize("code", [_FLAT_DROPS, _opaque(_FLAT_DROPS)], ids=["grouped_matmul", "experts_as_they_are"])
 def test_flat_routing_minus_one_ids_are_skipped_not_permuted(code: str) -> None:
     # npu_moe_token_permute raised on the -1 ids (values in [0, 16777215)); the loop leaves those rows zero
-    findings = _fused(MoeExperts(), code)
-    assert "_npufuse_named" in findings[0].fused
-    _close(check_rewrite_runs(MoeExperts(), code, _run("9, 16"), findings))
+    _moe_matches(code, ids_masked=True)
 
 
 def test_flat_routing_of_plain_top_k_ids_keeps_the_fused_text() -> None:
-    findings = _fused(MoeExperts(), _FLAT_PLAIN)
-    assert "_npufuse_named" not in findings[0].fused
-    _close(check_rewrite_runs(MoeExperts(), _FLAT_PLAIN, _run("9, 16"), findings))
+    _moe_matches(_FLAT_PLAIN, ids_masked=False)
 
 
 # -- 3. masks broadcast over the keys -------------------------------------------------------------------------------
