@@ -40,7 +40,7 @@ def ids_name_an_expert(module: ModuleInfo, scope: Scope, loop: ast.For, indices:
     traced = _traced_width(module, scope, init, indices, loop.lineno)
     if traced is not None:
         widths.add(traced)
-    return bool(widths) and bool(_closure(widths, scope, init, loop.lineno) & bounds)
+    return bool(_closure(widths, scope, init, loop.lineno) & bounds - {("fwd", ""), ("init", ""), ("self", "")})
 
 
 def named_ids_lines(indices: str, n: str, prefix: str) -> list[str]:
@@ -69,7 +69,10 @@ def _loop_bound(loop: ast.For) -> Optional[ast.expr]:
 
 def _tag(node: ast.expr | str, where: str) -> _Text:
     """Texts that read only ``self`` mean the same in every method; others are read in their own method."""
-    tree = ast.parse(node, mode="eval").body if isinstance(node, str) else node
+    try:
+        tree = ast.parse(node.strip(), mode="eval").body if isinstance(node, str) else node
+    except SyntaxError:
+        return (where, "")  # (a text that does not parse on its own equals nothing)
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - {"len"}
     return ("self" if names <= {"self"} else where, ast.unparse(tree))
 
@@ -113,6 +116,8 @@ def _closure(start: set[_Text], scope: Scope, init: _InitValues, line: int) -> s
     seen, todo = set(start), list(start)
     while todo and len(seen) < 24:
         where, text = todo.pop()
+        if not text:
+            continue
         node = ast.parse(text, mode="eval").body
         more: list[_Text] = []
         if isinstance(node, ast.Name) and where == "fwd":
