@@ -60,11 +60,12 @@ def fold_term_lambda(chain: Any, q: str, sq: str, sk: str) -> str:
             "  # each mask term to [B*N | 1, 1, Sq, Skv] before they are combined")
 
 
-def rows_lines(maybe_none: bool, sq: str) -> list[str]:
-    """The combined folded mask expanded over the query rows (the op does not broadcast a [.., 1, Skv] mask)."""
+def rows_lines(maybe_none: bool, sq: str, sk: str) -> list[str]:
+    """The combined folded mask expanded over the query rows and the keys (the op broadcasts neither a [.., 1, Skv]
+    nor, s44, a [.., Sq, 1] query-padding mask)."""
     guard = "_npufuse_mask is not None and " if maybe_none else ""
-    return [f"if {guard}_npufuse_mask.shape[2] != {sq}:",
-            f"    _npufuse_mask = _npufuse_mask.expand(-1, -1, {sq}, -1).contiguous()"]
+    return [f"if {guard}(_npufuse_mask.shape[2] != {sq} or _npufuse_mask.shape[3] != {sk}):",
+            f"    _npufuse_mask = _npufuse_mask.expand(-1, -1, {sq}, {sk}).contiguous()"]
 
 
 _DTYPE_CASTS = frozenset(("to", "float", "half", "bfloat16", "double", "type", "type_as"))

@@ -802,10 +802,17 @@ def mask_shape_lines(var: str, sq: str, maybe_none: bool, three_d: bool = False,
         # (a [B*N, 1, Skv] padding mask becomes [B*N, 1, 1, Skv]: expanded below like a 4-D one; audit33: Karlo's
         # text mask was passed as it was, a shape the op rejects)
         lines = [f"if {guard}{var}.dim() == 3:", f"    {var} = {var}.unsqueeze(1)  # [B*N, Sq, Skv] -> [B*N, 1, Sq, Skv]"]
-    lines += [
-        f"if {guard}{var}.dim() == 4 and {var}.shape[2] != {sq}:",
-        f"    {var} = {var}.expand(-1, -1, {sq}, -1).contiguous()  # the op does not broadcast [B,1,1,Skv] over the query rows",
-    ]
+    if skv is None:
+        lines += [
+            f"if {guard}{var}.dim() == 4 and {var}.shape[2] != {sq}:",
+            f"    {var} = {var}.expand(-1, -1, {sq}, -1).contiguous()  # the op does not broadcast [B,1,1,Skv] over the query rows",
+        ]
+    else:
+        # s44 (defects44): nor a [B,1,Sq,1] one (a query-padding mask `keep[:, None, :, None]`) over the keys
+        lines += [
+            f"if {guard}{var}.dim() == 4 and ({var}.shape[2] != {sq} or {var}.shape[3] != {skv}):",
+            f"    {var} = {var}.expand(-1, -1, {sq}, {skv}).contiguous()  # the op does not broadcast a [B,1,1,Skv] / [B,1,Sq,1] mask",
+        ]
     if skv is not None:
         lines += [
             f"if {guard}{var}.dim() == 2 and tuple({var}.shape) != ({sq}, {skv}):",
@@ -3996,7 +4003,7 @@ class AttentionPattern(Pattern):
                 if chain.heads_in_batch and fold is not None:
                     # s40 (audit40): several terms, each folded to [B*N | 1, 1, Sq, Skv] before they are combined
                     lines[len(lines) - len(mask_lines):len(lines) - len(mask_lines)] = [fold]
-                    lines += _attention_audit40.rows_lines(maybe_none, sq)
+                    lines += _attention_audit40.rows_lines(maybe_none, sq, f"{atom(k_3)}.shape[1]")
                 elif chain.heads_in_batch:
                     # masks broadcast against the [b, np, sq, sk] view: expanded over the heads and folded like q
                     sk = f"{atom(k_3)}.shape[1]"

@@ -44,6 +44,7 @@ from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
+from npufuse.patterns import _defects_s44
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -185,6 +186,8 @@ class _Site:
     more_conds: tuple = ()  # s43b: the experts' third, fourth, ... arguments, conditioning rows like `cond`
     # s41b: the expert outputs pass through this row-wise dropout (the call with `{}` for its input), as written
     post_dropout: str = ""
+    # s44: ids may lie outside [0, E) (not proven by the gate's width): the loop skips them, the fused text masks them
+    unnamed_ids: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4592,6 +4595,14 @@ class _Eval:
             site.dense_tail = self._s42b_shared_tail(site)
         if site is not None and self.s43b_rows_term[0]:
             self._s43b_rows_term_tail(site)
+        if site is not None and site.routing in ("mask_where", "flat_mask") and not site.sentinel and not site.local_start \
+                and site.loop != "sorted_runs":
+            # (a sentinel / local range masks its ids already; F.one_hot raises on ids outside its classes, which are
+            # the hit experts' range; `ids[..., None] == arange(E)` does not: such ids are skipped)
+            found = expert_mask(self.m, self.scope, next(iter(self.masks)), self.loop.lineno) if self.masks else None
+            one_hot = self.masks[next(iter(self.masks))][1] if found is not None and found.spelling == "one_hot" else ""
+            site.unnamed_ids = not (site.loop == "expert_hit" and one_hot) and \
+                not _defects_s44.ids_name_an_expert(self.m, self.scope, self.loop, site.indices, one_hot)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
@@ -5718,7 +5729,8 @@ def _fused_text(site: _Site) -> str:
         lines += wlines
     # local: only rows of experts [0, n) of the (shifted) indices are computed; the others (other
     # ranks' experts, or the sentinel index E) sort last, are cut off and come back as zero rows
-    local = bool(site.local_start) or (opaque and bool(site.sentinel))
+    # (s44: so are ids that may name no expert of the loop, for experts called as they are)
+    local = bool(site.local_start) or (opaque and (bool(site.sentinel) or site.unnamed_ids))
     n = f"{P}n"
     if site.flat_rows:
         # token masks over indices with leading dims: rows are the flattened tokens (row-major, as the mask picks them)
@@ -5741,6 +5753,8 @@ def _fused_text(site: _Site) -> str:
         ]
         site = copy.copy(site)
         site.indices, site.tokens = f"{P}ids", f"{P}tokens"
+    if site.unnamed_ids:
+        lines += _defects_s44.named_ids_lines(site.indices, site.bins, P)
     if site.routing == "sorted_counts":
         lines += [
             f"# {site.tokens} is already sorted by expert; {site.counts} holds the per-expert counts on the device",
@@ -5763,6 +5777,8 @@ def _fused_text(site: _Site) -> str:
                 f"{P}idx = {indices} - ({site.local_start})",
                 f"{P}idx = {P}idx.masked_fill(({P}idx < 0) | ({P}idx >= {n}), {n})",
             ]
+        elif site.unnamed_ids:
+            lines.append(f"{P}idx = {indices}.masked_fill(~{P}named, {n})  # they sort last")
         else:
             lines += [
                 f"# index {site.sentinel} marks tokens no (local) expert takes and the loop skips them: they sort last",
@@ -5794,6 +5810,13 @@ def _fused_text(site: _Site) -> str:
                 f"{P}probs = {probs}.masked_fill({indices} == {e}, 0)",
             ]
             indices, probs = f"{P}idx", f"{P}probs"
+        elif site.unnamed_ids:
+            # fold them into expert E - 1 with routing weight 0: adds nothing, no host sync, shapes stay static
+            unnamed = f"~{P}named" if site.routing == "mask_where" else f"~{P}named.reshape(-1, 1)"
+            weights = probs if site.routing == "mask_where" else f"{probs}.reshape(-1, 1)" if probs else ""
+            lines += [f"{P}idx = {indices}.masked_fill(~{P}named, {e} - 1)",
+                      f"{P}probs = {weights}.masked_fill({unnamed}, 0)" if weights else f"{P}probs = {P}named.reshape(-1, 1)"]
+            indices = f"{P}idx"
         lines.append(f"{P}x, {P}order = torch_npu.npu_moe_token_permute({site.tokens}, {indices})")
         if site.cond:
             lines += _moe_s42b.conditioning_permute_lines(site.cond, site.cond_tokens, P)
@@ -5883,8 +5906,8 @@ def _fused_text(site: _Site) -> str:
     if site.routing == "sorted_counts":
         lines.append(f"return {h}" if site.out_mode == "return" else f"{out} = {h}")
     else:
-        probs_name = f"{P}probs" if site.sentinel and not local else site.probs
-        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" else \
+        probs_name = f"{P}probs" if (site.sentinel or site.unnamed_ids) and not local else site.probs
+        probs = f", probs={probs_name}.to({h}.dtype)" if site.routing == "mask_where" or site.unnamed_ids and not local else \
             f", probs={site.probs}.reshape(-1, 1).to({h}.dtype)" if site.probs else ""  # s43a: top-1 weights in the loop
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.flat_rows:
@@ -5899,7 +5922,8 @@ def _fused_text(site: _Site) -> str:
         # s41: the loop's per-expert count (`usage[e] = mask.sum()`), for every expert at once
         lines.append(f"# the loop's `{text}`: every expert's token count at once")
         # on the count's own device (a CPU tensor the loop wrote `.item()` into): torch.where / += do not mix devices
-        lines.append(f"{P}cnt = torch.histc({site.indices}.flatten().float(), bins={site.bins}, min=0, max={site.bins})"
+        counted = f"{site.indices}.masked_fill(~{P}named, -1)" if site.unnamed_ids else site.indices  # (histc skips -1)
+        lines.append(f"{P}cnt = torch.histc({counted}.flatten().float(), bins={site.bins}, min=0, max={site.bins})"
                      f".to({stat}.device)")
         if mode == "add":
             lines.append(f"{stat}[:{site.bins}] += {P}cnt.to({stat}.dtype)")

@@ -431,6 +431,9 @@ class SdpaPattern(Pattern):
         else:
             qa, ka, va = qn, kn, vn
             head_num, sq, d_expr = f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[-1]"
+        # s44 (defects44): the keys' length, where the mask is brought to the [.., Sq, Skv] shape the op takes (SDPA's
+        # k is [..., Skv, D]; the BSND call's k is [B, Skv, N, D])
+        skv = f"{atom(kn)}.shape[1]" if layout == "BSND" else f"{atom(kn)}.shape[-2]"
         fa_kwargs: list[tuple[str, str]] = []
 
         # mask / causal
@@ -487,10 +490,10 @@ class SdpaPattern(Pattern):
                 lines.append(f"_npufuse_mask = {conv}  # {comment}")
             if three_d:
                 # s38: against 3-D scores [B*N, Sq, Skv] a 3-D mask is per batch*head: [B*N, 1, Sq, Skv] for the one-head call
-                lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d=True)
+                lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d=True, skv=skv)
             else:
                 lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(qn)}.shape[0]")  # s37: 3-D [1|N,Sq,Skv] masks
-                lines += mask_shape_lines("_npufuse_mask", sq, maybe_none)
+                lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, skv=skv)
         if causal is not None and causal_v is not False:
             if causal_v is True:
                 cache, expr = causal_cache_lines(qn)
