@@ -161,8 +161,8 @@ MUTANTS = [
     M("sdpa", "inverted mask", "bool_key_padding_mask", ("_npufuse_mask = ~mask", "_npufuse_mask = mask")),
     M("sdpa", "wrong layout (BNSD for BSND)", "bsnd_inline_transpose_bf16", ('_npufuse_autocast(q, k, v), q.shape[2], "BSND"', '_npufuse_autocast(q, k, v), q.shape[1], "BNSD"')),
     # moe_experts
-    M("moe_experts", "routing weights dropped", "user_stacked_in_out_unique", ("probs=scores.to(", "probs=torch.ones_like(scores).to(")),
-    M("moe_experts", "wrong top-k (1 for 2)", "user_stacked_in_out_unique", ("npu_moe_token_permute(x, indices)", "npu_moe_token_permute(x, indices[:, :1])"), ("torch.histc(indices.flatten()", "torch.histc(indices[:, :1].flatten()"), ("probs=scores.to(", "probs=scores[:, :1].to(")),
+    M("moe_experts", "routing weights dropped", "user_stacked_in_out_unique", ("probs=_npufuse_probs.to(", "probs=torch.ones_like(_npufuse_probs).to(")),
+    M("moe_experts", "wrong top-k (1 for 2)", "user_stacked_in_out_unique", ("npu_moe_token_permute(x, _npufuse_idx)", "npu_moe_token_permute(x, _npufuse_idx[:, :1])"), ("torch.histc(_npufuse_idx.flatten()", "torch.histc(_npufuse_idx[:, :1].flatten()"), ("probs=_npufuse_probs.to(", "probs=_npufuse_probs[:, :1].to(")),
     M("moe_experts", "swapped swiglu halves", "user_stacked_in_out_unique", ("torch.cat((self.w1, self.w3), dim=2)", "torch.cat((self.w3, self.w1), dim=2)")),
     M("moe_experts", "activation dropped", "plain_gelu_experts_enumerate", ("_npufuse_h = _npufuse_experts[0].act(_npufuse_h)\n", "")),
     # fused_optimizer (judged by the e2e loss rule)

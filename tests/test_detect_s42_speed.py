@@ -48,7 +48,8 @@ def test_a_kept_analysis_finds_what_a_freed_one_does(tmp_path: Path, keeping: No
     frozen = gc.get_freeze_count()
     kept = [_summary(engine.analyze_file(tmp_path, f"f{i}.py", PATTERNS, OPTIONS)) for i in range(len(texts))]
     assert kept == freed
-    assert [m.path for m in engine._KEPT] == [f"f{i}.py" for i in range(len(texts))]
+    # every file but an empty one (``_keep_alive`` never keeps 0 bytes: the stride may land on an empty __init__.py)
+    assert [m.path for m in engine._KEPT] == [f"f{i}.py" for i, text in enumerate(texts) if text]
     assert gc.get_freeze_count() > frozen  # what is kept is out of the collector's reach
 
 
