@@ -9,10 +9,14 @@ B rope: interleaved pairs cut with x's dims spelled from an unpacking of its sha
    Near miss: a leading size that is not x's (``q.reshape(b, s, 4, d // 2, 2)`` with 4 a literal).
 C rms_norm: the mean over ``tuple(range(-len(self.normalized_shape), 0))`` (the last len(shape) dims, fused where
    that is one dim). Near miss: ``range(-2, 0)``, two dims, never the last alone.
+D add_rms_norm (HO21a MoE-LLM): a residual sum (one add per arm of a ReZero flag), then a checkpoint switch whose
+   ``else`` normalises the sum in both arms of an ``isinstance`` fork. Near misses: a flag arm scaling the whole
+   sum (``(residual + attn_out) * alpha``: no x1 + x2 left); a switch test that reads the sum.
 """
 
 from __future__ import annotations
 
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.rms_norm import RmsNorm
 from npufuse.patterns.rope import RopePattern
@@ -161,3 +165,94 @@ def test_two_trailing_dims_counted_to_zero_stay_a_near_miss() -> None:
     findings, misses = detect_all(RmsNorm(), code)
     assert findings == []
     assert any("mean over dim `dims`" in m.reason for m in misses)
+
+
+# -- D: add_rms_norm, the norm of the sum inside one arm of a switch right after the add (HO21a MoE-LLM)
+
+
+_SWITCH_ARM = '''
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return self._norm(x.float()).type_as(x) * self.weight
+
+
+class Experts(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc(x), x.pow(2).mean()
+
+
+class Block(nn.Module):
+    def __init__(self, d, use_rezero=True, use_experts=True):
+        super().__init__()
+        self.use_rezero = use_rezero
+        self.use_gradient_checkpointing = True
+        self.ln2 = RMSNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.mlp = Experts(d) if use_experts else nn.Linear(d, d)
+        self.rezero_alpha_attn = nn.Parameter(torch.full((1,), 0.5))
+
+    def _forward_mlp(self, x):
+        return self.mlp(self.ln2(x))
+
+    def forward(self, x):
+        residual = x
+        use_checkpoint = self.training and self.use_gradient_checkpointing
+        attn_out = self.attn(x)
+        if self.use_rezero:
+            x = residual + self.rezero_alpha_attn * attn_out
+        else:
+            x = residual + attn_out
+        residual = x
+        if use_checkpoint:
+            mlp_out, aux = checkpoint(self._forward_mlp, x, use_reentrant=False)
+        else:
+            if isinstance(self.mlp, Experts):
+                mlp_out, aux = self.mlp(self.ln2(x))
+            else:
+                mlp_out = self.mlp(self.ln2(x))
+                aux = torch.tensor(0.0, device=x.device)
+        return residual + mlp_out, aux
+'''
+
+_SWITCH_ARM_RUN = '''
+torch.manual_seed(0)
+block = Block(16).eval()
+plain = Block(16, use_rezero=False, use_experts=False).eval()
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (block(x), plain(x))
+leaves = [x]
+'''
+
+
+def test_the_norm_heading_the_else_of_a_switch_after_a_flag_sum_is_found_and_runs() -> None:
+    findings = found_and_faithful(AddRmsNorm(), _SWITCH_ARM, _SWITCH_ARM_RUN)
+    assert [(f.qualname, f.line, f.end_line) for f in findings] == [("Block.forward", 46, 58)]
+    assert findings[0].fused.startswith("if use_checkpoint:\n")
+
+
+def test_a_flag_arm_scaling_the_whole_sum_stays_unfused() -> None:
+    code = _SWITCH_ARM.replace("x = residual + self.rezero_alpha_attn * attn_out",
+                               "x = (residual + attn_out) * self.rezero_alpha_attn")
+    assert detect_all(AddRmsNorm(), code)[0] == []
+
+
+def test_a_switch_whose_test_reads_the_sum_stays_unfused() -> None:
+    code = _SWITCH_ARM.replace("        if use_checkpoint:\n", "        if use_checkpoint or x.requires_grad:\n")
+    assert detect_all(AddRmsNorm(), code)[0] == []
