@@ -73,8 +73,8 @@ def switch_arm_sites(module: ModuleInfo, scope: Scope) -> Iterator[tuple[ast.stm
         if not (isinstance(t, ast.If) and t.body and t.orelse and A._pure_test(t.test)):
             continue
         written = {s_name} | {a.targets[0].id for a in aliases}  # type: ignore[attr-defined]
-        if S.names_read(t.test) & written:
-            continue
+        if S.names_read(t.test) & written or A._fork(module, scope, t, s_name, multi=True) is not None:
+            continue  # a test reading the sum runs after it; both arms normalising it: the fork form (_sites)
         yield from _arm_site(A, module, scope, stmt, t, s_name, ops, branches, aliases)
 
 
