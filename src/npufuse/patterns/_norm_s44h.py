@@ -37,16 +37,9 @@ def _rank_of(node: ast.expr) -> ast.expr | None:
     return None
 
 
-def trailing_dims_from_rank(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace: S.Trace,
-                            squared_key: str) -> tuple[ast.expr, S.Ctx] | None:
-    """For a name (or an expression) holding ``tuple(range(t.ndim - k, t.ndim))`` (``list(...)``, a
-    generator over it) with ``t`` the squared tensor: ``(-k, ctx)`` for the run-time check ``-k == -1``.
-    None for any other form (a different tensor's rank, a step, a start not ``rank - k``)."""
-    value, vctx = dim, ctx
-    if isinstance(dim, ast.Name):
-        value, vctx, stmt = S.follow(dim, ctx)
-        if value is dim or stmt is None:
-            return None
+def range_call(value: ast.expr) -> ast.Call | None:
+    """The ``range(..)`` call a dims value holds: ``tuple(range(..))`` / ``list(range(..))`` / a generator or list
+    comprehension that yields its items unchanged; None for anything else."""
     rng = value
     if isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id in ("tuple", "list") \
             and len(rng.args) == 1 and not rng.keywords:
@@ -57,8 +50,23 @@ def trailing_dims_from_rank(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace
                                            and rng.elt.id == gen.target.id):
             return None
         rng = gen.iter
-    if not (isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id == "range"
-            and len(rng.args) == 2 and not rng.keywords):
+    if not (isinstance(rng, ast.Call) and isinstance(rng.func, ast.Name) and rng.func.id == "range" and not rng.keywords):
+        return None
+    return rng
+
+
+def trailing_dims_from_rank(module: ModuleInfo, dim: ast.expr, ctx: S.Ctx, trace: S.Trace,
+                            squared_key: str) -> tuple[ast.expr, S.Ctx] | None:
+    """For a name (or an expression) holding ``tuple(range(t.ndim - k, t.ndim))`` (``list(...)``, a
+    generator over it) with ``t`` the squared tensor: ``(-k, ctx)`` for the run-time check ``-k == -1``.
+    None for any other form (a different tensor's rank, a step, a start not ``rank - k``)."""
+    value, vctx = dim, ctx
+    if isinstance(dim, ast.Name):
+        value, vctx, stmt = S.follow(dim, ctx)
+        if value is dim or stmt is None:
+            return None
+    rng = range_call(value)
+    if rng is None or len(rng.args) != 2:
         return None
     start, stop = rng.args
     if not (isinstance(start, ast.BinOp) and isinstance(start.op, ast.Sub)):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45sweep, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -2197,6 +2197,9 @@ class _Site:
     # s33: ``h = h + a`` then ``if <pure test>: y = norm(h); <more>`` (else optional): the ``if`` whose
     # body the norm statement heads; the add moves into both branches, fused where the body runs
     head_if: ast.If | None = None
+    # s45: the arm of ``head_if`` the norm heads: "body", or "orelse" (``if use_checkpoint: .. checkpoint(..)
+    # else: y = norm(h) ..``, the norm where the switch is off)
+    head_arm: str = "body"
 
     @property
     def last(self) -> ast.stmt:
@@ -2213,8 +2216,10 @@ class _Site:
         if self.fork is None or self.fork_else is None:
             return first
         st, call = self.fork_else
-        return "\n".join([f"if {S.source_of(module, self.fork.test)}:", S.indent(first), "else:",
-                          S.indent(S.splice(module, st, rep(call)))])
+        # s45: a fork whose arms go on after the norm statement (``mlp_out = self.mlp(self.ln2(x)); aux = ..``)
+        body_rest, else_rest = ([S.block_source(module, arm[1:])] if arm[1:] else [] for arm in (self.fork.body, self.fork.orelse))
+        return "\n".join([f"if {S.source_of(module, self.fork.test)}:", S.indent("\n".join([first, *body_rest])), "else:",
+                          S.indent("\n".join([S.splice(module, st, rep(call)), *else_rest]))])
 
 
 def _sum_arg(call: ast.Call, name: str, module: ModuleInfo | None = None) -> bool:
@@ -2393,11 +2398,19 @@ def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site |
 _PURE_TEST = (ast.Attribute, ast.Name, ast.Compare, ast.Constant, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop, ast.unaryop, ast.Load)
 
 
-def _fork(module: ModuleInfo, scope: Scope, stmt: ast.stmt, s_name: str) -> tuple[ast.If, ast.stmt, NormCall, tuple[ast.stmt, ast.Call]] | None:
+def _fork(module: ModuleInfo, scope: Scope, stmt: ast.stmt, s_name: str,
+          multi: bool = False) -> tuple[ast.If, ast.stmt, NormCall, tuple[ast.stmt, ast.Call]] | None:
     """``if <test without calls>: a = ...norm(s)... else: b = ...norm(s)...``: one simple statement per
-    branch, each calling the same norm on the sum (the norm can then run before the test)."""
-    if not (isinstance(stmt, ast.If) and len(stmt.body) == 1 and len(stmt.orelse) == 1
-            and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.test))):
+    branch, each calling the same norm on the sum (the norm can then run before the test).
+
+    s45 (``multi``): arms that go on after their first statement, and a test that may call ``isinstance`` /
+    ``type`` / ``len`` (:func:`_pure_test`): ``if isinstance(self.mlp, MoE): out, aux = self.mlp(self.ln2(x))
+    else: out = self.mlp(self.ln2(x)); aux = zero``."""
+    if multi:
+        if not (isinstance(stmt, ast.If) and stmt.body and stmt.orelse and _pure_test(stmt.test)):
+            return None
+    elif not (isinstance(stmt, ast.If) and len(stmt.body) == 1 and len(stmt.orelse) == 1
+              and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.test))):
         return None
     found: list[tuple[ast.stmt, ast.Call]] = []
     for st in (stmt.body[0], stmt.orelse[0]):
@@ -2662,6 +2675,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
             # s42: aliases after the add (``residual = x``) are in the ``if`` body with it
             original = "\n".join([S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt)])
         elif site.head_if is not None:
+            if site.fork is not None:
+                return "a run-time condition on a norm inside a switch's fork: not rewritten"  # s45: keep the original whole
             original = "\n".join(S.stmt_source(module, st) for st in (site.add, *site.aliases, site.norm_stmt))
         elif j is None:
             return "the norm is not in the add's block"
@@ -2681,7 +2696,14 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         other = ([_s42_else_source(module, t)] if t.orelse else []) + [S.stmt_source(module, site.norm_stmt)]
         body += ["else:", S.indent("\n".join(other))]
         first_line = t.lineno
-    if site.head_if is not None:
+    if site.head_if is not None and site.head_arm == "orelse":
+        # s45: the norm heads the ``else``: there the fused add + norm, then the arm's other statements; where the
+        # test holds the add (and its aliases) as written, then the body
+        h = site.head_if
+        taken = ["\n".join(body)] + ([S.block_source(module, h.orelse[1:])] if h.orelse[1:] else [])
+        other = [S.stmt_source(module, st) for st in (site.add, *site.aliases)] + [S.block_source(module, h.body)]
+        body = [f"if {S.source_of(module, h.test)}:", S.indent("\n".join(other)), "else:", S.indent("\n".join(taken))]
+    elif site.head_if is not None:
         # where the body runs: the fused add + norm, then the body's other statements as written;
         # elsewhere the add (and its aliases) as written, then the ``else`` if any
         h = site.head_if
@@ -3028,7 +3050,8 @@ class AddRmsNorm(Pattern):
             return
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
-                           *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope)]:
+                           *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope),
+                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope)]:
             yield self._site_result(module, scope, stmt, site)
 
     def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:

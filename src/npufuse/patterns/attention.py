@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
-from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _sweep43b_callers
+from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
@@ -2457,6 +2457,8 @@ class _Matcher:
             return
         host = _host_number_in_a_tensor(self, factor, chain)  # s27: GPT-2's ``torch.full([], d ** 0.5, dtype=..)``
         computed_on_host, factor = host is not factor and not _scalar_valued(self, host), host
+        # s45: ``torch.sqrt(torch.FloatTensor([n_heads])).item()``: a Python float made from Python numbers
+        computed_on_host = computed_on_host or _attention_s45sweep.item_of_host_number(self, factor, deref, _scalar_valued)
         # s27: a number by construction (``keys.shape[-1] ** 0.5`` where keys = torch.cat(..)) reads tensor metadata only
         for n in (() if computed_on_host or _scalar_valued(self, factor) else walk_sym(factor)):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith(("torch.finfo", "torch.iinfo")) \

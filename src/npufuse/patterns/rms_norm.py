@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h
+from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -268,6 +268,8 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
         trailing = _trailing_dims_of(module, dim, vctx, trace)
         if trailing is None:  # s44: ``range(x.ndim - k, x.ndim)``, the rank read from the squared tensor
             trailing = _norm_s44h.trailing_dims_from_rank(module, dim, vctx, trace, S.key(y, sqctx))
+        if trailing is None:  # s45: ``tuple(range(-len(shape), 0))``
+            trailing = _rms_norm_s45sweep.trailing_dims_counted_to_zero(dim, vctx, trace)
         if trailing is not None and dim_checks is not None:
             # ``dims = tuple(range(-1, -len(shape) - 1, -1))``: the last len(shape) dims; the fused
             # branch runs when that is the last dim alone (len(shape) == 1), the original otherwise

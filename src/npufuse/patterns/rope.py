@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
-from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep
+from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
@@ -2099,6 +2099,8 @@ def _s43_is_pair_view_of(scope: Scope, like: ast.expr, x: ast.expr) -> bool:
     """Is ``like`` (through local names) ``x.view(..., 2)`` / ``x.reshape(..., 2)`` -- x's lanes cut into pairs, the
     last axis 2 -- with every dim of x but the last kept (``*x.shape[:-1]``)?"""
     view = _resolve(scope, like)
+    if _rope_s45sweep.spelled_pair_view_of(scope, view, x, _resolve):
+        return True  # s45: ``b, s, h, d = x.shape``; ``x.reshape(b, s, h, d // 2, 2)``
     if not (_method(view, "view", "reshape") and len(view.args) == 3 and _is_int(view.args[2], 2)  # type: ignore[union-attr]
             and same_expr(view.func.value, x)):  # type: ignore[union-attr]
         return False
