@@ -5,6 +5,9 @@ W1 affinity_index_put (UniAnimate's DWpose ``__call__``): ``candidate, subset = 
    numpy arrays; ``body = candidate[:, :18].copy()`` and later ``candidate[subset < 0.3] = -1`` became
    ``candidate.masked_fill_(...)``, an AttributeError on a numpy array. A ``.copy()`` / ``.astype()`` call on the
    target (or a slice of it) while it holds the same value shows it is not a torch tensor: a near miss.
+W2 affinity_index_put (OpenSTL's MovingMNIST): ``digit_image = self.mnist[ind].copy()`` then ``digit_image[digit_image
+   > 1] = 255``: a value returned by ``.copy()`` is of the receiver's kind, not a torch tensor (``copy.copy(t)``, the
+   stdlib function, is no evidence).
 R1 moe_experts (Hetu-Galvatron's ``SequentialMLP.forward``): ``output, output_bias = expert(tokens)``, ``outs.append(
    output)`` and ``if self.add_bias: biases.append(output_bias...)``: the reason said "the loop keeps only one";
    it keeps both. The reason now names the other element the loop reads.
@@ -59,6 +62,39 @@ def test_w1_twin_rebound_to_a_tensor_stays_a_candidate() -> None:
     findings, _ = detect_all(AffinityIndexPut(), _TENSOR_AFTER_COPY)
     assert len(findings) == 1, findings
     assert "masked_fill_" in findings[0].fused
+
+
+_ASSIGNED_FROM_COPY = '''\
+import copy
+import random
+
+import numpy as np
+import torch
+
+
+class MovingDigits:
+    def digit(self, background):
+        ind = random.randint(0, self.mnist.shape[0] - 1)
+        digit_image = self.mnist[ind].copy()
+        if background:
+            digit_image[digit_image > 1] = 255
+        return digit_image
+'''
+
+# the twin: the stdlib ``copy.copy`` of a tensor is a tensor (the site stays a candidate)
+_STDLIB_COPY = _ASSIGNED_FROM_COPY.replace("self.mnist[ind].copy()", "copy.copy(self.frames[ind])")
+
+
+def test_w2_value_assigned_from_a_copy_call_is_a_near_miss() -> None:
+    findings, misses = detect_all(AffinityIndexPut(), _ASSIGNED_FROM_COPY)
+    assert not findings, [f.fused for f in findings]
+    assert any("`digit_image` is not a torch tensor: it is assigned `self.mnist[ind].copy()`" in m.reason
+               for m in misses), [m.reason for m in misses]
+
+
+def test_w2_twin_stdlib_copy_stays_a_candidate() -> None:
+    findings, _ = detect_all(AffinityIndexPut(), _STDLIB_COPY)
+    assert len(findings) == 1, findings
 
 
 _EXPERT_OUTPUT_AND_BIAS = '''\
