@@ -8,6 +8,8 @@ W1 affinity_index_put (UniAnimate's DWpose ``__call__``): ``candidate, subset = 
 W2 affinity_index_put (OpenSTL's MovingMNIST): ``digit_image = self.mnist[ind].copy()`` then ``digit_image[digit_image
    > 1] = 255``: a value returned by ``.copy()`` is of the receiver's kind, not a torch tensor (``copy.copy(t)``, the
    stdlib function, is no evidence).
+R2 affinity_where (Score-Entropy-Discrete-Diffusion's ``Uniform.score_entropy``): the near miss quoted ``(self.dim - 1) /
+   self.dim`` (a ratio of configuration numbers) as the op that can be inf/NaN; ``ratio.log()`` of the same branch is.
 R1 moe_experts (Hetu-Galvatron's ``SequentialMLP.forward``): ``output, output_bias = expert(tokens)``, ``outs.append(
    output)`` and ``if self.add_bias: biases.append(output_bias...)``: the reason said "the loop keeps only one";
    it keeps both. The reason now names the other element the loop reads.
@@ -16,6 +18,7 @@ R1 moe_experts (Hetu-Galvatron's ``SequentialMLP.forward``): ``output, output_bi
 from __future__ import annotations
 
 from npufuse.patterns.affinity_index_put import AffinityIndexPut
+from npufuse.patterns.affinity_where import AffinityWhere
 from npufuse.patterns.moe_experts import MoeExperts
 from pattern_harness import detect_all
 
@@ -95,6 +98,42 @@ def test_w2_value_assigned_from_a_copy_call_is_a_near_miss() -> None:
 def test_w2_twin_stdlib_copy_stays_a_candidate() -> None:
     findings, _ = detect_all(AffinityIndexPut(), _STDLIB_COPY)
     assert len(findings) == 1, findings
+
+
+_ATTRIBUTE_RATIO_AND_LOG = '''\
+import torch
+
+
+class Uniform:
+    def score_entropy(self, score, sigma, x, x0):
+        esigm1 = torch.expm1(sigma)
+        ratio = 1 - self.dim / (esigm1 + self.dim)
+        const = torch.where(
+            x == x0,
+            (self.dim - 1) / self.dim * ratio * (ratio.log() - 1),
+            score.mean(dim=-1) * ratio,
+        )
+        return const
+'''
+
+# the twin: with no other unsafe op the attribute ratio is still the quoted one (the near miss itself is unchanged)
+_ATTRIBUTE_RATIO_ONLY = _ATTRIBUTE_RATIO_AND_LOG.replace(" * (ratio.log() - 1)", "")
+
+
+def _where_reasons(code: str) -> list[str]:
+    findings, misses = detect_all(AffinityWhere(), code)
+    assert not findings, [f.fused for f in findings]
+    return [m.reason for m in misses]
+
+
+def test_r2_the_log_is_quoted_not_the_attribute_ratio() -> None:
+    reasons = _where_reasons(_ATTRIBUTE_RATIO_AND_LOG)
+    assert any("computes `ratio.log()`" in r for r in reasons), reasons
+
+
+def test_r2_twin_attribute_ratio_alone_is_still_quoted() -> None:
+    reasons = _where_reasons(_ATTRIBUTE_RATIO_ONLY)
+    assert any("computes `(self.dim - 1) / self.dim`" in r for r in reasons), reasons
 
 
 _EXPERT_OUTPUT_AND_BIAS = '''\
