@@ -24,6 +24,7 @@ import ast
 import copy
 from typing import Any, Iterable, Optional
 
+from npufuse.patterns._affinity_index_put_s45audit import not_tensor_method_use
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk, parsed_code
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, replace_segments, segment
 from npufuse.scan.value import symbolic
@@ -559,6 +560,11 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
         return None  # cannot tell a mask from an integer index: not reported
     if _is_numpy(module, scope, target_node, line):
         return NearMiss(_ID, scope.qualname, line, end, f"`{target}` is a numpy array, not a torch tensor")
+    # s45 (audit45): a numpy method called on the target elsewhere in the function
+    not_tensor = not_tensor_method_use(module, scope, target_node, line)
+    if not_tensor is not None:
+        return NearMiss(_ID, scope.qualname, line, end, f"`{target}` is not a torch tensor: {not_tensor}; "
+                        "masked_fill_ / torch.where take tensors only")
     # operands as code: a mask/value written over several lines is bracketed (bare continuation lines do not parse)
     mask_text = _code_text(module, mask)
     value_text = _code_text(module, value)

@@ -20,6 +20,7 @@ from bisect import bisect_left
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
+from npufuse.patterns._affinity_where_s45audit import attribute_ratio
 from npufuse.patterns._affinity_where_s44audit import constant_number, host_scalar_tensor, missing_values_mask, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
@@ -472,17 +473,21 @@ def _unsafe_in(module: ModuleInfo, scope: Scope, root: ast.AST) -> Optional[str]
     # an op whose result is cast to an integer dtype leaves no inf/NaN in the branch (T5's
     # `max_exact + (torch.log(rel.float() / max_exact) * k).to(torch.long)`): not searched
     cast = {id(x) for c in fast_walk(root) if _integer_cast(module, c) for x in fast_walk(c.func.value)}
+    weak = None  # s45 (audit45): `(self.dim - 1) / self.dim` is quoted only where nothing else is unsafe
     for n in fast_walk(root):
         if id(n) in cast:
             continue
         if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.Pow)) and not _finite_scalar_op(scope, n) and not (
                 isinstance(n.op, ast.Div) and _nonzero_denominator(module, scope, n.right, n.lineno)):
+            if attribute_ratio(n):
+                weak = weak or ast.unparse(n)
+                continue
             return ast.unparse(n)
         if isinstance(n, ast.Call):
             last = (module.canonical(n.func) or dotted(n.func) or (n.func.attr if isinstance(n.func, ast.Attribute) else "")).split(".")[-1]
             if last in _UNSAFE_FUNCS and constant_number(n) is None:  # s44: np.log(2.0) is a finite constant
                 return ast.unparse(n)
-    return None
+    return weak
 
 
 def _is_literal(node: ast.AST) -> bool:

@@ -45,6 +45,7 @@ from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
+from npufuse.patterns._moe_experts_s45audit import other_parts_read
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -4652,6 +4653,11 @@ class _Eval:
             site.zero_link = self.zero_link
             return site
         if contrib.kind == "mod_part":
+            # s45 (audit45): "keeps only one" only where no other element is read (a bias collected under an `if`)
+            also = other_parts_read(self, contrib.args[1], block[i])
+            if also:
+                raise _Miss("the expert returns several values and the loop uses more than one of them (also "
+                            f"{', '.join(f'`{n}`' for n in also)}): the fused layer calls the experts for one output tensor")
             raise _Miss("the expert returns several values and the loop keeps only one: the fused layer calls the "
                         "experts for one output tensor")
         if mode == "accumulate":
