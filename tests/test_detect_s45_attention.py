@@ -1,0 +1,166 @@
+"""s45 attn45: attention / sdpa defects and misses left by s44, each pinned by class (Fuse forms run rewritten under the
+emulator against the original; near misses carry true reasons).
+
+1. SDPA operands of mixed ranks: SDPA broadcasts 3-D keys beside a 4-D query (B = 1 multi-query); the fused branch
+   tested ``q.dim() == 4`` only and handed 3-D keys to npu_fusion_attention. A stated rank other than 4 beside an
+   unstated one is a near miss (granite-tsfm PatchTST-FM's 5-D values: the candidate could never run).
+2. One head indexed out in a loop (``query_states[:, h, :, :]``, MiniMax-M2): 3-D per-head products, read 4-D before
+   (a dead candidate), now the one-head (bmm) reading with run-time rank checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pattern_harness import check_rewrite_runs, detect_all
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.sdpa import SdpaPattern
+
+
+def _fused(pattern, code: str) -> list:
+    findings, misses = detect_all(pattern, code)
+    assert findings, [m.reason for m in misses]
+    return findings
+
+
+def _near_miss(pattern, code: str) -> str:
+    findings, misses = detect_all(pattern, code)
+    assert not findings, findings[0].fused
+    assert misses
+    return " | ".join(m.reason for m in misses)
+
+
+def _close(facts: dict, calls: bool = True, tol: float = 0.9999) -> None:
+    assert (facts["calls"] >= 1) == calls, facts["all_calls"]
+    assert all(a == b for a, b in facts["shapes"]), facts["shapes"]
+    assert all(c > tol for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
+
+
+# -- 1. SDPA operands of mixed ranks -----------------------------------------------------------------------------------
+
+_SDPA_HELPER = '''
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+'''
+_RUN_KEYS = "q = torch.randn(1, 4, 5, 8, requires_grad=True)\nk = torch.randn({k}, requires_grad=True)\nv = torch.randn({k}, requires_grad=True)\nout = attend(q, k, v)\nleaves = [q, k, v]\n"
+
+
+def test_sdpa_keys_of_a_lower_rank_run_the_original() -> None:
+    # one key / value head shared by every query head, 3-D [B, S, D] (B = 1): SDPA broadcasts it, the op takes 4-D only
+    findings = _fused(SdpaPattern(), _SDPA_HELPER)
+    assert "q.dim() == k.dim() == v.dim() == 4" in findings[0].fused
+    _close(check_rewrite_runs(SdpaPattern(), _SDPA_HELPER, _RUN_KEYS.format(k="1, 7, 8"), findings), calls=False)
+
+
+def test_sdpa_four_d_operands_of_unstated_rank_still_fuse() -> None:
+    findings = _fused(SdpaPattern(), _SDPA_HELPER)
+    _close(check_rewrite_runs(SdpaPattern(), _SDPA_HELPER, _RUN_KEYS.format(k="1, 4, 7, 8"), findings))
+
+
+_GRANITE = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, qk_norm=False):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+
+    def forward(self, x, attn_mask=None):
+        B, M, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, M, N, 3, self.num_heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.unsqueeze(1) if attn_mask is not None else None)
+        return x.permute(0, 2, 3, 1, 4).reshape(B, M, N, C)
+'''
+
+
+def test_sdpa_five_d_values_beside_unstated_queries_are_a_near_miss() -> None:
+    # granite-tsfm PatchTST-FM: v is 5-D (a 6-D permute's unbind); the candidate's `q.dim() == 4` never held
+    reason = _near_miss(SdpaPattern(), _GRANITE)
+    assert "v (`v`) is 5-D while the rank of q, k is not stated" in reason
+
+
+def test_sdpa_four_d_values_beside_unstated_queries_fuse() -> None:
+    # the twin: a 5-D reshape's unbind gives 4-D values; q / k through the norm modules are checked at run time
+    code = _GRANITE.replace("B, M, N, C = x.shape", "B, N, C = x.shape").replace(
+        "reshape(B, M, N, 3, self.num_heads, self.head_dim).permute(3, 0, 4, 1, 2, 5)",
+        "reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)").replace(
+        "x.permute(0, 2, 3, 1, 4).reshape(B, M, N, C)", "x.transpose(1, 2).reshape(B, N, C)")
+    findings = _fused(SdpaPattern(), code)
+    assert "q.dim() == k.dim() == 4" in findings[0].fused
+    run = "m = Attention(32, 4)\nx = torch.randn(2, 6, 32, requires_grad=True)\nout = m(x)\nleaves = [x, m.qkv.weight]\n"
+    _close(check_rewrite_runs(SdpaPattern(), code, run, findings))
+
+
+# -- 2. one head indexed out by a loop variable ------------------------------------------------------------------------
+
+_PER_HEAD = '''
+import torch
+import torch.nn as nn
+
+
+class ChunkedAttention(nn.Module):
+    def __init__(self, dim, heads, chunk=4):
+        super().__init__()
+        self.heads, self.hd, self.chunk = heads, dim // heads, chunk
+        self.scaling = self.hd ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attention_mask=None):
+        b, s, _ = x.shape
+        query_states, key_states, value_states = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        parts = []
+        for h in range(self.heads):
+            q = query_states[:, h, :, :]
+            k = key_states[:, h, :, :]
+            v = value_states[:, h, :, :]
+            out_parts = []
+            for i in range(0, q.size(1), self.chunk):
+                q_chunk = q[:, i:i + self.chunk, :]
+                attn_chunk = torch.matmul(q_chunk, k.transpose(-2, -1))
+                attn_chunk.mul_(self.scaling)
+                if attention_mask is not None:
+                    attn_chunk.add_(attention_mask.squeeze(1)[:, i:i + self.chunk, :])
+                attn_chunk = torch.softmax(attn_chunk, dim=-1, dtype=torch.float32).to(q.dtype)
+                out_chunk = torch.matmul(attn_chunk, v)
+                out_parts.append(out_chunk)
+            parts.append(torch.cat(out_parts, dim=1))
+        return torch.stack(parts, dim=1).transpose(1, 2).reshape(b, s, -1)
+'''
+_PER_HEAD_RUN = ("m = ChunkedAttention(32, 4)\nx = torch.randn(2, 10, 32, requires_grad=True)\n"
+                 "mask = torch.zeros(2, 1, 10, 10)\nmask[1, :, :, 7:] = float('-inf')\n"
+                 "out = m(x, {mask})\nleaves = [x, m.qkv.weight]\n")
+
+
+@pytest.mark.parametrize("mask", ["mask", "None"])
+def test_heads_indexed_out_in_a_loop_fuse_as_one_head_calls(mask: str) -> None:
+    # MiniMax-M2: read 4-D before, the fused branch's `q_chunk.dim() == 4` never held
+    findings = _fused(AttentionPattern(), _PER_HEAD)
+    assert "q_chunk.dim() == 3" in findings[0].fused and "q_chunk.dim() == 4" not in findings[0].fused
+    _close(check_rewrite_runs(AttentionPattern(), _PER_HEAD, _PER_HEAD_RUN.format(mask=mask), findings))
+
+
+def test_heads_indexed_out_with_the_probabilities_kept_stay_a_near_miss() -> None:
+    # the per-head loop keeping every chunk's probabilities (no flag): the fused op does not produce them
+    code = _PER_HEAD.replace("                out_parts.append(out_chunk)\n",
+                             "                out_parts.append(out_chunk)\n                self.kept.append(attn_chunk)\n")
+    assert "probabilities" in _near_miss(AttentionPattern(), code)
+
+
+def test_a_head_index_that_is_a_tensor_is_not_read_three_d() -> None:
+    # `query_states[:, idx, :, :]` with a tensor of head ids keeps the head axis: no 3-D reading
+    code = _PER_HEAD.replace("for h in range(self.heads):", "for h in [torch.tensor([0, 1])]:")
+    findings, _ = detect_all(AttentionPattern(), code)
+    assert all("q_chunk.dim() == 3" not in f.fused for f in findings)
