@@ -6,13 +6,20 @@ emulator against the original; near misses carry true reasons).
    unstated one is a near miss (granite-tsfm PatchTST-FM's 5-D values: the candidate could never run).
 2. One head indexed out in a loop (``query_states[:, h, :, :]``, MiniMax-M2): 3-D per-head products, read 4-D before
    (a dead candidate), now the one-head (bmm) reading with run-time rank checks.
+3. fused_optimizer (audit44's false reason): LAVIS's ``if self.use_fsdp: assert False, .. else: DDP(..)`` named FSDP,
+   yet the program refuses to run with the flag on; such a refused flag is no sharding fact.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
+from apply_support import scan
 from pattern_harness import check_rewrite_runs, detect_all
+from scratch_repo import write_files
+from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.sdpa import SdpaPattern
 
@@ -164,3 +171,70 @@ def test_a_head_index_that_is_a_tensor_is_not_read_three_d() -> None:
     code = _PER_HEAD.replace("for h in range(self.heads):", "for h in [torch.tensor([0, 1])]:")
     findings, _ = detect_all(AttentionPattern(), code)
     assert all("q_chunk.dim() == 3" not in f.fused for f in findings)
+
+
+# -- 3. a sharding flag the program refuses to run with ----------------------------------------------------------------
+
+_RUNNER = '''\
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Runner:
+    def __init__(self, cfg, model):
+        self.cfg, self._model, self._wrapped = cfg, model, None
+        self._optimizer = None
+
+    @property
+    def use_fsdp(self):
+        return self.cfg.get("fsdp", False)
+
+    @property
+    def model(self):
+        if self._wrapped is None:
+            if self.use_fsdp:
+                assert False, "FSDP is not supported yet"
+            else:
+                self._wrapped = DDP(self._model)
+        return self._wrapped
+
+    @property
+    def optimizer(self):
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=1e-4)
+        return self._optimizer
+
+    def unwrap(self, model):
+        if self.use_fsdp:
+            return model
+        return model.module
+'''
+
+
+def _optimizer_results(root: Path, code: str) -> tuple[list[dict], list[str]]:
+    write_files(root, {"runner.py": code})
+    data = scan(root, patterns=[FusedOptimizer()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    return cands, [m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer"]
+
+
+def test_a_sharding_flag_whose_arm_asserts_false_is_no_sharding(tmp_path: Path) -> None:
+    cands, near = _optimizer_results(tmp_path / "refused", _RUNNER)
+    assert len(cands) == 1 and not near, near
+
+
+def test_a_sharding_flag_whose_arm_wraps_stays_a_near_miss(tmp_path: Path) -> None:
+    # the twin: the flag's arm wraps the model in FSDP
+    code = _RUNNER.replace('assert False, "FSDP is not supported yet"', "self._wrapped = FSDP(self._model)").replace(
+        "from torch.nn.parallel import DistributedDataParallel as DDP",
+        "from torch.nn.parallel import DistributedDataParallel as DDP\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP")
+    cands, near = _optimizer_results(tmp_path / "wraps", code)
+    assert not cands and any("FSDP/DeepSpeed/ZeRO" in r for r in near), near
+
+
+def test_a_failing_flag_test_without_another_arm_is_not_the_decision(tmp_path: Path) -> None:
+    # `if self.use_fsdp: assert False` with no else (a helper refusing, not the wrapping decision): still a sharding fact
+    code = _RUNNER.replace('assert False, "FSDP is not supported yet"\n            else:\n                self._wrapped = DDP(self._model)',
+                           'assert False, "FSDP is not supported yet"\n            self._wrapped = DDP(self._model)')
+    cands, near = _optimizer_results(tmp_path / "bare", code)
+    assert not cands and any("use_fsdp" in r for r in near), (cands, near)
