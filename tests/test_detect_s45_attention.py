@@ -8,6 +8,8 @@ emulator against the original; near misses carry true reasons).
    (a dead candidate), now the one-head (bmm) reading with run-time rank checks.
 3. fused_optimizer (audit44's false reason): LAVIS's ``if self.use_fsdp: assert False, .. else: DDP(..)`` named FSDP,
    yet the program refuses to run with the flag on; such a refused flag is no sharding fact.
+4. affinity_index_put (audit44's false reason): ``random_indices[batch_mask, :num_mask, :]`` IS gathered with the mask
+   (then sliced): the reason is now the true one (``scatter`` not elementwise), or the slice after the gather.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from apply_support import scan
 from pattern_harness import check_rewrite_runs, detect_all
 from scratch_repo import write_files
+from npufuse.patterns.affinity_index_put import AffinityIndexPut
 from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.sdpa import SdpaPattern
@@ -238,3 +241,39 @@ def test_a_failing_flag_test_without_another_arm_is_not_the_decision(tmp_path: P
                            'assert False, "FSDP is not supported yet"\n            self._wrapped = DDP(self._model)')
     cands, near = _optimizer_results(tmp_path / "bare", code)
     assert not cands and any("use_fsdp" in r for r in near), (cands, near)
+
+
+# -- 4. a value operand gathered with the mask, then sliced -------------------------------------------------------------
+
+_TSPULSE = '''\
+import torch
+
+
+def random_mask(fft_tensor, mask_ratio, odd):
+    batch, seq_len, channels = fft_tensor.shape
+    num_mask = int(seq_len * mask_ratio)
+    batch_mask = torch.arange(batch, device=fft_tensor.device) % 2 == (1 if odd else 0)
+    mask = torch.ones((batch, seq_len, channels), device=fft_tensor.device, dtype=torch.bool)
+    random_indices = torch.rand(batch, seq_len, channels, device=fft_tensor.device).argsort(dim=1)
+    mask[batch_mask] = mask[batch_mask].scatter(1, random_indices[batch_mask, :num_mask, :], False)
+    return mask
+'''
+
+
+def _index_put_near_misses(root: Path, code: str) -> list[str]:
+    write_files(root, {"masking.py": code})
+    data = scan(root, patterns=[AffinityIndexPut()])
+    assert not [c for c in data["candidates"] if c["pattern"] == "affinity_index_put"]
+    return [m["reason"] for m in data["near_misses"] if m["pattern"] == "affinity_index_put"]
+
+
+def test_an_operand_gathered_with_the_mask_and_sliced_is_not_called_ungathered(tmp_path: Path) -> None:
+    (reason,) = _index_put_near_misses(tmp_path / "scatter", _TSPULSE)
+    assert "not gathered with the mask" not in reason and "`mask[batch_mask].scatter(" in reason, reason
+
+
+def test_an_elementwise_value_sliced_after_the_gather_names_the_slice(tmp_path: Path) -> None:
+    code = _TSPULSE.replace("mask[batch_mask].scatter(1, random_indices[batch_mask, :num_mask, :], False)",
+                            "mask[batch_mask] & (random_indices[batch_mask, :, :] >= num_mask)")
+    (reason,) = _index_put_near_misses(tmp_path / "sliced", code)
+    assert reason.startswith("`random_indices[batch_mask, :, :]` in the value takes the mask's rows"), reason
