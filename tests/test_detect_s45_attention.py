@@ -8,6 +8,10 @@ emulator against the original; near misses carry true reasons).
    (a dead candidate), now the one-head (bmm) reading with run-time rank checks.
 3. fused_optimizer (audit44's false reason): LAVIS's ``if self.use_fsdp: assert False, .. else: DDP(..)`` named FSDP,
    yet the program refuses to run with the flag on; such a refused flag is no sharding fact.
+5. defects44's left item, attention sites whose Skv is not read: only 5-D folded q/k/v leave it unread, and those
+   fold only without a mask (or with a causal one / float biases passed as pse, expanded to the scores' shape): a
+   [B, 1, 1, Sq, 1] mask beside them stays a near miss (pinned). Mixed BSND / BNSD operands read Sq and N on the bound
+   q in its own layout (the copy ``q.transpose(1, 2).contiguous()`` was made once per mask-line read).
 4. affinity_index_put (audit44's false reason): ``random_indices[batch_mask, :num_mask, :]`` IS gathered with the mask
    (then sliced): the reason is now the true one (``scatter`` not elementwise), or the slice after the gather.
 """
@@ -277,3 +281,60 @@ def test_an_elementwise_value_sliced_after_the_gather_names_the_slice(tmp_path: 
                             "mask[batch_mask] & (random_indices[batch_mask, :, :] >= num_mask)")
     (reason,) = _index_put_near_misses(tmp_path / "sliced", code)
     assert reason.startswith("`random_indices[batch_mask, :, :]` in the value takes the mask's rows"), reason
+
+
+# -- 5. masks beside operands whose key length npufuse reads, and those it does not -------------------------------------
+
+_FOLDED = '''
+import math
+import torch
+from torch import nn
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, d, n, w=2):
+        super().__init__()
+        self.n, self.hd, self.w = n, d // n, w
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, self.w, s // self.w, 3, self.n, self.hd).permute(3, 0, 4, 1, 2, 5)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hd)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+'''
+_MIXED = '''
+import math
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.n, self.hd = n, d // n
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * d)
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.n, self.hd)
+        k, v = self.kv(x).view(b, s, 2, self.n, self.hd).permute(2, 0, 3, 1, 4)
+        scores = torch.einsum("bqnd,bnkd->bnqk", q, k) / math.sqrt(self.hd)
+        scores = scores.masked_fill(~keep[:, None, :, None], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return out.transpose(1, 2).reshape(b, s, -1)
+'''
+
+
+def test_a_query_row_mask_beside_five_d_windows_stays_a_near_miss() -> None:
+    assert "a mask beside 5-D q/k/v is not folded" in _near_miss(AttentionPattern(), _FOLDED)
+
+
+def test_mixed_layouts_read_the_query_length_without_copying_q() -> None:
+    findings = _fused(AttentionPattern(), _MIXED)
+    assert ".contiguous().shape" not in findings[0].fused and "_npufuse_mask.shape[2] != q.shape[1]" in findings[0].fused
+    run = ("m = Attn(32, 4)\nx = torch.randn(2, 6, 32, requires_grad=True)\nkeep = torch.ones(2, 6, dtype=torch.bool)\n"
+           "out = m(x, keep)\nleaves = [x, m.q.weight, m.kv.weight]\n")
+    _close(check_rewrite_runs(AttentionPattern(), _MIXED, run, findings))

@@ -3920,8 +3920,10 @@ class AttentionPattern(Pattern):
                 (f"{atom(x)}.transpose(1, 2).contiguous()" if op.layout == "BSND" else x)
                 for x, op in ((q_n, chain.q), (k_n, chain.k), (v_n, chain.v))
             )
-            head_num = f"{atom(q_a)}.shape[1]"
-            sq = f"{atom(q_a)}.shape[2]"
+            # s45: read on the bound q in its own layout: q_a may be a copy (``q.transpose(1, 2).contiguous()``), which the
+            # mask lines would otherwise make once per read
+            head_num = f"{atom(q_n)}.shape[{2 if chain.q.layout == 'BSND' else 1}]"
+            sq = f"{atom(q_n)}.shape[{1 if chain.q.layout == 'BSND' else 2}]"
             # read on the bound k in its own layout (k_a may be a copy: not evaluated twice)
             skv = f"{atom(k_n)}.shape[{1 if chain.k.layout == 'BSND' else 2}]" if chain.k.layout in ("BNSD", "BSND") else None
             risks.append(Risk("layout", "q/k/v arrive in different layouts: the BSND ones are transposed and copied to BNSD"))
