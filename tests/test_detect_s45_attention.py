@@ -12,6 +12,9 @@ emulator against the original; near misses carry true reasons).
    fold only without a mask (or with a causal one / float biases passed as pse, expanded to the scores' shape): a
    [B, 1, 1, Sq, 1] mask beside them stays a near miss (pinned). Mixed BSND / BNSD operands read Sq and N on the bound
    q in its own layout (the copy ``q.transpose(1, 2).contiguous()`` was made once per mask-line read).
+6. GQA written as a 5-D grouped query (qwen3_from_scratch ``q.reshape(B, Hkv, G, S, D)`` against ``k.unsqueeze(2)``) and
+   5-D operands with a causal triangle under a condition: folded into the op's batch, k / v's group axis of 1 as one
+   kv head (the op's GQA), the triangle's [Sq, Skv] plane as the 2-D mask; leading axes checked at run time.
 4. affinity_index_put (audit44's false reason): ``random_indices[batch_mask, :num_mask, :]`` IS gathered with the mask
    (then sliced): the reason is now the true one (``scatter`` not elementwise), or the slice after the gather.
 """
@@ -338,3 +341,58 @@ def test_mixed_layouts_read_the_query_length_without_copying_q() -> None:
     run = ("m = Attn(32, 4)\nx = torch.randn(2, 6, 32, requires_grad=True)\nkeep = torch.ones(2, 6, dtype=torch.bool)\n"
            "out = m(x, keep)\nleaves = [x, m.q.weight, m.kv.weight]\n")
     _close(check_rewrite_runs(AttentionPattern(), _MIXED, run, findings))
+
+
+# -- 6. GQA as a 5-D grouped query; 5-D operands with a conditional causal triangle ------------------------------------
+
+_GROUPED = '''
+import torch
+from torch import nn
+
+
+class GroupedAttention(nn.Module):
+    def __init__(self, head_dim):
+        super().__init__()
+        self.n_head_dim = head_dim
+
+    def forward(self, q, k, v, is_causal: bool = True):
+        batch_size, head_q, seq_len_q, head_dim = q.shape
+        head_kv = k.shape[1]
+        scale = self.n_head_dim ** -0.5
+        n_groups = head_q // head_kv
+        q_reshaped = q.reshape(batch_size, head_kv, n_groups, seq_len_q, head_dim)
+        k_expanded = k.unsqueeze(2)
+        v_expanded = v.unsqueeze(2)
+        scores = torch.matmul(q_reshaped, k_expanded.transpose(-2, -1)) * scale
+        seq_len_k = k.shape[2]
+        if seq_len_q > 1 and is_causal:
+            causal_mask = torch.tril(torch.ones(seq_len_q, seq_len_k, device=q.device, dtype=torch.bool))
+            scores = scores.masked_fill(~causal_mask.unsqueeze(0).unsqueeze(0).unsqueeze(0), float("-inf"))
+        attn_weights = torch.softmax(scores, dim=-1)
+        out = torch.matmul(attn_weights, v_expanded)
+        return out.reshape(batch_size, head_q, seq_len_q, head_dim)
+'''
+_GROUPED_RUN = ("m = GroupedAttention(8)\nq = torch.randn(2, 6, {sq}, 8, requires_grad=True)\nk = torch.randn(2, 2, {skv}, 8, requires_grad=True)\n"
+                "v = torch.randn(2, 2, {skv}, 8, requires_grad=True)\nout = m(q, k, v, {causal})\nleaves = [q, k, v]\n")
+
+
+@pytest.mark.parametrize("sq,skv,causal", [(5, 5, "True"), (5, 5, "False"), (1, 7, "True"), (3, 7, "True")])
+def test_gqa_as_a_five_d_grouped_query_fuses(sq: int, skv: int, causal: str) -> None:
+    findings = _fused(AttentionPattern(), _GROUPED)
+    assert "unflatten(0, q_reshaped.shape[:2])" in findings[0].fused
+    _close(check_rewrite_runs(AttentionPattern(), _GROUPED, _GROUPED_RUN.format(sq=sq, skv=skv, causal=causal), findings))
+
+
+def test_gqa_as_a_five_d_grouped_query_with_a_padding_mask_stays_a_near_miss() -> None:
+    # a key-padding mask (not a triangle: it differs per batch row) would have to be folded like q: not done
+    code = _GROUPED.replace("is_causal: bool = True):", "is_causal: bool = True, pad=None):").replace(
+        "        attn_weights = torch.softmax(", "        if pad is not None:\n            scores = scores.masked_fill(pad[:, None, None, None, :], float(\"-inf\"))\n"
+        "        attn_weights = torch.softmax(")
+    assert "a mask beside 5-D q/k/v is not folded" in _near_miss(AttentionPattern(), code)
+
+
+def test_a_key_group_axis_neither_one_nor_the_querys_runs_the_original() -> None:
+    # the eager matmuls broadcast only equal or size-1 axes; the test keeps the fold to those (and shared leading axes)
+    findings = _fused(AttentionPattern(), _GROUPED)
+    assert "(k_expanded.shape[2] in (1, q_reshaped.shape[2]))" in findings[0].fused
+    assert "(k_expanded.shape[:2] == q_reshaped.shape[:2] == v_expanded.shape[:2])" in findings[0].fused

@@ -97,3 +97,31 @@ def defined_value(node: Any, scope: Any, line: int) -> Any:
         d = scope.definition(node.name, line)
         return d if d is not None else node
     return node
+
+
+# 3. 5-D operands with a causal mask under a condition, and GQA written as a 5-D grouped query (qwen3_from_scratch's
+#    ``q.reshape(B, Hkv, G, S, D)`` against ``k.unsqueeze(2)`` / ``v.unsqueeze(2)``, the causal triangle applied
+#    ``if seq_len_q > 1 and is_causal``). npufuse folds 5-D [B, N, W, S, D] operands' first two axes into the op's
+#    batch; a mask had to be folded alike, so only a causal flag (sparse_mode) was allowed. A causal triangle is one
+#    [Sq, Skv] plane repeated over every leading axis (each term a tril / triu of the two sequence lengths), so its
+#    plane passes as the op's 2-D [Sq, Skv] mask whatever the fold. Keys and values of size 1 on the window / group
+#    axis (``k.unsqueeze(2)``) fold to one kv head per batch row, which the op's GQA shares across the G query heads
+#    (spec 5.1: query head h uses kv head h // (Nq / Nkv)): exactly the broadcast of the eager matmuls.
+def causal_terms_only(masks: list) -> bool:
+    """Every term of the chain's mask is a causal triangle (under a condition or not; float biases go to pse)."""
+    return bool(masks) and all(getattr(m, "causal", None) is not None or type(m).__name__ == "_S28Bias" for m in masks)
+
+
+def causal_plane_lines(var: str, maybe_none: bool) -> list[str]:
+    """The [Sq, Skv] plane of a causal mask broadcast over the 5-D scores' leading axes (identical on each)."""
+    guard = f"{var} is not None and " if maybe_none else ""
+    return [f"if {guard}{var}.dim() > 2:",
+            f"    {var} = {var}[(0,) * ({var}.dim() - 2)]  # a causal triangle: the same [Sq, Skv] plane on every leading axis"]
+
+
+def fold_shape_test(q: str, k: str, v: str) -> str:
+    """The run-time test under which the first two axes of 5-D q / k / v fold into the op's batch: shared leading
+    axes (the eager matmuls would broadcast unequal ones, the fold would not), and a window / group axis of k and v
+    equal to q's or 1 (one kv head for the G query heads of the op's GQA)."""
+    return (f"{k}.shape[:2] == {q}.shape[:2] == {v}.shape[:2] and {k}.shape[2] == {v}.shape[2] "
+            f"and {k}.shape[2] in (1, {q}.shape[2])")
