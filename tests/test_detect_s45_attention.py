@@ -15,6 +15,10 @@ emulator against the original; near misses carry true reasons).
 6. GQA written as a 5-D grouped query (qwen3_from_scratch ``q.reshape(B, Hkv, G, S, D)`` against ``k.unsqueeze(2)``) and
    5-D operands with a causal triangle under a condition: folded into the op's batch, k / v's group axis of 1 as one
    kv head (the op's GQA), the triangle's [Sq, Skv] plane as the 2-D mask; leading axes checked at run time.
+7. Tiled online-softmax (flash) loop nests in PyTorch (elvin-mark's EducationalFlashAttention): the loop computes
+   softmax(q kᵀ·scale + mask) v exactly (running max, rescaled sum and accumulator, final division): one call; a
+   key-block skip after the query block needs a mask masking those keys (checked at run time). Keeps: no rescale, a
+   different normaliser, a windowed skip, a skip with no mask, the running statistics read after the loop.
 4. affinity_index_put (audit44's false reason): ``random_indices[batch_mask, :num_mask, :]`` IS gathered with the mask
    (then sliced): the reason is now the true one (``scatter`` not elementwise), or the slice after the gather.
 """
@@ -396,3 +400,99 @@ def test_a_key_group_axis_neither_one_nor_the_querys_runs_the_original() -> None
     findings = _fused(AttentionPattern(), _GROUPED)
     assert "(k_expanded.shape[2] in (1, q_reshaped.shape[2]))" in findings[0].fused
     assert "(k_expanded.shape[:2] == q_reshaped.shape[:2] == v_expanded.shape[:2])" in findings[0].fused
+
+
+# -- 7. tiled online-softmax loop nests --------------------------------------------------------------------------------
+
+_TILED = '''
+import math
+import torch
+from torch import nn
+
+
+class FlashLoop(nn.Module):
+    def __init__(self, dim, n_heads, block_size=3):
+        super().__init__()
+        self.n_heads, self.head_dim, self.block_size = n_heads, dim // n_heads, block_size
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x, mask=None):
+        bsz, seqlen, _ = x.shape
+        xq, xk, xv = self.qkv(x).view(bsz, seqlen, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        output = torch.zeros_like(xq)
+        for i_start in range(0, seqlen, self.block_size):
+            i_end = min(i_start + self.block_size, seqlen)
+            q_block = xq[:, :, i_start:i_end, :]
+            q_len = i_end - i_start
+            m_i = torch.full((bsz, self.n_heads, q_len, 1), float("-inf"), device=x.device)
+            l_i = torch.zeros((bsz, self.n_heads, q_len, 1), device=x.device)
+            acc_i = torch.zeros((bsz, self.n_heads, q_len, self.head_dim), device=x.device)
+            for j_start in range(0, seqlen, self.block_size):
+                j_end = min(j_start + self.block_size, seqlen)
+                if mask is not None and j_start >= i_end:
+                    continue
+                k_block = xk[:, :, j_start:j_end, :]
+                v_block = xv[:, :, j_start:j_end, :]
+                scores_ij = torch.matmul(q_block, k_block.transpose(2, 3)) * scale
+                if mask is not None:
+                    mask_ij = mask[:, :, i_start:i_end, j_start:j_end]
+                    scores_ij = scores_ij + mask_ij
+                m_ij = torch.max(scores_ij, dim=-1, keepdim=True).values
+                m_new = torch.maximum(m_i, m_ij)
+                alpha = torch.exp(m_i - m_new)
+                p_ij = torch.exp(scores_ij - m_new)
+                l_new = alpha * l_i + p_ij.sum(dim=-1, keepdim=True)
+                acc_i = alpha * acc_i + torch.matmul(p_ij, v_block)
+                m_i = m_new
+                l_i = l_new
+            output[:, :, i_start:i_end, :] = acc_i / l_i
+        return output.transpose(1, 2).reshape(bsz, seqlen, -1)
+'''
+# another spelling: the tile ends unclamped, kᵀ as `.mT`, the row max by `amax`, exp as a method, the products with `@`
+_TILED_B = (_TILED.replace("i_end = min(i_start + self.block_size, seqlen)", "i_end = i_start + self.block_size")
+            .replace("torch.matmul(q_block, k_block.transpose(2, 3)) * scale", "scale * (q_block @ k_block.mT)")
+            .replace("torch.max(scores_ij, dim=-1, keepdim=True).values", "scores_ij.amax(dim=-1, keepdim=True)")
+            .replace("torch.exp(scores_ij - m_new)", "(scores_ij - m_new).exp()")
+            .replace("alpha * acc_i + torch.matmul(p_ij, v_block)", "p_ij @ v_block + acc_i * alpha"))
+_TILED_RUN = ("m = FlashLoop(32, 4)\nx = torch.randn(2, 9, 32, requires_grad=True)\n{mask}\nout = m(x, mask)\n"
+              "leaves = [x, m.qkv.weight]\n")
+_CAUSAL = "mask = torch.full((9, 9), float('-inf')).triu(1)[None, None]"
+_CAUSAL_PADDED = "mask = torch.full((9, 9), float('-inf')).triu(1)[None, None].repeat(2, 1, 1, 1)\nmask[1, :, :, 7:] = float('-inf')"
+
+
+@pytest.mark.parametrize("code", [_TILED, _TILED_B], ids=["elvin", "respelled"])
+@pytest.mark.parametrize("mask", [_CAUSAL, "mask = None", _CAUSAL_PADDED], ids=["causal", "none", "causal_padded"])
+def test_tiled_online_softmax_loops_fuse(code: str, mask: str) -> None:
+    findings = _fused(AttentionPattern(), code)
+    assert len(findings) == 1 and findings[0].variant.startswith("tiled_online_softmax")
+    _close(check_rewrite_runs(AttentionPattern(), code, _TILED_RUN.format(mask=mask), findings))
+
+
+def test_tiled_loop_with_a_mask_that_leaves_later_keys_runs_the_original() -> None:
+    # a padding-only mask: the loop still skips the later key blocks (its own result), the fused call would attend them
+    findings = _fused(AttentionPattern(), _TILED)
+    _close(check_rewrite_runs(AttentionPattern(), _TILED, _TILED_RUN.format(mask="mask = torch.zeros(1, 1, 9, 9)"), findings),
+           calls=False)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("alpha * acc_i + torch.matmul(p_ij, v_block)", "acc_i + torch.matmul(p_ij, v_block)"),  # no rescale
+    ("output[:, :, i_start:i_end, :] = acc_i / l_i", "output[:, :, i_start:i_end, :] = acc_i / (l_i + 1.0)"),  # another normaliser
+    ("            output[:, :, i_start:i_end, :] = acc_i / l_i", "            if i_start == 0:\n                output[:, :, i_start:i_end, :] = acc_i / l_i"),
+], ids=["no_rescale", "other_normaliser", "partial_blocks"])
+def test_loops_that_are_not_softmax_attention_are_not_fused(old: str, new: str) -> None:
+    code = _TILED.replace(old, new)
+    assert old in _TILED
+    findings, _ = detect_all(AttentionPattern(), code)
+    assert not [f for f in findings if f.variant.startswith("tiled")]
+
+
+@pytest.mark.parametrize("old,new,why", [
+    ("if mask is not None and j_start >= i_end:", "if j_end <= i_start - 4:", "windowed / block-sparse"),
+    ("if mask is not None and j_start >= i_end:", "if j_start >= i_end:", "block-causal attention"),
+    ("        return output.transpose(1, 2).reshape(bsz, seqlen, -1)", "        return output.transpose(1, 2).reshape(bsz, seqlen, -1), m_i + l_i.log()",
+     "read after it"),
+], ids=["window_skip", "skip_without_mask", "lse_returned"])
+def test_tiled_loops_npufuse_does_not_replace_are_near_misses(old: str, new: str, why: str) -> None:
+    assert why in _near_miss(AttentionPattern(), _TILED.replace(old, new))

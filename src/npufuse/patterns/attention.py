@@ -3491,6 +3491,9 @@ class AttentionPattern(Pattern):
         if "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) and not self._class_builds_softmax(module, scope):
             # (s36: a softmax written out, ``e = torch.exp(s - s.max(..)); e / e.sum(..)``, passes the gate too)
             return
+        if "maximum" in text and "exp" in text and "for " in text:
+            # s45: a tiled online-softmax (flash) loop nest: one call for the whole nest (its inner products are no site)
+            yield from _attention_s45.tiled_online_softmax(self.id, module, scope)
         blocks: dict[int, list[ast.stmt]] = {}
         anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
         for block, _i, stmt in scope.statements():
