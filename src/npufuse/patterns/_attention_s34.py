@@ -213,6 +213,10 @@ def proven_3d(matcher: Any, node: Any) -> bool:
     if _attention_s35.rank_through_helpers(matcher, node) == 3:
         return True  # s35: DexVLA's ``apply_rotary_pos_emb_vision(q.unsqueeze(0), rope).squeeze(0)`` (ranks checked at run time)
     n = deref(node)
+    from npufuse.patterns import _attention_s45
+
+    if _attention_s45.head_indexed_3d(n, matcher.scope, matcher._line):
+        return True  # s45: ``query_states[:, h, :, :]`` in a per-head loop (MiniMax-M2), ranks checked at run time
     for _ in range(4):
         # ``self.W_key(x)`` with ``self.W_key = nn.Linear(..)``: a linear layer keeps its input's rank
         if isinstance(n, ast.Call) and len(n.args) == 1 and not n.keywords and isinstance(n.func, ast.Attribute) \

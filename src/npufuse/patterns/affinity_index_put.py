@@ -25,6 +25,7 @@ import copy
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns._affinity_index_put_s45audit import not_tensor_method_use
+from npufuse.patterns import _affinity_index_put_s45
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk, parsed_code
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, replace_segments, segment
 from npufuse.scan.value import symbolic
@@ -588,6 +589,14 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                             f"`{indexed[:50]}`: the gathered elements index another tensor; the where form would index "
                             "it with the whole tensor, whose rows outside the mask may hold positions out of range "
                             "(-1 / 0 for unassigned entries)")
+        sliced = _affinity_index_put_s45.gathered_then_sliced(module, value, mask)
+        if sliced is not None:
+            # s45 (audit44, TSPulse ``random_indices[batch_mask, :num_mask, :]``): gathered with the mask, then indexed on
+            # other axes; the where form kept it gathered ([k, ..] beside the whole tensor: a shape error for 1 < k < B),
+            # so a near miss, with the true first blocker
+            other = _not_elementwise(module, value)
+            return NearMiss(_ID, scope.qualname, line, end, _NOT_ELEMENTWISE.format(other[:50]) if other is not None
+                            else _affinity_index_put_s45.sliced_reason(sliced))
         loose = _ungathered_operand(module, scope, value, mask, line)
         if loose is not None:
             # s41 (audit41, InternVL-style ``x[sel] = x[sel] * 0.0 + vit_embeds[:n_token]``): one row per selected element
@@ -597,10 +606,7 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                             "rewrite reproduces")
         other = _not_elementwise(module, value)
         if other is not None:
-            return NearMiss(_ID, scope.qualname, line, end,
-                            f"`{other[:50]}` on the gathered elements is not known to act element by element: evaluated over "
-                            "the whole tensor (what the where form does) it may differ, fail on rows the mask leaves out "
-                            "(a sampler on all-zero rows) or draw other random numbers")
+            return NearMiss(_ID, scope.qualname, line, end, _NOT_ELEMENTWISE.format(other[:50]))
         form, elem = "where", gathered
     elif is_scalar(module, scope, value, line):
         form, elem = "masked_fill", value_text
@@ -744,6 +750,11 @@ def _gathered(module: ModuleInfo, value: ast.expr, mask: ast.expr) -> Optional[s
 
 def _has_row_slice(index: ast.expr) -> bool:
     return isinstance(index, ast.Slice) or isinstance(index, ast.Tuple) and any(isinstance(e, ast.Slice) for e in index.elts)
+
+
+_NOT_ELEMENTWISE = ("`{}` on the gathered elements is not known to act element by element: evaluated over the whole "
+                    "tensor (what the where form does) it may differ, fail on rows the mask leaves out (a sampler on all-zero "
+                    "rows) or draw other random numbers")
 
 
 def _ungathered_operand(module: ModuleInfo, scope: Scope, value: ast.expr, mask: ast.expr, line: int) -> Optional[str]:

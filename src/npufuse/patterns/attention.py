@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -3493,6 +3493,9 @@ class AttentionPattern(Pattern):
         if "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) and not self._class_builds_softmax(module, scope):
             # (s36: a softmax written out, ``e = torch.exp(s - s.max(..)); e / e.sum(..)``, passes the gate too)
             return
+        if "maximum" in text and "exp" in text and "for " in text:
+            # s45: a tiled online-softmax (flash) loop nest: one call for the whole nest (its inner products are no site)
+            yield from _attention_s45.tiled_online_softmax(self.id, module, scope)
         blocks: dict[int, list[ast.stmt]] = {}
         anchors: dict[int, list[tuple[ast.AST, Product]]] = {}
         for block, _i, stmt in scope.statements():
@@ -3667,10 +3670,18 @@ class AttentionPattern(Pattern):
                 chain.out_layout = "3D"
                 ranks = [None, None, None]
             # s37: float biases fold with q/k/v (pse = the 5-D scores' bias flattened alike: PhysicsNeMo's earth attention)
+            # s45: or causal triangles under a condition (their [Sq, Skv] plane is passed)
             folded = ranks == [5, 5, 5] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
-                and (not chain.masks or sole_causal or all(isinstance(m, _S28Bias) for m in chain.masks))
-            if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal):  # s28: k/v rank checked at run time
-                folded, ranks = True, [5, 5, 5]
+                and (not chain.masks or sole_causal or _attention_s45.causal_terms_only(chain.masks))
+            if folded:
+                # s45: the leading axes shared and k / v's window (group) axis q's or 1, checked at run time
+                (_, _, q_x), (_, _, k_x), (_, _, v_x) = operands
+                test = _attention_s45.fold_shape_test(atom(q_x), atom(k_x), atom(v_x))
+                chain.requires.append((ast.parse(test, mode="eval").body,
+                                       f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{test}`; "
+                                       "the original code runs otherwise"))
+            if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal or _attention_s45.causal_terms_only(chain.masks)):
+                folded, ranks = True, [5, 5, 5]  # s28: k/v rank checked at run time
             for (tag, op, text), rank in zip(operands, ranks):
                 if not folded and rank is not None and rank != (3 if op.heads_added else 4):
                     extra = " (a mask beside 5-D q/k/v is not folded)" if rank == 5 and chain.masks else ""
@@ -3907,7 +3918,7 @@ class AttentionPattern(Pattern):
             layout = "BNSD"
             q_a, k_a, v_a = (f"{atom(x)}.flatten(0, 1)" for x in (q_n, k_n, v_n))
             head_num, sq = f"{atom(q_n)}.shape[2]", f"{atom(q_n)}.shape[3]"
-            skv = None
+            skv = f"{atom(k_n)}.shape[3]"
             chain.notes.append("q/k/v are 5-D [B, N, W, S, D] (the matmuls broadcast over the leading dims): the first two dims are "
                                "folded into one for the 4-D call and unfolded from its result")
         elif len(layouts) == 1:
@@ -3922,8 +3933,10 @@ class AttentionPattern(Pattern):
                 (f"{atom(x)}.transpose(1, 2).contiguous()" if op.layout == "BSND" else x)
                 for x, op in ((q_n, chain.q), (k_n, chain.k), (v_n, chain.v))
             )
-            head_num = f"{atom(q_a)}.shape[1]"
-            sq = f"{atom(q_a)}.shape[2]"
+            # s45: read on the bound q in its own layout: q_a may be a copy (``q.transpose(1, 2).contiguous()``), which the
+            # mask lines would otherwise make once per read
+            head_num = f"{atom(q_n)}.shape[{2 if chain.q.layout == 'BSND' else 1}]"
+            sq = f"{atom(q_n)}.shape[{1 if chain.q.layout == 'BSND' else 2}]"
             # read on the bound k in its own layout (k_a may be a copy: not evaluated twice)
             skv = f"{atom(k_n)}.shape[{1 if chain.k.layout == 'BSND' else 2}]" if chain.k.layout in ("BNSD", "BSND") else None
             risks.append(Risk("layout", "q/k/v arrive in different layouts: the BSND ones are transposed and copied to BNSD"))
@@ -4012,6 +4025,10 @@ class AttentionPattern(Pattern):
                     guard = "_npufuse_mask is not None and " if maybe_none else ""
                     lines += [f"if {guard}_npufuse_mask.dim() == 4:",
                               f"    _npufuse_mask = _npufuse_mask.expand(_npufuse_mask.shape[0], {atom(q_n)}.shape[0] // _npufuse_mask.shape[0], {sq}, {sk}).reshape(-1, 1, {sq}, {sk})"]
+                elif folded:
+                    # s45: causal triangles beside 5-D operands: their [Sq, Skv] plane (2-D, expanded where size 1)
+                    lines += _attention_s45.causal_plane_lines("_npufuse_mask", maybe_none)
+                    lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, False, skv)
                 elif not all(m.causal for m in chain.masks):
                     if not three_d and not folded:  # s37: 1-D / 3-D masks broadcast against the 4-D scores
                         lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(q_n)}.shape[0]")
@@ -10515,7 +10532,7 @@ def _s28_fold_unknown_ranks(chain: Chain, operands: Any, ranks: list[int | None]
         return False
     (_, _, q), (_, _, k), (_, _, v) = operands
     test = " and ".join([f"{atom(x)}.dim() == 5" for x, r in ((k, ranks[1]), (v, ranks[2])) if r is None]
-                        + [f"{atom(k)}.shape[:3] == {atom(q)}.shape[:3] == {atom(v)}.shape[:3]"])
+                        + [_attention_s45.fold_shape_test(atom(q), atom(k), atom(v))])  # s45: a group axis of 1 too
     chain.requires.append((ast.parse(test, mode="eval").body,
                            f"q is 5-D [B, N, W, S, D] and the ranks of k/v are not evident here: the fused call (the first two dims folded) "
                            f"runs where `{test}`; the original code runs otherwise"))

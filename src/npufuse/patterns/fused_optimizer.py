@@ -32,6 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
+from npufuse.patterns import _optim_s45
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, names_bound_from, segment
 from npufuse.scan.value import estimate, symbolic
@@ -308,7 +309,7 @@ class _FileFacts:
     def _visit(self, module: ModuleInfo, node: ast.AST) -> None:
         if len(self.sharding_nodes) < 16:
             ident = _sharding_identifier(module, node)
-            if ident is not None:
+            if ident is not None and not _optim_s45.refused_sharding_flag(module, node):  # s45: `if use_fsdp: assert False`
                 self.sharding = self.sharding or (getattr(node, "lineno", 0), ident)
                 self.sharding_nodes.append(node)
         if isinstance(node, ast.Return) and node.value is not None:

@@ -49,7 +49,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _mask_rows
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -379,8 +379,13 @@ class SdpaPattern(Pattern):
         # s38 (audit38): SDPA takes q/k/v of any rank >= 2; the op only 4-D. The rank the code states decides:
         # 3-D [B*N, S, D] (DiffBIR's ``.reshape(b * heads, n, d)`` inside ``map(lambda t: ...)``) is passed as
         # BNSD with one head; an unstated rank is checked at run time (``q.dim() == 4``, else the original)
-        ranks = {operand_rank(scope, n, line) for n in (q, k, v)}
+        stated = {tag: operand_rank(scope, n, line) for tag, n in (("q", q), ("k", k), ("v", v))}
+        ranks = set(stated.values())
         rank = ranks.pop() if len(ranks) == 1 else None
+        if layout == "BNSD" and n_rep is None:
+            odd_rank = _attention_s45.sdpa_stated_rank_problem(stated, {"q": q_src, "k": k_src, "v": v_src})
+            if odd_rank is not None:  # s45: a 5-D v beside q / k of unstated rank (granite PatchTST-FM)
+                return miss(odd_rank)
         # s41 (HO17b drivaerv1): 5-D [A, B, N, S, D] with no mask and no causal flag: the two leading dims merge into the
         # op's batch where q, k and v share them (checked at run time; SDPA would broadcast unequal ones), split after
         five_d = rank == 5 and layout == "BNSD" and n_rep is None and mask is None and causal_v is False
@@ -425,7 +430,8 @@ class SdpaPattern(Pattern):
             head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[-1]"
             if rank_unknown:
                 risks.append(Risk("layout", "q/k/v's rank is not stated here (SDPA takes any rank >= 2, the op 4-D only): the fused call "
-                                            f"runs where `{atom(qn)}.dim() == 4`, the original otherwise; made contiguous for the BNSD call"))
+                                            f"runs where `{_attention_s45.sdpa_unstated_rank_test(stated, names, atom)}`, the original otherwise; made "
+                                            "contiguous for the BNSD call"))
             else:
                 risks.append(Risk("layout", "q/k/v are 4-D [B,N,S,D] and made contiguous for the BNSD call"))
         else:
@@ -559,7 +565,9 @@ class SdpaPattern(Pattern):
             # attention has the channel count or the pixels there (audit36), checked at run time
             dv_check = f"{dv_check} <= 768"
         if rank_unknown:
-            dv_check = f"{atom(qn)}.dim() == 4 and {dv_check}"  # s38: the rank is not stated (a 3-D call runs the original)
+            # s38: the rank is not stated (a 3-D call runs the original); s45: each operand of unstated rank (SDPA takes
+            # 3-D keys beside a 4-D query)
+            dv_check = f"{_attention_s45.sdpa_unstated_rank_test(stated, names, atom)} and {dv_check}"
         if five_d:
             # every operand 5-D with the same two leading dims (SDPA broadcasts them; the merged batch does not)
             dv_check = (f"{atom(qn)}.dim() == {atom(kn)}.dim() == {atom(vn)}.dim() == 5 and "
