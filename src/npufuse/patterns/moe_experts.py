@@ -45,6 +45,7 @@ from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
+from npufuse.patterns import _moe_s45a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -188,6 +189,8 @@ class _Site:
     post_dropout: str = ""
     # s44: ids may lie outside [0, E) (not proven by the gate's width): the loop skips them, the fused text masks them
     unnamed_ids: bool = False
+    # s45: runs of sorted ids index the experts as a list (`experts[-1]` is the last one): negative ids wrap
+    wrap_negative_ids: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1463,10 +1466,12 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         raise _Miss(f"`{hidden}` (the weighted expert rows) is used after the combine; the fused layer does not produce it")
     e_, k_ = experts_idx, segment(module, k_node)
     ind = "    "
+    nonempty, key_lines, key = _moe_s45a.permute_key(module, scope, e_, gather.lineno, P)  # s45: -1 ids sort first
     body = [
-        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.shape[0] == {e_}.shape[0] and {weights}.numel() == {e_}.numel():",
+        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.shape[0] == {e_}.shape[0] and {weights}.numel() == {e_}.numel(){nonempty}:",
+        *(ind + ln for ln in key_lines),
         f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, in token order)",
-        f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})",
         *(ind + ln for st in chain + between for ln in ast.unparse(st).splitlines()),
         f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute",
         f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({hidden}, {P}order, probs={weights}.reshape({e_}.shape).to({hidden}.dtype))",
@@ -1643,14 +1648,16 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if scope.uses_after(buf, end) and buf != out:
         raise _Miss(f"`{buf}` (the expert rows in sorted order) is used after the combine; the fused layer does not produce it")
     ind = "    "
+    nonempty, key_lines, key = _moe_s45a.permute_key(module, scope, e_, gathers[0].lineno, P)  # s45: -1 ids sort first
     body = [
         f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] "
-        f"and {weights}.numel() == {e_}.numel():",
+        f"and {weights}.numel() == {e_}.numel(){nonempty}:",
     ]
     for st in span:
         if st is gathers[-1]:
+            body.extend(ind + ln for ln in key_lines)
             body.append(f"{ind}# the tokens gathered slot by slot in sorted-expert order are the permute")
-            body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})")
+            body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})")
         elif st in gathers or st is weighting:
             continue
         elif st is stmt:
@@ -1808,12 +1815,14 @@ def _sorted_dispatch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
                 raise _Miss(why)
         result = f"{result}.to({d2})"
     span = block[g : s + 2]
+    _, key_lines, key = _moe_s45a.permute_key(module, scope, e_, gather.lineno, P)  # s45: -1 ids sort first
     body = [
         f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {e_}.numel() > 0 and not {e_}.is_floating_point() "
         f"and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] and {w_}.shape == {e_}.shape "
         f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        *(ind + ln for ln in key_lines),
         f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, experts ascending)",
-        f"{ind}{sorted_name}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        f"{ind}{sorted_name}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})",
         *(ind + ln for st in middle for ln in ast.unparse(st).splitlines()),
         f"{ind}# the write-back to slot order and the weighted sum over the top-k slots are the unpermute",
         f"{ind}{y} = {result}",
@@ -4603,6 +4612,8 @@ class _Eval:
             one_hot = self.masks[next(iter(self.masks))][1] if found is not None and found.spelling == "one_hot" else ""
             site.unnamed_ids = not (site.loop == "expert_hit" and one_hot) and \
                 not _defects_s44.ids_name_an_expert(self.m, self.scope, self.loop, site.indices, one_hot)
+        if site is not None and site.loop == "sorted_runs":
+            site.wrap_negative_ids = not _moe_s45a.ids_nonnegative(self.m, self.scope, site.indices, self.loop.lineno)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
@@ -5751,6 +5762,8 @@ def _fused_text(site: _Site) -> str:
             f"{P}ids = {site.indices}.reshape(-1)",
             f"{P}tokens = {site.tokens}.reshape(-1, {site.tokens}.shape[-1])",
         ]
+        if site.wrap_negative_ids:
+            lines.append(_moe_s45a.wrapped_ids_line(f"{P}ids", site.bins))
         site = copy.copy(site)
         site.indices, site.tokens = f"{P}ids", f"{P}tokens"
     if site.unnamed_ids:
