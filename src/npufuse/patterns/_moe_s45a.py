@@ -130,3 +130,163 @@ def permute_key(module: ModuleInfo, scope: Scope, ids: str, line: int, prefix: s
 def wrapped_ids_line(ids: str, n: str) -> str:
     """Runs of sorted ids index the experts with Python's negative indexing (``experts[-1]`` is the last one)."""
     return f"{ids} = torch.where({ids} < 0, {ids} + {n}, {ids})  # experts[-1] is the last expert, as the loop indexes them"
+
+
+# -- dense gates scattered from top-k weights, read as `gates[:, e] > 0` (Spektron MixtureOfExperts) -----------------
+
+# calls whose output is >= 0 wherever it is defined (an underflow gives exactly 0: see scattered_gate_indices)
+_NONNEGATIVE_API = {"torch.softmax", "torch.nn.functional.softmax", "torch.sigmoid", "torch.nn.functional.sigmoid",
+                    "torch.exp"}
+_NONNEGATIVE_METHODS = {"softmax", "sigmoid", "exp"}
+_SIGN_KEEPING = {"to", "float", "half", "bfloat16", "double", "type_as", "detach", "contiguous", "view", "reshape",
+                 "flatten", "squeeze", "unsqueeze", "clone"}
+
+
+def _nonnegative(module: ModuleInfo, scope: Scope, node: ast.expr, line: int) -> bool:
+    """``node`` is >= 0 by construction: a softmax / sigmoid / exp, the values half of a top-k of one, through
+    casts and views, or such a value divided by its own sum (a renormalisation), through names bound once."""
+    for _ in range(10):
+        if isinstance(node, ast.Name):
+            if len(scope.assignments.get(node.id, [])) != 1:
+                return False
+            value = scope.definition(node.id, line)
+            if value is None:
+                return False
+            node = value
+            continue
+        if isinstance(node, ast.Subscript) and const_value(node.slice) == 0 and isinstance(node.value, ast.Call) \
+                and _top_values_source(module, node.value) is not None:
+            node = _top_values_source(module, node.value)  # type: ignore[assignment]
+            continue
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _sum_of(node.right, node.left):
+            node = node.left  # w / w.sum(-1, keepdim=True) (+ a positive constant)
+            continue
+        if not isinstance(node, ast.Call):
+            return False
+        canon = module.canonical(node.func) or ""
+        if canon in _NONNEGATIVE_API:
+            return True
+        if isinstance(node.func, ast.Attribute) and not canon.startswith("torch."):
+            if node.func.attr in _NONNEGATIVE_METHODS:
+                return True
+            if node.func.attr in _SIGN_KEEPING:
+                node = node.func.value
+                continue
+        return False
+    return False
+
+
+def _top_values_source(module: ModuleInfo, call: ast.Call) -> Optional[ast.expr]:
+    """The tensor a ``topk`` is taken of (its values half holds values of it)."""
+    canon = module.canonical(call.func) or ""
+    if canon == "torch.topk" and call.args:
+        return call.args[0]
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "topk" and not canon.startswith("torch."):
+        return call.func.value
+    return None
+
+
+def _sum_of(node: ast.expr, of: ast.expr) -> bool:
+    """``of.sum(..)`` (plus a positive constant): the positive denominator of a renormalisation."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        c = const_value(node.right)
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0:
+            node = node.left
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sum" \
+        and ast.dump(node.func.value) == ast.dump(of)
+
+
+def _in_place_writes(scope: Scope, name: str) -> list[ast.AST]:
+    """Every ``name[..] = ..`` / ``name += ..`` / ``name.<op>_(..)`` of the scope."""
+    nodes = scope.nodes()
+    found: list[ast.AST] = [s for s in nodes.get(ast.Subscript, ()) if isinstance(s.ctx, ast.Store)  # type: ignore[attr-defined]
+                            and isinstance(s.value, ast.Name) and s.value.id == name]  # type: ignore[attr-defined]
+    found += [a for a in nodes.get(ast.AugAssign, ()) if isinstance(a.target, ast.Name) and a.target.id == name]  # type: ignore[attr-defined]
+    found += [c for c in nodes.get(ast.Call, ()) if isinstance(c.func, ast.Attribute)  # type: ignore[attr-defined]
+              and c.func.attr.endswith("_") and not c.func.attr.endswith("__")  # type: ignore[attr-defined]
+              and isinstance(c.func.value, ast.Name) and c.func.value.id == name]  # type: ignore[attr-defined]
+    return found
+
+
+def _scatter_build(module: ModuleInfo, scope: Scope, gates: str, before: int) -> Optional[tuple[str, str, int]]:
+    """``(idx, w, dim)`` when ``gates`` is bound once in ``scope`` to zeros and one ``gates.scatter_(dim, idx, w)``
+    follows at the function's top level (or ``gates = zeros(..).scatter(dim, idx, w)`` in one expression), nothing
+    else writes it in place, ``idx`` and ``w`` are names."""
+    from npufuse.patterns._moe_s44a import _scatter_of
+
+    bound = scope.assignments.get(gates, [])
+    if len(bound) != 1 or bound[0][0].lineno >= before:
+        return None
+    stmt, value = bound[0]
+    scatter = _scatter_of(value)
+    if not _zeros(module, scatter[0] if scatter is not None else value):
+        return None
+    writes = _in_place_writes(scope, gates)
+    if scatter is None:
+        body = getattr(scope.node, "body", [])
+        calls = [st.value for st in body if isinstance(st, ast.Expr) and stmt.lineno < st.lineno < before
+                 and isinstance(st.value, ast.Call) and st.value.func.__class__ is ast.Attribute
+                 and st.value.func.attr == "scatter_" and isinstance(st.value.func.value, ast.Name)  # type: ignore[attr-defined]
+                 and st.value.func.value.id == gates]  # type: ignore[attr-defined]
+        if len(calls) != 1 or writes != calls:
+            return None  # (another in-place write: not only the scattered weights)
+        scatter = _scatter_of(calls[0])
+    elif writes:
+        return None
+    if scatter is None:
+        return None
+    _, dim, index, src = scatter
+    d = const_value(dim)
+    if d not in (1, -1) or isinstance(d, bool) or not isinstance(index, ast.Name) or not isinstance(src, ast.Name):
+        return None
+    return index.id, src.id, int(d)  # type: ignore[call-overload]
+
+
+def _zeros(module: ModuleInfo, node: ast.expr) -> bool:
+    """``torch.zeros_like(t[, dtype=..])`` / ``torch.zeros(..)`` / ``t.new_zeros(..)``: all zeros."""
+    if not isinstance(node, ast.Call):
+        return False
+    canon = module.canonical(node.func) or ""
+    if canon in ("torch.zeros_like", "torch.zeros"):
+        return all(k.arg in ("dtype", "device", "layout") for k in node.keywords)
+    return isinstance(node.func, ast.Attribute) and node.func.attr == "new_zeros" and not canon.startswith("torch.") \
+        and all(k.arg in ("dtype", "device") for k in node.keywords)
+
+
+def scattered_gate_indices(module: ModuleInfo, scope: Scope, gates: str, before: int) -> Optional[tuple[str, int]]:
+    """``(idx, scatter dim)`` when ``gates`` holds >= 0 top-k weights scattered into zeros at the top-k indices ``idx``
+    (a name of this function): built here, or returned by a helper method / function of this module beside the
+    indices (``gates, idx = self._compute_gating(x)``). Then ``gates[:, e] > 0`` holds for the tokens whose top-k ids
+    hold e (the ids of one row are distinct), except where a weight is exactly 0 (an underflowed softmax): such a
+    token adds ``0 * expert(x)`` in the fused layer, which is 0 for a finite expert output; its gradients are 0 too
+    (the softmax's backward multiplies by that 0 probability). None otherwise."""
+    bound = scope.assignments.get(gates, [])
+    if len(bound) != 1 or bound[0][0].lineno >= before:
+        return None
+    stmt, value = bound[0]
+    from npufuse.patterns.moe_experts import _helper_call
+
+    if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Call) and isinstance(const_value(value.slice), int):
+        call, k = value.value, int(const_value(value.slice))  # type: ignore[arg-type]
+        helper = _helper_call(module, scope, call)
+        if helper is None or not isinstance(stmt, ast.Assign) or not isinstance(stmt.targets[0], ast.Tuple) \
+                or not 0 <= k < len(helper.returned) or not isinstance(helper.returned[k], ast.Name):
+            return None
+        inner = helper.scope
+        end = inner.node.body[-1].lineno  # type: ignore[attr-defined]
+        built = _scatter_build(module, inner, helper.returned[k].id, end)  # type: ignore[attr-defined]
+        if built is None or not _nonnegative(module, inner, ast.Name(built[1], ast.Load()), end) \
+                or top_call_of(module, inner, built[0], end) is None:
+            return None
+        # the caller's name of the same call's element that returns the scatter's indices
+        names = stmt.targets[0].elts  # type: ignore[attr-defined]
+        j = next((j for j, r in enumerate(helper.returned) if isinstance(r, ast.Name) and r.id == built[0]), None)
+        if j is None or j >= len(names) or not isinstance(names[j], ast.Name) \
+                or len(scope.assignments.get(names[j].id, [])) != 1:
+            return None
+        return names[j].id, built[2]
+    built = _scatter_build(module, scope, gates, before)
+    if built is None or not _nonnegative(module, scope, ast.Name(built[1], ast.Load()), before) \
+            or top_call_of(module, scope, built[0], before) is None:
+        return None
+    return built[0], built[2]

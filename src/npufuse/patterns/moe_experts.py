@@ -3277,12 +3277,21 @@ class _Eval:
         found = s44a.membership_column(
             value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx),
             self._is_eidx)
+        if found is None:  # s45: `gates[:, e] > 0` of top-k weights (>= 0) scattered at the top-k ids
+            found = s44a.membership_column(value, self._s45a_scattered_gates, self._is_eidx)
         if found is None:
             return None
         member = ast.parse(f"({found[0]} == {ast.unparse(found[1])}).any(dim=-1)", mode="eval").body
         for n in ast.walk(member):  # placed where the column read is (the text npufuse quotes stays the user's)
             ast.copy_location(n, value)
         return self.ev(member)
+
+    def _s45a_scattered_gates(self, gates: str) -> Optional[str]:
+        found = _moe_s45a.scattered_gate_indices(self.m, self.scope, gates, self.loop.lineno)
+        if found is None:
+            return None
+        self._rank_guard(f"{gates}.dim() == 2")  # (columns are experts, rows tokens, of [T, E] gates)
+        return found[0]
 
     def _s44a_count_test(self, test: ast.expr, nonempty: bool) -> bool:
         """s44a: other spellings of "this expert has (no) rows" (patterns/_moe_s44a.py): ``0 < n``, ``n >= 1``,
