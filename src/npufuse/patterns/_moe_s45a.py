@@ -23,6 +23,7 @@ import ast
 from typing import Optional
 
 from npufuse.patterns._defects_s44 import top_call_of
+from npufuse.patterns.base import Fuse, Keep
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword
 
 # calls after which a tensor still holds every value of the ids (layout, integer type)
@@ -147,12 +148,10 @@ def _nonnegative(module: ModuleInfo, scope: Scope, node: ast.expr, line: int) ->
     casts and views, or such a value divided by its own sum (a renormalisation), through names bound once."""
     for _ in range(10):
         if isinstance(node, ast.Name):
-            if len(scope.assignments.get(node.id, [])) != 1:
+            reaching = _straight_line_definition(scope, node.id, line)
+            if reaching is None:
                 return False
-            value = scope.definition(node.id, line)
-            if value is None:
-                return False
-            node = value
+            node, line = reaching
             continue
         if isinstance(node, ast.Subscript) and const_value(node.slice) == 0 and isinstance(node.value, ast.Call) \
                 and _top_values_source(module, node.value) is not None:
@@ -176,6 +175,27 @@ def _nonnegative(module: ModuleInfo, scope: Scope, node: ast.expr, line: int) ->
     return False
 
 
+def _straight_line_definition(scope: Scope, name: str, line: int) -> Optional[tuple[ast.expr, int]]:
+    """(the value ``name`` holds at ``line``, the line it was bound on) where every binding of it is a statement of the
+    function's straight-line body (or a ``with`` block in it): then the last one before ``line`` is the one that reaches
+    it (``w = w / w.sum(-1, keepdim=True)`` rebinding ``w``). None for a binding under an ``if`` / loop, or none."""
+    top: set[int] = set()
+    todo = list(getattr(scope.node, "body", []))
+    while todo:
+        st = todo.pop()
+        if isinstance(st, (ast.With, ast.AsyncWith)):
+            todo.extend(st.body)
+        top.add(id(st))
+    bound = scope.assignments.get(name, [])
+    if not bound or any(id(st) not in top for st, _v in bound):
+        return None
+    before = [(st, v) for st, v in bound if st.lineno < line]
+    if not before:
+        return None
+    st, value = max(before, key=lambda b: b[0].lineno)
+    return value, st.lineno
+
+
 def _top_values_source(module: ModuleInfo, call: ast.Call) -> Optional[ast.expr]:
     """The tensor a ``topk`` is taken of (its values half holds values of it)."""
     canon = module.canonical(call.func) or ""
@@ -196,6 +216,52 @@ def _sum_of(node: ast.expr, of: ast.expr) -> bool:
         and ast.dump(node.func.value) == ast.dump(of)
 
 
+def _scatter_of(node: ast.expr) -> Optional[tuple[ast.expr, ast.expr, ast.expr, ast.expr]]:
+    """``(receiver, dim, index, src)`` of ``R.scatter_(dim, index, src)`` / ``R.scatter(..)`` (positional or
+    ``dim=`` / ``index=`` / ``src=`` / ``value=`` keywords); None otherwise."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("scatter_", "scatter")):
+        return None
+    args: dict[str, ast.expr] = dict(zip(("dim", "index", "src"), node.args))
+    for k in node.keywords:
+        key = "src" if k.arg == "value" else k.arg
+        if key not in ("dim", "index", "src") or key in args:
+            return None
+        args[key] = k.value  # type: ignore[index]
+    if set(args) != {"dim", "index", "src"} or len(node.args) > 3:
+        return None
+    return node.func.value, args["dim"], args["index"], args["src"]
+
+
+def _one_hot_weighted(module: ModuleInfo, node: ast.expr) -> Optional[tuple[str, str]]:
+    """``(idx, w)`` of ``(F.one_hot(idx, E) * w.unsqueeze(-1)).sum(dim=1)`` (``w[..., None]``, ``w[:, :, None]``,
+    either order, a cast of the one-hot, ``.sum(-2)``): each row's weights at its ids, zeros elsewhere."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sum"):
+        return None
+    dims = [const_value(a) for a in node.args] + [const_value(k.value) for k in node.keywords if k.arg == "dim"]
+    prod = node.func.value
+    if dims not in ([1], [-2]) or any(k.arg != "dim" for k in node.keywords) \
+            or not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+        return None
+    for oh, w in ((prod.left, prod.right), (prod.right, prod.left)):
+        while isinstance(oh, ast.Call) and isinstance(oh.func, ast.Attribute) and oh.func.attr in ("float", "to", "type_as", "half", "bfloat16"):
+            oh = oh.func.value
+        if not (isinstance(oh, ast.Call) and (module.canonical(oh.func) or "") == "torch.nn.functional.one_hot"
+                and oh.args and isinstance(oh.args[0], ast.Name)):
+            continue
+        col = None
+        if isinstance(w, ast.Call) and isinstance(w.func, ast.Attribute) and w.func.attr == "unsqueeze" \
+                and [const_value(a) for a in w.args] == [-1] and not w.keywords:
+            col = w.func.value
+        elif isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Tuple) and isinstance(w.slice.elts[-1], ast.Constant) \
+                and w.slice.elts[-1].value is None and all(
+                    isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None
+                    or isinstance(p, ast.Constant) and p.value is Ellipsis for p in w.slice.elts[:-1]):
+            col = w.value
+        if isinstance(col, ast.Name):
+            return oh.args[0].id, col.id
+    return None
+
+
 def _in_place_writes(scope: Scope, name: str) -> list[ast.AST]:
     """Every ``name[..] = ..`` / ``name += ..`` / ``name.<op>_(..)`` of the scope."""
     nodes = scope.nodes()
@@ -210,18 +276,19 @@ def _in_place_writes(scope: Scope, name: str) -> list[ast.AST]:
 
 def _scatter_build(module: ModuleInfo, scope: Scope, gates: str, before: int) -> Optional[tuple[str, str, int]]:
     """``(idx, w, dim)`` when ``gates`` is bound once in ``scope`` to zeros and one ``gates.scatter_(dim, idx, w)``
-    follows at the function's top level (or ``gates = zeros(..).scatter(dim, idx, w)`` in one expression), nothing
-    else writes it in place, ``idx`` and ``w`` are names."""
-    from npufuse.patterns._moe_s44a import _scatter_of
-
+    follows at the function's top level (or ``gates = zeros(..).scatter(dim, idx, w)`` in one expression, or a
+    weighted one-hot summed over the slots), nothing else writes it in place, ``idx`` and ``w`` are names."""
     bound = scope.assignments.get(gates, [])
     if len(bound) != 1 or bound[0][0].lineno >= before:
         return None
     stmt, value = bound[0]
+    writes = _in_place_writes(scope, gates)
+    one_hot = _one_hot_weighted(module, value)
+    if one_hot is not None:
+        return (one_hot[0], one_hot[1], -1) if not writes else None
     scatter = _scatter_of(value)
     if not _zeros(module, scatter[0] if scatter is not None else value):
         return None
-    writes = _in_place_writes(scope, gates)
     if scatter is None:
         body = getattr(scope.node, "body", [])
         calls = [st.value for st in body if isinstance(st, ast.Expr) and stmt.lineno < st.lineno < before
@@ -290,3 +357,102 @@ def scattered_gate_indices(module: ModuleInfo, scope: Scope, gates: str, before:
             or top_call_of(module, scope, built[0], before) is None:
         return None
     return built[0], built[2]
+
+
+# -- examples (``s45a_*``) ----------------------------------------------------------------------------------------------
+
+_HEAD = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+# Spektron's form: the gating helper returns dense gates (softmax over the top-k logits scattered into zeros) beside
+# the ids; the loop selects each expert's tokens as `gates[:, i] > 0`
+DENSE_HELPER = _HEAD + '''
+
+class DenseGateMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def _gating(self, x):
+        logits = self.gate(x)
+        top_logits, top_idx = logits.topk(self.k, dim=-1)
+        top_gates = F.softmax(top_logits.float(), dim=-1).to(top_logits.dtype)
+        gates = torch.zeros_like(logits, dtype=top_gates.dtype)
+        gates.scatter_(1, top_idx, top_gates)
+        return gates, top_idx
+
+    def forward(self, x):
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        gates, indices = self._gating(flat)
+        load = gates.sum(dim=0).detach()
+        output = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            mask = gates[:, i] > 0
+            if mask.any():
+                out_i = expert(flat[mask])
+                output[mask] += gates[mask, i].unsqueeze(-1) * out_i
+        return output.reshape(b, s, d), load
+'''
+DENSE_RUN = '''\
+m = DenseGateMoE(16, 24, 5, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out, load = m(x)
+leaves = [x, m.gate.weight, m.experts[0].net[0].weight, m.experts[4].net[2].bias]
+'''
+# in the function: chained scatter over the last dim, `!= 0`, renormalised top-k probabilities, a range(E) loop
+DENSE_CHAINED = DENSE_HELPER.replace('''        gates, indices = self._gating(flat)
+''', '''        probs = self.gate(flat).softmax(dim=-1)
+        top_p, indices = torch.topk(probs, self.k, dim=-1)
+        top_p = top_p / (top_p.sum(dim=-1, keepdim=True) + 1e-9)
+        gates = torch.zeros_like(probs).scatter(-1, indices, top_p)
+''').replace("for i, expert in enumerate(self.experts):\n            mask = gates[:, i] > 0",
+             "for i in range(len(self.experts)):\n            expert = self.experts[i]\n            mask = gates[:, i] != 0")
+# a weighted one-hot summed over the slots, sigmoid weights, a `.bool()` column, keyword scatter arguments elsewhere
+DENSE_ONE_HOT = DENSE_CHAINED.replace('''        top_p = top_p / (top_p.sum(dim=-1, keepdim=True) + 1e-9)
+        gates = torch.zeros_like(probs).scatter(-1, indices, top_p)
+''', '''        top_p = torch.sigmoid(top_p)
+        gates = (F.one_hot(indices, num_classes=len(self.experts)).float() * top_p.unsqueeze(-1)).sum(dim=1)
+''').replace("mask = gates[:, i] != 0", "mask = gates[:, i].bool()")
+DENSE_KEYWORDS = DENSE_HELPER.replace("gates.scatter_(1, top_idx, top_gates)", "gates.scatter_(dim=1, index=top_idx, src=top_gates)")
+
+FUSE = [
+    Fuse(DENSE_HELPER, name="s45a_dense_gates_scattered_by_a_helper_column_gt_zero", run=DENSE_RUN,
+         expect={"routing": "mask_where", "indices": "indices", "tokens": "flat"}),
+    Fuse(DENSE_CHAINED, name="s45a_dense_gates_chained_scatter_renormalised_ne_zero", run=DENSE_RUN,
+         expect={"routing": "mask_where", "indices": "indices"}),
+    Fuse(DENSE_ONE_HOT, name="s45a_dense_gates_weighted_one_hot_sigmoid_bool", run=DENSE_RUN,
+         expect={"routing": "mask_where", "indices": "indices"}),
+    Fuse(DENSE_KEYWORDS, name="s45a_dense_gates_scatter_keywords", run=DENSE_RUN, expect={"routing": "mask_where"}),
+]
+
+_NOT_READ = "which npufuse does not read as the tokens routed to this expert"
+KEEP = [
+    # raw logits scattered: a negative weight fails `> 0`, so the loop drops a routed token the permute would keep
+    Keep(DENSE_HELPER.replace("gates.scatter_(1, top_idx, top_gates)", "gates.scatter_(1, top_idx, top_logits)"),
+         reason=_NOT_READ, name="s45a_dense_gates_of_raw_logits"),
+    # a shared column written after the scatter: every token reaches expert 0, not only its top-k
+    Keep(DENSE_HELPER.replace("        return gates, top_idx\n", "        gates[:, 0] = 1.0\n        return gates, top_idx\n"),
+         reason=_NOT_READ, name="s45a_dense_gates_changed_after_the_scatter"),
+    # a threshold: tokens whose weight is below it are dropped (a capacity-like filter)
+    Keep(DENSE_HELPER.replace("mask = gates[:, i] > 0", "mask = gates[:, i] > 0.2"), reason=_NOT_READ,
+         name="s45a_dense_gates_above_a_threshold"),
+    # ids handed in (not top-k: a row may repeat an id, and scatter keeps one of the weights)
+    Keep(DENSE_CHAINED.replace("    def forward(self, x):\n", "    def forward(self, x, indices):\n").replace(
+        "        top_p, indices = torch.topk(probs, self.k, dim=-1)\n", "        top_p = probs.gather(-1, indices)\n"),
+         reason=_NOT_READ, name="s45a_dense_gates_at_ids_handed_in"),
+]

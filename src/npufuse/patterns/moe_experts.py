@@ -15225,3 +15225,6 @@ MoeExperts.FUSE += s44a.FUSE
 MoeExperts.KEEP += s44a.KEEP
 MoeExperts.FUSE += _moe_s44b.FUSE  # s44b: stacked biases, row-wise activation modules (patterns/_moe_s44b.py)
 MoeExperts.KEEP += _moe_s44b.KEEP
+# s45a (moe45a): dense gates scattered from top-k weights, read as gates[:, e] > 0 (patterns/_moe_s45a.py)
+MoeExperts.FUSE += _moe_s45a.FUSE
+MoeExperts.KEEP += _moe_s45a.KEEP
