@@ -113,18 +113,27 @@ def negative_ids_raise(module: ModuleInfo, scope: Scope, ids: str, before: int) 
     return False
 
 
-def permute_key(module: ModuleInfo, scope: Scope, ids: str, line: int, prefix: str) -> tuple[str, list[str], str]:
-    """(an extra run-time condition, lines, the ids to permute by) for a sorted dispatch that hands ``ids`` to
-    ``npu_moe_token_permute`` in place of the code's own ascending sort of them. Ids that may be negative are
-    shifted by their minimum where it is negative (the sort order is unchanged: every row lands where the code's
-    own sort put it); the condition keeps an empty batch (no minimum) on the path as written."""
+def slot_ids(ids: str, k: str, tokens: str, weights: str, prefix: str) -> tuple[str, str, list[str]]:
+    """(the [T, K] ids' text, the run-time condition, lines) for a sorted dispatch over the flat slots of ``ids``:
+    slot j (row-major) is token j // K whatever the ids' rank, so ``ids.reshape(-1, K)`` is the permute's [T, K]."""
+    flat = f"{prefix}ids"
+    guard = (f"({k}) == {ids}.shape[-1] and {tokens}.dim() == 2 and {tokens}.shape[0] * ({k}) == {ids}.numel() "
+             f"and {weights}.numel() == {ids}.numel()")
+    return flat, guard, [f"{flat} = {ids}.reshape(-1, {k})  # [T, K]: slot j of the flat ids is token j // K"]
+
+
+def permute_key(module: ModuleInfo, scope: Scope, ids: str, text: str, line: int, prefix: str) -> tuple[str, list[str], str]:
+    """(an extra run-time condition, lines, the ids to permute by) for a sorted dispatch that hands ``ids`` (written
+    ``text`` there) to ``npu_moe_token_permute`` in place of the code's own ascending sort of them. Ids that may be
+    negative are shifted by their minimum where it is negative (the sort order is unchanged: every row lands where the
+    code's own sort put it); the condition keeps an empty batch (no minimum) on the path as written."""
     if ids_nonnegative(module, scope, ids, line) or negative_ids_raise(module, scope, ids, line):
-        return "", [], ids
+        return "", [], text
     key = f"{prefix}key"
     return f" and {ids}.numel() > 0", [
         "# ids the code sorts itself: a negative one (a -1 drop marker) sorts first there; the permute takes ids",
         "# in [0, 16777215) only, so they are shifted by their minimum when it is negative (the same order)",
-        f"{key} = {ids} - {ids}.min().clamp(max=0)",
+        f"{key} = {text} - {text}.min().clamp(max=0)",
     ], key
 
 
@@ -456,3 +465,83 @@ KEEP = [
         "        top_p, indices = torch.topk(probs, self.k, dim=-1)\n", "        top_p = probs.gather(-1, indices)\n"),
          reason=_NOT_READ, name="s45a_dense_gates_at_ids_handed_in"),
 ]
+
+
+# -- sorted dispatch combined by scatter_add_ (FoundationTS MOELayer) ---------------------------------------------------
+
+def flattens(node: ast.expr) -> bool:
+    """``E.reshape(M)`` / ``E.view(N * K)``: a reshape to ONE dim keeps every element in row-major order (or raises),
+    whatever M is: the flatten. A ``view`` whose argument may be a dtype (a bit reinterpretation) is not this."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "reshape")
+            and len(node.args) == 1 and not node.keywords):
+        return False
+    arg = node.args[0]
+    c = const_value(arg)
+    if isinstance(c, int) and not isinstance(c, bool):
+        return True
+    size = isinstance(arg, ast.BinOp) or isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) \
+        and arg.func.attr in ("numel", "nelement")
+    return size or node.func.attr == "reshape" and isinstance(arg, ast.Name)
+
+
+def scatter_add_rows(call: ast.Call, stmt: ast.stmt, scope: Scope) -> Optional[tuple[ast.Name, ast.Name]]:
+    """``(tok, rows)`` of ``out.scatter_add_(0, tok.unsqueeze(-1).expand(-1, W), rows)`` (``index=`` / ``src=``
+    keywords; the index ``tok[:, None]`` / ``tok.view(-1, 1)``, ``.expand_as(rows)`` / ``.expand(-1, W)`` /
+    ``.expand(n, W)``, inline or bound just before): row j of ``rows`` added to row ``tok[j]`` of ``out`` over the
+    columns both cover, which is ``index_add_(0, tok, rows)`` where ``W`` is ``rows``' width or ``out``'s (the fused
+    text adds the overlap: :func:`overlap_add_line`). ``W`` must be written as one of those widths."""
+    dim, index, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "src", 2)
+    if not (dim is not None and const_value(dim) == 0 and index is not None and isinstance(src, ast.Name)):
+        return None
+    if isinstance(index, ast.Name):
+        bound = scope.assignments.get(index.id, [])
+        if len(bound) != 1:
+            return None
+        index = bound[0][1]
+    if not (isinstance(index, ast.Call) and isinstance(index.func, ast.Attribute) and index.func.attr in ("expand", "expand_as")):
+        return None
+    col = index.func.value
+    tok: Optional[ast.expr] = None
+    if isinstance(col, ast.Call) and isinstance(col.func, ast.Attribute) and not col.keywords and (
+            col.func.attr == "unsqueeze" and [const_value(a) for a in col.args] in ([1], [-1])
+            or col.func.attr in ("view", "reshape") and [const_value(a) for a in col.args] == [-1, 1]):
+        tok = col.func.value
+    elif isinstance(col, ast.Subscript) and isinstance(col.slice, ast.Tuple) and len(col.slice.elts) == 2 \
+            and isinstance(col.slice.elts[0], ast.Slice) and const_value(col.slice.elts[1]) is None \
+            and isinstance(col.slice.elts[1], ast.Constant):
+        tok = col.value
+    if not isinstance(tok, ast.Name):
+        return None
+    if index.func.attr == "expand_as":
+        ok = len(index.args) == 1 and isinstance(index.args[0], ast.Name) and index.args[0].id == src.id
+    else:
+        ok = len(index.args) == 2 and not index.keywords and _width_of_either(index.args[1], src.id, call, scope, stmt)
+    return (tok, src) if ok else None
+
+
+def _width_of_either(width: ast.expr, rows: str, call: ast.Call, scope: Scope, stmt: ast.stmt) -> bool:
+    """``width`` is written as the rows' last dim (``rows.shape[-1]`` / ``rows.size(1)``) or as the last size of
+    the output's allocation (``out = torch.zeros(N, D)`` and ``expand(-1, D)``)."""
+    text = ast.unparse(width)
+    if text in (f"{rows}.shape[-1]", f"{rows}.shape[1]", f"{rows}.size(-1)", f"{rows}.size(1)"):
+        return True
+    out = call.func.value if isinstance(call.func, ast.Attribute) else None
+    if not isinstance(out, ast.Name):
+        return False
+    alloc = scope.definition(out.id, stmt.lineno)
+    if isinstance(alloc, ast.Call) and isinstance(alloc.func, ast.Attribute) and alloc.func.attr in ("zeros", "new_zeros") \
+            and alloc.args and not any(isinstance(a, ast.Starred) for a in alloc.args):
+        dims = alloc.args[0].elts if len(alloc.args) == 1 and isinstance(alloc.args[0], (ast.Tuple, ast.List)) else alloc.args
+        return len(dims) == 2 and ast.unparse(dims[-1]) == text
+    return False
+
+
+def metadata_reads_only(stmt: ast.stmt, name: str) -> bool:
+    """Every read of ``name`` in ``stmt`` is ``name.device`` / ``name.dtype`` (an allocation like it)."""
+    meta = {id(n.value) for n in fast_walk(stmt) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device")}
+    return all(id(n) in meta for n in fast_walk(stmt) if isinstance(n, ast.Name) and n.id == name)
+
+
+def overlap_add_line(target: str, y: str) -> str:
+    """``target`` += ``y`` over the columns both have: what the scatter_add over an index as wide as one of them adds."""
+    return f"{target}[..., :{y}.shape[-1]] += {y}[..., :{target}.shape[-1]]  # (the columns the scatter_add index covers)"
