@@ -484,12 +484,13 @@ def flattens(node: ast.expr) -> bool:
     return size or node.func.attr == "reshape" and isinstance(arg, ast.Name)
 
 
-def scatter_add_rows(call: ast.Call, stmt: ast.stmt, scope: Scope) -> Optional[tuple[ast.Name, ast.Name]]:
+def scatter_add_rows(call: ast.Call, stmt: ast.stmt, scope: Scope) -> Optional[tuple[ast.Name, ast.Name] | str]:
     """``(tok, rows)`` of ``out.scatter_add_(0, tok.unsqueeze(-1).expand(-1, W), rows)`` (``index=`` / ``src=``
     keywords; the index ``tok[:, None]`` / ``tok.view(-1, 1)``, ``.expand_as(rows)`` / ``.expand(-1, W)`` /
     ``.expand(n, W)``, inline or bound just before): row j of ``rows`` added to row ``tok[j]`` of ``out`` over the
     columns both cover, which is ``index_add_(0, tok, rows)`` where ``W`` is ``rows``' width or ``out``'s (the fused
-    text adds the overlap: :func:`overlap_add_line`). ``W`` must be written as one of those widths."""
+    text adds the overlap: :func:`overlap_add_line`). ``W`` must be written as one of those widths: a row-add index
+    of another width gives the reason (a str); other forms None."""
     dim, index, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "src", 2)
     if not (dim is not None and const_value(dim) == 0 and index is not None and isinstance(src, ast.Name)):
         return None
@@ -512,11 +513,13 @@ def scatter_add_rows(call: ast.Call, stmt: ast.stmt, scope: Scope) -> Optional[t
         tok = col.value
     if not isinstance(tok, ast.Name):
         return None
+    why = (f"rows are added back by `{ast.unparse(call.func)}` at `{ast.unparse(index)[:60]}`, whose width npufuse does "
+           f"not read as all the columns of `{src.id}` or of the output (a narrower index adds only some columns)")
     if index.func.attr == "expand_as":
         ok = len(index.args) == 1 and isinstance(index.args[0], ast.Name) and index.args[0].id == src.id
     else:
         ok = len(index.args) == 2 and not index.keywords and _width_of_either(index.args[1], src.id, call, scope, stmt)
-    return (tok, src) if ok else None
+    return (tok, src) if ok else why
 
 
 def _width_of_either(width: ast.expr, rows: str, call: ast.Call, scope: Scope, stmt: ast.stmt) -> bool:
@@ -536,12 +539,121 @@ def _width_of_either(width: ast.expr, rows: str, call: ast.Call, scope: Scope, s
     return False
 
 
+def sorted_other_way(scope: Scope, order: str, line: int) -> bool:
+    """``order`` is a sort order, but descending or along another dim (``x.sort(descending=True)[1]``, ``argsort(x,
+    dim=0, descending=True)``): the rows are grouped by expert in another order than the permute's."""
+    node = scope.definition(order, line)
+    if isinstance(node, ast.Subscript) and const_value(node.slice) == 1:
+        node = node.value
+    return isinstance(node, ast.Call) and (dotted(node.func) or "").rsplit(".", 1)[-1] in ("sort", "argsort") \
+        and any(k.arg in ("descending", "dim") for k in node.keywords)
+
+
 def metadata_reads_only(stmt: ast.stmt, name: str) -> bool:
-    """Every read of ``name`` in ``stmt`` is ``name.device`` / ``name.dtype`` (an allocation like it)."""
-    meta = {id(n.value) for n in fast_walk(stmt) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device")}
+    """Every read of ``name`` in ``stmt`` is ``name.device`` / ``.dtype`` / ``.shape`` / ``.size(..)`` (an allocation
+    like it; weighting by a [n, 1] column keeps the shape)."""
+    meta = {id(n.value) for n in fast_walk(stmt) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device", "shape", "size")}
     return all(id(n) in meta for n in fast_walk(stmt) if isinstance(n, ast.Name) and n.id == name)
 
 
 def overlap_add_line(target: str, y: str) -> str:
     """``target`` += ``y`` over the columns both have: what the scatter_add over an index as wide as one of them adds."""
     return f"{target}[..., :{y}.shape[-1]] += {y}[..., :{target}.shape[-1]]  # (the columns the scatter_add index covers)"
+
+
+# FoundationTS's form: routes sorted by expert, offsets of a bincount, per-expert slices skipped when empty, weighted
+# and added back with scatter_add_ over the token index expanded across the output's columns
+SORTED_SCATTER_ADD = _HEAD + '''
+
+class SortedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, hidden):
+        B, T, D = hidden.shape
+        N = B * T
+        scores = self.router(hidden).softmax(dim=-1)
+        top_w, top_i = torch.topk(scores, k=self.k)
+        x = hidden.reshape(N, D)
+        M = N * self.k
+        expert_for_route = top_i.reshape(M)
+        gate_for_route = top_w.reshape(M)
+        token_ids = torch.arange(N, device=x.device)
+        token_for_route = token_ids.repeat_interleave(self.k)
+        expert_sorted, order = torch.sort(expert_for_route)
+        gate_sorted = gate_for_route[order]
+        token_sorted = token_for_route[order]
+        x_sorted = x[token_sorted]
+        counts = torch.bincount(expert_sorted, minlength=self.n)
+        offsets = torch.cumsum(counts, dim=0)
+        starts = offsets - counts
+        y_sorted = torch.empty_like(x_sorted)
+        for i, expert in enumerate(self.experts):
+            s_i, t = starts[i], offsets[i]
+            if s_i == t:
+                continue
+            y_sorted[s_i:t] = expert(x_sorted[s_i:t])
+        y_sorted = y_sorted * gate_sorted.unsqueeze(-1)
+        y_out = torch.zeros(N, D, device=y_sorted.device, dtype=y_sorted.dtype)
+        y_out.scatter_add_(0, index=token_sorted.unsqueeze(-1).expand(-1, D), src=y_sorted)
+        return y_out.reshape(B, T, D), counts
+'''
+SORTED_SCATTER_ADD_RUN = '''\
+m = SortedMoE(16, 24, 5, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0].net[0].weight, m.experts[4].net[2].bias]
+'''
+# argsort (stable), histc counts with host offsets, the index `tok[:, None].expand_as(rows)`, scatter_add (not in place)
+SORTED_HISTC = SORTED_SCATTER_ADD.replace(
+    "        expert_sorted, order = torch.sort(expert_for_route)\n",
+    "        order = torch.argsort(expert_for_route, stable=True)\n        expert_sorted = expert_for_route[order]\n").replace(
+    '''        counts = torch.bincount(expert_sorted, minlength=self.n)
+        offsets = torch.cumsum(counts, dim=0)
+        starts = offsets - counts
+''', '''        counts = torch.histc(expert_sorted.float(), bins=self.n, min=0, max=self.n - 1).long()
+        offsets = counts.cumsum(0).tolist()
+        starts = [0] + offsets[:-1]
+''').replace('''        y_out = torch.zeros(N, D, device=y_sorted.device, dtype=y_sorted.dtype)
+        y_out.scatter_add_(0, index=token_sorted.unsqueeze(-1).expand(-1, D), src=y_sorted)
+''', '''        base = torch.zeros(N, D, device=y_sorted.device, dtype=y_sorted.dtype)
+        y_out = base.scatter_add(0, token_sorted[:, None].expand_as(y_sorted), y_sorted)
+''')
+# per-expert counts by comparison, `// K` tokens (no arange), a named index of the rows' width, in-place weighting
+SORTED_FLOOR = SORTED_SCATTER_ADD.replace('''        token_ids = torch.arange(N, device=x.device)
+        token_for_route = token_ids.repeat_interleave(self.k)
+        expert_sorted, order = torch.sort(expert_for_route)
+        gate_sorted = gate_for_route[order]
+        token_sorted = token_for_route[order]
+''', '''        expert_sorted, order = expert_for_route.sort()
+        gate_sorted = gate_for_route[order]
+        token_sorted = order // self.k
+''').replace('''        counts = torch.bincount(expert_sorted, minlength=self.n)
+''', '''        counts = (expert_sorted[:, None] == torch.arange(self.n, device=x.device)).sum(0)
+''').replace('''        y_out.scatter_add_(0, index=token_sorted.unsqueeze(-1).expand(-1, D), src=y_sorted)
+''', '''        rows_index = token_sorted.view(-1, 1).expand(-1, y_sorted.shape[-1])
+        y_out.scatter_add_(0, rows_index, y_sorted)
+''')
+
+FUSE += [
+    Fuse(SORTED_SCATTER_ADD, name="s45a_sorted_routes_bincount_offsets_scatter_add", run=SORTED_SCATTER_ADD_RUN,
+         expect={"routing": "sorted_pairs", "tokens": "x", "indices": "top_i", "probs": "top_w", "output": "y_out"}),
+    Fuse(SORTED_HISTC, name="s45a_sorted_routes_stable_argsort_histc_scatter_add_copy", run=SORTED_SCATTER_ADD_RUN,
+         expect={"routing": "sorted_pairs", "indices": "top_i", "output": "y_out"}),
+    Fuse(SORTED_FLOOR, name="s45a_sorted_routes_floor_tokens_named_index", run=SORTED_SCATTER_ADD_RUN,
+         expect={"routing": "sorted_pairs", "indices": "top_i"}),
+]
+KEEP += [
+    # an index narrower than both the rows and the output: only the first half of the columns is added back
+    Keep(SORTED_SCATTER_ADD.replace(".expand(-1, D)", ".expand(-1, D // 2)"), reason="whose width npufuse does not read",
+         name="s45a_sorted_routes_scatter_add_of_half_the_columns"),
+    # the weights taken in token order, not in the sort order: each sorted row would get another slot's weight
+    Keep(SORTED_SCATTER_ADD.replace("gate_sorted = gate_for_route[order]", "gate_sorted = gate_for_route[token_sorted]"),
+         reason="is not the flat routing weights taken in the sort order", name="s45a_sorted_routes_weights_in_token_order"),
+    # sorted descending: the rows are grouped by expert in the other order than the permute's
+    Keep(SORTED_SCATTER_ADD.replace("torch.sort(expert_for_route)", "torch.sort(expert_for_route, descending=True)"),
+         reason="is not the ascending sort order", name="s45a_sorted_routes_sorted_descending"),
+]

@@ -1329,6 +1329,8 @@ def _index_add_combine(stmt: ast.stmt, call: ast.Call, scope: Scope) -> Optional
     expanded across the columns, :func:`_moe_s45a.scatter_add_rows`); None otherwise."""
     if call.func.attr in ("scatter_add", "scatter_add_"):  # type: ignore[union-attr]
         pair = _moe_s45a.scatter_add_rows(call, stmt, scope)
+        if isinstance(pair, str):
+            raise _Miss(pair)
         tok, src = pair if pair is not None else (None, None)
     else:
         tok, src = keyword(call, "index", 1), keyword(call, "source", 2)
@@ -1573,6 +1575,10 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         return None
     order, k_node = slot
     sorted_from = _sort_order_source(scope, order, stmt.lineno)
+    if sorted_from is None and _sorted_operand(scope, order, stmt.lineno) is None and \
+            _moe_s45a.sorted_other_way(scope, order, stmt.lineno):
+        raise _Miss(f"rows are added back per token in the order `{order}`, which is not the ascending sort order of the "
+                    "flattened expert indices (what npu_moe_token_permute computes)")
     if sorted_from is None:
         return None
     experts_idx, experts_line = sorted_from
