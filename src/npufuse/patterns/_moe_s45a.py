@@ -23,6 +23,7 @@ import ast
 from typing import Optional
 
 from npufuse.patterns._defects_s44 import top_call_of
+from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns.base import Fuse, Keep
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword
 
@@ -440,6 +441,10 @@ DENSE_ONE_HOT = DENSE_CHAINED.replace('''        top_p = top_p / (top_p.sum(dim=
 DENSE_KEYWORDS = DENSE_HELPER.replace("gates.scatter_(1, top_idx, top_gates)", "gates.scatter_(dim=1, index=top_idx, src=top_gates)")
 
 FUSE = [
+    # moe44a's membership matrix scattered with the softmax weights themselves (>= 0), its column read `.bool()`
+    Fuse(s44a.SCATTERED.replace(s44a._SCATTER, "        expert_mask.scatter_(1, top_idx, weights)\n"),
+         name="s45a_dense_gates_softmax_weights_scattered_bool_column", run=s44a.SCATTERED_RUN,
+         expect={"routing": "mask_where", "indices": "top_idx"}),
     Fuse(DENSE_HELPER, name="s45a_dense_gates_scattered_by_a_helper_column_gt_zero", run=DENSE_RUN,
          expect={"routing": "mask_where", "indices": "indices", "tokens": "flat"}),
     Fuse(DENSE_CHAINED, name="s45a_dense_gates_chained_scatter_renormalised_ne_zero", run=DENSE_RUN,
