@@ -104,7 +104,7 @@ def test_sort_permute_ids_outside_the_experts(run: str) -> None:
 
 
 def test_sort_permute_ids_outside_the_experts_get_the_shifted_key() -> None:
-    assert "_npufuse_key = selected_experts - selected_experts.min().clamp(max=0)" in _fused(_SORTED_EXPERTS)[-1].fused
+    assert "_npufuse_key = _npufuse_ids - _npufuse_ids.min().clamp(max=0)" in _fused(_SORTED_EXPERTS)[-1].fused
 
 
 # -- sorted_pairs: ids handed in, the experts fill a zero buffer through masks of the sorted ids -----------------------
@@ -142,7 +142,7 @@ _PAIRS_RUN = _DROPS_RUN.replace("moe = MoE(5, 16, 24, 2)", "moe = PairsMoE(16, 2
                                  _PAIRS_RUN.replace("idx[::3, 1] = -1\n", "")], ids=["minus_one", "past_E", "plain"])
 def test_sorted_pairs_ids_outside_the_experts(code: str, run: str) -> None:
     facts = _matches(code, run)
-    assert "_npufuse_key = ids - ids.min().clamp(max=0)" in facts["rewritten"]
+    assert "_npufuse_key = _npufuse_ids - _npufuse_ids.min().clamp(max=0)" in facts["rewritten"]
 
 
 # -- the original raises on a negative id before the experts run, or the ids are top-k's: the text is as before -----

@@ -462,6 +462,12 @@ KEEP = [
     # a shared column written after the scatter: every token reaches expert 0, not only its top-k
     Keep(DENSE_HELPER.replace("        return gates, top_idx\n", "        gates[:, 0] = 1.0\n        return gates, top_idx\n"),
          reason=_NOT_READ, name="s45a_dense_gates_changed_after_the_scatter"),
+    # a per-expert count of `gates[:, i] > 0`: a routed token whose weight underflowed to 0 is not counted there,
+    # while the fused layer's count of the ids includes it
+    Keep(DENSE_HELPER.replace("        output = torch.zeros_like(flat)\n", "        output = torch.zeros_like(flat)\n"
+                              "        usage = torch.zeros(len(self.experts))\n").replace(
+        "            if mask.any():\n", "            usage[i] = mask.sum()\n            if mask.any():\n"),
+         reason="which leaves out routed tokens whose weight is 0", name="s45a_dense_gates_counted_per_expert"),
     # a threshold: tokens whose weight is below it are dropped (a capacity-like filter)
     Keep(DENSE_HELPER.replace("mask = gates[:, i] > 0", "mask = gates[:, i] > 0.2"), reason=_NOT_READ,
          name="s45a_dense_gates_above_a_threshold"),

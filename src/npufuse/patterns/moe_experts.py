@@ -3314,6 +3314,8 @@ class _Eval:
             self._is_eidx)
         if found is None:  # s45: `gates[:, e] > 0` of top-k weights (>= 0) scattered at the top-k ids
             found = s44a.membership_column(value, self._s45a_scattered_gates, self._is_eidx)
+            if found is not None:  # (a weight of exactly 0 fails the test: the risk and count refusal of `w > 0`)
+                self.weight_select = self.weight_select or ast.unparse(value)
         if found is None:
             return None
         member = ast.parse(f"({found[0]} == {ast.unparse(found[1])}).any(dim=-1)", mode="eval").body
