@@ -162,6 +162,13 @@ def _built_over_range(value: Optional[ast.expr]) -> Optional[ast.expr]:
 def _traced_width(module: ModuleInfo, scope: Scope, init: _InitValues, indices: str, line: int) -> Optional[_Text]:
     """The width W of the logits whose top-k / argmax gives ``indices`` (followed through value-keeping steps),
     or None (unknown source, or an in-place write on the way)."""
+    call = top_call_of(module, scope, indices, line)
+    return _logits_width(module, scope, init, _top_source(module, call), line) if call is not None else None
+
+
+def top_call_of(module: ModuleInfo, scope: Scope, indices: str, line: int) -> Optional[ast.Call]:
+    """The top-k / argmax call whose indices ``indices`` are (followed through value-keeping steps: every value of
+    it is that call's, so in [0, its dim's size)), or None (unknown source, a rebinding or an in-place write)."""
     try:
         node: ast.expr = ast.parse(indices, mode="eval").body
     except SyntaxError:
@@ -183,9 +190,7 @@ def _traced_width(module: ModuleInfo, scope: Scope, init: _InitValues, indices: 
         elif isinstance(node, ast.Attribute) and node.attr == "indices" and _is_top(module, node.value, True):
             node, picked = node.value, True
         if isinstance(node, ast.Call) and _is_top(module, node, picked):
-            if _written_in_place(scope, names):
-                return None
-            return _logits_width(module, scope, init, _top_source(module, node), line)
+            return None if _written_in_place(scope, names) else node
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _VALUE_KEEPING:
             if node.func.attr == "to" and any(isinstance(a, ast.Constant) for a in node.args):
                 return None

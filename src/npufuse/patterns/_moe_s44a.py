@@ -417,8 +417,9 @@ FUSE = [
 ]
 
 KEEP = [
-    # the routing weights scattered, not a constant: a weight of 0 (an underflowed softmax) drops the token
-    Keep(SCATTERED.replace(_SCATTER, "        expert_mask.scatter_(1, top_idx, weights)\n"),
+    # the raw top-k logits scattered, not a constant: a negative logit fails the column test and drops a routed token
+    # (s45 moe45a: scattered softmax weights, >= 0, are read: patterns/_moe_s45a.py)
+    Keep(SCATTERED.replace(_SCATTER, "        expert_mask.scatter_(1, top_idx, top_logits)\n"),
          reason="the loop skips experts without rows of `token_mask`", name="s44a_scatter_of_weights_not_membership"),
     # a shared-expert column set for every token after the scatter (deepsaia's form): the matrix is changed again
     Keep(SCATTERED.replace(_SCATTER, _SCATTER + "        expert_mask[:, 0] = 1\n"),

@@ -46,6 +46,7 @@ from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
 from npufuse.patterns._moe_experts_s45audit import other_parts_read
+from npufuse.patterns import _moe_s45a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
@@ -189,6 +190,8 @@ class _Site:
     post_dropout: str = ""
     # s44: ids may lie outside [0, E) (not proven by the gate's width): the loop skips them, the fused text masks them
     unnamed_ids: bool = False
+    # s45: runs of sorted ids index the experts as a list (`experts[-1]` is the last one): negative ids wrap
+    wrap_negative_ids: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -987,7 +990,7 @@ def _sort_combine_text(module: ModuleInfo) -> bool:
     cached = module.__dict__.get("_npufuse_moe_sort_combine")
     if cached is None:
         src = module.source
-        cached = module.__dict__["_npufuse_moe_sort_combine"] = "index_add" in src and ("sort(" in src or "argsort" in src)
+        cached = module.__dict__["_npufuse_moe_sort_combine"] = ("index_add" in src or "scatter_add" in src) and ("sort(" in src or "argsort" in src)
     return bool(cached)
 
 
@@ -997,6 +1000,9 @@ def _flat_of(node: Optional[ast.expr]) -> Optional[str]:
             and (node.func.attr == "flatten" and not node.args or node.func.attr in ("view", "reshape")
                  and [const_value(a) for a in node.args] == [-1]) and not node.keywords:
         return node.func.value.id
+    if node is not None and isinstance(getattr(node, "func", None), ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and _moe_s45a.flattens(node):  # s45: E.reshape(N * K), a reshape to one dim
+        return node.func.value.id  # type: ignore[union-attr]
     return None
 
 
@@ -1296,7 +1302,8 @@ def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
     the index_add npu_moe_token_unpermute (under a runtime check of the shapes; else as written)."""
     for block, i, stmt in scope.statements():
         call = stmt.value if isinstance(stmt, (ast.Assign, ast.Expr)) else None
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in ("index_add", "index_add_")
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr in ("index_add", "index_add_", "scatter_add", "scatter_add_")  # (s45: scatter_add)
                 and isinstance(call.func.value, ast.Name)):
             continue
         first: Optional[_Miss] = None
@@ -1317,19 +1324,36 @@ def _sort_permute_sites(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
             yield found
 
 
-def _index_add_combine(stmt: ast.stmt, call: ast.Call) -> Optional[tuple[ast.Name, ast.Name, bool, str, str]]:
+def _index_add_combine(stmt: ast.stmt, call: ast.Call, scope: Scope) -> Optional[tuple[ast.Name, ast.Name, bool, str, str]]:
     """``(index, rows, in place, output name or "", buffer name)`` of ``buf.index_add_(0, idx, rows)`` /
-    ``out = buf.index_add(0, idx, rows)`` with plain names; None otherwise."""
-    dim, tok, src = keyword(call, "dim", 0), keyword(call, "index", 1), keyword(call, "source", 2)
+    ``out = buf.index_add(0, idx, rows)`` with plain names (s45: or ``scatter_add(_)`` over the rows of ``idx``
+    expanded across the columns, :func:`_moe_s45a.scatter_add_rows`); None otherwise."""
+    if call.func.attr in ("scatter_add", "scatter_add_"):  # type: ignore[union-attr]
+        pair = _moe_s45a.scatter_add_rows(call, stmt, scope)
+        if isinstance(pair, str):
+            raise _Miss(pair)
+        tok, src = pair if pair is not None else (None, None)
+    else:
+        tok, src = keyword(call, "index", 1), keyword(call, "source", 2)
+    dim = keyword(call, "dim", 0)
     if not (dim is not None and const_value(dim) == 0 and isinstance(tok, ast.Name) and isinstance(src, ast.Name)):
         return None
-    inplace = call.func.attr == "index_add_"  # type: ignore[union-attr]
+    inplace = call.func.attr.endswith("_")  # type: ignore[union-attr]
     out = ""
     if isinstance(stmt, ast.Assign):
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or inplace:
             return None
         out = stmt.targets[0].id
     return tok, src, inplace, out, call.func.value.id  # type: ignore[union-attr]
+
+
+def _combine_lines(call: ast.Call, zeros: str, out: str, inplace: bool) -> list[str]:
+    """The fused combine of the unpermuted rows ``_npufuse_y`` into ``zeros`` (``out`` = a new tensor when not in
+    place): an add, or (s45, a scatter_add over an index as wide as one side) an add over the columns both have."""
+    if call.func.attr in ("index_add", "index_add_"):  # type: ignore[union-attr]
+        return [f"{zeros}.add_({P}y)" if inplace else f"{out} = {zeros} + {P}y"]
+    target = zeros if inplace else out
+    return ([] if inplace else [f"{out} = {zeros}.clone()"]) + [_moe_s45a.overlap_add_line(target, f"{P}y")]
 
 
 def _sorted_rows_risks(e_: str, k_: str, rows: str, tokens_shape: str) -> list[Risk]:
@@ -1346,7 +1370,7 @@ def _sorted_rows_risks(e_: str, k_: str, rows: str, tokens_shape: str) -> list[R
 
 def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, stmt: ast.stmt,
                        call: ast.Call) -> Optional[Finding]:
-    combine = _index_add_combine(stmt, call)
+    combine = _index_add_combine(stmt, call, scope)
     if combine is None:
         return None
     tok, src, inplace, out, zeros = combine
@@ -1464,14 +1488,18 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         raise _Miss(f"`{hidden}` (the weighted expert rows) is used after the combine; the fused layer does not produce it")
     e_, k_ = experts_idx, segment(module, k_node)
     ind = "    "
+    # s45: ids of any rank whose last dim is K ([B, S, K] top-k of [B, S, E] scores) as [T, K]; -1 ids sort first
+    ids, guard, id_lines = _moe_s45a.slot_ids(e_, k_, tokens, weights, P)
+    nonempty, key_lines, key = _moe_s45a.permute_key(module, scope, e_, ids, gather.lineno, P)
     body = [
-        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.shape[0] == {e_}.shape[0] and {weights}.numel() == {e_}.numel():",
+        f"if {guard}{nonempty}:",
+        *(ind + ln for ln in id_lines + key_lines),
         f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, in token order)",
-        f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})",
         *(ind + ln for st in chain + between for ln in ast.unparse(st).splitlines()),
         f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute",
-        f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({hidden}, {P}order, probs={weights}.reshape({e_}.shape).to({hidden}.dtype))",
-        f"{ind}{zeros}.add_({P}y)" if inplace else f"{ind}{out} = {zeros} + {P}y",
+        f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({hidden}, {P}order, probs={weights}.reshape({ids}.shape).to({hidden}.dtype))",
+        *(ind + ln for ln in _combine_lines(call, zeros, out, inplace)),
         "else:  # other shapes: as written",
         *(ind + ln for st in span for ln in ast.unparse(st).splitlines()),
     ]
@@ -1513,9 +1541,12 @@ def _slot_token_index(module: ModuleInfo, scope: Scope, node: Optional[ast.expr]
         return None
     if isinstance(base, ast.Name):
         base = scope.definition(base.id, getattr(node, "lineno", line))
+    ar = base.func.value if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) else None
+    if isinstance(ar, ast.Name) and len(scope.assignments.get(ar.id, [])) == 1:
+        ar = scope.definition(ar.id, base.lineno)  # s45: `tokens = torch.arange(N); R = tokens.repeat_interleave(K)`
     if not (isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "repeat_interleave"
-            and len(base.args) == 1 and not base.keywords and isinstance(base.func.value, ast.Call)
-            and _canon(module, base.func.value.func) == "torch.arange" and len(base.func.value.args) == 1):
+            and len(base.args) == 1 and not base.keywords and isinstance(ar, ast.Call)
+            and _canon(module, ar.func) == "torch.arange" and len(ar.args) == 1):
         return None
     return order, base.args[0]
 
@@ -1535,7 +1566,7 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     the counts the code takes from the sorted ids are unchanged); the weighting and the index_add are
     npu_moe_token_unpermute. What runs between (counts, the buffer, the expert loop) stays as written.
     None where the function is not that shape."""
-    combine = _index_add_combine(stmt, call)
+    combine = _index_add_combine(stmt, call, scope)
     if combine is None:
         return None
     tok, src, inplace, out, zeros = combine
@@ -1545,6 +1576,10 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         return None
     order, k_node = slot
     sorted_from = _sort_order_source(scope, order, stmt.lineno)
+    if sorted_from is None and _sorted_operand(scope, order, stmt.lineno) is None and \
+            _moe_s45a.sorted_other_way(scope, order, stmt.lineno):
+        raise _Miss(f"rows are added back per token in the order `{order}`, which is not the ascending sort order of the "
+                    "flattened expert indices (what npu_moe_token_permute computes)")
     if sorted_from is None:
         return None
     experts_idx, experts_line = sorted_from
@@ -1631,11 +1666,15 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         if any(a.lineno > gathers[-1].lineno and a.lineno < stmt.lineno for a, _v in scope.assignments.get(name, [])
                if not (name == buf and (a is bdef[0] or a is weighting))):
             raise _Miss(f"`{name}` is reassigned between the sorted gather and the combine")
+    meta_read = False  # s45: the output allocated with the weighted rows' device / dtype (`device=buf.device`)
     for st in after_rows:
         if st is weighting:
             continue
-        if any(isinstance(n, ast.Name) and n.id == buf for n in fast_walk(st)) and st is not bdef[0] \
-                and not isinstance(st, ast.For):
+        reads = [n for n in fast_walk(st) if isinstance(n, ast.Name) and n.id == buf]
+        if reads and st is not bdef[0] and not isinstance(st, ast.For):
+            if st.lineno > weighting.lineno and _moe_s45a.metadata_reads_only(st, buf):
+                meta_read = True
+                continue
             raise _Miss(f"`{segment(module, st)[:50]}` reads the expert rows `{buf}` outside the expert loop")
     for name, since in ((e_, experts_line), (weights, gathers[0].lineno)):
         if any(since <= a.lineno <= stmt.lineno for a, _v in scope.assignments.get(name, [])):
@@ -1644,20 +1683,23 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if scope.uses_after(buf, end) and buf != out:
         raise _Miss(f"`{buf}` (the expert rows in sorted order) is used after the combine; the fused layer does not produce it")
     ind = "    "
-    body = [
-        f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] "
-        f"and {weights}.numel() == {e_}.numel():",
-    ]
+    # s45: ids of any rank whose last dim is K ([B, S, K] top-k of [B, S, E] scores) as [T, K]; -1 ids sort first
+    ids, guard, id_lines = _moe_s45a.slot_ids(e_, k_, tokens, weights, P)
+    nonempty, key_lines, key = _moe_s45a.permute_key(module, scope, e_, ids, gathers[0].lineno, P)
+    body = [f"if {guard}{nonempty}:"]
     for st in span:
         if st is gathers[-1]:
+            body.extend(ind + ln for ln in id_lines + key_lines)
             body.append(f"{ind}# the tokens gathered slot by slot in sorted-expert order are the permute")
-            body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})")
+            body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})")
+        elif st is weighting and meta_read:  # (what is read of the rows after it is the weighted rows' dtype)
+            body.append(f"{ind}{buf} = {buf}.to(torch.promote_types({buf}.dtype, {weights}.dtype))  # the weighting's dtype")
         elif st in gathers or st is weighting:
             continue
         elif st is stmt:
             body.append(f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute")
-            body.append(f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({buf}, {P}order, probs={weights}.reshape({e_}.shape).to({buf}.dtype))")
-            body.append(f"{ind}{zeros}.add_({P}y)" if inplace else f"{ind}{out} = {zeros} + {P}y")
+            body.append(f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({buf}, {P}order, probs={weights}.reshape({ids}.shape).to({buf}.dtype))")
+            body.extend(ind + ln for ln in _combine_lines(call, zeros, out, inplace))
         else:
             body.extend(ind + ln for ln in ast.unparse(st).splitlines())
     body.append("else:  # other shapes: as written")
@@ -1809,12 +1851,14 @@ def _sorted_dispatch_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt
                 raise _Miss(why)
         result = f"{result}.to({d2})"
     span = block[g : s + 2]
+    _, key_lines, key = _moe_s45a.permute_key(module, scope, e_, e_, gather.lineno, P)  # s45: -1 ids sort first
     body = [
         f"if {e_}.dim() == 2 and ({k_}) == {e_}.shape[-1] and {e_}.numel() > 0 and not {e_}.is_floating_point() "
         f"and {tokens}.dim() == 2 and {tokens}.shape[0] == {e_}.shape[0] and {w_}.shape == {e_}.shape "
         f"and {tokens}.dtype in (torch.float16, torch.bfloat16, torch.float32):",
+        *(ind + ln for ln in key_lines),
         f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, experts ascending)",
-        f"{ind}{sorted_name}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {e_})",
+        f"{ind}{sorted_name}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})",
         *(ind + ln for st in middle for ln in ast.unparse(st).splitlines()),
         f"{ind}# the write-back to slot order and the weighted sum over the top-k slots are the unpermute",
         f"{ind}{y} = {result}",
@@ -3269,12 +3313,23 @@ class _Eval:
         found = s44a.membership_column(
             value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx),
             self._is_eidx)
+        if found is None:  # s45: `gates[:, e] > 0` of top-k weights (>= 0) scattered at the top-k ids
+            found = s44a.membership_column(value, self._s45a_scattered_gates, self._is_eidx)
+            if found is not None:  # (a weight of exactly 0 fails the test: the risk and count refusal of `w > 0`)
+                self.weight_select = self.weight_select or ast.unparse(value)
         if found is None:
             return None
         member = ast.parse(f"({found[0]} == {ast.unparse(found[1])}).any(dim=-1)", mode="eval").body
         for n in ast.walk(member):  # placed where the column read is (the text npufuse quotes stays the user's)
             ast.copy_location(n, value)
         return self.ev(member)
+
+    def _s45a_scattered_gates(self, gates: str) -> Optional[str]:
+        found = _moe_s45a.scattered_gate_indices(self.m, self.scope, gates, self.loop.lineno)
+        if found is None:
+            return None
+        self._rank_guard(f"{gates}.dim() == 2")  # (columns are experts, rows tokens, of [T, E] gates)
+        return found[0]
 
     def _s44a_count_test(self, test: ast.expr, nonempty: bool) -> bool:
         """s44a: other spellings of "this expert has (no) rows" (patterns/_moe_s44a.py): ``0 < n``, ``n >= 1``,
@@ -4604,6 +4659,8 @@ class _Eval:
             one_hot = self.masks[next(iter(self.masks))][1] if found is not None and found.spelling == "one_hot" else ""
             site.unnamed_ids = not (site.loop == "expert_hit" and one_hot) and \
                 not _defects_s44.ids_name_an_expert(self.m, self.scope, self.loop, site.indices, one_hot)
+        if site is not None and site.loop == "sorted_runs":
+            site.wrap_negative_ids = not _moe_s45a.ids_nonnegative(self.m, self.scope, site.indices, self.loop.lineno)
         if site is not None and self.count_stats:
             text = self.count_stats[0][4]
             if site.routing != "mask_where" or site.sentinel or site.local_start:
@@ -5757,6 +5814,8 @@ def _fused_text(site: _Site) -> str:
             f"{P}ids = {site.indices}.reshape(-1)",
             f"{P}tokens = {site.tokens}.reshape(-1, {site.tokens}.shape[-1])",
         ]
+        if site.wrap_negative_ids:
+            lines.append(_moe_s45a.wrapped_ids_line(f"{P}ids", site.bins))
         site = copy.copy(site)
         site.indices, site.tokens = f"{P}ids", f"{P}tokens"
     if site.unnamed_ids:
@@ -15209,3 +15268,6 @@ MoeExperts.FUSE += s44a.FUSE
 MoeExperts.KEEP += s44a.KEEP
 MoeExperts.FUSE += _moe_s44b.FUSE  # s44b: stacked biases, row-wise activation modules (patterns/_moe_s44b.py)
 MoeExperts.KEEP += _moe_s44b.KEEP
+# s45a (moe45a): dense gates scattered from top-k weights, read as gates[:, e] > 0 (patterns/_moe_s45a.py)
+MoeExperts.FUSE += _moe_s45a.FUSE
+MoeExperts.KEEP += _moe_s45a.KEEP
