@@ -219,8 +219,26 @@ def cast_back_library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str
             or (cast.func.attr == "type_as" and isinstance(arg, ast.Name) and arg.id == x)):
         return None
     inner = ast.copy_location(ast.Return(value=cast.func.value), ret)
-    bare = ast.FunctionDef(name=fwd.name, args=fwd.args, body=[inner], decorator_list=[], returns=None,
+    # (s45 review) the statements before the return stay: the library reading checks they leave the input as given
+    bare = ast.FunctionDef(name=fwd.name, args=fwd.args, body=[*fwd.body[:-1], inner], decorator_list=[], returns=None,
                            type_params=getattr(fwd, "type_params", []))
     bare = ast.copy_location(bare, fwd)
     bare.end_lineno = fwd.end_lineno
     return library_forward(module, bare, mod, foreign)
+
+
+def input_changed_before(fwd: ast.FunctionDef, ret: ast.Return, x: str) -> bool:
+    """Does a statement of ``fwd`` before ``ret`` rebind the input ``x`` or write into it (``x = x + self.bias``,
+    ``x[mask] = 0``, ``x += 1``)? Reading the returned call as the norm of the forward's input drops those
+    statements, so such a forward is not that norm (s45 review: the fused add + norm left a bias out)."""
+    for st in fwd.body:
+        if st is ret:
+            break
+        for n in ast.walk(st):
+            if isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del)):
+                root = n
+                while isinstance(root, (ast.Attribute, ast.Subscript)):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id == x:
+                    return True
+    return False

@@ -108,6 +108,8 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign
     x, w, eps = keyword(call, "input", 0), keyword(call, "weight", 2), keyword(call, "eps", 3)
     if not (isinstance(x, ast.Name) and x.id == params[1]) or w is None:
         return None
+    if _add_rms_norm_s44h.input_changed_before(fwd, ret, params[1]):
+        return None  # (s45 review) ``x = x + self.bias`` first: the fused call would normalise the caller's tensor
 
     def as_mod(node: ast.expr) -> str | None:
         d = dotted(node)

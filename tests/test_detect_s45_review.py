@@ -1,0 +1,175 @@
+"""s45 review45: correctness review of the code that landed in s44 (b237412..e9bef57). Each defect is pinned by a test
+that fails on the s44 code, with a twin that passes on both (the form the s44 class was built for still fuses).
+
+1. add_rms_norm: a norm class whose forward is ``return F.rms_norm(x, ..)`` (or s44's ``.to(input_dtype)`` cast back)
+   was read as the library norm of its input even where a statement before the return changed the input
+   (``x = x + self.bias``): the fused add + norm left the statement out (emulator cos 0.97).
+2. moe_experts (defects44's id proof): an ``__init__`` parameter rebound there (``n = n - 1`` after the gate was
+   built over ``n``), or an attribute another method changes, was taken as one value: top-k over a gate wider than
+   the loop was "proven" in range and its ids past the loop were combined (emulator cos 0.89).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apply_support import make_repo, scan
+from pattern_harness import check_rewrite_runs, detect_all
+from npufuse.patterns._moe_s42b import _HEAD, _run
+from npufuse.patterns.moe_experts import MoeExperts
+
+
+def _close(facts: dict, tol: float = 0.9999) -> None:
+    assert facts["calls"] >= 1, facts["all_calls"]
+    assert all(a == b for a, b in facts["shapes"]), facts["shapes"]
+    assert all(c > tol for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
+
+
+def _fused_against_eager(tmp_path: Path, files: dict[str, str], name: str, patterns: tuple[Any, ...], run: Any,
+                         atol: float = 1e-5) -> dict[str, int]:
+    """Scan and apply every candidate of ``files``, then compare ``run(module)`` of the original and of the rewritten
+    module (emulated torch_npu); the emulated op calls made by the rewritten run."""
+    import torch
+
+    from apply_support import npufuse
+    from npufuse import emulate
+    from scratch_repo import import_fresh
+
+    ref = run(import_fresh(make_repo(tmp_path / "ref", files), name))
+    root = make_repo(tmp_path / "repo", files)
+    scan(root, patterns=patterns)
+    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
+    with emulate.install() as emu:
+        got = run(import_fresh(root, name))
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=atol), (a - b).abs().max()
+    return dict(emu.calls)
+
+
+# -- 1. add_rms_norm: the library norm's forward changes its input before F.rms_norm -----------------------------------
+
+_LIB_NORM_BLOCK = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Norm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.eps = 1e-5
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        input_dtype = x.dtype
+        PRELUDE
+        return RETURN
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.post = Norm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.attn(x)
+        y = self.post(h)
+        return self.mlp(y) + h
+'''
+_RMS = "F.rms_norm(x, self.weight.shape, self.weight, self.eps)"
+
+
+def _add_patterns() -> tuple[Any, ...]:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    return (AddRmsNorm(),)
+
+
+def _block_run(mod: Any) -> list[Any]:
+    import torch
+
+    torch.manual_seed(0)
+    m = mod.Block(16)
+    with torch.no_grad():
+        m.post.weight.add_(0.1 * torch.randn(16))
+        m.post.bias.add_(torch.randn(16))
+        return [m(torch.randn(2, 3, 16))]
+
+
+@pytest.mark.parametrize("prelude", ["x = x + self.bias", "x[..., :1] = 0.0", "x += self.bias"])
+@pytest.mark.parametrize("ret", [_RMS, _RMS + ".to(input_dtype)"], ids=["rms_norm", "rms_norm_cast_back"])
+def test_library_norm_whose_forward_changes_its_input_first_is_not_read_as_that_norm(tmp_path: Path, prelude: str,
+                                                                                    ret: str) -> None:
+    code = _LIB_NORM_BLOCK.replace("PRELUDE", prelude).replace("RETURN", ret)
+    data = scan(make_repo(tmp_path / "s", {"pkg/__init__.py": "", "pkg/m.py": code}), patterns=_add_patterns())
+    # the norm class's own add (`x + self.bias` then the norm) may fuse; the block's add must not
+    assert not [c for c in data["candidates"] if c["qualname"] == "Block.forward"], data["candidates"]
+    if "=" in prelude and "+" in prelude:
+        _fused_against_eager(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": code}, "pkg.m", _add_patterns(), _block_run)
+
+
+@pytest.mark.parametrize("ret", [_RMS, _RMS + ".to(input_dtype)"], ids=["rms_norm", "rms_norm_cast_back"])
+def test_library_norm_after_a_dtype_read_still_fuses_the_residual_add(tmp_path: Path, ret: str) -> None:
+    code = _LIB_NORM_BLOCK.replace("PRELUDE", "shape = x.shape").replace("RETURN", ret)
+    files = {"pkg/__init__.py": "", "pkg/m.py": code}
+    calls = _fused_against_eager(tmp_path, files, "pkg.m", _add_patterns(), _block_run)
+    assert calls.get("npu_add_rms_norm", 0) == 1, calls
+
+
+# -- 2. moe_experts: the loop's bound and the gate's width read as one value where they are not ------------------------
+
+_MOE = _HEAD + '''
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        INIT
+        self.n, self.k = n, k
+        self.experts = nn.ModuleList([FF(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        w, sel = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(sel == e)
+            out[tok] += w[tok, slot, None] * self.experts[e](x[tok])
+        return out
+METHODS'''
+
+
+def _moe_code(init: str = "pass", methods: str = "") -> str:
+    return _MOE.replace("INIT", init).replace("METHODS", methods)
+
+
+_SHRINK = '''
+    def drop_last_expert(self):
+        del self.experts[-1]
+        self.n = self.n - 1
+'''
+
+
+@pytest.mark.parametrize("code, run", [
+    (_moe_code("n = n - 1"), _run("9, 16")),  # the gate has n outputs, the loop runs n - 1 experts
+    (_moe_code(methods=_SHRINK), _run("9, 16", extra="m.drop_last_expert()\n")),
+], ids=["init_parameter_rebound", "attribute_changed_by_another_method"])
+def test_gate_width_and_loop_bound_that_are_not_one_value_get_the_run_time_id_mask(code: str, run: str) -> None:
+    findings, misses = detect_all(MoeExperts(), code)
+    assert findings, [m.reason for m in misses]
+    assert "_npufuse_named" in findings[0].fused
+    _close(check_rewrite_runs(MoeExperts(), code, run, findings))
+
+
+def test_gate_width_equal_to_the_loop_bound_needs_no_mask() -> None:
+    # twin: `n` is only read in __init__ (the gate and the experts have the same n): proven, no mask
+    code = _moe_code("d = d + 0")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert findings and "_npufuse_named" not in findings[0].fused, [m.reason for m in misses]
+    _close(check_rewrite_runs(MoeExperts(), code, _run("9, 16"), findings))
