@@ -7,6 +7,8 @@ that fails on the s44 code, with a twin that passes on both (the form the s44 cl
 2. moe_experts (defects44's id proof): an ``__init__`` parameter rebound there (``n = n - 1`` after the gate was
    built over ``n``), or an attribute another method changes, was taken as one value: top-k over a gate wider than
    the loop was "proven" in range and its ids past the loop were combined (emulator cos 0.89).
+3. add_rms_norm (ho21fix44's registry-built norms): the registered classes were memoised by (root, factory) for the
+   process: a second scan of the same root after an edit read the first scan's registrations.
 """
 
 from __future__ import annotations
@@ -173,3 +175,30 @@ def test_gate_width_equal_to_the_loop_bound_needs_no_mask() -> None:
     findings, misses = detect_all(MoeExperts(), code)
     assert findings and "_npufuse_named" not in findings[0].fused, [m.reason for m in misses]
     _close(check_rewrite_runs(MoeExperts(), code, _run("9, 16"), findings))
+
+
+# -- 3. registry-built norms: a later scan of the same root reads the registrations as they are then ------------------
+
+_SECOND_RMS = """
+
+@Factory.register("norm", "other")
+class OtherNorm(nn.Module):
+    def __init__(self, config, dim):
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+"""
+
+
+def test_registered_norms_are_read_again_by_a_later_scan_of_the_same_root(tmp_path: Path) -> None:
+    from test_detect_s44_ho21 import _NORMS, _registry_files
+
+    root = make_repo(tmp_path, _registry_files())
+    first = [c for c in scan(root, patterns=_add_patterns())["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert len(first) == 1  # one registered class reads as an RMSNorm: fused under its type test
+    (root / "pkg" / "norms.py").write_text(_NORMS + _SECOND_RMS)
+    second = [c for c in scan(root, patterns=_add_patterns())["candidates"] if c["pattern"] == "add_rms_norm"]
+    assert second == [], "two registered classes read as an RMSNorm now: each would need its own fused code"

@@ -30,8 +30,11 @@ from npufuse.scan.dataflow import ModuleInfo, dotted
 
 _CREATE_METHODS = ("create", "build", "make", "get")
 _MAX_CANDIDATES = 6
-# (root, factory name) -> [(rel, class name, key)] of the classes decorated ``@<factory>.register(key, ...)``
-_REGISTERED: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+# (root, factory name, id of the scan's file listing) -> (that listing, [(rel, class name, key)] of the classes
+# decorated ``@<factory>.register(key, ...)``): repo_facts.reset() makes a new listing at the start of each scan,
+# so a later scan of the same root reads the files as they are then (s45 review: keyed by the root alone, a
+# second scan in one process kept the first scan's registrations)
+_REGISTERED: dict[tuple[str, str, int], tuple[list[str], list[tuple[str, str, str]]]] = {}
 
 
 def registry_created_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Call,
@@ -82,13 +85,15 @@ def _registered(root: Path, factory: str) -> list[tuple[str, str, str]]:
     """Every (file, class, key) of the repository whose class is decorated ``@<factory>.register("<key>", ...)``."""
     from npufuse.scan import repo_facts
 
-    cache_key = (str(root), factory)
-    if cache_key not in _REGISTERED:
+    listing = repo_facts._repo_py_files(root)
+    cache_key = (str(root), factory, id(listing))
+    hit = _REGISTERED.get(cache_key)
+    if hit is None or hit[0] is not listing:
         if len(_REGISTERED) > 64:
             _REGISTERED.clear()
         found: list[tuple[str, str, str]] = []
         needle = re.compile(r"@\s*" + re.escape(factory) + r"\s*\.\s*register\s*\(")
-        for rel in repo_facts._repo_py_files(root):
+        for rel in listing:
             text = repo_facts._repo_text(root, rel)
             if not text or needle.search(text) is None:
                 continue
@@ -101,8 +106,8 @@ def _registered(root: Path, factory: str) -> list[tuple[str, str, str]]:
                             and dotted(d.func.value) == factory and d.args and isinstance(d.args[0], ast.Constant) \
                             and isinstance(d.args[0].value, str):
                         found.append((rel, cls.name, d.args[0].value))
-        _REGISTERED[cache_key] = found
-    return _REGISTERED[cache_key]
+        hit = _REGISTERED[cache_key] = (listing, found)
+    return hit[1]
 
 
 def _module_of(root: Path, rel: str, text: str | None = None) -> ModuleInfo | None:
