@@ -9,6 +9,10 @@ that fails on the s44 code, with a twin that passes on both (the form the s44 cl
    the loop was "proven" in range and its ids past the loop were combined (emulator cos 0.89).
 3. add_rms_norm (ho21fix44's registry-built norms): the registered classes were memoised by (root, factory) for the
    process: a second scan of the same root after an edit read the first scan's registrations.
+4. double_backward_reach (ho21fix44): a use narrowed to its import closure although the closure could not be known:
+   ``import torch as th; th.load(..)`` / ``from torch import load`` (a pickled model), an import of a repository module
+   the scan does not list (``tests/``), a file of the closure not read (over the size limit): the model's sites were
+   fused where a hessian differentiates them.
 """
 
 from __future__ import annotations
@@ -202,3 +206,50 @@ def test_registered_norms_are_read_again_by_a_later_scan_of_the_same_root(tmp_pa
     (root / "pkg" / "norms.py").write_text(_NORMS + _SECOND_RMS)
     second = [c for c in scan(root, patterns=_add_patterns())["candidates"] if c["pattern"] == "add_rms_norm"]
     assert second == [], "two registered classes read as an RMSNorm now: each would need its own fused code"
+
+
+# -- 4. double-backward reach: a closure that cannot be known reaches every file ---------------------------------------
+
+_HESSIAN_OF = """\
+import torch
+IMPORTS
+from torch.autograd.functional import hessian
+
+net = BUILD
+H = hessian(lambda x: net(x).sum(), torch.randn(4))
+"""
+
+
+@pytest.mark.parametrize("imports, build, extra, why", [
+    ("import torch as th", 'th.load("model.pt", weights_only=False)', {}, "torch.load through an alias unpickles a model"),
+    ("from torch import load", 'load("model.pt", weights_only=False)', {}, "torch.load imported by name"),
+    ("from tests.helpers import build", "build()",
+     {"tests/__init__.py": "", "tests/helpers.py": "from pkg.model import MLP\n\n\ndef build():\n    return MLP(4, 8)\n"},
+     "a module of a folder the scan skips (tests/) imports the model"),
+    ("from scripts.big import build", "build()",
+     {"scripts/__init__.py": "", "scripts/big.py": "from pkg.model import MLP\n\n\ndef build():\n    return MLP(4, 8)\n"
+      + "# padding\n" * 3000},
+     "a file of the closure over the read limit: what it imports is unknown"),
+])
+def test_double_backward_whose_closure_cannot_be_known_still_blocks(tmp_path: Path, monkeypatch: Any, imports: str,
+                                                                    build: str, extra: dict[str, str], why: str) -> None:
+    from npufuse.scan import repo_symbols
+    from test_detect_s44_ho21 import _MODEL, _PATTERNS, _blocked, _model_sites
+
+    monkeypatch.setattr(repo_symbols, "DEFAULT_MAX_BYTES", 16 << 10)
+    monkeypatch.setattr(repo_symbols.RepoSymbols.__init__, "__defaults__", (16 << 10, repo_symbols.DEFAULT_MAX_PARSES))
+    files = {"pkg/__init__.py": "", "pkg/model.py": _MODEL,
+             "scripts/05_curvature.py": _HESSIAN_OF.replace("IMPORTS", imports).replace("BUILD", build), **extra}
+    data = scan(make_repo(tmp_path, files), patterns=_PATTERNS)
+    assert _model_sites(data) == [], why
+    assert len(_blocked(data)) == 2, data["near_misses"]
+
+
+def test_double_backward_of_a_toy_function_beside_an_aliased_torch_still_does_not_block(tmp_path: Path) -> None:
+    # twin: the alias alone (no load) leaves the narrowing as it was
+    from test_detect_s44_ho21 import _MODEL, _PATTERNS, _blocked, _model_sites
+
+    body = "import torch as th\nfrom torch.autograd.functional import hessian\n\nH = hessian(lambda x: (x ** 3).sum(), th.randn(2))\n"
+    data = scan(make_repo(tmp_path, {"pkg/__init__.py": "", "pkg/model.py": _MODEL, "scripts/05_toy.py": body}),
+                patterns=_PATTERNS)
+    assert _model_sites(data) == ["rms_norm", "swiglu"] and not _blocked(data)
