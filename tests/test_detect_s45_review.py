@@ -13,6 +13,9 @@ that fails on the s44 code, with a twin that passes on both (the form the s44 cl
    ``import torch as th; th.load(..)`` / ``from torch import load`` (a pickled model), an import of a repository module
    the scan does not list (``tests/``), a file of the closure not read (over the size limit): the model's sites were
    fused where a hessian differentiates them.
+5. moe_experts scattered membership (moe44a): ``M.scatter_(1, idx, c)`` read as membership for any non-zero c;
+   with c = -1 ``M[:, e] > 0`` holds for no row (the loop skips every expert, the fused layer ran them all), and
+   a fraction scattered into an integer matrix truncates to 0.
 """
 
 from __future__ import annotations
@@ -253,3 +256,35 @@ def test_double_backward_of_a_toy_function_beside_an_aliased_torch_still_does_no
     data = scan(make_repo(tmp_path, {"pkg/__init__.py": "", "pkg/model.py": _MODEL, "scripts/05_toy.py": body}),
                 patterns=_PATTERNS)
     assert _model_sites(data) == ["rms_norm", "swiglu"] and not _blocked(data)
+
+
+# -- 5. scattered membership: only a constant the matrix holds as a positive value ------------------------------------
+
+_S44A_GT = "expert_mask[:, e] > 0"
+
+
+@pytest.mark.parametrize("scatter, zeros, why", [
+    ("expert_mask.scatter_(1, top_idx, -1.0)", "torch.zeros(x.size(0), self.n, device=x.device)",
+     "a negative constant: `M[:, e] > 0` holds for no row, the loop runs no expert"),
+    ("expert_mask.scatter_(1, top_idx, 0.5)", "torch.zeros(x.size(0), self.n, dtype=torch.long, device=x.device)",
+     "0.5 scattered into an integer matrix is 0: no row is a member"),
+])
+def test_scattered_constant_that_is_not_a_positive_member_is_kept(scatter: str, zeros: str, why: str) -> None:
+    from npufuse.patterns._moe_s44a import _SCATTER, SCATTERED
+
+    code = SCATTERED.replace(_SCATTER, f"        {scatter}\n").replace("expert_mask[:, e].bool()", _S44A_GT) \
+        .replace("torch.zeros(x.size(0), self.n, device=x.device)", zeros)
+    findings, misses = detect_all(MoeExperts(), code)
+    assert not findings, why
+    assert any("skips experts without rows of `token_mask`" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_scattered_one_into_a_bool_matrix_read_as_positive_still_fuses() -> None:
+    from npufuse.patterns._moe_s44a import SCATTERED, SCATTERED_RUN
+
+    code = SCATTERED.replace("expert_mask[:, e].bool()", _S44A_GT).replace(
+        "torch.zeros(x.size(0), self.n, device=x.device)", "torch.zeros(x.size(0), self.n, dtype=torch.bool, device=x.device)"
+    ).replace("top_idx, 1.0)", "top_idx, 1)")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert findings, [m.reason for m in misses]
+    _close(check_rewrite_runs(MoeExperts(), code, SCATTERED_RUN, findings))
