@@ -16,6 +16,11 @@ that fails on the s44 code, with a twin that passes on both (the form the s44 cl
 5. moe_experts scattered membership (moe44a): ``M.scatter_(1, idx, c)`` read as membership for any non-zero c;
    with c = -1 ``M[:, e] > 0`` holds for no row (the loop skips every expert, the fused layer ran them all), and
    a fraction scattered into an integer matrix truncates to 0.
+6. ``const_value(..) is Ellipsis`` taken as "the index is ``...``": ``...`` is also const_value's answer for any
+   non-literal. attention (attn44) read ``p.masked_fill(~keep[:, None], 0)`` ([B, 1, S]: a mask over the KEYS) as
+   query rows zeroed (the fused output was masked instead: raises or differs) and ``w[:1, :-1]`` as the sink column
+   dropped; moe_experts read ``W[e, 1:]`` as ``W[e, ...]`` (the whole expert weight; pre-s44, same class) and s44b's
+   row-wise activation ``x[i, ::2]`` as a last-dim slice.
 """
 
 from __future__ import annotations
@@ -288,3 +293,83 @@ def test_scattered_one_into_a_bool_matrix_read_as_positive_still_fuses() -> None
     findings, misses = detect_all(MoeExperts(), code)
     assert findings, [m.reason for m in misses]
     _close(check_rewrite_runs(MoeExperts(), code, SCATTERED_RUN, findings))
+
+
+# -- 6. the literal ellipsis, not const_value's "not a literal" ---------------------------------------------------------
+
+_ZEROED = """
+import torch
+
+
+def attend(q, k, v, keep):
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = s.softmax(dim=-1)
+    p = p.masked_fill(ROWS, 0)
+    return torch.matmul(p, v)
+"""
+_RUN_ZEROED = """
+q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+keep = torch.ones(2, 5, dtype=torch.bool)
+keep[0, 3:] = False
+out = attend(q, k, v, keep)
+leaves = [q, k, v]
+"""
+
+
+def _attention() -> Any:
+    from npufuse.patterns.attention import AttentionPattern
+
+    return AttentionPattern()
+
+
+@pytest.mark.parametrize("rows", ["~keep[:, None]", "~keep[0:2, None]"])
+def test_a_mask_over_the_keys_after_the_softmax_is_not_read_as_zeroed_query_rows(rows: str) -> None:
+    # keep[:, None] of a [B, S] mask is [B, 1, S]: against [B, N, S, S] probabilities it zeroes key COLUMNS
+    findings, misses = detect_all(_attention(), _ZEROED.replace("ROWS", rows))
+    assert not findings, findings[0].fused
+    assert any("modified after softmax" in m.reason for m in misses), [m.reason for m in misses]
+
+
+@pytest.mark.parametrize("rows", ["~keep[:, None, :, None]", "~keep[:, None, :].unsqueeze(-1)"])
+def test_query_rows_zeroed_through_a_spelled_index_still_fuse(rows: str) -> None:
+    code = _ZEROED.replace("ROWS", rows)
+    findings, misses = detect_all(_attention(), code)
+    assert findings, [m.reason for m in misses]
+    _close(check_rewrite_runs(_attention(), code, _RUN_ZEROED, findings))
+
+
+def test_sink_column_dropped_with_a_batch_slice_is_not_the_sink_argument() -> None:
+    from test_detect_s44_attention import _INDEXED_SINKS
+
+    code = _INDEXED_SINKS.replace("w[..., :-1]", "w[:1, :-1]")
+    findings, _ = detect_all(_attention(), code)
+    assert not any("sink=" in f.fused for f in findings), "the slice also keeps batch 0 only: not the sink column dropped"
+
+
+def test_expert_weight_sliced_after_the_expert_index_is_not_the_whole_weight() -> None:
+    from npufuse.patterns import _moe_s44b as B
+
+    code = B.BIASED_MATMUL_ADD.replace("self.w1 = nn.Parameter(torch.randn(n, d, h) * 0.1)",
+                                       "self.w1 = nn.Parameter(torch.randn(n, d + 1, h) * 0.1)") \
+        .replace("x[rows] @ self.w1[e] + self.b1[e]", "x[rows] @ self.w1[e, 1:] + self.b1[e]")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert not findings, "W[e, 1:] is rows 1.. of the expert's weight, not W[e]"
+    assert any("is not shown to be a stacked parameter" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_expert_weight_with_a_literal_ellipsis_is_still_the_expert_weight() -> None:
+    from npufuse.patterns import _moe_s44b as B
+
+    code = B.BIASED_MATMUL_ADD.replace("x[rows] @ self.w1[e] + self.b1[e]", "x[rows] @ self.w1[e, ...] + self.b1[e]")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert findings, [m.reason for m in misses]
+    _close(check_rewrite_runs(MoeExperts(), code, B.BIASED_MATMUL_ADD_RUN, findings))
+
+
+def test_activation_module_indexing_rows_is_not_row_wise() -> None:
+    from npufuse.patterns import _moe_s44b as B
+
+    code = B.BIASED_GPT_OSS.replace("x_gate = x[..., ::2]", "x_gate = x[self.first, ::2]").replace(
+        "        self.limit = limit\n", "        self.limit = limit\n        self.first = 0\n")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert not findings, "x[self.first, ::2] picks one row for every row: not row-wise"

@@ -4519,7 +4519,8 @@ class _Eval:
         if isinstance(w, ast.Name) and w.id in self.weight_alias:
             w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
         if isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Tuple) and len(w.slice.elts) == 2 \
-                and const_value(w.slice.elts[1]) is Ellipsis and self._is_eidx(w.slice.elts[0]):
+                and isinstance(w.slice.elts[1], ast.Constant) and w.slice.elts[1].value is Ellipsis \
+                and self._is_eidx(w.slice.elts[0]):  # (s45 review: the literal ``...``; const_value gives ``...`` for ``1:`` too)
             w = ast.copy_location(ast.Subscript(value=w.value, slice=w.slice.elts[0], ctx=ast.Load()), w)  # W[e, ...] is W[e]
         if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
             # audit40b: said what is checked (``self.experts.w1[e]``, a child module's stacked weight, is stacked and
