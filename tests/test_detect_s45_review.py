@@ -21,6 +21,9 @@ that fails on the s44 code, with a twin that passes on both (the form the s44 cl
    query rows zeroed (the fused output was masked instead: raises or differs) and ``w[:1, :-1]`` as the sink column
    dropped; moe_experts read ``W[e, 1:]`` as ``W[e, ...]`` (the whole expert weight; pre-s44, same class) and s44b's
    row-wise activation ``x[i, ::2]`` as a last-dim slice.
+7. sdpa (review44's in-place check of a ``zeros(..).masked_fill(m, -inf)`` base): only element stores and in-place
+   methods on the name were seen; a helper adding into it (``add_into(bias, alibi)``), an alias changed in place and
+   ``torch.add(bias, x, out=bias)`` still passed as a 0/-inf mask (emulator cos 0.87).
 """
 
 from __future__ import annotations
@@ -373,3 +376,52 @@ def test_activation_module_indexing_rows_is_not_row_wise() -> None:
         "        self.limit = limit\n", "        self.limit = limit\n        self.first = 0\n")
     findings, misses = detect_all(MoeExperts(), code)
     assert not findings, "x[self.first, ::2] picks one row for every row: not row-wise"
+
+
+# -- 7. sdpa: a zeros base read by anything between its allocation and the fill is not known to hold zeros -------------
+
+_SDPA_BIAS = """
+import torch
+import torch.nn.functional as F
+
+
+def add_into(t, x):
+    t.add_(x)
+
+
+def f(q, k, v, alibi, m):
+    bias = torch.zeros(q.shape[0], 1, q.shape[2], k.shape[2])
+    CHANGE
+    bias = bias.masked_fill(m, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+"""
+_RUN_SDPA_BIAS = """
+q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+alibi = torch.randn(2, 1, 6, 6)
+m = torch.zeros(6, 6, dtype=torch.bool).triu(1)
+out = f(q, k, v, alibi, m)
+leaves = [q, k, v]
+"""
+
+
+@pytest.mark.parametrize("change", ["add_into(bias, alibi)", "b2 = bias\n    b2.add_(alibi)",
+                                    "torch.add(bias, alibi, out=bias)"])
+def test_sdpa_zeros_base_changed_through_another_name_is_checked_at_run_time(change: str) -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = _SDPA_BIAS.replace("CHANGE", change)
+    findings, misses = detect_all(SdpaPattern(), code)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(SdpaPattern(), code, _RUN_SDPA_BIAS, findings)
+    assert all(c > 0.9999 for c in facts["cos_out"]), facts["cos_out"]  # graded values send it to the original
+
+
+def test_sdpa_zeros_base_untouched_before_the_fill_is_still_a_boolean_mask() -> None:
+    from npufuse.patterns.sdpa import SdpaPattern
+
+    code = _SDPA_BIAS.replace("CHANGE", "scale = q.shape[-1] ** -0.5")
+    findings, misses = detect_all(SdpaPattern(), code)
+    assert findings, [m.reason for m in misses]
+    facts = check_rewrite_runs(SdpaPattern(), code, _RUN_SDPA_BIAS, findings)
+    assert facts["all_calls"].get("npu_fusion_attention") == 1, facts["all_calls"]
+    assert all(c > 0.9999 for c in facts["cos_out"]), facts["cos_out"]
