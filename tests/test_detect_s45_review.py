@@ -24,6 +24,11 @@ that fails on the s44 code, with a twin that passes on both (the form the s44 cl
 7. sdpa (review44's in-place check of a ``zeros(..).masked_fill(m, -inf)`` base): only element stores and in-place
    methods on the name were seen; a helper adding into it (``add_into(bias, alibi)``), an alias changed in place and
    ``torch.add(bias, x, out=bias)`` still passed as a 0/-inf mask (emulator cos 0.87).
+8. bound_callee's per-class attribute table skipped tuple stores (``self.norm, self.kind = nn.LayerNorm(d), "ln"`` in
+   another method): the norm looked assigned once, and add_rms_norm's fused code ran on the LayerNorm without a type
+   test. One node-level reader (``bound_callee.self_attribute_stores``) now feeds both it and affinity_where; and
+   (pre-s44, same class) a second store add_rms_norm's choice reading cannot resolve (``getattr(nn, name)(d)``) left
+   the RMSNorm reading fused with no class test: a near miss now.
 """
 
 from __future__ import annotations
@@ -425,3 +430,76 @@ def test_sdpa_zeros_base_untouched_before_the_fill_is_still_a_boolean_mask() -> 
     facts = check_rewrite_runs(SdpaPattern(), code, _RUN_SDPA_BIAS, findings)
     assert facts["all_calls"].get("npu_fusion_attention") == 1, facts["all_calls"]
     assert all(c > 0.9999 for c in facts["cos_out"]), facts["cos_out"]
+
+
+# -- 8. attribute stores through a tuple target are stores -------------------------------------------------------------
+
+_SWITCHED_NORM = """
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = RMSNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def use_layer_norm(self, d):
+        STORE
+
+    def forward(self, x):
+        h = x + self.attn(x)
+        y = self.norm(h)
+        return h + self.mlp(y)
+"""
+_RUN_SWITCHED = """
+m = Block()
+SWITCH
+x = torch.randn(2, 3, 32)
+with torch.no_grad():
+    out = m(x)
+leaves = []
+"""
+
+
+@pytest.mark.parametrize("store", ['self.norm, self.kind = nn.LayerNorm(d), "ln"', "self.kind, self.norm = make_norm(d)",
+                                   "self.norm = nn.LayerNorm(d)", 'self.norm = getattr(nn, "LayerNorm")(d)'])
+def test_a_norm_attribute_stored_again_through_a_tuple_is_not_one_class(store: str) -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    code = _SWITCHED_NORM.replace("STORE", store) + "\n\ndef make_norm(d):\n    return 'ln', nn.LayerNorm(d)\n"
+    findings = [f for f in detect_all(AddRmsNorm(), code)[0] if f.qualname == "Block.forward"]
+    for switch in ("m.use_layer_norm(32)", ""):
+        facts = check_rewrite_runs(AddRmsNorm(), code, _RUN_SWITCHED.replace("SWITCH", switch), findings) if findings else None
+        assert facts is None or all(c > 0.9999 for c in facts["cos_out"]), (switch, facts)
+
+
+def test_self_attribute_stores_pair_tuple_elements_and_mark_unseen_values() -> None:
+    import ast
+
+    from npufuse.scan.bound_callee import self_attribute_stores
+
+    def read(src: str) -> list[tuple[str, object]]:
+        return [(t.attr, v.value if isinstance(v, ast.Constant) else ast.unparse(v))
+                for t, v in self_attribute_stores(ast.parse(src).body[0])]
+
+    assert read("self.a, (self.b, c) = 1, (2, 3)") == [("a", 1), ("b", 2)]
+    assert read("self.a = self.b = f()") == [("a", "f()"), ("b", "f()")]
+    assert read("self.a: float = 0.5") == [("a", 0.5)]
+    assert read("self.a, self.b = pair()") == [("a", ...), ("b", ...)]  # stored, value not written out
+    assert read("self.a, *self.b = 1, 2, 3") == [("a", ...), ("b", ...)]
+    assert read("other.a, self.b = 1, 2") == [("b", 2)]

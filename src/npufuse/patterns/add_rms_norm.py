@@ -6692,6 +6692,16 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
     if not (len(stores) > 1 or (len(stores) == 1 and _s40_built_by_choice(module, stores[0]))):
         return nc
     choice = bound_callee.choices(module, scope, f)
+    if nc is not None and nc.kind != "not_rms" and len(stores) > 1 and (choice is None or not choice.complete) \
+            and not _s40_guarded(nc, mod):
+        # (s45 review) another store of the attribute npufuse does not resolve (``self.norm = getattr(nn, name)(d)``,
+        # ``self.kind, self.norm = make_norm(d)`` in another method): the fused code, with no class test, would run
+        # the RMSNorm reading on whatever module that store puts there
+        built = ", ".join(f"`{' '.join(ast.unparse(v).split())[:50]}`" for v in stores[:4])
+        return NormCall(nc.call, nc.attr, "not_rms", cls=nc.cls,
+                        reason=f"norm `{mod}` is stored more than once in {scope.class_name} ({built}) and npufuse does not "
+                               "resolve every store: the fused code would have no class test to tell the RMSNorm path "
+                               "from another module's")
     if choice is None or len(choice.names()) < 2:
         return _s41_unresolved_stores(module, nc, stores, choice, mod, scope.class_name)
     readings: list[tuple[bound_callee.Member, NormCall | None]] = []
