@@ -18,7 +18,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any
 
-from npufuse.scan.dataflow import const_value, keyword
+from npufuse.scan.dataflow import const_value, keyword, literal_ellipsis
 
 _CATS = ("torch.cat", "torch.concat", "torch.concatenate")
 _PARAM_CTORS = ("empty", "zeros", "ones", "randn", "rand", "full")
@@ -48,16 +48,12 @@ def _drops_last_column(matcher: Any, node: Any) -> bool:
     lead = parts[:-1]
     # (s45 review) ``...`` is also const_value's "not a literal" answer (``w[b, :-1]``, ``w[0:2, :-1]``): the ellipsis is
     # the literal ``...`` node itself
-    if any(not (_is_ellipsis(p) or isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None)
+    if any(not (literal_ellipsis(p) or isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None)
            for p in lead):
         return False
     # without an ellipsis the index must name all four axes (the sliced one is the key axis)
-    return any(_is_ellipsis(p) for p in lead) or len(parts) == 4
+    return any(literal_ellipsis(p) for p in lead) or len(parts) == 4
 
-
-def _is_ellipsis(node: Any) -> bool:
-    """The literal ``...`` of an index."""
-    return isinstance(node, ast.Constant) and node.value is Ellipsis
 
 
 def _parameter_head_column(matcher: Any, node: Any) -> bool:
@@ -205,7 +201,7 @@ def _key_axis_one(matcher: Any, node: Any) -> bool:
         # masked probabilities 5-D, which the product with v and the fused output could not both be)
         elts = node.slice.elts
         last = elts[-1]
-        spelled = any(_is_ellipsis(e) for e in elts) or len(elts) == 4
+        spelled = any(literal_ellipsis(e) for e in elts) or len(elts) == 4
         return isinstance(last, ast.Constant) and last.value is None and spelled
     return False
 
