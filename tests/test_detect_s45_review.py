@@ -42,34 +42,8 @@ from apply_support import make_repo, scan
 from pattern_harness import check_rewrite_runs, detect_all
 from npufuse.patterns._moe_s42b import _HEAD, _run
 from npufuse.patterns.moe_experts import MoeExperts
-
-
-def _close(facts: dict, tol: float = 0.9999) -> None:
-    assert facts["calls"] >= 1, facts["all_calls"]
-    assert all(a == b for a, b in facts["shapes"]), facts["shapes"]
-    assert all(c > tol for c in facts["cos_out"]), facts["cos_out"]
-    assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
-
-
-def _fused_against_eager(tmp_path: Path, files: dict[str, str], name: str, patterns: tuple[Any, ...], run: Any,
-                         atol: float = 1e-5) -> dict[str, int]:
-    """Scan and apply every candidate of ``files``, then compare ``run(module)`` of the original and of the rewritten
-    module (emulated torch_npu); the emulated op calls made by the rewritten run."""
-    import torch
-
-    from apply_support import npufuse
-    from npufuse import emulate
-    from scratch_repo import import_fresh
-
-    ref = run(import_fresh(make_repo(tmp_path / "ref", files), name))
-    root = make_repo(tmp_path / "repo", files)
-    scan(root, patterns=patterns)
-    assert npufuse("apply", "--accept", "all", "--state-dir", str(root / ".npufuse")) == 0
-    with emulate.install() as emu:
-        got = run(import_fresh(root, name))
-    for a, b in zip(ref, got):
-        assert torch.allclose(a, b, atol=atol), (a - b).abs().max()
-    return dict(emu.calls)
+from test_detect_s44_defects import _close
+from test_detect_s44_ho21 import _fused_against_eager
 
 
 # -- 1. add_rms_norm: the library norm's forward changes its input before F.rms_norm -----------------------------------
