@@ -30,8 +30,11 @@ from npufuse.scan.dataflow import ModuleInfo, dotted
 
 _CREATE_METHODS = ("create", "build", "make", "get")
 _MAX_CANDIDATES = 6
-# (root, factory name) -> [(rel, class name, key)] of the classes decorated ``@<factory>.register(key, ...)``
-_REGISTERED: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+# (root, factory name, id of the scan's file listing) -> (that listing, [(rel, class name, key)] of the classes
+# decorated ``@<factory>.register(key, ...)``): repo_facts.reset() makes a new listing at the start of each scan,
+# so a later scan of the same root reads the files as they are then (s45 review: keyed by the root alone, a
+# second scan in one process kept the first scan's registrations)
+_REGISTERED: dict[tuple[str, str, int], tuple[list[str], list[tuple[str, str, str]]]] = {}
 
 
 def registry_created_norm(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, value: ast.Call,
@@ -82,13 +85,15 @@ def _registered(root: Path, factory: str) -> list[tuple[str, str, str]]:
     """Every (file, class, key) of the repository whose class is decorated ``@<factory>.register("<key>", ...)``."""
     from npufuse.scan import repo_facts
 
-    cache_key = (str(root), factory)
-    if cache_key not in _REGISTERED:
+    listing = repo_facts._repo_py_files(root)
+    cache_key = (str(root), factory, id(listing))
+    hit = _REGISTERED.get(cache_key)
+    if hit is None or hit[0] is not listing:
         if len(_REGISTERED) > 64:
             _REGISTERED.clear()
         found: list[tuple[str, str, str]] = []
         needle = re.compile(r"@\s*" + re.escape(factory) + r"\s*\.\s*register\s*\(")
-        for rel in repo_facts._repo_py_files(root):
+        for rel in listing:
             text = repo_facts._repo_text(root, rel)
             if not text or needle.search(text) is None:
                 continue
@@ -101,8 +106,8 @@ def _registered(root: Path, factory: str) -> list[tuple[str, str, str]]:
                             and dotted(d.func.value) == factory and d.args and isinstance(d.args[0], ast.Constant) \
                             and isinstance(d.args[0].value, str):
                         found.append((rel, cls.name, d.args[0].value))
-        _REGISTERED[cache_key] = found
-    return _REGISTERED[cache_key]
+        hit = _REGISTERED[cache_key] = (listing, found)
+    return hit[1]
 
 
 def _module_of(root: Path, rel: str, text: str | None = None) -> ModuleInfo | None:
@@ -219,8 +224,26 @@ def cast_back_library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str
             or (cast.func.attr == "type_as" and isinstance(arg, ast.Name) and arg.id == x)):
         return None
     inner = ast.copy_location(ast.Return(value=cast.func.value), ret)
-    bare = ast.FunctionDef(name=fwd.name, args=fwd.args, body=[inner], decorator_list=[], returns=None,
+    # (s45 review) the statements before the return stay: the library reading checks they leave the input as given
+    bare = ast.FunctionDef(name=fwd.name, args=fwd.args, body=[*fwd.body[:-1], inner], decorator_list=[], returns=None,
                            type_params=getattr(fwd, "type_params", []))
     bare = ast.copy_location(bare, fwd)
     bare.end_lineno = fwd.end_lineno
     return library_forward(module, bare, mod, foreign)
+
+
+def input_changed_before(fwd: ast.FunctionDef, ret: ast.Return, x: str) -> bool:
+    """Does a statement of ``fwd`` before ``ret`` rebind the input ``x`` or write into it (``x = x + self.bias``,
+    ``x[mask] = 0``, ``x += 1``)? Reading the returned call as the norm of the forward's input drops those
+    statements, so such a forward is not that norm (s45 review: the fused add + norm left a bias out)."""
+    for st in fwd.body:
+        if st is ret:
+            break
+        for n in ast.walk(st):
+            if isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del)):
+                root = n
+                while isinstance(root, (ast.Attribute, ast.Subscript)):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id == x:
+                    return True
+    return False

@@ -18,7 +18,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any
 
-from npufuse.scan.dataflow import const_value, keyword
+from npufuse.scan.dataflow import const_value, keyword, literal_ellipsis
 
 _CATS = ("torch.cat", "torch.concat", "torch.concatenate")
 _PARAM_CTORS = ("empty", "zeros", "ones", "randn", "rand", "full")
@@ -46,11 +46,14 @@ def _drops_last_column(matcher: Any, node: Any) -> bool:
     if not (isinstance(last, ast.Slice) and last.lower is None and last.step is None and const_value(last.upper) == -1):
         return False
     lead = parts[:-1]
-    if any(not (const_value(p) is Ellipsis or isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None)
+    # (s45 review) ``...`` is also const_value's "not a literal" answer (``w[b, :-1]``, ``w[0:2, :-1]``): the ellipsis is
+    # the literal ``...`` node itself
+    if any(not (literal_ellipsis(p) or isinstance(p, ast.Slice) and p.lower is None and p.upper is None and p.step is None)
            for p in lead):
         return False
     # without an ellipsis the index must name all four axes (the sliced one is the key axis)
-    return any(const_value(p) is Ellipsis for p in lead) or len(parts) == 4
+    return any(literal_ellipsis(p) for p in lead) or len(parts) == 4
+
 
 
 def _parameter_head_column(matcher: Any, node: Any) -> bool:
@@ -192,8 +195,14 @@ def _key_axis_one(matcher: Any, node: Any) -> bool:
     if matcher.method(node, "unsqueeze") and len(node.args) == 1 and const_value(node.args[0]) == -1:
         return True
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and node.slice.elts:
-        last = node.slice.elts[-1]
-        return isinstance(last, ast.Constant) and last.value is None
+        # (s45 review) axes the index does not name stay after it: ``keep[:, None]`` of a [B, S] mask is [B, 1, S], a
+        # mask over the KEYS. The last axis is the trailing ``None`` only behind an ellipsis (``X[..., None]``) or where
+        # the index spells the 4 axes of the probabilities (``X[:, None, :, None]``: more axes of X would make the
+        # masked probabilities 5-D, which the product with v and the fused output could not both be)
+        elts = node.slice.elts
+        last = elts[-1]
+        spelled = any(literal_ellipsis(e) for e in elts) or len(elts) == 4
+        return isinstance(last, ast.Constant) and last.value is None and spelled
     return False
 
 

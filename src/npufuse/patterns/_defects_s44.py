@@ -79,7 +79,9 @@ def _tag(node: ast.expr | str, where: str) -> _Text:
 
 class _InitValues:
     """``self.<attr> = value`` (tuple targets too) and local names of ``__init__`` of the scope's class, each kept
-    only where it is assigned exactly once there (a value assigned twice is unknown)."""
+    only where it is assigned exactly once there (a value assigned twice is unknown). A parameter of ``__init__``
+    that is assigned there holds two values (the caller's, then the new one), and an attribute another method of
+    the class stores, deletes or shrinks (``pop``) may change after ``__init__``: both unknown (s45 review)."""
 
     def __init__(self, module: ModuleInfo, scope: Scope) -> None:
         self.attrs: dict[str, Optional[ast.expr]] = {}
@@ -89,6 +91,7 @@ class _InitValues:
             if cls is not None else None
         if init is None:
             return
+        params = {a.arg for a in (*init.args.posonlyargs, *init.args.args, *init.args.kwonlyargs)}
         for node in ast.walk(init):
             pairs: list[tuple[ast.expr, Optional[ast.expr]]] = []
             if isinstance(node, ast.Assign):
@@ -107,7 +110,29 @@ class _InitValues:
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
                     self.attrs[target.attr] = value if target.attr not in self.attrs else None
                 elif isinstance(target, ast.Name):
-                    self.locals[target.id] = value if target.id not in self.locals else None
+                    self.locals[target.id] = value if target.id not in self.locals and target.id not in params else None
+        for attr in _changed_after_init(cls, init):
+            self.attrs[attr] = None
+
+
+def _changed_after_init(cls: ast.ClassDef, init: ast.FunctionDef) -> set[str]:
+    """``self.<attr>`` names that code of the class outside ``__init__`` stores or deletes (``self.n = ..``,
+    ``del self.experts[-1]``), or shrinks (``self.experts.pop()``): their ``__init__`` value may not hold later."""
+    out: set[str] = set()
+    for fn in cls.body:
+        if fn is init or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            node = n
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("pop", "remove", "clear"):
+                node = n.func.value
+            elif not (isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del))):
+                continue
+            while isinstance(node, ast.Subscript):
+                node = node.value
+            if _self_attr(node):
+                out.add(_self_attr(node))
+    return out
 
 
 def _closure(start: set[_Text], scope: Scope, init: _InitValues, line: int) -> set[_Text]:

@@ -149,8 +149,10 @@ def scatter_membership(fn: ast.AST, loop: ast.For, matrix: str, assignments: dic
             return None  # read (or changed) anywhere else: not provably the scattered membership
     _, dim, index, fill = scatter
     c = const_value(fill)
+    # (s45 review) c in [1, 127]: a negative c fails ``M[:, e] > 0`` for every member; a fraction truncates to 0 in an
+    # integer matrix (``zeros(.., dtype=torch.long)``) and a large one wraps in int8: the column would not be membership
     if const_value(dim) not in (1, -1) or not isinstance(index, ast.Name) or isinstance(c, bool) \
-            or not isinstance(c, (int, float)) or c == 0:
+            or not isinstance(c, (int, float)) or not 1 <= c <= 127:
         return None
     idx = index.id
     if any(st.lineno > scatter_line for st, _ in assignments.get(idx, []) if st.lineno < loop.lineno) \

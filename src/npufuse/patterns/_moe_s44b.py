@@ -20,7 +20,7 @@ import ast
 from typing import Any, Callable, Optional
 
 from npufuse.patterns.base import Fuse, Keep
-from npufuse.scan.dataflow import const_value, dotted
+from npufuse.scan.dataflow import const_value, dotted, literal_ellipsis
 
 # -- class 1: stacked biases ------------------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ def _rowwise_expr(node: ast.expr, local: set[str], init_assigns: dict[str, ast.e
         # x[..., a:b:c]: a slice of the last dim with constant bounds
         sl = node.slice
         return isinstance(node.value, ast.Name) and node.value.id in local and isinstance(sl, ast.Tuple) \
-            and len(sl.elts) == 2 and const_value(sl.elts[0]) is Ellipsis and isinstance(sl.elts[1], ast.Slice) \
+            and len(sl.elts) == 2 and literal_ellipsis(sl.elts[0]) and isinstance(sl.elts[1], ast.Slice) \
             and all(p is None or isinstance(const_value(p), int) for p in (sl.elts[1].lower, sl.elts[1].upper, sl.elts[1].step))
     if isinstance(node, ast.Call):
         kw_ok = all(k.arg is not None and (_scalar(k.value, init_assigns) or k.arg == "dtype") for k in node.keywords)
@@ -238,7 +238,7 @@ def _last_dim_column(node: ast.expr) -> Optional[ast.expr]:
             and len(node.args) == 1 and not node.keywords and const_value(node.args[0]) == -1:
         return node.func.value
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2 \
-            and const_value(node.slice.elts[0]) is Ellipsis and isinstance(node.slice.elts[1], ast.Constant) \
+            and literal_ellipsis(node.slice.elts[0]) and isinstance(node.slice.elts[1], ast.Constant) \
             and node.slice.elts[1].value is None:
         return node.value
     return None

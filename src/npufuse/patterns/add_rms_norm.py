@@ -108,6 +108,8 @@ def _library_forward(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign
     x, w, eps = keyword(call, "input", 0), keyword(call, "weight", 2), keyword(call, "eps", 3)
     if not (isinstance(x, ast.Name) and x.id == params[1]) or w is None:
         return None
+    if _add_rms_norm_s44h.input_changed_before(fwd, ret, params[1]):
+        return None  # (s45 review) ``x = x + self.bias`` first: the fused call would normalise the caller's tensor
 
     def as_mod(node: ast.expr) -> str | None:
         d = dotted(node)
@@ -1812,13 +1814,15 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         # statistic, the input changed in place) would no longer happen
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} cannot be fused: its forward writes `{written}`, which the fused call would not")
-    lib_fwd = _library_forward(module, fwd, mod, foreign=bool(where)) if fwd is not None else None
-    if lib_fwd is None and fwd is not None:
-        lib_fwd = _triton_rms_forward(module, fwd, cls, mod, foreign=bool(where))
-    if lib_fwd is None and fwd is not None:
-        lib_fwd = _add_rms_norm_s44.apex_rms_forward(module, fwd, mod, foreign=bool(where))  # s44: apex's kernel
-    if lib_fwd is None and fwd is not None:  # s44: ``F.rms_norm(...).to(x.dtype)``
-        lib_fwd = _add_rms_norm_s44h.cast_back_library_forward(module, fwd, mod, bool(where), _library_forward)
+    # the library kernels a norm class's forward may return, tried in order: F.rms_norm, flash-attn's Triton kernel,
+    # apex's kernel (s44), F.rms_norm cast back to the input's dtype (s44)
+    readers: tuple[Callable[[ast.FunctionDef], tuple[str, str] | None], ...] = (
+        lambda fn: _library_forward(module, fn, mod, foreign=bool(where)),
+        lambda fn: _triton_rms_forward(module, fn, cls, mod, foreign=bool(where)),
+        lambda fn: _add_rms_norm_s44.apex_rms_forward(module, fn, mod, foreign=bool(where)),
+        lambda fn: _add_rms_norm_s44h.cast_back_library_forward(module, fn, mod, bool(where), _library_forward),
+    )
+    lib_fwd = next((got for got in (read(fwd) for read in readers) if got is not None), None) if fwd is not None else None
     if lib_fwd is not None:
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
@@ -6713,6 +6717,18 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
     if not (len(stores) > 1 or (len(stores) == 1 and _s40_built_by_choice(module, stores[0]))):
         return nc
     choice = bound_callee.choices(module, scope, f)
+    # (a constant store, ``self.norm2 = None`` in the other arm, is no module the call could run: the original raises)
+    modules = [v for v in stores if not (isinstance(v, ast.Constant) and v.value is not Ellipsis)]
+    if nc is not None and nc.kind != "not_rms" and len(modules) > 1 and (choice is None or not choice.complete) \
+            and not _s40_guarded(nc, mod):
+        # (s45 review) another store of the attribute npufuse does not resolve (``self.norm = getattr(nn, name)(d)``,
+        # ``self.kind, self.norm = make_norm(d)`` in another method): the fused code, with no class test, would run
+        # the RMSNorm reading on whatever module that store puts there
+        built = ", ".join(f"`{' '.join(ast.unparse(v).split())[:50]}`" for v in stores[:4])
+        return NormCall(nc.call, nc.attr, "not_rms", cls=nc.cls,
+                        reason=f"norm `{mod}` is stored more than once in {scope.class_name} ({built}) and npufuse does not "
+                               "resolve every store: the fused code would have no class test to tell the RMSNorm path "
+                               "from another module's")
     if choice is None or len(choice.names()) < 2:
         return _s41_unresolved_stores(module, nc, stores, choice, mod, scope.class_name)
     readings: list[tuple[bound_callee.Member, NormCall | None]] = []

@@ -23,6 +23,7 @@ from npufuse.patterns.affinity_index_put import _param_annotation, _param_defaul
 from npufuse.patterns._affinity_where_s45audit import attribute_ratio
 from npufuse.patterns._affinity_where_s44audit import constant_number, host_scalar_tensor, missing_values_mask, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
+from npufuse.scan.bound_callee import self_attribute_stores
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, lines_with, scope_text, segment
 from npufuse.scan.value import symbolic
 
@@ -304,7 +305,7 @@ def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple
                 continue
             for stmt in method.body:
                 for n in fast_walk(stmt):
-                    for t, v in _attribute_stores(n):
+                    for t, v in self_attribute_stores(n):
                         table.setdefault(t.attr, []).append((method, v))
     out: list[tuple[Scope, ast.expr]] = []
     for method, value in table.get(attr, []):
@@ -314,28 +315,6 @@ def _attribute_values(module: ModuleInfo, scope: Scope, attr: str) -> list[tuple
             default = _param_default(method, value.id)
             if default is not None:
                 out.append((method, default))
-    return out
-
-
-def _attribute_stores(n: ast.AST) -> list[tuple[ast.Attribute, ast.expr]]:
-    """(``self.<attr>`` target, its value) of an assignment: ``self.a = v``, ``self.a: float = v`` and the elements
-    of ``self.a, self.b = v, w`` (s44 review: the annotated and tuple forms were not read, so a NaN fill stored
-    that way was taken as finite)."""
-    if isinstance(n, ast.Assign):
-        pairs = [(t, n.value) for t in n.targets]
-    elif isinstance(n, ast.AnnAssign) and n.value is not None:
-        pairs = [(n.target, n.value)]
-    else:
-        return []
-    out: list[tuple[ast.Attribute, ast.expr]] = []
-    for t, v in pairs:
-        if isinstance(t, (ast.Tuple, ast.List)) and isinstance(v, (ast.Tuple, ast.List)) and len(t.elts) == len(v.elts) \
-                and not any(isinstance(e, ast.Starred) for e in (*t.elts, *v.elts)):
-            pairs_here = list(zip(t.elts, v.elts))
-        else:
-            pairs_here = [(t, v)]
-        out += [(e, ev) for e, ev in pairs_here
-                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"]
     return out
 
 

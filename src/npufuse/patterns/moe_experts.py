@@ -49,7 +49,7 @@ from npufuse.patterns._moe_experts_s45audit import other_parts_read
 from npufuse.patterns import _moe_s45a
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
-from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, segment, text_holds_any
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, literal_ellipsis, segment, text_holds_any
 from npufuse.scan.value import estimate, symbolic
 
 _ID = "moe_experts"
@@ -4575,7 +4575,7 @@ class _Eval:
         if isinstance(w, ast.Name) and w.id in self.weight_alias:
             w = self.weight_alias[w.id]  # w1 = self.w1[e] / w1, w2 = (self.w1[e], self.w2[e]) earlier in the loop
         if isinstance(w, ast.Subscript) and isinstance(w.slice, ast.Tuple) and len(w.slice.elts) == 2 \
-                and const_value(w.slice.elts[1]) is Ellipsis and self._is_eidx(w.slice.elts[0]):
+                and literal_ellipsis(w.slice.elts[1]) and self._is_eidx(w.slice.elts[0]):  # (s45 review: not W[e, 1:])
             w = ast.copy_location(ast.Subscript(value=w.value, slice=w.slice.elts[0], ctx=ast.Load()), w)  # W[e, ...] is W[e]
         if not (isinstance(w, ast.Subscript) and self._is_eidx(w.slice) and self._stacked_base(w.value)):
             # audit40b: said what is checked (``self.experts.w1[e]``, a child module's stacked weight, is stacked and

@@ -99,11 +99,13 @@ def _changed_in_place(scope: Scope, node: ast.expr) -> bool:
     place in the scope before ``node``: an element store (``t[:] = v``) or an in-place method (``t.add_(v)``). Read
     only for a masked_fill's base (rare): one walk of the scope."""
     names: set[str] = set()
+    chain: set[int] = set()  # the name reads followed here (the fill's receiver, each definition's own read)
     use = getattr(node, "lineno", 0)
     for _ in range(12):
         if not isinstance(node, ast.Name) or node.id in names:
             break
         names.add(node.id)
+        chain.add(id(node))
         value = scope.definition(node.id, getattr(node, "lineno", None))
         if value is None:
             break
@@ -115,6 +117,10 @@ def _changed_in_place(scope: Scope, node: ast.expr) -> bool:
         target = n.value if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) else (
             n.func.value if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
             and not n.func.attr.startswith("_") else None)
+        if target is None and isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in chain:
+            # (s45 review) any other read between: a helper that adds into it (``add_into(bias, alibi)``), an alias
+            # changed in place (``b = bias; b.add_(..)``), ``torch.add(bias, x, out=bias)``, ``bias += x``
+            target = n
         while isinstance(target, (ast.Subscript, ast.Attribute)):
             target = target.value
         if isinstance(target, ast.Name) and target.id in names and line <= n.lineno <= use:

@@ -235,16 +235,37 @@ def _attribute_stores(module: ModuleInfo, class_name: Optional[str], attr: str) 
             if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for n in fast_walk(item):
-                if isinstance(n, ast.Assign):
-                    targets, value = n.targets, n.value
-                elif isinstance(n, ast.AnnAssign) and n.value is not None:
-                    targets, value = [n.target], n.value
-                else:
-                    continue
-                for t in targets:
-                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
-                        stores.setdefault(t.attr, []).append((value, scopes.get(id(item))))
+                for t, value in self_attribute_stores(n):
+                    stores.setdefault(t.attr, []).append((value, scopes.get(id(item))))
     return stores.get(attr, [])
+
+
+def self_attribute_stores(node: ast.AST) -> list[tuple[ast.Attribute, ast.expr]]:
+    """(``self.<attr>`` target, its value) of one assignment node: ``self.a = v``, ``self.a: T = v``, ``self.a =
+    self.b = v`` and each element of ``self.a, self.b = v, w`` (paired by position, nested tuples too). An element
+    whose own value is not written out (``self.a, self.b = pair()``, a starred side) gets the literal ``...``: a store
+    that happened with a value nothing reads as known (s45 review: tuple stores were skipped, so an attribute stored
+    a second time that way looked assigned once)."""
+    if isinstance(node, ast.Assign):
+        pairs: list[tuple[ast.expr, ast.expr]] = [(t, node.value) for t in node.targets]
+    elif isinstance(node, ast.AnnAssign) and node.value is not None:
+        pairs = [(node.target, node.value)]
+    else:
+        return []
+    out: list[tuple[ast.Attribute, ast.expr]] = []
+    while pairs:
+        target, value = pairs.pop(0)
+        if isinstance(target, (ast.Tuple, ast.List)):
+            elts = target.elts
+            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(elts) \
+                    and not any(isinstance(e, ast.Starred) for e in (*elts, *value.elts)):
+                pairs += list(zip(elts, value.elts))
+            else:
+                unknown = ast.copy_location(ast.Constant(value=...), value)
+                pairs += [(e.value if isinstance(e, ast.Starred) else e, unknown) for e in elts]
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            out.append((target, value))
+    return out
 
 
 def attribute_value_before(scope: Scope, attr: str, line: int) -> Optional[ast.expr]:

@@ -1304,6 +1304,11 @@ def const_value(node: ast.AST | None) -> object:
         return ...
 
 
+def literal_ellipsis(node: ast.AST | None) -> bool:
+    """The literal ``...`` of an index (``const_value`` answers ``...`` for every non-literal too)."""
+    return isinstance(node, ast.Constant) and node.value is Ellipsis
+
+
 def keyword(call: ast.Call, name: str, position: int | None = None) -> ast.expr | None:
     """Argument ``name`` of a call, by keyword or by position."""
     for kw in call.keywords:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 import os
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from npufuse.scan import repo_symbols
 
@@ -47,6 +47,7 @@ class Reach:
         self.root = root
         self.files = [f for f in files if isinstance(f, str)]
         self._symbols: Optional[repo_symbols.RepoSymbols] = None
+        self._on_disk: Optional[repo_symbols.RepoSymbols] = None
         self._memo: dict[tuple[str, int], Optional[frozenset[str]]] = {}
 
     def reaches(self, use_file: str, use_line: int, site_file: str) -> bool:
@@ -69,6 +70,16 @@ class Reach:
             self._symbols = repo_symbols.RepoSymbols(self.root or Path("."), self.files)
         return self._symbols
 
+    def _held_on_disk(self, dotted_name: str) -> bool:
+        """Does the repository hold module ``dotted_name`` among all its files, also those the scan skips (tests,
+        examples, gitignored files): such a module runs when imported although the scan did not list it."""
+        if self._on_disk is None:
+            from npufuse.scan import repo_facts
+
+            self._on_disk = repo_symbols.RepoSymbols(self.root or Path("."), repo_facts._repo_py_files(self.root)
+                                                     if self.root is not None else [])
+        return self._on_disk.holds_module_named(dotted_name)
+
     def _closure(self, use_file: str, use_line: int) -> Optional[frozenset[str]]:
         if self.root is None:
             return None
@@ -84,10 +95,12 @@ class Reach:
             rel = todo.pop()
             t = tree if rel == use_file else symbols.tree(rel)[0]
             if t is None:
-                continue  # a file that does not parse runs nothing when imported either (the import fails)
+                # (s45 review) not read: over the size or parse limit, unreadable, or syntax newer than this Python;
+                # it still runs when imported, and what it imports is unknown
+                return None
             if _loads_by_name(t):
                 return None
-            for target in _imported_files(symbols, rel, t):
+            for target in _imported_files(symbols, rel, t, self._held_on_disk):
                 if target is None:
                     return None
                 if target not in seen:
@@ -113,17 +126,38 @@ def _inside_function(tree: ast.Module, line: int) -> bool:
     return False
 
 
+def _import_origins(tree: ast.Module) -> dict[str, str]:
+    """``{local name: dotted origin}`` of the file's ``import a.b as c`` / ``from a import b as c`` statements."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
 def _loads_by_name(tree: ast.Module) -> bool:
-    """Does the file load code chosen at run time (or edit sys.path so imports resolve elsewhere)?"""
+    """Does the file load code chosen at run time (or edit sys.path so imports resolve elsewhere)? Names are read
+    through the file's import aliases (s45 review: ``import torch as th; th.load(..)`` and ``from torch import
+    load`` unpickle a model as ``torch.load`` does)."""
+    origins = _import_origins(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Name) and f.id in _DYNAMIC_NAMES:
-                return True
+            if isinstance(f, ast.Name):
+                origin = origins.get(f.id, f.id).split(".")
+                if origin[-1] in _DYNAMIC_NAMES or (len(origin) > 1 and origin[-1] in ("load", "loads")
+                                                    and origin[-2] in _UNPICKLERS):
+                    return True
             if isinstance(f, ast.Attribute):
                 if f.attr in _DYNAMIC_METHODS:
                     return True
-                recv = f.value.attr if isinstance(f.value, ast.Attribute) else f.value.id if isinstance(f.value, ast.Name) else ""
+                recv = f.value.attr if isinstance(f.value, ast.Attribute) else \
+                    origins.get(f.value.id, f.value.id).rsplit(".", 1)[-1] if isinstance(f.value, ast.Name) else ""
                 if f.attr in ("load", "loads") and recv in _UNPICKLERS:
                     return True
         elif isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
@@ -136,17 +170,18 @@ def _loads_by_name(tree: ast.Module) -> bool:
     return False
 
 
-def _imported_files(symbols: repo_symbols.RepoSymbols, rel: str, tree: ast.Module) -> list[Optional[str]]:
+def _imported_files(symbols: repo_symbols.RepoSymbols, rel: str, tree: ast.Module,
+                    held_on_disk: Callable[[str], bool]) -> list[Optional[str]]:
     """The repository files ``rel``'s import statements (anywhere in the file) name; None for a name the
     resolver cannot place although the repository holds a module of that name (unsure)."""
     out: list[Optional[str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                out += _module_files(symbols, a.name, rel, 0)
+                out += _module_files(symbols, a.name, rel, 0, held_on_disk)
         elif isinstance(node, ast.ImportFrom):
             mod, level = node.module or "", node.level or 0
-            out += _module_files(symbols, mod, rel, level)
+            out += _module_files(symbols, mod, rel, level, held_on_disk)
             for a in node.names:  # ``from pkg import sub``: a submodule named like a symbol
                 if a.name != "*":
                     sub = f"{mod}.{a.name}" if mod else a.name
@@ -156,7 +191,8 @@ def _imported_files(symbols: repo_symbols.RepoSymbols, rel: str, tree: ast.Modul
     return out
 
 
-def _module_files(symbols: repo_symbols.RepoSymbols, dotted: str, rel: str, level: int) -> list[Optional[str]]:
+def _module_files(symbols: repo_symbols.RepoSymbols, dotted: str, rel: str, level: int,
+                  held_on_disk: Callable[[str], bool]) -> list[Optional[str]]:
     """Files of module ``dotted`` and of the packages above it (their ``__init__`` runs on import)."""
     parts = dotted.split(".") if dotted else []
     out: list[Optional[str]] = []
@@ -164,7 +200,9 @@ def _module_files(symbols: repo_symbols.RepoSymbols, dotted: str, rel: str, leve
         name = ".".join(parts[:i])
         key = symbols.module_key(name, rel, level)
         if key is None:
-            if level == 0 and i == len(parts) and symbols.holds_module_named(name):
+            if level > 0 and i == len(parts):
+                out.append(None)  # (s45 review) a relative import of a file the scan did not list: unsure
+            elif level == 0 and i == len(parts) and (symbols.holds_module_named(name) or held_on_disk(name)):
                 out.append(None)  # the repository has such a module on a root the resolver did not take
             continue
         if not key.endswith("/"):
