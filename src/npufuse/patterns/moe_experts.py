@@ -42,6 +42,7 @@ from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s44b
+from npufuse.patterns import _moe_s45b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -2409,7 +2410,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     if split is not None:
         return split
     body_names = _names_in(loop)
-    if any("capacity" in n.lower() for n in body_names):
+    if any("capacity" in n.lower() for n in body_names) and not _moe_s45b.capacity_off_the_followed_path(
+            loop, lambda test: _invariant_option_test(test, loop, set())):  # s45b: a capacity switch the guard reads
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
             and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
@@ -2506,6 +2508,18 @@ def _check_option_names(scope: Scope, site: _Site, loop: ast.For, guards: list[s
                 raise _Miss(f"the option `{name}` the expert loop tests is assigned inside the fused span (line "
                             f"{stmt.lineno}): the guard cannot read it before the span")
 
+
+
+def _invariant_option_test(test: ast.expr, loop: ast.For, varying: set[str]) -> bool:
+    """An option test: names, attributes, constants, comparisons and boolean logic only, over
+    names the loop never assigns (function arguments, module attributes, enum members) nor ``varying``."""
+    allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+               ast.cmpop, ast.boolop, ast.Not)
+    if not all(isinstance(n, allowed) for n in fast_walk(test)):
+        return False
+    written = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names = {n.id for n in fast_walk(test) if isinstance(n, ast.Name)}
+    return bool(names) and not (names & (written | varying))
 
 
 def _first_column(index: ast.expr) -> bool:
@@ -2820,9 +2834,10 @@ class _Eval:
             return
         if isinstance(s, ast.If) and self.expert_init is None and self._loop_invariant_option(s.test):
             # an option of the whole call (`if fc1_smooth_scale is not None:`, `if self.use_bias:`): the
-            # fused text follows the path where it is off, and its guard runs it only when it is
-            self.option_guards.append(f"not ({segment(self.m, s.test)})")
-            self.run_body(s.orelse)
+            # fused text follows the path where it is off, and its guard runs it only when it is (s45b: the
+            # path without a capacity, `if self.capacity is None: <plain> else: <capped>`, where that is the body)
+            self.option_guards.append(_moe_s45b.option_guard(s, segment(self.m, s.test)))
+            self.run_body(s.body if _moe_s45b.followed_branch(s) == "body" else s.orelse)
             return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
@@ -2945,7 +2960,8 @@ class _Eval:
             if self._is_eidx(s.value) and self.expert_init is None:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
                 return
-            if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value):
+            if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value) \
+                    or self._s45b_flat_mask_routes(tgt.id, s.value):
                 return
             val = self._s44a_membership_column(s.value) or self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
@@ -3126,6 +3142,29 @@ class _Eval:
         self._rank_guard(guard)
         return True
 
+    def _s45b_flat_mask_routes(self, name: str, value: ast.expr) -> bool:
+        """s45b: ``m = flat == e`` over flat (token, slot) routes, read only as ``A[m]`` of per-route tensors (a
+        token-of-route map, repeated rows, a flat view of the weights) and emptiness tests: ``A[m]`` is ``A[pos]`` of
+        the s42c positions, translated into (token, slot) pairs (patterns/_moe_s45b.py), under run-time shape checks."""
+        if self.s42c_reads or self.expert_init is not None or not isinstance(value, ast.Compare):
+            return False  # one translation per loop
+        varying = _assigned([self.loop]) | self.eidx
+        tok, slot = f"{P}tok", f"{P}slot"
+        found = _moe_s45b.flat_mask_routes(self.scope, self.loop.body, name, value, self._is_eidx, tok, slot, self.loop.lineno)
+        if found is None:
+            return False
+        fp, facts = found
+        stores = [n for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+        if len(stores) != 1 or fp.indices in varying or any(
+                isinstance(n, ast.Name) and n.id in varying for n in ast.walk(ast.parse(fp.k_text, mode="eval"))):
+            return False  # the mask bound once; the indices and K one value for the whole loop
+        self._where_flat(V("flatmask", (fp.indices,)))
+        self.env[name], self.env[tok], self.env[slot] = V("flatmask", (fp.flat,)), V("tok"), V("kpos")
+        self.s42c_reads = {id(read): pair for read, pair in fp.reads}
+        for fact in facts:
+            self._rank_guard(fact)
+        return True
+
     def _s42c_nonzero_columns(self, name: str, value: ast.expr) -> bool:
         """s42c: ``nz = (idx == e).nonzero()`` read only as unpacked columns (``b, t, k = nz[:, 0], nz[:, 1], nz[:, 2]``,
         ``nz.unbind(-1)``, ``nz.t()``) and sizes: each unpack is ``torch.where(idx == e)`` (a run-time rank check)."""
@@ -3225,15 +3264,7 @@ class _Eval:
         return self._s44a_count_test(test, nonempty=False)
 
     def _loop_invariant_option(self, test: ast.expr) -> bool:
-        """An option test: names, attributes, constants, comparisons and boolean logic only, over
-        names the loop never assigns (function arguments, module attributes, enum members)."""
-        allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
-                   ast.cmpop, ast.boolop, ast.Not)
-        if not all(isinstance(n, allowed) for n in fast_walk(test)):
-            return False
-        written = {n.id for n in fast_walk(self.loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        names = {n.id for n in fast_walk(test) if isinstance(n, ast.Name)}
-        return bool(names) and not (names & (written | self.eidx))
+        return _invariant_option_test(test, self.loop, self.eidx)
 
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
@@ -3338,7 +3369,10 @@ class _Eval:
                 return V("start")
             return V("outer", (node.id,))
         flat_weight = _moe_s43a.flat_row_weight(node, self.ev, self.s43a_bound)
-        if flat_weight is not None and (flat_weight[2] == "flatmask" and _moe_s43a.top1_indices(self.scope, flat_weight[1], self.loop.lineno)
+        if flat_weight is not None and (flat_weight[2] == "flatmask" and (
+                _moe_s43a.top1_indices(self.scope, flat_weight[1], self.loop.lineno)
+                or _moe_s45b.top1_indices_returned(self.scope, flat_weight[1], self.loop.lineno,  # s45b: from a router
+                                                   lambda d: _s41_call_output(self.m, self.scope, d)))
                                         or flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
                                         or _moe_s43a.column_of_row_view(self.scope, flat_weight[1], self.loop.lineno)):
             # s43a: `w[rows].unsqueeze(-1)` over flat expert indices (top-1 / Switch): each row's weight, applied by
@@ -4200,6 +4234,10 @@ class _Eval:
             if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and const_value(node.args[0]) == 0 \
                     and not isinstance(const_value(node.args[0]), bool) and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
+            if attr in _CASTS and recv.kind == "scaled" and _moe_s45b.plain_cast(node):
+                # s45b: `y = y.to(out.dtype)` of the weighted output before it is written back: the cast the write-back
+                # strips when written inline (`out[rows] = y.to(...)`), bound to a name first
+                return recv
             if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 # [n, H].squeeze(1) is [n, H] for H > 1 (with H == 1 the original's `out[mask] += ...` cannot broadcast)
                 return recv
