@@ -101,7 +101,9 @@ def top1_indices_returned(scope: Scope, name: str, line: int,
     if out is None:
         return False
     fscope, returned, end, _ = out
-    return isinstance(returned, ast.Name) and _moe_s43a.top1_indices(fscope, returned.id, end)
+    if isinstance(returned, ast.Name):
+        return _moe_s43a.top1_indices(fscope, returned.id, end)
+    return _moe_s43a.max_indices(returned)  # `return probs.argmax(-1), ...`
 
 
 # -- class 3: flat (token, slot) routes picked by a boolean mask ------------------------------------------------------
@@ -186,11 +188,9 @@ def flat_mask_routes(scope: Scope, body: list[ast.stmt], mask: str, value: ast.e
     facts: list[str] = []
     parents = {id(child): node for st in body for node in ast.walk(st) for child in ast.iter_child_nodes(node)}
     tok_node, slot_node = ast.Name(tok, ast.Load()), ast.Name(slot, ast.Load())
-    loads = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Name) and n.id == mask]
+    loads = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Name) and n.id == mask and isinstance(n.ctx, ast.Load)]
     for n in loads:
         parent = parents.get(id(n))
-        if not isinstance(n.ctx, ast.Load):
-            return None  # rebound in the loop body
         if isinstance(parent, ast.Attribute) and parent.attr in _MASK_TESTS \
                 and isinstance(parents.get(id(parent)), ast.Call) and parents[id(parent)].func is parent:  # type: ignore[attr-defined]
             continue  # mask.any(): an emptiness test the loop analysis reads on the mask itself
@@ -257,10 +257,26 @@ def _pair_weight(weights: str, fp: s42c.FlatPositions, tok: ast.Name, slot: ast.
 # -- class 4: the weighted expert output cast before it is written back ---------------------------------------------
 
 
+#: floating dtypes a weighted output may be cast to (an integer cast would round the values the fused text keeps)
+_FLOAT_DTYPES = ("float", "float32", "float16", "half", "bfloat16", "float64", "double")
+
+
 def plain_cast(call: ast.Call) -> bool:
-    """``y.to(dtype)`` / ``y.to(other.dtype)`` / ``y.float()`` / ``y.type_as(out)``: a dtype cast only (one positional
-    argument at most, no keywords: ``to(device, non_blocking=True)`` and ``to(dtype=..., copy=True)`` are not read)."""
-    return not call.keywords and len(call.args) <= 1
+    """``y.to(out.dtype)`` / ``y.to(dtype)`` (a name) / ``y.to(torch.bfloat16)`` / ``y.float()`` / ``y.type_as(out)``:
+    a cast to a floating dtype, or to another tensor's dtype, as the write-back into that tensor does anyway. Not
+    ``y.to(torch.int8)`` (rounds), nor keywords (``copy=True``, ``non_blocking``), nor ``.type(...)``."""
+    f = call.func
+    if call.keywords or not isinstance(f, ast.Attribute):
+        return False
+    if f.attr in ("float", "half", "bfloat16"):
+        return not call.args
+    if f.attr == "type_as":
+        return len(call.args) == 1
+    if f.attr != "to" or len(call.args) != 1:
+        return False
+    arg = call.args[0]
+    return isinstance(arg, ast.Name) or isinstance(arg, ast.Attribute) and (
+        arg.attr == "dtype" or dotted(arg) in {f"torch.{d}" for d in _FLOAT_DTYPES})
 
 
 # -- class 5: the accumulator's metadata read between its allocation and the loop -------------------------------------
@@ -288,3 +304,181 @@ def metadata_reads_only(stmt: ast.stmt, name: str) -> bool:
             continue
         return False
     return True
+
+
+# -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------------------------------
+
+from npufuse.patterns.base import Fuse, Keep  # noqa: E402
+
+_HEAD = "import math\n" + s42c._HEAD
+_run = s42c._run
+
+# 1 + 2 + 4 + 5. top-1 routing by a router module of the file, an optional capacity (TinyMoE-Playground's MoEFFNTop1):
+# the capped path when a factor is set, the plain one otherwise; the output's dtype read before the loop
+SWITCHED = _HEAD + '''
+
+class Top1Router(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.proj = nn.Linear(d, n, bias=False)
+
+    def forward(self, x):
+        probs = F.softmax(self.proj(x), dim=-1)
+        return probs.argmax(dim=-1), probs.max(dim=-1).values
+
+
+class SwitchMoE(nn.Module):
+    def __init__(self, d, h, n, capacity_factor=None):
+        super().__init__()
+        self.n = n
+        self.router = Top1Router(d, n)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+        self.capacity_factor = capacity_factor
+
+    def forward(self, x):
+        B, T, D = x.shape
+        top1, top1_prob = self.router(x)
+        out = torch.zeros_like(x)
+        out_dtype = out.dtype
+        for e in range(self.n):
+            mask = top1 == e
+            if not mask.any():
+                continue
+            if self.capacity_factor is not None:
+                b, t = mask.nonzero(as_tuple=True)
+                cap = math.ceil(self.capacity_factor * B * T / self.n)
+                b, t = b[:cap], t[:cap]
+                y = self.experts[e](x[b, t])
+                out[b, t] = (y * top1_prob[b, t].unsqueeze(-1)).to(out_dtype)
+            else:
+                y = self.experts[e](x[mask])
+                y = y * top1_prob[mask].unsqueeze(-1)
+                y = y.to(out_dtype)
+                out[mask] = y
+        return out
+'''
+SWITCHED_RUN = _run("SwitchMoE(16, 12, 4)", "2, 7, 16", "m.router.proj.weight, m.experts[1].w_in.weight")
+_CAPPED = '''            if self.capacity_factor is not None:
+                b, t = mask.nonzero(as_tuple=True)
+                cap = math.ceil(self.capacity_factor * B * T / self.n)
+                b, t = b[:cap], t[:cap]
+                y = self.experts[e](x[b, t])
+                out[b, t] = (y * top1_prob[b, t].unsqueeze(-1)).to(out_dtype)
+            else:
+'''
+_PLAIN = '''                y = self.experts[e](x[mask])
+                y = y * top1_prob[mask].unsqueeze(-1)
+                y = y.to(out_dtype)
+                out[mask] = y
+'''
+# the plain path first: `if self.capacity_factor is None: <plain> else: <capped>`
+SWITCHED_INVERTED = SWITCHED.replace(_CAPPED + _PLAIN, "            if self.capacity_factor is None:\n" + _PLAIN
+                                     + "            else:\n" + _CAPPED.split("\n", 1)[1].rsplit("            else:\n", 1)[0])
+# the capacity applied in training only (a factor > 0): the fused text runs in eval
+SWITCHED_EVAL = SWITCHED.replace("if self.capacity_factor is not None:",
+                                 "if self.training and self.capacity_factor is not None and self.capacity_factor > 0:")
+
+# top-k pairs of torch.where, the pairs cut to a capacity under a switch with no else (the dispatch follows it)
+CUT_WHEN_SET = _HEAD + '''
+
+class CutMoE(nn.Module):
+    def __init__(self, d, h, n, k, capacity=0):
+        super().__init__()
+        self.n, self.k, self.capacity = n, k, capacity
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([GluExpert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.n):
+            tok, slot = torch.where(idx == e)
+            if self.capacity > 0:
+                tok, slot = tok[:self.capacity], slot[:self.capacity]
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+'''
+CUT_RUN = _run("CutMoE(16, 12, 5, 2)", "11, 16", "m.gate.weight, m.experts[2].w_out.weight")
+
+# 3. flat (token, slot) routes picked by a boolean mask (MoE-LLM's MixtureOfExperts): token of each route from
+# arange(T).repeat_interleave(K), the pair's weight off the flat weights, index_add_ at the routes' tokens
+ROUTES = _HEAD + '''
+
+class RouteMoE(nn.Module):
+''' + s42c._init("gate") + '''
+    def forward(self, x):
+        B, T, D = x.shape
+        flat_x = x.view(-1, D)
+        n_tok = flat_x.shape[0]
+        w, idx = torch.topk(self.gate(flat_x), self.k, dim=-1)
+        w = F.softmax(w, dim=-1, dtype=torch.float)
+        flat_idx = idx.view(-1)
+        token_of = torch.arange(n_tok, device=x.device).repeat_interleave(self.k)
+        out = torch.zeros_like(flat_x)
+        for i, expert in enumerate(self.experts):
+            m = flat_idx == i
+            if m.any():
+                rows = flat_x[token_of[m]]
+                y = expert(rows)
+                out.index_add_(0, token_of[m], y * w.view(-1)[m].unsqueeze(1))
+        return out.view(B, T, D)
+'''
+ROUTES_RUN = _run("RouteMoE(16, 12, 5, 2)", "2, 7, 16", "m.gate.weight, m.experts[3].w_in.weight")
+_ROUTE_MAP = "        token_of = torch.arange(n_tok, device=x.device).repeat_interleave(self.k)\n"
+_ROUTE_BODY = '''            if m.any():
+                rows = flat_x[token_of[m]]
+                y = expert(rows)
+                out.index_add_(0, token_of[m], y * w.view(-1)[m].unsqueeze(1))
+'''
+# the map as an expanded grid, repeated rows of the tokens, a bound flat view of the weights, a skip, `+=` at the tokens
+ROUTES_GRID = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok).unsqueeze(1).expand(-1, self.k).reshape(-1)\n"
+                             "        x_rep = flat_x.repeat_interleave(self.k, dim=0)\n        flat_w = w.reshape(-1)\n") \
+    .replace(_ROUTE_BODY, '''            if not m.any():
+                continue
+            tok = token_of[m]
+            out[tok] += expert(x_rep[m]) * flat_w[m][:, None]
+''')
+# the map as arange(T * K) // K
+ROUTES_DIV = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok * self.k, device=x.device) // self.k\n")
+
+FUSE = [
+    Fuse(SWITCHED, name="s45b_capacity_switch_off_top1_router_module", run=SWITCHED_RUN),
+    Fuse(SWITCHED_INVERTED, name="s45b_capacity_switch_plain_path_first", run=SWITCHED_RUN),
+    Fuse(SWITCHED_EVAL, name="s45b_capacity_in_training_only", run=SWITCHED_RUN.replace("SwitchMoE(16, 12, 4)",
+                                                                                         "SwitchMoE(16, 12, 4, 1.0).eval()")),
+    Fuse(CUT_WHEN_SET, name="s45b_capacity_cut_under_a_switch_without_else", run=CUT_RUN),
+    Fuse(ROUTES, name="s45b_flat_routes_by_mask_repeat_interleave_map", run=ROUTES_RUN),
+    Fuse(ROUTES_GRID, name="s45b_flat_routes_by_mask_expanded_grid_map", run=ROUTES_RUN),
+    Fuse(ROUTES_DIV, name="s45b_flat_routes_by_mask_floor_division_map"),
+]
+
+KEEP = [
+    # the capacity applies on every path (no switch): tokens past it are dropped, the fused layer keeps them
+    Keep(SWITCHED.replace(_CAPPED + _PLAIN, "".join(line[4:] + "\n" for line in _CAPPED.splitlines()[1:-1])),
+         reason="expert capacity / token dropping inside the loop", name="s45b_capacity_always_applied"),
+    # capped on both paths of the switch (another factor in eval)
+    Keep(SWITCHED.replace(_PLAIN, _CAPPED.split("\n", 1)[1].rsplit("            else:\n", 1)[0]
+                          .replace("self.capacity_factor * B", "2 * self.capacity_factor * B")),
+         reason="expert capacity / token dropping inside the loop", name="s45b_capacity_on_both_paths"),
+    # a test of this expert's load against the capacity: not a switch of the whole call
+    Keep(CUT_WHEN_SET.replace("if self.capacity > 0:", "if len(tok) > self.capacity:"),
+         reason="expert capacity / token dropping inside the loop", name="s45b_capacity_test_of_the_expert_load"),
+    # the router module samples its expert: one per token, but not the indices of a max, so `top1_prob[mask]` is
+    # not proven to be one weight per selected row
+    Keep(SWITCHED.replace("return probs.argmax(dim=-1), probs.max(dim=-1).values",
+                          "return torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1]), "
+                          "probs.max(dim=-1).values"),
+         reason="not recognised as the routing weight", name="s45b_router_module_samples_its_expert"),
+    # the weighted output cast to an integer type before the write-back: rounds what the fused layer keeps
+    Keep(SWITCHED.replace("y = y.to(out_dtype)", "y = y.to(torch.int32)"),
+         reason="is not recognised", name="s45b_weighted_output_cast_to_an_integer"),
+    # a view of the accumulator taken between its allocation and the loop: an alias of the fresh zeros
+    Keep(SWITCHED.replace("        out_dtype = out.dtype\n", "        out_dtype = out.dtype\n        rows_view = out.view(-1, D)\n"),
+         reason="other code (line", name="s45b_accumulator_aliased_before_the_loop"),
+    # the map tiles the tokens (`repeat`): route p of token p // K reads token p % T
+    Keep(ROUTES.replace(".repeat_interleave(self.k)\n", ".repeat(self.k)\n"),
+         reason="npufuse does not trace its input to the rows routed to this expert", name="s45b_flat_routes_tiled_map"),
+    # the mask narrowed by the weights after it is made: routes under the threshold are dropped
+    Keep(ROUTES.replace("            m = flat_idx == i\n", "            m = flat_idx == i\n            m = m & (w.view(-1) > 0.2)\n"),
+         reason="which npufuse does not read as the tokens routed to this expert", name="s45b_flat_routes_mask_narrowed"),
+]

@@ -3159,7 +3159,8 @@ class _Eval:
                 isinstance(n, ast.Name) and n.id in varying for n in ast.walk(ast.parse(fp.k_text, mode="eval"))):
             return False  # the mask bound once; the indices and K one value for the whole loop
         self._where_flat(V("flatmask", (fp.indices,)))
-        self.env[name], self.env[tok], self.env[slot] = V("flatmask", (fp.flat,)), V("tok"), V("kpos")
+        # the mask stands for `idx == e` of the 2-D indices (its emptiness tests), never for flat top-1 rows
+        self.env[name], self.env[tok], self.env[slot] = V("flatmask", (fp.indices,)), V("tok"), V("kpos")
         self.s42c_reads = {id(read): pair for read, pair in fp.reads}
         for fact in facts:
             self._rank_guard(fact)
@@ -15241,3 +15242,5 @@ MoeExperts.FUSE += s44a.FUSE
 MoeExperts.KEEP += s44a.KEEP
 MoeExperts.FUSE += _moe_s44b.FUSE  # s44b: stacked biases, row-wise activation modules (patterns/_moe_s44b.py)
 MoeExperts.KEEP += _moe_s44b.KEEP
+MoeExperts.FUSE += _moe_s45b.FUSE  # s45b: capacity switches, router top-1, flat routes by a mask (patterns/_moe_s45b.py)
+MoeExperts.KEEP += _moe_s45b.KEEP
