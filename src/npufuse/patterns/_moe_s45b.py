@@ -306,6 +306,67 @@ def metadata_reads_only(stmt: ast.stmt, name: str) -> bool:
     return True
 
 
+
+# -- class 6: the columns of ``(idx == e).nonzero()`` bound one statement each ----------------------------------------
+#
+# ``pos = (idx == e).nonzero(as_tuple=False)`` is [n, idx.dim()]: ``b = pos[:, 0]``, ``t = pos[:, 1]``, ``k = pos[:, 2]``
+# bound one per statement are the coordinates of ``torch.where(idx == e)`` (s42c reads them unpacked in one
+# statement); the token of 3-D [B, T, K] indices is then often named as the row ``b * T + t`` of the flattened tokens.
+
+
+def _column_number(node: ast.AST, name: str) -> Optional[int]:
+    """j of ``name[:, j]`` (j a non-negative integer constant); else None."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name
+            and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2):
+        return None
+    whole, j = node.slice.elts
+    if not (isinstance(whole, ast.Slice) and whole.lower is None and whole.upper is None and whole.step is None):
+        return None
+    value = const_value(j)
+    return value if type(value) is int and value >= 0 else None
+
+
+def separate_nonzero_columns(body: list[ast.stmt], name: str, value: ast.expr
+                             ) -> Optional[tuple[ast.expr, list[tuple[ast.expr, int]], int]]:
+    """For ``name = X.nonzero()`` (``as_tuple=False`` dropped by the caller): (X, [(each column read, its number)], the
+    number of columns) when ``name`` is read in ``body`` only through its sizes and as ``name[:, j]`` bound whole to one
+    name (``b = name[:, 0]``), every column 0 .. n - 1 read (n >= 2); else None."""
+    mask = s42c._nonzero_mask(value)
+    if mask is None:
+        return None
+    parents = {id(child): node for st in body for node in ast.walk(st) for child in ast.iter_child_nodes(node)}
+    reads: list[tuple[ast.expr, int]] = []
+    for n in (n for st in body for n in ast.walk(st) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)):
+        parent = parents.get(id(n))
+        if s42c._size_read(parent, n):
+            continue
+        j = _column_number(parent, name) if parent is not None else None
+        bound = parents.get(id(parent))
+        if j is None or not (isinstance(bound, ast.Assign) and bound.value is parent and len(bound.targets) == 1
+                             and isinstance(bound.targets[0], ast.Name)):
+            return None
+        reads.append((parent, j))  # type: ignore[arg-type]
+    columns = {j for _, j in reads}
+    if len(columns) < 2 or columns != set(range(len(columns))) or len(reads) != len(columns):
+        return None
+    return mask, reads, len(columns)
+
+
+def flattened_token(node: ast.BinOp, kind_of: Callable[[ast.expr], Any]) -> Optional[ast.expr]:
+    """T of ``b * T + t`` (either order of the sum and of the product) where ``b`` and ``t`` are the two token
+    coordinates of 3-D indices (``kind_of`` gives their ``tokpart`` values): the row of token (b, t) in the tokens
+    flattened to [B * T, ...], when T is the indices' second dim (the caller's run-time check)."""
+    if not isinstance(node.op, ast.Add):
+        return None
+    for prod, t in ((node.left, node.right), (node.right, node.left)):
+        if not (isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult)):
+            continue
+        for b, size in ((prod.left, prod.right), (prod.right, prod.left)):
+            kb, kt = kind_of(b), kind_of(t)
+            if (kb.kind, kb.args, kt.kind, kt.args) == ("tokpart", (0, 2), "tokpart", (1, 2)):
+                return size
+    return None
+
 # -- examples (registered on MoeExperts by moe_experts.py) ------------------------------------------------------------
 
 from npufuse.patterns.base import Fuse, Keep  # noqa: E402

@@ -2961,7 +2961,7 @@ class _Eval:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
                 return
             if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value) \
-                    or self._s45b_flat_mask_routes(tgt.id, s.value):
+                    or self._s45b_flat_mask_routes(tgt.id, s.value) or self._s45b_nonzero_column_names(tgt.id, s.value):
                 return
             val = self._s44a_membership_column(s.value) or self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
@@ -3164,6 +3164,28 @@ class _Eval:
         self.s42c_reads = {id(read): pair for read, pair in fp.reads}
         for fact in facts:
             self._rank_guard(fact)
+        return True
+
+    def _s45b_nonzero_column_names(self, name: str, value: ast.expr) -> bool:
+        """s45b: ``pos = (idx == e).nonzero(as_tuple=False)`` read as ``b = pos[:, 0]``, ``t = pos[:, 1]``, ... one
+        statement per column (and sizes): column j is ``torch.where(idx == e)[j]`` (a run-time rank check)."""
+        if self.s42c_reads or not isinstance(value, ast.Call):
+            return False
+        found = _moe_s45b.separate_nonzero_columns(self.loop.body, name, _moe_s43a.without_default_as_tuple(value))
+        if found is None:
+            return False
+        mask, reads, count = found
+        where = ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
+        if _canon(self.m, where.func) != "torch.where" or self.ev(where).kind != "where" or self.ev(where).args[0] != "tk" \
+                or self.token_dims not in (1, count - 1):
+            return False
+        self._rank_guard(f"{self.where_indices}.dim() == {count}")
+        self.token_dims = count - 1
+        for read, j in reads:
+            column = f"{P}column{j}"
+            self.env[column] = V("kpos") if j == count - 1 else V("tok") if count == 2 else V("tokpart", (j, count - 1))
+            self.s42c_reads[id(read)] = ast.Name(column, ast.Load())
+        self.env[name] = V("flatpos")  # its size reads are the number of pairs
         return True
 
     def _s42c_nonzero_columns(self, name: str, value: ast.expr) -> bool:
@@ -3422,6 +3444,12 @@ class _Eval:
                 return self._masked_weights(node) or self._product(node)
             if isinstance(node.op, ast.MatMult):
                 return self._project(self.ev(node.left), node.right, "matmul")
+            size = _moe_s45b.flattened_token(node, self.ev) if self.token_dims == 2 else None
+            if size is not None and self._invariant(size):
+                # s45b: `b * T + t`, the row of token (b, t) of [B, T, K] indices in the flattened tokens, where T is
+                # the indices' second dim (a run-time check)
+                self._rank_guard(f"{self.where_indices}.shape[1] == {segment(self.m, size)}")
+                return V("tok")
             if isinstance(node.op, ast.Add):
                 for proj_node, bias_node in ((node.left, node.right), (node.right, node.left)):
                     bias = _moe_s44b.stacked_bias(bias_node, self._is_eidx, self._stacked_base)
@@ -3645,8 +3673,8 @@ class _Eval:
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
             order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
             return V(order[sl.value])
-        if base.kind in ("rw_pre", "rw_flat") and [self._part_kind(p) for p in parts] == ["all", "none"]:
-            return V("rw")  # w[top_x, idx][:, None]
+        if base.kind in ("rw_pre", "rw_flat") and [self._part_kind(p) for p in parts] in (["all", "none"], ["ellipsis", "none"]):
+            return V("rw")  # w[top_x, idx][:, None] (s45b: `[..., None]`, the same [n, 1] of the [n] weights)
         if base.kind in ("tok", "kpos") and [self._part_kind(p) for p in parts] == ["all"]:
             return base
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
