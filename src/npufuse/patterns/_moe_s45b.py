@@ -502,6 +502,32 @@ ROUTES_GRID = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok)
 # the map as arange(T * K) // K
 ROUTES_DIV = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok * self.k, device=x.device) // self.k\n")
 
+# 6. [B, T, K] indices, the coordinates of nonzero() bound one statement each, tokens read as rows b * T + t of the
+# flattened tokens (vats-multimodal-lm's MoELayer)
+GRID_COLUMNS = _HEAD + """
+
+class GridColumnsMoE(nn.Module):
+""" + s42c._init("router") + """
+    def forward(self, x):
+        B, T, D = x.shape
+        w, idx = torch.topk(self.router(x).softmax(dim=-1), self.k, dim=-1)
+        x_flat = x.view(-1, D)
+        out = torch.zeros_like(x_flat)
+        for e in range(self.n):
+            hit = idx == e
+            if hit.any():
+                pos = hit.nonzero(as_tuple=False)
+                if pos.numel() > 0:
+                    b = pos[:, 0]
+                    t = pos[:, 1]
+                    k = pos[:, 2]
+                    rows = b * T + t
+                    y = self.experts[e](x_flat[rows])
+                    out[rows] += y * w[b, t, k][..., None]
+        return out.view(B, T, D)
+"""
+GRID_COLUMNS_RUN = _run("GridColumnsMoE(16, 12, 5, 2)", "3, 5, 16", "m.router.weight, m.experts[4].w_out.weight")
+
 FUSE = [
     Fuse(SWITCHED, name="s45b_capacity_switch_off_top1_router_module", run=SWITCHED_RUN),
     Fuse(SWITCHED_INVERTED, name="s45b_capacity_switch_plain_path_first", run=SWITCHED_RUN),
@@ -511,6 +537,10 @@ FUSE = [
     Fuse(ROUTES, name="s45b_flat_routes_by_mask_repeat_interleave_map", run=ROUTES_RUN),
     Fuse(ROUTES_GRID, name="s45b_flat_routes_by_mask_expanded_grid_map", run=ROUTES_RUN),
     Fuse(ROUTES_DIV, name="s45b_flat_routes_by_mask_floor_division_map"),
+    Fuse(GRID_COLUMNS, name="s45b_nonzero_columns_one_per_statement_flat_rows", run=GRID_COLUMNS_RUN),
+    Fuse(GRID_COLUMNS.replace("rows = b * T + t", "rows = t + T * b").replace("out[rows] += y * w[b, t, k][..., None]",
+                                                                            "out.index_add_(0, rows, y * w[b, t, k].unsqueeze(-1))"),
+         name="s45b_nonzero_columns_flat_rows_other_order_index_add"),
 ]
 
 KEEP = [
@@ -542,4 +572,10 @@ KEEP = [
     # the mask narrowed by the weights after it is made: routes under the threshold are dropped
     Keep(ROUTES.replace("            m = flat_idx == i\n", "            m = flat_idx == i\n            m = m & (w.view(-1) > 0.2)\n"),
          reason="which npufuse does not read as the tokens routed to this expert", name="s45b_flat_routes_mask_narrowed"),
+    # rows t * B + b: the flattening of a [T, B] layout, not the row of token (b, t) of the [B, T] tokens
+    Keep(GRID_COLUMNS.replace("rows = b * T + t", "rows = t * B + b"), reason="npufuse does not trace its input",
+         name="s45b_nonzero_columns_rows_of_another_layout"),
+    # a column bound twice (the slot read as column 1 again): not the coordinates of torch.where
+    Keep(GRID_COLUMNS.replace("k = pos[:, 2]", "k = pos[:, 1]"), reason="over expert indices not shown to be 1-D",
+         name="s45b_nonzero_columns_one_column_twice"),
 ]
