@@ -168,15 +168,28 @@ def _flat_call_of(node: ast.Call) -> bool:
     return node.func.attr == "flatten" and not node.args
 
 
+def _equality_sides(value: ast.expr) -> Optional[tuple[ast.expr, ast.expr]]:
+    """The two sides of ``a == b``, ``a.eq(b)`` or ``torch.eq(a, b)``; else None."""
+    if isinstance(value, ast.Compare) and len(value.ops) == 1 and isinstance(value.ops[0], ast.Eq):
+        return value.left, value.comparators[0]
+    if isinstance(value, ast.Call) and not value.keywords and isinstance(value.func, ast.Attribute) and value.func.attr == "eq":
+        if dotted(value.func) == "torch.eq" and len(value.args) == 2:
+            return value.args[0], value.args[1]
+        if len(value.args) == 1:
+            return value.func.value, value.args[0]
+    return None
+
+
 def flat_mask_routes(scope: Scope, body: list[ast.stmt], mask: str, value: ast.expr, is_expert: Callable[[ast.expr], bool],
                      tok: str, slot: str, line: int) -> Optional[tuple[s42c.FlatPositions, list[str]]]:
     """``mask = (flat == e)`` over ``flat`` a 1-D view of 2-D indices, every read of ``mask`` in ``body`` a row pick
     ``A[mask]`` of a per-route tensor (translated into the (token, slot) pair form: ``fp.reads``) or an emptiness test
     (``mask.any()``, kept). Returns the positions and the run-time facts the translation rests on; None otherwise (the
     loop is then analysed as written)."""
-    if not (isinstance(value, ast.Compare) and len(value.ops) == 1 and isinstance(value.ops[0], ast.Eq)):
+    sides = _equality_sides(value)
+    if sides is None:
         return None
-    flat, other = value.left, value.comparators[0]
+    flat, other = sides
     if not isinstance(flat, ast.Name):
         flat, other = other, flat
     if not (isinstance(flat, ast.Name) and is_expert(other)):
@@ -212,11 +225,14 @@ def _route_read(scope: Scope, source: ast.expr, fp: s42c.FlatPositions, tok: ast
     inline_view = s42c._flat_view_call(source)
     if inline_view is not None:
         return _pair_weight(inline_view, fp, tok, slot, facts)
-    if not isinstance(source, ast.Name):
-        return None
-    if source.id == fp.flat:
+    if isinstance(source, ast.Call):
+        definition: Optional[ast.expr] = source  # `x.repeat_interleave(K, dim=0)[mask]` written in place
+    elif isinstance(source, ast.Name) and source.id == fp.flat:
         return expert
-    definition = scope.definition(source.id, line)
+    elif isinstance(source, ast.Name):
+        definition = scope.definition(source.id, line)
+    else:
+        return None
     k = token_of_route(definition)
     if k is not None and definition is not None and _names_unchanged(scope, definition, line):
         if fp.k_text and k != fp.k_text:
@@ -231,7 +247,7 @@ def _route_read(scope: Scope, source: ast.expr, fp: s42c.FlatPositions, tok: ast
             return None
         fp.k_text, fp.tokens = k, rows_of
         return ast.Subscript(ast.Name(rows_of, ast.Load()), tok, ast.Load())
-    weights = s42c._flat_view_of(scope, source.id, line)
+    weights = s42c._flat_view_of(scope, source.id, line) if isinstance(source, ast.Name) else None
     return _pair_weight(weights, fp, tok, slot, facts) if weights is not None else None
 
 
@@ -499,8 +515,10 @@ ROUTES_GRID = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok)
             tok = token_of[m]
             out[tok] += expert(x_rep[m]) * flat_w[m][:, None]
 ''')
-# the map as arange(T * K) // K
-ROUTES_DIV = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok * self.k, device=x.device) // self.k\n")
+# the map as arange(T * K) // K, the mask by `.eq`, the rows repeated in place
+ROUTES_DIV = ROUTES.replace(_ROUTE_MAP, "        token_of = torch.arange(n_tok * self.k, device=x.device) // self.k\n") \
+    .replace("m = flat_idx == i", "m = flat_idx.eq(i)") \
+    .replace("rows = flat_x[token_of[m]]", "rows = flat_x.repeat_interleave(self.k, dim=0)[m]")
 
 # 6. [B, T, K] indices, the coordinates of nonzero() bound one statement each, tokens read as rows b * T + t of the
 # flattened tokens (vats-multimodal-lm's MoELayer)
@@ -536,7 +554,7 @@ FUSE = [
     Fuse(CUT_WHEN_SET, name="s45b_capacity_cut_under_a_switch_without_else", run=CUT_RUN),
     Fuse(ROUTES, name="s45b_flat_routes_by_mask_repeat_interleave_map", run=ROUTES_RUN),
     Fuse(ROUTES_GRID, name="s45b_flat_routes_by_mask_expanded_grid_map", run=ROUTES_RUN),
-    Fuse(ROUTES_DIV, name="s45b_flat_routes_by_mask_floor_division_map"),
+    Fuse(ROUTES_DIV, name="s45b_flat_routes_by_mask_floor_division_map", run=ROUTES_RUN),
     Fuse(GRID_COLUMNS, name="s45b_nonzero_columns_one_per_statement_flat_rows", run=GRID_COLUMNS_RUN),
     Fuse(GRID_COLUMNS.replace("rows = b * T + t", "rows = t + T * b").replace("out[rows] += y * w[b, t, k][..., None]",
                                                                             "out.index_add_(0, rows, y * w[b, t, k].unsqueeze(-1))"),

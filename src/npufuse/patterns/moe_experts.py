@@ -3146,7 +3146,7 @@ class _Eval:
         """s45b: ``m = flat == e`` over flat (token, slot) routes, read only as ``A[m]`` of per-route tensors (a
         token-of-route map, repeated rows, a flat view of the weights) and emptiness tests: ``A[m]`` is ``A[pos]`` of
         the s42c positions, translated into (token, slot) pairs (patterns/_moe_s45b.py), under run-time shape checks."""
-        if self.s42c_reads or self.expert_init is not None or not isinstance(value, ast.Compare):
+        if self.s42c_reads or self.expert_init is not None or not isinstance(value, (ast.Compare, ast.Call)):
             return False  # one translation per loop
         varying = _assigned([self.loop]) | self.eidx
         tok, slot = f"{P}tok", f"{P}slot"
