@@ -12905,9 +12905,15 @@ MoeExperts.FUSE += [
          name="s43b_zeros_then_other_code_before_the_loop", run=_TOP1_MASK_3D_RUN,
          expect={"routing": "flat_mask", "output": "out", "output_dtype": "out.dtype"}),
 ]
+MoeExperts.FUSE += [
+    # s45b: code between that reads the accumulator's dtype only (not its values) does not stop the rewrite either
+    Fuse(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach().to(out.dtype)\n"),
+         name="s45b_zeros_then_code_reading_their_dtype_before_the_loop", run=_TOP1_MASK_3D_RUN),
+]
 MoeExperts.KEEP += [
     Keep(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
-                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach().to(out.dtype)\n"),
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach() + out.sum()\n"),
          reason="is allocated at line 29, but other code (line 30) sits between that allocation and the loop",
          name="s32_accumulator_allocated_with_other_code_before_the_loop"),
     # no allocation at all (the accumulator is a parameter): the general reason stays
