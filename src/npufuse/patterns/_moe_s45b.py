@@ -392,6 +392,19 @@ _run = s42c._run
 
 # 1 + 2 + 4 + 5. top-1 routing by a router module of the file, an optional capacity (TinyMoE-Playground's MoEFFNTop1):
 # the capped path when a factor is set, the plain one otherwise; the output's dtype read before the loop
+_CAPPED = '''            if self.capacity_factor is not None:
+                b, t = mask.nonzero(as_tuple=True)
+                cap = math.ceil(self.capacity_factor * B * T / self.n)
+                b, t = b[:cap], t[:cap]
+                y = self.experts[e](x[b, t])
+                out[b, t] = (y * top1_prob[b, t].unsqueeze(-1)).to(out_dtype)
+            else:
+'''
+_PLAIN = '''                y = self.experts[e](x[mask])
+                y = y * top1_prob[mask].unsqueeze(-1)
+                y = y.to(out_dtype)
+                out[mask] = y
+'''
 SWITCHED = _HEAD + '''
 
 class Top1Router(nn.Module):
@@ -421,33 +434,9 @@ class SwitchMoE(nn.Module):
             mask = top1 == e
             if not mask.any():
                 continue
-            if self.capacity_factor is not None:
-                b, t = mask.nonzero(as_tuple=True)
-                cap = math.ceil(self.capacity_factor * B * T / self.n)
-                b, t = b[:cap], t[:cap]
-                y = self.experts[e](x[b, t])
-                out[b, t] = (y * top1_prob[b, t].unsqueeze(-1)).to(out_dtype)
-            else:
-                y = self.experts[e](x[mask])
-                y = y * top1_prob[mask].unsqueeze(-1)
-                y = y.to(out_dtype)
-                out[mask] = y
-        return out
+''' + _CAPPED + _PLAIN + '''        return out
 '''
 SWITCHED_RUN = _run("SwitchMoE(16, 12, 4)", "2, 7, 16", "m.router.proj.weight, m.experts[1].w_in.weight")
-_CAPPED = '''            if self.capacity_factor is not None:
-                b, t = mask.nonzero(as_tuple=True)
-                cap = math.ceil(self.capacity_factor * B * T / self.n)
-                b, t = b[:cap], t[:cap]
-                y = self.experts[e](x[b, t])
-                out[b, t] = (y * top1_prob[b, t].unsqueeze(-1)).to(out_dtype)
-            else:
-'''
-_PLAIN = '''                y = self.experts[e](x[mask])
-                y = y * top1_prob[mask].unsqueeze(-1)
-                y = y.to(out_dtype)
-                out[mask] = y
-'''
 # the plain path first: `if self.capacity_factor is None: <plain> else: <capped>`
 SWITCHED_INVERTED = SWITCHED.replace(_CAPPED + _PLAIN, "            if self.capacity_factor is None:\n" + _PLAIN
                                      + "            else:\n" + _CAPPED.split("\n", 1)[1].rsplit("            else:\n", 1)[0])
