@@ -118,8 +118,14 @@ def column_of_row_view(scope: Any, name: str, before_line: int) -> bool:
 def top1_indices(scope: Any, name: str, before_line: int) -> bool:
     """``name`` is bound (last, before ``before_line``) to the indices of a max: ``v.max(dim=-1)[1]`` /
     ``torch.max(v, dim)`` unpacked, or ``argmax`` -- one expert per token by construction, whatever the shape."""
-    node = scope.definition(name, before_line)
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 1:
+    return max_indices(scope.definition(name, before_line))
+
+
+def max_indices(node: Optional[ast.expr]) -> bool:
+    """``v.max(dim=-1)[1]`` / ``torch.max(v, dim)[1]`` (s45b: ``.indices``) or ``v.argmax(dim)``: the indices of a max
+    over one dim (a max over all elements, with no dim, is one index, not one per token)."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 1 \
+            or isinstance(node, ast.Attribute) and node.attr == "indices":
         call = node.value
         return isinstance(call, ast.Call) and (
             isinstance(call.func, ast.Attribute) and call.func.attr == "max" and len(call.args) + len(call.keywords) >= (

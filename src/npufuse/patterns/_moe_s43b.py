@@ -20,6 +20,7 @@ import ast
 from typing import Any
 
 from npufuse.patterns import _moe_s42b as _s42b
+from npufuse.patterns import _moe_s45b as _s45b
 from npufuse.scan.dataflow import fast_walk, segment
 
 
@@ -54,7 +55,8 @@ def zeros_kept_until(module: Any, scope: Any, block: list[ast.stmt], alloc: ast.
         return False
     if scope.definition(acc, block[start].lineno) is not getattr(alloc, "value", None):
         return False
-    return not any(acc in _names(st) for st in block[first + 1 : start])
+    # (s45b: reads of its dtype / device / shape only do not reach its values)
+    return not any(acc in _names(st) and not _s45b.metadata_reads_only(st, acc) for st in block[first + 1 : start])
 
 
 def precomputed_rows_term(target: ast.Subscript, value: ast.expr, loop: ast.For) -> tuple[ast.expr, str] | None:

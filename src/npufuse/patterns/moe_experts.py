@@ -42,6 +42,7 @@ from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s44b
+from npufuse.patterns import _moe_s45b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -2454,7 +2455,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     if split is not None:
         return split
     body_names = _names_in(loop)
-    if any("capacity" in n.lower() for n in body_names):
+    if any("capacity" in n.lower() for n in body_names) and not _moe_s45b.capacity_off_the_followed_path(
+            loop, lambda test: _invariant_option_test(test, loop, set())):  # s45b: a capacity switch the guard reads
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
             and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
@@ -2551,6 +2553,18 @@ def _check_option_names(scope: Scope, site: _Site, loop: ast.For, guards: list[s
                 raise _Miss(f"the option `{name}` the expert loop tests is assigned inside the fused span (line "
                             f"{stmt.lineno}): the guard cannot read it before the span")
 
+
+
+def _invariant_option_test(test: ast.expr, loop: ast.For, varying: set[str]) -> bool:
+    """An option test: names, attributes, constants, comparisons and boolean logic only, over
+    names the loop never assigns (function arguments, module attributes, enum members) nor ``varying``."""
+    allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
+               ast.cmpop, ast.boolop, ast.Not)
+    if not all(isinstance(n, allowed) for n in fast_walk(test)):
+        return False
+    written = {n.id for n in fast_walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names = {n.id for n in fast_walk(test) if isinstance(n, ast.Name)}
+    return bool(names) and not (names & (written | varying))
 
 
 def _first_column(index: ast.expr) -> bool:
@@ -2865,9 +2879,10 @@ class _Eval:
             return
         if isinstance(s, ast.If) and self.expert_init is None and self._loop_invariant_option(s.test):
             # an option of the whole call (`if fc1_smooth_scale is not None:`, `if self.use_bias:`): the
-            # fused text follows the path where it is off, and its guard runs it only when it is
-            self.option_guards.append(f"not ({segment(self.m, s.test)})")
-            self.run_body(s.orelse)
+            # fused text follows the path where it is off, and its guard runs it only when it is (s45b: the
+            # path without a capacity, `if self.capacity is None: <plain> else: <capped>`, where that is the body)
+            self.option_guards.append(_moe_s45b.option_guard(s, segment(self.m, s.test)))
+            self.run_body(s.body if _moe_s45b.followed_branch(s) == "body" else s.orelse)
             return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
@@ -2990,7 +3005,8 @@ class _Eval:
             if self._is_eidx(s.value) and self.expert_init is None:
                 self.eidx.add(tgt.id)  # expert_id = int(expert_id_tensor.item()): another name of the index
                 return
-            if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value):
+            if self._s42c_flat_positions(tgt.id, s.value) or self._s42c_nonzero_columns(tgt.id, s.value) \
+                    or self._s45b_flat_mask_routes(tgt.id, s.value) or self._s45b_nonzero_column_names(tgt.id, s.value):
                 return
             val = self._s44a_membership_column(s.value) or self.ev(s.value)
             if self.tuple_call is not None and tgt.id in self.tuple_call[1] and val.kind != "mod_part":
@@ -3171,6 +3187,52 @@ class _Eval:
         self._rank_guard(guard)
         return True
 
+    def _s45b_flat_mask_routes(self, name: str, value: ast.expr) -> bool:
+        """s45b: ``m = flat == e`` over flat (token, slot) routes, read only as ``A[m]`` of per-route tensors (a
+        token-of-route map, repeated rows, a flat view of the weights) and emptiness tests: ``A[m]`` is ``A[pos]`` of
+        the s42c positions, translated into (token, slot) pairs (patterns/_moe_s45b.py), under run-time shape checks."""
+        if self.s42c_reads or self.expert_init is not None or not isinstance(value, (ast.Compare, ast.Call)):
+            return False  # one translation per loop
+        varying = _assigned([self.loop]) | self.eidx
+        tok, slot = f"{P}tok", f"{P}slot"
+        found = _moe_s45b.flat_mask_routes(self.scope, self.loop.body, name, value, self._is_eidx, tok, slot, self.loop.lineno)
+        if found is None:
+            return False
+        fp, facts = found
+        stores = [n for n in fast_walk(self.loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+        if len(stores) != 1 or fp.indices in varying or any(
+                isinstance(n, ast.Name) and n.id in varying for n in ast.walk(ast.parse(fp.k_text, mode="eval"))):
+            return False  # the mask bound once; the indices and K one value for the whole loop
+        self._where_flat(V("flatmask", (fp.indices,)))
+        # the mask stands for `idx == e` of the 2-D indices (its emptiness tests), never for flat top-1 rows
+        self.env[name], self.env[tok], self.env[slot] = V("flatmask", (fp.indices,)), V("tok"), V("kpos")
+        self.s42c_reads = {id(read): pair for read, pair in fp.reads}
+        for fact in facts:
+            self._rank_guard(fact)
+        return True
+
+    def _s45b_nonzero_column_names(self, name: str, value: ast.expr) -> bool:
+        """s45b: ``pos = (idx == e).nonzero(as_tuple=False)`` read as ``b = pos[:, 0]``, ``t = pos[:, 1]``, ... one
+        statement per column (and sizes): column j is ``torch.where(idx == e)[j]`` (a run-time rank check)."""
+        if self.s42c_reads or not isinstance(value, ast.Call):
+            return False
+        found = _moe_s45b.separate_nonzero_columns(self.loop.body, name, _moe_s43a.without_default_as_tuple(value))
+        if found is None:
+            return False
+        mask, reads, count = found
+        where = ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
+        if _canon(self.m, where.func) != "torch.where" or self.ev(where).kind != "where" or self.ev(where).args[0] != "tk" \
+                or self.token_dims not in (1, count - 1):
+            return False
+        self._rank_guard(f"{self.where_indices}.dim() == {count}")
+        self.token_dims = count - 1
+        for read, j in reads:
+            column = f"{P}column{j}"
+            self.env[column] = V("kpos") if j == count - 1 else V("tok") if count == 2 else V("tokpart", (j, count - 1))
+            self.s42c_reads[id(read)] = ast.Name(column, ast.Load())
+        self.env[name] = V("flatpos")  # its size reads are the number of pairs
+        return True
+
     def _s42c_nonzero_columns(self, name: str, value: ast.expr) -> bool:
         """s42c: ``nz = (idx == e).nonzero()`` read only as unpacked columns (``b, t, k = nz[:, 0], nz[:, 1], nz[:, 2]``,
         ``nz.unbind(-1)``, ``nz.t()``) and sizes: each unpack is ``torch.where(idx == e)`` (a run-time rank check)."""
@@ -3270,15 +3332,7 @@ class _Eval:
         return self._s44a_count_test(test, nonempty=False)
 
     def _loop_invariant_option(self, test: ast.expr) -> bool:
-        """An option test: names, attributes, constants, comparisons and boolean logic only, over
-        names the loop never assigns (function arguments, module attributes, enum members)."""
-        allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load,
-                   ast.cmpop, ast.boolop, ast.Not)
-        if not all(isinstance(n, allowed) for n in fast_walk(test)):
-            return False
-        written = {n.id for n in fast_walk(self.loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        names = {n.id for n in fast_walk(test) if isinstance(n, ast.Name)}
-        return bool(names) and not (names & (written | self.eidx))
+        return _invariant_option_test(test, self.loop, self.eidx)
 
     def _nonempty_test(self, test: ast.expr) -> bool:
         """``mask.any()``, ``rows.numel() > 0``, ``len(rows) > 0``, ``rows.shape[0] > 0`` / ``!= 0`` over this expert's tokens."""
@@ -3394,7 +3448,10 @@ class _Eval:
                 return V("start")
             return V("outer", (node.id,))
         flat_weight = _moe_s43a.flat_row_weight(node, self.ev, self.s43a_bound)
-        if flat_weight is not None and (flat_weight[2] == "flatmask" and _moe_s43a.top1_indices(self.scope, flat_weight[1], self.loop.lineno)
+        if flat_weight is not None and (flat_weight[2] == "flatmask" and (
+                _moe_s43a.top1_indices(self.scope, flat_weight[1], self.loop.lineno)
+                or _moe_s45b.top1_indices_returned(self.scope, flat_weight[1], self.loop.lineno,  # s45b: from a router
+                                                   lambda d: _s41_call_output(self.m, self.scope, d)))
                                         or flattened_to_1d(self.m, self.scope, flat_weight[1], self.loop.lineno)
                                         or _moe_s43a.column_of_row_view(self.scope, flat_weight[1], self.loop.lineno)):
             # s43a: `w[rows].unsqueeze(-1)` over flat expert indices (top-1 / Switch): each row's weight, applied by
@@ -3443,6 +3500,12 @@ class _Eval:
                 return self._masked_weights(node) or self._product(node)
             if isinstance(node.op, ast.MatMult):
                 return self._project(self.ev(node.left), node.right, "matmul")
+            size = _moe_s45b.flattened_token(node, self.ev) if self.token_dims == 2 else None
+            if size is not None and self._invariant(size):
+                # s45b: `b * T + t`, the row of token (b, t) of [B, T, K] indices in the flattened tokens, where T is
+                # the indices' second dim (a run-time check)
+                self._rank_guard(f"{self.where_indices}.shape[1] == {segment(self.m, size)}")
+                return V("tok")
             if isinstance(node.op, ast.Add):
                 for proj_node, bias_node in ((node.left, node.right), (node.right, node.left)):
                     bias = _moe_s44b.stacked_bias(bias_node, self._is_eidx, self._stacked_base)
@@ -3666,8 +3729,8 @@ class _Eval:
         if base.kind == "where" and isinstance(sl, ast.Constant) and sl.value in (0, 1):
             order = ("kpos", "tok") if base.args[0] == "kt" else ("tok", "kpos")
             return V(order[sl.value])
-        if base.kind in ("rw_pre", "rw_flat") and [self._part_kind(p) for p in parts] == ["all", "none"]:
-            return V("rw")  # w[top_x, idx][:, None]
+        if base.kind in ("rw_pre", "rw_flat") and [self._part_kind(p) for p in parts] in (["all", "none"], ["ellipsis", "none"]):
+            return V("rw")  # w[top_x, idx][:, None] (s45b: `[..., None]`, the same [n, 1] of the [n] weights)
         if base.kind in ("tok", "kpos") and [self._part_kind(p) for p in parts] == ["all"]:
             return base
         if isinstance(node.value, ast.Attribute) and any(self._is_eidx(n) or (isinstance(n, ast.Name) and n.id in self.eidx) for n in fast_walk(sl)):
@@ -4256,6 +4319,10 @@ class _Eval:
             if attr == "index_select" and recv.kind == "outer" and len(node.args) == 2 and const_value(node.args[0]) == 0 \
                     and not isinstance(const_value(node.args[0]), bool) and self.ev(node.args[1]).kind == "tok":
                 return V("x", recv.args)
+            if attr in _CASTS and recv.kind == "scaled" and _moe_s45b.plain_cast(node):
+                # s45b: `y = y.to(out.dtype)` of the weighted output before it is written back: the cast the write-back
+                # strips when written inline (`out[rows] = y.to(...)`), bound to a name first
+                return recv
             if attr == "squeeze" and recv.kind in ("scaled", "mod_out") and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 # [n, H].squeeze(1) is [n, H] for H > 1 (with H == 1 the original's `out[mask] += ...` cannot broadcast)
                 return recv
@@ -12903,9 +12970,15 @@ MoeExperts.FUSE += [
          name="s43b_zeros_then_other_code_before_the_loop", run=_TOP1_MASK_3D_RUN,
          expect={"routing": "flat_mask", "output": "out", "output_dtype": "out.dtype"}),
 ]
+MoeExperts.FUSE += [
+    # s45b: code between that reads the accumulator's dtype only (not its values) does not stop the rewrite either
+    Fuse(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach().to(out.dtype)\n"),
+         name="s45b_zeros_then_code_reading_their_dtype_before_the_loop", run=_TOP1_MASK_3D_RUN),
+]
 MoeExperts.KEEP += [
     Keep(_TOP1_MASK_3D.replace("        out = torch.zeros_like(x)\n",
-                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach().to(out.dtype)\n"),
+                               "        out = torch.zeros_like(x)\n        if not self.training:\n            p = p.detach() + out.sum()\n"),
          reason="is allocated at line 29, but other code (line 30) sits between that allocation and the loop",
          name="s32_accumulator_allocated_with_other_code_before_the_loop"),
     # no allocation at all (the accumulator is a parameter): the general reason stays
@@ -15271,3 +15344,5 @@ MoeExperts.KEEP += _moe_s44b.KEEP
 # s45a (moe45a): dense gates scattered from top-k weights, read as gates[:, e] > 0 (patterns/_moe_s45a.py)
 MoeExperts.FUSE += _moe_s45a.FUSE
 MoeExperts.KEEP += _moe_s45a.KEEP
+MoeExperts.FUSE += _moe_s45b.FUSE  # s45b: capacity switches, router top-1, flat routes by a mask (patterns/_moe_s45b.py)
+MoeExperts.KEEP += _moe_s45b.KEEP
