@@ -1,0 +1,124 @@
+"""s45 (ho22fix45): classes behind the real misses and the wrong extra of the blind sets HO22a / HO22b, with
+invented reproducers.
+
+1. A mask built from bucket boundaries (``t >= ceil((j + 1) * T / P) - 1``, a Linformer projected-KV causal mask):
+   at ``T > P`` the first query rows keep no bucket; torch gives them NaN, npu_fusion_attention's value there is not
+   pinned down (spec 5.1 / 14). ``_mask_rows`` now reads rounding / clamping and a helper's local stored twice in
+   straight-line code, so such a mask takes the run-time check that every query row keeps a key.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns import _mask_rows
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.scan.dataflow import ModuleInfo
+
+# -- 1. bucket-causal masks that can empty a query row -----------------------------------------------------------------
+
+
+def _verdict(body: str, polarity: str) -> str | None:
+    code = "import torch\n\ndef f(q, n, p):\n" + "".join(f"    {ln}\n" for ln in body.splitlines()) + "    return m\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    line = len(code.splitlines())
+    node = ast.parse("m", mode="eval").body
+    node.lineno = line  # type: ignore[attr-defined]
+    v = _mask_rows.row_verdict(node, polarity, _mask_rows.Resolver(module, scope, line))
+    return None if v is None else v.kind
+
+
+@pytest.mark.parametrize("body, polarity, kind", [
+    # bucket boundaries: row 0 keeps bucket 0 only where n <= p
+    ("b = torch.ceil((torch.arange(p) + 1) * (n / p)).long() - 1\nb = torch.clamp(b, max=n - 1)\n"
+     "m = torch.arange(n).unsqueeze(-1) >= b.unsqueeze(0)", "keep", "varies"),
+    ("b = ((torch.arange(p) + 1) * n / p).ceil().long() - 1\nb = b.clamp(max=n - 1)\n"
+     "m = torch.arange(n)[:, None] < b[None, :]", "masked", "varies"),
+    ("b = torch.floor(torch.arange(p) * (n / p)).long()\nm = torch.arange(n)[:, None] >= b[None, :]", "keep", "kept"),
+    # near miss: a strict comparison with a non-negative boundary leaves row 0 empty at every size
+    ("b = torch.clamp(torch.floor(torch.arange(p) * (n / p)).long(), min=0)\nm = torch.arange(n)[:, None] > b[None, :]",
+     "keep", "empty"),
+])
+def test_bucket_boundary_masks_are_read(body: str, polarity: str, kind: str) -> None:
+    assert _verdict(body, polarity) == kind
+
+
+def test_a_store_inside_a_branch_is_not_read_as_straight_line() -> None:
+    # the helper's second store runs only under its branch: not the one store that reaches the return
+    helper = ("def mk(n):\n    b = torch.arange(n)\n    if q:\n        b = b + 1\n"
+              "    return torch.arange(n)[:, None] >= b[None, :]\nm = mk(n)")
+    assert _verdict(helper, "keep") == "varies"
+    straight = helper.replace("    if q:\n        b = b + 1\n", "    b = b + 1\n")
+    assert _verdict(straight, "keep") == "empty"
+
+
+_LINFORMER = '''\
+import math
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class ProjectedAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, block=16, proj=4):
+        super().__init__()
+        self.heads, self.hd, self.proj = heads, dim // heads, proj
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.e_k = nn.Parameter(torch.randn(block, proj) / math.sqrt(proj))
+        self.e_v = nn.Parameter(torch.randn(block, proj) / math.sqrt(proj))
+
+    def _bucket_mask(self, T, device):
+        t = torch.arange(T, device=device)
+        limits = torch.ceil((torch.arange(self.proj, device=device) + 1) * (T / self.proj)).long() - 1
+        limits = torch.clamp(limits, max=T - 1)
+        return t.unsqueeze(-1) >= limits.unsqueeze(0)
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        k = torch.einsum('bnth,tp->bnph', k, self.e_k[:T])
+        v = torch.einsum('bnth,tp->bnph', v, self.e_v[:T])
+        att = torch.einsum('bnth,bnph->bntp', q, k) * (1.0 / math.sqrt(self.hd))
+        keep = self._bucket_mask(T, x.device)
+        att = att.masked_fill(~keep.view(1, 1, T, self.proj), float('-inf'))
+        att = F.softmax(att, dim=-1)
+        y = torch.einsum('bntp,bnph->bnth', att, v)
+        return y.transpose(1, 2).reshape(B, T, -1)
+'''
+
+
+def _run_linformer(T: int) -> str:
+    return f'''
+m = ProjectedAttention()
+x = torch.randn(2, {T}, 32, requires_grad=True)
+out = m(x)
+leaves = [x]
+'''
+
+
+def test_bucket_causal_mask_takes_the_every_row_keeps_a_key_check() -> None:
+    (f,), misses = detect_all(AttentionPattern(), _LINFORMER)
+    assert f.fused.startswith("keep = self._bucket_mask(T, x.device)\nif (not bool((~keep.view(1, 1, T, self.proj)).all(-1).any()))"), f.fused
+    assert any("a query row can keep no key" in r.detail for r in f.risks)
+    # T <= P: every row keeps a bucket, the fused call runs and matches
+    facts = check_rewrite_runs(AttentionPattern(), _LINFORMER, _run_linformer(4), [f])
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999, facts
+
+
+def test_bucket_causal_mask_with_empty_rows_runs_the_original() -> None:
+    (f,), _ = detect_all(AttentionPattern(), _LINFORMER)
+    # T = 16 > P = 4: rows 0-2 keep no bucket; the original (NaN rows) runs, not the fused call
+    facts = check_rewrite_runs(AttentionPattern(), _LINFORMER, _run_linformer(16), [f])
+    assert facts["calls"] == 0, facts["all_calls"]
+
+
+def test_bucket_mask_emptying_row_zero_at_every_size_is_a_near_miss() -> None:
+    code = _LINFORMER.replace("limits = torch.clamp(limits, max=T - 1)", "limits = torch.clamp(limits, min=0)") \
+        .replace("return t.unsqueeze(-1) >= limits", "return t.unsqueeze(-1) > limits")
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert not findings
+    assert any("leaves query row 0 without any key at every size" in m.reason for m in misses), [m.reason for m in misses]
