@@ -5,6 +5,9 @@ invented reproducers.
    at ``T > P`` the first query rows keep no bucket; torch gives them NaN, npu_fusion_attention's value there is not
    pinned down (spec 5.1 / 14). ``_mask_rows`` now reads rounding / clamping and a helper's local stored twice in
    straight-line code, so such a mask takes the run-time check that every query row keeps a key.
+2. add_rms_norm into a norm class whose forward first adapts an input of another width (``if x.size(-1) !=
+   self.dim: pad / truncate``): fused under the run-time test that the width is the norm's (the branch does not run),
+   the original otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns import _mask_rows
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.scan.dataflow import ModuleInfo
 
@@ -122,3 +126,95 @@ def test_bucket_mask_emptying_row_zero_at_every_size_is_a_near_miss() -> None:
     findings, misses = detect_all(AttentionPattern(), code)
     assert not findings
     assert any("leaves query row 0 without any key at every size" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 2. a norm that adapts an input of another width first ---------------------------------------------------------------
+
+_WIDTH_NORM = '''\
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.dim = dim
+
+    def forward(self, x):
+        if x.size(-1) != self.dim:
+            if x.size(-1) < self.dim:
+                x = F.pad(x, (0, self.dim - x.size(-1)))
+            else:
+                x = x[..., :self.dim]
+        rms = torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + self.eps)
+        return x / rms * self.scale
+
+
+class Block(nn.Module):
+    def __init__(self, d, norm_dim=None):
+        super().__init__()
+        self.norm1 = RMSNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.norm2 = RMSNorm(norm_dim or d)
+        self.ffn = nn.Linear(norm_dim or d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        x = x + self.ffn(self.norm2(x))
+        return x
+'''
+
+_TRUNCATE_ONLY = _WIDTH_NORM.replace('''        if x.size(-1) != self.dim:
+            if x.size(-1) < self.dim:
+                x = F.pad(x, (0, self.dim - x.size(-1)))
+            else:
+                x = x[..., :self.dim]
+''', '''        if self.dim != x.shape[-1]:
+            x = x[..., :self.dim]
+''')
+
+_BLOCK_RUN = """
+m = Block(16{extra})
+with torch.no_grad():
+    for p in m.parameters():
+        p.normal_()
+    infer = m(torch.randn(2, 5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = (infer, m(x))
+leaves = [x]
+"""
+
+
+@pytest.mark.parametrize("code", [_WIDTH_NORM, _TRUNCATE_ONLY], ids=["pad_or_truncate", "truncate_reversed_test"])
+def test_norm_adapting_another_width_is_fused_where_the_widths_agree(code: str) -> None:
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
+    assert "x.shape[-1] == self.norm2.dim" in findings[0].fused.splitlines()[0], findings[0].fused
+    facts = check_rewrite_runs(AddRmsNorm(), code, _BLOCK_RUN.format(extra=""), findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+
+
+def test_norm_adapting_another_width_runs_the_original_where_the_widths_differ() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _WIDTH_NORM)
+    facts = check_rewrite_runs(AddRmsNorm(), _WIDTH_NORM, _BLOCK_RUN.format(extra=", norm_dim=20"), findings)
+    assert not facts["all_calls"].get("npu_add_rms_norm") and not facts["all_calls"].get("npu_rms_norm"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.99999, facts
+
+
+@pytest.mark.parametrize("change, why", [
+    # the branch returns another computation: not a width adaptation before the norm
+    ("                x = x[..., :self.dim]\n", "                return x[..., :self.dim]\n"),
+    # the input is rebound after the branch too (scaled): the norm of a value computed from the input
+    ("        rms = torch.sqrt(", "        x = x * 2.0\n        rms = torch.sqrt("),
+    # the test reads something other than the input's width
+    ("        if x.size(-1) != self.dim:\n", "        if x.size(0) != self.dim:\n"),
+], ids=["returning_branch", "rebound_after", "other_size"])
+def test_width_adaptations_that_change_the_value_stay_unfused(change: tuple[str, str], why: str) -> None:
+    code = _WIDTH_NORM.replace(change, why)
+    assert code != _WIDTH_NORM
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert not findings, findings[0].fused

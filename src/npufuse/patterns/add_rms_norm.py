@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1866,6 +1866,11 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     # s37: the value normalised must be the module's input itself; a forward normalising ``y = x * self.pre``
     # (or a masked input) was fused as the norm of the sum, dropping the factor. A name rebound only by
     # function calls of the input keeps the earlier reading (see _computed_by_arithmetic)
+    # s45: ``if x.size(-1) != self.dim: x = pad(x) / x[..., :dim]`` first: the input itself where the widths agree
+    adapter = _add_rms_norm_s45h.width_adapter(fwd, params[0], params[1], mod) \
+        if isinstance(m.core.x, ast.Name) and m.core.x.id == params[1] else None
+    if adapter is not None:
+        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=[adapter[1]])
     if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
             and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
         return NormCall(call, attr, "not_rms", cls=cls + where,
@@ -2494,7 +2499,11 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         conditions.append(S.source_of(module, site.wrapper.test))
     if site.gap is not None:
         conditions.append(f"not ({S.source_of(module, site.gap.test)})")
-    conditions += site.nc.conditions
+    width = _add_rms_norm_s45h.on_operand(site.nc.conditions, [S.source_of(module, x) for x in (site.x1, site.x2) if _simple(x)])
+    if width is None:  # s45: a width test of the norm's input needs an operand it can read twice
+        return (f"norm {m.cls} adapts an input of another width first (`if x.size(-1) != dim`); npufuse tests the width "
+                "on an operand of the sum, and neither operand is a plain name it can read a second time")
+    conditions += width
     if m.kind == "rms":
         assert m.match is not None
         try:
