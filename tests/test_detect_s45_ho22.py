@@ -8,6 +8,9 @@ invented reproducers.
 2. add_rms_norm into a norm class whose forward first adapts an input of another width (``if x.size(-1) !=
    self.dim: pad / truncate``): fused under the run-time test that the width is the norm's (the branch does not run),
    the original otherwise.
+3. moe_experts: a per-expert loop in a helper method whose routing weights and top-k indices are its parameters
+   (shown shaped alike at every call of the method), the weight read as ``(w * (idx == e)).sum(1)[token_rows]``
+   with the rows ``mask.any(1).nonzero(as_tuple=True)[0]``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pattern_harness import check_rewrite_runs, detect_all
 from npufuse.patterns import _mask_rows
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.scan.dataflow import ModuleInfo
 
 # -- 1. bucket-causal masks that can empty a query row -----------------------------------------------------------------
@@ -218,3 +222,109 @@ def test_width_adaptations_that_change_the_value_stay_unfused(change: tuple[str,
     assert code != _WIDTH_NORM
     findings, _ = detect_all(AddRmsNorm(), code)
     assert not findings, findings[0].fused
+
+
+# -- 3. routing weights and indices handed to a helper method ------------------------------------------------------------
+
+_HELPER_MOE = '''\
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Router(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-8)
+        return w, idx, probs
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, d=16, h=32, n=4, k=2):
+        super().__init__()
+        self.num_experts = n
+        self.router = Router(d, n, k)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        B, T, D = x.shape
+        flat = x.view(-1, D)
+        routing_weights, selected, _ = self.router(flat)
+        out = self._experts(flat, routing_weights, selected)
+        return out.view(B, T, D)
+
+    def _experts(self, x, routing_weights, selected):
+        N, D = x.shape
+        output = torch.zeros(N, D, device=x.device, dtype=x.dtype)
+        for e in range(self.num_experts):
+            mask = (selected == e)
+            if not mask.any():
+                continue
+            rows = mask.any(dim=1).nonzero(as_tuple=True)[0]
+            y = self.experts[e](x[rows])
+            weights = (routing_weights * mask.float()).sum(dim=1)
+            output.index_add_(0, rows, y * weights[rows].unsqueeze(-1))
+        return output
+'''
+
+_HELPER_MOE_RUN = """
+torch.manual_seed(0)
+m = MoE()
+x = torch.randn(2, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x]
+"""
+
+
+def test_expert_loop_in_a_helper_method_reads_the_callers_router_outputs() -> None:
+    findings, misses = detect_all(MoeExperts(), _HELPER_MOE)
+    assert [f.qualname for f in findings] == ["MoE._experts"], [m.reason for m in misses]
+    facts = check_rewrite_runs(MoeExperts(), _HELPER_MOE, _HELPER_MOE_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999 and min(facts["cos_grad"]) >= 0.9999, facts
+
+
+def test_expert_loop_with_local_router_outputs_reads_the_weight_at_the_token_rows() -> None:
+    # the same loop inline: the weight `(w * mask).sum(1)[rows]` at rows from `mask.any(1).nonzero(as_tuple=True)[0]`
+    code = _HELPER_MOE.replace("        out = self._experts(flat, routing_weights, selected)\n",
+                               "        x = flat\n        N = x.shape[0]\n        output = torch.zeros_like(x)\n"
+                               "        for e in range(self.num_experts):\n            mask = (selected == e)\n"
+                               "            rows = mask.any(dim=1).nonzero(as_tuple=True)[0]\n"
+                               "            weights = (routing_weights * mask.float()).sum(dim=1)\n"
+                               "            output.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows].unsqueeze(-1))\n"
+                               "        out = output\n")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert "MoE.forward" in [f.qualname for f in findings], [m.reason for m in misses]
+    f = next(f for f in findings if f.qualname == "MoE.forward")
+    facts = check_rewrite_runs(MoeExperts(), code, _HELPER_MOE_RUN, [f])
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) >= 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # one caller hands the softmax over every expert as the weights: [N, E] beside [N, K] indices, not shaped alike
+    ("        out = self._experts(flat, routing_weights, selected)\n",
+     "        out = self._experts(flat, routing_weights, selected)\n        out = out + self._experts(flat, _, selected)\n"),
+    # the method is also reached as a stored bound method: its callers are not all known
+    ("        out = self._experts(flat, routing_weights, selected)\n",
+     "        run = self._experts\n        out = run(flat, routing_weights, selected)\n"),
+], ids=["dense_probs_at_one_caller", "stored_bound_method"])
+def test_helper_method_weights_not_shown_shaped_like_the_indices_stay_unfused(change: tuple[str, str]) -> None:
+    code = _HELPER_MOE.replace(*change)
+    assert code != _HELPER_MOE
+    findings, misses = detect_all(MoeExperts(), code)
+    assert "MoE._experts" not in [f.qualname for f in findings]
