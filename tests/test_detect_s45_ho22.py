@@ -11,6 +11,8 @@ invented reproducers.
 3. moe_experts: a per-expert loop in a helper method whose routing weights and top-k indices are its parameters
    (shown shaped alike at every call of the method), the weight read as ``(w * (idx == e)).sum(1)[token_rows]``
    with the rows ``mask.any(1).nonzero(as_tuple=True)[0]``.
+4. 1-D expert indices through selections: ``flat = idx.reshape(-1)`` (or ``ravel``) then ``flat[keep]`` /
+   ``flat[order]`` with ``order = argsort(flat)`` stay 1-D, so ``(flat == e).nonzero()`` lists rows.
 """
 
 from __future__ import annotations
@@ -328,3 +330,28 @@ def test_helper_method_weights_not_shown_shaped_like_the_indices_stay_unfused(ch
     assert code != _HELPER_MOE
     findings, misses = detect_all(MoeExperts(), code)
     assert "MoE._experts" not in [f.qualname for f in findings]
+
+
+# -- 4. 1-D indices through selections ------------------------------------------------------------------------------------
+
+
+def _one_d(body: str, name: str) -> bool:
+    from npufuse.scan.canonical import flattened_to_1d
+
+    code = "import torch\n\ndef f(idx, w, k):\n" + "".join(f"    {ln}\n" for ln in body.splitlines()) + "    return None\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    return flattened_to_1d(module, scope, name, len(code.splitlines()))
+
+
+@pytest.mark.parametrize("body, one_d", [
+    ("e = idx.reshape(-1)\nkeep = w.reshape(-1) > 1e-12\ne = e[keep]\norder = torch.argsort(e)\ns = e[order]", True),
+    ("e = idx.ravel()\ns = e[e.argsort()]", True),
+    ("e = torch.ravel(idx).long()\ns = e[e != k]", True),
+    ("e = idx.view(-1)\ns = e[w]", False),          # w: not shown 1-D nor a mask (could be a [n, 2] index)
+    ("e = idx[w > 0]", False),                       # idx itself not shown 1-D (a mask of a 2-D idx is 1-D, not read)
+    ("e = idx.reshape(-1)\ns = e[:, None]", False),  # a new axis: 2-D
+    ("s = idx[torch.argsort(idx)]", False),          # idx of unknown rank
+])
+def test_selections_from_a_flattened_index_stay_one_d(body: str, one_d: bool) -> None:
+    assert _one_d(body, "s" if "s =" in body else "e") is one_d

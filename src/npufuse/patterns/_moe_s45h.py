@@ -79,3 +79,61 @@ def _every_call_binds(module: ModuleInfo, scope: Scope, fn: ast.FunctionDef | as
                 return False
             found = True
     return found
+
+
+# -- 2. 1-D expert indices through selections (FlashMoE: ``exp = idx.reshape(-1)[keep][order]``) ---------------------------
+
+_FLATTENING = ("flatten", "ravel")
+_VALUE_KEEPING = ("to", "float", "half", "bfloat16", "type_as", "contiguous", "detach", "clone", "long", "int", "cpu")
+
+
+def one_d(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int, depth: int = 8) -> bool:
+    """Whether ``node`` (read before ``line``) provably holds a 1-D tensor: ``x.view(-1)`` / ``x.reshape(-1)`` /
+    ``x.flatten()`` / ``x.ravel()`` / ``torch.flatten(x)`` (``torch.ravel(x)``), a cast of one, and -- s45 -- a
+    selection from one: ``y[t]`` with ``y`` 1-D and ``t`` a 1-D index or a boolean mask (a comparison: indexing a 1-D
+    tensor with a mask gives 1-D), ``argsort`` of a 1-D tensor, a comparison of a 1-D tensor with a number. Names
+    through their last assignment before the read."""
+    if node is None or depth <= 0:
+        return False
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        return value is not None and one_d(module, scope, value, getattr(value, "lineno", line), depth - 1)
+    if isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 1 and not node.keywords:
+            c = node.args[0]
+            return isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and isinstance(c.operand, ast.Constant) \
+                and c.operand.value == 1 or isinstance(c, ast.Tuple) and len(c.elts) == 1 and one_d_size(c.elts[0])
+        torch_fn = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch"
+        if torch_fn and f.attr in _FLATTENING and len(node.args) == 1 and not node.keywords:  # type: ignore[union-attr]
+            return True
+        if torch_fn and f.attr == "argsort" and node.args and len(node.args) + len(node.keywords) <= 2:  # type: ignore[union-attr]
+            return one_d(module, scope, node.args[0], line, depth - 1)
+        if isinstance(f, ast.Attribute) and not torch_fn:
+            if f.attr in _FLATTENING and not node.args and not node.keywords:
+                return True
+            if f.attr in _VALUE_KEEPING or f.attr == "argsort" and len(node.args) + len(node.keywords) <= 1:
+                return one_d(module, scope, f.value, line, depth - 1)
+        return False
+    if isinstance(node, ast.Subscript) and not isinstance(node.slice, (ast.Tuple, ast.Slice, ast.Constant)):
+        return one_d(module, scope, node.value, line, depth - 1) and (
+            one_d(module, scope, node.slice, line, depth - 1) or _mask_of(module, scope, node.slice, line, depth - 1))
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and not isinstance(node.ops[0], (ast.In, ast.NotIn, ast.Is, ast.IsNot)):
+        sides = (node.left, node.comparators[0])
+        return any(one_d(module, scope, s, line, depth - 1) for s in sides) \
+            and all(isinstance(s, ast.Constant) or one_d(module, scope, s, line, depth - 1) for s in sides)
+    return False
+
+
+def one_d_size(node: ast.expr) -> bool:
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+        and node.operand.value == 1
+
+
+def _mask_of(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth: int) -> bool:
+    """``node`` is a boolean mask (a comparison, through a name): indexing a 1-D tensor with it gives 1-D."""
+    if isinstance(node, ast.Name):
+        value = scope.definition(node.id, line)
+        return value is not None and depth > 0 and _mask_of(module, scope, value, getattr(value, "lineno", line), depth - 1)
+    return isinstance(node, ast.Compare) and len(node.ops) == 1 \
+        and isinstance(node.ops[0], (ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq))
