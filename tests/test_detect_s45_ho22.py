@@ -13,6 +13,8 @@ invented reproducers.
    with the rows ``mask.any(1).nonzero(as_tuple=True)[0]``.
 4. 1-D expert indices through selections: ``flat = idx.reshape(-1)`` (or ``ravel``) then ``flat[keep]`` /
    ``flat[order]`` with ``order = argsort(flat)`` stay 1-D, so ``(flat == e).nonzero()`` lists rows.
+5. add_rms_norm into a norm class with eps added outside the root (``x / (||x|| * d ** -0.5 + eps) * g``): mapped to
+   eps' = eps ** 2 as rms_norm maps it alone (the probe's bound decides: every dtype, fp16 / bf16 only, or refused).
 """
 
 from __future__ import annotations
@@ -355,3 +357,56 @@ def _one_d(body: str, name: str) -> bool:
 ])
 def test_selections_from_a_flattened_index_stay_one_d(body: str, one_d: bool) -> None:
     assert _one_d(body, "s" if "s =" in body else "e") is one_d
+
+
+# -- 5. add + a norm with eps outside the root ---------------------------------------------------------------------------
+
+_EPS_OUTSIDE = '''\
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-8):
+        super().__init__()
+        self.scale = dim ** -0.5
+        self.eps = eps
+        self.g = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        norm = torch.norm(x, dim=-1, keepdim=True) * self.scale
+        return x / (norm + self.eps) * self.g
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm1 = RMSNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.norm2 = RMSNorm(d)
+        self.ffn = nn.Linear(d, d)
+
+    def forward(self, x):
+        residual = x
+        h = self.norm1(x)
+        x = residual + self.attn(h)
+        residual = x
+        h = self.norm2(x)
+        return residual + self.ffn(h)
+'''
+
+
+def test_add_into_a_norm_with_eps_outside_the_root_maps_eps() -> None:
+    findings, misses = detect_all(AddRmsNorm(), _EPS_OUTSIDE)
+    assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
+    f = findings[0]
+    assert f.params["eps_rule"] == "added outside the root" and f.params["eps"] == "(self.norm2.eps) ** 2", f.params
+    facts = check_rewrite_runs(AddRmsNorm(), _EPS_OUTSIDE, _BLOCK_RUN.format(extra=""), findings)
+    assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+
+
+def test_add_into_a_norm_with_a_large_eps_outside_the_root_stays_unfused() -> None:
+    # eps 1e-2 outside the root differs from any eps inside it by far more than fp16's tolerance at rms 1
+    findings, _ = detect_all(AddRmsNorm(), _EPS_OUTSIDE.replace("eps=1e-8", "eps=1e-2"))
+    assert not findings, findings[0].fused

@@ -6883,8 +6883,9 @@ def _s42_weightless_library_norm(module: ModuleInfo, call: ast.Call, attr: str, 
 # stated risk, and the same dtype rule: where the difference at rms 1 exceeds fp32's tolerance, the fused branch runs
 # for fp16 / bf16 sums only.
 
-# eps added outside the root stays refused here (s41's decision for the add + norm; rms_norm alone takes it)
-_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square")
+# s45 (HO22b GeoAlign ``x / (||x|| * d ** -0.5 + eps) * g``): eps added outside the root is mapped too, as rms_norm
+# maps it alone (eps' = eps ** 2, the probe's bound: every dtype up to 1e-6, fp16 / bf16 only up to 1e-4, refused above)
+_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square", "added outside the root")
 
 
 def _s42_eps_on_instance(text: str, me: str, mod: str) -> str | None:
