@@ -19,12 +19,12 @@ invented reproducers.
 
 from __future__ import annotations
 
-import ast
 
 import pytest
 from pattern_harness import check_rewrite_runs, detect_all
+from test_detect_s40_wrong_classes import _verdict
+from test_detect_s43_sweep import _BLOCK_RUN
 
-from npufuse.patterns import _mask_rows
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.moe_experts import MoeExperts
@@ -33,26 +33,15 @@ from npufuse.scan.dataflow import ModuleInfo
 # -- 1. bucket-causal masks that can empty a query row -----------------------------------------------------------------
 
 
-def _verdict(body: str, polarity: str) -> str | None:
-    code = "import torch\n\ndef f(q, n, p):\n" + "".join(f"    {ln}\n" for ln in body.splitlines()) + "    return m\n"
-    module = ModuleInfo.from_source("m.py", code)
-    scope = next(s for s in module.scopes if s.qualname == "f")
-    line = len(code.splitlines())
-    node = ast.parse("m", mode="eval").body
-    node.lineno = line  # type: ignore[attr-defined]
-    v = _mask_rows.row_verdict(node, polarity, _mask_rows.Resolver(module, scope, line))
-    return None if v is None else v.kind
-
-
 @pytest.mark.parametrize("body, polarity, kind", [
     # bucket boundaries: row 0 keeps bucket 0 only where n <= p
-    ("b = torch.ceil((torch.arange(p) + 1) * (n / p)).long() - 1\nb = torch.clamp(b, max=n - 1)\n"
+    ("b = torch.ceil((torch.arange(w) + 1) * (n / w)).long() - 1\nb = torch.clamp(b, max=n - 1)\n"
      "m = torch.arange(n).unsqueeze(-1) >= b.unsqueeze(0)", "keep", "varies"),
-    ("b = ((torch.arange(p) + 1) * n / p).ceil().long() - 1\nb = b.clamp(max=n - 1)\n"
+    ("b = ((torch.arange(w) + 1) * n / w).ceil().long() - 1\nb = b.clamp(max=n - 1)\n"
      "m = torch.arange(n)[:, None] < b[None, :]", "masked", "varies"),
-    ("b = torch.floor(torch.arange(p) * (n / p)).long()\nm = torch.arange(n)[:, None] >= b[None, :]", "keep", "kept"),
+    ("b = torch.floor(torch.arange(w) * (n / w)).long()\nm = torch.arange(n)[:, None] >= b[None, :]", "keep", "kept"),
     # near miss: a strict comparison with a non-negative boundary leaves row 0 empty at every size
-    ("b = torch.clamp(torch.floor(torch.arange(p) * (n / p)).long(), min=0)\nm = torch.arange(n)[:, None] > b[None, :]",
+    ("b = torch.clamp(torch.floor(torch.arange(w) * (n / w)).long(), min=0)\nm = torch.arange(n)[:, None] > b[None, :]",
      "keep", "empty"),
 ])
 def test_bucket_boundary_masks_are_read(body: str, polarity: str, kind: str) -> None:
@@ -184,31 +173,19 @@ _TRUNCATE_ONLY = _WIDTH_NORM.replace('''        if x.size(-1) != self.dim:
             x = x[..., :self.dim]
 ''')
 
-_BLOCK_RUN = """
-m = Block(16{extra})
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_()
-    infer = m(torch.randn(2, 5, 16))
-x = torch.randn(2, 5, 16, requires_grad=True)
-out = (infer, m(x))
-leaves = [x]
-"""
-
-
 @pytest.mark.parametrize("code", [_WIDTH_NORM, _TRUNCATE_ONLY], ids=["pad_or_truncate", "truncate_reversed_test"])
 def test_norm_adapting_another_width_is_fused_where_the_widths_agree(code: str) -> None:
     findings, misses = detect_all(AddRmsNorm(), code)
     assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
     assert "x.shape[-1] == self.norm2.dim" in findings[0].fused.splitlines()[0], findings[0].fused
-    facts = check_rewrite_runs(AddRmsNorm(), code, _BLOCK_RUN.format(extra=""), findings)
+    facts = check_rewrite_runs(AddRmsNorm(), code, _BLOCK_RUN, findings)
     assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
     assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
 
 
 def test_norm_adapting_another_width_runs_the_original_where_the_widths_differ() -> None:
     findings, _ = detect_all(AddRmsNorm(), _WIDTH_NORM)
-    facts = check_rewrite_runs(AddRmsNorm(), _WIDTH_NORM, _BLOCK_RUN.format(extra=", norm_dim=20"), findings)
+    facts = check_rewrite_runs(AddRmsNorm(), _WIDTH_NORM, _BLOCK_RUN.replace("Block(16)", "Block(16, norm_dim=20)"), findings)
     assert not facts["all_calls"].get("npu_add_rms_norm") and not facts["all_calls"].get("npu_rms_norm"), facts["all_calls"]
     assert min(facts["cos_out"]) > 0.99999, facts
 
@@ -401,7 +378,7 @@ def test_add_into_a_norm_with_eps_outside_the_root_maps_eps() -> None:
     assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
     f = findings[0]
     assert f.params["eps_rule"] == "added outside the root" and f.params["eps"] == "(self.norm2.eps) ** 2", f.params
-    facts = check_rewrite_runs(AddRmsNorm(), _EPS_OUTSIDE, _BLOCK_RUN.format(extra=""), findings)
+    facts = check_rewrite_runs(AddRmsNorm(), _EPS_OUTSIDE, _BLOCK_RUN, findings)
     assert facts["all_calls"].get("npu_add_rms_norm"), facts["all_calls"]
     assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
 
