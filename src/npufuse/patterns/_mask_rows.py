@@ -23,6 +23,8 @@ import itertools
 import math
 from typing import Any, Callable, Iterator, Optional
 
+from npufuse.patterns import _attention_s45h
+
 # torch is imported only when a mask construction is evaluated: a scan imports no torch otherwise (~1.7 s of start-up)
 torch: Any = None
 
@@ -292,6 +294,10 @@ class _Evaluator:
             return torch.where(c, torch.as_tensor(a), torch.as_tensor(b))
         if name in ("zeros_like", "ones_like") and args:
             return getattr(torch, name)(self.ev(args[0]))
+        if name in _attention_s45h.ROUNDING + _attention_s45h.CLAMPS and args:  # s45: bucket boundaries (ceil, clamp)
+            out = _attention_s45h.rounding_op(torch, name, self.ev(args[0]), [self.ev(a) for a in args[1:]], kw, self.ev)
+            if out is not NotImplemented:
+                return out
         raise _Unread(f"torch.{name}")
 
     def _method(self, name: str, recv: torch.Tensor, call: ast.Call, kw: dict[str, Any]) -> Any:
@@ -322,6 +328,10 @@ class _Evaluator:
             return getattr(recv, name)(*args)
         if name == "transpose" and len(args) == 2:
             return recv.transpose(*args)
+        if name in _attention_s45h.ROUNDING + _attention_s45h.CLAMPS:  # s45: bucket boundaries (ceil, clamp)
+            out = _attention_s45h.rounding_op(torch, name, recv, args, kw, self.ev)
+            if out is not NotImplemented:
+                return out
         raise _Unread(f".{name}")
 
 
@@ -354,7 +364,9 @@ def _inlined(resolve: Callable[[Any], Any], n: Any) -> Any:
 
 
 def _shape_read(node: ast.Subscript) -> bool:
-    return isinstance(node.value, ast.Attribute) and node.value.attr == "shape"
+    # s45: ``x.size()[1]`` (a tuple unpacked from ``x.size()``) is a size read as ``x.shape[1]`` is
+    return isinstance(node.value, ast.Attribute) and node.value.attr == "shape" or isinstance(node.value, ast.Call) \
+        and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "size" and not node.value.args
 
 
 _OVER_BUDGET = object()
@@ -415,7 +427,7 @@ def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Opt
             f = n.func
             if isinstance(f, ast.Attribute) and not _is_torch_fn(n):
                 stack.append(f.value)
-            stack += list(n.args) + [k.value for k in n.keywords if k.arg in ("diagonal", "end", "start")]
+            stack += list(n.args) + [k.value for k in n.keywords if k.arg in ("diagonal", "end", "start", "min", "max")]
             continue
         if isinstance(n, ast.Attribute):
             continue
@@ -711,15 +723,15 @@ class Resolver:
         frame = self.foreign.get(id(n))
         if isinstance(n, ast.Name):
             if frame is not None:
-                found = self._in_frame(frame, n.id)
+                found = self._in_frame(frame, n.id, n)
                 return found[0] if found is not None and len(found) == 1 else None if found is None else _UNREAD_NODE
             return self.scope.definition(n.id, getattr(n, "lineno", None) or self.line)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
-                and (frame is None or frame.same_class):
+        if isinstance(n, ast.Attribute) and _key(n.value) == "self" and (frame is None or frame.same_class):
+            # (s45: the site's ``self`` may be a detector's symbolic local, read as its name)
             return self._attribute(n.attr)
         return None
 
-    def _in_frame(self, frame: _Frame, name: str) -> Optional[list[Any]]:
+    def _in_frame(self, frame: _Frame, name: str, read: Optional[ast.AST] = None) -> Optional[list[Any]]:
         """What ``name`` read in ``frame`` holds: [value] (a parameter's binding, the function's one store), every store
         when it has several, None for an unknown scalar."""
         fr: Optional[_Frame] = frame
@@ -731,6 +743,10 @@ class Resolver:
             if stores:
                 if any(isinstance(a, ast.AugAssign) or a.value is None for a in stores):
                     return [_UNREAD_NODE]
+                reaching = _attention_s45h.reaching_store(fr.fn, stores, read) if read is not None and fr is frame \
+                    and len(stores) > 1 else None  # s45: ``b = ceil(..); b = clamp(b, ..)`` in straight-line code
+                if reaching is not None:
+                    return [self._adopt(fr, reaching.value)]  # type: ignore[attr-defined]
                 return [self._adopt(fr, a.value) for a in stores]  # type: ignore[misc]
             if fr.parent is None and fr.site_closure:
                 value = self.scope.definition(name, self.line)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45sweep, _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1870,6 +1870,11 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     # s37: the value normalised must be the module's input itself; a forward normalising ``y = x * self.pre``
     # (or a masked input) was fused as the norm of the sum, dropping the factor. A name rebound only by
     # function calls of the input keeps the earlier reading (see _computed_by_arithmetic)
+    # s45: ``if x.size(-1) != self.dim: x = pad(x) / x[..., :dim]`` first: the input itself where the widths agree
+    adapter = _add_rms_norm_s45h.width_adapter(fwd, params[0], params[1], mod) \
+        if isinstance(m.core.x, ast.Name) and m.core.x.id == params[1] else None
+    if adapter is not None:
+        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=[adapter[1]])
     if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
             and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
         return NormCall(call, attr, "not_rms", cls=cls + where,
@@ -2511,7 +2516,11 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         conditions.append(S.source_of(module, site.wrapper.test))
     if site.gap is not None:
         conditions.append(f"not ({S.source_of(module, site.gap.test)})")
-    conditions += site.nc.conditions
+    width = _add_rms_norm_s45h.on_operand(site.nc.conditions, [S.source_of(module, x) for x in (site.x1, site.x2) if _simple(x)])
+    if width is None:  # s45: a width test of the norm's input needs an operand it can read twice
+        return (f"norm {m.cls} adapts an input of another width first (`if x.size(-1) != dim`); npufuse tests the width "
+                "on an operand of the sum, and neither operand is a plain name it can read a second time")
+    conditions += width
     if m.kind == "rms":
         assert m.match is not None
         try:
@@ -6913,8 +6922,9 @@ def _s42_weightless_library_norm(module: ModuleInfo, call: ast.Call, attr: str, 
 # stated risk, and the same dtype rule: where the difference at rms 1 exceeds fp32's tolerance, the fused branch runs
 # for fp16 / bf16 sums only.
 
-# eps added outside the root stays refused here (s41's decision for the add + norm; rms_norm alone takes it)
-_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square")
+# s45 (HO22b GeoAlign ``x / (||x|| * d ** -0.5 + eps) * g``): eps added outside the root is mapped too, as rms_norm
+# maps it alone (eps' = eps ** 2, the probe's bound: every dtype up to 1e-6, fp16 / bf16 only up to 1e-4, refused above)
+_S42_MAPPED_EPS_RULES = ("clamp on the norm", "clamp on the mean square", "added outside the root")
 
 
 def _s42_eps_on_instance(text: str, me: str, mod: str) -> str | None:

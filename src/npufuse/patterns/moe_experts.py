@@ -43,6 +43,7 @@ from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s45b
+from npufuse.patterns import _moe_s45h
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -3720,9 +3721,10 @@ class _Eval:
             return base.args[0]  # s41b: wt[tok] after wt[tok] = v: v (the rows are distinct)
         if base.kind == "rw_at_slot" and [self._part_kind(p) for p in parts] in (["tokmask"], ["tok"]):
             return V("rw")  # s41b: w.gather(1, slot)[tok]: [n, 1], each selected token's weight at its slot of e
-        if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] == ["tokmask"]:
+        # s45: or indexed by the token rows of that mask (``mask.any(1).nonzero(as_tuple=True)[0]``, the same rows in order)
+        if base.kind == "rw_dense" and [self._part_kind(p) for p in parts] in (["tokmask"], ["tok"]):
             return V("rw")  # (w * mask).sum(-1, keepdim=True)[rows]: [n, 1]
-        if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] == ["tokmask"]:
+        if base.kind == "rw_dense_row" and [self._part_kind(p) for p in parts] in (["tokmask"], ["tok"]):
             return V("rw_row")  # (w * mask).sum(-1)[rows]: [n], each selected token's weight for e
         if base.kind == "rw_row" and [self._part_kind(p) for p in parts] == ["all", "none"]:
             return V("rw")  # gates[mask, e][:, None]
@@ -13854,7 +13856,8 @@ def _s41_shaped_like_indices(module: ModuleInfo, scope: Scope, weights: str, ind
     w_out = _s41_call_output(module, scope, scope.definition(weights, line))
     i_out = _s41_call_output(module, scope, scope.definition(indices, line))
     if w_out is None or i_out is None or w_out[3] is not i_out[3]:
-        return False
+        # s45: parameters of a helper method, shown shaped alike where every call binds them
+        return _moe_s45h.shaped_alike_at_callers(module, scope, weights, indices, line, _s41_shaped_like_indices)
     fscope, w_ret, end, _ = w_out
     i_ret = i_out[1]
     return isinstance(w_ret, ast.Name) and isinstance(i_ret, ast.Name) \

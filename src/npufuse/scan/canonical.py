@@ -1015,7 +1015,7 @@ def flattened_to_1d(module: ModuleInfo, scope: Scope, name: str, before_line: in
     node = scope.definition(name, before_line)
     for _ in range(4):
         if not isinstance(node, ast.Call):
-            return False
+            break
         f = node.func
         if isinstance(f, ast.Attribute) and f.attr in ("view", "reshape") and len(node.args) == 1 and not node.keywords:
             return const_value(node.args[0]) == -1
@@ -1024,8 +1024,14 @@ def flattened_to_1d(module: ModuleInfo, scope: Scope, name: str, before_line: in
         if isinstance(f, ast.Attribute) and f.attr in _SHAPE_KEEPING_CASTS + ("long", "int", "cpu"):
             node = f.value
             continue
-        return api(module, f) == "torch.flatten" and len(node.args) == 1 and not node.keywords
-    return False
+        if api(module, f) == "torch.flatten" and len(node.args) == 1 and not node.keywords:
+            return True
+        break
+    if node is None:
+        return False
+    from npufuse.patterns import _moe_s45h  # s45: ravel, and selections from a flattened tensor (``flat[keep][order]``)
+
+    return _moe_s45h.one_d(module, scope, ast.Name(id=name, ctx=ast.Load()), before_line)
 
 # --- attention: an in-place add on a trailing slice as an add of a padded term ---
 from npufuse.scan.dataflow import dotted  # noqa: E402  (this block's own import)
