@@ -560,13 +560,6 @@ def sorted_other_way(scope: Scope, order: str, line: int) -> bool:
         and any(k.arg in ("descending", "dim") for k in node.keywords)
 
 
-def metadata_reads_only(stmt: ast.stmt, name: str) -> bool:
-    """Every read of ``name`` in ``stmt`` is ``name.device`` / ``.dtype`` / ``.shape`` / ``.size(..)`` (an allocation
-    like it; weighting by a [n, 1] column keeps the shape)."""
-    meta = {id(n.value) for n in fast_walk(stmt) if isinstance(n, ast.Attribute) and n.attr in ("dtype", "device", "shape", "size")}
-    return all(id(n) in meta for n in fast_walk(stmt) if isinstance(n, ast.Name) and n.id == name)
-
-
 def overlap_add_line(target: str, y: str) -> str:
     """``target`` += ``y`` over the columns both have: what the scatter_add over an index as wide as one of them adds."""
     return f"{target}[..., :{y}.shape[-1]] += {y}[..., :{target}.shape[-1]]  # (the columns the scatter_add index covers)"

@@ -1674,7 +1674,7 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
             continue
         reads = [n for n in fast_walk(st) if isinstance(n, ast.Name) and n.id == buf]
         if reads and st is not bdef[0] and not isinstance(st, ast.For):
-            if st.lineno > weighting.lineno and _moe_s45a.metadata_reads_only(st, buf):
+            if st.lineno > weighting.lineno and _moe_s45b.metadata_reads_only(st, buf):
                 meta_read = True
                 continue
             raise _Miss(f"`{segment(module, st)[:50]}` reads the expert rows `{buf}` outside the expert loop")
