@@ -429,7 +429,8 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
     new.visit(collector)
     # our own output: the checked source plus one guarded block per site (a level or two deeper,
     # far inside the limit's margin); refusing it here would strand a half-done rewrite
-    wrapper = MetadataWrapper(cst.parse_module(outcome.text))
+    # a tree parsed here and shared with nobody: libcst's defensive deep copy of it would only cost time
+    wrapper = MetadataWrapper(cst.parse_module(outcome.text), unsafe_skip_copy=True)
     positions = wrapper.resolve(PositionProvider)
     final = _MarkedCollector()
     wrapper.module.visit(final)
