@@ -482,7 +482,8 @@ def marked_sites(source: str) -> list[MarkedSite]:
     """Every npufuse-marked if/else in ``source``, in order (qualname as the scan spells it).
     Raises ``cst.ParserSyntaxError`` or :class:`nesting.TooDeep` for a file libcst cannot read."""
     finder = _MarkedFinder()
-    MetadataWrapper(parse_module(source)).visit(finder)
+    # parsed here, read by a visitor that keeps no node: libcst's defensive deep copy would only cost time
+    MetadataWrapper(parse_module(source), unsafe_skip_copy=True).visit(finder)
     return finder.sites
 
 
