@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     Every xdist worker collects and sorts alike, so the workers' lists agree."""
 
     def rank(item) -> int:
-        file_and_function = f"{item.path.name}::{item.originalname}"
+        file_and_function = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
         return _LONG_RANK.get(file_and_function, len(_LONG_TESTS))
 
     items.sort(key=rank)
