@@ -20,3 +20,54 @@ import signal as _signal
 
 if hasattr(_signal, "SIGINT") and _signal.getsignal(_signal.SIGINT) is _signal.SIG_IGN:
     _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
+# Longest tests first (s45). pytest-xdist hands tests out in collection order; a 40-60 s test that a worker
+# starts when the queue is nearly empty keeps the run going alone for that long while the other core idles.
+# These tests (>= ~4 s each on 2 cores, measured at the end of s44) are moved to the front, longest first,
+# so the last tests handed out are the short ones. Only the order changes: every test still runs. A name
+# that no longer exists moves nothing; a new long test only costs its own tail until it is listed here.
+_LONG_TESTS = (
+    "test_installed_packages_flow.py::test_installed_model_full_flow",
+    "test_example_nano_gpt.py::test_verify_op_then_e2e_all_gives_a_verdict_per_candidate",
+    "test_installed_packages.py::test_patch_mode_scan_apply_verify_revert_keeps_site_packages_identical",
+    "test_scan_prefilter.py::test_every_example_and_sample_file_analyses_the_same_with_the_fast_paths_off",
+    "test_scan_prefilter.py::test_scope_listing_index_and_reads_match_the_references",
+    "test_scan_prefilter.py::test_report_filters_remember_nothing_wrong",
+    "test_verify_demo.py::test_demo_op_capture_e2e_and_broken_branch",
+    "test_verify_demo.py::test_demo_killed_run_resumes",
+    "test_fuzz_rewrite.py::test_random_spans_rewrite_and_revert_exactly",
+    "test_scan_speed_paths.py::test_every_scope_words_declaration_holds_on_examples_and_files",
+    "test_scan_speed_paths.py::test_called_more_often_matches_reference_on_every_detector_finding",
+    "test_scan_bench.py::test_bench_scan_with_windows_line_ends_checks_every_replacement",
+    "test_fuzz_rewrite.py::test_generated_programs_rewrite_and_revert_exactly",
+    "test_scan_bench.py::test_bench_scan_ab_compares_two_source_trees",
+    "test_installed_packages.py::test_wrapped_experts_forward_is_patched_inside_the_librarys_dispatch",
+    "test_scan_prefilter.py::test_plain_classifier_agrees_with_the_tokenizer",
+    "test_verify_e2e_process.py::test_cli_timeout_with_a_daemon_holding_the_output",
+    "test_hostile_repo.py::test_two_concurrent_applies_keep_both_records",
+    "test_example_nano_gpt.py::test_attention_under_autocast_fails_without_the_dtype_cast",
+    "test_detect_s42_speed.py::test_torch_name_is_memoised_and_answers_as_the_alias_scan",
+    "test_scan_speed_paths.py::test_every_example_scans_the_same_with_gates_on_and_off",
+    "test_scan_speed_paths.py::test_every_declaration_holds_on_every_example_of_every_pattern",
+    "test_verify_norm_swap.py::test_construction_swap_e2e_and_report_html",
+    "test_apply_demo.py::test_demo_scan_apply_train_on_and_off",
+    "test_fuzz_rewrite.py::test_page_breaks_between_definitions_change_no_finding",
+    "test_fuzz_rewrite.py::test_findings_rewrite_and_revert_exactly",
+    "test_fuzz_scan.py::test_scan_repo_reports_every_problem_per_file",
+    "test_verify_trust.py::test_op_check_runs_in_the_users_interpreter",
+    "test_emulate_install_probes.py::test_accelerate_and_peft_see_an_npu_under_install",
+    "test_emulate_install_probes.py::test_accelerate_and_peft_see_no_npu_without_install",
+)
+_LONG_RANK = {name: rank for rank, name in enumerate(_LONG_TESTS)}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Listed long tests first, in the list's order; every other test keeps its place (a stable sort).
+    Every xdist worker collects and sorts alike, so the workers' lists agree."""
+
+    def rank(item) -> int:
+        file_and_function = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        return _LONG_RANK.get(file_and_function, len(_LONG_TESTS))
+
+    items.sort(key=rank)

@@ -96,6 +96,20 @@ def file_hashes(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
 
 
+def file_stats(root: Path) -> dict[str, tuple[int, int, int, int]]:
+    """(inode, size, mtime, ctime) of every file under the installed package (bytecode caches aside). Any write,
+    rename or replace of a file changes its ctime, which no process can set back: between two full hashes this
+    catches every change the hashes would (and a rewrite of the same bytes too), at a fraction of their cost."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if "__pycache__" in p.parts:
+            continue
+        st = p.stat()
+        if p.is_file():
+            out[p.relative_to(root).as_posix()] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
 LAST_STDOUT: list[str] = [""]
 
 
@@ -112,11 +126,17 @@ def test_installed_model_full_flow(kind: str, tmp_path: Path, site: Path, capsys
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     pkg = site / "transformers"
     installed = file_hashes(pkg)
+    installed_stats = file_stats(pkg)
 
     def unchanged(step: str) -> None:
-        now = file_hashes(pkg)
-        changed = sorted(k for k in set(now) | set(installed) if now.get(k) != installed.get(k))
-        assert not changed, f"after {step}: installed files changed: {changed[:5]}"
+        # every step: no file written (stats); after the last one (revert), the bytes hashed again as well
+        now_stats = file_stats(pkg)
+        touched = sorted(k for k in set(now_stats) | set(installed_stats) if now_stats.get(k) != installed_stats.get(k))
+        assert not touched, f"after {step}: installed files written: {touched[:5]}"
+        if step == "revert":
+            now = file_hashes(pkg)
+            changed = sorted(k for k in set(now) | set(installed) if now.get(k) != installed.get(k))
+            assert not changed, f"after {step}: installed files changed: {changed[:5]}"
 
     repo = tmp_path / "repo"
     repo.mkdir()
