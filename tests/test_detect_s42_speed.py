@@ -122,8 +122,17 @@ def _attribute_stores_by_ast_walk(module: Any, class_name: str) -> dict[str, lis
     for n in (n for m in methods for n in ast.walk(m)):
         pairs = [(t, n.value) for t in n.targets] if isinstance(n, ast.Assign) else \
             [(n.target, n.value)] if isinstance(n, ast.AnnAssign) and n.value is not None else []
-        for t, v in pairs:
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+        while pairs:
+            t, v = pairs.pop(0)
+            if isinstance(t, (ast.Tuple, ast.List)):
+                # tuple stores (s45 review): elements paired by position with a written-out tuple of the same
+                # length, else each element stands at the value's own place (its value is not known)
+                if isinstance(v, (ast.Tuple, ast.List)) and len(v.elts) == len(t.elts) \
+                        and not any(isinstance(e, ast.Starred) for e in (*t.elts, *v.elts)):
+                    pairs += list(zip(t.elts, v.elts))
+                else:
+                    pairs += [(e.value if isinstance(e, ast.Starred) else e, v) for e in t.elts]
+            elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                 out.setdefault(t.attr, []).append((v.lineno, v.col_offset))
     return out
 
