@@ -54,6 +54,7 @@ def _model_method_of_child(module: "ModuleInfo", f: ast.Attribute) -> bool:
 _MAPPING_READS = frozenset({"get", "pop", "setdefault", "items", "keys", "values", "copy", "to_dict"})
 # s39: a local activation class whose forward is a formula of its input npufuse cannot name
 _OWN_FORMULA = "own formula"
+_REASSIGNED = "stored again after __init__"
 
 # ACT2FN keys (transformers) by what they compute
 ACT_NAMES = {
@@ -474,6 +475,11 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
         value = init.get(f.attr)
         if value is not None:
             desc = f"self.{f.attr} = {ast.unparse(value)}"
+            elsewhere = _stored_outside_init(module, {cls_name, ctx.scope.class_name}, f.attr)
+            if elsewhere is not None:
+                # s45: another method stores the attribute again (`self.act = nn.GELU()` in a `set_act` method): the
+                # callable at this call need not be the one __init__ chose, so the kind read there proves nothing
+                return Act(_REASSIGNED, gate, ctx, f"`self.{f.attr}` is stored again in `{elsewhere}`", obj=f)
             branched = _branch_assigned_act(module, cls_name, f, gate, ctx) or _getattr_act(module, value, f, gate, ctx, desc)
             if branched is not None:
                 return branched
@@ -757,6 +763,16 @@ def _call_literal_kind(module: ModuleInfo, call: ast.Call) -> str | None:
     if kind == GELU and "tanh" in strings:
         kind = GELU_TANH
     return kind
+
+
+def _stored_outside_init(module: ModuleInfo, class_names: set[str | None], attr: str) -> str | None:
+    """The name of a method other than ``__init__`` (of these classes of this file) that stores ``self.<attr>``."""
+    for cls_name in sorted(c for c in class_names if c):
+        for _value, scope in bound_callee.stores_with_scopes(module, cls_name, attr):
+            name = getattr(getattr(scope, "node", None), "name", None)
+            if name is not None and name != "__init__":
+                return f"{cls_name}.{name}"
+    return None
 
 
 def _assigning_class(module: ModuleInfo, class_name: str | None, attr: str, depth: int = 0) -> str | None:
@@ -2063,6 +2079,9 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         if kind.startswith("swish with beta") and _S40_UNSHOWN in kind:
             # s40: beta may be 1 at run time, but nothing read shows it: not "not silu"
             return miss(f"activation is a {kind}: npu_swiglu computes silu(gate) * up (beta 1) only")
+        if kind == _REASSIGNED:
+            return miss(f"{g0.act.describe}, outside __init__: the activation called here may not be the one __init__ "
+                        "assigned, so no fused gated op is known to compute it")
         if kind == _OWN_FORMULA:
             return miss(f"the activation is the module's own class ({g0.act.describe}), a formula npufuse does not read as "
                         "silu or as gelu (erf / tanh): no fused gated op is known to compute it")

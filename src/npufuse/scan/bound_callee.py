@@ -221,6 +221,11 @@ def attribute_values(module: ModuleInfo, class_name: Optional[str], attr: str) -
     return [v for v, _scope in _attribute_stores(module, class_name, attr)]
 
 
+def stores_with_scopes(module: ModuleInfo, class_name: Optional[str], attr: str) -> list[tuple[ast.expr, Optional[Scope]]]:
+    """(value, the storing method's scope) of every ``self.<attr> = value`` of the class, in source order."""
+    return _attribute_stores(module, class_name, attr)
+
+
 def _attribute_stores(module: ModuleInfo, class_name: Optional[str], attr: str) -> list[tuple[ast.expr, Optional[Scope]]]:
     """(value, the method's scope) of every ``self.<attr> = value`` of the class (memoised per class)."""
     cls = module.classes.get(class_name) if class_name else None
