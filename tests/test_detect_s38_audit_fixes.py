@@ -116,7 +116,7 @@ def test_three_d_sdpa_operands_run_the_fused_branch_and_match(example: Fuse) -> 
 
 def test_an_unstated_rank_is_checked_and_a_three_d_call_runs_the_original() -> None:
     findings, _ = detect_all(SdpaPattern(), _SDPA_UNSTATED)
-    assert findings[0].fused.splitlines()[0].startswith("if q.dim() == 4 and ")
+    assert findings[0].fused.splitlines()[0].startswith("if q.dim() == k.dim() == v.dim() == 4 and ")  # s45: every operand of unstated rank
     run = "q = torch.randn(2, 5, 8, requires_grad=True)\nout = attend(q, q * 0.5, q + 1)\nleaves = [q]\n"
     facts = check_rewrite_runs(SdpaPattern(), _SDPA_UNSTATED, run, findings)
     assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.9999  # without the check the op rejects 3-D q

@@ -40,5 +40,5 @@ out = attend(q, k, v)
 def test_the_check_is_in_the_fused_code() -> None:
     fused = _findings()[0].fused
     # s38: q's rank is not stated here (parameters), so the op's 4-D layout is checked with the head dims
-    assert fused.splitlines()[0] == "if q.dim() == 4 and v.shape[-1] <= k.shape[-1] <= 768:"
+    assert fused.splitlines()[0] == "if q.dim() == k.dim() == v.dim() == 4 and v.shape[-1] <= k.shape[-1] <= 768:"  # s45: every operand of unstated rank
     assert "F.scaled_dot_product_attention(q, k, v, is_causal=True)" in fused.split("else:")[-1]

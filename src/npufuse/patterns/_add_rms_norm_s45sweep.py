@@ -92,11 +92,13 @@ def _arm_site(A: Any, module: ModuleInfo, scope: Scope, stmt: ast.stmt, t: ast.I
                 yield fstmt, A._Site(stmt, aliases, fstmt, fnc, ops[0], ops[1], s_name, None, fork_if, fork_else,
                                      branches=branches, head_if=t, head_arm=arm_name)
             return
-        if arm_name == "body" and branches is None:
-            continue  # a one-add sum whose norm heads the body: _head_sites reads it
         found = list(A._norm_of_sum(module, scope, arm[0], s_name,
                                     lambda nstmt, nc, arm_name=arm_name: A._Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name,
                                                                                  branches=branches, head_if=t, head_arm=arm_name)))
+        if arm_name == "body" and branches is None:
+            if found:
+                return  # a one-add sum whose norm heads the body: _head_sites reads it (not the else arm too: one site)
+            continue
         if found:
             yield from found
             return
