@@ -7,6 +7,10 @@ start code (/tmp/start46); its twin (where there is one) pins the form that was 
 2. moe_experts, ho22fix45's router outputs handed to a helper method: a chain of helper methods each calling the
    next several times was read once per path through the chain (n ** k readings on hostile input); memoised per
    file now.
+3. attention mask rows, ho22fix45's ``reaching_store`` (the last plain ``b = ..`` before the read): a loop / with /
+   tuple / walrus binding of the same name between the stores was not seen, so a mask whose first row is empty
+   (``for b in (arange(n) + 1,)``) read "every row keeps a key" and took no row check. The same blind spot with one
+   plain store (pre-s45) is closed by the same check: such a name is unread (the run-time row check).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 
 import pytest
 from pattern_harness import check_rewrite_runs, detect_all
+from test_detect_s40_wrong_classes import _verdict
 from test_detect_s43_sweep import _BLOCK_RUN
 from test_detect_s45_ho22 import _HELPER_MOE
 
@@ -92,3 +97,28 @@ def test_helper_method_chains_are_read_once_per_method(monkeypatch: pytest.Monke
     assert [f.qualname for f in findings] == ["MoE._l0"]  # the loop is still read through the chain
     assert len(readings) <= 12, len(readings)  # 3,906 before (5 ** 5 + ...)
     assert time.process_time() - start < 5
+
+
+# -- 3. a helper's local bound by a loop / with / tuple / walrus beside its plain stores ---------------------------------
+
+_REBINDINGS = {
+    "for": "    for b in (torch.arange(n) + 1,):\n        pass\n",
+    "tuple": "    b, c = torch.arange(n) + 1, 0\n",
+    "with": "    with ctx() as b:\n        pass\n",
+    "walrus": "    c = (b := torch.arange(n) + 1)\n",
+}
+
+
+@pytest.mark.parametrize("rebind", list(_REBINDINGS.values()), ids=list(_REBINDINGS))
+@pytest.mark.parametrize("after", ["    b = b * 1\n", ""], ids=["second_plain_store", "one_plain_store"])
+def test_a_local_rebound_by_another_binding_is_not_read_from_its_plain_store(rebind: str, after: str) -> None:
+    # b = arange(n) + 1 at the read: row 0 (0 >= j + 1 for every j) keeps no key; the plain store alone says causal
+    helper = ("def mk(n):\n    b = torch.arange(n)\n" + rebind + "    m = torch.arange(n)[:, None] >= b[None, :]\n"
+              + after + "    return m\nm = mk(n)")
+    assert _verdict(helper, "keep") == "varies"
+
+
+def test_straight_line_plain_stores_still_read_the_reaching_one() -> None:
+    helper = ("def mk(n):\n    b = torch.arange(n) + 1\n    m = torch.arange(n)[:, None] >= b[None, :]\n    b = b * 0\n"
+              "    return m\nm = mk(n)")
+    assert _verdict(helper, "keep") == "empty"
