@@ -11,6 +11,14 @@ start code (/tmp/start46); its twin (where there is one) pins the form that was 
    tuple / walrus binding of the same name between the stores was not seen, so a mask whose first row is empty
    (``for b in (arange(n) + 1,)``) read "every row keeps a key" and took no row check. The same blind spot with one
    plain store (pre-s45) is closed by the same check: such a name is unread (the run-time row check).
+4. attention, attn45's tiled online-softmax loop nest read as one call. (a) The exponent reading an alias of the
+   scores taken before the mask block (``raw = s; if mask is not None: s = s + mask[..]``, ``exp(raw - m_new)``) was
+   read as the masked scores (the loop's softmax leaves the mask out: cos 0.77). (b) A name the inner body reads and
+   reassigns at its end (``xv = xv * 1.5``, ``scale = scale * 1.5``) carries a value across key blocks: not one
+   attention (cos 0.76 / 0.93). (c) The key loop bounded by the query block's end (``range(0, i_end, B)``: block-causal
+   by bounds) and a scale reading a loop variable: the fused text read those names before the loop
+   (UnboundLocalError). (d) A learned scale (``self.s = nn.Parameter(..)``) reached the op as a tensor (TypeError):
+   the fused branch now runs where the scale is a Python number.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ from pattern_harness import check_rewrite_runs, detect_all
 from test_detect_s40_wrong_classes import _verdict
 from test_detect_s43_sweep import _BLOCK_RUN
 from test_detect_s45_ho22 import _HELPER_MOE
+from test_detect_s45_attention import _CAUSAL, _TILED, _TILED_RUN
 
 from npufuse.patterns import _moe_s45h
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.moe_experts import MoeExperts
 
 # -- 1. a width-adapting norm whose weight is optional ---------------------------------------------------------------
@@ -122,3 +132,59 @@ def test_straight_line_plain_stores_still_read_the_reaching_one() -> None:
     helper = ("def mk(n):\n    b = torch.arange(n) + 1\n    m = torch.arange(n)[:, None] >= b[None, :]\n    b = b * 0\n"
               "    return m\nm = mk(n)")
     assert _verdict(helper, "keep") == "empty"
+
+
+# -- 4. tiled online-softmax loops ------------------------------------------------------------------------------------
+
+_PARAM_SCALE = ("self.qkv = nn.Linear(dim, 3 * dim, bias=False)",
+                "self.qkv = nn.Linear(dim, 3 * dim, bias=False)\n        self.s = nn.Parameter(torch.tensor(0.3))")
+
+
+def _tiled(*changes: tuple[str, str]) -> str:
+    code = _TILED
+    for old, new in changes:
+        assert old in code, old
+        code = code.replace(old, new)
+    return code
+
+
+@pytest.mark.parametrize("changes", [
+    # the exponent reads the scores taken before the mask block
+    [("                if mask is not None:\n                    mask_ij", "                raw_ij = scores_ij\n                if mask is not None:\n                    mask_ij"),
+     ("p_ij = torch.exp(scores_ij - m_new)", "p_ij = torch.exp(raw_ij - m_new)")],
+    # values / scale changed at the end of each key block: carried into the next
+    [("                m_i = m_new\n", "                m_i = m_new\n                xv = xv * 1.5\n")],
+    [("                m_i = m_new\n", "                m_i = m_new\n                scale = scale * 1.5\n")],
+    # a scale reading the key loop's variable (the fused text read it before the loop)
+    [("torch.matmul(q_block, k_block.transpose(2, 3)) * scale", "torch.matmul(q_block, k_block.transpose(2, 3)) * (1.0 / (j_start + 1))")],
+], ids=["alias_before_the_mask", "values_carried", "scale_carried", "scale_of_a_loop_variable"])
+def test_tiled_loops_that_are_not_one_attention_are_not_fused(changes: list[tuple[str, str]]) -> None:
+    findings, _ = detect_all(AttentionPattern(), _tiled(*changes))
+    assert not [f for f in findings if f.variant.startswith("tiled")], findings[0].fused
+
+
+def test_tiled_loop_with_keys_bounded_by_the_query_block_is_a_near_miss() -> None:
+    code = _tiled(("for j_start in range(0, seqlen, self.block_size):", "for j_start in range(0, i_end, self.block_size):"),
+                  ("j_end = min(j_start + self.block_size, seqlen)", "j_end = min(j_start + self.block_size, i_end)"))
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert not [f for f in findings if f.variant.startswith("tiled")]
+    assert any("the key loop's range reads `i_end`, which the query loop sets" in m.reason for m in misses), [m.reason for m in misses]
+
+
+@pytest.mark.parametrize("changes", [
+    [_PARAM_SCALE, ("scale = 1.0 / math.sqrt(self.head_dim)\n", "scale = self.s\n")],
+    [_PARAM_SCALE, ("torch.matmul(q_block, k_block.transpose(2, 3)) * scale", "torch.matmul(q_block, k_block.transpose(2, 3)) * self.s")],
+], ids=["named", "inline"])
+def test_tiled_loop_with_a_learned_scale_runs_the_original(changes: list[tuple[str, str]]) -> None:
+    code = _tiled(*changes)
+    findings, _ = detect_all(AttentionPattern(), code)
+    assert [f.variant for f in findings] == ["tiled_online_softmax+additive_float"]
+    facts = check_rewrite_runs(AttentionPattern(), code, _TILED_RUN.format(mask=_CAUSAL), findings)
+    assert not facts["calls"] and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+
+
+def test_tiled_loop_with_a_number_scale_still_fuses() -> None:
+    findings, _ = detect_all(AttentionPattern(), _TILED)
+    assert "isinstance(scale, (int, float))" in findings[0].fused
+    facts = check_rewrite_runs(AttentionPattern(), _TILED, _TILED_RUN.format(mask=_CAUSAL), findings)
+    assert facts["calls"] and min(facts["cos_out"]) > 0.9999, facts
