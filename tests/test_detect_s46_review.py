@@ -19,6 +19,10 @@ start code (/tmp/start46); its twin (where there is one) pins the form that was 
    by bounds) and a scale reading a loop variable: the fused text read those names before the loop
    (UnboundLocalError). (d) A learned scale (``self.s = nn.Parameter(..)``) reached the op as a tensor (TypeError):
    the fused branch now runs where the scale is a Python number.
+5. One reader of "is ``self.<attr>`` changed by code outside ``__init__``" (``bound_callee.changed_outside_init``)
+   serves swiglu's reassigned activation, defects44's ``__init__`` values and ``_site``'s method held by an
+   attribute. Each caller now also sees ``setattr`` / ``delattr(self, ..)``, ``del self.<attr>`` and hooks nested in
+   ``__init__`` (they run after construction); seeing more changes only refuses more.
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ from test_detect_s40_wrong_classes import _verdict
 from test_detect_s43_sweep import _BLOCK_RUN
 from test_detect_s45_ho22 import _HELPER_MOE
 from test_detect_s45_attention import _CAUSAL, _TILED, _TILED_RUN
+from test_detect_s45_review import _moe_code
+from test_detect_s45_swiglu_reassigned import _MLP
 
 from npufuse.patterns import _moe_s45h
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.patterns.swiglu import Swiglu
+from npufuse.scan import bound_callee
+from npufuse.scan.dataflow import ModuleInfo
 
 # -- 1. a width-adapting norm whose weight is optional ---------------------------------------------------------------
 
@@ -188,3 +197,95 @@ def test_tiled_loop_with_a_number_scale_still_fuses() -> None:
     assert "isinstance(scale, (int, float))" in findings[0].fused
     facts = check_rewrite_runs(AttentionPattern(), _TILED, _TILED_RUN.format(mask=_CAUSAL), findings)
     assert facts["calls"] and min(facts["cos_out"]) > 0.9999, facts
+
+
+# -- 5. one reader of attributes changed outside __init__ ----------------------------------------------------------------
+
+_CHANGES = '''
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = 1, 2, [3], 4, 5
+        self.register_forward_pre_hook(lambda mod, inp: setattr(self, "e", 6))
+
+    def first(self):
+        self.a = 2
+
+    def second(self, other):
+        self.a += 1
+        del self.b
+        self.c.pop()
+        other.d = 0
+'''
+
+
+def test_changed_outside_init_names_the_first_method_and_how() -> None:
+    module = ModuleInfo.from_source("m.py", _CHANGES)
+    found = {k: (v.method, v.how) for k, v in bound_callee.changed_outside_init(module, "M").items()}
+    assert found == {"a": ("M.first", "stored"), "b": ("M.second", "deleted"), "c": ("M.second", "pop()"),
+                     "d": ("M.second", "stored on `other`"), "e": ("M.__init__.<lambda>", "setattr")}, found
+
+
+@pytest.mark.parametrize("extra, said", [
+    ("\n    def set_activation(self):\n        setattr(self, 'act', nn.GELU())\n", "changed in `MLP.set_activation` (setattr)"),
+    ("        self.register_forward_pre_hook(lambda m, i: setattr(self, 'act', nn.GELU()))\n", "changed in `MLP.__init__.<lambda>`"),
+    ("\n    def drop(self):\n        del self.act\n", "changed in `MLP.drop` (deleted)"),
+], ids=["setattr", "hook_in_init", "del"])
+def test_swiglu_activation_changed_outside_init_is_a_near_miss(extra: str, said: str) -> None:
+    findings, misses = detect_all(Swiglu(), _MLP.format(extra=extra))
+    assert not findings and any(said in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_moe_bound_set_by_setattr_in_another_method_gets_the_run_time_id_mask() -> None:
+    code = _moe_code(methods="\n    def shrink(self):\n        setattr(self, 'n', self.n - 1)\n")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert findings and "_npufuse_named" in findings[0].fused, [m.reason for m in misses]
+
+
+_HELD_NORM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.rmsnorm_fn = self.compute_rmsnorm
+EXTRA
+    @staticmethod
+    def compute_rmsnorm(x, weight, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def forward(self, x):
+        return self.rmsnorm_fn(x, self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm2 = RMSNorm(d)
+        self.ffn = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        x = x + self.ffn(self.norm2(x))
+        return x
+'''
+
+
+@pytest.mark.parametrize("extra, fused", [
+    ("", True),
+    ("    def use_plain(self):\n        self.rmsnorm_fn = lambda x, w, e: x * w\n", False),
+    ("    def use_plain(self, f):\n        setattr(self, 'rmsnorm_fn', f)\n", False),
+    ("        def hook(*a):\n            self.rmsnorm_fn = lambda x, w, e: x * w\n        self.register_forward_pre_hook(hook)\n", False),
+], ids=["held", "stored_in_a_method", "setattr_in_a_method", "hook_in_init"])
+def test_method_held_by_an_attribute_changed_later_is_not_read(extra: str, fused: bool) -> None:
+    findings, misses = detect_all(AddRmsNorm(), _HELD_NORM.replace("EXTRA", extra))
+    assert bool(findings) == fused, [m.reason for m in misses]
