@@ -23,6 +23,10 @@ start code (/tmp/start46); its twin (where there is one) pins the form that was 
    serves swiglu's reassigned activation, defects44's ``__init__`` values and ``_site``'s method held by an
    attribute. Each caller now also sees ``setattr`` / ``delattr(self, ..)``, ``del self.<attr>`` and hooks nested in
    ``__init__`` (they run after construction); seeing more changes only refuses more.
+6. eps placed outside the root / as a clamp (probed norms; ho22fix45 mapped "added outside the root" for the add +
+   norm too): the probe measures the class's default eps, but the fused branch ran with any instance's eps
+   (``RMSNorm(d, eps=0.5)``: cos 0.9989). The fused branch now tests the instance's eps' against the bound it was
+   accepted under (add_rms_norm and rms_norm alike).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 from test_detect_s40_wrong_classes import _verdict
 from test_detect_s43_sweep import _BLOCK_RUN
-from test_detect_s45_ho22 import _HELPER_MOE
+from test_detect_s45_ho22 import _EPS_OUTSIDE, _HELPER_MOE
 from test_detect_s45_attention import _CAUSAL, _TILED, _TILED_RUN
 from test_detect_s45_review import _moe_code
 from test_detect_s45_swiglu_reassigned import _MLP
@@ -42,6 +46,7 @@ from npufuse.patterns import _moe_s45h
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.patterns.rms_norm import RmsNorm
 from npufuse.patterns.swiglu import Swiglu
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo
@@ -289,3 +294,27 @@ class Block(nn.Module):
 def test_method_held_by_an_attribute_changed_later_is_not_read(extra: str, fused: bool) -> None:
     findings, misses = detect_all(AddRmsNorm(), _HELD_NORM.replace("EXTRA", extra))
     assert bool(findings) == fused, [m.reason for m in misses]
+
+
+# -- 6. eps placed otherwise than the op: the instance's eps, not the class default the probe measured ------------------
+
+
+@pytest.mark.parametrize("eps, fused", [("0.5", False), ("1e-9", True)], ids=["large_instance_eps_runs_original", "small_eps_fused"])
+def test_add_into_a_norm_with_eps_outside_the_root_tests_the_instance_eps(eps: str, fused: bool) -> None:
+    code = _EPS_OUTSIDE.replace("self.norm2 = RMSNorm(d)", f"self.norm2 = RMSNorm(d, eps={eps})")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
+    assert "(self.norm2.eps) ** 2 <= " in findings[0].fused, findings[0].fused
+    run = _BLOCK_RUN.replace("infer = m(torch.randn(2, 5, 16))", "infer = m(torch.randn(2, 5, 16) * 0.3)")
+    facts = check_rewrite_runs(AddRmsNorm(), code, run, findings)
+    assert bool(facts["all_calls"].get("npu_add_rms_norm")) == fused, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.99999, facts
+
+
+def test_probed_rms_norm_with_eps_outside_the_root_tests_the_instance_eps() -> None:
+    code = _EPS_OUTSIDE.split("\n\nclass Block")[0] + "\n"
+    findings, misses = detect_all(RmsNorm(), code)
+    assert findings and "(self.eps) ** 2 <= " in findings[0].fused.splitlines()[0], [m.reason for m in misses]
+    run = "m = RMSNorm(16, eps=0.5)\nx = torch.randn(3, 16, requires_grad=True) * 0.3\nout = m(x)\nleaves = []\n"
+    facts = check_rewrite_runs(RmsNorm(), code, run, findings)
+    assert not facts["calls"] and min(facts["cos_out"]) > 0.99999, facts

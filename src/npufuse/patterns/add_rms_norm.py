@@ -6959,7 +6959,9 @@ def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], ri
                                   f"the floor: a relative difference of {bound:.2g} on rows of rms 1 (the probe's measurement), "
                                   "larger on rows whose rms is near the floor"
                                   + ("; above fp32's tolerance, so the fused branch runs for fp16 / bf16 sums only" if half_only else "")))
-    return f" or {x1}.dtype == {T}.float32" if half_only else ""
+    # (s46 review) the probe measured the class's default eps: an instance built with a larger one runs the original
+    within = f" or not ({m.eps} <= {numeric_probe.eps_prime_limit(rule == 'added outside the root', half_only)!r})"
+    return (f" or {x1}.dtype == {T}.float32" if half_only else "") + within
 
 
 # -- s42 (addnorm42): a norm class whose forward calls a custom kernel before its torch path ----------------------
