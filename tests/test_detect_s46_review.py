@@ -318,3 +318,16 @@ def test_probed_rms_norm_with_eps_outside_the_root_tests_the_instance_eps() -> N
     run = "m = RMSNorm(16, eps=0.5)\nx = torch.randn(3, 16, requires_grad=True) * 0.3\nout = m(x)\nleaves = []\n"
     facts = check_rewrite_runs(RmsNorm(), code, run, findings)
     assert not facts["calls"] and min(facts["cos_out"]) > 0.99999, facts
+
+
+@pytest.mark.parametrize("skip", ["if mask is not None and j_start > i_end:", "if mask is not None and i_end <= j_start:"],
+                         ids=["strictly_after", "reversed"])
+def test_tiled_loop_skipping_later_blocks_otherwise_spelled_fuses(skip: str) -> None:
+    # `j > i_end` skips a subset of the later blocks (the run-time check that the mask masks every later key covers
+    # both); it is no windowed attention, which the near miss used to say
+    code = _tiled(("if mask is not None and j_start >= i_end:", skip))
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert [f.variant for f in findings] == ["tiled_online_softmax+additive_float"], [m.reason for m in misses]
+    for mask in (_CAUSAL, "mask = torch.zeros(1, 1, 9, 9)"):
+        facts = check_rewrite_runs(AttentionPattern(), code, _TILED_RUN.format(mask=mask), findings)
+        assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts

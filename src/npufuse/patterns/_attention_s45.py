@@ -624,8 +624,15 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
         flag_ok = isinstance(skip_test, ast.BoolOp) and isinstance(skip_test.op, ast.And) and len(skip_test.values) == 2 \
             and mask_name is not None and ast.unparse(skip_test.values[0]) == f"{mask_name} is not None"
         cmp = skip_test.values[1] if flag_ok else skip_test  # type: ignore[attr-defined]
-        later = isinstance(cmp, ast.Compare) and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.GtE) \
-            and isinstance(cmp.left, ast.Name) and cmp.left.id == jvar and end_q(_expanded(cmp.comparators[0], outer_env))
+        # (s46 review) ``j > i_end`` skips fewer of the later blocks (the one starting at i_end is computed, masked):
+        # exact under the same check; either side order. Another skip was named windowed, which that one is not
+        later = False
+        if isinstance(cmp, ast.Compare) and len(cmp.ops) == 1:
+            j_side, end_side, op = cmp.left, cmp.comparators[0], cmp.ops[0]
+            if isinstance(op, (ast.LtE, ast.Lt)):
+                j_side, end_side = end_side, j_side
+            later = isinstance(op, (ast.GtE, ast.Gt, ast.LtE, ast.Lt)) and isinstance(j_side, ast.Name) \
+                and j_side.id == jvar and end_q(_expanded(end_side, outer_env))
         if not later:
             return (f"the loop skips key blocks under `{ast.unparse(skip_test)[:60]}`, not the blocks after the query block: "
                     "a windowed / block-sparse attention, which no npu_fusion_attention mask npufuse builds reproduces")
