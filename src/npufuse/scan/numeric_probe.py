@@ -1117,7 +1117,9 @@ def eps_prime_limit(outside: bool, half_only: bool) -> float:
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if bound(mid) <= limit else (lo, mid)
-    return float(f"{lo * lo:.3g}") * 0.999  # rounded down: never above the bound
+    v = lo * lo
+    exp = math.floor(math.log10(v))
+    return float(f"{math.floor(v / 10 ** exp * 100) / 100}e{exp}")  # three digits, rounded down: never above the bound
 
 
 @dataclass
