@@ -320,7 +320,9 @@ def tiled_online_softmax(pattern_id: str, module: ModuleInfo, scope: Any) -> lis
         checks = [f"{q}.dim() == {k}.dim() == {v}.dim() == 4", f"{q}.shape[:2] == {k}.shape[:2] == {v}.shape[:2]",
                   f"{atom(sq)} == {q}.shape[2]", f"{atom(sk)} == {k}.shape[2]", f"{atom(bq)} > 0", f"{atom(bk)} > 0",
                   f"tuple({o}.shape) == (*{q}.shape[:3], {v}.shape[-1])", f"{v}.shape[-1] <= {k}.shape[-1] <= 768",
-                  f"{q}.shape[1] <= 256"]
+                  f"{q}.shape[1] <= 256",
+                  # (s46 review) a module attribute may hold a tensor (``nn.Parameter``): the op takes a Python number
+                  f"isinstance({scale}, (int, float))"]
         kwargs = [("scale", scale)]
         risks = [Risk("numerics", TILED_RISK)]
         if mask is not None:
@@ -417,6 +419,58 @@ def _fill(module: ModuleInfo, node: Any, minus_inf: bool) -> bool:
     return isinstance(node, ast.Call) and (module.canonical(node.func) or "") in ("torch.zeros", "torch.zeros_like")
 
 
+_MASKED = "_npufuse_masked_"  # the scores name after the mask block (a marker no source name has)
+
+
+def _stored_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+
+
+def _names_in(*texts: str) -> set[str]:
+    out: set[str] = set()
+    for text in texts:
+        out |= {n.id for n in ast.walk(ast.parse(text, mode="eval")) if isinstance(n, ast.Name)}
+    return out
+
+
+def _read_outside(root: ast.AST, block: ast.AST, names: set[str]) -> bool:
+    """Whether a name of ``names`` is read in ``root`` outside ``block``."""
+    if not names:
+        return False
+    inside = {id(n) for n in ast.walk(block)}
+    return any(isinstance(n, ast.Name) and n.id in names and id(n) not in inside for n in ast.walk(root))
+
+
+def _carried_name(stmts: list[ast.stmt], seen: set[str], assigned: set[str], allowed: set[str]) -> str | None:
+    """The first name of ``assigned`` that ``stmts`` (a loop body, in order) read before they assign it in the same
+    iteration (a value carried from the previous iteration), other than ``allowed``; None where there is none.
+    ``seen``: the names already bound in this iteration (updated)."""
+    def loads(node: ast.AST | None) -> list[str]:
+        return [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)] if node is not None else []
+
+    for st in stmts:
+        if isinstance(st, (ast.For, ast.If, ast.While)):
+            head = loads(st.iter) if isinstance(st, ast.For) else loads(st.test)
+            bad = next((n for n in head if n in assigned and n not in seen and n not in allowed), None)
+            if bad is not None:
+                return bad
+            if isinstance(st, ast.For):
+                seen |= _stored_names(st.target)
+            bad = _carried_name(st.body + st.orelse, seen, assigned, allowed)
+            if bad is not None:
+                return bad
+            continue
+        if isinstance(st, ast.Assign):
+            reads = loads(st.value) + [x for t in st.targets for x in loads(t)]
+        else:
+            reads = loads(st)
+        bad = next((n for n in reads if n in assigned and n not in seen and n not in allowed), None)
+        if bad is not None:
+            return bad
+        seen |= _stored_names(st)
+    return None
+
+
 def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
     """None (not this class), a near-miss reason, or (q, k, v, out, Sq, Skv, Bq, Bk, scale, mask, skip) as text."""
     head = _range0(outer)
@@ -440,6 +494,7 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
             return None
     # the inner body, in order: plain assignments, a key-block skip, the mask added under `if mask is not None`
     env: dict[str, ast.expr] = {}
+    unmasked_scores: ast.expr | None = None
     skip_test: ast.expr | None = None
     mask_add: tuple[str, str, ast.expr] | None = None  # (mask name, scores name, the slice added)
     for st in inner.body:
@@ -465,7 +520,15 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
             added = [a for a in adds if not _same(a, env[last])]
             if len(prev) != 1 or len(added) != 1:
                 return None
+            # (s46 review) the block's other names live in the block only; after it the scores name holds the
+            # MASKED scores, told apart from the unmasked expression another name (``raw = s`` before the block)
+            # may still hold: reading that alias in the exponent left the mask out of the loop's softmax
+            changed = {n for n in env if n != last and local[n] is not env[n]}
+            if changed or _read_outside(outer, st, {b.targets[0].id for b in st.body} - {last}):
+                return None
             mask_add = (st.test.left.id, last, added[0])
+            unmasked_scores = env[last]
+            env[last] = ast.Name(id=_MASKED + last, ctx=ast.Load())
         elif not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):
             return None
     # the write after the inner loop: out[:, :, i:i_end] = acc / l
@@ -517,6 +580,12 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
     if old_m.id not in env or not _same(env[old_m.id], m_new):
         return None
     # the tiles: s = (q[:, :, i:i_end] @ k[:, :, j:j_end]ᵀ) * scale, v[:, :, j:j_end]
+    if mask_add is not None:
+        # (s46 review) with a mask, the exponent and the row max must read the masked scores (the name the block
+        # rebinds), whose unmasked value is the product read here
+        if not (isinstance(s_node, ast.Name) and s_node.id == _MASKED + mask_add[1]) or unmasked_scores is None:
+            return None
+        s_node = unmasked_scores
     sp = _scores_parts(module, s_node)
     if sp is None:
         return None
@@ -547,7 +616,7 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
                 and isinstance(e[2], ast.Slice) and isinstance(e[2].lower, ast.Name) and e[2].lower.id == ivar \
                 and end_q(_expanded(e[2].upper, outer_env) if e[2].upper is not None else None) \
                 and isinstance(e[3], ast.Slice) and isinstance(e[3].lower, ast.Name) and e[3].lower.id == jvar and end_k(e[3].upper)
-        if not ok or not _same(env.get(s_name), s_node):
+        if not ok:
             return None
         mask_name = m_name
     skip = False
@@ -555,8 +624,15 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
         flag_ok = isinstance(skip_test, ast.BoolOp) and isinstance(skip_test.op, ast.And) and len(skip_test.values) == 2 \
             and mask_name is not None and ast.unparse(skip_test.values[0]) == f"{mask_name} is not None"
         cmp = skip_test.values[1] if flag_ok else skip_test  # type: ignore[attr-defined]
-        later = isinstance(cmp, ast.Compare) and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.GtE) \
-            and isinstance(cmp.left, ast.Name) and cmp.left.id == jvar and end_q(_expanded(cmp.comparators[0], outer_env))
+        # (s46 review) ``j > i_end`` skips fewer of the later blocks (the one starting at i_end is computed, masked):
+        # exact under the same check; either side order. Another skip was named windowed, which that one is not
+        later = False
+        if isinstance(cmp, ast.Compare) and len(cmp.ops) == 1:
+            j_side, end_side, op = cmp.left, cmp.comparators[0], cmp.ops[0]
+            if isinstance(op, (ast.LtE, ast.Lt)):
+                j_side, end_side = end_side, j_side
+            later = isinstance(op, (ast.GtE, ast.Gt, ast.LtE, ast.Lt)) and isinstance(j_side, ast.Name) \
+                and j_side.id == jvar and end_q(_expanded(end_side, outer_env))
         if not later:
             return (f"the loop skips key blocks under `{ast.unparse(skip_test)[:60]}`, not the blocks after the query block: "
                     "a windowed / block-sparse attention, which no npu_fusion_attention mask npufuse builds reproduces")
@@ -564,6 +640,21 @@ def _tiled_site(module: ModuleInfo, scope: Any, outer: ast.For) -> Any:
             return (f"the loop skips the key blocks after each query block (`{ast.unparse(skip_test)[:60]}`) with no mask masking "
                     "them inside the diagonal block: block-causal attention, which neither causal mode of npu_fusion_attention computes")
         skip = True
+    # (s46 review) the loops' equations are read once per iteration: a name the inner body reads before it assigns
+    # it (``xv = xv * 1.5`` at its end) carries a value from the previous key block, which only the running max, sum
+    # and accumulator may; nothing may carry from one query block to the next
+    nest_assigned = _stored_names(outer)
+    carried = _carried_name(outer.body, {ivar}, nest_assigned, set()) \
+        or _carried_name(inner.body, {jvar}, _stored_names(inner) - {jvar}, {old_m.id, l_name, acc})
+    if carried is not None:
+        return None
+    # the fused call reads the operands, bounds and scale before the loop: none may be a name the loops set
+    if _names_in(ast.unparse(sk), ast.unparse(bk)) & nest_assigned:
+        read = sorted(_names_in(ast.unparse(sk), ast.unparse(bk)) & nest_assigned)[0]
+        return (f"the key loop's range reads `{read}`, which the query loop sets: each query block reads its own range of "
+                "keys (block-causal / windowed by the loop bounds), not every key of k")
+    if ({q_name, k_name, v_name, out_name, mask_name} | _names_in(ast.unparse(sq), ast.unparse(bq), scale)) & nest_assigned:
+        return None
     # nothing computed in the loops is read after them (the fused branch does not bind the loops' names)
     assigned = set(env) | set(outer_env) | {ivar, jvar}
     end = outer.end_lineno or outer.lineno

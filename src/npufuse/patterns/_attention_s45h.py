@@ -32,6 +32,26 @@ def reaching_store(fn: ast.AST, stores: list[ast.stmt], read: ast.AST) -> Option
     return max(before, key=lambda s: (s.lineno, s.col_offset)) if before else None
 
 
+def bound_otherwise(nodes: list[ast.AST], name: str, stores: list[ast.stmt]) -> bool:
+    """Whether ``name`` is bound among ``nodes`` (a function's own nodes) by anything but the plain ``name = ..``
+    targets of ``stores``: a loop or ``with`` target, a tuple element, a walrus, a ``del``, an import, a nested
+    ``def`` / ``class``, an ``except .. as``, a ``global`` / ``nonlocal`` (s46 review: :func:`reaching_store` picked
+    the last plain store before the read while ``for b in ..:`` between them rebound the name)."""
+    plain = {id(t) for st in stores for t in (st.targets if isinstance(st, ast.Assign) else [st.target])}  # type: ignore[attr-defined]
+    for n in nodes:
+        if isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) and id(n) not in plain:
+            return True
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)) and n.name == name:
+            return True
+        if isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names:
+            return True
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name for a in n.names):
+            return True
+        if isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name == name:
+            return True
+    return False
+
+
 def rounding_op(torch: Any, name: str, recv: Any, args: list[Any], kw: dict[str, Any],
                 ev: Callable[[Any], Any]) -> Any:
     """``name`` (a rounding or clamping function) applied to the evaluated tensor ``recv``; ``args`` / ``kw``: the

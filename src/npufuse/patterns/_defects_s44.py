@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword
 
 # calls that keep every value of the ids (layout or integer type only)
@@ -111,28 +112,10 @@ class _InitValues:
                     self.attrs[target.attr] = value if target.attr not in self.attrs else None
                 elif isinstance(target, ast.Name):
                     self.locals[target.id] = value if target.id not in self.locals and target.id not in params else None
-        for attr in _changed_after_init(cls, init):
+        # an attribute code outside __init__ stores, deletes or shrinks (``self.experts.pop()``): its __init__ value
+        # may not hold later (s46: bound_callee's one reader)
+        for attr in bound_callee.changed_outside_init(module, scope.class_name):
             self.attrs[attr] = None
-
-
-def _changed_after_init(cls: ast.ClassDef, init: ast.FunctionDef) -> set[str]:
-    """``self.<attr>`` names that code of the class outside ``__init__`` stores or deletes (``self.n = ..``,
-    ``del self.experts[-1]``), or shrinks (``self.experts.pop()``): their ``__init__`` value may not hold later."""
-    out: set[str] = set()
-    for fn in cls.body:
-        if fn is init or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for n in ast.walk(fn):
-            node = n
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("pop", "remove", "clear"):
-                node = n.func.value
-            elif not (isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del))):
-                continue
-            while isinstance(node, ast.Subscript):
-                node = node.value
-            if _self_attr(node):
-                out.add(_self_attr(node))
-    return out
 
 
 def _closure(start: set[_Text], scope: Scope, init: _InitValues, line: int) -> set[_Text]:

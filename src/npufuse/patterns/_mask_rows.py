@@ -738,13 +738,16 @@ class Resolver:
         while fr is not None:
             if name in fr.params:
                 return None if fr.params[name] is None else [fr.params[name]]
-            stores = [a for a in _own_nodes(fr.fn) if isinstance(a, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            own = _own_nodes(fr.fn)
+            stores = [a for a in own if isinstance(a, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                       and any(isinstance(t, ast.Name) and t.id == name for t in (a.targets if isinstance(a, ast.Assign) else [a.target]))]
             if stores:
-                if any(isinstance(a, ast.AugAssign) or a.value is None for a in stores):
-                    return [_UNREAD_NODE]
+                if any(isinstance(a, ast.AugAssign) or a.value is None for a in stores) \
+                        or _attention_s45h.bound_otherwise(own, name, stores):
+                    return [_UNREAD_NODE]  # (s46 review: a loop / with / tuple target binds it too: not these stores)
+                # s45: ``b = ceil(..); b = clamp(b, ..)`` in straight-line code
                 reaching = _attention_s45h.reaching_store(fr.fn, stores, read) if read is not None and fr is frame \
-                    and len(stores) > 1 else None  # s45: ``b = ceil(..); b = clamp(b, ..)`` in straight-line code
+                    and len(stores) > 1 else None
                 if reaching is not None:
                     return [self._adopt(fr, reaching.value)]  # type: ignore[attr-defined]
                 return [self._adopt(fr, a.value) for a in stores]  # type: ignore[misc]

@@ -54,16 +54,27 @@ def shaped_alike_at_callers(module: ModuleInfo, scope: Scope, weights: str, indi
         return False
     if fn.decorator_list:
         return False  # a static / class method, a property: not the plain ``self.<method>(...)`` read here
-    if sum(1 for n in fast_walk(module.tree) if isinstance(n, ast.Attribute) and n.attr == fn.name) \
-            != sum(len(_own_calls(s, fn.name)) for s in module.scopes if s.class_name == scope.class_name):
-        return False  # the method is reached otherwise too (another object's, a stored bound method)
-    if id(scope) in _IN_PROGRESS:
-        return False  # methods binding each other's parameters: nothing shown
-    _IN_PROGRESS.add(id(scope))
-    try:
-        return _every_call_binds(module, scope, fn, weights, indices, shaped_alike)
-    finally:
-        _IN_PROGRESS.discard(id(scope))
+    # (s46 review) memoised per file: a chain of helper methods each calling the next several times was re-read
+    # once per path through the chain (k levels of n calls: n ** k readings, seconds at 5 x 5 on hostile input)
+    memo: dict[tuple[int, str, str], bool] = module.__dict__.setdefault("_npufuse_s45h_callers", {})
+    key = (id(scope), weights, indices)
+    if key not in memo:
+        if id(scope) in _IN_PROGRESS:
+            return False  # methods binding each other's parameters: nothing shown
+        _IN_PROGRESS.add(id(scope))
+        try:
+            memo[key] = _reached_by_own_calls_only(module, scope, fn) \
+                and _every_call_binds(module, scope, fn, weights, indices, shaped_alike)
+        finally:
+            _IN_PROGRESS.discard(id(scope))
+    return memo[key]
+
+
+def _reached_by_own_calls_only(module: ModuleInfo, scope: Scope, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Every reference to the method's name in the file is a ``self.<method>(...)`` call in its own class (not
+    another object's method, not a stored bound method)."""
+    return sum(1 for n in fast_walk(module.tree) if isinstance(n, ast.Attribute) and n.attr == fn.name) \
+        == sum(len(_own_calls(s, fn.name)) for s in module.scopes if s.class_name == scope.class_name)
 
 
 _IN_PROGRESS: set[int] = set()

@@ -18,6 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import CAST_METHODS, ArmExit, ModuleInfo, Scope, applied_lambda, child_nodes, const_value, dotted, fast_walk, lf_line_ends
 
 # Statements whose body may not run (or runs repeatedly): a value defined inside is conditional.
@@ -1082,11 +1083,8 @@ def _method_held(module: ModuleInfo, class_name: str, attr: str) -> tuple[ast.Fu
     fn = method(module, class_name, names.pop())  # type: ignore[arg-type]
     if fn is None:
         return None
-    for item in module.classes[class_name].body:
-        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name != "__init__":
-            for n in ast.walk(item):
-                if isinstance(n, ast.Attribute) and n.attr == attr and not isinstance(n.ctx, ast.Load):
-                    return None  # rebound after construction
+    if attr in bound_callee.changed_outside_init(module, class_name):
+        return None  # rebound after construction (s46: bound_callee's one reader)
     static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
     if fn.decorator_list and not static:
         return None

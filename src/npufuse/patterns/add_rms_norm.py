@@ -1873,17 +1873,19 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     # s45: ``if x.size(-1) != self.dim: x = pad(x) / x[..., :dim]`` first: the input itself where the widths agree
     adapter = _add_rms_norm_s45h.width_adapter(fwd, params[0], params[1], mod) \
         if isinstance(m.core.x, ast.Name) and m.core.x.id == params[1] else None
-    if adapter is not None:
-        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=[adapter[1]])
-    if m.core.x_key != S.key(bind[params[1]][0], ctx) and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
+    if adapter is None and m.core.x_key != S.key(bind[params[1]][0], ctx) \
+            and not _rebound_by_casts_only(nscope, params[1], m.core.x_key) \
             and _computed_by_arithmetic(nscope, m.core.x, getattr(m.core.rstd, "lineno", 0)):
         return NormCall(call, attr, "not_rms", cls=cls + where,
                         reason=f"norm {cls}{where} normalises `{ast.unparse(m.core.x)}`, computed from its input, not the input itself")
+    # (s46 review) the width test joins the arm's own tests: with ``if self.weight is not None: return .. else: ..``
+    # after the width branch, the adapter alone dropped the arm's test and the fused call read a None weight
+    width = [adapter[1]] if adapter is not None else []
     if kernel_branch is not None:
-        return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1])
+        return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1] + width)
     if weight_branch is not None:
-        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1])
-    return NormCall(call, attr, "rms", match=m, cls=cls + where)
+        return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1] + width)
+    return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=width)
 
 
 def _s43_state_write(fwd: ast.FunctionDef) -> str | None:
@@ -6957,7 +6959,9 @@ def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], ri
                                   f"the floor: a relative difference of {bound:.2g} on rows of rms 1 (the probe's measurement), "
                                   "larger on rows whose rms is near the floor"
                                   + ("; above fp32's tolerance, so the fused branch runs for fp16 / bf16 sums only" if half_only else "")))
-    return f" or {x1}.dtype == {T}.float32" if half_only else ""
+    # (s46 review) the probe measured the class's default eps: an instance built with a larger one runs the original
+    within = f" or not ({m.eps} <= {numeric_probe.eps_prime_limit(rule == 'added outside the root', half_only)!r})"
+    return (f" or {x1}.dtype == {T}.float32" if half_only else "") + within
 
 
 # -- s42 (addnorm42): a norm class whose forward calls a custom kernel before its torch path ----------------------

@@ -4777,6 +4777,8 @@ def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.
     cast = {"input": "", "float32": f".to({T}.float32)", "weight": f".to({W}.dtype)",
             "promote": f".to({T}.promote_types({x}.dtype, {W}.dtype))"}[proof.dtype_rule]
     guards += list(proof.guards)
+    if form != "inside":  # (s46 review) the probe measured the default eps: a larger instance eps runs the original
+        guards.append(f"{proof.eps} <= {numeric_probe.eps_prime_limit(form == 'outside', half_only)!r}")
     call = f"return torch_npu.npu_rms_norm({x}, {gamma}, epsilon={proof.eps})[0]{cast}"
     fused = "\n".join([f"if {' and '.join(guards)}:", S.indent("\n".join([*pre, call])), S.block_source(module, body)])
     risks = [

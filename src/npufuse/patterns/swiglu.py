@@ -479,7 +479,7 @@ def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
             if elsewhere is not None:
                 # s45: another method stores the attribute again (`self.act = nn.GELU()` in a `set_act` method): the
                 # callable at this call need not be the one __init__ chose, so the kind read there proves nothing
-                return Act(_REASSIGNED, gate, ctx, f"`self.{f.attr}` is stored again in `{elsewhere}`", obj=f)
+                return Act(_REASSIGNED, gate, ctx, f"`self.{f.attr}` is {elsewhere}", obj=f)
             branched = _branch_assigned_act(module, cls_name, f, gate, ctx) or _getattr_act(module, value, f, gate, ctx, desc)
             if branched is not None:
                 return branched
@@ -766,12 +766,16 @@ def _call_literal_kind(module: ModuleInfo, call: ast.Call) -> str | None:
 
 
 def _stored_outside_init(module: ModuleInfo, class_names: set[str | None], attr: str) -> str | None:
-    """The name of a method other than ``__init__`` (of these classes of this file) that stores ``self.<attr>``."""
+    """Where and how code outside ``__init__`` (of these classes of this file) first changes ``self.<attr>``, as
+    words (``stored again in `MLP.set_act```); None where nothing does (s46: bound_callee's one reader: stores, dels,
+    ``setattr`` and hooks nested in ``__init__`` count)."""
     for cls_name in sorted(c for c in class_names if c):
-        for _value, scope in bound_callee.stores_with_scopes(module, cls_name, attr):
-            name = getattr(getattr(scope, "node", None), "name", None)
-            if name is not None and name != "__init__":
-                return f"{cls_name}.{name}"
+        change = bound_callee.changed_outside_init(module, cls_name).get(attr)
+        if change is not None:
+            if change.how == "stored":
+                return f"stored again in `{change.method}`"
+            # (a store on another object may be this module: ``mod.act = ..`` in a hook taking the module)
+            return f"{'possibly ' if change.how.startswith('stored on') else ''}changed in `{change.method}` ({change.how})"
     return None
 
 

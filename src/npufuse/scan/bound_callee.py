@@ -221,9 +221,73 @@ def attribute_values(module: ModuleInfo, class_name: Optional[str], attr: str) -
     return [v for v, _scope in _attribute_stores(module, class_name, attr)]
 
 
-def stores_with_scopes(module: ModuleInfo, class_name: Optional[str], attr: str) -> list[tuple[ast.expr, Optional[Scope]]]:
-    """(value, the storing method's scope) of every ``self.<attr> = value`` of the class, in source order."""
-    return _attribute_stores(module, class_name, attr)
+@dataclass(frozen=True)
+class Change:
+    """Where code of a class outside ``__init__`` changes an attribute first, and how."""
+
+    method: str  # ``Class.method`` (``Class.__init__.<hook>`` for a function nested in ``__init__``: it runs later)
+    how: str  # "stored", "deleted", "stored on `<receiver>`", "item stored", "item deleted", "pop()", "setattr", ...
+    line: int
+
+
+_SHRINKING = ("pop", "remove", "clear")
+
+
+def changed_outside_init(module: ModuleInfo, class_name: Optional[str]) -> dict[str, Change]:
+    """Per attribute, the first code of the class outside ``__init__``'s own statements that changes it (s46: one
+    reader for every "is ``self.<attr>``'s ``__init__`` value still the one a call sees" question): a store, ``del``,
+    augmented / loop / ``with`` target (any receiver: ``other.act = ..`` in a method may be this module), an item
+    stored or deleted (``self.experts[-1] = ..``), ``self.<attr>.pop()`` / ``remove`` / ``clear``, ``setattr`` /
+    ``delattr(self, "<attr>", ..)``. Methods in source order; a function or lambda nested in ``__init__`` counts (a
+    hook it registers runs after construction). Memoised per class."""
+    cls = module.classes.get(class_name) if class_name else None
+    if cls is None:
+        return {}
+    table = _cache(module, "_npufuse_bc_changed")
+    found = table.get(class_name)
+    if found is None:
+        found = table[class_name] = {}
+        for item in cls.body:
+            if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if item.name != "__init__":
+                roots: list[tuple[str, ast.AST]] = [(f"{class_name}.{item.name}", item)]
+            else:  # only what __init__ defines to run later
+                roots = [(f"{class_name}.__init__.{getattr(n, 'name', '<lambda>')}", n) for n in fast_walk(item)
+                         if n is not item and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+            for where, root in roots:
+                for attr, how, line in sorted(_changes_in(root), key=lambda c: c[2]):
+                    found.setdefault(attr, Change(where, how, line))
+    return found
+
+
+def _changes_in(root: ast.AST) -> list[tuple[str, str, int]]:
+    """(attribute, how, line) of every change :func:`changed_outside_init` counts under ``root``."""
+    out: list[tuple[str, str, int]] = []
+    augmented = {id(n.target) for n in fast_walk(root) if isinstance(n, ast.AugAssign)}
+    for n in fast_walk(root):
+        line = getattr(n, "lineno", 0)
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            on_self = isinstance(n.value, ast.Name) and n.value.id == "self"
+            how = ("deleted" if isinstance(n.ctx, ast.Del) else "augmented" if id(n) in augmented else "stored") if on_self \
+                else f"stored on `{' '.join(ast.unparse(n.value).split())[:40]}`"
+            out.append((n.attr, how, line))
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            base = n.value
+            while isinstance(base, ast.Subscript):
+                base = base.value
+            if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "self":
+                out.append((base.attr, "item deleted" if isinstance(n.ctx, ast.Del) else "item stored", line))
+        elif isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Attribute) and f.attr in _SHRINKING and isinstance(f.value, ast.Attribute) \
+                    and isinstance(f.value.value, ast.Name) and f.value.value.id == "self":
+                out.append((f.value.attr, f"{f.attr}()", line))
+            elif isinstance(f, ast.Name) and f.id in ("setattr", "delattr") and len(n.args) >= 2 \
+                    and isinstance(n.args[0], ast.Name) and n.args[0].id == "self" and isinstance(n.args[1], ast.Constant) \
+                    and isinstance(n.args[1].value, str):
+                out.append((n.args[1].value, f.id, line))
+    return out
 
 
 def _attribute_stores(module: ModuleInfo, class_name: Optional[str], attr: str) -> list[tuple[ast.expr, Optional[Scope]]]:

@@ -1102,6 +1102,26 @@ _EPS_FORM_BOUND = 1e-6
 _EPS_FORM_BOUND_HALF = 1e-4
 
 
+def eps_prime_limit(outside: bool, half_only: bool) -> float:
+    """The largest eps' (the op's eps, in mean-square units: c ** 2 with c the original's eps in rms units) whose
+    placement difference on rows of rms 1 stays within the bound the fused branch was accepted under (fp32's, or
+    fp16 / bf16's where ``half_only``). s46 review: the probe measures eps at the class's default; an instance built
+    with a larger eps (``RMSNorm(d, eps=0.5)``) differs by more, so the fused branch tests the instance's eps' against
+    this at run time. The bound grows with c: bisection."""
+    limit = _EPS_FORM_BOUND_HALF if half_only else _EPS_FORM_BOUND
+
+    def bound(c: float) -> float:
+        return (1 + c) / math.sqrt(1 + c * c) - 1 if outside else 1 - 1 / math.sqrt(1 + c * c)
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if bound(mid) <= limit else (lo, mid)
+    v = lo * lo
+    exp = math.floor(math.log10(v))
+    return float(f"{math.floor(v / 10 ** exp * 100) / 100}e{exp}")  # three digits, rounded down: never above the bound
+
+
 @dataclass
 class _Run:
     x: Any
