@@ -188,7 +188,8 @@ def test_r3_sanitised_divisor_reason_says_what_is_not_shown() -> None:
     findings, misses = detect_all(AffinityWhere(), _SANITISED_DIVISOR)
     reasons = [m.reason for m in misses if m.line == 9]
     assert not [f for f in findings if f.line == 9]
-    assert any("divides by `theta_nz` (`torch.where(small_theta, non_zero, theta)`)" in r and "not shown" in r
+    assert any("divides by `theta_nz` (`torch.where(small_theta, non_zero, theta)`)" in r
+               and "the test `small_theta` replaces every zero of `theta`" in r
                for r in reasons), reasons
     assert not any("which can be inf/NaN" in r for r in reasons), reasons
 
@@ -196,3 +197,39 @@ def test_r3_sanitised_divisor_reason_says_what_is_not_shown() -> None:
 def test_r3_twin_plain_divisor_keeps_the_inf_reason() -> None:
     _, misses = detect_all(AffinityWhere(), _PLAIN_DIVISOR)
     assert any(m.line == 9 and "which can be inf/NaN" in m.reason for m in misses), [m.reason for m in misses]
+
+
+_SANITISED_IN_THE_ELSE = '''\
+import torch
+
+
+def reciprocal(t, scale):
+    safe_t = torch.where(t != 0, t, torch.ones_like(t))
+    return torch.where(t != 0, scale / safe_t, scale)
+'''
+
+
+def test_r3_stand_in_in_the_else_branch_names_the_kept_value() -> None:
+    _, misses = detect_all(AffinityWhere(), _SANITISED_IN_THE_ELSE)
+    reasons = [m.reason for m in misses]
+    assert not any("which can be inf/NaN" in r for r in reasons), reasons
+    assert not any("every zero of `torch.ones_like" in r for r in reasons), reasons
+
+
+_NUMPY_SCALAR_VALUE = '''\
+import numpy as np
+import torch
+
+
+def f0_to_coarse(f0, f0_bin=256, f0_max=900.0, f0_min=50.0):
+    f0_mel_min = 1127 * np.log(1 + f0_min / 700)
+    f0_mel_max = 1127 * np.log(1 + f0_max / 700)
+    f0_mel = 1127 * (1 + f0 / 700).log()
+    f0_mel[f0_mel > 0] = (f0_mel[f0_mel > 0] - f0_mel_min) * (f0_bin - 2) / (f0_mel_max - f0_mel_min) + 1
+    return f0_mel
+'''
+
+
+def test_r1_twin_numpy_scalar_is_not_called_an_array() -> None:
+    _, misses = detect_all(AffinityIndexPut(), _NUMPY_SCALAR_VALUE)
+    assert not any("is a numpy array" in m.reason for m in misses), [m.reason for m in misses]

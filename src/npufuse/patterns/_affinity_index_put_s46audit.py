@@ -21,12 +21,27 @@ AUG_NOT_SHOWN = ("the value is not known to be a scalar and not shown to be the 
                  "it may hold one row per selected element (a masked scatter-add), which no elementwise rewrite reproduces")
 
 
+# numpy calls that build an array (``np.log(1 + f_max / 700)`` of Python numbers is a numpy scalar, which a torch
+# expression takes like a float: not evidence)
+_ARRAY_MAKERS = frozenset(("array", "asarray", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "full_like",
+                           "arange", "linspace", "stack", "concatenate", "vstack", "hstack", "randint", "rand", "randn",
+                           "random", "uniform", "normal", "choice", "permutation", "tile", "repeat", "eye"))
+
+
+def _numpy_array_call(module: ModuleInfo, value: ast.expr | None) -> bool:
+    if not isinstance(value, ast.Call):
+        return False
+    name = module.canonical(value.func) or ""
+    return name.startswith("numpy.") and name.rsplit(".", 1)[-1] in _ARRAY_MAKERS
+
+
 def numpy_value_operand(module: ModuleInfo, scope: Scope, value: ast.expr, line: int,
                         is_numpy: Callable[[ModuleInfo, Scope, ast.expr, int], bool]) -> str | None:
-    """The first plain name read in ``value`` that this function builds with numpy (``is_numpy``: the target test of
-    affinity_index_put), None otherwise."""
+    """The first plain name read in ``value`` bound from a numpy array constructor (``np.random.randint(0, 256, (1,
+    3))``) that this function builds with numpy (``is_numpy``: the target test of affinity_index_put), None otherwise."""
     for n in fast_walk(value):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and is_numpy(module, scope, n, line):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and _numpy_array_call(module, scope.definition(n.id, line)) \
+                and is_numpy(module, scope, n, line):
             return n.id
     return None
 

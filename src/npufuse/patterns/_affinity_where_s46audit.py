@@ -16,16 +16,32 @@ from typing import Optional
 from npufuse.scan.dataflow import ModuleInfo, Scope, fast_walk, segment
 
 
+_FILLS = frozenset(("ones", "ones_like", "full", "full_like", "tensor"))
+
+
+def _fill(module: ModuleInfo, scope: Scope, node: ast.expr, line: int) -> bool:
+    """A stand-in value: a literal, a constant attribute (``constants._NON_ZERO``), ``torch.ones_like(x)`` /
+    ``torch.full(...)``, or a name bound from one of those (``non_zero = torch.ones(1, ...)``)."""
+    if isinstance(node, ast.Name):
+        node = scope.definition(node.id, line)  # type: ignore[assignment]
+    if isinstance(node, (ast.Constant, ast.Attribute)):
+        return True
+    return isinstance(node, ast.Call) and (module.canonical(node.func) or "").rsplit(".", 1)[-1] in _FILLS \
+        and (module.canonical(node.func) or "").startswith("torch.")
+
+
 def _where_replacement(module: ModuleInfo, scope: Scope, name: str, line: int) -> Optional[tuple[str, str, str]]:
-    """(test, replacement, replaced) texts where ``name`` is bound, as it reaches ``line``, from ``torch.where(test,
-    replacement, replaced)`` with a literal, a constant attribute or a plain name as the replacement."""
+    """(where call, kept value, test) texts where ``name`` is bound, as it reaches ``line``, from ``torch.where(test,
+    a, b)`` with one branch a stand-in (:func:`_fill`) for the other."""
     value = scope.definition(name, line)
     if not (isinstance(value, ast.Call) and (module.canonical(value.func) or "") == "torch.where" and len(value.args) == 3):
         return None
-    test, fill, replaced = value.args
-    if not isinstance(fill, (ast.Constant, ast.Attribute, ast.Name)):
-        return None
-    return segment(module, test), segment(module, fill), segment(module, replaced)
+    test, a, b = value.args
+    fa, fb = _fill(module, scope, a, line), _fill(module, scope, b, line)
+    if fa == fb:
+        return None  # both stand-ins, or neither: no sanitised value
+    kept = b if fa else a
+    return segment(module, value), segment(module, kept), segment(module, test)
 
 
 def sanitised_divisor_reason(module: ModuleInfo, scope: Scope, branch: str, op: str, line: int) -> Optional[str]:
@@ -50,8 +66,8 @@ def sanitised_divisor_reason(module: ModuleInfo, scope: Scope, branch: str, op: 
     found = [(n, _where_replacement(module, scope, n, line)) for n in dict.fromkeys(names)]
     if not found or any(w is None for _n, w in found):
         return None
-    name, (test, fill, replaced) = found[0]  # type: ignore[misc]
-    return (f"branch `{branch}` divides by `{name}` (`torch.where({test}, {fill}, {replaced})`): npufuse does not show "
-            f"that `{test}` holds at every zero of `{replaced}` (the test reads a run-time value), so where the branch is "
-            "not selected the division is not shown finite, and lerp would turn an inf there into NaN: the lerp form is "
-            "not shown inf-safe")
+    name, (where, kept, test) = found[0]  # type: ignore[misc]
+    return (f"branch `{branch}` divides by `{name}` (`{' '.join(where.split())[:90]}`): npufuse does not show that the "
+            f"test `{test}` replaces every zero of `{kept}` (it reads a run-time value), so where the branch is not "
+            "selected the division is not shown finite, and lerp would turn an inf there into NaN: the lerp form is not "
+            "shown inf-safe")
