@@ -1,9 +1,10 @@
 """s46 audit fixes (audit46): the classes behind the dead candidates and the false near-miss reasons of this session's
 precision audit on 16 repositories new to npufuse (bench/audit_s46_precision.json, bench/audit_s46_near_misses.json).
 
-D1 attention (the s45 judge's harmless extra, F5-like TTS ``models/dit.py``): the eager attention sits inside ``if
-   return_attn_weights:`` (the arm that returns the probabilities); the fused call needs ``not return_attn_weights``,
-   so it could never run. A near miss naming the enclosing test now.
+D1 every pattern's contradicted-guard rule (the s45 judge's harmless extra, F5-like TTS ``models/dit.py``): the eager
+   attention sits inside ``if return_attn_weights:``; the fused call needs ``not return_attn_weights``, so it could
+   never run. The s38 rule compared the module's respelled tree (``scores.softmax(dim=-1)``) with the fallback as
+   written (``torch.softmax(scores, dim=-1)``) and never matched: the fallback is now compared respelled too.
 D2 sdpa / attention (auto-round's ``bench_sparse_topk.py``: ``F.scaled_dot_product_attention(nhd_to_hnd(q), ...)``):
    the device guard named ``nhd_to_hnd``, a function (no ``is_npu``): the fused branch never ran. It names the tensor.
 R1 affinity_index_put (mmdet's ``show_result``): ``color_mask`` (``np.random.randint``) was called "a tensor not
@@ -88,8 +89,8 @@ class MultiHeadAttention(nn.Module):
 def test_d1_eager_attention_inside_the_weights_arm_is_a_near_miss() -> None:
     findings, misses = detect_all(AttentionPattern(), _WEIGHTS_ARM)
     assert not findings, [f.fused for f in findings]
-    assert any("runs only inside `if return_attn_weights:`" in m.reason and "could never run" in m.reason
-               for m in misses), [m.reason for m in misses]
+    assert any("requires `not return_attn_weights`, which is false in the taken arm of `if return_attn_weights:`" in m.reason
+               and "could never run" in m.reason for m in misses), [m.reason for m in misses]
 
 
 def test_d1_twin_weights_returned_under_the_flag_stays_a_candidate() -> None:

@@ -46,7 +46,6 @@ from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _a
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
-from npufuse.patterns._attention_s46audit import excluded_test_encloses_site
 from npufuse.patterns._sdpa_s46audit import guard_operand_name
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -4050,15 +4049,6 @@ class AttentionPattern(Pattern):
             test_texts = [r.text(m.cond) for m in chain.masks if m.cond is not None]
             if chain.excluded:
                 # the fused call runs where none of the excluded branches (soft-capping) is taken
-                parents = scope.__dict__.get("_npufuse_parents")
-                if parents is None:
-                    parents = scope.__dict__["_npufuse_parents"] = _parents(scope.node)
-                enclosing = excluded_test_encloses_site(scope, stmt, chain.excluded, parents)
-                if enclosing is not None:
-                    # s46 (audit46): the site sits in the very arm the fused call must avoid: it could never run
-                    return NearMiss(self.id, scope.qualname, span_line, end_line,
-                                    f"the site runs only inside `if {r.text(enclosing[0])}:`, the branch where the fused call must fall back "
-                                    f"({enclosing[1]} has no npu_fusion_attention equivalent): a fused call there could never run")
                 both = _excluded_both_ways(chain.excluded)
                 if both is not None:
                     # s41 review: `len_q` read under `if self.rel:` after the site, `len_k` in its else: no value of the
