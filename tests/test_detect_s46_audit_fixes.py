@@ -22,7 +22,7 @@ from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.sdpa import SdpaPattern
 from pattern_harness import detect_all
 
-_WEIGHTS_ARM = '''\
+_ATTENTION_HEAD = '''\
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -42,48 +42,34 @@ class MultiHeadAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, -1, self.heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, -1, self.heads, self.head_dim).transpose(1, 2)
-        if return_attn_weights:
-            scale = self.head_dim ** -0.5
-            scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-            weights = torch.softmax(scores, dim=-1)
-            out = torch.matmul(weights, v)
-            out = out.transpose(1, 2).contiguous().view(B, T, -1)
-            return self.o_proj(out), weights
-        out = F.scaled_dot_product_attention(q, k, v)
-        out = out.transpose(1, 2).contiguous().view(B, T, -1)
-        return self.o_proj(out)
 '''
+
+_EAGER = '''\
+scale = self.head_dim ** -0.5
+scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+weights = torch.softmax(scores, dim=-1)
+out = torch.matmul(weights, v)
+out = out.transpose(1, 2).contiguous().view(B, T, -1)
+'''
+
+
+def _indented(text: str, depth: int) -> str:
+    return "".join(" " * 4 * depth + line + "\n" for line in text.splitlines())
+
+
+# the eager attention only inside the arm that returns the probabilities (the fused SDPA call after it)
+_WEIGHTS_ARM = _ATTENTION_HEAD + "        if return_attn_weights:\n" + _indented(_EAGER, 3) + (
+    "            return self.o_proj(out), weights\n"
+    "        out = F.scaled_dot_product_attention(q, k, v)\n"
+    "        out = out.transpose(1, 2).contiguous().view(B, T, -1)\n"
+    "        return self.o_proj(out)\n")
 
 # the twin: the eager attention runs for every call and the weights are returned only under the flag: the fused call
 # runs where the flag is off (a run-time check), a candidate as before
-_WEIGHTS_RETURNED_UNDER_FLAG = '''\
-import torch
-import torch.nn as nn
-
-
-class MultiHeadAttention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
-        self.v_proj = nn.Linear(dim, dim)
-        self.o_proj = nn.Linear(dim, dim)
-
-    def forward(self, x, return_attn_weights=False):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, -1, self.heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, -1, self.heads, self.head_dim).transpose(1, 2)
-        scale = self.head_dim ** -0.5
-        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-        weights = torch.softmax(scores, dim=-1)
-        out = torch.matmul(weights, v)
-        out = out.transpose(1, 2).contiguous().view(B, T, -1)
-        if return_attn_weights:
-            return self.o_proj(out), weights
-        return self.o_proj(out)
-'''
+_WEIGHTS_RETURNED_UNDER_FLAG = _ATTENTION_HEAD + _indented(_EAGER, 2) + (
+    "        if return_attn_weights:\n"
+    "            return self.o_proj(out), weights\n"
+    "        return self.o_proj(out)\n")
 
 
 def test_d1_eager_attention_inside_the_weights_arm_is_a_near_miss() -> None:
