@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterator, Optional
 
+from npufuse.patterns._guard_arms_s46audit import same_statements
+
 _NEGATED_OPS = {ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
 
 
@@ -106,7 +108,8 @@ def _falls_back_to_the_span(idx: Any, stmt: ast.stmt, finding: Any, guarded: ast
         return False
     block, i = held
     span = [st for st in block[i:] if (getattr(st, "end_lineno", None) or st.lineno) <= finding.end_line]
-    return bool(span) and len(span) == len(guarded.orelse) and all(ast.dump(a) == ast.dump(b) for a, b in zip(span, guarded.orelse))
+    # s46: the module's tree respells torch calls; the fallback parsed from the fused text does not
+    return bool(span) and same_statements(span, guarded.orelse)
 
 
 def contradicted_guard(scope: Any, finding: Any) -> Optional[str]:

@@ -24,6 +24,7 @@ import ast
 import copy
 from typing import Any, Iterable, Optional
 
+from npufuse.patterns._affinity_index_put_s46audit import AUG_NOT_SHOWN, numpy_value_operand, numpy_value_reason
 from npufuse.patterns._affinity_index_put_s45audit import not_tensor_method_use
 from npufuse.patterns import _affinity_index_put_s45
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk, parsed_code
@@ -578,9 +579,8 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
             # s43 (audit43b, PLoRA ``res[mask] += lora(x[mask])``): the value may be computed from rows gathered with
             # the mask by row-wise layers, so "not gathered" was not always a fact; what holds is that npufuse does not
             # show it element by element with the target
-            return NearMiss(_ID, scope.qualname, line, end, f"`{target}[mask] {op}= {value_text[:40]}`: the value is not "
-                            "a scalar and not shown to be the same mask's gather element by element: it may hold one row "
-                            "per selected element (a masked scatter-add), which no elementwise rewrite reproduces")
+            # s46 (audit46): "not known to be" a scalar: a configuration float is one, npufuse only cannot show it
+            return NearMiss(_ID, scope.qualname, line, end, f"`{target}[mask] {op}= {value_text[:40]}`: {AUG_NOT_SHOWN}")
         form, elem = "where", value_elem
     elif gathered is not None:
         indexed = _gathered_as_index(module, value, mask)
@@ -599,6 +599,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, target_node: ast.
                             else _affinity_index_put_s45.sliced_reason(sliced))
         loose = _ungathered_operand(module, scope, value, mask, line)
         if loose is not None:
+            numpy_name = numpy_value_operand(module, scope, value, line, _is_numpy)
+            if numpy_name is not None:
+                # s46 (audit46, mmdet's ``img_show[mask] = img_show[mask] * 0.5 + color_mask * 0.5``): a numpy operand
+                return NearMiss(_ID, scope.qualname, line, end, numpy_value_reason(numpy_name))
             # s41 (audit41, InternVL-style ``x[sel] = x[sel] * 0.0 + vit_embeds[:n_token]``): one row per selected element
             return NearMiss(_ID, scope.qualname, line, end,
                             f"`{loose[:50]}` in the value is a tensor not gathered with the mask: it may hold one row per "
@@ -1358,7 +1362,7 @@ AffinityIndexPut.KEEP = [
     Keep(_KEEP_SCATTER, reason="masked scatter", name="llava_image_features_masked_scatter"),
     Keep(_KEEP_NONZERO, reason="integer positions", name="nonzero_index"),
     Keep(_KEEP_NUMPY, reason="numpy", name="numpy_array_weights"),
-    Keep(_KEEP_RANDOM, reason="not a scalar and not shown to be the same mask's gather", name="fresh_random_tensor_per_selection"),
+    Keep(_KEEP_RANDOM, reason="not known to be a scalar and not shown to be the same mask's gather", name="fresh_random_tensor_per_selection"),
     Keep(_KEEP_UNRELATED, reason="", name="dict_slice_and_integer_index"),
     Keep(_KEEP_DEEPSTACK, reason="masked scatter", name="qwen3_vl_deepstack_mask_then_full_slice"),
     Keep(_KEEP_MIXED_INDEX, reason="mixed integer/slice and mask", name="qwen2_vl_rope_index_mixed_subscript"),

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 
 from npufuse.patterns.affinity_index_put import _param_annotation, _param_default, is_bool_mask, is_inf, is_scalar
 from npufuse.patterns._affinity_where_s45audit import attribute_ratio
+from npufuse.patterns._affinity_where_s46audit import sanitised_divisor_reason
 from npufuse.patterns._affinity_where_s44audit import constant_number, host_scalar_tensor, missing_values_mask, nonzero_constant_divisor, quoted
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.bound_callee import self_attribute_stores
@@ -550,6 +551,10 @@ def _analyze(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call) -
     for side, text in ((a, texts[1]), (b, texts[2])):
         op = _unsafe_op(module, scope, side, line)
         if op is not None:
+            # s46 (audit46): a divisor the code made nonzero with torch.where: say what is not shown, not "can be inf"
+            sanitised = sanitised_divisor_reason(module, scope, quoted(text), op, line)
+            if sanitised is not None:
+                return miss(sanitised)
             return miss(f"branch `{quoted(text)}` computes `{quoted(op)}`, which can be inf/NaN where it is not selected "
                         "(torch.where used as a guard): lerp would turn that into NaN, so it is not inf-safe")
     for side, text in ((a, texts[1]), (b, texts[2])):

@@ -46,6 +46,7 @@ from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _a
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
+from npufuse.patterns._sdpa_s46audit import guard_operand_name
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_fields, child_nodes, const_value, dotted, fast_walk, keyword, lines_with, replace_segments, scope_text, segment, spans_a_line, stored_name, may_name
@@ -4288,11 +4289,10 @@ class AttentionPattern(Pattern):
 
     @staticmethod
     def _guard(q_text: str) -> str:
-        node = ast.parse(q_text, mode="eval").body
         # the first name in source order: ``(q * scale).view(b * h, ch, t)`` is guarded on ``q``, not on the
         # int ``ch`` a breadth-first walk meets first (an int is never on the NPU: the fused branch never ran)
-        names = sorted((n.col_offset, n.id) for n in fast_walk(node) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F", "nn", "math"))
-        return names[0][1] if names else q_text
+        # s46: never a called function's name (`rearrange(q, ...)`): a function has no device
+        return guard_operand_name(q_text, ("torch", "self", "F", "nn", "math"))
 
     def _mask_desc(self, r: Renderer, m: MaskTerm) -> str:
         kind = m.causal or m.kind

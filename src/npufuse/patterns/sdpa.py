@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable
 
+from npufuse.patterns._sdpa_s46audit import guard_operand_name
 from npufuse.patterns.attention import (
     VALUE_CHECK_RISK,
     additive_mask_exact,
@@ -620,7 +621,7 @@ class SdpaPattern(Pattern):
             "mask_values_checked": value_check is not None,
         }
         variant = "sdpa" + ("+causal" if "causal" in mask_kind else "") + (f"+{mask_kind}" if mask_kind in ("bool", "float", "unknown") else "") + ("+gqa" if params["gqa"] else "")
-        guard = next((n.id for n in fast_walk(ast.parse(q_src, mode="eval")) if isinstance(n, ast.Name) and n.id not in ("torch", "self", "F")), q_src)
+        guard = guard_operand_name(q_src)  # s46: never the function a query call names (it has no device)
         return Finding(
             pattern=self.id, qualname=scope.qualname, line=block[start].lineno, end_line=end, params=params,
             fused="\n".join(lines), guard_tensor=guard, confidence=confidence, variant=variant, risks=risks, notes=notes,
