@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1821,6 +1821,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         lambda fn: _triton_rms_forward(module, fn, cls, mod, foreign=bool(where)),
         lambda fn: _add_rms_norm_s44.apex_rms_forward(module, fn, mod, foreign=bool(where)),
         lambda fn: _add_rms_norm_s44h.cast_back_library_forward(module, fn, mod, bool(where), _library_forward),
+        # s46: F.rms_norm with the weight cast to the input's dtype (``self.weight.to(x.dtype)``)
+        lambda fn: _add_rms_norm_s46a.cast_weight_library_forward(module, fn, mod, bool(where), _library_forward),
     )
     lib_fwd = next((got for got in (read(fwd) for read in readers) if got is not None), None) if fwd is not None else None
     if lib_fwd is not None:
@@ -2720,8 +2722,12 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         # where the body runs: the fused add + norm, then the body's other statements as written;
         # elsewhere the add (and its aliases) as written, then the ``else`` if any
         h = site.head_if
-        taken = ["\n".join(body)] + ([S.block_source(module, h.body[1:])] if h.body[1:] else [])
-        other = [S.stmt_source(module, st) for st in (site.add, *site.aliases)] + ([_s42_else_source(module, h)] if h.orelse else [])
+        # s46: the body may save the sum before the norm (``if flag: residual = x; x = norm(x)``): its statements
+        # after the norm go on as written, and its aliases run only where the body does
+        rest = h.body[h.body.index(site.norm_stmt) + 1:] if site.norm_stmt in h.body else h.body[1:]
+        taken = ["\n".join(body)] + ([S.block_source(module, rest)] if rest else [])
+        outer = [a for a in site.aliases if a not in h.body]
+        other = [S.stmt_source(module, st) for st in (site.add, *outer)] + ([_s42_else_source(module, h)] if h.orelse else [])
         body = [f"if {S.source_of(module, h.test)}:", S.indent("\n".join(taken)), "else:", S.indent("\n".join(other))]
     borrowed = module.__dict__.get("_npufuse_borrowed")
     if borrowed:
@@ -3064,7 +3070,8 @@ class AddRmsNorm(Pattern):
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
                            *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope),
-                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope)]:
+                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope),
+                           *_add_rms_norm_s46a.head_sites_after_aliases(module, scope)]:
             yield self._site_result(module, scope, stmt, site)
 
     def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:

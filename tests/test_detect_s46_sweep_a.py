@@ -1,0 +1,204 @@
+"""s46 recall sweep (helper sweep46a): the classes behind the misses on bench/detect_labels_sweep46a.json, eight LLM
+repositories labelled before npufuse was run on them (development data).
+
+A add_rms_norm: the residual sum, then ``if <flag>:`` whose body saves the sum (``residual = x``) before normalising
+   it (a hybrid Mamba / xLSTM block with an optional MLP). Near miss: a test that reads the sum.
+B add_rms_norm: a norm class whose forward is ``F.rms_norm(x, shape, self.weight.to(x.dtype), self.eps)`` (a
+   block-diffusion LM), in this file or another of the repository. Near miss: the weight cast to another tensor's
+   dtype.
+C fused_optimizer: ``fused=fused and torch.cuda.is_available()`` (an implementation choice asking the runtime a
+   question). Near miss: ``fused=`` computed by an arbitrary call.
+"""
+
+from __future__ import annotations
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.fused_optimizer import FusedOptimizer
+from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
+
+
+# -- A: the body of a flag saves the sum before its norm
+
+_FLAG_BODY_ALIAS = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        rms = torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True) + self.eps)
+        x_norm = x / rms
+        return self.weight * x_norm
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, dim, norm_type="rms", use_mlp=True):
+        super().__init__()
+        self.use_mlp = use_mlp
+        if norm_type.lower() == "rms":
+            self.norm1 = RMSNorm(dim)
+        else:
+            self.norm1 = nn.LayerNorm(dim)
+        self.mixer = nn.Linear(dim, dim)
+        if use_mlp:
+            if norm_type.lower() == "rms":
+                self.norm2 = RMSNorm(dim)
+            else:
+                self.norm2 = nn.LayerNorm(dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        else:
+            self.norm2 = None
+            self.mlp = None
+
+    def forward(self, x):
+        residual = x
+        x = self.norm1(x)
+        x = self.mixer(x)
+        x = residual + x
+        if self.use_mlp:
+            residual = x
+            x = self.norm2(x)
+            x = self.mlp(x)
+            x = residual + x
+        return x
+'''
+
+_FLAG_BODY_ALIAS_RUN = '''
+torch.manual_seed(0)
+block = HybridBlock(16)
+with torch.no_grad():
+    block.norm2.weight.uniform_(0.5, 1.5)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = block(x)
+leaves = [x]
+'''
+
+
+def test_a_sum_saved_inside_a_flag_body_then_normalised_is_found_and_runs() -> None:
+    findings = found_and_faithful(AddRmsNorm(), _FLAG_BODY_ALIAS, _FLAG_BODY_ALIAS_RUN)
+    assert [(f.qualname, f.line) for f in findings] == [("HybridBlock.forward", 41)]
+
+
+def test_a_rewrite_keeps_the_aliases_inside_the_body_and_fuses_inference() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _FLAG_BODY_ALIAS)
+    fused = findings[0].fused
+    # the body's alias runs only where the body does: the other branch is the add alone
+    assert fused.rstrip().endswith("else:\n    x = residual + x")
+    run = _FLAG_BODY_ALIAS_RUN.replace("out = block(x)", "with torch.no_grad():\n    out = block(x)").replace("leaves = [x]", "leaves = []")
+    facts = check_rewrite_runs(AddRmsNorm(), _FLAG_BODY_ALIAS, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) >= 1 and min(facts["cos_out"]) > 0.9999
+
+
+def test_a_flag_reading_the_sum_stays_unfused() -> None:
+    code = _FLAG_BODY_ALIAS.replace("        if self.use_mlp:\n            residual = x",
+                                    "        if x.abs().max() < 1e4:\n            residual = x")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert [f.line for f in findings if f.line == 41] == []
+
+
+# -- B: F.rms_norm with the weight cast to the input's dtype
+
+_CAST_WEIGHT = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), weight=self.weight.to(dtype=x.dtype), eps=self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.rms1 = RMSNorm(dim)
+        self.rms2 = RMSNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, xt, gate):
+        attn_out = self.attn(self.rms1(xt))
+        xt = xt + gate * attn_out
+        h2 = self.rms2(xt)
+        return xt + self.mlp(h2)
+'''
+
+_CAST_WEIGHT_RUN = '''
+torch.manual_seed(0)
+block = Block(16)
+with torch.no_grad():
+    block.rms2.weight.uniform_(0.5, 1.5)
+xt = torch.randn(2, 5, 16, requires_grad=True)
+gate = torch.rand(2, 1, 16)
+out = block(xt, gate)
+leaves = [xt]
+'''
+
+
+def test_b_library_norm_with_the_weight_cast_to_the_input_is_found_and_runs() -> None:
+    findings = found_and_faithful(AddRmsNorm(), _CAST_WEIGHT, _CAST_WEIGHT_RUN)
+    assert [(f.qualname, f.line, f.variant) for f in findings] == [("Block.forward", 27, "library_norm")]
+
+
+def test_b_type_as_spelling_is_found() -> None:
+    code = _CAST_WEIGHT.replace("weight=self.weight.to(dtype=x.dtype)", "weight=self.weight.type_as(x)")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert [f.line for f in findings] == [27]
+
+
+def test_b_weight_cast_to_another_tensors_dtype_stays_unfused() -> None:
+    code = _CAST_WEIGHT.replace("weight=self.weight.to(dtype=x.dtype)", "weight=self.weight.to(dtype=self.weight.dtype)")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert findings == []
+
+
+# -- C: fused= asking the runtime whether CUDA is there
+
+_QUERY_FUSED = '''
+import torch
+from torch.optim import AdamW
+
+
+def configure_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(
+        params,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        fused=fused and torch.cuda.is_available(),
+    )
+    return optimizer
+
+
+def train(model, data):
+    opt = configure_optimizer(model)
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+'''
+
+
+def test_c_fused_flag_asking_the_runtime_is_dropped_and_the_call_fused() -> None:
+    findings, _ = detect_all(FusedOptimizer(), _QUERY_FUSED)
+    assert [(f.qualname, f.line) for f in findings] == [("configure_optimizer", 8)]
+    assert "fused=" not in findings[0].fused and "NpuFusedAdamW" in findings[0].fused
+
+
+def test_c_fused_flag_from_an_arbitrary_call_stays_a_near_miss() -> None:
+    code = _QUERY_FUSED.replace("fused=fused and torch.cuda.is_available()", "fused=pick_fused(model)")
+    findings, misses = detect_all(FusedOptimizer(), code)
+    assert findings == [] and any("pick_fused" in m.reason for m in misses)
