@@ -202,3 +202,82 @@ def test_c_fused_flag_from_an_arbitrary_call_stays_a_near_miss() -> None:
     code = _QUERY_FUSED.replace("fused=fused and torch.cuda.is_available()", "fused=pick_fused(model)")
     findings, misses = detect_all(FusedOptimizer(), code)
     assert findings == [] and any("pick_fused" in m.reason for m in misses)
+
+
+# -- D: an engine's add + norm method, written in place
+
+_ENGINE_ADD_NORM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def add_rms_forward(self, x, residual):
+        orig_dtype = x.dtype
+        x = x.float().add_(residual.float())
+        residual = x.to(orig_dtype)
+        var = x.pow(2).mean(dim=-1, keepdim=True)
+        x.mul_(torch.rsqrt(var + self.eps))
+        x = x.to(orig_dtype).mul_(self.weight)
+        return x, residual
+'''
+
+_ENGINE_ADD_NORM_RUN = '''
+torch.manual_seed(0)
+norm = RMSNorm(16)
+with torch.no_grad():
+    norm.weight.uniform_(0.5, 1.5)
+    norm.weight.data = norm.weight.data.bfloat16()
+    x = torch.randn(3, 16).bfloat16()
+    r = torch.randn(3, 16).bfloat16()
+    out = norm.add_rms_forward(x, r)
+leaves = []
+'''
+
+
+def test_d_engine_add_norm_method_in_place_is_found_and_runs_the_fused_op() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _ENGINE_ADD_NORM)
+    assert [(f.qualname, f.line, f.variant) for f in findings] == [("RMSNorm.add_rms_forward", 13, "engine_add_norm")]
+    facts = check_rewrite_runs(AddRmsNorm(), _ENGINE_ADD_NORM, _ENGINE_ADD_NORM_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) == 1 and facts["n_out"] == (2, 2)
+    assert min(facts["cos_out"]) > 0.9999 and facts["dtypes"] == [(a, a) for a, _ in facts["dtypes"]]
+
+
+def test_d_functional_spelling_is_found_too() -> None:
+    code = _ENGINE_ADD_NORM.replace("x = x.float().add_(residual.float())", "x = x.float() + residual.float()")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert [f.variant for f in findings] == ["engine_add_norm"]
+
+
+def test_d_plain_alias_of_an_in_place_normalised_sum_stays_a_near_miss() -> None:
+    code = _ENGINE_ADD_NORM.replace("x = x.float().add_(residual.float())", "x = x + residual").replace(
+        "residual = x.to(orig_dtype)", "residual = x")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == [] and any("shares storage" in m.reason for m in misses)
+
+
+def test_d_float32_input_keeps_the_original_in_place_aliasing() -> None:
+    # a float32 x: x.float() is x and .to(float32) no copy, so the original returns the normalised tensor twice; the
+    # fused branch runs for half inputs only
+    findings, _ = detect_all(AddRmsNorm(), _ENGINE_ADD_NORM)
+    assert "x.dtype in (torch.float16, torch.bfloat16)" in findings[0].fused
+    run = _ENGINE_ADD_NORM_RUN.replace(".bfloat16()", "")
+    facts = check_rewrite_runs(AddRmsNorm(), _ENGINE_ADD_NORM, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) == 0 and min(facts["cos_out"]) > 0.9999
+
+
+def test_d_float32_residual_handed_on_stays_a_near_miss() -> None:
+    code = _ENGINE_ADD_NORM.replace("residual = x.to(orig_dtype)", "residual = x")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == [] and any("in float32" in m.reason for m in misses)
+
+
+def test_d_norm_reading_the_residual_again_stays_a_near_miss() -> None:
+    code = _ENGINE_ADD_NORM.replace("var = x.pow(2).mean(dim=-1, keepdim=True)", "var = (x * residual).mean(dim=-1, keepdim=True)")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == [] and any("read the residual again" in m.reason for m in misses)

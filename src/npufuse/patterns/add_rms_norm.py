@@ -3043,6 +3043,11 @@ class AddRmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if isinstance(scope.node, ast.Module):
             return
+        # s46: an engine's add + norm method (``def add_rms_forward(self, x, residual)``), in place or not
+        engine = _add_rms_norm_s46a.engine_add_norm(module, scope, R._PROBE)
+        if engine is not None:
+            yield engine
+            return
         if "+" not in S.scope_text(module, scope):
             return
         # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
