@@ -3043,11 +3043,20 @@ class AddRmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if isinstance(scope.node, ast.Module):
             return
-        # s46: an engine's add + norm method (``def add_rms_forward(self, x, residual)``), in place or not
+        # s46: an engine's add + norm method (``def add_rms_forward(self, x, residual)``), in place or not; its near
+        # miss stands only where no other reading of the method gives a result
         engine = _add_rms_norm_s46a.engine_add_norm(module, scope, R._PROBE)
-        if engine is not None:
+        if isinstance(engine, Finding):
             yield engine
             return
+        others = list(self._forms(module, scope)) if engine is not None else None
+        if others is None:
+            yield from self._forms(module, scope)
+            return
+        yield from others or [engine]
+
+    def _forms(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        """The results of every add + norm reading but the engine method's."""
         if "+" not in S.scope_text(module, scope):
             return
         # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
