@@ -315,3 +315,53 @@ class Layer(nn.Module):
 '''
     findings, _ = detect_all(AddRmsNorm(), code)
     assert [(f.qualname, f.variant != "engine_add_norm") for f in findings] == [("Layer.add_norm", True)]
+
+
+# -- E: a norm handed to an exported helper that no call in the file binds
+
+_UNBOUND_NORM = '''
+from typing import Tuple
+import torch
+import torch.nn as nn
+
+
+def fused_add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual addition and normalization."""
+    residual = residual + x
+    normalized = norm(residual)
+    return normalized, residual
+'''
+
+_UNBOUND_NORM_RUN = '''
+torch.manual_seed(0)
+norm = nn.RMSNorm(16, eps=1e-6)
+with torch.no_grad():
+    norm.weight.uniform_(0.5, 1.5)
+x = torch.randn(2, 5, 16, requires_grad=True)
+r = torch.randn(2, 5, 16, requires_grad=True)
+out = fused_add_norm(x, r, norm)
+leaves = [x, r]
+'''
+
+
+def test_e_unbound_norm_parameter_is_fused_where_it_is_torchs_rmsnorm() -> None:
+    findings = found_and_faithful(AddRmsNorm(), _UNBOUND_NORM, _UNBOUND_NORM_RUN)
+    assert [(f.qualname, f.line) for f in findings] == [("fused_add_norm", 9)]
+    assert findings[0].fused.startswith("if type(norm).forward is torch.nn.RMSNorm.forward")
+
+
+def test_e_a_layernorm_handed_over_runs_the_original() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _UNBOUND_NORM)
+    run = _UNBOUND_NORM_RUN.replace("nn.RMSNorm(16, eps=1e-6)", "nn.LayerNorm(16)")
+    facts = check_rewrite_runs(AddRmsNorm(), _UNBOUND_NORM, run, findings)
+    assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.9999
+
+
+def test_e_a_caller_handing_an_unresolved_module_keeps_the_s42_near_miss() -> None:
+    code = _UNBOUND_NORM + '''
+
+def block(x, residual, layers):
+    return fused_add_norm(x, residual, layers.pick())
+'''
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == [] and any("is a parameter of `fused_add_norm`" in m.reason for m in misses)

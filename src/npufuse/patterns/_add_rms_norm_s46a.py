@@ -35,6 +35,12 @@
    RMSNorm, the method returns ``npu_add_rms_norm(x, residual, w, eps)``'s (y, sum) at inference where x, residual
    and w share one dtype; elsewhere (training, mixed dtypes) the original body runs. Near misses kept: a norm that
    reads the residual again; an upcast sum whose norm never comes back to x's dtype (the original returns fp32).
+
+4. A norm handed to a helper as a parameter that no call in the file binds (an exported ``fused_add_norm(x,
+   residual, norm)``: ``residual = residual + x; normalized = norm(residual)``): s42 reads such a parameter through
+   its callers; with none, the fused code runs where the module handed over is PyTorch's own ``nn.RMSNorm`` (its
+   forward, a weight, one normalised dim: checked at run time), the original elsewhere. Near miss kept: a parameter
+   whose callers in the file hand it something npufuse cannot resolve (s42's reason stands).
 """
 
 from __future__ import annotations
@@ -308,3 +314,15 @@ def engine_add_norm(module: ModuleInfo, scope: Scope, probe_on: bool) -> Result 
                "method does; training and mixed dtypes run the original body"],
         training_ok=True,
     )
+
+
+def unbound_parameter_library_norm(module: ModuleInfo, call: ast.Call, param: str) -> Any:
+    """Form 4 of the module doc: the ``NormCall`` of ``param(sum)`` read as ``nn.RMSNorm`` under a run-time check."""
+    from npufuse.patterns import add_rms_norm as A
+    from npufuse.patterns._library_norm import eps_or_default
+
+    T = S.torch_name(module) or "torch"
+    return A.NormCall(call, param, "library", cls="nn.RMSNorm", gamma=f"{param}.weight", eps=eps_or_default(f"{param}.eps", T),
+                      mod=param,
+                      conditions=[f"type({param}).forward is {T}.nn.RMSNorm.forward", f"{param}.weight is not None",
+                                  f"len({param}.normalized_shape) == 1"])

@@ -6880,6 +6880,9 @@ def _s42_parameter_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
     if not (isinstance(f, ast.Name) and f.id in _s42_norm_parameters(scope)) or len(call.args) != 1 or call.keywords:
         return None
     passed = _s42_passed_modules(module, scope, f.id)
+    if isinstance(passed, str) and passed.startswith("no call of"):
+        # s46: no caller in the file: PyTorch's nn.RMSNorm where the run-time type says so, the original elsewhere
+        return _add_rms_norm_s46a.unbound_parameter_library_norm(module, call, f.id)
     if isinstance(passed, str):
         return NormCall(call, f.id, "not_rms", cls=f.id, reason=f"`{f.id}` is a parameter of `{scope.qualname}`: {passed}; "
                                                                    "what the norm is stays unknown")
