@@ -176,7 +176,7 @@ def block(x, sublayer, norm):
 '''
     findings, _ = detect_all(AddRmsNorm(), code)
     assert [f.qualname for f in findings] == ["block"]
-    assert findings[0].fused.startswith("if type(norm).forward is torch.nn.RMSNorm.forward")
+    assert findings[0].fused.startswith("if isinstance(norm, torch.nn.RMSNorm) and type(norm).forward is torch.nn.RMSNorm.forward")
 
 
 # -- 2. a kernel branch before the torch path --------------------------------------------------------------------

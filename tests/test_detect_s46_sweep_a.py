@@ -347,7 +347,7 @@ leaves = [x, r]
 def test_e_unbound_norm_parameter_is_fused_where_it_is_torchs_rmsnorm() -> None:
     findings = found_and_faithful(AddRmsNorm(), _UNBOUND_NORM, _UNBOUND_NORM_RUN)
     assert [(f.qualname, f.line) for f in findings] == [("fused_add_norm", 9)]
-    assert findings[0].fused.startswith("if type(norm).forward is torch.nn.RMSNorm.forward")
+    assert findings[0].fused.startswith("if isinstance(norm, torch.nn.RMSNorm) and type(norm).forward is torch.nn.RMSNorm.forward")
 
 
 def test_e_a_layernorm_handed_over_runs_the_original() -> None:
@@ -365,3 +365,10 @@ def block(x, residual, layers):
 '''
     findings, misses = detect_all(AddRmsNorm(), code)
     assert findings == [] and any("is a parameter of `fused_add_norm`" in m.reason for m in misses)
+
+
+def test_e_a_plain_function_handed_over_runs_the_original() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _UNBOUND_NORM)
+    run = _UNBOUND_NORM_RUN.replace("out = fused_add_norm(x, r, norm)", "out = fused_add_norm(x, r, torch.tanh)")
+    facts = check_rewrite_runs(AddRmsNorm(), _UNBOUND_NORM, run, findings)
+    assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.9999

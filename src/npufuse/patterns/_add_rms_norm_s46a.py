@@ -38,8 +38,9 @@
 
 4. A norm handed to a helper as a parameter that no call in the file binds (an exported ``fused_add_norm(x,
    residual, norm)``: ``residual = residual + x; normalized = norm(residual)``): s42 reads such a parameter through
-   its callers; with none, the fused code runs where the module handed over is PyTorch's own ``nn.RMSNorm`` (its
-   forward, a weight, one normalised dim: checked at run time), the original elsewhere. Near miss kept: a parameter
+   its callers; with none, the fused code runs where the module handed over is PyTorch's own ``nn.RMSNorm`` (an
+   instance, its forward, a weight, one normalised dim: checked at run time), the original elsewhere (a plain
+   function handed over included). Near miss kept: a parameter
    whose callers in the file hand it something npufuse cannot resolve (s42's reason stands).
 """
 
@@ -324,5 +325,7 @@ def unbound_parameter_library_norm(module: ModuleInfo, call: ast.Call, param: st
     T = S.torch_name(module) or "torch"
     return A.NormCall(call, param, "library", cls="nn.RMSNorm", gamma=f"{param}.weight", eps=eps_or_default(f"{param}.eps", T),
                       mod=param,
-                      conditions=[f"type({param}).forward is {T}.nn.RMSNorm.forward", f"{param}.weight is not None",
+                      # isinstance first: a parameter may be a plain function, whose type has no ``forward``
+                      conditions=[f"isinstance({param}, {T}.nn.RMSNorm)", f"type({param}).forward is {T}.nn.RMSNorm.forward",
+                                  f"{param}.weight is not None",
                                   f"len({param}.normalized_shape) == 1"])
