@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _norm_s43
+from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1821,6 +1821,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         lambda fn: _triton_rms_forward(module, fn, cls, mod, foreign=bool(where)),
         lambda fn: _add_rms_norm_s44.apex_rms_forward(module, fn, mod, foreign=bool(where)),
         lambda fn: _add_rms_norm_s44h.cast_back_library_forward(module, fn, mod, bool(where), _library_forward),
+        # s46: F.rms_norm with the weight cast to the input's dtype (``self.weight.to(x.dtype)``)
+        lambda fn: _add_rms_norm_s46a.cast_weight_library_forward(module, fn, mod, bool(where), _library_forward),
     )
     lib_fwd = next((got for got in (read(fwd) for read in readers) if got is not None), None) if fwd is not None else None
     if lib_fwd is not None:
@@ -2722,8 +2724,12 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         # where the body runs: the fused add + norm, then the body's other statements as written;
         # elsewhere the add (and its aliases) as written, then the ``else`` if any
         h = site.head_if
-        taken = ["\n".join(body)] + ([S.block_source(module, h.body[1:])] if h.body[1:] else [])
-        other = [S.stmt_source(module, st) for st in (site.add, *site.aliases)] + ([_s42_else_source(module, h)] if h.orelse else [])
+        # s46: the body may save the sum before the norm (``if flag: residual = x; x = norm(x)``): its statements
+        # after the norm go on as written, and its aliases run only where the body does
+        rest = h.body[h.body.index(site.norm_stmt) + 1:] if site.norm_stmt in h.body else h.body[1:]
+        taken = ["\n".join(body)] + ([S.block_source(module, rest)] if rest else [])
+        outer = [a for a in site.aliases if a not in h.body]
+        other = [S.stmt_source(module, st) for st in (site.add, *outer)] + ([_s42_else_source(module, h)] if h.orelse else [])
         body = [f"if {S.source_of(module, h.test)}:", S.indent("\n".join(taken)), "else:", S.indent("\n".join(other))]
     borrowed = module.__dict__.get("_npufuse_borrowed")
     if borrowed:
@@ -3039,6 +3045,20 @@ class AddRmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if isinstance(scope.node, ast.Module):
             return
+        # s46: an engine's add + norm method (``def add_rms_forward(self, x, residual)``), in place or not; its near
+        # miss stands only where no other reading of the method gives a result
+        engine = _add_rms_norm_s46a.engine_add_norm(module, scope, R._PROBE)
+        if isinstance(engine, Finding):
+            yield engine
+            return
+        others = list(self._forms(module, scope)) if engine is not None else None
+        if others is None:
+            yield from self._forms(module, scope)
+            return
+        yield from others or [engine]
+
+    def _forms(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
+        """The results of every add + norm reading but the engine method's."""
         if "+" not in S.scope_text(module, scope):
             return
         # the inference-engine norm (``if residual is not None: x = x + residual; residual = x``
@@ -3066,7 +3086,8 @@ class AddRmsNorm(Pattern):
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
                            *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope),
-                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope)]:
+                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope),
+                           *_add_rms_norm_s46a.head_sites_after_aliases(module, scope)]:
             yield self._site_result(module, scope, stmt, site)
 
     def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:
@@ -6861,6 +6882,9 @@ def _s42_parameter_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
     if not (isinstance(f, ast.Name) and f.id in _s42_norm_parameters(scope)) or len(call.args) != 1 or call.keywords:
         return None
     passed = _s42_passed_modules(module, scope, f.id)
+    if isinstance(passed, str) and passed.startswith("no call of"):
+        # s46: no caller in the file: PyTorch's nn.RMSNorm where the run-time type says so, the original elsewhere
+        return _add_rms_norm_s46a.unbound_parameter_library_norm(module, call, f.id)
     if isinstance(passed, str):
         return NormCall(call, f.id, "not_rms", cls=f.id, reason=f"`{f.id}` is a parameter of `{scope.qualname}`: {passed}; "
                                                                    "what the norm is stays unknown")

@@ -32,7 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
-from npufuse.patterns import _optim_s45
+from npufuse.patterns import _fused_optimizer_s46a, _optim_s45
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, names_bound_from, segment
 from npufuse.scan.value import estimate, symbolic
@@ -2348,7 +2348,8 @@ def _side_effect_free(node: ast.AST) -> bool:
 
 def _droppable(name: Optional[str], value: ast.AST, graph_line: Optional[int]) -> bool:
     """Is ``name=value`` a keyword the fused class computes the same update without?"""
-    if name in _ANY_VALUE and _side_effect_free(value):
+    # s46: a value asking the runtime a question (``fused=flag and torch.cuda.is_available()``) is dropped too
+    if name in _ANY_VALUE and (_side_effect_free(value) or _fused_optimizer_s46a.runtime_query(value)):
         if name == "capturable" and graph_line is not None:
             v = const_value(value)
             return v is False or v is None  # captured graphs need it; its default still goes
