@@ -1,0 +1,143 @@
+"""s46 (moe46): moe_experts forms read by small hooks in :mod:`npufuse.patterns.moe_experts`.
+
+1. The dtype of the rows the code weights out of place on the sorted paths (sort_permute, sorted_pairs). The original
+   ``h = h * gates[:, None]`` promotes (bf16 rows times fp32 routing weights are fp32 rows), and what follows reads
+   the weighted rows: an output allocated ``dtype=h.dtype``, and ``index_add`` itself, which takes only a source of
+   the output's dtype. The fused text runs that code before the unpermute (which weights), so it now casts the expert
+   rows to the promoted dtype first (:func:`weighting_cast_line`): the unpermute then weights and returns in the
+   original's dtype. An in-place ``h.mul_(w)`` keeps the rows' dtype: no cast there.
+2. Dense gates built by an index put (``g = zeros_like(scores); g[torch.arange(T)[:, None], idx] = w``): the same
+   matrix as ``g.scatter_(-1, idx, w)`` when every row of ``g`` is written by its own row of ``idx``, i.e. the
+   arange runs over ``g``'s rows and ``idx`` has as many rows. The arange's length is read statically
+   (:func:`index_put_gate_indices`: ``g``'s or ``idx``'s row count, or the allocation's own first size), the equal
+   row counts are a run-time guard. Other arange lengths (a name computed elsewhere) are not read: with fewer rows
+   the rows past it stay zero, with one row it broadcasts every id row into row 0.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from npufuse.patterns._defects_s44 import top_call_of
+from npufuse.patterns import _moe_s45a
+from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword
+
+
+def weighting_cast_line(rows: str, weights: str, indent: str) -> str:
+    """The cast that gives the expert rows the dtype an out-of-place ``rows * weights`` gives them."""
+    return f"{indent}{rows} = {rows}.to(torch.promote_types({rows}.dtype, {weights}.dtype))  # the weighting's dtype"
+
+
+# -- 2. dense gates written by an index put -------------------------------------------------------------------------
+
+def _row_column(module: ModuleInfo, node: ast.expr) -> Optional[ast.expr]:
+    """``R`` of ``torch.arange(R)[:, None]`` (``.unsqueeze(1)`` / ``(-1)``, ``.view(-1, 1)`` / ``.reshape(-1, 1)``,
+    ``[..., None]``; ``arange(0, R)``; ``device=`` / ``dtype=`` keywords): a column of the row numbers 0 .. R-1."""
+    inner: Optional[ast.expr] = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+        args = [const_value(a) for a in node.args]
+        if node.func.attr == "unsqueeze" and args in ([1], [-1]) or node.func.attr in ("view", "reshape") and args == [-1, 1]:
+            inner = node.func.value
+    elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        first, second = node.slice.elts
+        whole = isinstance(first, ast.Slice) and first.lower is None and first.upper is None and first.step is None
+        if (whole or isinstance(first, ast.Constant) and first.value is Ellipsis) \
+                and isinstance(second, ast.Constant) and second.value is None:
+            inner = node.value
+    if not (isinstance(inner, ast.Call) and (module.canonical(inner.func) or "") == "torch.arange"
+            and all(k.arg in ("device", "dtype") for k in inner.keywords)):
+        return None
+    if len(inner.args) == 1:
+        return inner.args[0]
+    if len(inner.args) == 2 and const_value(inner.args[0]) == 0 and not isinstance(const_value(inner.args[0]), bool):
+        return inner.args[1]
+    return None
+
+
+def _rows_of(node: ast.expr) -> Optional[str]:
+    """``t`` of ``t.shape[0]`` / ``t.size(0)`` / ``len(t)``: the row count of a named tensor."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape" \
+            and isinstance(node.value.value, ast.Name) and const_value(node.slice) == 0:
+        return node.value.value.id
+    if isinstance(node, ast.Call) and not node.keywords and len(node.args) == 1:
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "size" and isinstance(node.func.value, ast.Name) \
+                and const_value(node.args[0]) == 0:
+            return node.func.value.id
+        if isinstance(node.func, ast.Name) and node.func.id == "len" and isinstance(node.args[0], ast.Name):
+            return node.args[0].id
+    return None
+
+
+def _first_size(module: ModuleInfo, zeros: ast.Call) -> Optional[ast.expr]:
+    """The first size argument of ``torch.zeros(R, E)`` / ``torch.zeros((R, E))`` / ``t.new_zeros(R, E)``; for
+    ``torch.zeros_like(s)``, ``s.shape[0]`` (as a node)."""
+    canon = module.canonical(zeros.func) or ""
+    if canon == "torch.zeros_like" and len(zeros.args) == 1:
+        return ast.Subscript(value=ast.Attribute(value=zeros.args[0], attr="shape", ctx=ast.Load()),
+                             slice=ast.Constant(0), ctx=ast.Load())
+    sizes = list(zeros.args)
+    if len(sizes) == 1 and isinstance(sizes[0], (ast.Tuple, ast.List)):
+        sizes = list(sizes[0].elts)
+    return sizes[0] if len(sizes) == 2 else None
+
+
+def _rebound_between(scope: Scope, node: ast.expr, start: int, end: int) -> bool:
+    """A name ``node`` reads is assigned on a line in [start, end]."""
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return any(start <= st.lineno <= end for name in names for st, _v in scope.assignments.get(name, []))
+
+
+def _row_count_is_gates(module: ModuleInfo, scope: Scope, count: ast.expr, gates: str, idx: str, zeros: ast.Call,
+                        made: int, written: int) -> bool:
+    """The arange's length is ``gates``' row count: read as such, as the ids' (the guard makes both equal), or spelled
+    as the allocation's first size with no name in it rebound between the allocation and the write."""
+    if _rows_of(count) in (gates, idx):
+        return True
+    first = _first_size(module, zeros)
+    return first is not None and ast.dump(first) == ast.dump(count) and not _rebound_between(scope, count, made + 1, written)
+
+
+def index_put_gate_indices(module: ModuleInfo, scope: Scope, gates: str, before: int) -> Optional[tuple[str, str]]:
+    """``(idx, guard)`` when ``gates`` is bound once (a statement of the function's body, before ``before``) to zeros
+    and written once after, at that level, by ``gates[torch.arange(R)[:, None], idx] = w`` (or
+    ``gates.index_put_((rows, idx), w)``), the arange over ``gates``' rows, ``idx`` top-k indices bound once, ``w`` a
+    name >= 0 by construction; ``guard`` the run-time facts the reading rests on (2-D, one id row per gate row)."""
+    bound = scope.assignments.get(gates, [])
+    body = getattr(scope.node, "body", [])
+    if len(bound) != 1 or bound[0][0] not in body or bound[0][0].lineno >= before:
+        return None
+    made, zeros = bound[0]
+    if not (isinstance(zeros, ast.Call) and _moe_s45a._zeros(module, zeros)):
+        return None
+    writes = _moe_s45a._in_place_writes(scope, gates)
+    if len(writes) != 1:
+        return None
+    write = writes[0]
+    stmt = next((st for st in body if made.lineno < st.lineno < before and any(n is write for n in ast.walk(st))), None)
+    target = getattr(stmt, "targets", [None])
+    if isinstance(stmt, ast.Assign) and len(target) == 1 and target[0] is write:
+        pair, w = write.slice, stmt.value  # type: ignore[attr-defined]
+    elif isinstance(stmt, ast.Expr) and stmt.value is write and write.func.attr == "index_put_" \
+            and len(write.args) == 2 and all(k.arg == "accumulate" for k in write.keywords):  # type: ignore[attr-defined]
+        accumulate = keyword(write, "accumulate")  # type: ignore[arg-type]
+        if accumulate is not None and const_value(accumulate) is not False:
+            return None  # (an accumulating put adds where a row repeats an id: not read)
+        pair, w = write.args  # type: ignore[attr-defined]
+    else:
+        return None
+    if not (isinstance(pair, ast.Tuple) and len(pair.elts) == 2 and isinstance(pair.elts[1], ast.Name)
+            and isinstance(w, ast.Name)):
+        return None
+    rows, idx = pair.elts[0], pair.elts[1].id
+    if isinstance(rows, ast.Name):  # `r = torch.arange(T, device=..)[:, None]` bound once before the write
+        rbound = scope.assignments.get(rows.id, [])
+        if len(rbound) != 1 or rbound[0][0].lineno >= stmt.lineno:
+            return None
+        rows = rbound[0][1]
+    count = _row_column(module, rows)
+    if count is None or len(scope.assignments.get(idx, [])) != 1 \
+            or not _row_count_is_gates(module, scope, count, gates, idx, zeros, made.lineno, stmt.lineno) \
+            or not _moe_s45a._nonnegative(module, scope, w, before) or top_call_of(module, scope, idx, before) is None:
+        return None
+    return idx, f"{gates}.dim() == 2 and {idx}.dim() == 2 and {gates}.shape[0] == {idx}.shape[0]"
