@@ -21,6 +21,7 @@ from typing import Optional
 
 from npufuse.patterns._defects_s44 import top_call_of
 from npufuse.patterns import _moe_s45a
+from npufuse.patterns.base import Fuse, Keep
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, keyword
 
 
@@ -141,3 +142,107 @@ def index_put_gate_indices(module: ModuleInfo, scope: Scope, gates: str, before:
             or not _moe_s45a._nonnegative(module, scope, w, before) or top_call_of(module, scope, idx, before) is None:
         return None
     return idx, f"{gates}.dim() == 2 and {idx}.dim() == 2 and {gates}.shape[0] == {idx}.shape[0]"
+
+
+# -- examples (``s46_*``) -------------------------------------------------------------------------------------------
+
+# routing in fp32 (`.float().softmax`), experts and tokens in bf16: `h * gate[:, None]` gives fp32 rows, and the
+# output the code allocates between the weighting and the index_add takes their dtype
+SORT_PERMUTE_PROMOTED = _moe_s45a._HEAD + '''
+
+class SortMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def run_experts(self, rows, counts):
+        return torch.cat([self.experts[e](chunk) for e, chunk in enumerate(rows.split(counts.tolist()))])
+
+    def forward(self, x):
+        T, D = x.shape
+        probs = self.router(x).float().softmax(dim=-1)
+        w, ids = probs.topk(self.k, dim=-1)
+        with torch.no_grad():
+            sorted_ids, order = ids.flatten().sort()
+            counts = torch.bincount(sorted_ids, minlength=self.n)
+        tok = order // self.k
+        gate = w.flatten()[order]
+        h = x[tok]
+        h = self.run_experts(h, counts)
+        h = h * gate[:, None]
+        out = torch.zeros(T, D, dtype=h.dtype, device=h.device)
+        out = out.index_add(0, tok, h)
+        return out
+'''
+SORT_PERMUTE_PROMOTED_RUN = '''\
+torch.manual_seed(0)
+m = SortMoE(16, 24, 5, 2).to(torch.bfloat16)
+x = torch.randn(9, 16).to(torch.bfloat16).requires_grad_()
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0].net[0].weight]
+'''
+# moe45a's sorted routes with fp32 routing over bf16 experts: weighted out of place (fp32 output) or in place (bf16)
+SORTED_PAIRS_PROMOTED = _moe_s45a.SORTED_SCATTER_ADD.replace(
+    "scores = self.router(hidden).softmax(dim=-1)", "scores = self.router(hidden).float().softmax(dim=-1)")
+SORTED_PAIRS_IN_PLACE = SORTED_PAIRS_PROMOTED.replace(
+    "y_sorted = y_sorted * gate_sorted.unsqueeze(-1)", "y_sorted.mul_(gate_sorted.unsqueeze(-1))")
+SORTED_PAIRS_BF16_RUN = '''\
+torch.manual_seed(0)
+m = SortedMoE(16, 24, 5, 2).to(torch.bfloat16)
+x = torch.randn(2, 7, 16).to(torch.bfloat16).requires_grad_()
+out = m(x)
+leaves = [x, m.router.weight, m.experts[1].net[0].weight]
+'''
+
+_SCATTERED = "        gates = torch.zeros_like(probs).scatter(-1, indices, top_p)\n"
+# the dense gates of moe45a's chained form written by an index put over the gates' rows
+PUT_ROWS = _moe_s45a.DENSE_CHAINED.replace(_SCATTERED, '''\
+        gates = torch.zeros_like(probs)
+        gates[torch.arange(gates.shape[0])[:, None], indices] = top_p
+''')
+# the allocation's own first size, a named row column with a device
+PUT_NAMED_ROWS = _moe_s45a.DENSE_CHAINED.replace(_SCATTERED, '''\
+        n_tok = flat.shape[0]
+        gates = torch.zeros(n_tok, len(self.experts), device=flat.device)
+        rows = torch.arange(n_tok, device=flat.device).unsqueeze(1)
+        gates[rows, indices] = top_p
+''')
+# index_put_ with a tuple, new_zeros, the ids' row count
+PUT_METHOD = _moe_s45a.DENSE_CHAINED.replace(_SCATTERED, '''\
+        gates = probs.new_zeros(probs.shape[0], probs.shape[1])
+        gates.index_put_((torch.arange(len(indices)).view(-1, 1), indices), top_p)
+''')
+
+_NOT_READ = "which npufuse does not read as the tokens routed to this expert"
+FUSE = [
+    Fuse(SORT_PERMUTE_PROMOTED, name="s46_sort_permute_fp32_weights_bf16_rows_output_of_the_weighted_dtype",
+         run=SORT_PERMUTE_PROMOTED_RUN, expect={"routing": "sort_permute", "tokens": "x", "probs": "w"}),
+    Fuse(SORTED_PAIRS_PROMOTED, name="s46_sorted_pairs_fp32_weights_out_of_place_promotes", run=SORTED_PAIRS_BF16_RUN,
+         expect={"routing": "sorted_pairs", "probs": "top_w"}),
+    Fuse(SORTED_PAIRS_IN_PLACE, name="s46_sorted_pairs_fp32_weights_in_place_keeps_the_rows_dtype",
+         run=SORTED_PAIRS_BF16_RUN, expect={"routing": "sorted_pairs", "probs": "top_w"}),
+    Fuse(PUT_ROWS, name="s46_dense_gates_index_put_over_the_gates_rows", run=_moe_s45a.DENSE_RUN,
+         expect={"routing": "mask_where", "indices": "indices"}),
+    Fuse(PUT_NAMED_ROWS, name="s46_dense_gates_index_put_named_row_column", run=_moe_s45a.DENSE_RUN,
+         expect={"routing": "mask_where", "indices": "indices"}),
+    Fuse(PUT_METHOD, name="s46_dense_gates_index_put_method_ids_rows", run=_moe_s45a.DENSE_RUN,
+         expect={"routing": "mask_where", "indices": "indices"}),
+]
+KEEP = [
+    # rows 0 .. b-1 only (b the batch size, not the token count): the original raises or leaves rows at zero there
+    Keep(PUT_ROWS.replace("torch.arange(gates.shape[0])", "torch.arange(b)"), reason=_NOT_READ,
+         name="s46_dense_gates_index_put_over_another_length"),
+    # the size name rebound between the allocation and the put: the arange may not run over the gates' rows
+    Keep(PUT_NAMED_ROWS.replace("        rows = torch.arange(", "        n_tok = n_tok // 2\n        rows = torch.arange("),
+         reason=_NOT_READ, name="s46_dense_gates_index_put_size_rebound"),
+    # shifted weights can be negative, and `gates[:, i] > 0` drops those routes: the permute would keep them
+    Keep(PUT_ROWS.replace("        gates = torch.zeros_like(probs)\n",
+                          "        shifted = top_p - 0.3\n        gates = torch.zeros_like(probs)\n").replace(
+        "indices] = top_p", "indices] = shifted").replace("mask = gates[:, i] != 0", "mask = gates[:, i] > 0"),
+         reason=_NOT_READ, name="s46_dense_gates_index_put_of_signed_values"),
+    # written again after the put (a shared column): every token reaches expert 0
+    Keep(PUT_ROWS.replace("indices] = top_p\n", "indices] = top_p\n        gates[:, 0] = 1.0\n"), reason=_NOT_READ,
+         name="s46_dense_gates_index_put_then_a_column_set"),
+]
