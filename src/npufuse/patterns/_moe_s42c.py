@@ -184,6 +184,11 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
                 fp.k_text, fp.tokens = k, d.func.value.id
                 fp.reads.append((parent, ast.Subscript(ast.Name(fp.tokens, ast.Load()), tok_node, ast.Load())))
                 continue
+            k = _token_map_k(scope, d, line)  # s46: a token-of-route map read at the positions is the token
+            if k is not None and not (fp.k_text and k != fp.k_text):
+                fp.k_text = k
+                fp.reads.append((parent, tok_node))
+                continue
             w = _flat_view_of(scope, src, line)
             if w is not None:
                 pair = ast.Tuple([tok_node, slot_node], ast.Load())
@@ -191,6 +196,14 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
                 continue
         return ast.unparse(parent) if parent is not None else pos
     return None if fp.k_text else pos
+
+
+def _token_map_k(scope: Scope, definition: Optional[ast.expr], line: int) -> Optional[str]:
+    """K (as written) of a token-of-route map (s45b's ``token_of_route``) whose names are not rebound before ``line``."""
+    from npufuse.patterns._moe_s45b import _names_unchanged, token_of_route  # (s45b imports this module)
+
+    k = token_of_route(definition)
+    return k if k is not None and definition is not None and _names_unchanged(scope, definition, line) else None
 
 
 def position_guard(fp: FlatPositions) -> str:

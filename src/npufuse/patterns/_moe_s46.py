@@ -12,6 +12,11 @@
    (:func:`index_put_gate_indices`: ``g``'s or ``idx``'s row count, or the allocation's own first size), the equal
    row counts are a run-time guard. Other arange lengths (a name computed elsewhere) are not read: with fewer rows
    the rows past it stay zero, with one row it broadcasts every id row into row 0.
+3. Positions of the routes of one expert spelled as the 1-D column of ``nonzero`` (FlashMoE's ``pos =
+   torch.nonzero(matches, as_tuple=False).reshape(-1)``, ``.view(-1)``, ``.flatten()``, ``.squeeze(-1)`` / ``(1)``,
+   ``m.nonzero().squeeze(-1)``) of a mask bound in the loop to ``flat == e``: the ascending positions where it holds,
+   as ``torch.where(flat == e)[0]`` (s42c's flat positions) reads them (:func:`positions_as_where`); such positions
+   read a token-of-route map (``arange(T).unsqueeze(1).expand(-1, K).reshape(-1)[pos]``) as the pair's token.
 """
 
 from __future__ import annotations
@@ -144,6 +149,51 @@ def index_put_gate_indices(module: ModuleInfo, scope: Scope, gates: str, before:
     return idx, f"{gates}.dim() == 2 and {idx}.dim() == 2 and {gates}.shape[0] == {idx}.shape[0]"
 
 
+# -- 3. positions of a flat mask spelled as nonzero's column -----------------------------------------------------------
+
+def _column_of_nonzero(node: ast.expr) -> Optional[ast.expr]:
+    """``m`` of ``torch.nonzero(m[, as_tuple=False])`` / ``m.nonzero()`` followed by ``.reshape(-1)`` / ``.view(-1)`` /
+    ``.flatten()`` / ``.squeeze(-1)`` / ``.squeeze(1)``: for a 1-D ``m``, the [n] positions where it holds, ascending."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords):
+        return None
+    args = [const_value(a) for a in node.args]
+    if not (node.func.attr in ("reshape", "view") and args == [-1] or node.func.attr == "flatten" and not args
+            or node.func.attr == "squeeze" and args in ([-1], [1])):
+        return None
+    inner = node.func.value
+    if not isinstance(inner, ast.Call) or any(not (k.arg == "as_tuple" and const_value(k.value) is False) for k in inner.keywords):
+        return None
+    if isinstance(inner.func, ast.Attribute) and inner.func.attr == "nonzero" and not inner.args:
+        return inner.func.value if not (isinstance(inner.func.value, ast.Name) and inner.func.value.id == "torch") else None
+    if isinstance(inner.func, ast.Attribute) and inner.func.attr == "nonzero" and isinstance(inner.func.value, ast.Name) \
+            and inner.func.value.id == "torch" and len(inner.args) == 1:
+        return inner.args[0]
+    return None
+
+
+def positions_as_where(value: ast.expr, body: list[ast.stmt]) -> Optional[ast.expr]:
+    """``torch.where(<m's comparison>)[0]`` for ``nonzero(m)``'s column (:func:`_column_of_nonzero`) where ``m`` is a
+    name bound once in ``body`` (a loop body), by a statement of it, to an equality, and read nowhere else there (its
+    positions stand for it); None otherwise. ``m``'s rank is not known here: the flat-positions reading that takes the
+    result checks that the compared tensor is a 1-D view."""
+    mask = _column_of_nonzero(value)
+    if not isinstance(mask, ast.Name):
+        return None
+    binds = [st for st in body if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+             and st.targets[0].id == mask.id]
+    loads = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Name) and n.id == mask.id]
+    stores = [n for n in loads if not isinstance(n.ctx, ast.Load)]
+    if len(binds) != 1 or len(stores) != 1 or len(loads) != 2 \
+            or not (isinstance(binds[0].value, ast.Compare) and len(binds[0].value.ops) == 1
+                    and isinstance(binds[0].value.ops[0], ast.Eq)):
+        return None
+    where = ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [binds[0].value], [])
+    found = ast.Subscript(where, ast.Constant(0), ast.Load())
+    for n in ast.walk(found):
+        ast.copy_location(n, value)
+    return found
+
+
 # -- examples (``s46_*``) -------------------------------------------------------------------------------------------
 
 # routing in fp32 (`.float().softmax`), experts and tokens in bf16: `h * gate[:, None]` gives fp32 rows, and the
@@ -215,6 +265,47 @@ PUT_METHOD = _moe_s45a.DENSE_CHAINED.replace(_SCATTERED, '''\
         gates.index_put_((torch.arange(len(indices)).view(-1, 1), indices), top_p)
 ''')
 
+# FlashMoE's export path, simplified to this class: flat (token, slot) routes, a token-of-route map, each expert's
+# positions as `torch.nonzero(matches, as_tuple=False).reshape(-1)` of a mask bound in the loop
+FLAT_NONZERO = _moe_s45a._HEAD + '''
+
+class FlatRoutesMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        B = x.size(0)
+        K = self.k
+        topk_weights, topk_idx = self.gate(x).softmax(dim=-1).topk(K, dim=-1)
+        tok_idx = torch.arange(B, device=x.device).unsqueeze(1).expand(-1, K).reshape(-1)
+        exp_idx = topk_idx.reshape(-1)
+        w_flat = topk_weights.reshape(-1)
+        y = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            matches = exp_idx == e
+            pos = torch.nonzero(matches, as_tuple=False).reshape(-1)
+            if pos.numel() == 0:
+                continue
+            toks = tok_idx[pos]
+            ws = w_flat[pos]
+            yb = self.experts[e](x[toks])
+            y.index_add_(0, toks, yb * ws.unsqueeze(-1))
+        return y
+'''
+FLAT_NONZERO_RUN = '''\
+m = FlatRoutesMoE(16, 24, 5, 2)
+x = torch.randn(11, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[0].net[0].weight, m.experts[4].net[2].bias]
+'''
+# the method spelling, squeezed, the weights' flat view written inline
+FLAT_NONZERO_SQUEEZE = FLAT_NONZERO.replace(
+    "pos = torch.nonzero(matches, as_tuple=False).reshape(-1)", "pos = matches.nonzero().squeeze(-1)").replace(
+    "ws = w_flat[pos]", "ws = topk_weights.view(-1)[pos]")
+
 _NOT_READ = "which npufuse does not read as the tokens routed to this expert"
 FUSE = [
     Fuse(SORT_PERMUTE_PROMOTED, name="s46_sort_permute_fp32_weights_bf16_rows_output_of_the_weighted_dtype",
@@ -229,6 +320,15 @@ FUSE = [
          expect={"routing": "mask_where", "indices": "indices"}),
     Fuse(PUT_METHOD, name="s46_dense_gates_index_put_method_ids_rows", run=_moe_s45a.DENSE_RUN,
          expect={"routing": "mask_where", "indices": "indices"}),
+    Fuse(FLAT_NONZERO, name="s46_flat_routes_nonzero_reshape_positions_token_map", run=FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx", "tokens": "x"}),
+    Fuse(FLAT_NONZERO_SQUEEZE, name="s46_flat_routes_nonzero_squeeze_positions_inline_weights", run=FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx"}),
+    # the mask also counted per expert: a statistic replayed as written beside the fused layer
+    Fuse(FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", "        y = torch.zeros_like(x)\n        load = []\n").replace(
+        "            if pos.numel() == 0:\n", "            load.append(matches.sum())\n            if pos.numel() == 0:\n").replace(
+        "        return y\n", "        return y, torch.stack(load)\n"),
+         name="s46_flat_routes_nonzero_positions_mask_counted_too", run=FLAT_NONZERO_RUN, expect={"indices": "topk_idx"}),
 ]
 KEEP = [
     # rows 0 .. b-1 only (b the batch size, not the token count): the original raises or leaves rows at zero there
@@ -245,4 +345,17 @@ KEEP = [
     # written again after the put (a shared column): every token reaches expert 0
     Keep(PUT_ROWS.replace("indices] = top_p\n", "indices] = top_p\n        gates[:, 0] = 1.0\n"), reason=_NOT_READ,
          name="s46_dense_gates_index_put_then_a_column_set"),
+]
+_UNTRACED = "npufuse does not trace those values to the tokens routed to this expert"
+KEEP += [
+    # a tiled token map (`arange(B).repeat(K)`: route p = t * K + k holds token p % B, not t): the wrong rows
+    Keep(FLAT_NONZERO.replace("torch.arange(B, device=x.device).unsqueeze(1).expand(-1, K).reshape(-1)",
+                              "torch.arange(B, device=x.device).repeat(K)"), reason=_UNTRACED,
+         name="s46_flat_routes_nonzero_positions_tiled_token_map"),
+    # the mask narrowed by a weight threshold before its positions are taken: routes below it are dropped
+    Keep(FLAT_NONZERO.replace("            matches = exp_idx == e\n", "            matches = exp_idx == e\n            matches &= w_flat > 0.3\n"),
+         reason="unrecognised update in the expert loop", name="s46_flat_routes_nonzero_positions_mask_narrowed"),
+    # 2-D [n, 1] positions (no reshape): `tok_idx[pos]` is [n, 1], not the routes' tokens as a list
+    Keep(FLAT_NONZERO.replace("pos = torch.nonzero(matches, as_tuple=False).reshape(-1)", "pos = torch.nonzero(matches)"),
+         reason=_UNTRACED, name="s46_flat_routes_nonzero_positions_not_flattened"),
 ]

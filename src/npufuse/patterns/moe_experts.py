@@ -3168,6 +3168,10 @@ class _Eval:
         pair form (``pos // K``, ``pos % K``, ``x.repeat_interleave(K, dim=0)[pos]``, ``w.view(-1)[pos]``): read as
         ``torch.where(idx == e)`` of the 2-D indices (see patterns/_moe_s42c.py), under a run-time shape check."""
         fp = s42c.flat_positions(self.scope, value, self._is_eidx, self.loop.lineno)
+        if fp is None and not self.s42c_reads:  # s46: `torch.nonzero(m).reshape(-1)` of `m = flat == e` in the loop
+            where = _moe_s46.positions_as_where(value, self.loop.body)
+            fp = s42c.flat_positions(self.scope, where, self._is_eidx, self.loop.lineno) if where is not None else None
+            value = where if fp is not None else value  # type: ignore[assignment]  # (where e is read)
         if fp is not None and self.s42c_reads and self.s42c_positions == name:
             return True  # the body analysed again (the translation is in place)
         if fp is None or self.s42c_reads:  # (one translation per loop)
