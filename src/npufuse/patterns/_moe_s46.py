@@ -17,12 +17,18 @@
    ``m.nonzero().squeeze(-1)``) of a mask bound in the loop to ``flat == e``: the ascending positions where it holds,
    as ``torch.where(flat == e)[0]`` (s42c's flat positions) reads them (:func:`positions_as_where`); such positions
    read a token-of-route map (``arange(T).unsqueeze(1).expand(-1, K).reshape(-1)[pos]``) as the pair's token.
+4. Flat route arrays sorted together (FlashMoE: ``order = torch.argsort(exp_idx)``; ``exp_sorted = exp_idx[order]``,
+   ``tok_sorted = tok_idx[order]``, ``w_sorted = w_flat[order]``) and an expert's positions taken in the sorted ids:
+   the positions of expert e there select, through every array sorted by the same order, the same (token, slot)
+   routes as the unsorted positions do, in another order; the fused layer replaces the whole loop, so only the set
+   matters (the experts are called on the rows as the loop's other readings require). Every array the positions read
+   must be sorted by that one order (:func:`sorted_route`); an unsorted array read at sorted positions is refused.
 """
 
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import Callable, Optional
 
 from npufuse.patterns._defects_s44 import top_call_of
 from npufuse.patterns import _moe_s45a
@@ -194,6 +200,46 @@ def positions_as_where(value: ast.expr, body: list[ast.stmt]) -> Optional[ast.ex
     return found
 
 
+# -- 4. flat route arrays sorted by one order ---------------------------------------------------------------------------
+
+def sorted_route(scope: Scope, name: str, line: int) -> Optional[tuple[str, str, int]]:
+    """``(X, order, n)`` when ``name`` reaching ``line`` was bound on line ``n`` (a straight-line statement of the
+    function) to ``X[order]``, ``order`` the ascending sort order of ``X`` itself or of another array bound on the same
+    terms, ``order`` and ``X`` not rebound from the sort to line ``n`` / the sort to ``line``."""
+    from npufuse.patterns.moe_experts import _sorted_operand  # (moe_experts imports this module)
+
+    found = _moe_s45a._straight_line_definition(scope, name, line)
+    if found is None:
+        return None
+    value, n = found
+    if not (isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and isinstance(value.slice, ast.Name)):
+        return None
+    x, order = value.value.id, value.slice.id
+    sorted_at = _moe_s45a._straight_line_definition(scope, order, line)
+    if sorted_at is None or _sorted_operand(scope, order, sorted_at[1] + 1) is None \
+            or any(sorted_at[1] < st.lineno < n for st, _v in scope.assignments.get(x, [])):
+        return None
+    return x, order, n
+
+
+def sorted_ids_view(scope: Scope, flat: str, line: int, view_of: Callable[[Scope, str, int], Optional[str]]
+                    ) -> Optional[tuple[str, str]]:
+    """``(I, order)`` when ``flat`` is ``F[order]`` (:func:`sorted_route`) with ``order`` the sort order of ``F`` and
+    ``F`` a flat view of ``I`` (``view_of``: s42c's reader) that keeps its value up to ``line``."""
+    from npufuse.patterns.moe_experts import _sorted_operand
+
+    route = sorted_route(scope, flat, line)
+    if route is None:
+        return None
+    x, order, n = route
+    operand = _sorted_operand(scope, order, n)
+    indices = view_of(scope, x, n)
+    if not (isinstance(operand, ast.Name) and operand.id == x) or indices is None \
+            or any(n < st.lineno < line for st, _v in scope.assignments.get(indices, [])):
+        return None
+    return indices, order
+
+
 # -- examples (``s46_*``) -------------------------------------------------------------------------------------------
 
 # routing in fp32 (`.float().softmax`), experts and tokens in bf16: `h * gate[:, None]` gives fp32 rows, and the
@@ -306,6 +352,24 @@ FLAT_NONZERO_SQUEEZE = FLAT_NONZERO.replace(
     "pos = torch.nonzero(matches, as_tuple=False).reshape(-1)", "pos = matches.nonzero().squeeze(-1)").replace(
     "ws = w_flat[pos]", "ws = topk_weights.view(-1)[pos]")
 
+# the routes sorted by expert first (FlashMoE's export path): positions in the sorted ids, arrays sorted alike
+FLAT_SORTED = FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", """\
+        order = torch.argsort(exp_idx)
+        exp_sorted = exp_idx[order]
+        tok_sorted = tok_idx[order]
+        w_sorted = w_flat[order]
+        y = torch.zeros_like(x)
+""").replace("matches = exp_idx == e", "matches = exp_sorted == e").replace(
+    "toks = tok_idx[pos]", "toks = tok_sorted[pos]").replace("ws = w_flat[pos]", "ws = w_sorted[pos]")
+# sorted in place (`a = a[order]` rebinding each array), `.sort()`'s order
+FLAT_SORTED_REBOUND = FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", """\
+        _, order = exp_idx.sort()
+        exp_idx = exp_idx[order]
+        tok_idx = tok_idx[order]
+        w_flat = w_flat[order]
+        y = torch.zeros_like(x)
+""")
+
 _NOT_READ = "which npufuse does not read as the tokens routed to this expert"
 FUSE = [
     Fuse(SORT_PERMUTE_PROMOTED, name="s46_sort_permute_fp32_weights_bf16_rows_output_of_the_weighted_dtype",
@@ -323,6 +387,10 @@ FUSE = [
     Fuse(FLAT_NONZERO, name="s46_flat_routes_nonzero_reshape_positions_token_map", run=FLAT_NONZERO_RUN,
          expect={"indices": "topk_idx", "tokens": "x"}),
     Fuse(FLAT_NONZERO_SQUEEZE, name="s46_flat_routes_nonzero_squeeze_positions_inline_weights", run=FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx"}),
+    Fuse(FLAT_SORTED, name="s46_flat_routes_sorted_together_positions_in_sorted_ids", run=FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx", "tokens": "x"}),
+    Fuse(FLAT_SORTED_REBOUND, name="s46_flat_routes_sorted_in_place_by_sort_order", run=FLAT_NONZERO_RUN,
          expect={"indices": "topk_idx"}),
     # the mask also counted per expert: a statistic replayed as written beside the fused layer
     Fuse(FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", "        y = torch.zeros_like(x)\n        load = []\n").replace(
@@ -358,4 +426,13 @@ KEEP += [
     # 2-D [n, 1] positions (no reshape): `tok_idx[pos]` is [n, 1], not the routes' tokens as a list
     Keep(FLAT_NONZERO.replace("pos = torch.nonzero(matches, as_tuple=False).reshape(-1)", "pos = torch.nonzero(matches)"),
          reason=_UNTRACED, name="s46_flat_routes_nonzero_positions_not_flattened"),
+]
+KEEP += [
+    # the weights left unsorted but read at positions in the sorted ids: each route would take another route's weight
+    Keep(FLAT_SORTED.replace("ws = w_sorted[pos]", "ws = w_flat[pos]"), reason=_UNTRACED,
+         name="s46_flat_routes_sorted_weights_read_unsorted"),
+    # the token taken as `pos // K` of a position in the sorted ids: not the route's token
+    Keep(FLAT_SORTED.replace("toks = tok_sorted[pos]", "toks = pos // K"),
+         reason="npufuse does not trace its input to the rows routed to this expert",
+         name="s46_flat_routes_sorted_position_divided_by_k"),
 ]
