@@ -47,3 +47,22 @@ def test_in_place_weighting_gets_no_promoting_cast():
     (promoted,), _ = detect_all(PATTERN, SORTED_PAIRS_PROMOTED)
     assert "promote_types" not in inplace.fused
     assert "promote_types(y_sorted.dtype, top_w.dtype)" in promoted.fused
+
+
+def test_sorted_routes_check_the_weights_shape():
+    from npufuse.patterns._moe_s46 import FLAT_SORTED
+
+    findings, _ = detect_all(PATTERN, FLAT_SORTED)
+    assert "topk_weights.shape == topk_idx.shape" in splice(FLAT_SORTED, findings)
+
+
+def test_positions_of_a_mask_bound_after_them_are_not_read():
+    from npufuse.patterns._moe_s46 import FLAT_NONZERO
+
+    # the positions taken from the previous iteration's mask (bound after them): not this expert's routes
+    code = FLAT_NONZERO.replace("            matches = exp_idx == e\n            pos = torch.nonzero(matches, as_tuple=False).reshape(-1)\n",
+                                "            pos = torch.nonzero(matches, as_tuple=False).reshape(-1)\n            matches = exp_idx == e\n").replace(
+        "        for e in range(len(self.experts)):\n", "        matches = exp_idx == 0\n        for e in range(len(self.experts)):\n")
+    assert code.count("matches = exp_idx") == 2
+    findings, _ = detect_all(PATTERN, code)
+    assert not findings

@@ -87,6 +87,7 @@ class FlatPositions:
     k_text: str = ""  # K as the loop writes it (``pos // K``, ``repeat_interleave(K)``): one text for every read
     tokens: str = ""  # x of ``x.repeat_interleave(K, dim=0)`` rows read at pos
     order: str = ""  # s46: the flat ids are sorted by this order: every array read at pos must be sorted by it too
+    weights: str = ""  # s46: W of weights read as W[tok, slot] on that path (checked shaped like the indices)
     reads: list[tuple[ast.expr, ast.expr]] = field(default_factory=list)  # (read as written, its pair form)
 
 
@@ -237,6 +238,9 @@ def _sorted_position_read(scope: Scope, parent: Optional[ast.AST], n: ast.Name, 
     w = _flat_view_of(scope, x, at)
     if w is None or not _unchanged(scope, w, at, line):
         return False
+    if fp.weights and fp.weights != w:
+        return False
+    fp.weights = w
     fp.reads.append((parent, ast.Subscript(ast.Name(w, ast.Load()), ast.Tuple([tok, slot], ast.Load()), ast.Load())))
     return True
 
@@ -254,6 +258,8 @@ def position_guard(fp: FlatPositions) -> str:
     facts = [f"{fp.indices}.dim() == 2", f"{fp.indices}.shape[1] == {fp.k_text}"]
     if fp.tokens:
         facts += [f"{fp.tokens}.dim() == 2", f"{fp.tokens}.shape[0] == {fp.indices}.shape[0]"]
+    if fp.weights:  # s46 (sorted routes): W.view(-1)[p] is W[t, k] where W is [T, K]
+        facts.append(f"{fp.weights}.shape == {fp.indices}.shape")
     return " and ".join(facts)
 
 

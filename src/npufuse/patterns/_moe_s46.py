@@ -189,7 +189,7 @@ def positions_as_where(value: ast.expr, body: list[ast.stmt]) -> Optional[ast.ex
              and st.targets[0].id == mask.id]
     loads = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Name) and n.id == mask.id]
     stores = [n for n in loads if not isinstance(n.ctx, ast.Load)]
-    if len(binds) != 1 or len(stores) != 1 or len(loads) != 2 \
+    if len(binds) != 1 or len(stores) != 1 or len(loads) != 2 or binds[0].lineno >= value.lineno \
             or not (isinstance(binds[0].value, ast.Compare) and len(binds[0].value.ops) == 1
                     and isinstance(binds[0].value.ops[0], ast.Eq)):
         return None
