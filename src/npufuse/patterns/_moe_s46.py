@@ -177,12 +177,28 @@ def _column_of_nonzero(node: ast.expr) -> Optional[ast.expr]:
     return None
 
 
+def _first_of_where(node: ast.expr) -> Optional[ast.expr]:
+    """``m`` of ``torch.where(m)[0]`` / ``m.nonzero(as_tuple=True)[0]`` / ``torch.nonzero(m, as_tuple=True)[0]``."""
+    if not (isinstance(node, ast.Subscript) and const_value(node.slice) == 0 and isinstance(node.value, ast.Call)):
+        return None
+    call = node.value
+    is_torch = isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"
+    if is_torch and call.func.attr == "where" and len(call.args) == 1 and not call.keywords:  # type: ignore[attr-defined]
+        return call.args[0]
+    as_tuple = len(call.keywords) == 1 and call.keywords[0].arg == "as_tuple" and const_value(call.keywords[0].value) is True
+    if not (as_tuple and isinstance(call.func, ast.Attribute) and call.func.attr == "nonzero"):
+        return None
+    if is_torch:
+        return call.args[0] if len(call.args) == 1 else None
+    return call.func.value if not call.args else None
+
+
 def positions_as_where(value: ast.expr, body: list[ast.stmt]) -> Optional[ast.expr]:
     """``torch.where(<m's comparison>)[0]`` for ``nonzero(m)``'s column (:func:`_column_of_nonzero`) where ``m`` is a
     name bound once in ``body`` (a loop body), by a statement of it, to an equality, and read nowhere else there (its
     positions stand for it); None otherwise. ``m``'s rank is not known here: the flat-positions reading that takes the
     result checks that the compared tensor is a 1-D view."""
-    mask = _column_of_nonzero(value)
+    mask = _column_of_nonzero(value) or _first_of_where(value)
     if not isinstance(mask, ast.Name):
         return None
     binds = [st for st in body if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
@@ -370,6 +386,22 @@ FLAT_SORTED_REBOUND = FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", 
         y = torch.zeros_like(x)
 """)
 
+# the mask spelling of the sorted routes: `toks = tok_sorted[matches]`, emptiness as `matches.any()`
+FLAT_SORTED_MASK = FLAT_SORTED.replace("""\
+            pos = torch.nonzero(matches, as_tuple=False).reshape(-1)
+            if pos.numel() == 0:
+                continue
+            toks = tok_sorted[pos]
+            ws = w_sorted[pos]
+""", """\
+            if not matches.any():
+                continue
+            toks = tok_sorted[matches]
+            ws = w_sorted[matches]
+""")
+# positions as `torch.where(matches)[0]` of the named mask (unsorted routes)
+FLAT_WHERE_NAMED = FLAT_NONZERO.replace("pos = torch.nonzero(matches, as_tuple=False).reshape(-1)", "pos = torch.where(matches)[0]")
+
 _NOT_READ = "which npufuse does not read as the tokens routed to this expert"
 FUSE = [
     Fuse(SORT_PERMUTE_PROMOTED, name="s46_sort_permute_fp32_weights_bf16_rows_output_of_the_weighted_dtype",
@@ -392,6 +424,9 @@ FUSE = [
          expect={"indices": "topk_idx", "tokens": "x"}),
     Fuse(FLAT_SORTED_REBOUND, name="s46_flat_routes_sorted_in_place_by_sort_order", run=FLAT_NONZERO_RUN,
          expect={"indices": "topk_idx"}),
+    Fuse(FLAT_SORTED_MASK, name="s46_flat_routes_sorted_together_read_through_the_mask", run=FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx"}),
+    Fuse(FLAT_WHERE_NAMED, name="s46_flat_routes_where_of_a_named_mask", run=FLAT_NONZERO_RUN, expect={"indices": "topk_idx"}),
     # the mask also counted per expert: a statistic replayed as written beside the fused layer
     Fuse(FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", "        y = torch.zeros_like(x)\n        load = []\n").replace(
         "            if pos.numel() == 0:\n", "            load.append(matches.sum())\n            if pos.numel() == 0:\n").replace(
@@ -435,4 +470,9 @@ KEEP += [
     Keep(FLAT_SORTED.replace("toks = tok_sorted[pos]", "toks = pos // K"),
          reason="npufuse does not trace its input to the rows routed to this expert",
          name="s46_flat_routes_sorted_position_divided_by_k"),
+]
+KEEP += [
+    # the mask spelling with the token map left unsorted: the sorted mask picks other routes' tokens
+    Keep(FLAT_SORTED_MASK.replace("toks = tok_sorted[matches]", "toks = tok_idx[matches]"), reason="npufuse does not trace",
+         name="s46_flat_routes_sorted_mask_reads_an_unsorted_token_map"),
 ]
