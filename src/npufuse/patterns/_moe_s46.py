@@ -238,6 +238,23 @@ def sorted_route(scope: Scope, name: str, line: int) -> Optional[tuple[str, str,
     return x, order, n
 
 
+def permuted_by_own_sort(scope: Scope, node: ast.expr, line: int) -> Optional[ast.Name]:
+    """``X`` of ``X[order]`` (read on ``line``) with ``order`` the ascending sort order of ``X`` itself, ``X`` not
+    rebound between the sort and ``line``: the same values as ``X`` in another order (``torch.unique`` of it is
+    ``torch.unique(X)``)."""
+    from npufuse.patterns.moe_experts import _sorted_operand  # (moe_experts imports this module)
+
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name)):
+        return None
+    x, order = node.value.id, node.slice.id
+    sorted_at = _moe_s45a._straight_line_definition(scope, order, line)
+    operand = _sorted_operand(scope, order, sorted_at[1] + 1) if sorted_at is not None else None
+    if not (isinstance(operand, ast.Name) and operand.id == x) \
+            or any(sorted_at[1] < st.lineno < line for st, _v in scope.assignments.get(x, [])):  # type: ignore[index]
+        return None
+    return node.value
+
+
 def sorted_ids_view(scope: Scope, flat: str, line: int, view_of: Callable[[Scope, str, int], Optional[str]]
                     ) -> Optional[tuple[str, str]]:
     """``(I, order)`` when ``flat`` is ``F[order]`` (:func:`sorted_route`) with ``order`` the sort order of ``F`` and
@@ -402,6 +419,13 @@ FLAT_SORTED_MASK = FLAT_SORTED.replace("""\
 # positions as `torch.where(matches)[0]` of the named mask (unsorted routes)
 FLAT_WHERE_NAMED = FLAT_NONZERO.replace("pos = torch.nonzero(matches, as_tuple=False).reshape(-1)", "pos = torch.where(matches)[0]")
 
+# FlashMoE's loop: over the experts present in the sorted ids (`torch.unique`), each id read back as a Python int
+FLAT_SORTED_UNIQUE = FLAT_SORTED.replace("        for e in range(len(self.experts)):\n", """\
+        active = torch.unique(exp_sorted)
+        for e_t in active:
+            e = int(e_t.item())
+""")
+
 _NOT_READ = "which npufuse does not read as the tokens routed to this expert"
 FUSE = [
     Fuse(SORT_PERMUTE_PROMOTED, name="s46_sort_permute_fp32_weights_bf16_rows_output_of_the_weighted_dtype",
@@ -427,6 +451,8 @@ FUSE = [
     Fuse(FLAT_SORTED_MASK, name="s46_flat_routes_sorted_together_read_through_the_mask", run=FLAT_NONZERO_RUN,
          expect={"indices": "topk_idx"}),
     Fuse(FLAT_WHERE_NAMED, name="s46_flat_routes_where_of_a_named_mask", run=FLAT_NONZERO_RUN, expect={"indices": "topk_idx"}),
+    Fuse(FLAT_SORTED_UNIQUE, name="s46_flat_routes_sorted_loop_over_unique_sorted_ids", run=FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx"}),
     # the mask also counted per expert: a statistic replayed as written beside the fused layer
     Fuse(FLAT_NONZERO.replace("        y = torch.zeros_like(x)\n", "        y = torch.zeros_like(x)\n        load = []\n").replace(
         "            if pos.numel() == 0:\n", "            load.append(matches.sum())\n            if pos.numel() == 0:\n").replace(
@@ -475,4 +501,9 @@ KEEP += [
     # the mask spelling with the token map left unsorted: the sorted mask picks other routes' tokens
     Keep(FLAT_SORTED_MASK.replace("toks = tok_sorted[matches]", "toks = tok_idx[matches]"), reason="npufuse does not trace",
          name="s46_flat_routes_sorted_mask_reads_an_unsorted_token_map"),
+]
+KEEP += [
+    # only the first two experts present: the others' routes are not computed
+    Keep(FLAT_SORTED_UNIQUE.replace("active = torch.unique(exp_sorted)", "active = torch.unique(exp_sorted)[:2]"),
+         reason="subset of the experts that received tokens", name="s46_flat_routes_sorted_loop_over_some_unique_ids"),
 ]

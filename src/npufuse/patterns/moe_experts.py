@@ -4987,6 +4987,8 @@ class _Eval:
         reached = False
         while pending:
             root, line = pending.pop()
+            # s46: ids sorted by their own order hold the same experts (`torch.unique(ids[ids.argsort()])`)
+            root = _moe_s46.permuted_by_own_sort(self.scope, root, line) or root
             # names in a called function's position (`torch` of `torch.where`, `mask` of `mask.sum`)
             callees = {id(n) for c in fast_walk(root) if isinstance(c, ast.Call) for n in fast_walk(c.func)}
             for n in fast_walk(root):
