@@ -5,7 +5,10 @@
   index_add, which takes only a source of the output's dtype) is fp32; the rewrite weighted in the rows' dtype and
   returned bf16. An in-place `h.mul_(w)` keeps bf16: moe45a's meta-read cast made that output fp32. Both Fuse examples
   run in bf16 under the emulator (dtype, outputs, gradients);
-* dense gates written by an index put over their rows (`g[torch.arange(T)[:, None], idx] = w`), with near misses.
+* dense gates written by an index put over their rows (`g[torch.arange(T)[:, None], idx] = w`), with near misses;
+* HO22a FlashMoE's classes: flat-route positions as `nonzero(m).reshape(-1)` / `torch.where(m)[0]`, token-of-route
+  maps read at them, route arrays sorted by one order (mixed sorted / unsorted reads refused), `torch.unique` of the
+  sorted ids as the experts iterated.
 """
 
 from __future__ import annotations
