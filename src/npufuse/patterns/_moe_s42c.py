@@ -86,6 +86,8 @@ class FlatPositions:
     indices: str
     k_text: str = ""  # K as the loop writes it (``pos // K``, ``repeat_interleave(K)``): one text for every read
     tokens: str = ""  # x of ``x.repeat_interleave(K, dim=0)`` rows read at pos
+    order: str = ""  # s46: the flat ids are sorted by this order: every array read at pos must be sorted by it too
+    weights: str = ""  # s46: W of weights read as W[tok, slot] on that path (checked shaped like the indices)
     reads: list[tuple[ast.expr, ast.expr]] = field(default_factory=list)  # (read as written, its pair form)
 
 
@@ -134,6 +136,11 @@ def flat_positions(scope: Scope, value: ast.expr, is_expert: Callable[[ast.expr]
     if not (isinstance(flat, ast.Name) and is_expert(other)):
         return None
     indices = _flat_view_of(scope, flat.id, line)
+    if indices is None:  # s46: flat ids sorted by an order of their own (patterns/_moe_s46.py)
+        from npufuse.patterns._moe_s46 import sorted_ids_view
+
+        found = sorted_ids_view(scope, flat.id, line, _flat_view_of)
+        return FlatPositions(flat.id, found[0], order=found[1]) if found is not None else None
     return FlatPositions(flat.id, indices) if indices is not None else None
 
 
@@ -150,6 +157,10 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
     tok_node, slot_node = ast.Name(tok, ast.Load()), ast.Name(slot, ast.Load())
     for n in loads:
         parent = parents.get(id(n))
+        if fp.order:  # s46: sorted positions read only arrays sorted by the same order (and sizes)
+            if _sorted_position_read(scope, parent, n, fp, tok_node, slot_node, expert, line):
+                continue
+            return ast.unparse(parent) if parent is not None else pos
         if isinstance(parent, ast.BinOp) and parent.left is n and isinstance(parent.op, (ast.FloorDiv, ast.Mod)):
             k = ast.unparse(parent.right)
             if fp.k_text and k != fp.k_text:
@@ -184,6 +195,11 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
                 fp.k_text, fp.tokens = k, d.func.value.id
                 fp.reads.append((parent, ast.Subscript(ast.Name(fp.tokens, ast.Load()), tok_node, ast.Load())))
                 continue
+            k = _token_map_k(scope, d, line)  # s46: a token-of-route map read at the positions is the token
+            if k is not None and not (fp.k_text and k != fp.k_text):
+                fp.k_text = k
+                fp.reads.append((parent, tok_node))
+                continue
             w = _flat_view_of(scope, src, line)
             if w is not None:
                 pair = ast.Tuple([tok_node, slot_node], ast.Load())
@@ -193,11 +209,57 @@ def translate_position_reads(scope: Scope, body: list[ast.stmt], pos: str, fp: F
     return None if fp.k_text else pos
 
 
+def _sorted_position_read(scope: Scope, parent: Optional[ast.AST], n: ast.Name, fp: FlatPositions, tok: ast.Name,
+                          slot: ast.Name, expert: ast.expr, line: int) -> bool:
+    """s46: a read of positions in ids sorted by ``fp.order``: a size, the sorted ids, or ``A[pos]`` of an array
+    ``A = X[order]`` sorted by the same order whose unsorted ``X`` is a token-of-route map or a flat view of the
+    weights (read as the pair's token / weight); ``fp.reads`` takes it. False for anything else (``pos // K`` of a
+    sorted position is no token)."""
+    from npufuse.patterns._moe_s46 import sorted_route
+
+    if isinstance(parent, ast.Attribute) and parent.attr in ("numel", "nelement", "shape", "size") \
+            or isinstance(parent, ast.Call) and dotted(parent.func) == "len" and parent.args == [n]:
+        return True
+    if not (isinstance(parent, ast.Subscript) and parent.slice is n and isinstance(parent.ctx, ast.Load)
+            and isinstance(parent.value, ast.Name)):
+        return False
+    if parent.value.id == fp.flat:
+        fp.reads.append((parent, expert))
+        return True
+    route = sorted_route(scope, parent.value.id, line)
+    if route is None or route[1] != fp.order:
+        return False
+    x, _, at = route
+    k = _token_map_k(scope, scope.definition(x, at), line)
+    if k is not None and not (fp.k_text and k != fp.k_text):
+        fp.k_text = k
+        fp.reads.append((parent, tok))
+        return True
+    w = _flat_view_of(scope, x, at)
+    if w is None or not _unchanged(scope, w, at, line):
+        return False
+    if fp.weights and fp.weights != w:
+        return False
+    fp.weights = w
+    fp.reads.append((parent, ast.Subscript(ast.Name(w, ast.Load()), ast.Tuple([tok, slot], ast.Load()), ast.Load())))
+    return True
+
+
+def _token_map_k(scope: Scope, definition: Optional[ast.expr], line: int) -> Optional[str]:
+    """K (as written) of a token-of-route map (s45b's ``token_of_route``) whose names are not rebound before ``line``."""
+    from npufuse.patterns._moe_s45b import _names_unchanged, token_of_route  # (s45b imports this module)
+
+    k = token_of_route(definition)
+    return k if k is not None and definition is not None and _names_unchanged(scope, definition, line) else None
+
+
 def position_guard(fp: FlatPositions) -> str:
     """The run-time facts the pair reading rests on: 2-D [T, K] indices with K the divisor, 2-D tokens of T rows."""
     facts = [f"{fp.indices}.dim() == 2", f"{fp.indices}.shape[1] == {fp.k_text}"]
     if fp.tokens:
         facts += [f"{fp.tokens}.dim() == 2", f"{fp.tokens}.shape[0] == {fp.indices}.shape[0]"]
+    if fp.weights:  # s46 (sorted routes): W.view(-1)[p] is W[t, k] where W is [T, K]
+        facts.append(f"{fp.weights}.shape == {fp.indices}.shape")
     return " and ".join(facts)
 
 

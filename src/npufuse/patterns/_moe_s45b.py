@@ -195,9 +195,15 @@ def flat_mask_routes(scope: Scope, body: list[ast.stmt], mask: str, value: ast.e
     if not (isinstance(flat, ast.Name) and is_expert(other)):
         return None
     indices = s42c._flat_view_of(scope, flat.id, line)
-    if indices is None:
-        return None
-    fp = s42c.FlatPositions(flat.id, indices)
+    order = ""
+    if indices is None:  # s46: flat ids sorted by an order of their own (patterns/_moe_s46.py)
+        from npufuse.patterns._moe_s46 import sorted_ids_view
+
+        found = sorted_ids_view(scope, flat.id, line, s42c._flat_view_of)
+        if found is None:
+            return None
+        indices, order = found
+    fp = s42c.FlatPositions(flat.id, indices, order=order)
     facts: list[str] = []
     parents = {id(child): node for st in body for node in ast.walk(st) for child in ast.iter_child_nodes(node)}
     tok_node, slot_node = ast.Name(tok, ast.Load()), ast.Name(slot, ast.Load())
@@ -209,6 +215,10 @@ def flat_mask_routes(scope: Scope, body: list[ast.stmt], mask: str, value: ast.e
             continue  # mask.any(): an emptiness test the loop analysis reads on the mask itself
         if not (isinstance(parent, ast.Subscript) and parent.slice is n and isinstance(parent.ctx, ast.Load)):
             return None
+        if fp.order:  # s46: arrays sorted by the same order only
+            if not s42c._sorted_position_read(scope, parent, n, fp, tok_node, slot_node, other, line):
+                return None
+            continue
         read = _route_read(scope, parent.value, fp, tok_node, slot_node, other, facts, line)
         if read is None:
             return None

@@ -49,6 +49,7 @@ from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
 from npufuse.patterns._moe_experts_s45audit import other_parts_read
 from npufuse.patterns import _moe_s45a
+from npufuse.patterns import _moe_s46
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, literal_ellipsis, segment, text_holds_any
@@ -1498,7 +1499,9 @@ def _sort_permute_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         *(ind + ln for ln in id_lines + key_lines),
         f"{ind}# the gather in sorted-expert order is the permute (rows of one expert contiguous, in token order)",
         f"{ind}{hidden}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})",
-        *(ind + ln for st in chain + between for ln in ast.unparse(st).splitlines()),
+        *(ind + ln for st in chain for ln in ast.unparse(st).splitlines()),
+        _moe_s46.weighting_cast_line(hidden, weights, ind),  # s46: what runs next reads the weighted rows' dtype
+        *(ind + ln for st in between for ln in ast.unparse(st).splitlines()),
         f"{ind}# weighting by the slot's routing weight and the index_add are the unpermute",
         f"{ind}{P}y = torch_npu.npu_moe_token_unpermute({hidden}, {P}order, probs={weights}.reshape({ids}.shape).to({hidden}.dtype))",
         *(ind + ln for ln in _combine_lines(call, zeros, out, inplace)),
@@ -1668,14 +1671,13 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
         if any(a.lineno > gathers[-1].lineno and a.lineno < stmt.lineno for a, _v in scope.assignments.get(name, [])
                if not (name == buf and (a is bdef[0] or a is weighting))):
             raise _Miss(f"`{name}` is reassigned between the sorted gather and the combine")
-    meta_read = False  # s45: the output allocated with the weighted rows' device / dtype (`device=buf.device`)
+    # s45: the output may be allocated with the weighted rows' device / dtype (`device=buf.device`)
     for st in after_rows:
         if st is weighting:
             continue
         reads = [n for n in fast_walk(st) if isinstance(n, ast.Name) and n.id == buf]
         if reads and st is not bdef[0] and not isinstance(st, ast.For):
             if st.lineno > weighting.lineno and _moe_s45b.metadata_reads_only(st, buf):
-                meta_read = True
                 continue
             raise _Miss(f"`{segment(module, st)[:50]}` reads the expert rows `{buf}` outside the expert loop")
     for name, since in ((e_, experts_line), (weights, gathers[0].lineno)):
@@ -1694,8 +1696,8 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
             body.extend(ind + ln for ln in id_lines + key_lines)
             body.append(f"{ind}# the tokens gathered slot by slot in sorted-expert order are the permute")
             body.append(f"{ind}{rows}, {P}order = torch_npu.npu_moe_token_permute({tokens}, {key})")
-        elif st is weighting and meta_read:  # (what is read of the rows after it is the weighted rows' dtype)
-            body.append(f"{ind}{buf} = {buf}.to(torch.promote_types({buf}.dtype, {weights}.dtype))  # the weighting's dtype")
+        elif st is weighting and isinstance(weighting, ast.Assign):  # s46: `buf * w` promotes (`buf.mul_(w)` does not)
+            body.append(_moe_s46.weighting_cast_line(buf, weights, ind))
         elif st in gathers or st is weighting:
             continue
         elif st is stmt:
@@ -3166,6 +3168,10 @@ class _Eval:
         pair form (``pos // K``, ``pos % K``, ``x.repeat_interleave(K, dim=0)[pos]``, ``w.view(-1)[pos]``): read as
         ``torch.where(idx == e)`` of the 2-D indices (see patterns/_moe_s42c.py), under a run-time shape check."""
         fp = s42c.flat_positions(self.scope, value, self._is_eidx, self.loop.lineno)
+        if fp is None and not self.s42c_reads:  # s46: `torch.nonzero(m).reshape(-1)` of `m = flat == e` in the loop
+            where = _moe_s46.positions_as_where(value, self.loop.body)
+            fp = s42c.flat_positions(self.scope, where, self._is_eidx, self.loop.lineno) if where is not None else None
+            value = where if fp is not None else value  # type: ignore[assignment]  # (where e is read)
         if fp is not None and self.s42c_reads and self.s42c_positions == name:
             return True  # the body analysed again (the translation is in place)
         if fp is None or self.s42c_reads:  # (one translation per loop)
@@ -3381,8 +3387,11 @@ class _Eval:
 
     def _s45a_scattered_gates(self, gates: str) -> Optional[str]:
         found = _moe_s45a.scattered_gate_indices(self.m, self.scope, gates, self.loop.lineno)
-        if found is None:
-            return None
+        if found is None:  # s46: the same gates written by an index put over their rows
+            put = _moe_s46.index_put_gate_indices(self.m, self.scope, gates, self.loop.lineno)
+            if put is not None:
+                self._rank_guard(put[1])
+            return put[0] if put is not None else None
         self._rank_guard(f"{gates}.dim() == 2")  # (columns are experts, rows tokens, of [T, E] gates)
         return found[0]
 
@@ -4978,6 +4987,8 @@ class _Eval:
         reached = False
         while pending:
             root, line = pending.pop()
+            # s46: ids sorted by their own order hold the same experts (`torch.unique(ids[ids.argsort()])`)
+            root = _moe_s46.permuted_by_own_sort(self.scope, root, line) or root
             # names in a called function's position (`torch` of `torch.where`, `mask` of `mask.sum`)
             callees = {id(n) for c in fast_walk(root) if isinstance(c, ast.Call) for n in fast_walk(c.func)}
             for n in fast_walk(root):
@@ -15348,4 +15359,6 @@ MoeExperts.KEEP += _moe_s44b.KEEP
 MoeExperts.FUSE += _moe_s45a.FUSE
 MoeExperts.KEEP += _moe_s45a.KEEP
 MoeExperts.FUSE += _moe_s45b.FUSE  # s45b: capacity switches, router top-1, flat routes by a mask (patterns/_moe_s45b.py)
+MoeExperts.FUSE += _moe_s46.FUSE  # s46: promoted weighting on the sorted paths, index-put gates (patterns/_moe_s46.py)
+MoeExperts.KEEP += _moe_s46.KEEP
 MoeExperts.KEEP += _moe_s45b.KEEP
