@@ -146,3 +146,48 @@ def test_scope_holds_words_is_open_with_the_gates_off(monkeypatch: Any) -> None:
     assert not engine.scope_holds_words(module, module.scopes[1], ("rsqrt",))
     monkeypatch.setattr(engine, "SCOPE_GATES", False)
     assert engine.scope_holds_words(module, module.scopes[1], ("rsqrt",))
+
+
+# -- the numeric probe's and the mask-row reader's walks ------------------------------------------------------------
+
+def _code_nodes_reference(fn: ast.FunctionDef) -> Iterator[ast.AST]:
+    stack: list[ast.AST] = [*fn.body, *fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None)]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.Raise):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            stack.extend(node.body)
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.arg) or (isinstance(node, ast.AnnAssign) and child is node.annotation):
+                continue
+            stack.append(child)
+
+
+def _own_nodes_reference(fn: ast.AST) -> list[ast.AST]:
+    out: list[ast.AST] = []
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack += list(ast.iter_child_nodes(n))
+    return out
+
+
+def test_probe_and_mask_row_walks_visit_what_the_ast_module_walks_visit() -> None:
+    from npufuse.patterns import _mask_rows
+
+    functions = 0
+    for text in _texts()[::2]:
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            functions += 1
+            assert [id(n) for n in numeric_probe._code_nodes(fn)] == [id(n) for n in _code_nodes_reference(fn)]
+            assert [id(n) for n in _mask_rows._own_nodes(fn)] == [id(n) for n in _own_nodes_reference(fn)]
+            assert numeric_probe._assigned_names(fn) == {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            assert numeric_probe._free_names(fn) == {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+    assert functions > 300
