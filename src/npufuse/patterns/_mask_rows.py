@@ -24,6 +24,8 @@ import math
 from typing import Any, Callable, Iterator, Optional
 
 from npufuse.patterns import _attention_s45h
+# s46: fast_walk / child_nodes for ast.walk / ast.iter_child_nodes (the same nodes, in the same order)
+from npufuse.scan.dataflow import child_nodes, fast_walk
 
 # torch is imported only when a mask construction is evaluated: a scan imports no torch otherwise (~1.7 s of start-up)
 torch: Any = None
@@ -431,7 +433,7 @@ def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Opt
             continue
         if isinstance(n, ast.Attribute):
             continue
-        stack += list(ast.iter_child_nodes(n))
+        stack += child_nodes(n)
     return out
 
 
@@ -457,7 +459,7 @@ def index_built(node: Any, resolve: Callable[[Any], Any]) -> bool:
             if isinstance(n, ast.Attribute):
                 stack.append(n.value)
             continue
-        stack += list(ast.iter_child_nodes(n))
+        stack += child_nodes(n)
     return False
 
 
@@ -588,7 +590,7 @@ def repeated_call(text: str) -> Optional[str]:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
         return text
-    for n in ast.walk(tree):
+    for n in fast_walk(tree):
         if isinstance(n, ast.Call) and not _is_torch_fn(n) and (
                 isinstance(n.func, ast.Name) and n.func.id not in ("float", "int", "bool", "len", "min", "max", "abs")
                 or isinstance(n.func, ast.Attribute) and _key(n.func.value) == "self"):
@@ -689,12 +691,12 @@ def _returns(stmts: list[ast.stmt], truth: Callable[[ast.AST], Optional[bool]]) 
 def _own_nodes(fn: ast.AST) -> list[ast.AST]:
     """The nodes of ``fn``'s own body: a nested function's (or class's, lambda's) body is its own."""
     out: list[ast.AST] = []
-    stack = list(ast.iter_child_nodes(fn))
+    stack = child_nodes(fn)
     while stack:
         n = stack.pop()
         out.append(n)
         if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            stack += list(ast.iter_child_nodes(n))
+            stack += child_nodes(n)
     return out
 
 
@@ -758,7 +760,7 @@ class Resolver:
         return None
 
     def _adopt(self, frame: _Frame, value: ast.AST) -> ast.AST:
-        for sub in ast.walk(value):
+        for sub in fast_walk(value):
             self.foreign[id(sub)] = frame
         return value
 
@@ -770,7 +772,7 @@ class Resolver:
         for fn in cls.body:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            for node in ast.walk(fn):
+            for node in fast_walk(fn):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_buffer" \
                         and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value == attr:
                     found.append((fn, node.args[1]))
@@ -858,7 +860,7 @@ class Resolver:
         for fn in (cls.body if cls is not None else []):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            for a in ast.walk(fn):
+            for a in fast_walk(fn):
                 if isinstance(a, ast.Assign) and any(isinstance(t, ast.Subscript) and _key(t.value) == _key(container)
                                                      for t in a.targets):
                     out.append(self._adopt(chain.get(id(fn)) or _Frame(fn, same_class=True), a.value))
@@ -971,7 +973,7 @@ class Resolver:
                 value = self(n)
                 if isinstance(value, ast.AST):
                     stack.append(value)
-            stack += list(ast.iter_child_nodes(n))
+            stack += child_nodes(n)
         return False
 
     def _bind(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call, skip_first: bool) -> dict[str, Any]:

@@ -393,11 +393,19 @@ def walk_sym(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
             if n.value is not None:
                 stack.append(n.value)
             continue
-        for _name, value in ast.iter_fields(n):
-            if isinstance(value, list):
-                stack.extend(v for v in value if isinstance(v, ast.AST))
-            elif isinstance(value, ast.AST):
-                stack.append(value)
+        _push_children(n, stack)
+
+
+def _push_children(n: ast.AST, stack: list[Any]) -> None:
+    """``stack`` gets the nodes ``ast.iter_fields(n)`` holds (lists flattened), in field order: the
+    fields that never hold a node (``child_fields``) are not read (s46: the symbolic walks ran
+    ``iter_fields``' generator per node)."""
+    for name in child_fields(type(n)):
+        value = getattr(n, name, None)
+        if isinstance(value, list):
+            stack.extend([v for v in value if isinstance(v, ast.AST)])
+        elif isinstance(value, ast.AST):
+            stack.append(value)
 
 
 _META_ATTRS = {"dtype", "shape", "device", "ndim", "is_cuda", "is_npu"}
@@ -451,11 +459,7 @@ def walk_values(node: Any, limit: int = 4000) -> Iterator[ast.AST]:
             stack.extend(n.args)
             stack.extend(kw.value for kw in n.keywords)
             continue
-        for _name, value in ast.iter_fields(n):
-            if isinstance(value, list):
-                stack.extend(v for v in value if isinstance(v, ast.AST))
-            elif isinstance(value, ast.AST):
-                stack.append(value)
+        _push_children(n, stack)
 
 
 def ref_names(node: Any) -> set[str]:
@@ -3025,8 +3029,11 @@ def _plain(node: Any, keyed: bool = False) -> Any:
         return ast.Name("<undefined>", ast.Load())
     if not isinstance(node, ast.AST):
         return node
-    new = copy.copy(node)
-    for name, value in ast.iter_fields(node):
+    # s46: copy.copy's result without its reduce / reconstruct machinery, and only the fields that can hold a
+    # node (every other field is neither a list nor a node: iter_fields' loop left it as copied)
+    new = _shallow_copy(node)
+    for name in child_fields(type(node)):
+        value = getattr(node, name, None)
         if isinstance(value, list):
             setattr(new, name, [_plain(v, keyed) for v in value])
         elif isinstance(value, ast.AST):

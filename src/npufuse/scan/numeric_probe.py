@@ -26,7 +26,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from npufuse.scan.dataflow import ModuleInfo, _is_word
+# s46: fast_walk / child_nodes for ast.walk / ast.iter_child_nodes (the same nodes, in the same order)
+from npufuse.scan.dataflow import ModuleInfo, _is_word, child_nodes, fast_walk
 
 MAX_NUMEL = 100_000  # elements of any tensor the probe creates
 MAX_STEPS = 20_000  # AST nodes evaluated per run
@@ -900,7 +901,7 @@ def config_values(module: ModuleInfo, cls: ast.ClassDef, init: ast.FunctionDef, 
     What the probe then proves still rests on the numbers, not on these choices."""
     held: set[str] = set()  # self attributes holding the argument
     direct = 0
-    for node in ast.walk(init):
+    for node in fast_walk(init):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == arg:
             for tg in node.targets:
                 if isinstance(tg, ast.Attribute) and isinstance(tg.value, ast.Name) and tg.value.id == "self":
@@ -909,11 +910,11 @@ def config_values(module: ModuleInfo, cls: ast.ClassDef, init: ast.FunctionDef, 
     reads: list[ast.expr] = []  # `arg.attr` / `self.held.attr` nodes, or getattr(arg, "attr", ...) calls
     fns = [init] + ([fn for fn in _methods(module, cls) if fn is not init] if held else [])
     for fn in fns:
-        for node in ast.walk(fn):
-            for child in ast.iter_child_nodes(node):
+        for node in fast_walk(fn):
+            for child in child_nodes(node):
                 parents[child] = node
     for fn in fns:
-        for node in ast.walk(fn):
+        for node in fast_walk(fn):
             if not (isinstance(node, ast.Name) and node.id == arg and isinstance(node.ctx, ast.Load)) or fn is not init:
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
                         and isinstance(node.value.value, ast.Name) and node.value.value.id == "self" \
@@ -1137,12 +1138,12 @@ _SCALES = (1.0, 10.0, 1e-3, 1e-6, 1e-13)
 
 
 def _free_names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return {n.id for n in fast_walk(node) if isinstance(n, ast.Name)}
 
 
 def _assigned_names(fn: ast.FunctionDef) -> set[str]:
     out: set[str] = set()
-    for n in ast.walk(fn):
+    for n in fast_walk(fn):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             out.add(n.id)
     return out
@@ -1524,7 +1525,7 @@ def _eps_form(module: ModuleInfo, fn: ast.FunctionDef, runs: list[_Run], k: str 
 def _only_self_reads(test: ast.expr) -> bool:
     """The test reads attributes of self and names only (no call of a helper that may look at
     state the guard cannot see, no subscript of a tensor)."""
-    for n in ast.walk(test):
+    for n in fast_walk(test):
         if isinstance(n, ast.Call):
             return False
     return True
@@ -1579,7 +1580,7 @@ def _match_eps(module: ModuleInfo, fn: ast.FunctionDef, run: _Run, eps_hat: floa
             cands.append((p, float(d.value)))
     seen_fns = [fn, *run.entered]
     for f in seen_fns:
-        for n in ast.walk(f):
+        for n in fast_walk(f):
             if isinstance(n, ast.Constant) and isinstance(n.value, float):
                 cands.append((repr(n.value), n.value))
     for st in module.tree.body:
@@ -1676,8 +1677,6 @@ def _fn_nodes(scope: Any, fn: ast.FunctionDef) -> dict[type, list[ast.AST]]:
     the scope's node (the detectors build it anyway), else one fast walk."""
     if getattr(scope, "node", None) is fn and hasattr(scope, "nodes"):
         return scope.nodes()
-    from npufuse.scan.dataflow import fast_walk
-
     groups: dict[type, list[ast.AST]] = {}
     for n in fast_walk(fn):
         groups.setdefault(type(n), []).append(n)
@@ -1833,7 +1832,7 @@ def _code_nodes(fn: ast.FunctionDef) -> Iterable[ast.AST]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             stack.extend(node.body)  # a nested def: refused when it runs (statement FunctionDef)
             continue
-        for child in ast.iter_child_nodes(node):
+        for child in child_nodes(node):
             if isinstance(child, ast.arg) or (isinstance(node, ast.AnnAssign) and child is node.annotation):
                 continue
             stack.append(child)
@@ -1978,7 +1977,7 @@ def _call_foreign(it: Interpreter, fv: Func, args: list[Any], kwargs: dict[str, 
     # a branch on a global of that file (a flag another module may set) is an assumption no
     # guard of this scope can check: refused; branches on the helper's arguments are sampled
     a = fv.node.args
-    own = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} | {n.id for n in ast.walk(fv.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    own = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)} | {n.id for n in fast_walk(fv.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     for d in it.decisions[first:]:
         for name in _free_names(d.test) - own - _BUILTINS:
             target = fv.module.aliases.get(name)
