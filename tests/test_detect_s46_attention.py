@@ -1,0 +1,125 @@
+"""s46 attn46: attention / sdpa dead candidates and real development misses, each pinned by class (Fuse forms run
+rewritten under the emulator against the original; near misses carry true reasons).
+
+1. Ranks stated through einops and layers (UniAnimate's temporal attention, audit45's dead candidate): q / k / v from
+   ``rearrange(qkv[i], '... n (h d) -> ... h n d')`` of ``qkv = self.to_qkv(x).chunk(3, dim=-1)`` with ``x`` 4-D are
+   5-D; the candidate's run-time ``q.dim() == 4`` never held. Now: folded where attn45's fold applies (no mask), a near
+   miss naming the 5-D operand beside a bias / mask.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from pattern_harness import check_rewrite_runs, detect_all
+from npufuse.patterns.attention import AttentionPattern
+
+
+def _fused(pattern, code: str) -> list:
+    findings, misses = detect_all(pattern, code)
+    assert findings, [m.reason for m in misses]
+    return findings
+
+
+def _near_miss(pattern, code: str) -> str:
+    findings, misses = detect_all(pattern, code)
+    assert not findings, findings[0].fused
+    assert misses
+    return " | ".join(m.reason for m in misses)
+
+
+def _close(facts: dict, calls: bool = True, tol: float = 0.9999) -> None:
+    assert (facts["calls"] >= 1) == calls, facts["all_calls"]
+    assert all(a == b for a, b in facts["shapes"]), facts["shapes"]
+    assert all(c > tol for c in facts["cos_out"]), facts["cos_out"]
+    assert all(c > tol for c in facts["cos_grad"]), facts["cos_grad"]
+
+
+# -- 1. ranks stated through einops rearrange, chunks and layers -------------------------------------------------------
+
+def _rearrange(t: torch.Tensor, pattern: str, **axes: int) -> torch.Tensor:
+    """The few einops patterns the examples use (einops is not installed in the test environment)."""
+    if pattern == "b c f h w -> b (h w) f c":
+        return t.permute(0, 3, 4, 2, 1).flatten(1, 2)
+    if pattern == "... n (h d) -> ... h n d":
+        return t.unflatten(-1, (axes["h"], -1)).transpose(-2, -3)
+    if pattern == "... h n d -> ... n (h d)":
+        return t.transpose(-2, -3).flatten(-2)
+    if pattern == "b (h w) f c -> b c f h w":
+        b, hw, f, c = t.shape
+        return t.reshape(b, axes["h"], hw // axes["h"], f, c).permute(0, 4, 3, 1, 2)
+    raise NotImplementedError(pattern)
+
+
+@pytest.fixture()
+def fake_einops(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("einops")
+    module.rearrange = _rearrange  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "einops", module)
+
+
+_TEMPORAL = '''
+import torch
+from torch import nn
+from einops import rearrange
+
+
+class TemporalAttention(nn.Module):
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.scale = (dim // heads) ** -0.5
+        self.heads = heads
+        self.norm = nn.GroupNorm(2, dim)
+        self.to_qkv = nn.Linear(dim, dim * 3)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x{param}):
+        height = x.shape[-2]
+        x = self.norm(x)
+        x = rearrange(x, 'b c f h w -> b (h w) f c')
+        qkv = self.to_qkv(x).chunk(3, dim=-1)
+        q = rearrange(qkv[0], '... n (h d) -> ... h n d', h=self.heads)
+        k = rearrange(qkv[1], '... n (h d) -> ... h n d', h=self.heads)
+        v = rearrange(qkv[2], '... n (h d) -> ... h n d', h=self.heads)
+        q = q * self.scale
+        sim = torch.einsum('... h i d, ... h j d -> ... h i j', q, k){bias}
+        sim = sim - sim.amax(dim=-1, keepdim=True).detach()
+        attn = sim.softmax(dim=-1)
+        out = torch.einsum('... h i j, ... h j d -> ... h i d', attn, v)
+        out = rearrange(out, '... h n d -> ... n (h d)')
+        out = self.to_out(out)
+        return rearrange(out, 'b (h w) f c -> b c f h w', h=height)
+'''
+_RUN_TEMPORAL = ("m = TemporalAttention(8)\nx = torch.randn(2, 8, 5, 3, 2, requires_grad=True)\n"
+                 "out = m(x)\nleaves = [x] + list(m.parameters())\n")
+
+
+def test_five_d_operands_from_einops_fold_into_the_batch(fake_einops: None) -> None:
+    code = _TEMPORAL.format(param="", bias="")
+    findings = _fused(AttentionPattern(), code)
+    assert "q.dim() == 4" not in findings[0].fused  # the rank is stated: 5-D, folded
+    _close(check_rewrite_runs(AttentionPattern(), code, _RUN_TEMPORAL, findings))
+
+
+def test_five_d_operands_from_einops_beside_a_bias_are_a_near_miss() -> None:
+    # UniAnimate: a positional bias beside the 5-D operands; the fused branch tested q.dim() == 4, never true
+    code = _TEMPORAL.format(param=", pos_bias=None", bias="\n        if pos_bias is not None:\n            sim = sim + pos_bias")
+    assert "q (`q`) is 5-D" in _near_miss(AttentionPattern(), code)
+
+
+def test_a_rearrange_that_is_not_einops_states_no_rank() -> None:
+    # the file's own `rearrange` may do anything: the rank stays unstated and is checked at run time
+    code = _TEMPORAL.format(param=", pos_bias=None", bias="\n        if pos_bias is not None:\n            sim = sim + pos_bias")
+    code = code.replace("from einops import rearrange", "from mylib import rearrange")
+    findings = _fused(AttentionPattern(), code)
+    assert "q.dim() == 4" in findings[0].fused
+
+
+def test_four_d_einops_operands_need_no_run_time_rank_test(fake_einops: None) -> None:
+    code = _TEMPORAL.format(param="", bias="").replace("'b c f h w -> b (h w) f c'", "'b c f h w -> b (f h w) c'")
+    findings = _fused(AttentionPattern(), code)
+    assert "q.dim() == 4" not in findings[0].fused
