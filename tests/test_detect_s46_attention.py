@@ -123,3 +123,69 @@ def test_four_d_einops_operands_need_no_run_time_rank_test(fake_einops: None) ->
     code = _TEMPORAL.format(param="", bias="").replace("'b c f h w -> b (h w) f c'", "'b c f h w -> b (f h w) c'")
     findings = _fused(AttentionPattern(), code)
     assert "q.dim() == 4" not in findings[0].fused
+
+
+# -- 2. masks npufuse does not evaluate that can still empty a query row ----------------------------------------------
+
+_UNREAD_MASK = '''
+import math
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, d, n, window=2):
+        super().__init__()
+        self.n, self.hd, self.window = n, d // n, window
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, pad):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n, self.hd).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=x.device)
+        blocks = torch.div(i, self.window, rounding_mode="floor")
+        keep = {keep}
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hd)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+'''
+_RUN_UNREAD = ("m = Attn(8, 2)\nx = torch.randn(2, 6, 8, requires_grad=True)\npad = torch.ones(2, 6, dtype=torch.bool)\n"
+               "out = m(x, pad)\nleaves = [x] + list(m.parameters())\n")
+# `repeat_interleave` is not evaluated by _mask_rows: the constructions below are read only by what they are made of
+_BLOCKS = "blocks[:, None] {op} blocks[None, :].repeat_interleave(1, dim=0)"
+_PADDED_TOO = "(pad[:, None, :] & pad[:, :, None]).unsqueeze(1)"
+
+
+@pytest.mark.parametrize("op, calls", [(">=", True), (">", False)])
+def test_an_unread_bucketed_mask_runs_fused_only_where_every_row_keeps_a_key(op: str, calls: bool) -> None:
+    # block-causal over buckets `i // window`: `>=` keeps each row's own block; strict `>` empties block 0's rows
+    code = _UNREAD_MASK.format(keep=_BLOCKS.format(op=op))
+    findings = _fused(AttentionPattern(), code)
+    assert "not bool((~keep).all(-1).any())" in findings[0].fused
+    assert any(r.kind == "host_sync" for r in findings[0].risks)
+    facts = check_rewrite_runs(AttentionPattern(), code, _RUN_UNREAD, findings)
+    if calls:
+        _close(facts)
+    else:
+        assert facts["calls"] == 0  # block 0's rows keep no key (NaN in torch): the original runs
+
+
+def test_a_padding_vector_over_queries_and_keys_gets_the_row_check() -> None:
+    # every padded query row masks all keys: torch NaN, the op's value not pinned down
+    code = _UNREAD_MASK.format(keep=_PADDED_TOO)
+    findings = _fused(AttentionPattern(), code)
+    assert "not bool((~keep).all(-1).any())" in findings[0].fused
+    _close(check_rewrite_runs(AttentionPattern(), code, _RUN_UNREAD, findings))
+    padded = _RUN_UNREAD.replace("pad = torch.ones(2, 6, dtype=torch.bool)", "pad = torch.arange(6) < torch.tensor([[6], [4]])")
+    facts = check_rewrite_runs(AttentionPattern(), code, padded, findings)
+    assert facts["calls"] == 0  # the padded rows: the original runs
+
+
+@pytest.mark.parametrize("keep", [
+    "torch.ones(s, s, dtype=torch.bool, device=x.device).tril().repeat_interleave(1, dim=0)",  # a plain causal triangle
+    "pad[:, None, None, :].repeat_interleave(1, dim=0)",  # key padding only
+    "torch.ones(s // 2 * 2, s, dtype=torch.bool, device=x.device).tril().repeat_interleave(1, dim=0)",  # `//` in a size
+])
+def test_unread_masks_that_keep_a_key_in_every_row_get_no_check(keep: str) -> None:
+    findings = _fused(AttentionPattern(), _UNREAD_MASK.format(keep=keep))
+    assert ".all(-1).any()" not in findings[0].fused

@@ -142,3 +142,110 @@ def operand_ranks(module: Any, scope: Any, operands: list[tuple[Any, Any]], line
         return [r if r is not None else rank(scope, leaf, line) for r, leaf in operands]
     finally:
         _MODULE.reset(token)
+
+
+# --- 2. masks whose construction npufuse cannot evaluate but which can still empty a query row --------------------------
+# :mod:`_mask_rows` evaluates a mask built from index arithmetic on small sizes; where it cannot (a helper it does not
+# follow, an operation it does not evaluate), nothing used to be checked. Spec 5.1 / 14: a fully masked row has no
+# pinned-down value in npu_fusion_attention. A plain causal triangle (``tril`` / ``triu`` at the diagonal, ``j <= i``)
+# or a key-padding vector keeps a key in every row of a non-empty sequence; these constructions need not:
+#   * bucketed or strided index arithmetic (``//``, ``%``, ``/``, ``ceil`` / ``floor`` / ``round``): Linformer's bucket
+#     limit ``ceil((j + 1) * T / P) - 1`` leaves the first query rows without a bucket;
+#   * windows (``abs(i - j) <= w``) and offset comparisons (``j <= i + off``, ``tril(diagonal=off)`` with ``off``
+#     unknown or not 0 / 1): a negative offset or an empty band empties rows;
+#   * a key-padding vector applied to the queries too (``m[:, None, :] * m[:, :, None]``,
+#     ``m.unsqueeze(1) & m.unsqueeze(2)``): every padded query row masks all keys.
+# Only these get the run-time row check (a host sync); other unread constructions keep the old behaviour.
+_BUCKET_CALLS = {"ceil", "floor", "round", "trunc", "remainder", "fmod", "div", "floor_divide", "true_divide"}
+
+
+def _is_index_compare_offset(node: ast.Compare) -> bool:
+    return any(isinstance(side, ast.BinOp) and isinstance(side.op, (ast.Add, ast.Sub))
+               for side in (node.left, *node.comparators))
+
+
+def _diagonal_offset(call: ast.Call) -> bool:
+    """``tril`` / ``triu`` with a diagonal other than the causal 0 / 1 (an unknown one, or another constant)."""
+    diag = next((k.value for k in call.keywords if k.arg == "diagonal"), None)
+    if diag is None:
+        # torch.tril(x, d) / tril(x, d) take the tensor first; x.tril(d) does not
+        method = isinstance(call.func, ast.Attribute) and dotted(call.func.value) not in ("torch", "th")
+        pos = 0 if method else 1
+        diag = call.args[pos] if len(call.args) > pos else None
+    if diag is None:
+        return False
+    value = const_value(diag)
+    return not isinstance(value, int) or value not in (0, 1)
+
+
+def _axis_positions(node: Any) -> Optional[tuple[str, tuple[int, ...]]]:
+    """(the tensor's text, the positions of its new axes) of ``m[:, None, :]`` / ``m.unsqueeze(1)``; None otherwise."""
+    if isinstance(node, ast.Subscript):
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        new = tuple(i for i, e in enumerate(elts) if isinstance(e, ast.Constant) and e.value is None)
+        if new and all(isinstance(e, ast.Slice) or isinstance(e, ast.Constant) and e.value is None for e in elts):
+            return ast.dump(node.value), new
+        return None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
+            and len(node.args) == 1 and isinstance(const_value(node.args[0]), int):
+        return ast.dump(node.func.value), (const_value(node.args[0]),)
+    return None
+
+
+def _outer_padding(node: Any) -> bool:
+    """``m[:, None, :] * m[:, :, None]`` (``&``, ``logical_and``): one padding vector over both the keys and the queries."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.BitAnd)):
+        pair = (node.left, node.right)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("logical_and", "mul") \
+            and len(node.args) == 2 and dotted(node.func.value) == "torch":
+        pair = (node.args[0], node.args[1])
+    else:
+        return False
+    a, b = (_axis_positions(x) for x in pair)
+    return a is not None and b is not None and a[0] == b[0] and a[1] != b[1]
+
+
+def unread_row_reason(node: Any, resolve: Callable[[Any], Any]) -> Optional[str]:
+    """What in a mask's construction (one npufuse did not evaluate) can leave a query row with no key; None when
+    nothing (see the comment above)."""
+    from npufuse.patterns import _mask_rows
+
+    index_made, found = False, None
+    for n, sized in _mask_rows.construction_nodes(node, resolve):
+        if _outer_padding(n):
+            return "a padding vector applied to the queries as well as the keys (a padded query row masks every key)"
+        if isinstance(n, ast.Call) and _mask_rows._name(n) in _mask_rows._INDEX_WORDS:
+            index_made = True
+        if sized or found is not None:
+            continue  # the sizes of arange / ones / eye bound no row
+        name = _mask_rows._name(n) if isinstance(n, ast.Call) else None
+        if name in ("tril", "triu") and _diagonal_offset(n):
+            found = "a triangle with an offset diagonal"
+        elif name in _BUCKET_CALLS:
+            found = f"bucketed index arithmetic (`{name}`)"
+        elif name == "abs":
+            found = "a window (`abs` of an index difference)"
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, (ast.FloorDiv, ast.Mod, ast.Div)):
+            found = "bucketed or strided index arithmetic (`//`, `%` or `/`)"
+        elif isinstance(n, ast.Compare) and _is_index_compare_offset(n):
+            found = "an index comparison with an offset"
+    return found if index_made else None
+
+
+class UnreadRows:
+    """A :class:`_mask_rows.RowVerdict` of kind ``varies`` for a construction npufuse did not evaluate: ``why``."""
+
+    __slots__ = ("kind", "rows", "why")
+
+    def __init__(self, why: str) -> None:
+        self.kind, self.rows, self.why = "varies", (), why
+
+    def describe(self) -> str:
+        return (f"its construction ({self.why}) can leave a query row without any key, and npufuse does not evaluate it: "
+                "torch gives such a row NaN (or a uniform average with a finite fill), npu_fusion_attention's output there "
+                "is not pinned down (spec 5.1 / 14)")
+
+
+def unread_rows(node: Any, resolve: Callable[[Any], Any]) -> Optional[UnreadRows]:
+    why = unread_row_reason(node, resolve)
+    return UnreadRows(why) if why is not None else None
