@@ -189,3 +189,47 @@ def test_a_padding_vector_over_queries_and_keys_gets_the_row_check() -> None:
 def test_unread_masks_that_keep_a_key_in_every_row_get_no_check(keep: str) -> None:
     findings = _fused(AttentionPattern(), _UNREAD_MASK.format(keep=keep))
     assert ".all(-1).any()" not in findings[0].fused
+
+
+# -- 3. true near-miss reasons -----------------------------------------------------------------------------------------
+
+_GRAPH = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GraphAttention(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.n, self.hd = n, d // n
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+
+    def forward(self, x, adj):
+        nodes = x.size(0)
+        q = self.q(x).reshape(nodes, self.n, self.hd)
+        k = self.k(x).reshape(nodes, self.n, self.hd)
+        v = self.v(x).reshape(nodes, self.n, self.hd)
+        scores = torch.einsum("nhd,mhd->nmh", q, k) / math.sqrt(self.hd)
+        scores = scores.transpose(-1, -2)
+        scores = scores.masked_fill(~adj.unsqueeze(1), float("-inf"))
+        attn = F.softmax(scores, dim=-1)
+        out = torch.einsum("nhm,mhd->nhd", attn, v)
+        return out.reshape(nodes, -1)
+'''
+
+
+def test_unbatched_multi_head_attention_is_called_attention() -> None:
+    # graph-transformers (HO22b): [N, H, D] node attention; s45's reason said "not [B, S, D] attention"
+    reason = _near_miss(AttentionPattern(), _GRAPH)
+    assert "attention over 3-D operands whose shared axis `h` is not the leading one" in reason
+    assert "not [B, S, D] attention" not in reason
+
+
+def test_a_three_d_product_that_is_no_attention_keeps_its_reason() -> None:
+    # the values share no axis with the probabilities but the contracted one: no attention form
+    code = _GRAPH.replace('"nhm,mhd->nhd", attn, v', '"nhm,mde->nhde", attn, v.unsqueeze(-1)')
+    assert "attention over 3-D operands" not in _near_miss(AttentionPattern(), code)

@@ -249,3 +249,28 @@ class UnreadRows:
 def unread_rows(node: Any, resolve: Callable[[Any], Any]) -> Optional[UnreadRows]:
     why = unread_row_reason(node, resolve)
     return UnreadRows(why) if why is not None else None
+
+
+# --- 3. true reasons ---------------------------------------------------------------------------------------------------
+def unbatched_heads(p_sub: str, v_sub: str, out: str) -> Optional[str]:
+    """The head letter of a 3-D einsum that is multi-head attention with no batch axis (P@V ``nhm,mhd->nhd``; Q@Kᵀ
+    ``nhd,mhd->nmh``: one letter shared by both operands and the output, one contracted, one per operand): graph
+    transformers over the nodes of one graph; None for any other 3-D product."""
+    if not (len(p_sub) == len(v_sub) == len(out) == 3) or len(set(p_sub)) != 3 or len(set(v_sub)) != 3:
+        return None
+    shared = set(p_sub) & set(v_sub)
+    kept = [x for x in shared if x in out]
+    summed = [x for x in shared if x not in out]
+    if len(kept) != 1 or len(summed) != 1 or set(out) != set(p_sub) ^ set(v_sub) | set(kept):
+        return None
+    return kept[0]
+
+
+def unbatched_reason(eq: str, p_sub: str, v_sub: str, out: str) -> Optional[str]:
+    """The near-miss reason for :func:`unbatched_heads`' form (it is attention: s45's reason said it was not)."""
+    h = unbatched_heads(p_sub, v_sub, out)
+    if h is None:
+        return None
+    return (f"einsum `{eq}`: attention over 3-D operands whose shared axis `{h}` is not the leading one (multi-head [S, N, D] "
+            "with no batch axis, e.g. one graph's nodes, or a sequence-first [S, B, D] one-head layout): npufuse reads 4-D "
+            "[B, N, S, D] / [B, S, N, D] or 3-D [B, S, D] operands, and does not add the batch axis or move that axis this form needs")

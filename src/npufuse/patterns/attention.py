@@ -1539,7 +1539,8 @@ class _Matcher:
         elif len(p_sub) == 3:
             bb, i = p_sub[0], p_sub[1]
             if set(v_sub) != {bb, j, d} or v_sub[0] != bb or set(c.out) != {bb, i, d} or c.out[0] != bb:
-                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: a 3-D product that is not [B, S, D] attention")
+                eq = f"{c.a},{c.b}->{c.out}"
+                raise Miss(_attention_s46.unbatched_reason(eq, p_sub, v_sub, c.out) or f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
             chain.v_transposed = v_sub == bb + d + j  # v laid out [B, D, Skv] (channel-first)
             chain.out_transposed = c.out == bb + d + i
             chain.out_layout = "3D"
@@ -2878,7 +2879,7 @@ class _Matcher:
         elif len(c.out) == 3:
             bb, i = c.out[0], c.out[1]
             if set(qs) != {bb, i, d} or qs[0] != bb or set(ks) != {bb, j, d} or ks[0] != bb:
-                raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+                raise Miss(_attention_s46.unbatched_reason(eq, qs, ks, c.out) or f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
             chain.q = self.peel_operand(q_node, "q", "3D", chain)
             chain.q_transposed = qs == bb + d + i  # q laid out [B, D, Sq] (channel-first)
             chain.k = self.peel_operand(k_node, "k", "3D", chain)
