@@ -17,6 +17,7 @@ import torch
 
 from pattern_harness import check_rewrite_runs, detect_all
 from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.sdpa import SdpaPattern
 
 
 def _fused(pattern, code: str) -> list:
@@ -233,3 +234,41 @@ def test_a_three_d_product_that_is_no_attention_keeps_its_reason() -> None:
     # the values share no axis with the probabilities but the contracted one: no attention form
     code = _GRAPH.replace('"nhm,mhd->nhd", attn, v', '"nhm,mde->nhde", attn, v.unsqueeze(-1)')
     assert "attention over 3-D operands" not in _near_miss(AttentionPattern(), code)
+
+
+_SDPA_TEMPORAL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from einops import rearrange
+
+
+class TemporalAttention(nn.Module):
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.to_qkv = nn.Linear(dim, dim * 3)
+
+    def forward(self, x, mask=None):
+        x = rearrange(x, 'b c f h w -> b (h w) f c')
+        qkv = self.to_qkv(x).chunk(3, dim=-1)
+        q = rearrange(qkv[0], '... n (h d) -> ... h n d', h=self.heads)
+        k = rearrange(qkv[1], '... n (h d) -> ... h n d', h=self.heads)
+        v = rearrange(qkv[2], '... n (h d) -> ... h n d', h=self.heads)
+        out = F.scaled_dot_product_attention(q, k, v{mask})
+        return rearrange(out, '... h n d -> ... n (h d)')
+'''
+_RUN_SDPA_TEMPORAL = ("m = TemporalAttention(8)\nx = torch.randn(2, 8, 5, 3, 2, requires_grad=True)\n"
+                      "out = m(x)\nleaves = [x] + list(m.parameters())\n")
+
+
+def test_sdpa_five_d_einops_operands_fold(fake_einops: None) -> None:
+    code = _SDPA_TEMPORAL.format(mask="")
+    findings = _fused(SdpaPattern(), code)
+    assert "q.dim() == k.dim() == v.dim() == 5" in findings[0].fused
+    _close(check_rewrite_runs(SdpaPattern(), code, _RUN_SDPA_TEMPORAL, findings))
+
+
+def test_sdpa_five_d_einops_operands_with_a_mask_are_a_near_miss() -> None:
+    # the 4-D call's `q.dim() == 4` test never held: now the near miss says why
+    assert "q/k/v are 5-D with an attn_mask" in _near_miss(SdpaPattern(), _SDPA_TEMPORAL.format(mask=", attn_mask=mask"))

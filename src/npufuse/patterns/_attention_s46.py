@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import contextvars
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from npufuse.scan.dataflow import const_value, dotted
 
@@ -134,14 +135,21 @@ def stated_rank(scope: Any, node: Any, line: int, depth: int, rank: Callable[...
     return None
 
 
+@contextlib.contextmanager
+def reading_module(module: Any) -> Iterator[None]:
+    """Ranks worked out inside read ``module``'s imports (einops) and layer constructors (``self.to_qkv``)."""
+    token = _MODULE.set(module)
+    try:
+        yield
+    finally:
+        _MODULE.reset(token)
+
+
 def operand_ranks(module: Any, scope: Any, operands: list[tuple[Any, Any]], line: int,
                   rank: Callable[..., Optional[int]]) -> list[Optional[int]]:
     """The ranks of the attention operands ``(stated rank or None, leaf)``, reading the file's layer constructors."""
-    token = _MODULE.set(module)
-    try:
+    with reading_module(module):
         return [r if r is not None else rank(scope, leaf, line) for r, leaf in operands]
-    finally:
-        _MODULE.reset(token)
 
 
 # --- 2. masks whose construction npufuse cannot evaluate but which can still empty a query row --------------------------
