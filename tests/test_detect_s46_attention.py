@@ -171,9 +171,10 @@ def test_an_unread_bucketed_mask_runs_fused_only_where_every_row_keeps_a_key(op:
         assert facts["calls"] == 0  # block 0's rows keep no key (NaN in torch): the original runs
 
 
-def test_a_padding_vector_over_queries_and_keys_gets_the_row_check() -> None:
+@pytest.mark.parametrize("padded_too", [_PADDED_TOO, "(pad.float().unsqueeze(2) @ pad.float().unsqueeze(1)).bool().unsqueeze(1)"])
+def test_a_padding_vector_over_queries_and_keys_gets_the_row_check(padded_too: str) -> None:
     # every padded query row masks all keys: torch NaN, the op's value not pinned down
-    code = _UNREAD_MASK.format(keep=_PADDED_TOO)
+    code = _UNREAD_MASK.format(keep=padded_too)
     findings = _fused(AttentionPattern(), code)
     assert "not bool((~keep).all(-1).any())" in findings[0].fused
     _close(check_rewrite_runs(AttentionPattern(), code, _RUN_UNREAD, findings))

@@ -201,10 +201,11 @@ def _axis_positions(node: Any) -> Optional[tuple[str, tuple[int, ...]]]:
 
 
 def _outer_padding(node: Any) -> bool:
-    """``m[:, None, :] * m[:, :, None]`` (``&``, ``logical_and``): one padding vector over both the keys and the queries."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.BitAnd)):
+    """``m[:, None, :] * m[:, :, None]`` (``&``, ``logical_and``, the outer product ``m.unsqueeze(2) @ m.unsqueeze(1)``):
+    one padding vector over both the keys and the queries."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.BitAnd, ast.MatMult)):
         pair = (node.left, node.right)
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("logical_and", "mul") \
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("logical_and", "mul", "bmm", "matmul") \
             and len(node.args) == 2 and dotted(node.func.value) == "torch":
         pair = (node.args[0], node.args[1])
     else:
