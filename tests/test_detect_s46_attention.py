@@ -273,3 +273,24 @@ def test_sdpa_five_d_einops_operands_fold(fake_einops: None) -> None:
 def test_sdpa_five_d_einops_operands_with_a_mask_are_a_near_miss() -> None:
     # the 4-D call's `q.dim() == 4` test never held: now the near miss says why
     assert "q/k/v are 5-D with an attn_mask" in _near_miss(SdpaPattern(), _SDPA_TEMPORAL.format(mask=", attn_mask=mask"))
+
+
+_TRY_WINDOW = '''
+import torch
+
+
+def attend(q, k, v, kwargs):
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k)
+    try:
+        bias = kwargs["bias"].to(q.dtype)
+    except TypeError:
+        print("bad kwargs")
+    scores = scores + bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+'''
+
+
+def test_a_value_assigned_in_a_try_is_named_with_its_statement() -> None:
+    # foundation-model-stack's sinks attention: s45 said "assigned inside the attention" of a `try` before it
+    reason = _near_miss(AttentionPattern(), _TRY_WINDOW)
+    assert "`bias`, which the attention reads, is assigned in a `try` statement (line 7)" in reason

@@ -283,3 +283,21 @@ def unbatched_reason(eq: str, p_sub: str, v_sub: str, out: str) -> Optional[str]
     return (f"einsum `{eq}`: attention over 3-D operands whose shared axis `{h}` is not the leading one (multi-head [S, N, D] "
             "with no batch axis, e.g. one graph's nodes, or a sequence-first [S, B, D] one-head layout): npufuse reads 4-D "
             "[B, N, S, D] / [B, S, N, D] or 3-D [B, S, D] operands, and does not add the batch axis or move that axis this form needs")
+
+
+_STATEMENT_KINDS = {ast.Try: "a `try` statement", ast.For: "a `for` loop", ast.AsyncFor: "a `for` loop", ast.While: "a `while` loop",
+                    ast.With: "a `with` statement", ast.AsyncWith: "a `with` statement", ast.If: "an `if` statement",
+                    ast.FunctionDef: "a nested function", ast.AsyncFunctionDef: "a nested function"}
+
+
+def unfollowed_assignment(name: str, block: list[ast.stmt], idx: int) -> Optional[str]:
+    """The reason for a local the attention reads whose value the block interpreter does not follow: the statement
+    kind that assigns it and its line (s45's reason said only "inside the attention", also for a ``try`` before it)."""
+    if not 0 <= idx < len(block):
+        return None
+    stmt = block[idx]
+    kind = _STATEMENT_KINDS.get(type(stmt))
+    if kind is None:
+        return None
+    return (f"`{name}`, which the attention reads, is assigned in {kind} (line {stmt.lineno}) whose effect npufuse does not "
+            "follow: its value at the attention is not known")

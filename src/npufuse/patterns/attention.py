@@ -499,7 +499,8 @@ class Renderer:
             self.emitted.add(ref.name)
             return ast.Name(ref.name, ast.Load())
         if ref.value is None or isinstance(ref.value, Opaque):
-            raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
+            raise Miss(_attention_s46.unfollowed_assignment(ref.name, self.interp.block, ref.idx)
+                       or f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
         if ref.idx in self.bound or (self._wants_binding(ref) and self._bindable(ref.idx, 0)):
             self.emitted.add(ref.name)
             return ast.Name(ref.name, ast.Load())
