@@ -186,23 +186,23 @@ def _diagonal_offset(call: ast.Call) -> bool:
     return not isinstance(value, int) or value not in (0, 1)
 
 
-def _axis_positions(node: Any) -> Optional[tuple[str, tuple[int, ...]]]:
-    """(the tensor's text, the positions of its new axes) of ``m[:, None, :]`` / ``m.unsqueeze(1)``; None otherwise."""
+def _axis_positions(node: Any) -> Optional[tuple[int, ...]]:
+    """The positions of the new axes of ``m[:, None, :]`` / ``m.unsqueeze(1)``; None for anything else."""
     if isinstance(node, ast.Subscript):
         elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         new = tuple(i for i, e in enumerate(elts) if isinstance(e, ast.Constant) and e.value is None)
         if new and all(isinstance(e, ast.Slice) or isinstance(e, ast.Constant) and e.value is None for e in elts):
-            return ast.dump(node.value), new
+            return new
         return None
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze" \
             and len(node.args) == 1 and isinstance(const_value(node.args[0]), int):
-        return ast.dump(node.func.value), (const_value(node.args[0]),)
+        return (const_value(node.args[0]),)
     return None
 
 
 def _outer_padding(node: Any) -> bool:
-    """``m[:, None, :] * m[:, :, None]`` (``&``, ``logical_and``, the outer product ``m.unsqueeze(2) @ m.unsqueeze(1)``):
-    one padding vector over both the keys and the queries."""
+    """``m[:, None, :] * m[:, :, None]`` / ``q_mask[:, :, None] * kv_mask[:, None, :]`` (``&``, ``logical_and``, the
+    outer product ``m.unsqueeze(2) @ m.unsqueeze(1)``): padding over the queries as well as the keys."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.BitAnd, ast.MatMult)):
         pair = (node.left, node.right)
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("logical_and", "mul", "bmm", "matmul") \
@@ -211,7 +211,7 @@ def _outer_padding(node: Any) -> bool:
     else:
         return False
     a, b = (_axis_positions(x) for x in pair)
-    return a is not None and b is not None and a[0] == b[0] and a[1] != b[1]
+    return a is not None and b is not None and a != b
 
 
 def unread_row_reason(node: Any, resolve: Callable[[Any], Any]) -> Optional[str]:
@@ -222,7 +222,7 @@ def unread_row_reason(node: Any, resolve: Callable[[Any], Any]) -> Optional[str]
     index_made, found = False, None
     for n, sized in _mask_rows.construction_nodes(node, resolve):
         if _outer_padding(n):
-            return "a padding vector applied to the queries as well as the keys (a padded query row masks every key)"
+            return "padding over the queries as well as the keys, an outer product: a padded query row masks every key"
         if isinstance(n, ast.Call) and _mask_rows._name(n) in _mask_rows._INDEX_WORDS:
             index_made = True
         if sized or found is not None:

@@ -435,13 +435,15 @@ def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Opt
     return out
 
 
+_METADATA = frozenset(("device", "dtype", "shape", "ndim", "size", "dim", "numel", "finfo", "iinfo"))
 _SIZE_FACTORIES = frozenset(("arange", "ones", "zeros", "full", "eye", "empty", "ones_like", "zeros_like", "full_like"))
 
 
 def construction_nodes(node: Any, resolve: Callable[[Any], Any], budget: int = 400) -> Iterator[tuple[ast.AST, bool]]:
     """(node, read as a size) over a mask's construction: names / ``self.`` attributes followed through ``resolve``, a
     helper's one return inlined (at most ``budget`` visits); the arguments of ``arange`` / ``ones`` / ``eye`` / ...
-    and what they read are sizes, not index values."""
+    and what they read are sizes, not index values, as is what metadata (``.device``, ``.shape``, ``.size()``) is
+    read from."""
     stack: list[tuple[Any, bool]] = [(node, False)]
     seen: set[int] = set()
     while stack and budget:
@@ -455,6 +457,9 @@ def construction_nodes(node: Any, resolve: Callable[[Any], Any], budget: int = 4
         if body is not None:
             stack.append((body, sized))
             continue
+        if isinstance(n, ast.Attribute) and n.attr in _METADATA:
+            stack.append((n.value, True))  # ``scores.device`` / ``x.shape``: what it is read from gives no index value
+            continue
         if type(n).__name__ in ("Ref", "Name", "Attribute"):
             value = resolve(n)
             if value is not None:
@@ -462,7 +467,7 @@ def construction_nodes(node: Any, resolve: Callable[[Any], Any], budget: int = 4
             if isinstance(n, ast.Attribute):
                 stack.append((n.value, sized))
             continue
-        inner = sized or isinstance(n, ast.Call) and _name(n) in _SIZE_FACTORIES
+        inner = sized or isinstance(n, ast.Call) and _name(n) in _METADATA or isinstance(n, ast.Call) and _name(n) in _SIZE_FACTORIES
         stack += [(c, inner) for c in ast.iter_child_nodes(n)]
 
 
