@@ -293,7 +293,8 @@ class Attn(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.n, self.hd).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.hd)
-        mask = torch.full((s, s), float("-inf"), device=scores.device).triu(1).repeat_interleave(1, dim=0)
+        mask = torch.full((1, 1, s, s), float("-inf"))
+        mask = torch.triu(mask, diagonal=1).to(scores.device)
         scores = scores + mask
         return torch.matmul(torch.softmax(scores, dim=-1), v)
 '''
