@@ -304,3 +304,16 @@ def test_a_mask_placed_on_the_scores_device_reads_no_division_from_them() -> Non
     # collie / minimind: `.to(scores.device)` / `scores.size(-1)` are metadata: the scores' `/ sqrt(d)` is no bucketing
     findings = _fused(AttentionPattern(), _DEVICE_OF_SCORES)
     assert ".any(-1).all()" not in findings[0].fused and ".all(-1).any()" not in findings[0].fused
+
+
+def test_a_value_assigned_in_a_loop_inside_an_if_names_the_loop() -> None:
+    # pytorch-llm-from-scratch: `if mask is not None: while mask.dim() < scores.dim(): mask = mask.unsqueeze(0)`
+    code = _TRY_WINDOW.replace('''    try:
+        bias = kwargs["bias"].to(q.dtype)
+    except TypeError:
+        print("bad kwargs")''', '''    bias = kwargs["bias"]
+    if bias is not None:
+        while bias.dim() < scores.dim():
+            bias = bias.unsqueeze(0)''')
+    reason = _near_miss(AttentionPattern(), code)
+    assert "`bias`, which the attention reads, is assigned in a `while` loop (line 9) inside an `if` statement (line 8)" in reason

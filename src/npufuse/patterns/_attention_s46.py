@@ -299,5 +299,11 @@ def unfollowed_assignment(name: str, block: list[ast.stmt], idx: int) -> Optiona
     kind = _STATEMENT_KINDS.get(type(stmt))
     if kind is None:
         return None
-    return (f"`{name}`, which the attention reads, is assigned in {kind} (line {stmt.lineno}) whose effect npufuse does not "
-            "follow: its value at the attention is not known")
+    # the innermost loop / try / with / nested def under the statement that assigns the name (breadth-first: the last)
+    inner = [n for n in ast.walk(stmt) if n is not stmt and type(n) in _STATEMENT_KINDS and not isinstance(n, ast.If)
+             and any(isinstance(t, ast.Name) and t.id == name and isinstance(t.ctx, ast.Store) for t in ast.walk(n))]
+    where = f"{kind} (line {stmt.lineno})"
+    if inner:
+        where = f"{_STATEMENT_KINDS[type(inner[-1])]} (line {inner[-1].lineno}) inside {kind} (line {stmt.lineno})"
+    return (f"`{name}`, which the attention reads, is assigned in {where} whose effect npufuse does not follow: its value "
+            "at the attention is not known")
