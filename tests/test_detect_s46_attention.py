@@ -317,3 +317,11 @@ def test_a_value_assigned_in_a_loop_inside_an_if_names_the_loop() -> None:
             bias = bias.unsqueeze(0)''')
     reason = _near_miss(AttentionPattern(), code)
     assert "`bias`, which the attention reads, is assigned in a `while` loop (line 9) inside an `if` statement (line 8)" in reason
+
+
+def test_a_layer_stored_again_elsewhere_states_no_rank() -> None:
+    # `self.to_qkv` swapped by another method: what it returns is not known, the rank stays checked at run time
+    code = _TEMPORAL.format(param=", pos_bias=None", bias="\n        if pos_bias is not None:\n            sim = sim + pos_bias")
+    code = code.replace("    def forward(", "    def set_proj(self, proj):\n        self.to_qkv = proj\n\n    def forward(")
+    findings = _fused(AttentionPattern(), code)
+    assert "q.dim() == 4" in findings[0].fused

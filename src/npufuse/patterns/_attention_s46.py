@@ -71,12 +71,32 @@ def rearrange_rank(pattern: Any, input_rank: Optional[int]) -> Optional[int]:
 
 
 def _layer_keeps_rank(module: Any, class_name: Optional[str], attr: str) -> bool:
-    """``self.<attr>`` is built in the class as a layer that keeps its input's rank (``nn.Linear(...)``)."""
-    from npufuse.patterns.attention import _self_attr_ctor
+    """``self.<attr>`` is built in the class as a layer that keeps its input's rank (``nn.Linear(...)``), and every
+    store to it in the class is such a layer (a method that swaps in another module would change what is called)."""
+    from npufuse.scan.dataflow import fast_walk
 
-    ctor = _self_attr_ctor(module, class_name, attr)
-    name = module.canonical(ctor.func) if ctor is not None else None
-    return name is not None and name.startswith("torch.nn.") and name.rpartition(".")[2] in _RANK_KEEPING_LAYERS
+    cls = module.classes.get(class_name or "")
+    if cls is None:
+        return False
+    table = module.__dict__.setdefault("_npufuse_s46_layer_stores", {})
+    stores = table.get(id(cls))
+    if stores is None or stores[0] is not cls:
+        found: dict[str, list[Any]] = {}
+        for node in fast_walk(cls):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                name = dotted(t)
+                if name and name.startswith("self."):
+                    found.setdefault(name[5:], []).append(node.value)
+        stores = table[id(cls)] = (cls, found)
+    values = stores[1].get(attr)
+    if not values:
+        return False
+    for value in values:
+        name = module.canonical(value.func) if isinstance(value, ast.Call) else None
+        if name is None or not name.startswith("torch.nn.") or name.rpartition(".")[2] not in _RANK_KEEPING_LAYERS:
+            return False
+    return True
 
 
 def _split_call(node: Any) -> Optional[tuple[str, Any]]:
