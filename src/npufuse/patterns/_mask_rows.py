@@ -437,30 +437,45 @@ def _unknowns(node: Any, resolve: Callable[[Any], Any], limit: int = 400) -> Opt
     return out
 
 
-def index_built(node: Any, resolve: Callable[[Any], Any]) -> bool:
-    """Does the construction (followed through ``resolve``) call ``arange`` / ``tril`` / ``triu`` / ``eye``?"""
-    stack, seen, budget = [node], set(), 400
+_METADATA = frozenset(("device", "dtype", "shape", "ndim", "size", "dim", "numel", "finfo", "iinfo"))
+_SIZE_FACTORIES = frozenset(("arange", "ones", "zeros", "full", "eye", "empty", "ones_like", "zeros_like", "full_like"))
+
+
+def construction_nodes(node: Any, resolve: Callable[[Any], Any], budget: int = 400) -> Iterator[tuple[ast.AST, bool]]:
+    """(node, read as a size) over a mask's construction: names / ``self.`` attributes followed through ``resolve``, a
+    helper's one return inlined (at most ``budget`` visits); the arguments of ``arange`` / ``ones`` / ``eye`` / ...
+    and what they read are sizes, not index values, as is what metadata (``.device``, ``.shape``, ``.size()``) is
+    read from."""
+    stack: list[tuple[Any, bool]] = [(node, False)]
+    seen: set[int] = set()
     while stack and budget:
         budget -= 1
-        n = stack.pop()
+        n, sized = stack.pop()
         if id(n) in seen or not isinstance(n, ast.AST):
             continue
         seen.add(id(n))
-        if isinstance(n, ast.Call) and _name(n) in _INDEX_WORDS:
-            return True
+        yield n, sized
         body = _inlined(resolve, n)
         if body is not None:
-            stack.append(body)
+            stack.append((body, sized))
+            continue
+        if isinstance(n, ast.Attribute) and n.attr in _METADATA:
+            stack.append((n.value, True))  # ``scores.device`` / ``x.shape``: what it is read from gives no index value
             continue
         if type(n).__name__ in ("Ref", "Name", "Attribute"):
             value = resolve(n)
             if value is not None:
-                stack.append(value)
+                stack.append((value, sized))
             if isinstance(n, ast.Attribute):
-                stack.append(n.value)
+                stack.append((n.value, sized))
             continue
-        stack += child_nodes(n)
-    return False
+        inner = sized or isinstance(n, ast.Call) and _name(n) in _METADATA or isinstance(n, ast.Call) and _name(n) in _SIZE_FACTORIES
+        stack += [(c, inner) for c in child_nodes(n)]
+
+
+def index_built(node: Any, resolve: Callable[[Any], Any]) -> bool:
+    """Does the construction (followed through ``resolve``) call ``arange`` / ``tril`` / ``triu`` / ``eye``?"""
+    return any(isinstance(n, ast.Call) and _name(n) in _INDEX_WORDS for n, _sized in construction_nodes(node, resolve))
 
 
 def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Optional[RowVerdict]:
@@ -476,9 +491,15 @@ def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opti
     check decides."""
     paths = _helper_paths(node, resolve)
     if paths is not None:
-        return _combined([p if p is _NO_MASK else _one_verdict(p, polarity, resolve) for p in paths],
-                         any(p is not _NO_MASK and index_built(p, resolve) for p in paths))
-    return _one_verdict(node, polarity, resolve)
+        verdict = _combined([p if p is _NO_MASK else _one_verdict(p, polarity, resolve) for p in paths],
+                            any(p is not _NO_MASK and index_built(p, resolve) for p in paths))
+    else:
+        verdict = _one_verdict(node, polarity, resolve)
+    if verdict is None:
+        from npufuse.patterns import _attention_s46
+
+        return _attention_s46.unread_rows(node, resolve)  # s46: a construction not evaluated that can still empty a row
+    return verdict
 
 
 def _combined(verdicts: list[Optional[RowVerdict] | object], index_made: bool) -> Optional[RowVerdict]:

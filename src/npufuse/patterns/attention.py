@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns._sdpa_s46audit import guard_operand_name
@@ -504,7 +504,8 @@ class Renderer:
             self.emitted.add(ref.name)
             return ast.Name(ref.name, ast.Load())
         if ref.value is None or isinstance(ref.value, Opaque):
-            raise Miss(f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
+            raise Miss(_attention_s46.unfollowed_assignment(ref.name, self.interp.block, ref.idx)
+                       or f"`{ref.name}` is assigned inside the attention in a way npufuse does not follow")
         if ref.idx in self.bound or (self._wants_binding(ref) and self._bindable(ref.idx, 0)):
             self.emitted.add(ref.name)
             return ast.Name(ref.name, ast.Load())
@@ -1544,7 +1545,8 @@ class _Matcher:
         elif len(p_sub) == 3:
             bb, i = p_sub[0], p_sub[1]
             if set(v_sub) != {bb, j, d} or v_sub[0] != bb or set(c.out) != {bb, i, d} or c.out[0] != bb:
-                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: a 3-D product that is not [B, S, D] attention")
+                eq = f"{c.a},{c.b}->{c.out}"
+                raise Miss(_attention_s46.unbatched_reason(eq, p_sub, v_sub, c.out) or f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
             chain.v_transposed = v_sub == bb + d + j  # v laid out [B, D, Skv] (channel-first)
             chain.out_transposed = c.out == bb + d + i
             chain.out_layout = "3D"
@@ -2883,7 +2885,7 @@ class _Matcher:
         elif len(c.out) == 3:
             bb, i = c.out[0], c.out[1]
             if set(qs) != {bb, i, d} or qs[0] != bb or set(ks) != {bb, j, d} or ks[0] != bb:
-                raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+                raise Miss(_attention_s46.unbatched_reason(eq, qs, ks, c.out) or f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
             chain.q = self.peel_operand(q_node, "q", "3D", chain)
             chain.q_transposed = qs == bb + d + i  # q laid out [B, D, Sq] (channel-first)
             chain.k = self.peel_operand(k_node, "k", "3D", chain)
@@ -3075,6 +3077,10 @@ def static_rank(scope: Scope, node: Any, line: int, depth: int = 0) -> int | Non
             return r  # s40: a helper's return rank given its arguments' (s35: or one assumed to keep its input's, checked at run time)
     if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, ast.Call):
         return static_rank(scope, node.value, line, depth + 1)  # x.max(dim=3).values
+    if isinstance(node, (ast.Call, ast.Subscript)):
+        r = _attention_s46.stated_rank(scope, node, line, depth, static_rank)
+        if r is not None:
+            return r  # s46: einops rearrange, a chunk of a split tensor, a rank-keeping layer
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         attr, base = node.func.attr, node.func.value
         if attr in ("view", "reshape", "permute"):
@@ -3667,7 +3673,7 @@ class AttentionPattern(Pattern):
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
-            ranks = [op.rank if op.rank is not None else static_rank(scope, op.leaf, block[0].lineno) for _t, op, _x in operands]
+            ranks = _attention_s46.operand_ranks(module, scope, [(op.rank, op.leaf) for _t, op, _x in operands], block[0].lineno, static_rank)
             # 5-D [B, N, W, S, D] (Hiera's windows): every leading dim is a batch dim of the matmuls, so the
             # first two fold into one; a mask would have to be folded alike, which npufuse does not do
             if ranks == [3, 3, 3] and all(op.layout == "BNSD" and not op.heads_added and op.repeat is None for _t, op, _x in operands) \
@@ -11456,8 +11462,13 @@ def _s30_ellipsis_as_one_axis(pattern: "AttentionPattern", module: ModuleInfo, s
         return NearMiss(pattern.id, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
     if chain is None or chain.q is None or chain.k is None or chain.v is None:
         return None
+    ops = (chain.q, chain.k, chain.v)
+    stated = _attention_s46.operand_ranks(module, scope, [(op.rank, op.leaf) for op in ops], interp.block[0].lineno, static_rank)
+    if None not in stated or any(r not in (None, 4) for r in stated):
+        # s46: ranks the code states (einops, layers): 4-D needs no test, 5-D is folded there or its near miss
+        return pattern._finding(module, scope, interp, matcher, chain, e, stmt, node)
     ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=op.leaf, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
-                         ops=[ast.Eq()], comparators=[ast.Constant(4)]) for op in (chain.q, chain.k, chain.v)]
+                         ops=[ast.Eq()], comparators=[ast.Constant(4)]) for op in ops]
     chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
                            f"the einsum `{const_value(pv.spec)}` is read with `...` as one batch axis (4-D q/k/v): checked at run "
                            "time; inputs of another rank run the original code"))

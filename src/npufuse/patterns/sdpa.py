@@ -50,7 +50,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
-from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _mask_rows
+from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _attention_s46, _mask_rows
 from npufuse.patterns._site import block_source
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -386,7 +386,8 @@ class SdpaPattern(Pattern):
         # s38 (audit38): SDPA takes q/k/v of any rank >= 2; the op only 4-D. The rank the code states decides:
         # 3-D [B*N, S, D] (DiffBIR's ``.reshape(b * heads, n, d)`` inside ``map(lambda t: ...)``) is passed as
         # BNSD with one head; an unstated rank is checked at run time (``q.dim() == 4``, else the original)
-        stated = {tag: operand_rank(scope, n, line) for tag, n in (("q", q), ("k", k), ("v", v))}
+        with _attention_s46.reading_module(module):  # s46: einops / layer ranks
+            stated = {tag: operand_rank(scope, n, line) for tag, n in (("q", q), ("k", k), ("v", v))}
         ranks = set(stated.values())
         rank = ranks.pop() if len(ranks) == 1 else None
         if layout == "BNSD" and n_rep is None:
