@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46c, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns._sdpa_s46audit import guard_operand_name
@@ -2334,6 +2334,12 @@ class _Matcher:
                 # timm's ``maybe_add_mask(s, m)`` = ``s if m is None else s + m``: read through its one returned expression
                 chain.spelling.append("helper_inlined")
                 node = Cond(test=inlined.test, body=inlined.body, orelse=inlined.orelse) if isinstance(inlined, ast.IfExp) else inlined
+                continue
+            added = _attention_s46c.term_added_by_helper(self, node, chain, stop)
+            if added is not None:
+                # s46: SAM's ``add_decomposed_rel_pos(attn, q, ..)``: a helper returning the scores plus its own terms (pse)
+                node, term = added
+                _s28_take_bias(self, term, chain, cond)
                 continue
             passed = _attention_s33.identity_method(self, node, chain) or _attention_s36.identity_module(self, node, chain)
             if passed is not None:
