@@ -142,3 +142,71 @@ def test_a_nan_to_num_without_dropout_on_bsnd_scores_zeroes_the_right_rows() -> 
     facts = check_rewrite_runs(AttentionPattern(), code, _EMPTY_ROW_RUN, findings)
     assert facts["calls"] >= 1
     assert min(facts["cos_out"]) > 0.9999
+
+
+# -- B: Shaw relative scores, each product scaled by the same factor before the sum
+
+_SHAW = '''
+import torch
+from torch import nn, einsum
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads=4, dim_head=8, max_pos_emb=16):
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.scale = dim_head ** -0.5
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_kv = nn.Linear(dim, inner * 2, bias=False)
+        self.to_out = nn.Linear(inner, dim)
+        self.max_pos_emb = max_pos_emb
+        self.rel_pos_emb = nn.Embedding(2 * max_pos_emb + 1, dim_head)
+
+    def forward(self, x, mask=None):
+        b, n, _ = x.shape
+        h = self.heads
+        q = self.to_q(x)
+        k, v = self.to_kv(x).chunk(2, dim=-1)
+        q, k, v = (t.reshape(b, n, h, -1).transpose(1, 2) for t in (q, k, v))
+        dots = einsum('b h i d, b h j d -> b h i j', q, k) * self.scale
+        seq = torch.arange(n, device=x.device)
+        dist = (seq[:, None] - seq[None, :]).clamp(-self.max_pos_emb, self.max_pos_emb) + self.max_pos_emb
+        rel_pos_emb = self.rel_pos_emb(dist).to(q)
+        pos_attn = einsum('b h n d, n r d -> b h n r', q, rel_pos_emb) * self.scale
+        dots = dots + pos_attn
+        if mask is not None:
+            dots.masked_fill_(~mask[:, None, None, :], -torch.finfo(dots.dtype).max)
+        attn = dots.softmax(dim=-1)
+        out = einsum('b h i j, b h j d -> b h i d', attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+'''
+
+_SHAW_RUN = '''
+attn = Attention(32)
+x = torch.randn(2, 6, 32, requires_grad=True)
+mask = torch.ones(2, 6, dtype=torch.bool)
+mask[1, 4:] = False
+out = attn(x, mask=mask)
+leaves = [x]
+'''
+
+
+def test_b_shaw_relative_scores_scaled_on_each_side_are_found_and_run() -> None:
+    findings = found_and_faithful(AttentionPattern(), _SHAW, _SHAW_RUN)
+    assert [f.qualname for f in findings] == ["Attention.forward"]
+    assert "pse=" in findings[0].fused
+
+
+def test_b_both_sides_divided_by_the_same_root_are_found_and_run() -> None:
+    code = _SHAW.replace("q, k) * self.scale", "q, k) / self.root").replace("rel_pos_emb) * self.scale", "rel_pos_emb) / self.root") \
+        .replace("self.scale = dim_head ** -0.5", "self.root = dim_head ** 0.5")
+    findings = found_and_faithful(AttentionPattern(), code, _SHAW_RUN)
+    assert [f.qualname for f in findings] == ["Attention.forward"]
+
+
+def test_b_different_factors_on_the_two_sides_stay_a_near_miss() -> None:
+    code = _SHAW.replace("rel_pos_emb) * self.scale", "rel_pos_emb) * 0.5")
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert findings == []
+    assert any("scores added to scores" in m.reason for m in misses)

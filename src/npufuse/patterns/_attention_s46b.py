@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 from typing import Any, Callable
 
 
@@ -31,3 +32,26 @@ def bsnd_nan_rows(q: str) -> list[str]:
     return [f"_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else torch.zeros((), dtype=torch.bool, device={q}.device)",
             "_npufuse_rows = _npufuse_rows.transpose(-3, -2) if _npufuse_rows.dim() >= 3 else _npufuse_rows.unsqueeze(-2) "
             "if _npufuse_rows.dim() == 2 else _npufuse_rows  # [B, Sq, N | 1, 1]: rows the original zeroed (NaN: all -inf)"]
+
+
+def common_factor_sum(matcher: Any, node: Any, reaches: Callable[[Any], bool], deref: Callable[[Any], Any]) -> Any:
+    """3. ``(q @ kᵀ) * c + (q @ tableᵀ) * c`` (lucidrains' Conformer: Shaw's relative scores, each product scaled
+    by the same ``self.scale`` before the sum) regrouped as ``(q @ kᵀ + q @ tableᵀ) * c``, which the positional-
+    score reading takes apart; None unless both sides are ``X * c`` (or ``X / c``) with the same factor ``c`` that
+    reads no score (a scalar: a name, an attribute, a constant)."""
+    a, b = deref(node.left), deref(node.right)
+    if not (isinstance(a, ast.BinOp) and isinstance(b, ast.BinOp) and type(a.op) is type(b.op)
+            and isinstance(a.op, (ast.Mult, ast.Div))):
+        return None
+    if isinstance(a.op, ast.Div):
+        pairs = [(a.left, a.right, b.left, b.right)]
+    else:
+        pairs = [(x1, f1, x2, f2) for x1, f1 in ((a.left, a.right), (a.right, a.left)) for x2, f2 in ((b.left, b.right), (b.right, b.left))]
+    for x1, f1, x2, f2 in pairs:
+        if not isinstance(f1, (ast.Name, ast.Attribute, ast.Constant)) or ast.dump(f1) != ast.dump(f2) or reaches(f1):
+            continue
+        if not (reaches(x1) and reaches(x2)):
+            continue
+        summed = ast.copy_location(ast.BinOp(left=x1, op=ast.Add(), right=x2), node)
+        return ast.copy_location(ast.BinOp(left=summed, op=type(a.op)(), right=f1), node)
+    return None

@@ -2244,6 +2244,10 @@ class _Matcher:
                         chain.spelling.append("summed_products")
                         self.parse_qk(prod.a, prod, chain)
                         return
+                    regrouped = _attention_s46b.common_factor_sum(self, node, lambda n: self._reaches(n, stop), lambda n: deref(n, chain.seen))
+                    if regrouped is not None:
+                        node = regrouped  # s46b: ``s1 * c + s2 * c`` read as ``(s1 + s2) * c``
+                        continue
                     positional = _s32_positional_scores(self, node, stop)
                     if positional is not None:
                         # s32: Transformer-XL / Conformer ``(q + u) @ kᵀ + shift((q + v) @ pᵀ)``: the second term is a float
