@@ -12,6 +12,7 @@ A attention: the NaN rows of the probabilities zeroed AFTER their dropout, ``tor
 from __future__ import annotations
 
 from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.rms_norm import RmsNorm
 from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
 
 # -- A: nan_to_num after the dropout of the probabilities
@@ -210,3 +211,63 @@ def test_b_different_factors_on_the_two_sides_stay_a_near_miss() -> None:
     findings, misses = detect_all(AttentionPattern(), code)
     assert findings == []
     assert any("scores added to scores" in m.reason for m in misses)
+
+
+# -- C: rms_norm, a tiny literal eps added outside the root in a forward the numeric probe cannot run
+
+_ADA_RMS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AdaRMSNorm(nn.Module):
+    def __init__(self, feature_dim, cond_dim):
+        super().__init__()
+        self.epsilon = 1e-8
+        self.cond_proj = nn.Linear(cond_dim, feature_dim, bias=False)
+
+    def forward(self, input, condition):
+        rms = input.pow(2).mean(dim=-1, keepdim=True).sqrt()
+        norm_input = input / (rms + self.epsilon)
+        condition = F.silu(condition)
+        cond_scale = self.cond_proj(condition).unsqueeze(1)
+        scaled_input = norm_input * (1.0 + cond_scale)
+        return scaled_input
+'''
+
+_ADA_RMS_RUN = '''
+m = AdaRMSNorm(16, 8)
+x = torch.randn(2, 5, 16, requires_grad=True)
+c = torch.randn(2, 8)
+out = m(x, c)
+leaves = [x]
+'''
+
+
+def test_c_tiny_eps_outside_the_root_in_an_ada_rms_norm_is_found_and_runs() -> None:
+    findings = found_and_faithful(RmsNorm(), _ADA_RMS, _ADA_RMS_RUN)
+    assert [f.qualname for f in findings] == ["AdaRMSNorm.forward"]
+    assert "epsilon=(self.epsilon) ** 2" in findings[0].fused
+    assert any("outside the square root" in r.detail for r in findings[0].risks)
+
+
+def test_c_literal_tiny_eps_outside_the_root_is_found() -> None:
+    code = _ADA_RMS.replace("input / (rms + self.epsilon)", "input / (torch.sqrt(input.pow(2).mean(-1, keepdim=True)) + 1e-8)")
+    findings = found_and_faithful(RmsNorm(), code, _ADA_RMS_RUN)
+    assert "epsilon=(1e-08) ** 2" in findings[0].fused or "epsilon=(1e-8) ** 2" in findings[0].fused
+
+
+def test_c_a_larger_eps_outside_the_root_stays_a_near_miss() -> None:
+    code = _ADA_RMS.replace("self.epsilon = 1e-8", "self.epsilon = 1e-5")
+    findings, misses = detect_all(RmsNorm(), code)
+    assert findings == []
+    assert any("eps outside the sqrt" in m.reason for m in misses)
+
+
+def test_c_an_eps_handed_in_stays_a_near_miss() -> None:
+    code = _ADA_RMS.replace("def __init__(self, feature_dim, cond_dim):", "def __init__(self, feature_dim, cond_dim, eps=1e-8):") \
+        .replace("self.epsilon = 1e-8", "self.epsilon = eps")
+    findings, misses = detect_all(RmsNorm(), code)
+    assert findings == []
+    assert any("eps outside the sqrt" in m.reason for m in misses)
