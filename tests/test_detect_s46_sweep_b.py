@@ -11,6 +11,7 @@ A attention: the NaN rows of the probabilities zeroed AFTER their dropout, ``tor
 
 from __future__ import annotations
 
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.rms_norm import RmsNorm
 from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
@@ -271,3 +272,43 @@ def test_c_an_eps_handed_in_stays_a_near_miss() -> None:
     findings, misses = detect_all(RmsNorm(), code)
     assert findings == []
     assert any("eps outside the sqrt" in m.reason for m in misses)
+
+
+_ADD_THEN_EPS_OUTSIDE_NORM = '''
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.epsilon = 1e-8
+
+    def forward(self, input):
+        rms = input.pow(2).mean(dim=-1, keepdim=True).sqrt()
+        norm_input = input / (rms + self.epsilon)
+        return norm_input * self.scale
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attention = nn.Linear(d, d)
+        self.att_norm = RMSNorm(d)
+        self.ff_norm = RMSNorm(d)
+        self.feed_forward = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.attention(self.att_norm(x))
+        return h + self.feed_forward(self.ff_norm(h))
+'''
+
+
+def test_c_an_add_into_an_eps_outside_norm_stays_unfused_for_add_rms_norm() -> None:
+    # npu_add_rms_norm readers keep the s36 refusal (the development labels of such add + norm pairs are keeps);
+    # the norm itself is an rms_norm candidate
+    findings, _ = detect_all(AddRmsNorm(), _ADD_THEN_EPS_OUTSIDE_NORM)
+    assert findings == []
+    norms, _ = detect_all(RmsNorm(), _ADD_THEN_EPS_OUTSIDE_NORM)
+    assert [f.qualname for f in norms] == ["RMSNorm.forward"]

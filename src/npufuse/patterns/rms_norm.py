@@ -892,11 +892,15 @@ def _calls_sqrt_helper(module: ModuleInfo, fn: ast.AST) -> bool:
     return getattr(fn, "name", None) in S.functions_matching(module, "rms_norm", _norm_text)
 
 
-def parse_norm(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Match:
-    """Parse ``node`` (in ``ctx``) as an RMSNorm output. Raises NoMatch / Miss."""
+def parse_norm(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, *, eps_outside: bool = False) -> Match:
+    """Parse ``node`` (in ``ctx``) as an RMSNorm output. Raises NoMatch / Miss. ``eps_outside``: a tiny eps added
+    outside the root is read as eps**2 inside it (s46b, this detector only; npu_add_rms_norm readers keep the
+    near miss, as the add + norm labels of such norms are keeps)."""
     trace = S.Trace()
     helpers: set[int] = set()
     core, ops_outer = _chain(module, node, ctx, trace, helpers)
+    if not eps_outside and _rms_norm_s46b.EPS_OUTSIDE in core.rstd_ops:
+        raise Miss("eps outside the sqrt: x / (sqrt(mean(x^2)) + eps) is not npu_rms_norm's x * rsqrt(mean(x^2) + eps)", core.rstd)
     ops = list(reversed(ops_outer))
     for op in ops:
         if op.kind in ("cast", "condcast"):
@@ -1603,7 +1607,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
                 continue
             ctx = S.Ctx(scope, stmt.lineno)
             try:
-                m = parse_norm(module, node, ctx)
+                m = parse_norm(module, node, ctx, eps_outside=True)
             except NoMatch:
                 continue
             except Miss as e:
@@ -1649,7 +1653,7 @@ def _arm_exit_results(module: ModuleInfo, scope: Scope, results: list[SiteResult
         root, line = S.arm_exit_root(scope, e)
         ctx = S.Ctx(scope, line)  # type: ignore[arg-type]
         try:
-            m = parse_norm(module, root.value, ctx)
+            m = parse_norm(module, root.value, ctx, eps_outside=True)
         except NoMatch:
             continue
         except Miss:
