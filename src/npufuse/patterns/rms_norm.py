@@ -458,7 +458,9 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
                     # ``w / (n ** 0.5 + 1)`` divides by the root of a count
                     if root is not None and _reads_a_mean(module, root, s_ctx):
                         other = node.right if side is node.left else node.left
-                        if _rms_norm_s46b.tiny_literal_eps(module, other, ctx.scope) is not None:
+                        r_node, r_ctx, _ = _strip_casts(module, *_peel_any(root, s_ctx, S.Trace()), S.Trace())
+                        if _rms_norm_s46b.tiny_literal_eps(module, other, ctx.scope) is not None \
+                                and _call_of(module, r_node, "torch.mean", "mean") is not None:
                             # s46b: a tiny literal eps outside the root is read as eps**2 inside it (s36's probe form)
                             inner, ops = _rms_norm_s46b.root_plus_eps(root, other), ["sqrt", "div", _rms_norm_s46b.EPS_OUTSIDE]
                             break
