@@ -44,6 +44,7 @@ from typing import Any, Iterable, Iterator
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46c, _mask_rows, _score_method
+from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns._sdpa_s46audit import guard_operand_name
@@ -2032,7 +2033,9 @@ class _Matcher:
         if getattr(chain, "zero_masked", None) is not None:
             return None
         nan_zeroed = _attention_s33.nan_zeroed_probs(self, node)
-        if nan_zeroed is not None and self.softmax_of(deref(nan_zeroed, chain.seen)) is not None:
+        if nan_zeroed is not None and (self.softmax_of(deref(nan_zeroed, chain.seen)) is not None
+                                       or _attention_s46sweepb.nan_zeroed_dropout(self, nan_zeroed, lambda n: deref(n, chain.seen)) is not None):
+            # s46b: also ``nan_to_num(dropout(softmax(s)))``: dropout keeps a NaN row NaN and adds none
             # s33: ReChorus ``P.masked_fill(torch.isnan(P), 0)``: NaN rows are the rows whose every score is -inf
             chain.zero_masked = _attention_s33.NAN_ROWS  # type: ignore[attr-defined]
             return nan_zeroed
@@ -2248,6 +2251,10 @@ class _Matcher:
                         chain.spelling.append("summed_products")
                         self.parse_qk(prod.a, prod, chain)
                         return
+                    regrouped = _attention_s46sweepb.common_factor_sum(self, node, lambda n: self._reaches(n, stop), lambda n: deref(n, chain.seen))
+                    if regrouped is not None:
+                        node = regrouped  # s46b: ``s1 * c + s2 * c`` read as ``(s1 + s2) * c``
+                        continue
                     positional = _s32_positional_scores(self, node, stop)
                     if positional is not None:
                         # s32: Transformer-XL / Conformer ``(q + u) @ kᵀ + shift((q + v) @ pᵀ)``: the second term is a float
@@ -4176,9 +4183,14 @@ class AttentionPattern(Pattern):
             if "_npufuse_mask" not in dict(kwargs).values():
                 return NearMiss(self.id, scope.qualname, span_line, end_line, "attention probabilities are zeroed where NaN after softmax "
                                 "beside a causal mask passed as sparse_mode: npufuse zeroes the fully masked rows of an explicit mask only")
-            lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
-                         f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # rows the original zeroed (NaN: all -inf)")
-            call = f"{call}.masked_fill(_npufuse_rows, 0)"
+            if layout == "BSND":
+                # s46b: the output is [B, S, N, D]: the mask's rows [B, N | 1, Sq, 1] swapped to [B, Sq, N | 1, 1]
+                lines.extend(_attention_s46sweepb.bsnd_nan_rows(atom(q_n)))
+                call = f"{call}.masked_fill(_npufuse_rows, 0)"
+            else:
+                lines.append("_npufuse_rows = _npufuse_mask.all(-1, keepdim=True) if _npufuse_mask is not None else "
+                             f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)  # rows the original zeroed (NaN: all -inf)")
+                call = f"{call}.masked_fill(_npufuse_rows, 0)"
         elif zero_rows is _attention_s38.FOLDED_MASK_ROWS:
             if "_npufuse_mask" not in dict(kwargs).values():
                 return NearMiss(self.id, scope.qualname, span_line, end_line, "attention probabilities are zeroed on masked keys after "

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep
+from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -457,6 +457,13 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
                     # s40 (audit40): only a root of a mean (of squares) is a norm; FasterViT's step size
                     # ``w / (n ** 0.5 + 1)`` divides by the root of a count
                     if root is not None and _reads_a_mean(module, root, s_ctx):
+                        other = node.right if side is node.left else node.left
+                        r_node, r_ctx, _ = _strip_casts(module, *_peel_any(root, s_ctx, S.Trace()), S.Trace())
+                        if _rms_norm_s46b.tiny_literal_eps(module, other, ctx.scope) is not None \
+                                and _call_of(module, r_node, "torch.mean", "mean") is not None:
+                            # s46b: a tiny literal eps outside the root is read as eps**2 inside it (s36's probe form)
+                            inner, ops = _rms_norm_s46b.root_plus_eps(root, other), ["sqrt", "div", _rms_norm_s46b.EPS_OUTSIDE]
+                            break
                         raise Miss("eps outside the sqrt: x / (sqrt(mean(x^2)) + eps) is not npu_rms_norm's x * rsqrt(mean(x^2) + eps)", node)
     if inner is None:
         return None
@@ -887,11 +894,15 @@ def _calls_sqrt_helper(module: ModuleInfo, fn: ast.AST) -> bool:
     return getattr(fn, "name", None) in S.functions_matching(module, "rms_norm", _norm_text)
 
 
-def parse_norm(module: ModuleInfo, node: ast.expr, ctx: S.Ctx) -> Match:
-    """Parse ``node`` (in ``ctx``) as an RMSNorm output. Raises NoMatch / Miss."""
+def parse_norm(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, *, eps_outside: bool = False) -> Match:
+    """Parse ``node`` (in ``ctx``) as an RMSNorm output. Raises NoMatch / Miss. ``eps_outside``: a tiny eps added
+    outside the root is read as eps**2 inside it (s46b, this detector only; npu_add_rms_norm readers keep the
+    near miss, as the add + norm labels of such norms are keeps)."""
     trace = S.Trace()
     helpers: set[int] = set()
     core, ops_outer = _chain(module, node, ctx, trace, helpers)
+    if not eps_outside and _rms_norm_s46b.EPS_OUTSIDE in core.rstd_ops:
+        raise Miss("eps outside the sqrt: x / (sqrt(mean(x^2)) + eps) is not npu_rms_norm's x * rsqrt(mean(x^2) + eps)", core.rstd)
     ops = list(reversed(ops_outer))
     for op in ops:
         if op.kind in ("cast", "condcast"):
@@ -1138,7 +1149,7 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     T = S.torch_name(module) or "torch"
     try:
         x = x_src or S.render(module, core.x, core.xctx, plan)
-        eps = S.render(module, core.eps, core.eps_ctx, plan)
+        eps = _rms_norm_s46b.fused_eps(S.render(module, core.eps, core.eps_ctx, plan), core.rstd_ops)
         g = render_factor(module, w, plan)
         w_base = S.render(module, w.base, w.base_ctx, plan)
         chosen: list[str] = []
@@ -1171,7 +1182,7 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     d: tuple = D_F32 if core.upcast else D_IN
     rounds_to_input = False
     order: list[str] = []
-    unfused = list(core.rstd_ops)
+    unfused = [o for o in core.rstd_ops if o != _rms_norm_s46b.EPS_OUTSIDE]
     for op in m.ops:
         if op.kind == "cast":
             assert op.dtype is not None
@@ -1315,11 +1326,11 @@ def _plan_weightless(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_sr
     T = S.torch_name(module) or "torch"
     try:
         x = x_src or S.render(module, core.x, core.xctx, plan)
-        eps = S.render(module, core.eps, core.eps_ctx, plan)
+        eps = _rms_norm_s46b.fused_eps(S.render(module, core.eps, core.eps_ctx, plan), core.rstd_ops)
     except S.RenderError as e:
         raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
     d: tuple = D_F32 if core.upcast else D_IN
-    unfused = list(core.rstd_ops)
+    unfused = [o for o in core.rstd_ops if o != _rms_norm_s46b.EPS_OUTSIDE]
     for op in m.ops:
         if op.kind == "skip":
             continue
@@ -1383,7 +1394,7 @@ def _plan_modulated(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_src
     T = S.torch_name(module) or "torch"
     try:
         x = x_src or S.render(module, core.x, core.xctx, plan)
-        eps = S.render(module, core.eps, core.eps_ctx, plan)
+        eps = _rms_norm_s46b.fused_eps(S.render(module, core.eps, core.eps_ctx, plan), core.rstd_ops)
         steps: list[tuple[str, Any]] = []
         for op in m.ops:
             if op.kind == "skip":
@@ -1407,7 +1418,7 @@ def _plan_modulated(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, x_src
     expr = f"torch_npu.npu_rms_norm({xin}, {gamma}, epsilon={eps})[0]"
     R = _DtypeRender(module, plan, x, T, None)
     d: tuple = D_F32 if core.upcast else D_IN
-    unfused = list(core.rstd_ops)
+    unfused = [o for o in core.rstd_ops if o != _rms_norm_s46b.EPS_OUTSIDE]
     factors: list[str] = []
     for kind, val in steps:
         if kind == "mul":
@@ -1598,7 +1609,7 @@ def scope_results(module: ModuleInfo, scope: Scope) -> list[SiteResult]:
                 continue
             ctx = S.Ctx(scope, stmt.lineno)
             try:
-                m = parse_norm(module, node, ctx)
+                m = parse_norm(module, node, ctx, eps_outside=True)
             except NoMatch:
                 continue
             except Miss as e:
@@ -1644,7 +1655,7 @@ def _arm_exit_results(module: ModuleInfo, scope: Scope, results: list[SiteResult
         root, line = S.arm_exit_root(scope, e)
         ctx = S.Ctx(scope, line)  # type: ignore[arg-type]
         try:
-            m = parse_norm(module, root.value, ctx)
+            m = parse_norm(module, root.value, ctx, eps_outside=True)
         except NoMatch:
             continue
         except Miss:
@@ -1798,6 +1809,8 @@ def _finalize(module: ModuleInfo, scope: Scope, stmt: ast.stmt, m: Match) -> Sit
         Risk("numerics", "npu_rms_norm applies gamma in fp32 and rounds once; the original rounds before the weight: ≤1-ulp differences"),
         Risk("other", "npu_rms_norm needs a 2-8-D input (1-D vectors fall back to an error on NPU)"),
     ]
+    if _rms_norm_s46b.EPS_OUTSIDE in m.core.rstd_ops:
+        risks.append(Risk("numerics", _rms_norm_s46b.EPS_OUTSIDE_RISK))
     notes = [f"unfused: {len(p.ops)} kernels ({', '.join(p.ops)}); fused: 1"]
     if m.helpers:
         notes.append("follows a helper of this module into the norm")
