@@ -1,0 +1,54 @@
+"""s46 reasons46: near-miss reasons on development misses that asserted a fact npufuse had not established.
+
+1. moe_experts: ``if len(expert_indices) > 0:`` around the dispatch, with ``expert_indices`` from a dense dispatch
+   mask handed in (HO22a sparse-moe-pytorch): reported "conditional code inside the expert loop", yet an emptiness
+   guard changes nothing when the rows are the expert's own; the blocker is that npufuse does not read those rows.
+   The reason now names the unread rows. Twins: a threshold (``> 1``) and an emptiness guard with an else that adds
+   something keep the old, true reason.
+"""
+
+from __future__ import annotations
+
+from pattern_harness import detect_all
+from npufuse.patterns.moe_experts import MoeExperts
+
+
+def _near_miss(pattern, code: str) -> str:
+    findings, misses = detect_all(pattern, code)
+    assert not findings, findings[0].fused
+    assert misses
+    return " | ".join(m.reason for m in misses)
+
+
+DENSE_DISPATCH = '''
+import torch
+from torch import nn
+
+
+class Dispatcher(nn.Module):
+    def forward(self, x, dispatch_mask, combine_weights, experts):
+        _, num_experts = dispatch_mask.shape
+        output = torch.zeros_like(x)
+        for i in range(num_experts):
+            expert_indices = dispatch_mask[:, i].nonzero(as_tuple=True)[0]
+            if len(expert_indices) > 0:
+                expert_inputs = x[expert_indices]
+                expert_outputs = experts[i](expert_inputs)
+                expert_weights = combine_weights[expert_indices, i].unsqueeze(1)
+                output[expert_indices] += expert_outputs * expert_weights
+        return output
+'''
+
+
+def test_unread_rows_under_an_emptiness_guard_name_the_rows() -> None:
+    for guard in ("len(expert_indices) > 0", "expert_indices.numel() > 0", "expert_indices.shape[0] != 0"):
+        reason = _near_miss(MoeExperts(), DENSE_DISPATCH.replace("len(expert_indices) > 0", guard))
+        assert "conditional code" not in reason, reason
+        assert "npufuse does not read `expert_indices`" in reason, reason
+        assert "dispatch_mask[:, i].nonzero" in reason, reason
+
+
+def test_threshold_guard_keeps_conditional_code() -> None:
+    # skips experts with one token too: a real change of result, not an emptiness test
+    reason = _near_miss(MoeExperts(), DENSE_DISPATCH.replace("len(expert_indices) > 0", "len(expert_indices) > 1"))
+    assert "conditional code inside the expert loop: `if len(expert_indices) > 1`" in reason, reason
