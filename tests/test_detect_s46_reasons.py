@@ -52,3 +52,32 @@ def test_threshold_guard_keeps_conditional_code() -> None:
     # skips experts with one token too: a real change of result, not an emptiness test
     reason = _near_miss(MoeExperts(), DENSE_DISPATCH.replace("len(expert_indices) > 0", "len(expert_indices) > 1"))
     assert "conditional code inside the expert loop: `if len(expert_indices) > 1`" in reason, reason
+
+
+UNBATCHED_HEADS = '''
+import torch
+from torch import nn
+
+
+class GraphAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, adj):
+        N = x.shape[0]
+        q, k, v = self.qkv(x).view(N, 3, self.h, self.d).unbind(1)
+        scores = torch.einsum("nhd,mhd->nhm", q, k) / self.d ** 0.5
+        scores = scores.masked_fill(~adj.unsqueeze(1), float("-inf"))
+        attn = torch.softmax(scores, dim=-1)
+        return torch.einsum("nhm,mhd->nhd", attn, v).reshape(N, -1)
+'''
+
+
+def test_unbatched_multi_head_einsum_is_not_called_not_attention() -> None:
+    # [S, H, D] operands with no batch axis: attention all the same; npufuse does not map the layout
+    from npufuse.patterns.attention import AttentionPattern
+    reason = _near_miss(AttentionPattern(), UNBATCHED_HEADS)
+    assert "not [B, S, D] attention" not in reason, reason
+    assert "npufuse maps a 3-D product only with [B, S, D] operands" in reason, reason

@@ -53,3 +53,11 @@ def unread_emptiness_guard(test: ast.expr, strip: Callable[[ast.expr], ast.expr]
     source = f" (`{name} = {ast.unparse(value)[:60]}`)" if value is not None else ""
     return (f"the loop skips an expert when `{name}` is empty (`if {ast.unparse(test)[:50]}`), but npufuse does not "
             f"read `{name}`{source} as the tokens routed to this expert, so it cannot show which rows the expert takes")
+
+
+def unmapped_3d_einsum(equation: str) -> str:
+    """The reason for a 3-D einsum product (scores or P@V) outside the one 3-D layout attention maps. It used to say
+    "not [B, S, D] attention", which is false for unbatched multi-head attention over [S, H, D] operands (HO22b
+    graph-transformers ``nhd,mhd->nmh``): the code is attention, npufuse does not map that layout."""
+    return (f"einsum `{equation}`: npufuse maps a 3-D product only with [B, S, D] operands whose batch letter comes "
+            "first, and these operands are not laid out so")

@@ -46,6 +46,7 @@ from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _a
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _mask_rows, _score_method
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
+from npufuse.patterns import _reasons_s46
 from npufuse.patterns._sdpa_s46audit import guard_operand_name
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -1540,7 +1541,7 @@ class _Matcher:
         elif len(p_sub) == 3:
             bb, i = p_sub[0], p_sub[1]
             if set(v_sub) != {bb, j, d} or v_sub[0] != bb or set(c.out) != {bb, i, d} or c.out[0] != bb:
-                raise Miss(f"einsum `{c.a},{c.b}->{c.out}`: a 3-D product that is not [B, S, D] attention")
+                raise Miss(_reasons_s46.unmapped_3d_einsum(f"{c.a},{c.b}->{c.out}"))
             chain.v_transposed = v_sub == bb + d + j  # v laid out [B, D, Skv] (channel-first)
             chain.out_transposed = c.out == bb + d + i
             chain.out_layout = "3D"
@@ -2879,7 +2880,7 @@ class _Matcher:
         elif len(c.out) == 3:
             bb, i = c.out[0], c.out[1]
             if set(qs) != {bb, i, d} or qs[0] != bb or set(ks) != {bb, j, d} or ks[0] != bb:
-                raise Miss(f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+                raise Miss(_reasons_s46.unmapped_3d_einsum(eq))
             chain.q = self.peel_operand(q_node, "q", "3D", chain)
             chain.q_transposed = qs == bb + d + i  # q laid out [B, D, Sq] (channel-first)
             chain.k = self.peel_operand(k_node, "k", "3D", chain)
