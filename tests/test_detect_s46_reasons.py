@@ -81,3 +81,38 @@ def test_unbatched_multi_head_einsum_is_not_called_not_attention() -> None:
     reason = _near_miss(AttentionPattern(), UNBATCHED_HEADS)
     assert "not [B, S, D] attention" not in reason, reason
     assert "npufuse maps a 3-D product only with [B, S, D] operands" in reason, reason
+
+
+GATE_FUNCTION = '''
+import torch
+
+
+class SiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, gate=None):
+        Y = torch.nn.functional.silu(X)
+        if gate is not None:
+            return gate * Y
+        return Y
+
+
+def silu(X, gate=None):
+    return SiLU.apply(X, gate)
+'''
+
+
+def test_gate_handed_in_is_not_called_another_input() -> None:
+    # X and gate are handed in (callers elsewhere pass two projections of one input): npufuse cannot tell
+    from npufuse.patterns.swiglu import Swiglu
+    reason = _near_miss(Swiglu(), GATE_FUNCTION)
+    assert "not projections of one input" not in reason, reason
+    assert "`X` and `gate` are parameters of the function whose callers npufuse did not read" in reason, reason
+
+
+def test_gate_computed_from_another_value_keeps_the_fact() -> None:
+    # the gated value is a computed output (an SSM-like cumulative sum), not a parameter: the old reason is the fact
+    from npufuse.patterns.swiglu import Swiglu
+    code = GATE_FUNCTION.replace("        Y = torch.nn.functional.silu(X)\n",
+                                 "        Y = torch.nn.functional.silu(X)\n        gate = X.cumsum(1)\n")
+    reason = _near_miss(Swiglu(), code)
+    assert "not projections of one input" in reason, reason

@@ -61,3 +61,24 @@ def unmapped_3d_einsum(equation: str) -> str:
     graph-transformers ``nhd,mhd->nmh``): the code is attention, npufuse does not map that layout."""
     return (f"einsum `{equation}`: npufuse maps a 3-D product only with [B, S, D] operands whose batch letter comes "
             "first, and these operands are not laid out so")
+
+
+def _handed_in(node: ast.expr, function: ast.AST) -> bool:
+    """``node`` (already followed through local names) is a parameter of ``function``: a value its callers pass."""
+    if not isinstance(node, ast.Name) or not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    a = function.args
+    return node.id in {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+
+
+def gate_inputs_unproven(gate: tuple[ast.expr, ast.expr], up: tuple[ast.expr, ast.expr], function: ast.AST) -> str:
+    """The reason for act(gate) * up whose operands npufuse did not show to be projections of one input. ``gate`` /
+    ``up``: (the operand as written, the operand followed through local names). Where both operands are parameters of
+    the function (an autograd Function's ``forward(X, gate)``, a helper's argument) and its callers were not read,
+    "not projections of one input" was a guess (HO12a ppl.pmx ``gate * silu(X)``, whose callers pass ``w1 x`` and
+    ``w3 x``): the reason says what npufuse could not trace. Where an operand is computed in the function (Mamba's SSM
+    output, a cumsum) the old reason stays: that value is no projection."""
+    if not (_handed_in(gate[1], function) and _handed_in(up[1], function)):
+        return "gate and up are not projections of one input (a gated output, not a GLU MLP)"
+    return (f"`{ast.unparse(gate[0])[:40]}` and `{ast.unparse(up[0])[:40]}` are parameters of the function whose callers "
+            "npufuse did not read, so it cannot show that gate and up are projections of one input (a GLU MLP's form)")
