@@ -116,3 +116,38 @@ def test_gate_computed_from_another_value_keeps_the_fact() -> None:
                                  "        Y = torch.nn.functional.silu(X)\n        gate = X.cumsum(1)\n")
     reason = _near_miss(Swiglu(), code)
     assert "not projections of one input" in reason, reason
+
+
+FIVE_D_WITH_BIAS = '''
+import torch
+from torch import nn
+
+
+class RowAttentionWithPairBias(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, heads)
+
+    def forward(self, m, z, keep):
+        B, S, R, _ = m.shape
+        q = self.q(m).view(B, S, R, self.h, self.d).permute(0, 1, 3, 2, 4)
+        k = self.k(m).view(B, S, R, self.h, self.d).permute(0, 1, 3, 2, 4)
+        v = self.v(m).view(B, S, R, self.h, self.d).permute(0, 1, 3, 2, 4)
+        bias = self.b(z).permute(0, 3, 1, 2).unsqueeze(1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / self.d ** 0.5 + bias
+        scores = scores.masked_fill(~keep[:, :, None, None, :], -1e9)
+        attn = torch.softmax(scores, dim=-1)
+        return torch.matmul(attn, v)
+'''
+
+
+def test_five_d_operands_do_not_claim_a_broadcast() -> None:
+    # q / k / v share their leading dims (nothing broadcasts); the bool mask beside them is what npufuse does not fold
+    from npufuse.patterns.attention import AttentionPattern
+    reason = _near_miss(AttentionPattern(), FIVE_D_WITH_BIAS)
+    assert "is 5-D" in reason and "broadcast over other leading dims" not in reason, reason
+    assert "npufuse could not fold the other leading dims into the batch here" in reason, reason

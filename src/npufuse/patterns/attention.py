@@ -3689,7 +3689,7 @@ class AttentionPattern(Pattern):
                     extra = " (a mask beside 5-D q/k/v is not folded)" if rank == 5 and chain.masks else ""
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
-                                    f"tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads){extra}")
+                                    f"tensors, and npufuse could not fold the other leading dims into the batch here{extra}")
             if not folded and "einsum" in chain.spelling and None in ranks and _attention_audit40.ellipsis_einsum(module, span_line, end_line):
                 miss = _attention_audit40.ellipsis_rank_check(chain, operands, ranks)
                 if miss is not None:
