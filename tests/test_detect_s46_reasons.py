@@ -151,3 +151,39 @@ def test_five_d_operands_do_not_claim_a_broadcast() -> None:
     reason = _near_miss(AttentionPattern(), FIVE_D_WITH_BIAS)
     assert "is 5-D" in reason and "broadcast over other leading dims" not in reason, reason
     assert "npufuse could not fold the other leading dims into the batch here" in reason, reason
+
+
+CONDITIONAL_SCALE = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+
+    def forward(self, x, weights=None):
+        B = x.shape[0]
+        q = self.q(x).view(B, -1, self.h, self.d).transpose(1, 2)
+        k = self.k(x).view(B, -1, self.h, self.d).transpose(1, 2)
+        v = self.v(x).view(B, -1, self.h, self.d).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d)
+        if weights is not None:
+            weights_expanded = weights.unsqueeze(1).expand_as(scores)
+            scores = scores * weights_expanded
+        attn = F.softmax(scores, dim=-1)
+        return torch.matmul(attn, v)
+'''
+
+
+def test_conditional_tensor_scale_says_one_arm() -> None:
+    # the scale is a tensor only when weights are given; without them it is 1.0
+    from npufuse.patterns.attention import AttentionPattern
+    reason = _near_miss(AttentionPattern(), CONDITIONAL_SCALE)
+    assert "is a tensor on one arm of the condition" in reason, reason

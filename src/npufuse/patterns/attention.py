@@ -2465,8 +2465,10 @@ class _Matcher:
         for n in (() if computed_on_host or _scalar_valued(self, factor) else walk_sym(factor)):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith(("torch.finfo", "torch.iinfo")) \
                     and not _s36_python_math(self._fn(n) or ""):  # s36: ``torch.math.sqrt`` returns a Python float
+                # s46: a conditional scale is a tensor on one arm only (`w if w is not None else 1.0`): say so
+                arm = " on one arm of the condition" if isinstance(factor, (ast.IfExp, Cond)) else ""
                 raise Miss(
-                    f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
+                    f"the scale `{text}` is a tensor{arm}: npu_fusion_attention takes a Python float, and converting it "
                     "would add a host sync"
                 )
             if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item") \
