@@ -13,9 +13,9 @@ from typing import Callable, Optional
 
 from npufuse.patterns import _moe_s44a as s44a
 
-# sizes whose zero-ness says "this tensor has no rows / no element": len(x), x.numel(), x.nelement(),
-# x.shape[0], x.size(0), and counts of a mask: x.any(), x.sum(), x.count_nonzero()
-_ROW_COUNT_METHODS = ("numel", "nelement", "any", "sum", "count_nonzero")
+# sizes whose zero-ness says "this tensor has no rows / no element": len(x), x.numel(), x.nelement(), x.shape[0],
+# x.size(0). Not x.any() / x.sum(): over weights those test values (`if topk_weight.sum():`), not emptiness
+_ROW_COUNT_METHODS = ("numel", "nelement")
 
 
 def _counted_name(count: ast.expr) -> Optional[str]:
