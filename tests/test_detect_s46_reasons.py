@@ -118,12 +118,8 @@ def test_gate_computed_from_another_value_keeps_the_fact() -> None:
     assert "not projections of one input" in reason, reason
 
 
-FIVE_D_WITH_BIAS = '''
-import torch
-from torch import nn
-
-
-class RowAttentionWithPairBias(nn.Module):
+# the projections every attention snippet below starts from
+QKV_INIT = '''
     def __init__(self, dim, heads):
         super().__init__()
         self.h, self.d = heads, dim // heads
@@ -131,6 +127,14 @@ class RowAttentionWithPairBias(nn.Module):
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
         self.b = nn.Linear(dim, heads)
+'''
+
+FIVE_D_WITH_BIAS = '''
+import torch
+from torch import nn
+
+
+class RowAttentionWithPairBias(nn.Module):''' + QKV_INIT + '''
 
     def forward(self, m, z, keep):
         B, S, R, _ = m.shape
@@ -160,14 +164,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class CrossAttention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.h, self.d = heads, dim // heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-
+class CrossAttention(nn.Module):''' + QKV_INIT + '''
     def forward(self, x, weights=None):
         B = x.shape[0]
         q = self.q(x).view(B, -1, self.h, self.d).transpose(1, 2)
