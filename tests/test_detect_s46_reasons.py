@@ -3,8 +3,15 @@
 1. moe_experts: ``if len(expert_indices) > 0:`` around the dispatch, with ``expert_indices`` from a dense dispatch
    mask handed in (HO22a sparse-moe-pytorch): reported "conditional code inside the expert loop", yet an emptiness
    guard changes nothing when the rows are the expert's own; the blocker is that npufuse does not read those rows.
-   The reason now names the unread rows. Twins: a threshold (``> 1``) and an emptiness guard with an else that adds
-   something keep the old, true reason.
+   The reason now names the unread rows. Twin: a threshold (``> 1``) keeps the old, true reason (as do the pattern's
+   Keeps on a weight sum ``if topk_weight.sum():`` and on another expert's count).
+2. attention: a 3-D einsum outside [B, S, D] (unbatched [N, H, D] heads, HO22b graph-transformers) was "not attention";
+   the reason now says which 3-D layout npufuse maps.
+3. swiglu: ``gate * silu(X)`` with both operands parameters (HO12a ppl.pmx autograd Function) was "not projections of
+   one input"; now "parameters ... whose callers npufuse did not read". Twin: a computed operand keeps the old text.
+4. attention: 5-D q/k/v (sweep42 minAlphaFold2) "the eager matmuls broadcast over other leading dims" -> "npufuse
+   could not fold the other leading dims into the batch here".
+5. attention: a scale ``w if w is not None else 1.0`` is a tensor on one arm only (moesweep42 UltraThinking).
 """
 
 from __future__ import annotations
