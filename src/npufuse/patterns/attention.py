@@ -47,6 +47,7 @@ from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
+from npufuse.patterns import _reasons_s46
 from npufuse.patterns._sdpa_s46audit import guard_operand_name
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import Contraction, contraction, einsum_subscripts, EquationVariant, folded_number, module_constant, Product, einops_permutation, equation_variants, inline_return_expression, product, returns_its_argument, slice_add_as_padded, summed_product, swaps_last_two
@@ -1547,7 +1548,7 @@ class _Matcher:
             bb, i = p_sub[0], p_sub[1]
             if set(v_sub) != {bb, j, d} or v_sub[0] != bb or set(c.out) != {bb, i, d} or c.out[0] != bb:
                 eq = f"{c.a},{c.b}->{c.out}"
-                raise Miss(_attention_s46.unbatched_reason(eq, p_sub, v_sub, c.out) or f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+                raise Miss(_attention_s46.unbatched_reason(eq, p_sub, v_sub, c.out) or _reasons_s46.unmapped_3d_einsum(eq))
             chain.v_transposed = v_sub == bb + d + j  # v laid out [B, D, Skv] (channel-first)
             chain.out_transposed = c.out == bb + d + i
             chain.out_layout = "3D"
@@ -2483,8 +2484,10 @@ class _Matcher:
         for n in (() if computed_on_host or _scalar_valued(self, factor) else walk_sym(factor)):
             if isinstance(n, ast.Call) and (self._fn(n) or "").startswith("torch.") and not (self._fn(n) or "").startswith(("torch.finfo", "torch.iinfo")) \
                     and not _s36_python_math(self._fn(n) or ""):  # s36: ``torch.math.sqrt`` returns a Python float
+                # s46: a conditional scale is a tensor on one arm only (`w if w is not None else 1.0`): say so
+                arm = " on one arm of the condition" if isinstance(factor, (ast.IfExp, Cond)) else ""
                 raise Miss(
-                    f"the scale `{text}` is a tensor: npu_fusion_attention takes a Python float, and converting it "
+                    f"the scale `{text}` is a tensor{arm}: npu_fusion_attention takes a Python float, and converting it "
                     "would add a host sync"
                 )
             if self.method(n, "exp", "sigmoid") or isinstance(n, ast.Call) and self.method(n, "item") \
@@ -2898,7 +2901,7 @@ class _Matcher:
         elif len(c.out) == 3:
             bb, i = c.out[0], c.out[1]
             if set(qs) != {bb, i, d} or qs[0] != bb or set(ks) != {bb, j, d} or ks[0] != bb:
-                raise Miss(_attention_s46.unbatched_reason(eq, qs, ks, c.out) or f"einsum `{eq}`: a 3-D product that is not [B, S, D] attention")
+                raise Miss(_attention_s46.unbatched_reason(eq, qs, ks, c.out) or _reasons_s46.unmapped_3d_einsum(eq))
             chain.q = self.peel_operand(q_node, "q", "3D", chain)
             chain.q_transposed = qs == bb + d + i  # q laid out [B, D, Sq] (channel-first)
             chain.k = self.peel_operand(k_node, "k", "3D", chain)
@@ -3714,7 +3717,7 @@ class AttentionPattern(Pattern):
                     extra = " (a mask beside 5-D q/k/v is not folded)" if rank == 5 and chain.masks else ""
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{tag} (`{text[:30]}`) is {rank}-D: npu_fusion_attention takes 4-D [B,N,S,D] / [B,S,N,D] "
-                                    f"tensors, and the eager matmuls here broadcast over other leading dims (windowed / folded heads){extra}")
+                                    f"tensors, and npufuse could not fold the other leading dims into the batch here{extra}")
             if not folded and "einsum" in chain.spelling and None in ranks and _attention_audit40.ellipsis_einsum(module, span_line, end_line):
                 miss = _attention_audit40.ellipsis_rank_check(chain, operands, ranks)
                 if miss is not None:

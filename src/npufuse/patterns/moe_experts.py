@@ -50,6 +50,7 @@ from npufuse.patterns import _defects_s44
 from npufuse.patterns._moe_experts_s45audit import other_parts_read
 from npufuse.patterns import _moe_s45a
 from npufuse.patterns import _moe_s46
+from npufuse.patterns import _reasons_s46
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.canonical import expert_mask, flattened_to_1d, host_copy_base, leading_subscript, shaped_like_indices
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, literal_ellipsis, segment, text_holds_any
@@ -2898,7 +2899,10 @@ class _Eval:
                             "not read as the tokens routed to this expert (it reads `(indices == e)` and its any over the "
                             "top-k slots; a router's dispatch tensor, e.g. one with a capacity, may drop tokens)")
             if s.orelse or not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body):
-                raise _Miss(f"conditional code inside the expert loop: `if {ast.unparse(s.test)[:50]}`")
+                # s46: an emptiness guard over rows npufuse did not read names those rows, not the guard
+                unread = not (self._nonempty_test(s.test) or self._empty_test(s.test))
+                raise _Miss(unread and _reasons_s46.unread_emptiness_guard(s.test, _strip_truth, self.s43a_bound)
+                            or f"conditional code inside the expert loop: `if {ast.unparse(s.test)[:50]}`")
             self._check_skip(s.test)
             return
         if isinstance(s, ast.Assign) and len(s.targets) == 1:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep
+from npufuse.patterns import _reasons_s46
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -1495,7 +1496,7 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             if not callers and scale:
                 raise GateMiss(scale)
             unpacked = None if callers else _s43_unpacked_from_one_call(a, actx, b, ctx, node.lineno)
-            raise GateMiss(callers or unpacked or "gate and up are not projections of one input (a gated output, not a GLU MLP)")
+            raise GateMiss(callers or unpacked or _reasons_s46.gate_inputs_unproven((a, S.peel(a, actx)[0]), (b, S.peel(b, ctx)[0]), ctx.scope.node))
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}{'' if _S40_UNSHOWN in act.kind else ', not silu'}: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
