@@ -131,3 +131,14 @@ def reads_a_product(value: ast.expr, products: set[str]) -> bool:
     if not products or not isinstance(value, ast.BinOp):
         return False
     return any(isinstance(n, ast.Name) and n.id in products for n in ast.walk(value))
+
+
+def inlined_near_miss(miss: Any, call_stmt: ast.stmt, method: str) -> Any:
+    """The near miss of the caller read with ``self.<method>`` inlined, placed on the caller's lines (from the scores'
+    first statement, or the call where the reading stopped inside the inlined body, to the call)."""
+    from npufuse.patterns.base import NearMiss
+
+    line = miss.line if miss.line < call_stmt.lineno else call_stmt.lineno
+    return NearMiss(miss.pattern, miss.qualname, line, call_stmt.end_lineno or call_stmt.lineno,
+                    f"read with `self.{method}` (which gets these scores) inlined at line {call_stmt.lineno}, the inlined body's "
+                    f"lines numbered on from there: {miss.reason}")

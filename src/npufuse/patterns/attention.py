@@ -11578,10 +11578,14 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
         twin = next((sc for sc in synthetic.scopes if sc.qualname == scope.qualname), None)
         if twin is None:
             continue
+        stopped: list[NearMiss] = []
         for res in pattern.detect(synthetic, twin):
+            if isinstance(res, NearMiss) and first <= res.end_line <= last:
+                stopped.append(res)  # s46b: the inlined reading's reason, said at the caller where nothing is found
             if not isinstance(res, Finding) or res.end_line < first or res.end_line > last or res.line > first \
                     or not any(b.end_lineno == res.end_line for b in twin.node.body):
                 continue  # the site must end at a statement of the caller's own block (the rest follows it there)
+            stopped = []
             lines = synthetic.lines
             indent = len(lines[first - 1]) - len(lines[first - 1].lstrip())
             after = "".join(ln[indent:] if ln.strip() else ln for ln in lines[res.end_line:last]).rstrip("\n")
@@ -11606,6 +11610,8 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
             notes.insert(0, note)
             yield Finding(res.pattern, res.qualname, res.line, st.end_lineno or st.lineno, res.params, fused, res.guard_tensor,
                           res.confidence, res.variant, list(res.risks), [*res.notes, *notes], res.training_ok)
+        if stopped:
+            yield _attention_s46b.inlined_near_miss(stopped[0], st, call.func.attr)
 
 
 def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast.FunctionDef
