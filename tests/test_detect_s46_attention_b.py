@@ -218,7 +218,7 @@ def test_a_subclass_overriding_the_helper_runs_the_call_as_written() -> None:
     run = _RUN + '''
 t = TemperedAttention().eval()
 t.load_state_dict(m.state_dict())
-out = (*out, *t(x, x, x, pad))
+out = (*out, *t(x, x, x), *t(x, x, x, pad))
 '''
     # the base instance's four calls fuse; the subclass's call goes to its own helper (the check is false there)
     _runs(_WENET + _OVERRIDE, run, ["MultiHeadedAttention.forward"], 4)
