@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46c, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _mask_rows, _score_method
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
@@ -1656,6 +1656,10 @@ class _Matcher:
                 if self._views_of(b, a):
                     node = a
                     continue
+                zeroed = _attention_s46b.zeroed_masked_branch(self, node, chain)
+                if zeroed is not None:
+                    node = zeroed  # s46b: wenet's ``if mask..: p = softmax(masked).masked_fill(mask, 0) else: p = softmax(s)``
+                    continue
                 plain = [(x, neg) for x, neg in ((a, True), (b, False)) if self._last_dim_softmax(x)]
                 if len(plain) == 1 and self._qk_softmax(node) and not _heavy(node.test, through_meta=False) \
                         and not any(isinstance(t, ast.Call) for t in walk_sym(node.test)):
@@ -2071,6 +2075,8 @@ class _Matcher:
                 raise Miss(f"attention probabilities are zeroed where NaN after softmax with {layout} scores: npufuse "
                            "zeroes the fully masked rows of a BNSD result only")
             return
+        if _attention_s46b.zeroing_condition_holds(self, chain, layout):
+            return  # s46b: zeroed under the condition its mask term applies under
         same = [t for t in chain.masks if t.cond is None and _attention_s38.same_masked_positions(t, m)]
         if not same:
             raise Miss(f"attention probabilities are modified after softmax (zeroed where `{self.src(m)}`, "
@@ -11547,12 +11553,14 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
     fn = scope.node
     if cls is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return
-    methods = {m.name: m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    # s46b: with the methods a base class of this file defines (wenet's RelPosition subclass calls the base's helper)
+    owned = _attention_s46b.inlinable_methods(module, cls)
+    methods = {name: m for name, (_owner, m) in owned.items()}
     products: set[str] = set()
     for st in fn.body:
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
             # s42: the product scaled where it is made (espnet / wenet ``matmul(q, kᵀ) / math.sqrt(self.d_k)``) counts
-            if _s42_holds_product(module, st.value):
+            if _s42_holds_product(module, st.value) or _attention_s46b.reads_a_product(st.value, products):
                 products.add(st.targets[0].id)
             else:
                 products.discard(st.targets[0].id)
@@ -11572,6 +11580,9 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
             continue  # a flag the caller computes: where it is true is not read
         if flags and {f.id for f in flags} & _stored_names(fn.body):  # type: ignore[attr-defined]
             continue  # s42 review: a parameter the caller rebinds: the test at the span's start may read an older value
+        overridden = _attention_s46b.override_test(module, cls, owned[call.func.attr][0], call.func.attr)
+        if overridden is None:
+            continue  # s46b: a nested class: no name to check at run time that the helper inlined is the one called
         if tail is not None:
             text, last = _s42_append_line(text, last, tail)
         try:
@@ -11582,22 +11593,29 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
         twin = next((sc for sc in synthetic.scopes if sc.qualname == scope.qualname), None)
         if twin is None:
             continue
+        stopped: list[NearMiss] = []
         for res in pattern.detect(synthetic, twin):
+            if isinstance(res, NearMiss) and first <= res.end_line <= last:
+                stopped.append(res)  # s46b: the inlined reading's reason, said at the caller where nothing is found
             if not isinstance(res, Finding) or res.end_line < first or res.end_line > last or res.line > first \
                     or not any(b.end_lineno == res.end_line for b in twin.node.body):
                 continue  # the site must end at a statement of the caller's own block (the rest follows it there)
+            stopped = []
             lines = synthetic.lines
             indent = len(lines[first - 1]) - len(lines[first - 1].lstrip())
             after = "".join(ln[indent:] if ln.strip() else ln for ln in lines[res.end_line:last]).rstrip("\n")
             fused = res.fused + ("\n" + after if after else "")
             notes = []
+            # s42: where a flag asks for the probabilities the code runs as written (the fused call returns none); s46b:
+            # so does a subclass's own version of the method (the body inlined is this file's)
+            written = "".join(ln[indent:] if ln.strip() else ln for ln in module.lines[res.line - 1:st.end_lineno]).rstrip("\n")
+            test = " or ".join([*(f.id for f in flags), overridden])  # type: ignore[attr-defined]
+            fused = (f"if {test}:\n" + textwrap.indent(written, "    ") + "\nelse:\n" + textwrap.indent(fused, "    "))
             if flags:
-                # s42: where a flag asks for the probabilities the code runs as written (the fused call returns none)
-                written = "".join(ln[indent:] if ln.strip() else ln for ln in module.lines[res.line - 1:st.end_lineno]).rstrip("\n")
-                test = " or ".join(f.id for f in flags)  # type: ignore[attr-defined]
-                fused = (f"if {test}:\n" + textwrap.indent(written, "    ") + "\nelse:\n" + textwrap.indent(fused, "    "))
-                notes.append(f"`{test}` asks `self.{call.func.attr}` for the attention probabilities, which the fused call does "
-                             "not return: where it is true the code runs as written")
+                notes.append(f"`{' or '.join(f.id for f in flags)}` asks `self.{call.func.attr}` for the attention probabilities, "  # type: ignore[attr-defined]
+                             "which the fused call does not return: where it is true the code runs as written")
+            notes.append(f"a subclass may override `{call.func.attr}`: the fused branch runs only where `type(self).{call.func.attr}` is "
+                         f"`{owned[call.func.attr][0]}`'s, the body inlined here")
             try:
                 ast.parse(fused)
             except SyntaxError:
@@ -11607,6 +11625,8 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
             notes.insert(0, note)
             yield Finding(res.pattern, res.qualname, res.line, st.end_lineno or st.lineno, res.params, fused, res.guard_tensor,
                           res.confidence, res.variant, list(res.risks), [*res.notes, *notes], res.training_ok)
+        if stopped:
+            yield _attention_s46b.inlined_near_miss(stopped[0], st, call.func.attr)
 
 
 def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast.FunctionDef
