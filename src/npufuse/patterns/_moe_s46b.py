@@ -1,0 +1,91 @@
+"""s46 (moe46b): moe_experts forms read by small hooks in :mod:`npufuse.patterns.moe_experts`.
+
+1. An expert called through a named method of its own (FlashMoE's export path: ``yb = expert.forward_export(xb)``,
+   ``expert.infer(rows)``): the loop runs that method on each expert's rows; the fused layer calls the same method
+   on each expert's contiguous rows after the permute (:func:`named_expert_method`). The MLP is never read off the
+   class's ``forward`` then (another method may compute something else): the experts stay opaque. ``nn.Module``'s own
+   methods (``to``, ``apply``, ``get_submodule`` ..) compute no expert output and are not read.
+2. A raising check in the expert loop that guards the method the loop calls (``if not hasattr(expert, "m"): raise
+   ..`` right before ``expert.m(rows)``): it fires exactly where the call it guards would raise AttributeError (the
+   same expert, reached with rows), so it changes no value; the fused text calls ``m`` on the same experts and raises
+   there too (another exception type) (:func:`method_guard`). Any other condition, or a guard of a method the loop
+   does not call, stays conditional code.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+# nn.Module's public methods (torch 2.x): none of them is an expert's computation on its rows
+_MODULE_METHODS = frozenset({
+    "add_module", "apply", "bfloat16", "buffers", "children", "compile", "cpu", "cuda", "double", "eval", "extra_repr",
+    "float", "get_buffer", "get_extra_state", "get_parameter", "get_submodule", "half", "ipu", "load_state_dict",
+    "modules", "mtia", "named_buffers", "named_children", "named_modules", "named_parameters", "npu", "parameters",
+    "register_backward_hook", "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+    "register_full_backward_hook", "register_full_backward_pre_hook", "register_module", "register_parameter",
+    "requires_grad_", "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train",
+    "type", "xpu", "zero_grad",
+})
+
+
+def named_expert_method(call: ast.Call) -> Optional[str]:
+    """``m`` of ``<expert>.m(rows)`` (one positional argument, no keywords) when ``m`` may be an expert's own
+    computation: not ``forward`` (read as the call itself elsewhere), not a dunder, not an ``nn.Module`` method."""
+    f = call.func
+    if not isinstance(f, ast.Attribute) or len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+        return None
+    name = f.attr
+    if name == "forward" or name.startswith("__") or name in _MODULE_METHODS:
+        return None
+    return name
+
+
+def method_guard(stmt: ast.stmt) -> Optional[tuple[ast.expr, str]]:
+    """``(E, m)`` of ``if not hasattr(E, "m"): raise ..`` (no else, the raise alone in the body), ``E`` a name or a
+    subscript (the expert as the loop names it)."""
+    if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Raise)):
+        return None
+    test = stmt.test
+    if not (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Call)):
+        return None
+    call = test.operand
+    if not (isinstance(call.func, ast.Name) and call.func.id == "hasattr" and len(call.args) == 2 and not call.keywords
+            and isinstance(call.args[0], (ast.Name, ast.Subscript)) and isinstance(call.args[1], ast.Constant)
+            and isinstance(call.args[1].value, str)):
+        return None
+    return call.args[0], call.args[1].value
+
+
+def unmet_method_guard(guards: list[tuple[str, str, bool]], called_on: str, method: str, skip_empty: bool,
+                       every_expert_hit: bool) -> Optional[str]:
+    """Why the loop's ``hasattr`` guards (expert expression dumped, method, whether a skip of experts without rows
+    came before it) may change what runs, or None: each must guard the method the loop calls, on the expert it calls
+    it on, and be reached only by experts the fused layer calls (after the skip, or in a loop over the experts hit)."""
+    for expert, name, after_skip in guards:
+        if name != method or expert != called_on:
+            return f"the loop raises unless the expert has `{name}`, which it does not call on its rows"
+        if skip_empty and not after_skip and not every_expert_hit:
+            return (f"the loop checks `{name}` on experts it then skips for want of rows: the fused layer calls only "
+                    "the experts with rows")
+    return None
+
+
+def residual_sign(op: ast.operator, left_is_expert: bool) -> Optional[str]:
+    """``-`` for ``expert(rows) - rows``, ``+`` for ``expert(rows) + rows`` / ``rows + expert(rows)``: the residual
+    expert's output, itself a row-wise function of the expert's rows (the fused layer calls it as such); None for
+    ``rows - expert(rows)`` and other operators."""
+    if isinstance(op, ast.Add):
+        return "+"
+    if isinstance(op, ast.Sub) and left_is_expert:
+        return "-"
+    return None
+
+
+def clone_start(value: ast.expr) -> Optional[str]:
+    """``T`` of ``T.clone()`` (``T`` a name): an accumulator that starts from a copy of ``T``; the experts' sum is added
+    into it, rows no expert writes keep ``T``'s values."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "clone" \
+            and not value.args and not value.keywords and isinstance(value.func.value, ast.Name):
+        return value.func.value.id
+    return None
