@@ -89,3 +89,102 @@ def clone_start(value: ast.expr) -> Optional[str]:
             and not value.args and not value.keywords and isinstance(value.func.value, ast.Name):
         return value.func.value.id
     return None
+
+
+# -- examples (``s46b_*``) ----------------------------------------------------------------------------------------------
+# (built on moe46's FlashMoE reproducers; imported here, below the readers, as moe_experts imports this module first)
+from npufuse.patterns import _moe_s46  # noqa: E402
+from npufuse.patterns.base import Fuse, Keep  # noqa: E402
+
+_CALL = "            yb = self.experts[e](x[toks])\n"
+# the expert class gains an export method that computes something else than forward (so the method called matters)
+_WITH_EXPORT = ("    def forward(self, x):\n        return self.net(x)\n",
+                "    def forward(self, x):\n        return self.net(x)\n\n"
+                "    def forward_export(self, x):\n        return 0.5 * self.net(x)\n")
+
+
+def _export(code: str) -> str:
+    return code.replace(*_WITH_EXPORT, 1)
+
+
+# FlashMoE's export loop (less its co-filter): a named method behind a hasattr check, residual experts added into
+# a copy of the tokens, over the experts present in the sorted routes
+FLASH_EXPORT = _export(_moe_s46.FLAT_SORTED_UNIQUE).replace("y = torch.zeros_like(x)", "y = x.clone()").replace(_CALL, """\
+            xb = x[toks]
+            expert = self.experts[e]
+            if not hasattr(expert, "forward_export"):
+                raise RuntimeError(f"Expert {e} missing 'forward_export'")
+            yb = expert.forward_export(xb)
+            yb = yb - xb
+""")
+# a named method alone, read through the module list (unsorted flat routes, range loop)
+METHOD_ONLY = _export(_moe_s46.FLAT_NONZERO).replace(_CALL, "            yb = self.experts[e].forward_export(x[toks])\n")
+# the guard after the skip of experts without rows, in a range loop; the method bound as `expert`
+GUARD_AFTER_SKIP = _export(_moe_s46.FLAT_NONZERO).replace(_CALL, """\
+            expert = self.experts[e]
+            if not hasattr(expert, "forward_export"):
+                raise AttributeError("export path needs forward_export")
+            yb = expert.forward_export(x[toks])
+""")
+# the residual added (`expert(xb) + xb`) into a clone of the tokens
+RESIDUAL_PLUS = _moe_s46.FLAT_NONZERO.replace("y = torch.zeros_like(x)", "y = x.clone()").replace(_CALL, """\
+            xb = x[toks]
+            yb = xb + self.experts[e](xb)
+""")
+# the residual alone (zeros start): `delta = expert(xb) - xb`
+RESIDUAL_ZEROS = _moe_s46.FLAT_SORTED.replace(_CALL, """\
+            xb = x[toks]
+            delta = self.experts[e](xb) - xb
+            yb = delta
+""")
+
+FUSE = [
+    Fuse(FLASH_EXPORT, name="s46b_flash_export_guarded_method_residual_into_a_clone", run=_moe_s46.FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx", "tokens": "x", "layout": "expert_modules"}),
+    Fuse(METHOD_ONLY, name="s46b_expert_named_method_on_its_rows", run=_moe_s46.FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx", "layout": "expert_modules"}),
+    Fuse(GUARD_AFTER_SKIP, name="s46b_hasattr_guard_after_the_skip_range_loop", run=_moe_s46.FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx", "loop": "range"}),
+    Fuse(RESIDUAL_PLUS, name="s46b_residual_expert_plus_rows_into_a_clone", run=_moe_s46.FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx", "output": "y"}),
+    Fuse(RESIDUAL_ZEROS, name="s46b_residual_expert_minus_rows_from_zeros", run=_moe_s46.FLAT_NONZERO_RUN,
+         expect={"indices": "topk_idx"}),
+]
+KEEP = [
+    # the check names forward_export but the loop calls the expert itself: experts without it raise in the original
+    # only; the fused layer would run them
+    Keep(FLASH_EXPORT.replace("yb = expert.forward_export(xb)", "yb = expert(xb)"),
+         reason="the loop raises unless the expert has `forward_export`, which it does not call on its rows",
+         name="s46b_hasattr_guard_of_a_method_not_called"),
+    # the check before the skip, in a range loop: an expert without rows and without the method raises in the
+    # original; the fused layer never calls it
+    Keep(GUARD_AFTER_SKIP.replace("""\
+            if pos.numel() == 0:
+                continue
+            toks = tok_idx[pos]
+            ws = w_flat[pos]
+            expert = self.experts[e]
+            if not hasattr(expert, "forward_export"):
+                raise AttributeError("export path needs forward_export")
+""", """\
+            expert = self.experts[e]
+            if not hasattr(expert, "forward_export"):
+                raise AttributeError("export path needs forward_export")
+            if pos.numel() == 0:
+                continue
+            toks = tok_idx[pos]
+            ws = w_flat[pos]
+"""), reason="on experts it then skips for want of rows", name="s46b_hasattr_guard_before_the_skip"),
+    # the rows minus the expert (`xb - expert(xb)`): read only as the expert's output plus or minus its rows
+    Keep(RESIDUAL_ZEROS.replace("delta = self.experts[e](xb) - xb", "delta = xb - self.experts[e](xb)"),
+         reason="is not recognised", name="s46b_rows_minus_the_expert"),
+    # a raise under a condition on the rows: a check npufuse does not read (it could fire on some experts only)
+    Keep(METHOD_ONLY.replace("            yb = self.experts[e].forward_export(x[toks])\n", """\
+            if toks.numel() > 4:
+                raise ValueError("too many tokens for the export path")
+            yb = self.experts[e].forward_export(x[toks])
+"""), reason="conditional code inside the expert loop", name="s46b_raise_under_a_row_count_condition"),
+    # nn.Module's own `to` is no expert computation: its result is a module
+    Keep(METHOD_ONLY.replace("self.experts[e].forward_export(x[toks])", "self.experts[e].to(x[toks])"),
+         reason="is not recognised", name="s46b_module_method_is_not_an_expert_call"),
+]

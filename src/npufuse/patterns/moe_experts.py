@@ -15420,4 +15420,6 @@ MoeExperts.KEEP += _moe_s45a.KEEP
 MoeExperts.FUSE += _moe_s45b.FUSE  # s45b: capacity switches, router top-1, flat routes by a mask (patterns/_moe_s45b.py)
 MoeExperts.FUSE += _moe_s46.FUSE  # s46: promoted weighting on the sorted paths, index-put gates (patterns/_moe_s46.py)
 MoeExperts.KEEP += _moe_s46.KEEP
+MoeExperts.FUSE += _moe_s46b.FUSE  # s46b: named expert methods, hasattr guards, residual experts (_moe_s46b.py)
+MoeExperts.KEEP += _moe_s46b.KEEP
 MoeExperts.KEEP += _moe_s45b.KEEP
