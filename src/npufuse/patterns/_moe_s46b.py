@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from npufuse.scan.dataflow import ModuleInfo
+
 # nn.Module's public methods (torch 2.x): none of them is an expert's computation on its rows
 _MODULE_METHODS = frozenset({
     "add_module", "apply", "bfloat16", "buffers", "children", "compile", "cpu", "cuda", "double", "eval", "extra_repr",
@@ -31,7 +33,8 @@ _MODULE_METHODS = frozenset({
 
 def named_expert_method(call: ast.Call) -> Optional[str]:
     """``m`` of ``<expert>.m(rows)`` (one positional argument, no keywords) when ``m`` may be an expert's own
-    computation: not ``forward`` (read as the call itself elsewhere), not a dunder, not an ``nn.Module`` method."""
+    computation: not ``forward`` (read as the call itself elsewhere), not a dunder, not an ``nn.Module`` method (the
+    caller also asks :func:`defined_as_method`)."""
     f = call.func
     if not isinstance(f, ast.Attribute) or len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
         return None
@@ -39,6 +42,12 @@ def named_expert_method(call: ast.Call) -> Optional[str]:
     if name == "forward" or name.startswith("__") or name in _MODULE_METHODS:
         return None
     return name
+
+
+def defined_as_method(module: ModuleInfo, name: str) -> bool:
+    """A class of this file defines a method ``name`` (``expert.w1(x)`` of a submodule attribute is no such method:
+    it is one layer of the expert, not its computation)."""
+    return any(isinstance(st, ast.FunctionDef) and st.name == name for cls in module.classes.values() for st in cls.body)
 
 
 def method_guard(stmt: ast.stmt) -> Optional[tuple[ast.expr, str]]:
@@ -184,6 +193,10 @@ KEEP = [
                 raise ValueError("too many tokens for the export path")
             yb = self.experts[e].forward_export(x[toks])
 """), reason="conditional code inside the expert loop", name="s46b_raise_under_a_row_count_condition"),
+    # a submodule of the expert (`net`, built in __init__), not a method of a class of this file: one layer of the
+    # expert, which npufuse does not read as the expert's whole computation
+    Keep(METHOD_ONLY.replace("self.experts[e].forward_export(x[toks])", "self.experts[e].net(x[toks])"),
+         reason="is not recognised", name="s46b_expert_submodule_call_is_not_a_method"),
     # nn.Module's own `to` is no expert computation: its result is a module
     Keep(METHOD_ONLY.replace("self.experts[e].forward_export(x[toks])", "self.experts[e].to(x[toks])"),
          reason="is not recognised", name="s46b_module_method_is_not_an_expert_call"),

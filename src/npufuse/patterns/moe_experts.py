@@ -4278,7 +4278,8 @@ class _Eval:
             return self._call(ast.copy_location(ast.Call(func=f.value, args=node.args, keywords=node.keywords), node))
         method = _moe_s46b.named_expert_method(node) if self.expert_init is None and isinstance(f, ast.Attribute) \
             and isinstance(f.value, (ast.Name, ast.Subscript)) else None
-        if method is not None and self.ev(f.value).kind in ("expert", "indexed"):  # type: ignore[union-attr]
+        if method is not None and self.ev(f.value).kind in ("expert", "indexed") \
+                and _moe_s46b.defined_as_method(m, method):  # type: ignore[union-attr]
             # s46b: `expert.forward_export(rows)`: the fused layer calls the same method on each expert's rows
             if self.expert_method not in ("", method):
                 raise _Miss(f"the loop calls two methods of the experts (`{self.expert_method}`, `{method}`)")
