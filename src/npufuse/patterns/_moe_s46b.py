@@ -147,18 +147,16 @@ RESIDUAL_ZEROS = _moe_s46.FLAT_SORTED.replace(_CALL, """\
             yb = delta
 """)
 
-FUSE = [
-    Fuse(FLASH_EXPORT, name="s46b_flash_export_guarded_method_residual_into_a_clone", run=_moe_s46.FLAT_NONZERO_RUN,
-         expect={"indices": "topk_idx", "tokens": "x", "layout": "expert_modules"}),
-    Fuse(METHOD_ONLY, name="s46b_expert_named_method_on_its_rows", run=_moe_s46.FLAT_NONZERO_RUN,
-         expect={"indices": "topk_idx", "layout": "expert_modules"}),
-    Fuse(GUARD_AFTER_SKIP, name="s46b_hasattr_guard_after_the_skip_range_loop", run=_moe_s46.FLAT_NONZERO_RUN,
-         expect={"indices": "topk_idx", "loop": "range"}),
-    Fuse(RESIDUAL_PLUS, name="s46b_residual_expert_plus_rows_into_a_clone", run=_moe_s46.FLAT_NONZERO_RUN,
-         expect={"indices": "topk_idx", "output": "y"}),
-    Fuse(RESIDUAL_ZEROS, name="s46b_residual_expert_minus_rows_from_zeros", run=_moe_s46.FLAT_NONZERO_RUN,
-         expect={"indices": "topk_idx"}),
-]
+# (code, name, the parameters expected); every one runs under the emulator, with gradients, on moe46's run
+_FUSE_CASES = (
+    (FLASH_EXPORT, "flash_export_guarded_method_residual_into_a_clone",
+     {"indices": "topk_idx", "tokens": "x", "layout": "expert_modules"}),
+    (METHOD_ONLY, "expert_named_method_on_its_rows", {"indices": "topk_idx", "layout": "expert_modules"}),
+    (GUARD_AFTER_SKIP, "hasattr_guard_after_the_skip_range_loop", {"indices": "topk_idx", "loop": "range"}),
+    (RESIDUAL_PLUS, "residual_expert_plus_rows_into_a_clone", {"indices": "topk_idx", "output": "y"}),
+    (RESIDUAL_ZEROS, "residual_expert_minus_rows_from_zeros", {"indices": "topk_idx"}),
+)
+FUSE = [Fuse(code, name=f"s46b_{name}", run=_moe_s46.FLAT_NONZERO_RUN, expect=expect) for code, name, expect in _FUSE_CASES]
 KEEP = [
     # the check names forward_export but the loop calls the expert itself: experts without it raise in the original
     # only; the fused layer would run them
