@@ -3550,15 +3550,26 @@ class _Eval:
     def _s46b_residual(self, node: ast.BinOp) -> Optional[V]:
         """s46b: ``expert(rows) - rows`` / ``+ rows`` (the residual expert): the expert's output as the fused layer
         calls it (``site.expert_residual``), where both operands read the same routed rows."""
-        a, b = self.ev(node.left), self.ev(node.right)
-        for out, rows, left in ((a, b, True), (b, a, False)):
+        for out_node, rows_node, left in ((node.left, node.right, True), (node.right, node.left, False)):
             sign = _moe_s46b.residual_sign(node.op, left)
-            if sign and out.kind == "mod_out" and not out.args[1] and rows.kind == "x" and out.args[0] == rows:
+            # cheap gates before any evaluation (the operands of other sums are never evaluated here): the rows a
+            # name or a selection, the output a name holding an expert's output or a call of an expert
+            if not sign or not isinstance(rows_node, (ast.Name, ast.Subscript)) or not (
+                    isinstance(out_node, ast.Name) and self.env.get(out_node.id, V("none")).kind == "mod_out"
+                    or isinstance(out_node, ast.Call) and self._s46b_calls_an_expert(out_node)):
+                continue
+            out, rows = self.ev(out_node), self.ev(rows_node)
+            if out.kind == "mod_out" and not out.args[1] and rows.kind == "x" and out.args[0] == rows:
                 if self.expert_residual not in ("", sign):
                     raise _Miss("the loop adds and subtracts the experts' rows")
                 self.expert_residual = sign
                 return out
         return None
+
+    def _s46b_calls_an_expert(self, call: ast.Call) -> bool:
+        """``E(rows)`` / ``E.m(rows)`` with ``E`` a name or subscript the loop reads as an expert module."""
+        f = call.func.value if isinstance(call.func, ast.Attribute) else call.func
+        return len(call.args) == 1 and isinstance(f, (ast.Name, ast.Subscript)) and self.ev(f).kind in ("expert", "indexed")
 
     def _s44b_biased(self, proj: V, bias: str) -> V:
         """s44b: the stacked projection ``proj`` plus its stacked bias ``bias`` (indexed by the expert)."""
