@@ -44,6 +44,7 @@ from npufuse.patterns import _moe_s43a
 from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s45b
 from npufuse.patterns import _moe_s45h
+from npufuse.patterns import _moe_s46b
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -167,6 +168,8 @@ class _Site:
     part_outs: tuple = ()
     # opaque experts called as ``expert.forward(rows)`` (no module hooks): the fused layer calls them the same way
     expert_call: str = ""
+    expert_residual: str = ""  # s46b: '-' / '+': the expert's rows subtracted from / added to its output
+    clone_of: str = ""  # s46b: the accumulator starts as `T.clone()` (T named here): the sum is added into it
     # experts as one callable given the expert index: (the call as written, what it resolves to in this file or why not,
     # random draws found in its body)
     index_call: str = ""
@@ -2634,6 +2637,10 @@ class _Eval:
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
         self.template: Optional[ast.Subscript] = None  # expert module expression (with the index name)
         self.forward_spelled = False  # the expert is called through its .forward (module hooks skipped)
+        self.expert_method = ""  # s46b: the experts' own method the loop calls (`forward_export`)
+        self.expert_called_on = ""  # s46b: that call's expert expression (dumped)
+        self.expert_residual = ""  # s46b: `expert(rows) - rows`: '-' (or '+'), the rows added to the output
+        self.method_guards: list[tuple[str, str, bool]] = []  # s46b: `if not hasattr(E, m): raise` (E, m, after a skip)
         self.indexed_module: Optional[ast.expr] = None  # self.mlp of `self.mlp(rows, e)` (every expert, by index)
         self.indexed_call: Optional[ast.Call] = None  # that call as written: replayed per expert with its rows and index
         self._loop_bound: Optional[set[str]] = None  # names the loop (re)binds: values that vary per expert
@@ -2887,6 +2894,11 @@ class _Eval:
             # path without a capacity, `if self.capacity is None: <plain> else: <capped>`, where that is the body)
             self.option_guards.append(_moe_s45b.option_guard(s, segment(self.m, s.test)))
             self.run_body(s.body if _moe_s45b.followed_branch(s) == "body" else s.orelse)
+            return
+        guard = _moe_s46b.method_guard(s) if self.expert_init is None else None
+        if guard is not None and self.ev(guard[0]).kind in ("expert", "indexed"):
+            # s46b: `if not hasattr(expert, "m"): raise ..` before `expert.m(rows)`: fires where the call would raise
+            self.method_guards.append((ast.dump(guard[0]), guard[1], self.skip_empty))
             return
         if isinstance(s, ast.If):
             # `if top_x.shape[0] == 0: continue`, `if expert_idx == self.num_experts: continue`
@@ -3527,6 +3539,10 @@ class _Eval:
                         proj = self.ev(proj_node)
                         if proj.kind == "proj":
                             return self._s44b_biased(proj, bias)
+            if isinstance(node.op, (ast.Add, ast.Sub)) and self.expert_init is None:
+                residual = self._s46b_residual(node)
+                if residual is not None:
+                    return residual
             if isinstance(node.op, ast.Add) and self.loop_kind == "counts":
                 a, b = self.ev(node.left), self.ev(node.right)
                 for one, other, other_node in ((a, b, node.right), (b, a, node.left)):
@@ -3534,6 +3550,30 @@ class _Eval:
                         self.start_name = other_node.id
                         return V("end")  # end_idx = start_idx + num_tokens
         return V("unknown", (ast.unparse(node),))
+
+    def _s46b_residual(self, node: ast.BinOp) -> Optional[V]:
+        """s46b: ``expert(rows) - rows`` / ``+ rows`` (the residual expert): the expert's output as the fused layer
+        calls it (``site.expert_residual``), where both operands read the same routed rows."""
+        for out_node, rows_node, left in ((node.left, node.right, True), (node.right, node.left, False)):
+            sign = _moe_s46b.residual_sign(node.op, left)
+            # cheap gates before any evaluation (the operands of other sums are never evaluated here): the rows a
+            # name or a selection, the output a name holding an expert's output or a call of an expert
+            if not sign or not isinstance(rows_node, (ast.Name, ast.Subscript)) or not (
+                    isinstance(out_node, ast.Name) and self.env.get(out_node.id, V("none")).kind == "mod_out"
+                    or isinstance(out_node, ast.Call) and self._s46b_calls_an_expert(out_node)):
+                continue
+            out, rows = self.ev(out_node), self.ev(rows_node)
+            if out.kind == "mod_out" and not out.args[1] and rows.kind == "x" and out.args[0] == rows:
+                if self.expert_residual not in ("", sign):
+                    raise _Miss("the loop adds and subtracts the experts' rows")
+                self.expert_residual = sign
+                return out
+        return None
+
+    def _s46b_calls_an_expert(self, call: ast.Call) -> bool:
+        """``E(rows)`` / ``E.m(rows)`` with ``E`` a name or subscript the loop reads as an expert module."""
+        f = call.func.value if isinstance(call.func, ast.Attribute) else call.func
+        return len(call.args) == 1 and isinstance(f, (ast.Name, ast.Subscript)) and self.ev(f).kind in ("expert", "indexed")
 
     def _s44b_biased(self, proj: V, bias: str) -> V:
         """s44b: the stacked projection ``proj`` plus its stacked bias ``bias`` (indexed by the expert)."""
@@ -4251,6 +4291,16 @@ class _Eval:
             # fused layer calls .forward too
             self.forward_spelled = True
             return self._call(ast.copy_location(ast.Call(func=f.value, args=node.args, keywords=node.keywords), node))
+        method = _moe_s46b.named_expert_method(node) if self.expert_init is None and isinstance(f, ast.Attribute) \
+            and isinstance(f.value, (ast.Name, ast.Subscript)) else None
+        if method is not None and self.ev(f.value).kind in ("expert", "indexed") \
+                and _moe_s46b.defined_as_method(m, method):  # type: ignore[union-attr]
+            # s46b: `expert.forward_export(rows)`: the fused layer calls the same method on each expert's rows
+            if self.expert_method not in ("", method):
+                raise _Miss(f"the loop calls two methods of the experts (`{self.expert_method}`, `{method}`)")
+            self.expert_method = method
+            self.expert_called_on = ast.dump(f.value)  # type: ignore[union-attr]
+            return self._call(ast.copy_location(ast.Call(func=f.value, args=node.args, keywords=[]), node))  # type: ignore[union-attr]
         name = _canon(m, f)
         if isinstance(f, ast.Name) and f.id == "int" and len(node.args) == 1 and not node.keywords \
                 and self.ev(node.args[0]).kind == "count":
@@ -4815,6 +4865,10 @@ class _Eval:
             try:
                 if self.rows_twice or self.cond:
                     raise _Miss("the expert's forward takes two inputs")
+                if self.expert_method:  # s46b: another method than forward: its MLP is not forward's
+                    raise _Miss(f"the experts are called through their method `{self.expert_method}`")
+                if self.expert_residual:  # s46b: the experts' rows added to their output: called as they are
+                    raise _Miss(f"the experts' rows are added to their output ({self.expert_residual})")
                 mlp = _expert_module_mlp(self, core.args[1])
             except _Miss as why:
                 if core.args[1]:
@@ -5105,9 +5159,18 @@ class _Eval:
     def _experts_list(self, site: _Site) -> None:
         mlp = site.mlp
         assert mlp is not None
+        unmet = _moe_s46b.unmet_method_guard(self.method_guards, self.expert_called_on, self.expert_method,
+                                             site.skip_empty, self.loop_kind == "expert_hit") if self.method_guards else None
+        if unmet:
+            raise _Miss(unmet)
         if mlp.layout not in ("per_expert_linear", "opaque"):
             return
-        site.expert_call = ".forward" if self.forward_spelled else ""
+        site.expert_call = f".{self.expert_method}" if self.expert_method else ".forward" if self.forward_spelled else ""
+        site.expert_residual = self.expert_residual
+        if self.expert_residual and (site.part_outs or site.column_rows or site.lead_rows or self.rows_twice or self.cond
+                                     or site.expert_part is not None or self.post_dropout or self.indexed_module is not None):
+            raise _Miss("the experts' rows are added to their output, which npufuse replays only for experts called on "
+                        "their rows alone, for one output")
         site.rows_twice = self.rows_twice
         site.cond, site.cond_tokens, site.more_conds = self.cond, site.tokens, self.more_conds
         if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing not in ("mask_where", "flat_mask")
@@ -5201,6 +5264,10 @@ class _Eval:
                             "between that allocation and the loop: npufuse replaces the allocation and the loop as one "
                             "span, so nothing may come between them")
             raise _Miss(f"`{acc}` is not freshly allocated right before the loop: rows no expert writes would keep old values")
+        cloned = _moe_s46b.clone_start(init.value) if isinstance(init, ast.Assign) and site.routing == "mask_where" else None
+        if cloned is not None and cloned not in _assigned([self.loop]):
+            # s46b: `y = x.clone()` then the experts' sum added: the fused text adds into the same copy
+            site.clone_of, init = cloned, None
         if init is not None:
             site.out_dtype, site.out_mode = self._init_dtype(init, acc), "assign"
         else:
@@ -6029,6 +6096,8 @@ def _fused_text(site: _Site) -> str:
         rows = f"{P}rows_e"
         second = f", {rows}" if site.rows_twice else f", {P}cond_e{_moe_s43b.more_conditioning_args(site.more_conds, P)}" if site.cond else ""
         call = f"{P}expert{site.expert_call}({rows}{second})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
+        if site.expert_residual:  # s46b: the residual expert, as the loop computes it from the same rows
+            call = f"({call} {site.expert_residual} {rows})"
         if site.skip_empty:
             call = f"{call} if {rows}.shape[0] else {rows}"  # like the loop: experts without tokens are not called
         lines += [
@@ -6063,6 +6132,8 @@ def _fused_text(site: _Site) -> str:
             result = f"{result}.reshape({out}.shape)"
         elif flat_shape:
             result = f"{result}.reshape(*{flat_shape}, -1)"
+        if site.clone_of:
+            lines.append(f"{out} = {site.clone_of}.clone()")
         if site.out_mode == "assign":
             lines.append(f"{out} = {result}.to({site.out_dtype})")
         else:
@@ -15365,4 +15436,6 @@ MoeExperts.KEEP += _moe_s45a.KEEP
 MoeExperts.FUSE += _moe_s45b.FUSE  # s45b: capacity switches, router top-1, flat routes by a mask (patterns/_moe_s45b.py)
 MoeExperts.FUSE += _moe_s46.FUSE  # s46: promoted weighting on the sorted paths, index-put gates (patterns/_moe_s46.py)
 MoeExperts.KEEP += _moe_s46.KEEP
+MoeExperts.FUSE += _moe_s46b.FUSE  # s46b: named expert methods, hasattr guards, residual experts (_moe_s46b.py)
+MoeExperts.KEEP += _moe_s46b.KEEP
 MoeExperts.KEEP += _moe_s45b.KEEP
