@@ -1,0 +1,104 @@
+"""s46 (helper optim46): fused_optimizer precision classes.
+
+1. An optimizer built by a task method (``MyTask.build_optimizer``) that the trainer of another file reaches only through
+   a base class's method of a third file (``BaseTask.configure_optimizers`` calling ``self.build_optimizer(self.model)``):
+   the trainer's ``task.zero_grad()`` (nn.Module default set_to_none=True on torch >= 2.0) frees the grads the fused
+   optimizer keeps in its flat buffer (NATSpeech, audit46 W1): a near miss naming that call. Twin: a trainer that zeroes
+   with set_to_none=False keeps the candidate.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from npufuse.scan.engine import scan_repo
+
+BASE_TASK = textwrap.dedent('''
+    import torch.nn as nn
+
+
+    class BaseTask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = None
+
+        def build_model(self):
+            raise NotImplementedError
+
+        def build_optimizer(self, model):
+            raise NotImplementedError
+
+        def configure_optimizers(self):
+            optm = self.build_optimizer(self.model)
+            if isinstance(optm, (list, tuple)):
+                return optm
+            return [optm]
+''')
+
+MY_TASK = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    from commons.base_task import BaseTask
+
+
+    class MyTask(BaseTask):
+        def build_model(self):
+            return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        def build_optimizer(self, model):
+            self.optimizer = optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            return optimizer
+''')
+
+TRAINER = textwrap.dedent('''
+    import torch
+
+
+    class Trainer:
+        def __init__(self, task_cls):
+            self.task = task_cls()
+            self.optimizers = []
+
+        def fit(self, loader):
+            task = self.task
+            task.model = task.build_model()
+            self.optimizers = task.configure_optimizers()
+            for batch in loader:
+                loss = task.model(batch).sum()
+                loss.backward()
+                for optimizer in self.optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                self.evaluate(self.task)
+
+        def evaluate(self, task):
+            task.{zero}
+            task.eval()
+            with torch.no_grad():
+                pass
+            task.train()
+''')
+
+
+def _scan(tmp_path, zero: str) -> dict:
+    root = tmp_path / "repo"
+    for pkg in ("commons", "tasks"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    (root / "commons" / "base_task.py").write_text(BASE_TASK)
+    (root / "commons" / "trainer.py").write_text(TRAINER.replace("{zero}", zero))
+    (root / "tasks" / "my_task.py").write_text(MY_TASK)
+    return scan_repo(root, jobs=1, only=["fused_optimizer"]).to_json()
+
+
+def test_task_zero_grad_of_another_file_through_a_base_class_method_is_a_near_miss(tmp_path):
+    data = _scan(tmp_path, "zero_grad()")
+    assert not [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer" and m["file"] == "tasks/my_task.py"]
+    assert reasons and all("`task.zero_grad()` at commons/trainer.py:" in r and "configure_optimizers" in r for r in reasons)
+
+
+def test_task_zeroed_in_place_by_the_other_file_stays_a_candidate(tmp_path):
+    data = _scan(tmp_path, "zero_grad(set_to_none=False)")
+    found = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    assert [c["file"] for c in found] == ["tasks/my_task.py"]
