@@ -93,3 +93,92 @@ def inherited_forwarders(symbols: Any, builder: Any) -> list[Any]:
                         fwd.inherited = True
                         out.append(fwd)
     return out
+
+
+# --- audit46 W2: one entry of a submodule list chosen per step (one-shot NAS supernets, task heads) -----------------
+# Cream's supernet runs `for layer, layer_arch in zip(self.blocks, architecture): for blocks, arch in zip(layer,
+# layer_arch): x = blocks[arch](x)`: only the sampled choice of each layer runs, so the other choices have no grad at
+# the first step() and torch_npu's fused optimizers exclude them from their flat buffers for good (spec §10), where
+# torch.optim trains each choice on the steps that sample it. The same holds for any ModuleList / ModuleDict entry
+# picked by a forward argument (`self.heads[task_id](x)`) or by a draw (`self.ops[random.randint(0, n - 1)](x)`).
+# Not this class: an index running over every entry (`for i in range(len(self.layers))`, `enumerate(self.blocks)`),
+# a constant index, an index computed from the data inside forward (router top-k: the moe rules judge those).
+
+_ELEMENT_CALLS = frozenset(("zip", "enumerate", "reversed", "list", "tuple"))
+
+
+def _pairs(loop: ast.For | ast.AsyncFor) -> list[tuple[ast.expr, ast.expr]]:
+    """(target, source) pairs a loop binds: ``zip(a, b)`` pairs each target with its source, ``enumerate(a)`` the
+    second target with ``a``, a plain iterable the whole target with it."""
+    it, target = loop.iter, loop.target
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and isinstance(target, ast.Tuple) \
+            and len(target.elts) == len(it.args):
+        return list(zip(target.elts, it.args))
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args \
+            and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        return [(target.elts[1], it.args[0])]
+    while isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id in ("reversed", "list", "tuple") and it.args:
+        it = it.args[0]
+    return [(target, it)]
+
+
+def _source_name(node: ast.expr) -> Optional[str]:
+    """``a`` of ``a``, ``a[i]``, ``a.b`` (what a value is taken from); ``self.x`` as ``self.x``."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return f"self.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def chosen_entries(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str]) -> list[tuple[int, str, str]]:
+    """(line, submodule attribute, text) of each call ``L[i](...)`` in ``fn`` where ``L`` is a submodule list of the
+    class (``self.blocks``, or an element of one bound by a loop) and ``i`` is taken from an argument of ``fn`` (through
+    loops and subscripts) or drawn at random."""
+    from npufuse.scan.random_skip import _draws
+
+    if not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) for n in ast.walk(fn)):
+        return []  # cheap gate: no call of a list entry
+    a = fn.args
+    origin = {x.arg: x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}  # name -> the argument it comes from
+    origin.pop("self", None)
+    elements: dict[str, str] = {}  # name -> the submodule list it is an element of
+    drawn: set[str] = set()
+    for n in ast.walk(fn):  # outer loops before inner ones (breadth first)
+        if isinstance(n, (ast.For, ast.AsyncFor)):
+            for target, source in _pairs(n):
+                if not isinstance(target, ast.Name):
+                    continue
+                src = _source_name(source)
+                if src is not None and src.startswith("self.") and src[5:] in subs:
+                    elements[target.id] = src[5:]
+                elif src in elements:
+                    elements[target.id] = elements[src]
+                elif src in origin and not (isinstance(source, ast.Call)):
+                    origin[target.id] = origin[src]
+        elif isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            name = n.targets[0].id
+            if isinstance(n.value, ast.Subscript) and _source_name(n.value) in origin:
+                origin[name] = origin[_source_name(n.value)]  # type: ignore[index]
+            elif isinstance(n.value, ast.Call) and _draws(n.value, set()):
+                drawn.add(name)
+    out: list[tuple[int, str, str]] = []
+    for n in ast.walk(fn):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)):
+            continue
+        base, index = n.func.value, n.func.slice
+        src = _source_name(base) if not isinstance(base, ast.Subscript) else None
+        attr = src[5:] if src is not None and src.startswith("self.") and src[5:] in subs else elements.get(src or "")
+        if attr is None:
+            continue
+        if isinstance(index, ast.Name) and index.id in origin and index.id in drawn:
+            continue  # rebound from a draw later: said once below
+        if isinstance(index, ast.Name) and index.id in origin:
+            why = f"{index.id} taken from the argument {origin[index.id]}" if index.id != origin[index.id] \
+                else f"the argument {index.id}"
+        elif isinstance(index, ast.Name) and index.id in drawn or isinstance(index, ast.Call) and _draws(index, set()):
+            why = "an index drawn at random"
+        else:
+            continue
+        out.append((n.lineno, attr, f"{ast.unparse(n.func)}(...), {why}, picks one entry per call"))
+    return out
