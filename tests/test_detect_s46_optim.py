@@ -102,3 +102,112 @@ def test_task_zeroed_in_place_by_the_other_file_stays_a_candidate(tmp_path):
     data = _scan(tmp_path, "zero_grad(set_to_none=False)")
     found = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
     assert [c["file"] for c in found] == ["tasks/my_task.py"]
+
+
+# --- 2. one entry of a submodule list chosen per call (one-shot NAS supernet, audit46 W2) ---------------------------
+
+SUPERNET = textwrap.dedent('''
+    import torch.nn as nn
+
+
+    class SuperNet(nn.Module):
+        def __init__(self, width=8, layers=3, choices=3):
+            super().__init__()
+            self.stem = nn.Linear(width, width)
+            # stages of positions, each position a list of candidate blocks
+            self.blocks = nn.ModuleList(nn.ModuleList(
+                nn.ModuleList(nn.Linear(width, width) for _ in range(choices)) for _ in range(2)) for _ in range(layers))
+            self.head = nn.Linear(width, 2)
+
+        def forward_features(self, x, architecture):
+            x = self.stem(x)
+            for layer, layer_arch in zip(self.blocks, architecture):
+                for blocks, arch in zip(layer, layer_arch):
+                    if arch == -1:
+                        continue
+                    x = blocks[arch](x)
+            return x
+
+        def forward(self, x, architecture):
+            return self.head(self.forward_features(x, architecture))
+''')
+
+TASK_HEADS = textwrap.dedent('''
+    import torch.nn as nn
+
+
+    class SuperNet(nn.Module):
+        def __init__(self, width=8, tasks=3):
+            super().__init__()
+            self.trunk = nn.Linear(width, width)
+            self.heads = nn.ModuleList(nn.Linear(width, 2) for _ in range(tasks))
+
+        def forward(self, x, task_id):
+            return self.heads[task_id](self.trunk(x))
+''')
+
+EVERY_BLOCK = textwrap.dedent('''
+    import torch.nn as nn
+
+
+    class SuperNet(nn.Module):
+        def __init__(self, width=8, layers=3):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+            self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+            self.head = nn.Linear(width, 2)
+
+        def forward(self, x, architecture):
+            for i in range(len(self.blocks)):
+                x = self.norms[i](self.blocks[i](x))
+            for i, blk in enumerate(self.blocks):
+                x = blk(x) + x
+            return self.head(x)
+''')
+
+TRAIN = textwrap.dedent('''
+    import random
+    import torch
+    from models.supernet import SuperNet
+
+
+    def main(loader, steps=10):
+        model = SuperNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in loader:
+            cand = [[random.randrange(3) for _ in range(2)] for _ in range(3)]
+            loss = torch.nn.functional.cross_entropy(model(x, cand), y)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            optimizer.step()
+''')
+
+
+def _scan_supernet(tmp_path, model: str) -> dict:
+    root = tmp_path / "repo"
+    (root / "models").mkdir(parents=True)
+    (root / "models" / "__init__.py").write_text("")
+    (root / "models" / "supernet.py").write_text(model)
+    (root / "train.py").write_text(TRAIN)
+    return scan_repo(root, jobs=1, only=["fused_optimizer"]).to_json()
+
+
+def test_supernet_running_one_sampled_choice_per_layer_is_a_near_miss(tmp_path):
+    data = _scan_supernet(tmp_path, SUPERNET)
+    assert not [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer"]
+    assert reasons and all("runs only one entry of `self.blocks`" in r and "arch taken from the argument architecture" in r
+                           for r in reasons)
+
+
+def test_head_chosen_by_a_forward_argument_is_a_near_miss(tmp_path):
+    data = _scan_supernet(tmp_path, TASK_HEADS)
+    assert not [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer"]
+    assert reasons and all("runs only one entry of `self.heads`" in r and "the argument task_id" in r for r in reasons)
+
+
+def test_every_block_run_by_a_range_or_enumerate_index_stays_a_candidate(tmp_path):
+    data = _scan_supernet(tmp_path, EVERY_BLOCK)
+    found = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    assert [c["file"] for c in found] == ["train.py"]
