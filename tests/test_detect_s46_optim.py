@@ -211,3 +211,50 @@ def test_every_block_run_by_a_range_or_enumerate_index_stays_a_candidate(tmp_pat
     data = _scan_supernet(tmp_path, EVERY_BLOCK)
     found = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
     assert [c["file"] for c in found] == ["train.py"]
+
+
+# --- 3. dead construction: replaced in the same block before any read -----------------------------------------------
+
+DEAD = textwrap.dedent('''
+    import torch
+
+
+    def build(model, kind="adamw"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        n_params = sum(p.numel() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        print(n_params)
+        return optimizer
+''')
+
+CHOSEN = textwrap.dedent('''
+    import torch
+
+
+    def build(model, kind="adamw"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        n_params = sum(p.numel() for p in model.parameters())
+        if kind == "adamw":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        print(n_params)
+        return optimizer
+''')
+
+
+def _scan_one(tmp_path, text: str) -> dict:
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "optim.py").write_text(text)
+    return scan_repo(root, jobs=1, only=["fused_optimizer"]).to_json()
+
+
+def test_optimizer_replaced_before_any_read_is_a_near_miss(tmp_path):
+    data = _scan_one(tmp_path, DEAD)
+    assert [c["line"] for c in data["candidates"] if c["pattern"] == "fused_optimizer"] == [8]
+    misses = [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer"]
+    assert [m["line"] for m in misses] == [6] and "`optimizer` is rebound at line 8" in misses[0]["reason"]
+
+
+def test_optimizer_replaced_only_on_one_branch_stays_a_candidate(tmp_path):
+    data = _scan_one(tmp_path, CHOSEN)
+    assert sorted(c["line"] for c in data["candidates"] if c["pattern"] == "fused_optimizer") == [6, 9]
