@@ -5,6 +5,11 @@
    the trainer's ``task.zero_grad()`` (nn.Module default set_to_none=True on torch >= 2.0) frees the grads the fused
    optimizer keeps in its flat buffer (NATSpeech, audit46 W1): a near miss naming that call. Twin: a trainer that zeroes
    with set_to_none=False keeps the candidate.
+2. A supernet whose forward runs one entry of a submodule list per layer, chosen by an architecture argument zipped
+   with the list (Cream, audit46 W2) or by a draw: the unchosen entries have no grad at the first step and the fused
+   optimizer excludes them for good: a near miss. Twin: every entry run through a range / enumerate index.
+3. An optimizer rebound in the same block before anything reads it (dead construction): a near miss. Twin: rebound on
+   one branch only.
 """
 
 from __future__ import annotations
@@ -132,18 +137,20 @@ SUPERNET = textwrap.dedent('''
             return self.head(self.forward_features(x, architecture))
 ''')
 
-TASK_HEADS = textwrap.dedent('''
+DRAWN_OP = textwrap.dedent('''
+    import random
     import torch.nn as nn
 
 
     class SuperNet(nn.Module):
-        def __init__(self, width=8, tasks=3):
+        def __init__(self, width=8, choices=3):
             super().__init__()
-            self.trunk = nn.Linear(width, width)
-            self.heads = nn.ModuleList(nn.Linear(width, 2) for _ in range(tasks))
+            self.ops = nn.ModuleList(nn.Linear(width, width) for _ in range(choices))
+            self.head = nn.Linear(width, 2)
 
-        def forward(self, x, task_id):
-            return self.heads[task_id](self.trunk(x))
+        def forward(self, x, architecture=None):
+            idx = random.randrange(len(self.ops))
+            return self.head(self.ops[idx](x))
 ''')
 
 EVERY_BLOCK = textwrap.dedent('''
@@ -200,11 +207,11 @@ def test_supernet_running_one_sampled_choice_per_layer_is_a_near_miss(tmp_path):
                            for r in reasons)
 
 
-def test_head_chosen_by_a_forward_argument_is_a_near_miss(tmp_path):
-    data = _scan_supernet(tmp_path, TASK_HEADS)
+def test_op_drawn_at_random_in_forward_is_a_near_miss(tmp_path):
+    data = _scan_supernet(tmp_path, DRAWN_OP)
     assert not [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
     reasons = [m["reason"] for m in data["near_misses"] if m["pattern"] == "fused_optimizer"]
-    assert reasons and all("runs only one entry of `self.heads`" in r and "the argument task_id" in r for r in reasons)
+    assert reasons and all("runs only one entry of `self.ops`" in r and "an index drawn at random" in r for r in reasons)
 
 
 def test_every_block_run_by_a_range_or_enumerate_index_stays_a_candidate(tmp_path):

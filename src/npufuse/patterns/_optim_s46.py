@@ -100,11 +100,18 @@ def inherited_forwarders(symbols: Any, builder: Any) -> list[Any]:
 # layer_arch): x = blocks[arch](x)`: only the sampled choice of each layer runs, so the other choices have no grad at
 # the first step() and torch_npu's fused optimizers exclude them from their flat buffers for good (spec §10), where
 # torch.optim trains each choice on the steps that sample it. The same holds for any ModuleList / ModuleDict entry
-# picked by a forward argument (`self.heads[task_id](x)`) or by a draw (`self.ops[random.randint(0, n - 1)](x)`).
-# Not this class: an index running over every entry (`for i in range(len(self.layers))`, `enumerate(self.blocks)`),
-# a constant index, an index computed from the data inside forward (router top-k: the moe rules judge those).
+# picked by a draw (`self.ops[random.randint(0, n - 1)](x)`). Not this class: an index running over every entry
+# (`for i in range(len(self.layers))`, `enumerate(self.blocks)`), a constant index, an index computed from the data
+# inside forward (router top-k: the moe rules judge those), and a bare argument index (`self.heads[task_id](x)`):
+# its caller may run every entry on each step (`for t in range(n): self.heads_block(x, t)`), which is not read here.
 
-_ELEMENT_CALLS = frozenset(("zip", "enumerate", "reversed", "list", "tuple"))
+_DRAW_CALLS = frozenset(("randint", "randrange", "choice", "multinomial", "random", "rand"))
+
+
+def _draws(node: ast.AST) -> bool:
+    """Does ``node`` call a draw (``random.randrange(n)``, ``np.random.choice(n)``, ``torch.randint(..).item()``)?"""
+    return any(isinstance(n, ast.Call) and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", ""))
+               in _DRAW_CALLS for n in ast.walk(node))
 
 
 def _pairs(loop: ast.For | ast.AsyncFor) -> list[tuple[ast.expr, ast.expr]]:
@@ -133,10 +140,8 @@ def _source_name(node: ast.expr) -> Optional[str]:
 
 def chosen_entries(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str]) -> list[tuple[int, str, str]]:
     """(line, submodule attribute, text) of each call ``L[i](...)`` in ``fn`` where ``L`` is a submodule list of the
-    class (``self.blocks``, or an element of one bound by a loop) and ``i`` is taken from an argument of ``fn`` (through
-    loops and subscripts) or drawn at random."""
-    from npufuse.scan.random_skip import _draws
-
+    class (``self.blocks``, or an element of one bound by a loop) and ``i`` is taken from an argument of ``fn`` zipped
+    with a submodule list (one choice per entry; through loops and subscripts), or drawn at random."""
     if not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) for n in ast.walk(fn)):
         return []  # cheap gate: no call of a list entry
     a = fn.args
@@ -144,23 +149,34 @@ def chosen_entries(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str]) -
     origin.pop("self", None)
     elements: dict[str, str] = {}  # name -> the submodule list it is an element of
     drawn: set[str] = set()
+    # an argument counts once it is zipped with a submodule list (one choice per entry: `zip(self.blocks, arch)`);
+    # a bare argument index (`self.heads[i]`) may be run for every i by the caller, which is not read here
+    zipped: set[str] = set()
     for n in ast.walk(fn):  # outer loops before inner ones (breadth first)
         if isinstance(n, (ast.For, ast.AsyncFor)):
-            for target, source in _pairs(n):
+            pairs = _pairs(n)
+            sources = [_source_name(source) for _t, source in pairs]
+            beside_list = len(pairs) > 1 and any(
+                src is not None and (src in elements or src.startswith("self.") and src[5:] in subs) for src in sources)
+            for (target, source), src in zip(pairs, sources):
                 if not isinstance(target, ast.Name):
                     continue
-                src = _source_name(source)
                 if src is not None and src.startswith("self.") and src[5:] in subs:
                     elements[target.id] = src[5:]
                 elif src in elements:
                     elements[target.id] = elements[src]
-                elif src in origin and not (isinstance(source, ast.Call)):
+                elif src in origin and not isinstance(source, ast.Call):
                     origin[target.id] = origin[src]
+                    if beside_list or src in zipped:
+                        zipped.add(target.id)
         elif isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
             name = n.targets[0].id
-            if isinstance(n.value, ast.Subscript) and _source_name(n.value) in origin:
-                origin[name] = origin[_source_name(n.value)]  # type: ignore[index]
-            elif isinstance(n.value, ast.Call) and _draws(n.value, set()):
+            src = _source_name(n.value) if isinstance(n.value, ast.Subscript) else None
+            if src in origin:
+                origin[name] = origin[src]  # type: ignore[index]
+                if src in zipped:
+                    zipped.add(name)
+            elif isinstance(n.value, ast.Call) and _draws(n.value):
                 drawn.add(name)
     out: list[tuple[int, str, str]] = []
     for n in ast.walk(fn):
@@ -171,12 +187,10 @@ def chosen_entries(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str]) -
         attr = src[5:] if src is not None and src.startswith("self.") and src[5:] in subs else elements.get(src or "")
         if attr is None:
             continue
-        if isinstance(index, ast.Name) and index.id in origin and index.id in drawn:
-            continue  # rebound from a draw later: said once below
-        if isinstance(index, ast.Name) and index.id in origin:
+        if isinstance(index, ast.Name) and index.id in zipped:
             why = f"{index.id} taken from the argument {origin[index.id]}" if index.id != origin[index.id] \
                 else f"the argument {index.id}"
-        elif isinstance(index, ast.Name) and index.id in drawn or isinstance(index, ast.Call) and _draws(index, set()):
+        elif isinstance(index, ast.Name) and index.id in drawn or isinstance(index, ast.Call) and _draws(index):
             why = "an index drawn at random"
         else:
             continue
