@@ -18,7 +18,7 @@ DDP around the task, whose own Module.zero_grad the rebinding does not reach), s
 from __future__ import annotations
 
 import ast
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 _MAX_LEVELS = 6  # base classes followed up from the builder's class
 _MAX_FORWARDERS = 4
@@ -57,6 +57,24 @@ def _class_def(tree: Optional[ast.Module], name: str) -> Optional[ast.ClassDef]:
     return None
 
 
+def base_classes(symbols: Any, rel: str, cls: ast.ClassDef, levels: int) -> Iterator[tuple[str, ast.ClassDef]]:
+    """(file, ClassDef) of ``cls``'s base classes defined in the repository (``rel``: its file), nearest first, up to
+    ``levels`` levels; each once (torch.nn.Module and other outside classes end the walk)."""
+    todo: list[tuple[str, ast.ClassDef, int]] = [(rel, cls, 0)]
+    seen: set[tuple[str, str]] = set()
+    while todo:
+        file, node, level = todo.pop(0)
+        if level >= levels:
+            continue
+        for base in node.bases:
+            sym = symbols.resolve_node(file, base)
+            if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef) or (sym.file, sym.qualname) in seen:
+                continue
+            seen.add((sym.file, sym.qualname))
+            yield sym.file, sym.node
+            todo.append((sym.file, sym.node, level + 1))
+
+
 def inherited_forwarders(symbols: Any, builder: Any) -> list[Any]:
     """Builders (``repo_facts._Builder``) for the methods of the builder's base classes, in any file of the repo, that
     call the builder method on ``self`` and return what it builds; each has ``via`` set to ``builder`` and
@@ -69,29 +87,20 @@ def inherited_forwarders(symbols: Any, builder: Any) -> list[Any]:
     tree, _why = symbols.tree(builder.rel)
     cls = _class_def(tree, builder.cls)
     out: list[Any] = []
-    seen: set[tuple[str, str]] = {(builder.rel, builder.cls)}
-    todo: list[tuple[str, ast.ClassDef, int]] = [(builder.rel, cls, 0)] if cls is not None else []
-    while todo and len(out) < _MAX_FORWARDERS:
-        rel, node, level = todo.pop(0)
-        if level >= _MAX_LEVELS:
-            continue
-        for base in node.bases:
-            sym = symbols.resolve_node(rel, base)
-            if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef) or (sym.file, sym.qualname) in seen:
-                continue  # torch.nn.Module and other outside classes end the walk
-            seen.add((sym.file, sym.qualname))
-            todo.append((sym.file, sym.node, level + 1))
-            base_tree, _why = symbols.tree(sym.file)
-            if base_tree is None or _class_def(base_tree, sym.node.name) is not sym.node:
-                continue  # a nested class: not reachable by name from another file
-            for fn in sym.node.body:
-                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != builder.function \
-                        and _method_forwards(fn, builder.function):
-                    fwd = _Builder(sym.file, f"{sym.node.name}.{fn.name}", base_tree)
-                    if fwd.function:
-                        fwd.via = builder
-                        fwd.inherited = True
-                        out.append(fwd)
+    for file, base in base_classes(symbols, builder.rel, cls, _MAX_LEVELS) if cls is not None else ():
+        base_tree, _why = symbols.tree(file)
+        if base_tree is None or _class_def(base_tree, base.name) is not base:
+            continue  # a nested class: not reachable by name from another file
+        for fn in base.body:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != builder.function \
+                    and _method_forwards(fn, builder.function):
+                fwd = _Builder(file, f"{base.name}.{fn.name}", base_tree)
+                if fwd.function:
+                    fwd.via = builder
+                    fwd.inherited = True
+                    out.append(fwd)
+        if len(out) >= _MAX_FORWARDERS:
+            break
     return out
 
 

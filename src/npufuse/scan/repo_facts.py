@@ -1637,25 +1637,14 @@ def _inherited_freeing(symbols: Any, rel: str, tree: ast.Module, qualname: str) 
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == parts[0]), None) if len(parts) > 1 else None
     if cls is None:
         return None
-    todo: list[tuple[str, ast.ClassDef, int]] = [(rel, cls, 0)]
-    seen: set[tuple[str, str]] = set()
-    while todo:
-        file, node, depth = todo.pop(0)
-        if depth >= _BASE_DEPTH:
-            continue
-        for base in node.bases:
-            sym = symbols.resolve_node(file, base)
-            if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef) or (sym.file, sym.qualname) in seen:
-                continue
-            seen.add((sym.file, sym.qualname))
-            for m in sym.node.body:
-                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    hit = _frees(m, held_by_instance)
-                    if hit is not None:
-                        what, line = hit
-                        return (f"`{cls.name}` holds this optimizer and inherits `{sym.qualname}.{m.name}` "
-                                f"({sym.file}:{line}), which {what} of what the instance holds")
-            todo.append((sym.file, sym.node, depth + 1))
+    for file, base in _optim_s46.base_classes(symbols, rel, cls, _BASE_DEPTH):
+        for m in base.body:
+            if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                hit = _frees(m, held_by_instance)
+                if hit is not None:
+                    what, line = hit
+                    return (f"`{cls.name}` holds this optimizer and inherits `{base.name}.{m.name}` "
+                            f"({file}:{line}), which {what} of what the instance holds")
     return None
 
 
