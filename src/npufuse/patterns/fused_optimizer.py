@@ -32,7 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
-from npufuse.patterns import _fused_optimizer_s46a, _optim_s45
+from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, names_bound_from, segment
 from npufuse.scan.value import estimate, symbolic
@@ -2046,6 +2046,9 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     def miss(reason: str) -> NearMiss:
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
+    dead = _optim_s46.overwritten_before_use(scope.node, stmt)  # s46: replaced before any use
+    if dead is not None:
+        return miss(dead)
     # grads freed by a wrapper class's own objects (`for op in self.optimizers: op.zero_grad(True)`)
     # concern only the optimizers handed to that class: not this one when it never is
     foreign = _foreign_wrapper_lines(module, scope, stmt, call)

@@ -502,6 +502,12 @@ def skip_in_class(rel: str, cls: ast.ClassDef) -> list[RandomSkip]:
     for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
         for line, attr, how, _rates, test in _skips(fn, subs, set(), data=True):
             found.append(RandomSkip(rel, cls.name, line, attr, how, node=cls, test=test))
+    # s46 (optim46): one entry of a submodule list chosen per call by an argument or a draw (NAS supernets)
+    from npufuse.patterns._optim_s46 import chosen_entries
+
+    for fn in [forward, *(methods[m] for m in sorted(called) if m != "forward")]:
+        for line, attr, test in chosen_entries(fn, subs):
+            found.append(RandomSkip(rel, cls.name, line, attr, "runs only one entry of", node=cls, test=test))
     if found:
         return found
     # the draw is the caller's: a forward parameter decides the skip (`if not uncond_fwd: self.ref(...)`)

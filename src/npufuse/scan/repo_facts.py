@@ -43,6 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator, Optional
 
 from npufuse.patterns.base import Risk
+from npufuse.patterns import _optim_s46
 from npufuse.scan.dataflow import _statements_bfs, dotted, names_bound_from
 
 _PATTERN = "fused_optimizer"
@@ -85,6 +86,7 @@ class _Builder:
         top = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))} if tree else {}
         # s35: the builder of a forwarder (below): the driving file's facts are read through it
         self.via: Optional["_Builder"] = None
+        self.inherited = False  # s46: a base class's method forwarding the builder (_optim_s46)
         if len(parts) == 1 and isinstance(top.get(parts[0]), (ast.FunctionDef, ast.AsyncFunctionDef)):
             self.function = parts[0]
         elif len(parts) == 2 and isinstance(top.get(parts[0]), ast.ClassDef):
@@ -117,6 +119,9 @@ def _apply(root: Path, files: list[str], outcomes: list[Any], near: list[dict[st
     chains: dict[tuple[str, str], list[_Builder]] = {}
     for key, b in builders.items():
         chains[key] = [b, *_forwarders(_parse(_read(root, b.rel, max_bytes)), b)]
+        # s46: a base class of another file whose method calls this builder method on self (NATSpeech's
+        # BaseTask.configure_optimizers calling build_optimizer): the trainer reaches the optimizer through it
+        chains[key] += _optim_s46.inherited_forwarders(symbols, b)
     names = {c.function for chain in chains.values() for c in chain if c.function and c.module}
     if not names:
         return
@@ -1632,25 +1637,14 @@ def _inherited_freeing(symbols: Any, rel: str, tree: ast.Module, qualname: str) 
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == parts[0]), None) if len(parts) > 1 else None
     if cls is None:
         return None
-    todo: list[tuple[str, ast.ClassDef, int]] = [(rel, cls, 0)]
-    seen: set[tuple[str, str]] = set()
-    while todo:
-        file, node, depth = todo.pop(0)
-        if depth >= _BASE_DEPTH:
-            continue
-        for base in node.bases:
-            sym = symbols.resolve_node(file, base)
-            if sym.kind != "class" or not isinstance(sym.node, ast.ClassDef) or (sym.file, sym.qualname) in seen:
-                continue
-            seen.add((sym.file, sym.qualname))
-            for m in sym.node.body:
-                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    hit = _frees(m, held_by_instance)
-                    if hit is not None:
-                        what, line = hit
-                        return (f"`{cls.name}` holds this optimizer and inherits `{sym.qualname}.{m.name}` "
-                                f"({sym.file}:{line}), which {what} of what the instance holds")
-            todo.append((sym.file, sym.node, depth + 1))
+    for file, base in _optim_s46.base_classes(symbols, rel, cls, _BASE_DEPTH):
+        for m in base.body:
+            if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                hit = _frees(m, held_by_instance)
+                if hit is not None:
+                    what, line = hit
+                    return (f"`{cls.name}` holds this optimizer and inherits `{base.name}.{m.name}` "
+                            f"({file}:{line}), which {what} of what the instance holds")
     return None
 
 
