@@ -4294,7 +4294,7 @@ class _Eval:
             if recv.kind == "slotmask1" and attr == "nonzero" and _as_tuple(node):
                 return V("tokrows", ("slot",))
             if recv.kind == "slotmask1" and attr == "nonzero" and not node.args and not node.keywords:
-                return V("tokcol", (recv.args[0],))
+                return V("tokcol", (recv.args[0], "slot"))  # s46h: squeezed, the rows of slot k's mask
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
             if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
@@ -4348,7 +4348,7 @@ class _Eval:
                 return V("tokcol", recv.args)  # [n, 1]: squeeze(-1) / view(-1) gives the token rows
             if recv.kind == "tokcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
                                           or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
-                return V("tok")
+                return V("tok", recv.args[1:])  # s46h: a slot mask's rows stay the slot's rows (its weights read by them)
             if recv.kind == "rw_flat" and (attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]
                                            or attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)):
                 return V("rw")  # topk_weight[mask].view(-1, 1)
@@ -4409,6 +4409,8 @@ class _Eval:
             return V("rowslot_pairs", self.ev(node.args[0]).args)  # s43c: torch.nonzero(idx[tok] == e)
         if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
             return V("tokcol")
+        if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "slotmask1":
+            return V("tokcol", (self.ev(node.args[0]).args[0], "slot"))  # s46h: torch.nonzero(idx[:, k] == e), [n, 1]
         if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "flatmask":
             return self._flat_rows(self.ev(node.args[0]).args[0])
         if name == "torch.nonzero" and len(node.args) == 1 and _as_tuple(node):

@@ -1,0 +1,85 @@
+"""s46 (ho23fix46): classes behind the real misses and untrue near-miss reasons of the blind sets HO23a / HO23b,
+with invented reproducers (several spellings each, and near misses).
+
+1. moe_experts: a top-k slot loop around the expert loop whose rows are listed with ``torch.nonzero(mask)`` /
+   ``mask.nonzero()`` then squeezed (``[n, 1]`` -> ``[n]``): those rows are the slot mask's rows, so the slot's
+   weight column read by them (``w[:, k][rows]``) is the routing weight of the (token, slot) pairs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.moe_experts import MoeExperts
+
+# -- 1. slot loop around the expert loop, rows from a squeezed nonzero ------------------------------------------------
+
+_SLOT_NONZERO = '''\
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class SlotMoE(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.gate = nn.Linear(d, n)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(n)])
+        self.n = n
+        self.k = k
+
+    def forward(self, x):
+        B, T, D = x.shape
+        top = self.gate(x).topk(self.k, dim=-1)
+        ids = top.indices
+        w = F.softmax(top.values, dim=-1)
+        flat_x = x.view(B * T, D)
+        flat_ids = ids.view(B * T, self.k)
+        flat_w = w.view(B * T, self.k)
+        out = torch.zeros_like(flat_x)
+        for slot in range(self.k):
+            col = flat_ids[:, slot]
+            gv = flat_w[:, slot]
+            for e in range(self.n):
+                hit = (col == e)
+                if not hit.any():
+                    continue
+                rows = torch.nonzero(hit, as_tuple=False).squeeze(-1)
+                y = self.experts[e](flat_x[rows])
+                out[rows] += y * gv[rows].unsqueeze(-1)
+        return out.view(B, T, D)
+'''
+
+_SLOT_NONZERO_RUN = '''\
+m = SlotMoE(16, 4, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[1][0].weight]
+'''
+
+
+@pytest.mark.parametrize("spelling", [
+    "rows = torch.nonzero(hit, as_tuple=False).squeeze(-1)",
+    "rows = torch.nonzero(hit).squeeze(1)",
+    "rows = hit.nonzero().squeeze(-1)",
+    "rows = hit.nonzero().view(-1)",
+])
+def test_slot_loop_rows_from_squeezed_nonzero_fuse(spelling: str) -> None:
+    code = _SLOT_NONZERO.replace("rows = torch.nonzero(hit, as_tuple=False).squeeze(-1)", spelling)
+    findings, misses = detect_all(MoeExperts(), code)
+    assert [f.qualname for f in findings] == ["SlotMoE.forward"], [m.reason for m in misses]
+    assert findings[0].params["probs"] == "flat_w" and findings[0].params["indices"] == "flat_ids"
+    facts = check_rewrite_runs(MoeExperts(), code, _SLOT_NONZERO_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # every slot weighted by slot 0's weight: not each pair's own routing weight
+    ("gv = flat_w[:, slot]", "gv = flat_w[:, 0]"),
+    # the rows of the whole column mask of another slot
+    ("hit = (col == e)", "hit = (flat_ids[:, 0] == e)"),
+])
+def test_slot_loop_rows_from_squeezed_nonzero_near_misses(change: tuple[str, str]) -> None:
+    findings, misses = detect_all(MoeExperts(), _SLOT_NONZERO.replace(*change))
+    assert not findings and misses
