@@ -12,6 +12,7 @@ import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.patterns.swiglu import Swiglu
 
 # -- 1. slot loop around the expert loop, rows from a squeezed nonzero ------------------------------------------------
 
@@ -83,3 +84,82 @@ def test_slot_loop_rows_from_squeezed_nonzero_fuse(spelling: str) -> None:
 def test_slot_loop_rows_from_squeezed_nonzero_near_misses(change: tuple[str, str]) -> None:
     findings, misses = detect_all(MoeExperts(), _SLOT_NONZERO.replace(*change))
     assert not findings and misses
+
+
+# -- 2. swiglu: operands bound in both arms of an if / else to projections of one input -------------------------------
+
+_ARMED_KERNEL = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _stacked_linear(x, weight, bias):
+    out = torch.matmul(x, weight.transpose(-1, -2))
+    if bias is not None:
+        out = out + bias.unsqueeze(1)
+    return out
+
+
+def expert_kernel(x, w_up, b_up, w_gate, b_gate, w_down):
+    stacked = w_up.dim() == 3
+    if stacked:
+        up = _stacked_linear(x, w_up, b_up)
+    else:
+        up = F.linear(x, w_up, b_up)
+    if stacked:
+        gate = _stacked_linear(x, w_gate, b_gate)
+    else:
+        gate = F.linear(x, w_gate, b_gate)
+    up = F.silu(gate) * up
+    if stacked:
+        return torch.matmul(up, w_down.transpose(-1, -2))
+    return F.linear(up, w_down)
+'''
+
+_ARMED_KERNEL_RUN = '''\
+x = torch.randn(3, 5, 8, requires_grad=True)
+w_up = torch.randn(3, 12, 8, requires_grad=True)
+w_gate = torch.randn(3, 12, 8, requires_grad=True)
+w_down = torch.randn(3, 8, 12)
+b = torch.randn(3, 12)
+out = [expert_kernel(x, w_up, b, w_gate, b, w_down), expert_kernel(x[0], w_up[0], b[0], w_gate[0], None, w_down[0])]
+leaves = [x, w_up, w_gate]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    # one if / else holding both projections, the product in a method of a module
+    ("    if stacked:\n        gate = _stacked_linear(x, w_gate, b_gate)\n    else:\n        gate = F.linear(x, w_gate, b_gate)\n",
+     ""),
+    # the arms' first statements compute something else before the projection
+    ("        up = F.linear(x, w_up, b_up)\n", "        tmp = w_up.shape\n        up = F.linear(x, w_up, b_up)\n"),
+])
+def test_glu_operands_projected_in_both_arms_fuse(change: tuple[str, str]) -> None:
+    code = _ARMED_KERNEL
+    if change[0]:
+        code = code.replace(*change)
+    if "gate = _stacked" not in code:
+        code = code.replace("        up = _stacked_linear(x, w_up, b_up)\n",
+                            "        up = _stacked_linear(x, w_up, b_up)\n        gate = _stacked_linear(x, w_gate, b_gate)\n") \
+            .replace("        up = F.linear(x, w_up, b_up)\n", "        up = F.linear(x, w_up, b_up)\n        gate = F.linear(x, w_gate, b_gate)\n")
+    findings, misses = detect_all(Swiglu(), code)
+    assert [f.qualname for f in findings] == ["expert_kernel"], [m.reason for m in misses]
+    facts = check_rewrite_runs(Swiglu(), code, _ARMED_KERNEL_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # one arm projects another input: not a GLU of one input in that arm
+    ("        gate = F.linear(x, w_gate, b_gate)\n", "        gate = F.linear(x * 2, w_gate, b_gate)\n"),
+    # no else: where the test is false the name holds whatever it held before (here a parameter)
+    ("    if stacked:\n        gate = _stacked_linear(x, w_gate, b_gate)\n    else:\n        gate = F.linear(x, w_gate, b_gate)\n",
+     "    if stacked:\n        w_gate = _stacked_linear(x, w_gate, b_gate)\n"),
+])
+def test_glu_operands_projected_in_arms_near_misses(change: tuple[str, str]) -> None:
+    code = _ARMED_KERNEL.replace(*change).replace("F.silu(gate)", "F.silu(w_gate)" if "w_gate = _stacked" in change[1] else "F.silu(gate)")
+    findings, misses = detect_all(Swiglu(), code)
+    assert not findings
+    assert any("not projections of one input" in m.reason or "assigned under control flow" in m.reason for m in misses), \
+        [m.reason for m in misses]
