@@ -4,6 +4,10 @@ with invented reproducers (several spellings each, and near misses).
 1. moe_experts: a top-k slot loop around the expert loop whose rows are listed with ``torch.nonzero(mask)`` /
    ``mask.nonzero()`` then squeezed (``[n, 1]`` -> ``[n]``): those rows are the slot mask's rows, so the slot's
    weight column read by them (``w[:, k][rows]``) is the routing weight of the (token, slot) pairs.
+2. swiglu: an operand bound in both arms of one ``if`` / ``else`` to projections of one input (a functional expert
+   kernel serving stacked and single weights) is a projection of that input.
+3. rope: a complex rope whose pair view takes its shape as one value built apart (``shape = x.shape[:-1] + (-1, 2)``;
+   ``x.reshape(shape)``): the shape is read as its listed sizes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.patterns.rope import RopePattern as Rope
 from npufuse.patterns.swiglu import Swiglu
 
 # -- 1. slot loop around the expert loop, rows from a squeezed nonzero ------------------------------------------------
@@ -163,3 +168,66 @@ def test_glu_operands_projected_in_arms_near_misses(change: tuple[str, str]) -> 
     assert not findings
     assert any("not projections of one input" in m.reason or "assigned under control flow" in m.reason for m in misses), \
         [m.reason for m in misses]
+
+
+# -- 3. rope: the complex pair view's shape built in a separate value -------------------------------------------------
+
+_COMPLEX_SHAPE = '''\
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim, base=10000.0):
+        super().__init__()
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x):
+        t = torch.arange(x.size(2), device=x.device).float()
+        freqs = torch.outer(t, self.inv_freq)
+        cis = torch.polar(torch.ones_like(freqs), freqs)
+        pair_shape = x.shape[:-1] + (-1, 2)
+        pairs = x.float().reshape(pair_shape)
+        z = torch.view_as_complex(pairs)
+        cis = cis.view(1, 1, -1, cis.shape[-1])
+        out = torch.view_as_real(z * cis)
+        return out.flatten(-2).to(dtype=x.dtype)
+'''
+
+_COMPLEX_SHAPE_RUN = '''\
+m = Rotary(8)
+x = torch.randn(2, 3, 5, 8, requires_grad=True)
+out = m(x)
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("        pair_shape = x.shape[:-1] + (-1, 2)\n        pairs = x.float().reshape(pair_shape)\n",
+     "        pairs = x.float().reshape(x.shape[:-1] + (-1, 2))\n"),
+    ("pair_shape = x.shape[:-1] + (-1, 2)", "pair_shape = (*x.shape[:-1], -1, 2)"),
+    ("pair_shape = x.shape[:-1] + (-1, 2)", "pair_shape = list(x.shape[:-1]) + [x.shape[-1] // 2, 2]"),
+    ("x.float().reshape(pair_shape)", "x.float().view(pair_shape)"),
+])
+def test_complex_pairs_with_shape_built_apart_fuse(change: tuple[str, str]) -> None:
+    code = _COMPLEX_SHAPE.replace(*change) if change[0] else _COMPLEX_SHAPE
+    findings, misses = detect_all(Rope(), code)
+    assert [f.qualname for f in findings] == ["Rotary.forward"], [m.reason for m in misses]
+    assert findings[0].params["mode"] == "complex"
+    facts = check_rewrite_runs(Rope(), code, _COMPLEX_SHAPE_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # (2, -1): element i pairs with element i + D / 2 (two halves), not consecutive lanes
+    ("pair_shape = x.shape[:-1] + (-1, 2)", "pair_shape = x.shape[:-1] + (2, -1)"),
+    # the shape is bound on two paths: which one reaches the view is not known
+    ("        pair_shape = x.shape[:-1] + (-1, 2)\n",
+     "        pair_shape = x.shape[:-1] + (-1, 2)\n        if x.size(0) > 4:\n            pair_shape = x.shape[:-1] + (2, -1)\n"),
+])
+def test_complex_pairs_with_shape_built_apart_near_misses(change: tuple[str, str]) -> None:
+    findings, misses = detect_all(Rope(), _COMPLEX_SHAPE.replace(*change))
+    assert not findings
+    assert any("pairs are not formed by reshape(..., -1, 2)" in m.reason for m in misses), [m.reason for m in misses]
