@@ -8,6 +8,9 @@ with invented reproducers (several spellings each, and near misses).
    kernel serving stacked and single weights) is a projection of that input.
 3. rope: a complex rope whose pair view takes its shape as one value built apart (``shape = x.shape[:-1] + (-1, 2)``;
    ``x.reshape(shape)``): the shape is read as its listed sizes.
+4. moe_experts: expert modules called with keywords the loop passes unchanged to every expert (the forward's
+   ``**kwargs``, an unrebound parameter, a constant): the fused layer calls each expert as it is on the same rows with
+   the same keywords.
 """
 
 from __future__ import annotations
@@ -231,3 +234,82 @@ def test_complex_pairs_with_shape_built_apart_near_misses(change: tuple[str, str
     findings, misses = detect_all(Rope(), _COMPLEX_SHAPE.replace(*change))
     assert not findings
     assert any("pairs are not formed by reshape(..., -1, 2)" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 4. moe_experts: experts given the forward's keywords unchanged ----------------------------------------------------
+
+_KW_EXPERTS = '''\
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Scaled(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h, scale=1.0, shift=None, **unused):
+        y = torch.tanh(self.fc(h)) * scale
+        return y if shift is None else y + shift
+
+
+class Top1(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.n = n
+        self.experts = nn.ModuleList([Scaled(d) for _ in range(n)])
+        self.router = nn.Linear(d, n, bias=False)
+
+    def forward(self, hidden, **kwargs):
+        b, t, d = hidden.shape
+        flat = hidden.view(-1, d)
+        probs = F.softmax(self.router(flat), dim=-1)
+        choice = torch.argmax(probs, dim=-1)
+        weight = probs.gather(1, choice.unsqueeze(1)).squeeze(1)
+        out = torch.zeros_like(flat)
+        for i in range(self.n):
+            sel = choice == i
+            if sel.any():
+                y = self.experts[i](flat[sel], **kwargs)
+                out[sel] = y * weight[sel].unsqueeze(1)
+        return out.view(b, t, d)
+'''
+
+_KW_EXPERTS_RUN = '''\
+m = Top1(16, 4)
+x = torch.randn(2, 9, 16, requires_grad=True)
+out = [m(x, scale=0.5), m(x)]
+leaves = [x, m.router.weight, m.experts[2].fc.weight]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("self.experts[i](flat[sel], **kwargs)", "self.experts[i](flat[sel], shift=None, **kwargs)"),
+    ("def forward(self, hidden, **kwargs):", "def forward(self, hidden, scale=0.5, **kwargs):"),
+])
+def test_experts_given_unchanged_keywords_fuse(change: tuple[str, str]) -> None:
+    code = _KW_EXPERTS.replace(*change) if change[0] else _KW_EXPERTS
+    if "scale=0.5, **kwargs):" in code:
+        code = code.replace("self.experts[i](flat[sel], **kwargs)", "self.experts[i](flat[sel], scale=scale)")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert [f.qualname for f in findings] == ["Top1.forward"], [m.reason for m in misses]
+    assert findings[0].params["activation"] == "as the expert modules compute it"
+    run = _KW_EXPERTS_RUN if "scale=scale" not in code else _KW_EXPERTS_RUN.replace("m(x, scale=0.5)", "m(x, scale=0.25)")
+    facts = check_rewrite_runs(MoeExperts(), code, run, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # a keyword that changes per expert: the fused layer would not pass it
+    ("self.experts[i](flat[sel], **kwargs)", "self.experts[i](flat[sel], scale=i + 1.0)"),
+    # the keywords are changed in place before the loop: kept as written only if rebuilt at the fused call
+    ("        out = torch.zeros_like(flat)\n", "        out = torch.zeros_like(flat)\n        kwargs.pop('shift', None)\n"),
+    # a keyword computed inside the function (per token rows of another tensor)
+    ("self.experts[i](flat[sel], **kwargs)", "self.experts[i](flat[sel], shift=flat[sel])"),
+])
+def test_experts_given_keywords_near_misses(change: tuple[str, str]) -> None:
+    findings, misses = detect_all(MoeExperts(), _KW_EXPERTS.replace(*change))
+    assert not findings
+    assert any("takes arguments besides its rows" in m.reason for m in misses), [m.reason for m in misses]
