@@ -11,6 +11,8 @@ with invented reproducers (several spellings each, and near misses).
 4. moe_experts: expert modules called with keywords the loop passes unchanged to every expert (the forward's
    ``**kwargs``, an unrebound parameter, a constant): the fused layer calls each expert as it is on the same rows with
    the same keywords.
+5. add_rms_norm: the add and the norm separated by an ``if`` testing only the sum's dtype (a half-precision clamp):
+   the test is read on ``torch.result_type`` of the operands, the original statements run where it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.patterns.rope import RopePattern as Rope
 from npufuse.patterns.swiglu import Swiglu
@@ -313,3 +316,89 @@ def test_experts_given_keywords_near_misses(change: tuple[str, str]) -> None:
     findings, misses = detect_all(MoeExperts(), _KW_EXPERTS.replace(*change))
     assert not findings
     assert any("takes arguments besides its rows" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 5. add_rms_norm: an if between the add and the norm that tests the sum's dtype only -------------------------------
+
+_DTYPE_CLAMP = '''\
+import torch
+import torch.nn as nn
+
+
+class T5Norm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, h):
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * h
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm1 = T5Norm(d)
+        self.norm2 = T5Norm(d)
+        self.attn = nn.Linear(d, d)
+        self.ffn = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        a = self.attn(self.norm1(x))
+        x = x + self.drop(a)
+        if x.dtype == torch.float16 or x.dtype == torch.bfloat16:
+            limit = torch.finfo(x.dtype).max - 1000
+            x = torch.clamp(x, min=-limit, max=limit)
+        h = self.norm2(x)
+        return x + self.ffn(h)
+'''
+
+_DTYPE_CLAMP_RUN = '''\
+m = Layer(16)
+x = torch.randn(2, 5, 16, requires_grad=True)
+with torch.no_grad():
+    inferred = m(x)
+out = [m(x), inferred, m.to(torch.bfloat16)(x.detach().to(torch.bfloat16)).float()]
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("if x.dtype == torch.float16 or x.dtype == torch.bfloat16:", "if x.dtype in (torch.float16, torch.bfloat16):"),
+    ("if x.dtype == torch.float16 or x.dtype == torch.bfloat16:", "if x.dtype != torch.float32:"),
+    # the sum is also aliased before the branch
+    ("        x = x + self.drop(a)\n", "        x = x + self.drop(a)\n        res = x\n"),
+])
+def test_add_norm_across_a_dtype_only_branch_fuse(change: tuple[str, str]) -> None:
+    code = _DTYPE_CLAMP.replace(*change) if change[0] else _DTYPE_CLAMP
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["Layer.forward"], [m.reason for m in misses]
+    assert "torch.result_type(" in findings[0].fused, findings[0].fused
+    facts = check_rewrite_runs(AddRmsNorm(), code, _DTYPE_CLAMP_RUN, findings)
+    # fp32 (autograd on and off) runs fused; the bf16 call runs the original statements
+    assert facts["all_calls"].get("npu_add_rms_norm") and facts["all_calls"].get("npu_rms_norm"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+def test_add_norm_across_a_dtype_only_branch_takes_the_original_for_half() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _DTYPE_CLAMP)
+    run = "m = Layer(16).to(torch.bfloat16)\nwith torch.no_grad():\n    out = m(torch.randn(2, 5, 16).to(torch.bfloat16) * 1e4)\n"
+    facts = check_rewrite_runs(AddRmsNorm(), _DTYPE_CLAMP, run, findings)
+    assert not facts["all_calls"].get("npu_add_rms_norm") and not facts["all_calls"].get("npu_rms_norm"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # the test reads the sum's values: not known before the add
+    ("if x.dtype == torch.float16 or x.dtype == torch.bfloat16:", "if x.dtype == torch.float16 or x.shape[-1] > 8:"),
+    # the test reads a name the branch itself assigns (limit): its value before the branch is another one
+    ("if x.dtype == torch.float16 or x.dtype == torch.bfloat16:", "if x.dtype == torch.float16 and limit > 0:"),
+])
+def test_add_norm_across_a_branch_reading_more_than_the_dtype_is_not_fused(change: tuple[str, str]) -> None:
+    code = _DTYPE_CLAMP.replace(*change).replace("    def forward(self, x):\n", "    def forward(self, x, limit=1.0):\n")
+    findings, _ = detect_all(AddRmsNorm(), code)
+    assert not findings
