@@ -13,6 +13,8 @@ with invented reproducers (several spellings each, and near misses).
    the same keywords.
 5. add_rms_norm: the add and the norm separated by an ``if`` testing only the sum's dtype (a half-precision clamp):
    the test is read on ``torch.result_type`` of the operands, the original statements run where it holds.
+6. fused_optimizer: a construction whose name is rebound before anything reads it is never used: a near miss saying
+   so (the later construction is the site).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.patterns.rope import RopePattern as Rope
 from npufuse.patterns.swiglu import Swiglu
@@ -402,3 +405,51 @@ def test_add_norm_across_a_branch_reading_more_than_the_dtype_is_not_fused(chang
     code = _DTYPE_CLAMP.replace(*change).replace("    def forward(self, x):\n", "    def forward(self, x, limit=1.0):\n")
     findings, _ = detect_all(AddRmsNorm(), code)
     assert not findings
+
+
+# -- 6. fused_optimizer: a construction overwritten before use ----------------------------------------------------------
+
+_OVERWRITTEN = '''\
+import torch
+import torch.nn as nn
+
+model = nn.Linear(4, 4)
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+criterion = nn.MSELoss()
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.05)
+
+for step in range(3):
+    loss = criterion(model(torch.randn(2, 4)), torch.zeros(2, 4))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+
+@pytest.mark.parametrize("code", [
+    _OVERWRITTEN,
+    # in a function, the first one built from another class
+    "def train(model, data):\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n    n = len(data)\n"
+    "    opt = torch.optim.Adam(model.parameters(), lr=1e-3)\n    for x in data:\n        opt.zero_grad()\n"
+    "        model(x).sum().backward()\n        opt.step()\n",
+])
+def test_optimizer_overwritten_before_use_is_a_near_miss(code: str) -> None:
+    if not code.startswith("import"):
+        code = "import torch\n\n\n" + code
+    findings, misses = detect_all(FusedOptimizer(), code)
+    assert len(findings) == 1, [m.reason for m in misses]
+    dead = [m for m in misses if "the optimizer is never used" in m.reason]
+    assert len(dead) == 1 and dead[0].line < findings[0].line, [m.reason for m in misses]
+
+
+@pytest.mark.parametrize("between", [
+    "sched = torch.optim.lr_scheduler.StepLR(optimizer, 1)",  # read: the first optimizer is used
+    "configure()",  # a function of this module may read the global
+    "if criterion is None:\n    pass",  # control flow between: not followed
+])
+def test_optimizer_read_before_rebinding_stays_a_candidate(between: str) -> None:
+    code = _OVERWRITTEN.replace("criterion = nn.MSELoss()\n", f"criterion = nn.MSELoss()\n{between}\n") \
+        + "\n\ndef configure():\n    print(optimizer)\n"
+    findings, misses = detect_all(FusedOptimizer(), code)
+    assert not any("the optimizer is never used" in m.reason for m in misses)
+    assert len(findings) == 2, [m.reason for m in misses]
