@@ -15,6 +15,8 @@ with invented reproducers (several spellings each, and near misses).
    the test is read on ``torch.result_type`` of the operands, the original statements run where it holds.
 6. fused_optimizer: a construction whose name is rebound before anything reads it is never used: a near miss saying
    so (the later construction is the site).
+7. attention: the scores' shape bound to names (``i, j = att.shape[-2], att.shape[-1]``) that an ``if`` run as written
+   reads (a cached causal mask rebuilt when the sequence grows): the names are bound on the fused branch from q / k.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.patterns.rope import RopePattern as Rope
@@ -453,3 +456,73 @@ def test_optimizer_read_before_rebinding_stays_a_candidate(between: str) -> None
     findings, misses = detect_all(FusedOptimizer(), code)
     assert not any("the optimizer is never used" in m.reason for m in misses)
     assert len(findings) == 2, [m.reason for m in misses]
+
+
+# -- 7. attention: the scores' shape read by a cache update run as written -----------------------------------------------
+
+_CACHED_MASK = '''\
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = dim // n_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("mask", None, persistent=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        att = torch.einsum("bhid,bhjd->bhij", q, k) / (self.head_dim ** 0.5)
+        i, j = att.shape[-2], att.shape[-1]
+        if self.mask is None or self.mask.size(0) < i:
+            mask = torch.tril(torch.ones((i, j), device=x.device)).unsqueeze(0).unsqueeze(0)
+            self.mask = mask
+        att = att.masked_fill(self.mask[:, :, :i, :j] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        out = torch.einsum("bhij,bhjd->bhid", att, v)
+        return self.out(out.transpose(1, 2).reshape(B, T, D))
+'''
+
+_CACHED_MASK_RUN = '''\
+m = CausalSelfAttention(32, 4)
+x = torch.randn(2, 7, 32, requires_grad=True)
+out = [m(x), m(x[:, :3])]
+leaves = [x, m.qkv.weight]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("i, j = att.shape[-2], att.shape[-1]", "i, j = att.shape[-2:]"),
+    ("i, j = att.shape[-2], att.shape[-1]", "i, j = att.size(-2), att.size(-1)"),
+    ("att = torch.einsum(\"bhid,bhjd->bhij\", q, k) / (self.head_dim ** 0.5)",
+     "att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5"),
+])
+def test_scores_shape_read_by_a_cache_update_fuses(change: tuple[str, str]) -> None:
+    code = _CACHED_MASK.replace(*change) if change[0] else _CACHED_MASK
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert [f.qualname for f in findings] == ["CausalSelfAttention.forward"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AttentionPattern(), code, _CACHED_MASK_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+
+
+@pytest.mark.parametrize("change", [
+    # the if reads the scores' values, not only their shape
+    ("if self.mask is None or self.mask.size(0) < i:", "if self.mask is None or bool(att.isnan().any()):"),
+    # the name read is bound from the scores' values
+    ("i, j = att.shape[-2], att.shape[-1]", "i, j = att.shape[-2], int(att.argmax()) + 1"),
+])
+def test_scores_values_read_by_a_cache_update_stay_a_near_miss(change: tuple[str, str]) -> None:
+    findings, misses = detect_all(AttentionPattern(), _CACHED_MASK.replace(*change))
+    assert not findings
+    assert any("between the attention steps uses intermediate" in m.reason or "computed from the attention scores themselves"
+               in m.reason for m in misses), [m.reason for m in misses]
