@@ -4951,8 +4951,9 @@ AddRmsNorm.FUSE += [
 ]
 
 AddRmsNorm.KEEP += [
-    # the test reads the sum: it cannot run before the add
-    Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.dtype == torch.float16:"), name="gap_if_reading_the_sum"),
+    # the test reads the sum's shape: it cannot run before the add (s46h: a test of the sum's dtype only is read on
+    # the operands' result type, see patterns/_add_rms_norm_s46h.py)
+    Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.shape[-1] == 16:"), name="gap_if_reading_the_sum"),
 ]
 
 
