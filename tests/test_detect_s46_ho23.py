@@ -17,6 +17,8 @@ with invented reproducers (several spellings each, and near misses).
    so (the later construction is the site).
 7. attention: the scores' shape bound to names (``i, j = att.shape[-2], att.shape[-1]``) that an ``if`` run as written
    reads (a cached causal mask rebuilt when the sequence grows): the names are bound on the fused branch from q / k.
+8. add_rms_norm: a residual add ending one ``with`` block (a profiler range) and the norm of the sum starting the next:
+   not rewritten (one span of one block), now a near miss saying so instead of nothing.
 """
 
 from __future__ import annotations
@@ -526,3 +528,49 @@ def test_scores_values_read_by_a_cache_update_stay_a_near_miss(change: tuple[str
     assert not findings
     assert any("between the attention steps uses intermediate" in m.reason or "computed from the attention scores themselves"
                in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 8. add_rms_norm: the add and the norm in two consecutive with blocks ------------------------------------------------
+
+_WITH_SPLIT = _DTYPE_CLAMP.replace("import torch.nn as nn\n", "import torch.nn as nn\nfrom torch.profiler import record_function\n").replace(
+    '''        a = self.attn(self.norm1(x))
+        x = x + self.drop(a)
+        if x.dtype == torch.float16 or x.dtype == torch.bfloat16:
+            limit = torch.finfo(x.dtype).max - 1000
+            x = torch.clamp(x, min=-limit, max=limit)
+        h = self.norm2(x)
+        return x + self.ffn(h)
+''', '''        with record_function("attn"):
+            a = self.attn(self.norm1(x))
+            x = x + self.drop(a)
+            res = x
+        with record_function("mlp"):
+            h = self.norm2(x)
+            x = res + self.ffn(h)
+        return x
+''')
+
+
+def test_add_and_norm_in_two_with_blocks_is_a_near_miss() -> None:
+    findings, misses = detect_all(AddRmsNorm(), _WITH_SPLIT)
+    assert not findings
+    assert [m.line for m in misses if "ends one `with` block" in m.reason] == [33], [(m.line, m.reason) for m in misses]
+
+
+@pytest.mark.parametrize("change", [
+    # the next block starts with something else: no add + norm pair
+    ("            h = self.norm2(x)\n", "            h = self.ffn(x)\n"),
+    # the norm of another tensor
+    ("            h = self.norm2(x)\n", "            h = self.norm2(a)\n"),
+])
+def test_with_blocks_without_the_pair_give_no_such_near_miss(change: tuple[str, str]) -> None:
+    _, misses = detect_all(AddRmsNorm(), _WITH_SPLIT.replace(*change))
+    assert not any("ends one `with` block" in m.reason for m in misses)
+
+
+def test_add_and_norm_in_one_with_block_still_fuse() -> None:
+    code = _WITH_SPLIT.replace('''            res = x
+        with record_function("mlp"):
+''', "            res = x\n")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["Layer.forward"], [m.reason for m in misses]

@@ -3077,7 +3077,7 @@ class AddRmsNorm(Pattern):
         for stmt, site in [*_sites(module, scope), *_branch_sum_sites(module, scope), *_cast_sum_misses(module, scope),
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
                            *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope),
-                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope)]:
+                           *_add_rms_norm_s45sweep.switch_arm_sites(module, scope), *_s46h_with_split_misses(module, scope)]:
             yield self._site_result(module, scope, stmt, site)
 
     def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:
@@ -4774,6 +4774,26 @@ def _pure_test(test: ast.expr) -> bool:
         elif not isinstance(n, (*_PURE_TEST, ast.Call, ast.Tuple, ast.expr_context)):
             return False
     return True
+
+
+def _s46h_with_split_misses(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, str]]:
+    """s46h: a residual add ending one ``with`` block and the RMS norm of the sum starting the next: a near miss."""
+    if "with " not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+
+    def is_sum(value: ast.expr) -> bool:
+        ops = _operands(module, value)
+        return ops is not None and not isinstance(ops, str)
+
+    def is_rms_norm_of(call: ast.Call, name: str) -> bool:
+        if not _sum_arg(call, name, module):
+            return False
+        nc = _norm_call(module, scope, call, S.Ctx(scope, call.lineno))
+        return nc is not None and nc.kind in ("rms", "library", "l2", "external")
+
+    yield from _add_rms_norm_s46h.add_and_norm_in_two_with_blocks(idx.stmts, lambda st: idx.block[id(st)], is_sum,
+                                                                  is_rms_norm_of)
 
 
 def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
