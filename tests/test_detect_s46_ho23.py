@@ -33,6 +33,22 @@ from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.patterns.rope import RopePattern as Rope
 from npufuse.patterns.swiglu import Swiglu
 
+def _near_miss(pattern: object, code: str, *phrases: str) -> None:
+    """No candidate, and a near miss whose reason holds one of ``phrases``."""
+    findings, misses = detect_all(pattern, code)  # type: ignore[arg-type]
+    assert not findings
+    assert any(any(p in m.reason for p in phrases) for m in misses), [m.reason for m in misses]
+
+
+def _fused_and_runs(pattern: object, code: str, run: str, qualname: str) -> list:
+    """One candidate in ``qualname``, whose rewrite runs under the emulator with the original's values."""
+    findings, misses = detect_all(pattern, code)  # type: ignore[arg-type]
+    assert [f.qualname for f in findings] == [qualname], [m.reason for m in misses]
+    facts = check_rewrite_runs(pattern, code, run, findings)  # type: ignore[arg-type]
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+    return findings
+
+
 # -- 1. slot loop around the expert loop, rows from a squeezed nonzero ------------------------------------------------
 
 _SLOT_NONZERO = '''\
@@ -87,11 +103,8 @@ leaves = [x, m.gate.weight, m.experts[1][0].weight]
 ])
 def test_slot_loop_rows_from_squeezed_nonzero_fuse(spelling: str) -> None:
     code = _SLOT_NONZERO.replace("rows = torch.nonzero(hit, as_tuple=False).squeeze(-1)", spelling)
-    findings, misses = detect_all(MoeExperts(), code)
-    assert [f.qualname for f in findings] == ["SlotMoE.forward"], [m.reason for m in misses]
+    findings = _fused_and_runs(MoeExperts(), code, _SLOT_NONZERO_RUN, "SlotMoE.forward")
     assert findings[0].params["probs"] == "flat_w" and findings[0].params["indices"] == "flat_ids"
-    facts = check_rewrite_runs(MoeExperts(), code, _SLOT_NONZERO_RUN, findings)
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
 
 
 @pytest.mark.parametrize("change", [
@@ -163,10 +176,7 @@ def test_glu_operands_projected_in_both_arms_fuse(change: tuple[str, str]) -> No
         code = code.replace("        up = _stacked_linear(x, w_up, b_up)\n",
                             "        up = _stacked_linear(x, w_up, b_up)\n        gate = _stacked_linear(x, w_gate, b_gate)\n") \
             .replace("        up = F.linear(x, w_up, b_up)\n", "        up = F.linear(x, w_up, b_up)\n        gate = F.linear(x, w_gate, b_gate)\n")
-    findings, misses = detect_all(Swiglu(), code)
-    assert [f.qualname for f in findings] == ["expert_kernel"], [m.reason for m in misses]
-    facts = check_rewrite_runs(Swiglu(), code, _ARMED_KERNEL_RUN, findings)
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+    _fused_and_runs(Swiglu(), code, _ARMED_KERNEL_RUN, "expert_kernel")
 
 
 @pytest.mark.parametrize("change", [
@@ -227,11 +237,8 @@ leaves = [x]
 ])
 def test_complex_pairs_with_shape_built_apart_fuse(change: tuple[str, str]) -> None:
     code = _COMPLEX_SHAPE.replace(*change) if change[0] else _COMPLEX_SHAPE
-    findings, misses = detect_all(Rope(), code)
-    assert [f.qualname for f in findings] == ["Rotary.forward"], [m.reason for m in misses]
+    findings = _fused_and_runs(Rope(), code, _COMPLEX_SHAPE_RUN, "Rotary.forward")
     assert findings[0].params["mode"] == "complex"
-    facts = check_rewrite_runs(Rope(), code, _COMPLEX_SHAPE_RUN, findings)
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
 
 
 @pytest.mark.parametrize("change", [
@@ -242,9 +249,7 @@ def test_complex_pairs_with_shape_built_apart_fuse(change: tuple[str, str]) -> N
      "        pair_shape = x.shape[:-1] + (-1, 2)\n        if x.size(0) > 4:\n            pair_shape = x.shape[:-1] + (2, -1)\n"),
 ])
 def test_complex_pairs_with_shape_built_apart_near_misses(change: tuple[str, str]) -> None:
-    findings, misses = detect_all(Rope(), _COMPLEX_SHAPE.replace(*change))
-    assert not findings
-    assert any("pairs are not formed by reshape(..., -1, 2)" in m.reason for m in misses), [m.reason for m in misses]
+    _near_miss(Rope(), _COMPLEX_SHAPE.replace(*change), "pairs are not formed by reshape(..., -1, 2)")
 
 
 # -- 4. moe_experts: experts given the forward's keywords unchanged ----------------------------------------------------
@@ -304,12 +309,9 @@ def test_experts_given_unchanged_keywords_fuse(change: tuple[str, str]) -> None:
     code = _KW_EXPERTS.replace(*change) if change[0] else _KW_EXPERTS
     if "scale=0.5, **kwargs):" in code:
         code = code.replace("self.experts[i](flat[sel], **kwargs)", "self.experts[i](flat[sel], scale=scale)")
-    findings, misses = detect_all(MoeExperts(), code)
-    assert [f.qualname for f in findings] == ["Top1.forward"], [m.reason for m in misses]
-    assert findings[0].params["activation"] == "as the expert modules compute it"
     run = _KW_EXPERTS_RUN if "scale=scale" not in code else _KW_EXPERTS_RUN.replace("m(x, scale=0.5)", "m(x, scale=0.25)")
-    facts = check_rewrite_runs(MoeExperts(), code, run, findings)
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+    findings = _fused_and_runs(MoeExperts(), code, run, "Top1.forward")
+    assert findings[0].params["activation"] == "as the expert modules compute it"
 
 
 @pytest.mark.parametrize("change", [
@@ -321,9 +323,7 @@ def test_experts_given_unchanged_keywords_fuse(change: tuple[str, str]) -> None:
     ("self.experts[i](flat[sel], **kwargs)", "self.experts[i](flat[sel], shift=flat[sel])"),
 ])
 def test_experts_given_keywords_near_misses(change: tuple[str, str]) -> None:
-    findings, misses = detect_all(MoeExperts(), _KW_EXPERTS.replace(*change))
-    assert not findings
-    assert any("takes arguments besides its rows" in m.reason for m in misses), [m.reason for m in misses]
+    _near_miss(MoeExperts(), _KW_EXPERTS.replace(*change), "takes arguments besides its rows")
 
 
 # -- 5. add_rms_norm: an if between the add and the norm that tests the sum's dtype only -------------------------------
@@ -511,10 +511,7 @@ leaves = [x, m.qkv.weight]
 ])
 def test_scores_shape_read_by_a_cache_update_fuses(change: tuple[str, str]) -> None:
     code = _CACHED_MASK.replace(*change) if change[0] else _CACHED_MASK
-    findings, misses = detect_all(AttentionPattern(), code)
-    assert [f.qualname for f in findings] == ["CausalSelfAttention.forward"], [m.reason for m in misses]
-    facts = check_rewrite_runs(AttentionPattern(), code, _CACHED_MASK_RUN, findings)
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+    _fused_and_runs(AttentionPattern(), code, _CACHED_MASK_RUN, "CausalSelfAttention.forward")
 
 
 @pytest.mark.parametrize("change", [
@@ -524,10 +521,8 @@ def test_scores_shape_read_by_a_cache_update_fuses(change: tuple[str, str]) -> N
     ("i, j = att.shape[-2], att.shape[-1]", "i, j = att.shape[-2], int(att.argmax()) + 1"),
 ])
 def test_scores_values_read_by_a_cache_update_stay_a_near_miss(change: tuple[str, str]) -> None:
-    findings, misses = detect_all(AttentionPattern(), _CACHED_MASK.replace(*change))
-    assert not findings
-    assert any("between the attention steps uses intermediate" in m.reason or "computed from the attention scores themselves"
-               in m.reason for m in misses), [m.reason for m in misses]
+    _near_miss(AttentionPattern(), _CACHED_MASK.replace(*change), "between the attention steps uses intermediate",
+               "computed from the attention scores themselves")
 
 
 # -- 8. add_rms_norm: the add and the norm in two consecutive with blocks ------------------------------------------------
