@@ -27,6 +27,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
+from npufuse.patterns import _add_rms_norm_s46h
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -2200,6 +2201,9 @@ class _Site:
     # s27: ``u = attn(norm(u)) + u; if <pure test>: u = u * mask; u = mlp(norm2(u)) + u``: the ``if``
     # between the sum and its norm; the fused code runs where its test is false (else the original)
     gap: ast.If | None = None
+    # s46h: the gap's test reads the sum only as ``sum.dtype``: tested on the operands' result type, the original
+    # statements run where it holds (see patterns/_add_rms_norm_s46h.py)
+    gap_dtype: bool = False
     # s27: ``h = r + y; residual = h; h = h.to(<dtype>)`` then the norm of ``h``: the cast statement and
     # its target dtype as code; npu_add_rms_norm runs only where the cast changes nothing
     cast: tuple[ast.stmt, str] | None = None
@@ -2518,7 +2522,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     ones = f"{T}.ones({x1}.shape[-1], dtype={x1}.dtype, device={x1}.device)"
     if site.wrapper is not None:
         conditions.append(S.source_of(module, site.wrapper.test))
-    if site.gap is not None:
+    if site.gap is not None and not site.gap_dtype:
         conditions.append(f"not ({S.source_of(module, site.gap.test)})")
     width = _add_rms_norm_s45h.on_operand(site.nc.conditions, [S.source_of(module, x) for x in (site.x1, site.x2) if _simple(x)])
     if width is None:  # s45: a width test of the norm's input needs an operand it can read twice
@@ -2682,6 +2686,15 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     body.append(S.indent("\n".join(train)))
     body.append("else:")
     body.append(S.indent("\n".join(infer)))
+    if site.gap is not None and site.gap_dtype:
+        # s46h: the gap runs for some dtypes of the sum: tested on the operands, the original statements there
+        test = _add_rms_norm_s46h.test_on_operands(site.gap.test, s_name, x1, x2, T)
+        gblock, gi = S.stmt_index(scope).block[id(site.add)]
+        gj = next((k for k in range(gi, len(gblock)) if gblock[k] is site.last), None)
+        if test is None or gj is None:
+            return "the statement between the add and the norm tests the sum's dtype in a form npufuse cannot move"
+        body = _add_rms_norm_s46h.dtype_arm(pre, body[len(pre):], test, s_name, x1, x2,
+                                            S.block_source(module, gblock[gi + 1 : gj + 1]))
     guard = _guard(site)
     if guard is None:
         return "no input tensor live before the site to guard the fused branch on"
@@ -3087,7 +3100,8 @@ class AddRmsNorm(Pattern):
                            *_gap_sites(module, scope), *_cast_stmt_sites(module, scope), *_tail_sites(module, scope),
                            *_head_sites(module, scope), *_s42_conditional_sum_sites(module, scope),
                            *_add_rms_norm_s45sweep.switch_arm_sites(module, scope),
-                           *_add_rms_norm_s46a.head_sites_after_aliases(module, scope)]:
+                           *_add_rms_norm_s46a.head_sites_after_aliases(module, scope),
+                           *_s46h_with_split_misses(module, scope)]:
             yield self._site_result(module, scope, stmt, site)
 
     def _site_result(self, module: ModuleInfo, scope: Scope, stmt: ast.stmt, site: _Site | str) -> Result:
@@ -4786,6 +4800,26 @@ def _pure_test(test: ast.expr) -> bool:
     return True
 
 
+def _s46h_with_split_misses(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, str]]:
+    """s46h: a residual add ending one ``with`` block and the RMS norm of the sum starting the next: a near miss."""
+    if "with " not in S.scope_text(module, scope):
+        return
+    idx = S.stmt_index(scope)
+
+    def is_sum(value: ast.expr) -> bool:
+        ops = _operands(module, value)
+        return ops is not None and not isinstance(ops, str)
+
+    def is_rms_norm_of(call: ast.Call, name: str) -> bool:
+        if not _sum_arg(call, name, module):
+            return False
+        nc = _norm_call(module, scope, call, S.Ctx(scope, call.lineno))
+        return nc is not None and nc.kind in ("rms", "library", "l2", "external")
+
+    yield from _add_rms_norm_s46h.add_and_norm_in_two_with_blocks(idx.stmts, lambda st: idx.block[id(st)], is_sum,
+                                                                  is_rms_norm_of)
+
+
 def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
     """A residual sum, an ``if <pure test>:`` without ``else`` (its body may change the sum, e.g. a
     padding mask), then the norm of the sum: fused where the test is false, where the ``if`` does
@@ -4797,7 +4831,8 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         if not (isinstance(gap, ast.If) and not gap.orelse and _pure_test(gap.test)):
             continue
         written = {s_name} | {a.targets[0].id for a in aliases} | S.names_written(gap)  # type: ignore[attr-defined]
-        if S.names_read(gap.test) & written:
+        dtype_gap = _add_rms_norm_s46h.reads_only_sum_dtype(gap.test, s_name, written)  # s46h: `if x.dtype == fp16:`
+        if S.names_read(gap.test) & written and not dtype_gap:
             continue
         # the if's body normalises the sum itself (that is the site: a wrapper, one per add), or hands it to a call and
         # rebinds it (an optional adapter ending in an add: the tail-site reading). s43: a body that only reads the sum
@@ -4805,10 +4840,12 @@ def _gap_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Si
         # test holds, so it does not stop the site
         rebinds = s_name in S.names_written(gap)
         if any(isinstance(n, ast.Call) and _sum_arg(n, s_name, module)
-               and (rebinds or _norm_call(module, scope, n, S.Ctx(scope, n.lineno)) is not None) for n in fast_walk(gap)):
+               and (rebinds and not dtype_gap or _norm_call(module, scope, n, S.Ctx(scope, n.lineno)) is not None)
+               for n in fast_walk(gap)):
             continue
         yield from _norm_of_sum(module, scope, after, s_name,
-                                lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap))
+                                lambda nstmt, nc: _Site(stmt, aliases, nstmt, nc, ops[0], ops[1], s_name, gap=gap,
+                                                        gap_dtype=dtype_gap))
 
 
 def _tail_sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -4958,8 +4995,9 @@ AddRmsNorm.FUSE += [
 ]
 
 AddRmsNorm.KEEP += [
-    # the test reads the sum: it cannot run before the add
-    Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.dtype == torch.float16:"), name="gap_if_reading_the_sum"),
+    # the test reads the sum's shape: it cannot run before the add (s46h: a test of the sum's dtype only is read on
+    # the operands' result type, see patterns/_add_rms_norm_s46h.py)
+    Keep(_GAP_IF.replace("if type(padding_mask) == torch.Tensor:", "if u.shape[-1] == 16:"), name="gap_if_reading_the_sum"),
 ]
 
 

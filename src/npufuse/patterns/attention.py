@@ -45,6 +45,7 @@ from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _at
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _mask_rows, _score_method
 from npufuse.patterns import _attention_s46sweepb
+from npufuse.patterns import _attention_s46h
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -3773,6 +3774,19 @@ class AttentionPattern(Pattern):
                 # later statement run as written that reads it is then reading an intermediate (s31: it ran unbound)
                 dropped |= interp.assigned[j]
                 continue
+            if reads_internal and r.scores_shape is not None and isinstance(other, ast.If):
+                # s46h: `i, j = att.shape[-2:]` inlined into the mask, read by an `if` run as written (a cached mask
+                # rebuilt when the sequence grows): the names are bound on the fused branch from the scores' shape
+                rebound = _attention_s46h.rebound_metadata(
+                    block, {k for k in range(s, j) if (k in steps and k not in kept and k not in r.bound)
+                            or (interp.assigned[k] and interp.assigned[k] <= dropped)}, s, j, reads_internal, interp.assigned,
+                    self._meta_only,
+                    lambda k: set().union(*(interp.assigned[i] for i in range(s, k) if i in steps and i not in kept)),
+                    lambda k: None if _heavy(interp.sym(block[k].value, interp.before[k]), through_meta=False) else
+                    _attention_s46h.render_assignment(block[k], r.text, interp.sym(block[k].value, interp.before[k])))
+                if rebound is not None:
+                    lines.extend(rebound)
+                    reads_internal = set()
             if reads_internal:
                 if _is_check(other):
                     continue  # a shape assert on an intermediate: the fused op checks shapes itself

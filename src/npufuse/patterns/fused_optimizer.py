@@ -33,6 +33,7 @@ import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
 from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
+from npufuse.patterns import _optim_s46h
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, names_bound_from, segment
 from npufuse.scan.value import estimate, symbolic
@@ -117,6 +118,13 @@ class FusedOptimizer(Pattern):
             if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
                 continue
             calls = _optimizer_calls(module, stmt)
+            rebound = _optim_s46h.rebound_before_read(module, _block, _i) if calls else None
+            if rebound is not None:
+                # s46h: `opt = AdamW(..)` then `opt = AdamW(..)` again before any use: this one never steps
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno,
+                               f"the optimizer is never used: `{ast.unparse(stmt.targets[0])}` is rebound at line "  # type: ignore[union-attr]
+                               f"{rebound} before anything reads it (the construction there is the site)")
+                continue
             for call in calls:
                 yield _site(module, scope, stmt, call, _units(module).tiers(scope.qualname), in_place=self.zero_grad_in_place)
             for call in _unfusable_calls(module, stmt):

@@ -45,6 +45,7 @@ from npufuse.patterns import _moe_s44b
 from npufuse.patterns import _moe_s45b
 from npufuse.patterns import _moe_s45h
 from npufuse.patterns import _moe_s46b
+from npufuse.patterns import _moe_s46h
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -190,6 +191,7 @@ class _Site:
     weight_select: str = ""
     # s41b: opaque experts of a two-input forward called with the same rows twice (`expert(x_sel, x_sel)`)
     rows_twice: bool = False
+    expert_kwargs: str = ""  # s46h: `, **kwargs` the loop passes every expert unchanged (opaque experts get it too)
     cond: str = ""  # s42b: the experts' second argument, per-token conditioning rows `cond[sel]` (permuted with the rows)
     cond_tokens: str = ""  # s42b: the tokens as the loop reads them (their leading dims are the conditioning's)
     more_conds: tuple = ()  # s43b: the experts' third, fourth, ... arguments, conditioning rows like `cond`
@@ -2661,6 +2663,7 @@ class _Eval:
         self.expanded_to = ""  # s41: the tensor a [.., 1] slot-weight column is expanded to (must be the tokens)
         self.count_stats: list[tuple[str, str, bool, str, str]] = []  # s41: (stat, assign / add, guarded, indices, text)
         self.weight_select = ""  # s41: tokens picked as `w > 0` of the masked slot-weight sum (the routed tokens)
+        self.expert_kwargs = ""  # s46h: keywords every expert call passes unchanged (`, **kwargs` as written)
         self.rows_twice = False  # s41b: the expert module is called with its rows as both arguments
         self.post_dropout = ""  # s41b: `self.dropout(expert(rows))`: the dropout call with `{}` for the expert output
         self.s42c_reads: dict[int, ast.expr] = {}  # s42c: id of a flat-position read -> its (token, slot) pair form
@@ -4357,7 +4360,7 @@ class _Eval:
             if recv.kind == "slotmask1" and attr == "nonzero" and _as_tuple(node):
                 return V("tokrows", ("slot",))
             if recv.kind == "slotmask1" and attr == "nonzero" and not node.args and not node.keywords:
-                return V("tokcol", (recv.args[0],))
+                return V("tokcol", (recv.args[0], "slot"))  # s46h: squeezed, the rows of slot k's mask
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
             if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
@@ -4411,7 +4414,7 @@ class _Eval:
                 return V("tokcol", recv.args)  # [n, 1]: squeeze(-1) / view(-1) gives the token rows
             if recv.kind == "tokcol" and (attr in ("squeeze", "flatten") and (not node.args or const_value(node.args[0]) in (1, -1))
                                           or attr in ("view", "reshape") and len(node.args) == 1 and const_value(node.args[0]) == -1):
-                return V("tok")
+                return V("tok", recv.args[1:])  # s46h: a slot mask's rows stay the slot's rows (its weights read by them)
             if recv.kind == "rw_flat" and (attr in ("view", "reshape") and [const_value(a) for a in node.args] == [-1, 1]
                                            or attr == "unsqueeze" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1)):
                 return V("rw")  # topk_weight[mask].view(-1, 1)
@@ -4472,6 +4475,8 @@ class _Eval:
             return V("rowslot_pairs", self.ev(node.args[0]).args)  # s43c: torch.nonzero(idx[tok] == e)
         if name == "torch.nonzero" and node.args and self.ev(node.args[0]).kind == "tokmask" and not node.keywords:
             return V("tokcol")
+        if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "slotmask1":
+            return V("tokcol", (self.ev(node.args[0]).args[0], "slot"))  # s46h: torch.nonzero(idx[:, k] == e), [n, 1]
         if name == "torch.nonzero" and len(node.args) == 1 and not node.keywords and self.ev(node.args[0]).kind == "flatmask":
             return self._flat_rows(self.ev(node.args[0]).args[0])
         if name == "torch.nonzero" and len(node.args) == 1 and _as_tuple(node):
@@ -4549,10 +4554,16 @@ class _Eval:
                 # s42b: `expert(x[sel], cond[sel])`: per-token conditioning rows, permuted with the rows (s43b: any number)
                 self.cond, self.more_conds = conds[0], conds[1:]
                 return V("mod_out", (args[0], False))
+            forwarded = _moe_s46h.forwarded_keywords(node, self.scope) \
+                if self.expert_init is None and len(args) == 1 and args[0].kind in ("x", "x_sorted") else None
+            if forwarded is not None and self.expert_kwargs in ("", forwarded):
+                self.expert_kwargs = forwarded  # s46h: `expert(rows, **kwargs)`: the same keywords at every expert
+                return V("mod_out", (args[0], False))
             if node.keywords or len(args) > 2 or (len(args) == 2 and args[1].kind != "rw"):
                 raise _Miss(f"the expert takes arguments besides its rows and routing weights (`{ast.unparse(node)[:70]}`): "
                             "the fused layer calls each expert on its rows only (and on conditioning rows only when they are "
-                            "picked with the rows' own index, `cond[sel]` beside `x[sel]`)")
+                            "picked with the rows' own index, `cond[sel]` beside `x[sel]`; with keywords only when each is a "
+                            "constant or a parameter the function never changes)")
             if args and args[0].kind == "scaled" and args[0].args[0].kind in ("x", "x_sorted"):
                 raise _Miss(f"the routing weights scale the expert's input (`{ast.unparse(node)[:60]}`), not its output: "
                             "the same only for a linear expert; the fused layer weights the expert outputs")
@@ -4869,6 +4880,8 @@ class _Eval:
                     raise _Miss(f"the experts are called through their method `{self.expert_method}`")
                 if self.expert_residual:  # s46b: the experts' rows added to their output: called as they are
                     raise _Miss(f"the experts' rows are added to their output ({self.expert_residual})")
+                if self.expert_kwargs:
+                    raise _Miss("the expert is given keyword arguments its forward may read")  # s46h: called as it is
                 mlp = _expert_module_mlp(self, core.args[1])
             except _Miss as why:
                 if core.args[1]:
@@ -5172,6 +5185,7 @@ class _Eval:
             raise _Miss("the experts' rows are added to their output, which npufuse replays only for experts called on "
                         "their rows alone, for one output")
         site.rows_twice = self.rows_twice
+        site.expert_kwargs = self.expert_kwargs
         site.cond, site.cond_tokens, site.more_conds = self.cond, site.tokens, self.more_conds
         if self.cond and (site.part_outs or site.column_rows or site.lead_rows or site.routing not in ("mask_where", "flat_mask")
                           or site.local_start or site.sentinel or mlp.layout != "opaque"):
@@ -6055,6 +6069,7 @@ def _fused_text(site: _Site) -> str:
         rows = f"{P}rows_e"
         arg = f"{rows}.unsqueeze(1)" if site.column_rows else f"{rows}.unsqueeze(0)" if site.lead_rows else rows
         arg = f"{arg}, {arg}" if site.rows_twice else arg  # s41b: a two-input expert given its rows twice
+        arg += site.expert_kwargs
         parts = site.part_outs or (("", site.out_name, site.out_dtype),)
 
         def rowwise(v: str) -> str:
@@ -6095,7 +6110,7 @@ def _fused_text(site: _Site) -> str:
     if opaque:
         rows = f"{P}rows_e"
         second = f", {rows}" if site.rows_twice else f", {P}cond_e{_moe_s43b.more_conditioning_args(site.more_conds, P)}" if site.cond else ""
-        call = f"{P}expert{site.expert_call}({rows}{second})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
+        call = f"{P}expert{site.expert_call}({rows}{second}{site.expert_kwargs})" + (f"[{site.expert_part}]" if site.expert_part is not None else "")
         if site.expert_residual:  # s46b: the residual expert, as the loop computes it from the same rows
             call = f"({call} {site.expert_residual} {rows})"
         if site.skip_empty:

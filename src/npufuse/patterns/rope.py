@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
-from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep
+from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
@@ -1401,6 +1401,8 @@ def _complex_pairs(scope: Scope, pairs: ast.expr, line: int, allow_f64: bool = F
             node = node.func.value
             continue
         break
+    if not _pairs_view(node):
+        node = _rope_s46h.shape_spelled_out(scope, node, line) or node  # s46h: `x.reshape(shape)`, shape built apart
     if not _pairs_view(node):
         return "complex rope whose pairs are not formed by reshape(..., -1, 2) on the last dim: not recognised"
     x = _einops_pairs_source(node) or node.func.value  # type: ignore[attr-defined]

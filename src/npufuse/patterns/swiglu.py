@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
-from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep
+from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep, _swiglu_s46h
 from npufuse.patterns import _reasons_s46
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
@@ -1455,6 +1455,9 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             return Gate(act, Operand(a, actx), Operand(b, ctx), node, halves, trace, None)
     ia = _projection_input(a, actx, module)
     ib = _projection_input(b, ctx, module)
+    if ia is None or ib is None:  # s46h: a name bound in both arms of an if / else to projections of one input
+        ia = ia if ia is not None else _swiglu_s46h.branch_projection_input(module, a, actx, _projection_input)
+        ib = ib if ib is not None else _swiglu_s46h.branch_projection_input(module, b, ctx, _projection_input)
     if ia is None or ib is None or ia != ib:
         ia, ib = _summed_projection_input(a, actx, module) or ia, _summed_projection_input(b, ctx, module) or ib
     if ia is None or ib is None or ia != ib:
