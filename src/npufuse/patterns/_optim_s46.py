@@ -260,6 +260,10 @@ def overwritten_before_use(function: ast.AST, stmt: ast.stmt) -> Optional[str]:
     if bound is None:
         return None
     name, attribute = bound
+    if not attribute:
+        # a plain name is ho23fix46's `_optim_s46h.rebound_before_read` (run first, in detect): it also refuses where a
+        # function of the module (which may read the global) or control flow sits between; this reader does not
+        return None
     block = _block_of(function, stmt)
     if block is None:
         return None
