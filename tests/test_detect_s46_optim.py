@@ -265,3 +265,32 @@ def test_optimizer_replaced_before_any_read_is_a_near_miss(tmp_path):
 def test_optimizer_replaced_only_on_one_branch_stays_a_candidate(tmp_path):
     data = _scan_one(tmp_path, CHOSEN)
     assert sorted(c["line"] for c in data["candidates"] if c["pattern"] == "fused_optimizer") == [6, 9]
+
+
+SELF_DEAD = textwrap.dedent('''
+    import torch
+
+
+    class Trainer:
+        def __init__(self, model):
+            self.model = model
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            n_params = sum(p.numel() for p in model.parameters())
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            self.n_params = n_params
+''')
+
+
+def test_self_attribute_replaced_before_any_read_is_a_near_miss(tmp_path):
+    # the `self.<x>` case is this module's reader's alone (a plain name is _optim_s46h's)
+    data = _scan_one(tmp_path, SELF_DEAD)
+    assert [c["line"] for c in data["candidates"] if c["pattern"] == "fused_optimizer"] == [10]
+    misses = [m for m in data["near_misses"] if m["pattern"] == "fused_optimizer"]
+    assert [m["line"] for m in misses] == [8] and "`self.optimizer` is rebound at line 10" in misses[0]["reason"]
+
+
+def test_self_attribute_read_through_a_self_call_between_stays_a_candidate(tmp_path):
+    code = SELF_DEAD.replace("        n_params = sum(", "        self.log()\n        n_params = sum(")
+    assert "self.log()" in code
+    data = _scan_one(tmp_path, code)
+    assert sorted(c["line"] for c in data["candidates"] if c["pattern"] == "fused_optimizer") == [8, 11]

@@ -208,10 +208,12 @@ def chosen_entries(fn: ast.FunctionDef | ast.AsyncFunctionDef, subs: set[str]) -
 
 
 # --- dead construction: the optimizer is replaced before anything reads it ------------------------------------------
-# `optimizer = torch.optim.SGD(...)` followed in the same block by `optimizer = torch.optim.AdamW(...)` with no read of
-# `optimizer` between them: the first object is never stepped, so rewriting it changes nothing (the blind judges' "dead
-# construction" extras). Exact and local only: a plain name (or `self.x` with no `self.` call between, which might read
-# it), later statements of the same block, no read of the name in between nor in the rebinding statement's value.
+# `self.opt = torch.optim.SGD(...)` followed in the same block by `self.opt = torch.optim.AdamW(...)` with no read of
+# `self.opt` (and no `self.` call, which might read it) between them: the first object is never stepped, so rewriting it
+# changes nothing (the blind judges' "dead construction" extras). A plain name is `_optim_s46h.rebound_before_read`'s
+# (run first, in detect: it also refuses where a function of the module, which may read the global, or control flow
+# sits between). Exact and local only: later statements of the same block, no read in between nor in the rebinding
+# statement's value.
 
 def _block_of(root: ast.AST, stmt: ast.stmt) -> Optional[list[ast.stmt]]:
     for n in ast.walk(root):
@@ -222,18 +224,13 @@ def _block_of(root: ast.AST, stmt: ast.stmt) -> Optional[list[ast.stmt]]:
     return None
 
 
-def _reads(node: ast.AST, name: str, attribute: bool) -> bool:
-    """Does ``node`` read ``name`` (a plain name), or (``attribute``: ``self.x``) read ``self.x`` or call a ``self.``
-    method (which may read it)?"""
+def _reads_self(node: ast.AST, name: str) -> bool:
+    """Does ``node`` read ``name`` (``self.x``), call a ``self.`` method (which may read it), or reflect?"""
     for n in ast.walk(node):
-        if not attribute and isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Store):
-            return True
-        if not attribute and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            return True  # a closure may read it later
-        if attribute and isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
             if f"self.{n.attr}" == name and not isinstance(n.ctx, ast.Store):
                 return True
-        if attribute and isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "self":
             return True
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("locals", "vars", "eval", "exec"):
@@ -241,40 +238,33 @@ def _reads(node: ast.AST, name: str, attribute: bool) -> bool:
     return False
 
 
-def _target(stmt: ast.stmt) -> Optional[tuple[str, bool]]:
-    """(``name`` or ``self.x``, is an attribute) of ``X = value``; None for other statements."""
+def _self_target(stmt: ast.stmt) -> Optional[str]:
+    """``self.x`` of ``self.x = value``; None for other statements."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1) and not (isinstance(stmt, ast.AnnAssign) and stmt.value):
         return None
     t = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-    if isinstance(t, ast.Name):
-        return t.id, False
     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
-        return f"self.{t.attr}", True
+        return f"self.{t.attr}"
     return None
 
 
 def overwritten_before_use(function: ast.AST, stmt: ast.stmt) -> Optional[str]:
-    """The near-miss reason when the optimizer ``stmt`` binds is rebound later in the same block before anything reads
-    it; None otherwise."""
-    bound = _target(stmt)
-    if bound is None:
-        return None
-    name, attribute = bound
-    if not attribute:
-        # a plain name is ho23fix46's `_optim_s46h.rebound_before_read` (run first, in detect): it also refuses where a
-        # function of the module (which may read the global) or control flow sits between; this reader does not
+    """The near-miss reason when the optimizer ``stmt`` binds to ``self.x`` is rebound later in the same block before
+    anything reads it; None otherwise."""
+    name = _self_target(stmt)
+    if name is None:
         return None
     block = _block_of(function, stmt)
     if block is None:
         return None
     after = block[next(i for i, s in enumerate(block) if s is stmt) + 1:]
     for s in after:
-        if _target(s) == bound:
+        if _self_target(s) == name:
             value = s.value if isinstance(s, (ast.Assign, ast.AnnAssign)) else None
-            if value is not None and not _reads(value, name, attribute):
+            if value is not None and not _reads_self(value, name):
                 return (f"`{name}` is rebound at line {s.lineno} before anything reads the optimizer built here (a dead "
                         "construction): this object is never stepped, so its fused class would never run")
             return None
-        if _reads(s, name, attribute) or any(isinstance(n, (ast.Global, ast.Nonlocal)) for n in ast.walk(s)):
+        if _reads_self(s, name) or any(isinstance(n, (ast.Global, ast.Nonlocal)) for n in ast.walk(s)):
             return None
     return None
