@@ -1013,8 +1013,11 @@ def _analyze_all(root: Path, files: list[str], patterns: Sequence[Pattern], opti
                     # Stop soon: the workers finish the file in hand, the batches not handed out
                     # never start (leaving the `with` would otherwise analyse the whole rest of
                     # the tree first). Entries already cached stay: the next scan reuses them.
+                    # wait=True: the interpreter's exit joins the pool's manager thread anyway, and
+                    # after shutdown(wait=False) that exit raced the thread closing its wakeup pipe
+                    # ("Exception ignored in <module 'threading'>: OSError: [Errno 9]" on stderr).
                     stop.set()
-                    ex.shutdown(wait=False, cancel_futures=True)
+                    ex.shutdown(wait=True, cancel_futures=True)
                     raise
         except Exception:  # a broken pool (unpicklable pattern, killed worker): finish in-process
             pass
