@@ -22,6 +22,36 @@ if hasattr(_signal, "SIGINT") and _signal.getsignal(_signal.SIGINT) is _signal.S
     _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 
 
+# Bytecode (s47). This machine's environment, and CI's, sets PYTHONDONTWRITEBYTECODE=1: every interpreter the
+# suite starts (each pytest worker, every `python -m npufuse` and verify subprocess) compiled npufuse's modules from
+# source again, about 8 s of CPU each for the detectors alone (measured: importing the registry took 10.0 s without
+# .pyc files, 2.0 s with them, at load 6). The variable forbids writing .pyc files, not reading them: compile the
+# package once here, before pytest-xdist starts its workers (only where writing is off, and only what is stale).
+# And pytest keeps its assertion-rewritten test modules only where writing bytecode is allowed: allow it while the
+# test modules are collected, nothing else (no test runs then, so no temporary repository gets a __pycache__).
+_SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def pytest_configure(config) -> None:
+    if sys.dont_write_bytecode and not hasattr(config, "workerinput") and _SRC.is_dir():
+        import compileall
+
+        compileall.compile_dir(str(_SRC), quiet=2, workers=0)
+
+
+import pytest as _pytest
+
+
+@_pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
+
+
 # Longest tests first (s45). pytest-xdist hands tests out in collection order; a 40-60 s test that a worker
 # starts when the queue is nearly empty keeps the run going alone for that long while the other core idles.
 # These tests (>= ~4 s each on 2 cores, measured at the end of s44) are moved to the front, longest first,
