@@ -1,0 +1,149 @@
+"""s47 correctness review of the s46 code (helper review47).
+
+1. ``self.<m>(..)`` read as a method of this file's classes: one reader (``_site_s47review.lookup``) for the norms'
+   helper calls (``_site.resolve_callee`` / ``inherited_method``) and attention's inlined helper
+   (``_attention_s46b.inlinable_methods``). Before: attention inlined ``forward_attention`` where a method assigns
+   ``self.forward_attention`` (the instance attribute is what the call runs), inlined the FIRST of two ``def``\\ s
+   (Python binds the last) and a decorated method's bare body; the norms read ``self._norm(..)`` as the class's
+   ``_norm`` where ``__init__`` or another method assigns ``self._norm``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.rms_norm import RmsNorm
+from pattern_harness import check_rewrite_runs, detect_all
+import test_detect_s46_attention_b as wenet
+
+
+# --- 1a. attention: the inlined helper --------------------------------------------------------------------------
+
+_INIT = "        self.dropout = nn.Dropout(p=dropout_rate)\n"
+_SHADOWED = {
+    # a temperature / variant chosen at construction (the instance attribute is what forward's call runs)
+    "init_store": (_INIT, _INIT + "        self.forward_attention = functools.partial(self._tempered_attention, temperature=0.5)\n",
+                   "`MultiHeadedAttention.__init__` changes `self.forward_attention` (stored, line"),
+    # chosen later by a setter
+    "setter": ("    def forward_qkv(self, query, key, value):\n",
+               "    def use_linear_attention(self):\n        self.forward_attention = self._linear_attention\n\n"
+               "    def forward_qkv(self, query, key, value):\n",
+               "`MultiHeadedAttention.use_linear_attention` changes `self.forward_attention` (stored, line"),
+    "setattr": (_INIT, _INIT + "        setattr(self, 'forward_attention', self._tempered_attention)\n",
+                "changes `self.forward_attention` (setattr, line"),
+    # a wrapper that changes the arguments: its result is what the call returns, not the bare body's
+    "decorated": ("    def forward_attention(self", "    @halve_scores\n    def forward_attention(self",
+                  "`MultiHeadedAttention.forward_attention` is decorated (@halve_scores)"),
+}
+_HALVE = '''
+
+def halve_scores(fn):
+    def wrapped(self, value, scores, mask=torch.ones((0, 0, 0), dtype=torch.bool)):
+        return fn(self, value, scores * 0.5, mask)
+    return wrapped
+'''
+
+
+def _shadowed(variant: str) -> str:
+    old, new, _ = _SHADOWED[variant]
+    code = wenet._WENET.replace(old, new).replace("import math\n", "import functools\nimport math\n")
+    if variant == "decorated":
+        code = code.replace("\n\nclass MultiHeadedAttention", _HALVE + "\n\nclass MultiHeadedAttention")
+    assert code != wenet._WENET
+    return code
+
+
+@pytest.mark.parametrize("variant", sorted(_SHADOWED))
+def test_a_helper_the_call_does_not_reach_as_written_is_not_inlined(variant: str) -> None:
+    findings, misses = detect_all(AttentionPattern(), _shadowed(variant))
+    assert findings == [], [f.qualname for f in findings]
+    # said at the caller: why the helper it calls is not read
+    reason = _SHADOWED[variant][2]
+    assert any(m.qualname == "MultiHeadedAttention.forward" and "which npufuse does not inline" in m.reason and reason in m.reason
+               for m in misses), [m.reason for m in misses]
+
+
+def test_a_subclass_init_assigning_the_helper_refuses_only_the_subclass() -> None:
+    rel = wenet._REL_POS.replace(
+        "        self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)\n",
+        "        self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)\n        self.forward_attention = self._rel_attention\n")
+    findings, misses = detect_all(AttentionPattern(), wenet._WENET + rel)
+    assert [f.qualname for f in findings] == ["MultiHeadedAttention.forward"]
+    assert any(m.qualname == "RelPositionMultiHeadedAttention.forward"
+               and "`RelPositionMultiHeadedAttention.__init__` changes `self.forward_attention`" in m.reason for m in misses)
+
+
+# an older version of the helper left above the one Python binds (the class body's last ``def`` wins)
+_STALE = '''    def forward_attention(self, value, scores, mask=torch.ones((0, 0, 0), dtype=torch.bool)):
+        attn = torch.softmax(scores * 2.0, dim=-1)
+        x = torch.matmul(attn, value)
+        return self.linear_out(x.transpose(1, 2).contiguous().view(value.size(0), -1, self.h * self.d_k))
+
+'''
+
+
+def test_the_last_of_two_defs_is_the_one_inlined(garbage_on_fully_masked_rows: None) -> None:
+    code = wenet._WENET.replace("    def forward_attention(self", _STALE + "    def forward_attention(self", 1)
+    findings = wenet._runs(code, wenet._RUN, ["MultiHeadedAttention.forward"], 4)
+    assert "* 2.0" not in findings[0].fused
+
+
+garbage_on_fully_masked_rows = wenet.garbage_on_fully_masked_rows
+
+
+# --- 1b. norms: ``self._norm(..)`` read through the helper ------------------------------------------------------
+
+_META = '''
+import functools
+
+import torch
+from torch import nn
+
+
+def l2norm(x, dim=-1):
+    return x / x.norm(dim=dim, keepdim=True)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, kind: str = "rms"):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        return output * self.weight
+'''
+_FORWARD = _META.splitlines().index("        output = self._norm(x.float()).type_as(x)") + 1
+
+_NORM_SHADOWED = {
+    "init_store": ("        self.weight = nn.Parameter(torch.ones(dim))\n",
+                   "        self.weight = nn.Parameter(torch.ones(dim))\n        if kind == 'l2':\n"
+                   "            self._norm = functools.partial(l2norm, dim=-1)\n"),
+    "setter": ("    def forward(self, x):\n", "    def use_l2(self):\n        self._norm = l2norm\n\n    def forward(self, x):\n"),
+    "decorated": ("    def _norm(self, x):\n", "    @torch.no_grad()\n    def _norm(self, x):\n"),
+    "second_def": ("    def forward(self, x):\n", "    def _norm(self, x):\n        return l2norm(x)\n\n    def forward(self, x):\n"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_NORM_SHADOWED))
+def test_norm_helper_the_call_does_not_reach_as_written(variant: str) -> None:
+    old, new = _NORM_SHADOWED[variant]
+    code = _META.replace(old, new)
+    assert code != _META
+    findings, _ = detect_all(RmsNorm(), code)
+    assert not any(f.qualname == "RMSNorm.forward" for f in findings), [(f.qualname, f.line) for f in findings]
+
+
+@pytest.mark.parametrize("store", ["self._norm = torch.compile(self._norm)",
+                                   "self._norm = torch.compile(self._norm) if eps > 0 else self._norm", None])
+def test_norm_helper_read_through_the_call_twins(store: str | None) -> None:
+    # the plain helper and the helper compiled in place (the instance attribute holds the class's own def) still fuse
+    code = _META if store is None else _META.replace("        self.weight = nn.Parameter(torch.ones(dim))\n",
+                                                     f"        self.weight = nn.Parameter(torch.ones(dim))\n        {store}\n")
+    findings, _ = detect_all(RmsNorm(), code)
+    assert [f.qualname for f in findings] == ["RMSNorm.forward"]
