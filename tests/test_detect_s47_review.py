@@ -147,3 +147,50 @@ def test_norm_helper_read_through_the_call_twins(store: str | None) -> None:
                                                      f"        self.weight = nn.Parameter(torch.ones(dim))\n        {store}\n")
     findings, _ = detect_all(RmsNorm(), code)
     assert [f.qualname for f in findings] == ["RMSNorm.forward"]
+
+
+# --- 2. moe: review46's open items ------------------------------------------------------------------------------
+
+def _one_d(body: str, name: str) -> bool:
+    from npufuse.scan.canonical import flattened_to_1d
+    from npufuse.scan.dataflow import ModuleInfo
+
+    code = "import torch\n\ndef f(idx, w, k):\n" + "".join(f"    {ln}\n" for ln in body.splitlines()) + "    return None\n"
+    module = ModuleInfo.from_source("m.py", code)
+    scope = next(s for s in module.scopes if s.qualname == "f")
+    return flattened_to_1d(module, scope, name, len(code.splitlines()))
+
+
+def test_a_python_or_0d_bool_index_adds_an_axis() -> None:
+    import torch
+
+    e = torch.arange(6)
+    assert e[3 > 0].shape == (1, 6) and e[torch.tensor(0.0) > 0].shape == (0, 6)  # the fact the reading rests on
+    assert e[e > 2].shape == (3,)
+
+
+@pytest.mark.parametrize("body, one_d", [
+    ("e = idx.reshape(-1)\ns = e[k > 0]", False),                    # k a number: a Python bool, [1, n] / [0, n]
+    ("e = idx.reshape(-1)\ns = e[w.sum() > 0]", False),              # a 0-d bool
+    ("e = idx.reshape(-1)\nkeep = k > 0\ns = e[keep]", False),       # through a name
+    ("e = idx.reshape(-1)\ns = e[e != k]", True),                    # a mask of e itself: 1-D
+    ("e = idx.reshape(-1)\nkeep = w.reshape(-1) > 1e-12\ns = e[keep]", True),
+])
+def test_a_selection_by_a_mask_is_one_d_only_for_a_one_d_mask(body: str, one_d: bool) -> None:
+    assert _one_d(body, "s") is one_d
+
+
+@pytest.mark.parametrize("text, flat", [
+    ("E.view(E.shape[:-1] + (-1,))", False),       # the leading dims kept: a shape, not a size
+    ("E.reshape((n,) + E.shape[2:])", False),
+    ("E.view(E.size()[:1] + (-1,))", False),
+    ("E.reshape(N * K)", True),
+    ("E.view(x.size(0) * self.top_k)", True),
+    ("E.reshape(x.shape[0] * k)", True),
+])
+def test_a_reshape_to_a_binop_is_a_flatten_only_for_a_size(text: str, flat: bool) -> None:
+    import ast
+
+    from npufuse.patterns import _moe_s45a
+
+    assert _moe_s45a.flattens(ast.parse(text, mode="eval").body) is flat
