@@ -194,3 +194,18 @@ def test_a_reshape_to_a_binop_is_a_flatten_only_for_a_size(text: str, flat: bool
     from npufuse.patterns import _moe_s45a
 
     assert _moe_s45a.flattens(ast.parse(text, mode="eval").body) is flat
+
+
+# --- 3. rms_norm (sweep46b): a tiny eps outside the root read from ``self.<eps>`` set once in ``__init__`` -------------
+
+@pytest.mark.parametrize("setter", [
+    "    def set_epsilon(self, eps):\n        self.epsilon = eps\n\n",
+    "    def configure(self, **kw):\n        for k, v in kw.items():\n            setattr(self, 'epsilon', v)\n\n",
+])
+def test_an_eps_another_method_stores_is_not_read_as_the_init_literal(setter: str) -> None:
+    import test_detect_s46_sweep_b as sb
+
+    code = sb._ADA_RMS.replace("    def forward(self, input, condition):\n", setter + "    def forward(self, input, condition):\n")
+    findings, misses = detect_all(RmsNorm(), code)
+    assert findings == []  # after set_epsilon(1e-2) the fused (eps) ** 2 inside the root differs by about 1 %
+    assert any("eps outside the sqrt" in m.reason for m in misses), [m.reason for m in misses]
