@@ -209,3 +209,67 @@ def test_an_eps_another_method_stores_is_not_read_as_the_init_literal(setter: st
     findings, misses = detect_all(RmsNorm(), code)
     assert findings == []  # after set_epsilon(1e-2) the fused (eps) ** 2 inside the root differs by about 1 %
     assert any("eps outside the sqrt" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# --- 4. swiglu reasons: "not projections of one input" said of matrix products npufuse has no reading for ----------
+
+_GLU = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(d, h) / 4)
+        self.w3 = nn.Parameter(torch.randn(d, h) / 4)
+        self.b1 = nn.Parameter(torch.randn(h) / 4)
+        self.b3 = nn.Parameter(torch.randn(h) / 4)
+        self.wb = nn.Parameter(torch.randn(2, d, h) / 4)
+
+    def forward(self, x, y):
+        BODY
+        return out
+'''
+_GLU_RUN = '''
+m = MLP()
+x = torch.randn(6, 16, requires_grad=True)
+out = m(x, x)
+leaves = [x, m.w1, m.b3]
+'''
+
+
+def _glu(body: str) -> str:
+    return _GLU.replace("BODY", body)
+
+
+def test_biased_projections_of_one_input_by_addmm_are_found_and_run() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+    from pattern_harness import found_and_faithful
+
+    code = _glu("g = torch.addmm(self.b1, x, self.w1)\n        u = torch.addmm(self.b3, x, self.w3)\n        out = F.silu(g) * u")
+    findings = found_and_faithful(Swiglu(), code, _GLU_RUN)
+    assert [f.qualname for f in findings] == ["MLP.forward"]
+    bf16 = _GLU_RUN.replace("m = MLP()", "m = MLP().to(torch.bfloat16)").replace("torch.randn(6, 16,", "torch.randn(6, 16, dtype=torch.bfloat16,")
+    facts = check_rewrite_runs(Swiglu(), code, bf16, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999
+
+
+def test_addmm_of_two_inputs_keeps_the_true_reason() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    code = _glu("g = torch.addmm(self.b1, x, self.w1)\n        u = torch.addmm(self.b1, y, self.w3)\n        out = F.silu(g) * u")
+    findings, misses = detect_all(Swiglu(), code)
+    assert findings == [] and any("not projections of one input" in m.reason for m in misses)
+
+
+def test_stacked_products_are_not_said_to_be_no_projections() -> None:
+    from npufuse.patterns.swiglu import Swiglu
+
+    code = _glu("gu = torch.einsum('bd,kdh->kbh', x, self.wb)\n        out = F.silu(gu[0]) * gu[1]")
+    findings, misses = detect_all(Swiglu(), code)
+    assert findings == []
+    reasons = [m.reason for m in misses]
+    assert any("are matrix products that npufuse does not read as projections of one input" in r for r in reasons), reasons
+    assert not any("are not projections" in r for r in reasons), reasons
