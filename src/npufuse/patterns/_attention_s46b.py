@@ -37,19 +37,22 @@ def inlinable_methods(module: Any, cls: ast.ClassDef) -> dict[str, tuple[str, as
     """name -> (the class that defines it, the method) for the methods ``self.<m>(..)`` reaches on ``cls``: its own
     and those of its base classes defined at module level in this file, single inheritance only (the nearest
     definition wins, as Python's method resolution does for one base chain)."""
-    found: dict[str, tuple[str, ast.FunctionDef]] = {}
-    seen: set[str] = set()
-    node: Optional[ast.ClassDef] = cls
-    while node is not None and node.name not in seen:
-        seen.add(node.name)
-        for st in node.body:
-            if isinstance(st, ast.FunctionDef) and st.name not in found:
-                found[st.name] = (node.name, st)
-        if len(node.bases) != 1 or not isinstance(node.bases[0], ast.Name):
-            break
-        node = module.classes.get(node.bases[0].id)
-        if node is not None and not any(st is node for st in module.tree.body):
-            break  # a nested class of that name: not the module-level base
+    from npufuse.patterns import _site_s47review
+
+    # s47 review: ``_site_s47review.lookup`` answers per name (the last ``def`` of a class body, not the first; a
+    # store of ``self.<m>`` in any method of the chain shadows the method: not inlined); a decorated method's bare
+    # body is not what the call runs (compilation markers aside): not inlined
+    if cls.name not in module.classes or module.classes[cls.name] is not cls:
+        return {}
+    table = module.__dict__.setdefault("_npufuse_s47r_inlinable", {})
+    found = table.get(id(cls))
+    if found is None:
+        names = {st.name for c in _site_s47review._chain(module, cls.name) for st in c.body if isinstance(st, ast.FunctionDef)}
+        found = table[id(cls)] = {}
+        for name in sorted(names):
+            got = _site_s47review.lookup(module, cls.name, name)
+            if got is not None and _site_s47review.decorators(module, got[1]) == "plain":
+                found[name] = got
     return found
 
 

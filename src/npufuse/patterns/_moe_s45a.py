@@ -24,6 +24,7 @@ from typing import Optional
 
 from npufuse.patterns._defects_s44 import top_call_of
 from npufuse.patterns import _moe_s44a as s44a
+from npufuse.patterns import _moe_s47review
 from npufuse.patterns.base import Fuse, Keep
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword
 
@@ -490,7 +491,8 @@ def flattens(node: ast.expr) -> bool:
     c = const_value(arg)
     if isinstance(c, int) and not isinstance(c, bool):
         return True
-    size = isinstance(arg, ast.BinOp) or isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) \
+    # s47 review: arithmetic of numbers (a BinOp of tuples, ``E.shape[:-1] + (-1,)``, is a shape of several dims)
+    size = isinstance(arg, ast.BinOp) and _moe_s47review.size_expr(arg) or isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) \
         and arg.func.attr in ("numel", "nelement")
     return size or node.func.attr == "reshape" and isinstance(arg, ast.Name)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 from typing import Callable, Optional
 
+from npufuse.patterns import _moe_s47review
 from npufuse.scan.dataflow import ModuleInfo, Scope, fast_walk
 
 
@@ -98,7 +99,7 @@ _FLATTENING = ("flatten", "ravel")
 _VALUE_KEEPING = ("to", "float", "half", "bfloat16", "type_as", "contiguous", "detach", "clone", "long", "int", "cpu")
 
 
-def one_d(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int, depth: int = 8) -> bool:
+def one_d(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int, depth: int = 12) -> bool:
     """Whether ``node`` (read before ``line``) provably holds a 1-D tensor: ``x.view(-1)`` / ``x.reshape(-1)`` /
     ``x.flatten()`` / ``x.ravel()`` / ``torch.flatten(x)`` (``torch.ravel(x)``), a cast of one, and -- s45 -- a
     selection from one: ``y[t]`` with ``y`` 1-D and ``t`` a 1-D index or a boolean mask (a comparison: indexing a 1-D
@@ -128,7 +129,10 @@ def one_d(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int,
         return False
     if isinstance(node, ast.Subscript) and not isinstance(node.slice, (ast.Tuple, ast.Slice, ast.Constant)):
         return one_d(module, scope, node.value, line, depth - 1) and (
-            one_d(module, scope, node.slice, line, depth - 1) or _mask_of(module, scope, node.slice, line, depth - 1))
+            one_d(module, scope, node.slice, line, depth - 1)
+            # s47 review: a mask of rank 1 only (a Python / 0-d bool adds an axis); its side is read 1-D too, hence
+            # the depth 12 (was 8: FlashMoE's ``e[keep][order]`` chain)
+            or _moe_s47review.mask_of(module, scope, node.slice, line, depth - 1, one_d))
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and not isinstance(node.ops[0], (ast.In, ast.NotIn, ast.Is, ast.IsNot)):
         sides = (node.left, node.comparators[0])
         return any(one_d(module, scope, s, line, depth - 1) for s in sides) \
@@ -139,12 +143,3 @@ def one_d(module: ModuleInfo, scope: Scope, node: Optional[ast.expr], line: int,
 def one_d_size(node: ast.expr) -> bool:
     return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
         and node.operand.value == 1
-
-
-def _mask_of(module: ModuleInfo, scope: Scope, node: ast.expr, line: int, depth: int) -> bool:
-    """``node`` is a boolean mask (a comparison, through a name): indexing a 1-D tensor with it gives 1-D."""
-    if isinstance(node, ast.Name):
-        value = scope.definition(node.id, line)
-        return value is not None and depth > 0 and _mask_of(module, scope, value, getattr(value, "lineno", line), depth - 1)
-    return isinstance(node, ast.Compare) and len(node.ops) == 1 \
-        and isinstance(node.ops[0], (ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq))

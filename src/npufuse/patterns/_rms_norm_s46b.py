@@ -40,6 +40,10 @@ def tiny_literal_eps(module: ModuleInfo, eps: ast.expr, scope: Any) -> float | N
         writes = [n for n in ast.walk(cls) if isinstance(n, ast.AugAssign) and ast.unparse(n.target) == f"self.{eps.attr}"]
         if len(values) != 1 or writes:
             return None
+        from npufuse.scan import bound_callee
+
+        if eps.attr in bound_callee.changed_outside_init(module, cls.name):  # type: ignore[union-attr]
+            return None  # s47 review: a setter / setattr / another method may store another eps after construction
         v = const_value(values[0])
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= TINY_EPS:
         return None

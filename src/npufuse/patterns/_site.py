@@ -18,6 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from npufuse.patterns import _site_s47review
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import CAST_METHODS, ArmExit, ModuleInfo, Scope, applied_lambda, child_nodes, const_value, dotted, fast_walk, lf_line_ends
 
@@ -1022,14 +1023,16 @@ def resolve_callee(module: ModuleInfo, call: ast.Call, ctx: Ctx) -> tuple[ast.Fu
     or a module-level ``f(...)``."""
     f = call.func
     if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and ctx.scope.class_name:
-        m = method(module, ctx.scope.class_name, f.attr)
-        if m is not None:
-            return m, True
+        # s47 review: one reader (``_site_s47review.lookup``): the last ``def`` of the name, refused where a method
+        # stores ``self.<m>`` (an instance attribute shadows it) or a decorator may change what the call computes
+        own = _site_s47review.lookup(module, ctx.scope.class_name, f.attr, inherit=False)
+        if own is not None:
+            return (own[1], True) if _site_s47review.decorators(module, own[1]) == "plain" else None
         held = _method_held(module, ctx.scope.class_name, f.attr)
         if held is not None:
             return held
         m = inherited_method(module, ctx.scope.class_name, f.attr)
-        return (m, True) if m is not None else None
+        return (m, True) if m is not None and _site_s47review.decorators(module, m) == "plain" else None
     if isinstance(f, ast.Name) and f.id not in ctx.bind and definition(ctx, f.id) is None:
         fn = module.helper(f.id)
         if isinstance(fn, ast.FunctionDef):
@@ -1043,21 +1046,10 @@ def inherited_method(module: ModuleInfo, class_name: str, name: str) -> ast.Func
     inheritance does; the class itself first). VibeVoice's ``ConvRMSNorm(RMSNorm)`` calls the base's
     ``self._norm``. A base of another module, or a base assigning ``self.<name>`` in its
     ``__init__`` (an attribute shadowing the method), stops the lookup."""
-    seen: set[str] = set()
-    todo = [class_name]
-    while todo:
-        cname = todo.pop(0)
-        if cname in seen or cname not in module.classes or len(seen) > 8:
-            return None
-        seen.add(cname)
-        m = method(module, cname, name)
-        if m is not None:
-            return m
-        if name in init_assignments(module, cname):
-            return None
-        bases = [b.id for b in module.classes[cname].bases if isinstance(b, ast.Name)]
-        todo = [b for b in bases if b in module.classes][:1] + todo
-    return None
+    # s47 review: ``_site_s47review.lookup`` (the last ``def``; a store of ``self.<name>`` in any method of the
+    # chain refuses it, not only one in ``__init__`` of a class below the definition; the first base only)
+    found = _site_s47review.lookup(module, class_name, name)
+    return found[1] if found is not None else None
 
 
 def _method_held(module: ModuleInfo, class_name: str, attr: str) -> tuple[ast.FunctionDef, bool] | None:
@@ -1080,7 +1072,13 @@ def _method_held(module: ModuleInfo, class_name: str, attr: str) -> tuple[ast.Fu
     names = {held(v) for v in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))}
     if len(names) != 1 or None in names:
         return None
-    fn = method(module, class_name, names.pop())  # type: ignore[arg-type]
+    name = names.pop()
+    if name == attr:  # ``self._norm = torch.compile(self._norm)``: the class's own def, wrapped (the store is this one)
+        last = _site_s47review._last_binding(module.classes[class_name], name)
+        fn = last if isinstance(last, ast.FunctionDef) else None
+    else:
+        own = _site_s47review.lookup(module, class_name, name, inherit=False)  # type: ignore[arg-type]
+        fn = own[1] if own is not None else None
     if fn is None:
         return None
     if attr in bound_callee.changed_outside_init(module, class_name):

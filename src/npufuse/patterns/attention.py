@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h
 from npufuse.patterns._site import block_source
@@ -11580,8 +11580,18 @@ def _s30_inlined_method_sites(pattern: "AttentionPattern", module: ModuleInfo, s
                 products.discard(st.targets[0].id)
         # s42: ``return self.forward_attention(v, scores, mask)`` (espnet) / ``return self.m(..), cache`` (wenet) is
         # read as ``_m_out = self.m(..)`` followed by that return of ``_m_out``
+        stmt = st
         call, st, tail = _s42_method_call(st, set(methods) - {fn.name})
         if call is None:
+            # s47 review: a helper of the chain that the call does not reach as written (an instance attribute of that
+            # name, a decorator): said at the caller (the helper's own "made by a caller" reason assumes the call)
+            shadowed, st2, _tail = _s42_method_call(stmt, _site_s47review.defined_methods(module, cls) - set(methods) - {fn.name})
+            if shadowed is not None and any(isinstance(a, ast.Name) and a.id in products for a in shadowed.args):
+                why = _site_s47review.refusal(module, scope.class_name, shadowed.func.attr)  # type: ignore[union-attr]
+                if why is not None:
+                    yield NearMiss(pattern.id, scope.qualname, st2.lineno, st2.end_lineno or st2.lineno,
+                                   f"the scores made here go to `self.{shadowed.func.attr}` (mask, softmax, @V), which npufuse "  # type: ignore[union-attr]
+                                   f"does not inline: {why}")
             continue
         if not any(isinstance(a, ast.Name) and a.id in products for a in call.args):
             continue

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep, _swiglu_s46h
-from npufuse.patterns import _reasons_s46
+from npufuse.patterns import _reasons_s46, _swiglu_s47review
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -1173,6 +1173,9 @@ def _projection_input(node: ast.expr, ctx: S.Ctx, module: ModuleInfo | None = No
     if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("matmul", "mm") and len(n.args) == 1 \
             and not n.keywords and not (isinstance(n.func.value, ast.Name) and n.func.value.id in ("torch", "th")):
         return S.key(n.func.value, c)  # ``x.matmul(w.t())``: the method's receiver is the input (``x @ w``)
+    biased = _swiglu_s47review.bias_first_input(n)  # s47 review: ``torch.addmm(b, x, w)``: x is the input
+    if biased is not None:
+        return S.key(biased, c)
     if isinstance(n, ast.Call) and n.args and not isinstance(n.args[0], ast.Starred):
         return S.key(n.args[0], c)
     if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
@@ -1499,7 +1502,8 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             if not callers and scale:
                 raise GateMiss(scale)
             unpacked = None if callers else _s43_unpacked_from_one_call(a, actx, b, ctx, node.lineno)
-            raise GateMiss(callers or unpacked or _reasons_s46.gate_inputs_unproven((a, S.peel(a, actx)[0]), (b, S.peel(b, ctx)[0]), ctx.scope.node))
+            raise GateMiss(callers or unpacked or _swiglu_s47review.unread_products(a, actx, b, ctx, ia, ib, S.peel)
+                           or _reasons_s46.gate_inputs_unproven((a, S.peel(a, actx)[0]), (b, S.peel(b, ctx)[0]), ctx.scope.node))
         if act.kind.startswith("swish with beta"):  # GPT-OSS's clamped z * sigmoid(alpha * z) GLU: a look-alike
             raise GateMiss(f"activation is a {act.kind}{'' if _S40_UNSHOWN in act.kind else ', not silu'}: npu_swiglu computes silu(gate) * up only "
                            "(GPT-OSS's clamped form is npu_clipped_swiglu, not an npufuse pattern)")
