@@ -1,0 +1,143 @@
+"""s47 recall sweep (helper sweep47a): the classes behind the misses on bench/detect_labels_sweep47a.json, seven
+repositories labelled before npufuse was run on them (development data).
+
+A rope: the halves of x upcast to fp32 before a written-out rotation (nanogpt-to-chat's ``rope_apply``:
+   ``x1 = x[..., :half]; x2 = x[..., half:]; x1 = x1.float(); x2 = x2.float()``, then
+   ``cat([x1*cos - x2*sin, x1*sin + x2*cos]).type_as(x)`` with half-width tables sliced at a KV-cache offset; the
+   inline spelling ``x1 = x[..., :half].float()``). The fused call rotates ``x.float()`` (every half read in fp32),
+   or x promoted with fp32 where a half is also read uncast. Near miss: halves cast to bf16 first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npufuse.patterns.rope import RopePattern
+from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
+
+# -- A: halves upcast to fp32 before the rotation
+
+_ROPE_APPLY = '''
+import torch
+import torch.nn as nn
+
+
+def rope_cache(seq_len, head_dim, base=10000):
+    half_dim = head_dim // 2
+    freq_seq = torch.arange(half_dim, dtype=torch.float32)
+    freq_seq = base ** (-freq_seq / half_dim)
+    t = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(t, freq_seq)
+    return freqs.cos()[None, None], freqs.sin()[None, None]
+
+
+def rope_apply(x, cos, sin, offset=0):
+    B, H, T, Hs = x.shape
+    half = Hs // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    x1 = x1.float()
+    x2 = x2.float()
+    cos = cos[:, :, offset : offset + T, :]
+    sin = sin[:, :, offset : offset + T, :]
+    rotated_x1 = x1 * cos - x2 * sin
+    rotated_x2 = x1 * sin + x2 * cos
+    out = torch.cat([rotated_x1, rotated_x2], dim=-1)
+    return out.type_as(x)
+
+
+class Attn(nn.Module):
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.c_q = nn.Linear(dim, dim, bias=False)
+        self.c_k = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cos_sin, past_len=0):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        cos, sin = cos_sin
+        q = rope_apply(q, cos, sin, offset=past_len)
+        k = rope_apply(k, cos, sin, offset=past_len)
+        return q, k
+'''
+
+
+def _rope_run(dtype: str, past: int) -> str:
+    return f'''
+attn = Attn().to({dtype})
+cos_sin = rope_cache(32, 16)
+x = torch.randn(2, 5, 64, dtype={dtype}, requires_grad=True)
+out = attn(x, cos_sin, past_len={past})
+leaves = [x]
+'''
+
+
+_INLINE = '''
+import torch
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].float()
+    x2 = x[..., half:].float()
+    y1 = x1 * cos - x2 * sin
+    y2 = x1 * sin + x2 * cos
+    return torch.cat([y1, y2], dim=-1)
+'''
+
+_INLINE_RUN = '''
+x = torch.randn(2, 3, 6, 16, dtype={dtype}, requires_grad=True)
+ang = torch.randn(1, 1, 6, 8)
+out = rotate(x, ang.cos(), ang.sin())
+leaves = [x]
+'''
+
+
+def test_a_rope_with_halves_rebound_to_fp32_is_found_and_runs_fp32() -> None:
+    findings = found_and_faithful(RopePattern(), _ROPE_APPLY, _rope_run("torch.float32", 3))
+    assert [f.qualname for f in findings] == ["rope_apply"]
+    assert "x.float()" in findings[0].fused
+
+
+def test_a_rope_with_halves_rebound_to_fp32_keeps_the_dtype_in_bf16() -> None:
+    findings, _ = detect_all(RopePattern(), _ROPE_APPLY)
+    facts = check_rewrite_runs(RopePattern(), _ROPE_APPLY, _rope_run("torch.bfloat16", 0), findings)
+    assert facts["calls"] >= 2
+    assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"])
+    assert min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999
+
+
+def test_a_inline_fp32_halves_give_the_eager_fp32_result_for_bf16_and_fp64_inputs() -> None:
+    findings = found_and_faithful(RopePattern(), _INLINE, _INLINE_RUN.format(dtype="torch.float32"))
+    assert [f.qualname for f in findings] == ["rotate"]
+    for dtype in ("torch.bfloat16", "torch.float64"):
+        facts = check_rewrite_runs(RopePattern(), _INLINE, _INLINE_RUN.format(dtype=dtype), findings)
+        assert facts["calls"] >= 1
+        # the eager products are fp32 whatever x's dtype (a float64 x is narrowed by the cast): so is the fused result
+        assert facts["dtypes"] == [(torch.float32, torch.float32)]
+        assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.999
+
+
+def test_a_one_half_cast_and_one_read_plain_is_widened_with_x() -> None:
+    code = _INLINE.replace("x2 = x[..., half:].float()", "x2 = x[..., half:]")
+    findings = found_and_faithful(RopePattern(), code, _INLINE_RUN.format(dtype="torch.float32"))
+    assert [f.qualname for f in findings] == ["rotate"]
+    facts = check_rewrite_runs(RopePattern(), code, _INLINE_RUN.format(dtype="torch.float64"), findings)
+    assert facts["calls"] >= 1 and facts["dtypes"] == [(torch.float64, torch.float64)]
+    assert min(facts["cos_out"]) > 0.9999
+
+
+def test_a_halves_cast_to_bf16_stay_a_near_miss_with_that_reason() -> None:
+    code = _INLINE.replace(".float()", ".to(torch.bfloat16)")
+    findings, misses = detect_all(RopePattern(), code)
+    assert findings == []
+    assert any("cast with `.to(torch.bfloat16)` before the rotation" in m.reason for m in misses)
+
+
+def test_a_cast_halves_of_two_tensors_stay_unfused() -> None:
+    code = _INLINE.replace("def rotate(x, cos, sin):", "def rotate(x, cos, sin, y=None):").replace(
+        "x2 = x[..., half:].float()", "x2 = (x if y is None else y)[..., half:].float()")
+    findings, _ = detect_all(RopePattern(), code)
+    assert findings == []
