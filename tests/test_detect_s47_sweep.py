@@ -6,12 +6,19 @@ A rope: the halves of x upcast to fp32 before a written-out rotation (nanogpt-to
    ``cat([x1*cos - x2*sin, x1*sin + x2*cos]).type_as(x)`` with half-width tables sliced at a KV-cache offset; the
    inline spelling ``x1 = x[..., :half].float()``). The fused call rotates ``x.float()`` (every half read in fp32),
    or x promoted with fp32 where a half is also read uncast. Near miss: halves cast to bf16 first.
+
+B add_rms_norm: a norm helper whose flag parameter picks ``F.rms_norm`` or another norm (nanogpt-to-chat's
+   ``def norm(x, use_rms=True): if use_rms: return F.rms_norm(x, (x.size(-1),)) else: return F.layer_norm(...)``,
+   called as ``norm(x, use_rms=self.config.use_rmsnorm)`` on the residual sum; also spelt
+   ``return F.rms_norm(...) if rms else F.layer_norm(...)``): fused where the flag passed is true, the original code
+   elsewhere. Near misses: a constant flag choosing the other norm; a flag computed in the caller.
 """
 
 from __future__ import annotations
 
 import torch
 
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.rope import RopePattern
 from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
 
@@ -140,4 +147,91 @@ def test_a_cast_halves_of_two_tensors_stay_unfused() -> None:
     code = _INLINE.replace("def rotate(x, cos, sin):", "def rotate(x, cos, sin, y=None):").replace(
         "x2 = x[..., half:].float()", "x2 = (x if y is None else y)[..., half:].float()")
     findings, _ = detect_all(RopePattern(), code)
+    assert findings == []
+
+
+# -- B: a norm helper choosing F.rms_norm by a flag
+
+_FLAGGED_NORM = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def norm(x, use_rms=True):
+    # purely functional norm with no learnable params
+    if use_rms:
+        return F.rms_norm(x, (x.size(-1),))
+    else:
+        return F.layer_norm(x, (x.size(-1),))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, use_rmsnorm=True):
+        super().__init__()
+        self.use_rmsnorm = use_rmsnorm
+        self.attn = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(norm(x, use_rms=self.use_rmsnorm))
+        x = x + self.mlp(norm(x, use_rms=self.use_rmsnorm))
+        return x
+'''
+
+
+def _block_run(flag: str, grad: bool) -> str:
+    ctx = "" if grad else "torch.no_grad()"
+    run = f"""
+blk = Block(32, use_rmsnorm={flag})
+x = torch.randn(2, 7, 32, requires_grad={grad})
+"""
+    if grad:
+        return run + "out = blk(x)\nleaves = [x] + list(blk.parameters())\n"
+    return run + f"with {ctx}:\n    out = blk(x)\nleaves = []\n"
+
+
+def test_b_flagged_norm_helper_is_found_and_runs_in_training() -> None:
+    findings = found_and_faithful(AddRmsNorm(), _FLAGGED_NORM, _block_run("True", True))
+    assert [f.qualname for f in findings] == ["Block.forward"]
+    assert "bool(self.use_rmsnorm)" in findings[0].fused
+
+
+def test_b_flagged_norm_helper_runs_fused_at_inference_and_original_when_off() -> None:
+    findings, _ = detect_all(AddRmsNorm(), _FLAGGED_NORM)
+    facts = check_rewrite_runs(AddRmsNorm(), _FLAGGED_NORM, _block_run("True", False), findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) >= 1
+    assert min(facts["cos_out"]) > 0.9999
+    off = check_rewrite_runs(AddRmsNorm(), _FLAGGED_NORM, _block_run("False", False), findings)
+    assert off["calls"] == 0 and min(off["cos_out"]) > 0.99999
+
+
+def test_b_conditional_expression_helper_is_found() -> None:
+    code = _FLAGGED_NORM.replace("""    if use_rms:
+        return F.rms_norm(x, (x.size(-1),))
+    else:
+        return F.layer_norm(x, (x.size(-1),))""", """    return F.layer_norm(x, (x.size(-1),)) if not use_rms else F.rms_norm(x, (x.size(-1),))""")
+    findings = found_and_faithful(AddRmsNorm(), code, _block_run("True", True))
+    assert [f.qualname for f in findings] == ["Block.forward"]
+
+
+def test_b_constant_flag_choosing_layer_norm_is_a_near_miss() -> None:
+    code = _FLAGGED_NORM.replace("use_rms=self.use_rmsnorm", "use_rms=False")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == []
+    assert any("is called with `use_rms=False`" in m.reason and "F.layer_norm" in m.reason for m in misses)
+
+
+def test_b_flag_computed_in_the_caller_is_a_near_miss() -> None:
+    code = _FLAGGED_NORM.replace("    def forward(self, x):\n", "    def forward(self, x, step=0):\n        flag = step % 2 == 0\n").replace(
+        "use_rms=self.use_rmsnorm", "use_rms=flag")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == []
+    assert any("passed here as `flag`" in m.reason for m in misses)
+
+
+def test_b_rms_branch_reading_another_parameter_stays_unfused() -> None:
+    code = _FLAGGED_NORM.replace("def norm(x, use_rms=True):", "def norm(x, use_rms=True, eps=None):").replace(
+        "return F.rms_norm(x, (x.size(-1),))", "return F.rms_norm(x, (x.size(-1),), eps=eps)")
+    findings, _ = detect_all(AddRmsNorm(), code)
     assert findings == []
