@@ -12,6 +12,10 @@ B add_rms_norm: a norm helper whose flag parameter picks ``F.rms_norm`` or anoth
    called as ``norm(x, use_rms=self.config.use_rmsnorm)`` on the residual sum; also spelt
    ``return F.rms_norm(...) if rms else F.layer_norm(...)``): fused where the flag passed is true, the original code
    elsewhere. Near misses: a constant flag choosing the other norm; a flag computed in the caller.
+
+C fused_optimizer: an optimizer built in a function that only reads its ``param_groups`` (Ovis's ``train`` maps
+   parameters to learning rates for a printout, then builds an HF Trainer without ``optimizers=``): nothing steps it,
+   a near miss saying so. Candidates stay where the optimizer is also stepped, handed on or returned.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.rope import RopePattern
 from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
 
@@ -235,3 +240,59 @@ def test_b_rms_branch_reading_another_parameter_stays_unfused() -> None:
         "return F.rms_norm(x, (x.size(-1),))", "return F.rms_norm(x, (x.size(-1),), eps=eps)")
     findings, _ = detect_all(AddRmsNorm(), code)
     assert findings == []
+
+
+# -- C: an optimizer whose param_groups are all that is read
+
+_GROUPS_ONLY = '''
+import torch
+from transformers import Trainer
+
+
+def train(model, args, data_module):
+    model.requires_grad_(False)
+    parameters = []
+    for name, lr in (("llm", args.learning_rate), ("vit", args.learning_rate * 0.1)):
+        module = getattr(model, name)
+        module.requires_grad_(True)
+        parameters.append({"params": list(module.parameters()), "lr": lr})
+    optimizer = torch.optim.AdamW(parameters, lr=args.learning_rate, weight_decay=args.weight_decay)
+    param_lr_mapping = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param_lr_mapping[param] = group["lr"]
+    print(len(param_lr_mapping), len(optimizer.param_groups))
+    trainer = Trainer(model=model, args=args, **data_module)
+    trainer.train()
+'''
+
+
+def test_c_optimizer_read_only_for_its_param_groups_is_a_near_miss() -> None:
+    findings, misses = detect_all(FusedOptimizer(), _GROUPS_ONLY)
+    assert findings == []
+    assert any("is never stepped here" in m.reason and "only reads its `param_groups`" in m.reason for m in misses)
+
+
+def test_c_optimizer_handed_to_the_trainer_is_not_called_unstepped() -> None:
+    # handed on: this reader says nothing (the existing HF Trainer near miss about zero_grad stands)
+    code = _GROUPS_ONLY.replace("Trainer(model=model, args=args, **data_module)",
+                                "Trainer(model=model, args=args, optimizers=(optimizer, None), **data_module)")
+    findings, misses = detect_all(FusedOptimizer(), code)
+    assert findings == [] and misses
+    assert not any("never stepped" in m.reason for m in misses)
+    assert any("handed to `Trainer`" in m.reason for m in misses)
+
+
+def test_c_optimizer_stepped_after_reading_its_groups_stays_a_candidate() -> None:
+    code = _GROUPS_ONLY.replace("    trainer = Trainer(model=model, args=args, **data_module)\n    trainer.train()\n",
+                                "    for batch in data_module['train']:\n        model(batch).backward()\n"
+                                "        optimizer.step()\n        optimizer.zero_grad(set_to_none=False)\n")
+    findings, _ = detect_all(FusedOptimizer(), code)
+    assert [f.qualname for f in findings] == ["train"]
+
+
+def test_c_optimizer_returned_stays_a_candidate() -> None:
+    code = _GROUPS_ONLY.replace("    trainer = Trainer(model=model, args=args, **data_module)\n    trainer.train()\n",
+                                "    return optimizer\n")
+    findings, _ = detect_all(FusedOptimizer(), code)
+    assert [f.qualname for f in findings] == ["train"]
