@@ -6,6 +6,9 @@ A rope: the halves of x upcast to fp32 before a written-out rotation (nanogpt-to
    ``cat([x1*cos - x2*sin, x1*sin + x2*cos]).type_as(x)`` with half-width tables sliced at a KV-cache offset; the
    inline spelling ``x1 = x[..., :half].float()``). The fused call rotates ``x.float()`` (every half read in fp32),
    or x promoted with fp32 where a half is also read uncast. Near miss: halves cast to bf16 first.
+   The same halves written inline in the cat, ``x1, x2 = x[..., :half].float(), x[..., half:].float()`` then
+   ``cat([x1*cos - x2*sin, x1*sin + x2*cos], -1).to(x.dtype)`` (a draft head's rope, kernel reference ropes), or
+   ``x[..., :half].float() * cos - ...`` with no names at all, are read the same way.
 
 B add_rms_norm: a norm helper whose flag parameter picks ``F.rms_norm`` or another norm (nanogpt-to-chat's
    ``def norm(x, use_rms=True): if use_rms: return F.rms_norm(x, (x.size(-1),)) else: return F.layer_norm(...)``,
@@ -146,6 +149,63 @@ def test_a_halves_cast_to_bf16_stay_a_near_miss_with_that_reason() -> None:
     findings, misses = detect_all(RopePattern(), code)
     assert findings == []
     assert any("cast with `.to(torch.bfloat16)` before the rotation" in m.reason for m in misses)
+
+
+_INLINE_CAT = '''
+import torch
+
+
+def rope(x, pos, theta=10000.0):
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = pos.float()[:, None] * freqs[None]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+
+def rope_unnamed(x, cos, sin):
+    half = x.size(-1) // 2
+    return torch.cat(
+        (
+            x[..., :half].float() * cos - x[..., half:].float() * sin,
+            x[..., half:].float() * cos + x[..., :half].float() * sin,
+        ),
+        dim=-1,
+    ).to(x.dtype)
+
+
+def apply_rope_ref(q, k, cos, sin):
+    half = q.shape[-1] // 2
+    qf, qs = q[..., :half].float(), q[..., half:].float()
+    kf, ks = k[..., :half].float(), k[..., half:].float()
+    q_r = torch.cat([qf * cos - qs * sin, qs * cos + qf * sin], dim=-1).to(q.dtype)
+    k_r = torch.cat([kf * cos - ks * sin, ks * cos + kf * sin], dim=-1).to(k.dtype)
+    return q_r, k_r
+'''
+
+_INLINE_CAT_RUN = '''
+x = torch.randn(2, 6, 3, 16, dtype={dtype}, requires_grad=True)
+q = torch.randn(2, 3, 6, 16, dtype={dtype}, requires_grad=True)
+k = torch.randn(2, 3, 6, 16, dtype={dtype}, requires_grad=True)
+ang = torch.randn(1, 1, 6, 8)
+out = [rope(x, torch.arange(6)), rope_unnamed(q, ang.cos(), ang.sin()), apply_rope_ref(q, k, ang.cos(), ang.sin())]
+leaves = [x, q, k]
+'''
+
+
+def test_a_fp32_halves_inline_in_the_cat_are_found_and_run() -> None:
+    findings = found_and_faithful(RopePattern(), _INLINE_CAT, _INLINE_CAT_RUN.format(dtype="torch.float32"))
+    assert sorted(f.qualname for f in findings) == ["apply_rope_ref", "rope", "rope_unnamed"]
+    facts = check_rewrite_runs(RopePattern(), _INLINE_CAT, _INLINE_CAT_RUN.format(dtype="torch.bfloat16"), findings)
+    assert facts["calls"] >= 4 and all(a == b for a, b in facts["dtypes"])
+    assert min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999
+
+
+def test_a_halves_cast_to_half_inline_stay_unfused() -> None:
+    code = _INLINE_CAT.replace(".float(), x[..., half:].float()", ".half(), x[..., half:].half()")
+    findings, _ = detect_all(RopePattern(), code)
+    assert "rope" not in [f.qualname for f in findings]
 
 
 def test_a_cast_halves_of_two_tensors_stay_unfused() -> None:

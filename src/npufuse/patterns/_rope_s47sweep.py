@@ -83,6 +83,17 @@ def upcast_lane_source(module, scope: Scope, factors: list[ast.expr], line: int,
     return None, ""
 
 
+def cast_halves_source(module, scope: Scope, node: ast.expr, line: int, resolve: Callable[[Scope, ast.expr], ast.expr],
+                       lane_of) -> Optional[ast.expr]:
+    """The tensor whose half ``node`` is read through an fp32 cast (``x[..., :h].float()`` inline, or a name bound to
+    it, also by tuple unpacking); None otherwise."""
+    inner = fp32_inner(scope, node, resolve)
+    if inner is None:
+        return None
+    lane = lane_of(module, scope, inner, getattr(inner, "lineno", line))
+    return lane.source if lane is not None and lane.kind == "halves" else None
+
+
 def fp32_part(halves, node: ast.expr, resolve: Callable[[Scope, ast.expr], ast.expr]) -> Optional[str]:
     """``halves.part`` of the tensor under an fp32 cast of ``node`` (the half read in fp32), setting
     ``halves.upcast``; None where ``node`` is no such cast or the tensor under it is no half of x."""

@@ -2548,7 +2548,11 @@ class RopePattern(Pattern):
         * stack of the even/odd lanes, flattened: interleave mode with c, s repeat_interleave(2)."""
         ra = _resolve(scope, a)
         lane = canonical.lane_of(module, scope, a, node.lineno)
-        if lane is not None:
+        cast_base = None if lane is not None or how != "cat" else _rope_s47sweep.cast_halves_source(
+            module, scope, a, node.lineno, _resolve, canonical.lane_of)  # s47: halves upcast first (`x[..., :h].float()`)
+        if cast_base is not None:
+            base = cast_base
+        elif lane is not None:
             base = lane.source  # any spelling the shared layer knows (chunk, split, unbind of a view, einops, slices)
         elif isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
             call = ra.value  # x.chunk(2, -1)[k] / torch.chunk(x, 2, dim=-1)[k]
@@ -2561,7 +2565,10 @@ class RopePattern(Pattern):
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
         halves.allow_split = True
+        halves.see_fp32 = how == "cat"  # s47: widened below where a half went through .float()
         parts = (halves.part(a), halves.part(b))
+        if halves.upcast and parts != ("first", "second"):
+            return None  # (s47 reads fp32 casts of the halves only)
         if how == "cat" and parts == ("first", "second"):
             mode, x_text = "half", segment(module, base)
         elif how == "cat" and parts == ("even", "odd"):
@@ -2588,6 +2595,8 @@ class RopePattern(Pattern):
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
+        if halves.upcast:
+            _rope_s47sweep.widen_match(m, halves, x_text, _atom)  # s47: the eager halves are fp32
         _add_split_checks(m, halves)
         if how == "pairs":
             # ``stack([..], -1)`` not merged here: the rotated lanes as [..., D/2, 2] pairs, the fused result viewed so
