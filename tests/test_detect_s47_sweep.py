@@ -280,6 +280,16 @@ def test_b_conditional_expression_helper_is_found() -> None:
     assert [f.qualname for f in findings] == ["Block.forward"]
 
 
+def test_b_flag_as_an_unchanged_parameter_or_the_default_is_read() -> None:
+    code = _FLAGGED_NORM.replace("    def forward(self, x):\n", "    def forward(self, x, use_rms=True):\n").replace(
+        "use_rms=self.use_rmsnorm", "use_rms=use_rms")
+    findings = found_and_faithful(AddRmsNorm(), code, _block_run("True", True))
+    assert [f.qualname for f in findings] == ["Block.forward"] and "bool(use_rms)" in findings[0].fused
+    default = _FLAGGED_NORM.replace("norm(x, use_rms=self.use_rmsnorm)", "norm(x)")
+    findings = found_and_faithful(AddRmsNorm(), default, _block_run("True", True))
+    assert [f.qualname for f in findings] == ["Block.forward"] and "bool(" not in findings[0].fused
+
+
 def test_b_constant_flag_choosing_layer_norm_is_a_near_miss() -> None:
     code = _FLAGGED_NORM.replace("use_rms=self.use_rmsnorm", "use_rms=False")
     findings, misses = detect_all(AddRmsNorm(), code)
