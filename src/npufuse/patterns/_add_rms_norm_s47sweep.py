@@ -25,40 +25,33 @@ def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
     return body
 
 
+def _oriented(test: ast.expr, on_true: ast.expr, on_false: ast.expr) -> Optional[tuple[str, ast.expr, ast.expr]]:
+    """(flag name, value where the flag is true, value where it is false) for a test ``flag`` / ``not flag``."""
+    negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+    if negated:
+        test = test.operand  # type: ignore[attr-defined]
+    if not isinstance(test, ast.Name):
+        return None
+    return (test.id, on_false, on_true) if negated else (test.id, on_true, on_false)
+
+
 def _choice(fn: ast.FunctionDef) -> Optional[tuple[str, ast.expr, ast.expr]]:
     """(flag parameter, value returned where it is true, value returned where it is false) of a helper whose body is
     ``if flag: return a`` with ``else: return b`` or a following ``return b``, or ``return a if flag else b``
     (``not flag`` swaps them)."""
     body = _body(fn)
     if len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.IfExp):
-        # ``return F.rms_norm(x, ...) if flag else F.layer_norm(x, ...)``
-        e = body[0].value
-        test, negated = e.test, False
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            test, negated = test.operand, True
-        if not isinstance(test, ast.Name):
-            return None
-        return (test.id, e.orelse, e.body) if negated else (test.id, e.body, e.orelse)
+        e = body[0].value  # ``return F.rms_norm(x, ...) if flag else F.layer_norm(x, ...)``
+        return _oriented(e.test, e.body, e.orelse)
     if not body or not isinstance(body[0], ast.If):
         return None
     st = body[0]
     if not (len(st.body) == 1 and isinstance(st.body[0], ast.Return) and st.body[0].value is not None):
         return None
-    if st.orelse:
-        if len(body) != 1 or not (len(st.orelse) == 1 and isinstance(st.orelse[0], ast.Return) and st.orelse[0].value is not None):
-            return None
-        other = st.orelse[0].value
-    else:
-        if len(body) != 2 or not (isinstance(body[1], ast.Return) and body[1].value is not None):
-            return None
-        other = body[1].value
-    test, negated = st.test, False
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        test, negated = test.operand, True
-    if not isinstance(test, ast.Name):
+    rest = st.orelse if st.orelse else body[1:]
+    if len(body) != (1 if st.orelse else 2) or not (len(rest) == 1 and isinstance(rest[0], ast.Return) and rest[0].value is not None):
         return None
-    first = st.body[0].value
-    return (test.id, other, first) if negated else (test.id, first, other)  # type: ignore[return-value]
+    return _oriented(st.test, st.body[0].value, rest[0].value)
 
 
 def _bound(call: ast.Call, params: list[str], defaults: dict[str, ast.expr], name: str) -> Optional[ast.expr]:
