@@ -27,6 +27,7 @@ import torch
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.fused_optimizer import FusedOptimizer
+from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.patterns.rope import RopePattern
 from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful
 
@@ -366,3 +367,32 @@ def test_c_optimizer_returned_stays_a_candidate() -> None:
                                 "    return optimizer\n")
     findings, _ = detect_all(FusedOptimizer(), code)
     assert [f.qualname for f in findings] == ["train"]
+
+
+# -- D: the near miss of a loop unpacking zipped expert weights
+
+_ZIPPED_WEIGHTS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    def __init__(self, n_experts, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.randn(n_experts, dim, hidden))
+
+    def forward(self, x, expert_idx, weights):
+        out = torch.zeros_like(x)
+        for e, (w1, w2) in enumerate(zip(self.w1, self.w2)):
+            rows = (expert_idx == e).nonzero(as_tuple=True)[0]
+            out[rows] += F.linear(F.silu(F.linear(x[rows], w1)), w2) * weights[rows, None]
+        return out
+'''
+
+
+def test_d_zipped_weight_loop_near_miss_names_the_unpacking() -> None:
+    findings, misses = detect_all(MoeExperts(), _ZIPPED_WEIGHTS)
+    assert findings == []
+    assert any("unpacks each item of `enumerate(zip(self.w1, self.w2))` into `(w1, w2)`" in m.reason for m in misses)
