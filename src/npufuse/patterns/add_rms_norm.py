@@ -27,7 +27,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
-from npufuse.patterns import _add_rms_norm_s46h
+from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47sweep
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1231,7 +1231,13 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         passed = _s42_parameter_norm(module, scope, call, ctx)
         if passed is not None:
             return passed
-        return _function_norm(module, call, ctx)
+        found = _function_norm(module, call, ctx)
+        if found is None and isinstance(module.helper(f.id), ast.FunctionDef) and S.definition(ctx, f.id) is None:
+            # s47: ``norm(x, use_rms=flag)``, a helper choosing F.rms_norm or another norm by that flag
+            found = _add_rms_norm_s47sweep.flagged_function_norm(module, scope, call, module.helper(f.id), _functional_norm,
+                                                                 S.source_of, canonical.api,
+                                                                 lambda why: NormCall(call, f.id, "not_rms", reason=why, cls=f.id))
+        return found
     if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "self"):
         return _member_norm(module, scope, call, ctx)
     if isinstance(f, ast.Subscript):

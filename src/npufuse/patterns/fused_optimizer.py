@@ -33,6 +33,7 @@ import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
 from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
+from npufuse.patterns import _fused_optimizer_s47sweep
 from npufuse.patterns import _optim_s46h
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword, names_bound_from, segment
@@ -2055,6 +2056,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         return NearMiss(_ID, scope.qualname, line, end, reason)
 
     dead = _optim_s46.overwritten_before_use(scope.node, stmt)  # s46: replaced before any use
+    if dead is None:
+        dead = _fused_optimizer_s47sweep.only_groups_read(scope, stmt)  # s47: only its param_groups are read
     if dead is not None:
         return miss(dead)
     # grads freed by a wrapper class's own objects (`for op in self.optimizers: op.zero_grad(True)`)

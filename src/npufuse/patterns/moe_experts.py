@@ -2701,6 +2701,11 @@ class _Eval:
             return
         if isinstance(it, ast.Call) and dotted(it.func) == "enumerate" and it.args:
             if not (isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and all(isinstance(e, ast.Name) for e in tgt.elts)):
+                if isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2 and isinstance(tgt.elts[1], (ast.Tuple, ast.List)):
+                    # s47 (sweep47a): say what the target is (garrett361's `exp_idx, (fc1, fc2)` over zipped weights)
+                    raise _Miss(f"the loop unpacks each item of `{segment(m, it)[:60]}` into "
+                                f"`{ast.unparse(tgt.elts[1])}`: npufuse reads `for i, item in enumerate(...)` with one "
+                                "name per item (an expert module, rows or a count) only")
                 raise _Miss("enumerate loop target is not `index, item`")
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]

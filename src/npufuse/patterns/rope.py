@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
-from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h
+from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h, _rope_s47sweep
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
@@ -341,6 +341,11 @@ class _Halves:
         # the prefix's even / odd lanes were cut as ``x[..., :u:2]`` / ``x[..., 1:u:2]`` (a nanoGPT variant's
         # partial interleaved rotary): u is no split point of halves, only the prefix's width (even, checked)
         self.prefix_lanes = False
+        # s47: a half read through an fp32 cast (``x1 = x1.float()``) is taken, setting ``upcast``; only for the
+        # readers that widen the fused dtype on that flag (_rope_s47sweep)
+        self.see_fp32 = False
+        self.plain_read = False  # s47: some half was read in x's own dtype (not through an fp32 cast)
+        self.cast_read = False  # the last _part_read went through a cast
 
     def _last_dim_slice(self, sub: ast.Subscript) -> ast.Slice | None:
         sl = sub.slice
@@ -438,6 +443,16 @@ class _Halves:
 
     def part(self, node: ast.expr) -> str | None:
         """'first' / 'second' half, 'even' / 'odd' lanes of x, or None."""
+        found = self._part_read(node)
+        if found is None and self.see_fp32:
+            # s47: a half cast to fp32 (``x1 = x1.float()``), read as that half, the rotation made in fp32
+            found = _rope_s47sweep.fp32_part(self, node, _resolve)
+        elif found is not None and not self.cast_read:
+            self.plain_read = True  # (s47: a half read in x's own dtype)
+        return found
+
+    def _part_read(self, node: ast.expr) -> str | None:
+        self.cast_read = False
         found = self._part(node)
         if found is None and self.module is not None:
             # unflatten / view(*x.shape[:-1], 2, -1) / einops views unbound, strided slices (canonical.lane_of)
@@ -452,6 +467,7 @@ class _Halves:
                     # HunyuanVideo: ``x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)``: the rotation of x, made in
                     # fp32 (the caller widens the fused dtype to fp32 to match)
                     self.upcast = self.upcast or bool(casts)
+                    self.cast_read = bool(casts)
                     return ("first", "second")[lane.index] if lane.kind == "halves" else ("even", "odd")[lane.index]
         return found
 
@@ -650,6 +666,7 @@ def _classify_pair(halves: _Halves, a: ast.expr, b: ast.expr, lanes: tuple[str, 
 def _rotation_expr(scope: Scope, expr: ast.expr, is_x, module: ModuleInfo | None = None) -> _Rotation:
     """Classify an expression as the half / interleave rotation of x (predicate ``is_x``)."""
     halves = _Halves(scope, is_x, module)
+    halves.see_fp32 = True  # s47 (its rot.upcast widens the fused dtype)
     rot = _rotation_of_halves(scope, expr, is_x, halves)
     rot.upcast = rot.kind is not None and halves.upcast
     return rot
@@ -800,6 +817,7 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     safe to evaluate again there are taken (``_split_point``)."""
     halves = _Halves(scope, lambda n: same_expr(n, x), module)
     halves.allow_split = True
+    halves.see_fp32 = True  # s47 (rot.upcast below)
     rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
     if not halves.split_checks or halves.prefix is not None:
         return None  # (halves of a prefix are no rotate_half of x: the widths differ from x's)
@@ -2530,7 +2548,11 @@ class RopePattern(Pattern):
         * stack of the even/odd lanes, flattened: interleave mode with c, s repeat_interleave(2)."""
         ra = _resolve(scope, a)
         lane = canonical.lane_of(module, scope, a, node.lineno)
-        if lane is not None:
+        cast_base = None if lane is not None or how != "cat" else _rope_s47sweep.cast_halves_source(
+            module, scope, a, node.lineno, _resolve, canonical.lane_of)  # s47: halves upcast first (`x[..., :h].float()`)
+        if cast_base is not None:
+            base = cast_base
+        elif lane is not None:
             base = lane.source  # any spelling the shared layer knows (chunk, split, unbind of a view, einops, slices)
         elif isinstance(ra, ast.Subscript) and isinstance(ra.value, ast.Call) and _is_int(ra.slice, 0, 1):
             call = ra.value  # x.chunk(2, -1)[k] / torch.chunk(x, 2, dim=-1)[k]
@@ -2543,7 +2565,10 @@ class RopePattern(Pattern):
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
         halves.allow_split = True
+        halves.see_fp32 = how == "cat"  # s47: widened below where a half went through .float()
         parts = (halves.part(a), halves.part(b))
+        if halves.upcast and parts != ("first", "second"):
+            return None  # (s47 reads fp32 casts of the halves only)
         if how == "cat" and parts == ("first", "second"):
             mode, x_text = "half", segment(module, base)
         elif how == "cat" and parts == ("even", "odd"):
@@ -2570,6 +2595,8 @@ class RopePattern(Pattern):
             m.prep.append(f"{lanes} = {x_text}  # the original rotates the de-interleaved lanes (even | odd) and returns that order")
             x_text = lanes
         m.cos, m.sin, m.x_text = full[0], full[1], x_text
+        if halves.upcast:
+            _rope_s47sweep.widen_match(m, halves, x_text, _atom)  # s47: the eager halves are fp32
         _add_split_checks(m, halves)
         if how == "pairs":
             # ``stack([..], -1)`` not merged here: the rotated lanes as [..., D/2, 2] pairs, the fused result viewed so
@@ -2625,10 +2652,17 @@ class RopePattern(Pattern):
             # s44: halves cut with the last axis spelled 3 (``x.chunk(2, dim=3)``), which _Halves reads and the lane layer does not
             base = _rope_s44sweep.indexed_split_source(scope, [f for t in terms[0] + terms[1] for f in t[1:]], _resolve,
                                                        lambda x: _Halves(scope, lambda n: same_expr(n, x), module))
+        if base is None and kind == "halves":
+            # s47: halves upcast before the rotation (``x1 = x1.float()``)
+            base, why = _rope_s47sweep.upcast_lane_source(module, scope, [f for t in terms[0] + terms[1] for f in t[1:]], node.lineno,
+                                                          kind, _resolve, canonical.lane_of)
+            if why:
+                return why
         if base is None:
             return None
         halves = _Halves(scope, lambda n: same_expr(n, base), module)
         halves.allow_split = True
+        halves.see_fp32 = kind == "halves"  # s47: the half match below widens to fp32 on halves.upcast
 
         def canon(ts: list) -> dict | None:
             out = {}
@@ -2683,6 +2717,8 @@ class RopePattern(Pattern):
                 return m
             m.prep, (m.cos, m.sin) = _doubled_half_tables(module, c_a, s_a, negate, "y1 = x1*cos + x2*sin: the rotation by -angle")
             m.x_text = segment(module, base)
+        if halves.upcast:
+            _rope_s47sweep.widen_match(m, halves, segment(module, base), _atom)
         m.absorb = [d[0] for d in defs]
         m.post = _pair_cast_suffix(node) + def_cast + m.post
         if anchor is not site:
