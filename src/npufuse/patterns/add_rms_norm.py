@@ -27,7 +27,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
-from npufuse.patterns import _add_rms_norm_s46h
+from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1340,6 +1340,9 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         # a model library's RMSNorm read from its source (torchtune's): its attributes, offset and
         # output dtype, under a run-time check of the class and its forward's spelling
         return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
+    aliased = _add_rms_norm_s47n.library_alias_class(module, value.func)  # s47: ``LigerRMSNorm as LayerNorm``
+    if aliased is not None:
+        return NormCall(call, f.attr, "external", cls=aliased, conditions=[f"type(self.{f.attr}).__name__ == {aliased!r}"])
     if _RMS_NAME.search(cls.split(".")[-1]):
         return _timm_norm(module, call, f.attr, value.func) or _s41_eps_outside(module, call, f.attr, [cls]) \
             or NormCall(call, f.attr, "external", cls=cls)
@@ -1830,7 +1833,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
         return None
-    ret = S.helper_return(fwd)
+    ret = S.helper_return(fwd) or _add_rms_norm_s47n.return_after_checks(module, cls, fwd, S.helper_return)  # s47
     nscope = S.scope_of(module, fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     kernel_branch: tuple[ast.Return, list[str], str] | None = None
@@ -7035,7 +7038,7 @@ def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], ri
 # attributes) is checked at run time, the fused code running where it is false. Anything else in the test
 # (a call, another read of the input): not read, nothing fused.
 
-_S42_CUDA_TYPES = ("cuda",)
+_S42_CUDA_TYPES = _add_rms_norm_s47n.NOT_NPU_DEVICE_TYPES  # s47: was ("cuda",)
 
 
 def _s42_device_test(test: ast.expr, x: str) -> bool:
@@ -7086,7 +7089,7 @@ def _s42_kernel_branch(fwd: ast.FunctionDef, me: str, x: str, mod: str, foreign:
         return None
     head = body[0]
     rest = head.orelse if head.orelse else body[1:]
-    if (head.orelse and body[1:]) or not head.body or not isinstance(head.body[-1], ast.Return) or not rest:
+    if (head.orelse and body[1:]) or not head.body or not _add_rms_norm_s47n.ends_in_return(head.body) or not rest:
         return None
     test = head.test
     kernel = head.body

@@ -1,0 +1,213 @@
+"""s47 (helper ho24norm): add_rms_norm norms npufuse could not resolve (HO24a / HO24b misses, judged true).
+
+1. Device branches that never run on an NPU tensor: ``if x.device.type == "privateuseone": ... return`` (DirectML), as
+   ``"cuda"`` was (s42): torch_npu renames the privateuse1 backend to ``"npu"``, so an NPU tensor's device type is
+   ``"npu"``, never ``"privateuseone"`` / ``"mps"`` / ``"xpu"`` / ``"cpu"``.
+2. A norm forward that starts with an input check raising on a trailing shape other than the one its weight is built
+   with (``if x.shape[-len(self.normalized_shape):] != self.normalized_shape: raise ...``): npu_rms_norm /
+   npu_add_rms_norm refuse a gamma whose shape is not the input's trailing dims, so the fused call raises exactly
+   where the check does; the torch path after the check is read.
+3. A library RMSNorm class reached through an alias (``from liger_kernel.transformers import LigerRMSNorm as
+   LayerNorm``, ``LayerNorm = LigerRMSNorm`` in this file or in the repository file the name is imported from): the
+   import decides, not the name the file calls it by; the fused code runs where the run-time class has that name.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from types import SimpleNamespace
+from typing import Any
+
+from npufuse.scan.dataflow import dotted
+
+# device types an NPU tensor never reports (torch_npu: privateuse1 is renamed "npu")
+NOT_NPU_DEVICE_TYPES = ("cuda", "privateuseone", "mps", "xpu", "cpu")
+
+_RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
+
+
+def ends_in_return(stmts: list[ast.stmt]) -> bool:
+    """Every path through ``stmts`` ends in a ``return``: the last statement is one, or a ``with`` block (DirectML's
+    ``with torch.autocast(..., enabled=False):``) whose body ends so, or an ``if`` whose two arms do."""
+    if not stmts:
+        return False
+    last = stmts[-1]
+    if isinstance(last, ast.Return):
+        return True
+    if isinstance(last, ast.With):
+        return ends_in_return(last.body)
+    if isinstance(last, ast.If):
+        return ends_in_return(last.body) and ends_in_return(last.orelse)
+    return False
+
+
+# -- 2: leading input-shape checks -----------------------------------------------------------------------------------
+
+def _trailing_shape_of(node: ast.expr, x: str) -> bool:
+    """``x.shape[-k:]`` / ``x.shape[-1]`` / ``x.size(-1)`` / ``x.shape[-len(...):]``: the input's trailing dims."""
+    if isinstance(node, ast.Subscript) and dotted(node.value) == f"{x}.shape":
+        s = node.slice
+        if isinstance(s, ast.Slice) and s.upper is None and s.step is None and isinstance(s.lower, ast.UnaryOp) \
+                and isinstance(s.lower.op, ast.USub):
+            return True
+        return isinstance(s, ast.UnaryOp) and isinstance(s.op, ast.USub) and isinstance(s.operand, ast.Constant) \
+            and s.operand.value == 1
+    if isinstance(node, ast.Call) and dotted(node.func) == f"{x}.size" and len(node.args) == 1 and not node.keywords:
+        a = node.args[0]
+        return isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant) \
+            and a.operand.value == 1
+    return False
+
+
+def _weight_shape_attrs(cls_init: ast.FunctionDef | None, me: str) -> set[str]:
+    """The ``self.<attr>`` texts (and the ``__init__`` parameter they copy) a ``self.weight = Parameter(ones(S))``
+    of ``__init__`` builds its shape from."""
+    if cls_init is None:
+        return set()
+    copies: dict[str, str] = {}
+    shapes: set[str] = set()
+    for st in ast.walk(cls_init):
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1):
+            continue
+        t = dotted(st.targets[0])
+        if t is None or not t.startswith(me + "."):
+            continue
+        if isinstance(st.value, ast.Name):
+            copies[st.value.id] = t
+        v = st.value
+        if isinstance(v, ast.Call) and (dotted(v.func) or "").split(".")[-1] == "Parameter" and v.args:
+            v = v.args[0]
+        if t == f"{me}.weight" and isinstance(v, ast.Call) and (dotted(v.func) or "").split(".")[-1] in ("ones", "zeros", "empty", "randn") \
+                and len(v.args) == 1 and not isinstance(v.args[0], ast.Starred):
+            shapes.add(ast.unparse(v.args[0]))
+    return shapes | {copies[s] for s in list(shapes) if s in copies}
+
+
+def _shape_check(st: ast.stmt, me: str, x: str, shapes: set[str]) -> bool:
+    """``if <trailing dims of x> != <weight's shape>: ...; raise ...`` (the body may build the message first)."""
+    if not (isinstance(st, ast.If) and not st.orelse and st.body and isinstance(st.body[-1], ast.Raise)):
+        return False
+    if not all(isinstance(b, (ast.Assign, ast.Raise)) and not any(isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, ast.Store)
+               for n in ast.walk(b)) for b in st.body):
+        return False
+    test = st.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotEq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    trailing = [s for s in sides if _trailing_shape_of(s, x)]
+    other = [s for s in sides if not _trailing_shape_of(s, x)]
+    return len(trailing) == 1 and len(other) == 1 and ast.unparse(other[0]) in shapes
+
+
+def return_after_checks(module: Any, cls: str, fwd: ast.FunctionDef, helper_return: Any) -> ast.Return | None:
+    """The final ``return`` of a forward that is input-shape checks (:func:`_shape_check`) then a straight-line body
+    (``S.helper_return``'s reading of the rest); None otherwise."""
+    from npufuse.patterns import _site as S
+
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    if len(params) < 2:
+        return None
+    body = [s for s in fwd.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    n = 0
+    shapes: set[str] | None = None
+    while n < len(body) and isinstance(body[n], ast.If):
+        if shapes is None:
+            shapes = _weight_shape_attrs(S.method(module, cls, "__init__"), params[0])
+        if not _shape_check(body[n], params[0], params[1], shapes):
+            return None
+        n += 1
+    if n == 0:
+        return None
+    return helper_return(SimpleNamespace(body=body[n:]))
+
+
+# -- 3: a library RMSNorm reached through an alias ---------------------------------------------------------------------
+
+_LIBRARY_ROOTS = ("liger_kernel", "apex", "flash_attn", "transformer_engine", "torchtune", "timm", "xformers",
+                  "megatron", "vllm", "sglang", "unsloth", "mamba_ssm", "fla", "transformers")
+
+
+def _alias_in(tree: ast.Module, name: str) -> str | None:
+    """What a top-level ``from m import A as name`` / ``import`` / ``name = A`` of ``tree`` binds ``name`` to: a dotted
+    library path for an import, ``"=A"`` for an assignment of another name, None otherwise."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                if (a.asname or a.name) == name:
+                    return f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id == name and isinstance(node.value, ast.Name):
+            return "=" + node.value.id
+    return None
+
+
+def _library_target(tree: ast.Module, name: str, depth: int = 0) -> str | None:
+    if depth > 3:
+        return None
+    got = _alias_in(tree, name)
+    if got is None:
+        return None
+    if got.startswith("="):
+        return _library_target(tree, got[1:], depth + 1)
+    return got
+
+
+def library_alias_class(module: Any, func: ast.expr) -> str | None:
+    """The class name (``LigerRMSNorm``) of a library RMSNorm that ``func`` (a bare name the file calls by another
+    name) denotes: imported under an alias, assigned to the name in this file, or so in the repository file the name
+    is imported from. None where the name is the class's own, is defined here, or is not a library RMSNorm."""
+    if not isinstance(func, ast.Name) or _RMS_NAME.search(func.id):
+        return None
+    name = func.id
+    cache = module.__dict__.setdefault("_npufuse_s47n_alias", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = found = _find_library_alias(module, name)
+    return found
+
+
+def _find_library_alias(module: Any, name: str) -> str | None:
+    if name in module.classes or name in module.functions:
+        return None
+    target = _library_target(module.tree, name)
+    if target is None:
+        return None
+    root = target.split(".")[0]
+    if root not in _LIBRARY_ROOTS:
+        # a package of the repository: the name may be assigned a library class there (``LayerNorm = LigerRMSNorm``)
+        from npufuse.scan import repo_facts
+
+        repo = repo_facts.repo_root(module)
+        if repo is None:
+            return None
+        where = repo_facts._imported(module.tree, module.path, name)
+        if where is None:
+            return None
+        mod, attr = where
+        parts = mod.split(".")
+        if not mod or any(p in ("", "..") for p in parts):
+            return None
+        from pathlib import PurePosixPath
+
+        for base in dict.fromkeys([PurePosixPath("."), *PurePosixPath(module.path).parents]):
+            for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+                tree = repo_facts._parse_repo_file(repo, str(cand))
+                if tree is None:
+                    continue
+                repo_facts._depends(repo, module.path)
+                if any(isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == attr for n in tree.body):
+                    return None
+                target = _library_target(tree, attr)
+                if target is None or target.split(".")[0] not in _LIBRARY_ROOTS:
+                    return None
+                break
+            else:
+                continue
+            break
+        else:
+            return None
+    real = target.split(".")[-1]
+    if not _RMS_NAME.search(real) or real == name:
+        return None
+    return real
