@@ -23,6 +23,10 @@ from apply_support import make_repo, scan
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from pattern_harness import check_rewrite_runs, detect_all, found_and_faithful, install_stand_in_modules
 
+def _line(code: str, text: str) -> int:
+    return next(i for i, ln in enumerate(code.splitlines(), 1) if text in ln)
+
+
 # -- A: a shape check raising before the norm, the norm chosen by a flag
 
 _CHECKED = '''
@@ -101,36 +105,33 @@ _CHECKED_WIDTH = _CHECKED.replace(
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
 def test_a_norm_with_a_weight_shape_check_chosen_by_a_flag_is_fused_and_runs(code: str, dtype: str) -> None:
     findings = found_and_faithful(AddRmsNorm(), code, _CHECKED_RUN.replace("DTYPE", dtype))
-    assert [(f.qualname, f.line) for f in findings] == [("Block.forward", 37 if code is _CHECKED else 35)]
+    assert [(f.qualname, f.line) for f in findings] == [("Block.forward", _line(code, "out = out + self.dropout(attn)"))]
     # the run-time class test sends the LayerNorm configuration to the original code
     assert "type(self.ln2) is RMSNorm" in findings[0].fused
 
 
-def test_a_fused_call_raises_where_the_check_does() -> None:
+def test_a_fused_ops_refuse_the_shapes_the_check_refuses() -> None:
+    # the check raises where the input's trailing dims are not the weight's shape; so do the fused ops (spec: gamma's
+    # shape is the input's trailing dims), so dropping the check with the norm call loses no refusal
     from npufuse import emulate
 
-    findings, _ = detect_all(AddRmsNorm(), _CHECKED)
-    run = _CHECKED_RUN.replace("DTYPE", "torch.float32").replace("torch.randn(2, 5, 16,", "torch.randn(2, 5, 12,")
-    run = run.replace("block = Block(16", "block = Block(16").replace("out = block(x).float()", "out = block.ln2(x + x)")
-    facts_code = check_rewrite_runs  # the rewrite and the original both refuse a width the weight was not built for
-    del facts_code
-    from pattern_harness import _exec, _run
-    from npufuse.rewrite.codegen import splice
-
-    with pytest.raises(RuntimeError):
-        _run(_exec(_CHECKED, "original"), run)
-    rewritten = splice(_CHECKED, findings)
     with emulate.install():
-        ns = _exec(rewritten, "rewritten")
-        block = ns["Block"](16, use_rms_norm=True)
+        import torch_npu
+
+        x, gamma = torch.randn(2, 5, 12), torch.ones(16)
         with pytest.raises(Exception):
-            block.forward(torch.randn(2, 5, 12))
+            torch_npu.npu_rms_norm(x, gamma, epsilon=1e-5)
+        with pytest.raises(Exception):
+            torch_npu.npu_add_rms_norm(x, x, gamma, epsilon=1e-5)
 
 
 def test_a_check_of_another_property_stays_unfused() -> None:
     code = _CHECKED.replace("if x.shape[-len(self.normalized_shape):] != self.normalized_shape:", "if x.ndim != 3:")
-    findings, _ = detect_all(AddRmsNorm(), code)
+    findings, misses = detect_all(AddRmsNorm(), code)
     assert findings == []
+    reasons = [m.reason for m in misses if m.line == _line(code, "out = out + self.dropout(attn)")]
+    assert len(reasons) == 1 and "first checks `x.ndim != 3` and raises" in reasons[0]
+    assert reasons[0].startswith("no module this choice builds can be fused")
 
 
 # -- B: a device branch an NPU tensor never takes, returning inside an autocast block
@@ -187,13 +188,14 @@ leaves = [x, block.ffn_norm.weight]
 def test_b_norm_returning_early_on_a_device_branch_is_fused_and_runs(device: str) -> None:
     code = _DEVICE_BRANCH.replace("'privateuseone'", repr(device))
     findings = found_and_faithful(AddRmsNorm(), code, _DEVICE_RUN)
-    assert [(f.qualname, f.line) for f in findings] == [("TransformerBlock.forward", 33)]
+    assert [(f.qualname, f.line) for f in findings] == [("TransformerBlock.forward", _line(code, "h = x + attn_out"))]
 
 
 def test_b_branch_taken_on_an_npu_tensor_stays_unfused() -> None:
     code = _DEVICE_BRANCH.replace("if x.device.type == 'privateuseone':", "if x.device.type == 'npu':")
-    findings, _ = detect_all(AddRmsNorm(), code)
+    findings, misses = detect_all(AddRmsNorm(), code)
     assert findings == []
+    assert [m.line for m in misses if "true for an NPU tensor" in m.reason] == [_line(code, "h = x + attn_out")]
 
 
 # -- C: a library RMSNorm under another name
@@ -254,8 +256,11 @@ def test_c_library_rms_norm_under_an_alias_is_fused_and_runs(monkeypatch: pytest
     code = _LIGER_ALIAS if spelling == "import_as" else _LIGER_ALIAS.replace(
         "from liger_kernel.transformers import LigerRMSNorm as LayerNorm",
         "from liger_kernel.transformers import LigerRMSNorm\n\nLayerNorm = LigerRMSNorm")
-    findings = found_and_faithful(AddRmsNorm(), code, _LIGER_RUN)
+    findings, _ = detect_all(AddRmsNorm(), code)
     assert len(findings) == 1 and "type(self.norm2).__name__ == 'LigerRMSNorm'" in findings[0].fused
+    # inference is fused (training keeps the library module's call)
+    facts = check_rewrite_runs(AddRmsNorm(), code, _LIGER_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) == 1 and min(facts["cos_out"]) > 0.9999
 
 
 def test_c_alias_defined_in_another_file_of_the_repository_is_resolved(tmp_path: Path) -> None:
@@ -264,7 +269,7 @@ def test_c_alias_defined_in_another_file_of_the_repository_is_resolved(tmp_path:
                                  "from pkg._component import LayerNorm")
     data = scan(make_repo(tmp_path / "a", {"pkg/__init__.py": "", "pkg/_component.py": component, "pkg/block.py": block}),
                 patterns=(AddRmsNorm(),))
-    assert [(c["qualname"], c["line"]) for c in data["candidates"]] == [("EncoderBlock.forward", 16)]
+    assert [(c["qualname"], c["line"]) for c in data["candidates"]] == [("EncoderBlock.forward", _line(block, "hidden_states = hidden_states + attn"))]
     # a repository alias of torch's LayerNorm is no RMSNorm
     other = "import torch.nn as nn\n\nLayerNorm = nn.LayerNorm\n"
     data = scan(make_repo(tmp_path / "b", {"pkg/__init__.py": "", "pkg/_component.py": other, "pkg/block.py": block}),
@@ -274,5 +279,7 @@ def test_c_alias_defined_in_another_file_of_the_repository_is_resolved(tmp_path:
 
 def test_c_library_layer_norm_under_an_alias_stays_unfused() -> None:
     code = _LIGER_ALIAS.replace("LigerRMSNorm as LayerNorm", "LigerLayerNorm as LayerNorm")
-    findings, _ = detect_all(AddRmsNorm(), code)
+    findings, misses = detect_all(AddRmsNorm(), code)
     assert findings == []
+    assert [m.reason for m in misses] == [
+        "norm is not RMSNorm (`LayerNorm` is liger_kernel.transformers.LigerLayerNorm, a LayerNorm: mean subtracted)"]

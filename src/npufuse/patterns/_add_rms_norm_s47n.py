@@ -25,6 +25,7 @@ from npufuse.scan.dataflow import dotted
 NOT_NPU_DEVICE_TYPES = ("cuda", "privateuseone", "mps", "xpu", "cpu")
 
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
+_LAYER_NAME = re.compile(r"layer_?norm", re.IGNORECASE)
 
 
 def ends_in_return(stmts: list[ast.stmt]) -> bool:
@@ -100,6 +101,29 @@ def _shape_check(st: ast.stmt, me: str, x: str, shapes: set[str]) -> bool:
     return len(trailing) == 1 and len(other) == 1 and ast.unparse(other[0]) in shapes
 
 
+def unread_forward_reason(fwd: ast.FunctionDef, cls: str) -> str | None:
+    """A true reason for a norm forward npufuse does not read because of its first statement: an input check that
+    raises (other than the trailing-shape check :func:`return_after_checks` drops), or an early return under a device
+    test an NPU tensor passes. None for anything else."""
+    params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
+    body = [s for s in fwd.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(params) < 2 or not body or not isinstance(body[0], ast.If) or body[0].orelse:
+        return None
+    head, x = body[0], params[1]
+    test = ast.unparse(head.test)
+    if isinstance(head.body[-1], ast.Raise) and any(isinstance(n, ast.Name) and n.id == x for n in ast.walk(head.test)):
+        return (f"norm {cls} cannot be fused: its forward first checks `{test}` and raises, a check the fused call would "
+                "not make (npufuse drops only a check of the input's trailing dims against the weight's shape, which the "
+                "fused op makes itself)")
+    t = head.test
+    if ends_in_return(head.body) and isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq) \
+            and {dotted(t.left), dotted(t.comparators[0])} >= {f"{x}.device.type"} \
+            and any(isinstance(n, ast.Constant) and n.value == "npu" for n in (t.left, t.comparators[0])):
+        return (f"norm {cls} cannot be fused: its forward returns early under `{test}`, true for an NPU tensor, so the "
+                "code that runs on an NPU is that branch, not the rest of the forward")
+    return None
+
+
 def return_after_checks(module: Any, cls: str, fwd: ast.FunctionDef, helper_return: Any) -> ast.Return | None:
     """The final ``return`` of a forward that is input-shape checks (:func:`_shape_check`) then a straight-line body
     (``S.helper_return``'s reading of the rest); None otherwise."""
@@ -153,10 +177,24 @@ def _library_target(tree: ast.Module, name: str, depth: int = 0) -> str | None:
     return got
 
 
+def alias_norm_call(module: Any, call: ast.Call, attr: str, func: ast.expr, make: Any) -> Any:
+    """``make(...)`` (add_rms_norm's NormCall) for ``self.<attr> = Name(...)`` where Name is a library norm under another
+    name: an RMSNorm fused under a run-time test of the class's name (external kind); a LayerNorm refused."""
+    target = library_alias_class(module, func)
+    if target is None:
+        return None
+    real = target.split(".")[-1]
+    if _RMS_NAME.search(real):
+        return make(call, attr, "external", cls=real, conditions=[f"type(self.{attr}).__name__ == {real!r}"])
+    return make(call, attr, "not_rms", cls=real,
+                reason=f"norm is not RMSNorm (`{ast.unparse(func)}` is {target}, a LayerNorm: mean subtracted)")
+
+
 def library_alias_class(module: Any, func: ast.expr) -> str | None:
-    """The class name (``LigerRMSNorm``) of a library RMSNorm that ``func`` (a bare name the file calls by another
-    name) denotes: imported under an alias, assigned to the name in this file, or so in the repository file the name
-    is imported from. None where the name is the class's own, is defined here, or is not a library RMSNorm."""
+    """The dotted path (``liger_kernel.transformers.LigerRMSNorm``) of a library RMSNorm / LayerNorm class that
+    ``func`` (a bare name the file calls by another name) denotes: imported under an alias, assigned to the name in
+    this file, or so in the repository file the name is imported from. None where the name is the class's own, is
+    defined here, or is not a library RMSNorm / LayerNorm."""
     if not isinstance(func, ast.Name) or _RMS_NAME.search(func.id):
         return None
     name = func.id
@@ -208,6 +246,6 @@ def _find_library_alias(module: Any, name: str) -> str | None:
         else:
             return None
     real = target.split(".")[-1]
-    if not _RMS_NAME.search(real) or real == name:
+    if real == name or not (_RMS_NAME.search(real) or _LAYER_NAME.search(real)):
         return None
-    return real
+    return target

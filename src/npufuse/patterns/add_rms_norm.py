@@ -1340,9 +1340,9 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         # a model library's RMSNorm read from its source (torchtune's): its attributes, offset and
         # output dtype, under a run-time check of the class and its forward's spelling
         return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
-    aliased = _add_rms_norm_s47n.library_alias_class(module, value.func)  # s47: ``LigerRMSNorm as LayerNorm``
+    aliased = _add_rms_norm_s47n.alias_norm_call(module, call, f.attr, value.func, NormCall)  # s47: ``LigerRMSNorm as LayerNorm``
     if aliased is not None:
-        return NormCall(call, f.attr, "external", cls=aliased, conditions=[f"type(self.{f.attr}).__name__ == {aliased!r}"])
+        return aliased
     if _RMS_NAME.search(cls.split(".")[-1]):
         return _timm_norm(module, call, f.attr, value.func) or _s41_eps_outside(module, call, f.attr, [cls]) \
             or NormCall(call, f.attr, "external", cls=cls)
@@ -1711,7 +1711,9 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
     if len(rms) > 1:
         return None
     if not rms:
-        return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({'; '.join(nc.reason for nc in found)}; `{mod}`, {origin}{where})")
+        # s47: "is not RMSNorm" only where every side is one that is not (a side read as an RMSNorm it cannot fuse is one)
+        head = "no module this choice builds can be fused" if any("cannot be fused" in nc.reason for nc in found) else "norm is not RMSNorm"
+        return NormCall(call, attr, "not_rms", reason=f"{head} ({'; '.join(nc.reason for nc in found)}; `{mod}`, {origin}{where})")
     return rms[0]
 
 
@@ -1849,6 +1851,10 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         # s43: ``if self.weight is not None: return <weighted> else: return <plain>``: one arm, under its test
         weight_branch = _s43_branch_return(fwd, params[0], mod)
         ret = weight_branch[0] if weight_branch is not None else None
+    if ret is None and nscope is not None:
+        unread = _add_rms_norm_s47n.unread_forward_reason(fwd, cls + where)  # s47: a true reason where one is evident
+        if unread is not None:
+            return NormCall(call, attr, "not_rms", cls=cls + where, reason=unread)
     if ret is None or nscope is None or len(params) < 2:
         return None
     defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
