@@ -283,3 +283,54 @@ def test_c_library_layer_norm_under_an_alias_stays_unfused() -> None:
     assert findings == []
     assert [m.reason for m in misses] == [
         "norm is not RMSNorm (`LayerNorm` is liger_kernel.transformers.LigerLayerNorm, a LayerNorm: mean subtracted)"]
+
+
+# -- D: a factor multiplied into the norm's output afterwards (a constant ``position_scale`` buffer, in place): not
+#    folded into gamma yet; the near miss says so (it said "not x * rsqrt(mean(x^2) + eps) * weight", which is false)
+
+_POST_SCALED = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5, position=None):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+        scale = torch.tensor(1.0) if position is None else torch.rsqrt(torch.tensor(float(position)))
+        self.register_buffer("position_scale", scale, persistent=False)
+
+    def forward(self, x):
+        in_dtype = x.dtype
+        x = x.to(torch.float32)
+        with torch.autocast("cuda", enabled=False):
+            reverse_rms = torch.rsqrt((x * x).mean(-1) + self.eps).unsqueeze(-1)
+            out = x * reverse_rms * self.gain
+        out.mul_(self.position_scale)
+        return out.to(in_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, position=None):
+        super().__init__()
+        self.ln1 = RMSNorm(d_model, position=position)
+        self.attn = nn.Linear(d_model, d_model)
+        self.ln2 = RMSNorm(d_model, position=position)
+        self.ffn = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        attn_out = self.attn(self.ln1(x))
+        y = x + attn_out
+        return y + self.ffn(self.ln2(y))
+'''
+
+
+@pytest.mark.parametrize("scale", ["out.mul_(self.position_scale)", "out = out * self.position_scale"])
+def test_d_post_scaled_norm_gets_a_true_near_miss(scale: str) -> None:
+    code = _POST_SCALED.replace("out.mul_(self.position_scale)", scale)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == []
+    assert [(m.line, m.reason) for m in misses] == [(_line(code, "y = x + attn_out"),
+        f"norm RMSNorm cannot be fused: its forward multiplies its output by `self.position_scale` after the norm (`{scale}`), "
+        "a factor npufuse does not fold into gamma")]

@@ -102,12 +102,18 @@ def _shape_check(st: ast.stmt, me: str, x: str, shapes: set[str]) -> bool:
 
 
 def unread_forward_reason(fwd: ast.FunctionDef, cls: str) -> str | None:
-    """A true reason for a norm forward npufuse does not read because of its first statement: an input check that
-    raises (other than the trailing-shape check :func:`return_after_checks` drops), or an early return under a device
-    test an NPU tensor passes. None for anything else."""
+    """A true reason for a norm forward npufuse does not read because of its first statement (an input check that
+    raises, other than the trailing-shape check :func:`return_after_checks` drops; an early return under a device test
+    an NPU tensor passes) or of its last two (a factor multiplied in after the norm). None for anything else."""
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     body = [s for s in fwd.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    if len(params) < 2 or not body or not isinstance(body[0], ast.If) or body[0].orelse:
+    if len(params) < 2 or not body:
+        return None
+    if not isinstance(body[0], ast.If) or body[0].orelse:
+        scaled = _post_scale(body, params[0])
+        if scaled is not None:
+            return (f"norm {cls} cannot be fused: its forward multiplies its output by `{scaled[0]}` after the norm "
+                    f"(`{scaled[1]}`), a factor npufuse does not fold into gamma")
         return None
     head, x = body[0], params[1]
     test = ast.unparse(head.test)
@@ -122,6 +128,33 @@ def unread_forward_reason(fwd: ast.FunctionDef, cls: str) -> str | None:
         return (f"norm {cls} cannot be fused: its forward returns early under `{test}`, true for an NPU tensor, so the "
                 "code that runs on an NPU is that branch, not the rest of the forward")
     return None
+
+
+def _post_scale(body: list[ast.stmt], me: str) -> tuple[str, str] | None:
+    """(factor, statement) for a forward that ends ``out.mul_(self.<a>)`` / ``out *= self.<a>`` / ``out = out *
+    self.<a>`` then ``return out`` (cast or not): the normalised output scaled by a module attribute afterwards."""
+    if len(body) < 2 or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    ret = body[-1].value
+    while isinstance(ret, ast.Call) and isinstance(ret.func, ast.Attribute) and ret.func.attr in ("to", "type_as", "type", "float", "half", "bfloat16"):
+        ret = ret.func.value
+    if not isinstance(ret, ast.Name):
+        return None
+    out, st = ret.id, body[-2]
+    factor: ast.expr | None = None
+    if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
+            and st.value.func.attr == "mul_" and isinstance(st.value.func.value, ast.Name) and st.value.func.value.id == out \
+            and len(st.value.args) == 1 and not st.value.keywords:
+        factor = st.value.args[0]
+    elif isinstance(st, ast.AugAssign) and isinstance(st.op, ast.Mult) and isinstance(st.target, ast.Name) and st.target.id == out:
+        factor = st.value
+    elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and st.targets[0].id == out \
+            and isinstance(st.value, ast.BinOp) and isinstance(st.value.op, ast.Mult) and isinstance(st.value.left, ast.Name) \
+            and st.value.left.id == out:
+        factor = st.value.right
+    if factor is None or not (dotted(factor) or "").startswith(me + "."):
+        return None
+    return ast.unparse(factor), ast.unparse(st)
 
 
 def return_after_checks(module: Any, cls: str, fwd: ast.FunctionDef, helper_return: Any) -> ast.Return | None:
