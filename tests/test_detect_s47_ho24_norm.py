@@ -334,3 +334,85 @@ def test_d_post_scaled_norm_gets_a_true_near_miss(scale: str) -> None:
     assert [(m.line, m.reason) for m in misses] == [(_line(code, "y = x + attn_out"),
         f"norm RMSNorm cannot be fused: its forward multiplies its output by `self.position_scale` after the norm (`{scale}`), "
         "a factor npufuse does not fold into gamma")]
+
+
+# -- E: the add + norm inside a closure of the method, reading the method's ``self`` (run directly or checkpointed)
+
+_CLOSURE = '''
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        variance = (x * x).mean(-1, keepdim=True)
+        return x * torch.rsqrt(variance + self.eps) * self.weight
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attention = nn.Linear(dim, dim)
+        self.feed_forward = nn.Linear(dim, dim)
+        self.attention_norm = RMSNorm(dim)
+        self.ffn_norm = RMSNorm(dim)
+        self.use_checkpoint = False
+
+    def forward(self, x, mask=None):
+        def _forward_block(x, mask):
+            attn_out = self.attention(self.attention_norm(x))
+            h = x + attn_out
+            out = h + self.feed_forward(self.ffn_norm(h))
+            return out
+
+        if self.use_checkpoint and self.training:
+            return torch.utils.checkpoint.checkpoint(_forward_block, x, mask, use_reentrant=False)
+        return _forward_block(x, mask)
+'''
+
+# a second spelling: the closure takes one argument and the block's both sums are in it
+_CLOSURE_2 = _CLOSURE.replace('''        def _forward_block(x, mask):
+            attn_out = self.attention(self.attention_norm(x))
+            h = x + attn_out
+            out = h + self.feed_forward(self.ffn_norm(h))
+            return out
+''', '''        def _forward_block(h, mask):
+            h = h + self.attention(self.attention_norm(h))
+            h = h + self.feed_forward(self.ffn_norm(h))
+            return h
+''')
+
+_CLOSURE_RUN = '''
+torch.manual_seed(0)
+block = TransformerBlock(16)
+block.use_checkpoint = CKPT
+with torch.no_grad():
+    block.ffn_norm.weight.uniform_(0.5, 1.5)
+    block.attention_norm.weight.uniform_(0.5, 1.5)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = block(x)
+leaves = [x, block.ffn_norm.weight]
+'''
+
+
+@pytest.mark.parametrize("code", [_CLOSURE, _CLOSURE_2], ids=["named_sum", "rebound_input"])
+@pytest.mark.parametrize("ckpt", ["False", "True"])
+def test_e_add_norm_in_a_closure_of_the_method_is_fused_and_runs(code: str, ckpt: str) -> None:
+    findings = found_and_faithful(AddRmsNorm(), code, _CLOSURE_RUN.replace("CKPT", ckpt))
+    want = "h = x + attn_out" if code is _CLOSURE else "h = h + self.attention(self.attention_norm(h))"
+    assert [(f.qualname, f.line) for f in findings] == [("TransformerBlock.forward._forward_block", _line(code, want))]
+
+
+def test_e_closure_over_a_layer_norm_gets_a_true_near_miss() -> None:
+    code = _CLOSURE.replace("self.ffn_norm = RMSNorm(dim)", "self.ffn_norm = nn.LayerNorm(dim)")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == []
+    assert [(m.qualname, m.reason) for m in misses] == [
+        ("TransformerBlock.forward._forward_block", "norm is not RMSNorm (nn.LayerNorm: mean subtracted); npu_add_layer_norm fuses "
+         "add + LayerNorm (not an npufuse pattern yet)")]

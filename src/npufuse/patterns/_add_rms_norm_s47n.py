@@ -10,6 +10,9 @@
 3. A library RMSNorm class reached through an alias (``from liger_kernel.transformers import LigerRMSNorm as
    LayerNorm``, ``LayerNorm = LigerRMSNorm`` in this file or in the repository file the name is imported from): the
    import decides, not the name the file calls it by; the fused code runs where the run-time class has that name.
+4. A closure defined in a method and reading the method's ``self`` (``def _forward_block(x, ...):`` inside
+   ``forward``, run directly or through ``torch.utils.checkpoint``): read as code of the method's class, so
+   ``self.<norm>`` resolves through that class's ``__init__``.
 """
 
 from __future__ import annotations
@@ -282,3 +285,49 @@ def _find_library_alias(module: Any, name: str) -> str | None:
     if real == name or not (_RMS_NAME.search(real) or _LAYER_NAME.search(real)):
         return None
     return target
+
+
+# -- 4: a closure of a method, reading the method's ``self`` ------------------------------------------------------------
+
+def closure_as_method(module: Any, scope: Any) -> Any:
+    """``scope`` itself, or (for a function defined directly in a method's body, not binding ``self`` itself, reading
+    ``self.``) a copy of it whose ``class_name`` is the method's class, kept per file so that its identity is stable."""
+    fn = scope.node
+    if scope.class_name is not None or not isinstance(fn, ast.FunctionDef) or scope.qualname.count(".") < 2:
+        return scope
+    memo = module.__dict__.setdefault("_npufuse_s47n_closures", {})
+    key = id(scope)
+    if key in memo and memo[key][0] is scope:
+        return memo[key][1]
+    memo[key] = (scope, got := _closure_as_method(module, scope))
+    return got
+
+
+def _closure_as_method(module: Any, scope: Any) -> Any:
+    import copy
+
+    fn = scope.node
+    parent_name = scope.qualname.rsplit(".", 1)[0]
+    parent = next((sc for sc in module.scopes if sc.qualname == parent_name), None)
+    if parent is None or parent.class_name is None or not isinstance(parent.node, ast.FunctionDef) \
+            or fn not in parent.node.body:
+        return scope
+    pargs = [a.arg for a in (*parent.node.args.posonlyargs, *parent.node.args.args)]
+    if not pargs or pargs[0] != "self" or any(isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod")
+                                              for d in parent.node.decorator_list):
+        return scope
+    own = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    if fn.args.vararg is not None:
+        own.add(fn.args.vararg.arg)
+    if fn.args.kwarg is not None:
+        own.add(fn.args.kwarg.arg)
+    if "self" in own or any(isinstance(n, ast.Name) and n.id == "self" and not isinstance(n.ctx, ast.Load) for n in ast.walk(fn)):
+        return scope
+    # ``self`` rebound in the method after the closure is defined would change what the closure reads
+    if any(isinstance(n, ast.Name) and n.id == "self" and not isinstance(n.ctx, ast.Load) for n in ast.walk(parent.node)):
+        return scope
+    if not any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(fn)):
+        return scope
+    view = copy.copy(scope)
+    view.class_name = parent.class_name
+    return view

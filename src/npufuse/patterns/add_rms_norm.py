@@ -3067,6 +3067,7 @@ class AddRmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if isinstance(scope.node, ast.Module):
             return
+        scope = _add_rms_norm_s47n.closure_as_method(module, scope)  # s47: a closure reading its method's ``self``
         # s46: an engine's add + norm method (``def add_rms_forward(self, x, residual)``), in place or not; its near
         # miss stands only where no other reading of the method gives a result
         engine = _add_rms_norm_s46a.engine_add_norm(module, scope, R._PROBE)
