@@ -125,12 +125,13 @@ def test_a_fused_ops_refuse_the_shapes_the_check_refuses() -> None:
             torch_npu.npu_add_rms_norm(x, x, gamma, epsilon=1e-5)
 
 
-def test_a_check_of_another_property_stays_unfused() -> None:
-    code = _CHECKED.replace("if x.shape[-len(self.normalized_shape):] != self.normalized_shape:", "if x.ndim != 3:")
+@pytest.mark.parametrize("check", ["x.ndim != 3", "x.shape[-2:] != self.normalized_shape"])
+def test_a_check_of_another_property_stays_unfused(check: str) -> None:
+    code = _CHECKED.replace("x.shape[-len(self.normalized_shape):] != self.normalized_shape", check)
     findings, misses = detect_all(AddRmsNorm(), code)
     assert findings == []
     reasons = [m.reason for m in misses if m.line == _line(code, "out = out + self.dropout(attn)")]
-    assert len(reasons) == 1 and "first checks `x.ndim != 3` and raises" in reasons[0]
+    assert len(reasons) == 1 and f"first checks `{check}` and raises" in reasons[0]
     assert reasons[0].startswith("no module this choice builds can be fused")
 
 

@@ -101,7 +101,13 @@ def _shape_check(st: ast.stmt, me: str, x: str, shapes: set[str]) -> bool:
     sides = [test.left, test.comparators[0]]
     trailing = [s for s in sides if _trailing_shape_of(s, x)]
     other = [s for s in sides if not _trailing_shape_of(s, x)]
-    return len(trailing) == 1 and len(other) == 1 and ast.unparse(other[0]) in shapes
+    if len(trailing) != 1 or len(other) != 1 or ast.unparse(other[0]) not in shapes:
+        return False
+    # ``x.shape[-k:]``: k must be the length of the shape it is compared with (else the check is another one)
+    sl = trailing[0].slice if isinstance(trailing[0], ast.Subscript) else None
+    if isinstance(sl, ast.Slice):
+        return ast.unparse(sl.lower) == f"-len({ast.unparse(other[0])})"
+    return True
 
 
 def unread_forward_reason(fwd: ast.FunctionDef, cls: str) -> str | None:
