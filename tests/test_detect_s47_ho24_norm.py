@@ -417,3 +417,105 @@ def test_e_closure_over_a_layer_norm_gets_a_true_near_miss() -> None:
     assert [(m.qualname, m.reason) for m in misses] == [
         ("TransformerBlock.forward._forward_block", "norm is not RMSNorm (nn.LayerNorm: mean subtracted); npu_add_layer_norm fuses "
          "add + LayerNorm (not an npufuse pattern yet)")]
+
+
+# -- F: mean over the last dim without keepdim, the column restored by ``.unsqueeze(-1)`` (== keepdim=True)
+
+_UNSQUEEZED = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-8):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x_squared = x.pow(2)
+        x_mean_squared = x_squared.mean(-1)
+        rms = (x_mean_squared + self.eps).sqrt()
+        rms = rms.unsqueeze(-1)
+        x_norm = x / rms
+        return x_norm * self.weight
+'''
+
+# a second spelling: fp32, the rsqrt unsqueezed in one expression, one cast back (HO24a core.py without its post-scale)
+_UNSQUEEZED_RSQRT = '''
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x):
+        in_dtype = x.dtype
+        x = x.to(torch.float32)
+        reverse_rms = torch.rsqrt((x * x).mean(-1) + self.eps).unsqueeze(-1)
+        out = x * reverse_rms * self.gain
+        return out.to(in_dtype)
+'''
+
+_NORM_RUN = '''
+torch.manual_seed(0)
+norm = RMSNorm(16)
+with torch.no_grad():
+    for p in norm.parameters():
+        p.uniform_(0.5, 1.5)
+norm = norm.to(DTYPE)
+x = torch.randn(2, 5, 16, dtype=DTYPE, requires_grad=True)
+out = norm(x).float()
+leaves = [x, *norm.parameters()]
+'''
+
+
+@pytest.mark.parametrize("code", [_UNSQUEEZED, _UNSQUEEZED_RSQRT], ids=["sqrt_divide", "rsqrt_fp32"])
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_f_mean_without_keepdim_then_unsqueeze_is_fused_and_runs(code: str, dtype: str) -> None:
+    from npufuse.patterns.rms_norm import RmsNorm
+
+    findings = found_and_faithful(RmsNorm(), code, _NORM_RUN.replace("DTYPE", dtype))
+    assert [f.qualname for f in findings] == ["RMSNorm.forward"] and findings[0].variant != "numeric_probe"
+
+
+def test_f_kept_mean_unsqueezed_again_stays_unfused() -> None:
+    from npufuse.patterns.rms_norm import RmsNorm
+
+    code = _UNSQUEEZED_RSQRT.replace("(x * x).mean(-1)", "(x * x).mean(-1, keepdim=True)")
+    findings, misses = detect_all(RmsNorm(), code)
+    assert findings == []
+    assert any("keepdim=True, then unsqueeze(-1)" in m.reason for m in misses)
+
+
+def test_f_add_and_a_norm_of_another_file_spelled_so_is_fused(tmp_path: Path) -> None:
+    block = '''
+import torch.nn as nn
+
+from pkg.rms_norm import RMSNorm
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm1 = RMSNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.norm2 = RMSNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x_in = x
+        out = self.attn(self.norm1(x))
+        x = x_in + out
+        x_in = x
+        x = self.norm2(x)
+        x = self.mlp(x)
+        return x_in + x
+'''
+    data = scan(make_repo(tmp_path, {"pkg/__init__.py": "", "pkg/rms_norm.py": _UNSQUEEZED, "pkg/block.py": block}),
+                patterns=(AddRmsNorm(),))
+    assert [(c["qualname"], c["line"]) for c in data["candidates"]] == [("TransformerBlock.forward", _line(block, "x = x_in + out"))]
