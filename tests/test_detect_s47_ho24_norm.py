@@ -519,3 +519,15 @@ class TransformerBlock(nn.Module):
     data = scan(make_repo(tmp_path, {"pkg/__init__.py": "", "pkg/rms_norm.py": _UNSQUEEZED, "pkg/block.py": block}),
                 patterns=(AddRmsNorm(),))
     assert [(c["qualname"], c["line"]) for c in data["candidates"]] == [("TransformerBlock.forward", _line(block, "x = x_in + out"))]
+
+
+def test_a_module_that_is_no_norm_is_not_called_one() -> None:
+    # a gated residual module called on the sum (transformers' qwen4_exp hyper-connections), checking its input first:
+    # no reason may call it a norm
+    code = _CHECKED_WIDTH.replace('''        ms = x.float().square().mean(dim=-1, keepdim=True)
+        rms = torch.sqrt(ms + self.eps).to(x.dtype)
+        norm = x / rms
+        return norm * self.weight''', '''        return x * torch.sigmoid(self.weight)''').replace("class RMSNorm", "class GatedResidual").replace(
+        "RMSNorm(dim) if use_rms_norm", "GatedResidual(dim) if use_rms_norm")
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert findings == [] and not any("first checks" in m.reason for m in misses)

@@ -29,6 +29,7 @@ NOT_NPU_DEVICE_TYPES = ("cuda", "privateuseone", "mps", "xpu", "cpu")
 
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
 _LAYER_NAME = re.compile(r"layer_?norm", re.IGNORECASE)
+_ROOT_TEXT = re.compile(r"\brsqrt\b|\bsqrt\b|\*\*\s*\(?-?0\.5")
 
 
 def ends_in_return(stmts: list[ast.stmt]) -> bool:
@@ -117,6 +118,10 @@ def unread_forward_reason(fwd: ast.FunctionDef, cls: str) -> str | None:
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     body = [s for s in fwd.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(params) < 2 or not body:
+        return None
+    # only a module that is a norm by its name or its forward's maths (a gated residual module a block happens to call
+    # on the sum is no norm, and a reason calling it one would be false)
+    if "norm" not in cls.split(" ")[0].lower() and not _ROOT_TEXT.search(ast.unparse(fwd)):
         return None
     if not isinstance(body[0], ast.If) or body[0].orelse:
         scaled = _post_scale(body, params[0])
