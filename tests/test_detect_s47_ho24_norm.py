@@ -528,6 +528,8 @@ def test_a_module_that_is_no_norm_is_not_called_one() -> None:
         rms = torch.sqrt(ms + self.eps).to(x.dtype)
         norm = x / rms
         return norm * self.weight''', '''        return x * torch.sigmoid(self.weight)''').replace("class RMSNorm", "class GatedResidual").replace(
-        "RMSNorm(dim) if use_rms_norm", "GatedResidual(dim) if use_rms_norm")
+        "RMSNorm(dim) if use_rms_norm", "GatedResidual(dim) if use_rms_norm").replace(
+        "if x.size(-1) != self.dim:", "if x.size(-1) != 2 * self.dim:")
+    assert "2 * self.dim" in code and "GatedResidual(dim)" in code
     findings, misses = detect_all(AddRmsNorm(), code)
     assert findings == [] and not any("first checks" in m.reason for m in misses)
