@@ -27,7 +27,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
-from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47sweep
+from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1346,6 +1346,9 @@ def _norm_call_read(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx
         # a model library's RMSNorm read from its source (torchtune's): its attributes, offset and
         # output dtype, under a run-time check of the class and its forward's spelling
         return NormCall(call, f.attr, "external", cls=third_party, third_party=third_party)
+    aliased = _add_rms_norm_s47n.alias_norm_call(module, call, f.attr, value.func, NormCall)  # s47: ``LigerRMSNorm as LayerNorm``
+    if aliased is not None:
+        return aliased
     if _RMS_NAME.search(cls.split(".")[-1]):
         return _timm_norm(module, call, f.attr, value.func) or _s41_eps_outside(module, call, f.attr, [cls]) \
             or NormCall(call, f.attr, "external", cls=cls)
@@ -1714,7 +1717,9 @@ def _norm_of_ctor(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, file: ModuleIn
     if len(rms) > 1:
         return None
     if not rms:
-        return NormCall(call, attr, "not_rms", reason=f"norm is not RMSNorm ({'; '.join(nc.reason for nc in found)}; `{mod}`, {origin}{where})")
+        # s47: "is not RMSNorm" only where every side is one that is not (a side read as an RMSNorm it cannot fuse is one)
+        head = "no module this choice builds can be fused" if any("cannot be fused" in nc.reason for nc in found) else "norm is not RMSNorm"
+        return NormCall(call, attr, "not_rms", reason=f"{head} ({'; '.join(nc.reason for nc in found)}; `{mod}`, {origin}{where})")
     return rms[0]
 
 
@@ -1836,7 +1841,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         return NormCall(call, attr, "library", cls=cls + where, gamma=lib_fwd[0], eps=lib_fwd[1])
     if fwd is None:
         return None
-    ret = S.helper_return(fwd)
+    ret = S.helper_return(fwd) or _add_rms_norm_s47n.return_after_checks(module, cls, fwd, S.helper_return)  # s47
     nscope = S.scope_of(module, fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     kernel_branch: tuple[ast.Return, list[str], str] | None = None
@@ -1852,6 +1857,10 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         # s43: ``if self.weight is not None: return <weighted> else: return <plain>``: one arm, under its test
         weight_branch = _s43_branch_return(fwd, params[0], mod)
         ret = weight_branch[0] if weight_branch is not None else None
+    if ret is None and nscope is not None:
+        unread = _add_rms_norm_s47n.unread_forward_reason(fwd, cls + where)  # s47: a true reason where one is evident
+        if unread is not None:
+            return NormCall(call, attr, "not_rms", cls=cls + where, reason=unread)
     if ret is None or nscope is None or len(params) < 2:
         return None
     defaults = dict(zip(params[len(params) - len(fwd.args.defaults) :], fwd.args.defaults))
@@ -3064,6 +3073,7 @@ class AddRmsNorm(Pattern):
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         if isinstance(scope.node, ast.Module):
             return
+        scope = _add_rms_norm_s47n.closure_as_method(module, scope)  # s47: a closure reading its method's ``self``
         # s46: an engine's add + norm method (``def add_rms_forward(self, x, residual)``), in place or not; its near
         # miss stands only where no other reading of the method gives a result
         engine = _add_rms_norm_s46a.engine_add_norm(module, scope, R._PROBE)
@@ -7041,7 +7051,7 @@ def _s42_eps_form_terms(m: NormCall, x1: str, T: str, params: dict[str, Any], ri
 # attributes) is checked at run time, the fused code running where it is false. Anything else in the test
 # (a call, another read of the input): not read, nothing fused.
 
-_S42_CUDA_TYPES = ("cuda",)
+_S42_CUDA_TYPES = _add_rms_norm_s47n.NOT_NPU_DEVICE_TYPES  # s47: was ("cuda",)
 
 
 def _s42_device_test(test: ast.expr, x: str) -> bool:
@@ -7092,7 +7102,7 @@ def _s42_kernel_branch(fwd: ast.FunctionDef, me: str, x: str, mod: str, foreign:
         return None
     head = body[0]
     rest = head.orelse if head.orelse else body[1:]
-    if (head.orelse and body[1:]) or not head.body or not isinstance(head.body[-1], ast.Return) or not rest:
+    if (head.orelse and body[1:]) or not head.body or not _add_rms_norm_s47n.ends_in_return(head.body) or not rest:
         return None
     test = head.test
     kernel = head.body

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b
+from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b, _rms_norm_s47n
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -288,7 +288,10 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
                        "the last dim (npu_rms_norm normalises the last dims only)", rstd)
         else:
             dim_checks.append((dim, vctx))
-    if const_value(keepdim) is not True:
+    restored = _rms_norm_s47n.keepdim_by_unsqueeze(module, rstd, dim, keepdim)  # s47: mean(-1) then .unsqueeze(-1)
+    if restored is False:
+        raise Miss("mean with keepdim=True, then unsqueeze(-1): one axis more than the input has", rstd)
+    if const_value(keepdim) is not True and not restored:
         raise Miss("mean without keepdim=True", rstd)
     return y, sqctx, up or up2 or up3
 
@@ -418,6 +421,9 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
     """For a factor ``rsqrt(V + eps)`` (or an inverse factor ``sqrt(V + eps)``): (V, eps, node)."""
     node, ctx = _peel_any(f.node, f.ctx, trace)
     node, ctx, _ = _strip_casts(module, node, ctx, trace)
+    node, ctx, unsqueezed = _rms_norm_s47n.peel_unsqueeze(node, ctx, trace, _peel_any)  # s47: ``rms.unsqueeze(-1)``
+    if unsqueezed:
+        node, ctx, _ = _strip_casts(module, node, ctx, trace)
     for _ in range(2):
         # the rstd returned by a helper of this module (``def _rstd(x, eps): return rsqrt(...)``):
         # read in the helper's body with its parameters bound to the call's arguments
@@ -468,6 +474,8 @@ def _rstd(module: ModuleInfo, f: _Factor, trace: S.Trace) -> tuple[ast.expr, S.C
     if inner is None:
         return None
     rnode = node
+    if unsqueezed:
+        _rms_norm_s47n.mark(module, rnode)
     e, ectx = _peel_any(inner, ctx, trace)
     e, ectx, _ = _strip_casts(module, e, ectx, trace)
     pair: tuple[ast.expr, ast.expr] | None = None
