@@ -4,14 +4,23 @@ reproducers (several spellings each, and near misses).
 1. attention: a softmax helper decorated with AMP's ``custom_fwd`` (no ``cast_inputs``, or ``cast_inputs=float32``)
    computes the softmax it spells (in float32 under autocast, as the fused op does): read as that softmax, where
    every decorator used to drop the whole site without a near miss.
+2. rope: a per-pair 2x2 rotation matrix applied by ``einsum`` (einops' or torch's) over the lane pairs
+   (``"... k j, ... k i j -> ... k i"``), the matrix traced to ``[[cos, -sin], [sin, cos]]`` built in ``__init__``
+   (einops ``rearrange([cos, -sin, sin, cos], "(a b) i k -> i k a b")`` or ``stack(..).view(.., 2, 2)``): the
+   interleaved rope (flux's matrix reading); the transposed contraction or an untraced matrix are near misses.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
+import torch
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.rope import RopePattern
 
 
 def _near_miss(pattern: object, code: str, *phrases: str) -> None:
@@ -100,3 +109,147 @@ _AMP_SOFTMAX_SINKS = _AMP_SOFTMAX.replace('''    p = softmax(scores, -1)
 def test_sinks_on_merged_heads_through_amp_softmax_is_a_near_miss() -> None:
     # HO23a JorgeVanco: 3-D [(b h), S, D] scores with a per-head sink column and the decorated softmax: was silent
     _near_miss(AttentionPattern(), _AMP_SOFTMAX_SINKS, "attention sinks")
+
+
+# -- 2. rope: a per-pair rotation matrix applied by einsum ---------------------------------------------------------------
+
+def _rearrange(t, pattern: str, **axes: int) -> torch.Tensor:
+    """The einops patterns of the examples (einops is not installed in the test environment)."""
+    if pattern == "(d1 d2) i k -> i k d1 d2":
+        return torch.stack(list(t)).unflatten(0, (2, 2)).permute(2, 3, 0, 1)
+    if pattern == "... seq (k d1) -> ... seq k d1":
+        return t.unflatten(-1, (-1, axes["d1"]))
+    if pattern == "... seq k d2 -> ... seq (k d2)":
+        return t.flatten(-2)
+    raise NotImplementedError(pattern)
+
+
+def _einsum(a: torch.Tensor, b: torch.Tensor, pattern: str) -> torch.Tensor:
+    if pattern == "... seq k d1, ... seq k d2 d1 -> ... seq k d2":
+        return torch.einsum("...skj,...skij->...ski", a, b)
+    raise NotImplementedError(pattern)
+
+
+@pytest.fixture()
+def fake_einops(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("einops")
+    module.rearrange = _rearrange  # type: ignore[attr-defined]
+    module.einsum = _einsum  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "einops", module)
+
+
+_MATRIX_ROPE = '''\
+import torch
+import torch.nn as nn
+from einops import rearrange, einsum
+
+
+class RotaryPositionalEmbedding(nn.Module):
+    def __init__(self, theta, d_k, max_seq_len, device=None):
+        super().__init__()
+        i = torch.arange(max_seq_len, device=device).view(-1, 1)
+        k = torch.arange(1, d_k // 2 + 1, device=device)
+        theta_i_k = i / theta ** (2 * (k - 1) / d_k)
+        sin = theta_i_k.sin()
+        cos = theta_i_k.cos()
+        R = [cos, -sin, sin, cos]
+        R = rearrange(R, "(d1 d2) i k -> i k d1 d2", d1=2, d2=2)
+        self.register_buffer("R", R, persistent=False)
+
+    def forward(self, x, token_positions):
+        position_matrices = self.R[token_positions]
+        x = rearrange(x, "... seq (k d1) -> ... seq k d1", d1=2)
+        applied_rotary = einsum(x, position_matrices, "... seq k d1, ... seq k d2 d1 -> ... seq k d2")
+        return rearrange(applied_rotary, "... seq k d2 -> ... seq (k d2)")
+'''
+
+_MATRIX_ROPE_RUN = """
+rope = RotaryPositionalEmbedding(10000.0, 16, 32)
+pos = torch.arange(6)
+q3 = torch.randn(8, 6, 16, requires_grad=True)  # [(b h), S, D]
+q4 = torch.randn(2, 4, 6, 16, requires_grad=True)  # [B, H, S, D]
+q64 = torch.randn(2, 4, 6, 16, dtype=torch.float64, requires_grad=True)  # einsum does not promote: fp64 tables too
+rope64 = RotaryPositionalEmbedding(10000.0, 16, 32).double()
+out = [rope(q3, pos), rope(q4, pos), rope64(q64, pos), rope(q3, pos + 3)]
+leaves = [q3, q4, q64]
+"""
+
+_MATRIX_ROPE_TORCH = '''\
+import torch
+import torch.nn as nn
+
+
+class Rope(nn.Module):
+    def __init__(self, theta, d_k, max_seq_len):
+        super().__init__()
+        inv = 1.0 / theta ** (torch.arange(0, d_k, 2).float() / d_k)
+        ang = torch.outer(torch.arange(max_seq_len).float(), inv)
+        rot = torch.stack((torch.cos(ang), -torch.sin(ang), torch.sin(ang), torch.cos(ang)), dim=-1).view(max_seq_len, d_k // 2, 2, 2)
+        self.register_buffer("rot", rot)
+
+    def forward(self, x, pos):
+        m = self.rot[pos]
+        pairs = x.unflatten(-1, (-1, 2))
+        y = torch.einsum("...skj,...skij->...ski", pairs, m)
+        return y.flatten(-2)
+'''
+
+_MATRIX_ROPE_TORCH_RUN = """
+rope = Rope(10000.0, 16, 32)
+pos = torch.arange(6)
+q4 = torch.randn(2, 4, 6, 16, requires_grad=True)
+q3 = torch.randn(8, 6, 16, requires_grad=True)
+out = [rope(q4, pos), rope(q3, pos)]
+leaves = [q4, q3]
+"""
+
+
+def test_rotation_matrix_rope_by_einops_einsum_fuses(fake_einops: None) -> None:
+    findings = _fused_and_runs(RopePattern(), _MATRIX_ROPE, _MATRIX_ROPE_RUN, "RotaryPositionalEmbedding.forward")
+    assert findings[0].params["mode"] == "interleave"
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("pairs = x.unflatten(-1, (-1, 2))", "pairs = x.reshape(*x.shape[:-1], -1, 2)"),
+    ('y = torch.einsum("...skj,...skij->...ski", pairs, m)', 'y = torch.einsum("...skij,...skj->...ski", m, pairs)'),
+])
+def test_rotation_matrix_rope_by_torch_einsum_fuses(change: tuple[str, str]) -> None:
+    code = _MATRIX_ROPE_TORCH.replace(*change) if change[0] else _MATRIX_ROPE_TORCH
+    _fused_and_runs(RopePattern(), code, _MATRIX_ROPE_TORCH_RUN, "Rope.forward")
+
+
+@pytest.mark.parametrize("change", [
+    # the transposed contraction: the inverse rotation
+    ('"...skj,...skij->...ski"', '"...skj,...skji->...ski"'),
+    # [[cos, sin], [-sin, cos]]: not the rotation read (its transpose)
+    ("(torch.cos(ang), -torch.sin(ang), torch.sin(ang), torch.cos(ang))", "(torch.cos(ang), torch.sin(ang), -torch.sin(ang), torch.cos(ang))"),
+    # cos and sin of different angles
+    ("-torch.sin(ang), torch.sin(ang)", "-torch.sin(2 * ang), torch.sin(2 * ang)"),
+    # the pairs axis is not the last one cut in two
+    ("pairs = x.unflatten(-1, (-1, 2))", "pairs = x.unflatten(-1, (2, -1))"),
+])
+def test_rotation_matrix_rope_by_einsum_other_forms_are_not_fused(change: tuple[str, str]) -> None:
+    findings, _ = detect_all(RopePattern(), _MATRIX_ROPE_TORCH.replace(*change))
+    assert not findings
+
+
+def test_rotation_matrix_by_einsum_not_traced_is_a_near_miss() -> None:
+    code = _MATRIX_ROPE_TORCH.replace("m = self.rot[pos]", "m = self.make(pos)")
+    _near_miss(RopePattern(), code, "not traced to rotations")
+
+
+def test_rotation_matrix_rope_by_einsum_keeps_the_autocast_dtype(fake_einops: None) -> None:
+    # under autocast einsum's product runs in autocast's dtype (bf16 here) whatever the tables' dtype: the fused call too
+    run = """
+rope = RotaryPositionalEmbedding(10000.0, 16, 32)
+q = torch.randn(2, 4, 6, 16, requires_grad=True)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    y = rope(q, torch.arange(6))
+out = [y]
+leaves = [q]
+"""
+    findings, _ = detect_all(RopePattern(), _MATRIX_ROPE)
+    facts = check_rewrite_runs(RopePattern(), _MATRIX_ROPE, run, findings)
+    assert facts["calls"] >= 1 and facts["dtypes"] == [(torch.bfloat16, torch.bfloat16)], facts["dtypes"]
+    assert min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999
