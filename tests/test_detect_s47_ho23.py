@@ -8,6 +8,9 @@ reproducers (several spellings each, and near misses).
    (``"... k j, ... k i j -> ... k i"``), the matrix traced to ``[[cos, -sin], [sin, cos]]`` built in ``__init__``
    (einops ``rearrange([cos, -sin, sin, cos], "(a b) i k -> i k a b")`` or ``stack(..).view(.., 2, 2)``): the
    interleaved rope (flux's matrix reading); the transposed contraction or an untraced matrix are near misses.
+3. moe_experts: a skip of empty experts is never the reason a loop is refused: ``cnt = int(counts[e].item()); if cnt
+   == 0: continue`` is read as ``counts[e] == 0``; a skip test npufuse does not read is reported only where nothing
+   else in the loop blocks (another blocker is the reason; no candidate past an unread skip).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from pattern_harness import check_rewrite_runs, detect_all
 
 from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.moe_experts import MoeExperts
 from npufuse.patterns.rope import RopePattern
 
 
@@ -253,3 +257,86 @@ leaves = [q]
     facts = check_rewrite_runs(RopePattern(), _MATRIX_ROPE, run, findings)
     assert facts["calls"] >= 1 and facts["dtypes"] == [(torch.bfloat16, torch.bfloat16)], facts["dtypes"]
     assert min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999
+
+
+# -- 3. moe_experts: skips of empty experts --------------------------------------------------------------------------
+
+_COUNT_SKIP = '''\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h)
+        self.w2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = torch.topk(self.gate(x).softmax(dim=-1), self.k, dim=-1)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(indices.flatten(), minlength=self.n)
+        for e in range(self.n):
+            cnt = int(counts[e].item())
+            if cnt == 0:
+                continue
+            idx, top = torch.where(indices == e)
+            y[idx] += self.experts[e](x[idx]) * weights[idx, top, None]
+        return y.view(shape)
+'''
+
+_COUNT_SKIP_RUN = '''
+moe = MoE(16, 24, 8, 2)
+x = torch.randn(2, 9, 16, requires_grad=True)
+out = moe(x)
+leaves = [x, moe.gate.weight, moe.experts[3].w1.weight]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    ("cnt = int(counts[e].item())", "cnt = counts[e].item()"),
+    ("if cnt == 0:", "if not cnt:"),
+    ("if cnt == 0:", "if cnt < 1:"),
+    ("counts = torch.bincount(indices.flatten(), minlength=self.n)", "counts = torch.bincount(indices.view(-1), minlength=self.n).tolist()"),
+])
+def test_count_bound_to_a_name_then_skipped_fuses(change: tuple[str, str]) -> None:
+    code = _COUNT_SKIP.replace(*change) if change[0] else _COUNT_SKIP
+    if "tolist" in code:
+        code = code.replace("cnt = int(counts[e].item())", "cnt = counts[e]")
+    _fused_and_runs(MoeExperts(), code, _COUNT_SKIP_RUN, "MoE.forward")
+
+
+def test_count_name_skip_with_another_blocker_names_that_blocker() -> None:
+    # the skip is fine; the blocker is the expert input (rows of another tensor): that is the reason, not the skip
+    code = _COUNT_SKIP.replace("self.experts[e](x[idx])", "self.experts[e](x.flip(0)[idx])").replace(
+        "cnt = int(counts[e].item())", "cnt = int(self.load[e])")
+    findings, misses = detect_all(MoeExperts(), code)
+    assert not findings and misses
+    assert not any("skips experts" in m.reason for m in misses), [m.reason for m in misses]
+
+
+@pytest.mark.parametrize("change", [
+    # a count of something else than the routed tokens: may skip experts with rows
+    ("cnt = int(counts[e].item())", "cnt = int(self.load[e])"),
+    # a threshold, not emptiness
+    ("if cnt == 0:", "if cnt < 4:"),
+    # weighted counts
+    ("minlength=self.n)", "minlength=self.n, weights=weights.flatten())"),
+])
+def test_count_name_skip_not_proven_empty_is_the_reason(change: tuple[str, str]) -> None:
+    _near_miss(MoeExperts(), _COUNT_SKIP.replace(*change), "skips experts")
