@@ -11,6 +11,11 @@ reproducers (several spellings each, and near misses).
 3. moe_experts: a skip of empty experts is never the reason a loop is refused: ``cnt = int(counts[e].item()); if cnt
    == 0: continue`` is read as ``counts[e] == 0``; a skip test npufuse does not read is reported only where nothing
    else in the loop blocks (another blocker is the reason; no candidate past an unread skip).
+4. moe_experts: a token's weight summed over its top-k slots by an inner loop into ``zeros(n)`` (``for k in
+   range(K): km = idx[mask, k] == e; tw[km] += w[mask, k][km]``): the dense-gates weight ``(w * (idx == e)).sum(-1)
+   [mask]`` under the run-time guard ``K == idx.shape[-1]``.
+5. attention: an einsum P@V whose equation has ``...`` (npufuse reads it as two axes) was refused as "einsum over 5-D
+   probabilities", untrue of 3-D tensors: the reason now says the rank is not known.
 """
 
 from __future__ import annotations
@@ -340,3 +345,124 @@ def test_count_name_skip_with_another_blocker_names_that_blocker() -> None:
 ])
 def test_count_name_skip_not_proven_empty_is_the_reason(change: tuple[str, str]) -> None:
     _near_miss(MoeExperts(), _COUNT_SKIP.replace(*change), "skips experts")
+
+
+# -- 4. moe_experts: the weight summed over the top-k slots by an inner loop -------------------------------------------
+
+_SLOT_SUM = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class FFN(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class SlotSumMoE(nn.Module):
+    def __init__(self, d, h, n, top_k):
+        super().__init__()
+        self.n, self.top_k = n, top_k
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([FFN(d, h) for _ in range(n)])
+        self.load = torch.zeros(n)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        xf = x.view(-1, d)
+        probs = F.softmax(self.router(xf), dim=-1)
+        if self.top_k == 1:
+            w, idx = torch.max(probs, dim=-1)
+            w, idx = w.unsqueeze(-1), idx.unsqueeze(-1)
+        else:
+            w, idx = torch.topk(probs, self.top_k, dim=-1)
+            w = w / w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(xf)
+        for e in range(self.n):
+            sel = (idx == e).any(dim=-1)
+            if sel.any():
+                y = self.experts[e](xf[sel])
+                tw = torch.zeros(sel.sum(), device=x.device)
+                for k in range(self.top_k):
+                    hit = idx[sel, k] == e
+                    tw[hit] += w[sel, k][hit]
+                out[sel] += y * tw.unsqueeze(-1)
+                if not self.training:
+                    self.load[e] += sel.sum().item()
+        return out.view(b, t, d)
+'''
+
+_SLOT_SUM_RUN = '''
+torch.manual_seed(0)
+m2 = SlotSumMoE(16, 24, 6, 2)
+m1 = SlotSumMoE(16, 24, 6, 1)
+x = torch.randn(2, 9, 16, requires_grad=True)
+xb = torch.randn(2, 9, 16, requires_grad=True)
+m2b = SlotSumMoE(16, 24, 6, 2).to(torch.bfloat16)
+out = [m2(x), m1(x), m2b(xb.to(torch.bfloat16)).float()]
+m2.eval()
+out.append(m2(x))
+leaves = [x, xb, m2.router.weight, m2.experts[2].up.weight]
+'''
+
+
+@pytest.mark.parametrize("change", [
+    ("", ""),
+    # the slot mask written inline, the weight assigned (top-k ids are distinct: one slot per token)
+    ("                    hit = idx[sel, k] == e\n                    tw[hit] += w[sel, k][hit]",
+     "                    tw[idx[sel, k] == e] = w[sel, k][idx[sel, k] == e]"),
+    ("tw = torch.zeros(sel.sum(), device=x.device)", "tw = torch.zeros(sel.sum(), device=x.device, dtype=torch.float32)"),
+])
+def test_weight_summed_over_slots_by_an_inner_loop_fuses(change: tuple[str, str]) -> None:
+    code = _SLOT_SUM.replace(*change) if change[0] else _SLOT_SUM
+    findings, misses = detect_all(MoeExperts(), code)
+    assert [f.qualname for f in findings] == ["SlotSumMoE.forward"], [m.reason for m in misses]
+    run = _SLOT_SUM_RUN
+    if "tw[idx[sel, k] == e] = " in code:  # an index put of bf16 weights into the fp32 zeros raises: fp32 only
+        run = run.replace("m2b(xb.to(torch.bfloat16)).float()", "m2(xb)")
+    facts = check_rewrite_runs(MoeExperts(), code, run, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999, facts
+    assert facts["dtypes"] == [(torch.float32, torch.float32)] * 4
+    assert "(self.top_k) == idx.shape[-1]" in facts["rewritten"]  # the slots the loop reads are all of them
+
+
+@pytest.mark.parametrize("change", [
+    # the weight of slot 0 for every slot
+    ("tw[hit] += w[sel, k][hit]", "tw[hit] += w[sel, 0][hit]"),
+    # another expert's slots
+    ("hit = idx[sel, k] == e", "hit = idx[sel, k] == 0"),
+    # a bf16 accumulator rounds fp32 weights
+    ("tw = torch.zeros(sel.sum(), device=x.device)", "tw = torch.zeros(sel.sum(), device=x.device, dtype=torch.bfloat16)"),
+    # twice the weight
+    ("tw[hit] += w[sel, k][hit]", "tw[hit] += 2 * w[sel, k][hit]"),
+])
+def test_weight_summed_over_slots_other_forms_are_not_fused(change: tuple[str, str]) -> None:
+    findings, misses = detect_all(MoeExperts(), _SLOT_SUM.replace(*change))
+    assert not findings and misses
+
+
+# -- 5. attention: the reason for an einsum with `...` --------------------------------------------------------------
+
+_ELLIPSIS_PV = '''\
+import math
+import torch
+
+
+def attend(q, k, v):
+    s = torch.einsum("b...qd,b...kd->b...qk", q, k) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("b...qk,b...kd->b...qd", p, v)
+'''
+
+
+def test_einsum_with_an_ellipsis_gives_no_false_rank() -> None:
+    findings, misses = detect_all(AttentionPattern(), _ELLIPSIS_PV)
+    assert not findings
+    assert misses and all("5-D" not in m.reason for m in misses), [m.reason for m in misses]
+    assert any("`...` stands for any number of axes" in m.reason for m in misses), [m.reason for m in misses]

@@ -2870,7 +2870,18 @@ class _Eval:
     # -- statements -----------------------------------------------------------------------
 
     def run_body(self, body: list[ast.stmt]) -> None:
-        for stmt in body:
+        folded = -1
+        for j, stmt in enumerate(body):
+            if j == folded:
+                continue
+            summed = _moe_s47h.slot_weight_sum(body, j, self._is_eidx) if isinstance(stmt, ast.Assign) \
+                and isinstance(stmt.value, ast.Call) else None
+            if summed is not None:
+                # s47: `tw = zeros(n); for k in range(K): tw[idx[m, k] == e] += w[m, k][..]`: the dense-gates weight
+                self.option_guards.append(summed[1])
+                self.stmt(summed[0])
+                folded = j + 1
+                continue
             self.stmt(stmt)
 
     def stmt(self, s: ast.stmt) -> None:
