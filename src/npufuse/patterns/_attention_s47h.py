@@ -68,3 +68,15 @@ def keeps_softmax(dec: ast.expr, canon: dict[str, str]) -> bool:
         if canon.get(h, h) + ("." + r if r else "") not in _F32:
             return False
     return True
+
+
+def einsum_rank_reason(spec: Optional[ast.AST], rank: int) -> str:
+    """The reason for an einsum P@V whose probabilities are read with ``rank`` axes (not 3 or 4): where the equation
+    has ``...`` (read as two axes, whatever the tensors' rank), the rank is unknown, not ``rank``."""
+    text = spec.value if isinstance(spec, ast.Constant) and isinstance(spec.value, str) else ""
+    if isinstance(spec, ast.JoinedStr):
+        text = "".join(v.value for v in spec.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+    if "..." in text:
+        return (f"einsum with `...` over the probabilities (`{text.strip()[:70]}`): `...` stands for any number of axes, so "
+                "the probabilities' rank is not known (npu_fusion_attention takes 4-D, or 3-D as one head)")
+    return f"einsum over {rank}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)"
