@@ -466,3 +466,13 @@ def test_einsum_with_an_ellipsis_gives_no_false_rank() -> None:
     assert not findings
     assert misses and all("5-D" not in m.reason for m in misses), [m.reason for m in misses]
     assert any("`...` stands for any number of axes" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_rotation_matrix_rope_by_einsum_passes_the_scan_gate(tmp_path) -> None:
+    # the scan hands a scope to the rope detector only if it holds one of SCOPE_WORDS: this forward has no `*`
+    from npufuse.patterns.registry import all_patterns
+    from npufuse.scan import engine
+
+    (tmp_path / "site.py").write_text(_MATRIX_ROPE_TORCH, encoding="utf-8")
+    out = engine.analyze_file(tmp_path, "site.py", all_patterns(), engine.ScanOptions())
+    assert [h.finding.qualname for h in out.hits if h.finding.pattern == "rope"] == ["Rope.forward"]

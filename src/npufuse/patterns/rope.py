@@ -2191,7 +2191,7 @@ class RopePattern(Pattern):
     # detect's first test (a rotation multiplies: ``a*c + b*s``), made once by the scan
     # review40: the library rope classes too -- ``_library_rope.construction_sites`` finds their construction in
     # an ``__init__`` that need not multiply (``self.rope = RotaryPositionalEmbeddings(head_dim)``)
-    SCOPE_WORDS = ("*", *_library_rope._CLASS_NAMES)
+    SCOPE_WORDS = ("*", "einsum(", *_library_rope._CLASS_NAMES)  # s47: a per-pair matrix rope by einsum has no `*`
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
