@@ -452,12 +452,13 @@ def test_weight_summed_over_slots_other_forms_are_not_fused(change: tuple[str, s
 _ELLIPSIS_PV = '''\
 import math
 import torch
+from einops import einsum
 
 
 def attend(q, k, v):
-    s = torch.einsum("b...qd,b...kd->b...qk", q, k) / math.sqrt(q.shape[-1])
+    s = einsum(q, k, "batch ... q d, batch ... k d -> batch ... q k") / math.sqrt(q.shape[-1])
     p = torch.softmax(s, dim=-1)
-    return torch.einsum("b...qk,b...kd->b...qd", p, v)
+    return einsum(p, v, "batch ... q k, batch ... k d -> batch ... q d")
 '''
 
 

@@ -70,6 +70,10 @@ def keeps_softmax(dec: ast.expr, canon: dict[str, str]) -> bool:
     return True
 
 
+# the words of the reason below that s30's one-axis retry (attention._s30_ellipsis_as_one_axis) looks for, beside "5-D"
+ELLIPSIS_RANK = "`...` stands for any number of axes"
+
+
 def einsum_rank_reason(spec: Optional[ast.AST], rank: int) -> str:
     """The reason for an einsum P@V whose probabilities are read with ``rank`` axes (not 3 or 4): where the equation
     has ``...`` (read as two axes, whatever the tensors' rank), the rank is unknown, not ``rank``."""
@@ -77,6 +81,6 @@ def einsum_rank_reason(spec: Optional[ast.AST], rank: int) -> str:
     if isinstance(spec, ast.JoinedStr):
         text = "".join(v.value for v in spec.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
     if "..." in text:
-        return (f"einsum with `...` over the probabilities (`{text.strip()[:70]}`): `...` stands for any number of axes, so "
+        return (f"einsum with `...` over the probabilities (`{text.strip()[:70]}`): {ELLIPSIS_RANK}, so "
                 "the probabilities' rank is not known (npu_fusion_attention takes 4-D, or 3-D as one head)")
     return f"einsum over {rank}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)"

@@ -11486,7 +11486,7 @@ def _s30_ellipsis_as_one_axis(pattern: "AttentionPattern", module: ModuleInfo, s
     as one (``...qhd`` = [B, S, N, D]): the fused call then runs under a run-time check that q, k and v are 4-D (the
     rank the text does not state); the original code runs otherwise. Where that reading stops at another step, its
     near miss; None where it does not apply (the first reason stands)."""
-    if "5-D" not in reason or _s30_one_batch_axis_subscripts(pv.spec) is None:
+    if ("5-D" not in reason and _attention_s47h.ELLIPSIS_RANK not in reason) or _s30_one_batch_axis_subscripts(pv.spec) is None:
         return None
     matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
     matcher.site_line = stmt.lineno
