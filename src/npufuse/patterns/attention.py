@@ -46,6 +46,7 @@ from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _a
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h
+from npufuse.patterns import _attention_s47h
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -1521,7 +1522,7 @@ class _Matcher:
             raise Miss(f"softmax over dim {chain.s44_key_axis}, not the last (key) dim npufuse converts, and the einsum "
                        f"`{c.a},{c.b}->{c.out}` is not read with its key on that axis")
         if len(p_sub) not in (3, 4):
-            raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
+            raise Miss(_attention_s47h.einsum_rank_reason(pv.spec, len(p_sub)))  # s47: `...` is no known rank
         if chain.p_transposed:  # P reaches the einsum as Pᵀ: its subscripts name [.., j, i]
             p_sub = p_sub[:-2] + p_sub[-1] + p_sub[-2]
         if len(c.summed) != 1 or p_sub[-1] != c.summed:
@@ -1555,7 +1556,7 @@ class _Matcher:
             chain.out_layout = "3D"
             chain.v = self.peel_operand(v_node, "v", "3D", chain)
         else:
-            raise Miss(f"einsum over {len(p_sub)}-D probabilities (npu_fusion_attention takes 4-D, or 3-D as one head)")
+            raise Miss(_attention_s47h.einsum_rank_reason(pv.spec, len(p_sub)))  # s47: `...` is no known rank
         chain.spelling.append("einsum")
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
@@ -11485,7 +11486,7 @@ def _s30_ellipsis_as_one_axis(pattern: "AttentionPattern", module: ModuleInfo, s
     as one (``...qhd`` = [B, S, N, D]): the fused call then runs under a run-time check that q, k and v are 4-D (the
     rank the text does not state); the original code runs otherwise. Where that reading stops at another step, its
     near miss; None where it does not apply (the first reason stands)."""
-    if "5-D" not in reason or _s30_one_batch_axis_subscripts(pv.spec) is None:
+    if ("5-D" not in reason and _attention_s47h.ELLIPSIS_RANK not in reason) or _s30_one_batch_axis_subscripts(pv.spec) is None:
         return None
     matcher = _Matcher(module, scope, interp, interp.block[0].lineno)
     matcher.site_line = stmt.lineno

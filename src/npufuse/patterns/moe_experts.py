@@ -46,6 +46,7 @@ from npufuse.patterns import _moe_s45b
 from npufuse.patterns import _moe_s45h
 from npufuse.patterns import _moe_s46b
 from npufuse.patterns import _moe_s46h
+from npufuse.patterns import _moe_s47h
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -2634,6 +2635,7 @@ class _Eval:
         self.device_moves: set[str] = set()  # names rebound to themselves on another device inside the loop
         self.zero_link = ""  # the else of a skip guard that only adds 0 * (...) to the output (dropped)
         self.count_guard: Optional[tuple[str, str]] = None  # (counts name, indices it counts) of `if counts[e] == 0: continue`
+        self.s47_unread_skip = ""  # s47: the reason of a skip test not read, reported only where nothing else blocks
         self.masks: dict[str, tuple[str, str, str]] = {}  # mask name -> (indices, num_classes, orientation)
         self.flat: set[str] = set()  # flat expert-index names compared with the loop index
         self.results: list[tuple[str, str, V, Any]] = []  # (mode, target, contribution, extra)
@@ -2873,7 +2875,18 @@ class _Eval:
     # -- statements -----------------------------------------------------------------------
 
     def run_body(self, body: list[ast.stmt]) -> None:
-        for stmt in body:
+        folded = -1
+        for j, stmt in enumerate(body):
+            if j == folded:
+                continue
+            summed = _moe_s47h.slot_weight_sum(body, j, self._is_eidx) if isinstance(stmt, ast.Assign) \
+                and isinstance(stmt.value, ast.Call) else None
+            if summed is not None:
+                # s47: `tw = zeros(n); for k in range(K): tw[idx[m, k] == e] += w[m, k][..]`: the dense-gates weight
+                self.option_guards.append(summed[1])
+                self.stmt(summed[0])
+                folded = j + 1
+                continue
             self.stmt(stmt)
 
     def stmt(self, s: ast.stmt) -> None:
@@ -3185,7 +3198,19 @@ class _Eval:
             # s44a: an emptiness test is fine; what it counts is not read as this expert's rows (the real blocker)
             raise _Miss(f"the loop skips experts without rows of `{counted.id}` = `{str(value.args[0])[:50]}`, which "
                         "npufuse does not trace to the tokens routed to this expert")
-        raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")
+        read = _moe_s47h.counted_read(self.loop, test, getattr(test, "lineno", 0))
+        if read is not None and isinstance(read.value, ast.Name) and self._is_eidx(read.slice):
+            # s47: `cnt = int(counts[e].item()); if cnt == 0: continue`: the `counts[e] == 0` test above, through a name
+            src = _bincount_source(self.scope, read.value.id, self.loop.lineno)
+            if src is not None:
+                self.count_guard = (read.value.id, src)
+                self.skip_empty = True
+                return
+        if not _moe_s47h.emptiness_shaped(test):
+            raise _Miss(f"the loop skips experts on `{ast.unparse(test)[:50]}`")  # a threshold, a flag: the blocker
+        # s47: an emptiness test of something not read (`if n == 0`, `if not m.any()`) is the reason only where nothing
+        # else in the loop blocks (finish); the loop is read on
+        self.s47_unread_skip = self.s47_unread_skip or f"the loop skips experts on `{ast.unparse(test)[:50]}`"
 
     def _s42c_flat_positions(self, name: str, value: ast.expr) -> bool:
         """s42c: ``pos = torch.where(flat == e)[0]`` over ``flat = idx.view(-1)`` whose every read is a (token, slot)
@@ -4788,6 +4813,8 @@ class _Eval:
             raise _Miss(f"the loop also writes one value per expert (`{self.count_stats[0][4]}`), which the fused layer "
                         "does not compute")
         site = self._finish(block, i)
+        if self.s47_unread_skip:
+            raise _Miss(self.s47_unread_skip)  # s47: the loop past the skip had no other blocker
         aliased = _moe_s43a.output_aliases_tokens(self.scope, site.out_name, site.tokens, self.loop.lineno) \
             if site is not None and site.out_name and site.tokens else None
         if aliased is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
-from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h, _rope_s47sweep
+from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h, _rope_s47h, _rope_s47sweep
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
@@ -2209,17 +2209,19 @@ class RopePattern(Pattern):
     # detect's first test (a rotation multiplies: ``a*c + b*s``), made once by the scan
     # review40: the library rope classes too -- ``_library_rope.construction_sites`` finds their construction in
     # an ``__init__`` that need not multiply (``self.rope = RotaryPositionalEmbeddings(head_dim)``)
-    SCOPE_WORDS = ("*", *_library_rope._CLASS_NAMES)
+    SCOPE_WORDS = ("*", "einsum(", *_library_rope._CLASS_NAMES)  # s47: a per-pair matrix rope by einsum has no `*`
 
     # ---------------------------------------------------------------------------------------------
     def detect(self, module: ModuleInfo, scope: Scope) -> Iterable[Result]:
         yield from _library_rope.construction_sites(module, scope)  # s40: torchtune's rope module, swapped where built
         text = scope_text(module, scope)
         # a rotation needs ``a*c + b*s`` and either a helper call, an inline cat/stack, or view_as_real
-        if "*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text and "addcmul_(" not in text):
+        einsum_pairs = _rope_s47h.may_hold(text)  # s47: a per-pair rotation matrix applied by einsum
+        if ("*" not in text or ("+" not in text and "view_as_real" not in text and ".sum(" not in text and "addcmul_(" not in text)) \
+                and not einsum_pairs:
             return
         hints = self._rotation_hints(module)
-        if not any(h in text for h in hints):
+        if not einsum_pairs and not any(h in text for h in hints):
             return
         runs: list[tuple[list[ast.stmt], list[tuple[int, ast.stmt, list[_Match]]]]] = []
         pending: list[tuple[list[ast.stmt], int, ast.stmt, list[_Match]]] = []  # sites whose parts were not right before them
@@ -2296,7 +2298,7 @@ class RopePattern(Pattern):
             st_text = segment(module, stmt)
             # (a cat of two named halves computed just before, nanochat's, has no product itself)
             if ("*" not in st_text or ("+" not in st_text and "view_as_real" not in st_text and ".sum(" not in st_text)) and "cat(" not in st_text \
-                    and "concatenate(" not in st_text \
+                    and "concatenate(" not in st_text and not (einsum_pairs and _rope_s47h.may_hold(st_text)) \
                     and "view_as_real" not in st_text and ("stack(" not in st_text or ".flatten(" not in st_text and not _s43_merged_here(st_text)
                                                            and not _merged_next(block, i, stmt)):
                 continue
@@ -2458,7 +2460,8 @@ class RopePattern(Pattern):
             if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.ClassDef)):
                 return
             if _pair_formula(node) is not None or _lane_pair_formula(node) is not None or (isinstance(node, ast.Call) and _named_pair(node) is not None) \
-                    or (isinstance(node, (ast.BinOp, ast.Call)) and _matrix_formula(scope, node) is not None):
+                    or (isinstance(node, (ast.BinOp, ast.Call)) and _matrix_formula(scope, node) is not None) \
+                    or _rope_s47h.einsum_matrix(scope, node) is not None:
                 found.append(node)  # the written-out rotation (its ``b*c + a*s`` half is no rope itself)
                 return
             if isinstance(node, ast.Call) and _s43_inline_split_cat(node) is not None:
@@ -2512,6 +2515,14 @@ class RopePattern(Pattern):
         mf = _matrix_formula(scope, node)
         if mf is not None:
             return self._match_matrix(module, scope, node, *mf)
+        em = _rope_s47h.einsum_matrix(scope, node)
+        if em is not None:
+            # s47: ``einsum(pairs, M, "... k j, ... k i j -> ... k i")``: flux's per-pair product, M traced to rotations
+            traced = _rope_s47h.traced_rotation(module, scope, em[1])
+            if traced is None:
+                return ("per-pair 2x2 matrix applied by einsum: the matrix is not traced to rotations [[cos, -sin], [sin, cos]] "
+                        "built in this function or stored on this class (register_buffer / self.<attr>), so it is not known to be a rotation")
+            return self._match_matrix(module, scope, node, _rope_s47h.pairs_as_flux_view(em[0]), em[1], None, producer=traced)
         lp = _lane_pair_formula(node)
         if lp is not None:
             return self._match_lane_pairs(module, scope, node, *lp)
@@ -2790,11 +2801,13 @@ class RopePattern(Pattern):
         m.absorb = defs
         return m
 
-    def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None) -> _Match | str:
+    def _match_matrix(self, module: ModuleInfo, scope: Scope, node: ast.expr, pairs: ast.expr, mat: ast.expr, sum_dim: ast.expr | None,
+                      producer: str | None = None) -> _Match | str:
+        traced_einsum = producer is not None  # s47: the einsum form, its matrix traced (_rope_s47h)
         """flux / lingua: a per-pair 2x2 matrix F applied to the lane pairs of x. With F the rotation
         [[cos, -sin], [sin, cos]] this is the interleaved rotation (cos = F[..., 0, 0], sin = F[..., 1, 0]),
         kept in the ``[..., D/2, 2]`` shape the code flattens next."""
-        producer = _rotation_matrix_producer(module)
+        producer = producer or _rotation_matrix_producer(module)
         if producer is None:
             return ("per-pair 2x2 matrix form: no function of this module builds the matrix as stack((cos, -sin, sin, cos)) "
                     "([[cos, -sin], [sin, cos]]), so it is not known to be a rotation")
@@ -2828,6 +2841,10 @@ class RopePattern(Pattern):
             f"{cos}, {sin} = {cos}[(None,) * (4 - {cos}.dim())], {sin}[(None,) * (4 - {sin}.dim())]  # the broadcast of the eager product, made 4-D",
             f"{dt} = torch.promote_types(torch.promote_types({pairs_dtype or xv + '.dtype'}, {cos}.dtype), {sin}.dtype)  # the eager product's dtype",
         ]
+        if traced_einsum:
+            # s47: einsum's product follows autocast (its bmm runs in autocast's dtype), the fused op does not: the
+            # operands in autocast's dtype when it is on (unchanged outside, where einsum takes one dtype)
+            inner.insert(len(inner) - 1, f"{xv}, {cos}, {sin} = _npufuse_autocast({xv}, {cos}, {sin})  # einsum's dtype under autocast")
         m = _Match(
             node=node, mode="interleave", x=x, cos=f"{cos}.to({dt})", sin=f"{sin}.to({dt})", cos_node=None, sin_node=None,
             x_text=f"{xv}.to({dt})", cos_info=_CosInfo(rank=4, batch_free=False, layout="from the per-pair rotation matrix; checked at run time"),
@@ -2846,6 +2863,11 @@ class RopePattern(Pattern):
         m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)" \
             + f" and {_interleave_rows_ok(rows, f'max({lead}[:3])')}"
         m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
+        if traced_einsum:
+            # s47: einsum does not promote: x and the matrix share a dtype, which npu_rotary_mul must take (no fp64)
+            m.only_if += f" and {rows}.dtype in (torch.float16, torch.bfloat16, torch.float32)"
+            m.only_note = (f"the matrix is the rotation [[cos, -sin], [sin, cos]] built at {producer}; fp64 (which "
+                           "npu_rotary_mul does not take) keeps the original code")
         m.matrix, m.producer = True, producer
         return m
 

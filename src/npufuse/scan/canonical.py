@@ -1747,7 +1747,10 @@ def softmax_body(fn: ast.AST | None, tree: ast.Module) -> SoftmaxBody | None:
         written = dotted(dec.func if isinstance(dec, ast.Call) else dec) or ""
         head, _, rest = written.partition(".")
         if not written or names.get(head, head) + ("." + rest if rest else "") not in _EAGER_IDENTITY_DECORATORS:
-            return None
+            from npufuse.patterns import _attention_s47h  # s47: AMP's custom_fwd (no cast, or a float32 cast)
+
+            if not _attention_s47h.keeps_softmax(dec, names):
+                return None
     a = fn.args
     params = [p.arg for p in (*a.posonlyargs, *a.args)]
     method = bool(params) and params[0] == "self"
