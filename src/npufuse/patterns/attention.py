@@ -45,7 +45,7 @@ from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _at
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _mask_rows, _score_method
 from npufuse.patterns import _attention_s46sweepb
-from npufuse.patterns import _attention_s46h
+from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -2238,6 +2238,7 @@ class _Matcher:
                 self.add_keep01(m_node, fill, chain, cond)
                 node = base
                 continue
+            node = _attention_s47t.method_arith(self, node) or node  # s47: ``s.mul(scale)`` read as ``s * scale``
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and self._reaches(node.left, stop) \
                     and not self._reaches(node.right, stop):
                 # s30: CodeGeeX ``s - mask * 10000.0``: the term subtracted is the negated term added (its values
@@ -11257,7 +11258,7 @@ def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast
         flag = up.test.operand if isinstance(up.test, ast.UnaryOp) and isinstance(up.test.op, ast.Not) else up.test
         own = isinstance(flag, ast.Attribute) and isinstance(flag.value, ast.Name) and flag.value.id == "self"
         param = isinstance(flag, ast.Name) and flag.id in scope.args and not scope.assignments.get(flag.id)
-        if not (own or param):
+        if not (own or param or _attention_s47t.conjunction_of_flags(scope, flag)):
             return None
         found.add((ast.dump(up.test), not in_body))
         test_node = up.test

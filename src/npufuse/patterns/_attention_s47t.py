@@ -1,0 +1,169 @@
+"""s47 (ho24attn): attention classes behind the HO24a / HO24b misses and untrue near-miss reasons.
+
+1. A softmax helper of the repository with an option parameter whose default makes a branch dead
+   (``def softmax(x, dim=-1, temperature=1.0): if temperature != 1: x = x / temperature; ...``, anenbergb's CS336
+   code): at a call that leaves the option at a constant, the helper's ``if`` tests over such parameters are
+   evaluated and the body read without the dead arm (:func:`specialised_softmax_body`). Where a test reads a
+   parameter the call passes as a non-constant, the near miss names that branch (:func:`unevaluated_branch`).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import operator
+from typing import Any, Optional
+
+from npufuse.scan import canonical
+from npufuse.scan.dataflow import const_value
+
+_UNKNOWN = object()
+_CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+        ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+
+
+def _constant_params(fn: ast.FunctionDef, bound: dict[str, Any]) -> dict[str, object]:
+    """{parameter: value} for the parameters ``bound`` (call argument or default) gives a literal number / bool /
+    None, and that nothing in the body rebinds."""
+    stored = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+    out: dict[str, object] = {}
+    for p, node in bound.items():
+        if p in stored or not isinstance(node, (ast.Constant, ast.UnaryOp)):
+            continue
+        v = const_value(node)
+        if v is None or isinstance(v, (bool, int, float)):
+            out[p] = v
+    return out
+
+
+def _test_value(test: ast.expr, consts: dict[str, object]) -> object:
+    """The value of an ``if`` test made of the constant parameters, literals, comparisons, ``not`` / ``and`` / ``or``;
+    ``_UNKNOWN`` otherwise."""
+    if isinstance(test, ast.Name):
+        return consts.get(test.id, _UNKNOWN)
+    if isinstance(test, (ast.Constant, ast.UnaryOp)) and not (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)):
+        v = const_value(test)
+        return v if v is None or isinstance(v, (bool, int, float)) else _UNKNOWN
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        v = _test_value(test.operand, consts)
+        return _UNKNOWN if v is _UNKNOWN else (not v)
+    if isinstance(test, ast.BoolOp):
+        vals = [_test_value(v, consts) for v in test.values]
+        if any(v is _UNKNOWN for v in vals):
+            return _UNKNOWN
+        return all(vals) if isinstance(test.op, ast.And) else any(vals)
+    if isinstance(test, ast.Compare):
+        left = _test_value(test.left, consts)
+        if left is _UNKNOWN:
+            return _UNKNOWN
+        for op, right_node in zip(test.ops, test.comparators):
+            right = _test_value(right_node, consts)
+            fn = _CMP.get(type(op))
+            if right is _UNKNOWN or fn is None:
+                return _UNKNOWN
+            if not fn(left, right):
+                return False
+            left = right
+        return True
+    return _UNKNOWN
+
+
+def _fold(body: list[ast.stmt], consts: dict[str, object], folded: list[int]) -> list[ast.stmt]:
+    """``body`` with every ``if`` whose test is a constant replaced by the arm that runs (nested ones too);
+    ``folded`` counts the folds."""
+    out: list[ast.stmt] = []
+    for st in body:
+        if isinstance(st, ast.If):
+            v = _test_value(st.test, consts)
+            if v is not _UNKNOWN:
+                folded.append(st.lineno)
+                out.extend(_fold(st.body if v else st.orelse, consts, folded))
+                continue
+            st = copy.copy(st)
+            st.body, st.orelse = _fold(st.body, consts, folded), _fold(st.orelse, consts, folded)
+        out.append(st)
+    return out
+
+
+def specialised_softmax_body(fn: Any, tree: ast.Module, bound: Optional[dict[str, Any]], cache_owner: Any) -> Any:
+    """:func:`canonical.softmax_body` of ``fn`` read with its ``if`` tests over parameters that this call leaves at
+    a literal (``bound``: parameter -> the call's argument or the default) evaluated; None where no test folds or the
+    folded body is still no softmax. Memoised on ``cache_owner`` (the module) per (function, constant values)."""
+    if bound is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    consts = _constant_params(fn, bound)
+    if not consts:
+        return None
+    cache = cache_owner.__dict__.setdefault("_npufuse_s47t_softmax", {})
+    key = (id(fn), tuple(sorted((k, repr(v)) for k, v in consts.items())))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is fn:
+        return hit[1]
+    folded: list[int] = []
+    body = _fold(list(fn.body), consts, folded)
+    result = None
+    if folded and body:
+        spec = copy.copy(fn)
+        spec.body = body
+        result = canonical.softmax_body(spec, tree)
+    cache[key] = (fn, result)
+    return result
+
+
+def unevaluated_branch(fn: Any, bound: Optional[dict[str, Any]]) -> Optional[str]:
+    """For the near miss: the first ``if`` of ``fn``'s body whose test reads a parameter the call passes as
+    something other than a literal (``if temperature != 1:`` with ``temperature=self.t``), as
+    "`<test>` (line N), with `<param>` passed as `<arg>`"; None when there is none."""
+    if bound is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    consts = _constant_params(fn, bound)
+    for st in ast.walk(fn):
+        if not isinstance(st, ast.If) or _test_value(st.test, consts) is not _UNKNOWN:
+            continue
+        for n in ast.walk(st.test):
+            if isinstance(n, ast.Name) and n.id in bound and n.id not in consts:
+                from npufuse.patterns.attention import _plain
+
+                try:
+                    arg = ast.unparse(_plain(bound[n.id]))
+                except Exception:
+                    arg = "<expression>"
+                return f"`{ast.unparse(st.test)[:50]}` (line {st.lineno}), with `{n.id}` passed as `{arg[:40]}`"
+    return None
+
+
+# -- 2. the score arithmetic written as tensor methods / torch functions ----------------------------------------------
+
+_METHOD_OPS = {"mul": ast.Mult, "div": ast.Div, "add": ast.Add, "multiply": ast.Mult, "divide": ast.Div, "true_divide": ast.Div}
+
+
+def method_arith(matcher: Any, node: Any) -> Optional[ast.BinOp]:
+    """``s.mul(f)`` / ``s.div(f)`` / ``s.add(t)`` (and ``torch.mul(s, f)`` / ``torch.div(s, f)`` / ``torch.add(s, t)``)
+    with one argument each and no keyword (``rounding_mode`` / ``alpha`` change the value), as the operator form
+    ``s * f`` / ``s / f`` / ``s + t`` that the score chain reads; None for anything else. (vit-attentive-bench DAT:
+    ``attn = torch.einsum(..).mul(self.scale)`` then a learned additive bias.)"""
+    if not isinstance(node, ast.Call) or node.keywords:
+        return None
+    fn = matcher._fn(node)
+    for name, op in _METHOD_OPS.items():
+        if fn == f"torch.{name}" and len(node.args) == 2 and not any(isinstance(a, ast.Starred) for a in node.args):
+            return ast.BinOp(left=node.args[0], op=op(), right=node.args[1])
+        if fn != f"torch.{name}" and matcher.method(node, name) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred):
+            return ast.BinOp(left=node.func.value, op=op(), right=node.args[0])
+    return None
+
+
+def conjunction_of_flags(scope: Any, flag: ast.expr) -> bool:
+    """``a and b [and ..]`` where each operand (possibly under ``not``) is ``self.<attr>`` or a parameter the function
+    never reassigns: a test the fused branch can read before the site as well as one flag (DAT's
+    ``if self.use_pe and self.dwc_pe: out = out + residual_lepe``, the value computed under the same flags inside the
+    attention's lines)."""
+    if not (isinstance(flag, ast.BoolOp) and isinstance(flag.op, ast.And)):
+        return False
+    for v in flag.values:
+        v = v.operand if isinstance(v, ast.UnaryOp) and isinstance(v.op, ast.Not) else v
+        own = isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "self"
+        param = isinstance(v, ast.Name) and v.id in scope.args and not scope.assignments.get(v.id)
+        if not (own or param):
+            return False
+    return True
