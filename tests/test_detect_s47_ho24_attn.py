@@ -253,3 +253,93 @@ def test_slot_written_weight_reason_is_true() -> None:
     moved = _SLOT_WRITES.replace("        for e in range(self.n):\n", "        wt = torch.zeros(flat.shape[0])\n        for e in range(self.n):\n") \
         .replace("            wt = torch.zeros(int(sel.sum()), device=x.device, dtype=x.dtype)\n", "")
     _near_miss(MoeExperts(), moved, "rows are written through `wt[first]`")
+
+
+# -- 4. q / k written as calls of a pure method of the class ----------------------------------------------------------
+
+_SMOOTHED = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Smoothed(nn.Module):
+    def __init__(self, d, heads, n):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.drop = nn.Dropout(0.0)
+        self.register_buffer("mix", torch.tril(torch.rand(n, n)))
+
+    def smooth(self, x):
+        return torch.matmul(self.mix[:x.shape[-2], :x.shape[-2]], x)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(self.smooth(q), self.smooth(k).transpose(-2, -1)) * (d // self.heads) ** -0.5
+        p = self.drop(F.softmax(s, dim=-1))
+        o = torch.matmul(p, v)
+        return o.transpose(1, 2).reshape(b, n, d)
+'''
+
+_RUN_SMOOTHED = '''
+m = Smoothed(64, 4, 16)
+x = torch.randn(2, 12, 64, requires_grad=True)
+out = [m(x), m.bfloat16()(x.bfloat16()).float()]
+leaves = [x]
+'''
+
+# a second spelling: 5-D [B, vars, H, S, D] operands (folded), an einsum EMA over the token axis, the scale a division
+_EMA_5D = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TokenEMAAttention(nn.Module):
+    def __init__(self, hidden, heads, n_tokens, alpha=0.3):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn_dropout = nn.Dropout(0.0)
+        m = torch.zeros(n_tokens, n_tokens)
+        for i in range(n_tokens):
+            for j in range(i + 1):
+                m[i, j] = alpha * (1 - alpha) ** (i - j)
+        self.register_buffer("ema_matrix", m)
+
+    def ema(self, src):
+        return torch.einsum('bnhad,ga->bnhgd', src, self.ema_matrix[:src.shape[-2], :src.shape[-2]])
+
+    def forward(self, src):
+        B, nvars, T, C = src.shape
+        q, k, v = self.qkv(src).reshape(B, nvars, T, 3, self.heads, C // self.heads).permute(3, 0, 1, 4, 2, 5)
+        score = torch.einsum('bnhed,bnhfd->bnhef', self.ema(q), self.ema(k)) / self.head_dim ** -0.5
+        attn = self.attn_dropout(F.softmax(score, dim=-1))
+        out = torch.einsum('bnhef,bnhfd->bnhed', attn, v)
+        return out.permute(0, 1, 3, 2, 4).reshape(B, nvars, T, C)
+'''
+
+_RUN_EMA = '''
+m = TokenEMAAttention(32, 4, 16)
+x = torch.randn(2, 3, 10, 32, requires_grad=True) * 0.1
+out = m(x)
+leaves = [x, m.qkv.weight]
+'''
+
+
+@pytest.mark.parametrize("code,run,qualname", [(_SMOOTHED, _RUN_SMOOTHED, "Smoothed.forward"),
+                                               (_EMA_5D, _RUN_EMA, "TokenEMAAttention.forward")])
+def test_pure_method_operands_bound_once_fuse(code: str, run: str, qualname: str) -> None:
+    facts = _fused_and_runs(AttentionPattern(), code, run, qualname)
+    fused = facts["rewritten"].split("npufuse: attention")[1].split("else:")[0]
+    # each operand call made once before the call (and the fold test, if any, reads the bound names)
+    assert fused.count("self.smooth(") + fused.count("self.ema(") == 2, fused
+
+
+def test_impure_method_operands_stay_a_near_miss() -> None:
+    # a method drawing random numbers: a second call gives another value
+    noisy = _SMOOTHED.replace("return torch.matmul(self.mix[:x.shape[-2], :x.shape[-2]], x)",
+                              "return torch.matmul(self.mix[:x.shape[-2], :x.shape[-2]], x + 0.01 * torch.randn_like(x))")
+    _near_miss(AttentionPattern(), noisy, "more often than the original code does")

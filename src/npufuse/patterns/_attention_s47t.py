@@ -167,3 +167,30 @@ def conjunction_of_flags(scope: Any, flag: ast.expr) -> bool:
         if not (own or param):
             return False
     return True
+
+
+# -- 3. q / k written as calls of a pure method of the class (``einsum(.., self.ema(q), self.ema(k))``) -----------------
+
+# torch functions with no state, no randomness and no in-place effect: a method calling only these (and views, shape
+# reads) on its arguments and the module's tensors returns the same value when called again
+_PURE_TORCH = frozenset({"einsum", "matmul", "bmm", "mm", "cat", "stack", "exp", "sigmoid", "tanh", "softmax", "tril", "triu",
+                         "flip", "roll", "sum", "mean", "sqrt", "rsqrt", "cumsum", "where", "zeros_like", "ones_like"})
+
+
+def pure_torch_function(func: ast.expr) -> bool:
+    """``torch.<fn>`` for a stateless, deterministic ``fn`` (AlgoRepo's ``ema``: ``torch.einsum('bnhad,ga->bnhgd', src,
+    self.ema_matrix[:n, :n])``, a registered buffer read)."""
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "torch" and func.attr in _PURE_TORCH
+
+
+def operands_are_calls(*texts: str) -> bool:
+    """Some operand text is a call (``self.ema(q)``), not a name / attribute / subscript: evaluating it in a run-time
+    test before it is bound once would evaluate it again."""
+    for t in texts:
+        try:
+            node = ast.parse(t, mode="eval").body
+        except SyntaxError:
+            return True
+        if any(isinstance(n, ast.Call) for n in ast.walk(node)):
+            return True
+    return False

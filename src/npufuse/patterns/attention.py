@@ -3694,6 +3694,7 @@ class AttentionPattern(Pattern):
             cast = _attention_audit40.cast_over_repeat(module, chain)
             return NearMiss(self.id, scope.qualname, span_line, end_line, cast or "keys and values are not repeated alike (GQA on one of them only)")
         unstated: list[tuple[str, int]] = []  # s41: operands of no stated rank, checked 4-D at run time
+        fold_on_bound = False  # s47: the 5-D fold test reads the bound q / k / v (operands written as calls)
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
@@ -3715,9 +3716,11 @@ class AttentionPattern(Pattern):
                 # s45: the leading axes shared and k / v's window (group) axis q's or 1, checked at run time
                 (_, _, q_x), (_, _, k_x), (_, _, v_x) = operands
                 test = _attention_s45.fold_shape_test(atom(q_x), atom(k_x), atom(v_x))
-                chain.requires.append((ast.parse(test, mode="eval").body,
-                                       f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{test}`; "
-                                       "the original code runs otherwise"))
+                fold_on_bound = _attention_s47t.operands_are_calls(q_x, k_x, v_x)  # s47: tested once bound (``self.ema(q)``)
+                if not fold_on_bound:
+                    chain.requires.append((ast.parse(test, mode="eval").body,
+                                           f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{test}`; "
+                                           "the original code runs otherwise"))
             if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal or _attention_s45.causal_terms_only(chain.masks)):
                 folded, ranks = True, [5, 5, 5]  # s28: k/v rank checked at run time
             for (tag, op, text), rank in zip(operands, ranks):
@@ -3938,6 +3941,11 @@ class AttentionPattern(Pattern):
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
         dv_check = value_head_check(k_n, v_n, chain)
+        if fold_on_bound:
+            fold_test = _attention_s45.fold_shape_test(atom(q_n), atom(k_n), atom(v_n))
+            dv_check = f"{fold_test} and {dv_check}"
+            risks.append(Risk("other", f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{fold_test}` "
+                                       "(tested on q / k / v bound once); the original code runs otherwise"))
         if unstated:
             dv_check = _attention_audit41.rank_test(unstated, {"q": q_n, "k": k_n, "v": v_n}, atom) + f" and {dv_check}"
         if v_shared:
