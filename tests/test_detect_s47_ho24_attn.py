@@ -343,3 +343,92 @@ def test_impure_method_operands_stay_a_near_miss() -> None:
     noisy = _SMOOTHED.replace("return torch.matmul(self.mix[:x.shape[-2], :x.shape[-2]], x)",
                               "return torch.matmul(self.mix[:x.shape[-2], :x.shape[-2]], x + 0.01 * torch.randn_like(x))")
     _near_miss(AttentionPattern(), noisy, "more often than the original code does")
+
+
+# -- 5. a registered triu(ones, 1) buffer as the masked positions: causal (5-D grouped-query attention folds) -----------
+
+_GQA_5D = '''
+import torch
+import torch.nn as nn
+
+
+class GroupedAttention(nn.Module):
+    def __init__(self, d, heads, kv_heads, ctx):
+        super().__init__()
+        self.h, self.kvh, self.hd = heads, kv_heads, d // heads
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(ctx, ctx), diagonal=1))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        g = self.h // self.kvh
+        q = self.q(x).view(B, T, self.kvh, g, self.hd).permute(0, 2, 3, 1, 4)
+        k = self.k(x).view(B, T, self.kvh, 1, self.hd).permute(0, 2, 3, 4, 1)
+        v = self.v(x).view(B, T, self.kvh, 1, self.hd).permute(0, 2, 3, 1, 4)
+        scores = q @ k
+        causal = self.mask[:T, :T].bool()
+        scores = scores.masked_fill(causal, -float("inf"))
+        w = torch.softmax(scores / self.hd ** 0.5, dim=-1)
+        out = w @ v
+        return out.reshape(B, self.h, T, self.hd).transpose(1, 2).reshape(B, T, -1)
+'''
+
+_RUN_GQA = '''
+m = GroupedAttention(64, 8, 2, 32)
+x = torch.randn(2, 12, 64, requires_grad=True)
+out = [m(x), m.bfloat16()(x.bfloat16()).float()]
+leaves = [x]
+'''
+
+# a second spelling: 4-D heads, the buffer cast before slicing and applied in place (the from-scratch GPT book form)
+_CAUSAL_BUFFER_4D = '''
+import torch
+import torch.nn as nn
+
+
+class CausalMHA(nn.Module):
+    def __init__(self, d, heads, ctx, dropout=0.0):
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        self.W_query = nn.Linear(d, d)
+        self.W_key = nn.Linear(d, d)
+        self.W_value = nn.Linear(d, d)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.triu(torch.ones(ctx, ctx), diagonal=1))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q = self.W_query(x).view(b, n, self.h, self.hd).transpose(1, 2)
+        k = self.W_key(x).view(b, n, self.h, self.hd).transpose(1, 2)
+        v = self.W_value(x).view(b, n, self.h, self.hd).transpose(1, 2)
+        attn_scores = q @ k.transpose(2, 3)
+        mask_bool = self.mask.bool()[:n, :n]
+        attn_scores = attn_scores.masked_fill(mask_bool, -torch.inf)
+        attn_weights = torch.softmax(attn_scores / k.shape[-1] ** 0.5, dim=-1)
+        attn_weights = self.dropout(attn_weights)
+        return (attn_weights @ v).transpose(1, 2).reshape(b, n, d)
+'''
+
+_RUN_CAUSAL_4D = '''
+m = CausalMHA(64, 4, 32)
+x = torch.randn(2, 10, 64, requires_grad=True)
+out = [m(x), m.bfloat16()(x.bfloat16()).float()]
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("code,run,qualname", [(_GQA_5D, _RUN_GQA, "GroupedAttention.forward"),
+                                               (_CAUSAL_BUFFER_4D, _RUN_CAUSAL_4D, "CausalMHA.forward")])
+def test_triu_buffer_is_causal(code: str, run: str, qualname: str) -> None:
+    facts = _fused_and_runs(AttentionPattern(), code, run, qualname)
+    assert "sparse_mode=" in facts["rewritten"]
+
+
+def test_triu_buffer_near_misses() -> None:
+    # diagonal 0 masks the diagonal too (every key of row 0): not the causal triangle, a mask beside 5-D operands
+    _near_miss(AttentionPattern(), _GQA_5D.replace("diagonal=1", "diagonal=0"), "could not fold the other leading dims")
+    # the buffer is overwritten elsewhere with something else: not read as causal
+    other = _GQA_5D.replace("    def forward(self, x):", "    def widen(self, m):\n        self.mask = m\n\n    def forward(self, x):")
+    _near_miss(AttentionPattern(), other, "could not fold the other leading dims")

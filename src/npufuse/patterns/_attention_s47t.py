@@ -194,3 +194,64 @@ def operands_are_calls(*texts: str) -> bool:
         if any(isinstance(n, ast.Call) for n in ast.walk(node)):
             return True
     return False
+
+
+# -- 4. a registered ``triu(ones(L, L), diagonal=1)`` buffer as the masked positions (a causal mask) --------------------
+
+
+def _buffer_values(cls: ast.ClassDef, attr: str) -> list[ast.expr]:
+    """Every value the class stores as ``self.<attr>`` (``register_buffer("<attr>", v)`` or ``self.<attr> = v``), a
+    local name followed to its single assignment in the same method."""
+    from npufuse.scan.dataflow import dotted
+
+    out: list[ast.expr] = []
+    for fn in cls.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            value = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_buffer" \
+                    and len(node.args) >= 2 and const_value(node.args[0]) == attr:
+                value = node.args[1]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and any(
+                    dotted(t) == f"self.{attr}" for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+                value = node.value if not isinstance(node, ast.AugAssign) else ast.Constant(None)
+            if value is None:
+                continue
+            if isinstance(value, ast.Name):
+                stores = [a.value for a in ast.walk(fn) if isinstance(a, ast.Assign)
+                          and any(isinstance(t, ast.Name) and t.id == value.id for t in a.targets)]
+                value = stores[0] if len(stores) == 1 else ast.Constant(None)
+            out.append(value)
+    return out
+
+
+def triu_buffer_causal(matcher: Any, c: Any) -> Optional[str]:
+    """``self.<m>[:n, :n].bool()`` / ``self.<m>.bool()[:n, :n]`` where every value the class stores as ``self.<m>`` is
+    ``torch.triu(torch.ones(L, L), diagonal=1)`` (casts allowed): the positions above the diagonal, masked -- the causal
+    triangle (the from-scratch GPT buffer; qwen3-from-scratch's 5-D GQA). The slicing kind as
+    ``_Matcher._slice_kind`` gives it ("top_left" for ``[:n, :n]``), else None."""
+    from npufuse.patterns.attention import Ref, deref
+
+    node, sliced = deref(c), None
+    for _ in range(8):
+        if matcher.method(node, "bool", "to", "float", "byte", "view", "unsqueeze") and not node.keywords \
+                and (not matcher.method(node, "view", "unsqueeze", "to") or matcher.method(node, "to") and len(node.args) == 1):
+            node = deref(node.func.value)
+        elif isinstance(node, ast.Subscript) and sliced is None:
+            sliced, node = node, deref(node.value)
+        else:
+            break
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, Ref) and node.value.name == "self" and node.value.idx == -1):
+        return None
+    cls = matcher.module.classes.get(matcher.scope.class_name or "")
+    if cls is None or sliced is None:
+        return None
+    cache = matcher.module.__dict__.setdefault("_npufuse_s47t_triu_buffers", {})
+    key = (id(cls), node.attr)
+    if key not in cache or cache[key][0] is not cls:
+        values = _buffer_values(cls, node.attr)
+        cache[key] = (cls, bool(values) and all(matcher._is_local_tri(v, "triu", 1) for v in values))
+    if not cache[key][1]:
+        return None
+    return matcher._slice_kind(sliced)

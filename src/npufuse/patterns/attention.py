@@ -2791,7 +2791,7 @@ class _Matcher:
             base = deref(base.func.value)
         if self._is_local_tri(base, "triu", 1):
             return "top_left"
-        return None
+        return _attention_s47t.triu_buffer_causal(self, c)  # s47: a registered triu(ones, 1) buffer, sliced
 
     def _additive_causal(self, term: Any) -> str | None:
         t = deref(term)
