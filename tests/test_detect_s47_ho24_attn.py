@@ -432,3 +432,13 @@ def test_triu_buffer_near_misses() -> None:
     # the buffer is overwritten elsewhere with something else: not read as causal
     other = _GQA_5D.replace("    def forward(self, x):", "    def widen(self, m):\n        self.mask = m\n\n    def forward(self, x):")
     _near_miss(AttentionPattern(), other, "could not fold the other leading dims")
+
+
+def test_pse_refusal_names_the_transposed_operands() -> None:
+    # one-head [B, Sq, Skv] scores of channel-first [B, D, S] q / k with a learned bias: the old reason said the scores'
+    # shape was not plain (it is); the operands' transposition is what npufuse does not pass a bias for
+    biased = _DEFORM.replace("                attn = torch.tanh(attn / 30.0) * 30.0\n",
+                             "                attn = attn + self.table[None].expand(B, -1, -1, -1).reshape(B * self.heads, L, self.n_sample)\n") \
+        .replace("        self.attn_drop = nn.Dropout(0.0)\n", "        self.attn_drop = nn.Dropout(0.0)\n        self.table = nn.Parameter(torch.zeros(heads, 20, n_sample))\n")
+    reason = _near_miss(AttentionPattern(), biased, "a float bias is added to the scores")
+    assert "enter the products transposed" in reason and "not in this layout" not in reason

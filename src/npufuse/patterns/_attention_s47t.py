@@ -255,3 +255,23 @@ def triu_buffer_causal(matcher: Any, c: Any) -> Optional[str]:
     if not cache[key][1]:
         return None
     return matcher._slice_kind(sliced)
+
+
+# -- 5. the pse refusal names its condition ------------------------------------------------------------------------------
+
+
+def pse_layout_reason(chain: Any, scores_shape: Any) -> str:
+    """The near miss where a float bias has no pse npufuse builds: which of the conditions holds (before s47 the reason
+    said "not in this layout" also of one-head [B, Sq, Skv] scores made from transposed [B, D, S] q / k, vit-bench's DAT
+    form, whose scores are plain: the operands are not)."""
+    why = []
+    if chain.heads_in_batch:
+        why.append("the scores hold the heads folded into the batch ([B*N, Sq, Skv])")
+    transposed = [t for t, flag in (("q", chain.q_transposed), ("k", chain.k_transposed), ("v", chain.v_transposed)) if flag]
+    if transposed:
+        why.append(f"{' / '.join(transposed)} enter{'s' if len(transposed) == 1 else ''} the products transposed ([.., D, S]), "
+                   "a form whose bias npufuse does not pass")
+    if scores_shape is None and not why:
+        why.append("npufuse could not state the scores' shape for the bias")
+    return ("a float bias is added to the scores: npufuse passes it as npu_fusion_attention's `pse` only for [B, N, Sq, Skv] "
+            "scores of BNSD/BSND q/k or one-head [B, Sq, Skv] scores of [B, S, D] q/k; here " + "; ".join(why or ["another layout"]))

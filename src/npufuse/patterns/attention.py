@@ -10298,8 +10298,7 @@ def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: b
             chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
             chain.excluded += [(b.cond, b.negate_cond, f"+ {r.text(b.node)}") for b in biases]
             return None
-        return ("a float bias is added to the scores: npufuse passes it as npu_fusion_attention's `pse` only where the scores' "
-                "shape is plain ([B, N, Sq, Skv] from BNSD/BSND q/k, or one-head [B, Sq, Skv]), not in this layout")
+        return _attention_s47t.pse_layout_reason(chain, r.scores_shape)  # s47: names which condition holds
     chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
     lines = ["_npufuse_pse = None"]
     descs: list[str] = []
@@ -10508,7 +10507,7 @@ class Block(nn.Module):
         w = torch.softmax(w, dim=2)
         return torch.bmm(v, w.permute(0, 2, 1))
 ''',
-        reason="npufuse passes it as npu_fusion_attention's `pse` only where the scores' shape is plain",
+        reason="the products transposed ([.., D, S]), a form whose bias npufuse does not pass",
         name="s28_bias_beside_channel_first_scores",
     ),
     Keep(
