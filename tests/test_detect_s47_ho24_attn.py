@@ -323,7 +323,7 @@ class TokenEMAAttention(nn.Module):
 
 _RUN_EMA = '''
 m = TokenEMAAttention(32, 4, 16)
-x = torch.randn(2, 3, 10, 32, requires_grad=True) * 0.1
+x = (torch.randn(2, 3, 10, 32) * 0.1).requires_grad_()
 out = m(x)
 leaves = [x, m.qkv.weight]
 '''
