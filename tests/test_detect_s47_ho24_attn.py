@@ -115,8 +115,8 @@ def test_softmax_helper_with_a_dead_option_branch_fuses(code: str, run: str, qua
 
 def test_softmax_helper_option_passed_at_run_time_names_the_branch() -> None:
     code = _TEMP_HELPER.replace("softmax(scores, dim=-1)", "softmax(scores, dim=-1, temperature=t)").replace("mask=None)", "mask=None, t=1.0)")
-    reason = _near_miss(AttentionPattern(), code, "whose body branches on `temperature != 1`")
-    assert "with `temperature` passed as `t`" in reason
+    reason = _near_miss(AttentionPattern(), code, "whose body branches on `temperature != 1` (line 8): it is a softmax over one axis only where that test is false")
+    assert "this call passes `temperature` as `t`" in reason
     # a literal that takes the branch: the body at this call divides first, not read as a softmax of the scores
     _near_miss(AttentionPattern(), _TEMP_HELPER.replace("softmax(scores, dim=-1)", "softmax(scores, dim=-1, temperature=2.0)"),
                "whose body is not read as a softmax")

@@ -244,11 +244,11 @@ def unread_repo_softmax(matcher: Any, node: Any) -> Optional[str]:
     d = _definition(matcher, node.func)
     if d is None or not isinstance(d.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
-    branch = _attention_s47t.unevaluated_branch(d.node, _bind(d.node, node, skip_self=False))
-    if branch:  # s47: the body is a softmax only on some arm of a test this call's argument decides
+    branch = _attention_s47t.unevaluated_branch(d.node, d.tree, _bind(d.node, node, skip_self=False))
+    if branch:  # s47: the body is a softmax only on one arm of a test this call's argument decides
         return (f"the probabilities come from `{ast.unparse(_plain_callee(node.func))}` (a function of the repository, "
-                f"{d.rel}:{d.node.lineno}) whose body branches on {branch}: npufuse reads such a body only where the "
-                "test is decided by literals at the call, so it cannot check that npu_fusion_attention computes the same")
+                f"{d.rel}:{d.node.lineno}) whose body branches on {branch}: npufuse cannot check that npu_fusion_attention "
+                "computes the same")
     return (f"the probabilities come from `{ast.unparse(_plain_callee(node.func))}` (a function of the repository, {d.rel}:{d.node.lineno}) "
             "whose body is not read as a softmax over one axis (torch's, or exp(x - max) / sum with keepdim): npufuse cannot "
             "check that npu_fusion_attention computes the same")

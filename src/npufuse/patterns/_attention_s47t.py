@@ -68,19 +68,19 @@ def _test_value(test: ast.expr, consts: dict[str, object]) -> object:
     return _UNKNOWN
 
 
-def _fold(body: list[ast.stmt], consts: dict[str, object], folded: list[int]) -> list[ast.stmt]:
-    """``body`` with every ``if`` whose test is a constant replaced by the arm that runs (nested ones too);
-    ``folded`` counts the folds."""
+def _fold(body: list[ast.stmt], consts: dict[str, object], folded: list[int], forced: Optional[tuple[ast.If, bool]] = None) -> list[ast.stmt]:
+    """``body`` with every ``if`` whose test is a constant (or the ``forced`` one, to the value given) replaced by the
+    arm that runs (nested ones too); ``folded`` counts the folds."""
     out: list[ast.stmt] = []
     for st in body:
         if isinstance(st, ast.If):
-            v = _test_value(st.test, consts)
+            v = forced[1] if forced is not None and st is forced[0] else _test_value(st.test, consts)
             if v is not _UNKNOWN:
                 folded.append(st.lineno)
-                out.extend(_fold(st.body if v else st.orelse, consts, folded))
+                out.extend(_fold(st.body if v else st.orelse, consts, folded, forced))
                 continue
             st = copy.copy(st)
-            st.body, st.orelse = _fold(st.body, consts, folded), _fold(st.orelse, consts, folded)
+            st.body, st.orelse = _fold(st.body, consts, folded, forced), _fold(st.orelse, consts, folded, forced)
         out.append(st)
     return out
 
@@ -110,25 +110,36 @@ def specialised_softmax_body(fn: Any, tree: ast.Module, bound: Optional[dict[str
     return result
 
 
-def unevaluated_branch(fn: Any, bound: Optional[dict[str, Any]]) -> Optional[str]:
-    """For the near miss: the first ``if`` of ``fn``'s body whose test reads a parameter the call passes as
-    something other than a literal (``if temperature != 1:`` with ``temperature=self.t``), as
-    "`<test>` (line N), with `<param>` passed as `<arg>`"; None when there is none."""
+def unevaluated_branch(fn: Any, tree: ast.Module, bound: Optional[dict[str, Any]]) -> Optional[str]:
+    """For the near miss: the first ``if`` of ``fn``'s body whose test reads a parameter the call passes as something
+    other than a literal (``if temperature != 1:`` with ``temperature=self.t``) and with one value of which the body is
+    a softmax over one axis (so the branch is what stops the reading), as "`<test>` (line N) ... "; None when there is
+    none (the body is no softmax either way: the caller keeps its general reason)."""
     if bound is None or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     consts = _constant_params(fn, bound)
     for st in ast.walk(fn):
         if not isinstance(st, ast.If) or _test_value(st.test, consts) is not _UNKNOWN:
             continue
-        for n in ast.walk(st.test):
-            if isinstance(n, ast.Name) and n.id in bound and n.id not in consts:
-                from npufuse.patterns.attention import _plain
+        param = next((n.id for n in ast.walk(st.test) if isinstance(n, ast.Name) and n.id in bound and n.id not in consts), None)
+        if param is None:
+            continue
+        arms = []
+        for value in (True, False):
+            spec = copy.copy(fn)
+            spec.body = _fold(list(fn.body), consts, [], (st, value))
+            if spec.body and canonical.softmax_body(spec, tree) is not None:
+                arms.append(value)
+        if len(arms) != 1:
+            continue  # a softmax either way (the test is not the obstacle) or neither way
+        from npufuse.patterns.attention import _plain
 
-                try:
-                    arg = ast.unparse(_plain(bound[n.id]))
-                except Exception:
-                    arg = "<expression>"
-                return f"`{ast.unparse(st.test)[:50]}` (line {st.lineno}), with `{n.id}` passed as `{arg[:40]}`"
+        try:
+            arg = ast.unparse(_plain(bound[param]))
+        except Exception:
+            arg = "<expression>"
+        return (f"`{ast.unparse(st.test)[:50]}` (line {st.lineno}): it is a softmax over one axis only where that test is "
+                f"{'true' if arms[0] else 'false'}, and this call passes `{param}` as `{arg[:40]}`, whose value npufuse does not know here")
     return None
 
 
