@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
+from npufuse.patterns import _attention_s47t
 from npufuse.scan import canonical, repo_facts
 from npufuse.scan.dataflow import called_outside_def, dotted, fast_walk
 
@@ -121,6 +122,8 @@ def repo_softmax(matcher: Any, node: Any) -> Optional[tuple[Any, Any, Any]]:
     if d is None or not isinstance(d.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     body = canonical.softmax_body(d.node, d.tree)
+    if body is None:  # s47: a branch over an option the call leaves at a literal (``temperature=1.0``) read as dead
+        body = _attention_s47t.specialised_softmax_body(d.node, d.tree, _bind(d.node, node, skip_self=False), matcher.module)
     if body is None:
         return None
     return _bound_softmax(d.node, body, node, skip_self=False)
@@ -241,6 +244,11 @@ def unread_repo_softmax(matcher: Any, node: Any) -> Optional[str]:
     d = _definition(matcher, node.func)
     if d is None or not isinstance(d.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
+    branch = _attention_s47t.unevaluated_branch(d.node, d.tree, _bind(d.node, node, skip_self=False))
+    if branch:  # s47: the body is a softmax only on one arm of a test this call's argument decides
+        return (f"the probabilities come from `{ast.unparse(_plain_callee(node.func))}` (a function of the repository, "
+                f"{d.rel}:{d.node.lineno}) whose body branches on {branch}: npufuse cannot check that npu_fusion_attention "
+                "computes the same")
     return (f"the probabilities come from `{ast.unparse(_plain_callee(node.func))}` (a function of the repository, {d.rel}:{d.node.lineno}) "
             "whose body is not read as a softmax over one axis (torch's, or exp(x - max) / sum with keepdim): npufuse cannot "
             "check that npu_fusion_attention computes the same")

@@ -45,7 +45,7 @@ from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _at
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
 from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method
 from npufuse.patterns import _attention_s46sweepb
-from npufuse.patterns import _attention_s46h
+from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
@@ -2239,6 +2239,7 @@ class _Matcher:
                 self.add_keep01(m_node, fill, chain, cond)
                 node = base
                 continue
+            node = _attention_s47t.method_arith(self, node) or node  # s47: ``s.mul(scale)`` read as ``s * scale``
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and self._reaches(node.left, stop) \
                     and not self._reaches(node.right, stop):
                 # s30: CodeGeeX ``s - mask * 10000.0``: the term subtracted is the negated term added (its values
@@ -2791,7 +2792,7 @@ class _Matcher:
             base = deref(base.func.value)
         if self._is_local_tri(base, "triu", 1):
             return "top_left"
-        return None
+        return _attention_s47t.triu_buffer_causal(self, c)  # s47: a registered triu(ones, 1) buffer, sliced
 
     def _additive_causal(self, term: Any) -> str | None:
         t = deref(term)
@@ -3694,6 +3695,7 @@ class AttentionPattern(Pattern):
             cast = _attention_audit40.cast_over_repeat(module, chain)
             return NearMiss(self.id, scope.qualname, span_line, end_line, cast or "keys and values are not repeated alike (GQA on one of them only)")
         unstated: list[tuple[str, int]] = []  # s41: operands of no stated rank, checked 4-D at run time
+        fold_on_bound = False  # s47: the 5-D fold test reads the bound q / k / v (operands written as calls)
         if chain.q.layout != "3D":
             # the matmuls broadcast over any leading dims; the op takes 4-D BNSD/BSND only
             operands = (("q", chain.q, q_t), ("k", chain.k, k_t), ("v", chain.v, v_t))
@@ -3715,9 +3717,11 @@ class AttentionPattern(Pattern):
                 # s45: the leading axes shared and k / v's window (group) axis q's or 1, checked at run time
                 (_, _, q_x), (_, _, k_x), (_, _, v_x) = operands
                 test = _attention_s45.fold_shape_test(atom(q_x), atom(k_x), atom(v_x))
-                chain.requires.append((ast.parse(test, mode="eval").body,
-                                       f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{test}`; "
-                                       "the original code runs otherwise"))
+                fold_on_bound = _attention_s47t.operands_are_calls(q_x, k_x, v_x)  # s47: tested once bound (``self.ema(q)``)
+                if not fold_on_bound:
+                    chain.requires.append((ast.parse(test, mode="eval").body,
+                                           f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{test}`; "
+                                           "the original code runs otherwise"))
             if not folded and _s28_fold_unknown_ranks(chain, operands, ranks, sole_causal or _attention_s45.causal_terms_only(chain.masks)):
                 folded, ranks = True, [5, 5, 5]  # s28: k/v rank checked at run time
             for (tag, op, text), rank in zip(operands, ranks):
@@ -3938,6 +3942,11 @@ class AttentionPattern(Pattern):
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
         dv_check = value_head_check(k_n, v_n, chain)
+        if fold_on_bound:
+            fold_test = _attention_s45.fold_shape_test(atom(q_n), atom(k_n), atom(v_n))
+            dv_check = f"{fold_test} and {dv_check}"
+            risks.append(Risk("other", f"q/k/v are 5-D [B, N, W, S, D]: the fused call (the first two dims folded) runs where `{fold_test}` "
+                                       "(tested on q / k / v bound once); the original code runs otherwise"))
         if unstated:
             dv_check = _attention_audit41.rank_test(unstated, {"q": q_n, "k": k_n, "v": v_n}, atom) + f" and {dv_check}"
         if v_shared:
@@ -10290,8 +10299,7 @@ def _s28_pse_lines(r: "Renderer", chain: Chain, scale: str, q_n: str, three_d: b
             chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
             chain.excluded += [(b.cond, b.negate_cond, f"+ {r.text(b.node)}") for b in biases]
             return None
-        return ("a float bias is added to the scores: npufuse passes it as npu_fusion_attention's `pse` only where the scores' "
-                "shape is plain ([B, N, Sq, Skv] from BNSD/BSND q/k, or one-head [B, Sq, Skv]), not in this layout")
+        return _attention_s47t.pse_layout_reason(chain, r.scores_shape)  # s47: names which condition holds
     chain.masks = [t for t in chain.masks if not isinstance(t, _S28Bias)]
     lines = ["_npufuse_pse = None"]
     descs: list[str] = []
@@ -10500,7 +10508,7 @@ class Block(nn.Module):
         w = torch.softmax(w, dim=2)
         return torch.bmm(v, w.permute(0, 2, 1))
 ''',
-        reason="npufuse passes it as npu_fusion_attention's `pse` only where the scores' shape is plain",
+        reason="the products transposed ([.., D, S]), a form whose bias npufuse does not pass",
         name="s28_bias_beside_channel_first_scores",
     ),
     Keep(
@@ -11258,7 +11266,7 @@ def _s30_probs_read_under_flag(scope: Scope, name: str, after: int) -> tuple[ast
         flag = up.test.operand if isinstance(up.test, ast.UnaryOp) and isinstance(up.test.op, ast.Not) else up.test
         own = isinstance(flag, ast.Attribute) and isinstance(flag.value, ast.Name) and flag.value.id == "self"
         param = isinstance(flag, ast.Name) and flag.id in scope.args and not scope.assignments.get(flag.id)
-        if not (own or param):
+        if not (own or param or _attention_s47t.conjunction_of_flags(scope, flag)):
             return None
         found.add((ast.dump(up.test), not in_body))
         test_node = up.test

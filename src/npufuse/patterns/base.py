@@ -441,6 +441,7 @@ def _pure_methods(module: "ModuleInfo", qualname: str) -> frozenset[str]:
     """``self.<m>`` chains of the site's class whose method ``m`` (defined in the class, undecorated) calls nothing on
     ``self``, stores nothing on ``self`` and draws nothing random (rtdl's ``_reshape``: views of its argument): calling
     it twice gives the same value, so the fused branch's extra call costs work, never a different result. (s34)"""
+    from npufuse.patterns._attention_s47t import pure_torch_function
     from npufuse.scan.dataflow import dotted, fast_walk
 
     cls = module.classes.get(qualname.rpartition(".")[0]) if "." in qualname else None
@@ -455,7 +456,8 @@ def _pure_methods(module: "ModuleInfo", qualname: str) -> frozenset[str]:
             if isinstance(n, ast.Call):
                 f = n.func
                 impure = not (isinstance(f, ast.Name) and f.id in _PURE_BUILTINS
-                              or isinstance(f, ast.Attribute) and f.attr in _PURE_TENSOR_METHODS and (dotted(f) or "").partition(".")[0] != "self")
+                              or isinstance(f, ast.Attribute) and f.attr in _PURE_TENSOR_METHODS and (dotted(f) or "").partition(".")[0] != "self"
+                              or pure_torch_function(f))  # s47: torch.einsum & co. (stateless, deterministic)
             elif isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, ast.Store):
                 impure = True
             elif isinstance(n, (ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom, ast.Await)):

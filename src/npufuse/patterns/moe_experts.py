@@ -47,6 +47,7 @@ from npufuse.patterns import _moe_s45h
 from npufuse.patterns import _moe_s46b
 from npufuse.patterns import _moe_s46h
 from npufuse.patterns import _moe_s47h
+from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -3123,6 +3124,9 @@ class _Eval:
                             "layer does not compute")
             if sel.kind != "flatmask":
                 self._check_host_listed_rows(tgt, "rows are written back through")
+                slot_written = _moe_s47t.slot_weight_write(self.loop, self.eidx, s) if isinstance(s, ast.Assign) else None
+                if slot_written:
+                    raise _Miss(slot_written)  # s47: a weight built per slot, not a row write of the output
                 raise _Miss(f"rows are written through `{ast.unparse(tgt)[:50]}`, not selected by an expert-index "
                             "comparison (router masks, e.g. capacity-limited ones, are not supported)")
             self.results.append(("assign", tgt.value.id, self.ev(_strip_casts(self._s43b_rows_term(tgt, s.value, "assign"))), sel.args[0]))
