@@ -217,14 +217,41 @@ def test_real_every_doc_splits_into_sections(real_root):
                     assert line.strip() not in ("功能描述", "参数说明", "约束说明", "输出说明", "支持的型号"), name
 
 
-def test_real_lookup_is_fast_cold(real_root):
+def test_real_lookup_cold_reads_only_the_files_it_names(real_root, monkeypatch):
+    """What keeps a cold lookup fast (~0.25 s measured): it reads the few doc / schema / optim files it names and
+    never walks the wheel (several thousand files), and parses the schema yaml with libyaml where PyYAML has it.
+    (A wall-clock bound here failed on a loaded CI machine: 3.5 s against 2.0 s; behaviour, not time, is tested.)"""
+    import pathlib
+
+    import yaml
+
     for cached in (api_docs.load_api_docs, api_docs.load_schemas, api_docs.load_summaries, api_docs.wheel_version):
         cached.cache_clear()
-    start = time.perf_counter()
+    read: list[pathlib.Path] = []
+    real_read_text = pathlib.Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        read.append(self)
+        return real_read_text(self, *args, **kwargs)
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("a cold lookup walks a folder")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    for name in ("rglob", "glob", "iterdir"):
+        monkeypatch.setattr(pathlib.Path, name, no_walk)
+    monkeypatch.setattr(os, "walk", no_walk)
+    monkeypatch.setattr(os, "scandir", no_walk)
     api = api_docs.lookup("npu_fusion_attention")
     api.as_json()
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"cold lookup took {elapsed:.2f}s"  # ~0.25 s measured; margin for slow CI
+    assert api.doc
+    named = {real_root / "version.py", real_root / api_docs.OP_DOCS_FILE, real_root / api_docs.ATB_DOCS_FILE,
+             *(real_root / rel for rel in api_docs.SCHEMA_FILES)}
+    in_wheel = [p for p in read if str(p).startswith(str(real_root))]
+    assert in_wheel and len(set(in_wheel)) == len(in_wheel), in_wheel  # each file read once
+    assert all(p in named or p.parent == real_root / "optim" for p in in_wheel), in_wheel
+    if hasattr(yaml, "CSafeLoader"):
+        assert api_docs._yaml_loader() is yaml.CSafeLoader
 
 
 def test_real_never_imports_torch_npu_or_torch(real_root):
