@@ -64,7 +64,7 @@ def _instance_stores(module: Any, cls: ast.ClassDef) -> frozenset[str]:
         names: set[str] = set()
         for item in cls.body:
             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names.update(attr for attr, _how, _line in bound_callee._changes_in(item))
+                names.update(attr for attr, _how, _line in bound_callee._changes_in(item, how=False))
         got = table[id(cls)] = frozenset(names)
     return got
 
