@@ -502,8 +502,6 @@ class _Halves:
                     h = upper if lower is None else lower if upper is None else None
                     if self.allow_split and h is not None and _split_point(self.scope, h):
                         check = f"{_atom(ast.unparse(base))}.shape[-1] == 2 * ({ast.unparse(h)})"
-                        if _split_reads_own_shape(self.scope, [check], base):
-                            return None  # (s47) x's own shape, not its half: no half of x, and a check never true
                         if check not in self.split_checks:
                             self.split_checks.append(check)
                         return "first" if lower is None else "second"
@@ -811,21 +809,6 @@ def _rotation_call(module: ModuleInfo, scope: Scope, node: ast.expr, x: ast.expr
     return rot
 
 
-def _split_reads_own_shape(scope: Scope, checks: list[str], x: ast.expr) -> bool:
-    """A run-time split check (``x.shape[-1] == 2 * (split)``) whose split point is read from x's own shape: other
-    than the last dim's half that _Halves proves, that is another dim of x (picotron's unpacked ``seq_length // 2``)
-    or another fraction of it (``x.shape[-1] // 3``): a cut that is no rotation, and a check never true for it (the
-    fused branch would never run), not a run-time question."""
-    for check in checks:
-        split = ast.parse(check, mode="eval").body.comparators[0].right  # type: ignore[attr-defined]
-        reads = [split] + [v for n in fast_walk(split) if isinstance(n, ast.Name) for _st, v in scope.assignments.get(n.id, [])]
-        for node_ in (n for r in reads for n in fast_walk(r)):
-            if (isinstance(node_, ast.Attribute) and node_.attr == "shape" and same_expr(node_.value, x)) \
-                    or (_method(node_, "size") and same_expr(node_.func.value, x)):
-                return True
-    return False
-
-
 def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: ModuleInfo) -> _Rotation | None:
     """The inline ``cat((-x2, x1), -1)`` (or a name bound to it) whose halves are cut at a split point
     that is not provably x's last dim // 2 (wav2vec2-conformer's ``x[..., : self.head_size // 2]``, the
@@ -838,8 +821,15 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
     if not halves.split_checks or halves.prefix is not None:
         return None  # (halves of a prefix are no rotate_half of x: the widths differ from x's)
-    if _split_reads_own_shape(scope, halves.split_checks, x):
-        return None
+    for check in halves.split_checks:
+        # a split point read from x's own shape, other than the last dim's half that _Halves proves, is another
+        # dim of x (picotron's unpacked ``seq_length // 2``): a cut that is no rotation, not a run-time question
+        split = ast.parse(check, mode="eval").body.comparators[0].right  # type: ignore[attr-defined]
+        reads = [split] + [v for n in fast_walk(split) if isinstance(n, ast.Name) for _st, v in scope.assignments.get(n.id, [])]
+        for node_ in (n for r in reads for n in fast_walk(r)):
+            if (isinstance(node_, ast.Attribute) and node_.attr == "shape" and same_expr(node_.value, x)) \
+                    or (_method(node_, "size") and same_expr(node_.func.value, x)):
+                return None
     if rot.kind is None and rot.reason:
         return rot  # the halves of x at that split, combined the wrong way: say so
     if rot.kind != "half":
