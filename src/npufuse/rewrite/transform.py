@@ -23,10 +23,11 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from npufuse.rewrite import nesting
 from npufuse.rewrite.codegen import MARKER, PRELUDE, PRELUDE_MARKER
@@ -62,6 +63,44 @@ def parse_expression(text: str) -> cst.BaseExpression:
     hand-editable)."""
     nesting.check(text)
     return cst.parse_expression(text)
+
+
+def positions(module: cst.Module) -> Mapping[cst.CSTNode, CodeRange]:
+    """Every node's position in ``module`` (libcst's :class:`PositionProvider`).
+
+    ``MetadataWrapper.resolve`` computes the positions in one code-generation pass and then walks the
+    whole tree once more for the batchable providers it was asked for -- none here, an empty walk that
+    cost as much as the positions themselves (measured on the patterns' examples: ~33 ms of ~69 ms per
+    module). The provider is run on its own; should a libcst release change that entry point, the
+    public route gives the same mapping (tests/test_rewrite_positions.py compares the two)."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    try:
+        return PositionProvider()._gen(wrapper)
+    except (AttributeError, TypeError):  # pragma: no cover - a libcst without the provider entry point
+        return wrapper.resolve(PositionProvider)
+
+
+# Nodes that can hold a statement block. The rewriter, the reverter and the marked-if readers only act on
+# statements of blocks (and keep a class / def stack), so a walk need not enter anything else: an
+# expression, a simple statement line or a one-line suite never holds an indented block.
+_BLOCK_HOLDERS = (
+    cst.Module,
+    cst.IndentedBlock,
+    cst.BaseCompoundStatement,
+    cst.Else,
+    cst.ExceptHandler,
+    cst.ExceptStarHandler,
+    cst.Finally,
+    cst.MatchCase,
+)
+
+
+class _BlocksOnly:
+    """Mixin for a libcst visitor / transformer: enters only nodes that can hold a statement block (the
+    statements of every block are still visited and left; their insides are not walked)."""
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        return super().on_visit(node) and isinstance(node, _BLOCK_HOLDERS)  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -126,11 +165,10 @@ def _lifted(edit: SiteEdit) -> tuple[str, str]:
     return re.sub(rf"\b{LIFTED_GUARD}\b", lambda _m: edit.guard, edit.fused), LIFTED_TEST
 
 
-class _SiteRewriter(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self, edits: list[SiteEdit]) -> None:
+class _SiteRewriter(_BlocksOnly, cst.CSTTransformer):
+    def __init__(self, edits: list[SiteEdit], where: Mapping[cst.CSTNode, CodeRange]) -> None:
         super().__init__()
+        self.where = where
         self.pending = {e.line: e for e in edits}
         self.applied: list[SiteEdit] = []
         self.reasons: dict[SiteEdit, str] = {}
@@ -144,7 +182,7 @@ class _SiteRewriter(cst.CSTTransformer):
         return updated.with_changes(body=self._rewrite_body(original.body, updated.body))
 
     def _line(self, node: cst.CSTNode, end: bool = False) -> int:
-        pos = self.get_metadata(PositionProvider, node)
+        pos = self.where[node]
         return pos.end.line if end else pos.start.line
 
     def _skip(self, edit: SiteEdit, why: str) -> None:
@@ -371,7 +409,7 @@ def remove_prelude(code: str, newline: str = "\n") -> tuple[str, bool]:
 # -- rewrite and revert --------------------------------------------------------------------------
 
 
-class _MarkedCollector(cst.CSTVisitor):
+class _MarkedCollector(_BlocksOnly, cst.CSTVisitor):
     """Marked ifs in document order (node identity), to map new ifs to their positions."""
 
     def __init__(self) -> None:
@@ -404,8 +442,8 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
         outcome.skipped = [(e, "libcst does not reproduce this file byte for byte; left unchanged") for e in edits]
         return outcome
     usable, refused = _overlaps(edits)
-    rewriter = _SiteRewriter(usable)
-    new = MetadataWrapper(module, unsafe_skip_copy=True).visit(rewriter)
+    rewriter = _SiteRewriter(usable, positions(module))
+    new = module.visit(rewriter)
     outcome = RewriteOutcome(text=source)
     outcome.applied = list(rewriter.applied)
     why = dict(refused)
@@ -430,16 +468,15 @@ def rewrite_source(source: str, edits: list[SiteEdit], *, prelude: bool = True) 
     # our own output: the checked source plus one guarded block per site (a level or two deeper,
     # far inside the limit's margin); refusing it here would strand a half-done rewrite
     # a tree parsed here and shared with nobody: libcst's defensive deep copy of it would only cost time
-    wrapper = MetadataWrapper(cst.parse_module(outcome.text), unsafe_skip_copy=True)
-    positions = wrapper.resolve(PositionProvider)
+    where = positions(cst.parse_module(outcome.text))
     # every node of the tree has a position and no two statements start at the same place: its marked ifs
     # sorted by where they start are the document order a full visit lists (one libcst walk fewer)
-    final = sorted((node for node in positions if _marked_if(node)), key=lambda n: (positions[n].start.line, positions[n].start.column))
+    final = sorted((node for node in where if _marked_if(node)), key=lambda n: (where[n].start.line, where[n].start.column))
     tag_of = {id(node): tag for tag, node in rewriter.new_ifs}
     for ours, there in zip(collector.nodes, final):
         tag = tag_of.get(id(ours))
         if tag is not None:
-            pos = positions[there]
+            pos = where[there]
             outcome.spans[tag] = (pos.start.line, pos.end.line)
     return outcome
 
@@ -452,10 +489,9 @@ class MarkedSite:
     qualname: str
 
 
-class _MarkedFinder(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self) -> None:
+class _MarkedFinder(_BlocksOnly, cst.CSTVisitor):
+    def __init__(self, where: Mapping[cst.CSTNode, CodeRange]) -> None:
+        self.where = where
         self.stack: list[str] = []
         self.sites: list[MarkedSite] = []
 
@@ -474,24 +510,23 @@ class _MarkedFinder(cst.CSTVisitor):
     def visit_If(self, node: cst.If) -> None:
         pattern = _marked_if(node)
         if pattern:
-            pos = self.get_metadata(PositionProvider, node)
+            pos = self.where[node]
             self.sites.append(MarkedSite(pattern, pos.start.line, pos.end.line, ".".join(self.stack) or "<module>"))
 
 
 def marked_sites(source: str) -> list[MarkedSite]:
     """Every npufuse-marked if/else in ``source``, in order (qualname as the scan spells it).
     Raises ``cst.ParserSyntaxError`` or :class:`nesting.TooDeep` for a file libcst cannot read."""
-    finder = _MarkedFinder()
-    # parsed here, read by a visitor that keeps no node: libcst's defensive deep copy would only cost time
-    MetadataWrapper(parse_module(source), unsafe_skip_copy=True).visit(finder)
+    module = parse_module(source)
+    finder = _MarkedFinder(positions(module))
+    module.visit(finder)
     return finder.sites
 
 
-class _Reverter(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self, lines: set[int] | None, default_indent: str = "    ") -> None:
+class _Reverter(_BlocksOnly, cst.CSTTransformer):
+    def __init__(self, lines: set[int] | None, where: Mapping[cst.CSTNode, CodeRange], default_indent: str = "    ") -> None:
         super().__init__()
+        self.where = where
         self.lines = lines  # start lines of marked ifs to revert; None = all
         self.default_indent = default_indent  # the module's: what a block without its own indent uses
         self.reverted: list[int] = []
@@ -510,7 +545,7 @@ class _Reverter(cst.CSTTransformer):
         out = []
         carry: list[cst.EmptyLine] = []  # lines that followed a reverted else block
         for orig, upd in zip(original_body, updated_body):
-            line = self.get_metadata(PositionProvider, orig).start.line
+            line = self.where[orig].start.line
             if carry:
                 upd = upd.with_changes(leading_lines=(*carry, *upd.leading_lines))
                 carry = []
@@ -554,8 +589,8 @@ def revert_source(source: str, lines: set[int] | None = None) -> RevertOutcome:
     prelude goes with the last one. Raises like :func:`rewrite_source`."""
     module = parse_module(source)
     tail = dropped_final_break(source, module) or ""
-    reverter = _Reverter(lines, module.default_indent)
-    new = MetadataWrapper(module, unsafe_skip_copy=True).visit(reverter)
+    reverter = _Reverter(lines, positions(module), module.default_indent)
+    new = module.visit(reverter)
     outcome = RevertOutcome(text=source)
     if lines is not None:
         missing = sorted(set(lines) - set(reverter.reverted))
