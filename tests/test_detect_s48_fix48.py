@@ -127,8 +127,10 @@ _UNROLLED3_RUN = '''
 torch.manual_seed(1)
 m = ThreeSlotMoE(12, 20, 6)
 x = torch.randn(15, 12, requires_grad=True)
-out = [m(x)]
-leaves = [x, m.router.weight, m.experts[3].up.weight]
+mb = ThreeSlotMoE(12, 20, 6).to(torch.bfloat16)
+xb = torch.randn(15, 12, requires_grad=True)
+out = [m(x), mb(xb.to(torch.bfloat16)).float()]
+leaves = [x, xb, m.router.weight, m.experts[3].up.weight]
 '''
 
 
@@ -138,7 +140,7 @@ def test_slot_writes_written_out_fuse() -> None:
 
 
 def test_slot_writes_written_out_second_spelling_fuses() -> None:
-    facts = _fused_and_runs(MoeExperts(), _UNROLLED3, _UNROLLED3_RUN, "ThreeSlotMoE.forward")
+    facts = _fused_and_runs(MoeExperts(), _UNROLLED3, _UNROLLED3_RUN, "ThreeSlotMoE.forward", tol=0.999)
     assert "3 == top_i.shape[-1]" in facts["rewritten"]
 
 
@@ -168,3 +170,159 @@ def test_slot_writes_written_out_other_forms_are_near_misses(change: tuple[str, 
     code = _UNROLLED.replace(*change)
     assert code != _UNROLLED
     _near_miss(MoeExperts(), code, "written slot by slot into the fresh buffer `tw`")
+
+
+# -- 2. rms_norm / add_rms_norm: a factor proven one number folded into gamma ------------------------------------------
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm  # noqa: E402
+from npufuse.patterns.rms_norm import RmsNorm  # noqa: E402
+
+_SCALED = '''\
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model, eps=1e-5, position=None, dtype=None):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d_model, dtype=dtype))
+        self.eps = eps
+        if position is None:
+            scale = torch.tensor(1.0, dtype=torch.float32)
+        else:
+            scale = torch.rsqrt(torch.tensor(float(position), dtype=torch.float32))
+        self.register_buffer("position_scale", scale, persistent=False)
+
+    def forward(self, x):
+        in_dtype = x.dtype
+        x = x.to(torch.float32)
+        with torch.autocast("cuda", enabled=False):
+            reverse_rms = torch.rsqrt((x * x).mean(-1) + self.eps).unsqueeze(-1)
+            out = x * reverse_rms * self.gain
+        out.mul_(self.position_scale)
+        return out.to(in_dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, position=None):
+        super().__init__()
+        self.ln1 = RMSNorm(d_model, position=position)
+        self.attn = nn.Linear(d_model, d_model)
+        self.ln2 = RMSNorm(d_model, position=position)
+        self.ffn = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        attn_out = self.attn(self.ln1(x))
+        y = x + attn_out
+        return y + self.ffn(self.ln2(y))
+'''
+
+_SCALED_RUN = '''
+torch.manual_seed(0)
+m = RMSNorm(16, position=3)
+with torch.no_grad():
+    m.gain.mul_(torch.linspace(0.5, 1.5, 16))
+x = torch.randn(2, 5, 16, requires_grad=True)
+xb = torch.randn(2, 5, 16, requires_grad=True)
+out = [m(x), m(xb.to(torch.bfloat16)).float()]
+leaves = [x, xb, m.gain]
+'''
+
+_BLOCK_RUN = '''
+torch.manual_seed(0)
+m = Block(16, position=4)
+x = torch.randn(2, 5, 16, requires_grad=True)
+out = [m(x)]
+mb = Block(16, position=4).to(torch.bfloat16)
+with torch.no_grad():
+    out.append(m(x))
+    out.append(mb(x.to(torch.bfloat16).detach()).float())
+leaves = [x, m.ln2.gain, m.attn.weight]
+'''
+
+# the second spelling: a learnable 0-dim scale (nn.Parameter of torch.tensor), a Python-number constant, the norm
+# upcast with .float() and cast back with type_as, the factors written inline in one product
+_SCALED2 = '''\
+import math
+import torch
+from torch import nn
+
+
+class ScaledRMSNorm(nn.Module):
+    def __init__(self, dim, n_layers, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.residual_scale = nn.Parameter(torch.tensor(0.5))
+        self.depth_scale = 1.0 / math.sqrt(2 * n_layers)
+
+    def forward(self, hidden):
+        h = hidden.float()
+        normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        normed = normed * self.weight.float() * self.residual_scale
+        normed *= self.depth_scale
+        return normed.type_as(hidden)
+'''
+
+_SCALED2_RUN = '''
+torch.manual_seed(0)
+m = ScaledRMSNorm(12, 6)
+x = torch.randn(3, 4, 12, requires_grad=True)
+xb = torch.randn(3, 4, 12, requires_grad=True)
+out = [m(x), m(xb.to(torch.bfloat16)).float()]
+leaves = [x, xb, m.weight, m.residual_scale]
+'''
+
+
+@pytest.mark.parametrize("scale", ["out.mul_(self.position_scale)", "out = out * self.position_scale",
+                                   "out *= self.position_scale"])
+def test_scaled_norm_folds_the_number_into_gamma(scale: str) -> None:
+    code = _SCALED.replace("out.mul_(self.position_scale)", scale)
+    facts = _fused_and_runs(RmsNorm(), code, _SCALED_RUN, "RMSNorm.forward", tol=0.999)
+    assert "self.gain.float() * self.position_scale" in facts["rewritten"]
+
+
+def test_scaled_norm_second_spelling_folds() -> None:
+    facts = _fused_and_runs(RmsNorm(), _SCALED2, _SCALED2_RUN, "ScaledRMSNorm.forward", tol=0.999)
+    assert "(self.weight.float() * self.depth_scale * self.residual_scale)" in facts["rewritten"]
+
+
+@pytest.mark.parametrize("scale", ["out.mul_(self.position_scale)", "out = out * self.position_scale"])
+def test_add_then_scaled_norm_fuses(scale: str) -> None:
+    code = _SCALED.replace("out.mul_(self.position_scale)", scale)
+    findings, misses = detect_all(AddRmsNorm(), code)
+    assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AddRmsNorm(), code, _BLOCK_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999, facts
+    assert all(a == b for a, b in facts["dtypes"]), facts
+    # the float32 product is handed to npu_add_rms_norm only for a float32 x1
+    assert "x.dtype != torch.float32" in facts["rewritten"]
+    assert "self.ln2.gain.float() * self.ln2.position_scale" in facts["rewritten"]
+
+
+@pytest.mark.parametrize("change,phrase", [
+    # a per-channel second factor: not one number
+    (("self.register_buffer(\"position_scale\", scale, persistent=False)",
+      "self.register_buffer(\"position_scale\", torch.ones(d_model) * scale, persistent=False)"),
+     "multiplied in place by `self.position_scale`"),
+    # changed after construction
+    (("    def forward(self, x):", "    def set_position(self, p):\n        self.position_scale = torch.full((4,), p)\n\n"
+      "    def forward(self, x):"), "multiplied in place by `self.position_scale`"),
+    # the weight itself multiplied in place
+    (("out = x * reverse_rms * self.gain", "out = x * reverse_rms"), "multiplied in place by `self.position_scale`"),
+])
+def test_scaled_norm_near_misses(change: tuple[str, str], phrase: str) -> None:
+    code = _SCALED.replace(*change)
+    assert code != _SCALED
+    _near_miss(RmsNorm(), code, phrase)
+
+
+def test_scale_on_a_half_value_is_a_near_miss() -> None:
+    """No upcast: the original multiplies by the number in the input's dtype (rounded there)."""
+    code = _SCALED2.replace("h = hidden.float()", "h = hidden").replace("self.weight.float()", "self.weight")
+    _near_miss(RmsNorm(), code, "not proven float32")
+
+
+def test_per_channel_factor_keeps_the_old_reason() -> None:
+    code = _SCALED2.replace("nn.Parameter(torch.tensor(0.5))", "nn.Parameter(torch.ones(dim))")
+    _near_miss(RmsNorm(), code, "more than one factor besides the rms")
