@@ -127,7 +127,8 @@ def unread_forward_reason(fwd: ast.FunctionDef, cls: str) -> str | None:
         scaled = _post_scale(body, params[0])
         if scaled is not None:
             return (f"norm {cls} cannot be fused: its forward multiplies its output by `{scaled[0]}` after the norm "
-                    f"(`{scaled[1]}`), a factor npufuse does not fold into gamma")
+                    f"(`{scaled[1]}`), a factor npufuse folds into npu_rms_norm's float32 gamma for the norm alone, not "
+                    "into npu_add_rms_norm's gamma (taken in x1's dtype: a half-precision x1 would round the product)")  # s48
         return None
     head, x = body[0], params[1]
     test = ast.unparse(head.test)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
+from npufuse.patterns import _moe_s48f
 from npufuse.scan.dataflow import dotted, fast_walk
 
 _FRESH = ("zeros", "empty", "zeros_like", "empty_like", "full", "new_zeros", "new_empty", "new_full")
@@ -41,4 +42,4 @@ def slot_weight_write(loop: ast.For, eidx: set[str], stmt: ast.Assign) -> Option
     return (f"each selected row's routing weight is written slot by slot into the fresh buffer `{tgt.value.id}` "
             f"(`{ast.unparse(stmt)[:70]}`, at the rows whose top-k slot holds this expert): npufuse reads a routing weight "
             "taken from the weights by the expert-index comparison itself (`w[mask, k]`, `(w * (idx == e)).sum(-1)`), "
-            "not one assembled by per-slot writes")
+            + _moe_s48f.SLOT_WRITES_READ)  # s48: per-slot writes of every slot are read (fix48)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
+from npufuse.patterns import _rms_norm_s48f
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1842,6 +1843,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     if fwd is None:
         return None
     ret = S.helper_return(fwd) or _add_rms_norm_s47n.return_after_checks(module, cls, fwd, S.helper_return)  # s47
+    ret = ret or (_rms_norm_s48f.return_past_scale(fwd, S._straight) if fwd is not None else None)  # s48
     nscope = S.scope_of(module, fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     kernel_branch: tuple[ast.Return, list[str], str] | None = None
@@ -2533,6 +2535,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     conditions: list[str] = []
     confidence = "high"
     weight_base = ""  # the norm's weight parameter (rms kind only)
+    folded_scale = None  # s48
     m = site.nc
     ones = f"{T}.ones({x1}.shape[-1], dtype={x1}.dtype, device={x1}.device)"
     if site.wrapper is not None:
@@ -2552,19 +2555,22 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
             return f"norm {m.cls} cannot be fused: {e.reason}"
         except R.NoMatch:
             return f"norm {m.cls} cannot be fused"
+        folded_scale = p.params.get("weight_scale")  # s48: a number folded into a float32 gamma
         if p.condition is not None:
             # a weight applied only when, or a mean dim read at run time: the fused code runs
             # when the condition holds, the original statements otherwise
             conditions.append(p.condition)
         if m.match.weights:
             try:
-                w = R.analyse_weight(module, m.match.weights[0])
+                w = R.analyse_weight(module, _rms_norm_s48f.main_weight(module, m.match.weights))  # s48: not a folded number
             except R.Miss as e:
                 return f"norm {m.cls} cannot be fused: {e.reason}"
             except R.NoMatch:
                 return f"norm {m.cls} cannot be fused"
             gamma = R.render_factor(module, w, None)
             weight_base = S.render(module, w.base, w.base_ctx, None)
+            if folded_scale:
+                gamma = _rms_norm_s48f.folded_gamma(gamma, folded_scale)
             if isinstance(w.node, ast.IfExp):
                 gamma = "_npu_w"  # chosen by the plan's if/else (only one side evaluated)
                 pre += p.pre[:4]  # the if/else binding _npu_w comes first in the plan's statements
@@ -2690,6 +2696,10 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     # audit40b: npu_add_rms_norm adds tensors of one shape (its outputs take x1's): an addend that broadcasts
     # (``h + temb_proj(t)[:, :, None, None]``) takes the add, then the fused norm
     mixed = f"{x1}.dtype != {x2}.dtype or {x1}.shape != {x2}.shape" + (unproved if m.kind == "probed" else "")
+    if folded_scale:
+        # s48: npu_add_rms_norm takes gamma in x1's dtype; the float32 product of weight and scale is taken as is only
+        # by a float32 x1 (a half x1 takes the add + npu_rms_norm path, whose gamma may be float32)
+        mixed += f" or {x1}.dtype != {T}.float32"
     if site.cast is not None:
         mixed += f" or {site.cast[1]} != {x1}.dtype"  # the cast would change the sum: add, cast, then the norm
     if out_code == "_npu_dtype":
@@ -2914,6 +2924,9 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
         p = R.plan_norm(module, m, plan)
     except (R.Miss, R.NoMatch) as e:
         return f"the norm of the sum cannot be fused: {getattr(e, 'reason', '')}".rstrip(": ")
+    if p.params.get("weight_scale"):  # s48: a folded scale is npu_rms_norm's only
+        return (f"the norm of the sum multiplies its output by `{p.params['weight_scale']}`, a factor npufuse folds into "
+                "npu_rms_norm's float32 gamma, not into npu_add_rms_norm's (taken in x1's dtype)")
     # the 1-D weight check and a check of the reduced dim (a dim handed in, ``axis in (-1, ...)``) are taken along
     taken = [c for c in (p.params.get("dim_check"), p.params.get("weight_check")) if c]
     extra = p.condition if p.condition is not None and p.condition != " and ".join(taken) else None

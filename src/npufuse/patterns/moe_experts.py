@@ -48,6 +48,7 @@ from npufuse.patterns import _moe_s46b
 from npufuse.patterns import _moe_s46h
 from npufuse.patterns import _moe_s47h
 from npufuse.patterns import _moe_s47t
+from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -2878,15 +2879,17 @@ class _Eval:
     def run_body(self, body: list[ast.stmt]) -> None:
         folded = -1
         for j, stmt in enumerate(body):
-            if j == folded:
+            if j <= folded:
                 continue
             summed = _moe_s47h.slot_weight_sum(body, j, self._is_eidx) if isinstance(stmt, ast.Assign) \
                 and isinstance(stmt.value, ast.Call) else None
+            if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+                summed = _moe_s48f.unrolled_slot_writes(body, j, self._is_eidx)  # s48: the slots written out
             if summed is not None:
                 # s47: `tw = zeros(n); for k in range(K): tw[idx[m, k] == e] += w[m, k][..]`: the dense-gates weight
                 self.option_guards.append(summed[1])
                 self.stmt(summed[0])
-                folded = j + 1
+                folded = summed[2] if len(summed) > 2 else j + 1
                 continue
             self.stmt(stmt)
 

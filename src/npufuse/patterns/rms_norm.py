@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b, _rms_norm_s47n
+from npufuse.patterns import _rms_norm_s48f
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -619,6 +620,11 @@ def _chain(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, helpe
             value, vctx, stmt = S.follow(node, ctx, None, allow_conditional=True)
             if value is node:
                 raise NoMatch
+            for st, f in reversed(_rms_norm_s48f.inplace_scale(ctx, node)):  # s48: ``out.mul_(s)`` before the use
+                if ctx.depth == 0:
+                    trace.add(st)
+                _rms_norm_s48f.mark_inplace(module, f)
+                ops.append(Op("mul", f, ctx.at(st.lineno)))
             cond = _conditional_if(ctx, stmt) if stmt is not None else None
             if cond is not None:
                 simple = isinstance(cond, ast.If) and not cond.orelse and all(isinstance(s, ast.Assign) for s in cond.body)
@@ -1142,8 +1148,19 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     core = m.core
     weights = m.weights
     checks = _dim_conditions(module, core, plan)
-    if not weights:
+    scalars: list[Op] = []
+    if len(weights) > 1:
+        split = _rms_norm_s48f.split_scalars(module, weights)  # s48: factors proven one number fold into gamma
+        if split is not None:
+            weights, scalars = split
+    inplace = _rms_norm_s48f.inplace_reason(module, weights)
+    if inplace is not None:
+        raise Miss(inplace, core.rstd)
+    if not weights and not scalars:
         return _plan_weightless(module, m, plan, x_src, checks)
+    if not weights:
+        raise Miss("the norm's output is scaled by one number (`" + "`, `".join(ast.unparse(s.node) for s in scalars)
+                   + "`) but has no weight: npufuse folds such a factor into a weight's gamma only", core.rstd)
     if len(weights) > 1:
         if not any(_is_parameter_like(module, o) for o in weights):
             return _plan_modulated(module, m, plan, x_src, checks)
@@ -1208,6 +1225,13 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
             d = ("cond", tests[id(op)], op.dtype, d)
             unfused.append("cast (conditional)")
             order.append("condcast")
+        elif any(op is sc for sc in scalars):
+            # s48: one number never promotes a tensor; folded into a float32 gamma only where multiplied in float32
+            if d != D_F32:
+                raise Miss(f"the norm's output is scaled by `{ast.unparse(op.node)}` where it is not proven float32 (it may "
+                           "be in the input's dtype): folded into gamma the product would be rounded differently", core.rstd)
+            unfused.append("mul")
+            order.append("scale")
         else:  # mul / condmul (the weight)
             d = _promote(d, w.dtype)
             unfused.append("mul")
@@ -1232,7 +1256,14 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
 
     # gamma: npu_rms_norm takes it in the input's dtype, or float32 with an fp16/bf16 input
     gp = g if _is_atom(w.node) else f"({g})"
-    if xdt == D_F32:
+    if scalars:
+        # s48: the factors that are one number fold into a float32 gamma (the original multiplies in float32)
+        try:
+            stext = " * ".join(S.render(module, sc.node, sc.ctx, plan) for sc in scalars)
+        except S.RenderError as e:
+            raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
+        gamma = f"({gp if w.dtype == D_F32 else gp + '.float()'} * {stext})"
+    elif xdt == D_F32:
         gamma = g if w.dtype == D_F32 else f"{gp}.float()"
     elif w.dtype == D_F32:
         gamma = g
@@ -1275,6 +1306,8 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
         "input": x,
         "unfused_ops": unfused,
     }
+    if scalars:
+        params["weight_scale"] = stext  # s48
     cond = m.condition
     condition = None
     if cond is not None:
