@@ -1,0 +1,186 @@
+"""s48 review48: correctness review of the s47 code.
+
+1. rope's halves reader took a split point read from x's OWN shape under the run-time check
+   ``x.shape[-1] == 2 * (h)``: for ``x.shape[-1] // 3`` the check is never true (a dead fused branch), for another
+   dim of x (``b, s, n, d = x.shape`` then ``s // 2``) it holds only where two unrelated sizes meet. Now
+   (``_rope_s48r.dead_own_split``) such a split point is accepted exactly where it is the half of x's last dim for
+   every even width (``s, _, dim = x.shape[1:]`` then ``dim // 2``: s41's ``halves_empty_early`` stays a candidate;
+   the inline ``cat((-x2, x1))`` reader, which refused any read of x's shape, takes that half too).
+2. float64 reaching ``npu_rotary_mul`` (spec 4.1: fp16 / bf16 / fp32 only) through the rope forms that compute the
+   eager dtype themselves: flux's per-pair matrix product with a float64 matrix (flux builds its rope in float64) and
+   the gpt-fast / torchtune (cos, sin) pair caches in float64: the fused branch called the op on float64 (the
+   emulator raises, as the op does). Now a run-time dtype test keeps the original code there.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from npufuse.patterns.rope import RopePattern
+from pattern_harness import check_rewrite_runs, detect_all
+
+ROPE = RopePattern()
+
+
+# --- 1. halves cut at a split point read from x's own shape --------------------------------------------------------
+
+_EXPLICIT = '''import torch
+
+
+def rotate_pairs(t, cos, sin):
+{split}
+    a = t[..., :cut]
+    b = t[..., cut:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+'''
+
+_INLINE = '''import torch
+
+
+def rotate_pairs(t, cos, sin):
+{split}
+    a = t[..., :cut]
+    b = t[..., cut:]
+    return t * cos + torch.cat((-b, a), dim=-1) * sin
+'''
+
+_RUN = '''
+t = torch.randn(2, 3, 5, 8, requires_grad=True)
+ang = torch.randn(1, 1, 5, 4)
+if WIDE:
+    ang = ang.repeat(1, 1, 1, 2)  # the inline form's full-width tables; the explicit form's are half-width
+cos, sin = ang.cos(), ang.sin()
+out = rotate_pairs(t, cos, sin)
+leaves = [t]
+'''
+
+_DEAD = {
+    "third_of_width": "    cut = t.shape[-1] // 3",
+    "third_through_size": "    w = t.size(-1)\n    cut = w // 3",
+    "half_plus_one": "    cut = t.shape[-1] // 2 + 1",
+    "unpacked_sequence_dim": "    bsz, seq, heads, dim = t.shape\n    cut = seq // 2",
+    "sliced_unpack_other_dim": "    seq, _, dim = t.shape[1:]\n    cut = seq // 2",
+    "second_to_last_dim": "    cut = t.shape[-2] // 2",
+}
+
+
+@pytest.mark.parametrize("template", [_EXPLICIT, _INLINE], ids=["explicit", "inline"])
+@pytest.mark.parametrize("split", list(_DEAD.values()), ids=list(_DEAD))
+def test_a_split_point_from_xs_own_shape_other_than_its_half_is_no_candidate(template: str, split: str) -> None:
+    # before: fused under ``t.shape[-1] == 2 * (cut)``, never true for a third (or half + 1) of the width, and for a
+    # sequence dim true only where the sequence length equals the head width
+    findings, _ = detect_all(ROPE, template.format(split=split))
+    assert not findings, [f.fused for f in findings]
+
+
+_HALF = {
+    "sliced_unpack_last": "    seq, _, dim = t.shape[1:]\n    cut = dim // 2",
+    "starred_unpack_last": "    *_, dim = t.shape\n    cut = dim // 2",
+    "size_then_int_div": "    w = t.size(-1)\n    cut = int(w / 2)",
+    "ceil_half": "    cut = (t.shape[-1] + 1) // 2",
+    "shifted": "    cut = t.shape[-1] >> 1",
+}
+
+
+@pytest.mark.parametrize("template", [_EXPLICIT, _INLINE], ids=["explicit", "inline"])
+@pytest.mark.parametrize("split", list(_HALF.values()), ids=list(_HALF))
+def test_the_half_of_xs_last_dim_read_through_its_shape_still_fuses(template: str, split: str) -> None:
+    # the twin: the last dim's half, spelled through unpacking / size / int division, runs the fused op
+    code = template.format(split=split)
+    findings, _ = detect_all(ROPE, code)
+    assert len(findings) == 1, findings
+    facts = check_rewrite_runs(ROPE, code, f"WIDE = {template is _INLINE}" + _RUN, findings)
+    assert facts["all_calls"].get("npu_rotary_mul") == 1, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+
+
+def test_a_split_point_from_elsewhere_keeps_its_run_time_check() -> None:
+    # a head size handed in: the check decides at run time (true here: fused; the original where it is false)
+    code = _EXPLICIT.replace("(t, cos, sin)", "(t, cos, sin, head_dim)").format(split="    cut = head_dim // 2")
+    findings, _ = detect_all(ROPE, code)
+    assert len(findings) == 1 and "t.shape[-1] == 2 * (cut)" in findings[0].fused
+    facts = check_rewrite_runs(ROPE, code, "WIDE = False" + _RUN.replace("rotate_pairs(t, cos, sin)", "rotate_pairs(t, cos, sin, 8)"), findings)
+    assert facts["all_calls"].get("npu_rotary_mul") == 1 and min(facts["cos_out"]) > 0.9999
+
+
+# --- 2. float64 at the fused call ----------------------------------------------------------------------------------
+
+_FLUX = '''
+import torch
+
+
+def pair_rotations(pos, dim, base=10000):
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = pos.double()[..., None] * inv
+    m = torch.stack([torch.cos(ang), -torch.sin(ang), torch.sin(ang), torch.cos(ang)], dim=-1)
+    return m.view(*m.shape[:-1], 2, 2){tail}
+
+
+def rotate(q, k, rot):
+    q2 = q{qcast}.reshape(*q.shape[:-1], -1, 1, 2)
+    k2 = k{qcast}.reshape(*k.shape[:-1], -1, 1, 2)
+    qo = rot[..., 0] * q2[..., 0] + rot[..., 1] * q2[..., 1]
+    ko = rot[..., 0] * k2[..., 0] + rot[..., 1] * k2[..., 1]
+    return qo.reshape(*q.shape).type_as(q), ko.reshape(*k.shape).type_as(k)
+'''
+_FLUX_RUN = '''
+q = torch.randn(2, 3, 6, 8, requires_grad=True)
+k = torch.randn(2, 3, 6, 8, requires_grad=True)
+rot = pair_rotations(torch.arange(6), 8)[None, None]
+out = rotate(q, k, rot)
+leaves = [q, k]
+'''
+
+_PAIRS = '''
+import torch
+
+
+def make_cache(n, dim, base=10000.0):
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = torch.outer(torch.arange(n, dtype=torch.float64), freqs)
+    return torch.stack([ang.cos(), ang.sin()], dim=-1){tail}
+
+
+def apply(x, cache):
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cache = cache.view(1, xs.size(1), 1, xs.size(3), 2)
+    out = torch.stack([xs[..., 0] * cache[..., 0] - xs[..., 1] * cache[..., 1],
+                       xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+'''
+_PAIRS_RUN = '''
+x = torch.randn(2, 6, 3, 8, requires_grad=True)
+out = apply(x, make_cache(6, 8))
+leaves = [x]
+'''
+
+
+@pytest.mark.parametrize("code, run, calls", [
+    (_FLUX.replace("{qcast}", ".float()"), _FLUX_RUN, 2),
+    (_FLUX.replace("{qcast}", ""), _FLUX_RUN, 2),
+    (_PAIRS, _PAIRS_RUN, 1),
+], ids=["flux_matrix_fp32_pairs", "flux_matrix_plain_pairs", "pair_cache"])
+def test_a_float64_table_keeps_the_original_code_and_an_fp32_one_fuses(code: str, run: str, calls: int) -> None:
+    # before: the float64 matrix / cache made the eager dtype float64 and the fused branch called npu_rotary_mul on
+    # float64 tensors (the op takes fp16 / bf16 / fp32: the emulator raises, as the op does)
+    fp64 = code.replace("{tail}", "")
+    findings, _ = detect_all(ROPE, fp64)
+    assert len(findings) == 1, findings
+    facts = check_rewrite_runs(ROPE, fp64, run, findings)
+    assert not facts["all_calls"].get("npu_rotary_mul"), facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999
+    # the twin: the same tables cast to fp32 (flux's ``out.float()``) run the fused op and match
+    fp32 = code.replace("{tail}", ".float()")
+    findings, _ = detect_all(ROPE, fp32)
+    facts = check_rewrite_runs(ROPE, fp32, run, findings)
+    assert facts["all_calls"].get("npu_rotary_mul") == calls, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999
+
+
+def test_float64_pairs_of_a_float32_matrix_keep_the_original_code() -> None:
+    code = _FLUX.replace("{qcast}", ".double()").replace("{tail}", ".float()")
+    findings, _ = detect_all(ROPE, code)
+    assert len(findings) == 1
+    assert "torch.promote_types(torch.float64, rot.dtype) in (torch.float16, torch.bfloat16, torch.float32)" in findings[0].fused
+    facts = check_rewrite_runs(ROPE, code, _FLUX_RUN, findings)
+    assert not facts["all_calls"].get("npu_rotary_mul") and min(facts["cos_out"]) > 0.9999
