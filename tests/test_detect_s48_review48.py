@@ -184,3 +184,31 @@ def test_float64_pairs_of_a_float32_matrix_keep_the_original_code() -> None:
     assert "torch.promote_types(torch.float64, rot.dtype) in (torch.float16, torch.bfloat16, torch.float32)" in findings[0].fused
     facts = check_rewrite_runs(ROPE, code, _FLUX_RUN, findings)
     assert not facts["all_calls"].get("npu_rotary_mul") and min(facts["cos_out"]) > 0.9999
+
+
+# --- 3b. a layer swapped by setattr / a tuple store: no rank stated ----------------------------------------------------
+
+from npufuse.patterns.attention import AttentionPattern  # noqa: E402
+from test_detect_s46_attention import _TEMPORAL  # noqa: E402
+
+_SWAP = {
+    "setattr": "    def set_proj(self, proj):\n        setattr(self, 'to_qkv', proj)\n\n    def forward(",
+    "tuple_store": "    def set_proj(self, proj):\n        self.to_qkv, self.swapped = proj, True\n\n    def forward(",
+    "setattr_computed_name": "    def set_layer(self, name, proj):\n        setattr(self, name, proj)\n\n    def forward(",
+    "for_target": "    def cycle(self, projs):\n        for self.to_qkv in projs:\n            pass\n\n    def forward(",
+}
+_BIASED = _TEMPORAL.format(param=", pos_bias=None", bias="\n        if pos_bias is not None:\n            sim = sim + pos_bias")
+
+
+@pytest.mark.parametrize("swap", list(_SWAP.values()), ids=list(_SWAP))
+def test_a_layer_swapped_by_setattr_or_a_tuple_store_states_no_rank(swap: str) -> None:
+    # before: the constructor's nn.Linear was read as what `self.to_qkv(x)` runs, so q was "5-D" (a near miss saying
+    # so, of a layer another method may replace); now as for a plain swap (s46): the rank is checked at run time
+    findings, misses = detect_all(AttentionPattern(), _BIASED.replace("    def forward(", swap))
+    assert len(findings) == 1 and "q.dim() == 4" in findings[0].fused, [m.reason for m in misses]
+
+
+def test_a_tuple_store_of_other_attributes_keeps_the_stated_rank() -> None:
+    # the twin: a tuple store that does not touch `self.to_qkv` leaves its rank stated (5-D: the true near miss)
+    findings, misses = detect_all(AttentionPattern(), _BIASED.replace("    def forward(", _SWAP["tuple_store"].replace("self.to_qkv,", "self.other,")))
+    assert not findings and any("is 5-D" in m.reason for m in misses), [m.reason for m in misses]
