@@ -212,3 +212,27 @@ def test_a_tuple_store_of_other_attributes_keeps_the_stated_rank() -> None:
     # the twin: a tuple store that does not touch `self.to_qkv` leaves its rank stated (5-D: the true near miss)
     findings, misses = detect_all(AttentionPattern(), _BIASED.replace("    def forward(", _SWAP["tuple_store"].replace("self.to_qkv,", "self.other,")))
     assert not findings and any("is 5-D" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# --- 3c. a shape name "bound once" counts for / with targets too (_rope_s46h) ------------------------------------------
+
+from test_detect_s46_ho23 import _COMPLEX_SHAPE, _COMPLEX_SHAPE_RUN  # noqa: E402
+
+_BOUND = "        pair_shape = x.shape[:-1] + (-1, 2)\n"
+
+
+def test_a_shape_name_rebound_by_a_loop_target_is_not_read_as_the_pair_view() -> None:
+    # before: `pair_shape` counted as bound once (assignments only), so the view was read as (-1, 2) pairs although the
+    # loop leaves it (2, -1): the fused branch returned a value where the original raises (no pairs in the last dim)
+    code = _COMPLEX_SHAPE.replace(_BOUND, _BOUND + "        for pair_shape in [x.shape[:-1] + (2, -1)]:\n            pass\n")
+    findings, misses = detect_all(ROPE, code)
+    assert not findings
+    assert any("pairs are not formed by reshape(..., -1, 2)" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_a_loop_over_another_name_keeps_the_pair_view() -> None:
+    code = _COMPLEX_SHAPE.replace(_BOUND, _BOUND + "        for other in [x.shape[:-1] + (2, -1)]:\n            pass\n")
+    findings, _ = detect_all(ROPE, code)
+    assert len(findings) == 1
+    facts = check_rewrite_runs(ROPE, code, _COMPLEX_SHAPE_RUN, findings)
+    assert facts["all_calls"].get("npu_rotary_mul") == 1 and min(facts["cos_out"]) > 0.9999

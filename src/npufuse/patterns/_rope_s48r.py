@@ -229,3 +229,18 @@ def eager_dtype_check(dtype_var: str) -> str:
     """The run-time test that the eager dtype computed before the branch (``dtype_var``) is one npu_rotary_mul takes
     (the lane-pair forms: a float64 (cos, sin) cache promotes the product to float64; the original code runs)."""
     return f"{dtype_var} in {_FUSED_DTYPES}"
+
+
+# -- item 3c: "bound once" counts every binding of the name, not only assignments ---------------------------------------
+
+def stored_once(scope: Scope, name: str) -> bool:
+    """``name`` is stored exactly once in the scope by any form (``scope.assignments`` holds ``=`` / annotated /
+    augmented assignments only: a ``for`` / ``with`` target, a walrus or a ``del`` between also bind it; a nested
+    function's own local of that name counts too, which only refuses more)."""
+    n = 0
+    for node in scope.nodes().get(ast.Name, ()):
+        if node.id == name and type(node.ctx) is not ast.Load:  # type: ignore[attr-defined]
+            n += 1
+            if n > 1:
+                return False
+    return n == 1
