@@ -236,3 +236,51 @@ def test_a_loop_over_another_name_keeps_the_pair_view() -> None:
     assert len(findings) == 1
     facts = check_rewrite_runs(ROPE, code, _COMPLEX_SHAPE_RUN, findings)
     assert facts["all_calls"].get("npu_rotary_mul") == 1 and min(facts["cos_out"]) > 0.9999
+
+
+# --- 3d. a def replaced later in the same class body is no site ------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from npufuse.scan.engine import scan_repo  # noqa: E402
+
+_STALE = '''import functools
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+{between}
+    {deco}def forward(self, x):
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(self.eps) * self.weight
+'''
+
+
+def _rms_sites(tmp_path: Path, between: str, deco: str = "") -> tuple[list[int], list[str]]:
+    (tmp_path / "norm.py").write_text(_STALE.format(between=between, deco=deco))
+    res = scan_repo(tmp_path, jobs=1, only=["rms_norm"])
+    return [c["line"] for c in res.candidates], [n["reason"] for n in res.near_misses]
+
+
+def test_a_forward_replaced_later_in_its_class_is_no_candidate(tmp_path: Path) -> None:
+    # before: the first forward (an RMS norm) was a candidate of its own; Python binds the second def, so the fused
+    # branch written into the first could never run
+    lines, reasons = _rms_sites(tmp_path, "")
+    assert lines == [], lines
+    assert any("`Norm.forward` is defined again later in the same body (line 15)" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("between, deco", [
+    ("\n    rms_forward = forward\n", ""),  # the first def kept under another name: it can run
+    ("", "@functools.wraps(forward)\n    "),  # read by the later def's decorator (a property's setter reads so too)
+], ids=["aliased_between", "read_by_a_later_decorator"])
+def test_a_first_def_read_between_the_two_stays_a_site(tmp_path: Path, between: str, deco: str) -> None:
+    lines, _ = _rms_sites(tmp_path, between, deco)
+    assert lines == [13], lines
