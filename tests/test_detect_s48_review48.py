@@ -284,3 +284,47 @@ def test_a_forward_replaced_later_in_its_class_is_no_candidate(tmp_path: Path) -
 def test_a_first_def_read_between_the_two_stays_a_site(tmp_path: Path, between: str, deco: str) -> None:
     lines, _ = _rms_sites(tmp_path, between, deco)
     assert lines == [13], lines
+
+
+# --- 3e. a class name defined twice in a file is resolved by no name -------------------------------------------------
+
+from npufuse.patterns.rms_norm import RmsNorm  # noqa: E402
+
+_NORM_CLASS = '''
+    class Norm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.eps = {eps}
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps) * self.weight
+'''
+_HEAD = "import torch\nfrom torch import nn\nPRECISE = False\n"
+_NORM_RUN = "m = Norm(8)\nx = torch.randn(2, 5, 8, requires_grad=True) * 0.3\nout = m(x)\nleaves = [x]\n"
+
+
+def _two(first: str, second: str) -> str:
+    return _HEAD + first + _NORM_CLASS.format(eps="1e-8") + second + _NORM_CLASS.format(eps="0.5")
+
+
+@pytest.mark.parametrize("code", [
+    _two("\nif PRECISE:", "else:"),  # alternative definitions under a flag
+    _two("\ntry:", "except ImportError:"),  # a fallback definition
+    _HEAD + _NORM_CLASS.format(eps="1e-8").replace("\n    ", "\n")
+    + "\n\ndef make_loose():" + _NORM_CLASS.format(eps="0.5") + "    return Norm\n",  # a class of that name in a function
+], ids=["if_else", "try_except", "nested_in_a_function"])
+def test_a_class_name_defined_twice_is_not_read_through_the_other_definition(code: str) -> None:
+    # before: the eps = 0.5 class's forward read the first class's __init__ (eps 1e-8, tiny), so x / (rms + eps) was
+    # fused as x * rsqrt(mean + eps^2): a wrong result (cos 0.9995 at rms 0.3); now no class is read by that name
+    findings, misses = detect_all(RmsNorm(), code)
+    assert not findings, [f.line for f in findings]
+    assert any("eps outside the sqrt" in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_one_definition_of_a_tiny_eps_class_still_fuses() -> None:
+    code = _HEAD + _NORM_CLASS.format(eps="1e-8").replace("\n    ", "\n")
+    findings, _ = detect_all(RmsNorm(), code)
+    assert len(findings) == 1
+    facts = check_rewrite_runs(RmsNorm(), code, _NORM_RUN, findings)
+    assert facts["all_calls"].get("npu_rms_norm") == 1 and min(facts["cos_out"]) > 0.9999
