@@ -328,3 +328,54 @@ def test_one_definition_of_a_tiny_eps_class_still_fuses() -> None:
     assert len(findings) == 1
     facts = check_rewrite_runs(RmsNorm(), code, _NORM_RUN, findings)
     assert facts["all_calls"].get("npu_rms_norm") == 1 and min(facts["cos_out"]) > 0.9999
+
+
+# --- 4. cost: the names a method stores, read from its scope's node index ---------------------------------------------
+
+import ast as _ast  # noqa: E402
+
+from npufuse.scan._method_walk_s48r import stored_names  # noqa: E402
+from npufuse.scan.bound_callee import _changes_in  # noqa: E402
+from npufuse.scan.dataflow import ModuleInfo  # noqa: E402
+
+_STORES = '''
+class M:
+    def a(self, other, v):
+        self.p = v
+        other.q = v
+        del self.r
+        self.s += 1
+        self.t[0][1] = v
+        del self.u[2]
+        self.w.pop()
+        self.x.clear()
+        setattr(self, "y", v)
+        delattr(self, "z")
+        for self.loop in v:
+            pass
+        with v as self.ctx:
+            pass
+        self.n.m = v
+        self.call()[0] = v
+        setattr(self, name, v)
+
+        def inner():
+            self.nested = 1
+        return lambda: setattr(self, "lam", 2)
+
+    @staticmethod
+    def b(x=None):
+        x.k = 1
+'''
+
+
+def test_stored_names_read_from_the_scope_index_are_those_of_a_walk() -> None:
+    module = ModuleInfo.from_source("m.py", _STORES)
+    cls = module.classes["M"]
+    for item in cls.body:
+        walked = frozenset(attr for attr, _how, _line in _changes_in(item, how=False))
+        assert stored_names(module, item) == walked, item.name
+    assert {"p", "q", "r", "s", "t", "u", "w", "x", "y", "z", "loop", "ctx", "m", "nested", "lam"} <= stored_names(module, cls.body[0])
+    # a function that is no scope of the file (a copy) is walked on its own
+    copy = _ast.parse(_STORES).body[0].body[0]
+    assert stored_names(module, copy) == frozenset(attr for attr, _how, _line in _changes_in(copy, how=False))
