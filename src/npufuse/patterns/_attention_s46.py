@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 from typing import Any, Callable, Iterator, Optional
 
+from npufuse.patterns import _attention_s48r
 from npufuse.scan.dataflow import const_value, dotted
 
 # the file being read while operand ranks are worked out (``self.<layer>(x)`` needs the class's constructors)
@@ -73,24 +74,16 @@ def rearrange_rank(pattern: Any, input_rank: Optional[int]) -> Optional[int]:
 def _layer_keeps_rank(module: Any, class_name: Optional[str], attr: str) -> bool:
     """``self.<attr>`` is built in the class as a layer that keeps its input's rank (``nn.Linear(...)``), and every
     store to it in the class is such a layer (a method that swaps in another module would change what is called)."""
-    from npufuse.scan.dataflow import fast_walk
-
     cls = module.classes.get(class_name or "")
     if cls is None:
         return False
     table = module.__dict__.setdefault("_npufuse_s46_layer_stores", {})
     stores = table.get(id(cls))
     if stores is None or stores[0] is not cls:
-        found: dict[str, list[Any]] = {}
-        for node in fast_walk(cls):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-            for t in targets:
-                name = dotted(t)
-                if name and name.startswith("self."):
-                    found.setdefault(name[5:], []).append(node.value)
+        found = _attention_s48r.layer_stores(cls)  # s48: tuple targets, setattr, for / with targets too
         stores = table[id(cls)] = (cls, found)
     values = stores[1].get(attr)
-    if not values:
+    if not values or _attention_s48r.ANY in stores[1]:
         return False
     for value in values:
         name = module.canonical(value.func) if isinstance(value, ast.Call) else None

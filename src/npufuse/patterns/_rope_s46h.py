@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from npufuse.patterns import _rope_s48r
 from npufuse.scan.dataflow import Scope
 
 _VIEWS = ("reshape", "view")
@@ -33,8 +34,8 @@ def _shape_parts(scope: Scope, node: ast.expr, line: int, depth: int = 0) -> Opt
             + (right if right is not None else [ast.Starred(value=node.right, ctx=ast.Load())])
     if isinstance(node, ast.Name):
         defs = scope.assignments.get(node.id, [])
-        if len(defs) != 1 or defs[0][0].lineno >= line or node.id in scope.args:
-            return None  # bound once, before the view (no other path can give it another value)
+        if len(defs) != 1 or defs[0][0].lineno >= line or node.id in scope.args or not _rope_s48r.stored_once(scope, node.id):
+            return None  # bound once, before the view (no other path can give it another value; s48: for / with too)
         return _shape_parts(scope, defs[0][1], defs[0][0].lineno, depth + 1)
     return None
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
-from npufuse.scan import bound_callee
+from npufuse.scan import _method_walk_s48r, bound_callee
 from npufuse.scan.dataflow import dotted
 
 # decorators that call the function with the same arguments and return its result (compilation / scripting markers)
@@ -64,7 +64,7 @@ def _instance_stores(module: Any, cls: ast.ClassDef) -> frozenset[str]:
         names: set[str] = set()
         for item in cls.body:
             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names.update(attr for attr, _how, _line in bound_callee._changes_in(item, how=False))
+                names.update(_method_walk_s48r.stored_names(module, item))  # s48: from the scope's shared node index
         got = table[id(cls)] = frozenset(names)
     return got
 

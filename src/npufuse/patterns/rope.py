@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 
 from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h, _rope_s47h, _rope_s47sweep
+from npufuse.patterns import _rope_s48r
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
@@ -501,6 +502,8 @@ class _Halves:
                         return self._prefix_second(base, lower, upper)
                     h = upper if lower is None else lower if upper is None else None
                     if self.allow_split and h is not None and _split_point(self.scope, h):
+                        if _rope_s48r.dead_own_split(self.scope, self.is_x, h):
+                            return None  # (s48) from x's own shape, not its last dim's half: a check never true
                         check = f"{_atom(ast.unparse(base))}.shape[-1] == 2 * ({ast.unparse(h)})"
                         if check not in self.split_checks:
                             self.split_checks.append(check)
@@ -821,15 +824,8 @@ def _split_checked_inline(scope: Scope, node: ast.expr, x: ast.expr, module: Mod
     rot = _rotation_of_halves(scope, node, lambda n: same_expr(n, x), halves)
     if not halves.split_checks or halves.prefix is not None:
         return None  # (halves of a prefix are no rotate_half of x: the widths differ from x's)
-    for check in halves.split_checks:
-        # a split point read from x's own shape, other than the last dim's half that _Halves proves, is another
-        # dim of x (picotron's unpacked ``seq_length // 2``): a cut that is no rotation, not a run-time question
-        split = ast.parse(check, mode="eval").body.comparators[0].right  # type: ignore[attr-defined]
-        reads = [split] + [v for n in fast_walk(split) if isinstance(n, ast.Name) for _st, v in scope.assignments.get(n.id, [])]
-        for node_ in (n for r in reads for n in fast_walk(r)):
-            if (isinstance(node_, ast.Attribute) and node_.attr == "shape" and same_expr(node_.value, x)) \
-                    or (_method(node_, "size") and same_expr(node_.func.value, x)):
-                return None
+    # (a split point read from x's own shape other than its last dim's half -- picotron's unpacked ``seq_length
+    # // 2``, ``x.shape[-1] // 3`` -- was refused by _Halves._part itself: s48, _rope_s48r.dead_own_split)
     if rot.kind is None and rot.reason:
         return rot  # the halves of x at that split, combined the wrong way: say so
     if rot.kind != "half":
@@ -2863,6 +2859,13 @@ class RopePattern(Pattern):
         m.only_if = " and ".join(checks) + f" and len({lead}) == 6 and {lead}[0] == 1 and ({lead}[1] == 1 or {lead}[2] == 1)" \
             + f" and {_interleave_rows_ok(rows, f'max({lead}[:3])')}"
         m.only_note = f"the matrix is taken to be the rotation built by `{producer}`"
+        if not traced_einsum:  # s48: a float64 product (a float64 matrix or pairs) keeps the original code
+            fp = _rope_s48r.matrix_dtype_check(x, pairs_dtype, None if isinstance(base, ast.Name) else xv, f_src, _pairs_cast_dtype)
+            if fp is None:
+                return (f"per-pair 2x2 matrix form: the pairs are cast by `{x_src[len(segment(module, base)):][:40]}`, whose dtype is "
+                        "not read here, so a float64 product (which npu_rotary_mul does not take) cannot be told before the call")
+            m.only_if += f" and {fp}"
+            m.only_note += "; a float64 product (which npu_rotary_mul does not take) keeps the original code"
         if traced_einsum:
             # s47: einsum does not promote: x and the matrix share a dtype, which npu_rotary_mul must take (no fp64)
             m.only_if += f" and {rows}.dtype in (torch.float16, torch.bfloat16, torch.float32)"
@@ -2916,6 +2919,7 @@ class RopePattern(Pattern):
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
                      f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape"
                      f" and {_interleave_rows_ok(xv, f'max({cos}.shape[:-1])')}")
+        m.only_if += f" and {_rope_s48r.eager_dtype_check(dt)}"  # s48: a float64 cache keeps the original code
         return m
 
     @staticmethod
@@ -2964,6 +2968,7 @@ class RopePattern(Pattern):
         m.only_if = (f"{xv}.dim() == 4 and {cos}.dim() == 4 and {cos}.shape[0] == 1 and "
                      f"({cos}.shape[1] == 1 or {cos}.shape[2] == 1) and {cos}.shape == {sin}.shape"
                      f" and {_interleave_rows_ok(xv, f'max({cos}.shape[:-1])')}")
+        m.only_if += f" and {_rope_s48r.eager_dtype_check(dt)}"  # s48: a float64 cache keeps the original code
         return m
 
     def _match_real(self, module: ModuleInfo, scope: Scope, node: ast.BinOp) -> _Match | str | None:

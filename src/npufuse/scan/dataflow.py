@@ -16,6 +16,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
+from npufuse.scan import _classes_s48r
+
 # Canonical names for the aliases real code uses.
 _CANONICAL_MODULES = {
     "torch": "torch",
@@ -1053,6 +1055,8 @@ class ModuleInfo:
         self.assigned_aliases = candidates
         self.scopes = [_make_scope("<module>", self.tree, None, self.tree.body)]
         self._collect_scopes(self.tree.body, prefix="", class_name=None, top=True)
+        if len(self.all_classes) > len(self.classes):  # s48: a class name defined twice means no one class
+            _classes_s48r.drop_ambiguous(self)
 
     def _note_api_alias(self, node: ast.Assign, assigned: dict[str, str | None]) -> None:
         """``Name = torch.api`` at module level (``LayerNormImpl = nn.RMSNorm``): the name stands for

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from npufuse import __version__
+from npufuse.patterns import _site_s48r
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
 from npufuse.scan import config_shapes, forward_ad, replacement, repo_facts, repo_search, repo_symbols, risks
@@ -623,6 +624,10 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
                     beside = _inside(facts.fused_spans, r.line, r.end_line)
                     if beside is not None:
                         out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, f"{ALREADY_FUSED_BESIDE} (the `if` at {beside}); this is its fallback")))
+                        continue
+                    stale = _site_s48r.replaced_later(module, scope)
+                    if stale is not None:  # s48: a def replaced later in its body never runs: no site
+                        out.near_misses.append(_near(rel, NearMiss(r.pattern, r.qualname, r.line, r.end_line, _site_s48r.reason(scope.qualname, stale))))
                         continue
                     try:
                         local = risks.local_risks(module, scope, r, pattern)
