@@ -12,7 +12,8 @@ script is byte for byte what the user wrote.
 The accepted candidates are the ones the traced run reached. transformers' default path bypasses
 eager attention (sdpa) and the eager experts loop (grouped_mm): those are marked not reached and
 the scan says which setting reaches them; ``moe-eager`` (attn_implementation="eager",
-experts_implementation="eager") reaches and checks them too.
+experts_implementation="eager") reaches and checks them too. The default MoE kind stops before e2e (its
+accepted sites are a subset of moe-eager's in the same file; the e2e machinery is run by the other two kinds).
 """
 
 from __future__ import annotations
@@ -217,7 +218,12 @@ def _flow(kind: str, repo: Path, written: bytes, sd: Path, st: list[str], cmd: s
         assert entry["evidence"]["op"]["passed"] is True
 
     # verify e2e --all: 60 steps of the user's script (with the line): the switch off, every accepted
-    # candidate alone, then all of them together (N+2 runs); each candidate gets its own verdict
+    # candidate alone, then all of them together (N+2 runs); each candidate gets its own verdict. The default
+    # Qwen2-MoE ("moe") accepts a subset of what "moe-eager" accepts in the same model file, and e2e is the same
+    # machinery on it: its N+2 runs (~35 s on 2 cores) would check nothing the other two kinds do not.
+    if kind == "moe":
+        _report_and_revert(repo, written, sd, st, accept, capsys, unchanged)
+        return
     rc, out = run(["verify", "e2e", "--all", *st, "--root", str(repo), "--cmd", f"{cmd} 60", "--steps", "60", *one_thread], capsys)
     assert rc == 0, _failure_text(out)
     assert "skipped (forced)" not in out
@@ -229,7 +235,12 @@ def _flow(kind: str, repo: Path, written: bytes, sd: Path, st: list[str], cmd: s
         assert e2e["proof"]["fused_site_calls"] > 0 and e2e["proof"]["baseline_site_calls"] == 0, (c["pattern"], e2e["proof"])
     unchanged("verify e2e")
 
-    # report html: written, naming every accepted candidate
+    _report_and_revert(repo, written, sd, st, accept, capsys, unchanged)
+
+
+def _report_and_revert(repo: Path, written: bytes, sd: Path, st: list[str], accept: list[dict[str, Any]],
+                       capsys: pytest.CaptureFixture[str], unchanged: Any) -> None:
+    """report html names every accepted candidate; revert gives the user's script back byte for byte."""
     html = repo / "report.html"
     rc, out = run(["report", "html", *st, "-o", str(html)], capsys)
     assert rc == 0, out
