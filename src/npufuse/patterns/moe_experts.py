@@ -49,6 +49,7 @@ from npufuse.patterns import _moe_s46h
 from npufuse.patterns import _moe_s47h
 from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s48f
+from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -5542,12 +5543,14 @@ def _counting_call(node: Optional[ast.expr]) -> bool:
     return isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] in ("bincount", "histc", "count_nonzero")
 
 
-def _bincount_source(scope: Scope, name: str, line: int) -> Optional[str]:
+def _bincount_source(scope: Scope, name: str, line: int, hop: bool = True) -> Optional[str]:
     """The indices ``X`` when ``name`` is ``torch.bincount(X.flatten(), ...)`` (or ``X.view(-1)`` /
     ``X.reshape(-1)`` / ``X.flatten().bincount(...)``), possibly moved to the host (``.tolist()``)."""
     node = scope.definition(name, line)
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("tolist", "cpu", "numpy") and not node.args:
         node = node.func.value
+    if hop and isinstance(node, ast.Name) and (copy := _moe_s48m.counts_copy_source(scope, node, line)) is not None:
+        return _bincount_source(scope, *copy, hop=False) if hop else None  # s48: `counts = expert_counts.tolist()`
     if not isinstance(node, ast.Call):
         return None
     f = node.func
