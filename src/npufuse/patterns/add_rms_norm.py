@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
-from npufuse.patterns import _rms_norm_s48f
+from npufuse.patterns import _rms_norm_s48f, _rms_norm_s48h
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -2556,6 +2556,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         except R.NoMatch:
             return f"norm {m.cls} cannot be fused"
         folded_scale = p.params.get("weight_scale")  # s48: a number folded into a float32 gamma
+        p = _rms_norm_s48h.on_first_operand(p, s_name, site.x1, _simple(site.x1), T)  # s48: a conditional upcast's dtype test
+        if isinstance(p, str):
+            return f"norm {m.cls} cannot be fused: {p}"
         if p.condition is not None:
             # a weight applied only when, or a mean dim read at run time: the fused code runs
             # when the condition holds, the original statements otherwise

@@ -1,0 +1,175 @@
+"""s48 (ho25fix): the judged HO25a / HO25b misses (not blind any more), with invented second spellings and
+near-miss twins.
+
+1. rms_norm / add_rms_norm: an own RMSNorm whose compute dtype is an if-else on the input's dtype
+   (``compute_dtype = torch.float32 if x.dtype in (fp16, bf16) else x.dtype``): float32 for every dtype
+   npu_rms_norm takes, so it is the op's own upcast; fused under ``x.dtype in (fp16, bf16, fp32)`` (float64 keeps
+   the original, whose emulated op would raise).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.rms_norm import RmsNorm
+
+
+def _fused_and_runs(pattern: object, code: str, run: str, qualname: str, tol: float = 0.9999) -> dict:
+    """One candidate in ``qualname``, whose rewrite runs under the emulator with the original's values."""
+    findings, misses = detect_all(pattern, code)  # type: ignore[arg-type]
+    assert [f.qualname for f in findings] == [qualname], [m.reason for m in misses]
+    facts = check_rewrite_runs(pattern, code, run, findings)  # type: ignore[arg-type]
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > tol and min(facts["cos_grad"]) > tol, facts
+    assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"]), facts
+    return facts
+
+
+def _near_miss(pattern: object, code: str, *phrases: str) -> None:
+    findings, misses = detect_all(pattern, code)  # type: ignore[arg-type]
+    assert not findings, [f.qualname for f in findings]
+    assert any(any(p in m.reason for p in phrases) for m in misses), [m.reason for m in misses]
+
+
+# -- 1. a conditional upcast dtype -----------------------------------------------------------------------------------
+
+_COND = '''\
+import torch
+import torch.nn as nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    in_dtype = x.dtype
+    compute_dtype = torch.float32 if in_dtype in (torch.float16, torch.bfloat16) else in_dtype
+    x = x.to(compute_dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x.to(in_dtype) * weight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn_norm = RMSNorm(d)
+        self.ffn_norm = RMSNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.ffn = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        h = h + self.ffn(self.ffn_norm(h))
+        return h
+'''
+
+_COND_RUN = '''
+torch.manual_seed(0)
+n = RMSNorm(16)
+with torch.no_grad():
+    n.weight.add_(torch.randn(16) * 0.1)
+x = torch.randn(3, 5, 16, requires_grad=True)
+xd = torch.randn(3, 16, dtype=torch.float64)
+out = [n(x), n(x.to(torch.bfloat16)).float(), n(x.half()).float(), rms_norm(xd, n.weight.double(), 1e-5)]
+leaves = [x, n.weight]
+'''
+
+_COND_BLOCK_RUN = '''
+torch.manual_seed(0)
+b = Block(16)
+with torch.no_grad():
+    b.ffn_norm.weight.add_(torch.randn(16) * 0.1)
+x = torch.randn(3, 5, 16, requires_grad=True)
+out = [b(x)]
+with torch.no_grad():
+    out.append(b(x.detach()))
+bd = Block(16).double()
+out.append(bd(torch.randn(2, 16, dtype=torch.float64)))
+leaves = [x, b.ffn_norm.weight]
+'''
+
+# the second spelling: a method, the test on the tensor's own dtype written with `==` / `or`, the dtype name unused
+# elsewhere, `.type()` as the cast and `type_as` back
+_COND2 = '''\
+import torch
+from torch import nn
+
+
+class SafeRMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, hidden):
+        acc = torch.float if (hidden.dtype == torch.half or hidden.dtype == torch.bfloat16) else hidden.dtype
+        h = hidden.type(acc)
+        var = h.square().mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + self.eps)
+        return self.g * h.type_as(hidden)
+'''
+
+_COND2_RUN = '''
+torch.manual_seed(2)
+n = SafeRMSNorm(24)
+with torch.no_grad():
+    n.g.add_(torch.randn(24) * 0.1)
+x = torch.randn(4, 24, requires_grad=True)
+out = [n(x), n(x.to(torch.bfloat16)).float(), n.double()(x.detach().double())]
+leaves = [x]
+'''
+
+
+def test_conditional_upcast_helper_fuses() -> None:
+    facts = _fused_and_runs(RmsNorm(), _COND, _COND_RUN, "rms_norm", tol=0.999)
+    assert "x.dtype in (torch.float16, torch.bfloat16, torch.float32)" in facts["rewritten"]
+
+
+def test_conditional_upcast_second_spelling_fuses() -> None:
+    facts = _fused_and_runs(RmsNorm(), _COND2, _COND2_RUN, "SafeRMSNorm.forward", tol=0.999)
+    assert "hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)" in facts["rewritten"]
+    # read statically (the start code found this class only by its numeric probe, at medium confidence)
+    (f,), _ = detect_all(RmsNorm(), _COND2)
+    assert f.variant == "cast_then_weight" and "found_by" not in f.params, (f.variant, f.params)
+
+
+def test_add_then_conditional_upcast_norm_fuses() -> None:
+    findings, misses = detect_all(AddRmsNorm(), _COND)
+    assert [f.qualname for f in findings] == ["Block.forward"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AddRmsNorm(), _COND, _COND_BLOCK_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.999, facts
+    assert all(a == b for a, b in facts["dtypes"]), facts
+    # tested on the first operand before the add (the sum `h` is not computed yet)
+    assert "if x.dtype in (torch.float16, torch.bfloat16, torch.float32)" in facts["rewritten"]
+
+
+@pytest.mark.parametrize("change", [
+    # bf16 stays bf16: computed in bf16 where npu_rms_norm computes in float32
+    ("torch.float32 if in_dtype in (torch.float16, torch.bfloat16) else in_dtype",
+     "torch.float32 if in_dtype == torch.float16 else in_dtype"),
+    # float32 computes in float16
+    ("torch.float32 if in_dtype in (torch.float16, torch.bfloat16) else in_dtype",
+     "torch.float32 if in_dtype in (torch.float16, torch.bfloat16) else torch.float16"),
+])
+def test_conditional_dtype_not_float32_is_a_true_near_miss(change: tuple[str, str]) -> None:
+    code = _COND.replace(*change)
+    assert code != _COND
+    _near_miss(RmsNorm(), code, "which is not float32 for every input npu_rms_norm takes")
+
+
+def test_conditional_on_another_tensor_is_not_read() -> None:
+    """The test reads another tensor's dtype: not the cast operand's, so no upcast is proven."""
+    code = _COND2.replace("(hidden.dtype == torch.half or hidden.dtype == torch.bfloat16)",
+                          "(self.g.dtype == torch.half or self.g.dtype == torch.bfloat16)")
+    assert code != _COND2
+    findings, _ = detect_all(RmsNorm(), code)
+    assert not findings
