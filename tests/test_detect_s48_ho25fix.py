@@ -173,3 +173,155 @@ def test_conditional_on_another_tensor_is_not_read() -> None:
     assert code != _COND2
     findings, _ = detect_all(RmsNorm(), code)
     assert not findings
+
+
+# -- 2. moe_experts: the routing weight as a masked sum over the slots of the selected rows ------------------------
+
+from npufuse.patterns.moe_experts import MoeExperts  # noqa: E402
+
+_MASKSUM = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Router(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.k = k
+        self.proj = nn.Linear(d, n, bias=False)
+
+    def forward(self, x):
+        probs = self.proj(x).softmax(dim=-1)
+        w, idx = torch.topk(probs, self.k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        return probs, idx, w
+
+
+class DeepSeekMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.num_experts = n
+        self.num_experts_per_tok = k
+        self.gate = Router(d, n, k)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, hidden_states):
+        B, L, D = hidden_states.shape
+        router_probs, selected_experts, expert_weights = self.gate(hidden_states)
+        hidden_flat = hidden_states.view(-1, D)
+        selected_flat = selected_experts.view(-1, self.num_experts_per_tok)
+        weights_flat = expert_weights.view(-1, self.num_experts_per_tok)
+        routed_output = torch.zeros(B * L, D, device=hidden_states.device, dtype=hidden_states.dtype)
+        for expert_idx in range(self.num_experts):
+            expert_mask = (selected_flat == expert_idx)
+            token_indices = expert_mask.any(dim=-1).nonzero(as_tuple=True)[0]
+            if len(token_indices) == 0:
+                continue
+            expert_input = hidden_flat[token_indices]
+            token_weights = (expert_mask[token_indices].float() * weights_flat[token_indices]).sum(dim=-1, keepdim=True)
+            expert_output = self.experts[expert_idx](expert_input)
+            weighted_output = expert_output * token_weights
+            routed_output.index_add_(0, token_indices, weighted_output)
+        return routed_output.view(B, L, D)
+'''
+
+_MASKSUM_RUN = '''
+torch.manual_seed(3)
+m = DeepSeekMoE(16, 24, 6, 2)
+x = torch.randn(2, 7, 16, requires_grad=True)
+out = [m(x)]
+leaves = [x, m.gate.proj.weight, m.experts[2].w1.weight]
+'''
+
+# the second spelling: the mask named `hit`, rows by torch.where, the weights first and the mask cast to their
+# dtype, a sum without keepdim made a column by unsqueeze, the product written the other way round, added back in place
+_MASKSUM2 = '''\
+import torch
+from torch import nn
+
+
+class Mlp(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class TokenChoice(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.router = nn.Linear(d, n)
+        self.mlps = nn.ModuleList(Mlp(d, h) for _ in range(n))
+
+    def forward(self, tokens):
+        scores = self.router(tokens).softmax(-1)
+        weights, routes = scores.topk(self.k, dim=-1)
+        result = torch.zeros_like(tokens)
+        for i in range(self.n):
+            hit = routes == i
+            rows = torch.where(hit.any(-1))[0]
+            g = (weights[rows] * hit[rows].to(weights.dtype)).sum(-1)
+            result[rows] += g.unsqueeze(-1) * self.mlps[i](tokens[rows])
+        return result
+'''
+
+_MASKSUM2_RUN = '''
+torch.manual_seed(4)
+m = TokenChoice(12, 20, 5, 3)
+x = torch.randn(17, 12, requires_grad=True)
+out = [m(x)]
+leaves = [x, m.router.weight, m.mlps[1].up.weight]
+'''
+
+
+def test_masked_slot_sum_of_selected_rows_fuses() -> None:
+    _fused_and_runs(MoeExperts(), _MASKSUM, _MASKSUM_RUN, "DeepSeekMoE.forward", tol=0.99999)
+
+
+def test_masked_slot_sum_second_spelling_fuses() -> None:
+    _fused_and_runs(MoeExperts(), _MASKSUM2, _MASKSUM2_RUN, "TokenChoice.forward", tol=0.99999)
+
+
+@pytest.mark.parametrize("change", [
+    # the dense [T, E] probabilities under the [T, K] slot mask: not the slots' weights
+    ("weights_flat = expert_weights.view(-1, self.num_experts_per_tok)",
+     "weights_flat = router_probs.view(-1, self.num_experts)"),
+    # reshaped by another function than the indices (not read; the reason says what is not shown)
+    ("weights_flat = expert_weights.view(-1, self.num_experts_per_tok)",
+     "weights_flat = expert_weights.reshape(-1, self.num_experts_per_tok)"),
+])
+def test_masked_slot_sum_of_unaligned_weights_is_a_true_near_miss(change: tuple[str, str]) -> None:
+    code = _MASKSUM.replace(*change)
+    assert code != _MASKSUM
+    _near_miss(MoeExperts(), code, "has the shape of the expert indices `selected_flat`")
+
+
+def test_masked_slot_sum_with_rows_of_another_mask_is_not_fused() -> None:
+    """The weights picked at other rows than the mask's: not the selected rows' slots."""
+    code = _MASKSUM2.replace("(weights[rows] * hit[rows].to(weights.dtype))", "(weights[rows.flip(0)] * hit[rows].to(weights.dtype))")
+    assert code != _MASKSUM2
+    findings, _ = detect_all(MoeExperts(), code)
+    assert not findings
+
+
+def test_reshaped_pair_guard_keeps_the_original_for_another_last_dim() -> None:
+    """The fused branch runs only where the reshape keeps the slots as the last dim."""
+    (f,), _ = detect_all(MoeExperts(), _MASKSUM)
+    assert "selected_flat.shape[-1] == selected_experts.shape[-1]" in f.fused or \
+        "selected_flat.shape[-1] == selected_experts.shape[-1]" in str(f.guard_tensor)
