@@ -325,3 +325,182 @@ def test_reshaped_pair_guard_keeps_the_original_for_another_last_dim() -> None:
     (f,), _ = detect_all(MoeExperts(), _MASKSUM)
     assert "selected_flat.shape[-1] == selected_experts.shape[-1]" in f.fused or \
         "selected_flat.shape[-1] == selected_experts.shape[-1]" in str(f.guard_tensor)
+
+
+# -- 4. add_rms_norm: a forward installed on a transformers Gemma-family layer ((1 + weight) norms) -------------------
+
+import sys  # noqa: E402
+import types  # noqa: E402
+
+_GEMMA_STUB = '''
+import torch
+from torch import nn
+
+
+class GemmaRMSNorm(nn.Module):  # transformers' code (4.38 - 4.5x); Gemma2RMSNorm / Gemma3RMSNorm are the same
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class Gemma2RMSNorm(GemmaRMSNorm):
+    pass
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, d, norm=GemmaRMSNorm):
+        super().__init__()
+        self.input_layernorm = norm(d)
+        self.post_attention_layernorm = norm(d)
+        self.pre_feedforward_layernorm = norm(d)
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+'''
+
+
+def _stub_gemma() -> dict:
+    names = ["transformers", "transformers.models", "transformers.models.gemma", "transformers.models.gemma.modeling_gemma",
+             "transformers.models.gemma2", "transformers.models.gemma2.modeling_gemma2"]
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    ns: dict = {"__name__": "transformers.models.gemma.modeling_gemma"}
+    exec(_GEMMA_STUB, ns)
+    g, g2 = sys.modules[names[3]], sys.modules[names[5]]
+    for k in ("GemmaRMSNorm", "GemmaDecoderLayer"):
+        setattr(g, k, ns[k])
+    ns["Gemma2RMSNorm"].__module__ = names[5]
+    g2.Gemma2RMSNorm = ns["Gemma2RMSNorm"]  # type: ignore[attr-defined]
+    g2.Gemma2DecoderLayer = lambda d: ns["GemmaDecoderLayer"](d, ns["Gemma2RMSNorm"])  # type: ignore[attr-defined]
+    sys.modules["transformers.models.gemma2"].modeling_gemma2 = g2  # type: ignore[attr-defined]
+    return saved
+
+
+def _restore(saved: dict) -> None:
+    for n, m in saved.items():
+        if m is None:
+            sys.modules.pop(n, None)
+        else:
+            sys.modules[n] = m
+
+
+@pytest.fixture
+def gemma_stub():
+    saved = _stub_gemma()
+    yield
+    _restore(saved)
+
+
+_GEMMA = '''\
+import torch
+from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+
+
+def _gemma_decoder_layer_custom_forward(self: "GemmaDecoderLayer", hidden_states):
+    pre_att = self.input_layernorm(hidden_states)
+    out_att = self.attn(pre_att)
+    res_att = hidden_states + out_att
+    pre_mlp = self.post_attention_layernorm(res_att)
+    out_mlp = self.mlp(pre_mlp)
+    return res_att + out_mlp
+'''
+
+_GEMMA_RUN = '''
+import types as _t
+from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer as _L
+torch.manual_seed(6)
+layer = _L(16)
+with torch.no_grad():
+    for p in layer.parameters():
+        p.normal_(0, 0.3)
+fwd = _gemma_decoder_layer_custom_forward
+x = torch.randn(2, 5, 16)
+with torch.no_grad():
+    out = [fwd(layer, x), fwd(layer.to(torch.bfloat16), x.to(torch.bfloat16)).float()]
+layer = layer.float()
+xg = torch.randn(2, 5, 16, requires_grad=True)
+out.append(fwd(layer, xg))
+leaves = [xg, layer.post_attention_layernorm.weight]
+'''
+
+# the second spelling: Gemma2's layer (a post-attention norm on the branch, the sum normed by pre_feedforward_layernorm),
+# the modeling module imported whole, the residual named before the attention
+_GEMMA2 = '''\
+import torch
+from transformers.models.gemma2 import modeling_gemma2
+
+
+def gemma2_layer_forward(self, hidden_states):
+    residual = hidden_states
+    h = self.attn(self.input_layernorm(hidden_states))
+    h = self.post_attention_layernorm(h)
+    mixed = residual + h
+    normed = self.pre_feedforward_layernorm(mixed)
+    return mixed + self.mlp(normed)
+'''
+
+_GEMMA2_RUN = '''
+from transformers.models.gemma2 import modeling_gemma2 as _m
+torch.manual_seed(7)
+layer = _m.Gemma2DecoderLayer(24)
+with torch.no_grad():
+    for p in layer.parameters():
+        p.normal_(0, 0.3)
+x = torch.randn(3, 24)
+with torch.no_grad():
+    out = [gemma2_layer_forward(layer, x), gemma2_layer_forward(layer.to(torch.bfloat16), x.to(torch.bfloat16)).float()]
+leaves = []
+'''
+
+
+def test_gemma_installed_forward_add_norm_fuses(gemma_stub) -> None:
+    findings, misses = detect_all(AddRmsNorm(), _GEMMA)
+    assert [f.qualname for f in findings] == ["_gemma_decoder_layer_custom_forward"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AddRmsNorm(), _GEMMA, _GEMMA_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) >= 2, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.9999, facts
+    assert all(a == b for a, b in facts["dtypes"]), facts
+    assert "(1.0 + self.post_attention_layernorm.weight.float())" in facts["rewritten"]
+    assert '"GemmaRMSNorm"' in facts["rewritten"] and 'startswith("transformers.")' in facts["rewritten"]
+
+
+def test_gemma2_installed_forward_second_spelling_fuses(gemma_stub) -> None:
+    findings, misses = detect_all(AddRmsNorm(), _GEMMA2)
+    assert [f.qualname for f in findings] == ["gemma2_layer_forward"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AddRmsNorm(), _GEMMA2, _GEMMA2_RUN, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) >= 2, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.9999, facts
+    assert all(a == b for a, b in facts["dtypes"]), facts
+
+
+def test_gemma_look_alike_of_another_module_runs_the_original(gemma_stub) -> None:
+    """A class named GemmaRMSNorm from outside transformers (here without the 1 + weight gain): the run-time
+    check sends it to the original call, so the fused branch never changes its result."""
+    findings, _ = detect_all(AddRmsNorm(), _GEMMA)
+    run = _GEMMA_RUN.replace("layer = _L(16)", (
+        "class GemmaRMSNorm(torch.nn.Module):\n"
+        "    def __init__(self, d):\n"
+        "        super().__init__()\n"
+        "        self.weight = torch.nn.Parameter(torch.ones(d))\n"
+        "    def forward(self, x):\n"
+        "        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight\n"
+        "layer = _L(16, GemmaRMSNorm)"))
+    facts = check_rewrite_runs(AddRmsNorm(), _GEMMA, run, findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) == 0, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.99999, facts
+
+
+def test_llama_family_file_keeps_the_llama_reading(gemma_stub) -> None:
+    """A file importing a Llama family too: s37's Llama reading (its run-time check never holds for a Gemma norm)."""
+    code = _GEMMA.replace("import torch\n", "import torch\nfrom transformers.models.llama import modeling_llama\n", 1)
+    (f,), _ = detect_all(AddRmsNorm(), code)
+    assert '"LlamaRMSNorm"' in f.fused and "GemmaRMSNorm" not in f.fused
