@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
-from npufuse.patterns import _rms_norm_s48f
+from npufuse.patterns import _add_rms_norm_s48h, _rms_norm_s48f, _rms_norm_s48h
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1098,13 +1098,13 @@ def _hf_runtime_norm(module: ModuleInfo, call: ast.Call, mod: str, attr: str, or
                     conditions=[check], mod=mod if mod != f"self.{attr}" else "")
 
 
-def _installed_forward(module: ModuleInfo, scope: Scope) -> bool:
+def _installed_forward(module: ModuleInfo, scope: Scope, family: re.Pattern | None = None) -> bool:
     """A function of no class whose ``self`` is its first parameter or the first parameter of the
     module-level function whose own nested def it is, never rebound, in a file importing a transformers
     model family whose norm is the Llama-style class."""
     fn = scope.node
     if scope.class_name or not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-            or not any(_HF_LLAMA_FAMILY.match(v) for v in module.aliases.values()):
+            or not any((family or _HF_LLAMA_FAMILY).match(v) for v in module.aliases.values()):
         return False
     own = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     if own[:1] != ["self"]:
@@ -1120,8 +1120,10 @@ def _installed_forward_norm(module: ModuleInfo, scope: Scope, call: ast.Call, at
     """``self.<norm>(s)`` in a function of no class of this file whose ``self`` is a parameter of it or
     of the module-level function enclosing it (a forward installed on another module's layer), in a
     file that imports transformers: the run-time check of :func:`_hf_runtime_norm`."""
-    if not _NORM_ATTR.search(attr) or not _installed_forward(module, scope):
+    if not _NORM_ATTR.search(attr):
         return None
+    if not _installed_forward(module, scope):
+        return _add_rms_norm_s48h.gemma_installed_norm(module, scope, call, attr, _installed_forward, NormCall)  # s48
     return _hf_runtime_norm(module, call, f"self.{attr}", attr, f"`self` of `{scope.qualname}`, a forward installed on another module")
 
 
@@ -2556,6 +2558,9 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         except R.NoMatch:
             return f"norm {m.cls} cannot be fused"
         folded_scale = p.params.get("weight_scale")  # s48: a number folded into a float32 gamma
+        p = _rms_norm_s48h.on_first_operand(p, s_name, site.x1, _simple(site.x1), T)  # s48: a conditional upcast's dtype test
+        if isinstance(p, str):
+            return f"norm {m.cls} cannot be fused: {p}"
         if p.condition is not None:
             # a weight applied only when, or a mean dim read at run time: the fused code runs
             # when the condition holds, the original statements otherwise
@@ -3107,7 +3112,8 @@ class AddRmsNorm(Pattern):
         # then the hand-written norm of ``x``): methods and plain functions alike
         if "is not None" in S.scope_text(module, scope) or ("is None" in S.scope_text(module, scope) and "else" in S.scope_text(module, scope)):
             yield from _optional_residual_results(module, scope)
-        if not scope.class_name and not _installed_forward(module, scope):
+        if not scope.class_name and not _installed_forward(module, scope) \
+                and not _add_rms_norm_s48h.installed_on_gemma(module, scope, _installed_forward):  # s48
             # s42: a plain function adding then calling a norm it is handed (``def _block(x, norm, attn)``), a norm
             # function of the file or F.rms_norm (a functional forward / training step over parameter dicts)
             # s43: or a norm module of an object it is handed (``for layer in model.layers: ... layer.ffn_norm(x)``)

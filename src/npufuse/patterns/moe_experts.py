@@ -50,6 +50,7 @@ from npufuse.patterns import _moe_s47h
 from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
+from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -4254,7 +4255,7 @@ class _Eval:
             if mv.kind == "rowslots" and wv.kind == "x" and _s41_shaped_like_indices(self.m, self.scope, wv.args[0],
                                                                                       mv.args[0], self.loop.lineno):
                 return V("masked_w_rows", (wv.args[0], mv.args[0]))  # s41: w[tok] * (idx[tok] == e)
-        return None
+        return _moe_s48h.masked_rows(self, sides, V, _s41_shaped_like_indices, _Miss)  # s48: (idx == e)[tok] * w[tok]
 
     def _flat_rows(self, flat: str) -> V:
         """``(flat_idx == e).nonzero()``: an ``[n, 1]`` column of the rows routed to e, in order, when

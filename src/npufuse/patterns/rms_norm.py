@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b, _rms_norm_s47n
-from npufuse.patterns import _rms_norm_s48f
+from npufuse.patterns import _rms_norm_s48f, _rms_norm_s48h
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -505,11 +505,12 @@ def _root_helper_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> bool:
         and bool(_TORCH_ROOT.search(ast.unparse(ret.value)) or isinstance(ret.value, ast.Name))
 
 
-def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> tuple[ast.expr, S.Ctx, bool, int]:
+def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace, dtype_checks: list | None = None) -> tuple[ast.expr, S.Ctx, bool, int]:
     """The normalized operand: through names defined as casts (and helper bindings), stripping
     casts; stops at a name whose value is computed otherwise. Returns (leaf, ctx, upcast, casts)."""
     up = False
     n_casts = 0
+    cond_cast = False  # s48: a conditional upcast seen (see _rms_norm_s48h); no cast may follow it
     for _ in range(32):
         if isinstance(node, ast.Name):
             value, vctx, stmt = S.follow(node, ctx)
@@ -523,6 +524,9 @@ def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> t
         if S.is_cast(node):
             t = S.cast_dtype(module, node, ctx)
             if t is None:
+                t = _rms_norm_s48h.peel_hook(module, node, ctx, dtype_checks, cond_cast)  # s48: conditional upcast
+                cond_cast = True
+            elif cond_cast and t[0] != "same":
                 raise NoMatch
             if t[0] == "torch.float32":
                 up = True
@@ -531,6 +535,8 @@ def _peel_x(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Trace) -> t
             node = node.func.value  # type: ignore[union-attr]
             continue
         break
+    if cond_cast and dtype_checks is not None:
+        dtype_checks.append((node, ctx, "dtype"))
     return node, ctx, up, n_casts
 
 
@@ -563,9 +569,11 @@ def _find_core(module: ModuleInfo, factors: list[_Factor], trace: S.Trace) -> tu
             if j == i or g.inverse:
                 continue
             t2 = t.copy()
-            leaf, lctx, up_x, n_casts = _peel_x(module, g.node, g.ctx, t2)
+            dchecks: list = []
+            leaf, lctx, up_x, n_casts = _peel_x(module, g.node, g.ctx, t2, dchecks)
             if S.key(leaf, lctx) != y_key:
                 continue
+            checks.extend(dchecks)  # s48: the input dtypes a conditional upcast is float32 for
             if not (isinstance(leaf, (ast.Name, ast.Attribute)) and dotted(leaf)):
                 raise Miss("the normalized input is computed inline; assign it to a name first", rnode)
             if y_key in S.key(eps, ectx):
@@ -1147,7 +1155,7 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
     """
     core = m.core
     weights = m.weights
-    checks = _dim_conditions(module, core, plan)
+    checks = _dim_conditions(module, core, plan, x_src)
     scalars: list[Op] = []
     if len(weights) > 1:
         split = _rms_norm_s48f.split_scalars(module, weights)  # s48: factors proven one number fold into gamma
@@ -1343,12 +1351,15 @@ def _with_skips(module: ModuleInfo, m: "Match", plan: S.SpanPlan | None, params:
     return " and ".join(([condition] if condition else []) + skips)
 
 
-def _dim_conditions(module: ModuleInfo, core: Core, plan: S.SpanPlan | None) -> list[str]:
+def _dim_conditions(module: ModuleInfo, core: Core, plan: S.SpanPlan | None, x_src: str | None = None) -> list[str]:
     """``<dim> == -1`` for each mean dim read at run time (see :func:`_default_last_dim`)."""
     out = []
     for entry in core.dim_checks:
         node, ctx = entry[0], entry[1]
         try:
+            if len(entry) > 2 and entry[2] == "dtype":  # s48: a conditional upcast (_rms_norm_s48h)
+                out.append(_rms_norm_s48h.dtype_check(x_src or S.render(module, node, ctx, plan), S.torch_name(module) or "torch"))
+                continue
             if len(entry) > 2:  # a dim handed in from outside: the last dim as -1 or as rank - 1
                 x = S.render(module, core.x, core.xctx, plan)
                 out.append(f"{S.render(module, node, ctx, plan)} in (-1, (-1,), {x}.dim() - 1)")
