@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from npufuse.patterns import moe_experts as M
-from pattern_harness import check_fuse_found, check_keep_refused, check_replacement_matches, check_rewrite_runs, detect_all, example_cases
+from pattern_harness import check_fuse_found, check_keep_refused, check_rewrite_runs, detect_all, example_cases
 
 PATTERN = M.MoeExperts()
 
@@ -23,11 +23,6 @@ def test_s35_fuse_found(pattern, example):
 @pytest.mark.parametrize("pattern,example", example_cases(PATTERN, prefix="s35_", kind="keep"))
 def test_s35_keep_refused(pattern, example):
     check_keep_refused(pattern, example)
-
-
-@pytest.mark.parametrize("pattern,example", example_cases(PATTERN, prefix="s35_", kind="run"))
-def test_s35_replacement_matches(pattern, example):
-    check_replacement_matches(pattern, example)
 
 
 def _guard_off(code: str, run: str) -> None:

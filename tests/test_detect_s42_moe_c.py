@@ -16,7 +16,7 @@ import torch
 
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns.moe_experts import MoeExperts
-from pattern_harness import check_fuse_found, check_keep_refused, check_replacement_matches, check_rewrite_runs, \
+from pattern_harness import check_fuse_found, check_keep_refused, check_rewrite_runs, \
     detect_all, example_cases
 
 PATTERN = MoeExperts()
@@ -30,11 +30,6 @@ def test_s42c_fuse_example_is_found(pattern, example):
 @pytest.mark.parametrize("pattern,example", example_cases(PATTERN, "s42c_", kind="keep"))
 def test_s42c_keep_example_is_refused_with_its_reason(pattern, example):
     check_keep_refused(pattern, example)
-
-
-@pytest.mark.parametrize("pattern,example", example_cases(PATTERN, "s42c_", kind="run"))
-def test_s42c_replacement_matches_under_the_emulator(pattern, example):
-    check_replacement_matches(pattern, example)
 
 
 def _finding(code: str):
