@@ -51,6 +51,7 @@ from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
+from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _defects_s44
@@ -2888,6 +2889,9 @@ class _Eval:
             if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
                 summed = _moe_s48f.unrolled_slot_writes(body, j, self._is_eidx)  # s48: the slots written out
             if summed is not None:
+                bad = _moe_s48rv.refusal(self, body, j, summed, _s40_topk_indices)  # s48 review: `=` needs distinct ids
+                if bad is not None:
+                    raise _Miss(bad)
                 # s47: `tw = zeros(n); for k in range(K): tw[idx[m, k] == e] += w[m, k][..]`: the dense-gates weight
                 self.option_guards.append(summed[1])
                 self.stmt(summed[0])
