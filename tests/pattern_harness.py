@@ -180,6 +180,24 @@ def install_stand_in_modules(monkeypatch: pytest.MonkeyPatch, contents: dict[str
     return mods
 
 
+def fused_and_runs(pattern: Pattern, code: str, run: str, qualname: str, tol: float = 0.9999) -> dict[str, Any]:
+    """Exactly one candidate, in ``qualname``, whose rewrite runs the fused op under the emulator with the original's
+    outputs and gradients (cosine > ``tol``), dtypes and shapes."""
+    findings, misses = detect_all(pattern, code)
+    assert [f.qualname for f in findings] == [qualname], [m.reason for m in misses]
+    facts = check_rewrite_runs(pattern, code, run, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > tol and min(facts["cos_grad"]) > tol, facts
+    assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"]), facts
+    return facts
+
+
+def near_miss_says(pattern: Pattern, code: str, *phrases: str) -> None:
+    """No candidate, and a near-miss reason holding one of ``phrases``."""
+    findings, misses = detect_all(pattern, code)
+    assert not findings, [f.qualname for f in findings]
+    assert any(any(p in m.reason for p in phrases) for m in misses), [m.reason for m in misses]
+
+
 def found_and_faithful(pattern: Pattern, code: str, run: str) -> list[Finding]:
     """The findings of ``pattern`` on ``code``, after checking that the rewrite runs the fused op and gives the
     original's outputs (same shapes) and gradients (cosine > 0.9999)."""

@@ -11,24 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from pattern_harness import check_rewrite_runs, detect_all
+from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
 
 from npufuse.patterns.moe_experts import MoeExperts
-
-
-def _fused_and_runs(pattern: object, code: str, run: str, qualname: str, tol: float = 0.9999) -> dict:
-    """One candidate in ``qualname``, whose rewrite runs under the emulator with the original's values."""
-    findings, misses = detect_all(pattern, code)  # type: ignore[arg-type]
-    assert [f.qualname for f in findings] == [qualname], [m.reason for m in misses]
-    facts = check_rewrite_runs(pattern, code, run, findings)  # type: ignore[arg-type]
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) > tol and min(facts["cos_grad"]) > tol, facts
-    assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"]), facts
-    return facts
-
-
-def _near_miss(pattern: object, code: str, *phrases: str) -> None:
-    findings, misses = detect_all(pattern, code)  # type: ignore[arg-type]
-    assert not findings, [f.qualname for f in findings]
-    assert any(any(p in m.reason for p in phrases) for m in misses), [m.reason for m in misses]
 
 
 # -- 1. moe_experts: the slot writes written out ---------------------------------------------------------------------
