@@ -275,13 +275,23 @@ def ref_statements_bfs(tree: ast.Module) -> Iterator[ast.AST]:
                 todo.extend(block)
 
 
+_REF_PARENTS: list[Any] = [None, {}]
+
+
 def ref_killed(scope: Any, load: ast.Name, line: int) -> bool:
     """Reference of the s39 reaching-definition rule: a plain assignment to the name (``=`` or annotated with a value,
     not ``+=``, which reads the old value itself; tuple / starred targets too) starting after ``line`` stands earlier in a block whose later statements hold the
-    read, and the read is not inside a nested function or lambda."""
-    for n in ast.walk(scope.node):
-        if n is not scope.node and isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                and any(x is load for x in ast.walk(n)):
+    read, and the read is not inside a nested function or lambda. "x holds the read" is asked of the read's chain of
+    enclosing nodes (one walk of the scope per call), not by walking each x again: the same answers, linear time."""
+    if _REF_PARENTS[0] is not scope.node:  # one scope's map at a time: the callers ask of one scope in a row
+        _REF_PARENTS[:] = [scope.node, {id(c): n for n in ast.walk(scope.node) for c in ast.iter_child_nodes(n)}]
+    parent = _REF_PARENTS[1]
+    chain = [load]
+    while id(chain[-1]) in parent:
+        chain.append(parent[id(chain[-1])])
+    holders = {id(n) for n in chain}
+    for n in chain[1:]:
+        if n is not scope.node and isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
             return False
     for block, i, stmt in ref_walk_blocks(scope.body):
         if isinstance(stmt, (ast.For, ast.AsyncFor)) and stmt.lineno > line:
@@ -289,7 +299,7 @@ def ref_killed(scope: Any, load: ast.Name, line: int) -> bool:
             # that binding (the iterable is evaluated before it: reads there stay uses)
             bound = {t.id for t in ast.walk(stmt.target) if isinstance(t, ast.Name)
                      and not any(isinstance(a, (ast.Attribute, ast.Subscript)) and any(x is t for x in ast.walk(a)) for a in ast.walk(stmt.target))}
-            if load.id in bound and any(x is load for body_stmt in stmt.body for x in ast.walk(body_stmt)):
+            if load.id in bound and any(id(body_stmt) in holders for body_stmt in stmt.body):
                 return True
         if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.lineno <= line:
             continue
@@ -298,7 +308,7 @@ def ref_killed(scope: Any, load: ast.Name, line: int) -> bool:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
         bound = {t.id for tg in targets for t in ast.walk(tg) if isinstance(t, ast.Name)
                  and not any(isinstance(a, (ast.Attribute, ast.Subscript)) and any(x is t for x in ast.walk(a)) for a in ast.walk(tg))}
-        if load.id in bound and any(x is load for later in block[i + 1:] for x in ast.walk(later)):
+        if load.id in bound and any(id(later) in holders for later in block[i + 1:]):
             return True
     return False
 
