@@ -4219,7 +4219,7 @@ AddRmsNorm.FUSE += [
         expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "sum": "x", "residual_aliases": ["residual"],
                 "weight": "weight", "qualname": "NormImpl.forward",
                 "condition": "residual is not None and not torch.is_grad_enabled() and x.dtype == residual.dtype "
-                             "and (weight is None or weight.dim() == 1) and weight.dtype == x.dtype and input_dtype == x.dtype"},
+                             "and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (weight is None or weight.dim() == 1) and weight.dtype == x.dtype and input_dtype == x.dtype"},
         run=_RUN_OPTIONAL,
         name="optional_residual_inference_engine_method",
     ),
