@@ -217,7 +217,7 @@ def add_norm_reason(cls: str, params: dict) -> Optional[str]:
 def folded_gamma(gamma: str, scale: str) -> str:
     """The float32 gamma of a weight with a folded number (as :func:`rms_norm.plan_norm` renders it)."""
     g = gamma if gamma.replace(".", "").replace("_", "").isalnum() else f"({gamma})"
-    return f"({g}.float() * {scale})"
+    return f"({g}.float() * {scale}).float()"  # s48 precision48: float32 even for a float64 tensor factor
 
 
 _AUTOCAST_OFF = ("torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "autocast")

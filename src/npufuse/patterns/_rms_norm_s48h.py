@@ -19,13 +19,21 @@ _OPS = ("torch.float16", "torch.bfloat16", "torch.float32")
 _UNKNOWN = object()
 
 
+def _once(node: ast.Name, ctx: S.Ctx, stmt: ast.stmt | None) -> bool:
+    """s48 precision48: a name read through its local definition must be stored exactly once in its scope (S.follow
+    sees assignments only: a ``for`` / ``with`` / walrus / tuple store after the if-else would be ignored)."""
+    from npufuse.patterns._rope_s48r import stored_once
+
+    return stmt is None or stored_once(ctx.scope, node.id)
+
+
 def _final(node: ast.expr, ctx: S.Ctx) -> tuple[ast.expr, S.Ctx]:
     """Through plain names only (no casts, no helper bindings)."""
     for _ in range(16):
         if not isinstance(node, ast.Name):
             break
         value, vctx, _stmt = S.follow(node, ctx)
-        if value is node:
+        if value is node or not _once(node, ctx, _stmt):
             break
         node, ctx = value, vctx
     return node, ctx
@@ -54,7 +62,7 @@ class _Eval:
             return x_dtype if _same_value(node.value, ctx, self.operand, self.octx) else _UNKNOWN
         if isinstance(node, ast.Name):
             value, vctx, _stmt = S.follow(node, ctx)
-            if value is node:
+            if value is node or not _once(node, ctx, _stmt):
                 return _UNKNOWN
             return self.value(value, vctx, x_dtype, depth + 1)
         if isinstance(node, ast.IfExp):

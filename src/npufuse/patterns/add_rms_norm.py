@@ -2684,9 +2684,12 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     train += [S.stmt_source(module, a) for a in site.aliases]
     if site.cast is not None:
         train.append(S.stmt_source(module, site.cast[0]))
-    train += norm_pre
     if train_norm:
-        train.append(site.splice_norm(module, lambda call: [(call, train_norm)]))
+        # s48 precision48: npu_rms_norm takes fp16 / bf16 / fp32 only; the sum of a float64 addend (a float64
+        # positional table added to an fp32 stream) runs the norm as written (the sum's dtype, read after the add)
+        fused_norm = "\n".join([*norm_pre, site.splice_norm(module, lambda call: [(call, train_norm)])])
+        as_written = site.splice_norm(module, lambda call: [] if site.sum_name else [(call.args[0], s_name)])
+        train += [f"if {_rms_norm_s48h.dtype_check(s_name, T)}:", S.indent(fused_norm), "else:", S.indent(as_written)]
     else:
         train.append(site.splice_norm(module, lambda call: [] if site.sum_name else [(call.args[0], s_name)]))
     # -- inference: one npu_add_rms_norm (returns y, rstd, x1 + x2)
@@ -2701,6 +2704,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     # audit40b: npu_add_rms_norm adds tensors of one shape (its outputs take x1's): an addend that broadcasts
     # (``h + temb_proj(t)[:, :, None, None]``) takes the add, then the fused norm
     mixed = f"{x1}.dtype != {x2}.dtype or {x1}.shape != {x2}.shape" + (unproved if m.kind == "probed" else "")
+    if m.kind != "probed":  # s48 precision48: npu_add_rms_norm takes fp16 / bf16 / fp32 only (probed: tested above)
+        mixed += f" or {x1}.dtype not in ({T}.float16, {T}.bfloat16, {T}.float32)"
     if folded_scale:
         # s48: npu_add_rms_norm takes gamma in x1's dtype; the float32 product of weight and scale is taken as is only
         # by a float32 x1 (a half x1 takes the add + npu_rms_norm path, whose gamma may be float32)
@@ -2940,7 +2945,8 @@ def _build_optional(module: ModuleInfo, scope: Scope, o: _OptionalResidual, sr: 
                 "npufuse fuses the residual add only into a plain x * rstd * weight norm")
     x = o.sum_name
     has_residual = f"{o.residual} is not None" if o.residual else S.source_of(module, o.test.test)
-    conditions = [has_residual, f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype"]
+    conditions = [has_residual, f"not {T}.is_grad_enabled()", f"{o.x1}.dtype == {o.x2}.dtype",
+                  f"{o.x1}.dtype in ({T}.float16, {T}.bfloat16, {T}.float32)"]  # s48 precision48: the op's dtypes
     if p.condition is not None:
         cond = ast.parse(p.condition, mode="eval").body
         if any(isinstance(n, ast.Name) and n.id == x for n in ast.walk(cond)):
@@ -4213,7 +4219,7 @@ AddRmsNorm.FUSE += [
         expect={"variant": "optional_residual", "x1": "x", "x2": "residual", "sum": "x", "residual_aliases": ["residual"],
                 "weight": "weight", "qualname": "NormImpl.forward",
                 "condition": "residual is not None and not torch.is_grad_enabled() and x.dtype == residual.dtype "
-                             "and (weight is None or weight.dim() == 1) and weight.dtype == x.dtype and input_dtype == x.dtype"},
+                             "and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (weight is None or weight.dim() == 1) and weight.dtype == x.dtype and input_dtype == x.dtype"},
         run=_RUN_OPTIONAL,
         name="optional_residual_inference_engine_method",
     ),

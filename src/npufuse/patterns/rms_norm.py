@@ -1270,7 +1270,9 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
             stext = " * ".join(S.render(module, sc.node, sc.ctx, plan) for sc in scalars)
         except S.RenderError as e:
             raise Miss(f"cannot express the replacement at the site: {e}", core.rstd)
-        gamma = f"({gp if w.dtype == D_F32 else gp + '.float()'} * {stext})"
+        # s48 precision48: ``.float()`` on the product: a factor that is a float64 tensor at run time (a subclass
+        # storing one under the factor's name) would make gamma float64, which npu_rms_norm does not take
+        gamma = f"({gp if w.dtype == D_F32 else gp + '.float()'} * {stext}).float()"
     elif xdt == D_F32:
         gamma = g if w.dtype == D_F32 else f"{gp}.float()"
     elif w.dtype == D_F32:
