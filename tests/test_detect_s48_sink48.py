@@ -157,7 +157,6 @@ def test_compressed_look_alikes_stay_near_misses(old: str, new: str, reason: str
     assert code != _COMPRESSED
     got = _near_miss(code)
     assert reason is None or reason in got, got
-    print(got)
 
 
 def test_a_sink_scaled_with_the_scores_stays_a_near_miss() -> None:
@@ -176,7 +175,6 @@ def test_a_sink_added_to_the_scores_is_no_sink_column() -> None:
     assert code != _GPT_OSS
     findings, misses = detect_all(AttentionPattern(), code)
     assert not any("sink=" in f.fused for f in findings)
-    print([f.fused for f in findings], [m.reason for m in misses])
 
 
 # -- the emulator's sink (spec 5.1) against the plain-PyTorch concatenated column, forward and backward ---------------
