@@ -31,6 +31,9 @@ class SinkColumn:
     softmax: Any
     scores: Any
     base: Any
+    # s48: the node under the slice the probabilities walk resumes at (the softmax, or a cast of it:
+    # ``combined.softmax(dim=-1).to(q.dtype)[..., :-1]``, the cast then peeled as any other)
+    resume: Any = None
 
 
 def _is_one(node: Any) -> bool:
@@ -98,12 +101,39 @@ def _head_base(matcher: Any, node: Any, seen: set[int]) -> Any:
     return None
 
 
+_FP32_NAMES = ("torch.float32", "torch.float")
+
+
+def _fp32_cast(matcher: Any, node: Any) -> Any:
+    """X of ``X.float()`` / ``X.to(torch.float32)`` / ``X.type(torch.float32)`` (``torch.float`` too), else None.
+    (s48) a sink cast to float32 is the same logits the op's float32 ``sink`` reads; a cast to any other dtype
+    rounds them, which the op would not, and is not read."""
+    if matcher.method(node, "float") and not node.args and not node.keywords:
+        return node.func.value
+    if matcher.method(node, "to", "type") and len(node.args) == 1 and not node.keywords \
+            and matcher.module.canonical(node.args[0]) in _FP32_NAMES:
+        return node.func.value
+    return None
+
+
+def _peel_fp32(matcher: Any, node: Any, seen: set[int]) -> Any:
+    from npufuse.patterns.attention import deref
+
+    node = deref(node, seen)
+    for _ in range(4):
+        inner = _fp32_cast(matcher, node)
+        if inner is None:
+            return node
+        node = deref(inner, seen)
+    return node
+
+
 def _sink_base(matcher: Any, column: Any, seen: set[int]) -> Any:
     """The per-head logits of a sink column [B, N, Sq, 1]: ``base.expand(b, -1, sq, -1)`` (or ``.repeat(b, 1, sq, 1)``)
     of a proved [1, N, 1, 1] base; None for anything else (a column per batch or row, several columns)."""
     from npufuse.patterns.attention import deref
 
-    column = deref(column, seen)
+    column = _peel_fp32(matcher, column, seen)  # s48: ``sinks.view(1, h, 1, 1).expand(...).float()``
     if matcher.method(column, "expand") and len(column.args) == 4 and not column.keywords:
         if const_value(column.args[3]) not in (-1, 1):
             return None
@@ -112,7 +142,7 @@ def _sink_base(matcher: Any, column: Any, seen: set[int]) -> Any:
             return None
     else:
         return None
-    return _head_base(matcher, column.func.value, seen)
+    return _head_base(matcher, _peel_fp32(matcher, column.func.value, seen), seen)  # s48: ``.view(1, h, 1, 1).float().expand``
 
 
 def sink_column(matcher: Any, node: Any, seen: set[int]) -> SinkColumn | None:
@@ -122,7 +152,8 @@ def sink_column(matcher: Any, node: Any, seen: set[int]) -> SinkColumn | None:
 
     if not _drops_last_column(matcher, node):
         return None
-    sm_node = deref(node.value, seen)
+    resume = deref(node.value, seen)
+    sm_node = softmax_under_casts(matcher, resume, seen)
     sm = matcher.softmax_of(sm_node)
     if sm is None or const_value(sm[1]) != -1:
         return None
@@ -137,7 +168,22 @@ def sink_column(matcher: Any, node: Any, seen: set[int]) -> SinkColumn | None:
     base = _sink_base(matcher, parts.elts[1], seen)
     if base is None:
         return None
-    return SinkColumn(sm_node, parts.elts[0], base)
+    return SinkColumn(sm_node, parts.elts[0], base, resume)
+
+
+def softmax_under_casts(matcher: Any, node: Any, seen: set[int]) -> Any:
+    """(s48) the softmax under dtype casts of the probabilities (``softmax(x, -1).to(q.dtype)``,
+    ``.type_as(v)``): casts the probabilities walk peels anyway (``attention._CASTS``)."""
+    from npufuse.patterns.attention import _CASTS, deref
+
+    for _ in range(4):
+        if matcher.softmax_of(node) is not None:
+            return node
+        if matcher.method(node, *_CASTS) and (node.func.attr != "to" or len(node.args) + len(node.keywords) <= 2):
+            node = deref(node.func.value, seen)
+            continue
+        return node
+    return node
 
 
 # -- softmax over a key axis that is not the last ---------------------------------------------------------------------

@@ -1764,7 +1764,7 @@ class _Matcher:
                 sunk = _attention_s44.sink_column(self, node, chain.seen) if chain.s44_sink is None else None
                 if sunk is not None:
                     chain.s44_sink = sunk  # s44: the softmax below reads the scores without the sink column
-                    node = sunk.softmax
+                    node = sunk.resume  # s48: a cast of the softmax (``.to(q.dtype)``) peeled as any other
                     continue
                 self._sink_column(node)
                 if self.method(node, "view", "reshape"):
@@ -1858,17 +1858,30 @@ class _Matcher:
         parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if not parts or not isinstance(parts[-1], ast.Slice):
             return
-        sm = self.softmax_of(_deref_value(node.value))
+        sm = self.softmax_of(_attention_s44.softmax_under_casts(self, _deref_value(node.value), set()))
         if sm is None:
             return
         cat = _deref_value(sm[0])
         if isinstance(cat, ast.BinOp) and isinstance(cat.op, ast.Sub) and _s36_last_dim_keepdim(self, cat.right, set(), "max", "amax") is not None:
             cat = _deref_value(cat.left)  # s36: gpt-oss / FMS ``QK = QK - QK.max(dim=-1, keepdim=True).values`` (no-op for softmax)
-        if not (isinstance(cat, ast.Call) and self._fn(cat) in ("torch.cat", "torch.concat", "torch.concatenate")
+        cats = ("torch.cat", "torch.concat", "torch.concatenate")
+        scaled = None
+        if isinstance(cat, ast.BinOp) and isinstance(cat.op, (ast.Mult, ast.Div)):
+            # s48: ``torch.cat([s, sink], -1) * scale``: the scale multiplies the sink logit too
+            for side in (cat.left, cat.right) if isinstance(cat.op, ast.Mult) else (cat.left,):
+                inner = _deref_value(side)
+                if isinstance(inner, ast.Call) and self._fn(inner) in cats:
+                    scaled, cat = cat, inner
+                    break
+        if not (isinstance(cat, ast.Call) and self._fn(cat) in cats
                 and const_value(keyword(cat, "dim", 1)) == -1):
             return
         if not (cat.args and isinstance(cat.args[0], (ast.List, ast.Tuple)) and len(cat.args[0].elts) == 2):
             return  # s44: BigBird's four band products concatenated and sliced back are not a sink column
+        if scaled is not None:
+            raise Miss(f"attention sinks scaled with the scores: the logit column concatenated before softmax is multiplied with them "
+                       f"(`{self.src(scaled)[:80]}`) and its probability dropped after (`{self.src(node)}`); npu_fusion_attention's "
+                       "`sink` is not scaled (spec 5.1)")
         raise Miss(f"attention sinks: a logit column is concatenated to the scores before softmax (`{self.src(cat)}`) and its "
                    f"probability dropped after (`{self.src(node)}`); npu_fusion_attention's `sink` (float32 [head_num], one unscaled logit "
                    "per head) is passed only for one last column of a tensor proved [1, N, 1, 1] (expanded), dropped by `[..., :-1]`")
@@ -14727,4 +14740,51 @@ AttentionPattern.KEEP.append(Keep(
         "        masked = ~(pos[None, :] < pos[:, None])\n"),
     reason="leaves query row 0 without any key at every size",
     name="s40_strict_causal_comparison_leaves_the_first_row_empty",
+))
+
+# s48 (sink48, HO25a jeongsu-moon mini-deepseek-v4): the sink logits cast to float32 between the re-view and the
+# expand, the probabilities cast back after the softmax and the sink column dropped from the cast: the same
+# npu_fusion_attention ``sink`` (spec 5.1: float32 [head_num], unscaled). A sink scaled with the scores stays a near miss.
+_S48_SINK_CAST = '''
+import torch
+from torch import nn
+
+
+class SinkAttention(nn.Module):
+    def __init__(self, n_head=4, head_dim=8):
+        super().__init__()
+        self.n_head, self.scaling = n_head, head_dim ** -0.5
+        self.sinks = nn.Parameter(torch.zeros(n_head))
+
+    def forward(self, q, kv, mask):
+        B, _, S, _ = q.shape
+        logits = torch.matmul(q, kv.transpose(-1, -2)) * self.scaling
+        logits = logits.float() + mask
+        sink = self.sinks.view(1, self.n_head, 1, 1).float().expand(B, self.n_head, S, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = combined.softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs[..., :-1], kv)
+'''
+
+AttentionPattern.FUSE.append(Fuse(
+    _S48_SINK_CAST,
+    expect={"qualname": "SinkAttention.forward"},
+    run='''
+m = SinkAttention()
+with torch.no_grad():
+    m.sinks.copy_(torch.randn(4))
+q = torch.randn(2, 4, 5, 8, requires_grad=True)
+kv = torch.randn(2, 1, 5, 8, requires_grad=True)
+mask = torch.zeros(5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
+out = m(q, kv, mask)
+leaves = [q, kv, m.sinks]
+''',
+    name="s48_sink_cast_to_float32_and_probabilities_cast_back",
+))
+AttentionPattern.KEEP.append(Keep(
+    _S48_SINK_CAST.replace("torch.matmul(q, kv.transpose(-1, -2)) * self.scaling", "torch.matmul(q, kv.transpose(-1, -2))")
+    .replace("combined = torch.cat([logits, sink], dim=-1)", "combined = torch.cat([logits, sink], dim=-1) * self.scaling"),
+    reason="attention sinks scaled with the scores",
+    name="s48_sink_scaled_with_the_scores",
 ))
