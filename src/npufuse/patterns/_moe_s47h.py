@@ -100,6 +100,16 @@ def _zeros_alloc(st: ast.stmt) -> Optional[tuple[str, Optional[ast.expr]]]:
     return st.targets[0].id, dtype
 
 
+def _buffer_dtype_ok(dtype: Optional[ast.expr], w: str) -> bool:
+    """A zeros buffer for routing weights made with no dtype, float32, or the weights' own ``<w>.dtype``: a float32
+    copy of bf16 / fp16 / fp32 weights is exact, so the original's buffer changes no value."""
+    if dtype is None:
+        return True
+    text = dotted(dtype) or ""
+    return text in ("torch.float32", "torch.float") or (
+        isinstance(dtype, ast.Attribute) and dtype.attr == "dtype" and isinstance(dtype.value, ast.Name) and dtype.value.id == w)
+
+
 def _same(a: ast.AST, b: ast.AST) -> bool:
     return ast.dump(a) == ast.dump(b)
 
@@ -180,12 +190,8 @@ def slot_weight_sum(body: list[ast.stmt], i: int, is_eidx) -> Optional[tuple[ast
     w = wsel.value.id
     if len({tw, k, idx, w, mask.id} | ({km_name} if km_name else set())) != 5 + bool(km_name):
         return None
-    if dtype is not None:
-        text = dotted(dtype) or ""
-        if text not in ("torch.float32", "torch.float") and not (
-                isinstance(dtype, ast.Attribute) and dtype.attr == "dtype" and isinstance(dtype.value, ast.Name)
-                and dtype.value.id == w):
-            return None
+    if not _buffer_dtype_ok(dtype, w):
+        return None
     # names the synthetic statement reads must not change inside the slot loop
     written = {n.id for st in stmts for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     if written & {idx, w, mask.id, k} or any(isinstance(n, ast.Name) and n.id in written for n in ast.walk(e)):

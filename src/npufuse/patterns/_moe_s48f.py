@@ -22,8 +22,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
-from npufuse.patterns._moe_s47h import _same, _zeros_alloc
-from npufuse.scan.dataflow import const_value, dotted
+from npufuse.patterns._moe_s47h import _buffer_dtype_ok, _same, _zeros_alloc
+from npufuse.scan.dataflow import const_value
 
 
 SLOT_WRITES_READ = ("and per-slot writes only as a fresh `zeros` buffer in float32 or the weights' dtype followed by "
@@ -111,12 +111,8 @@ def unrolled_slot_writes(body: list[ast.stmt], i: int, is_eidx: Any) -> Optional
     names = {tw, idx, w} | {n.id for n in ast.walk(e_node) if isinstance(n, ast.Name)}
     if len(names | {sel_name}) != len(names) + 1 or (set(masks) & (names | {sel_name})):
         return None
-    if dtype is not None:
-        text = dotted(dtype) or ""
-        if text not in ("torch.float32", "torch.float") and not (
-                isinstance(dtype, ast.Attribute) and dtype.attr == "dtype" and isinstance(dtype.value, ast.Name)
-                and dtype.value.id == w):
-            return None
+    if not _buffer_dtype_ok(dtype, w):
+        return None
     # the slot masks are read nowhere after their writes
     if _reads(body[j:], set(masks)):
         return None
