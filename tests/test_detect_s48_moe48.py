@@ -10,7 +10,6 @@ invented reproducers (a second spelling each, and near-miss twins).
 from __future__ import annotations
 
 import torch
-from pattern_harness import check_rewrite_runs, detect_all
 from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
 
 from npufuse.patterns.moe_experts import MoeExperts
