@@ -51,6 +51,7 @@ from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
+from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
@@ -207,6 +208,8 @@ class _Site:
     unnamed_ids: bool = False
     # s45: runs of sorted ids index the experts as a list (`experts[-1]` is the last one): negative ids wrap
     wrap_negative_ids: bool = False
+    # s49: per-sample routing: the output rows' leading shape (the tokens', as written), for a fresh accumulator
+    rows_shape: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2490,6 +2493,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.run_body(loop.body[:-1])
         ev.run_body(inner.body)
         ev.loop = loop
+        ev.s49_expert_loop = inner  # s49: the expert loop itself, whose enumerate() names the expert modules
     else:
         ev = _Eval(module, scope, loop)
         ev.run_header()
@@ -2521,6 +2525,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
         # indices slot by slot when they have the indices' shape (a run-time check)
         ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
+    if site is not None and getattr(ev, "s49_sample", False):
+        _moe_s49s.sample_rows(ev, site, _Miss)  # s49: per-sample routing, [n, 1, 1] weights on whole-sample rows
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
@@ -4463,6 +4469,8 @@ class _Eval:
                 return V("rw")  # topk_weight[mask].view(-1, 1)
             if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw")
+            if recv.kind in ("rw_row", "rw") and (lift := _moe_s49s.weight_view(node, recv.kind)):
+                return _moe_s49s.lifted(self, lift, V)  # s49: w[m, k].view(-1, 1) / .view(-1, 1, 1) (per-sample rows)
             if attr in ("int", "long", "float", "to") and recv.kind == "slotmask":
                 return recv
             if attr == "argmax" and recv.kind == "slotmask" and const_value(keyword(node, "dim", 0)) == -1 \
@@ -5721,7 +5729,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
         raise _Miss(f"the experts are one callable given the expert index (`{ast.unparse(ev.indexed_call or ev.indexed_module)[:70]}`)")
     container = ev.template.value if ev.template is not None else None
     if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
-        container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
+        container = ev.experts_node if ev.experts_node is not None else _moe_s49s.expert_loop(ev).iter.args[0]  # type: ignore[attr-defined]
         if isinstance(container, ast.Call):
             container = container.func.value  # type: ignore[attr-defined]
     attr = container.attr if isinstance(container, ast.Attribute) else None
@@ -6191,7 +6199,7 @@ def _fused_text(site: _Site) -> str:
             f", probs={site.probs}.reshape(-1, 1).to({h}.dtype)" if site.probs else ""  # s43a: top-1 weights in the loop
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.flat_rows:
-            result = f"{result}.reshape({out}.shape)"
+            result = f"{result}.reshape(*{site.rows_shape}, -1)" if site.rows_shape else f"{result}.reshape({out}.shape)"
         elif flat_shape:
             result = f"{result}.reshape(*{flat_shape}, -1)"
         if site.clone_of:
