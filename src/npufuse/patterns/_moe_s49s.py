@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
-from npufuse.scan.dataflow import const_value
+from npufuse.scan.dataflow import const_value, dotted
 
 OPAQUE_REASON = ("the experts run on whole samples (rows `{rows}` of [B, T, H] tokens, the weight reshaped to [n, 1, 1]: "
                  "per-sample routing) and are called as they are ({why}): npufuse does not show that they compute each "
@@ -85,7 +85,7 @@ def sample_rows(an: Any, site: Any, miss: Any) -> None:
     if site.routing != "mask_where" or not site.indices or not site.probs:
         raise miss("per-sample routing (a [n, 1, 1] weight on whole-sample rows) outside a mask / where loop over "
                    "the expert indices: not read")
-    if mlp is None or mlp.layout == "opaque":
+    if mlp is None or mlp.layout == "opaque" and not tokenwise_experts(an):
         raise miss(OPAQUE_REASON.format(rows=rows, why=(mlp.why_opaque if mlp is not None else "") or "not read"))
     if site.sentinel or site.local_start or site.dense_gates or site.count_stats \
             or site.token_dims > 1 or site.cond or site.weight_select or site.dense_tail:
@@ -112,3 +112,118 @@ def expert_loop(an: Any) -> Any:
     """The loop over the experts: the analyser's loop, or the expert loop inside a top-k slot loop (``for k in
     range(K): for e, expert in enumerate(self.experts)``), whose ``enumerate`` names the expert modules."""
     return getattr(an, "s49_expert_loop", None) or an.loop
+
+
+
+# modules that compute each row of their input from that row alone (nn.LayerNorm only over one last dim, see below)
+_TOKENWISE_MODULES = frozenset(("torch.nn.Linear", "torch.nn.Dropout", "torch.nn.Identity", "torch.nn.GELU", "torch.nn.ReLU",
+                                "torch.nn.SiLU", "torch.nn.Tanh", "torch.nn.Sigmoid", "torch.nn.Mish", "torch.nn.ReLU6",
+                                "torch.nn.LeakyReLU", "torch.nn.ELU", "torch.nn.Softplus", "torch.nn.GLU"))
+
+
+def tokenwise_experts(an: Any) -> bool:
+    """The experts (``nn.ModuleList`` of one class of this file, or of ``nn.Sequential(...)``) compute each token from
+    that token alone: a forward of one input whose statements bind names to nn.Linear / nn.Dropout / activation
+    modules of ``__init__`` (nn.Sequential of them), nn.LayerNorm over one last dim, element-wise functions, last-dim
+    chunks and scalars (patterns/_moe_s44b's element-wise reader), returning one of them."""
+    from npufuse.patterns import _moe_s44b as s44b
+    from npufuse.patterns import moe_experts as me  # the analyser (imports this module)
+
+    m = an.m
+    try:
+        cls = me._expert_class(an)
+    except me._Miss as why:
+        seq = _sequential_experts(an, me)
+        return seq is not None and all(_tokenwise_module(m, c, {}, me) for c in seq)
+    fwd = me._method(m, cls, "forward")
+    if fwd is None:
+        return False
+    init = me._class_init_assigns(m, cls)
+    a = fwd.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(a.args) != 2 or a.defaults:
+        return False
+    local = {a.args[1].arg}
+    canon = lambda n: me._canon(m, n)  # noqa: E731
+
+    def expr(node: ast.expr) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id == "self" and node.func.attr in init:
+            return len(node.args) == 1 and not node.keywords and _tokenwise_module(m, init[node.func.attr], init, me) \
+                and expr(node.args[0])
+        if isinstance(node, ast.Call) and canon(node.func) == "torch.nn.functional.dropout":
+            return bool(node.args) and expr(node.args[0]) and all(_plain(x) for x in node.args[1:]) \
+                and all(_plain(k.value) for k in node.keywords)
+        if isinstance(node, ast.Name):
+            return node.id in local
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow)):
+            return all(expr(x) or s44b._scalar(x, init) for x in (node.left, node.right)) \
+                and not (s44b._scalar(node.left, init) and s44b._scalar(node.right, init))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return expr(node.operand)
+        if isinstance(node, ast.Call) and not any(k.arg is None for k in node.keywords) \
+                and all(s44b._scalar(k.value, init) or k.arg == "dtype" for k in node.keywords):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in s44b._ELEMENTWISE_METHODS and not canon(f).startswith("torch."):
+                return expr(f.value) and all(s44b._scalar(x, init) or f.attr in ("to", "type_as") and expr(x) for x in node.args)
+            if canon(f) in s44b._ELEMENTWISE_FUNCS:
+                return bool(node.args) and expr(node.args[0]) and all(s44b._scalar(x, init) for x in node.args[1:])
+        return False
+
+    returned = False
+    for i, st in enumerate(fwd.body):
+        if i == 0 and isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str):
+            continue
+        if returned:
+            return False
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and expr(st.value):
+            local.add(st.targets[0].id)
+        elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple) \
+                and all(isinstance(e, ast.Name) for e in st.targets[0].elts) and isinstance(st.value, ast.Call) \
+                and isinstance(st.value.func, ast.Attribute) and st.value.func.attr == "chunk" \
+                and expr(st.value.func.value) and len(st.value.args) == 1 \
+                and [const_value(k.value) for k in st.value.keywords if k.arg == "dim"] == [-1]:
+            local |= {e.id for e in st.targets[0].elts}  # type: ignore[attr-defined]
+        elif isinstance(st, ast.Return) and st.value is not None and expr(st.value):
+            returned = True
+        else:
+            return False
+    return returned
+
+
+def _plain(node: ast.expr) -> bool:
+    """A dropout's rate / training flag: a constant, a name or an attribute (no tensor computation)."""
+    return isinstance(node, (ast.Constant, ast.Name, ast.Attribute))
+
+
+def _tokenwise_module(m: Any, value: Any, init: dict, me: Any) -> bool:
+    """``nn.Linear(...)`` / ``nn.Dropout(...)`` / an activation module / ``nn.LayerNorm(d)`` (one normalised dim) /
+    ``nn.Sequential`` of them, as built in ``__init__``."""
+    if not isinstance(value, ast.Call):
+        return False
+    name = me._canon(m, value.func)
+    if name in _TOKENWISE_MODULES:
+        return True
+    if name == "torch.nn.LayerNorm":
+        return len(value.args) >= 1 and not isinstance(value.args[0], (ast.Tuple, ast.List))
+    if name == "torch.nn.Sequential":
+        return bool(value.args) and not value.keywords and all(_tokenwise_module(m, a, init, me) for a in value.args)
+    return False
+
+
+def _sequential_experts(an: Any, me: Any) -> Optional[list]:
+    """The ``nn.Sequential(...)`` call each expert is built from (``nn.ModuleList([nn.Sequential(...) for _ in ...])``)."""
+    loop = expert_loop(an)
+    container = an.template.value if an.template is not None else None
+    if container is None and isinstance(loop.iter, ast.Call) and loop.iter.args:
+        container = an.experts_node if an.experts_node is not None else loop.iter.args[0]
+        if isinstance(container, ast.Call) and isinstance(container.func, ast.Attribute):
+            container = container.func.value
+    if not (isinstance(container, ast.Attribute) and isinstance(container.value, ast.Name) and container.value.id == "self") \
+            or an.scope.class_name not in an.m.classes:
+        return None
+    value = me._class_init_assigns(an.m, an.m.classes[an.scope.class_name]).get(container.attr)
+    if isinstance(value, ast.Call) and (dotted(value.func) or "").split(".")[-1] == "ModuleList" and value.args:
+        value = value.args[0]
+    if isinstance(value, (ast.ListComp, ast.GeneratorExp)):
+        value = value.elt
+    return [value] if isinstance(value, ast.Call) else None
