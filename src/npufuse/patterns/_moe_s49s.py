@@ -82,6 +82,10 @@ def sample_rows(an: Any, site: Any, miss: Any) -> None:
     fused layer would not compute the same."""
     mlp = site.mlp
     rows = f"{site.tokens}[…]"
+    shape = getattr(an, "s49_out_shape", None)
+    if shape is not None and not getattr(an, "s49_sample", False):
+        raise miss(f"the expert output is reshaped to `(-1, {', '.join(shape)})` (whole-sample rows) but weighted "
+                   "without an [n, 1, 1] per-sample weight: not read")
     if site.routing != "mask_where" or not site.indices or not site.probs:
         raise miss("per-sample routing (a [n, 1, 1] weight on whole-sample rows) outside a mask / where loop over "
                    "the expert indices: not read")
@@ -95,10 +99,27 @@ def sample_rows(an: Any, site: Any, miss: Any) -> None:
         raise miss("per-sample routing with the routing weight applied inside the expert: not read")
     tok, ind, probs = site.tokens, site.indices, site.probs
     an.option_guards.append(f"({tok}.dim() == 3 and {ind}.dim() == 2)")
+    if shape is not None:  # the loop flattened the samples' rows and shaped the output back by these sizes
+        an.option_guards.append(f"({tok}.shape[1] == {shape[0]} and {tok}.shape[2] == {shape[1]})")
     site.indices = f"{ind}.unsqueeze(1).expand(-1, {tok}.shape[1], -1)"
     site.probs = f"({probs}).unsqueeze(1).expand(-1, {tok}.shape[1], -1)"
     site.flat_rows = True
     site.rows_shape = f"{tok}.shape[:-1]"
+
+
+def sample_output_shape(an: Any, node: ast.Call) -> bool:
+    """``out.reshape(-1, S, H)`` / ``.view(-1, S, H)`` (names or numbers) of an expert output: the whole-sample rows
+    the loop flattened to tokens for the expert (``x[seq].reshape(-1, H)``) shaped back; recorded for
+    :func:`sample_rows` (which needs the [n, 1, 1] per-sample weight with it, and checks S and H at run time)."""
+    args = list(node.args)
+    if node.keywords or len(args) != 3 or const_value(args[0]) != -1 \
+            or not all(isinstance(a, ast.Name) or isinstance(const_value(a), int) for a in args[1:]):
+        return False
+    texts = tuple(ast.unparse(a) for a in args[1:])
+    if getattr(an, "s49_out_shape", texts) != texts:
+        return False
+    an.s49_out_shape = texts
+    return True
 
 
 def lifted(an: Any, lift: str, V: Any) -> Any:

@@ -2525,7 +2525,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
         # indices slot by slot when they have the indices' shape (a run-time check)
         ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
-    if site is not None and getattr(ev, "s49_sample", False):
+    if site is not None and (getattr(ev, "s49_sample", False) or getattr(ev, "s49_out_shape", None)):
         _moe_s49s.sample_rows(ev, site, _Miss)  # s49: per-sample routing, [n, 1, 1] weights on whole-sample rows
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
@@ -4412,6 +4412,8 @@ class _Eval:
                 return V("tokcol", (recv.args[0], "slot"))  # s46h: squeezed, the rows of slot k's mask
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
+            if attr in ("reshape", "view") and recv.kind == "mod_out" and _moe_s49s.sample_output_shape(self, node):
+                return recv  # s49: expert(x[seq].reshape(-1, H)).reshape(-1, S, H): whole-sample rows again
             if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
                     and len(node.args) + len(node.keywords) == 1:
                 self.lead_rows = True  # [1, n, H]: written back through y[sel] = ..., which drops the leading 1

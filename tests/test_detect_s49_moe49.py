@@ -1,0 +1,274 @@
+"""s49 (moe49): moe_experts classes behind the development misses of HO25b / sweep48moe, with invented reproducers
+(a second spelling each, and near-miss twins).
+
+1. Per-sample (per-sequence) routing: one top-k choice per batch row (indices / weights [B, K]), its experts run on
+   the row's whole [T, H] sequence (``out[mask] += expert(x[mask]) * w[mask, k].view(-1, 1, 1)``, or the samples'
+   rows flattened for the expert and shaped back): the token loop over the sample's choice repeated over its
+   tokens, fused where the experts are read as computing each token on its own.
+2. ``w[mask, k].view(-1, 1)``: the [n, 1] column of one slot's weights (the token loop's ``.unsqueeze(-1)``).
+"""
+
+from __future__ import annotations
+
+import torch
+from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
+
+from npufuse.patterns.moe_experts import MoeExperts
+
+
+# -- 1. per-sample routing --------------------------------------------------------------------------------------------
+
+# slot-outer / expert-inner loop, a [n, 1, 1] view of the slot weight, SwiGLU experts read off their class
+_SLOT_VIEW = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class GatedFfn(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w_in = nn.Linear(d, h, bias=False)
+        self.w_gate = nn.Linear(d, h, bias=False)
+        self.w_out = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w_out(F.silu(self.w_gate(x)) * self.w_in(x))
+
+
+class ClipRouted(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.select = nn.Linear(d, n)
+        self.experts = nn.ModuleList([GatedFfn(d, h) for _ in range(n)])
+
+    def forward(self, seq, summary):
+        p = self.select(summary).softmax(-1)
+        w, picks = p.topk(self.k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        y = torch.zeros_like(seq)
+        for j in range(self.k):
+            for e, expert in enumerate(self.experts):
+                rows = picks[:, j] == e
+                if rows.any():
+                    y[rows] += expert(seq[rows]) * w[rows, j].view(-1, 1, 1)
+        return y
+'''
+
+_SLOT_VIEW_RUN = '''
+torch.manual_seed(0)
+m = ClipRouted(16, 24, 5, 2)
+x = torch.randn(8, 5, 16, requires_grad=True)
+s = torch.randn(8, 16)
+out = m(x, s)
+leaves = [x, m.select.weight, m.experts[0].w_in.weight, m.experts[4].w_out.weight]
+'''
+
+# expert loop over torch.where pairs, token-wise experts with a dropout (called as they are), unsqueezed twice
+_WHERE_PAIRS = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class FeedForwardExpert(nn.Module):
+    def __init__(self, dim, hidden, p=0.0):
+        super().__init__()
+        self.fc_in = nn.Linear(dim, hidden)
+        self.fc_out = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, h):
+        return self.fc_out(self.drop(F.gelu(self.fc_in(h))))
+
+
+class SequenceRoutedMoE(nn.Module):
+    def __init__(self, dim, hidden, num_experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForwardExpert(dim, hidden) for _ in range(num_experts))
+
+    def forward(self, tokens):
+        pooled = tokens.mean(dim=1)
+        weights, chosen = torch.topk(F.softmax(self.gate(pooled), dim=-1), self.top_k, dim=-1)
+        mixed = tokens.new_zeros(tokens.shape)
+        for e in range(len(self.experts)):
+            seq_ids, slot = torch.where(chosen == e)
+            if seq_ids.numel() == 0:
+                continue
+            mixed[seq_ids] += self.experts[e](tokens[seq_ids]) * weights[seq_ids, slot].unsqueeze(-1).unsqueeze(-1)
+        return mixed
+'''
+
+_WHERE_PAIRS_RUN = '''
+torch.manual_seed(0)
+m = SequenceRoutedMoE(16, 24, 4, 2)
+x = torch.randn(6, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[1].fc_in.weight, m.experts[2].fc_out.bias]
+'''
+
+# Mixtral-style one-hot masks per sequence, the samples' rows flattened for nn.Sequential experts and shaped back,
+# the output scaled in place
+_FLAT_BACK = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class PerSequenceMoE(nn.Module):
+    def __init__(self, width, inner, n_experts, k):
+        super().__init__()
+        self.n_experts, self.k = n_experts, k
+        self.router = nn.Linear(width, n_experts, bias=False)
+        self.experts = nn.ModuleList([
+            nn.Sequential(nn.Linear(width, inner), nn.SiLU(), nn.Linear(inner, width)) for _ in range(n_experts)
+        ])
+
+    def forward(self, h):
+        bsz, length, width = h.shape
+        summary = h.max(dim=1).values
+        probs = F.softmax(self.router(summary), dim=1, dtype=torch.float)
+        probs, picked = torch.topk(probs, self.k, dim=-1)
+        probs = (probs / probs.sum(dim=-1, keepdim=True)).to(h.dtype)
+        result = torch.zeros((bsz, length, width), dtype=h.dtype, device=h.device)
+        hits = F.one_hot(picked, num_classes=self.n_experts).permute(2, 1, 0)
+        for i in range(self.n_experts):
+            slot, seqs = torch.where(hits[i])
+            if seqs.shape[0] == 0:
+                continue
+            flat = h[seqs].reshape(-1, width)
+            y = self.experts[i](flat).view(-1, length, width)
+            y *= probs[seqs, slot][:, None].unsqueeze(-1)
+            result[seqs] += y.to(h.dtype)
+        return result
+'''
+
+_FLAT_BACK_RUN = '''
+torch.manual_seed(2)
+m = PerSequenceMoE(12, 20, 4, 2)
+x = torch.randn(7, 3, 12, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0][0].weight, m.experts[3][2].bias]
+'''
+
+# an expert that mixes the tokens of its sequence (a mean over them): per-token dispatch would change it
+_MIXER = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MixerExpert(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        ctx = h.mean(dim=1, keepdim=True)
+        return self.down(F.gelu(self.up(h + ctx)))
+
+
+class SequenceRoutedMoE(nn.Module):
+    def __init__(self, dim, hidden, num_experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(MixerExpert(dim, hidden) for _ in range(num_experts))
+
+    def forward(self, tokens):
+        pooled = tokens.mean(dim=1)
+        weights, chosen = torch.topk(F.softmax(self.gate(pooled), dim=-1), self.top_k, dim=-1)
+        mixed = tokens.new_zeros(tokens.shape)
+        for e in range(len(self.experts)):
+            seq_ids, slot = torch.where(chosen == e)
+            if seq_ids.numel() == 0:
+                continue
+            mixed[seq_ids] += self.experts[e](tokens[seq_ids]) * weights[seq_ids, slot].unsqueeze(-1).unsqueeze(-1)
+        return mixed
+'''
+
+
+def _bf16(run: str, model: str, x: str) -> str:
+    return run.replace(model, model + ".to(torch.bfloat16)").replace(x, x.replace("requires_grad=True", "dtype=torch.bfloat16, requires_grad=True"))
+
+
+def test_sample_rows_slot_loop_view_swiglu_grouped_matmul() -> None:
+    facts = _fused_and_runs(MoeExperts(), _SLOT_VIEW, _SLOT_VIEW_RUN, "ClipRouted.forward")
+    assert facts["all_calls"].get("npu_grouped_matmul", 0) >= 2, facts["all_calls"]
+    assert "unsqueeze(1).expand(-1, seq.shape[1], -1)" in facts["rewritten"]
+
+
+def test_sample_rows_slot_loop_bf16() -> None:
+    run = _bf16(_SLOT_VIEW_RUN, "m = ClipRouted(16, 24, 5, 2)", "x = torch.randn(8, 5, 16, requires_grad=True)") \
+        .replace("s = torch.randn(8, 16)", "s = torch.randn(8, 16, dtype=torch.bfloat16)")
+    _fused_and_runs(MoeExperts(), _SLOT_VIEW, run, "ClipRouted.forward", tol=0.999)
+
+
+def test_sample_rows_where_pairs_dropout_experts() -> None:
+    facts = _fused_and_runs(MoeExperts(), _WHERE_PAIRS, _WHERE_PAIRS_RUN, "SequenceRoutedMoE.forward")
+    assert facts["all_calls"].get("npu_moe_token_unpermute") == 1
+
+
+def test_sample_rows_where_pairs_bf16() -> None:
+    run = _bf16(_WHERE_PAIRS_RUN, "m = SequenceRoutedMoE(16, 24, 4, 2)", "x = torch.randn(6, 5, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _WHERE_PAIRS, run, "SequenceRoutedMoE.forward", tol=0.999)
+
+
+def test_sample_rows_flattened_and_shaped_back() -> None:
+    facts = _fused_and_runs(MoeExperts(), _FLAT_BACK, _FLAT_BACK_RUN, "PerSequenceMoE.forward")
+    assert "h.shape[1] == length and h.shape[2] == width" in facts["rewritten"]
+
+
+def test_sample_rows_flattened_bf16() -> None:
+    run = _bf16(_FLAT_BACK_RUN, "m = PerSequenceMoE(12, 20, 4, 2)", "x = torch.randn(7, 3, 12, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _FLAT_BACK, run, "PerSequenceMoE.forward", tol=0.999)
+
+
+def test_sample_rows_fused_path_only_for_3d_tokens() -> None:
+    # the same layer given [B, H] tokens would not broadcast in the loop; the fused path's guard sends them there
+    facts = _fused_and_runs(MoeExperts(), _WHERE_PAIRS, _WHERE_PAIRS_RUN, "SequenceRoutedMoE.forward")
+    assert "(tokens.dim() == 3 and chosen.dim() == 2)" in facts["rewritten"]
+
+
+def test_twin_expert_mixes_the_sequence() -> None:
+    _near_miss(MoeExperts(), _MIXER, "npufuse does not show that they compute each token on its own")
+
+
+def test_twin_transformer_layer_experts() -> None:
+    code = _WHERE_PAIRS.replace(
+        "nn.ModuleList(FeedForwardExpert(dim, hidden) for _ in range(num_experts))",
+        "nn.ModuleList(nn.TransformerEncoderLayer(dim, 2, hidden, batch_first=True) for _ in range(num_experts))")
+    _near_miss(MoeExperts(), code, "npufuse does not show that they compute each token on its own")
+
+
+def test_twin_per_sample_capacity_cut() -> None:
+    code = _WHERE_PAIRS.replace("            if seq_ids.numel() == 0:\n",
+                                "            seq_ids, slot = seq_ids[:4], slot[:4]\n            if seq_ids.numel() == 0:\n")
+    _near_miss(MoeExperts(), code, "a capacity", "capacity")
+
+
+def test_twin_per_sample_weight_of_another_slot() -> None:
+    # every selected sequence weighted by its first slot's weight, whichever slot chose this expert
+    code = _FLAT_BACK.replace("y *= probs[seqs, slot][:, None].unsqueeze(-1)", "y *= probs[seqs, 0][:, None].unsqueeze(-1)")
+    _near_miss(MoeExperts(), code, "is not recognised as the routing weight of the selected tokens")
+
+
+# -- 2. one slot's weight as an [n, 1] view ---------------------------------------------------------------------------
+
+_SLOT_VIEW_2D = _SLOT_VIEW.replace(".view(-1, 1, 1)", ".view(-1, 1)")
+
+_SLOT_VIEW_2D_RUN = '''
+torch.manual_seed(3)
+m = ClipRouted(16, 24, 5, 2)
+x = torch.randn(30, 16, requires_grad=True)
+out = m(x, x)
+leaves = [x, m.select.weight, m.experts[1].w_gate.weight, m.experts[3].w_out.weight]
+'''
+
+
+def test_slot_weight_view_column_token_loop() -> None:
+    _fused_and_runs(MoeExperts(), _SLOT_VIEW_2D, _SLOT_VIEW_2D_RUN, "ClipRouted.forward")
