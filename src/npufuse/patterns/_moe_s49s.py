@@ -76,6 +76,34 @@ def none_columns(node: ast.Subscript) -> int:
     return len(tail)
 
 
+def finish_site(an: Any, site: Any, miss: Any) -> None:
+    """The checks and changes of this module on a site the loop analysis read (in place; ``miss`` with a true
+    reason where they fail)."""
+    dense = getattr(an, "s49_dense_rows", "")
+    if dense and site.mlp is not None and site.mlp.layout == "opaque" and not tokenwise_experts(an):
+        raise miss(f"the expert runs on all tokens and its output is masked after (`{dense}`): equal to running it on "
+                   f"the selected rows only for an expert that computes each token on its own, which npufuse does not "
+                   f"show ({site.mlp.why_opaque or 'its class is not read'})")
+    if getattr(an, "s49_sample", False) or getattr(an, "s49_out_shape", None) is not None:
+        sample_rows(an, site, miss)
+
+
+def masked_dense_call(an: Any, node: ast.Subscript) -> Optional[ast.Call]:
+    """``expert(x)[sel]`` (the expert run on every token, its output rows then picked by this expert's token
+    selection ``sel``) as ``expert(x[sel])``; recorded on the analyser, whose site is refused by :func:`finish_site`
+    unless the expert computes each token on its own (then both are the same rows, values and gradients). None for
+    any other subscript."""
+    call = node.value
+    if not isinstance(call, ast.Call) or len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) \
+            or an.expert_init is not None or isinstance(node.slice, (ast.Tuple, ast.Slice)):
+        return None
+    if an.ev(call.func).kind not in ("expert", "indexed") or an.ev(node.slice).kind not in ("tok", "tokmask", "slotmask1", "tok1"):
+        return None
+    an.s49_dense_rows = ast.unparse(node)[:60]
+    rows = ast.copy_location(ast.Subscript(call.args[0], node.slice, ast.Load()), call.args[0])
+    return ast.copy_location(ast.Call(call.func, [rows], []), call)
+
+
 def sample_rows(an: Any, site: Any, miss: Any) -> None:
     """Turn the token-loop site into the per-sample one (see the module doc): the indices and weights repeated over
     the tokens' second dim, flattened rows, a run-time rank check. Raises ``miss`` with a true reason where the

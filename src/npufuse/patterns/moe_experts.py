@@ -2525,8 +2525,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
         # indices slot by slot when they have the indices' shape (a run-time check)
         ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
-    if site is not None and (getattr(ev, "s49_sample", False) or getattr(ev, "s49_out_shape", None)):
-        _moe_s49s.sample_rows(ev, site, _Miss)  # s49: per-sample routing, [n, 1, 1] weights on whole-sample rows
+    if site is not None:
+        _moe_s49s.finish_site(ev, site, _Miss)  # s49: per-sample routing; experts run on all tokens, then masked
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
@@ -3666,6 +3666,8 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
+        if isinstance(node.value, ast.Call) and (dense := _moe_s49s.masked_dense_call(self, node)) is not None:
+            return self.ev(dense)  # s49: expert(x)[mask] read as expert(x[mask]) (token-wise experts, checked at the end)
         same = _moe_s42b.unit_axis_row_gather(node)
         if same is not None:
             return self._subscript(same)  # s42b: h.unsqueeze(0)[:, rows, :] is h[None, rows]
