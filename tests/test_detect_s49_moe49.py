@@ -6,6 +6,8 @@
    rows flattened for the expert and shaped back): the token loop over the sample's choice repeated over its
    tokens, fused where the experts are read as computing each token on its own.
 2. ``w[mask, k].view(-1, 1)``: the [n, 1] column of one slot's weights (the token loop's ``.unsqueeze(-1)``).
+3. Masked dense experts: ``expert(x)[mask]`` (the expert on every token, its rows picked after) read as
+   ``expert(x[mask])`` where the expert computes each token on its own.
 """
 
 from __future__ import annotations
@@ -272,3 +274,113 @@ leaves = [x, m.select.weight, m.experts[1].w_gate.weight, m.experts[3].w_out.wei
 
 def test_slot_weight_view_column_token_loop() -> None:
     _fused_and_runs(MoeExperts(), _SLOT_VIEW_2D, _SLOT_VIEW_2D_RUN, "ClipRouted.forward")
+
+
+# -- 3. the expert run on every token, its rows picked after ----------------------------------------------------------
+
+_DENSE_MASKED = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TinyExpert(nn.Module):
+    def __init__(self, d, r):
+        super().__init__()
+        self.a = nn.Linear(d, r, bias=False)
+        self.b = nn.Linear(r, d, bias=False)
+
+    def forward(self, h):
+        return self.b(F.gelu(self.a(h)))
+
+
+class AllTokenExperts(nn.Module):
+    def __init__(self, d, r, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.route = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([TinyExpert(d, r) for _ in range(n)])
+
+    def forward(self, x):
+        gate_w, gate_i = torch.topk(torch.softmax(self.route(x), dim=-1), self.k, dim=-1)
+        y = torch.zeros_like(x)
+        for s in range(self.k):
+            ids = gate_i[..., s]
+            col = gate_w[..., s].unsqueeze(-1)
+            for e in range(self.n):
+                hit = ids == e
+                if hit.any():
+                    y[hit] += self.experts[e](x)[hit] * col[hit]
+        return y
+'''
+
+_DENSE_MASKED_RUN = '''
+torch.manual_seed(4)
+m = AllTokenExperts(16, 8, 4, 2)
+x = torch.randn(3, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.route.weight, m.experts[0].a.weight, m.experts[3].b.weight]
+'''
+
+# the expert convolves over the sequence: its output rows depend on the neighbouring tokens
+_DENSE_CONV = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ContextExpert(nn.Module):
+    def __init__(self, d, r):
+        super().__init__()
+        self.a = nn.Linear(d, r)
+        self.b = nn.Linear(r, d)
+        self.mix = nn.Conv1d(d, d, 3, padding=1)
+
+    def forward(self, h):
+        h = h + self.mix(h.transpose(1, 2)).transpose(1, 2)
+        return self.b(F.gelu(self.a(h)))
+
+
+class AllTokenExperts(nn.Module):
+    def __init__(self, d, r, n, k):
+        super().__init__()
+        self.n, self.k = n, k
+        self.route = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([ContextExpert(d, r) for _ in range(n)])
+
+    def forward(self, x):
+        gate_w, gate_i = torch.topk(torch.softmax(self.route(x), dim=-1), self.k, dim=-1)
+        y = torch.zeros_like(x)
+        for s in range(self.k):
+            ids = gate_i[..., s]
+            col = gate_w[..., s].unsqueeze(-1)
+            for e in range(self.n):
+                hit = ids == e
+                if hit.any():
+                    y[hit] += self.experts[e](x)[hit] * col[hit]
+        return y
+'''
+
+
+def test_dense_masked_expert_read_mlp() -> None:
+    facts = _fused_and_runs(MoeExperts(), _DENSE_MASKED, _DENSE_MASKED_RUN, "AllTokenExperts.forward")
+    assert facts["all_calls"].get("npu_grouped_matmul", 0) >= 2, facts["all_calls"]
+
+
+def test_dense_masked_expert_bf16() -> None:
+    run = _bf16(_DENSE_MASKED_RUN, "m = AllTokenExperts(16, 8, 4, 2)", "x = torch.randn(3, 6, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _DENSE_MASKED, run, "AllTokenExperts.forward", tol=0.999)
+
+
+def test_dense_masked_token_wise_module_called_as_it_is() -> None:
+    # biases and a dropout: the MLP is not read for a grouped matmul, the token-wise reader shows the rows are independent
+    code = _DENSE_MASKED.replace("nn.Linear(d, r, bias=False)", "nn.Linear(d, r)").replace(
+        "        self.b = nn.Linear(r, d, bias=False)\n",
+        "        self.b = nn.Linear(r, d)\n        self.drop = nn.Dropout(0.0)\n").replace(
+        "return self.b(F.gelu(self.a(h)))", "return self.drop(self.b(F.gelu(self.a(h))))")
+    facts = _fused_and_runs(MoeExperts(), code, _DENSE_MASKED_RUN, "AllTokenExperts.forward")
+    assert "npu_grouped_matmul" not in facts["all_calls"], facts["all_calls"]
+
+
+def test_twin_dense_masked_expert_mixes_the_sequence() -> None:
+    _near_miss(MoeExperts(), _DENSE_CONV, "the expert runs on all tokens and its output is masked after")
