@@ -167,7 +167,7 @@ def expert_loop(an: Any) -> Any:
 # modules that compute each row of their input from that row alone (nn.LayerNorm only over one last dim, see below)
 _TOKENWISE_MODULES = frozenset(("torch.nn.Linear", "torch.nn.Dropout", "torch.nn.Identity", "torch.nn.GELU", "torch.nn.ReLU",
                                 "torch.nn.SiLU", "torch.nn.Tanh", "torch.nn.Sigmoid", "torch.nn.Mish", "torch.nn.ReLU6",
-                                "torch.nn.LeakyReLU", "torch.nn.ELU", "torch.nn.Softplus", "torch.nn.GLU"))
+                                "torch.nn.LeakyReLU", "torch.nn.ELU", "torch.nn.Softplus"))
 
 
 def tokenwise_experts(an: Any) -> bool:
@@ -181,7 +181,7 @@ def tokenwise_experts(an: Any) -> bool:
     m = an.m
     try:
         cls = me._expert_class(an)
-    except me._Miss as why:
+    except me._Miss:
         seq = _sequential_experts(an, me)
         return seq is not None and all(_tokenwise_module(m, c, {}, me) for c in seq)
     fwd = me._method(m, cls, "forward")

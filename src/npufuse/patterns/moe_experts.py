@@ -51,6 +51,7 @@ from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
+from npufuse.patterns import _moe_s49d
 from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
@@ -2469,6 +2470,8 @@ _SHARED_BRANCH_WORDS = ("expert", "mlp", "ffn", "moe", "gate", "proj", "out")
 def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
     if loop.orelse:
         raise _Miss("the expert loop has an else clause")
+    if (sorted_site := _moe_s49d.read_as_where_loop(module, scope, block, i, loop)) is not False:
+        return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
     if split is not None:
         return split
