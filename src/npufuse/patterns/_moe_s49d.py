@@ -224,15 +224,18 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     syn = as_where_loop(me, m, scope, block, i, loop)
     if syn is None:
         return False
+    if isinstance(syn, str):
+        raise me._Miss(syn)
     site = me._analyze_loop(m, scope, syn[0], syn[1], syn[2])
     if site is not None:
         site.option_guards = [*site.option_guards, *(g for g in syn[3] if g not in site.option_guards)]
     return site
 
 
-def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Optional[tuple[list, int, ast.For, list[str]]]:
+def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Any:
     """``(block', i, loop', guards)``: the loop read as the where loop it equals (see the module doc), with the
-    run-time guards the equality needs; None where the loop is not this form."""
+    run-time guards the equality needs; None where the loop is not this form; a near-miss reason (str) where it is
+    but the equality fails."""
     if loop.orelse or not loop.body:
         return None
     body = list(loop.body)
@@ -336,24 +339,27 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     if rd.pairs is None or lo is None or hi is None:
         return None
     order, flat2d, _, k_node = rd.pairs
+    cut = (f"the expert's rows are sorted (token, slot) pairs `{rd.pairs[2]}[{ast.unparse(lo)}:{ast.unparse(hi)}]`, "
+           "which npufuse does not read as the expert's whole run of the sort (offsets and counts from a bincount of "
+           "the same expert ids): a cut run (a capacity) or other counts would leave pairs out")
     # the bounds are expert e's run
     if running:
         if not (_name(lo) == off and isinstance(hi, ast.BinOp) and isinstance(hi.op, ast.Add)
                 and _name(hi.left) == off and _name(hi.right) == n_var):
-            return None
+            return cut
         minlength = _counts(me, m, scope, counts_node, flat2d, order, loop.lineno)
         if minlength is None:
-            return None
+            return cut
     else:
         lo_v = names.get(_name(lo) or "") if isinstance(lo, ast.Name) else lo
         hi_v = names.get(_name(hi) or "") if isinstance(hi, ast.Name) else hi
         if not (isinstance(lo_v, ast.Subscript) and _name(lo_v.slice) == e_var and isinstance(hi_v, ast.BinOp)
                 and isinstance(hi_v.op, ast.Add) and _name(hi_v.left) == _name(lo)):
-            return None
+            return cut
         cnt = hi_v.right
         cnt_v = names.get(cnt.id) if isinstance(cnt, ast.Name) else cnt
         if not (isinstance(cnt_v, ast.Subscript) and _name(cnt_v.slice) == e_var and isinstance(cnt_v.value, ast.Name)):
-            return None
+            return cut
         counts_t = _host(scope, cnt_v.value, loop.lineno)
         offs_t = _host(scope, lo_v.value, loop.lineno)
         if isinstance(offs_t, ast.Name):
@@ -366,7 +372,7 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
             c_expr = scope.definition(counts_name, loop.lineno)
         minlength = _counts(me, m, scope, cnt_v.value, flat2d, order, loop.lineno)
         if minlength is None or not counts_name or not _exclusive_cumsum_of(offs_t, counts_name) or c_expr is None:
-            return None
+            return cut
         if ast.dump(it.args[0]) != ast.dump(minlength):  # type: ignore[union-attr]
             return None  # range(E) over exactly the counted experts
     # a skip tests this expert's count (an empty run: nothing to add), not another condition
@@ -387,8 +393,10 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     if any(reads(st) for j, st in enumerate(body) if j not in drop):
         return None
     # ... nor anything after the loop (the fused path leaves the offset at 0 and binds no bounds)
-    if any(scope.uses_after(name, loop.end_lineno or loop.lineno) for name in bound):
-        return None
+    late = sorted(name for name in bound if scope.uses_after(name, loop.end_lineno or loop.lineno))
+    if late:
+        return (f"a sorted dispatch over runs of the sorted (token, slot) pairs, but `{late[0]}` (the runs' bookkeeping) "
+                "is read after the loop, where the fused layer would not have advanced it")
     # the synthetic where loop on the original's lines
     def at(node: ast.AST, like: ast.AST) -> ast.AST:
         for n in ast.walk(node):
