@@ -8,12 +8,15 @@
 2. ``w[mask, k].view(-1, 1)``: the [n, 1] column of one slot's weights (the token loop's ``.unsqueeze(-1)``).
 3. Masked dense experts: ``expert(x)[mask]`` (the expert on every token, its rows picked after) read as
    ``expert(x[mask])`` where the expert computes each token on its own.
+4. Sorted dispatch with per-expert gathers of sorted token ids: the flat (token, slot) pairs sorted by expert, the
+   loop cutting each expert's run by offsets of bincount counts (a running offset, or host offsets of their
+   exclusive cumsum), gathering its tokens and adding the weighted outputs back: read as the where loop it equals.
 """
 
 from __future__ import annotations
 
 import torch
-from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
+from pattern_harness import detect_all, fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
 
 from npufuse.patterns.moe_experts import MoeExperts
 
@@ -192,6 +195,10 @@ class SequenceRoutedMoE(nn.Module):
             mixed[seq_ids] += self.experts[e](tokens[seq_ids]) * weights[seq_ids, slot].unsqueeze(-1).unsqueeze(-1)
         return mixed
 '''
+
+
+def _detect(code: str):  # type: ignore[no-untyped-def]
+    return detect_all(MoeExperts(), code)
 
 
 def _bf16(run: str, model: str, x: str) -> str:
@@ -384,3 +391,171 @@ def test_dense_masked_token_wise_module_called_as_it_is() -> None:
 
 def test_twin_dense_masked_expert_mixes_the_sequence() -> None:
     _near_miss(MoeExperts(), _DENSE_CONV, "the expert runs on all tokens and its output is masked after")
+
+
+# -- 4. sorted dispatch, per-expert gathers of the sorted token ids ---------------------------------------------------
+
+# a running offset over the host counts, an empty-run skip, index_add_
+_SORTED_RUNNING = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Ffn(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.out = nn.Linear(h, d)
+
+    def forward(self, v):
+        return self.out(F.relu(self.inp(v)))
+
+
+class SortedExperts(nn.Module):
+    def __init__(self, d, h, num_experts, top_k):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.scorer = nn.Linear(d, num_experts, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(num_experts)])
+
+    def forward(self, hidden):
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        topw, topi = torch.topk(self.scorer(flat).softmax(-1), self.top_k, dim=-1)
+        ids = topi.view(-1)
+        token_of = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(self.top_k)
+        wts = topw.view(-1)
+        _, perm = ids.sort(stable=True)
+        src_tok = token_of[perm]
+        src_w = wts[perm]
+        sizes = torch.bincount(ids, minlength=self.num_experts).tolist()
+        acc = torch.zeros_like(flat)
+        pos = 0
+        for j, size in enumerate(sizes):
+            if size == 0:
+                continue
+            rows = src_tok[pos:pos + size]
+            acc.index_add_(0, rows, self.experts[j](flat[rows]) * src_w[pos:pos + size].unsqueeze(-1))
+            pos += size
+        return acc.reshape(*lead, -1)
+'''
+
+_SORTED_RUNNING_RUN = '''
+torch.manual_seed(5)
+m = SortedExperts(16, 24, 5, 2)
+x = torch.randn(4, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.scorer.weight, m.experts[0].inp.weight, m.experts[4].out.bias]
+'''
+
+# host offsets (exclusive cumsum of the counts), `order // K` tokens, `out[sel] +=`
+_SORTED_OFFSETS = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class GluFfn(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.wg = nn.Linear(d, h, bias=False)
+        self.wu = nn.Linear(d, h, bias=False)
+        self.wd = nn.Linear(h, d, bias=False)
+
+    def forward(self, v):
+        return self.wd(F.silu(self.wg(v)) * self.wu(v))
+
+
+class OffsetDispatchMoE(nn.Module):
+    def __init__(self, d, h, n_exp, top_k):
+        super().__init__()
+        self.n_exp, self.top_k = n_exp, top_k
+        self.gate = nn.Linear(d, n_exp, bias=False)
+        self.experts = nn.ModuleList(GluFfn(d, h) for _ in range(n_exp))
+
+    def route(self, x):
+        probs = self.gate(x).softmax(dim=-1)
+        gate_w, expert_ids = probs.topk(self.top_k, dim=-1)
+        return gate_w / gate_w.sum(dim=-1, keepdim=True), expert_ids
+
+    def forward(self, x):
+        gate_w, expert_ids = self.route(x)
+        flat_e = expert_ids.flatten()
+        order = torch.argsort(flat_e)
+        pair_tok = order // self.top_k
+        pair_w = gate_w.reshape(-1)[order]
+        n_per = torch.bincount(flat_e, minlength=self.n_exp)
+        starts = (n_per.cumsum(0) - n_per).tolist()
+        n_list = n_per.tolist()
+        out = torch.zeros_like(x)
+        for e in range(self.n_exp):
+            s = starts[e]
+            t = s + n_list[e]
+            sel = pair_tok[s:t]
+            out[sel] += self.experts[e](x[sel]) * pair_w[s:t].unsqueeze(1)
+        return out
+'''
+
+_SORTED_OFFSETS_RUN = '''
+torch.manual_seed(6)
+m = OffsetDispatchMoE(16, 20, 6, 2)
+x = torch.randn(30, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[0].wg.weight, m.experts[5].wd.weight]
+'''
+
+
+def test_sorted_running_offset_expert_modules() -> None:
+    facts = _fused_and_runs(MoeExperts(), _SORTED_RUNNING, _SORTED_RUNNING_RUN, "SortedExperts.forward")
+    assert "(topi.dim() == 2 and topi.shape[-1] == (self.top_k))" in facts["rewritten"]
+
+
+def test_sorted_running_offset_bf16() -> None:
+    run = _bf16(_SORTED_RUNNING_RUN, "m = SortedExperts(16, 24, 5, 2)", "x = torch.randn(4, 6, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _SORTED_RUNNING, run, "SortedExperts.forward", tol=0.999)
+
+
+def test_sorted_running_offset_slice_object_out_of_place_add() -> None:
+    # the run as a slice object, the skip advancing the offset too, out = out.index_add(...) on a fresh zeros
+    code = _SORTED_RUNNING.replace(
+        "            if size == 0:\n                continue\n            rows = src_tok[pos:pos + size]\n",
+        "            if size == 0:\n                pos += size\n                continue\n            run = slice(pos, pos + size)\n"
+        "            rows = src_tok[run]\n").replace(
+        "            acc.index_add_(0, rows, self.experts[j](flat[rows]) * src_w[pos:pos + size].unsqueeze(-1))\n",
+        "            acc = acc.index_add(0, rows, self.experts[j](flat[rows]) * src_w[run].unsqueeze(-1))\n")
+    _fused_and_runs(MoeExperts(), code, _SORTED_RUNNING_RUN, "SortedExperts.forward")
+
+
+def test_sorted_host_offsets_swiglu_grouped_matmul() -> None:
+    facts = _fused_and_runs(MoeExperts(), _SORTED_OFFSETS, _SORTED_OFFSETS_RUN, "OffsetDispatchMoE.forward")
+    assert facts["all_calls"].get("npu_grouped_matmul", 0) >= 2, facts["all_calls"]
+
+
+def test_sorted_host_offsets_bf16() -> None:
+    run = _bf16(_SORTED_OFFSETS_RUN, "m = OffsetDispatchMoE(16, 20, 6, 2)", "x = torch.randn(30, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _SORTED_OFFSETS, run, "OffsetDispatchMoE.forward", tol=0.999)
+
+
+def test_twin_sorted_run_cut_to_a_capacity() -> None:
+    code = _SORTED_OFFSETS.replace("            t = s + n_list[e]", "            t = s + min(n_list[e], 4)")
+    _near_miss(MoeExperts(), code, "which npufuse does not read as the expert's whole run of the sort")
+
+
+def test_twin_sorted_offset_read_after_the_loop() -> None:
+    code = _SORTED_RUNNING.replace("        return acc.reshape(*lead, -1)",
+                                   "        assert pos == flat.shape[0] * self.top_k\n        return acc.reshape(*lead, -1)")
+    _near_miss(MoeExperts(), code, "`pos` (the runs' bookkeeping) is read after the loop")
+
+
+def test_twin_sorted_descending_order() -> None:
+    # runs in descending expert order while the offsets count from expert 0: other experts' pairs
+    code = _SORTED_OFFSETS.replace("order = torch.argsort(flat_e)", "order = torch.argsort(flat_e, descending=True)")
+    findings, misses = _detect(code)
+    assert not findings and misses, [m.reason for m in misses]
+
+
+def test_twin_sorted_skip_on_another_condition() -> None:
+    code = _SORTED_RUNNING.replace("            if size == 0:\n", "            if j == 0:\n")
+    findings, _ = _detect(code)
+    assert not findings
