@@ -559,3 +559,11 @@ def test_twin_sorted_skip_on_another_condition() -> None:
     code = _SORTED_RUNNING.replace("            if size == 0:\n", "            if j == 0:\n")
     findings, _ = _detect(code)
     assert not findings
+
+
+def test_twin_sorted_indices_rebound_before_the_loop() -> None:
+    # the indices the pairs were sorted from are rebound before the loop: the where loop would read other ones
+    code = _SORTED_RUNNING.replace("        sizes = torch.bincount(ids, minlength=self.num_experts).tolist()\n",
+                                   "        topi = topi.flip(-1)\n        sizes = torch.bincount(ids, minlength=self.num_experts).tolist()\n")
+    findings, _ = _detect(code)
+    assert not findings

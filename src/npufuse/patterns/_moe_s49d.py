@@ -339,6 +339,14 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     if rd.pairs is None or lo is None or hi is None:
         return None
     order, flat2d, _, k_node = rd.pairs
+    # the where loop reads the indices and weights at the loop: the values the sort and the flat weights read
+    read_at = {flat2d: me._sort_order_source(scope, order, loop.lineno)[1]}
+    for sw, w in rd.sorted_w.items():  # the weights: read where they are sorted (or flattened before)
+        at = getattr(scope.definition(sw, loop.lineno), "lineno", loop.lineno)
+        read_at[w] = min(read_at.get(w, at), at)
+    for name, at in read_at.items():
+        if any(at < st.lineno < loop.lineno for st, _ in scope.assignments.get(name, [])):
+            return None
     cut = (f"the expert's rows are sorted (token, slot) pairs `{rd.pairs[2]}[{ast.unparse(lo)}:{ast.unparse(hi)}]`, "
            "which npufuse does not read as the expert's whole run of the sort (offsets and counts from a bincount of "
            "the same expert ids): a cut run (a capacity) or other counts would leave pairs out")
@@ -433,7 +441,7 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
             st = _Swap().visit(_shallow_tree(st, swap))
         kept.append(_in_place_index_add(me, m, scope, block, i, st))
     header = at(ast.Call(ast.Name("range", ast.Load()), [minlength], []), loop.iter)
-    new = ast.For(target=ast.Name(e_var, ast.Store()), iter=header, body=[where, skip, *kept], orelse=[])
+    new = ast.For(target=ast.Name(e_var, ast.Store()), iter=header, body=[where, *([skip] if skips else []), *kept], orelse=[])
     new = ast.copy_location(new, loop)
     new.end_lineno, new.end_col_offset = loop.end_lineno, loop.end_col_offset
     guards = [f"({flat2d}.dim() == 2 and {flat2d}.shape[-1] == ({ast.unparse(k_node)}))"] if k_node is not None \
