@@ -218,9 +218,9 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     guards; False where the loop is not this form (the caller reads it as written)."""
     from npufuse.patterns import moe_experts as me  # the analyser (imports this module)
 
-    if not any(isinstance(n, ast.Slice) or isinstance(n, ast.Call) and dotted(n.func) == "slice"
-               for st in loop.body for n in ast.walk(st)):
-        return False  # the cheap gate: the runs are cut by slices
+    if "bincount" not in m.source or not any(isinstance(n, ast.Slice) or isinstance(n, ast.Call) and dotted(n.func) == "slice"
+                                             for st in loop.body for n in ast.walk(st)):
+        return False  # the cheap gates: the counts are a bincount, the runs are cut by slices
     syn = as_where_loop(me, m, scope, block, i, loop)
     if syn is None:
         return False
