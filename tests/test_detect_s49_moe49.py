@@ -11,6 +11,9 @@
 4. Sorted dispatch with per-expert gathers of sorted token ids: the flat (token, slot) pairs sorted by expert, the
    loop cutting each expert's run by offsets of bincount counts (a running offset, or host offsets of their
    exclusive cumsum), gathering its tokens and adding the weighted outputs back: read as the where loop it equals.
+5. Stacked experts whose gate is a row-wise method of the class (``self._apply_gate(F.linear(rows, w13[e]))``, the
+   clamped SwiGLU of transformers' v5 experts, the limit a config field): the method is called between the grouped
+   matmuls.
 """
 
 from __future__ import annotations
@@ -567,3 +570,71 @@ def test_twin_sorted_indices_rebound_before_the_loop() -> None:
                                    "        topi = topi.flip(-1)\n        sizes = torch.bincount(ids, minlength=self.num_experts).tolist()\n")
     findings, _ = _detect(code)
     assert not findings
+
+
+# -- 5. a row-wise gate method between stacked projections ------------------------------------------------------------
+
+_CLAMPED_METHOD = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Cfg:
+    def __init__(self, hidden, inner, experts, limit):
+        self.hidden, self.inner, self.experts, self.limit = hidden, inner, experts, limit
+
+
+class StackedClampedExperts(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n = cfg.experts
+        self.w_in = nn.Parameter(torch.randn(cfg.experts, 2 * cfg.inner, cfg.hidden) * 0.3)
+        self.w_out = nn.Parameter(torch.randn(cfg.experts, cfg.hidden, cfg.inner) * 0.3)
+        self.cap = cfg.limit
+
+    def _gated(self, both):
+        g, u = both.chunk(2, dim=-1)
+        g = g.clamp(max=self.cap)
+        u = u.clamp(min=-self.cap, max=self.cap)
+        return F.silu(g) * u
+
+    def forward(self, states, expert_ids, expert_w):
+        result = torch.zeros_like(states)
+        hits = F.one_hot(expert_ids, num_classes=self.n).permute(2, 1, 0)
+        for e in range(self.n):
+            slot, tok = torch.where(hits[e])
+            if tok.numel() == 0:
+                continue
+            h = self._gated(F.linear(states[tok], self.w_in[e]))
+            h = F.linear(h, self.w_out[e]) * expert_w[tok, slot, None]
+            result.index_add_(0, tok, h.to(result.dtype))
+        return result
+'''
+
+_CLAMPED_METHOD_RUN = '''
+torch.manual_seed(7)
+m = StackedClampedExperts(Cfg(16, 12, 5, 0.5))
+x = torch.randn(24, 16, requires_grad=True)
+w, ids = torch.topk(torch.randn(24, 5).softmax(-1), 2, dim=-1)
+out = m(x, ids, w)
+leaves = [x, m.w_in, m.w_out]
+'''
+
+
+def test_clamped_gate_method_stacked_grouped_matmul() -> None:
+    facts = _fused_and_runs(MoeExperts(), _CLAMPED_METHOD, _CLAMPED_METHOD_RUN, "StackedClampedExperts.forward")
+    assert "self._gated(" in facts["rewritten"] and facts["all_calls"].get("npu_grouped_matmul", 0) >= 2
+
+
+def test_clamped_gate_method_bf16() -> None:
+    run = _CLAMPED_METHOD_RUN.replace("m = StackedClampedExperts(Cfg(16, 12, 5, 0.5))",
+                                      "m = StackedClampedExperts(Cfg(16, 12, 5, 0.5)).to(torch.bfloat16)") \
+        .replace("x = torch.randn(24, 16, requires_grad=True)", "x = torch.randn(24, 16, dtype=torch.bfloat16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _CLAMPED_METHOD, run, "StackedClampedExperts.forward", tol=0.999)
+
+
+def test_twin_gate_method_mixes_rows() -> None:
+    # the gate centres over the rows: each row's output depends on the other rows the expert got
+    code = _CLAMPED_METHOD.replace("        g = g.clamp(max=self.cap)", "        g = (g - g.mean(dim=0, keepdim=True)).clamp(max=self.cap)")
+    _near_miss(MoeExperts(), code, "is not recognised: only silu-gated, act(gate) * up and plain act(x) experts")

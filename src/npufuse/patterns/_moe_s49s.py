@@ -279,3 +279,30 @@ def _sequential_experts(an: Any, me: Any) -> Optional[list]:
     if isinstance(value, (ast.ListComp, ast.GeneratorExp)):
         value = value.elt
     return [value] if isinstance(value, ast.Call) else None
+
+
+def rowwise_method(m: Any, scope: Any, attr: str, act_cls: Any) -> Any:
+    """``_Act("call", "{owner}.<attr>({x})")`` for ``self.<attr>(h)`` where ``<attr>`` is a method of this class
+    (``def _apply_gate(self, gate_up)``) whose body is row-wise by patterns/_moe_s44b's reader (element-wise ops,
+    last-dim chunks, scalar attributes), scalars set in ``__init__`` from a field of an ``__init__`` argument
+    (``self.limit = config.swiglu_limit``, a hyperparameter) included: the fused layer calls the method on all the
+    permuted rows at once, between the grouped matmuls (the clamped SwiGLU of transformers' v5 experts). None
+    otherwise."""
+    from npufuse.patterns import _moe_s44b as s44b
+    from npufuse.patterns import moe_experts as me
+
+    cls = m.classes.get(scope.class_name or "")
+    if cls is None:
+        return None
+    fn = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == attr), None)
+    if fn is None or fn.decorator_list:
+        return None
+    init = me._class_init_assigns(m, cls)
+    init_fn = me._method(m, cls, "__init__")
+    params = {a.arg for a in init_fn.args.args[1:]} if init_fn is not None else set()
+    # `self.limit = config.swiglu_limit`: read as the plain argument it is a field of (a scalar hyperparameter)
+    scalars = {k: (ast.Name(v.value.id, ast.Load()) if isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name)
+                   and v.value.id in params else v) for k, v in init.items()}
+    if not s44b._rowwise_forward(fn, scalars, lambda n: me._canon(m, n)):
+        return None
+    return act_cls("call", f"{{owner}}.{attr}({{x}})", "self")

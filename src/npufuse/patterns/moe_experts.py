@@ -4636,6 +4636,8 @@ class _Eval:
             act = _activation_attr(m, self.scope, f.attr, owner="self")
             if act is None and self.expert_init is None and not node.keywords:
                 act = _s44b_rowwise_module(m, self.scope, f.attr)  # s44b: `self.activation = GLU()` of this file
+            if act is None and self.expert_init is None and not node.keywords:
+                act = _moe_s49s.rowwise_method(m, self.scope, f.attr, _Act)  # s49: `self._apply_gate(h)`, a row-wise method
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
         return V("unknown", (ast.unparse(node),))
@@ -4789,7 +4791,8 @@ class _Eval:
             orient = "out_in" if transposed else "in_out"
         if src.kind == "unknown" and src.args:
             raise _Miss(f"the expert activation `{str(src.args[0])[:60]}` is not recognised: only silu-gated, "
-                        "act(gate) * up and plain act(x) experts map onto npu_swiglu / grouped matmul (clamped or custom gates do not)")
+                        "act(gate) * up and plain act(x) experts map onto npu_swiglu / grouped matmul (a clamped or custom gate only "
+                        "as a row-wise module or method of this file, called between the grouped matmuls)")
         if src.kind not in ("x", "x_sorted", "glu", "act", "scaled"):
             raise _Miss("a stacked expert projection is applied to something other than the tokens or the hidden activation")
         return V("proj", (("stk", dotted(w.value) or "", orient), src))
