@@ -97,10 +97,12 @@ def masked_dense_call(an: Any, node: ast.Subscript) -> Optional[ast.Call]:
     if not isinstance(call, ast.Call) or len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred) \
             or an.expert_init is not None or isinstance(node.slice, (ast.Tuple, ast.Slice)):
         return None
+    from npufuse.patterns import moe_experts as me  # the analyser (imports this module)
+
     try:
         if an.ev(call.func).kind not in ("expert", "indexed") or an.ev(node.slice).kind not in ("tok", "tokmask", "slotmask1", "tok1"):
             return None
-    except Exception:  # the analyser's near miss on either part: the subscript is read as before
+    except me._Miss:  # the analyser's near miss on either part: the subscript is read as before
         return None
     an.s49_dense_rows = ast.unparse(node)[:60]
     rows = ast.copy_location(ast.Subscript(call.args[0], node.slice, ast.Load()), call.args[0])
