@@ -51,6 +51,8 @@ from npufuse.patterns import _moe_s47t
 from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
+from npufuse.patterns import _moe_s49d
+from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
@@ -207,6 +209,8 @@ class _Site:
     unnamed_ids: bool = False
     # s45: runs of sorted ids index the experts as a list (`experts[-1]` is the last one): negative ids wrap
     wrap_negative_ids: bool = False
+    # s49: per-sample routing: the output rows' leading shape (the tokens', as written), for a fresh accumulator
+    rows_shape: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2466,6 +2470,8 @@ _SHARED_BRANCH_WORDS = ("expert", "mlp", "ffn", "moe", "gate", "proj", "out")
 def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
     if loop.orelse:
         raise _Miss("the expert loop has an else clause")
+    if (sorted_site := _moe_s49d.read_as_where_loop(module, scope, block, i, loop)) is not False:
+        return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
     if split is not None:
         return split
@@ -2490,6 +2496,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.run_body(loop.body[:-1])
         ev.run_body(inner.body)
         ev.loop = loop
+        ev.s49_expert_loop = inner  # s49: the expert loop itself, whose enumerate() names the expert modules
     else:
         ev = _Eval(module, scope, loop)
         ev.run_header()
@@ -2521,6 +2528,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         # w[b, t, k] proves only that w has the indices' leading dims: the flattened weights pair with the flattened
         # indices slot by slot when they have the indices' shape (a run-time check)
         ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
+    if site is not None:
+        _moe_s49s.finish_site(ev, site, _Miss)  # s49: per-sample routing; experts run on all tokens, then masked
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
@@ -3660,6 +3669,8 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
+        if isinstance(node.value, ast.Call) and (dense := _moe_s49s.masked_dense_call(self, node)) is not None:
+            return self.ev(dense)  # s49: expert(x)[mask] read as expert(x[mask]) (token-wise experts, checked at the end)
         same = _moe_s42b.unit_axis_row_gather(node)
         if same is not None:
             return self._subscript(same)  # s42b: h.unsqueeze(0)[:, rows, :] is h[None, rows]
@@ -4406,6 +4417,8 @@ class _Eval:
                 return V("tokcol", (recv.args[0], "slot"))  # s46h: squeezed, the rows of slot k's mask
             if attr in ("reshape", "view") and recv.kind in ("x", "x_sorted"):
                 return recv
+            if attr in ("reshape", "view") and recv.kind == "mod_out" and _moe_s49s.sample_output_shape(self, node):
+                return recv  # s49: expert(x[seq].reshape(-1, H)).reshape(-1, S, H): whole-sample rows again
             if attr == "unsqueeze" and recv.kind == "x" and const_value(keyword(node, "dim", 0)) == 0 \
                     and len(node.args) + len(node.keywords) == 1:
                 self.lead_rows = True  # [1, n, H]: written back through y[sel] = ..., which drops the leading 1
@@ -4463,6 +4476,8 @@ class _Eval:
                 return V("rw")  # topk_weight[mask].view(-1, 1)
             if attr == "unsqueeze" and recv.kind == "rw_row" and len(node.args) == 1 and const_value(node.args[0]) in (1, -1):
                 return V("rw")
+            if recv.kind in ("rw_row", "rw") and (lift := _moe_s49s.weight_view(node, recv.kind)):
+                return _moe_s49s.lifted(self, lift, V)  # s49: w[m, k].view(-1, 1) / .view(-1, 1, 1) (per-sample rows)
             if attr in ("int", "long", "float", "to") and recv.kind == "slotmask":
                 return recv
             if attr == "argmax" and recv.kind == "slotmask" and const_value(keyword(node, "dim", 0)) == -1 \
@@ -4621,6 +4636,8 @@ class _Eval:
             act = _activation_attr(m, self.scope, f.attr, owner="self")
             if act is None and self.expert_init is None and not node.keywords:
                 act = _s44b_rowwise_module(m, self.scope, f.attr)  # s44b: `self.activation = GLU()` of this file
+            if act is None and self.expert_init is None and not node.keywords:
+                act = _moe_s49s.rowwise_method(m, self.scope, f.attr, _Act)  # s49: `self._apply_gate(h)`, a row-wise method
             if act is not None:
                 return V("act", (act, self.ev(node.args[0])))
         return V("unknown", (ast.unparse(node),))
@@ -4774,7 +4791,8 @@ class _Eval:
             orient = "out_in" if transposed else "in_out"
         if src.kind == "unknown" and src.args:
             raise _Miss(f"the expert activation `{str(src.args[0])[:60]}` is not recognised: only silu-gated, "
-                        "act(gate) * up and plain act(x) experts map onto npu_swiglu / grouped matmul (clamped or custom gates do not)")
+                        "act(gate) * up and plain act(x) experts map onto npu_swiglu / grouped matmul (a clamped or custom gate only "
+                        "as a row-wise module or method of this file, called between the grouped matmuls)")
         if src.kind not in ("x", "x_sorted", "glu", "act", "scaled"):
             raise _Miss("a stacked expert projection is applied to something other than the tokens or the hidden activation")
         return V("proj", (("stk", dotted(w.value) or "", orient), src))
@@ -5721,7 +5739,7 @@ def _expert_class(ev: _Eval) -> ast.ClassDef:
         raise _Miss(f"the experts are one callable given the expert index (`{ast.unparse(ev.indexed_call or ev.indexed_module)[:70]}`)")
     container = ev.template.value if ev.template is not None else None
     if container is None and (ev.loop_kind == "enumerate_experts" or ev.experts_node is not None):
-        container = ev.experts_node if ev.experts_node is not None else ev.loop.iter.args[0]  # type: ignore[attr-defined]
+        container = ev.experts_node if ev.experts_node is not None else _moe_s49s.expert_loop(ev).iter.args[0]  # type: ignore[attr-defined]
         if isinstance(container, ast.Call):
             container = container.func.value  # type: ignore[attr-defined]
     attr = container.attr if isinstance(container, ast.Attribute) else None
@@ -6191,7 +6209,7 @@ def _fused_text(site: _Site) -> str:
             f", probs={site.probs}.reshape(-1, 1).to({h}.dtype)" if site.probs else ""  # s43a: top-1 weights in the loop
         result = f"torch_npu.npu_moe_token_unpermute({h}, {P}order{probs})"
         if site.flat_rows:
-            result = f"{result}.reshape({out}.shape)"
+            result = f"{result}.reshape(*{site.rows_shape}, -1)" if site.rows_shape else f"{result}.reshape({out}.shape)"
         elif flat_shape:
             result = f"{result}.reshape(*{flat_shape}, -1)"
         if site.clone_of:
