@@ -152,3 +152,71 @@ def test_scan_cli_include_tests_flag(tmp_path, monkeypatch):
     assert main(["scan", "repo", "--format", "json", "--no-cache", "--no-progress", "--state-dir", "s2", "--include-tests"]) == 0
     second = json.loads((tmp_path / "s2" / "scan.json").read_text())
     assert [c["file"] for c in second["candidates"]] == ["tests/test_norm.py"]
+
+
+def _git(root: Path, *args: str) -> None:
+    import subprocess
+
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, env=env)
+
+
+git_only = pytest.mark.skipif(__import__("shutil").which("git") is None, reason="needs the git command")
+
+
+@git_only
+def test_files_git_tracks_are_read_even_where_gitignore_matches(tmp_path):
+    # A clone whose .gitignore lists models/ (and *.gen.py) while its model package is committed:
+    # git reads tracked files whatever the ignore patterns say, so does the scan. Untracked files
+    # the patterns match stay out, and an ignored folder with nothing tracked is still skipped.
+    _touch(tmp_path, ".gitignore", "models/\n*.gen.py\nout/\n")
+    _touch(tmp_path, "models/attention.py")
+    _touch(tmp_path, "models/deep/norm.py")
+    _touch(tmp_path, "models/scratch.py")  # untracked
+    _touch(tmp_path, "models/tmp/junk.py")  # untracked folder below a tracked one
+    _touch(tmp_path, "layer.gen.py")
+    _touch(tmp_path, "other.gen.py")  # untracked
+    _touch(tmp_path, "out/run.py")  # untracked
+    _touch(tmp_path, "train.py")
+    _touch(tmp_path, "pkg/.gitignore", "gen/\n")
+    _touch(tmp_path, "pkg/gen/a.py")
+    _touch(tmp_path, "pkg/gen/b.py")  # untracked
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-f", ".gitignore", "models/attention.py", "models/deep/norm.py", "layer.gen.py", "train.py", "pkg/.gitignore", "pkg/gen/a.py")
+    _git(tmp_path, "commit", "-q", "-m", "x")
+    res = walk(tmp_path)
+    assert res.files == ["layer.gen.py", "models/attention.py", "models/deep/norm.py", "pkg/gen/a.py", "train.py"]
+    assert {"path": "out/", "reason": ".gitignore"} in res.skipped
+    assert {"path": "models/tmp/", "reason": ".gitignore"} in res.skipped
+    # Scanning a sub-folder of the work tree: git answers relative to it.
+    assert walk(tmp_path / "pkg").files == ["gen/a.py"]
+
+
+@git_only
+def test_a_repository_config_command_is_not_run_by_the_walk(tmp_path):
+    # The repository is untrusted: its .git/config may name a command git runs on some reads
+    # (core.fsmonitor). The walk asks git only for the index, with that hook switched off.
+    marker = tmp_path / "ran"
+    repo = tmp_path / "repo"
+    _touch(repo, ".gitignore", "models/\n")
+    _touch(repo, "models/a.py")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-f", ".gitignore", "models/a.py")
+    _git(repo, "commit", "-q", "-m", "x")
+    _git(repo, "config", "core.fsmonitor", f"touch {marker}; echo")
+    res = walk(repo)
+    assert res.files == ["models/a.py"]
+    assert not marker.exists()
+
+
+def test_without_git_the_ignore_patterns_decide(tmp_path, monkeypatch):
+    # A work tree (a .git folder) where git cannot answer (not installed, or not a real repository):
+    # the patterns decide alone, as before.
+    (tmp_path / ".git").mkdir()
+    _touch(tmp_path, ".gitignore", "models/\n")
+    _touch(tmp_path, "models/a.py")
+    _touch(tmp_path, "b.py")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-such-bin"))
+    res = walk(tmp_path)
+    assert res.files == ["b.py"]
+    assert {"path": "models/", "reason": ".gitignore"} in res.skipped

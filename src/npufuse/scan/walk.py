@@ -1,7 +1,9 @@
 """Which files a scan reads: Python sources under a root, in a stable order.
 
 Honours ``.gitignore`` (the root's, nested ones, and those of enclosing folders up to the git
-work tree top, plus ``.git/info/exclude``), skips virtualenvs, build/dist/cache folders and VCS
+work tree top, plus ``.git/info/exclude``) the way git does: a file git tracks is read even where an
+ignore pattern matches it (a repository that ignores ``models/`` but commits its model package is
+scanned in full), skips virtualenvs, build/dist/cache folders and VCS
 metadata, follows folder symlinks once (a link back to an ancestor is reported as a loop, never
 followed), and names every path relative to the root with ``/``. Problems are returned as
 :class:`Failure` entries, never raised: one bad folder must not stop the scan.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +133,56 @@ class _Ignore:
         return bool(verdict)
 
 
+class _Tracked:
+    """The files git tracks under the walk root, asked only when an ignore pattern first matches a
+    Python file or a folder (most scans never ask). ``None`` where the root is not in a git work
+    tree, git is absent or refuses (another user's repository): the ignore patterns then decide
+    alone, as before.
+
+    The repository is untrusted: ``git ls-files --cached`` only reads the index (no refresh, no
+    hooks), and ``core.fsmonitor`` -- a command a repository's own config may name -- is switched
+    off on the command line."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._files: frozenset[str] | None = None
+        self._dirs: frozenset[str] = frozenset()
+        self._asked = False
+
+    def _ask(self) -> None:
+        self._asked = True
+        try:
+            out = subprocess.run(
+                ["git", "-c", "core.fsmonitor=false", "--no-optional-locks", "ls-files", "--cached", "-z"],
+                cwd=self.root, capture_output=True, timeout=60, check=False,
+                # The user's GIT_DIR / GIT_INDEX_FILE would answer for another repository.
+                env={**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")}, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"},
+            )
+        except (OSError, subprocess.SubprocessError):
+            return
+        if out.returncode != 0:
+            return
+        files = frozenset(p for p in out.stdout.decode("utf-8", "surrogateescape").split("\0") if p)
+        dirs: set[str] = set()
+        for f in files:
+            cut = f.rfind("/")
+            while cut > 0 and f[: cut + 1] not in dirs:
+                dirs.add(f[: cut + 1])
+                cut = f.rfind("/", 0, cut)
+        self._files, self._dirs = files, frozenset(dirs)
+
+    def has_file(self, rel: str) -> bool:
+        if not self._asked:
+            self._ask()
+        return self._files is not None and rel in self._files
+
+    def has_dir(self, rel_dir: str) -> bool:
+        """True when git tracks a file somewhere below ``rel_dir`` (ending in ``/``)."""
+        if not self._asked:
+            self._ask()
+        return rel_dir in self._dirs
+
+
 def _read_spec(path: str | Path) -> pathspec.GitIgnoreSpec | None:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -137,6 +190,18 @@ def _read_spec(path: str | Path) -> pathspec.GitIgnoreSpec | None:
     except OSError:
         return None
     return pathspec.GitIgnoreSpec.from_lines(text.splitlines())
+
+
+def _enclosing_top(root: Path) -> Path | None:
+    """The git work tree holding ``root`` (a folder with ``.git``), or None."""
+    try:
+        real = root.resolve()
+    except OSError:
+        return None
+    for folder in [real, *real.parents]:
+        if (folder / ".git").exists():
+            return folder
+    return None
 
 
 def _enclosing_specs(root: Path) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
@@ -201,7 +266,8 @@ def walk(target: Path | str, include_tests: bool = False) -> WalkResult:
     except OSError as exc:
         result.failed.append(_os_failure("./", exc))
         return result
-    _walk_dir(os.fspath(target), "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result, include_tests)
+    tracked = _Tracked(os.fspath(target)) if _enclosing_top(target) is not None else None
+    _walk_dir(os.fspath(target), "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result, include_tests, tracked)
     result.files.sort()
     result.data_files.sort()
     result.failed.sort(key=lambda f: (f.file, f.kind))
@@ -218,7 +284,10 @@ def _walk_dir(
     seen_files: set[tuple[int, int]],
     result: WalkResult,
     include_tests: bool = False,
+    tracked: _Tracked | None = None,
+    only_tracked: bool = False,
 ) -> None:
+    # only_tracked: this folder is ignored, but git tracks files below it: read just those.
     try:
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
@@ -237,8 +306,12 @@ def _walk_dir(
             continue
         if stat.S_ISDIR(st.st_mode):
             reason = _skip_reason(path, entry.name, include_tests)
-            if reason is None and ignore.ignored(rel, is_dir=True):
-                reason = ".gitignore"
+            sub_only_tracked = only_tracked
+            if reason is None and (only_tracked or ignore.ignored(rel, is_dir=True)):
+                if tracked is not None and tracked.has_dir(rel + "/"):
+                    sub_only_tracked = True
+                else:
+                    reason = ".gitignore"
             if reason is not None:
                 result.skipped.append({"path": rel + "/", "reason": reason})
                 continue
@@ -251,12 +324,12 @@ def _walk_dir(
                     result.skipped.append({"path": rel + "/", "reason": "symlink to a folder already scanned"})
                 continue
             seen_dirs.add(ident)
-            _walk_dir(path, rel + "/", ignore.with_dir(rel + "/", path), ancestors + [ident], seen_dirs, seen_files, result, include_tests)
+            _walk_dir(path, rel + "/", ignore.with_dir(rel + "/", path), ancestors + [ident], seen_dirs, seen_files, result, include_tests, tracked, sub_only_tracked)
         elif stat.S_ISREG(st.st_mode):
             python = entry.name.endswith(PYTHON_SUFFIXES)
             if not python and not is_data_file(rel):
                 continue  # neither kind is read: no need to ask the gitignore specs
-            if ignore.ignored(rel, is_dir=False):
+            if (only_tracked or ignore.ignored(rel, is_dir=False)) and not (tracked is not None and tracked.has_file(rel)):
                 continue
             if python:
                 ident = (st.st_dev, st.st_ino)
