@@ -316,6 +316,26 @@ def test_files_with_uncommitted_changes_are_refused_unless_forced(repo, capsys):
     assert (root / "model.py").read_text() == MODEL + "# more wip\n"
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_repository_config_command_is_not_run_by_the_uncommitted_check(repo, tmp_path, capsys):
+    # A repository that arrives with its own .git folder is untrusted: git status would run the
+    # core.fsmonitor command its .git/config names; the check runs git with that hook switched off
+    # and still sees the user's uncommitted edit.
+    root, _, _, _ = repo
+    marker = tmp_path / "ran"
+    _git(root, "init", "-q")
+    _git(root, "add", "model.py", "head.py")
+    _git(root, "commit", "-q", "-m", "base")
+    _git(root, "config", "core.fsmonitor", f"touch {marker}; echo")
+    (root / "head.py").write_text(HEAD + "# wip\n")
+    scan(root, state_dir=root / ".npufuse2")
+    sd2 = root / ".npufuse2"
+    head_id = next(c["id"] for c in json.loads((sd2 / "scan.json").read_text())["candidates"] if c["file"] == "head.py")
+    assert apply(sd2, "--accept", str(head_id)) == 2
+    assert "head.py has uncommitted changes" in capsys.readouterr().err
+    assert not marker.exists()
+
+
 def test_no_git_repo_means_no_check(repo):
     root, sd, _, _ = repo
     (root / "model.py").write_bytes((root / "model.py").read_bytes())  # untouched content, no repo

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import shutil
 import stat
-import subprocess
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from npufuse.untrusted_git import run_git
 
 
 class FileProblem(ValueError):
@@ -133,17 +133,11 @@ def backup_path(state_dir: Path, rel: str) -> Path:
 def git_changes(root: Path, path: Path) -> str | None:
     """``git status --porcelain`` line(s) of ``path`` when ``root`` is inside a git work tree and
     the file has uncommitted (or untracked) changes; None when clean, not a repo, or no git."""
-    git = shutil.which("git")
-    if git is None:
+    inside = run_git(["rev-parse", "--is-inside-work-tree"], root, timeout=30)
+    if inside is None or inside.returncode != 0 or inside.stdout.strip() != b"true":
         return None
-    try:
-        inside = subprocess.run([git, "-C", str(root), "rev-parse", "--is-inside-work-tree"], capture_output=True, text=True, timeout=30)
-        if inside.returncode != 0 or inside.stdout.strip() != "true":
-            return None
-        status = subprocess.run([git, "-C", str(path.parent), "status", "--porcelain", "--", path.name], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
+    status = run_git(["status", "--porcelain", "--", path.name], path.parent)
+    if status is None or status.returncode != 0:
         return None
-    if status.returncode != 0:
-        return None
-    out = status.stdout.strip()
+    out = status.stdout.decode("utf-8", "replace").strip()
     return out or None

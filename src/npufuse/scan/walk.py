@@ -14,12 +14,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pathspec
+
+from npufuse.untrusted_git import run_git
 
 # Folder names never descended into, with the reason shown in the report.
 SKIP_DIRS: dict[str, str] = {
@@ -139,9 +140,8 @@ class _Tracked:
     tree, git is absent or refuses (another user's repository): the ignore patterns then decide
     alone, as before.
 
-    The repository is untrusted: ``git ls-files --cached`` only reads the index (no refresh, no
-    hooks), and ``core.fsmonitor`` -- a command a repository's own config may name -- is switched
-    off on the command line."""
+    The repository is untrusted: ``git ls-files --cached`` only reads the index, through
+    :func:`npufuse.untrusted_git.run_git` (the repository's ``core.fsmonitor`` command switched off)."""
 
     def __init__(self, root: str):
         self.root = root
@@ -151,14 +151,8 @@ class _Tracked:
 
     def _ask(self) -> None:
         self._asked = True
-        try:
-            out = subprocess.run(
-                ["git", "-c", "core.fsmonitor=false", "--no-optional-locks", "ls-files", "--cached", "-z"],
-                cwd=self.root, capture_output=True, timeout=60, check=False,
-                # The user's GIT_DIR / GIT_INDEX_FILE would answer for another repository.
-                env={**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")}, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"},
-            )
-        except (OSError, subprocess.SubprocessError):
+        out = run_git(["ls-files", "--cached", "-z"], self.root)
+        if out is None:
             return
         if out.returncode != 0:
             return
