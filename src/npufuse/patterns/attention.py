@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method, _attention_s49m
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
@@ -752,11 +752,11 @@ def causal_cache_lines(device_of: str) -> tuple[list[str], str]:
 ADDITIVE_MASK_FLOOR = -1000.0
 
 
-def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = False) -> str:
+def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = False, rows: str | None = "key") -> str:
     """Run-time condition: the mask ``text`` (evaluated once per use; pass a name) can be
-    binarised with ``< 0`` without changing the attention."""
+    binarised with ``< 0`` without changing the attention (s49: its rows too, ``rows``)."""
     a = atom(text)
-    check = f"bool((({a} == 0) | ({a} <= {ADDITIVE_MASK_FLOOR})).all())"
+    check = _attention_s49m.additive_exact(text, rows)  # s49 mask49: values 0 / <= -1000 and a 0 in every row
     if maybe_bool:
         check = f"{a}.dtype == torch.bool or {check}"
     if maybe_none:
@@ -764,11 +764,11 @@ def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = 
     return check
 
 
-def zero_one_exact(text: str) -> str:
+def zero_one_exact(text: str, rows: str | None = "key") -> str:
     """Run-time condition: the multiplicative mask ``text`` holds only 0 and 1, so ``s * m - C * (1 - m)`` equals
-    ``s`` where m == 1 and ``-C`` where m == 0 (a fractional m would scale the logits instead)."""
-    a = atom(text)
-    return f"bool((({a} == 0) | ({a} == 1)).all())"
+    ``s`` where m == 1 and ``-C`` where m == 0 (a fractional m would scale the logits instead); s49: and a 1 in
+    every row (a row of -C only is a uniform row in the original)."""
+    return _attention_s49m.zero_one_exact(text, rows)
 
 
 def _zero_one_built(node: Any, depth: int = 0) -> bool:
@@ -789,9 +789,7 @@ def _zero_one_built(node: Any, depth: int = 0) -> bool:
     return False
 
 
-VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
-                    f"<= {ADDITIVE_MASK_FLOOR:g} (a 0/-inf mask; a graded bias such as ALiBi or a 0/1 float mask runs the "
-                    "original code instead), a reduction and a host sync per call (a graph break under torch.compile)")
+VALUE_CHECK_RISK = _attention_s49m.VALUE_CHECK_RISK  # s49 mask49: values and rows
 
 
 def checked_body(before: list[str], after: list[str], condition: str, original: str) -> list[str]:
@@ -4064,7 +4062,7 @@ class AttentionPattern(Pattern):
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks, fold is not None, chain.s43_score_axes)
                 if chain.s43_score_axes is not None:
                     mask_lines.insert(0, _attention_s43mla.to_bnsd_lambda(chain.s43_score_axes))
-                checks = self._value_checks(r, chain.masks, module, scope)
+                checks = self._value_checks(r, chain.masks, module, scope, _attention_s49m.row_rule(chain))
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 row_checks = self._row_checks(r, chain, module, scope, span_line)  # s40 (wrong40): rows left without a key
@@ -4110,7 +4108,7 @@ class AttentionPattern(Pattern):
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
-                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are); otherwise the original code runs"))
+                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are) and every query row to keep a 0; otherwise the original code runs"))
                 elif "additive" in kinds:
                     risks.append(Risk("numerics", "the additive float mask (built here from -inf/finfo.min or a causal triangle) is converted with `mask < 0` (True = masked): exact for such 0/−inf masks"))
                 if any(m.causal for m in chain.masks):
@@ -4379,7 +4377,7 @@ class AttentionPattern(Pattern):
             text = ast.unparse(_plain(m.node))
         return f"{kind}: {text}"
 
-    def _value_checks(self, r: Renderer, masks: list[MaskTerm], module: ModuleInfo, scope: Scope) -> list[str]:
+    def _value_checks(self, r: Renderer, masks: list[MaskTerm], module: ModuleInfo, scope: Scope, rows: str | None = "key") -> list[str]:
         """Run-time conditions under which each additive term may be binarised with ``< 0``:
         none for a causal triangle or a mask built in view from -inf/finfo.min; else its values
         are checked (a tensor named ``mask`` may carry ALiBi or 0/1 values)."""
@@ -4389,7 +4387,7 @@ class AttentionPattern(Pattern):
                 if _zero_one_built(m.node):
                     continue  # a comparison cast to a number: 0 and 1 only
                 t = r.text(m.node)
-                check = zero_one_exact(t)
+                check = zero_one_exact(t, rows)
             elif m.kind != "additive" or m.causal:
                 continue
             elif _attention_audit41.boolean_built(_deref_value(m.node)):
@@ -4398,7 +4396,7 @@ class AttentionPattern(Pattern):
                 continue  # built in view from -inf / finfo.min (or zeros) on every branch (s42: or by a helper): a 0/-inf mask
             else:
                 t = r.text(m.node)
-                check = additive_mask_exact(t)
+                check = additive_mask_exact(t, rows=rows)
                 if _attention_s33.parameter_may_be_number(module, scope, deref(m.node)):
                     # s33: proteina's ``_attn(q, k, v, b, mask)`` gets ``b = 0`` when there is no pair bias: ``(0 == 0).all()``
                     # would raise, so the fused call runs only where the term is a tensor

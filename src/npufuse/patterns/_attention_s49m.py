@@ -1,0 +1,76 @@
+"""s49 mask49: a float mask binarised for npu_fusion_attention must leave every query row a key.
+
+An additive float mask whose values npufuse cannot prove (a tensor handed in: HF / BERT masks, a bias) is converted
+with ``mask < 0`` (True = masked) after the run-time value check "every entry is 0 or <= -1000": an entry <= -1000
+has a softmax weight of 0 in fp32 *beside a kept (0) entry of the same row*. A row with no 0 entry is different:
+
+* every entry finite and <= -1000 (a per-head bias of -2000, a query row padded with -10000 or finfo.min): eager
+  softmax is shift-invariant, so the row is the softmax of the scores plus what is left of the bias (uniform over
+  the keys for a row-constant bias) -- a real attention row;
+* every entry -inf: eager softmax gives NaN (SDPA gives 0 for such a row in recent torch);
+
+while the boolean ``atten_mask`` marks the whole row masked, where npu_fusion_attention's value is not pinned down
+(spec 5.1 / 14: zeros or a uniform average; the emulator zeroes the row). The value check therefore also requires a
+0 in every row (``(m == 0).any(-1).all()``, in the same host sync: one more reduction on the mask, none on the
+scores). Where the original zeroes NaN rows after the softmax (``P.masked_fill(P.isnan(), 0)``), a row of -inf only
+is kept (the rewrite zeroes the rows its mask masks entirely); where it zeroes the mask's masked positions
+(``P.masked_fill(M, 0)`` with M the mask), fully masked rows are zeroed on both sides and no row condition is added.
+
+A 0 / 1 multiplicative mask applied with a finite offset (``s * m - C * (1 - m)``) is the same question: a row with
+no 1 is a uniform row in the original, so its run-time 0 / 1 check also requires a 1 in every row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+FLOOR = -1000.0
+
+KEY = "key"  # every row keeps a 0 entry
+NAN = "nan"  # every row keeps a 0 entry or is -inf throughout (the original zeroes its NaN rows)
+
+
+def _atom(text: str) -> str:
+    from npufuse.patterns.attention import atom
+
+    return atom(text)
+
+
+def additive_exact(text: str, rows: Optional[str] = KEY) -> str:
+    """One host sync: the values of the additive mask ``text`` are 0 or <= -1000 and (``rows``) every row keeps a key."""
+    a = _atom(text)
+    values = f"(({a} == 0) | ({a} <= {FLOOR})).all()"
+    if rows == KEY:
+        return f"bool({values} & ({a} == 0).any(-1).all())"
+    if rows == NAN:
+        return f"bool({values} & (({a} == 0).any(-1) | ({a} == float('-inf')).all(-1)).all())"
+    return f"bool({values})"
+
+
+def zero_one_exact(text: str, rows: Optional[str] = KEY) -> str:
+    """One host sync: the multiplicative mask ``text`` holds only 0 and 1 and (``rows``) every row keeps a 1."""
+    a = _atom(text)
+    values = f"(({a} == 0) | ({a} == 1)).all()"
+    if rows is None:
+        return f"bool({values})"
+    return f"bool({values} & ({a} == 1).any(-1).all())"
+
+
+def row_rule(chain: Any) -> Optional[str]:
+    """What the rows of a binarised term must hold for the chain ``chain``: KEY, NAN (the original zeroes NaN rows)
+    or None (the original zeroes the masked positions: fully masked rows are 0 on both sides)."""
+    from npufuse.patterns import _attention_s33
+
+    zeroed = getattr(chain, "zero_masked", None)
+    if zeroed is None:
+        return KEY
+    if zeroed is _attention_s33.NAN_ROWS:
+        return NAN
+    return None
+
+
+VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
+                    f"<= {FLOOR:g} and that every query row keeps a 0 (a 0/-inf mask; a graded bias such as ALiBi, a 0/1 float "
+                    "mask, or a row masked throughout -- a constant per-head bias, a padded query row, where eager softmax "
+                    "still averages the keys -- runs the original code instead), two reductions and a host sync per call "
+                    "(a graph break under torch.compile)")

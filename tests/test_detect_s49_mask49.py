@@ -1,0 +1,216 @@
+"""s49 (helper mask49): a float mask binarised for npu_fusion_attention must leave every query row a key.
+
+An additive float mask handed in (HF / BERT style, a bias) is converted with ``mask < 0`` (True = masked) after the
+run-time check "every entry is 0 or <= -1000". A row with no 0 passed that check before: a per-head bias of -2000
+everywhere, a query row padded with -10000. Eager softmax is shift-invariant (such a row is the softmax of the scores,
+a real attention row), the op sees a fully masked row (spec 5.1 / 14: its value is not pinned down; the emulator zeroes
+it). Now the check also requires a 0 in every row (a 1 in every row of a 0 / 1 multiplicative mask): such inputs run
+the original code, ordinary causal / padding masks (every row keeps a key) still run the fused op. Every case runs the
+rewritten module under the emulator against the original, outputs and gradients, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns._attention_s49m import additive_exact, zero_one_exact
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.patterns.sdpa import SdpaPattern
+
+ATTN, SDPA = AttentionPattern(), SdpaPattern()
+
+# a BERT-style self-attention: the extended mask is handed in and added to the scaled scores
+_EAGER = '''
+import math
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, n_head=4):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, attention_mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + attention_mask
+        probs = nn.functional.softmax(scores, dim=-1)
+        ctx = torch.matmul(probs, v)
+        return ctx.transpose(1, 2).reshape(b, s, -1)
+'''
+
+# the same with SDPA and the mask handed through as attn_mask
+_SDPA = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, n_head=4):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, attention_mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        return ctx.transpose(1, 2).reshape(b, s, -1)
+'''
+
+# a 0 / 1 keep mask applied by multiplication and a finite offset
+_KEEP01 = '''
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, n_head=4):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+        att = att * keep - 10000.0 * (1.0 - keep)
+        att = att.softmax(dim=-1)
+        y = att @ v
+        return y.transpose(1, 2).reshape(b, s, -1)
+'''
+
+# the original zeroes the NaN rows of the probabilities (rows whose every score is -inf)
+_NAN_ZEROED = '''
+import math
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, n_head=4):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, attention_mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + attention_mask
+        probs = torch.softmax(scores, dim=-1)
+        probs = probs.masked_fill(torch.isnan(probs), 0.0)
+        ctx = torch.matmul(probs, v)
+        return ctx.transpose(1, 2).reshape(b, s, -1)
+'''
+
+_B, _S = 2, 6
+
+
+def _run_script(mask: str, dtype: str) -> str:
+    return (f"torch.manual_seed(0)\nm = SelfAttention().to(torch.{dtype})\n"
+            f"x = torch.randn({_B}, {_S}, 32, dtype=torch.{dtype}, requires_grad=True)\n"
+            f"mask = ({mask}).to(torch.{dtype}) if ({mask}).is_floating_point() else ({mask})\n"
+            "out = m(x, mask)\nleaves = [x, *m.parameters()]\n")
+
+
+# masks every row of which keeps a key: the fused op runs
+_KEPT = {
+    "causal_minus_inf": "torch.full((6, 6), float('-inf')).triu(1)",
+    "causal_finfo_min": "torch.zeros(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)",
+    "padding_minus_10000": "(1.0 - torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=torch.float32)[:, None, None, :]) * -10000.0",
+    "causal_and_padding_finfo_min": ("torch.zeros(2, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1) | "
+                                     "torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.bool)[:, None, None, :], "
+                                     "torch.finfo(torch.float32).min)"),
+}
+
+# masks with a row of no 0: the original code runs (the fused op's fully masked row is not the eager row)
+_ROW_MASKED = {
+    "per_head_bias_minus_2000": "torch.tensor([0.0, -2000.0, 0.0, 0.0]).view(1, 4, 1, 1)",
+    "query_row_padded_minus_10000": "torch.zeros(2, 1, 6, 6).index_fill(2, torch.tensor([5]), -10000.0)",
+    "whole_sequence_padded_finfo_min": ("torch.tensor([[0.0] * 6, [torch.finfo(torch.bfloat16).min] * 6])[:, None, None, :]"),
+    "row_of_minus_1000_and_minus_inf": ("torch.zeros(1, 1, 6, 6).index_fill(2, torch.tensor([2]), -1000.0)"
+                                        ".index_fill(3, torch.tensor([0]), float('-inf'))"),
+}
+
+
+def _facts(pattern, code: str, mask: str, dtype: str, backward: bool = True) -> dict:
+    findings, misses = detect_all(pattern, code)
+    assert [f.qualname for f in findings] == ["SelfAttention.forward"], [m.reason for m in misses]
+    run = _run_script(mask, dtype) + ("" if backward else "leaves = []\n")
+    return check_rewrite_runs(pattern, code, run, findings)
+
+
+def _same(facts: dict, dtype: str) -> None:
+    tol = 0.9999 if dtype == "float32" else 0.999
+    assert min(facts["cos_out"]) > tol and min(facts["cos_grad"], default=1.0) > tol, facts
+    assert all(a == b for a, b in facts["dtypes"]) and all(a == b for a, b in facts["shapes"]), facts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("code,pattern", [(_EAGER, ATTN), (_SDPA, SDPA)], ids=["eager", "sdpa"])
+@pytest.mark.parametrize("name", sorted(_ROW_MASKED))
+def test_a_row_masked_throughout_runs_the_original(name: str, code: str, pattern, dtype: str) -> None:
+    facts = _facts(pattern, code, _ROW_MASKED[name], dtype)
+    assert facts["calls"] == 0, facts["all_calls"]  # the value / row check sent it to the original code
+    _same(facts, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("code,pattern", [(_EAGER, ATTN), (_SDPA, SDPA)], ids=["eager", "sdpa"])
+@pytest.mark.parametrize("name", sorted(_KEPT))
+def test_masks_that_keep_a_key_per_row_run_the_fused_op(name: str, code: str, pattern, dtype: str) -> None:
+    facts = _facts(pattern, code, _KEPT[name], dtype)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    assert "== 0).any(-1).all()" in facts["rewritten"]  # the row half of the check is in the guard
+    _same(facts, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keep01_row_without_a_one_runs_the_original(dtype: str) -> None:
+    rows = "torch.tensor([[1.0] * 6, [1.0] * 6]).view(2, 1, 1, 6).expand(2, 1, 6, 6).clone().index_fill(2, torch.tensor([3]), 0.0)"
+    facts = _facts(ATTN, _KEEP01, rows, dtype)
+    assert facts["calls"] == 0, facts["all_calls"]
+    _same(facts, dtype)
+    facts = _facts(ATTN, _KEEP01, "torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2]).view(2, 1, 1, 6)", dtype)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_zeroed_rows_keep_minus_inf_rows_fused_and_finite_rows_original(dtype: str) -> None:
+    # a query row of -inf: NaN in the original, zeroed there; the rewrite zeroes the fully masked rows: fused (forward
+    # only: the original's backward through the NaN row is NaN for q and k, the fused op's is finite)
+    inf_row = "torch.zeros(2, 1, 6, 6).index_fill(2, torch.tensor([5]), float('-inf'))"
+    facts = _facts(ATTN, _NAN_ZEROED, inf_row, dtype, backward=False)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)
+    # a query row of -10000: no NaN, the original averages the keys; the op's row would be zeroed: original code
+    facts = _facts(ATTN, _NAN_ZEROED, "torch.zeros(2, 1, 6, 6).index_fill(2, torch.tensor([5]), -10000.0)", dtype)
+    assert facts["calls"] == 0, facts["all_calls"]
+    _same(facts, dtype)
+
+
+def test_check_texts() -> None:
+    assert additive_exact("m") == "bool(((m == 0) | (m <= -1000.0)).all() & (m == 0).any(-1).all())"
+    assert additive_exact("a + b", None) == "bool((((a + b) == 0) | ((a + b) <= -1000.0)).all())"
+    assert additive_exact("m", "nan") == ("bool(((m == 0) | (m <= -1000.0)).all() & ((m == 0).any(-1) | "
+                                          "(m == float('-inf')).all(-1)).all())")
+    assert zero_one_exact("m") == "bool(((m == 0) | (m == 1)).all() & (m == 1).any(-1).all())"
+    # the checks evaluate on a broadcast mask ([1, N, 1, 1]), a 1-D mask and a 0-dim one
+    env = {"torch": torch}
+    for m, want in ((torch.tensor([0.0, -2000.0]).view(1, 2, 1, 1), False), (torch.tensor([0.0, -1e4]), True),
+                    (torch.tensor(0.0), True), (torch.tensor(-1e4), False)):
+        assert eval(additive_exact("m"), {**env, "m": m}) is want
+
+
+def test_value_check_risk_names_the_rows() -> None:
+    findings, _ = detect_all(ATTN, _EAGER)
+    text = " ".join(r.detail for r in findings[0].risks)
+    assert "every query row keeps a 0" in text
