@@ -214,3 +214,41 @@ def test_value_check_risk_names_the_rows() -> None:
     findings, _ = detect_all(ATTN, _EAGER)
     text = " ".join(r.detail for r in findings[0].risks)
     assert "every query row keeps a 0" in text
+
+
+# padding over queries and keys (an outer product) built into a -1e9 float mask: _mask_rows reads it as a construction
+# that can empty a query row; the value check's row half is that row check (one reduction, one host sync, not two)
+_PAIR_PADDING = '''
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, n_head=4):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        pair = keep[:, None, :, None] & keep[:, None, None, :]
+        bias = torch.zeros(pair.shape, dtype=x.dtype).masked_fill(~pair, -1e9)
+        att = q @ k.transpose(-2, -1) * self.head_dim ** -0.5 + bias
+        y = att.softmax(dim=-1) @ v
+        return y.transpose(1, 2).reshape(b, s, -1)
+'''
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_query_and_key_padding_is_checked_once(dtype: str) -> None:
+    findings, _ = detect_all(ATTN, _PAIR_PADDING)
+    guard = next(ln for ln in findings[0].fused.splitlines() if ln.lstrip().startswith("if ("))
+    assert guard.count(".any(-1).all()") == 1, guard
+    assert not any("a query row can keep no key" in r.detail for r in findings[0].risks)
+    facts = _facts(ATTN, _PAIR_PADDING, "torch.tensor([[True] * 6, [True] * 4 + [False] * 2])", dtype)
+    assert facts["calls"] == 0, facts["all_calls"]  # padded query rows: the original code
+    _same(facts, dtype)
+    facts = _facts(ATTN, _PAIR_PADDING, "torch.ones(2, 6, dtype=torch.bool)", dtype)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)

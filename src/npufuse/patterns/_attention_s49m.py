@@ -69,6 +69,20 @@ def row_rule(chain: Any) -> Optional[str]:
     return None
 
 
+def mark_rows_checked(term: Any, rows: Optional[str]) -> None:
+    """The term's value check (KEY rows) already requires a key in every row: _mask_rows' own row check of the same
+    term would be a second reduction and host sync for nothing."""
+    if rows == KEY:
+        try:
+            term.s49_rows_checked = True
+        except AttributeError:
+            pass
+
+
+def rows_checked(term: Any) -> bool:
+    return bool(getattr(term, "s49_rows_checked", False))
+
+
 VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
                     f"<= {FLOOR:g} and that every query row keeps a 0 (a 0/-inf mask; a graded bias such as ALiBi, a 0/1 float "
                     "mask, or a row masked throughout -- a constant per-head bias, a padded query row, where eager softmax "

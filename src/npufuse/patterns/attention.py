@@ -4388,6 +4388,7 @@ class AttentionPattern(Pattern):
                     continue  # a comparison cast to a number: 0 and 1 only
                 t = r.text(m.node)
                 check = zero_one_exact(t, rows)
+                _attention_s49m.mark_rows_checked(m, rows)
             elif m.kind != "additive" or m.causal:
                 continue
             elif _attention_audit41.boolean_built(_deref_value(m.node)):
@@ -4397,6 +4398,7 @@ class AttentionPattern(Pattern):
             else:
                 t = r.text(m.node)
                 check = additive_mask_exact(t, rows=rows)
+                _attention_s49m.mark_rows_checked(m, rows)
                 if _attention_s33.parameter_may_be_number(module, scope, deref(m.node)):
                     # s33: proteina's ``_attn(q, k, v, b, mask)`` gets ``b = 0`` when there is no pair bias: ``(0 == 0).all()``
                     # would raise, so the fused call runs only where the term is a tensor
@@ -4415,7 +4417,7 @@ class AttentionPattern(Pattern):
         resolve = _mask_rows.Resolver(module, scope, line, _row_ref_value(scope, line))
         checks: list[str] = []
         for m in chain.masks:
-            if m.causal or m.kind not in polarity:
+            if m.causal or m.kind not in polarity or _attention_s49m.rows_checked(m):  # s49: the value check has the rows
                 continue
             verdict = _mask_rows.row_verdict(m.node, polarity[m.kind], resolve)
             if verdict is None or verdict.kind == "kept":
