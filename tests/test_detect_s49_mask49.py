@@ -252,3 +252,94 @@ def test_query_and_key_padding_is_checked_once(dtype: str) -> None:
     facts = _facts(ATTN, _PAIR_PADDING, "torch.ones(2, 6, dtype=torch.bool)", dtype)
     assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
     _same(facts, dtype)
+
+
+# -- 2. an attention helper whose every call takes the branch the fused call excludes (HO25b extra, harmless) --------------
+
+_MEMORY_BLOCK = '''
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def softmax_plus_one(x, dim=-1):
+    top = x.amax(dim=dim, keepdim=True)
+    e = torch.exp(x - top)
+    return e / (torch.exp(-top) + e.sum(dim=dim, keepdim=True))
+
+
+class MemoryBlock(nn.Module):
+    def __init__(self, d=32, n_head=4, variant="softmax"):
+        super().__init__()
+        self.n_head, self.head_dim, self.variant = n_head, d // n_head, variant
+        self.q = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def _eager(self, q, k, v):
+        w = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        if self.variant == "plus_one":
+            w = softmax_plus_one(w, dim=-1)
+        else:
+            w = F.softmax(w, dim=-1)
+        w = self.drop(w)
+        return torch.matmul(w, v)
+
+    def forward(self, x, mk, mv, need_weights=False):
+        b = x.shape[0]
+        q = self.q(x).view(b, -1, self.n_head, self.head_dim).transpose(1, 2)
+        k = mk.view(b, -1, self.n_head, self.head_dim).transpose(1, 2)
+        v = mv.view(b, -1, self.n_head, self.head_dim).transpose(1, 2)
+        if self.variant == "plus_one":
+            out = self._eager(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.drop.p if self.training else 0.0)
+        return out.transpose(1, 2).reshape(b, -1, self.n_head * self.head_dim)
+'''
+
+
+def test_helper_called_only_under_the_excluded_branch_is_a_near_miss() -> None:
+    findings, misses = detect_all(ATTN, _MEMORY_BLOCK)
+    assert [f.qualname for f in findings] == []
+    (miss,) = [m for m in misses if m.qualname == "MemoryBlock._eager"]
+    assert miss.reason.startswith("every call of `_eager` (line 36) is made where `self.variant == 'plus_one'` selects "
+                                  "`softmax_plus_one(w, dim=-1)` on the probabilities"), miss.reason
+    assert "would never run" in miss.reason
+
+
+def test_inverted_test_in_the_caller_keeps_the_guarded_candidate() -> None:
+    # the caller's test reads the other branch: the helper runs with F.softmax there
+    code = _MEMORY_BLOCK.replace('        if self.variant == "plus_one":\n            out = self._eager',
+                                 '        if self.variant != "plus_one":\n            out = self._eager')
+    findings, _ = detect_all(ATTN, code)
+    assert [f.qualname for f in findings] == ["MemoryBlock._eager"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_helper_also_called_for_the_weights_stays_fused_and_runs(dtype: str) -> None:
+    # a second call outside the flag (attention maps requested): the softmax branch is reached, the candidate stays
+    code = _MEMORY_BLOCK.replace(
+        '        if self.variant == "plus_one":\n            out = self._eager(q, k, v)\n',
+        '        if self.variant == "plus_one" or need_weights:\n            out = self._eager(q, k, v)\n')
+    findings, misses = detect_all(ATTN, code)
+    assert [f.qualname for f in findings] == ["MemoryBlock._eager"], [m.reason for m in misses]
+    run = (f"torch.manual_seed(0)\nm = MemoryBlock().to(torch.{dtype}).eval()\n"
+           f"x = torch.randn(2, 3, 32, dtype=torch.{dtype}, requires_grad=True)\n"
+           f"mk = torch.randn(2, 5, 32, dtype=torch.{dtype}, requires_grad=True)\n"
+           f"mv = torch.randn(2, 5, 32, dtype=torch.{dtype}, requires_grad=True)\n"
+           "out = m(x, mk, mv, need_weights=True)\nleaves = [x, mk, mv]\n")
+    facts = check_rewrite_runs(ATTN, code, run, findings)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)
+
+
+def test_a_second_class_calling_the_helper_keeps_the_candidate() -> None:
+    # a subclass calls the helper unconditionally: its mention is not one of the flagged calls
+    code = _MEMORY_BLOCK + '''
+
+class PlainBlock(MemoryBlock):
+    def forward(self, q, k, v):
+        return self._eager(q, k, v)
+'''
+    findings, _ = detect_all(ATTN, code)
+    assert [f.qualname for f in findings] == ["MemoryBlock._eager"]

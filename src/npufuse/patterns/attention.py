@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method, _attention_s49m
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method, _attention_s49m, _attention_s49d
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
@@ -4126,6 +4126,9 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{both[0]} where `{r.text(both[2])}` holds and {both[1]} where it does not: the fused "
                                     "call runs only where neither is read, which no value of the test gives")
+                dead = _attention_s49d.dead_under_callers(module, scope, chain.excluded, r.text)  # s49: callers take the excluded branch
+                if dead is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, dead)
                 skip = [atom(t) if neg else f"not {atom(t)}" for t, neg in ((r.text(x[0]), x[1]) for x in chain.excluded)]
                 skip = list(dict.fromkeys(skip))  # several intermediates read under one flag: the test once
                 if value_check is not None:
