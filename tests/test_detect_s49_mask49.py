@@ -343,3 +343,44 @@ class PlainBlock(MemoryBlock):
 '''
     findings, _ = detect_all(ATTN, code)
     assert [f.qualname for f in findings] == ["MemoryBlock._eager"]
+
+
+# -- 3. several terms: a handed-in padding bias beside a causal triangle built in view ----------------------------------
+# each term keeps a key in every row; with left padding their union masks the first query's only key (the triangle
+# leaves key 0, the padding masks it): the eager row is then a softmax over finite -10000 entries (all weight on key 0)
+
+_CAUSAL_AND_PADDING = '''
+import math
+import torch
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, n_head=4):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, attention_mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        causal = torch.full((s, s), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + causal + attention_mask
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+'''
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_left_padding_beside_a_causal_triangle_runs_the_original(dtype: str) -> None:
+    findings, _ = detect_all(ATTN, _CAUSAL_AND_PADDING)
+    assert "not bool(_npufuse_mask.all(-1).any())" in findings[0].fused
+    left = "torch.tensor([[0.0] * 6, [-10000.0] * 2 + [0.0] * 4])[:, None, None, :]"
+    facts = _facts(ATTN, _CAUSAL_AND_PADDING, left, dtype)
+    assert facts["calls"] == 0, facts["all_calls"]
+    _same(facts, dtype)
+    right = "torch.tensor([[0.0] * 6, [0.0] * 4 + [-10000.0] * 2])[:, None, None, :]"
+    facts = _facts(ATTN, _CAUSAL_AND_PADDING, right, dtype)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)

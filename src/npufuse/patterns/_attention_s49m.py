@@ -56,6 +56,30 @@ def zero_one_exact(text: str, rows: Optional[str] = KEY) -> str:
     return f"bool({values} & ({a} == 1).any(-1).all())"
 
 
+def term_rows(chain: Any) -> Optional[str]:
+    """The row condition each term's value check carries: :func:`row_rule`, except where several terms make the mask
+    (a handed-in padding bias beside a causal triangle: each keeps a key in every row, their union may not -- left
+    padding masks the only key the triangle leaves the first query): there the rows of the combined mask are checked
+    once it is built (:func:`combined_rows_lines`) and the terms' own checks are of values only."""
+    rule = row_rule(chain)
+    if rule == KEY and len(chain.masks) > 1:
+        return None
+    return rule
+
+
+def combined_rows_check(maybe_none: bool) -> str:
+    """Every query row of the combined boolean mask (True = masked) keeps a key."""
+    check = "not bool(_npufuse_mask.all(-1).any())"
+    return f"(_npufuse_mask is None or {check})" if maybe_none else check
+
+
+COMBINED_ROWS_RISK = ("several mask terms are combined into the op's boolean mask, one of them handed in (values checked at run "
+                      "time): where their union masks a whole query row (left padding beside a causal triangle) eager softmax "
+                      "averages what is left of that row, the op's value there is not pinned down (spec 5.1 / 14): the fused call "
+                      "runs where every row of the combined mask keeps a key (a second reduction and host sync, on the boolean "
+                      "mask), the original code otherwise")
+
+
 def row_rule(chain: Any) -> Optional[str]:
     """What the rows of a binarised term must hold for the chain ``chain``: KEY, NAN (the original zeroes NaN rows)
     or None (the original zeroes the masked positions: fully masked rows are 0 on both sides)."""

@@ -4036,6 +4036,7 @@ class AttentionPattern(Pattern):
         kwargs: list[tuple[str, str]] = []
         # masks
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
+        rows_split: tuple[int, str] | None = None  # s49: (index after the mask lines, the combined mask's row check)
         value_split = 0
         mask_kind, sparse = "none", 0
         s43_why = _attention_s43mla.unread_scores_reason(chain)
@@ -4062,7 +4063,8 @@ class AttentionPattern(Pattern):
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks, fold is not None, chain.s43_score_axes)
                 if chain.s43_score_axes is not None:
                     mask_lines.insert(0, _attention_s43mla.to_bnsd_lambda(chain.s43_score_axes))
-                checks = self._value_checks(r, chain.masks, module, scope, _attention_s49m.row_rule(chain))
+                checks = self._value_checks(r, chain.masks, module, scope, _attention_s49m.term_rows(chain))
+                combined_rows = bool(checks) and len(chain.masks) > 1 and _attention_s49m.row_rule(chain) == "key"  # s49
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 row_checks = self._row_checks(r, chain, module, scope, span_line)  # s40 (wrong40): rows left without a key
@@ -4105,6 +4107,9 @@ class AttentionPattern(Pattern):
                         lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(q_n)}.shape[0]")
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d, skv)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
+                if combined_rows:  # s49 mask49: the rows of the combined mask, checked once it is built
+                    rows_split = (len(lines), _attention_s49m.combined_rows_check(maybe_none))
+                    risks.append(Risk("host_sync", _attention_s49m.COMBINED_ROWS_RISK))
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
@@ -4309,6 +4314,9 @@ class AttentionPattern(Pattern):
         values_checked = value_check is not None
         if value_check is not None and r.bound & set(range(s, e)):
             value_split = max(value_split, len(bound_lines))
+        if rows_split is not None:  # s49: the original runs where the combined mask leaves a query row no key
+            lines = checked_body(lines[:rows_split[0]], lines[rows_split[0]:], rows_split[1],
+                                 _original_after(module, span, s, rows_split[0], len(bound_lines), r.bound, run_as_written))
         # npu_fusion_attention takes Dk >= Dv only (the eager matmuls any Dv): checked at run time, else the original runs
         value_check, value_split, lines = add_value_head_check(lines, value_check, value_split, n_qkv, dv_check,
                                                                lambda split: _original_after(module, span, s, split, len(bound_lines), r.bound, run_as_written))
