@@ -384,3 +384,22 @@ def test_left_padding_beside_a_causal_triangle_runs_the_original(dtype: str) -> 
     facts = _facts(ATTN, _CAUSAL_AND_PADDING, right, dtype)
     assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
     _same(facts, dtype)
+
+
+def test_a_namesake_method_of_an_unrelated_class_is_set_aside() -> None:
+    # another block of the file defines and calls its own `_eager` (a plain eager path): its mentions are its own
+    code = _MEMORY_BLOCK + '''
+
+class OtherBlock(nn.Module):
+    def _eager(self, q, k, v):
+        return q
+
+    def forward(self, q, k, v):
+        return self._eager(q, k, v)
+'''
+    findings, misses = detect_all(ATTN, code)
+    assert "MemoryBlock._eager" not in [f.qualname for f in findings]
+    assert any(m.qualname == "MemoryBlock._eager" and "every call of `_eager`" in m.reason for m in misses)
+    # the same class as a subclass of MemoryBlock: its own `_eager` overrides, its calls are not set aside
+    findings, _ = detect_all(ATTN, code.replace("class OtherBlock(nn.Module):", "class OtherBlock(MemoryBlock):"))
+    assert "MemoryBlock._eager" in [f.qualname for f in findings]

@@ -16,6 +16,7 @@ read the member (:func:`_attention_s32.member_may_be_read`). The caller's test m
 from __future__ import annotations
 
 import ast
+from types import SimpleNamespace
 from typing import Any, Optional
 
 
@@ -59,6 +60,29 @@ def _calls_under(cls: ast.ClassDef, word: str) -> Optional[list[tuple[ast.Call, 
     return out
 
 
+def _base_names(cls: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases if isinstance(b, (ast.Name, ast.Attribute))}
+
+
+def _own_namesakes(module: Any, cls: ast.ClassDef, word: str) -> int:
+    """The mentions of ``word`` inside the file's other classes that define their own method ``word`` and are neither
+    a base nor a subclass of ``cls`` by name (math-llm's ``TransformerBlock._manual_attention`` beside
+    ``FeedbackTransformerBlock._manual_attention``): their ``self.word`` is their own method. Counted as
+    :func:`_attention_s32.code_mentions` counts, over each class."""
+    from npufuse.patterns import _attention_s32
+
+    total = 0
+    for other in ast.walk(module.tree):
+        if not isinstance(other, ast.ClassDef) or other is cls:
+            continue
+        if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == word for n in other.body):
+            continue
+        if cls.name in _base_names(other) or other.name in _base_names(cls):
+            continue  # related by inheritance: its mentions are not set aside
+        total += _attention_s32.code_mentions(SimpleNamespace(tree=other), word)
+    return total
+
+
 def dead_under_callers(module: Any, scope: Any, excluded: list[tuple[Any, bool, str]], text: Any) -> Optional[str]:
     """The near-miss reason where every call of the site's method takes an excluded branch; None otherwise.
     ``text``: the renderer's source of a node (the test as the reason names it)."""
@@ -91,7 +115,7 @@ def dead_under_callers(module: Any, scope: Any, excluded: list[tuple[Any, bool, 
         if hit is None:
             return None  # a call the excluded test does not route to the excluded branch
         taken = taken or hit
-    if _attention_s32.code_mentions(module, fn.name) != 1 + len(calls):
+    if _attention_s32.code_mentions(module, fn.name) != 1 + len(calls) + _own_namesakes(module, cls, fn.name):
         return None  # the name is used another way (another class, a string, an export)
     if _attention_s32.member_may_be_read(module, cls_name, fn.name, this_file=False) is not None:
         return None  # another file may call it
