@@ -14799,3 +14799,65 @@ AttentionPattern.KEEP.append(Keep(
     reason="attention sinks scaled with the scores",
     name="s48_sink_scaled_with_the_scores",
 ))
+
+# s49 mask49: a handed-in padding bias beside a causal triangle: the values of the bias are checked before the branch,
+# the rows of the combined boolean mask once it is built (left padding empties the first query's row; right padding
+# as in the run does not: the fused call runs)
+_S49_CAUSAL_AND_PADDING = '''
+import math
+import torch
+
+
+def attend(q, k, v, pad_bias):
+    s = q.shape[2]
+    causal = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores + causal + pad_bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+'''
+
+AttentionPattern.FUSE.append(Fuse(
+    _S49_CAUSAL_AND_PADDING,
+    expect={"qualname": "attend"},
+    run='''
+q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+pad = torch.zeros(2, 1, 1, 6)
+pad[1, ..., 4:] = -10000.0
+out = attend(q, k, v, pad)
+leaves = [q, k, v]
+''',
+    name="s49_padding_bias_beside_a_causal_triangle_rows_checked_on_the_union",
+))
+# s49 mask49: the helper's softmax branch is reached by no call: every call takes the branch the fused call excludes
+AttentionPattern.KEEP.append(Keep(
+    '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def softmax_plus_one(x, dim=-1):
+    return torch.exp(x) / (1 + torch.exp(x).sum(dim=dim, keepdim=True))
+
+
+class Block(nn.Module):
+    def __init__(self, plus_one=False):
+        super().__init__()
+        self.plus_one = plus_one
+
+    def _attend(self, q, k, v):
+        w = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        if self.plus_one:
+            w = softmax_plus_one(w)
+        else:
+            w = F.softmax(w, dim=-1)
+        return w @ v
+
+    def forward(self, q, k, v):
+        if self.plus_one:
+            return self._attend(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v)
+''',
+    reason="every call of `_attend` (line 26) is made where `self.plus_one` selects",
+    name="s49_helper_called_only_where_its_softmax_is_not_taken",
+))
