@@ -403,3 +403,36 @@ class OtherBlock(nn.Module):
     # the same class as a subclass of MemoryBlock: its own `_eager` overrides, its calls are not set aside
     findings, _ = detect_all(ATTN, code.replace("class OtherBlock(nn.Module):", "class OtherBlock(MemoryBlock):"))
     assert "MemoryBlock._eager" in [f.qualname for f in findings]
+
+
+# -- 4. scores in another axis order (LoFTR-style einsum, the keys on axis 2): the term's last axis is the heads, so
+# its rows are checked on the boolean mask the op gets ([B, N, Sq, Skv]) rather than on the term's own last axis
+
+_KEYS_ON_AXIS_TWO = '''
+import torch
+
+
+def attend(q, k, v, bias):
+    qk = torch.einsum("nlhd,nshd->nlsh", q, k)
+    qk = qk + bias
+    a = torch.softmax(qk / q.size(3) ** 0.5, dim=2)
+    return torch.einsum("nlsh,nshd->nlhd", a, v)
+'''
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keys_on_another_axis_are_checked_on_the_op_mask(dtype: str) -> None:
+    findings, misses = detect_all(ATTN, _KEYS_ON_AXIS_TWO)
+    assert [f.qualname for f in findings] == ["attend"], [m.reason for m in misses]
+    assert "not bool(_npufuse_mask.all(-1).any())" in findings[0].fused
+    assert "== 0).any(-1).all()" not in findings[0].fused  # the term's last axis is the heads, not the keys
+    run = (f"torch.manual_seed(0)\nq, k, v = (torch.randn(2, 5, 4, 8, dtype=torch.{dtype}, requires_grad=True) for _ in range(3))\n"
+           "bias = torch.zeros(2, 5, 5, 1, dtype=torch.{dtype})\nbias[1, :, 3:] = -10000.0\n{row}"
+           "out = attend(q, k, v, bias)\nleaves = [q, k, v]\n")
+    facts = check_rewrite_runs(ATTN, _KEYS_ON_AXIS_TWO, run.format(dtype=dtype, row=""), findings)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)
+    # query 2 of sequence 0 sees no key (every key of its row -10000): the original code
+    facts = check_rewrite_runs(ATTN, _KEYS_ON_AXIS_TWO, run.format(dtype=dtype, row="bias[0, 2] = -10000.0\n"), findings)
+    assert facts["calls"] == 0, facts["all_calls"]
+    _same(facts, dtype)

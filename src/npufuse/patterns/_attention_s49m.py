@@ -62,9 +62,20 @@ def term_rows(chain: Any) -> Optional[str]:
     padding masks the only key the triangle leaves the first query): there the rows of the combined mask are checked
     once it is built (:func:`combined_rows_lines`) and the terms' own checks are of values only."""
     rule = row_rule(chain)
-    if rule == KEY and len(chain.masks) > 1:
+    if rule == KEY and combined_rows(chain):
         return None
     return rule
+
+
+def combined_rows(chain: Any) -> bool:
+    """The rows are checked on the combined boolean mask, in the [B, N, Sq, Skv] order the op gets, rather than on
+    each term: several terms, or scores written in another axis order (s43 / s44 einsum layouts: a term's key axis
+    is then not its last)."""
+    from npufuse.patterns import _attention_s43mla
+
+    if row_rule(chain) != KEY:
+        return False
+    return len(chain.masks) > 1 or chain.s43_score_axes is not None or _attention_s43mla.key_axis(chain) != 3
 
 
 def combined_rows_check(maybe_none: bool) -> str:
@@ -73,11 +84,11 @@ def combined_rows_check(maybe_none: bool) -> str:
     return f"(_npufuse_mask is None or {check})" if maybe_none else check
 
 
-COMBINED_ROWS_RISK = ("several mask terms are combined into the op's boolean mask, one of them handed in (values checked at run "
-                      "time): where their union masks a whole query row (left padding beside a causal triangle) eager softmax "
-                      "averages what is left of that row, the op's value there is not pinned down (spec 5.1 / 14): the fused call "
-                      "runs where every row of the combined mask keeps a key (a second reduction and host sync, on the boolean "
-                      "mask), the original code otherwise")
+COMBINED_ROWS_RISK = ("the mask's rows are checked on the boolean mask the op gets, once it is built (several terms combined, "
+                      "one of them handed in with its values checked at run time -- left padding beside a causal triangle masks "
+                      "the first query's only key -- or scores written in another axis order): where a query row keeps no key, "
+                      "eager softmax averages what is left of that row and the op's value there is not pinned down (spec 5.1 / "
+                      "14), so the original code runs; a second reduction and host sync per call, on the boolean mask")
 
 
 def row_rule(chain: Any) -> Optional[str]:

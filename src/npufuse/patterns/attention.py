@@ -4064,7 +4064,7 @@ class AttentionPattern(Pattern):
                 if chain.s43_score_axes is not None:
                     mask_lines.insert(0, _attention_s43mla.to_bnsd_lambda(chain.s43_score_axes))
                 checks = self._value_checks(r, chain.masks, module, scope, _attention_s49m.term_rows(chain))
-                combined_rows = bool(checks) and len(chain.masks) > 1 and _attention_s49m.row_rule(chain) == "key"  # s49
+                combined_rows = bool(checks) and _attention_s49m.combined_rows(chain)  # s49
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 row_checks = self._row_checks(r, chain, module, scope, span_line)  # s40 (wrong40): rows left without a key
