@@ -436,3 +436,22 @@ def test_keys_on_another_axis_are_checked_on_the_op_mask(dtype: str) -> None:
     facts = check_rewrite_runs(ATTN, _KEYS_ON_AXIS_TWO, run.format(dtype=dtype, row="bias[0, 2] = -10000.0\n"), findings)
     assert facts["calls"] == 0, facts["all_calls"]
     _same(facts, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_zeroing_beside_causal_and_padding_checks_the_union(dtype: str) -> None:
+    # the first query of a left-padded row: -10000 on key 0, -inf on the others: no NaN in the original (all weight on
+    # key 0), a fully masked row for the op, which the rewrite would zero: the original code runs
+    code = _CAUSAL_AND_PADDING.replace("        probs = torch.softmax(scores, dim=-1)\n",
+                                       "        probs = torch.softmax(scores, dim=-1)\n"
+                                       "        probs = probs.masked_fill(torch.isnan(probs), 0.0)\n")
+    findings, _ = detect_all(ATTN, code)
+    assert "not bool(_npufuse_mask.all(-1).any())" in findings[0].fused
+    left = "torch.tensor([[0.0] * 6, [-10000.0] * 2 + [0.0] * 4])[:, None, None, :]"
+    facts = _facts(ATTN, code, left, dtype)
+    assert facts["calls"] == 0, facts["all_calls"]
+    _same(facts, dtype)
+    right = "torch.tensor([[0.0] * 6, [0.0] * 4 + [-10000.0] * 2])[:, None, None, :]"
+    facts = _facts(ATTN, code, right, dtype)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+    _same(facts, dtype)

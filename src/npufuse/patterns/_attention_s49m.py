@@ -62,7 +62,7 @@ def term_rows(chain: Any) -> Optional[str]:
     padding masks the only key the triangle leaves the first query): there the rows of the combined mask are checked
     once it is built (:func:`combined_rows_lines`) and the terms' own checks are of values only."""
     rule = row_rule(chain)
-    if rule == KEY and combined_rows(chain):
+    if combined_rows(chain):
         return None
     return rule
 
@@ -70,11 +70,13 @@ def term_rows(chain: Any) -> Optional[str]:
 def combined_rows(chain: Any) -> bool:
     """The rows are checked on the combined boolean mask, in the [B, N, Sq, Skv] order the op gets, rather than on
     each term: several terms, or scores written in another axis order (s43 / s44 einsum layouts: a term's key axis
-    is then not its last)."""
+    is then not its last). Also where the original zeroes NaN rows: a row the union masks may hold finite entries (a
+    -10000 padding key beside -inf causal ones), no NaN in the original, while the rewrite would zero it; the boolean
+    mask cannot tell the two apart, so every fully masked row runs the original there."""
     from npufuse.patterns import _attention_s43mla
 
-    if row_rule(chain) != KEY:
-        return False
+    if row_rule(chain) not in (KEY, NAN):
+        return False  # the original zeroes the mask's masked positions: fully masked rows are 0 on both sides
     return len(chain.masks) > 1 or chain.s43_score_axes is not None or _attention_s43mla.key_axis(chain) != 3
 
 
