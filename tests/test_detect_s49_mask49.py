@@ -455,3 +455,157 @@ def test_nan_zeroing_beside_causal_and_padding_checks_the_union(dtype: str) -> N
     facts = _facts(ATTN, code, right, dtype)
     assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
     _same(facts, dtype)
+
+
+# -- 5. add + norm of a transformers decoder layer unrolled in a function (HO25b mamba-vla miss) -------------------------
+# the layer's class is told only by the annotation of the function's parameter: a repository class whose __init__
+# annotates the model attribute with a Qwen3-VL class its file imports from transformers
+
+_UNROLL = '''\
+import torch
+from vlmpkg.wrapper import VLMWrapper
+
+
+@torch.inference_mode()
+def probe_layer(wrapper: VLMWrapper, hidden, target):
+    text = wrapper.vlm.language_model
+    for i, layer in enumerate(text.layers):
+        if i == target:
+            residual = hidden
+            branch = layer.self_attn(layer.input_layernorm(hidden))
+            hidden = residual + branch
+            residual = hidden
+            hidden = layer.post_attention_layernorm(hidden)
+            hidden = residual + layer.mlp(hidden)
+            break
+        hidden = layer(hidden)
+    return hidden
+'''
+
+_WRAPPER = '''\
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+
+
+class VLMWrapper(nn.Module):
+    def __init__(self, loader):
+        super().__init__()
+        self.vlm: "Qwen3VLForConditionalGeneration" = loader()
+'''
+
+_QWEN_NORM = '''
+import torch
+from torch import nn
+
+
+class Qwen3VLTextRMSNorm(nn.Module):  # transformers' code (LlamaRMSNorm's, token for token)
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+'''
+
+_UNROLL_RUN = '''
+import types as _t
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm as _N
+torch.manual_seed(3)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d, norm):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = norm(d), norm(d)
+        self.self_attn, self.mlp = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+layers = torch.nn.ModuleList(_Layer(16, NORM) for _ in range(3))
+with torch.no_grad():
+    for p in layers.parameters():
+        p.normal_(0, 0.3)
+w = _t.SimpleNamespace(vlm=_t.SimpleNamespace(language_model=_t.SimpleNamespace(layers=layers)))
+x = torch.randn(2, 5, 16)
+out = [probe_layer(w, x, 1), probe_layer(_t.SimpleNamespace(vlm=_t.SimpleNamespace(language_model=_t.SimpleNamespace(
+    layers=layers.to(torch.bfloat16)))), x.to(torch.bfloat16), 2).float()]
+leaves = []
+'''
+
+
+def _unroll_findings(tmp_path, code: str, wrapper: str = _WRAPPER) -> tuple[list, list]:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+    from npufuse.scan import repo_facts
+    from npufuse.scan.dataflow import ModuleInfo
+
+    (tmp_path / "vlmpkg").mkdir(exist_ok=True)
+    (tmp_path / "vlmpkg" / "__init__.py").write_text("")
+    (tmp_path / "vlmpkg" / "wrapper.py").write_text(wrapper)
+    (tmp_path / "probe.py").write_text(code)
+    module = ModuleInfo.from_source("probe.py", code)
+    repo_facts.attach_root(module, tmp_path)
+    found, misses = [], []
+    for scope in module.scopes:
+        for r in AddRmsNorm().detect(module, scope):
+            (misses if hasattr(r, "reason") else found).append(r)
+    return found, misses
+
+
+@pytest.fixture
+def qwen_stub(monkeypatch):
+    from pattern_harness import install_stand_in_modules
+
+    ns: dict = {"__name__": "transformers.models.qwen3_vl.modeling_qwen3_vl"}
+    exec(_QWEN_NORM, ns)
+    install_stand_in_modules(monkeypatch, {
+        "transformers.models.qwen3_vl.modeling_qwen3_vl": {"Qwen3VLTextRMSNorm": ns["Qwen3VLTextRMSNorm"]},
+        "vlmpkg.wrapper": {"VLMWrapper": object},
+    })
+    return ns["Qwen3VLTextRMSNorm"]
+
+
+def test_unrolled_decoder_layer_norm_fuses_and_runs(tmp_path, qwen_stub) -> None:
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    findings, misses = _unroll_findings(tmp_path, _UNROLL)
+    assert [(f.qualname, f.line) for f in findings] == [("probe_layer", 12)], [m.reason for m in misses]
+    assert '"Qwen3VLTextRMSNorm"' in findings[0].fused and 'startswith("transformers.")' in findings[0].fused
+    facts = check_rewrite_runs(AddRmsNorm(), _UNROLL, _UNROLL_RUN.replace("NORM", "_N"), findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) >= 2, facts["all_calls"]
+    assert facts["cos_out"][0] > 0.9999 and facts["cos_out"][1] > 0.999, facts
+    assert all(a == b for a, b in facts["dtypes"]), facts
+
+
+def test_unrolled_layer_of_another_norm_runs_the_original(tmp_path, qwen_stub) -> None:
+    # a LayerNorm where the layer holds one: the run-time class check sends it to the original call
+    from npufuse.patterns.add_rms_norm import AddRmsNorm
+
+    findings, _ = _unroll_findings(tmp_path, _UNROLL)
+    facts = check_rewrite_runs(AddRmsNorm(), _UNROLL, _UNROLL_RUN.replace("NORM", "torch.nn.LayerNorm"), findings)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) == 0, facts["all_calls"]
+    assert min(facts["cos_out"]) > 0.99999, facts
+
+
+@pytest.mark.parametrize("wrapper", [
+    _WRAPPER.replace('self.vlm: "Qwen3VLForConditionalGeneration" = loader()', "self.vlm = loader()"),  # no annotation
+    _WRAPPER.replace("qwen3_vl.modeling_qwen3_vl", "t5.modeling_t5"),  # a family whose norm is another class
+], ids=["unannotated_attribute", "other_family"])
+def test_unrolled_layer_without_the_chain_is_not_read(tmp_path, wrapper: str) -> None:
+    findings, _ = _unroll_findings(tmp_path, _UNROLL, wrapper)
+    assert findings == []
+
+
+def test_unrolled_layer_of_an_unannotated_parameter_is_not_read(tmp_path) -> None:
+    findings, _ = _unroll_findings(tmp_path, _UNROLL.replace("wrapper: VLMWrapper", "wrapper"))
+    assert findings == []
