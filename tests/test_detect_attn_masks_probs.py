@@ -47,8 +47,9 @@ def test_multiplicative_spellings_become_a_checked_keep_mask(expr: str) -> None:
     assert findings, reasons
     f = findings[0]
     assert f.params["mask"] == ["keep01: m"] and f.params["mask_kind"] == "multiplicative_01"
-    # m's values are unknown: the fused branch runs only where m holds 0 and 1, the mask passed is m == 0 (True = masked)
-    assert f.params["mask_values_checked"] and "bool(((m == 0) | (m == 1)).all())" in f.fused
+    # m's values are unknown: the fused branch runs only where m holds 0 and 1 and (s49) a 1 in every row, the mask
+    # passed is m == 0 (True = masked)
+    assert f.params["mask_values_checked"] and "bool(((m == 0) | (m == 1)).all() & (m == 1).any(-1).all())" in f.fused
     assert "_npufuse_mask = m == 0" in f.fused
     assert "scale=0.25" in f.fused  # m is never taken as a scale
 
@@ -96,8 +97,10 @@ def test_zero_one_by_construction(src: str, built: bool) -> None:
 
 
 def test_zero_one_check_text() -> None:
-    assert zero_one_exact("m") == "bool(((m == 0) | (m == 1)).all())"
-    assert zero_one_exact("a.b + c") == "bool((((a.b + c) == 0) | ((a.b + c) == 1)).all())"
+    # s49 mask49: a row with no 1 is a uniform row in the original (a finite offset), the op's fully masked row
+    assert zero_one_exact("m") == "bool(((m == 0) | (m == 1)).all() & (m == 1).any(-1).all())"
+    assert zero_one_exact("a.b + c") == "bool((((a.b + c) == 0) | ((a.b + c) == 1)).all() & ((a.b + c) == 1).any(-1).all())"
+    assert zero_one_exact("m", None) == "bool(((m == 0) | (m == 1)).all())"
 
 
 @pytest.mark.parametrize("expr,reason", [

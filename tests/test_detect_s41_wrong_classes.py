@@ -24,6 +24,13 @@ from npufuse.patterns.fused_optimizer import FusedOptimizer
 from npufuse.patterns.sdpa import SdpaPattern
 from pattern_harness import detect_all
 
+
+def _without_value_rows(text: str) -> str:
+    """``text`` without s49's row half of the value checks (``(m == 0).any(-1).all()`` of an additive mask, ``(m == 1)``
+    of a 0 / 1 one, in the same host sync as the values): what is left is _mask_rows' own row check, if any."""
+    return text.replace(" == 0).any(-1).all()", " == 0)").replace(" == 1).any(-1).all()", " == 1)")
+
+
 # -- 1. masks a helper builds ---------------------------------------------------------------------------------------------
 
 # a blockwise local attention: the helper method builds an additive window mask in a nested builder, cached per size
@@ -116,7 +123,7 @@ def test_a_helper_methods_cached_causal_mask_is_unchanged() -> None:
     code = _BLOCK_LOCAL.replace("qi = offset + torch.arange", "qi = torch.arange").replace(
         "ok = (gap > 0) & (gap <= self.window)", "ok = gap >= 0")
     (f,), misses = _sdpa(code)
-    assert ".any(-1).all()" not in f.fused, f.fused
+    assert ".any(-1).all()" not in _without_value_rows(f.fused), f.fused
     assert not any("a query row can keep no key" in r.detail for r in f.risks)
 
 
@@ -130,7 +137,7 @@ def test_a_helper_method_that_cannot_be_evaluated_is_guarded() -> None:
 
 def test_a_module_function_mask_with_the_diagonal_is_unchanged() -> None:
     (f,), misses = _sdpa(_HELPER_FN)
-    assert ".any(-1).all()" not in f.fused and not misses, f.fused
+    assert ".any(-1).all()" not in _without_value_rows(f.fused) and not misses, f.fused
 
 
 def test_keep_a_module_function_strict_causal_mask() -> None:
@@ -151,7 +158,7 @@ def test_keep_a_helper_whose_constant_argument_excludes_the_query() -> None:
     assert not found and any("leaves query row 0" in m.reason for m in misses), [m.reason for m in misses]
     # Fuse twin: the default (`include_self=True`) takes the path that keeps the diagonal: unchanged
     (f,), _ = _sdpa(code.replace("make_mask(n, x.device, include_self=False)", "make_mask(n, x.device)"))
-    assert ".any(-1).all()" not in f.fused, f.fused
+    assert ".any(-1).all()" not in _without_value_rows(f.fused), f.fused
 
 
 def test_keep_an_imported_helpers_strict_causal_mask(tmp_path: Path) -> None:
@@ -196,7 +203,7 @@ def test_keep_an_eager_attention_whose_helper_leaves_the_first_row_empty() -> No
 
 def test_an_eager_attention_whose_helper_keeps_the_diagonal_is_unchanged() -> None:
     (f,), _ = detect_all(AttentionPattern(), _EAGER.replace("i[None, :] < i[:, None]", "i[None, :] <= i[:, None]"))
-    assert ".any(-1).all()" not in f.fused and ".all(-1).any()" not in f.fused, f.fused
+    assert ".any(-1).all()" not in _without_value_rows(f.fused) and ".all(-1).any()" not in f.fused, f.fused
 
 # -- 2. a model nothing in the repository tells completely --------------------------------------------------------------
 
@@ -319,7 +326,7 @@ def test_keep_a_builder_nested_in_the_attention_function() -> None:
     found, misses = _sdpa(code)
     assert not found and any("leaves query row 0" in m.reason for m in misses), [m.reason for m in misses]
     (f,), _ = _sdpa(code.replace("i[None, :] < i[:, None]", "i[None, :] <= i[:, None]"))
-    assert ".any(-1).all()" not in f.fused, f.fused
+    assert ".any(-1).all()" not in _without_value_rows(f.fused), f.fused
 
 
 def test_keep_a_bottom_right_causal_helper_mask_a_check_would_call_twice() -> None:
@@ -366,7 +373,7 @@ class Cached(nn.Module):
 def test_a_helper_raising_on_the_sizes_that_would_empty_rows_is_unchanged() -> None:
     # bottom-right causal empties the first rows only where the queries outnumber the keys, which the helper refuses
     (f,), misses = _sdpa(_CACHE_CAUSAL)
-    assert ".any(-1).all()" not in f.fused and not misses, f.fused
+    assert ".any(-1).all()" not in _without_value_rows(f.fused) and not misses, f.fused
 
 
 def test_the_same_helper_without_its_size_check_runs_fused_only_where_every_row_keeps_a_key() -> None:

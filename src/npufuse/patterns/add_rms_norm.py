@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
-from npufuse.patterns import _add_rms_norm_s48h, _rms_norm_s48f, _rms_norm_s48h
+from npufuse.patterns import _add_rms_norm_s48h, _rms_norm_s48f, _rms_norm_s48h, _add_rms_norm_s49l
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1683,6 +1683,9 @@ def _member_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.Ctx) -
     if owner is None:
         if _own_method(module, scope, f):
             return None  # s43 (audit43, TorchRL's ``cls.angle_normalize(th + dth * dt)``): a function of the class
+        hf = _add_rms_norm_s49l.hf_layer_norm(module, scope, call, _HF_LLAMA_FAMILY, _hf_runtime_norm, S.source_of)  # s49
+        if hf is not None:
+            return hf
         if "norm" in f.attr.lower():
             return NormCall(call, f.attr, "not_rms", cls=f.attr,
                             reason=f"`{recv}.{f.attr}` is a module of `{recv}`, whose class npufuse does not resolve (from "

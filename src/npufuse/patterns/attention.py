@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method, _attention_s49m, _attention_s49d
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
@@ -752,11 +752,11 @@ def causal_cache_lines(device_of: str) -> tuple[list[str], str]:
 ADDITIVE_MASK_FLOOR = -1000.0
 
 
-def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = False) -> str:
+def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = False, rows: str | None = "key") -> str:
     """Run-time condition: the mask ``text`` (evaluated once per use; pass a name) can be
-    binarised with ``< 0`` without changing the attention."""
+    binarised with ``< 0`` without changing the attention (s49: its rows too, ``rows``)."""
     a = atom(text)
-    check = f"bool((({a} == 0) | ({a} <= {ADDITIVE_MASK_FLOOR})).all())"
+    check = _attention_s49m.additive_exact(text, rows)  # s49 mask49: values 0 / <= -1000 and a 0 in every row
     if maybe_bool:
         check = f"{a}.dtype == torch.bool or {check}"
     if maybe_none:
@@ -764,11 +764,11 @@ def additive_mask_exact(text: str, maybe_bool: bool = False, maybe_none: bool = 
     return check
 
 
-def zero_one_exact(text: str) -> str:
+def zero_one_exact(text: str, rows: str | None = "key") -> str:
     """Run-time condition: the multiplicative mask ``text`` holds only 0 and 1, so ``s * m - C * (1 - m)`` equals
-    ``s`` where m == 1 and ``-C`` where m == 0 (a fractional m would scale the logits instead)."""
-    a = atom(text)
-    return f"bool((({a} == 0) | ({a} == 1)).all())"
+    ``s`` where m == 1 and ``-C`` where m == 0 (a fractional m would scale the logits instead); s49: and a 1 in
+    every row (a row of -C only is a uniform row in the original)."""
+    return _attention_s49m.zero_one_exact(text, rows)
 
 
 def _zero_one_built(node: Any, depth: int = 0) -> bool:
@@ -789,9 +789,7 @@ def _zero_one_built(node: Any, depth: int = 0) -> bool:
     return False
 
 
-VALUE_CHECK_RISK = ("the float mask's values are not known statically: the fused branch checks that every entry is 0 or "
-                    f"<= {ADDITIVE_MASK_FLOOR:g} (a 0/-inf mask; a graded bias such as ALiBi or a 0/1 float mask runs the "
-                    "original code instead), a reduction and a host sync per call (a graph break under torch.compile)")
+VALUE_CHECK_RISK = _attention_s49m.VALUE_CHECK_RISK  # s49 mask49: values and rows
 
 
 def checked_body(before: list[str], after: list[str], condition: str, original: str) -> list[str]:
@@ -4038,6 +4036,7 @@ class AttentionPattern(Pattern):
         kwargs: list[tuple[str, str]] = []
         # masks
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
+        rows_split: tuple[int, str] | None = None  # s49: (index after the mask lines, the combined mask's row check)
         value_split = 0
         mask_kind, sparse = "none", 0
         s43_why = _attention_s43mla.unread_scores_reason(chain)
@@ -4064,7 +4063,8 @@ class AttentionPattern(Pattern):
                 mask_lines, maybe_none = self._mask_lines(r, chain.masks, fold is not None, chain.s43_score_axes)
                 if chain.s43_score_axes is not None:
                     mask_lines.insert(0, _attention_s43mla.to_bnsd_lambda(chain.s43_score_axes))
-                checks = self._value_checks(r, chain.masks, module, scope)
+                checks = self._value_checks(r, chain.masks, module, scope, _attention_s49m.term_rows(chain))
+                combined_rows = bool(checks) and _attention_s49m.combined_rows(chain)  # s49
                 if checks:
                     risks.append(Risk("host_sync", VALUE_CHECK_RISK))
                 row_checks = self._row_checks(r, chain, module, scope, span_line)  # s40 (wrong40): rows left without a key
@@ -4107,10 +4107,13 @@ class AttentionPattern(Pattern):
                         lines += mask_rank_lines("_npufuse_mask", maybe_none, f"{atom(q_n)}.shape[0]")
                     lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d, skv)
                 kwargs.append(("atten_mask", "_npufuse_mask"))
+                if combined_rows:  # s49 mask49: the rows of the combined mask, checked once it is built
+                    rows_split = (len(lines), _attention_s49m.combined_rows_check(maybe_none))
+                    risks.append(Risk("host_sync", _attention_s49m.COMBINED_ROWS_RISK))
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
-                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are); otherwise the original code runs"))
+                    risks.append(Risk("numerics", "the additive float mask is converted with `mask < 0` (True = masked) only after its values are checked to be 0 or <= -1000 (HF's and BERT's masks are) and every query row to keep a 0; otherwise the original code runs"))
                 elif "additive" in kinds:
                     risks.append(Risk("numerics", "the additive float mask (built here from -inf/finfo.min or a causal triangle) is converted with `mask < 0` (True = masked): exact for such 0/−inf masks"))
                 if any(m.causal for m in chain.masks):
@@ -4128,6 +4131,9 @@ class AttentionPattern(Pattern):
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
                                     f"{both[0]} where `{r.text(both[2])}` holds and {both[1]} where it does not: the fused "
                                     "call runs only where neither is read, which no value of the test gives")
+                dead = _attention_s49d.dead_under_callers(module, scope, chain.excluded, r.text)  # s49: callers take the excluded branch
+                if dead is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, dead)
                 skip = [atom(t) if neg else f"not {atom(t)}" for t, neg in ((r.text(x[0]), x[1]) for x in chain.excluded)]
                 skip = list(dict.fromkeys(skip))  # several intermediates read under one flag: the test once
                 if value_check is not None:
@@ -4308,6 +4314,9 @@ class AttentionPattern(Pattern):
         values_checked = value_check is not None
         if value_check is not None and r.bound & set(range(s, e)):
             value_split = max(value_split, len(bound_lines))
+        if rows_split is not None:  # s49: the original runs where the combined mask leaves a query row no key
+            lines = checked_body(lines[:rows_split[0]], lines[rows_split[0]:], rows_split[1],
+                                 _original_after(module, span, s, rows_split[0], len(bound_lines), r.bound, run_as_written))
         # npu_fusion_attention takes Dk >= Dv only (the eager matmuls any Dv): checked at run time, else the original runs
         value_check, value_split, lines = add_value_head_check(lines, value_check, value_split, n_qkv, dv_check,
                                                                lambda split: _original_after(module, span, s, split, len(bound_lines), r.bound, run_as_written))
@@ -4379,7 +4388,7 @@ class AttentionPattern(Pattern):
             text = ast.unparse(_plain(m.node))
         return f"{kind}: {text}"
 
-    def _value_checks(self, r: Renderer, masks: list[MaskTerm], module: ModuleInfo, scope: Scope) -> list[str]:
+    def _value_checks(self, r: Renderer, masks: list[MaskTerm], module: ModuleInfo, scope: Scope, rows: str | None = "key") -> list[str]:
         """Run-time conditions under which each additive term may be binarised with ``< 0``:
         none for a causal triangle or a mask built in view from -inf/finfo.min; else its values
         are checked (a tensor named ``mask`` may carry ALiBi or 0/1 values)."""
@@ -4389,7 +4398,8 @@ class AttentionPattern(Pattern):
                 if _zero_one_built(m.node):
                     continue  # a comparison cast to a number: 0 and 1 only
                 t = r.text(m.node)
-                check = zero_one_exact(t)
+                check = zero_one_exact(t, rows)
+                _attention_s49m.mark_rows_checked(m, rows)
             elif m.kind != "additive" or m.causal:
                 continue
             elif _attention_audit41.boolean_built(_deref_value(m.node)):
@@ -4398,7 +4408,8 @@ class AttentionPattern(Pattern):
                 continue  # built in view from -inf / finfo.min (or zeros) on every branch (s42: or by a helper): a 0/-inf mask
             else:
                 t = r.text(m.node)
-                check = additive_mask_exact(t)
+                check = additive_mask_exact(t, rows=rows)
+                _attention_s49m.mark_rows_checked(m, rows)
                 if _attention_s33.parameter_may_be_number(module, scope, deref(m.node)):
                     # s33: proteina's ``_attn(q, k, v, b, mask)`` gets ``b = 0`` when there is no pair bias: ``(0 == 0).all()``
                     # would raise, so the fused call runs only where the term is a tensor
@@ -4417,7 +4428,7 @@ class AttentionPattern(Pattern):
         resolve = _mask_rows.Resolver(module, scope, line, _row_ref_value(scope, line))
         checks: list[str] = []
         for m in chain.masks:
-            if m.causal or m.kind not in polarity:
+            if m.causal or m.kind not in polarity or _attention_s49m.rows_checked(m):  # s49: the value check has the rows
                 continue
             verdict = _mask_rows.row_verdict(m.node, polarity[m.kind], resolve)
             if verdict is None or verdict.kind == "kept":
@@ -14787,4 +14798,66 @@ AttentionPattern.KEEP.append(Keep(
     .replace("combined = torch.cat([logits, sink], dim=-1)", "combined = torch.cat([logits, sink], dim=-1) * self.scaling"),
     reason="attention sinks scaled with the scores",
     name="s48_sink_scaled_with_the_scores",
+))
+
+# s49 mask49: a handed-in padding bias beside a causal triangle: the values of the bias are checked before the branch,
+# the rows of the combined boolean mask once it is built (left padding empties the first query's row; right padding
+# as in the run does not: the fused call runs)
+_S49_CAUSAL_AND_PADDING = '''
+import math
+import torch
+
+
+def attend(q, k, v, pad_bias):
+    s = q.shape[2]
+    causal = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores + causal + pad_bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+'''
+
+AttentionPattern.FUSE.append(Fuse(
+    _S49_CAUSAL_AND_PADDING,
+    expect={"qualname": "attend"},
+    run='''
+q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+pad = torch.zeros(2, 1, 1, 6)
+pad[1, ..., 4:] = -10000.0
+out = attend(q, k, v, pad)
+leaves = [q, k, v]
+''',
+    name="s49_padding_bias_beside_a_causal_triangle_rows_checked_on_the_union",
+))
+# s49 mask49: the helper's softmax branch is reached by no call: every call takes the branch the fused call excludes
+AttentionPattern.KEEP.append(Keep(
+    '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def softmax_plus_one(x, dim=-1):
+    return torch.exp(x) / (1 + torch.exp(x).sum(dim=dim, keepdim=True))
+
+
+class Block(nn.Module):
+    def __init__(self, plus_one=False):
+        super().__init__()
+        self.plus_one = plus_one
+
+    def _attend(self, q, k, v):
+        w = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        if self.plus_one:
+            w = softmax_plus_one(w)
+        else:
+            w = F.softmax(w, dim=-1)
+        return w @ v
+
+    def forward(self, q, k, v):
+        if self.plus_one:
+            return self._attend(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v)
+''',
+    reason="every call of `_attend` (line 26) is made where `self.plus_one` selects",
+    name="s49_helper_called_only_where_its_softmax_is_not_taken",
 ))
