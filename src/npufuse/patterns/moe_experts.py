@@ -52,6 +52,7 @@ from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s49d
+from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
@@ -2961,7 +2962,7 @@ class _Eval:
             self._assign(s, s.targets[0])
             return
         if isinstance(s, ast.AugAssign):
-            tgt = s.target
+            tgt = _moe_s49h.rows_target(s.target)  # s49: `out[rows, :] += v` is `out[rows] += v`
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1", "tok1"):
                 split = _moe_s42b.shared_term(tgt, s.value) if self.expert_init is None else None
                 if split is not None and self.shared_call is None and self.ev(split[1].args[0]).kind == "x":
@@ -3339,7 +3340,7 @@ class _Eval:
         name first: see _s42c_nonzero_columns; or inline, ``(idx == e).nonzero().unbind(-1)``)."""
         if id(value) in self.s42c_reads:
             return self.s42c_reads[id(value)]
-        mask = s42c.inline_nonzero_unpack(value)
+        mask = s42c.inline_nonzero_unpack(_moe_s49h.default_nonzero_unpack(value))  # s49: `as_tuple=False` spelled out
         if mask is None or _canon(self.m, ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load())) != "torch.where":
             return None
         return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
