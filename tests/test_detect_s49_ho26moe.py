@@ -143,3 +143,70 @@ def test_twin_rows_and_partial_slice_accumulate() -> None:
     # half the hidden dim written: not the whole rows the fused layer adds
     code = _ROWS_ALL.replace("acc[rows, :] += net(picked) * coef", "acc[rows, : d // 2] += (net(picked) * coef)[:, : d // 2]")
     _near_miss(MoeExperts(), code, "unrecognised update in the expert loop")
+
+
+# -- d. slot-outer loop with a load statistic divided by a loop-invariant number ------------------------------------------
+
+_LOAD = _FFN + '''
+
+class BiasedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.n = n
+        self.score = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        b, t, d = x.shape
+        p = torch.sigmoid(self.score(x))
+        w, idx = torch.topk(p, self.k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        y = torch.zeros_like(x)
+        usage = torch.zeros(self.n, device=x.device)
+        for slot in range(self.k):
+            chosen = idx[:, :, slot]
+            col = w[..., slot:slot + 1]
+            for e in range(self.n):
+                sel = chosen == e
+                if sel.any():
+                    usage[e] += sel.sum().float() / (b * t * self.k)
+                    y[sel] += col[sel] * self.experts[e](x[sel])
+        return y, usage
+'''
+
+_LOAD_RUN = '''
+torch.manual_seed(0)
+m = BiasedMoE(16, 24, 6, 2)
+x = torch.randn(3, 5, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.score.weight, m.experts[0].up.weight, m.experts[5].down.bias]
+'''
+
+
+def test_slot_outer_load_statistic_divided() -> None:
+    facts = _fused_and_runs(MoeExperts(), _LOAD, _LOAD_RUN, "BiasedMoE.forward")
+    assert "/ (b * t * self.k)" in facts["rewritten"]
+
+
+def test_slot_outer_load_statistic_divided_bf16() -> None:
+    run = _bf16(_LOAD_RUN, "m = BiasedMoE(16, 24, 6, 2)", "x = torch.randn(3, 5, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _LOAD, run, "BiasedMoE.forward", tol=0.999)
+
+
+def test_slot_column_slice_without_statistic() -> None:
+    code = _LOAD.replace("                    usage[e] += sel.sum().float() / (b * t * self.k)\n", "")
+    _fused_and_runs(MoeExperts(), code, _LOAD_RUN, "BiasedMoE.forward")
+
+
+def test_twin_load_statistic_divided_by_a_loop_value() -> None:
+    # divided by this slot's selection size: a different number per iteration, not one division of the counts
+    code = _LOAD.replace("/ (b * t * self.k)", "/ sel.numel()")
+    _near_miss(MoeExperts(), code, "unrecognised update in the expert loop: `usage[e] += sel.sum().float() / sel.numel()`")
+
+
+def test_twin_load_statistic_assigned_per_slot() -> None:
+    # `=` in a slot loop keeps the last slot's count only: not every expert's count
+    code = _LOAD.replace("usage[e] += sel.sum().float() / (b * t * self.k)", "usage[e] = sel.sum().float()")
+    _near_miss(MoeExperts(), code, "unrecognised update in the expert loop: `usage[e] = sel.sum().float()`",
+               "the loop also writes one value per expert")

@@ -3689,9 +3689,9 @@ class _Eval:
         column = self._slot_column(sl) if self.slot_var and isinstance(node.value, ast.Name) else None
         if column is not None and self.ev(node.value).kind == "outer":
             # idx[:, k] ([T]) / w[:, k, None] ([T, 1]); s41: idx[:, :, k] / idx[..., k] over [B, T, K] ([B, T])
-            if self.slot_dims and self.slot_dims != column[0]:
+            if self.slot_dims and column[0] and self.slot_dims != column[0]:  # s49: `[..., k]` (0) goes with any
                 raise _Miss("the slot loop reads columns of tensors with different numbers of dims")
-            self.slot_dims = column[0]
+            self.slot_dims = column[0] or self.slot_dims
             return V("slotcol", (node.value.id, column[1]))
         base = self.ev(node.value)
         pairs = s43c.pair_tuple_parts(sl) if base.kind == "outer" and isinstance(sl, ast.Name) and self.token_dims == 1 \
@@ -4144,7 +4144,8 @@ class _Eval:
             stat = ast.unparse(tgt.value)  # s41b: `self.expert_load[e] += n`, a buffer of the module
         else:
             return False
-        node = value
+        per = _moe_s49h.invariant_divisor(self.loop, value)  # s49: `mask.sum().float() / (B * T * K)`
+        node = value if per is None else value.left  # type: ignore[attr-defined]
         for _ in range(4):
             node = _strip_casts(node)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item" and not node.args:
@@ -4166,6 +4167,8 @@ class _Eval:
             # s41b: `idx.numel()` / `len(idx)` / `idx.shape[0]` of `idx, slot = torch.where(indices == e)`: the
             # number of (token, slot) pairs routed to e, the same count
             mask = V("flatmask", (self.where_indices,))
+        if mask is not None and mask.kind == "slotmask1" and mode == "add":
+            mask = V("flatmask", mask.args)  # s49: `+=` over the slot loop's masks (each slot once): the pairs' count
         if mask is None or mask.kind not in ("tokmask", "flatmask") or not mask.args:
             return False
         if "." in stat:
@@ -4180,7 +4183,7 @@ class _Eval:
                 "torch.zeros", "torch.ones", "torch.empty", "torch.full", "torch.zeros_like", "torch.ones_like",
                 "torch.empty_like", "torch.full_like", "torch.tensor")):
             return False
-        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + (" += " if mode == "add" else " = ") + ast.unparse(value)[:40]))
+        self.count_stats.append((stat, mode if per is None else f"{mode}:({ast.unparse(per)})", self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + (" += " if mode == "add" else " = ") + ast.unparse(value)[:40]))
         return True
 
     def _unique_rows_are_rows(self, tok: V, call: ast.Call, first: int) -> bool:
@@ -4200,6 +4203,7 @@ class _Eval:
     def _slot_column(self, sl: ast.expr) -> Optional[tuple[int, bool]]:
         """(dims of the tensor, a trailing None) for a subscript ``[:, k]`` / ``[:, :, k]`` / ``[..., k]`` with ``k`` the
         slot variable, optionally followed by ``None``; dims 0 for the ellipsis (any number of leading dims)."""
+        sl = _moe_s49h.slot_slice_column(sl, self.slot_var)  # s49: w[..., k:k + 1] is w[..., k, None]
         parts = list(sl.elts) if isinstance(sl, ast.Tuple) else []
         trailing_none = bool(parts) and self._part_kind(parts[-1]) == "none"
         if trailing_none:
@@ -6226,12 +6230,16 @@ def _fused_text(site: _Site) -> str:
         counted = f"{site.indices}.masked_fill(~{P}named, -1)" if site.unnamed_ids else site.indices  # (histc skips -1)
         lines.append(f"{P}cnt = torch.histc({counted}.flatten().float(), bins={site.bins}, min=0, max={site.bins})"
                      f".to({stat}.device)")
-        if mode == "add":
-            lines.append(f"{stat}[:{site.bins}] += {P}cnt.to({stat}.dtype)")
+        mode, per = _moe_s49h.split_count_mode(mode)  # s49: a count divided by a loop-invariant number
+        val = f"{P}cnt.to({stat}.dtype)" if per is None else f"({P}cnt / {per}).to({stat}.dtype)"
+        if mode == "add" and per is not None and guarded:  # (skipped empty experts add nothing, not 0 / D)
+            lines.append(f"{stat}[:{site.bins}] += torch.where({P}cnt > 0, {val}, torch.zeros_like({val}))")
+        elif mode == "add":
+            lines.append(f"{stat}[:{site.bins}] += {val}")
         elif guarded:  # experts without tokens were skipped before the write: they keep their value
-            lines.append(f"{stat}[:{site.bins}] = torch.where({P}cnt > 0, {P}cnt.to({stat}.dtype), {stat}[:{site.bins}])")
+            lines.append(f"{stat}[:{site.bins}] = torch.where({P}cnt > 0, {val}, {stat}[:{site.bins}])")
         else:
-            lines.append(f"{stat}[:{site.bins}] = {P}cnt.to({stat}.dtype)")
+            lines.append(f"{stat}[:{site.bins}] = {val}")
     if site.dense_tail:
         if not site.dense_tail.startswith("#"):  # (s42b's shared-expert tail says what it replays itself)
             lines.append("# the experts the loop ran on every token (its other branch), as written")
