@@ -7,9 +7,13 @@ b. ``out[rows, :] += expert(x[rows]) * w[rows, slot]``: a trailing whole-dim sli
 
 from __future__ import annotations
 
-from pattern_harness import detect_all, fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
+import pytest
+import torch
+from pattern_harness import check_rewrite_runs, detect_all, fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
 
+from npufuse import emulate
 from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.rewrite.codegen import splice
 
 
 def _bf16(run: str, model: str, x: str) -> str:
@@ -210,3 +214,82 @@ def test_twin_load_statistic_assigned_per_slot() -> None:
     code = _LOAD.replace("usage[e] += sel.sum().float() / (b * t * self.k)", "usage[e] = sel.sum().float()")
     _near_miss(MoeExperts(), code, "unrecognised update in the expert loop: `usage[e] = sel.sum().float()`",
                "the loop also writes one value per expert")
+
+
+# -- e. routing weight gathered slot by slot into a fresh buffer, rows indexed inside the gather --------------------------
+
+_GATHER = _FFN + '''
+
+class GatherMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.top_k = k
+        self.n_exp = n
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n)])
+
+    def forward(self, hs):
+        shape = hs.shape
+        flat = hs.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1)
+        topw, topi = torch.topk(probs, self.top_k, dim=-1)
+        res = torch.zeros_like(flat)
+        for eid in range(self.n_exp):
+            hit = (topi == eid).any(dim=-1)
+            if not hit.any():
+                continue
+            ids = hit.nonzero(as_tuple=True)[0]
+            coef = torch.zeros(ids.shape[0], device=hs.device, dtype=hs.dtype)
+            for k in range(self.top_k):
+                here = topi[ids, k] == eid
+                coef[here] = topw[ids[here], k]
+            res[ids] += coef.unsqueeze(-1) * self.experts[eid](flat[ids])
+        return res.reshape(shape)
+'''
+
+_GATHER_RUN = '''
+torch.manual_seed(0)
+m = GatherMoE(16, 24, 5, 2)
+x = torch.randn(4, 6, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.weight, m.experts[0].up.weight, m.experts[4].down.bias]
+'''
+
+
+def test_slot_gathered_weight_buffer() -> None:
+    facts = _fused_and_runs(MoeExperts(), _GATHER, _GATHER_RUN, "GatherMoE.forward")
+    assert "hs.dtype in (topw.dtype, torch.float32)" in facts["rewritten"]
+
+
+def test_slot_gathered_weight_buffer_bf16() -> None:
+    run = _bf16(_GATHER_RUN, "m = GatherMoE(16, 24, 5, 2)", "x = torch.randn(4, 6, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _GATHER, run, "GatherMoE.forward", tol=0.999)
+
+
+def test_slot_gathered_weight_buffer_other_dtype_runs_the_original() -> None:
+    # float32 routing weights stored into a bf16 buffer: the original raises (index_put dtypes differ); the guard sends
+    # the call to the original (which raises the same way) instead of a fused path that would run
+    code = _GATHER.replace("probs = F.softmax(self.gate(flat), dim=-1)", "probs = F.softmax(self.gate(flat).float(), dim=-1)")
+    findings, _ = detect_all(MoeExperts(), code)
+    assert [f.qualname for f in findings] == ["GatherMoE.forward"]
+    rewritten = splice(code, findings)
+    assert "hs.dtype in (topw.dtype, torch.float32)" in rewritten
+    ns: dict = {}
+    with emulate.install() as emu:
+        exec(compile(rewritten, "<rewritten>", "exec"), ns)
+        torch.manual_seed(0)
+        m = ns["GatherMoE"](16, 24, 5, 2).to(torch.bfloat16)
+        with pytest.raises(RuntimeError, match="Index put requires the source and destination dtypes match"):
+            m(torch.randn(4, 6, 16, dtype=torch.bfloat16))
+    assert not emu.calls.get("npu_moe_token_unpermute")
+
+
+def test_slot_gathered_weight_accumulated() -> None:
+    code = _GATHER.replace("coef[here] = topw[ids[here], k]", "coef[here] += topw[ids[here], k]")
+    _fused_and_runs(MoeExperts(), code, _GATHER_RUN, "GatherMoE.forward")
+
+
+def test_twin_slot_gathered_weight_of_a_fixed_slot() -> None:
+    # every hit takes slot 0's weight: not the weight of the slot that routed it
+    code = _GATHER.replace("coef[here] = topw[ids[here], k]", "coef[here] = topw[ids[here], 0]")
+    _near_miss(MoeExperts(), code, "written slot by slot into the fresh buffer `coef`")

@@ -9,9 +9,9 @@ a. ``rows, slots = mask.nonzero(as_tuple=False).T``: ``as_tuple=False`` is nonze
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import Any, Optional
 
-from npufuse.patterns import _moe_s42b, _moe_s43a
+from npufuse.patterns import _moe_s42b, _moe_s43a, _moe_s47h
 
 
 def default_nonzero_unpack(value: ast.expr) -> ast.expr:
@@ -100,3 +100,57 @@ def split_count_mode(mode: str) -> tuple[str, Optional[str]]:
     """(``add`` / ``assign``, the divisor's text or None) of a count stat's recorded mode (``add:(B * T * K)``)."""
     base, _, per = mode.partition(":")
     return base, per or None
+
+
+def gathered_slot_weights(body: list[ast.stmt], i: int, is_eidx: Any) -> Optional[tuple[ast.Assign, str]]:
+    """e. The routing weight of each selected row gathered slot by slot into a fresh buffer, the rows indexed inside
+    the gather::
+
+        tw = torch.zeros(len(rows), device=.., dtype=x.dtype)
+        for k in range(K):
+            km = idx[rows, k] == e
+            tw[km] = w[rows[km], k]          # (or ``+=``)
+
+    ``w[rows[km], k]`` is ``w[rows, k][km]`` (the rows picked, then the slot's hits among them), the form s47h reads
+    (:func:`_moe_s47h.slot_weight_sum`: ``tw = (w * (idx == e)).sum(-1)[rows]`` under ``K == idx.shape[-1]``). A buffer
+    made in another tensor's dtype (``dtype=x.dtype``) adds the run-time guard that it is the weights' dtype or float32
+    (copies of the weights that round nothing). (synthetic statement, guard) or None."""
+    if i + 1 >= len(body) or not isinstance(body[i + 1], ast.For):
+        return None
+    alloc, loop = body[i], body[i + 1]
+    assert isinstance(loop, ast.For)
+    upd = loop.body[-1] if loop.body else None
+    if isinstance(upd, ast.AugAssign) and isinstance(upd.op, ast.Add):
+        value = upd.value
+    elif isinstance(upd, ast.Assign) and len(upd.targets) == 1:
+        value = upd.value
+    else:
+        return None
+    # w[rows[km], k] -> w[rows, k][km]
+    if not (isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Tuple) and len(value.slice.elts) == 2):
+        return None
+    picked, k = value.slice.elts
+    if not (isinstance(picked, ast.Subscript) and isinstance(picked.value, ast.Name) and isinstance(picked.slice, ast.Name)):
+        return None
+    lifted = ast.Subscript(ast.Subscript(value.value, ast.Tuple([picked.value, k], ast.Load()), ast.Load()),
+                           picked.slice, ast.Load())
+    new_upd = (ast.AugAssign(upd.target, upd.op, lifted) if isinstance(upd, ast.AugAssign)
+               else ast.Assign([upd.targets[0]], lifted))
+    ast.copy_location(new_upd, upd)
+    new_loop = ast.copy_location(ast.For(loop.target, loop.iter, [*loop.body[:-1], new_upd], loop.orelse), loop)
+    guard = ""
+    new_alloc = alloc
+    if isinstance(alloc, ast.Assign) and isinstance(alloc.value, ast.Call):
+        dtype = next((kw.value for kw in alloc.value.keywords if kw.arg == "dtype"), None)
+        w = value.value.id if isinstance(value.value, ast.Name) else None
+        if dtype is not None and w is not None and not _moe_s47h._buffer_dtype_ok(dtype, w) \
+                and isinstance(dtype, ast.Attribute) and dtype.attr == "dtype" and isinstance(dtype.value, ast.Name):
+            call = alloc.value
+            new_alloc = ast.copy_location(ast.Assign(alloc.targets, ast.Call(
+                call.func, call.args, [kw for kw in call.keywords if kw.arg != "dtype"])), alloc)
+            guard = f"{dtype.value.id}.dtype in ({w}.dtype, torch.float32) and "  # (s48rv reads the slots guard last)
+    found = _moe_s47h.slot_weight_sum([new_alloc, new_loop], 0, is_eidx)
+    if found is None:
+        return None
+    synth, slots_guard = found
+    return synth, guard + slots_guard

@@ -2898,6 +2898,8 @@ class _Eval:
                 and isinstance(stmt.value, ast.Call) else None
             if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
                 summed = _moe_s48f.unrolled_slot_writes(body, j, self._is_eidx)  # s48: the slots written out
+            if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+                summed = _moe_s49h.gathered_slot_weights(body, j, self._is_eidx)  # s49: `tw[km] = w[rows[km], k]`
             if summed is not None:
                 bad = _moe_s48rv.refusal(self, body, j, summed, _s40_topk_indices)  # s48 review: `=` needs distinct ids
                 if bad is not None:
