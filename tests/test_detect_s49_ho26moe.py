@@ -293,3 +293,37 @@ def test_twin_slot_gathered_weight_of_a_fixed_slot() -> None:
     # every hit takes slot 0's weight: not the weight of the slot that routed it
     code = _GATHER.replace("coef[here] = topw[ids[here], k]", "coef[here] = topw[ids[here], 0]")
     _near_miss(MoeExperts(), code, "written slot by slot into the fresh buffer `coef`")
+
+
+_ROUTER = '''
+
+class TopRouter(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.k = k
+        self.proj = nn.Linear(d, n, bias=False)
+
+    def forward(self, h):
+        logits = self.proj(h)
+        p = F.softmax(logits, dim=-1)
+        vals, inds = torch.topk(p, self.k, dim=-1)
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+        return vals, inds, logits
+'''
+
+_GATHER_ROUTED = _GATHER.replace("        self.gate = nn.Linear(d, n, bias=False)\n", "        self.gate = TopRouter(d, n, k)\n") \
+    .replace("        probs = F.softmax(self.gate(flat), dim=-1)\n        topw, topi = torch.topk(probs, self.top_k, dim=-1)\n",
+             "        topw, topi, _ = self.gate(flat)\n") + _ROUTER
+
+
+def test_slot_gathered_weight_indices_from_a_router_module() -> None:
+    assert "topw, topi, _ = self.gate(flat)" in _GATHER_ROUTED
+    run = _GATHER_RUN.replace("m.gate.weight", "m.gate.proj.weight")
+    _fused_and_runs(MoeExperts(), _GATHER_ROUTED, run, "GatherMoE.forward")
+
+
+def test_twin_slot_gathered_weight_sampled_router_indices() -> None:
+    # a router that samples its experts with replacement: a row may list one expert twice, and `=` keeps one weight
+    code = _GATHER_ROUTED.replace("vals, inds = torch.topk(p, self.k, dim=-1)",
+                                  "inds = torch.multinomial(p, self.k, replacement=True)\n        vals = p.gather(-1, inds)")
+    _near_miss(MoeExperts(), code, "a row listing the expert in two slots keeps the last slot's weight")

@@ -9,7 +9,7 @@ a. ``rows, slots = mask.nonzero(as_tuple=False).T``: ``as_tuple=False`` is nonze
 from __future__ import annotations
 
 import ast
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from npufuse.patterns import _moe_s42b, _moe_s43a, _moe_s47h
 
@@ -154,3 +154,19 @@ def gathered_slot_weights(body: list[ast.stmt], i: int, is_eidx: Any) -> Optiona
         return None
     synth, slots_guard = found
     return synth, guard + slots_guard
+
+
+def topk_or_router_topk(topk_indices: Callable[..., Any], call_output: Callable[..., Any]) -> Callable[..., Any]:
+    """e. ``topk_indices`` widened to indices handed back by a router module / helper of the file
+    (``w, idx, logits = self.router(x)``) whose returned name is, in the callee, a last-dim topk's indices: distinct per
+    row all the same (what a plain slot store ``tw[km] = ...`` needs, s48rv)."""
+    def found(module: Any, scope: Any, idx: str, line: int) -> Any:
+        direct = topk_indices(module, scope, idx, line)
+        if direct is not None:
+            return direct
+        out = call_output(module, scope, scope.definition(idx, line))
+        if out is None or not isinstance(out[1], ast.Name):
+            return None
+        fscope, returned, end, _ = out
+        return topk_indices(module, fscope, returned.id, end + 1)
+    return found

@@ -2901,7 +2901,7 @@ class _Eval:
             if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
                 summed = _moe_s49h.gathered_slot_weights(body, j, self._is_eidx)  # s49: `tw[km] = w[rows[km], k]`
             if summed is not None:
-                bad = _moe_s48rv.refusal(self, body, j, summed, _s40_topk_indices)  # s48 review: `=` needs distinct ids
+                bad = _moe_s48rv.refusal(self, body, j, summed, _moe_s49h.topk_or_router_topk(_s40_topk_indices, _s41_call_output))  # s48 review: `=` needs distinct ids (s49: or a router's topk)
                 if bad is not None:
                     raise _Miss(bad)
                 # s47: `tw = zeros(n); for k in range(K): tw[idx[m, k] == e] += w[m, k][..]`: the dense-gates weight
