@@ -327,3 +327,84 @@ def test_twin_slot_gathered_weight_sampled_router_indices() -> None:
     code = _GATHER_ROUTED.replace("vals, inds = torch.topk(p, self.k, dim=-1)",
                                   "inds = torch.multinomial(p, self.k, replacement=True)\n        vals = p.gather(-1, inds)")
     _near_miss(MoeExperts(), code, "a row listing the expert in two slots keeps the last slot's weight")
+
+
+# -- f. capacity branch off by default: `if cap and <per expert count> > cap: <capped> else: <plain>` --------------------
+
+_CAP = _FFN + '''
+
+class CappedMoE(nn.Module):
+    def __init__(self, d, h, n, k, cf=-1.0):
+        super().__init__()
+        self.k = k
+        self.n = n
+        self.cf = cf
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n)])
+        self.dropped = 0
+
+    def forward(self, x):
+        b, s, d = x.shape
+        flat = x.view(-1, d)
+        probs = self.router(flat).softmax(dim=-1)
+        top_w, top_i = probs.topk(self.k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        limit = int(b * s * self.k / self.n * self.cf) if self.cf > 0 else None
+        self.dropped = 0
+        acc = torch.zeros(b * s, d, dtype=x.dtype, device=x.device)
+        for i in range(self.n):
+            rows, slots = torch.where(top_i == i)
+            if limit and rows.numel() > limit:
+                _, keep = torch.topk(probs[rows, i], k=limit, sorted=False)
+                rows, slots = rows[keep], slots[keep]
+                acc[rows] += self.experts[i](flat[rows]) * top_w[rows, slots].unsqueeze(-1)
+                self.dropped += int(top_i.eq(i).sum()) - limit
+            else:
+                acc[rows] += self.experts[i](flat[rows]) * top_w[rows, slots].unsqueeze(-1)
+        return acc.view(b, s, d)
+'''
+
+_CAP_RUN = '''
+torch.manual_seed(0)
+m = CappedMoE(16, 24, 4, 2)
+x = torch.randn(3, 8, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0].up.weight, m.experts[3].down.bias]
+'''
+
+
+def test_capacity_off_by_default_fused_under_guard() -> None:
+    facts = _fused_and_runs(MoeExperts(), _CAP, _CAP_RUN, "CappedMoE.forward")
+    assert "not (limit)" in facts["rewritten"]
+
+
+def test_capacity_off_by_default_bf16() -> None:
+    run = _bf16(_CAP_RUN, "m = CappedMoE(16, 24, 4, 2)", "x = torch.randn(3, 8, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _CAP, run, "CappedMoE.forward", tol=0.999)
+
+
+def test_capacity_on_runs_the_original() -> None:
+    # with a capacity factor the guard fails and the original (dropping) loop runs: the same outputs, no fused call
+    findings, _ = detect_all(MoeExperts(), _CAP)
+    run = _CAP_RUN.replace("m = CappedMoE(16, 24, 4, 2)", "m = CappedMoE(16, 24, 4, 2, cf=0.5)")
+    facts = check_rewrite_runs(MoeExperts(), _CAP, run, findings)
+    assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+
+
+def test_twin_capacity_test_per_expert_first() -> None:
+    # the per-expert count is tested first: no option that alone decides the branch for every expert
+    code = _CAP.replace("if limit and rows.numel() > limit:", "if rows.numel() > (limit or rows.numel()):")
+    _near_miss(MoeExperts(), code, "conditional code inside the expert loop: `if rows.numel() > (limit or rows.numel())`")
+
+
+def test_twin_plain_path_needs_the_per_expert_test() -> None:
+    # the plain path is the body, taken only where `rows.numel() <= capacity` holds for this expert: no option alone
+    # decides it, so there is no run-time guard to fuse under
+    plain = "                acc[rows] += self.experts[i](flat[rows]) * top_w[rows, slots].unsqueeze(-1)\n"
+    capped = ("                _, keep = torch.topk(probs[rows, i], k=capacity, sorted=False)\n"
+              "                rows, slots = rows[keep], slots[keep]\n" + plain)
+    head = "            if capacity and rows.numel() <= capacity:\n"
+    start = _CAP.index("            if limit and")
+    end = _CAP.index("        return acc.view(b, s, d)")
+    code = _CAP[:start].replace("limit", "capacity") + head + plain + "            else:\n" + capped + _CAP[end:]
+    _near_miss(MoeExperts(), code, "conditional code inside the expert loop: `if capacity and rows.numel() <= capacity`")

@@ -170,3 +170,13 @@ def topk_or_router_topk(topk_indices: Callable[..., Any], call_output: Callable[
         fscope, returned, end, _ = out
         return topk_indices(module, fscope, returned.id, end + 1)
     return found
+
+
+def option_conjunct(test: ast.expr, is_option: Callable[[ast.expr], bool]) -> Optional[ast.expr]:
+    """f. A of an ``if A and <per-expert test>:`` whose first operand A is a loop-invariant option (``if
+    expert_capacity and rows.numel() > expert_capacity:``, the capacity off by default): where A is falsy the whole
+    test is, for every expert, so the else branch runs throughout -- the fused text follows it under the run-time guard
+    ``not (A)``. None for any other test."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) >= 2 and is_option(test.values[0]):
+        return test.values[0]
+    return None

@@ -2478,7 +2478,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         return split
     body_names = _names_in(loop)
     if any("capacity" in n.lower() for n in body_names) and not _moe_s45b.capacity_off_the_followed_path(
-            loop, lambda test: _invariant_option_test(test, loop, set())):  # s45b: a capacity switch the guard reads
+            loop, lambda test: _invariant_option_test(test, loop, set()) or _moe_s49h.option_conjunct(  # s49: `A and ..`
+                test, lambda t: _invariant_option_test(t, loop, set())) is not None):  # s45b: a capacity switch the guard reads
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
             and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
@@ -2930,6 +2931,11 @@ class _Eval:
             if s.orelse:
                 self.zero_link = ast.unparse(s.orelse[0])[:80]
             self.run_body(s.body)
+            return
+        if isinstance(s, ast.If) and self.expert_init is None and _moe_s45b.followed_branch(s) == "orelse" and \
+                (opt := _moe_s49h.option_conjunct(s.test, self._loop_invariant_option)) is not None:
+            self.option_guards.append(f"not ({segment(self.m, opt)})")  # s49: `if cap and <per expert>:` off: the else runs
+            self.run_body(s.orelse)
             return
         if isinstance(s, ast.If) and self.expert_init is None and self._loop_invariant_option(s.test):
             # an option of the whole call (`if fc1_smooth_scale is not None:`, `if self.use_bias:`): the
