@@ -408,3 +408,54 @@ def test_twin_plain_path_needs_the_per_expert_test() -> None:
     end = _CAP.index("        return acc.view(b, s, d)")
     code = _CAP[:start].replace("limit", "capacity") + head + plain + "            else:\n" + capped + _CAP[end:]
     _near_miss(MoeExperts(), code, "conditional code inside the expert loop: `if capacity and rows.numel() <= capacity`")
+
+
+# -- g. multi-task MMoE: a task loop around a comprehension over the experts (a true reason, not fused) -----------------
+
+_MMOE = _FFN + '''
+
+class RowRouter:
+    def __init__(self, n, gates):
+        self.n = n
+        self.gates = gates
+        nz = torch.nonzero(gates)
+        order = nz[:, 1].argsort(stable=True)
+        self.rows = nz[order, 0]
+        self.cols = nz[order, 1]
+        self.sizes = (gates > 0).sum(0).tolist()
+
+    def scatter(self, x):
+        return torch.split(x[self.rows], self.sizes, dim=0)
+
+    def gather(self, outs):
+        cat = torch.cat(outs, 0) * self.gates[self.rows, self.cols].unsqueeze(1)
+        return torch.zeros(self.gates.shape[0], cat.shape[1], dtype=cat.dtype).index_add(0, self.rows, cat)
+
+
+class MultiTaskMoE(nn.Module):
+    def __init__(self, d, h, n_experts, n_tasks, k):
+        super().__init__()
+        self.k = k
+        self.n_experts = n_experts
+        self.n_tasks = n_tasks
+        self.task_gates = nn.ModuleList([nn.Linear(d, n_experts) for _ in range(n_tasks)])
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n_experts)])
+
+    def forward(self, x):
+        heads = []
+        for t in range(self.n_tasks):
+            logits = self.task_gates[t](x)
+            v, i = logits.topk(self.k, dim=-1)
+            g = torch.zeros_like(logits).scatter(1, i, v.softmax(-1))
+            router = RowRouter(self.n_experts, g)
+            parts = router.scatter(x)
+            outs = [self.experts[t](parts[t]) for t in range(self.n_experts)]
+            heads.append(router.gather(outs))
+        return heads
+'''
+
+
+def test_twin_task_loop_around_expert_comprehension() -> None:
+    _near_miss(MoeExperts(), _MMOE, "the loop over `range(self.n_tasks)` is not the expert loop: `t` picks an expert only "
+               "inside the comprehension `[self.experts[t](parts[t]) for t in range(self.n_experts)]`")
+    _near_miss(MoeExperts(), _MMOE, "helper object's `router.scatter(...)` / `router.gather(...)`")

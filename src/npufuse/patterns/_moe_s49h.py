@@ -180,3 +180,54 @@ def option_conjunct(test: ast.expr, is_option: Callable[[ast.expr], bool]) -> Op
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) >= 2 and is_option(test.values[0]):
         return test.values[0]
     return None
+
+
+_COMPS = (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)
+
+
+def shadowed_expert_index(loop: ast.For) -> Optional[str]:
+    """g. The near miss for a loop that is NOT the expert loop although its variable indexes the experts: every
+    ``<...>experts[v]`` read with the loop variable ``v`` sits in a comprehension that binds its own ``v``
+    (``for i in range(self.n_task): ... [self.experts[i](inputs[i]) for i in range(self.n_expert)]``, a multi-task
+    MMoE's task loop around a per-expert comprehension). None where the loop's own variable picks an expert anywhere,
+    or no comprehension shadows it."""
+    if not isinstance(loop.target, ast.Name):
+        return None
+    v = loop.target.id
+    shadowing: list[ast.expr] = []
+    inside: set[int] = set()
+    for n in ast.walk(loop):
+        if isinstance(n, _COMPS) and any(any(isinstance(t, ast.Name) and t.id == v for t in ast.walk(g.target))
+                                         for g in n.generators):
+            shadowing.append(n)
+            inside.update(id(m) for m in ast.walk(n))
+    if not shadowing:
+        return None
+    picks = [n for n in ast.walk(loop) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == v
+             and (isinstance(n.value, ast.Attribute) and n.value.attr.lower().endswith("experts")
+                  or isinstance(n.value, ast.Name) and n.value.id.lower().endswith("experts"))]
+    if not picks or any(id(p) not in inside for p in picks):
+        return None
+    comp = next(c for c in shadowing if any(id(p) in {id(m) for m in ast.walk(c)} for p in picks))
+    text = ast.unparse(comp)
+    helper = _helper_object_calls(loop)
+    where = (f"; its rows and outputs pass through the helper object's `{helper[0]}` / `{helper[1]}`, which npufuse does "
+             "not read as a token dispatch" if helper else "")
+    return (f"the loop over `{ast.unparse(loop.iter)[:40]}` is not the expert loop: `{v}` picks an expert only inside "
+            f"the comprehension `{text[:70]}`, which binds its own `{v}` (one pass over the experts per iteration of this "
+            f"loop, e.g. per task of a multi-task MoE){where}")
+
+
+def _helper_object_calls(loop: ast.For) -> Optional[tuple[str, str]]:
+    """(``obj.dispatch(x)``, ``obj.combine(ys)``) as text where the loop binds a name to a call of a class and calls
+    two methods on it (a per-iteration dispatcher object); None otherwise."""
+    objs = {st.targets[0].id for st in ast.walk(loop) if isinstance(st, ast.Assign) and len(st.targets) == 1
+            and isinstance(st.targets[0], ast.Name) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Name)
+            and st.value.func.id[:1].isupper()}
+    for obj in objs:
+        calls = [n for n in ast.walk(loop) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id == obj]
+        if len(calls) >= 2:
+            calls.sort(key=lambda c: (c.lineno, c.col_offset))
+            return f"{obj}.{calls[0].func.attr}(...)", f"{obj}.{calls[-1].func.attr}(...)"  # type: ignore[attr-defined]
+    return None

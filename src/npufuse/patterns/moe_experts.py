@@ -2471,6 +2471,8 @@ _SHARED_BRANCH_WORDS = ("expert", "mlp", "ffn", "moe", "gate", "proj", "out")
 def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
     if loop.orelse:
         raise _Miss("the expert loop has an else clause")
+    if (not_experts := _moe_s49h.shadowed_expert_index(loop)) is not None:
+        raise _Miss(not_experts)  # s49: a task loop around a comprehension over the experts (multi-task MMoE)
     if (sorted_site := _moe_s49d.read_as_where_loop(module, scope, block, i, loop)) is not False:
         return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
