@@ -459,3 +459,82 @@ def test_twin_task_loop_around_expert_comprehension() -> None:
     _near_miss(MoeExperts(), _MMOE, "the loop over `range(self.n_tasks)` is not the expert loop: `t` picks an expert only "
                "inside the comprehension `[self.experts[t](parts[t]) for t in range(self.n_experts)]`")
     _near_miss(MoeExperts(), _MMOE, "helper object's `router.scatter(...)` / `router.gather(...)`")
+
+
+# -- c. sorted dispatch: the experts fill a sorted buffer run by run, weighted in place and index-added after ------------
+
+_SORTED_BUF = _FFN + '''
+
+class SortedMoE(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.n = n
+        self.router = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Ffn(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        t = flat.shape[0]
+        out = torch.zeros_like(flat)
+        logits = self.router(flat)
+        vals, ids = torch.topk(logits, k=self.k, dim=-1)
+        probs = F.softmax(vals, dim=-1)
+        ids_flat = ids.reshape(-1)
+        probs_flat = probs.reshape(-1)
+        ids_sorted, perm = torch.sort(ids_flat)
+        counts = torch.bincount(ids_sorted, minlength=self.n)
+        tok_rep = torch.repeat_interleave(torch.arange(t, device=x.device), repeats=self.k)
+        tok_sorted = tok_rep[perm]
+        rows = flat[tok_sorted]
+        p_sorted = probs_flat[perm]
+        buf = torch.zeros_like(rows)
+        pos = 0
+        for e, c_t in enumerate(counts):
+            c = c_t.item()
+            if c == 0:
+                continue
+            buf[pos:pos + c] = self.experts[e](rows[pos:pos + c])
+            pos += c
+        buf *= p_sorted[:, None]
+        out.index_add_(dim=0, index=tok_sorted, source=buf)
+        return out.reshape(shape)
+'''
+
+_SORTED_BUF_RUN = '''
+torch.manual_seed(0)
+m = SortedMoE(16, 24, 5, 2)
+x = torch.randn(3, 7, 16, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[0].up.weight, m.experts[4].down.bias]
+'''
+
+
+def test_sorted_buffer_weighted_in_place_functional_repeat() -> None:
+    facts = _fused_and_runs(MoeExperts(), _SORTED_BUF, _SORTED_BUF_RUN, "SortedMoE.forward")
+    assert facts["all_calls"].get("npu_moe_token_permute") == 1 and facts["all_calls"].get("npu_moe_token_unpermute") == 1
+
+
+def test_sorted_buffer_weighted_in_place_bf16() -> None:
+    run = _bf16(_SORTED_BUF_RUN, "m = SortedMoE(16, 24, 5, 2)", "x = torch.randn(3, 7, 16, requires_grad=True)")
+    _fused_and_runs(MoeExperts(), _SORTED_BUF, run, "SortedMoE.forward", tol=0.999)
+
+
+def test_sorted_buffer_repeat_interleave_positional() -> None:
+    code = _SORTED_BUF.replace("repeats=self.k)", "self.k)")
+    _fused_and_runs(MoeExperts(), code, _SORTED_BUF_RUN, "SortedMoE.forward")
+
+
+def test_twin_sorted_buffer_weighted_in_another_order() -> None:
+    # the weights taken in the reversed sort order: not each sorted pair's own weight
+    code = _SORTED_BUF.replace("buf *= p_sorted[:, None]", "buf *= probs_flat[perm.flip(0)][:, None]")
+    _near_miss(MoeExperts(), code, "is not the flat routing weights taken in the sort order `perm`")
+
+
+def test_twin_sorted_buffer_repeat_interleave_other_dim() -> None:
+    # repeat_interleave along dim 1 of a [T, 1] column is not the flat token of each slot: the reader stays off
+    code = _SORTED_BUF.replace("torch.repeat_interleave(torch.arange(t, device=x.device), repeats=self.k)",
+                               "torch.repeat_interleave(torch.arange(t, device=x.device)[:, None], repeats=self.k, dim=1).reshape(-1)")
+    findings, _ = detect_all(MoeExperts(), code)
+    assert not findings

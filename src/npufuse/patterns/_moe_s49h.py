@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Optional
 
+from npufuse.scan.dataflow import const_value
+
 from npufuse.patterns import _moe_s42b, _moe_s43a, _moe_s47h
 
 
@@ -230,4 +232,32 @@ def _helper_object_calls(loop: ast.For) -> Optional[tuple[str, str]]:
         if len(calls) >= 2:
             calls.sort(key=lambda c: (c.lineno, c.col_offset))
             return f"{obj}.{calls[0].func.attr}(...)", f"{obj}.{calls[-1].func.attr}(...)"  # type: ignore[attr-defined]
+    return None
+
+
+# -- c. the sorted-pairs dispatch (s41's ``_sorted_pairs_site``) in two more spellings --------------------------------
+
+
+def method_repeat_interleave(base: Any, canon: Callable[[ast.AST], str]) -> Any:
+    """c. ``torch.repeat_interleave(a, K)`` / ``torch.repeat_interleave(a, repeats=K)`` (``dim=0`` allowed) as
+    ``a.repeat_interleave(K)``: the same values for the 1-D ``a`` the reader asks for (an arange). ``base`` itself
+    otherwise."""
+    if not (isinstance(base, ast.Call) and canon(base.func) == "torch.repeat_interleave" and base.args):
+        return base
+    kw = {k.arg: k.value for k in base.keywords}
+    if None in kw or set(kw) - {"repeats", "dim"} or "dim" in kw and const_value(kw["dim"]) != 0:
+        return base
+    reps = base.args[1:] + ([kw["repeats"]] if "repeats" in kw else [])
+    if len(reps) != 1 or len(base.args) > 2:
+        return base
+    call = ast.Call(ast.Attribute(base.args[0], "repeat_interleave", ast.Load()), reps, [])
+    return ast.copy_location(call, base)
+
+
+def inplace_weighting(st: ast.stmt, buf: str) -> Optional[ast.expr]:
+    """c. w of ``buf *= w``: the in-place product ``buf.mul_(w)`` (no dtype promotion, as ``mul_``); None for any
+    other statement."""
+    if isinstance(st, ast.AugAssign) and isinstance(st.op, ast.Mult) and isinstance(st.target, ast.Name) \
+            and st.target.id == buf:
+        return st.value
     return None

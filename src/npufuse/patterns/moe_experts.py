@@ -1563,6 +1563,7 @@ def _slot_token_index(module: ModuleInfo, scope: Scope, node: Optional[ast.expr]
         return None
     if isinstance(base, ast.Name):
         base = scope.definition(base.id, getattr(node, "lineno", line))
+    base = _moe_s49h.method_repeat_interleave(base, lambda f: _canon(module, f))  # s49: torch.repeat_interleave(a, K)
     ar = base.func.value if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) else None
     if isinstance(ar, ast.Name) and len(scope.assignments.get(ar.id, [])) == 1:
         ar = scope.definition(ar.id, base.lineno)  # s45: `tokens = torch.arange(N); R = tokens.repeat_interleave(K)`
@@ -1614,10 +1615,13 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if j < 0:
         return None
     weighting = block[j]
-    if not isinstance(weighting, (ast.Expr, ast.Assign)):
+    in_place = _moe_s49h.inplace_weighting(weighting, buf)  # s49: `buf *= w` is `buf.mul_(w)`
+    if not isinstance(weighting, (ast.Expr, ast.Assign)) and in_place is None:
         return None  # the rows are last written in a block (`if ...:`): not read here
     wv = weighting.value
-    if isinstance(weighting, ast.Expr) and isinstance(wv, ast.Call) and len(wv.args) == 1 and not wv.keywords:
+    if in_place is not None:
+        gate_node = in_place
+    elif isinstance(weighting, ast.Expr) and isinstance(wv, ast.Call) and len(wv.args) == 1 and not wv.keywords:
         gate_node = wv.args[0]
     elif isinstance(weighting, ast.Assign) and len(weighting.targets) == 1 and isinstance(wv, ast.BinOp) and isinstance(wv.op, ast.Mult) \
             and isinstance(wv.left, ast.Name) and wv.left.id == buf:
