@@ -5,6 +5,16 @@ tests/test_detect_s49_ho26moe.py (every Fuse form rewritten and run against the 
 
 a. ``rows, slots = mask.nonzero(as_tuple=False).T``: ``as_tuple=False`` is nonzero's default, so the [n, 2] pairs are
    the ones s42c already reads unpacked by columns (``mask.nonzero().T``) as ``torch.where(mask)``.
+b. ``out[rows, :] += v`` read as ``out[rows] += v`` (trailing whole-dim slices select nothing more).
+c. s41's sorted-pairs dispatch (experts fill a buffer of the sorted rows, then weighting and index_add) with the
+   weighting written ``buf *= w`` and the token ids ``torch.repeat_interleave(arange(T), K)``.
+d. a slot column ``w[..., k:k + 1]`` beside ``idx[:, :, k]``, and a per-expert count statistic divided by a
+   loop-invariant number (``load[e] += mask.sum().float() / (B * T * K)``), also summed over a slot loop's masks.
+e. a routing weight gathered slot by slot as ``tw[km] = w[rows[km], k]`` (s47h's ``w[rows, k][km]``), a buffer in
+   another tensor's dtype under a run-time dtype guard, and a router module's topk indices for a plain store.
+f. ``if cap and <per-expert test>: <capped> else: <plain>``: the else branch under the run-time guard ``not (cap)``.
+g. a true near-miss reason for a task loop whose variable picks experts only inside a comprehension binding its
+   own name (a multi-task MMoE).
 """
 from __future__ import annotations
 
