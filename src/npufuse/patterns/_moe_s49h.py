@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Optional
 
-from npufuse.scan.dataflow import const_value
+from npufuse.scan.dataflow import const_value, fast_walk
 
 from npufuse.patterns import _moe_s42b, _moe_s43a, _moe_s47h
 
@@ -206,16 +206,18 @@ def shadowed_expert_index(loop: ast.For) -> Optional[str]:
     if not isinstance(loop.target, ast.Name):
         return None
     v = loop.target.id
+    comps = [n for n in fast_walk(loop) if isinstance(n, _COMPS)]
+    if not comps:
+        return None
     shadowing: list[ast.expr] = []
     inside: set[int] = set()
-    for n in ast.walk(loop):
-        if isinstance(n, _COMPS) and any(any(isinstance(t, ast.Name) and t.id == v for t in ast.walk(g.target))
-                                         for g in n.generators):
+    for n in comps:
+        if any(any(isinstance(t, ast.Name) and t.id == v for t in ast.walk(g.target)) for g in n.generators):
             shadowing.append(n)
             inside.update(id(m) for m in ast.walk(n))
     if not shadowing:
         return None
-    picks = [n for n in ast.walk(loop) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == v
+    picks = [n for n in fast_walk(loop) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == v
              and (isinstance(n.value, ast.Attribute) and n.value.attr.lower().endswith("experts")
                   or isinstance(n.value, ast.Name) and n.value.id.lower().endswith("experts"))]
     if not picks or any(id(p) not in inside for p in picks):

@@ -2438,7 +2438,7 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
     """A refusal's text for this loop: "the expert loop" only where the loop says it is one (audit40b: a
     trainer's step loop, admitted by its dispatch shape in a file that says "expert" elsewhere, was
     called an expert loop)."""
-    reason = str(miss)
+    reason = _moe_s49h.shadowed_expert_index(loop) or str(miss)  # s49: a task loop around a comprehension over experts
     if _names_experts(loop):
         return reason
     return reason.replace("the expert loop", "the loop").replace("skips experts", "skips items")
@@ -2475,8 +2475,6 @@ _SHARED_BRANCH_WORDS = ("expert", "mlp", "ffn", "moe", "gate", "proj", "out")
 def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: int, loop: ast.For) -> Optional[_Site]:
     if loop.orelse:
         raise _Miss("the expert loop has an else clause")
-    if (not_experts := _moe_s49h.shadowed_expert_index(loop)) is not None:
-        raise _Miss(not_experts)  # s49: a task loop around a comprehension over the experts (multi-task MMoE)
     if (sorted_site := _moe_s49d.read_as_where_loop(module, scope, block, i, loop)) is not False:
         return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
@@ -2938,8 +2936,9 @@ class _Eval:
                 self.zero_link = ast.unparse(s.orelse[0])[:80]
             self.run_body(s.body)
             return
-        if isinstance(s, ast.If) and self.expert_init is None and _moe_s45b.followed_branch(s) == "orelse" and \
-                (opt := _moe_s49h.option_conjunct(s.test, self._loop_invariant_option)) is not None:
+        if isinstance(s, ast.If) and self.expert_init is None and isinstance(s.test, ast.BoolOp) and \
+                (opt := _moe_s49h.option_conjunct(s.test, self._loop_invariant_option)) is not None \
+                and _moe_s45b.followed_branch(s) == "orelse":
             self.option_guards.append(f"not ({segment(self.m, opt)})")  # s49: `if cap and <per expert>:` off: the else runs
             self.run_body(s.orelse)
             return
