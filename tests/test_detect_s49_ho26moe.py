@@ -538,3 +538,17 @@ def test_twin_sorted_buffer_repeat_interleave_other_dim() -> None:
                                "torch.repeat_interleave(torch.arange(t, device=x.device)[:, None], repeats=self.k, dim=1).reshape(-1)")
     findings, _ = detect_all(MoeExperts(), code)
     assert not findings
+
+
+def test_twin_load_statistic_divided_by_a_slot_loop_value() -> None:
+    # the divisor is bound in the slot loop around the expert loop: a different number per slot
+    code = _LOAD.replace("            col = w[..., slot:slot + 1]\n", "            col = w[..., slot:slot + 1]\n            share = (slot + 1) * b * t\n") \
+        .replace("/ (b * t * self.k)", "/ share")
+    _near_miss(MoeExperts(), code, "unrecognised update in the expert loop: `usage[e] += sel.sum().float() / share`")
+
+
+def test_twin_slot_gathered_weight_buffer_dtype_of_a_loop_tensor() -> None:
+    # the buffer takes the dtype of the expert's own rows (bound in the loop): no guard can read it before the loop
+    code = _GATHER.replace("            coef = torch.zeros(ids.shape[0], device=hs.device, dtype=hs.dtype)\n",
+                           "            part = flat[ids]\n            coef = torch.zeros(ids.shape[0], device=hs.device, dtype=part.dtype)\n")
+    _near_miss(MoeExperts(), code, "a fresh `zeros` buffer in float32 or the weights' dtype")

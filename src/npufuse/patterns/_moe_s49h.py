@@ -80,14 +80,14 @@ _SIZE_CALLS = ("float", "int", "len")
 _SIZE_METHODS = ("numel", "size", "dim")
 
 
-def invariant_divisor(loop: ast.AST, value: ast.expr) -> Optional[ast.expr]:
+def invariant_divisor(bound: set[str], value: ast.expr) -> Optional[ast.expr]:
     """d. D of a per-expert count stat written ``n / D`` (``mask.sum().float() / (B * T * self.top_k)``), where D is
     the same number at every iteration: names the loop never binds, attributes, constants, arithmetic and size reads
     (``len``, ``float``, ``int``, ``.numel()``, ``.size()``, ``.shape[i]``). The per-expert sums of ``n / D`` over the
-    loop are then (within rounding) every expert's count divided by D once. None otherwise."""
+    loop are then (within rounding) every expert's count divided by D once. ``bound``: the names the whole loop binds
+    (a slot loop around the expert loop included). None otherwise."""
     if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div)):
         return None
-    bound = {t.id for n in ast.walk(loop) for t in _stored(n)}
     for n in ast.walk(value.right):
         if isinstance(n, ast.Name) and n.id in bound:
             return None
@@ -102,19 +102,13 @@ def invariant_divisor(loop: ast.AST, value: ast.expr) -> Optional[ast.expr]:
     return value.right
 
 
-def _stored(n: ast.AST) -> list[ast.Name]:
-    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-        return [n]
-    return []
-
-
 def split_count_mode(mode: str) -> tuple[str, Optional[str]]:
     """(``add`` / ``assign``, the divisor's text or None) of a count stat's recorded mode (``add:(B * T * K)``)."""
     base, _, per = mode.partition(":")
     return base, per or None
 
 
-def gathered_slot_weights(body: list[ast.stmt], i: int, is_eidx: Any) -> Optional[tuple[ast.Assign, str]]:
+def gathered_slot_weights(body: list[ast.stmt], i: int, is_eidx: Any, bound: set[str]) -> Optional[tuple[ast.Assign, str]]:
     """e. The routing weight of each selected row gathered slot by slot into a fresh buffer, the rows indexed inside
     the gather::
 
@@ -126,7 +120,8 @@ def gathered_slot_weights(body: list[ast.stmt], i: int, is_eidx: Any) -> Optiona
     ``w[rows[km], k]`` is ``w[rows, k][km]`` (the rows picked, then the slot's hits among them), the form s47h reads
     (:func:`_moe_s47h.slot_weight_sum`: ``tw = (w * (idx == e)).sum(-1)[rows]`` under ``K == idx.shape[-1]``). A buffer
     made in another tensor's dtype (``dtype=x.dtype``) adds the run-time guard that it is the weights' dtype or float32
-    (copies of the weights that round nothing). (synthetic statement, guard) or None."""
+    (copies of the weights that round nothing), read before the loop: not where the loop binds that tensor (``bound``).
+    (synthetic statement, guard) or None."""
     if i + 1 >= len(body) or not isinstance(body[i + 1], ast.For):
         return None
     alloc, loop = body[i], body[i + 1]
@@ -156,7 +151,8 @@ def gathered_slot_weights(body: list[ast.stmt], i: int, is_eidx: Any) -> Optiona
         dtype = next((kw.value for kw in alloc.value.keywords if kw.arg == "dtype"), None)
         w = value.value.id if isinstance(value.value, ast.Name) else None
         if dtype is not None and w is not None and not _moe_s47h._buffer_dtype_ok(dtype, w) \
-                and isinstance(dtype, ast.Attribute) and dtype.attr == "dtype" and isinstance(dtype.value, ast.Name):
+                and isinstance(dtype, ast.Attribute) and dtype.attr == "dtype" and isinstance(dtype.value, ast.Name) \
+                and dtype.value.id not in bound:
             call = alloc.value
             new_alloc = ast.copy_location(ast.Assign(alloc.targets, ast.Call(
                 call.func, call.args, [kw for kw in call.keywords if kw.arg != "dtype"])), alloc)

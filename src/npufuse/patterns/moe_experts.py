@@ -2904,7 +2904,7 @@ class _Eval:
             if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
                 summed = _moe_s48f.unrolled_slot_writes(body, j, self._is_eidx)  # s48: the slots written out
             if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
-                summed = _moe_s49h.gathered_slot_weights(body, j, self._is_eidx)  # s49: `tw[km] = w[rows[km], k]`
+                summed = _moe_s49h.gathered_slot_weights(body, j, self._is_eidx, self._loop_names())  # s49: `tw[km] = w[rows[km], k]`
             if summed is not None:
                 bad = _moe_s48rv.refusal(self, body, j, summed, _moe_s49h.topk_or_router_topk(_s40_topk_indices, _s41_call_output))  # s48 review: `=` needs distinct ids (s49: or a router's topk)
                 if bad is not None:
@@ -2937,7 +2937,8 @@ class _Eval:
             self.run_body(s.body)
             return
         if isinstance(s, ast.If) and self.expert_init is None and isinstance(s.test, ast.BoolOp) and \
-                (opt := _moe_s49h.option_conjunct(s.test, self._loop_invariant_option)) is not None \
+                (opt := _moe_s49h.option_conjunct(s.test, lambda t: self._loop_invariant_option(t) and not (  # (nor bound
+                    {n.id for n in fast_walk(t) if isinstance(n, ast.Name)} & self._loop_names()))) is not None \
                 and _moe_s45b.followed_branch(s) == "orelse":
             self.option_guards.append(f"not ({segment(self.m, opt)})")  # s49: `if cap and <per expert>:` off: the else runs
             self.run_body(s.orelse)
@@ -4157,7 +4158,7 @@ class _Eval:
             stat = ast.unparse(tgt.value)  # s41b: `self.expert_load[e] += n`, a buffer of the module
         else:
             return False
-        per = _moe_s49h.invariant_divisor(self.loop, value)  # s49: `mask.sum().float() / (B * T * K)`
+        per = _moe_s49h.invariant_divisor(self._loop_names(), value)  # s49: `mask.sum().float() / (B * T * K)`
         node = value if per is None else value.left  # type: ignore[attr-defined]
         for _ in range(4):
             node = _strip_casts(node)
