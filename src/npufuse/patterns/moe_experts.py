@@ -52,6 +52,7 @@ from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s49d
+from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
@@ -1562,6 +1563,7 @@ def _slot_token_index(module: ModuleInfo, scope: Scope, node: Optional[ast.expr]
         return None
     if isinstance(base, ast.Name):
         base = scope.definition(base.id, getattr(node, "lineno", line))
+    base = _moe_s49h.method_repeat_interleave(base, lambda f: _canon(module, f))  # s49: torch.repeat_interleave(a, K)
     ar = base.func.value if isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) else None
     if isinstance(ar, ast.Name) and len(scope.assignments.get(ar.id, [])) == 1:
         ar = scope.definition(ar.id, base.lineno)  # s45: `tokens = torch.arange(N); R = tokens.repeat_interleave(K)`
@@ -1613,10 +1615,13 @@ def _sorted_pairs_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], 
     if j < 0:
         return None
     weighting = block[j]
-    if not isinstance(weighting, (ast.Expr, ast.Assign)):
+    in_place = _moe_s49h.inplace_weighting(weighting, buf)  # s49: `buf *= w` is `buf.mul_(w)`
+    if not isinstance(weighting, (ast.Expr, ast.Assign)) and in_place is None:
         return None  # the rows are last written in a block (`if ...:`): not read here
     wv = weighting.value
-    if isinstance(weighting, ast.Expr) and isinstance(wv, ast.Call) and len(wv.args) == 1 and not wv.keywords:
+    if in_place is not None:
+        gate_node = in_place
+    elif isinstance(weighting, ast.Expr) and isinstance(wv, ast.Call) and len(wv.args) == 1 and not wv.keywords:
         gate_node = wv.args[0]
     elif isinstance(weighting, ast.Assign) and len(weighting.targets) == 1 and isinstance(wv, ast.BinOp) and isinstance(wv.op, ast.Mult) \
             and isinstance(wv.left, ast.Name) and wv.left.id == buf:
@@ -2433,7 +2438,7 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
     """A refusal's text for this loop: "the expert loop" only where the loop says it is one (audit40b: a
     trainer's step loop, admitted by its dispatch shape in a file that says "expert" elsewhere, was
     called an expert loop)."""
-    reason = str(miss)
+    reason = _moe_s49h.shadowed_expert_index(loop) or str(miss)  # s49: a task loop around a comprehension over experts
     if _names_experts(loop):
         return reason
     return reason.replace("the expert loop", "the loop").replace("skips experts", "skips items")
@@ -2477,7 +2482,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         return split
     body_names = _names_in(loop)
     if any("capacity" in n.lower() for n in body_names) and not _moe_s45b.capacity_off_the_followed_path(
-            loop, lambda test: _invariant_option_test(test, loop, set())):  # s45b: a capacity switch the guard reads
+            loop, lambda test: _invariant_option_test(test, loop, set()) or _moe_s49h.option_conjunct(  # s49: `A and ..`
+                test, lambda t: _invariant_option_test(t, loop, set())) is not None):  # s45b: a capacity switch the guard reads
         raise _Miss("expert capacity / token dropping inside the loop: permute + grouped matmul keeps every token")
     if any("shared" in n.lower() and any(w in n.lower() for w in _SHARED_BRANCH_WORDS) for n in body_names) \
             and not _moe_s42b.shared_only_in_write_back(loop) and not _moe_s43b.shared_names_only_as_rows_terms(loop):
@@ -2897,8 +2903,10 @@ class _Eval:
                 and isinstance(stmt.value, ast.Call) else None
             if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
                 summed = _moe_s48f.unrolled_slot_writes(body, j, self._is_eidx)  # s48: the slots written out
+            if summed is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+                summed = _moe_s49h.gathered_slot_weights(body, j, self._is_eidx, self._loop_names())  # s49: `tw[km] = w[rows[km], k]`
             if summed is not None:
-                bad = _moe_s48rv.refusal(self, body, j, summed, _s40_topk_indices)  # s48 review: `=` needs distinct ids
+                bad = _moe_s48rv.refusal(self, body, j, summed, _moe_s49h.topk_or_router_topk(_s40_topk_indices, _s41_call_output))  # s48 review: `=` needs distinct ids (s49: or a router's topk)
                 if bad is not None:
                     raise _Miss(bad)
                 # s47: `tw = zeros(n); for k in range(K): tw[idx[m, k] == e] += w[m, k][..]`: the dense-gates weight
@@ -2927,6 +2935,13 @@ class _Eval:
             if s.orelse:
                 self.zero_link = ast.unparse(s.orelse[0])[:80]
             self.run_body(s.body)
+            return
+        if isinstance(s, ast.If) and self.expert_init is None and isinstance(s.test, ast.BoolOp) and \
+                (opt := _moe_s49h.option_conjunct(s.test, lambda t: self._loop_invariant_option(t) and not (  # (nor bound
+                    {n.id for n in fast_walk(t) if isinstance(n, ast.Name)} & self._loop_names()))) is not None \
+                and _moe_s45b.followed_branch(s) == "orelse":
+            self.option_guards.append(f"not ({segment(self.m, opt)})")  # s49: `if cap and <per expert>:` off: the else runs
+            self.run_body(s.orelse)
             return
         if isinstance(s, ast.If) and self.expert_init is None and self._loop_invariant_option(s.test):
             # an option of the whole call (`if fc1_smooth_scale is not None:`, `if self.use_bias:`): the
@@ -2961,7 +2976,7 @@ class _Eval:
             self._assign(s, s.targets[0])
             return
         if isinstance(s, ast.AugAssign):
-            tgt = s.target
+            tgt = _moe_s49h.rows_target(s.target)  # s49: `out[rows, :] += v` is `out[rows] += v`
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) and self.ev(tgt.slice).kind in ("tok", "tokmask", "slotmask1", "tok1"):
                 split = _moe_s42b.shared_term(tgt, s.value) if self.expert_init is None else None
                 if split is not None and self.shared_call is None and self.ev(split[1].args[0]).kind == "x":
@@ -3339,7 +3354,7 @@ class _Eval:
         name first: see _s42c_nonzero_columns; or inline, ``(idx == e).nonzero().unbind(-1)``)."""
         if id(value) in self.s42c_reads:
             return self.s42c_reads[id(value)]
-        mask = s42c.inline_nonzero_unpack(value)
+        mask = s42c.inline_nonzero_unpack(_moe_s49h.default_nonzero_unpack(value))  # s49: `as_tuple=False` spelled out
         if mask is None or _canon(self.m, ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load())) != "torch.where":
             return None
         return ast.copy_location(ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "where", ast.Load()), [mask], []), value)
@@ -3688,9 +3703,9 @@ class _Eval:
         column = self._slot_column(sl) if self.slot_var and isinstance(node.value, ast.Name) else None
         if column is not None and self.ev(node.value).kind == "outer":
             # idx[:, k] ([T]) / w[:, k, None] ([T, 1]); s41: idx[:, :, k] / idx[..., k] over [B, T, K] ([B, T])
-            if self.slot_dims and self.slot_dims != column[0]:
+            if self.slot_dims and column[0] and self.slot_dims != column[0]:  # s49: `[..., k]` (0) goes with any
                 raise _Miss("the slot loop reads columns of tensors with different numbers of dims")
-            self.slot_dims = column[0]
+            self.slot_dims = column[0] or self.slot_dims
             return V("slotcol", (node.value.id, column[1]))
         base = self.ev(node.value)
         pairs = s43c.pair_tuple_parts(sl) if base.kind == "outer" and isinstance(sl, ast.Name) and self.token_dims == 1 \
@@ -4143,7 +4158,8 @@ class _Eval:
             stat = ast.unparse(tgt.value)  # s41b: `self.expert_load[e] += n`, a buffer of the module
         else:
             return False
-        node = value
+        per = _moe_s49h.invariant_divisor(self._loop_names(), value)  # s49: `mask.sum().float() / (B * T * K)`
+        node = value if per is None else value.left  # type: ignore[attr-defined]
         for _ in range(4):
             node = _strip_casts(node)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "item" and not node.args:
@@ -4165,6 +4181,8 @@ class _Eval:
             # s41b: `idx.numel()` / `len(idx)` / `idx.shape[0]` of `idx, slot = torch.where(indices == e)`: the
             # number of (token, slot) pairs routed to e, the same count
             mask = V("flatmask", (self.where_indices,))
+        if mask is not None and mask.kind == "slotmask1" and mode == "add":
+            mask = V("flatmask", mask.args)  # s49: `+=` over the slot loop's masks (each slot once): the pairs' count
         if mask is None or mask.kind not in ("tokmask", "flatmask") or not mask.args:
             return False
         if "." in stat:
@@ -4179,7 +4197,7 @@ class _Eval:
                 "torch.zeros", "torch.ones", "torch.empty", "torch.full", "torch.zeros_like", "torch.ones_like",
                 "torch.empty_like", "torch.full_like", "torch.tensor")):
             return False
-        self.count_stats.append((stat, mode, self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + (" += " if mode == "add" else " = ") + ast.unparse(value)[:40]))
+        self.count_stats.append((stat, mode if per is None else f"{mode}:({ast.unparse(per)})", self.skip_empty, mask.args[0], ast.unparse(tgt)[:40] + (" += " if mode == "add" else " = ") + ast.unparse(value)[:40]))
         return True
 
     def _unique_rows_are_rows(self, tok: V, call: ast.Call, first: int) -> bool:
@@ -4199,6 +4217,7 @@ class _Eval:
     def _slot_column(self, sl: ast.expr) -> Optional[tuple[int, bool]]:
         """(dims of the tensor, a trailing None) for a subscript ``[:, k]`` / ``[:, :, k]`` / ``[..., k]`` with ``k`` the
         slot variable, optionally followed by ``None``; dims 0 for the ellipsis (any number of leading dims)."""
+        sl = _moe_s49h.slot_slice_column(sl, self.slot_var)  # s49: w[..., k:k + 1] is w[..., k, None]
         parts = list(sl.elts) if isinstance(sl, ast.Tuple) else []
         trailing_none = bool(parts) and self._part_kind(parts[-1]) == "none"
         if trailing_none:
@@ -6225,12 +6244,16 @@ def _fused_text(site: _Site) -> str:
         counted = f"{site.indices}.masked_fill(~{P}named, -1)" if site.unnamed_ids else site.indices  # (histc skips -1)
         lines.append(f"{P}cnt = torch.histc({counted}.flatten().float(), bins={site.bins}, min=0, max={site.bins})"
                      f".to({stat}.device)")
-        if mode == "add":
-            lines.append(f"{stat}[:{site.bins}] += {P}cnt.to({stat}.dtype)")
+        mode, per = _moe_s49h.split_count_mode(mode)  # s49: a count divided by a loop-invariant number
+        val = f"{P}cnt.to({stat}.dtype)" if per is None else f"({P}cnt / {per}).to({stat}.dtype)"
+        if mode == "add" and per is not None and guarded:  # (skipped empty experts add nothing, not 0 / D)
+            lines.append(f"{stat}[:{site.bins}] += torch.where({P}cnt > 0, {val}, torch.zeros_like({val}))")
+        elif mode == "add":
+            lines.append(f"{stat}[:{site.bins}] += {val}")
         elif guarded:  # experts without tokens were skipped before the write: they keep their value
-            lines.append(f"{stat}[:{site.bins}] = torch.where({P}cnt > 0, {P}cnt.to({stat}.dtype), {stat}[:{site.bins}])")
+            lines.append(f"{stat}[:{site.bins}] = torch.where({P}cnt > 0, {val}, {stat}[:{site.bins}])")
         else:
-            lines.append(f"{stat}[:{site.bins}] = {P}cnt.to({stat}.dtype)")
+            lines.append(f"{stat}[:{site.bins}] = {val}")
     if site.dense_tail:
         if not site.dense_tail.startswith("#"):  # (s42b's shared-expert tail says what it replays itself)
             lines.append("# the experts the loop ran on every token (its other branch), as written")
