@@ -3,6 +3,10 @@
 1. rms_norm: an nn.RMSNorm built through a parameter whose default is the class (``norm_layer=nn.RMSNorm``,
    ``partial(nn.RMSNorm, eps=...)``, ``norm_layer = norm_layer or nn.RMSNorm``): swapped where it is built; a caller's
    other class keeps its own forward (the swap applies to nn.RMSNorm instances only).
+3. add_rms_norm: a (conditional) add, then an own norm class whose forward is ``if flag: return F.rms_norm(..)`` and a
+   hand-written float32 RMS norm with the same weight and eps: both arms are the norm, the torch path is read (the
+   class in another file of the repository too, where the reason said it was not an RMS norm); arms with different
+   eps are a near miss saying so.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ import torch
 from pattern_harness import check_rewrite_runs, detect_all
 from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
 
+from pathlib import Path
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.rms_norm import RmsNorm
+from npufuse.scan.engine import scan_repo
 
 
 # -- 1. nn.RMSNorm through a parameter default ---------------------------------------------------------------------
@@ -116,3 +124,82 @@ def test_rms_norm_parameter_default_not_rms_or_rebound_kept() -> None:
         assert code != _PARAM_DEFAULT
         findings, _ = detect_all(RmsNorm(), "from functools import partial\n" + code)
         assert not findings, (change, [f.line for f in findings])
+
+
+# -- 3. add, then a norm class with a library arm and a hand-written arm -------------------------------------------
+
+_TWO_ARM_NORM = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ScaleNorm(nn.Module):
+    """RMS normalisation; the fused PyTorch kernel when this build has one."""
+
+    def __init__(self, features, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(features))
+        self.use_kernel = hasattr(F, "rms_norm")
+
+    def forward(self, h):
+        if self.use_kernel:
+            return F.rms_norm(h, (h.shape[-1],), self.scale, self.eps)
+        else:
+            orig = h.dtype
+            ms = h.float().square().mean(dim=-1, keepdim=True)
+            h = h * torch.rsqrt(ms + self.eps)
+            return (h * self.scale).to(orig)
+'''
+
+_MIXER = '''
+class Mixer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.body = nn.Linear(width, width)
+        self.side = nn.Linear(width, width)
+        self.post = ScaleNorm(width)
+
+    def forward(self, tokens, extra=None):
+        y = self.body(tokens)
+        if extra is not None:
+            y = y + 0.25 * self.side(extra)
+        return tokens + self.post(y)
+'''
+
+_MIXER_RUN = '''
+torch.manual_seed(3)
+m = Mixer(16)
+with torch.no_grad():
+    m.post.scale.add_(torch.randn(16) * 0.1)
+t = torch.randn(2, 5, 16, requires_grad=True)
+e = torch.randn(2, 5, 16)
+mb = Mixer(16).to(torch.bfloat16)
+out = [m(t, e), m(t), mb(t.detach().to(torch.bfloat16), e.to(torch.bfloat16)).float()]
+with torch.no_grad():
+    out.append(m(t.detach(), e))
+leaves = [t, m.post.scale]
+'''
+
+
+def test_add_then_two_arm_norm_class_fuses() -> None:
+    facts = _fused_and_runs(AddRmsNorm(), _TWO_ARM_NORM + _MIXER, _MIXER_RUN, "Mixer.forward", tol=0.999)
+    assert facts["all_calls"].get("npu_add_rms_norm", 0) >= 1 and facts["all_calls"].get("npu_rms_norm", 0) >= 1, facts["all_calls"]
+    # both arms are the norm: no run-time test of the flag
+    assert "use_kernel" not in facts["rewritten"].split("class Mixer")[1]
+
+
+def test_add_then_two_arm_norm_class_of_another_file_fuses(tmp_path: Path) -> None:
+    (tmp_path / "layers").mkdir()
+    (tmp_path / "layers" / "__init__.py").write_text("")
+    (tmp_path / "layers" / "norms.py").write_text(_TWO_ARM_NORM)
+    (tmp_path / "layers" / "mixer.py").write_text("import torch\nimport torch.nn as nn\n\nfrom .norms import ScaleNorm\n\n" + _MIXER)
+    res = scan_repo(tmp_path, jobs=1, only=["add_rms_norm"])
+    assert [(c["file"], c["qualname"]) for c in res.candidates] == [("layers/mixer.py", "Mixer.forward")], res.near_misses
+    assert "F.rms_norm with the same weight and eps" in res.candidates[0]["params"]["norm_class"]
+
+
+def test_add_then_two_arm_norm_whose_arms_differ_says_so() -> None:
+    code = (_TWO_ARM_NORM + _MIXER).replace("(h.shape[-1],), self.scale, self.eps)", "(h.shape[-1],), self.scale, 1e-5)")
+    _near_miss(AddRmsNorm(), code, "two arms under `self.use_kernel` (F.rms_norm, and a hand-written norm) whose weight or eps differ")
