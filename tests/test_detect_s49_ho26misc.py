@@ -7,6 +7,8 @@
    hand-written float32 RMS norm with the same weight and eps: both arms are the norm, the torch path is read (the
    class in another file of the repository too, where the reason said it was not an RMS norm); arms with different
    eps are a near miss saying so.
+4. attention: heads folded into the batch, the scores a matmul, the product with V a 3-D einsum (``b i j, b j d -> b i
+   d``): read as the 3-D product it is, q's and k's ranks checked at run time (the near miss said 3-D vs 4-D: false).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as
 from pathlib import Path
 
 from npufuse.patterns.add_rms_norm import AddRmsNorm
+from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.rms_norm import RmsNorm
 from npufuse.scan.engine import scan_repo
 
@@ -203,3 +206,61 @@ def test_add_then_two_arm_norm_class_of_another_file_fuses(tmp_path: Path) -> No
 def test_add_then_two_arm_norm_whose_arms_differ_says_so() -> None:
     code = (_TWO_ARM_NORM + _MIXER).replace("(h.shape[-1],), self.scale, self.eps)", "(h.shape[-1],), self.scale, 1e-5)")
     _near_miss(AddRmsNorm(), code, "two arms under `self.use_kernel` (F.rms_norm, and a hand-written norm) whose weight or eps differ")
+
+
+# -- 4a. folded heads, matmul scores, einsum with the values ------------------------------------------------------
+
+_FOLDED_EINSUM = '''\
+import torch
+import torch.nn as nn
+
+
+class ContextAttention(nn.Module):
+    def __init__(self, dim, ctx_dim, heads=2, head_dim=16, p=0.0):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
+        self.kv_proj = nn.Linear(ctx_dim, 2 * heads * head_dim, bias=False)
+        self.out_proj = nn.Linear(heads * head_dim, dim)
+        self.attn_drop = nn.Dropout(p)
+
+    def forward(self, x, context):
+        B, H, D = x.shape[0], self.heads, self.head_dim
+        q = self.q_proj(x)
+        k, v = self.kv_proj(context).chunk(2, dim=-1)
+        q, k, v = map(lambda t: t.reshape(B, -1, H, D).transpose(1, 2).reshape(B * H, -1, D), (q, k, v))
+        logits = q @ k.transpose(-2, -1) * self.scale
+        probs = logits.softmax(dim=-1)
+        probs = self.attn_drop(probs)
+        out = torch.einsum("z i j, z j c -> z i c", probs, v)
+        out = out.reshape(B, H, -1, D).transpose(1, 2).reshape(B, -1, H * D)
+        return self.out_proj(out)
+'''
+
+_FOLDED_EINSUM_RUN = '''
+torch.manual_seed(4)
+m = ContextAttention(24, 12)
+x = torch.randn(2, 7, 24, requires_grad=True)
+c = torch.randn(2, 5, 12, requires_grad=True)
+mb = ContextAttention(24, 12).to(torch.bfloat16)
+out = [m(x, c), mb(x.detach().to(torch.bfloat16), c.detach().to(torch.bfloat16)).float()]
+leaves = [x, c, m.q_proj.weight]
+'''
+
+
+def test_folded_heads_matmul_scores_einsum_values_fuses() -> None:
+    facts = _fused_and_runs(AttentionPattern(), _FOLDED_EINSUM, _FOLDED_EINSUM_RUN, "ContextAttention.forward", tol=0.999)
+    assert "q.dim() == 3 and k.dim() == 3" in facts["rewritten"]
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 2, facts["all_calls"]
+    # the matmul spelled torch.matmul reads alike
+    code = _FOLDED_EINSUM.replace("logits = q @ k.transpose(-2, -1) * self.scale", "logits = torch.matmul(q, k.transpose(-2, -1)) * self.scale")
+    _fused_and_runs(AttentionPattern(), code, _FOLDED_EINSUM_RUN, "ContextAttention.forward", tol=0.999)
+
+
+def test_folded_heads_matmul_of_a_call_says_its_rank_is_unchecked() -> None:
+    code = _FOLDED_EINSUM.replace("logits = q @ k.transpose(-2, -1) * self.scale",
+                                  "logits = self.q_proj.weight.new_ones(1).mul(q) @ k.transpose(-2, -1) * self.scale")
+    findings, misses = detect_all(AttentionPattern(), code)
+    assert not findings
+    assert not any("3-D vs 4-D" in m.reason for m in misses), [m.reason for m in misses]

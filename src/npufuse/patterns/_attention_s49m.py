@@ -1,0 +1,41 @@
+"""s49 ho26misc: attention readings of the HO26 misses (no mask reading here: the mask readers are another helper's).
+
+1. Heads folded into the batch (``(b h) n d``), the scores a ``torch.matmul`` / ``@`` of q and kᵀ, the product with V an
+   einsum over 3-D subscripts (``b i j, b j d -> b i d``): the einsum proves the probabilities 3-D, so the scores, and
+   the matmul making them, are 3-D. The matmul was read as a 4-D BNSD product where npufuse could not read q's rank
+   (q unpacked from ``map(lambda t: rearrange(..), (q, k, v))``), and the near miss said the two products "disagree on
+   the rank (3-D vs 4-D)" (false: both are 3-D). The product is read as the 3-D one it is; q's and k's ranks are
+   checked at run time (a 2-D q broadcast against a 3-D k would also give 3-D scores).
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+
+def matmul_under_3d_einsum(matcher: Any, kind: str, chain: Any) -> bool:
+    """Q@Kᵀ written as ``matmul`` / ``@`` inside a chain whose P@V is a 3-D einsum (see the module docstring)."""
+    if kind not in ("matmul", "@") or not getattr(matcher, "three_d", False) or chain.spelling[-1:] != ["einsum"]:
+        return False
+    chain.s49_qk_rank_unproven = True
+    return True
+
+
+def require_3d_ranks(chain: Any) -> str | None:
+    """After the scores are read: the run-time rank check of q and k for :func:`matmul_under_3d_einsum`; a reason where
+    an operand is a call whose rank cannot be checked without evaluating it again."""
+    if not getattr(chain, "s49_qk_rank_unproven", False) or chain.q is None or chain.k is None:
+        return None
+    from npufuse.patterns import _attention_s35
+
+    bases = [_attention_s35.rank_base(op.leaf) for op in (chain.q, chain.k)]
+    if any(b is None for b in bases):
+        return ("the probabilities' einsum is 3-D, so the scores' matmul is too, but q or k reaches it as a call whose rank "
+                "npufuse does not check at run time (a 2-D operand would broadcast)")
+    ranks = [ast.Compare(left=ast.Call(func=ast.Attribute(value=b, attr="dim", ctx=ast.Load()), args=[], keywords=[]),
+                         ops=[ast.Eq()], comparators=[ast.Constant(3)]) for b in bases]
+    chain.requires.append((ast.BoolOp(op=ast.And(), values=ranks),
+                           "the scores' matmul is read as 3-D (the einsum with the values is 3-D): q's and k's ranks are "
+                           "checked at run time; other ranks run the original code"))
+    return None
