@@ -8,7 +8,9 @@
    class in another file of the repository too, where the reason said it was not an RMS norm); arms with different
    eps are a near miss saying so.
 4. attention: heads folded into the batch, the scores a matmul, the product with V a 3-D einsum (``b i j, b j d -> b i
-   d``): read as the 3-D product it is, q's and k's ranks checked at run time (the near miss said 3-D vs 4-D: false).
+   d``): read as the 3-D product it is, q's and k's ranks checked at run time (the near miss said 3-D vs 4-D: false);
+   an optional bias branch behind ``min(self.<Parameter>.size(0), N)``: a shape read of a Parameter (or buffer) is no
+   module call, so the fused branch reading it again is no near miss (it said "a module call evaluated twice": false).
 """
 
 from __future__ import annotations
@@ -264,3 +266,73 @@ def test_folded_heads_matmul_of_a_call_says_its_rank_is_unchecked() -> None:
     findings, misses = detect_all(AttentionPattern(), code)
     assert not findings
     assert not any("3-D vs 4-D" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 4c. an optional bias branch behind the shape of a Parameter ---------------------------------------------------
+
+_SIZED_BIAS = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class KeyBiasAttention(nn.Module):
+    def __init__(self, width, heads=2, max_keys=16):
+        super().__init__()
+        self.heads, self.hd = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.key_bias = nn.Parameter(torch.zeros(max_keys))
+        self.register_buffer("key_gain", torch.ones(max_keys))
+        self.use_key_bias = True
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (q @ k.transpose(-2, -1)) / self.hd ** 0.5
+        if self.use_key_bias:
+            usable = min(self.key_bias.size(0), self.key_gain.numel(), N)
+            if usable == N:
+                scores = scores + (self.key_bias[:usable] * self.key_gain[:usable]).view(1, 1, 1, -1)
+        probs = F.softmax(scores, dim=-1)
+        return self.out((probs @ v).transpose(1, 2).reshape(B, N, C))
+'''
+
+_SIZED_BIAS_RUN = '''
+torch.manual_seed(5)
+m = KeyBiasAttention(32)
+with torch.no_grad():
+    m.key_bias.normal_()
+x = torch.randn(2, 16, 32, requires_grad=True)
+mb = KeyBiasAttention(32).to(torch.bfloat16)
+with torch.no_grad():
+    mb.key_bias.normal_()
+out = [m(x), m(x[:, :9]), mb(x.detach().to(torch.bfloat16)).float()]
+leaves = [x, m.key_bias]
+'''
+
+
+def test_bias_branch_behind_a_parameter_shape_fuses() -> None:
+    facts = _fused_and_runs(AttentionPattern(), _SIZED_BIAS, _SIZED_BIAS_RUN, "KeyBiasAttention.forward", tol=0.999)
+    assert "pse=" in facts["rewritten"]
+
+
+def test_size_of_a_submodule_still_counts_as_a_module_call() -> None:
+    # `self.key_bias` a module with a method `size` of its own: a call the fused branch repeats
+    code = _SIZED_BIAS.replace("self.key_bias = nn.Parameter(torch.zeros(max_keys))", "self.key_bias = Table(max_keys)").replace(
+        "class KeyBiasAttention(nn.Module):", """class Table(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+        self.reads = 0
+
+    def size(self, d):
+        self.reads += 1
+        return self.w.size(d)
+
+    def __getitem__(self, i):
+        return self.w[i]
+
+
+class KeyBiasAttention(nn.Module):""")
+    _near_miss(AttentionPattern(), code, "would call `self.key_bias.size(0)` more often than the original code does")

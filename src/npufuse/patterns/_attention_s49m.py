@@ -39,3 +39,38 @@ def require_3d_ranks(chain: Any) -> str | None:
                            "the scores' matmul is read as 3-D (the einsum with the values is 3-D): q's and k's ranks are "
                            "checked at run time; other ranks run the original code"))
     return None
+
+
+# --- 3. ``self.<tensor>.size(0)`` is no module call (HO26b neural-operator's ``min(self.relative_position_bias.size(0),
+# ..)`` in an optional bias branch): a shape read of a Parameter / buffer / tensor attribute has no effect, so the fused
+# branch reading it again costs nothing; the near miss called it "a module call evaluated twice" (false) ---
+
+_SHAPE_READS = ("size", "dim", "numel", "nelement", "ndimension")
+_TENSOR_CTORS = ("torch.nn.Parameter", "torch.nn.parameter.Parameter", "torch.zeros", "torch.ones", "torch.empty", "torch.randn",
+                 "torch.rand", "torch.tensor", "torch.arange", "torch.full", "torch.eye", "torch.linspace")
+
+
+def tensor_shape_reads(module: Any, cls: ast.ClassDef) -> set[str]:
+    """``self.<attr>.size`` (and dim / numel) chains of a class whose every assignment of ``self.<attr>`` in its methods
+    is an ``nn.Parameter(..)`` or a torch tensor factory, or which registers ``<attr>`` as a buffer (and never assigns
+    it otherwise): reading its shape twice has no effect."""
+    from npufuse.scan.dataflow import const_value, dotted, fast_walk
+
+    kinds: dict[str, bool] = {}
+    for fn in cls.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in fast_walk(fn):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "register_buffer" \
+                    and dotted(n.func.value) == "self" and n.args and isinstance(const_value(n.args[0]), str):
+                kinds.setdefault(const_value(n.args[0]), True)
+                continue
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                for part in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                    if not (isinstance(part, ast.Attribute) and dotted(part.value) == "self"):
+                        continue
+                    value = n.value if isinstance(n, (ast.Assign, ast.AnnAssign)) and part is t else None
+                    ok = isinstance(value, ast.Call) and (module.canonical(value.func) or "") in _TENSOR_CTORS
+                    kinds[part.attr] = kinds.get(part.attr, True) and ok
+    return {f"self.{a}.{m}" for a, ok in kinds.items() if ok for m in _SHAPE_READS}

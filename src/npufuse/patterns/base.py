@@ -466,6 +466,9 @@ def _pure_methods(module: "ModuleInfo", qualname: str) -> frozenset[str]:
                 break
         if not impure:
             out.add(f"self.{fn.name}")
+    from npufuse.patterns._attention_s49m import tensor_shape_reads
+
+    out |= tensor_shape_reads(module, cls)  # s49: `self.<Parameter>.size(0)` reads a shape (no module call)
     return frozenset(out)
 
 
