@@ -10,7 +10,9 @@
 4. attention: heads folded into the batch, the scores a matmul, the product with V a 3-D einsum (``b i j, b j d -> b i
    d``): read as the 3-D product it is, q's and k's ranks checked at run time (the near miss said 3-D vs 4-D: false);
    an optional bias branch behind ``min(self.<Parameter>.size(0), N)``: a shape read of a Parameter (or buffer) is no
-   module call, so the fused branch reading it again is no near miss (it said "a module call evaluated twice": false).
+   module call, so the fused branch reading it again is no near miss (it said "a module call evaluated twice": false);
+   window attention whose scores are viewed 5-D to add a per-window bias and a shifted-window mask in one sum, then
+   viewed back: the terms go to pse (the one-term form was read before).
 """
 
 from __future__ import annotations
@@ -336,3 +338,60 @@ def test_size_of_a_submodule_still_counts_as_a_module_call() -> None:
 
 class KeyBiasAttention(nn.Module):""")
     _near_miss(AttentionPattern(), code, "would call `self.key_bias.size(0)` more often than the original code does")
+
+
+# -- 4b. a bias and a window mask added in one sum through a 5-D view of the scores ---------------------------------
+
+_WINDOW_SUM = '''\
+import torch
+import torch.nn as nn
+
+
+class ShiftedWindowAttention(nn.Module):
+    def __init__(self, dim, tokens, windows, heads=2):
+        super().__init__()
+        self.heads, self.windows = heads, windows
+        self.hd = dim // heads
+        self.to_qkv = nn.Linear(dim, 3 * dim)
+        self.window_bias = nn.Parameter(torch.zeros(1, windows, heads, tokens, tokens))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, shift_mask):
+        Bw, T, C = x.shape
+        nw = self.windows
+        q, k, v = self.to_qkv(x).reshape(Bw, T, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        logits = (q * self.hd ** -0.5) @ k.transpose(-2, -1)
+        logits = logits.reshape(Bw // nw, nw, self.heads, T, T)
+        logits = logits + self.window_bias + shift_mask[None, :, None]
+        logits = logits.reshape(-1, self.heads, T, T)
+        weights = logits.softmax(dim=-1)
+        y = (weights @ v).transpose(1, 2).reshape(Bw, T, C)
+        return self.proj(y)
+'''
+
+_WINDOW_SUM_RUN = '''
+torch.manual_seed(6)
+m = ShiftedWindowAttention(16, 6, 4)
+with torch.no_grad():
+    m.window_bias.normal_()
+mask = torch.zeros(4, 6, 6)
+mask[1:, :3, 3:] = -100.0
+mask[1:, 3:, :3] = -100.0
+x = torch.randn(8, 6, 16, requires_grad=True)
+mb = ShiftedWindowAttention(16, 6, 4).to(torch.bfloat16)
+with torch.no_grad():
+    mb.window_bias.normal_()
+out = [m(x, mask), mb(x.detach().to(torch.bfloat16), mask.to(torch.bfloat16)).float()]
+leaves = [x, m.window_bias]
+'''
+
+
+def test_window_bias_and_mask_summed_through_a_5d_view_fuse() -> None:
+    facts = _fused_and_runs(AttentionPattern(), _WINDOW_SUM, _WINDOW_SUM_RUN, "ShiftedWindowAttention.forward", tol=0.999)
+    assert "pse=" in facts["rewritten"] and "atten_mask" not in facts["rewritten"]
+
+
+def test_window_sum_with_a_second_term_from_the_scores_is_kept() -> None:
+    code = _WINDOW_SUM.replace("logits = logits + self.window_bias + shift_mask[None, :, None]",
+                               "logits = logits + self.window_bias + logits.detach().amax(-1, keepdim=True)")
+    _near_miss(AttentionPattern(), code, "unsupported operation on the attention scores")

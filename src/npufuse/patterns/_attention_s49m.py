@@ -74,3 +74,60 @@ def tensor_shape_reads(module: Any, cls: ast.ClassDef) -> set[str]:
                     ok = isinstance(value, ast.Call) and (module.canonical(value.func) or "") in _TENSOR_CTORS
                     kinds[part.attr] = kinds.get(part.attr, True) and ok
     return {f"self.{a}.{m}" for a, ok in kinds.items() if ok for m in _SHAPE_READS}
+
+
+# --- 2. a window bias and a window mask added in one sum through a 5-D view of the scores (Pangu-style Earth attention:
+# ``s = s.view(B // nW, nW, H, T, T); s = s + bias + mask; s = s.view(B, H, T, T)``). _attention_s37.view_around_add
+# reads ``(s.view(A) + M).view(B)`` with one term; here the sum holds several terms. Each term is broadcast in the
+# viewed shape, the sum of zeros viewed as A and the terms (in the code's order) brought back with ``view_as`` is the
+# pse: exact for any float values (a learned bias, a finite shifted-window mask) ---
+
+def view_around_sum(m: Any, node: Any, chain: Any, stop: Any) -> Any:
+    """(the scores before the round trip, the terms in the scores' shape) where ``node`` is ``(s.view(A) + M1 + M2 ..)
+    .view(B)`` with two or more terms, exactly one operand reaching the scores; None otherwise."""
+    from npufuse.patterns import _attention_s37 as s37
+    from npufuse.patterns.attention import Ref, deref
+
+    if not s37._view_call(m, node) or len(node.args) < 2:
+        return None
+    summed = deref(node.func.value)
+    operands: list[Any] = []
+
+    def flat(n: Any) -> None:
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add) and len(operands) < 8:
+            flat(n.left)
+            flat(n.right)
+        else:
+            operands.append(n)
+
+    if not (isinstance(summed, ast.BinOp) and isinstance(summed.op, ast.Add)):
+        return None
+    flat(summed)
+    if len(operands) < 3:
+        return None  # one term: _attention_s37.view_around_add
+    reaching = [i for i, o in enumerate(operands) if m._reaches(o, stop)]
+    if len(reaching) != 1:
+        return None
+    inner = operands[reaching[0]]
+    viewed = deref(inner)
+    if not (s37._view_call(m, viewed) and len(viewed.args) > len(node.args)):
+        return None
+    base = viewed.func.value
+    if not isinstance(base, Ref) or not m._reaches(base, stop):
+        return None
+    if [ast.dump(s37._plain(a)) for a in viewed.args[-2:]] != [ast.dump(s37._plain(a)) for a in node.args[-2:]]:
+        return None
+    deref(node.func.value, chain.seen)
+    deref(inner, chain.seen)
+    zeros = ast.Call(func=ast.Attribute(value=ast.Name("torch", ast.Load()), attr="zeros_like", ctx=ast.Load()), args=[base], keywords=[])
+    spread = ast.Call(func=ast.Attribute(value=zeros, attr=viewed.func.attr, ctx=ast.Load()), args=list(viewed.args), keywords=[])
+    total: Any = None
+    for i, o in enumerate(operands):
+        t = spread if i == reaching[0] else o
+        total = t if total is None else ast.BinOp(left=total, op=ast.Add(), right=t)
+    back = ast.Call(func=ast.Attribute(value=total, attr="view_as", ctx=ast.Load()), args=[base], keywords=[])
+    chain.spelling.append("term_added_through_a_view")
+    terms = " + ".join(m.src(o)[:40] for i, o in enumerate(operands) if i != reaching[0])
+    chain.notes.append(f"`{m.src(node)[:60]}`: the scores viewed as `{m.src(viewed)[:60]}` to add `{terms}`, then viewed back: "
+                       "the terms are broadcast in the viewed shape and passed in the scores' shape (pse)")
+    return base, back

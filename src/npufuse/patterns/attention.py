@@ -2348,7 +2348,7 @@ class _Matcher:
                 beta = keyword(node, "beta")
                 raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
                            "a float term npufuse does not convert to a mask")
-            around = _attention_s37.view_around_add(self, node, chain, stop)
+            around = _attention_s37.view_around_add(self, node, chain, stop) or _attention_s49m.view_around_sum(self, node, chain, stop)  # s49
             if around is not None:
                 # s37: Swin's ``(s.view(B // nW, nW, H, N, N) + mask[None, :, None]).view(-1, H, N, N)``: a term added through
                 # a view of the same scores, passed in the scores' shape as pse (exact for any values: Swin's -100 shifts)
