@@ -3,6 +3,10 @@
 1. rms_norm: an nn.RMSNorm built through a parameter whose default is the class (``norm_layer=nn.RMSNorm``,
    ``partial(nn.RMSNorm, eps=...)``, ``norm_layer = norm_layer or nn.RMSNorm``): swapped where it is built; a caller's
    other class keeps its own forward (the swap applies to nn.RMSNorm instances only).
+2. rope: an interleaved rope written as strided slice assignments into a clone of the input with half-width cos / sin,
+   the halves named between the clone and the fills, or the fills written in both (same) arms of an ``if``: read as
+   the adjacent spelling is (npu_rotary_mul interleave, the tables repeated to full width); arms that differ, or the
+   cloned tensor rebound before the fills, are no candidate.
 3. add_rms_norm: a (conditional) add, then an own norm class whose forward is ``if flag: return F.rms_norm(..)`` and a
    hand-written float32 RMS norm with the same weight and eps: both arms are the norm, the torch path is read (the
    class in another file of the repository too, where the reason said it was not an RMS norm); arms with different
@@ -26,6 +30,7 @@ from pathlib import Path
 from npufuse.patterns.add_rms_norm import AddRmsNorm
 from npufuse.patterns.attention import AttentionPattern
 from npufuse.patterns.rms_norm import RmsNorm
+from npufuse.patterns.rope import RopePattern
 from npufuse.scan.engine import scan_repo
 
 
@@ -395,3 +400,102 @@ def test_window_sum_with_a_second_term_from_the_scores_is_kept() -> None:
     code = _WINDOW_SUM.replace("logits = logits + self.window_bias + shift_mask[None, :, None]",
                                "logits = logits + self.window_bias + logits.detach().amax(-1, keepdim=True)")
     _near_miss(AttentionPattern(), code, "unsupported operation on the attention scores")
+
+
+# -- 2. interleaved rope by strided slice assignment into a clone ---------------------------------------------------
+
+_LANES = '''\
+import torch
+import torch.nn as nn
+
+
+class PairRotary(nn.Module):
+    def __init__(self, base=10000.0):
+        super().__init__()
+        self.base = base
+
+    def tables(self, n, d, device):
+        t = torch.arange(n, dtype=torch.float32, device=device)
+        inv = self.base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+        ang = torch.outer(t, inv)
+        return ang.cos(), ang.sin()
+
+    def forward(self, h):
+        # h: [batch, seq, width]
+        c, s = self.tables(h.shape[1], h.shape[-1], h.device)
+        c = c.unsqueeze(0)
+        s = s.unsqueeze(0)
+        rotated = h.clone()
+        even, odd = h[..., 0::2], h[..., 1::2]
+        rotated[..., 0::2] = even * c - odd * s
+        rotated[..., 1::2] = even * s + odd * c
+        return rotated
+'''
+
+_LANES_RUN = '''
+torch.manual_seed(7)
+r = PairRotary()
+h = torch.randn(2, 6, 16, requires_grad=True)
+out = [r(h), r(h.detach().to(torch.bfloat16)).float()]
+leaves = [h]
+'''
+
+_ARMS = '''\
+import torch
+import torch.nn as nn
+
+
+class HeadRotary(nn.Module):
+    def forward(self, q, cos, sin):
+        # q: [B, S, H, D] or [B, S, D]; cos / sin: [S, D // 2]
+        per_head = q.dim() == 4
+        if per_head:
+            cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        else:
+            cos, sin = cos[None], sin[None]
+        q_out = q.clone()
+        if per_head:
+            q_out[..., ::2] = q[..., ::2] * cos - q[..., 1::2] * sin
+            q_out[..., 1::2] = q[..., 1::2] * cos + q[..., ::2] * sin
+        else:
+            q_out[..., ::2] = q[..., ::2] * cos - q[..., 1::2] * sin
+            q_out[..., 1::2] = q[..., 1::2] * cos + q[..., ::2] * sin
+        return q_out
+'''
+
+_ARMS_RUN = '''
+torch.manual_seed(8)
+ang = torch.arange(5).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+q4 = torch.randn(2, 5, 3, 8, requires_grad=True)
+q3 = torch.randn(2, 5, 8, requires_grad=True)
+m = HeadRotary()
+out = [m(q4, ang.cos(), ang.sin()), m(q3, ang.cos(), ang.sin()),
+       m(q4.detach().to(torch.bfloat16), ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)).float()]
+leaves = [q4, q3]
+'''
+
+
+def test_interleaved_rope_into_a_clone_with_named_halves_fuses() -> None:
+    facts = _fused_and_runs(RopePattern(), _LANES, _LANES_RUN, "PairRotary.forward", tol=0.999)
+    assert 'rotary_mode="interleave"' in facts["rewritten"] and "repeat_interleave(2" in facts["rewritten"]
+    assert facts["all_calls"].get("npu_rotary_mul", 0) >= 2, facts["all_calls"]
+
+
+def test_interleaved_rope_fills_in_same_code_arms_fuse() -> None:
+    facts = _fused_and_runs(RopePattern(), _ARMS, _ARMS_RUN, "HeadRotary.forward", tol=0.999)
+    assert facts["all_calls"].get("npu_rotary_mul", 0) >= 3, facts["all_calls"]
+    fused = facts["rewritten"].split("npu_rotary_mul")[0]
+    assert "q_out = q.clone()" in fused  # the clone stays as written; the fused call rebinds q_out
+
+
+def test_interleaved_rope_clone_keeps() -> None:
+    # arms that differ (one rotates the other way): which runs is not read
+    differ = _ARMS.replace("            q_out[..., 1::2] = q[..., 1::2] * cos + q[..., ::2] * sin\n        return",
+                           "            q_out[..., 1::2] = q[..., 1::2] * cos - q[..., ::2] * sin\n        return")
+    # the cloned tensor rebound before the fills: the buffer is not the rotated tensor's
+    rebound = _LANES.replace("        even, odd = h[..., 0::2], h[..., 1::2]\n",
+                             "        h = h.double()\n        even, odd = h[..., 0::2], h[..., 1::2]\n")
+    for code in (differ, rebound):
+        assert code not in (_ARMS, _LANES)
+        findings, misses = detect_all(RopePattern(), code)
+        assert not findings, [f.line for f in findings]
