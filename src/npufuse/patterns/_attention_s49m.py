@@ -56,6 +56,9 @@ def tensor_shape_reads(module: Any, cls: ast.ClassDef) -> set[str]:
     it otherwise): reading its shape twice has no effect."""
     from npufuse.scan.dataflow import const_value, dotted, fast_walk
 
+    cache = module.__dict__.setdefault("_npufuse_s49_shape_reads", {})
+    if cls.name in cache:
+        return cache[cls.name]
     kinds: dict[str, bool] = {}
     for fn in cls.body:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -73,7 +76,8 @@ def tensor_shape_reads(module: Any, cls: ast.ClassDef) -> set[str]:
                     value = n.value if isinstance(n, (ast.Assign, ast.AnnAssign)) and part is t else None
                     ok = isinstance(value, ast.Call) and (module.canonical(value.func) or "") in _TENSOR_CTORS
                     kinds[part.attr] = kinds.get(part.attr, True) and ok
-    return {f"self.{a}.{m}" for a, ok in kinds.items() if ok for m in _SHAPE_READS}
+    out = cache[cls.name] = {f"self.{a}.{m}" for a, ok in kinds.items() if ok for m in _SHAPE_READS}
+    return out
 
 
 # --- 2. a window bias and a window mask added in one sum through a 5-D view of the scores (Pangu-style Earth attention:

@@ -51,8 +51,19 @@ def param_defaults(module: ModuleInfo, scope: Scope, ctor_call: Callable) -> dic
     pos = [*a.posonlyargs, *a.args]
     pairs = list(zip(pos, [None] * (len(pos) - len(a.defaults)) + list(a.defaults))) + list(zip(a.kwonlyargs, a.kw_defaults))
     out: dict[str, str] = {}
+    text = S.scope_text(module, scope)
+    # a class default, or a default None with a ``p = p or <class>`` rebinding (the text names it)
+    pairs = [(p, d) for p, d in pairs if d is not None and (_default_ctor(module, d, ctor_call) or
+                                                           isinstance(d, ast.Constant) and d.value is None and f"{p.arg} or " in text)]
+    if not pairs:
+        scope.__dict__["_npufuse_s49_rms_params"] = out
+        return out
+    writes: dict[str, list[ast.stmt]] = {}
+    for st in S._stmts_in(fn.body):
+        for name in S.names_written(st):
+            writes.setdefault(name, []).append(st)
     for p, default in pairs:
-        rebinds = [st for st in S._stmts_in(fn.body) if p.arg in S.names_written(st)]
+        rebinds = writes.get(p.arg, [])
         if rebinds:
             st = rebinds[0]
             if not (len(rebinds) == 1 and isinstance(st, ast.Assign) and len(st.targets) == 1
