@@ -214,7 +214,7 @@ def test_add_then_two_arm_norm_class_of_another_file_fuses(tmp_path: Path) -> No
 
 def test_add_then_two_arm_norm_whose_arms_differ_says_so() -> None:
     code = (_TWO_ARM_NORM + _MIXER).replace("(h.shape[-1],), self.scale, self.eps)", "(h.shape[-1],), self.scale, 1e-5)")
-    _near_miss(AddRmsNorm(), code, "two arms under `self.use_kernel` (F.rms_norm, and a hand-written norm) whose weight or eps differ")
+    _near_miss(AddRmsNorm(), code, "two arms under `self.use_kernel` (F.rms_norm, and a hand-written norm) that are not read as using the same weight and eps")
 
 
 # -- 4a. folded heads, matmul scores, einsum with the values ------------------------------------------------------

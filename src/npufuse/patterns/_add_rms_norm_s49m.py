@@ -6,7 +6,7 @@ detector reads each arm as an RMSNorm; the add_rms_norm reader took the ``if`` a
 being another file's, refused the whole forward with "is not x * rsqrt(mean(x^2) + eps) * weight" (false). Both arms
 compute x * rsqrt(mean(x^2) + eps) * weight in float32 and return the input's dtype, so which one runs does not
 matter: the torch path is read, and the library arm is checked to use the same weight and eps (else a near miss says
-the arms differ). The test must be free of calls (nothing the fused code would skip could have an effect).
+the arms are not read as one). The test must be free of calls (nothing the fused code would skip could have an effect).
 """
 
 from __future__ import annotations
@@ -71,4 +71,5 @@ def differ(match: object, arms: Arms, cls: str) -> str | None:
     if len(weights) == 1 and core is not None and _same(weights[0].node, arms.weight) and _same(core.eps, arms.eps):
         return None
     return (f"norm {cls}'s forward has two arms under `{ast.unparse(arms.test)[:60]}` (F.rms_norm, and a hand-written "
-            "norm) whose weight or eps differ: which one runs is not known")
+            "norm) that are not read as using the same weight and eps: the fused call would compute one of them, and "
+            "which one runs is not known")
