@@ -131,7 +131,10 @@ def test_rms_norm_partial_default_and_or_rebinding_fuse() -> None:
 def test_rms_norm_parameter_default_not_rms_or_rebound_kept() -> None:
     for change in [("norm_cls: type = nn.RMSNorm", "norm_cls: type = nn.LayerNorm"),
                    ("norm_cls: type = nn.RMSNorm", "norm_cls: type = partial(nn.RMSNorm, 8)"),
-                   ("        self.h = n_heads\n", "        self.h = n_heads\n        if width > 64:\n            norm_cls = nn.LayerNorm\n")]:
+                   ("        self.h = n_heads\n", "        self.h = n_heads\n        if width > 64:\n            norm_cls = nn.LayerNorm\n"),
+                   # a construction in a comprehension's iterable: the guarded swap's `:=` is refused there
+                   ("        self.qn = norm_cls(self.dh) if use_qk_norm else nn.Identity()\n        self.kn = norm_cls(self.dh, eps=1e-5) if use_qk_norm else nn.Identity()\n",
+                    "        self.qn, self.kn = [m for m in (norm_cls(self.dh), norm_cls(self.dh))]\n")]:
         code = _PARAM_DEFAULT.replace(*change)
         assert code != _PARAM_DEFAULT
         findings, _ = detect_all(RmsNorm(), "from functools import partial\n" + code)

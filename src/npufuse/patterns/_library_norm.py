@@ -426,7 +426,7 @@ def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> It
             ctors: list[ast.Call] = []
             classes = [cls_name or ""]
         else:
-            ctors = [n for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and (_ctor_call(module, n) or _rms_norm_s49m.param_ctor(n, pdefs)) is not None]
+            ctors = [n for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and (_ctor_call(module, n) or _rms_norm_s49m.param_ctor(n, pdefs, stmt)) is not None]
             if not ctors:
                 continue
             classes = [_ctor_call(module, c) or _rms_norm_s49m.param_ctor(c, pdefs) or "" for c in ctors]

@@ -81,10 +81,17 @@ def param_defaults(module: ModuleInfo, scope: Scope, ctor_call: Callable) -> dic
     return out
 
 
-def param_ctor(call: ast.Call, params: dict[str, str]) -> str | None:
-    """``norm_layer(dim, ...)`` with ``norm_layer`` one of :func:`param_defaults`."""
+def param_ctor(call: ast.Call, params: dict[str, str], stmt: ast.stmt | None = None) -> str | None:
+    """``norm_layer(dim, ...)`` with ``norm_layer`` one of :func:`param_defaults`; None inside a comprehension's iterable
+    of ``stmt`` (the guarded swap binds a name with ``:=``, which Python refuses there)."""
     f = call.func
-    return params.get(f.id) if isinstance(f, ast.Name) else None
+    what = params.get(f.id) if isinstance(f, ast.Name) else None
+    if what is None or stmt is None:
+        return what
+    for c in ast.walk(stmt):
+        if isinstance(c, ast.comprehension) and any(n is call for n in ast.walk(c.iter)):
+            return None
+    return what
 
 
 def wrapped(call: ast.Call, params: dict[str, str], swap: str, T: str, src: str) -> str | None:
