@@ -448,7 +448,7 @@ def _shape_reads(module: "ModuleInfo", qualname: str, call_text: str) -> frozens
     """s49: where ``call_text`` is ``self.<attr>.size(..)`` (dim / numel) of a Parameter / buffer / tensor attribute of
     the site's class, every such shape-read chain of the class (they read a shape: calling them again has no effect);
     empty otherwise (looked at only once a repeated call is found)."""
-    from npufuse.patterns._attention_s49m import _SHAPE_READS, tensor_shape_reads
+    from npufuse.patterns._attention_s49w import _SHAPE_READS, tensor_shape_reads
 
     head = call_text.partition("(")[0]
     cls = module.classes.get(qualname.rpartition(".")[0]) if "." in qualname else None
