@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from npufuse.patterns import _norm_s44h
+from npufuse.patterns import _norm_s44h, _rms_norm_s49m
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, NearMiss, Result, Risk
 from npufuse.scan import canonical
@@ -409,6 +409,8 @@ def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> It
     cls_name = scope.class_name
     subclass_init = scope.qualname.endswith(".__init__") and rms_subclass(module, cls_name)
     words = _ctor_words(module)
+    pdefs = _rms_norm_s49m.param_defaults(module, scope, _ctor_call)  # s49: `norm_layer=nn.RMSNorm` parameter defaults
+    words = (*words, *pdefs) if pdefs else words
     lines = S.module_lines(module)
     for stmt in idx.stmts:
         if not S.simple_stmt(stmt):
@@ -424,16 +426,17 @@ def construction_sites(module: ModuleInfo, scope: Scope, idx: S.StmtIndex) -> It
             ctors: list[ast.Call] = []
             classes = [cls_name or ""]
         else:
-            ctors = [n for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and _ctor_call(module, n) is not None]
+            ctors = [n for n in S.iter_exprs_topdown(stmt) if isinstance(n, ast.Call) and (_ctor_call(module, n) or _rms_norm_s49m.param_ctor(n, pdefs, stmt)) is not None]
             if not ctors:
                 continue
-            classes = [_ctor_call(module, c) or "" for c in ctors]
+            classes = [_ctor_call(module, c) or _rms_norm_s49m.param_ctor(c, pdefs) or "" for c in ctors]
         done = S.already_fused(module, scope, stmt)
         if done:
             yield _miss(scope, stmt, done)
             continue
         if ctors:
-            body = S.splice(module, stmt, [(c, f"{_SWAP}({S.source_of(module, c)})") for c in ctors])
+            body = S.splice(module, stmt, [(c, _rms_norm_s49m.wrapped(c, pdefs, _SWAP, T, S.source_of(module, c))  # s49
+                                            or f"{_SWAP}({S.source_of(module, c)})") for c in ctors])
         else:
             body = S.stmt_source(module, stmt) + f"\n{_SWAP}(self)"
         params: dict = {"source": "library", "module": ", ".join(dict.fromkeys(classes)), "constructions": max(len(ctors), 1),

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
-from npufuse.patterns import _add_rms_norm_s48h, _rms_norm_s48f, _rms_norm_s48h, _add_rms_norm_s49l
+from npufuse.patterns import _add_rms_norm_s48h, _add_rms_norm_s49l, _add_rms_norm_s49m, _rms_norm_s48f, _rms_norm_s48h
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1852,6 +1852,8 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     nscope = S.scope_of(module, fwd)
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     kernel_branch: tuple[ast.Return, list[str], str] | None = None
+    arms = _add_rms_norm_s49m.library_arm(module, fwd, mod, bool(where), _library_forward) if ret is None and len(params) >= 2 else None
+    ret = arms.ret if arms is not None else ret  # s49: ``if flag: return F.rms_norm(..)`` then the same norm by hand
     if ret is None and len(params) >= 2:
         # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
         kernel_branch = _s42_kernel_branch(fwd, params[0], params[1], mod, bool(where))
@@ -1906,11 +1908,13 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     # (s46 review) the width test joins the arm's own tests: with ``if self.weight is not None: return .. else: ..``
     # after the width branch, the adapter alone dropped the arm's test and the fused call read a None weight
     width = [adapter[1]] if adapter is not None else []
+    if arms is not None and (why := _add_rms_norm_s49m.differ(m, arms, cls + where)) is not None:  # s49
+        return NormCall(call, attr, "not_rms", cls=cls + where, reason=why)
     if kernel_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1] + width)
     if weight_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1] + width)
-    return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=width)
+    return NormCall(call, attr, "rms", match=m, cls=cls + where + (f" ({arms.note})" if arms is not None else ""), conditions=width)
 
 
 def _s43_state_write(fwd: ast.FunctionDef) -> str | None:

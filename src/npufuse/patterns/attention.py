@@ -47,6 +47,7 @@ from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
+from npufuse.patterns import _attention_s49w
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -1559,6 +1560,8 @@ class _Matcher:
         self.peel_scores(scores, chain, stop=None, cond=None)
         if chain.q is None or chain.k is None:
             raise Miss("no Q@Kᵀ product found under the softmax")
+        if (why := _attention_s49w.require_3d_ranks(chain)) is not None:  # s49
+            raise Miss(why)
         if (chain.q.layout == "3D") != self.three_d:
             raise Miss("the scores and the probabilities' product disagree on the rank (3-D vs 4-D)")
         if chain.head_axis != chain.head_axis_removed:
@@ -2343,7 +2346,7 @@ class _Matcher:
                 beta = keyword(node, "beta")
                 raise Miss(f"`baddbmm` adds its input to the scores (beta={self.src(beta) if beta is not None else '1'}, e.g. an ALiBi bias): "
                            "a float term npufuse does not convert to a mask")
-            around = _attention_s37.view_around_add(self, node, chain, stop)
+            around = _attention_s37.view_around_add(self, node, chain, stop) or _attention_s49w.view_around_sum(self, node, chain, stop)  # s49
             if around is not None:
                 # s37: Swin's ``(s.view(B // nW, nW, H, N, N) + mask[None, :, None]).view(-1, H, N, N)``: a term added through
                 # a view of the same scores, passed in the scores' shape as pse (exact for any values: Swin's -100 shifts)
@@ -2833,6 +2836,8 @@ class _Matcher:
             layout = "3D"  # s34: ``q @ k.transpose(1, 2)`` of 3-D q / k (rtdl's heads folded into the batch)
         elif kind == "matmul" and getattr(self, "three_d", False) and static_rank(self.scope, a, self._line) == 3:
             layout = "3D"  # s30: CodeGeeX's ``torch.matmul`` of [b*np, s, hn] views beside a bmm with v: a 3-D product
+        elif _attention_s49w.matmul_under_3d_einsum(self, kind, chain):
+            layout = "3D"  # s49: a 3-D einsum with the values proves the scores' matmul 3-D (ranks checked at run time)
         chain.spelling.append(kind)
         chain.q = self.peel_operand(a, "q", layout, chain)
         kt = b

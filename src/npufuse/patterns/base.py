@@ -418,10 +418,17 @@ def _called_more_often(module: "ModuleInfo", f: Finding) -> str | None:
     # the answer depends on the two texts alone: copied code (transformers' "Copied from" modules)
     # yields the same span and fused text in many files, and each was parsed, walked and unparsed
     pure = _pure_methods(module, f.qualname)
-    key = (text, f.fused, pure)
+    found = _more_often_cached(text, f.fused, pure)
+    if found is not None and (reads := _shape_reads(module, f.qualname, found)):
+        found = _more_often_cached(text, f.fused, pure | reads)  # s49: `self.<Parameter>.size(0)` is no module call
+    return found
+
+
+def _more_often_cached(text: str, fused: str, pure: frozenset[str]) -> str | None:
+    key = (text, fused, pure)
     found = _MORE_OFTEN.get(key, False)
     if found is False:
-        found = _called_more_often_in(text, f.fused, pure)
+        found = _called_more_often_in(text, fused, pure)
         if len(_MORE_OFTEN) > 4096:
             _MORE_OFTEN.clear()
         _MORE_OFTEN[key] = found
@@ -435,6 +442,20 @@ _MORE_OFTEN: dict[tuple[str, str, frozenset[str]], str | None] = {}
 _PURE_TENSOR_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "unsqueeze", "squeeze",
                         "size", "dim", "expand", "expand_as", "view_as", "reshape_as", "chunk", "split", "unbind", "movedim"}
 _PURE_BUILTINS = {"len", "int", "tuple", "list", "range", "min", "max"}
+
+
+def _shape_reads(module: "ModuleInfo", qualname: str, call_text: str) -> frozenset[str]:
+    """s49: where ``call_text`` is ``self.<attr>.size(..)`` (dim / numel) of a Parameter / buffer / tensor attribute of
+    the site's class, every such shape-read chain of the class (they read a shape: calling them again has no effect);
+    empty otherwise (looked at only once a repeated call is found)."""
+    from npufuse.patterns._attention_s49w import _SHAPE_READS, tensor_shape_reads
+
+    head = call_text.partition("(")[0]
+    cls = module.classes.get(qualname.rpartition(".")[0]) if "." in qualname else None
+    if cls is None or head.count(".") != 2 or not head.startswith("self.") or head.rpartition(".")[2] not in _SHAPE_READS:
+        return frozenset()
+    reads = tensor_shape_reads(module, cls)
+    return frozenset(reads) if head in reads else frozenset()
 
 
 def _pure_methods(module: "ModuleInfo", qualname: str) -> frozenset[str]:

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 
 from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h, _rope_s47h, _rope_s47sweep
-from npufuse.patterns import _rope_s48r
+from npufuse.patterns import _rope_s48r, _rope_s49m
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.scan import canonical
@@ -2252,6 +2252,18 @@ class RopePattern(Pattern):
                     continue
                 if isinstance(res, str):
                     yield NearMiss(self.id, scope.qualname, stmt.lineno, block[i + 1].end_lineno or stmt.lineno, res)
+            clone_fill = _rope_s49m.clone_fills(block, i, stmt, canonical.filled_output, _s43_pair_axis_output, _s42_clone_as_empty_like) \
+                if filled is None and distant is None and ".clone()" in text else None  # s49: the fills after other statements / in same-code arms
+            if clone_fill is not None:
+                j, site, fills = clone_fill
+                res = self._filled_match(module, scope, site, site.npufuse_alloc)  # type: ignore[attr-defined]
+                if isinstance(res, _Match):
+                    res.wrap = f"{site.targets[0].id} = {res.wrap}"  # type: ignore[attr-defined]
+                    filled_done.update(id(st) for st in fills)
+                    runs.append((block, [(j, site, [res])]))
+                    continue
+                if isinstance(res, str):
+                    yield NearMiss(self.id, scope.qualname, site.lineno, site.end_lineno or site.lineno, res)
             if has_addcmul and filled is None and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.BinOp):
                 acc = _accumulated_halves_site(module, scope, block, i, stmt)
                 if acc is not None:
