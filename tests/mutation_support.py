@@ -152,7 +152,7 @@ MUTANTS = [
     M("attention", "missing scale", "hf_llama_eager_gqa", ("scale=scaling", "scale=1.0"), expect="out[0]:"),
     M("attention", "inverted mask", "hf_llama_eager_gqa", ("] < 0) if attention_mask", "] >= 0) if attention_mask"), expect="out[0]:"),
     M("attention", "zeros for the probabilities", "hf_llama_eager_gqa", (_PROBS_LINE, "attn_weights = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=query.dtype)"), expect="out[1]:"),
-    M("attention", "None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n    _npufuse_unused = torch_npu.npu_fusion_attention("), expect="the fused branch returns 0 tensors"),
+    M("attention", "None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None; _npufuse_unused = torch_npu.npu_fusion_attention("), expect="the fused branch returns 0 tensors"),
     # sdpa
     M("sdpa", "missing scale", "timm_fused_attn", ("scale=q.shape[-1] ** -0.5", "scale=1.0")),
     M("sdpa", "wrong sparse_mode (3 for 2, Sq<Skv)", "gqa_causal_sq_ne_skv", ("sparse_mode=2", "sparse_mode=3")),

@@ -135,7 +135,7 @@ MUST_FAIL = [
     # something other than None where the probabilities were: compared, and wrong
     (_mutant("zeros for the probabilities", "hf_llama_eager_gqa", (PROBS_LINE, "attn_weights = torch.zeros(query.shape[:-1] + (key.shape[-2],), dtype=query.dtype)")), "out[1]:"),
     # None for the attention output itself, which is supposed to be produced
-    (_mutant("None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None\n    _npufuse_unused = torch_npu.npu_fusion_attention(")),
+    (_mutant("None for the output", "gpt_neo_fp32_qk_bottom_right_plus_padding", ("attn_output = torch_npu.npu_fusion_attention(", "attn_output = None; _npufuse_unused = torch_npu.npu_fusion_attention(")),
      "the fused branch returns 0 tensors"),
 ]  # fmt: skip
 
