@@ -23,11 +23,13 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata import CodePosition, CodeRange
+from libcst.metadata.position_provider import PositionProvidingCodegenState
 
 from npufuse.rewrite import nesting
 from npufuse.rewrite.codegen import MARKER, PRELUDE, PRELUDE_MARKER
@@ -66,18 +68,89 @@ def parse_expression(text: str) -> cst.BaseExpression:
 
 
 def positions(module: cst.Module) -> Mapping[cst.CSTNode, CodeRange]:
-    """Every node's position in ``module`` (libcst's :class:`PositionProvider`).
+    """Every node's position in ``module``: the mapping libcst's :class:`PositionProvider` gives.
 
-    ``MetadataWrapper.resolve`` computes the positions in one code-generation pass and then walks the
-    whole tree once more for the batchable providers it was asked for -- none here, an empty walk that
-    cost as much as the positions themselves (measured on the patterns' examples: ~33 ms of ~69 ms per
-    module). The provider is run on its own; should a libcst release change that entry point, the
-    public route gives the same mapping (tests/test_rewrite_positions.py compares the two)."""
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    try:
-        return PositionProvider()._gen(wrapper)
-    except (AttributeError, TypeError):  # pragma: no cover - a libcst without the provider entry point
-        return wrapper.resolve(PositionProvider)
+    The provider's code-generation pass is run with :class:`_PositionState`, which records the same
+    positions as libcst's own state (the same rules, the same order) in plain tuples, and the mapping
+    builds a :class:`CodeRange` only for the nodes it is asked about (the rewriter, the reverter and
+    the marked-if finder ask about statements only). libcst's state splits every token with a regex and
+    makes two frozen dataclasses per node: s49 measured ~4x the pass's own cost on the patterns'
+    examples. (s48: ``MetadataWrapper.resolve`` also walked the whole tree once more for batchable
+    providers, none here.) tests/test_rewrite_positions.py compares the mapping with the public
+    ``MetadataWrapper.resolve(PositionProvider)`` route: every node, every position."""
+    raw: dict[cst.CSTNode, tuple[tuple[int, int], tuple[int, int]]] = {}
+    module._codegen(_PositionState(default_indent=module.default_indent, default_newline=module.default_newline, provider=raw))
+    return _Positions(raw)
+
+
+class _Positions(Mapping):
+    """node -> :class:`CodeRange`, made on demand from the recorded ((line, column), (line, column))."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: dict[cst.CSTNode, tuple[tuple[int, int], tuple[int, int]]]) -> None:
+        self._raw = raw
+
+    def __getitem__(self, node: cst.CSTNode) -> CodeRange:
+        (line, column), (end_line, end_column) = self._raw[node]
+        return CodeRange(CodePosition(line, column), CodePosition(end_line, end_column))
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._raw
+
+    def __iter__(self) -> Iterator[cst.CSTNode]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+_NEWLINE = re.compile(r"\r\n?|\n")  # libcst's position_provider.NEWLINE_RE
+
+
+class _PositionState(PositionProvidingCodegenState):
+    """libcst's :class:`PositionProvidingCodegenState` with its bookkeeping in tuples: ``provider`` is a
+    plain dict node -> (start, end). Each method does what the state it overrides does (libcst 1.x:
+    ``_update_position``, ``before_codegen`` / ``after_codegen`` and ``record_syntactic_position``),
+    a token without a line break only moving the column, as libcst's regex split of it does."""
+
+    __slots__ = ()
+
+    def add_indent_tokens(self) -> None:
+        for token in self.indent_tokens:
+            self.add_token(token)
+
+    def add_token(self, value: str) -> None:
+        self.tokens.append(value)
+        if "\n" in value or "\r" in value:
+            segments = _NEWLINE.split(value)
+            self.line += len(segments) - 1
+            self.column = len(segments[-1])
+        else:
+            self.column += len(value)
+
+    def before_codegen(self, node: cst.CSTNode) -> None:
+        self._stack.append((self.line, self.column))
+
+    def after_codegen(self, node: cst.CSTNode) -> None:
+        start = self._stack.pop()
+        computed = self.provider
+        if node not in computed:  # a syntactic position recorded inside the node stays
+            computed[node] = (start, (self.line, self.column))
+
+    @contextmanager
+    def record_syntactic_position(self, node: cst.CSTNode, *, start_node: cst.CSTNode | None = None, end_node: cst.CSTNode | None = None) -> Iterator[None]:
+        start = (self.line, self.column)
+        try:
+            yield
+        finally:
+            end = (self.line, self.column)
+            computed = self.provider
+            if start_node is not None:
+                start = computed[start_node][0]
+            if end_node is not None:
+                end = computed[end_node][1]
+            computed[node] = (start, end)
 
 
 # Nodes that can hold a statement block. The rewriter, the reverter and the marked-if readers only act on
