@@ -6389,6 +6389,13 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     if "list_out_in" in mlp.orient.values():
         risks.append(Risk("other", "one nn.Linear per expert and projection: their weights are stacked into [E, K, N] "
                           "every call (copies; autograd flows back to each Linear)"))
+    if site.skip_empty and (mlp.layout == "per_expert_linear" or "list_out_in" in mlp.orient.values()):
+        # s49 review49: the stack enters autograd for every expert, hit or not
+        risks.append(Risk("other", "training: an expert that receives no token in a step gets a ZERO gradient through the "
+                          "stacked grouped matmul, where the loop never calls it and leaves its .grad None; optimizers "
+                          "skip parameters whose grad is None, so AdamW / SGD with weight decay or momentum now update "
+                          "that expert's weights in such steps (decay, momentum carried on); zero_grad(set_to_none=False) "
+                          "or an expert hit in every step makes both the same"))
     elif mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
         risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
                           "[E, 2I, H] gate_up parameter avoids it"))

@@ -1,0 +1,73 @@
+"""s49 review49: correctness review of the s49 detection classes (moe49, mask49, ho26moe, ho26misc).
+
+a. Per-expert nn.Linear experts stacked for the grouped matmul, in a loop that skips experts without tokens: the
+   stack gives an untouched expert a ZERO gradient where the loop left its .grad None (optimizers then apply weight
+   decay / momentum to it): a risk line says so.
+"""
+
+from __future__ import annotations
+
+import torch
+from pattern_harness import _exec, _run, check_rewrite_runs, detect_all, fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
+
+from npufuse import emulate
+from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.rewrite.codegen import splice
+
+# -- a. zero gradient of an expert without tokens -----------------------------------------------------------------------
+
+_SKIP_EMPTY = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=False)
+        self.w3 = nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Moe(nn.Module):
+    def __init__(self, d, h, n, k):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList([Expert(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        w, idx = torch.topk(self.gate(x).softmax(-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            out[tok] += self.experts[e](x[tok]) * w[tok, slot, None]
+        return out
+'''
+
+_SKIP_EMPTY_RUN = '''
+torch.manual_seed(0)
+m = Moe(8, 16, 6, 1)
+with torch.no_grad():
+    m.gate.weight.zero_()
+    m.gate.weight[0] += 1.0
+x = torch.randn(5, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.experts[0].w1.weight, m.experts[5].w1.weight]
+'''
+
+
+def test_unhit_expert_zero_gradient_is_a_risk() -> None:
+    findings, _ = detect_all(MoeExperts(), _SKIP_EMPTY)
+    assert len(findings) == 1
+    facts = check_rewrite_runs(MoeExperts(), _SKIP_EMPTY, _SKIP_EMPTY_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"][:2]) > 0.9999
+    # the fact the risk states: the loop leaves the unhit expert's grad None, the fused layer gives zeros
+    assert facts["cos_grad"][2] == 0.0
+    assert any("ZERO gradient" in r.detail and "None" in r.detail for r in findings[0].risks)
