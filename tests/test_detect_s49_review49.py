@@ -3,6 +3,12 @@
 a. Per-expert nn.Linear experts stacked for the grouped matmul, in a loop that skips experts without tokens: the
    stack gives an untouched expert a ZERO gradient where the loop left its .grad None (optimizers then apply weight
    decay / momentum to it): a risk line says so.
+b. The token-wise proof of per-sample routed / masked dense experts (called as they are on [m, H] token rows where the
+   loop gave [n, T, H] samples): ``nn.LayerNorm(shape)`` with ``shape`` a name (``[T, H]`` normalises over the tokens)
+   and ``h * self.scale`` with ``self.scale`` a plain ``__init__`` argument (a [T, 1] tensor scales per position) were
+   read as token-wise; the fused layer then crashed (or, where the sizes line up, computes something else). Now the
+   LayerNorm size must be shown an int (a constant, a size nn.Linear is given, an int __init__ argument) and a scalar
+   attribute a number (a constant, or an __init__ argument annotated int / float or with a numeric default).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from pattern_harness import _exec, _run, check_rewrite_runs, detect_all, fused_a
 
 from npufuse import emulate
 from npufuse.patterns.moe_experts import MoeExperts
+import test_detect_s49_moe49 as moe49
 from npufuse.rewrite.codegen import splice
 
 # -- a. zero gradient of an expert without tokens -----------------------------------------------------------------------
@@ -71,3 +78,40 @@ def test_unhit_expert_zero_gradient_is_a_risk() -> None:
     # the fact the risk states: the loop leaves the unhit expert's grad None, the fused layer gives zeros
     assert facts["cos_grad"][2] == 0.0
     assert any("ZERO gradient" in r.detail and "None" in r.detail for r in findings[0].risks)
+
+
+# -- b. the token-wise proof of experts called as they are --------------------------------------------------------------
+
+_BASE = moe49._WHERE_PAIRS
+
+
+def _ln(size_arg: str, call_arg: str) -> str:
+    return (_BASE.replace("def __init__(self, dim, hidden, p=0.0):", "def __init__(self, dim, hidden, p=0.0, norm_shape=None):")
+            .replace("self.drop = nn.Dropout(p)", f"self.drop = nn.Dropout(p)\n        self.norm = nn.LayerNorm({size_arg})")
+            .replace("return self.fc_out(self.drop(F.gelu(self.fc_in(h))))",
+                     "return self.fc_out(self.drop(F.gelu(self.fc_in(self.norm(h)))))")
+            .replace("FeedForwardExpert(dim, hidden) for", f"FeedForwardExpert(dim, hidden, 0.0, {call_arg}) for"))
+
+
+def _scaled(param: str, call_arg: str) -> str:
+    return (_BASE.replace("def __init__(self, dim, hidden, p=0.0):", f"def __init__(self, dim, hidden, p, {param}):")
+            .replace("self.drop = nn.Dropout(p)", "self.drop = nn.Dropout(p)\n        self.pos_scale = pos_scale")
+            .replace("return self.fc_out(self.drop(F.gelu(self.fc_in(h))))",
+                     "return self.fc_out(self.drop(F.gelu(self.fc_in(h * self.pos_scale))))")
+            .replace("FeedForwardExpert(dim, hidden) for", f"FeedForwardExpert(dim, hidden, 0.0, {call_arg}) for"))
+
+
+def test_layernorm_over_a_named_shape_is_not_tokenwise() -> None:
+    # [5, dim]: the norm over the sample's 5 tokens; the rewrite gave it [25, 16] rows and raised
+    _near_miss(MoeExperts(), _ln("norm_shape", "[5, dim]"), "`self.norm`, which is not an nn.Linear")
+
+
+def test_tensor_attribute_scale_is_not_tokenwise() -> None:
+    # a [T, 1] per-position scale handed to __init__: [n, T, H] * [T, 1] in the loop, [m, H] * [T, 1] in the rewrite
+    _near_miss(MoeExperts(), _scaled("pos_scale", "torch.linspace(0.5, 1.5, 5)[:, None]"), "compute each token on its own")
+
+
+def test_tokenwise_twins_still_fused() -> None:
+    # LayerNorm over a size nn.Linear is given, and a scale annotated float: token-wise, fused and equal
+    _fused_and_runs(MoeExperts(), _ln("dim", "None"), moe49._WHERE_PAIRS_RUN, "SequenceRoutedMoE.forward")
+    _fused_and_runs(MoeExperts(), _scaled("pos_scale: float", "0.5"), moe49._WHERE_PAIRS_RUN, "SequenceRoutedMoE.forward")
