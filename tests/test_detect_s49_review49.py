@@ -9,6 +9,9 @@ b. The token-wise proof of per-sample routed / masked dense experts (called as t
    read as token-wise; the fused layer then crashed (or, where the sizes line up, computes something else). Now the
    LayerNorm size must be shown an int (a constant, a size nn.Linear is given, an int __init__ argument) and a scalar
    attribute a number (a constant, or an __init__ argument annotated int / float or with a numeric default).
+c. ``out[tok] += y`` over ``tok, slot = torch.where(ids == e)`` pairs (also s49d's sorted dispatch, read as that loop)
+   is index_put without accumulate: a token listing expert e in two slots is written once where the fused permute
+   adds both (sampled routing: cos 0.96). Where ``ids`` is not read as a last-dim topk's indices a risk line says so.
 """
 
 from __future__ import annotations
@@ -115,3 +118,23 @@ def test_tokenwise_twins_still_fused() -> None:
     # LayerNorm over a size nn.Linear is given, and a scale annotated float: token-wise, fused and equal
     _fused_and_runs(MoeExperts(), _ln("dim", "None"), moe49._WHERE_PAIRS_RUN, "SequenceRoutedMoE.forward")
     _fused_and_runs(MoeExperts(), _scaled("pos_scale: float", "0.5"), moe49._WHERE_PAIRS_RUN, "SequenceRoutedMoE.forward")
+
+
+# -- c. indexed `+=` with ids not shown distinct per row --------------------------------------------------------------------
+
+_SAMPLED = moe49._SORTED_OFFSETS.replace(
+    "gate_w, expert_ids = probs.topk(self.top_k, dim=-1)",
+    "expert_ids = torch.multinomial(probs, self.top_k, replacement=True)\n        gate_w = probs.gather(-1, expert_ids)")
+
+
+def test_indexed_put_with_sampled_ids_has_a_risk() -> None:
+    findings, _ = detect_all(MoeExperts(), _SAMPLED)
+    assert len(findings) == 1
+    facts = check_rewrite_runs(MoeExperts(), _SAMPLED, moe49._SORTED_OFFSETS_RUN, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) < 0.99  # the fact the risk states (a token listed twice)
+    assert any("index_put" in r.detail and "expert_ids" in r.detail for r in findings[0].risks)
+
+
+def test_indexed_put_with_topk_ids_has_no_such_risk() -> None:
+    findings, _ = detect_all(MoeExperts(), moe49._SORTED_OFFSETS)
+    assert len(findings) == 1 and not any("index_put" in r.detail for r in findings[0].risks)
