@@ -16,13 +16,10 @@ c. ``out[tok] += y`` over ``tok, slot = torch.where(ids == e)`` pairs (also s49d
 
 from __future__ import annotations
 
-import torch
-from pattern_harness import _exec, _run, check_rewrite_runs, detect_all, fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
-
-from npufuse import emulate
-from npufuse.patterns.moe_experts import MoeExperts
 import test_detect_s49_moe49 as moe49
-from npufuse.rewrite.codegen import splice
+from pattern_harness import check_rewrite_runs, detect_all, fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
+
+from npufuse.patterns.moe_experts import MoeExperts
 
 # -- a. zero gradient of an expert without tokens -----------------------------------------------------------------------
 
