@@ -188,11 +188,17 @@ def tokenwise_experts(an: Any) -> bool:
         cls = me._expert_class(an)
     except me._Miss:
         seq = _sequential_experts(an, me)
-        return seq is not None and all(_tokenwise_module(m, c, {}, me) for c in seq)
+        return seq is not None and all(_tokenwise_module(m, c, {}, me, _int_sizes(m, seq, None, me)) for c in seq)
     fwd = me._method(m, cls, "forward")
     if fwd is None:
         return False
-    init = me._class_init_assigns(m, cls)
+    init_all = me._class_init_assigns(m, cls)
+    ctor = me._method(m, cls, "__init__")
+    sizes = _int_sizes(m, list(init_all.values()), ctor, me)
+    # s49 review49: a scalar attribute set from a plain __init__ argument counts only where that argument is a number
+    # (annotated int / float, or a numeric default): a tensor handed in ([T, 1] per position) broadcasts against the
+    # [n, T, H] rows of the loop and not against the [m, H] token rows the fused layer gives the expert
+    init = {k: v for k, v in init_all.items() if not isinstance(v, ast.Name) or _numeric_param(ctor, v.id)}
     a = fwd.args
     if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(a.args) != 2 or a.defaults:
         return False
@@ -201,8 +207,8 @@ def tokenwise_experts(an: Any) -> bool:
 
     def expr(node: ast.expr) -> bool:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
-                and node.func.value.id == "self" and node.func.attr in init:
-            return len(node.args) == 1 and not node.keywords and _tokenwise_module(m, init[node.func.attr], init, me) \
+                and node.func.value.id == "self" and node.func.attr in init_all:
+            return len(node.args) == 1 and not node.keywords and _tokenwise_module(m, init_all[node.func.attr], init, me, sizes) \
                 and expr(node.args[0])
         if isinstance(node, ast.Call) and canon(node.func) == "torch.nn.functional.dropout":
             return bool(node.args) and expr(node.args[0]) and all(_plain(x) for x in node.args[1:]) \
@@ -249,7 +255,35 @@ def _plain(node: ast.expr) -> bool:
     return isinstance(node, (ast.Constant, ast.Name, ast.Attribute))
 
 
-def _tokenwise_module(m: Any, value: Any, init: dict, me: Any) -> bool:
+def _numeric_param(ctor: Any, name: str, kinds: tuple = (int, float)) -> bool:
+    """``name`` is a parameter of ``ctor`` (an ``__init__``) annotated with one of ``kinds`` or with a default of them."""
+    if ctor is None:
+        return False
+    a = ctor.args
+    pos = [*a.posonlyargs, *a.args]
+    defaults = dict(zip([p.arg for p in pos][len(pos) - len(a.defaults):], a.defaults))
+    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    for p in [*pos, *a.kwonlyargs]:
+        if p.arg == name:
+            ann = dotted(p.annotation) if p.annotation is not None else None
+            value = const_value(defaults[name]) if name in defaults else None
+            return ann in {k.__name__ for k in kinds} or isinstance(value, kinds) and not isinstance(value, bool)
+    return False
+
+
+def _int_sizes(m: Any, nodes: list, ctor: Any, me: Any) -> tuple:
+    """(the sizes nn.Linear is given in ``nodes``: ints by construction, ``ast.dump`` each; ``__init__``) for the
+    LayerNorm check of :func:`_tokenwise_module`."""
+    dumps = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and me._canon(m, n.func) == "torch.nn.Linear":
+                dumps |= {ast.dump(a) for a in n.args[:2]}
+                dumps |= {ast.dump(k.value) for k in n.keywords if k.arg in ("in_features", "out_features")}
+    return dumps, ctor
+
+
+def _tokenwise_module(m: Any, value: Any, init: dict, me: Any, sizes: tuple = (frozenset(), None)) -> bool:
     """``nn.Linear(...)`` / ``nn.Dropout(...)`` / an activation module / ``nn.LayerNorm(d)`` (one normalised dim) /
     ``nn.Sequential`` of them, as built in ``__init__``."""
     if not isinstance(value, ast.Call):
@@ -258,9 +292,15 @@ def _tokenwise_module(m: Any, value: Any, init: dict, me: Any) -> bool:
     if name in _TOKENWISE_MODULES:
         return True
     if name == "torch.nn.LayerNorm":
-        return len(value.args) >= 1 and not isinstance(value.args[0], (ast.Tuple, ast.List))
+        # s49 review49: one normalised dim only where the size is shown an int (a constant, a size nn.Linear is given,
+        # an int __init__ argument): a name bound to [T, H] would normalise over the tokens of a sample
+        if not value.args or isinstance(value.args[0], (ast.Tuple, ast.List)):
+            return False
+        arg = value.args[0]
+        return isinstance(const_value(arg), int) or ast.dump(arg) in sizes[0] \
+            or isinstance(arg, ast.Name) and _numeric_param(sizes[1], arg.id, (int,))
     if name == "torch.nn.Sequential":
-        return bool(value.args) and not value.keywords and all(_tokenwise_module(m, a, init, me) for a in value.args)
+        return bool(value.args) and not value.keywords and all(_tokenwise_module(m, a, init, me, sizes) for a in value.args)
     return False
 
 

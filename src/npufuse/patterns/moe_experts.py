@@ -2983,6 +2983,8 @@ class _Eval:
                     self.shared_call = split[1]  # s42b: `out[rows] += w * expert(x[rows]) + self.shared(x[rows])`
                     self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(split[0])), None))
                     return
+                if self.ev(tgt.slice).kind == "tok":
+                    self.s49r_put = ast.unparse(s.target)[:40]  # s49 review49: index_put, duplicates written once
                 self.results.append(("accumulate", tgt.value.id, self.ev(_strip_casts(self._s43b_rows_term(tgt, s.value, "accumulate"))), None))  # final[top_x] += y
                 return
             if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and isinstance(s.op, ast.Add) \
@@ -5034,6 +5036,7 @@ class _Eval:
                      dense_gates=self.dense_gates, weight_select=self.weight_select,
                      slot_columns=bool(self.slot_var))
         site.top_k = _top_k(self.scope, indices, self.loop.lineno)
+        site.s49r_put = getattr(self, "s49r_put", "")  # type: ignore[attr-defined]
         self._experts_list(site)
         self._span(block, i, site, acc, extra={*self.masks, *self._hit_names(), *self._guard_names()})
         return site
@@ -6366,6 +6369,16 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
                           "fused text drops it: with stacked weights every expert still enters the grouped matmul (a zero "
                           "gradient, as before); experts called as modules on their rows may not, so keep DDP's "
                           "find_unused_parameters for them; a non-finite parameter no longer turns that output element into NaN"))
+    put = getattr(site, "s49r_put", "")
+    if put and site.token_dims <= 1 and not site.flat_rows and site.indices.isidentifier() \
+            and _moe_s49h.topk_or_router_topk(_s40_topk_indices, _s41_call_output)(module, scope, site.indices, site.first_line) is None:
+        # s49 review49: `out[tok] += v` is index_put without accumulate: a token listing expert e in two slots is
+        # written once (the last write wins) where the permute adds both copies
+        risks.append(Risk("numerics", f"the loop adds an expert's rows back with `{put} += ...` (index_put, not index_add): "
+                          f"a token listing the same expert in two slots of `{site.indices}` is written once there and added "
+                          "twice by the fused layer; equal only while each token's expert indices are distinct, which "
+                          f"npufuse does not show (`{site.indices}` is not read as a last-dim topk's indices: sampled or "
+                          "hashed routing can repeat an expert)"))
     if site.token_dims > 1:
         risks.append(Risk("other", f"tokens were picked as the first {site.token_dims} coordinates of torch.where("
                           f"{site.indices} == e) and written back with `+=` through them: that equals the permute only "
@@ -6389,6 +6402,13 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
     if "list_out_in" in mlp.orient.values():
         risks.append(Risk("other", "one nn.Linear per expert and projection: their weights are stacked into [E, K, N] "
                           "every call (copies; autograd flows back to each Linear)"))
+    if site.skip_empty and (mlp.layout == "per_expert_linear" or "list_out_in" in mlp.orient.values()):
+        # s49 review49: the stack enters autograd for every expert, hit or not
+        risks.append(Risk("other", "training: an expert that receives no token in a step gets a ZERO gradient through the "
+                          "stacked grouped matmul, where the loop never calls it and leaves its .grad None; optimizers "
+                          "skip parameters whose grad is None, so AdamW / SGD with weight decay or momentum now update "
+                          "that expert's weights in such steps (decay, momentum carried on); zero_grad(set_to_none=False) "
+                          "or an expert hit in every step makes both the same"))
     elif mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
         risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
                           "[E, 2I, H] gate_up parameter avoids it"))
