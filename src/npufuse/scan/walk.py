@@ -152,9 +152,7 @@ class _Tracked:
     def _ask(self) -> None:
         self._asked = True
         out = run_git(["ls-files", "--cached", "-z"], self.root)
-        if out is None:
-            return
-        if out.returncode != 0:
+        if out is None or out.returncode != 0:
             return
         files = frozenset(p for p in out.stdout.decode("utf-8", "surrogateescape").split("\0") if p)
         dirs: set[str] = set()
@@ -186,33 +184,18 @@ def _read_spec(path: str | Path) -> pathspec.GitIgnoreSpec | None:
     return pathspec.GitIgnoreSpec.from_lines(text.splitlines())
 
 
-def _enclosing_top(root: Path) -> Path | None:
-    """The git work tree holding ``root`` (a folder with ``.git``), or None."""
-    try:
-        real = root.resolve()
-    except OSError:
-        return None
+def _enclosing_top(real: Path) -> Path | None:
+    """The git work tree holding the resolved folder ``real`` (the nearest folder with ``.git``), or None."""
     for folder in [real, *real.parents]:
         if (folder / ".git").exists():
             return folder
     return None
 
 
-def _enclosing_specs(root: Path) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
-    """.gitignore files of folders above ``root`` up to the git work tree top (if any)."""
-    try:
-        real = root.resolve()
-    except OSError:
-        return []
-    chain: list[Path] = []
-    top = None
-    for folder in [real, *real.parents]:
-        chain.append(folder)
-        if (folder / ".git").exists():
-            top = folder
-            break
-    if top is None:
-        return []
+def _enclosing_specs(real: Path, top: Path) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """.gitignore files of folders above the resolved root ``real`` up to the git work tree ``top``."""
+    chain = [real, *real.parents]
+    chain = chain[: chain.index(top) + 1]
     specs: list[tuple[str, pathspec.GitIgnoreSpec]] = []
     exclude = _read_spec(top / ".git" / "info" / "exclude") if (top / ".git").is_dir() else None
     above = list(reversed(chain[1:]))  # top .. root's parent (root's own .gitignore comes later)
@@ -251,7 +234,12 @@ def walk(target: Path | str, include_tests: bool = False) -> WalkResult:
         return result
 
     result = WalkResult(root=target)
-    ignore = _Ignore(_enclosing_specs(target)).with_dir("", target)
+    try:
+        real: Path | None = target.resolve()
+    except OSError:
+        real = None
+    top = _enclosing_top(real) if real is not None else None
+    ignore = _Ignore(_enclosing_specs(real, top) if real is not None and top is not None else []).with_dir("", target)
     seen_dirs: set[tuple[int, int]] = set()
     seen_files: set[tuple[int, int]] = set()
     try:
@@ -260,7 +248,7 @@ def walk(target: Path | str, include_tests: bool = False) -> WalkResult:
     except OSError as exc:
         result.failed.append(_os_failure("./", exc))
         return result
-    tracked = _Tracked(os.fspath(target)) if _enclosing_top(target) is not None else None
+    tracked = _Tracked(os.fspath(target)) if top is not None else None
     _walk_dir(os.fspath(target), "", ignore, [(st.st_dev, st.st_ino)], seen_dirs, seen_files, result, include_tests, tracked)
     result.files.sort()
     result.data_files.sort()
