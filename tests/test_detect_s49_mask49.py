@@ -609,3 +609,13 @@ def test_unrolled_layer_without_the_chain_is_not_read(tmp_path, wrapper: str) ->
 def test_unrolled_layer_of_an_unannotated_parameter_is_not_read(tmp_path) -> None:
     findings, _ = _unroll_findings(tmp_path, _UNROLL.replace("wrapper: VLMWrapper", "wrapper"))
     assert findings == []
+
+
+@pytest.mark.parametrize("rebind", [
+    "    wrapper = wrapper.module\n",  # once
+    "    wrapper = wrapper.module\n    wrapper = wrapper.inner\n",  # twice: the parameter's annotation no longer tells either
+], ids=["once", "twice"])
+def test_unrolled_layer_of_a_rebound_parameter_is_not_read(tmp_path, qwen_stub, rebind: str) -> None:
+    code = _UNROLL.replace("    text = wrapper.vlm.language_model\n", rebind + "    text = wrapper.vlm.language_model\n")
+    findings, _ = _unroll_findings(tmp_path, code)
+    assert findings == []

@@ -23,6 +23,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Optional
 
+from npufuse.patterns._rope_s48r import stored_once
+
 
 def _loop_iter(fn: ast.AST, name: str) -> Optional[ast.expr]:
     """The iterable of the one ``for`` of ``fn`` binding ``name`` (``for name in it`` / ``for i, name in
@@ -43,11 +45,18 @@ def _loop_iter(fn: ast.AST, name: str) -> Optional[ast.expr]:
     return found[0] if len(found) == 1 else None
 
 
-def _single_store(fn: ast.AST, name: str) -> Optional[ast.expr]:
-    values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
-              and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name]
-    stores = sum(1 for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store))
-    return values[0] if len(values) == 1 and stores == 1 else None
+def _single_store(scope: Any, name: str) -> Optional[ast.expr]:
+    """The value of ``name``'s one ``name = value`` in the scope, where that is its only store of any form."""
+    if not stored_once(scope, name):
+        return None
+    values = [n.value for n in scope.nodes().get(ast.Assign, ()) if len(n.targets) == 1  # type: ignore[attr-defined]
+              and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name]  # type: ignore[attr-defined]
+    return values[0] if len(values) == 1 else None
+
+
+def _stored(scope: Any, name: str) -> bool:
+    """``name`` is bound in the scope by any form (a parameter rebound once or more)."""
+    return any(n.id == name and type(n.ctx) is not ast.Load for n in scope.nodes().get(ast.Name, ()))  # type: ignore[attr-defined]
 
 
 def _annotation_name(node: Optional[ast.expr]) -> Optional[str]:
@@ -86,7 +95,7 @@ def hf_layer_norm(module: Any, scope: Any, call: ast.Call, family: Any, runtime_
         return None
     base: ast.expr = it.value
     if isinstance(base, ast.Name) and base.id not in [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]:
-        stored = _single_store(fn, base.id)
+        stored = _single_store(scope, base.id)
         if stored is None:
             return None
         base = stored
@@ -98,7 +107,7 @@ def hf_layer_norm(module: Any, scope: Any, call: ast.Call, family: Any, runtime_
         return None
     param = next((a for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs) if a.arg == base.id), None)
     cls_name = _annotation_name(param.annotation) if param is not None else None
-    if cls_name is None or _single_store(fn, base.id) is not None:
+    if cls_name is None or _stored(scope, base.id):
         return None
     found = repo_facts.definition(module, cls_name)
     if found is None or not isinstance(found.node, ast.ClassDef):
