@@ -52,6 +52,7 @@ from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s49d
+from npufuse.patterns import _moe_s50c
 from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
@@ -331,6 +332,16 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
             if slots is not None:
                 slot_spans.append((slots.line, slots.end_line))
                 yield slots
+                continue
+            try:  # s50: a per-(token, slot) loop nest, read as the where loop it equals
+                pair_site = _moe_s50c.read_as_where_loop(module, scope, block, i, stmt) if not quiet else False
+            except _Miss as miss:
+                slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
+            if pair_site:
+                slot_spans.append((pair_site.first_line, pair_site.last_line))
+                yield _finding(module, scope, pair_site)
                 continue
             dense_tokens = _s44b_dense_token_loop_site(module, scope, block, i, stmt) if not quiet else None
             if dense_tokens is not None:  # s44b: per token, per top-k id, a product read off stacked dense outputs
@@ -2477,6 +2488,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         raise _Miss("the expert loop has an else clause")
     if (sorted_site := _moe_s49d.read_as_where_loop(module, scope, block, i, loop)) is not False:
         return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
+    if (pair_site := _moe_s50c.read_as_where_loop(module, scope, block, i, loop)) is not False:
+        return pair_site  # s50: a per-(token, slot) loop, read as the where loop it equals
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
     if split is not None:
         return split
