@@ -36,6 +36,7 @@ from typing import Any, Optional, Union
 from npufuse.scan.dataflow import const_value, dotted
 
 _P = "_npufuse_s50_"
+_MARK = "_npufuse_s50_per_token"
 
 
 def _range_arg(node: ast.expr) -> Optional[ast.expr]:
@@ -230,6 +231,7 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     new = ast.For(target=nm(e, ast.Store()), iter=at(header, loop.iter), body=[at(where, first), at(comb_new, comb)], orelse=[])
     new = ast.copy_location(new, loop)
     new.end_lineno, new.end_col_offset = loop.end_lineno, loop.end_col_offset
+    setattr(new, _MARK, True)  # finish_site: this loop called its experts one token at a time
     bounds = [ast.unparse(_range_arg(f.iter)) for f in nest]  # type: ignore[arg-type]
     # the loops cover every pair of the ids, and each token index picks one [H] row of the tokens (the where
     # loop's rows): other shapes (per-sample ids over [B, T, H] tokens, a loop over part of the ids) run as written
@@ -261,3 +263,19 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     if site is not None:
         site.option_guards = [*site.option_guards, *(g for g in syn[3] if g not in site.option_guards)]
     return site
+
+
+def finish_site(an: Any, site: Any, miss: Any) -> None:
+    """A synthetic where loop read from a per-token loop: the original called each expert on ONE token's row and the
+    fused form calls it on all its rows at once, equal only for an expert that computes each token on its own (an
+    MLP read off the class for the grouped matmul, or experts the token-wise reader of s49 shows); otherwise a true
+    reason (``miss``). In place; nothing for other loops."""
+    from npufuse.patterns import _moe_s49s
+
+    if not getattr(getattr(an, "loop", None), _MARK, False) or site.mlp is None or site.mlp.layout != "opaque":
+        return
+    if _moe_s49s.tokenwise_experts(an):
+        return
+    raise miss("the loop calls each expert on one token's row at a time; the fused layer calls it once on all its "
+               "rows, equal only for an expert that computes each token on its own, which npufuse does not show "
+               f"({site.mlp.why_opaque or 'its class is not read'})")

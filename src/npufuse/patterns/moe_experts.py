@@ -326,7 +326,13 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slots = _token_slot_site(module, scope, block, i, stmt)
             except _Miss as miss:
                 slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
-                if not quiet:
+                try:  # s50: the canonical per-(token, slot) reader reads rows the direct form refuses (`x[t].unsqueeze(0)`)
+                    pair_site = _moe_s50c.read_as_where_loop(module, scope, block, i, stmt) if not quiet else False
+                except _Miss:
+                    pair_site = False
+                if pair_site:
+                    yield _finding(module, scope, pair_site)
+                elif not quiet:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
                 continue
             if slots is not None:
@@ -2549,6 +2555,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
     if site is not None:
         _moe_s49s.finish_site(ev, site, _Miss)  # s49: per-sample routing; experts run on all tokens, then masked
+        _moe_s50c.finish_site(ev, site, _Miss)  # s50: a per-token loop's experts must compute each token on its own
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
