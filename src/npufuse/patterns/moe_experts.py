@@ -326,8 +326,10 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slots = _token_slot_site(module, scope, block, i, stmt)
             except _Miss as miss:
                 slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
-                try:  # s50: the canonical per-(token, slot) reader reads rows the direct form refuses (`x[t].unsqueeze(0)`)
-                    pair_site = _moe_s50c.read_as_where_loop(module, scope, block, i, stmt) if not quiet else False
+                try:  # s50: the canonical per-(token, slot) reader reads rows the direct form refuses (`x[t].unsqueeze(0)`);
+                    # a refusal of the loop bounds stands (a guard that never holds would only add a dead candidate)
+                    pair_site = _moe_s50c.read_as_where_loop(module, scope, block, i, stmt) \
+                        if not quiet and str(miss).startswith("the expert of each token and slot is called as") else False
                 except _Miss:
                     pair_site = False
                 if pair_site:
