@@ -52,6 +52,7 @@ from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s49d
+from npufuse.patterns import _moe_s50c
 from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s48rv
@@ -325,12 +326,30 @@ def _detect_scope(module: ModuleInfo, scope: Scope) -> Iterable[Result]:
                 slots = _token_slot_site(module, scope, block, i, stmt)
             except _Miss as miss:
                 slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
-                if not quiet:
+                try:  # s50: the canonical per-(token, slot) reader reads rows the direct form refuses (`x[t].unsqueeze(0)`);
+                    # a refusal of the loop bounds stands (a guard that never holds would only add a dead candidate)
+                    pair_site = _moe_s50c.read_as_where_loop(module, scope, block, i, stmt) \
+                        if not quiet and str(miss).startswith("the expert of each token and slot is called as") else False
+                except _Miss:
+                    pair_site = False
+                if pair_site:
+                    yield _finding(module, scope, pair_site)
+                elif not quiet:
                     yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
                 continue
             if slots is not None:
                 slot_spans.append((slots.line, slots.end_line))
                 yield slots
+                continue
+            try:  # s50: a per-(token, slot) loop nest, read as the where loop it equals
+                pair_site = _moe_s50c.read_as_where_loop(module, scope, block, i, stmt) if not quiet else False
+            except _Miss as miss:
+                slot_spans.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
+                yield NearMiss(_ID, scope.qualname, stmt.lineno, stmt.end_lineno or stmt.lineno, str(miss))
+                continue
+            if pair_site:
+                slot_spans.append((pair_site.first_line, pair_site.last_line))
+                yield _finding(module, scope, pair_site)
                 continue
             dense_tokens = _s44b_dense_token_loop_site(module, scope, block, i, stmt) if not quiet else None
             if dense_tokens is not None:  # s44b: per token, per top-k id, a product read off stacked dense outputs
@@ -2477,6 +2496,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         raise _Miss("the expert loop has an else clause")
     if (sorted_site := _moe_s49d.read_as_where_loop(module, scope, block, i, loop)) is not False:
         return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
+    if (pair_site := _moe_s50c.read_as_where_loop(module, scope, block, i, loop)) is not False:
+        return pair_site  # s50: a per-(token, slot) loop, read as the where loop it equals
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
     if split is not None:
         return split
@@ -2536,6 +2557,7 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         ev.option_guards.append(f"({site.probs}.shape == {site.indices}.shape)")
     if site is not None:
         _moe_s49s.finish_site(ev, site, _Miss)  # s49: per-sample routing; experts run on all tokens, then masked
+        _moe_s50c.finish_site(ev, site, _Miss)  # s50: a per-token loop's experts must compute each token on its own
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
