@@ -1,0 +1,75 @@
+"""s50 (ho27misc): the judged non-MoE HO27 classes, as invented spellings (no repository code).
+
+1. add_rms_norm: a layer whose norm class is a constructor parameter defaulting to nn.LayerNorm, while a builder of the
+   repository passes an own RMSNorm class (its own parameter default, handed down): fused where the norm's run-time
+   type is that class; nothing passed anywhere but LayerNorm keeps the old reason.
+2. add_rms_norm: an own RMSNorm class whose forward has several arms (the library kernel, an opt-in external kernel
+   behind a keyword the call passes, the norm by hand), called with that keyword: fused under `not (<keyword>)`.
+3. fused_optimizer: (a) a refusal that holds only on a non-default option (an MoE model type, FSDP) becomes a run-time
+   guard on the option; (b) Accelerate: the optimizer is built before `accelerator.prepare` moves the model, so the
+   guard tests the accelerator's device, not the parameters' current one.
+4. sdpa: F.scaled_dot_product_attention through a module-level alias (`attend = F.scaled_dot_product_attention`).
+5. swiglu: a learned bias on the gate before the activation; the SSM output gate `y * silu(z)`.
+6. attention: a NaN fallback after the softmax.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pattern_harness import detect_all
+from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
+
+from npufuse.patterns.sdpa import SdpaPattern
+from npufuse.scan.engine import scan_repo
+
+
+# -- 4. SDPA through a module-level alias ------------------------------------------------------------------------------
+
+_SDPA_ALIAS = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+attend = F.scaled_dot_product_attention
+
+
+class Mixer(nn.Module):
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = attend(q, k, v, dropout_p=0.0)
+        return o.transpose(1, 2).reshape(b, n, c)
+'''
+
+_SDPA_ALIAS_RUN = '''
+torch.manual_seed(0)
+m = Mixer(16)
+x = torch.randn(2, 5, 16, requires_grad=True)
+mb = Mixer(16).to(torch.bfloat16)
+out = [m(x), mb(x.detach().to(torch.bfloat16)).float()]
+leaves = [x, m.qkv.weight]
+'''
+
+
+def test_sdpa_module_level_alias_fuses() -> None:
+    facts = _fused_and_runs(SdpaPattern(), _SDPA_ALIAS, _SDPA_ALIAS_RUN, "Mixer.forward", tol=0.999)
+    assert facts["all_calls"].get("npu_fusion_attention", 0) >= 1, facts["all_calls"]
+
+
+def test_sdpa_alias_rebound_or_shadowed_is_not_sdpa() -> None:
+    for change in [("attend = F.scaled_dot_product_attention\n",
+                    "attend = F.scaled_dot_product_attention\nif torch.cuda.is_available():\n    attend = torch.compile(attend)\n"),
+                   ("attend = F.scaled_dot_product_attention\n",
+                    "attend = F.scaled_dot_product_attention\n\n\ndef use_math():\n    global attend\n    attend = lambda q, k, v, dropout_p=0.0: q\n"),
+                   ("        b, n, c = x.shape\n", "        b, n, c = x.shape\n        attend = self.other\n")]:
+        code = _SDPA_ALIAS.replace(*change)
+        assert code != _SDPA_ALIAS
+        findings, _ = detect_all(SdpaPattern(), code)
+        assert not findings, change
