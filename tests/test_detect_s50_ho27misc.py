@@ -73,3 +73,66 @@ def test_sdpa_alias_rebound_or_shadowed_is_not_sdpa() -> None:
         assert code != _SDPA_ALIAS
         findings, _ = detect_all(SdpaPattern(), code)
         assert not findings, change
+
+
+# -- 3b. Accelerate: the optimizer is built before prepare moves the model --------------------------------------------
+
+_ACCEL_ORDER = '''\
+import torch
+import torch.nn as nn
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+net = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+opt = torch.optim.AdamW(net.parameters(), lr=3e-4)
+net, opt = accelerator.prepare(net, opt)
+
+
+def train(batches):
+    for x, y in batches:
+        loss = nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        accelerator.backward(loss)
+        opt.step()
+'''
+
+
+class _StubAccelerator:
+    def __init__(self, device: str, placement: bool) -> None:
+        self.device, self.device_placement = torch.device(device), placement
+
+
+def _guard_device(guard: str, acc: _StubAccelerator) -> object:
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    t = eval(guard, {"torch": torch, "accelerator": acc, "net": net, "_npufuse_os": __import__("os")})
+    return None if t is None else t.device
+
+
+def test_accelerate_optimizer_before_prepare_tests_the_accelerator_device(tmp_path: Path) -> None:
+    from apply_support import scan
+    from npufuse.patterns.fused_optimizer import FusedOptimizer
+
+    (tmp_path / "train.py").write_text(_ACCEL_ORDER)
+    data = scan(tmp_path, patterns=[FusedOptimizer()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    assert len(cands) == 1, data["near_misses"]
+    assert cands[0]["params"].get("device_tested") == "accelerator.device", cands[0]["params"]
+    guard = cands[0]["guard_tensor"]
+    # the model is on the CPU at the construction; the device read is the one prepare moves it to
+    assert _guard_device(guard, _StubAccelerator("meta", True)) == torch.device("meta")
+    # an accelerator that does not place the model: the parameters' own device, as before
+    assert _guard_device(guard, _StubAccelerator("meta", False)) == torch.device("cpu")
+
+
+def test_accelerate_prepare_before_the_optimizer_keeps_the_parameter_device(tmp_path: Path) -> None:
+    from apply_support import scan
+    from npufuse.patterns.fused_optimizer import FusedOptimizer
+
+    code = _ACCEL_ORDER.replace("opt = torch.optim.AdamW(net.parameters(), lr=3e-4)\nnet, opt = accelerator.prepare(net, opt)\n",
+                                "net = accelerator.prepare(net)\nopt = torch.optim.AdamW(net.parameters(), lr=3e-4)\nopt = accelerator.prepare(opt)\n")
+    assert code != _ACCEL_ORDER
+    (tmp_path / "train.py").write_text(code)
+    data = scan(tmp_path, patterns=[FusedOptimizer()])
+    cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
+    assert len(cands) == 1 and "device_tested" not in cands[0]["params"], cands
+    assert _guard_device(cands[0]["guard_tensor"], _StubAccelerator("meta", True)) == torch.device("cpu")
