@@ -136,3 +136,78 @@ def test_accelerate_prepare_before_the_optimizer_keeps_the_parameter_device(tmp_
     cands = [c for c in data["candidates"] if c["pattern"] == "fused_optimizer"]
     assert len(cands) == 1 and "device_tested" not in cands[0]["params"], cands
     assert _guard_device(cands[0]["guard_tensor"], _StubAccelerator("meta", True)) == torch.device("cpu")
+
+
+# -- 1. a LayerNorm-default norm parameter; the repository passes an own RMSNorm class ---------------------------------
+
+_NORMS_FILE = '''\
+import torch
+import torch.nn as nn
+
+
+class UnitRMS(nn.Module):
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.gain = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.gain.float())).type_as(x)
+'''
+
+_BLOCK_FILE = '''\
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width, norm_layer=nn.LayerNorm):
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.post_norm = norm_layer(width)
+        self.ff = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = x + self.mix(x)
+        return self.ff(self.post_norm(x))
+'''
+
+_NET_FILE = '''\
+import torch.nn as nn
+
+from nets.block import Block
+from nets.norms import UnitRMS
+
+
+class Net(nn.Module):
+    def __init__(self, width=32, depth=2, norm_layer=UnitRMS):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width, norm_layer=norm_layer) for _ in range(depth)])
+'''
+
+
+def _norm_repo(root: Path, net: str = _NET_FILE) -> list[dict]:
+    (root / "nets").mkdir(parents=True)
+    (root / "nets" / "__init__.py").write_text("")
+    (root / "nets" / "norms.py").write_text(_NORMS_FILE)
+    (root / "nets" / "block.py").write_text(_BLOCK_FILE)
+    (root / "nets" / "net.py").write_text(net)
+    res = scan_repo(root, jobs=1, only=["add_rms_norm"])
+    return [c for c in res.candidates if c["file"] == "nets/block.py"], [m for m in res.near_misses if m["file"] == "nets/block.py"]
+
+
+def test_layernorm_default_with_repository_rms_class_passed_fuses(tmp_path: Path) -> None:
+    cands, misses = _norm_repo(tmp_path)
+    assert [c["qualname"] for c in cands] == ["Block.forward"], misses
+    text = cands[0]["replacement"]
+    assert "type(self.post_norm).__module__ == 'nets.norms'" in text and "type(self.post_norm).__qualname__ == 'UnitRMS'" in text, text
+    assert "1.0 + self.post_norm.gain" in text.replace("(1.0 + self.post_norm.gain.float())", "1.0 + self.post_norm.gain"), text
+
+
+def test_layernorm_default_with_only_layernorms_passed_keeps_its_reason(tmp_path: Path) -> None:
+    net = _NET_FILE.replace("norm_layer=UnitRMS", "norm_layer=nn.LayerNorm").replace("from nets.norms import UnitRMS\n", "")
+    cands, misses = _norm_repo(tmp_path, net)
+    assert not cands
+    assert any("norm is not RMSNorm by default" in m["reason"] for m in misses), misses
