@@ -42,55 +42,115 @@ def _module_name(rel: str) -> str:
     return rel[:-3].replace("/", ".").removesuffix(".__init__") if rel.endswith(".py") else ""
 
 
-def passed_classes(module: ModuleInfo, param: str) -> list[tuple[str, str, str]] | None:
-    """(kind, dotted module, class name) of every class the repository passes for ``param``: kind "torch" for
-    nn.RMSNorm, "repo" for a class defined in (or imported from) a file of the repository; other classes are
-    left out. None where the scan has no repository root (a single file)."""
+def _calls_passing(tree: ast.Module, param: str) -> list[tuple[str, ast.expr, ast.AST | None, ast.ClassDef | None]]:
+    """(callee, value, enclosing function, enclosing class) of every call of the file passing ``param=value``; the
+    callee is the called name's last part (``Block``, ``layers.Block``), or ``super:<base>`` for each base of the
+    enclosing class where the call is ``super().__init__(..)``."""
+    out: list[tuple[str, ast.expr, ast.AST | None, ast.ClassDef | None]] = []
+
+    def visit(node: ast.AST, fn: ast.AST | None, cls: ast.ClassDef | None) -> None:
+        for ch in ast.iter_child_nodes(node):
+            if isinstance(ch, ast.ClassDef):
+                visit(ch, None, ch)
+                continue
+            if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(ch, ch, cls)
+                continue
+            if isinstance(ch, ast.Call):
+                value = next((k.value for k in ch.keywords if k.arg == param), None)
+                f = ch.func
+                if value is not None:
+                    if isinstance(f, ast.Attribute) and f.attr == "__init__" and isinstance(f.value, ast.Call) \
+                            and isinstance(f.value.func, ast.Name) and f.value.func.id == "super" and cls is not None:
+                        out.extend((f"super:{ast.unparse(b).split('.')[-1]}", value, fn, cls) for b in cls.bases)
+                    elif isinstance(f, (ast.Name, ast.Attribute)):
+                        out.append((f.id if isinstance(f, ast.Name) else f.attr, value, fn, cls))
+            visit(ch, fn, cls)
+
+    visit(tree, None, None)
+    return out
+
+
+def _parameter_default(fn: ast.AST | None, name: str) -> tuple[bool, ast.expr | None]:
+    """(``name`` is a parameter of ``fn``, its default or None)."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False, None
+    a = fn.args
+    pos = [*a.posonlyargs, *a.args]
+    defaults = dict(zip([p.arg for p in pos[len(pos) - len(a.defaults):]], a.defaults))
+    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    return name in {p.arg for p in (*pos, *a.kwonlyargs)}, defaults.get(name)
+
+
+def passed_classes(module: ModuleInfo, layer: str, param: str) -> list[tuple[str, str, str]] | None:
+    """(kind, dotted module, class name) of every class the repository hands class ``layer`` for its constructor
+    parameter ``param``: keyword arguments of calls of ``layer``, and where such an argument is the caller's own
+    constructor parameter of the same name, that parameter's default and what the caller's own builders (calls
+    of its class, ``super().__init__`` of its subclasses) hand it, a few levels up. Kind "torch" for nn.RMSNorm,
+    "repo" for a class of the repository; others are left out. None without a repository root."""
     from npufuse.scan import repo_facts
 
     root = repo_facts.repo_root(module)
     if root is None:
         return None
     cache = module.__dict__.setdefault("_npufuse_s50_passed_norms", {})
-    if param in cache:
-        return cache[param]
+    if (layer, param) in cache:
+        return cache[(layer, param)]
     repo_facts._depends(root, module.path)  # the answer reads other files
     spelled = re.compile(rf"\b{re.escape(param)}\s*=")
-    found: dict[tuple[str, str, str], None] = {}
+    calls: list[tuple[str, str, ast.Module, ast.expr, ast.AST | None, ast.ClassDef | None]] = []
     for rel in repo_facts._repo_py_files(root)[:4000]:
         text = repo_facts._repo_text(root, rel)
         if text is None or not spelled.search(text):
             continue
         tree = repo_facts._parse_repo_file(root, rel)
-        if tree is None:
-            continue
-        for v in _passed_values(tree, param):
-            name = ast.unparse(v)
-            got = repo_facts._imported(tree, rel, name)
-            full = f"{got[0]}.{got[1]}" if got is not None else name
-            if full in _RMS_TORCH or (full.startswith("torch.") and full.endswith(".RMSNorm")):
-                found[("torch", "torch.nn", "RMSNorm")] = None
-                continue
-            d = repo_facts.definition_in(root, rel, tree, name)
-            if d is None or not isinstance(d.node, ast.ClassDef):
-                continue
-            # the class's ``__module__`` when the repository runs from its root (the file that defines it, not a
-            # package that re-exports it)
+        if tree is not None:
+            calls += [(callee, rel, tree, v, fn, cls) for callee, v, fn, cls in _calls_passing(tree, param)]
+    found: dict[tuple[str, str, str], None] = {}
+
+    def take(rel: str, tree: ast.Module, v: ast.expr | None) -> None:
+        if not isinstance(v, (ast.Name, ast.Attribute)):
+            return
+        name = ast.unparse(v)
+        got = repo_facts._imported(tree, rel, name)
+        full = f"{got[0]}.{got[1]}" if got is not None else name
+        if full in _RMS_TORCH or (full.startswith("torch.") and full.endswith(".RMSNorm")):
+            found[("torch", "torch.nn", "RMSNorm")] = None
+            return
+        d = repo_facts.definition_in(root, rel, tree, name)
+        if d is not None and isinstance(d.node, ast.ClassDef):
+            # the class's ``__module__`` when the repository runs from its root (the file that defines it)
             modname = _module_name(d.rel)
             found[("repo", modname, d.node.name)] = None
             module.__dict__.setdefault("_npufuse_s50_norm_defs", {})[(modname, d.node.name)] = d
-    cache[param] = out = list(found)
+
+    todo, seen = [layer], {layer}
+    while todo and len(seen) < 16:
+        target = todo.pop()
+        for callee, rel, tree, v, fn, cls in calls:
+            if callee not in (target, f"super:{target}"):
+                continue
+            is_param, default = _parameter_default(fn, v.id) if isinstance(v, ast.Name) else (False, None)
+            if not is_param:
+                take(rel, tree, v)
+                continue
+            take(rel, tree, default)  # the caller's own default, and what its builders hand it
+            if isinstance(v, ast.Name) and v.id == param and getattr(fn, "name", "") == "__init__" and cls is not None \
+                    and cls.name not in seen:
+                seen.add(cls.name)
+                todo.append(cls.name)
+    cache[(layer, param)] = out = list(found)
     return out
 
 
-def passed_rms_norm(module: ModuleInfo, call: ast.Call, ctx: Any, param: str, attr: str, mod: str, T: str,
+def passed_rms_norm(module: ModuleInfo, call: ast.Call, ctx: Any, layer: str, param: str, attr: str, mod: str, T: str,
                     class_norm_call: Callable[..., Any], home_with: Callable[..., Any], norm_call: Callable[..., Any],
                     eps_or_default: Callable[[str, str], str]) -> Any:
     """The NormCall of ``self.<attr>(..)`` read as the one RMS norm class the repository passes for ``param`` (see
     the module docstring), guarded on the attribute's run-time type; None where none or several read as one."""
     from npufuse.scan import repo_facts
 
-    classes = passed_classes(module, param)
+    classes = passed_classes(module, layer, param)
     if not classes:
         return None
     read: list[Any] = []

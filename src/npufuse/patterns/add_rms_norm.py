@@ -885,7 +885,7 @@ def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
     name = dotted(default) or ""
     if canon in _LAYER_NORMS:
         # s50: an RMS norm class the repository passes for the parameter, under a run-time type check
-        passed = _add_rms_norm_s50m.passed_rms_norm(module, call, ctx, value.func.id, f.attr, mod, T, _class_norm_call,
+        passed = _add_rms_norm_s50m.passed_rms_norm(module, call, ctx, scope.class_name or "", value.func.id, f.attr, mod, T, _class_norm_call,
                                                     _home_with, NormCall, eps_or_default)
         if passed is not None:
             return passed
