@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
-from npufuse.patterns import _add_rms_norm_s48h, _add_rms_norm_s49l, _add_rms_norm_s49m, _rms_norm_s48f, _rms_norm_s48h
+from npufuse.patterns import _add_rms_norm_s48h, _add_rms_norm_s49l, _add_rms_norm_s49m, _add_rms_norm_s50m, _rms_norm_s48f, _rms_norm_s48h
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -884,6 +884,11 @@ def _default_class_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S
     canon = module.canonical(default) or ""
     name = dotted(default) or ""
     if canon in _LAYER_NORMS:
+        # s50: an RMS norm class the repository passes for the parameter, under a run-time type check
+        passed = _add_rms_norm_s50m.passed_rms_norm(module, call, ctx, scope.class_name or "", value.func.id, f.attr, mod, T, _class_norm_call,
+                                                    _home_with, NormCall, eps_or_default)
+        if passed is not None:
+            return passed
         return NormCall(call, f.attr, "not_rms", reason=f"norm is not RMSNorm by default ({name}: mean subtracted; "
                                                         f"`{value.func.id}` is a constructor parameter)")
     if canon in ("torch.nn.RMSNorm", "torch.nn.modules.normalization.RMSNorm"):

@@ -32,6 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
+from npufuse.patterns import _fused_optimizer_s50m
 from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
 from npufuse.patterns import _fused_optimizer_s47sweep
 from npufuse.patterns import _optim_s46h
@@ -2097,6 +2098,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     guard, why = _guard(module, scope, call, stmt)
     model = guard[len("next("):].split(".parameters()")[0] if guard and ".parameters()" in guard else ""
     prepared = _accelerate_prepared(stmt, tiers[0], tiers[1])
+    moved: Optional[str] = None  # s50: the guard whose device test is the accelerator's
     peft = _peft_wrapped(module, scope, model, stmt.lineno)
     fix = _ZeroGradFix(module, scope, stmt, model, prepared, tiers, in_place)
     before = _reallocated_before(module, scope, stmt, tiers)
@@ -2144,6 +2146,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     if prepared is not None:
         # s32: accelerate's launcher picks DeepSpeed/FSDP/Megatron from a config file the code never names
         guard = accelerate_launch_guard(guard)
+        # s50: built before the prepare that moves the model: the device tested is the accelerator's
+        moved = _fused_optimizer_s50m.accelerator_device_guard(module, scope, stmt, guard, prepared,
+                                                                any((ln, recv) == prepared and model in a for ln, recv, a in tiers[0].prepared))
+        guard = moved or guard
     lightning_self = _s32_lightning_self(module, scope)
     if lightning_self is not None:
         # s32: a LightningModule's optimizer runs under the Trainer's strategy, often a run-time value
@@ -2258,6 +2264,11 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
                      "strategies flatten or re-assign the parameters and grads behind the optimizer)")
     if prepared is not None:
         params["guard"] += "_accelerate_launch_checked"
+        if moved is not None:
+            params["device_tested"] = f"{prepared[1]}.device"
+            notes.append(f"built before `{prepared[1]}.prepare` (line {prepared[0]}) moves the model: the guard tests "
+                         f"`{prepared[1]}.device` (where the model will train; the fused class builds its buffers at the first "
+                         "step), not the parameters' device at the construction")
         params["accelerate_prepare"] = f"line {prepared[0]}"
         notes.append(ACCELERATE_LAUNCH_NOTE)
     if chosen:

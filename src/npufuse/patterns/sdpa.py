@@ -52,6 +52,7 @@ from npufuse.patterns.attention import (
 )
 from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _attention_s46, _mask_rows
 from npufuse.patterns._site import block_source
+from npufuse.patterns import _sdpa_s50m
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, fast_walk, keyword, replace_segments, scope_text, segment, text_holds_any
@@ -286,7 +287,7 @@ class SdpaPattern(Pattern):
                     res = self._site(module, scope, block, i, stmt, chosen)
                     if res is not None:
                         yield res
-                elif direct and module.call_name(node) in SDPA_NAMES:
+                elif direct and (module.call_name(node) in SDPA_NAMES or _sdpa_s50m.alias_call(module, scope, node, SDPA_NAMES)):  # s50
                     res = self._site(module, scope, block, i, stmt, node)
                     if res is not None:
                         yield res
@@ -1338,6 +1339,7 @@ def sdpa_call_words(module: ModuleInfo) -> tuple[str, ...]:
         # ``try`` arm inside a function) and as another function after it is SDPA's alias too
         if "scaled_dot_product_attention as" in module.source:
             aliases += [f"{a}(" for a in bound_callee.import_aliases(module, SDPA_NAMES) if f"{a}(" not in aliases]
+        aliases += [f"{a}(" for a in _sdpa_s50m.assigned_aliases(module, SDPA_NAMES)]  # s50: ``attention = F.sdpa``
         cached = module.__dict__["_npufuse_sdpa_words"] = ("scaled_dot_product_attention", *aliases)
     return cached
 
