@@ -45,7 +45,11 @@ def require_3d_ranks(chain: Any) -> str | None:
 # ..)`` in an optional bias branch): a shape read of a Parameter / buffer / tensor attribute has no effect, so the fused
 # branch reading it again costs nothing; the near miss called it "a module call evaluated twice" (false) ---
 
-_SHAPE_READS = ("size", "dim", "numel", "nelement", "ndimension")
+# (s50) and the tensor methods that return a new tensor (a cast, a view) or a shape without touching state or drawing
+# numbers: ``self.weight.to(x.dtype)`` / ``self.scale.type_as(x)`` of a Parameter is no module call either
+_SHAPE_READS = ("size", "dim", "numel", "nelement", "ndimension", "to", "type_as", "float", "half", "bfloat16", "double",
+                "contiguous", "detach", "view", "reshape", "view_as", "reshape_as", "t", "transpose", "permute", "unsqueeze",
+                "squeeze", "expand", "expand_as", "flatten")
 _TENSOR_CTORS = ("torch.nn.Parameter", "torch.nn.parameter.Parameter", "torch.zeros", "torch.ones", "torch.empty", "torch.randn",
                  "torch.rand", "torch.tensor", "torch.arange", "torch.full", "torch.eye", "torch.linspace")
 
