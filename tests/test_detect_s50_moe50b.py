@@ -1,0 +1,98 @@
+"""s50 (moe50b): canonical-layer extensions of the moe_experts analysis. Invented reproducers of the sweep50moe /
+HO24a / HO26a / HO25b / HO26b classes the s50 moe50 helper left (``_moe_s50b``): a dead statistic in the expert loop
+with one-hot column rows and a named size test; the per-token loop whose outputs are collected in a list and
+stacked; cross-file token-wise experts; dense experts picked by ``torch.gather``; dense scattered weight matrices;
+an inverse-permutation combine. Each FUSE case is rewritten and run against the original under the emulator
+(outputs and gradients, fp32 and bf16); each KEEP twin gets a true reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from pattern_harness import check_rewrite_runs, detect_all, fused_and_runs
+
+from npufuse.patterns.moe_experts import MoeExperts
+
+_HEAD = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+'''
+
+
+def _bf16(run: str, ctor: str) -> str:
+    return run.replace(ctor, ctor + ".to(torch.bfloat16)").replace("requires_grad=True", "dtype=torch.bfloat16, requires_grad=True")
+
+
+def _bf16_exact(code: str, run: str) -> None:
+    findings, _ = detect_all(MoeExperts(), code)
+    facts = check_rewrite_runs(MoeExperts(), code, run, findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.99, facts
+
+
+def _reasons(code: str) -> list[str]:
+    findings, misses = detect_all(MoeExperts(), code)
+    assert not findings, [f.qualname for f in findings]
+    return [m.reason for m in misses]
+
+
+# -- (e) a dead statistic in the expert loop; one-hot column rows; a named size test ----------------------------------
+
+_DEAD = _HEAD + '''
+
+class TallyMoe(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.n = n
+        self.k = k
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d)) for _ in range(n)])
+        self.gate = nn.Linear(d, n)
+
+    def forward(self, h):
+        flat = h.reshape(-1, h.shape[-1])
+        vals, idx = torch.topk(self.gate(flat), self.k, dim=-1)
+        probs = F.softmax(vals, dim=-1)
+        out = torch.zeros_like(flat)
+        seen = torch.zeros(self.n, dtype=torch.int32)
+        for k in range(self.k):
+            col = idx[:, k]
+            oh = F.one_hot(col, self.n).float()
+            for e in range(self.n):
+                rows = oh[:, e].nonzero(as_tuple=False).squeeze(1)
+                cnt = rows.numel()
+                if cnt == 0:
+                    continue
+                seen[e] += cnt
+                y = self.experts[e](flat[rows])
+                out[rows] += probs[rows, k].unsqueeze(1) * y
+        return out.view_as(h)
+'''
+
+_DEAD_RUN = '''
+torch.manual_seed(0)
+m = TallyMoe(10, 5, 2)
+h = torch.randn(2, 7, 10, requires_grad=True)
+out = m(h)
+leaves = [h, m.gate.weight, m.experts[0][0].weight, m.experts[3][2].bias]
+'''
+
+
+def test_dead_statistic_one_hot_rows_fused_and_exact() -> None:
+    facts = fused_and_runs(MoeExperts(), _DEAD, _DEAD_RUN, "TallyMoe.forward")
+    assert facts["all_calls"].get("npu_moe_token_permute") == 1
+
+
+def test_dead_statistic_bf16() -> None:
+    _bf16_exact(_DEAD, _bf16(_DEAD_RUN, "TallyMoe(10, 5, 2)"))
+
+
+def test_statistic_that_is_returned_is_not_dropped() -> None:
+    code = _DEAD.replace("return out.view_as(h)", "return out.view_as(h), seen")
+    reasons = _reasons(code)
+    assert any("seen[e] += cnt" in r for r in reasons), reasons
+
+
+def test_statistic_read_after_the_loop_is_not_dropped() -> None:
+    code = _DEAD.replace("        return out.view_as(h)", "        print(seen)\n        return out.view_as(h)")
+    reasons = _reasons(code)
+    assert any("seen[e] += cnt" in r for r in reasons), reasons
