@@ -8,10 +8,13 @@ an inverse-permutation combine. Each FUSE case is rewritten and run against the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from pattern_harness import check_rewrite_runs, detect_all, fused_and_runs
 
 from npufuse.patterns.moe_experts import MoeExperts
+from npufuse.scan.engine import scan_repo
 
 _HEAD = '''\
 import torch
@@ -96,3 +99,80 @@ def test_statistic_read_after_the_loop_is_not_dropped() -> None:
     code = _DEAD.replace("        return out.view_as(h)", "        print(seen)\n        return out.view_as(h)")
     reasons = _reasons(code)
     assert any("seen[e] += cnt" in r for r in reasons), reasons
+
+
+# -- (h) the per-token loop's experts are a class of another file of the repository -----------------------------------
+
+_FFN_FILE = '''\
+import torch
+import torch.nn as nn
+
+
+class Ffn(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.inp = nn.Linear(d, hidden)
+        self.act = nn.GELU()
+        self.outp = nn.Linear(hidden, d)
+
+    def forward(self, z):
+        z = self.inp(z)
+        z = self.act(z)
+        return self.outp(z)
+'''
+
+_MIXING_FFN_FILE = _FFN_FILE.replace("return self.outp(z)", "return self.outp(z - z.mean(dim=0, keepdim=True))")
+
+_PER_TOKEN = '''
+
+class ArgmaxMoe(nn.Module):
+    def __init__(self, d, hidden, n):
+        super().__init__()
+        self.pick = nn.Linear(d, n)
+        self.experts = nn.ModuleList([Ffn(d, hidden) for _ in range(n)])
+
+    def forward(self, x):
+        choice = torch.argmax(F.softmax(self.pick(x), dim=-1), dim=-1)
+        res = torch.zeros_like(x)
+        for i in range(x.size(0)):
+            c = choice[i].item()
+            res[i] = self.experts[c](x[i])
+        return res
+'''
+
+_PER_TOKEN_RUN = '''
+torch.manual_seed(0)
+m = ArgmaxMoe(8, 16, 4)
+x = torch.randn(11, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.experts[0].inp.weight, m.experts[2].outp.bias]
+'''
+
+
+def _two_files(tmp_path: Path, ffn: str) -> list[dict]:
+    (tmp_path / "ffn.py").write_text(ffn)
+    (tmp_path / "layer.py").write_text(_HEAD + "\nfrom ffn import Ffn\n" + _PER_TOKEN)
+    res = scan_repo(tmp_path, jobs=1, only=["moe_experts"])
+    return res.candidates, res.near_misses
+
+
+def test_per_token_loop_expert_class_of_another_file_fused(tmp_path: Path) -> None:
+    cands, misses = _two_files(tmp_path, _FFN_FILE)
+    assert [(c["file"], c["qualname"]) for c in cands] == [("layer.py", "ArgmaxMoe.forward")], misses
+    # the same replacement as with the class in the file, whose rewrite runs exactly
+    one_file = _FFN_FILE + _PER_TOKEN.replace("F.softmax", "torch.nn.functional.softmax")
+    facts = fused_and_runs(MoeExperts(), one_file, _PER_TOKEN_RUN, "ArgmaxMoe.forward")
+    assert facts["all_calls"].get("npu_moe_token_permute") == 1
+    findings, _ = detect_all(MoeExperts(), _HEAD + _FFN_FILE.split("import torch.nn as nn\n", 1)[1] + _PER_TOKEN)
+    assert findings and all(line.strip() in cands[0]["replacement"] for line in findings[0].fused.splitlines()), cands[0]
+
+
+def test_per_token_loop_expert_class_of_another_file_bf16() -> None:
+    code = _HEAD + _FFN_FILE.split("import torch.nn as nn\n", 1)[1] + _PER_TOKEN
+    _bf16_exact(code, _bf16(_PER_TOKEN_RUN, "ArgmaxMoe(8, 16, 4)"))
+
+
+def test_per_token_loop_row_mixing_expert_of_another_file_kept(tmp_path: Path) -> None:
+    cands, misses = _two_files(tmp_path, _MIXING_FFN_FILE)
+    assert not cands
+    assert any("one token's row at a time" in m["reason"] for m in misses), misses

@@ -147,3 +147,58 @@ def inline_size_name(bound: dict[str, ast.expr], test: ast.expr) -> ast.expr:
         if operand is not test.operand:
             return ast.copy_location(ast.UnaryOp(op=test.op, operand=operand), test)
     return test
+
+
+def foreign_expert_class(an: Any, why: str) -> tuple[Any, ast.ClassDef] | None:
+    """(the other file's ModuleInfo, the class) for experts built from a class that this file imports from another file
+    of the scanned repository (sweep50moe Venish12 ``from expert import Expert``; ``why`` is ``_expert_class``'s refusal
+    naming it): the class is read in its own file, with that file's imports, so the token-wise proof (s49) judges it
+    as it judges a class of this file. None where the class is not found or not a plain top-level class there."""
+    from npufuse.scan import repo_facts
+    from npufuse.scan.dataflow import ModuleInfo
+
+    prefix = "the expert class `"
+    if not why.startswith(prefix) or "` is not defined in this file" not in why:
+        return None
+    name = why[len(prefix):why.index("`", len(prefix))]
+    if "." in name:
+        return None
+    m = an.m
+    cache = m.__dict__.setdefault("_npufuse_s50b_foreign", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = None
+    d = repo_facts.definition(m, name)
+    if d is None or not isinstance(d.node, ast.ClassDef) or d.rel == m.path:
+        return None
+    root = repo_facts.repo_root(m)
+    text = repo_facts._repo_text(root, d.rel) if root is not None else None
+    if text is None:
+        return None
+    try:
+        other = ModuleInfo.from_source(d.rel, text, d.tree)
+    except Exception:
+        return None
+    repo_facts.attach_root(other, root)
+    cls = other.classes.get(name)
+    if cls is None:
+        return None
+    cache[name] = (other, cls)
+    return cache[name]
+
+
+def token_slot_experts_tokenwise(module: Any, scope: Any, loop: ast.For, container: ast.expr) -> bool:
+    """The token-wise proof (s49's ``tokenwise_experts``, reading a class of another file of the repository as above)
+    for the experts ``container`` (``self.experts``) of the older direct per-(token, slot) form
+    (``_token_slot_site``), which calls each expert on one token's row while its fused form calls it on all its rows:
+    the same condition the canonical per-token reader (s50c) requires, so the two forms agree."""
+    from npufuse.patterns import _moe_s49s
+
+    class _Shim:  # the fields the expert-class readers take from the analyser
+        indexed_module = indexed_call = template = None
+        loop_kind = "range"
+        s49_expert_loop = None
+
+    an = _Shim()
+    an.m, an.scope, an.loop, an.experts_node = module, scope, loop, container  # type: ignore[attr-defined]
+    return _moe_s49s.tokenwise_experts(an)

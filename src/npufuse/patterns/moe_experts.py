@@ -2146,6 +2146,10 @@ def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     for name in (ids, weights, tokens, out):
         if name in _assigned(loop.body):
             return None
+    if not _moe_s50b.token_slot_experts_tokenwise(module, scope, loop, f.value):
+        # s50: the condition of the canonical per-token reader (s50c's finish_site), so the two forms agree
+        raise _Miss("the loop calls each expert on one token's row at a time; the fused layer calls it once on all its "
+                    "rows, equal only for an expert that computes each token on its own, which npufuse does not show")
     e, rows, ind = f"{P}e", f"{P}rows", "    "
     expert = f"{container}[{e}]" + (".forward" if via_forward else "")
     span = block[i - 1 : i + 1]
@@ -2172,8 +2176,6 @@ def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
         "counts": None, "output": out, "output_dtype": f"{tokens}.dtype", "sentinel_index": None,
     }
     risks = [
-        Risk("other", f"each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
-             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
         Risk("dtype", f"the weighted slots are summed in fp32 and rounded once to {tokens}.dtype; the original adds "
              f"each slot into `{out}` in {tokens}.dtype"),
         Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers, {tokens} is [T, H] and the weights "
@@ -11812,6 +11814,10 @@ def _slot_outer_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     for name in sorted(_assigned(loop.body) - {out}):
         if scope.uses_after(name, end):
             raise _Miss(f"`{name}` (a per-slot value of the loop) is used after it; the fused layer does not produce it")
+    if not _moe_s50b.token_slot_experts_tokenwise(module, scope, loop, container_node):
+        # s50: the condition of the canonical per-token reader (s50c's finish_site), so the forms agree
+        raise _Miss("the loop calls each expert on one token's row at a time; the fused layer calls it once on all its "
+                    "rows, equal only for an expert that computes each token on its own, which npufuse does not show")
     container = segment(module, container_node)
     e_, rows, ind = f"{P}e", f"{P}rows", "    "
     body = [
@@ -11838,8 +11844,6 @@ def _slot_outer_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
         "counts": None, "output": out, "output_dtype": f"{out}.dtype", "sentinel_index": None,
     }
     risks = [
-        Risk("other", "each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
-             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
         Risk("dtype", f"the weighted slots are summed first and added to `{out}` once; the original adds slot by slot"),
         Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers with K = {segment(module, kb)}, "
              f"{tokens} is [T, H], the weights one per slot and `{out}` is [T, D]; otherwise the loop runs as written"),
