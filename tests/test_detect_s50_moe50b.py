@@ -176,3 +176,76 @@ def test_per_token_loop_row_mixing_expert_of_another_file_kept(tmp_path: Path) -
     cands, misses = _two_files(tmp_path, _MIXING_FFN_FILE)
     assert not cands
     assert any("one token's row at a time" in m["reason"] for m in misses), misses
+
+
+# -- (c) per-token loop, top-k slots written out, rows appended to a list and stacked in the return -------------------
+
+_LISTED = _HEAD + '''
+
+class GluFfn(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.a = nn.Linear(d, f)
+        self.b = nn.Linear(d, f)
+        self.c = nn.Linear(f, d)
+
+    def forward(self, v):
+        return self.c(F.silu(self.a(v)) * self.b(v))
+
+
+class ListMoe(nn.Module):
+    def __init__(self, d, f, n):
+        super().__init__()
+        self.score = nn.Linear(d, n)
+        self.pool_of_experts = nn.ModuleList([GluFfn(d, f) for _ in range(n)])
+
+    def forward(self, h):
+        bsz, seq, dim = h.shape
+        h = h.view(bsz * seq, dim)
+        top, which = self.score(h).topk(k=2, dim=-1)
+        top = F.softmax(top, dim=-1)
+        rows = []
+        for t in range(bsz * seq):
+            first = self.pool_of_experts[which[t][0]](h[t]) * top[t][0]
+            second = top[t][1] * self.pool_of_experts[which[t][1]](h[t])
+            both = first + second
+            rows.append(both)
+        return torch.stack(rows, dim=0).view(bsz, seq, dim)
+'''
+
+_LISTED_RUN = '''
+torch.manual_seed(0)
+m = ListMoe(8, 12, 4)
+h = torch.randn(2, 5, 8, requires_grad=True)
+out = m(h)
+leaves = [h, m.score.weight, m.pool_of_experts[0].a.weight, m.pool_of_experts[3].c.bias]
+'''
+
+
+def test_listed_rows_unrolled_slots_fused_and_exact() -> None:
+    facts = fused_and_runs(MoeExperts(), _LISTED, _LISTED_RUN, "ListMoe.forward")
+    assert facts["all_calls"].get("npu_moe_token_unpermute") == 1
+    assert "rows = list(rows.unbind(0))" in facts["rewritten"]
+    assert "(tuple(which.shape) == (bsz * seq, 2,))" in facts["rewritten"]
+
+
+def test_listed_rows_unrolled_slots_bf16() -> None:
+    _bf16_exact(_LISTED, _bf16(_LISTED_RUN, "ListMoe(8, 12, 4)"))
+
+
+def test_unrolled_slots_of_three_ids_run_as_written() -> None:
+    # top-3 ids with two slots written out: the guard sends the call to the original (the third slot is ignored there)
+    code = _LISTED.replace("topk(k=2", "topk(k=3")
+    findings, _ = detect_all(MoeExperts(), code)
+    facts = check_rewrite_runs(MoeExperts(), code, _LISTED_RUN, findings)
+    assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+
+
+def test_unrolled_slot_repeated_not_read() -> None:
+    code = _LISTED.replace("self.pool_of_experts[which[t][1]](h[t])", "self.pool_of_experts[which[t][0]](h[t])")
+    assert not detect_all(MoeExperts(), code)[0]
+
+
+def test_listed_rows_of_another_list_not_read() -> None:
+    code = _LISTED.replace("            rows.append(both)\n", "            rows.append(both)\n            rows.append(first)\n")
+    assert not detect_all(MoeExperts(), code)[0]

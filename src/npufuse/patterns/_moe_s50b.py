@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 from typing import Any
 
 from npufuse.scan.dataflow import dotted, fast_walk
@@ -202,3 +203,127 @@ def token_slot_experts_tokenwise(module: Any, scope: Any, loop: ast.For, contain
     an = _Shim()
     an.m, an.scope, an.loop, an.experts_node = module, scope, loop, container  # type: ignore[attr-defined]
     return _moe_s49s.tokenwise_experts(an)
+
+
+# -- the per-(token, slot) canonical reader (s50c), two more spellings (HO24a keeratpreetsingh) -------------------------
+
+def appended_row(comb: ast.stmt, loop_vars: list[str], block: list, i: int, loop: ast.For) -> tuple | None:
+    """``(rows[t], v, True)`` for a per-token loop whose last statement ``rows.append(v)`` adds one row per token to a
+    list bound to ``[]`` before the loop and named nowhere in between nor elsewhere in the loop: after the loop the
+    list holds row t at index t, which is what ``rows[t] = v`` into a fresh buffer computes (the fused branch hands
+    the list back as the buffer's rows, :func:`list_tail`). One token loop only (no slot loop: one row per token)."""
+    if not (isinstance(comb, ast.Expr) and isinstance(comb.value, ast.Call) and isinstance(comb.value.func, ast.Attribute)
+            and comb.value.func.attr == "append" and isinstance(comb.value.func.value, ast.Name)
+            and len(comb.value.args) == 1 and not comb.value.keywords and not isinstance(comb.value.args[0], ast.Starred)):
+        return None
+    if len(loop_vars) != 1 or list_binding(block, i, comb.value.func.value.id) is None:
+        return None
+    acc = comb.value.func.value.id
+    if sum(1 for n in fast_walk(loop) if isinstance(n, ast.Name) and n.id == acc) != 1:
+        return None
+    target = ast.Subscript(ast.Name(acc, ast.Load()), ast.Name(loop_vars[0], ast.Load()), ast.Store())
+    return target, comb.value.args[0], True
+
+
+def list_binding(block: list, i: int, acc: str) -> int | None:
+    """The index in ``block`` of the statement ``acc = []`` before ``block[i]``, with no statement in between naming
+    ``acc``; None otherwise."""
+    for j in range(i - 1, -1, -1):
+        st = block[j]
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+                and st.targets[0].id == acc:
+            return j if isinstance(st.value, ast.List) and not st.value.elts else None
+        if any(isinstance(n, ast.Name) and n.id == acc for n in fast_walk(st)):
+            return None
+    return None
+
+
+def list_as_zeros(block: list, i: int, acc: str, tokens: str) -> list:
+    """``block`` with ``acc = []`` read as ``acc = torch.zeros_like(tokens)`` (the fresh buffer whose rows the loop
+    writes), on the original statement's line (its text is its unparse: no columns)."""
+    j = list_binding(block, i, acc)
+    assert j is not None
+    old = block[j]
+    new = ast.Assign(targets=[ast.Name(acc, ast.Store())],
+                     value=ast.Call(ast.Attribute(ast.Name("torch", ast.Load()), "zeros_like", ast.Load()),
+                                    [ast.Name(tokens, ast.Load())], []))
+    for n in ast.walk(new):
+        if "lineno" in n._attributes:
+            n.lineno, n.end_lineno = old.lineno, old.end_lineno  # type: ignore[attr-defined]
+            n.col_offset = n.end_col_offset = None  # type: ignore[attr-defined]
+    return block[:j] + [new] + block[j + 1:]
+
+
+def list_tail(acc: str) -> str:
+    """The fused branch's last line for a list accumulator: the code after the loop reads a Python list of [H] rows
+    (``torch.stack(rows)``, ``len(rows)``, ``rows[t]``): the fused [T, H] result's rows as such a list."""
+    return f"# the loop's list `{acc}` of per-token rows, as the code after it reads it\n{acc} = list({acc}.unbind(0))"
+
+
+def _terms(node: ast.expr) -> list[ast.expr]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _terms(node.left) + _terms(node.right)
+    return [node]
+
+
+def unrolled_slots(value: ast.expr, tok_vars: list[str], pair_index: Any, slot: str) -> tuple[ast.expr, int] | None:
+    """``(term with the slot index as the name slot, K)`` where ``value`` is ``t_0 + ... + t_{K-1}`` (any order), term j
+    ``E[ids[tok.., j]](x[tok..]) * w[tok.., j]`` (either factor order, ``.item()`` / ``int()`` ids), the same experts,
+    ids, rows and weights in every term and each slot 0..K-1 exactly once; None otherwise."""
+    terms = _terms(value)
+    if len(terms) < 2:
+        return None
+    k = len(terms)
+    seen: dict[int, ast.expr] = {}
+    shapes: set[str] = set()
+    for term in terms:
+        if not (isinstance(term, ast.BinOp) and isinstance(term.op, ast.Mult)):
+            return None
+        found = None
+        for call, w in ((term.left, term.right), (term.right, term.left)):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript)):
+                continue
+            for j in range(k):
+                pair = tok_vars + [f"#{j}"]
+                ids, wts = pair_index(call.func.slice, pair), pair_index(w, pair)
+                if ids is not None and wts is not None:
+                    found = (j, ids, wts, call)
+        if found is None or found[0] in seen:
+            return None
+        j, ids, wts, call = found
+        seen[j] = term
+        # everything but the slot constant is the same in every term
+        shapes.add(f"{ids}|{wts}|{ast.dump(call.func.value)}|{[ast.dump(a) for a in call.args]}|{[ast.dump(kw) for kw in call.keywords]}")
+    if sorted(seen) != list(range(k)) or len(shapes) != 1:
+        return None
+    ids, wts = shapes.pop().split("|")[:2]
+    template = copy.deepcopy(seen[0])
+
+    class _Slot(ast.NodeTransformer):
+        def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+            self.generic_visit(node)
+            base = node.value
+            while isinstance(base, ast.Subscript):
+                base = base.value
+            if not (isinstance(base, ast.Name) and base.id in (ids, wts)):
+                return node
+            if isinstance(node.slice, ast.Constant) and node.slice.value == 0 and type(node.slice.value) is int:
+                node.slice = ast.Name(slot, ast.Load())
+            elif isinstance(node.slice, ast.Tuple) and node.slice.elts and isinstance(node.slice.elts[-1], ast.Constant) \
+                    and node.slice.elts[-1].value == 0 and type(node.slice.elts[-1].value) is int:
+                node.slice.elts[-1] = ast.Name(slot, ast.Load())
+            return node
+
+    return _Slot().visit(template), k
+
+
+def calls_indexed_experts(loop: ast.For) -> bool:
+    """The loop calls a module picked by index from a container whose name says experts (``self.list_of_experts[i]
+    (x)``, HO24a keeratpreetsingh): worth analysing, whatever the loop's header says (``.experts`` was the gate)."""
+    for n in fast_walk(loop):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript):
+            base = n.func.value
+            name = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else ""
+            if "expert" in name.lower():
+                return True
+    return False

@@ -2469,7 +2469,7 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
 def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
     """Worth analysing: the loop is about experts or has the shape of a per-expert dispatch (s43a: or is a top-k
     slot loop around such a loop, whatever its experts are called)."""
-    if _names_experts(loop) or _dispatch_shape(loop):
+    if _names_experts(loop) or _dispatch_shape(loop) or _moe_s50b.calls_indexed_experts(loop):
         return True
     inner = _slot_outer_loop(loop)
     return inner is not None and (_names_experts(inner) or _dispatch_shape(inner))
