@@ -249,3 +249,56 @@ def test_unrolled_slot_repeated_not_read() -> None:
 def test_listed_rows_of_another_list_not_read() -> None:
     code = _LISTED.replace("            rows.append(both)\n", "            rows.append(both)\n            rows.append(first)\n")
     assert not detect_all(MoeExperts(), code)[0]
+
+
+# -- (h) the older direct per-(token, slot) form takes the same token-wise proof ---------------------------------------
+
+_DIRECT = _HEAD + '''
+
+class Mlp(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, v):
+        return self.down(F.gelu(self.up(v)))
+
+
+class DirectMoe(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList([Mlp(d) for _ in range(n)])
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.router(x), dim=-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for t in range(ids.size(0)):
+            for k in range(ids.size(1)):
+                expert = self.experts[ids[t, k]]
+                out[t] += expert(x[t]) * w[t, k]
+        return out
+'''
+
+_DIRECT_RUN = '''
+torch.manual_seed(0)
+m = DirectMoe(8, 4, 2)
+x = torch.randn(9, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.router.weight, m.experts[1].up.weight]
+'''
+
+
+def test_direct_token_slot_form_token_wise_expert_fused_without_the_row_risk() -> None:
+    facts = fused_and_runs(MoeExperts(), _DIRECT, _DIRECT_RUN, "DirectMoe.forward")
+    assert facts["all_calls"].get("npu_moe_token_permute") == 1
+    findings, _ = detect_all(MoeExperts(), _DIRECT)
+    assert not any("treats rows independently" in r.detail for r in findings[0].risks)
+
+
+def test_direct_token_slot_form_row_mixing_expert_kept() -> None:
+    code = _DIRECT.replace("return self.down(F.gelu(self.up(v)))", "return self.down(F.gelu(self.up(v))) - v.mean(0)")
+    reasons = _reasons(code)
+    assert any("one token's row at a time" in r for r in reasons), reasons
