@@ -183,12 +183,19 @@ def tokenwise_experts(an: Any) -> bool:
     from npufuse.patterns import _moe_s44b as s44b
     from npufuse.patterns import moe_experts as me  # the analyser (imports this module)
 
+    from npufuse.patterns import _moe_s50b
+
     m = an.m
     try:
         cls = me._expert_class(an)
-    except me._Miss:
+    except me._Miss as why:
         seq = _sequential_experts(an, me)
-        return seq is not None and all(_tokenwise_module(m, c, {}, me, _int_sizes(m, seq, None, me)) for c in seq)
+        if seq is not None and all(_tokenwise_module(m, c, {}, me, _int_sizes(m, seq, None, me)) for c in seq):
+            return True
+        foreign = _moe_s50b.foreign_expert_class(an, str(why))  # s50: a class another file of the repository defines
+        if foreign is None:
+            return False
+        m, cls = foreign  # read in its own file: its imports name its modules
     fwd = me._method(m, cls, "forward")
     if fwd is None:
         return False

@@ -33,6 +33,7 @@ import ast
 import copy
 from typing import Any, Optional, Union
 
+from npufuse.patterns import _moe_s50b
 from npufuse.scan.dataflow import const_value, dotted
 
 _P = "_npufuse_s50_"
@@ -55,15 +56,23 @@ def _strip_scalar(node: ast.expr) -> ast.expr:
     return node
 
 
+def _same_index(e: ast.expr, v: str) -> bool:
+    """``e`` is the loop variable ``v``, or (s50b: an unrolled slot, ``v`` = ``"#j"``) the integer constant j."""
+    if v.startswith("#"):
+        return isinstance(e, ast.Constant) and type(e.value) is int and e.value == int(v[1:])
+    return isinstance(e, ast.Name) and e.id == v
+
+
 def _pair_index(node: ast.expr, idx_vars: list[str]) -> Optional[str]:
-    """``a`` of ``a[v0, v1, ...]`` / ``a[v0][v1]...`` indexed by exactly the loop variables ``idx_vars`` in order."""
+    """``a`` of ``a[v0, v1, ...]`` / ``a[v0][v1]...`` indexed by exactly the loop variables ``idx_vars`` in order
+    (``"#j"`` in ``idx_vars``: the constant j, an unrolled slot)."""
     node = _strip_scalar(node)
     if not isinstance(node, ast.Subscript):
         return None
     if isinstance(node.slice, ast.Tuple):
         elts = node.slice.elts
         if isinstance(node.value, ast.Name) and len(elts) == len(idx_vars) \
-                and all(isinstance(e, ast.Name) and e.id == v for e, v in zip(elts, idx_vars)):
+                and all(_same_index(e, v) for e, v in zip(elts, idx_vars)):
             return node.value.id
         return None
     seq: list[ast.expr] = []
@@ -72,7 +81,7 @@ def _pair_index(node: ast.expr, idx_vars: list[str]) -> Optional[str]:
         seq.insert(0, cur.slice)
         cur = cur.value
     if isinstance(cur, ast.Name) and len(seq) == len(idx_vars) \
-            and all(isinstance(e, ast.Name) and e.id == v for e, v in zip(seq, idx_vars)):
+            and all(_same_index(e, v) for e, v in zip(seq, idx_vars)):
         return cur.id
     return None
 
@@ -127,10 +136,13 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
             return None
         env[name] = _Inline(env, used).visit(copy.deepcopy(st.value))
     # the combine: out[tokens] += value, or out[tokens] = value (one pair per token)
+    listed = None
     if isinstance(comb, ast.AugAssign) and isinstance(comb.op, ast.Add):
         target, value, plain = comb.target, comb.value, False
     elif isinstance(comb, ast.Assign) and len(comb.targets) == 1:
         target, value, plain = comb.targets[0], comb.value, True
+    elif (listed := _moe_s50b.appended_row(comb, vars_, block, i, loop)) is not None:
+        target, value, plain = listed  # s50b: `rows.append(v)` into a fresh list, one row per token: `rows[t] = v`
     else:
         return None
     value = _Inline(env, used).visit(copy.deepcopy(value))
@@ -146,6 +158,11 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     if _pair_index(target, tok_vars) != target.value.id:
         return None
     out = target.value.id
+    unrolled = _moe_s50b.unrolled_slots(value, tok_vars, _pair_index, f"{_P}k") if slot is None else None
+    if unrolled is not None:
+        # s50b: `e0 = E[ids[t][0]](x[t]) * w[t][0]; e1 = ...; out[t] = e0 + e1`: the top-k slots written out, one
+        # term per slot 0..K-1: the slot loop `for k in range(K): out[t] += E[ids[t][k]](x[t]) * w[t][k]` into zeros
+        value, slot, plain = unrolled[0], f"{_P}k", False
     pair_vars = tok_vars + ([slot] if slot else [])
     # the expert call: CONTAINER[ids[pair]](x[tokens]) (the row maybe unsqueezed, the result squeezed)
     calls = [n for n in ast.walk(value) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)]
@@ -233,11 +250,19 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     new.end_lineno, new.end_col_offset = loop.end_lineno, loop.end_col_offset
     setattr(new, _MARK, True)  # finish_site: this loop called its experts one token at a time
     bounds = [ast.unparse(_range_arg(f.iter)) for f in nest]  # type: ignore[arg-type]
+    if unrolled is not None:
+        bounds.append(str(unrolled[1]))  # the ids have exactly the K slots written out
     # the loops cover every pair of the ids, and each token index picks one [H] row of the tokens (the where
     # loop's rows): other shapes (per-sample ids over [B, T, H] tokens, a loop over part of the ids) run as written
     guards = [f"(tuple({ids}.shape) == ({', '.join(bounds)},))",
               f"({tokens}.dim() == {n_tok + 1} and tuple({tokens}.shape[:{n_tok}]) == ({', '.join(bounds[:n_tok])},))"]
-    return block[:i] + [new] + block[i + 1:], i, new, guards, ids
+    if listed is not None:
+        # s50b: the list the loop appended to is the fresh buffer's rows; with weights the original's rows keep the
+        # promoted dtype of `expert(row) * w` (no write into a buffer of the tokens' dtype): same dtypes only
+        block = _moe_s50b.list_as_zeros(block, i, out, tokens)
+        if weights is not None:
+            guards.append(f"({weights}.dtype == {tokens}.dtype)")
+    return block[:i] + [new] + block[i + 1:], i, new, guards, ids, (out if listed is not None else None)
 
 
 def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Any:
@@ -262,6 +287,8 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
                        f"equals: {said}") from None
     if site is not None:
         site.option_guards = [*site.option_guards, *(g for g in syn[3] if g not in site.option_guards)]
+        if syn[5] is not None:
+            site.dense_tail = "\n".join(t for t in (site.dense_tail, _moe_s50b.list_tail(syn[5])) if t)
     return site
 
 

@@ -52,6 +52,7 @@ from npufuse.patterns import _moe_s48f
 from npufuse.patterns import _moe_s48m
 from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s49d
+from npufuse.patterns import _moe_s50b
 from npufuse.patterns import _moe_s50c
 from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
@@ -2145,6 +2146,10 @@ def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     for name in (ids, weights, tokens, out):
         if name in _assigned(loop.body):
             return None
+    if not _moe_s50b.token_slot_experts_tokenwise(module, scope, loop, f.value):
+        # s50: the condition of the canonical per-token reader (s50c's finish_site), so the two forms agree
+        raise _Miss("the loop calls each expert on one token's row at a time; the fused layer calls it once on all its "
+                    "rows, equal only for an expert that computes each token on its own, which npufuse does not show")
     e, rows, ind = f"{P}e", f"{P}rows", "    "
     expert = f"{container}[{e}]" + (".forward" if via_forward else "")
     span = block[i - 1 : i + 1]
@@ -2171,8 +2176,6 @@ def _token_slot_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
         "counts": None, "output": out, "output_dtype": f"{tokens}.dtype", "sentinel_index": None,
     }
     risks = [
-        Risk("other", f"each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
-             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
         Risk("dtype", f"the weighted slots are summed in fp32 and rounded once to {tokens}.dtype; the original adds "
              f"each slot into `{out}` in {tokens}.dtype"),
         Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers, {tokens} is [T, H] and the weights "
@@ -2466,7 +2469,7 @@ def _loop_reason(loop: ast.For, miss: Exception) -> str:
 def _looks_like_moe(module: ModuleInfo, loop: ast.For) -> bool:
     """Worth analysing: the loop is about experts or has the shape of a per-expert dispatch (s43a: or is a top-k
     slot loop around such a loop, whatever its experts are called)."""
-    if _names_experts(loop) or _dispatch_shape(loop):
+    if _names_experts(loop) or _dispatch_shape(loop) or _moe_s50b.calls_indexed_experts(loop):
         return True
     inner = _slot_outer_loop(loop)
     return inner is not None and (_names_experts(inner) or _dispatch_shape(inner))
@@ -3020,6 +3023,8 @@ class _Eval:
                 return
             if self._s43c_inplace_scale(s):
                 return  # s43c: `y *= w` on the expert output
+            if _moe_s50b.dead_statistic(self.scope, self.loop, s):
+                return  # s50: `counts[e] += n` into a fresh tensor the function never reads: nothing observes it
             raise _Miss(f"unrecognised update in the expert loop: `{ast.unparse(s)[:60]}`")
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and self._s43c_inplace_scale(s):
             return  # s43c: `y.mul_(w)` on the expert output
@@ -3056,6 +3061,8 @@ class _Eval:
             raise _Miss(f"unrecognised statement in the expert loop: the loop adds this expert's rows back one at a time "
                         f"in a Python loop over its selected rows (`for {ast.unparse(s.target)[:30]} in "
                         f"{ast.unparse(s.iter)[:50]}`), which npufuse does not read")
+        if _moe_s50b.dead_statistic(self.scope, self.loop, s):
+            return  # s50: `counts[e] = n` into a fresh tensor the function never reads: nothing observes it
         raise _Miss(f"unrecognised statement in the expert loop: `{ast.unparse(s)[:60]}`")
 
     def enter_slot_loop(self, loop: ast.For) -> bool:
@@ -3219,6 +3226,7 @@ class _Eval:
 
     def _check_skip(self, test: ast.expr) -> None:
         """``continue`` guards that skip experts without tokens (or the sentinel index == E)."""
+        test = _moe_s50b.inline_size_name(self.s43a_bound, test)  # s50: `n = rows.numel(); if n == 0: continue`
         if self._s42_absent_expert_skip(test):
             return
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotIn) \
@@ -3456,7 +3464,7 @@ class _Eval:
         kinds = ("tok", "tokpart", "kpos", "x", "x_sorted", "tokmask", "flatmask", "flatcol", "flatrow")
         # masks of this expert's tokens: bool masks, and the 0/1 one-hot slice `expert_mask[e]`
         masks = ("tokmask", "flatmask", "mask_e", "slotmask1")
-        test = _strip_truth(test)  # mask.any().item(), bool(mask.any())
+        test = _moe_s50b.inline_size_name(self.s43a_bound, _strip_truth(test))  # mask.any().item(), bool(mask.any()); s50: `n > 0`
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) and test.func.attr == "any" and not test.args:
             return self.ev(test.func.value).kind in masks
         if isinstance(test, ast.Call) and _canon(self.m, test.func) == "torch.any" and len(test.args) == 1 and not test.keywords:
@@ -3732,6 +3740,10 @@ class _Eval:
             self.slot_dims = column[0] or self.slot_dims
             return V("slotcol", (node.value.id, column[1]))
         base = self.ev(node.value)
+        if base.kind in ("outer", "unknown") and (hot := _moe_s50b.one_hot_column(self, node)) is not None:
+            col = self.ev(hot)  # s50: `one_hot(c, E)[:, e]` / `[..., e]` is `c == e` (a slot's [T] column for `[:, e]`)
+            if col.kind == "slotmask1" or isinstance(sl.elts[0], ast.Constant) and col.kind != "unknown":  # type: ignore[attr-defined]
+                return col
         pairs = s43c.pair_tuple_parts(sl) if base.kind == "outer" and isinstance(sl, ast.Name) and self.token_dims == 1 \
             and self.ev(sl).kind == "where" and self.ev(sl).args[0] == "tk" else None
         # s43c: w[pairs] with pairs = torch.where(idx == e) / nonzero(as_tuple=True): w[pairs[0], pairs[1]]
@@ -3746,15 +3758,18 @@ class _Eval:
                 self._set_probs(base.args[0])
                 self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
                 return V("rw" if base.args[1] else "rw_row")
-        if base.kind == "outer" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "slotmask1" \
+        slot_first = len(parts) == 2 and (self._part_kind(parts[0]) == "slotmask1" or self.ev(parts[0]) == V("tok", ("slot",)))
+        if base.kind == "outer" and self.slot_var and slot_first \
                 and _moe_s42b.is_slot_slice(parts[1], self.slot_var):
             # s42b: w[mask, k:k + 1] with mask = idx[:, k] == e: each selected token's slot-k weight, [n, 1]
             self._set_probs(base.args[0])
             self.slot_guards.append(f"{base.args[0]}.shape == {self.where_indices}.shape")
             return V("rw")
-        if base.kind == "outer" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "slotmask1" \
+        if base.kind == "outer" and self.slot_var and slot_first \
                 and s43c.is_slot_name(parts[1], self.slot_var):
-            return self._s43c_slot_weight(base.args[0], "rw_row")  # s43c: w[mask, k] with mask = idx[:, k] == e, [n]
+            # s43c: w[mask, k] with mask = idx[:, k] == e, [n]; s50: w[rows, k] with rows = mask.nonzero().squeeze(1),
+            # the same rows in the same (token) order
+            return self._s43c_slot_weight(base.args[0], "rw_row")
         if base.kind == "x" and self.slot_var and len(parts) == 2 and self._part_kind(parts[0]) == "all" \
                 and isinstance(node.value, ast.Subscript) and self._part_kind(node.value.slice) == "slotmask1":
             # s43c: w[mask][:, k] ([n]) / w[mask][:, k:k + 1] ([n, 1]): the same column read after the rows
@@ -11799,6 +11814,10 @@ def _slot_outer_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
     for name in sorted(_assigned(loop.body) - {out}):
         if scope.uses_after(name, end):
             raise _Miss(f"`{name}` (a per-slot value of the loop) is used after it; the fused layer does not produce it")
+    if not _moe_s50b.token_slot_experts_tokenwise(module, scope, loop, container_node):
+        # s50: the condition of the canonical per-token reader (s50c's finish_site), so the forms agree
+        raise _Miss("the loop calls each expert on one token's row at a time; the fused layer calls it once on all its "
+                    "rows, equal only for an expert that computes each token on its own, which npufuse does not show")
     container = segment(module, container_node)
     e_, rows, ind = f"{P}e", f"{P}rows", "    "
     body = [
@@ -11825,8 +11844,6 @@ def _slot_outer_site(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i:
         "counts": None, "output": out, "output_dtype": f"{out}.dtype", "sentinel_index": None,
     }
     risks = [
-        Risk("other", "each expert is called once on all its rows ([n, H]) instead of once per token ([H]): equal only "
-             "while the expert treats rows independently (no batch statistics, no shape-dependent branches)"),
         Risk("dtype", f"the weighted slots are summed first and added to `{out}` once; the original adds slot by slot"),
         Risk("other", f"the fused branch runs only when {ids} is [T, K] of integers with K = {segment(module, kb)}, "
              f"{tokens} is [T, H], the weights one per slot and `{out}` is [T, D]; otherwise the loop runs as written"),
