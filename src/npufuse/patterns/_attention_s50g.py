@@ -61,7 +61,7 @@ def _finite(term: Any) -> bool:
 def unread_terms(chain: Any, module: Any, scope: Any, line: int) -> list[Any]:
     """The chain's non-causal terms no check covers. ``_row_checks`` flags them; where it returns early (the original
     zeroes NaN rows) the verdicts are read here."""
-    from npufuse.patterns import _attention_s33, _attention_s49m, _mask_rows
+    from npufuse.patterns import _attention_s33, _mask_rows
     from npufuse.patterns.attention import _row_ref_value
 
     zeroed = getattr(chain, "zero_masked", None)
@@ -71,7 +71,7 @@ def unread_terms(chain: Any, module: Any, scope: Any, line: int) -> list[Any]:
         polarity = {"masked": "masked", "keep": "keep", "additive": "additive", "keep01": "keep01"}
         resolve = _mask_rows.Resolver(module, scope, line, _row_ref_value(scope, line))
         for m in chain.masks:
-            if m.causal or m.kind not in polarity or _attention_s49m.rows_checked(m):
+            if m.causal or m.kind not in polarity or getattr(m, "s50_value_rows", False):
                 continue
             if _mask_rows.row_verdict(m.node, polarity[m.kind], resolve) is None:
                 flag_unread(m)
