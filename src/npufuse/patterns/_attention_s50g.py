@@ -28,10 +28,12 @@ A ``-inf`` fill is left as it was: the original's fully masked row is NaN, so no
 
 from __future__ import annotations
 
+import ast
 from typing import Any, Optional
 
 ZERO_Q = "zero_q"
 ROWS = "rows"
+UNCHECKED = "unchecked"
 
 
 def flag_unread(term: Any) -> None:
@@ -50,12 +52,32 @@ def flag_finite(term: Any, finite: bool) -> None:
         pass
 
 
-def _finite(term: Any) -> bool:
-    """True where the fully masked row of the original is finite (not NaN): a finite fill, a 0 / 1 offset, an
-    additive construction npufuse did not classify (conservative: checked)."""
+def _finite(term: Any, module: Any, scope: Any) -> bool:
+    """True where the fully masked row of the original may be finite (not NaN): a finite fill, a 0 / 1 offset, an
+    additive construction (or the helper method / function building it) that writes a finite large negative value
+    (``finfo.min``, ``-1e9``, ``-10000``). An additive term built from -inf only gives NaN there: nothing to keep."""
     if term.kind == "keep01":
         return True
-    return bool(getattr(term, "s50_finite", True))
+    if term.kind != "additive":
+        return bool(getattr(term, "s50_finite", True))
+    from npufuse.patterns import _attention_s42
+    from npufuse.patterns.attention import _deref_value, walk_sym
+
+    nodes = list(walk_sym(_deref_value(term.node)))
+    for n in list(nodes):
+        if isinstance(n, ast.Call):
+            fn = _attention_s42.helper_of_call(module, scope, n)
+            if fn is not None:
+                nodes += list(ast.walk(fn))
+    return any(_finite_fill(n) for n in nodes)
+
+
+def _finite_fill(n: ast.AST) -> bool:
+    if isinstance(n, ast.Attribute) and n.attr in ("min", "max") and isinstance(n.value, ast.Call):
+        f = n.value.func  # `torch` may be a symbolic reference here: the attribute's own name decides
+        return isinstance(f, ast.Attribute) and f.attr == "finfo" or isinstance(f, ast.Name) and f.id == "finfo"
+    return isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool) \
+        and 1000 <= abs(n.value) < float("inf")
 
 
 def unread_terms(chain: Any, module: Any, scope: Any, line: int) -> list[Any]:
@@ -75,12 +97,14 @@ def unread_terms(chain: Any, module: Any, scope: Any, line: int) -> list[Any]:
                 continue
             if _mask_rows.row_verdict(m.node, polarity[m.kind], resolve) is None:
                 flag_unread(m)
-    return [m for m in chain.masks if getattr(m, "s50_unread", False) and not m.causal and _finite(m)]
+    return [m for m in chain.masks if getattr(m, "s50_unread", False) and not m.causal and _finite(m, module, scope)]
 
 
 def plan(chain: Any, module: Any, scope: Any, line: int, *, combined: bool, layout: str, three_d: bool, folded: bool,
-         pse: bool) -> Optional[str]:
-    """ZERO_Q, ROWS or None (nothing to repair, or the combined rows are checked already)."""
+         pse: bool, text_of: Any) -> Optional[str]:
+    """ZERO_Q, ROWS, UNCHECKED (a ROWS case whose mask a method / repository function builds: the fallback would call
+    it a second time, which s41 refuses; the candidate stays with a risk line saying so) or None (nothing to repair,
+    or the combined rows are checked already)."""
     if combined:
         return None
     unread = unread_terms(chain, module, scope, line)
@@ -90,6 +114,16 @@ def plan(chain: Any, module: Any, scope: Any, line: int, *, combined: bool, layo
             and not folded and not pse and chain.s44_sink is None and not chain.heads_in_batch
             and chain.s43_score_axes is None):
         return ZERO_Q
+    from npufuse.patterns import _mask_rows
+    from npufuse.patterns.attention import Miss
+
+    for m in chain.masks:
+        try:
+            text = text_of(m.node)
+        except Miss:
+            continue
+        if _mask_rows.repeated_call(text) is not None:
+            return UNCHECKED  # the original, run where a row is empty, would call the helper building the mask again
     return ROWS
 
 
@@ -122,3 +156,9 @@ ROWS_RISK = ("the mask is handed in (or built from a tensor handed in), so a que
              "its finite fill leaves (a uniform average, or the weight of the finite keys), npu_fusion_attention's value "
              "is not pinned down (spec 5.1 / 14); the rows of the boolean mask the op gets are checked once it is "
              "built and the original code runs where one keeps no key: a reduction and a host sync per call")
+
+UNCHECKED_RISK = ("the mask is built by a method / function of the repository from a tensor handed in, so a query row may have "
+                  "every key masked (a sequence that is all padding): the original's row there is what its finite fill leaves "
+                  "(a uniform average of v), npu_fusion_attention's value is not pinned down (spec 5.1 / 14); NOT checked at run "
+                  "time (the original code, run where a row is empty, would call the mask's builder a second time): exact for "
+                  "batches in which every sequence keeps a key")

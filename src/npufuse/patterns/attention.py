@@ -4118,13 +4118,15 @@ class AttentionPattern(Pattern):
                     rows_split = (len(lines), _attention_s49m.combined_rows_check(maybe_none))
                     risks.append(Risk("host_sync", _attention_s49m.COMBINED_ROWS_RISK))
                 s50_plan = _attention_s50g.plan(chain, module, scope, span_line, combined=combined_rows, layout=layout,
-                                                three_d=three_d, folded=bool(folded), pse=s28_pse is not None)  # s50: handed-in masks' rows
+                                                three_d=three_d, folded=bool(folded), pse=s28_pse is not None, text_of=r.text)  # s50: handed-in masks' rows
                 if s50_plan == _attention_s50g.ZERO_Q:
                     lines += _attention_s50g.zero_q_lines(maybe_none, atom(q_n))
                     risks.append(Risk("numerics", _attention_s50g.ZERO_Q_RISK))
                 elif s50_plan == _attention_s50g.ROWS:
                     rows_split = (len(lines), _attention_s49m.combined_rows_check(maybe_none))
                     risks.append(Risk("host_sync", _attention_s50g.ROWS_RISK))
+                elif s50_plan == _attention_s50g.UNCHECKED:
+                    risks.append(Risk("numerics", _attention_s50g.UNCHECKED_RISK))
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
