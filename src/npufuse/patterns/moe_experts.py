@@ -6405,8 +6405,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         risks.append(Risk("other", "training: an expert that receives no token in a step gets a ZERO gradient through the "
                           "stacked grouped matmul, where the loop never calls it and leaves its .grad None; optimizers "
                           "skip parameters whose grad is None, so AdamW / SGD with weight decay or momentum now update "
-                          "that expert's weights in such steps (decay, momentum carried on); zero_grad(set_to_none=False) "
-                          "or an expert hit in every step makes both the same"))
+                          "that expert's weights in such steps (decay, momentum carried on: Adam with moments from earlier "
+                          "steps moves it even at weight_decay=0); zero_grad(set_to_none=False) or an expert hit in every "
+                          "step makes both the same. Not repaired in the fused text (s50): None for an idle expert needs "
+                          "its token count on the host in backward (a host sync per layer and step)"))
     elif mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
         risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
                           "[E, 2I, H] gate_up parameter avoids it"))
