@@ -3464,7 +3464,7 @@ class _Eval:
         if not (isinstance(value, (ast.Call, ast.Compare))):
             return None
         found = s44a.membership_column(
-            value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx),
+            value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx, self.scope),
             self._is_eidx)
         if found is None:  # s45: `gates[:, e] > 0` of top-k weights (>= 0) scattered at the top-k ids
             found = s44a.membership_column(value, self._s45a_scattered_gates, self._is_eidx)
