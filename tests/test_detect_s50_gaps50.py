@@ -277,3 +277,37 @@ def test_idle_expert_zero_grad_is_said_and_measured() -> None:
     exec(compile(run, "<r>", "exec"), ns)
     assert float(ns["out"]) == 0.0  # the loop: a None grad, AdamW skips the expert
     assert facts["cos_out"] == [0.0]  # the rewrite: the idle expert moved (a zero vector vs a nonzero one)
+
+
+def test_einops_reshaped_handed_in_mask_gets_the_row_check() -> None:
+    # folded heads, the boolean key mask repeated per head with einops (pure: evaluating it again in the fallback is
+    # harmless): the rows are repaired (q zeroed or the op mask's rows checked), not left unchecked (FourierFlow's
+    # CrossAttention form)
+    code = '''
+import torch
+from torch import nn
+from einops import rearrange, repeat
+
+
+class FoldedCross(nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (d // heads) ** -0.5
+        self.to_q, self.to_kv = nn.Linear(d, d, bias=False), nn.Linear(d, 2 * d, bias=False)
+
+    def forward(self, x, context, mask):
+        h = self.heads
+        q = self.to_q(x)
+        k, v = self.to_kv(context).chunk(2, dim=-1)
+        q, k, v = map(lambda t: rearrange(t, "b n (h d) -> (b h) n d", h=h), (q, k, v))
+        sim = torch.matmul(q, k.transpose(-2, -1)) * self.scale
+        mask = repeat(mask, "b j -> (b h) () j", h=h)
+        sim.masked_fill_(~mask, -torch.finfo(sim.dtype).max)
+        out = torch.matmul(sim.softmax(dim=-1), v)
+        return rearrange(out, "(b h) n d -> b n (h d)", h=h)
+'''
+    findings, misses = detect_all(ATTN, code)
+    assert findings, [m.reason for m in misses]
+    fused = findings[0].fused
+    assert "not bool(_npufuse_mask.all(-1).any())" in fused or "masked_fill(_npufuse_empty, 0)" in fused  # repaired
+    assert not any("NOT checked at run time" in r.detail for r in findings[0].risks)

@@ -122,9 +122,28 @@ def plan(chain: Any, module: Any, scope: Any, line: int, *, combined: bool, layo
             text = text_of(m.node)
         except Miss:
             continue
-        if _mask_rows.repeated_call(text) is not None:
+        if _repeats_a_builder(module, text):
             return UNCHECKED  # the original, run where a row is empty, would call the helper building the mask again
     return ROWS
+
+
+def _repeats_a_builder(module: Any, text: str) -> bool:
+    """The mask's text calls a method of the object or a repository function (``_mask_rows.repeated_call``), other
+    than an einops function (``repeat`` / ``rearrange``: pure reshapes of the handed-in mask, free to evaluate again)."""
+    from npufuse.patterns import _mask_rows
+
+    for _ in range(8):
+        again = _mask_rows.repeated_call(text)
+        if again is None:
+            return False
+        try:
+            call = ast.parse(again, mode="eval").body
+        except SyntaxError:
+            return True
+        if not isinstance(call, ast.Call) or not (module.canonical(call.func) or "").startswith("einops."):
+            return True
+        text = text.replace(again, f"({ast.unparse(call.args[0])})" if call.args else "0")  # look past it
+    return True
 
 
 def zero_q_lines(maybe_none: bool, q_text: str) -> list[str]:
