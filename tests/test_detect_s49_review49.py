@@ -128,7 +128,8 @@ def test_indexed_put_with_sampled_ids_has_a_risk() -> None:
     findings, _ = detect_all(MoeExperts(), _SAMPLED)
     assert len(findings) == 1
     facts = check_rewrite_runs(MoeExperts(), _SAMPLED, moe49._SORTED_OFFSETS_RUN, findings)
-    assert facts["calls"] >= 1 and min(facts["cos_out"]) < 0.99  # the fact the risk states (a token listed twice)
+    # s50 gaps50: the ids' rows are checked distinct at run time; a token listed twice runs the original loop
+    assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.99999, facts
     assert any("index_put" in r.detail and "expert_ids" in r.detail for r in findings[0].risks)
 
 

@@ -109,11 +109,13 @@ def row_rule(chain: Any) -> Optional[str]:
 def mark_rows_checked(term: Any, rows: Optional[str]) -> None:
     """The term's value check (KEY rows) already requires a key in every row: _mask_rows' own row check of the same
     term would be a second reduction and host sync for nothing."""
-    if rows == KEY:
-        try:
+    try:
+        if rows in (KEY, NAN):
+            term.s50_value_rows = True  # s50: the value check carries the row condition (gaps50's unread_terms skips it)
+        if rows == KEY:
             term.s49_rows_checked = True
-        except AttributeError:
-            pass
+    except AttributeError:
+        pass
 
 
 def rows_checked(term: Any) -> bool:

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns._moe_s43c import _init
 from npufuse.patterns.base import Fuse, Keep
-from npufuse.scan.dataflow import const_value
+from npufuse.patterns import _rope_s48r
+from npufuse.scan.dataflow import Scope, const_value
 
 # comparison of a count c with a constant on the right: (operator, constant) -> True when the test is "c > 0",
 # False when it is "c == 0" (c a non-negative integer)
@@ -111,7 +112,7 @@ def _zeros_2d(node: ast.expr) -> bool:
 
 
 def scatter_membership(fn: ast.AST, loop: ast.For, matrix: str, assignments: dict[str, list[tuple[ast.stmt, ast.expr]]],
-                       is_index: Callable[[ast.expr], bool]) -> Optional[str]:
+                       is_index: Callable[[ast.expr], bool], scope: Optional[Scope] = None) -> Optional[str]:
     """The indices ``idx`` when ``matrix`` is a [T, E] membership matrix of them: bound once in the function, before
     the loop, to 2-D zeros that one ``matrix.scatter_(1, idx, c)`` (or a chained ``zeros(..).scatter_(1, idx, c)``)
     fills with a non-zero constant c, read nowhere else but ``matrix[:, e]`` inside the loop; ``idx`` (a name) is not
@@ -120,6 +121,8 @@ def scatter_membership(fn: ast.AST, loop: ast.For, matrix: str, assignments: dic
     bound = assignments.get(matrix, [])
     if len(bound) != 1 or bound[0][0].lineno >= loop.lineno:
         return None
+    if scope is not None and not _rope_s48r.stored_once(scope, matrix):
+        return None  # s50: the one "bound once" reader (a for / with / walrus target rebinding it too)
     stmt, value = bound[0]
     scatter = _scatter_of(value)
     scatter_line = stmt.lineno

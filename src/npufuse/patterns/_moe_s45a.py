@@ -25,6 +25,7 @@ from typing import Optional
 from npufuse.patterns._defects_s44 import top_call_of
 from npufuse.patterns import _moe_s44a as s44a
 from npufuse.patterns import _moe_s47review
+from npufuse.patterns import _rope_s48r
 from npufuse.patterns.base import Fuse, Keep
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk, keyword
 
@@ -45,7 +46,7 @@ def _holds_the_ids(module: ModuleInfo, scope: Scope, node: ast.expr, ids: str, l
         if isinstance(node, ast.Name):
             if node.id == ids:
                 return True
-            if len(scope.assignments.get(node.id, [])) != 1:
+            if not _rope_s48r.stored_once(scope, node.id):  # s50: the one "bound once" reader (for / with / walrus too)
                 return False
             value = scope.definition(node.id, line)
             if value is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
+from npufuse.patterns import _moe_s50g
 from npufuse.scan.dataflow import const_value, dotted
 
 OPAQUE_REASON = ("the experts run on whole samples (rows `{rows}` of [B, T, H] tokens, the weight reshaped to [n, 1, 1]: "
@@ -205,7 +206,9 @@ def tokenwise_experts(an: Any) -> bool:
     # s49 review49: a scalar attribute set from a plain __init__ argument counts only where that argument is a number
     # (annotated int / float, or a numeric default): a tensor handed in ([T, 1] per position) broadcasts against the
     # [n, T, H] rows of the loop and not against the [m, H] token rows the fused layer gives the expert
-    init = {k: v for k, v in init_all.items() if not isinstance(v, ast.Name) or _numeric_param(ctor, v.id)}
+    where = (m, cls.name)  # s50: an argument known by its default only: what the class's callers pass
+    sizes = (*sizes[:2], where)
+    init = {k: v for k, v in init_all.items() if not isinstance(v, ast.Name) or _numeric_param(ctor, v.id, where=where)}
     a = fwd.args
     if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(a.args) != 2 or a.defaults:
         return False
@@ -262,8 +265,10 @@ def _plain(node: ast.expr) -> bool:
     return isinstance(node, (ast.Constant, ast.Name, ast.Attribute))
 
 
-def _numeric_param(ctor: Any, name: str, kinds: tuple = (int, float)) -> bool:
-    """``name`` is a parameter of ``ctor`` (an ``__init__``) annotated with one of ``kinds`` or with a default of them."""
+def _numeric_param(ctor: Any, name: str, kinds: tuple = (int, float), where: Optional[tuple] = None) -> bool:
+    """``name`` is a parameter of ``ctor`` (an ``__init__``) annotated with one of ``kinds`` or with a default of them;
+    s50: with ``where`` (the module, the class's name), a default only counts where no constructor call of the class in
+    the repo passes that parameter something that may be a tensor (``_moe_s50g.default_only_number``)."""
     if ctor is None:
         return False
     a = ctor.args
@@ -274,7 +279,11 @@ def _numeric_param(ctor: Any, name: str, kinds: tuple = (int, float)) -> bool:
         if p.arg == name:
             ann = dotted(p.annotation) if p.annotation is not None else None
             value = const_value(defaults[name]) if name in defaults else None
-            return ann in {k.__name__ for k in kinds} or isinstance(value, kinds) and not isinstance(value, bool)
+            if ann in {k.__name__ for k in kinds}:
+                return True
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                return False
+            return where is None or _moe_s50g.default_only_number(where[0], where[1], ctor, name)
     return False
 
 
@@ -305,7 +314,7 @@ def _tokenwise_module(m: Any, value: Any, init: dict, me: Any, sizes: tuple = (f
             return False
         arg = value.args[0]
         return isinstance(const_value(arg), int) or ast.dump(arg) in sizes[0] \
-            or isinstance(arg, ast.Name) and _numeric_param(sizes[1], arg.id, (int,))
+            or isinstance(arg, ast.Name) and _numeric_param(sizes[1], arg.id, (int,), sizes[2] if len(sizes) > 2 else None)
     if name == "torch.nn.Sequential":
         return bool(value.args) and not value.keywords and all(_tokenwise_module(m, a, init, me, sizes) for a in value.args)
     return False

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Iterator
 
 from npufuse.patterns import _attention_s32, _attention_s33, _attention_s34, _attention_s35, _attention_s36, _attention_s37, _attention_s38, _attention_s39, _attention_s40
 from npufuse.patterns import _attention_s42, _attention_s43, _attention_s43h, _attention_s43mla, _attention_s44, _attention_s45sweep, _sweep43b_callers
-from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method, _attention_s49m, _attention_s49d
+from npufuse.patterns import _attention_audit40, _attention_audit41, _attention_s45, _attention_s46, _attention_s46b, _attention_s46c, _site_s47review, _mask_rows, _score_method, _attention_s49m, _attention_s49d, _attention_s50g
 from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
@@ -2602,6 +2602,7 @@ class _Matcher:
             raise Miss(f"masked with `{self.src(fill)}`, not −inf or a large negative value: not a mask npufuse converts")
         term = MaskTerm(kind, c, cond[0] if cond else None, cond[1] if cond else False, fill=self.src(fill))
         term.causal = self._bool_causal(c, kind)
+        _attention_s50g.flag_finite(term, finite)  # s50: a finite fill leaves a fully masked row uniform
         if finite:
             chain.notes.append(
                 f"masked positions are filled with `{self.src(fill)}` (finite): identical except for fully masked rows, "
@@ -4042,6 +4043,7 @@ class AttentionPattern(Pattern):
         # masks
         value_check: str | None = None  # run-time condition for binarising additive masks (issue 14, class 3)
         rows_split: tuple[int, str] | None = None  # s49: (index after the mask lines, the combined mask's row check)
+        s50_plan: str | None = None  # s50: how fully masked rows of a handed-in mask are made the original's
         value_split = 0
         mask_kind, sparse = "none", 0
         s43_why = _attention_s43mla.unread_scores_reason(chain)
@@ -4115,6 +4117,16 @@ class AttentionPattern(Pattern):
                 if combined_rows:  # s49 mask49: the rows of the combined mask, checked once it is built
                     rows_split = (len(lines), _attention_s49m.combined_rows_check(maybe_none))
                     risks.append(Risk("host_sync", _attention_s49m.COMBINED_ROWS_RISK))
+                s50_plan = _attention_s50g.plan(chain, module, scope, span_line, combined=combined_rows, layout=layout,
+                                                three_d=three_d, folded=bool(folded), pse=s28_pse is not None, text_of=r.text)  # s50: handed-in masks' rows
+                if s50_plan == _attention_s50g.ZERO_Q:
+                    lines += _attention_s50g.zero_q_lines(maybe_none, atom(q_n))
+                    risks.append(Risk("numerics", _attention_s50g.ZERO_Q_RISK))
+                elif s50_plan == _attention_s50g.ROWS:
+                    rows_split = (len(lines), _attention_s49m.combined_rows_check(maybe_none))
+                    risks.append(Risk("host_sync", _attention_s50g.ROWS_RISK))
+                elif s50_plan == _attention_s50g.UNCHECKED:
+                    risks.append(Risk("numerics", _attention_s50g.UNCHECKED_RISK))
                 kinds = {m.kind for m in chain.masks}
                 mask_kind = "+".join(sorted(("causal" if m.causal else {"additive": "additive_float", "masked": "bool_masked", "keep": "bool_keep", "keep01": "multiplicative_01"}[m.kind]) for m in chain.masks))
                 if "additive" in kinds and checks:
@@ -4233,6 +4245,8 @@ class AttentionPattern(Pattern):
                                        "needs a CANN with aclnnFlashAttentionScoreV3 (an older stack rejects the call)"))
         if sparse:
             kwargs.append(("sparse_mode", str(sparse)))
+        if s50_plan == _attention_s50g.ZERO_Q:
+            q_a = _attention_s50g.zeroed_q(q_a)  # s50: fully masked rows get q = 0 (the original's uniform row)
         call = fa_call(q_a, k_a, v_a, head_num, layout, kwargs)
         zero_rows = getattr(chain, "zero_masked", None)
         if zero_rows is _attention_s33.NAN_ROWS:
@@ -4436,6 +4450,8 @@ class AttentionPattern(Pattern):
             if m.causal or m.kind not in polarity or _attention_s49m.rows_checked(m):  # s49: the value check has the rows
                 continue
             verdict = _mask_rows.row_verdict(m.node, polarity[m.kind], resolve)
+            if verdict is None:
+                _attention_s50g.flag_unread(m)  # s50: a handed-in mask, repaired at the call (zero_q / rows)
             if verdict is None or verdict.kind == "kept":
                 continue
             t = r.text(m.node)

@@ -56,6 +56,7 @@ from npufuse.patterns import _moe_s50b
 from npufuse.patterns import _moe_s50c
 from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
+from npufuse.patterns import _moe_s50g
 from npufuse.patterns import _moe_s48rv
 from npufuse.patterns import _moe_s43c as s43c
 from npufuse.patterns import _moe_s44a as s44a
@@ -2561,6 +2562,9 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
     if site is not None:
         _moe_s49s.finish_site(ev, site, _Miss)  # s49: per-sample routing; experts run on all tokens, then masked
         _moe_s50c.finish_site(ev, site, _Miss)  # s50: a per-token loop's experts must compute each token on its own
+    if site is not None and (s50 := _moe_s50g.guard(module, scope, ev, site, _moe_s49h.topk_or_router_topk(
+            _s40_topk_indices, _s41_call_output), _Miss)) is not None:
+        ev.option_guards.append(s50)  # s50: an indexed `+=` with ids not shown distinct: checked at run time
     if site is not None and ev.option_guards:
         _check_option_names(scope, site, loop, ev.option_guards)
         site.option_guards = list(ev.option_guards)
@@ -3490,7 +3494,7 @@ class _Eval:
         if not (isinstance(value, (ast.Call, ast.Compare))):
             return None
         found = s44a.membership_column(
-            value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx),
+            value, lambda m: s44a.scatter_membership(self.scope.node, self.loop, m, self.scope.assignments, self._is_eidx, self.scope),
             self._is_eidx)
         if found is None:  # s45: `gates[:, e] > 0` of top-k weights (>= 0) scattered at the top-k ids
             found = s44a.membership_column(value, self._s45a_scattered_gates, self._is_eidx)
@@ -6406,17 +6410,11 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
                           "fused text drops it: with stacked weights every expert still enters the grouped matmul (a zero "
                           "gradient, as before); experts called as modules on their rows may not, so keep DDP's "
                           "find_unused_parameters for them; a non-finite parameter no longer turns that output element into NaN"))
-    put = getattr(site, "s49r_put", "")
-    if put and site.token_dims <= 1 and not site.flat_rows and site.indices.isidentifier() \
-            and _moe_s49h.topk_or_router_topk(_s40_topk_indices, _s41_call_output)(module, scope, site.indices, site.first_line) is None:
-        # s49 review49: `out[tok] += v` is index_put without accumulate: a token listing expert e in two slots is
-        # written once (the last write wins) where the permute adds both copies
-        risks.append(Risk("numerics", f"the loop adds an expert's rows back with `{put} += ...` (index_put, not index_add): "
-                          f"a token listing the same expert in two slots of `{site.indices}` is written once there and added "
-                          "twice by the fused layer; equal only while each token's expert indices are distinct, which "
-                          f"npufuse does not show (`{site.indices}` is not read as a last-dim topk's indices: sampled or "
-                          "hashed routing can repeat an expert)"))
-    if site.token_dims > 1:
+    if getattr(site, "s50_distinct", False):
+        # s49 review49 / s50: `out[tok] += v` is index_put without accumulate: a token listing expert e in two slots is
+        # written once where the permute adds both copies; the fused text now checks the ids' rows distinct
+        risks.append(Risk("host_sync", _moe_s50g.risk(site)))
+    elif site.token_dims > 1:
         risks.append(Risk("other", f"tokens were picked as the first {site.token_dims} coordinates of torch.where("
                           f"{site.indices} == e) and written back with `+=` through them: that equals the permute only "
                           "while each token's expert indices are distinct (torch.topk gives distinct ones); a token "
@@ -6444,8 +6442,10 @@ def _finding(module: ModuleInfo, scope: Scope, site: _Site) -> Finding:
         risks.append(Risk("other", "training: an expert that receives no token in a step gets a ZERO gradient through the "
                           "stacked grouped matmul, where the loop never calls it and leaves its .grad None; optimizers "
                           "skip parameters whose grad is None, so AdamW / SGD with weight decay or momentum now update "
-                          "that expert's weights in such steps (decay, momentum carried on); zero_grad(set_to_none=False) "
-                          "or an expert hit in every step makes both the same"))
+                          "that expert's weights in such steps (decay, momentum carried on: Adam with moments from earlier "
+                          "steps moves it even at weight_decay=0); zero_grad(set_to_none=False) or an expert hit in every "
+                          "step makes both the same. Not repaired in the fused text (s50): None for an idle expert needs "
+                          "its token count on the host in backward (a host sync per layer and step)"))
     elif mlp.gated and not mlp.gate_up and mlp.layout == "stacked":
         risks.append(Risk("other", "separate stacked gate/up parameters are concatenated every call (one copy); a fused "
                           "[E, 2I, H] gate_up parameter avoids it"))
