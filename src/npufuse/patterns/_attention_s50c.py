@@ -117,8 +117,9 @@ def inherited_caller_flag(module: Any, scope: Any, name: str) -> Optional[tuple[
                 trees.append((rel, tree))
     classes = _classes(trees)
     own = [c for rel, c in classes.get(scope.class_name, []) if rel == module.path]
-    if len(own) != 1 or len(classes.get(scope.class_name, [])) != 1:
-        return None  # the class name is not unique in the files that mention the method: ancestry not told
+    if len(own) != 1:
+        return None  # two classes of that name in this file: which one is meant is not told
+    # (a class of the same name in another file is another class: its own ``self.<method>`` calls are its own)
     # ancestors by name (unique names only), nearest first
     ancestors: list[ast.ClassDef] = []
     frontier = _base_names(own[0])
@@ -422,6 +423,8 @@ def diagonal_kept(node: Any, polarity: str, resolve: Any) -> bool:
     every path of the helper, for every non-negative length / window it reads: proved on the helper's diagonal. The
     helper must build its mask only from ``arange`` over one length (its values compared, added, subtracted, combined
     with ``| & ~``), under ``if`` tests on its scalar parameters."""
+    while type(node).__name__ == "Ref" and getattr(node, "value", None) is not None:
+        node = node.value  # ``mask = helper(..)`` then ``masked_fill(mask, ..)``: the call the name holds
     if polarity not in ("masked", "keep") or not isinstance(node, ast.Call):
         return False
     helper = getattr(resolve, "_helper", None)
@@ -506,3 +509,32 @@ def mark_row_statements(rows: Any, chain: Any) -> None:
     for n in walk_sym(rows, limit=200):
         if isinstance(n, Ref) and n.idx >= 0 and n.value is not None:
             chain.seen.add(n.idx)
+
+
+# --- an operand name rebound by a statement the fused branch runs before the call ------------------------------------
+# Music-Transformer style: ``q = q.transpose(1, 2)`` is read by a bias helper (``rel = self._rel(q)``) that the fused
+# branch runs as written, while the call reads q from BEFORE the transpose (BSND): the name then holds the transposed
+# tensor. Refused with the fact (found when the HO27c mask fix let such a site reach the renderer).
+def stale_operand(module: Any, interp: Any, chain: Any, texts: tuple[str, str, str], executed: set[int], s: int, e: int
+                  ) -> Optional[str]:
+    from npufuse.patterns.attention import Ref
+
+    for leaf, text in zip((chain.q.leaf, chain.k.leaf, chain.v.leaf), texts):
+        stack, refs = [leaf], []
+        while stack:
+            n = stack.pop()
+            if isinstance(n, Ref):
+                refs.append(n)
+                continue
+            if isinstance(n, ast.AST):
+                stack.extend(ast.iter_child_nodes(n))
+        for ref in refs:
+            if not re.search(r"\b" + re.escape(ref.name) + r"\b", text):
+                continue
+            for j in sorted(executed):
+                if max(ref.idx, s - 1) < j < e and ref.name in interp.assigned[j]:
+                    st = interp.block[j]
+                    return (f"`{ref.name}` is rebound at line {st.lineno} (`{' '.join(ast.unparse(st).split())[:60]}`) by a statement "
+                            f"the fused branch runs as written before the call, which reads `{ref.name}` as it was before that line: "
+                            "npufuse does not rename the operand")
+    return None

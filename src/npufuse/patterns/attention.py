@@ -3858,6 +3858,9 @@ class AttentionPattern(Pattern):
                 )
             lines.append(_statement_text(module, other))
             run_as_written.add(j)
+        stale = _attention_s50c.stale_operand(module, interp, chain, (q_t, k_t, v_t), r.bound | run_as_written | set(kept), s, e)
+        if stale is not None:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, stale)  # s50c: an operand rebound before the call
         lines = bound_lines + lines
         # live-outs: names computed inside the span and read after it
         pv_nodes = {id(n) for n in fast_walk(node)}
