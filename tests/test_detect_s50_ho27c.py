@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pattern_harness import check_rewrite_runs, detect_all
 from pattern_harness import fused_and_runs as _fused_and_runs, near_miss_says as _near_miss
@@ -198,3 +199,65 @@ _REBOUND = 'import math\nimport torch\nfrom torch import nn\n\n\nclass WithBias(
 
 def test_operand_rebound_by_a_statement_run_before_the_call_is_near_miss() -> None:
     _near_miss(AttentionPattern(), _REBOUND, "`q` is rebound at line")
+
+
+# -- 6. fused_optimizer: a grad-None test tied to the optimizer it concerns; DDP bucket views guarded ------------------
+
+_FACTORY = """import torch
+
+
+def make_opt(params, lr):
+    return torch.optim.AdamW(params, lr=lr)
+"""
+
+_TRAINER = """import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kit.opt import make_opt
+
+
+def probe(net):
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(2, 4)).sum().backward()
+    missing = [n for n, p in net.named_parameters() if p.grad is None]
+    opt.step()
+    return missing
+
+
+def main(check=False, ddp=False):
+    net = nn.Linear(4, 4)
+    if check:
+        return probe(net)
+    if ddp:
+        net = DDP(net, gradient_as_bucket_view=True)
+    opt = make_opt(net.parameters(), 1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+"""
+
+
+def _opt_repo(tmp_path: Path, trainer: str) -> Any:
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "__init__.py").write_text("")
+    (tmp_path / "kit" / "opt.py").write_text(_FACTORY)
+    (tmp_path / "train.py").write_text(trainer)
+    return scan_repo(tmp_path, jobs=1, only=["fused_optimizer"])
+
+
+def test_grad_test_of_a_function_with_its_own_optimizer_is_not_this_ones(tmp_path: Path) -> None:
+    res = _opt_repo(tmp_path, _TRAINER)
+    got = [c for c in res.candidates if c["file"] == "kit/opt.py"]
+    assert len(got) == 1, res.near_misses
+    # the conditional DDP bucket-view wrap: the fused optimizer only where no process group exists
+    assert 'distributed.is_initialized()' in got[0]["replacement"]
+
+
+def test_grad_test_beside_the_factory_call_still_refuses(tmp_path: Path) -> None:
+    trainer = _TRAINER.replace("    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)\n", "    opt = make_opt(net.parameters(), 1e-3)\n")
+    res = _opt_repo(tmp_path, trainer)
+    assert not [c for c in res.candidates if c["file"] == "kit/opt.py"]
+    assert any("grad is None" in m["reason"] or "grad is not None" in m["reason"] for m in res.near_misses
+               if m["file"] == "kit/opt.py"), res.near_misses
