@@ -50,7 +50,7 @@ def _infinite_write(scope: Any, mask: ast.expr, line: int) -> Optional[ast.stmt]
 
 
 def bias_pse_lines(module: Any, scope: Any, mask: ast.expr, line: int, qn: str, head_num: str, sq: str, skv: str,
-                   layout_known: bool) -> Union[list[str], str, None]:
+                   layout_known: bool, maybe_none: bool = True) -> Union[list[str], str, None]:
     """The lines binding ``_npufuse_pse`` from the float bias ``mask``; a near-miss reason (str) where the bias holds
     infinite entries; None where the layout is not one npufuse states (the caller's earlier reason then stands)."""
     if not layout_known:
@@ -62,9 +62,12 @@ def bias_pse_lines(module: Any, scope: Any, mask: ast.expr, line: int, qn: str, 
         return (f"a float bias (`{src}`) that also holds -inf / very negative entries{at}: npufuse passes a finite bias as "
                 "npu_fusion_attention's `pse` but does not split an infinite part out of a bias into `atten_mask`")
     q = qn if qn.isidentifier() else f"({qn})"
-    return [f"_npufuse_pse = {src}",
-            f"_npufuse_pse = _npufuse_autocast({qn}, _npufuse_pse.to({q}.dtype).expand({q}.shape[0], {head_num}, {sq}, {skv})"
-            ".contiguous())[1]  # pse: SDPA's float attn_mask in q's dtype, [B, N, Sq, Skv]"]
+    cast = (f"_npufuse_pse = _npufuse_autocast({qn}, _npufuse_pse.to({q}.dtype).expand({q}.shape[0], {head_num}, {sq}, {skv})"
+            ".contiguous())[1]  # pse: SDPA's float attn_mask in q's dtype, [B, N, Sq, Skv]")
+    if maybe_none:
+        # a mask that is None on some path (no bias there): pse=None, as SDPA's attn_mask=None
+        return [f"_npufuse_pse = {src}", "if _npufuse_pse is not None:", f"    {cast}"]
+    return [f"_npufuse_pse = {src}", cast]
 
 
 def pse_risks() -> list[Risk]:

@@ -1572,14 +1572,21 @@ leaves = [x]
     ),
 ]
 
-SdpaPattern.KEEP += [
-    Keep(
-        # the method returns the distances themselves (graded float values): a bias, not a mask
+SdpaPattern.FUSE += [
+    Fuse(
+        # the method returns the distances themselves (graded float values): a bias, not a mask. s35 kept it a near
+        # miss; s50 (ho27c) passes it as pse (q pre-scaled, scale=1.0), None where no bias is built (lengths given)
         _S35_COMPARED_POSITIONS.replace("        return (rows.view(-1, 1) >= cols.view(1, -1))\n",
                                         "        return -(rows.view(-1, 1) - cols.view(1, -1)).abs().float()\n").replace(
             "        else:\n            mask = keep_lengths(lengths, n)[:, None, None, :]\n", "        else:\n            mask = None\n"),
-        reason="float bias",
         name="s35_distances_from_positions_as_attn_mask",
+        expect={"qualname": "LengthAttention.forward", "mask_kind": "pse"},
+        run='''
+m = LengthAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = (m(x), m(x, torch.tensor([6, 3])))
+leaves = [x]
+''',
     ),
 ]
 
