@@ -196,16 +196,16 @@ class Attention''') + _KEEP_FORWARD.replace("CALL", "key_keep(lengths, N)")
     _emulated(SdpaPattern(), code, _RUN_LENGTHS)
 
 
-def test_a_position_bias_from_a_helper_stays_a_float_bias() -> None:
-    # the helper returns graded distances (a float bias), not a comparison: the near miss is true
+def test_a_position_bias_from_a_helper_goes_to_pse() -> None:
+    # the helper returns graded distances (a float bias), not a comparison: s42 kept it a near miss (no pse for SDPA);
+    # s50 (ho27c) passes it as pse with q pre-scaled and scale=1.0 (exact whichever side of the scale the op adds it)
     method = '''
     def _keep(self, lengths, T):
         pos = torch.arange(T, device=lengths.device)
-        return (pos[None, :] - pos[:, None]).float()[None, None]
+        return (pos[None, :] - pos[:, None]).float()[None, None] * 0.1
 '''
-    findings, misses = detect_all(SdpaPattern(), _HEAD + method + _KEEP_FORWARD.replace("CALL", "self._keep(lengths, N)"))
-    assert not findings
-    assert any("float bias" in m.reason and "token positions" in m.reason for m in misses), misses
+    facts = _emulated(SdpaPattern(), _HEAD + method + _KEEP_FORWARD.replace("CALL", "self._keep(lengths, N)"), _RUN_LENGTHS)
+    assert "pse=_npufuse_pse" in facts["finding"].fused and "scale=1.0" in facts["finding"].fused
 
 
 # --- 4. SDPA with a mask that is None on the path that runs, and is_causal=True ---------------------------------

@@ -317,6 +317,13 @@ def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
             return None
         chain.s44_zeroed_rows.append(ZeroedRows(rows))
         return node.func.value
+    from npufuse.patterns import _attention_s50c
+
+    got = _attention_s50c.where_zeroed_rows(matcher, node)  # s50c: ``torch.where(valid_rows, p, 0)`` (keepdim rows)
+    if got is not None and matcher._qk_softmax(got[0]):
+        _attention_s50c.mark_row_statements(got[1], chain)
+        chain.s44_zeroed_rows.append(ZeroedRows(got[1]))
+        return got[0]
     return None
 
 

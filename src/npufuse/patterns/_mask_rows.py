@@ -495,6 +495,11 @@ def row_verdict(node: Any, polarity: str, resolve: Callable[[Any], Any]) -> Opti
                             any(p is not _NO_MASK and index_built(p, resolve) for p in paths))
     else:
         verdict = _one_verdict(node, polarity, resolve)
+    if (verdict is None or verdict.kind == "varies") and paths is not None:
+        from npufuse.patterns import _attention_s50c
+
+        if _attention_s50c.diagonal_kept(node, polarity, resolve):
+            return RowVerdict("kept")  # s50c: key j = i proved kept on every path of the helper, for every size
     if verdict is None:
         from npufuse.patterns import _attention_s46
 

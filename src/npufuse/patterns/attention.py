@@ -48,6 +48,7 @@ from npufuse.patterns import _attention_s46sweepb
 from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
 from npufuse.patterns import _attention_s49w
+from npufuse.patterns import _attention_s50c
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -674,7 +675,8 @@ _PRODUCT_CALLS = {"matmul", "einsum", "bmm", "baddbmm"}
 def _s32_products(node: Any) -> list[Any]:
     """The matrix products computing ``node`` (through the names it reads; metadata reads not crossed)."""
     return [n for n in walk_values(node) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)
-            or isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS]
+            or isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS
+            and not _attention_s50c.elementwise_einsum(n)]  # s50c: an einsum summing nothing is no matrix product
 
 
 def _s32_heavy_beyond(node: Any, allowed: set[int]) -> bool:
@@ -691,7 +693,8 @@ def _heavy(node: Any, through_meta: bool = True) -> bool:
     for n in walker:
         if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult):
             return True
-        if isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS:
+        if isinstance(n, ast.Call) and (dotted(_plain(n.func)) or "").rpartition(".")[2] in _PRODUCT_CALLS \
+                and not _attention_s50c.elementwise_einsum(n):  # s50c: an einsum summing nothing (an outer product of masks)
             return True
     return False
 
@@ -3856,6 +3859,9 @@ class AttentionPattern(Pattern):
                 )
             lines.append(_statement_text(module, other))
             run_as_written.add(j)
+        stale = _attention_s50c.stale_operand(module, interp, chain, (q_t, k_t, v_t), r.bound | run_as_written | set(kept), s, e)
+        if stale is not None:
+            return NearMiss(self.id, scope.qualname, span_line, end_line, stale)  # s50c: an operand rebound before the call
         lines = bound_lines + lines
         # live-outs: names computed inside the span and read after it
         pv_nodes = {id(n) for n in fast_walk(node)}
@@ -3875,7 +3881,8 @@ class AttentionPattern(Pattern):
                 continue  # its last value before the site comes from a statement the fused branch runs too
             is_probs = final is not None and (id(final) in chain.probs_objs or id(deref(final)) in chain.probs_objs)
             if is_probs and _only_returned(scope, name, end_line) and (name not in in_final or _only_returned_in(stmt, name, pv_nodes)):
-                flag_read = _s30_probs_read_under_flag(scope, name, end_line) or _s35_probs_nulled_unless_flag(scope, name, end_line)
+                flag_read = _s30_probs_read_under_flag(scope, name, end_line) or _s35_probs_nulled_unless_flag(scope, name, end_line) \
+                    or _attention_s50c.inherited_caller_flag(module, scope, name)  # s50c: a base-class caller reads it under self.<flag>
                 if flag_read is not None:
                     # s30: ``if self.output_attention: return V, A  else: return V, None``: the callers get the probabilities
                     # only where the flag asks for them: the fused call runs where it does not (a run-time check)

@@ -51,6 +51,7 @@ from npufuse.patterns.attention import (
     static_rank,
 )
 from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _attention_s46, _mask_rows
+from npufuse.patterns import _sdpa_s50c
 from npufuse.patterns._site import block_source
 from npufuse.patterns import _sdpa_s50m
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -455,11 +456,22 @@ class SdpaPattern(Pattern):
         value_check: str | None = None  # run-time condition for binarising a float mask
         mask_kind = "none"
         sparse: str | None = None
+        s50_pse: list[str] | str | None = None  # s50c: the lines building pse from a float bias
         if mask is not None:
             kind = self._mask_kind(module, scope, mask)
             evidence = graded_evidence(module, scope, mask, getattr(mask, "lineno", 10**9)) if kind != "bool" else None
             if evidence:
-                return miss(f"attn_mask: {bias_reason(segment(module, mask), evidence)}")
+                # s50c: a float bias (ALiBi, a relative-position table) goes to pse, q pre-scaled and scale=1.0
+                s50_pse = _sdpa_s50c.bias_pse_lines(module, scope, mask, line, qn, head_num, sq, skv,
+                                                     not (three_d or five_d or rank_unknown))
+                if s50_pse is None:
+                    return miss(f"attn_mask: {bias_reason(segment(module, mask), evidence)}")
+                if isinstance(s50_pse, str):
+                    return miss(f"attn_mask: {s50_pse}")
+                lines += s50_pse
+                mask_kind = "pse"
+                risks += _sdpa_s50c.pse_risks()
+        if mask is not None and s50_pse is None:
             m_src = segment(module, mask)
             maybe_none = not self._certainly_tensor(module, scope, mask, block)
             if kind in ("float_unverified", "unknown"):
@@ -524,12 +536,12 @@ class SdpaPattern(Pattern):
                     lines.append(f"_npufuse_is_causal = {c_src}")
                 cache, expr = causal_cache_lines(qn)
                 lines += [f"if {flag}:"] + ["    " + ln for ln in cache]
-                other = "_npufuse_mask" if mask is not None else "None"
+                other = "_npufuse_mask" if mask is not None and s50_pse is None else "None"
                 fa_kwargs.append(("atten_mask", f"{expr} if {flag} else {other}"))
                 sparse = f"2 if {flag} else 0"
                 mask_kind = f"causal if {c_src} else {mask_kind}"
                 notes.append("is_causal is decided at run time: top-left causal (sparse_mode 2) when it holds")
-        if mask is not None and not any(a == "atten_mask" for a, _ in fa_kwargs):
+        if mask is not None and s50_pse is None and not any(a == "atten_mask" for a, _ in fa_kwargs):
             fa_kwargs.append(("atten_mask", "_npufuse_mask"))
 
         # scale: SDPA's default 1/sqrt(D) made explicit
@@ -544,6 +556,12 @@ class SdpaPattern(Pattern):
                 lines.append(f"_npufuse_scale = {s_src}")
                 s_src = "_npufuse_scale"
             scale_text = f"{s_src} if {s_src} is not None else {default}"
+        if s50_pse is not None:
+            # s50c: q carries the scale and the call gets 1.0: scale*(QKᵀ + pse) and scale*QKᵀ + pse are then the same
+            # (spec §5.1 leaves pse's placement UNCERTAIN), and both are SDPA's QKᵀ*scale + attn_mask
+            fa_kwargs.append(("pse", "_npufuse_pse"))
+            qa = f"({qa} * ({scale_text}))"
+            scale_text = "1.0"
         fa_kwargs.append(("scale", scale_text))
 
         # dropout
@@ -1556,14 +1574,21 @@ leaves = [x]
     ),
 ]
 
-SdpaPattern.KEEP += [
-    Keep(
-        # the method returns the distances themselves (graded float values): a bias, not a mask
+SdpaPattern.FUSE += [
+    Fuse(
+        # the method returns the distances themselves (graded float values): a bias, not a mask. s35 kept it a near
+        # miss; s50 (ho27c) passes it as pse (q pre-scaled, scale=1.0), None where no bias is built (lengths given)
         _S35_COMPARED_POSITIONS.replace("        return (rows.view(-1, 1) >= cols.view(1, -1))\n",
                                         "        return -(rows.view(-1, 1) - cols.view(1, -1)).abs().float()\n").replace(
             "        else:\n            mask = keep_lengths(lengths, n)[:, None, None, :]\n", "        else:\n            mask = None\n"),
-        reason="float bias",
         name="s35_distances_from_positions_as_attn_mask",
+        expect={"qualname": "LengthAttention.forward", "mask_kind": "pse"},
+        run='''
+m = LengthAttention()
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = (m(x), m(x, torch.tensor([6, 3])))
+leaves = [x]
+''',
     ),
 ]
 

@@ -17,6 +17,8 @@ and asserts. torch's own gradient clipping utilities are library code (never rea
 
 from __future__ import annotations
 
+from npufuse.scan import _grad_none_s50c
+
 import ast
 from typing import TYPE_CHECKING, Optional
 
@@ -460,7 +462,9 @@ def site_reads(index: "RepoIndex", rel: str, qualname: str, params: str = "") ->
     for other in reachable_files(index, [rel, *_drivers(index, rel, qualname)]):
         if other == rel:
             continue
-        hit = next(iter(index.grad_none_reads(other)), None)
+        # s50c: a test in a function that builds and steps its own optimizer is not this optimizer's
+        hit = next((h for h in index.grad_none_reads(other)
+                    if not _grad_none_s50c.concerns_own_optimizer(index.tree(other), h[0], qualname.rpartition(".")[2])), None)
         if hit is not None:
             return reason(f"{other}:{hit[0]}", hit[1], "training code the trainer's imports reach (its model is not told apart)")
     return None

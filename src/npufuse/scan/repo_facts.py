@@ -38,6 +38,8 @@ nothing.
 
 from __future__ import annotations
 
+from npufuse.scan import _grad_none_s50c
+
 import ast
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator, Optional
@@ -281,6 +283,8 @@ def _drive(root: Path, o: Any, h: Any, b: _Builder, texts: dict[str, str], trees
             near.append({"pattern": f.pattern, "file": o.file, "qualname": f.qualname, "line": f.line,
                          "end_line": f.end_line, "reason": text})
             return True
+        if "gradient_as_bucket_view" in text:
+            _grad_none_s50c.guard_without_process_group(h)  # s50c: a conditional DDP bucket-view wrap: guarded
         # a detector risk (the candidate's own "other" risks would hide a generic one of that kind)
         f.risks.append(Risk("other", text))
     return False
@@ -385,7 +389,7 @@ def _verdict(tree: ast.Module, rel: str, b: _Builder, symbols: Any = None,
         args = [*node.args, *(k.value for k in node.keywords)]
         if _refers(node.func, b.function):
             where = where or node.lineno
-            models |= _flat_names(args)
+            models |= _flat_names(args) | _grad_none_s50c.parameter_owners(args)  # s50c: `model.parameters()` too
             if isinstance(node.func, ast.Attribute):
                 recv = dotted(node.func.value)
                 if recv:
