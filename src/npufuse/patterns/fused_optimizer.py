@@ -6789,7 +6789,8 @@ def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
         if "partial" in module.source or any(t == "functools.partial" for t in module.aliases.values()):
             # the text, not a walk of the tree (most files naming ``partial`` hold no such attribute)
             names = "|".join(re.escape(a) for a, t in module.aliases.items() if t == "functools.partial" and a.isascii())
-            rx = re.compile(r"\bself\s*\.\s*([A-Za-z_]\w*)\s*=\s*(?:[\w.]*\bpartial" + (f"|{names}" if names else "") + r")\s*\(")
+            # (s50: ``self`` and its left boundary after it, as _compiled._SCRIPT_WORD: the same matches, found by the literal)
+            rx = re.compile(r"self(?<!\wself)\s*\.\s*([A-Za-z_]\w*)\s*=\s*(?:[\w.]*\bpartial" + (f"|{names}" if names else "") + r")\s*\(")
             found = [f"self.{m.group(1)}" for m in rx.finditer(module.source) if m.group(1).isascii()]
         cached = module.__dict__["_npufuse_s40_opt_partial_words"] = tuple(dict.fromkeys(found))
     return cached
