@@ -3545,7 +3545,10 @@ class AttentionPattern(Pattern):
             return
         if scope.class_name is not None and "self." in text and not module.__dict__.get("_npufuse_s30_inlined"):
             yield from _s30_inlined_method_sites(self, module, scope)  # s30: the softmax may be in the called method
-        if "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) and not self._class_builds_softmax(module, scope):
+        # (s50: the word as written first: lowering maps each character on its own, so "softmax" in the text is in its
+        # lower-cased copy too; the copy of the scope, the whole file for <module>, is made only where it is not)
+        if "softmax" not in text and "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) \
+                and not self._class_builds_softmax(module, scope):
             # (s36: a softmax written out, ``e = torch.exp(s - s.max(..)); e / e.sum(..)``, passes the gate too)
             return
         if "maximum" in text and "exp" in text and "for " in text:
