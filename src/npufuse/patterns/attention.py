@@ -3460,6 +3460,19 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) ->
     return memo[key]
 
 
+def _caller_calls_on_lines(module: ModuleInfo, caller: Scope, lines: list[int]) -> list[ast.Call]:
+    """``calls_on_lines(caller.node, lines)``, once per caller and line list in a module (s50: a third of the
+    callers' walks repeated one already made: the same callee asked about for another parameter or depth, two
+    callees named by the same words). ``lines`` is ``lines_with``'s list, cached on the module for its words, so
+    the same words give the same list object for the module's life; readers only iterate the calls."""
+    memo = module.__dict__.setdefault("_npufuse_caller_calls", {})
+    key = (id(caller.node), id(lines))
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = calls_on_lines(caller.node, lines)
+    return got
+
+
 def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
     """A call of this function in the same file (directly, ``self.<name>(...)``, through HF's
     ``attention_interface`` chosen from it, or, for a module's ``forward``, through the attribute holding
@@ -3502,7 +3515,7 @@ def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -
         aliases = {name for name, defs in caller.assignments.items()
                    if any(isinstance(n, ast.Name) and n.id == fn.name for _, v in defs for n in fast_walk(v))} \
             if fn.name != "forward" and not scope.class_name and may_name(module, text, fn.name) else set()
-        calls = caller.nodes().get(ast.Call, ()) if lines is None or aliases else calls_on_lines(caller.node, lines)
+        calls = caller.nodes().get(ast.Call, ()) if lines is None or aliases else _caller_calls_on_lines(module, caller, lines)
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
             # attention_interface stands for an eager module-level function (HF's dispatch), never a method
