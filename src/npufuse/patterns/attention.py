@@ -11184,7 +11184,7 @@ def _s30_helper_writing_into_the_scores(matcher: "_Matcher", node: Any, stop: An
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or index >= len(fn.args.args):
         return
     param = fn.args.args[index].arg
-    for stmt in ast.walk(fn):
+    for stmt in fast_walk(fn):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AugAssign) else []
         for t in targets:
             base = t
@@ -11728,12 +11728,12 @@ def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast
     body = [b for b in method.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]  # docstring
     body, flags = _s42_flag_returns(body, params, passed, defaults)
     if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None \
-            or sum(isinstance(n, ast.Return) for b in body for n in ast.walk(b)) != 1 \
+            or sum(isinstance(n, ast.Return) for b in body for n in fast_walk(b)) != 1 \
             or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Yield, ast.YieldFrom, ast.Global, ast.Nonlocal))
-                   for b in body for n in ast.walk(b)):
+                   for b in body for n in fast_walk(b)):
         return None
-    caller_names = {n.id for n in ast.walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in ast.walk(caller.args) if isinstance(x, ast.arg)}
-    local = set(params) | {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    caller_names = {n.id for n in fast_walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in fast_walk(caller.args) if isinstance(x, ast.arg)}
+    local = set(params) | {n.id for b in body for n in fast_walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     given = {p: passed.get(p, defaults.get(p)) for p in params}
     stored = _stored_names(body)
     rename = {n: f"_{method.name}_{n}" for n in local if n in caller_names}
@@ -11829,7 +11829,7 @@ def _s42_append_line(text: str, last: int, line: str) -> tuple[str, int]:
 
 
 def _stored_names(body: list[ast.stmt]) -> set[str]:
-    return {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return {n.id for b in body for n in fast_walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
 _S30_SCORES_PASSED_TO_A_METHOD = '''

@@ -4893,7 +4893,7 @@ def _s28_self_bindings(cls: ast.ClassDef) -> list[tuple[ast.FunctionDef | ast.As
     for st in cls.body:
         if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        for n in ast.walk(st):
+        for n in fast_walk(st):
             if isinstance(n, ast.Assign):
                 attrs = frozenset(t.attr for t in n.targets
                                   if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self")
