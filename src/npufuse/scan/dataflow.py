@@ -1437,9 +1437,12 @@ def segment(module: "ModuleInfo", node: ast.AST) -> str:
     if cache is None:
         # ast columns count UTF-8 bytes; on an ASCII line they count characters, so only the
         # other lines are kept as bytes (most lines of most files are ASCII: no encode, no decode)
-        cache = module.__dict__["_segment_lines"] = [ln if ln.isascii() else ln.encode("utf-8") for ln in module.lines]
+        # (s50: an ASCII file's lines are all kept as they are: the module's own list, read only here, not copied)
+        ascii_file = module.source.isascii()
+        cache = module.__dict__["_segment_lines"] = module.lines if ascii_file else \
+            [ln if ln.isascii() else ln.encode("utf-8") for ln in module.lines]
         # whether every line is str (an ASCII file: most): then a span needs no per-line check
-        module.__dict__["_segment_all_str"] = module.source.isascii() or all(type(ln) is str for ln in cache)
+        module.__dict__["_segment_all_str"] = ascii_file or all(type(ln) is str for ln in cache)
     lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
     col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
     if None in (lineno, end, col, end_col) or end > len(cache):
