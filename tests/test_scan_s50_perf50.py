@@ -159,3 +159,19 @@ def test_the_analysis_is_the_same_with_and_without_the_walk_memo(tmp_path: Path,
 def test_softmax_word_test_answers_as_the_lowered_text() -> None:
     for text in _corpus() + ["SoftMax", "x.softmax(", "ſoftmax", "İsoftmax", "torch.Softmax(dim=-1)"]:
         assert ("softmax" in text or "softmax" in text.lower()) == ("softmax" in text.lower())
+
+
+def test_respelling_a_copy_mid_detection_keeps_no_walk_of_it() -> None:
+    """_guard_arms_s46audit respells a copy of fused code while a file's detectors run: the walk that finds its calls
+    is of a tree the respelling then changes, so it is not kept."""
+    tree = ast.parse("import torch\ny = torch.softmax(x, dim=-1)\n")
+    outer: dict = {}
+    dataflow.WALK_MEMO = outer
+    try:
+        assert dataflow.canonicalise_tensor_functions(tree) == 1
+        assert dataflow.WALK_MEMO is outer and id(tree) not in outer
+        walked = list(fast_walk(tree))
+    finally:
+        dataflow.WALK_MEMO = None
+    assert walked == list(ast.walk(tree))
+    assert ast.unparse(tree).endswith("y = x.softmax(dim=-1)")

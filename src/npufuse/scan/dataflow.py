@@ -138,6 +138,17 @@ def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -
     ``**``; only where ``torch`` is bound by nothing but ``import torch``. ``source``: the tree's text, a
     cheap gate (no such call in the text: nothing to walk; else only the statements on the lines of such
     text are walked). Returns how many calls it respelled."""
+    global WALK_MEMO
+    # s50: the walk below is of a tree this function then changes: no walk of it is kept (a detector respells a copy
+    # of fused code mid-detection, _guard_arms_s46audit; from_source suspends the memo around all its respellings)
+    memo, WALK_MEMO = WALK_MEMO, None
+    try:
+        return _respell_tensor_functions(tree, source)
+    finally:
+        WALK_MEMO = memo
+
+
+def _respell_tensor_functions(tree: ast.Module, source: str | None) -> int:
     calls = None
     if source is not None:
         hits, binds = tensor_call_lines(source)
