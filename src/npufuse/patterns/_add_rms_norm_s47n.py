@@ -22,7 +22,7 @@ import re
 from types import SimpleNamespace
 from typing import Any
 
-from npufuse.scan.dataflow import dotted
+from npufuse.scan.dataflow import dotted, fast_walk
 
 # device types an NPU tensor never reports (torch_npu: privateuse1 is renamed "npu")
 NOT_NPU_DEVICE_TYPES = ("cuda", "privateuseone", "mps", "xpu", "cpu")
@@ -336,7 +336,7 @@ def _closure_as_method(module: Any, scope: Any) -> Any:
     if "self" in own or any(isinstance(n, ast.Name) and n.id == "self" and not isinstance(n.ctx, ast.Load) for n in ast.walk(fn)):
         return scope
     # ``self`` rebound in the method after the closure is defined would change what the closure reads
-    if any(isinstance(n, ast.Name) and n.id == "self" and not isinstance(n.ctx, ast.Load) for n in ast.walk(parent.node)):
+    if any(isinstance(n, ast.Name) and n.id == "self" and not isinstance(n.ctx, ast.Load) for n in fast_walk(parent.node)):
         return scope
     if not any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(fn)):
         return scope

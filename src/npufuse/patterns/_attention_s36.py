@@ -13,6 +13,9 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
+# s50: fast_walk for ast.walk (the same nodes in the same order; a root walked before in the file is not walked again)
+from npufuse.scan.dataflow import fast_walk
+
 _IDENTITY = frozenset(("torch.nn.Identity", "torch.nn.modules.linear.Identity"))
 
 
@@ -47,7 +50,7 @@ def _identity_class_text(matcher: Any, cls: ast.ClassDef, attr: str) -> Optional
     ``self.<attr> = ...`` of the class (an arm of a conditional expression counts), where the spelling is bound by a
     module-level import (the guard reads it at the site); None where no assignment builds one."""
     want = f"self.{attr}"
-    for n in ast.walk(cls):
+    for n in fast_walk(cls):
         if not isinstance(n, ast.Assign):
             continue
         if not any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and f"{t.value.id}.{t.attr}" == want
@@ -155,7 +158,7 @@ def _returned_values(fn: ast.FunctionDef, cls: Optional[ast.ClassDef]) -> list[a
             attr = v.attr
             is_it = lambda t: isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr == attr  # noqa: E731
             here = _assignments(body_nodes, is_it)
-            everywhere = _assignments(list(ast.walk(cls)), is_it) if cls is not None else None
+            everywhere = _assignments(list(fast_walk(cls)), is_it) if cls is not None else None
             if not here or everywhere is None:
                 return []
             replaced = _replaces_none(fn, attr)
@@ -248,8 +251,8 @@ def learned_scale(module: Any, scope: Any, scale: Any) -> bool:
         if len(found) != 1:
             return False
         value = found[0][1]
-    attrs = {n.attr for n in ast.walk(value) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
-    for n in ast.walk(cls):
+    attrs = {n.attr for n in fast_walk(value) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    for n in fast_walk(cls):
         if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and module.canonical(n.value.func) in _PARAMETERS \
                 and any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr in attrs
                         for t in n.targets):

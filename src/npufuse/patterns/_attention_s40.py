@@ -13,6 +13,8 @@ import ast
 import contextvars
 from typing import Any, Optional
 
+from npufuse.scan.dataflow import fast_walk  # (s50: for ast.walk, the same nodes in the same order)
+
 # parameter ranks of the helpers being read: {id(helper FunctionDef): {parameter: rank}} (nested helpers stack)
 _PARAM_RANKS: "contextvars.ContextVar[dict[int, dict[str, int]]]" = contextvars.ContextVar("npufuse_param_ranks", default={})
 _MAX_NESTING = 3  # helper inside helper inside helper: deeper reads say nothing
@@ -83,7 +85,7 @@ def _straight_line(fn: ast.FunctionDef) -> bool:
     which holds only there (a loop's ``base = base.unsqueeze(0)`` runs any number of times)."""
     for st in fn.body:
         if isinstance(st, (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.If)) or type(st).__name__ in ("TryStar", "Match"):
-            if any(isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr, ast.For)) for n in ast.walk(st)):
+            if any(isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr, ast.For)) for n in fast_walk(st)):
                 return False
     return True
 
@@ -154,7 +156,7 @@ def effect_in_folded_if(stmt: ast.stmt, scope: Any = None) -> Optional[str]:
     if not isinstance(stmt, ast.If):
         return None
     # tensors the ``if`` itself creates: writes into them change nothing the caller holds
-    own = {t.id for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AnnAssign))
+    own = {t.id for n in fast_walk(stmt) if isinstance(n, (ast.Assign, ast.AnnAssign))
            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
     if scope is not None:
         # and the function's own locals (amago's ``if self.causal: scores.masked_fill_(mask, -inf)`` on the scores it

@@ -14,6 +14,9 @@ from __future__ import annotations
 import ast
 from typing import Any, Optional
 
+# s50: fast_walk for ast.walk (the same nodes in the same order; a root walked before in the file is not walked again)
+from npufuse.scan.dataflow import fast_walk
+
 _VIEWS = frozenset({"view", "reshape"})
 
 
@@ -62,7 +65,7 @@ def _adds_to_first_parameter(fn: ast.FunctionDef) -> bool:
     if not all(isinstance(s, (ast.Assign, ast.Assert)) for s in body[:-1]):
         return False  # loops, branches, in-place statements: the helper is not read
     returned = body[-1].value
-    loads = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == first and isinstance(n.ctx, ast.Load)
+    loads = [n for n in fast_walk(fn) if isinstance(n, ast.Name) and n.id == first and isinstance(n.ctx, ast.Load)
              and n is not returned]
     if len(loads) != 1:
         return False
@@ -70,14 +73,14 @@ def _adds_to_first_parameter(fn: ast.FunctionDef) -> bool:
     for s in body[:-1]:
         if isinstance(s, ast.Assign):
             for t in s.targets:
-                for n in ast.walk(t):
+                for n in fast_walk(t):
                     if isinstance(n, ast.Name):
                         # a name unpacked from a tuple holds a part of the value: never additive, still what it reads
                         assigned.setdefault(n.id, []).append(s.value if isinstance(t, ast.Name) else ast.Tuple(elts=[s.value], ctx=ast.Load()))
     rebound = assigned.get(first, [])
     if returned is not loads[0] and isinstance(returned, ast.Name) and returned.id == first:
         # ``first = (first.view(..) + t).view(..); return first``: one rebinding that holds the one read
-        if len(rebound) != 1 or loads[0] not in set(ast.walk(rebound[0])):
+        if len(rebound) != 1 or loads[0] not in set(fast_walk(rebound[0])):
             return False
         returned = rebound[0]
     elif rebound:
@@ -110,7 +113,7 @@ def _reads_resolved(e: ast.AST, first: str, assigned: dict[str, list[ast.expr]],
     """``e`` reads ``first`` directly or through a local name assigned from it."""
     if depth > 12:
         return True
-    for n in ast.walk(e):
+    for n in fast_walk(e):
         if isinstance(n, ast.Name):
             if n.id == first:
                 return True

@@ -32,7 +32,10 @@ _PYTHON = ("torch.jit.ignore", "torch.jit.unused")
 # the imported name or the import of an alias): without it in the text nothing is compiled.
 # Identifiers are NFKC-normalised, so a file with non-ASCII text is searched (for the bare
 # substring) in its NFKC form.
-_SCRIPT_WORD = re.compile(r"\bscript(?:_method)?\b")
+# s50: the word first and its left boundary after it (``(?<!\wscript)``: the character before is no word
+# character, what a leading ``\b`` asks before a word character): a pattern that starts with a literal is searched
+# for that literal; a leading ``\b`` made ``re`` try the whole matcher at every position of the file
+_SCRIPT_WORD = re.compile(r"script(?<!\wscript)(?:_method)?\b")
 
 
 def may_compile(source: str) -> bool:

@@ -28,7 +28,7 @@ import ast
 import copy
 from typing import Any, Optional
 
-from npufuse.scan.dataflow import const_value, dotted
+from npufuse.scan.dataflow import const_value, dotted, fast_walk
 
 TOK = "_npufuse_s49_tok"
 SLOT = "_npufuse_s49_slot"
@@ -219,7 +219,7 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     from npufuse.patterns import moe_experts as me  # the analyser (imports this module)
 
     if "bincount" not in m.source or not any(isinstance(n, ast.Slice) or isinstance(n, ast.Call) and dotted(n.func) == "slice"
-                                             for st in loop.body for n in ast.walk(st)):
+                                             for st in loop.body for n in fast_walk(st)):
         return False  # the cheap gates: the counts are a bincount, the runs are cut by slices
     syn = as_where_loop(me, m, scope, block, i, loop)
     if syn is None:

@@ -7224,7 +7224,7 @@ def _s42_conditional_sum_sites(module: ModuleInfo, scope: Scope) -> Iterable[tup
     idx = S.stmt_index(scope)
     for stmt in idx.stmts:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                and isinstance(stmt.value, ast.IfExp) and all(isinstance(n, _PURE_TEST) for n in ast.walk(stmt.value.test))):
+                and isinstance(stmt.value, ast.IfExp) and all(isinstance(n, _PURE_TEST) for n in fast_walk(stmt.value.test))):
             continue
         arms = [(stmt.value.body, f"({S.source_of(module, stmt.value.test)})"),
                 (stmt.value.orelse, f"not ({S.source_of(module, stmt.value.test)})")]

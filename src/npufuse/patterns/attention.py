@@ -3464,6 +3464,19 @@ def caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) ->
     return memo[key]
 
 
+def _caller_calls_on_lines(module: ModuleInfo, caller: Scope, lines: list[int]) -> list[ast.Call]:
+    """``calls_on_lines(caller.node, lines)``, once per caller and line list in a module (s50: a third of the
+    callers' walks repeated one already made: the same callee asked about for another parameter or depth, two
+    callees named by the same words). ``lines`` is ``lines_with``'s list, cached on the module for its words, so
+    the same words give the same list object for the module's life; readers only iterate the calls."""
+    memo = module.__dict__.setdefault("_npufuse_caller_calls", {})
+    key = (id(caller.node), id(lines))
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = calls_on_lines(caller.node, lines)
+    return got
+
+
 def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -> str | None:
     """A call of this function in the same file (directly, ``self.<name>(...)``, through HF's
     ``attention_interface`` chosen from it, or, for a module's ``forward``, through the attribute holding
@@ -3506,7 +3519,7 @@ def _caller_bias(module: ModuleInfo, scope: Scope, param: str, depth: int = 0) -
         aliases = {name for name, defs in caller.assignments.items()
                    if any(isinstance(n, ast.Name) and n.id == fn.name for _, v in defs for n in fast_walk(v))} \
             if fn.name != "forward" and not scope.class_name and may_name(module, text, fn.name) else set()
-        calls = caller.nodes().get(ast.Call, ()) if lines is None or aliases else calls_on_lines(caller.node, lines)
+        calls = caller.nodes().get(ast.Call, ()) if lines is None or aliases else _caller_calls_on_lines(module, caller, lines)
         for node in calls:  # the calls of fast_walk(caller.node), in order
             f = node.func
             # attention_interface stands for an eager module-level function (HF's dispatch), never a method
@@ -3549,7 +3562,10 @@ class AttentionPattern(Pattern):
             return
         if scope.class_name is not None and "self." in text and not module.__dict__.get("_npufuse_s30_inlined"):
             yield from _s30_inlined_method_sites(self, module, scope)  # s30: the softmax may be in the called method
-        if "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) and not self._class_builds_softmax(module, scope):
+        # (s50: the word as written first: lowering maps each character on its own, so "softmax" in the text is in its
+        # lower-cased copy too; the copy of the scope, the whole file for <module>, is made only where it is not)
+        if "softmax" not in text and "softmax" not in text.lower() and not ("exp" in text and ".sum(" in text) \
+                and not self._class_builds_softmax(module, scope):
             # (s36: a softmax written out, ``e = torch.exp(s - s.max(..)); e / e.sum(..)``, passes the gate too)
             return
         if "maximum" in text and "exp" in text and "for " in text:
@@ -11191,7 +11207,7 @@ def _s30_helper_writing_into_the_scores(matcher: "_Matcher", node: Any, stop: An
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or index >= len(fn.args.args):
         return
     param = fn.args.args[index].arg
-    for stmt in ast.walk(fn):
+    for stmt in fast_walk(fn):
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AugAssign) else []
         for t in targets:
             base = t
@@ -11735,12 +11751,12 @@ def _s30_inline(module: ModuleInfo, caller: ast.AST, st: ast.Assign, method: ast
     body = [b for b in method.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]  # docstring
     body, flags = _s42_flag_returns(body, params, passed, defaults)
     if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None \
-            or sum(isinstance(n, ast.Return) for b in body for n in ast.walk(b)) != 1 \
+            or sum(isinstance(n, ast.Return) for b in body for n in fast_walk(b)) != 1 \
             or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Yield, ast.YieldFrom, ast.Global, ast.Nonlocal))
-                   for b in body for n in ast.walk(b)):
+                   for b in body for n in fast_walk(b)):
         return None
-    caller_names = {n.id for n in ast.walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in ast.walk(caller.args) if isinstance(x, ast.arg)}
-    local = set(params) | {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    caller_names = {n.id for n in fast_walk(caller) if isinstance(n, ast.Name)} | {x.arg for x in fast_walk(caller.args) if isinstance(x, ast.arg)}
+    local = set(params) | {n.id for b in body for n in fast_walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     given = {p: passed.get(p, defaults.get(p)) for p in params}
     stored = _stored_names(body)
     rename = {n: f"_{method.name}_{n}" for n in local if n in caller_names}
@@ -11836,7 +11852,7 @@ def _s42_append_line(text: str, last: int, line: str) -> tuple[str, int]:
 
 
 def _stored_names(body: list[ast.stmt]) -> set[str]:
-    return {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return {n.id for b in body for n in fast_walk(b) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
 _S30_SCORES_PASSED_TO_A_METHOD = '''

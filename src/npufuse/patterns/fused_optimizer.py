@@ -4904,7 +4904,7 @@ def _s28_self_bindings(cls: ast.ClassDef) -> list[tuple[ast.FunctionDef | ast.As
     for st in cls.body:
         if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        for n in ast.walk(st):
+        for n in fast_walk(st):
             if isinstance(n, ast.Assign):
                 attrs = frozenset(t.attr for t in n.targets
                                   if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self")
@@ -6800,7 +6800,8 @@ def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
         if "partial" in module.source or any(t == "functools.partial" for t in module.aliases.values()):
             # the text, not a walk of the tree (most files naming ``partial`` hold no such attribute)
             names = "|".join(re.escape(a) for a, t in module.aliases.items() if t == "functools.partial" and a.isascii())
-            rx = re.compile(r"\bself\s*\.\s*([A-Za-z_]\w*)\s*=\s*(?:[\w.]*\bpartial" + (f"|{names}" if names else "") + r")\s*\(")
+            # (s50: ``self`` and its left boundary after it, as _compiled._SCRIPT_WORD: the same matches, found by the literal)
+            rx = re.compile(r"self(?<!\wself)\s*\.\s*([A-Za-z_]\w*)\s*=\s*(?:[\w.]*\bpartial" + (f"|{names}" if names else "") + r")\s*\(")
             found = [f"self.{m.group(1)}" for m in rx.finditer(module.source) if m.group(1).isascii()]
         cached = module.__dict__["_npufuse_s40_opt_partial_words"] = tuple(dict.fromkeys(found))
     return cached

@@ -6825,7 +6825,7 @@ def _s41_fills_after_allocation(block: list[ast.stmt], j: int, stmt: ast.stmt) -
         return None
     out = stmt.targets[0].value.id
     k = j - 1
-    while k >= 0 and not any(isinstance(n, ast.Name) and n.id == out for n in ast.walk(block[k])):
+    while k >= 0 and not any(isinstance(n, ast.Name) and n.id == out for n in fast_walk(block[k])):
         k -= 1
     if k < 0:
         return None

@@ -138,6 +138,17 @@ def canonicalise_tensor_functions(tree: ast.Module, source: str | None = None) -
     ``**``; only where ``torch`` is bound by nothing but ``import torch``. ``source``: the tree's text, a
     cheap gate (no such call in the text: nothing to walk; else only the statements on the lines of such
     text are walked). Returns how many calls it respelled."""
+    global WALK_MEMO
+    # s50: the walk below is of a tree this function then changes: no walk of it is kept (a detector respells a copy
+    # of fused code mid-detection, _guard_arms_s46audit; from_source suspends the memo around all its respellings)
+    memo, WALK_MEMO = WALK_MEMO, None
+    try:
+        return _respell_tensor_functions(tree, source)
+    finally:
+        WALK_MEMO = memo
+
+
+def _respell_tensor_functions(tree: ast.Module, source: str | None) -> int:
     calls = None
     if source is not None:
         hits, binds = tensor_call_lines(source)
@@ -892,10 +903,32 @@ def _names_bound_elsewhere(tree: ast.Module, names: set[str]) -> set[str]:
     return {name for name in names if stores.get(name, 0) != 1 or name in other}
 
 
+# s50 (perf50): the walks of one file's analysis, kept while ``engine._analyze_file`` runs its detectors
+# (None elsewhere: no memo). id(root) -> (root, every node of its walk in order). Two in five nodes the
+# detectors walked were a root walked before in the same file (a class walked again by each attribute
+# question, a statement by each reader), and the queue a finished walk leaves behind is that walk's
+# whole answer: the next walk of the root reads the list. The root is held with its list, so its id
+# cannot be reused by another node while the entry lives. Exact as long as no tree walked during the
+# detection changes: the only rewrites of a parsed tree (the respellings in ``ModuleInfo.from_source``)
+# run with the memo suspended; detectors change only fresh trees and copies they make before walking them.
+WALK_MEMO: dict[int, tuple[ast.AST, list[ast.AST]]] | None = None
+
+
 def fast_walk(node: ast.AST) -> Iterator[ast.AST]:
     """``ast.walk(node)``: the same nodes in the same (breadth-first) order, at a fraction of
     its cost (no deque, no ``iter_fields``/``iter_child_nodes`` generators). Like ``ast.walk``
-    it reads a node's children when it reaches the node; the tree must not change meanwhile."""
+    it reads a node's children when it reaches the node; the tree must not change meanwhile.
+    Within a file's detection (``WALK_MEMO``) a root walked to its end before is not walked again."""
+    memo = WALK_MEMO
+    if memo is not None:
+        hit = memo.get(id(node))
+        if hit is not None:
+            return iter(hit[1])
+        return _walk(node, memo)
+    return _walk(node, None)
+
+
+def _walk(node: ast.AST, memo: dict[int, tuple[ast.AST, list[ast.AST]]] | None) -> Iterator[ast.AST]:
     todo = [node]
     AST = ast.AST
     append = todo.append
@@ -915,6 +948,8 @@ def fast_walk(node: ast.AST) -> Iterator[ast.AST]:
             elif isinstance(v, AST):
                 append(v)
         yield n
+    if memo is not None:  # walked to the end: the queue holds the walk
+        memo[id(node)] = (node, todo)
 
 
 def child_fields(node_type: type) -> tuple[str, ...]:
@@ -970,13 +1005,20 @@ class ModuleInfo:
 
     @classmethod
     def from_source(cls, path: str, source: str, tree: ast.Module | None = None) -> "ModuleInfo":
+        global WALK_MEMO
         tree = tree if tree is not None else ast.parse(source)
-        aliased = canonicalise_module_aliases(tree)
-        canonicalise_unbound_tensor_methods(tree, source)
-        # the text gate reads ``torch.``: a module that spells it ``th.`` is walked without it
-        canonicalise_tensor_functions(tree, None if aliased else source)
-        info = cls(path=path, source=source, tree=tree)
-        info._index()
+        # the respellings below change the tree they walk: no walk of it may be kept from before them
+        # (another file of the repo is indexed here in the middle of a detector's work)
+        memo, WALK_MEMO = WALK_MEMO, None
+        try:
+            aliased = canonicalise_module_aliases(tree)
+            canonicalise_unbound_tensor_methods(tree, source)
+            # the text gate reads ``torch.``: a module that spells it ``th.`` is walked without it
+            canonicalise_tensor_functions(tree, None if aliased else source)
+            info = cls(path=path, source=source, tree=tree)
+            info._index()
+        finally:
+            WALK_MEMO = memo
         return info
 
     @property
@@ -1406,9 +1448,12 @@ def segment(module: "ModuleInfo", node: ast.AST) -> str:
     if cache is None:
         # ast columns count UTF-8 bytes; on an ASCII line they count characters, so only the
         # other lines are kept as bytes (most lines of most files are ASCII: no encode, no decode)
-        cache = module.__dict__["_segment_lines"] = [ln if ln.isascii() else ln.encode("utf-8") for ln in module.lines]
+        # (s50: an ASCII file's lines are all kept as they are: the module's own list, read only here, not copied)
+        ascii_file = module.source.isascii()
+        cache = module.__dict__["_segment_lines"] = module.lines if ascii_file else \
+            [ln if ln.isascii() else ln.encode("utf-8") for ln in module.lines]
         # whether every line is str (an ASCII file: most): then a span needs no per-line check
-        module.__dict__["_segment_all_str"] = module.source.isascii() or all(type(ln) is str for ln in cache)
+        module.__dict__["_segment_all_str"] = ascii_file or all(type(ln) is str for ln in cache)
     lineno, end = getattr(node, "lineno", None), getattr(node, "end_lineno", None)
     col, end_col = getattr(node, "col_offset", None), getattr(node, "end_col_offset", None)
     if None in (lineno, end, col, end_col) or end > len(cache):

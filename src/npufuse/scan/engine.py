@@ -40,7 +40,7 @@ from npufuse import __version__
 from npufuse.patterns import _site_s48r
 from npufuse.patterns.base import Finding, NearMiss, Pattern
 from npufuse.rewrite.codegen import source_lines
-from npufuse.scan import config_shapes, forward_ad, replacement, repo_facts, repo_search, repo_symbols, risks
+from npufuse.scan import config_shapes, dataflow, forward_ad, replacement, repo_facts, repo_search, repo_symbols, risks
 from npufuse.scan.dataflow import ModuleInfo, Scope, folds_to_ascii, lf_line_ends, may_multiply
 from npufuse.scan.walk import Failure, WalkResult, _os_failure, walk
 
@@ -521,6 +521,16 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
     """``only``: run just these (scope index, pattern index) detector calls (the parent finishing
     a worker's outcome, :func:`finish_deferred`); each call's list receives (len(hits),
     len(near_misses)) after its results, where they end."""
+    memo = dataflow.WALK_MEMO
+    try:
+        return _analyze_parsed(root, rel, patterns, options, only)
+    finally:
+        dataflow.WALK_MEMO = memo  # s50: the file's walks go with it
+
+
+def _analyze_parsed(root: Path, rel: str, patterns: Sequence[Pattern], options: ScanOptions,
+                    only: dict[tuple[int, int], list[tuple[int, int]]] | None) -> FileOutcome:
+    """:func:`_analyze_file`'s work (the walk memo is set up here and dropped there)."""
     out = FileOutcome(rel)
     text, sha, failure = read_source(root / rel, rel, options.max_file_bytes)
     out.sha256 = sha
@@ -545,6 +555,8 @@ def _analyze_file(root: Path, rel: str, patterns: Sequence[Pattern], options: Sc
         return out
     out.parsed = True
     _keep_alive(module)
+    # s50: the file's walks are kept for its detectors (dataflow.WALK_MEMO); _analyze_file drops them
+    dataflow.WALK_MEMO = {}
     out.facts = facts
     n_lines = len(module.lines)
     errors: dict[str, list[Any]] = {}
@@ -718,7 +730,8 @@ def _apply_refuses(text: str) -> str:
     refuses a file libcst does not reproduce byte for byte or cannot parse; the one known cause
     of either in a file ``ast`` parses, a line holding only a backslash continuation, is found by
     a regex, and only a file that has one pays for the libcst parse that confirms it."""
-    m = _LONE_BACKSLASH.search(text) if "\\" in text else None
+    # (s50: a match holds a backslash right before a line end: without one, nothing to search)
+    m = _LONE_BACKSLASH.search(text) if ("\\\n" in text or "\\\r" in text) else None
     if m is None:
         return ""
     from npufuse.rewrite.transform import dropped_final_break, parse_module

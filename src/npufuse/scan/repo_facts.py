@@ -2085,7 +2085,8 @@ def _s28_reset_quoted() -> None:
 
 # s38 speed: ``self.register_buffer(...)`` / ``setattr(self, ...)`` as written (ASCII ``self`` or
 # ``cls`` as a whole name, whitespace allowed where Python allows it without a line continuation)
-_SELF_REGISTER_BUFFER = _re.compile(r"(?<![\w.])(?:self|cls)\s*\.\s*register_buffer")
+# (s50: each name with its left boundary after it: the same matches, searched by their first letters)
+_SELF_REGISTER_BUFFER = _re.compile(r"(?:self(?<![\w.]self)|cls(?<![\w.]cls))\s*\.\s*register_buffer")
 _SELF_SETATTR = _re.compile(r"setattr\s*\(\s*(?:self|cls)\s*,")
 _REGISTERS_ON_OTHERS: dict[tuple[str, str], bool] = {}
 

@@ -291,7 +291,9 @@ def _switch_word_lines(src: str, folds: bool = True) -> list[int] | None:
     return lines_of_offsets(src, starts)
 
 
-_AMP_CALL = re.compile(r"\b(?:autocast|GradScaler)\s*\(")
+# s50: each word with its left boundary after it (as _compiled._SCRIPT_WORD): the same matches, searched by their
+# first characters instead of the whole matcher at every position
+_AMP_CALL = re.compile(r"(?:autocast(?<!\wautocast)|GradScaler(?<!\wGradScaler))\s*\(")
 
 
 def _amp_lines(path: str, src: str, limit: int = 8) -> list[str]:
@@ -624,7 +626,7 @@ def site_context(module: ModuleInfo, scope: Scope, line: int | None = None) -> S
     return SiteContext(config_expr, args_expr, tuple(sorted(self_attrs)), off, on)
 
 
-_READS_SELF_CONFIG = re.compile(r"\bself\s*\.\s*config(?![\w])")
+_READS_SELF_CONFIG = re.compile(r"self(?<!\wself)\s*\.\s*config(?![\w])")  # s50: boundary after the literal
 
 
 def _self_attributes(module: ModuleInfo, cls: ast.ClassDef, depth: int = 3) -> set[str]:
