@@ -32,12 +32,13 @@ def conversion(call: ast.Call) -> bool:
 def keep_halves_outside(trace: S.Trace, names: list[ast.Name], ctx: S.Ctx) -> bool:
     """Take the statement binding the two halves (``gate, up = t.chunk(2, -1)``) out of the replaced span: it then runs
     as written and the fused code reads the names. Only where it binds exactly those names and no other statement of the
-    span writes a name it reads (it would run before them now). True where it was taken out (or was not in the span)."""
+    span writes a name it reads (it would run before them now). True where it was taken out, was not in the span, or
+    the names are not bound by one statement; False where it is in the span and must stay there."""
     if len(names) != 2 or names[0].id == names[1].id:
-        return False
+        return True  # not two names of one statement: nothing to take out (the older reading stands)
     defs = [S.definition(ctx, n.id) for n in names]
     if any(d is None for d in defs) or defs[0][0] is not defs[1][0]:  # type: ignore[index]
-        return False
+        return True
     stmt = defs[0][0]  # type: ignore[index]
     if id(stmt) not in trace.stmts:
         return True
