@@ -118,6 +118,14 @@ def read(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign: bool, extr
     if got is None:
         return None
     arms, tail = got
+    for arm in arms:
+        before = arm.body[:-1]
+        if not all(isinstance(st, (ast.Import, ast.ImportFrom, ast.Pass)) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+                   for st in before):
+            return None  # an arm that computes before returning: its names could read as the tail's definitions
+        bound = {(a.asname or a.name).split(".")[0] for st in before if isinstance(st, (ast.Import, ast.ImportFrom)) for a in st.names}
+        if bound & {n.id for st in tail for n in ast.walk(st) if isinstance(n, ast.Name)}:
+            return None
     if not tail or len(tail) > 8 or not isinstance(tail[-1], ast.Return) or tail[-1].value is None \
             or not all(S._straight(st) for st in tail[:-1]):
         return None
@@ -133,6 +141,7 @@ def read(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign: bool, extr
     conditions: list[str] = []
     excluded: list[str] = []
     test_only: set[str] = set()
+    guard_names: set[str] = set()
     unread: ast.If | None = None
     claimed = False  # an arm only this reader reads (a keyword-excluded arm, a pure call in a test, two or more arms)
     for arm in arms:
@@ -147,6 +156,7 @@ def read(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign: bool, extr
                 continue
             if value is not None and flag in extra and _plain(value):
                 conditions.append(f"not ({source(value)})")
+                guard_names |= {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
                 excluded.append(f"`{text[:50]}` (checked false: the call passes `{flag}={source(value)}`)")
                 claimed = True
                 continue
@@ -178,7 +188,9 @@ def read(module: ModuleInfo, fwd: ast.FunctionDef, mod: str, foreign: bool, extr
                 f"`{ast.unparse(unread.test)[:60]}`, an arm npufuse does not read as the same RMS norm and cannot show does not "
                 "run where the fused code would (only F.rms_norm arms, flags the call passes false, flags of the module and "
                 "CUDA tests of the input are read)")
-    return NArms(tail[-1], library, conditions, test_only, excluded)
+    out = NArms(tail[-1], library, conditions, test_only, excluded)
+    out.guard_names = guard_names
+    return out
 
 
 def _instance_flags(test: ast.expr, me: str) -> bool:
@@ -212,3 +224,25 @@ def same_dtype(nc: object, out_code: str, s_name: str, x: str, negate: bool = Fa
         return ""
     code = re.sub(rf"\b{re.escape(s_name)}\b", x, out_code) if x != s_name else out_code
     return f" or {code} != {x}.dtype" if negate else f" and {code} == {x}.dtype"
+
+
+def bound_in_span(nc: object, module: ModuleInfo, scope: object, site: object) -> str | None:
+    """A reason where a caller name the fused code's conditions read (a keyword's value) is assigned by a statement of
+    the site (the add, an alias, anything up to the norm): the test runs before the site's first statement, where that
+    name has its earlier value (or none). None where nothing is."""
+    names = getattr(nc, "guard_names", frozenset())
+    if not names:
+        return None
+    stmts: list[ast.stmt] = [site.add, *site.aliases, site.norm_stmt]  # type: ignore[attr-defined]
+    where = S.stmt_index(scope).block.get(id(site.add))  # type: ignore[arg-type, attr-defined]
+    if where is not None:
+        block, i = where
+        j = next((k for k in range(i, len(block)) if block[k] is site.last), None)  # type: ignore[attr-defined]
+        if j is not None:
+            stmts = list(block[i : j + 1])
+    written = set().union(*(S.names_written(st) for st in stmts))
+    late = sorted(names & written)
+    if not late:
+        return None
+    return (f"norm {getattr(nc, 'cls', '')}: the fused code tests `{late[0]}` (the call's keyword value, which picks the "
+            "forward's arm) before the site's first statement, and the site assigns it")

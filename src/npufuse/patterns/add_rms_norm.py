@@ -74,8 +74,10 @@ class NormCall:
     # ``(1 / self.d_model) * x.pow(2).sum(-1)``), read on the instance; the input is written ``_npu_norm_input``
     # and renamed to the sum's first operand where the replacement is built
     probe_guards: list[str] = field(default_factory=list)
-    # s50: forward parameters read only by arm tests the fused code's conditions settle (_add_rms_norm_s50n)
+    # s50: forward parameters read only by arm tests the fused code's conditions settle (_add_rms_norm_s50n), and the
+    # caller's names those conditions read (tested before the site's first statement)
     test_only: frozenset[str] = frozenset()
+    guard_names: frozenset[str] = frozenset()
     # s50: the forward's F.rms_norm arm returns the input's dtype; the torch path read may promote with the weight
     # (``type_as(x) * self.weight``): the fused code runs only where the two agree (see _add_rms_norm_s50n.same_dtype)
     library_arm: bool = False
@@ -1932,7 +1934,7 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
         return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1] + width)
     if isinstance(arms, _add_rms_norm_s50n.NArms):
         return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({arms.note})", conditions=arms.conditions + width,
-                        test_only=frozenset(arms.test_only), library_arm=bool(arms.library))
+                        test_only=frozenset(arms.test_only), library_arm=bool(arms.library), guard_names=frozenset(arms.guard_names))
     return NormCall(call, attr, "rms", match=m, cls=cls + where + (f" ({arms.note})" if arms is not None else ""), conditions=width,
                     library_arm=arms is not None)
 
@@ -2571,6 +2573,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         conditions.append(S.source_of(module, site.wrapper.test))
     if site.gap is not None and not site.gap_dtype:
         conditions.append(f"not ({S.source_of(module, site.gap.test)})")
+    if (late := _add_rms_norm_s50n.bound_in_span(m, module, scope, site)) is not None:  # s50: a keyword's value tested first
+        return late
     width = _add_rms_norm_s45h.on_operand(site.nc.conditions, [S.source_of(module, x) for x in (site.x1, site.x2) if _simple(x)])
     if width is None:  # s45: a width test of the norm's input needs an operand it can read twice
         return (f"norm {m.cls} adapts an input of another width first (`if x.size(-1) != dim`); npufuse tests the width "
