@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
-from npufuse.patterns import _add_rms_norm_s48h, _add_rms_norm_s49l, _add_rms_norm_s49m, _add_rms_norm_s50m, _rms_norm_s48f, _rms_norm_s48h
+from npufuse.patterns import _add_rms_norm_s48h, _add_rms_norm_s49l, _add_rms_norm_s49m, _add_rms_norm_s50m, _add_rms_norm_s50n, _rms_norm_s48f, _rms_norm_s48h
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -74,6 +74,13 @@ class NormCall:
     # ``(1 / self.d_model) * x.pow(2).sum(-1)``), read on the instance; the input is written ``_npu_norm_input``
     # and renamed to the sum's first operand where the replacement is built
     probe_guards: list[str] = field(default_factory=list)
+    # s50: forward parameters read only by arm tests the fused code's conditions settle (_add_rms_norm_s50n), and the
+    # caller's names those conditions read (tested before the site's first statement)
+    test_only: frozenset[str] = frozenset()
+    guard_names: frozenset[str] = frozenset()
+    # s50: the forward's F.rms_norm arm returns the input's dtype; the torch path read may promote with the weight
+    # (``type_as(x) * self.weight``): the fused code runs only where the two agree (see _add_rms_norm_s50n.same_dtype)
+    library_arm: bool = False
 
 
 def _library_gamma_eps(module: ModuleInfo, mod: str, ctor: ast.Call) -> tuple[str, str] | None:
@@ -1157,8 +1164,8 @@ def _conditioned_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ctx: S.C
     extra = {params[i + 1]: a for i, a in enumerate(call.args) if i > 0}
     extra.update({k.arg: k.value for k in call.keywords if k.arg is not None})
     nc = _class_norm_call(module, call, ctx, value.func.id, extra=extra)
-    if nc is None or nc.kind == "not_rms":
-        return nc
+    if nc is None or nc.kind == "not_rms" or (nc.test_only and set(extra) <= nc.test_only):
+        return nc  # s50: arguments only the forward's arm tests read, settled by the fused code's conditions
     gain = ""
     if nc.kind == "rms" and nc.match is not None and nc.match.weights:
         try:
@@ -1858,6 +1865,12 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     params = [a.arg for a in (*fwd.args.posonlyargs, *fwd.args.args)]
     kernel_branch: tuple[ast.Return, list[str], str] | None = None
     arms = _add_rms_norm_s49m.library_arm(module, fwd, mod, bool(where), _library_forward) if ret is None and len(params) >= 2 else None
+    if arms is None and ret is None and len(params) >= 2:  # s50: N exiting arms, each F.rms_norm or not run where fused
+        narms = _add_rms_norm_s50n.read(module, fwd, mod, bool(where), extra or {}, _library_forward, _s42_dead_on_npu, cls + where,
+                                        lambda e: S.source_of(module, e))
+        if isinstance(narms, str):
+            return NormCall(call, attr, "not_rms", cls=cls + where, reason=narms)
+        arms = narms
     ret = arms.ret if arms is not None else ret  # s49: ``if flag: return F.rms_norm(..)`` then the same norm by hand
     if ret is None and len(params) >= 2:
         # s42: ``if HAS_TRITON and x.is_cuda: return kernel(x, ...)`` before the torch path: the torch path is read
@@ -1913,13 +1926,17 @@ def _class_norm_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx, cls: str, w
     # (s46 review) the width test joins the arm's own tests: with ``if self.weight is not None: return .. else: ..``
     # after the width branch, the adapter alone dropped the arm's test and the fused call read a None weight
     width = [adapter[1]] if adapter is not None else []
-    if arms is not None and (why := _add_rms_norm_s49m.differ(m, arms, cls + where)) is not None:  # s49
+    if arms is not None and (why := _add_rms_norm_s50n.differ(m, arms, cls + where)) is not None:  # s49, s50
         return NormCall(call, attr, "not_rms", cls=cls + where, reason=why)
     if kernel_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({kernel_branch[2]})", conditions=kernel_branch[1] + width)
     if weight_branch is not None:
         return NormCall(call, attr, "rms", match=m, cls=cls + where, conditions=weight_branch[1] + width)
-    return NormCall(call, attr, "rms", match=m, cls=cls + where + (f" ({arms.note})" if arms is not None else ""), conditions=width)
+    if isinstance(arms, _add_rms_norm_s50n.NArms):
+        return NormCall(call, attr, "rms", match=m, cls=f"{cls}{where} ({arms.note})", conditions=arms.conditions + width,
+                        test_only=frozenset(arms.test_only), library_arm=bool(arms.library), guard_names=frozenset(arms.guard_names))
+    return NormCall(call, attr, "rms", match=m, cls=cls + where + (f" ({arms.note})" if arms is not None else ""), conditions=width,
+                    library_arm=arms is not None)
 
 
 def _s43_state_write(fwd: ast.FunctionDef) -> str | None:
@@ -2556,6 +2573,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         conditions.append(S.source_of(module, site.wrapper.test))
     if site.gap is not None and not site.gap_dtype:
         conditions.append(f"not ({S.source_of(module, site.gap.test)})")
+    if (late := _add_rms_norm_s50n.bound_in_span(m, module, scope, site)) is not None:  # s50: a keyword's value tested first
+        return late
     width = _add_rms_norm_s45h.on_operand(site.nc.conditions, [S.source_of(module, x) for x in (site.x1, site.x2) if _simple(x)])
     if width is None:  # s45: a width test of the norm's input needs an operand it can read twice
         return (f"norm {m.cls} adapts an input of another width first (`if x.size(-1) != dim`); npufuse tests the width "
@@ -2701,7 +2720,8 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
         # positional table added to an fp32 stream) runs the norm as written (the sum's dtype, read after the add)
         fused_norm = "\n".join([*norm_pre, site.splice_norm(module, lambda call: [(call, train_norm)])])
         as_written = site.splice_norm(module, lambda call: [] if site.sum_name else [(call.args[0], s_name)])
-        train += [f"if {_rms_norm_s48h.dtype_check(s_name, T)}:", S.indent(fused_norm), "else:", S.indent(as_written)]
+        check = _rms_norm_s48h.dtype_check(s_name, T) + _add_rms_norm_s50n.same_dtype(m, out_code, s_name, s_name)  # s50
+        train += [f"if {check}:", S.indent(fused_norm), "else:", S.indent(as_written)]
     else:
         train.append(site.splice_norm(module, lambda call: [] if site.sum_name else [(call.args[0], s_name)]))
     # -- inference: one npu_add_rms_norm (returns y, rstd, x1 + x2)
@@ -2718,6 +2738,7 @@ def _build(module: ModuleInfo, scope: Scope, site: _Site) -> Finding | str:
     mixed = f"{x1}.dtype != {x2}.dtype or {x1}.shape != {x2}.shape" + (unproved if m.kind == "probed" else "")
     if m.kind != "probed":  # s48 precision48: npu_add_rms_norm takes fp16 / bf16 / fp32 only (probed: tested above)
         mixed += f" or {x1}.dtype not in ({T}.float16, {T}.bfloat16, {T}.float32)"
+    mixed += _add_rms_norm_s50n.same_dtype(m, out_code, s_name, x1, negate=True)  # s50: x1 has the sum's dtype there
     if folded_scale:
         # s48: npu_add_rms_norm takes gamma in x1's dtype; the float32 product of weight and scale is taken as is only
         # by a float32 x1 (a half x1 takes the add + npu_rms_norm path, whose gamma may be float32)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep, _swiglu_s46h
-from npufuse.patterns import _reasons_s46, _swiglu_s47review
+from npufuse.patterns import _reasons_s46, _swiglu_s47review, _swiglu_s50b
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -2280,6 +2280,8 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
         p["source"] = "two_projections"
         p["split_dim"] = -1
         p["order"] = "gate_first"  # torch.cat([gate, up]) puts the activated half first
+        if g.parts is not None and g.elementwise:
+            p["operands"] = f"transformed {g.parts} parts"  # s50: the cost model's cat form, said as what it copies
     if pat == "geglu":
         if act.kind == GELU:
             p["approximate"] = 0
@@ -2365,6 +2367,7 @@ def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> d
     if not isinstance(inter, int):
         extra = (f" plus a torch.cat copy (two projections): ~{units_after}·T·I moved against ~{units_before}·T·I before, "
                  "slower as written unless the projections are merged") if two else ""  # fmt: skip
+        extra = _swiglu_s50b.cat_text(finding.params, units_after, units_before) or extra
         out = symbolic(
             "memory",
             f"memory-bound: {k_before} elementwise kernels moving ~{units_before}·T·I elements -> {k_after} kernel(s) "
@@ -2385,7 +2388,8 @@ def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> d
         kernels_before=k_before,
         kernels_after=k_after,
         flops=6 * elems,
-        shapes=f"gate/up [{tdesc}, intermediate {inter}]" + (" (+ torch.cat of two projections)" if two else ""),
+        shapes=f"gate/up [{tdesc}, intermediate {inter}]"
+        + ((" (+ torch.cat of the " + finding.params["operands"] + ")") if finding.params.get("operands") else " (+ torch.cat of two projections)" if two else ""),
     )
     if merged:
         alt = estimate(bytes_before=units_before * e * elems, bytes_after=3 * e * elems, kernels_before=k_before, kernels_after=1, flops=6 * elems)
@@ -6041,7 +6045,7 @@ def _independent(e: ast.expr, ctx: S.Ctx, avoid: set[str], depth: int = 0) -> bo
         return False
     for n in fast_walk(e):
         if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and n.func.attr in ("to", "float", "half", "bfloat16", "type_as")) \
-                and not _own_value_call(n):
+                and not _own_value_call(n) and not _swiglu_s50b.conversion(n):  # s50: ``int(step)``
             return False
         if isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
             return False
@@ -6157,9 +6161,12 @@ def _elementwise_transformed_gate(module: ModuleInfo, act: Act, a: ast.expr, act
         return None
     if not names:
         inline = _inline_guard(module, a, actx, b, ctx, avoid)
+        if inline is not None and sa is not None and sb is not None \
+                and not _swiglu_s50b.keep_halves_outside(trace, [n for n, _, _ in inline if isinstance(n, ast.Name)], ctx):
+            inline = None  # s50: the halves' statement must run as written (the shape test reads the names)
         if inline is not None:
             return Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, key, shape_checked=True, elementwise=True,
-                        inline_guard=inline)
+                        inline_guard=inline, parts=_swiglu_s50b.parts_of(sa, sb))
         raise GateMiss("gate and up are elementwise transforms (clamp, cast, scale) of projections of one input, and one "
                        "is an expression computed inside the activation or product, not a name: a scale could broadcast, so "
                        "the fused branch must compare their shapes at run time, which it cannot do without computing them "
