@@ -213,6 +213,10 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
         return None
     if loop.orelse:
         return None
+    option = _option_branches(scope, loop, e)
+    if option is None:
+        return None
+    loop, opt_guard = option
     body = list(loop.body)
     env: dict[str, ast.expr] = {}
     used: dict[str, int] = {}
@@ -310,11 +314,62 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
         if left:
             return None
     n_tok = max((len(k) for k in unpacked), default=1)
-    guards: list[str] = []
+    guards: list[str] = [opt_guard] if opt_guard else []
     if not unpacked or mask.flat:
         n_tok = 1
         guards.append(f"({ids}.dim() == 2)")  # `x[m]` / `m.view(-1)` with m over [T] tokens: [T, K] ids
     return _synthetic(block, i, loop, e, ids, weights, out, tokens, call, n_tok), guards
+
+
+def _option_branches(scope: Any, loop: ast.For, e: str) -> Optional[tuple[ast.For, str]]:
+    """EmberNet: ``A if opt else B`` with ``opt`` a name the loop does not bind (an on-demand loading switch), in the
+    loop's iterable (a name bound once before the loop: ``todo = ids.unique().tolist() if opt else range(E)``) and in
+    the loop's statements (``f = loaded[e] if opt else self.experts[e]``): the loop read on the branch that is the
+    plain expert loop (``range(..)``, ``<container>[e]``) under the run-time guard that picks it (``(not opt)`` or
+    ``(opt)``, evaluated before the loop: the fused text runs only where every such branch is the one read; the
+    original runs otherwise). ``(loop', guard)``; the loop itself and "" without such branches; None where the
+    branches are not of this form (two options, or both polarities)."""
+    bound = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    picked: set[tuple[str, bool]] = set()
+
+    def pick(node: ast.IfExp, plain) -> Optional[ast.expr]:
+        test = node.test
+        if not isinstance(test, ast.Name) or test.id in bound or test.id == e:
+            return None
+        if len(scope.assignments.get(test.id, [])) > 1:
+            return None
+        for branch, positive in ((node.orelse, False), (node.body, True)):
+            if plain(branch):
+                picked.add((test.id, positive))
+                return branch
+        return None
+
+    it = loop.iter
+    new_iter = None
+    if isinstance(it, ast.Name) and len(scope.assignments.get(it.id, [])) == 1 and it.id not in bound:
+        stmt, value = scope.assignments[it.id][0]
+        if stmt.lineno < loop.lineno and isinstance(value, ast.IfExp):
+            new_iter = pick(value, lambda b: isinstance(b, ast.Call) and dotted(b.func) == "range")
+            if new_iter is None:
+                return None
+    ifexps = [n for st in loop.body for n in ast.walk(st) if isinstance(n, ast.IfExp)]
+    if new_iter is None and not ifexps:
+        return loop, ""
+    new = copy.deepcopy(loop)
+    if new_iter is not None:
+        new.iter = copy.deepcopy(new_iter)
+    for st in new.body:
+        if not (isinstance(st, ast.Assign) and isinstance(st.value, ast.IfExp)):
+            continue
+        got = pick(st.value, lambda b: isinstance(b, ast.Subscript) and isinstance(b.slice, ast.Name)
+                   and b.slice.id == e and isinstance(b.value, (ast.Name, ast.Attribute)))
+        if got is None:
+            return None
+        st.value = copy.deepcopy(got)
+    if any(isinstance(n, ast.IfExp) for st in new.body for n in ast.walk(st)) or len(picked) != 1:
+        return None
+    name, positive = picked.pop()
+    return new, (f"({name})" if positive else f"(not {name})")
 
 
 def device_move(node: ast.Call) -> bool:
