@@ -372,6 +372,55 @@ def _option_branches(scope: Any, loop: ast.For, e: str) -> Optional[tuple[ast.Fo
     return new, (f"({name})" if positive else f"(not {name})")
 
 
+def zip_slot_nest(loop: ast.For) -> Optional[tuple[ast.For, list[str]]]:
+    """my-transformer: the per-token loop nest of s50c whose slot loop walks the pair's weights and ids together,
+    ``for w, e in zip(wts[t], ids[t]): ...``, read as ``for k in range(ids.shape[n]): w = wts[t, k]; e = ids[t, k]; ...``
+    (a copy of the nest; n the number of token loops). zip stops at the shorter of the two rows: the run-time guard
+    ``wts.shape == ids.shape`` makes them the same K slots (other shapes run the original). None for other loops."""
+    from npufuse.patterns._moe_s50c import _pair_index, _range_arg  # s50c imports this module
+
+    chain = [loop]
+    while len(chain[-1].body) == 1 and isinstance(chain[-1].body[0], ast.For):
+        chain.append(chain[-1].body[0])  # type: ignore[arg-type]
+    last = chain[-1]
+    outer = chain[:-1]
+    if not outer or any(not isinstance(f.target, ast.Name) or _range_arg(f.iter) is None for f in outer):
+        return None
+    tgt, it = last.target, last.iter
+    if last.orelse or not (isinstance(tgt, ast.Tuple) and len(tgt.elts) == 2
+                           and all(isinstance(t, ast.Name) for t in tgt.elts)):
+        return None
+    if not (isinstance(it, ast.Call) and dotted(it.func) == "zip" and len(it.args) == 2 and not it.keywords):
+        return None
+    tok_vars = [f.target.id for f in outer]  # type: ignore[attr-defined]
+    bases = [_pair_index(a, tok_vars) for a in it.args]
+    names = [t.id for t in tgt.elts]  # type: ignore[attr-defined]
+    if None in bases or len(set(names)) != 2 or bases[0] == bases[1] or set(names) & set(tok_vars):
+        return None
+    new = copy.deepcopy(loop)
+    inner = new
+    for _ in outer[1:]:
+        inner = inner.body[0]  # type: ignore[assignment]
+    k = f"{_P}zk"
+    slot = inner.body[0]
+    assert isinstance(slot, ast.For)
+    slot.target = ast.copy_location(ast.Name(k, ast.Store()), slot.target)
+    bound = ast.parse(f"{bases[1]}.shape[{len(tok_vars)}]", mode="eval").body
+    slot.iter = ast.copy_location(ast.Call(ast.Name("range", ast.Load()), [bound], []), slot.iter)
+    reads = []
+    for name, base in zip(names, bases):
+        sub = ast.Subscript(ast.Name(base, ast.Load()), ast.Tuple([ast.Name(v, ast.Load()) for v in tok_vars + [k]],
+                                                                  ast.Load()), ast.Load())
+        reads.append(ast.Assign(targets=[ast.Name(name, ast.Store())], value=sub))
+    for st in reads:
+        for n in ast.walk(st):
+            if "lineno" in n._attributes:
+                n.lineno, n.end_lineno = slot.lineno, slot.lineno  # type: ignore[attr-defined]
+                n.col_offset = n.end_col_offset = None  # type: ignore[attr-defined]
+    slot.body = reads + slot.body
+    return new, [f"({bases[0]}.shape == {bases[1]}.shape)"]
+
+
 def device_move(node: ast.Call) -> bool:
     """``m.cpu()`` / ``m.cuda()`` / ``m.to(<x>.device)`` / ``m.to(device=...)``: the same mask values on another device
     (indexing the tokens with it picks the same rows; the fused layer does not read the mask at all)."""
