@@ -112,8 +112,9 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     """``(block', i, loop', guards)``: the per-(token, slot) loop nest read as the where loop it equals (module doc);
     None where the loop is not this form; a near-miss reason (str) where it is but the equality is not shown."""
     # the nest: token loops, then an optional slot loop, each `for v in range(bound)` with nothing else in it
-    zipped = _moe_s50h.zip_slot_nest(loop)  # s50 ho27moe: `for w, e in zip(wts[t], ids[t])` is the slot loop
-    nest: list[ast.For] = [zipped[0] if zipped is not None else loop]
+    shared = _moe_s50h.shared_in_token_loop(loop)  # s50 ho27moe: `out[t] += self.shared(x[t])` beside the slot loop
+    zipped = _moe_s50h.zip_slot_nest(shared[0] if shared is not None else loop)  # s50 ho27moe: `zip(wts[t], ids[t])`
+    nest: list[ast.For] = [zipped[0] if zipped is not None else shared[0] if shared is not None else loop]
     while len(nest[-1].body) == 1 and isinstance(nest[-1].body[0], ast.For):
         nest.append(nest[-1].body[0])  # type: ignore[arg-type]
     if any(f.orelse or not isinstance(f.target, ast.Name) or _range_arg(f.iter) is None for f in nest):
@@ -270,7 +271,12 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
         block = _moe_s50b.list_as_zeros(block, i, out, tokens)
         if weights is not None:
             guards.append(f"({weights}.dtype == {tokens}.dtype)")
-    return block[:i] + [new] + block[i + 1:], i, new, guards, ids, (out if listed is not None else None)
+    tail = None
+    if shared is not None:
+        tail = _moe_s50h.shared_tail(m, scope, shared[1], out, tokens, container, tok_vars) if slot and not plain else None
+        if tail is None:
+            return None
+    return block[:i] + [new] + block[i + 1:], i, new, guards, ids, (out if listed is not None else None), tail
 
 
 def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Any:
@@ -297,6 +303,8 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
         site.option_guards = [*site.option_guards, *(g for g in syn[3] if g not in site.option_guards)]
         if syn[5] is not None:
             site.dense_tail = "\n".join(t for t in (site.dense_tail, _moe_s50b.list_tail(syn[5])) if t)
+        if syn[6] is not None:
+            site.dense_tail = "\n".join(t for t in (site.dense_tail, syn[6]) if t)  # s50 ho27moe: the shared expert
     return site
 
 

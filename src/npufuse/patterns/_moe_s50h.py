@@ -421,6 +421,64 @@ def zip_slot_nest(loop: ast.For) -> Optional[tuple[ast.For, list[str]]]:
     return new, [f"({bases[0]}.shape == {bases[1]}.shape)"]
 
 
+def shared_in_token_loop(loop: ast.For) -> Optional[tuple[ast.For, ast.AugAssign]]:
+    """my-transformer deepseek: ``out[t] += self.shared(x[t])`` beside the slot loop in the per-token loop (a shared
+    expert every token runs once, unrouted, weight 1). ``(a copy of the nest without it, the statement)``; None for
+    other loops. The caller reads the rest as usual and adds the shared module once on all rows after the fused layer
+    (``shared_tail``): out[t] = shared(x[t]) + sum_k w[t, k] E(x[t]) either way (the sum in another order)."""
+    new = copy.deepcopy(loop)
+    cur = new
+    while len(cur.body) == 1 and isinstance(cur.body[0], ast.For):
+        cur = cur.body[0]  # type: ignore[assignment]
+    if len(cur.body) != 2:
+        return None
+    fors = [s for s in cur.body if isinstance(s, ast.For)]
+    adds = [s for s in cur.body if isinstance(s, ast.AugAssign)]
+    if len(fors) != 1 or len(adds) != 1 or not isinstance(adds[0].op, ast.Add):
+        return None
+    add = adds[0]
+    v = add.value
+    if not (isinstance(add.target, ast.Subscript) and isinstance(add.target.value, ast.Name)
+            and isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and dotted(v.func) is not None
+            and len(v.args) == 1 and not v.keywords and isinstance(v.args[0], ast.Subscript)
+            and ast.dump(v.args[0].slice) == ast.dump(add.target.slice)):
+        return None
+    cur.body = fors
+    return new, add
+
+
+def shared_tail(m: Any, scope: Any, add: ast.AugAssign, out: str, tokens: str, container: ast.expr,
+                tok_vars: list[str]) -> Optional[str]:
+    """The text that adds the shared module of ``add`` once on all rows (``shared_in_token_loop``), or None where the
+    equality is not shown: the statement must add to the loop's accumulator at the token, on the experts' token row,
+    and the shared module must be of the experts' class (built in ``__init__``), whose per-token calls the reader
+    already proves equal to batched ones (an MLP read off the class, or s49's token-wise reading)."""
+    from npufuse.patterns._moe_s50c import _pair_index
+    from npufuse.patterns.moe_experts import _class_init_assigns
+
+    call = add.value
+    assert isinstance(call, ast.Call)
+    if _pair_index(add.target, tok_vars) != out or _pair_index(call.args[0], tok_vars) != tokens:
+        return None
+    if scope.class_name is None or scope.class_name not in m.classes:
+        return None
+    if not (isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+            and isinstance(container, ast.Attribute) and isinstance(container.value, ast.Name)
+            and container.value.id == "self"):
+        return None
+    init = _class_init_assigns(m, m.classes[scope.class_name])
+    shared, experts = init.get(call.func.attr), init.get(container.attr)
+    elt = experts.args[0] if isinstance(experts, ast.Call) and experts.args else None
+    if isinstance(elt, (ast.ListComp, ast.GeneratorExp)):
+        elt = elt.elt
+    if not (isinstance(shared, ast.Call) and isinstance(elt, ast.Call) and dotted(shared.func) is not None
+            and dotted(shared.func) == dotted(elt.func) and dotted(shared.func) in m.classes):
+        return None
+    text = ast.unparse(call.func)
+    return (f"# `{text}` of the per-token loop: an unrouted shared expert, added once per token on all rows\n"
+            f"{out}.add_({text}({tokens}).reshape({out}.shape).to({out}.dtype))")
+
+
 def device_move(node: ast.Call) -> bool:
     """``m.cpu()`` / ``m.cuda()`` / ``m.to(<x>.device)`` / ``m.to(device=...)``: the same mask values on another device
     (indexing the tokens with it picks the same rows; the fused layer does not read the mask at all)."""
