@@ -325,7 +325,7 @@ def _option_branches(scope: Any, loop: ast.For, e: str) -> Optional[tuple[ast.Fo
     """EmberNet: ``A if opt else B`` with ``opt`` a name the loop does not bind (an on-demand loading switch), in the
     loop's iterable (a name bound once before the loop: ``todo = ids.unique().tolist() if opt else range(E)``) and in
     the loop's statements (``f = loaded[e] if opt else self.experts[e]``): the loop read on the branch that is the
-    plain expert loop (``range(..)``, ``<container>[e]``) under the run-time guard that picks it (``(not opt)`` or
+    plain expert loop (``range(..)``, ``self.<container>[e]``) under the run-time guard that picks it (``(not opt)`` or
     ``(opt)``, evaluated before the loop: the fused text runs only where every such branch is the one read; the
     original runs otherwise). ``(loop', guard)``; the loop itself and "" without such branches; None where the
     branches are not of this form (two options, or both polarities)."""
@@ -362,7 +362,8 @@ def _option_branches(scope: Any, loop: ast.For, e: str) -> Optional[tuple[ast.Fo
         if not (isinstance(st, ast.Assign) and isinstance(st.value, ast.IfExp)):
             continue
         got = pick(st.value, lambda b: isinstance(b, ast.Subscript) and isinstance(b.slice, ast.Name)
-                   and b.slice.id == e and isinstance(b.value, (ast.Name, ast.Attribute)))
+                   and b.slice.id == e and isinstance(b.value, ast.Attribute)
+                   and isinstance(b.value.value, ast.Name) and b.value.value.id == "self")  # the module's experts
         if got is None:
             return None
         st.value = copy.deepcopy(got)
