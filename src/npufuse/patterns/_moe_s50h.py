@@ -536,6 +536,19 @@ def _synthetic(block: list, i: int, loop: ast.For, e: str, ids: str, weights: st
     return block[:i] + [new] + block[i + 1:], i, new
 
 
+_AS_WRITTEN: set[int] = set()  # loops being analysed as written (the reader steps aside for them)
+
+
+def syn_weights(new: ast.For) -> str:
+    """The weights name of the synthetic loop's combine ``out[..] += w[.., None] * call``."""
+    return new.body[1].value.left.value.id  # type: ignore[attr-defined]
+
+
+def syn_ids(new: ast.For) -> str:
+    """The ids name of the synthetic loop's ``torch.where(ids == e)``."""
+    return new.body[0].value.args[0].left.id  # type: ignore[attr-defined]
+
+
 def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Any:
     """The analysis's site of the where loop an any-mask loop equals, with its run-time guard; False where the loop
     is not this form (the caller reads it as written)."""
@@ -544,16 +557,30 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     # the cheap gate: `.any(` in the loop's first statements
     if not any(isinstance(n, ast.Attribute) and n.attr == "any" for st in loop.body[:3] for n in ast.walk(st)):
         return False
+    if id(loop) in _AS_WRITTEN:
+        return False
     syn = as_where_loop(m, scope, block, i, loop)
     if syn is None:
         return False
     (new_block, j, new), guards = syn
+    # the loop as written first: the older readings stand where they read it (a [B, T] mask with rows `x[m]`, which
+    # the synthetic loop would send to the original by its rank guard); the synthetic reading only where they miss
+    _AS_WRITTEN.add(id(loop))
+    try:
+        return me._analyze_loop(m, scope, block, i, loop)
+    except me._Miss as miss:
+        as_written = miss
+    finally:
+        _AS_WRITTEN.discard(id(loop))
+    # the slot sum is the pair's weight only for one weight per slot: weights shown shaped like the indices (a dense
+    # [T, E] score times the [T, K] slot mask is not); where that or the synthetic loop's analysis fails, the reason
+    # of the loop as written stands (true of it: it was not read)
+    if not me._s41_shaped_like_indices(m, scope, syn_weights(new), syn_ids(new), loop.lineno):
+        raise as_written
     try:
         site = me._analyze_loop(m, scope, new_block, j, new)
-    except me._Miss as miss:
-        said = str(miss).replace(_P, "")
-        raise me._Miss(f"an any-mask loop (`(ids == e).any(-1)` rows, weights summed over the slots), read as the loop "
-                       f"over experts with `torch.where(ids == e)` it equals: {said}") from None
+    except me._Miss:
+        raise as_written from None
     if site is not None:
         site.option_guards = [*site.option_guards, *(g for g in guards if g not in site.option_guards)]
     return site
