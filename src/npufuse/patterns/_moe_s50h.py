@@ -427,12 +427,15 @@ def shared_in_token_loop(loop: ast.For) -> Optional[tuple[ast.For, ast.AugAssign
     expert every token runs once, unrouted, weight 1). ``(a copy of the nest without it, the statement)``; None for
     other loops. The caller reads the rest as usual and adds the shared module once on all rows after the fused layer
     (``shared_tail``): out[t] = shared(x[t]) + sum_k w[t, k] E(x[t]) either way (the sum in another order)."""
+    cur, depth = loop, 0
+    while len(cur.body) == 1 and isinstance(cur.body[0], ast.For):
+        cur, depth = cur.body[0], depth + 1  # type: ignore[assignment]
+    if len(cur.body) != 2 or not any(isinstance(s, ast.AugAssign) for s in cur.body):
+        return None  # (checked on the original: the copy only for this form)
     new = copy.deepcopy(loop)
     cur = new
-    while len(cur.body) == 1 and isinstance(cur.body[0], ast.For):
+    for _ in range(depth):
         cur = cur.body[0]  # type: ignore[assignment]
-    if len(cur.body) != 2:
-        return None
     fors = [s for s in cur.body if isinstance(s, ast.For)]
     adds = [s for s in cur.body if isinstance(s, ast.AugAssign)]
     if len(fors) != 1 or len(adds) != 1 or not isinstance(adds[0].op, ast.Add):
