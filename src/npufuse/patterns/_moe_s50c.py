@@ -33,7 +33,7 @@ import ast
 import copy
 from typing import Any, Optional, Union
 
-from npufuse.patterns import _moe_s50b
+from npufuse.patterns import _moe_s50b, _moe_s50h
 from npufuse.scan.dataflow import const_value, dotted
 
 _P = "_npufuse_s50_"
@@ -112,7 +112,9 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     """``(block', i, loop', guards)``: the per-(token, slot) loop nest read as the where loop it equals (module doc);
     None where the loop is not this form; a near-miss reason (str) where it is but the equality is not shown."""
     # the nest: token loops, then an optional slot loop, each `for v in range(bound)` with nothing else in it
-    nest: list[ast.For] = [loop]
+    shared = _moe_s50h.shared_in_token_loop(loop)  # s50 ho27moe: `out[t] += self.shared(x[t])` beside the slot loop
+    zipped = _moe_s50h.zip_slot_nest(shared[0] if shared is not None else loop)  # s50 ho27moe: `zip(wts[t], ids[t])`
+    nest: list[ast.For] = [zipped[0] if zipped is not None else shared[0] if shared is not None else loop]
     while len(nest[-1].body) == 1 and isinstance(nest[-1].body[0], ast.For):
         nest.append(nest[-1].body[0])  # type: ignore[arg-type]
     if any(f.orelse or not isinstance(f.target, ast.Name) or _range_arg(f.iter) is None for f in nest):
@@ -174,8 +176,9 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     if ids is None or not isinstance(container, (ast.Attribute, ast.Name)) \
             or {n.id for n in ast.walk(container) if isinstance(n, ast.Name)} & (set(vars_) | {out}):
         return None
-    if len(call.args) != 1 or call.keywords:
-        return None
+    inside = _pair_index(call.args[1], pair_vars) if len(call.args) == 2 and not plain else None
+    if len(call.args) != 1 and inside is None or call.keywords:
+        return None  # s50 ho27moe: or `experts[e](x[t], w[t, k])`: the expert weights its own output (analysed as such)
     arg = call.args[0]
     unsq = _unit(arg, "unsqueeze")
     row = unsq if unsq is not None else arg
@@ -189,6 +192,8 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
         return node if node is call else None
 
     weights = None
+    if inside is not None and strip_sq(value) is None:
+        return None  # the weight given to the expert and the output weighted again: not read
     if strip_sq(value) is None:
         if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)):
             return None
@@ -205,7 +210,7 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     for name in env:
         if scope.uses_after(name, loop.end_lineno or loop.lineno):
             return None
-    for name in (ids, tokens, out, *([weights] if weights else [])):
+    for name in (ids, tokens, out, *([weights] if weights else []), *([inside] if inside else [])):
         if name in vars_ or name in env:
             return None
     # the synthetic where loop on the original's lines
@@ -236,6 +241,9 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
         tok_index = nm(rows[0]) if n_tok == 1 else ast.Tuple([nm(r) for r in rows[:n_tok]], ast.Load())
     expert_call = ast.Call(ast.Subscript(copy.deepcopy(container), nm(e), ast.Load()),
                            [ast.Subscript(nm(tokens), copy.deepcopy(tok_index), ast.Load())], [])
+    if inside is not None:
+        expert_call.args.append(ast.Subscript(nm(inside), ast.Tuple([nm(r) for r in rows] + [ast.Constant(None)], ast.Load()),
+                                              ast.Load()))
     if weights is not None:
         w_col = ast.Subscript(nm(weights), ast.Tuple([nm(r) for r in rows] + [ast.Constant(None)], ast.Load()), ast.Load())
         new_value: ast.expr = ast.BinOp(w_col, ast.Mult(), expert_call)
@@ -256,13 +264,19 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     # loop's rows): other shapes (per-sample ids over [B, T, H] tokens, a loop over part of the ids) run as written
     guards = [f"(tuple({ids}.shape) == ({', '.join(bounds)},))",
               f"({tokens}.dim() == {n_tok + 1} and tuple({tokens}.shape[:{n_tok}]) == ({', '.join(bounds[:n_tok])},))"]
+    guards += zipped[1] if zipped is not None else []
     if listed is not None:
         # s50b: the list the loop appended to is the fresh buffer's rows; with weights the original's rows keep the
         # promoted dtype of `expert(row) * w` (no write into a buffer of the tokens' dtype): same dtypes only
         block = _moe_s50b.list_as_zeros(block, i, out, tokens)
         if weights is not None:
             guards.append(f"({weights}.dtype == {tokens}.dtype)")
-    return block[:i] + [new] + block[i + 1:], i, new, guards, ids, (out if listed is not None else None)
+    tail = None
+    if shared is not None:
+        tail = _moe_s50h.shared_tail(m, scope, shared[1], out, tokens, container, tok_vars) if slot and not plain else None
+        if tail is None:
+            return None
+    return block[:i] + [new] + block[i + 1:], i, new, guards, ids, (out if listed is not None else None), tail
 
 
 def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Any:
@@ -289,6 +303,8 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
         site.option_guards = [*site.option_guards, *(g for g in syn[3] if g not in site.option_guards)]
         if syn[5] is not None:
             site.dense_tail = "\n".join(t for t in (site.dense_tail, _moe_s50b.list_tail(syn[5])) if t)
+        if syn[6] is not None:
+            site.dense_tail = "\n".join(t for t in (site.dense_tail, syn[6]) if t)  # s50 ho27moe: the shared expert
     return site
 
 

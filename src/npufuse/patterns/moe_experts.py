@@ -54,6 +54,7 @@ from npufuse.patterns import _moe_s48h
 from npufuse.patterns import _moe_s49d
 from npufuse.patterns import _moe_s50b
 from npufuse.patterns import _moe_s50c
+from npufuse.patterns import _moe_s50h
 from npufuse.patterns import _moe_s49h
 from npufuse.patterns import _moe_s49s
 from npufuse.patterns import _moe_s50g
@@ -2502,6 +2503,8 @@ def _analyze_loop(module: ModuleInfo, scope: Scope, block: list[ast.stmt], i: in
         return sorted_site  # s49: sorted dispatch, per-expert gathers of sorted token ids by run offsets
     if (pair_site := _moe_s50c.read_as_where_loop(module, scope, block, i, loop)) is not False:
         return pair_site  # s50: a per-(token, slot) loop, read as the where loop it equals
+    if (any_site := _moe_s50h.read_as_where_loop(module, scope, block, i, loop)) is not False:
+        return any_site  # s50 ho27moe: `(ids == e).any(-1)` rows with slot-summed weights, read as the where loop
     split = _index_branch_site(module, scope, block, i, loop)  # `if i < S: <dense> else: <routed>` (s26)
     if split is not None:
         return split
@@ -4522,6 +4525,8 @@ class _Eval:
             if recv.kind == "tokmask" and (attr == "flatten" and not node.args or attr in ("view", "reshape") and len(node.args) == 1
                                            and const_value(node.args[0]) == -1):
                 return recv  # the same token mask over flattened rows
+            if recv.kind == "tokmask" and _moe_s50h.device_move(node):
+                return recv  # s50 ho27moe: `(ids == e).any(-1).cpu()`: the same token mask on another device
             if recv.kind == "rowslots" and s43c.nonzero_receiver(node) is not None:
                 return V("rowslot_pairs", recv.args)  # s43c: [n, 2] (row, slot) pairs, one per row (distinct top-k ids)
             if recv.kind == "rowslots" and attr == "nonzero" and not node.args and _as_tuple(node):
