@@ -156,7 +156,6 @@ def foreign_expert_class(an: Any, why: str) -> tuple[Any, ast.ClassDef] | None:
     naming it): the class is read in its own file, with that file's imports, so the token-wise proof (s49) judges it
     as it judges a class of this file. None where the class is not found or not a plain top-level class there."""
     from npufuse.scan import repo_facts
-    from npufuse.scan.dataflow import ModuleInfo
 
     prefix = "the expert class `"
     if not why.startswith(prefix) or "` is not defined in this file" not in why:
@@ -173,14 +172,9 @@ def foreign_expert_class(an: Any, why: str) -> tuple[Any, ast.ClassDef] | None:
     if d is None or not isinstance(d.node, ast.ClassDef) or d.rel == m.path:
         return None
     root = repo_facts.repo_root(m)
-    text = repo_facts._repo_text(root, d.rel) if root is not None else None
-    if text is None:
+    other = repo_facts.definition_module(root, d) if root is not None else None
+    if other is None:
         return None
-    try:
-        other = ModuleInfo.from_source(d.rel, text, d.tree)
-    except Exception:
-        return None
-    repo_facts.attach_root(other, root)
     cls = other.classes.get(name)
     if cls is None:
         return None

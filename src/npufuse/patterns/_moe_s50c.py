@@ -40,6 +40,16 @@ _P = "_npufuse_s50_"
 _MARK = "_npufuse_s50_per_token"
 
 
+def place_at(node: ast.AST, like: ast.AST) -> ast.AST:
+    """``node`` (built for a synthetic loop) placed on ``like``'s lines without columns: its text is its unparse, never
+    a slice of the source line (copied original nodes keep their own positions and text)."""
+    for n in ast.walk(node):
+        if "lineno" in n._attributes and not hasattr(n, "lineno"):
+            n.lineno, n.end_lineno = like.lineno, like.end_lineno  # type: ignore[attr-defined]
+            n.col_offset = n.end_col_offset = None  # type: ignore[attr-defined]
+    return node
+
+
 def _range_arg(node: ast.expr) -> Optional[ast.expr]:
     if isinstance(node, ast.Call) and dotted(node.func) == "range" and len(node.args) == 1 and not node.keywords:
         return node.args[0]
@@ -216,14 +226,7 @@ def as_where_loop(me: Any, m: Any, scope: Any, block: list, i: int, loop: ast.Fo
     # the synthetic where loop on the original's lines
     e = f"{_P}e"
 
-    def at(node: ast.AST, like: ast.AST) -> ast.AST:
-        # the new nodes sit on the original's lines but have no columns: their text is their unparse, never a
-        # slice of the source line (copied original nodes keep their own positions and text)
-        for n in ast.walk(node):
-            if "lineno" in n._attributes and not hasattr(n, "lineno"):
-                n.lineno, n.end_lineno = like.lineno, like.end_lineno  # type: ignore[attr-defined]
-                n.col_offset = n.end_col_offset = None  # type: ignore[attr-defined]
-        return node
+    at = place_at
 
     def nm(s: str, ctx: ast.expr_context = ast.Load()) -> ast.Name:
         return ast.Name(s, ctx)

@@ -514,13 +514,7 @@ def _synthetic(block: list, i: int, loop: ast.For, e: str, ids: str, weights: st
     def nm(s: str, ctx: ast.expr_context = ast.Load()) -> ast.Name:
         return ast.Name(s, ctx)
 
-    def at(node: ast.AST, like: ast.AST) -> ast.AST:
-        # new nodes sit on the original's lines without columns: their text is their unparse (as in s50c)
-        for n in ast.walk(node):
-            if "lineno" in n._attributes and not hasattr(n, "lineno"):
-                n.lineno, n.end_lineno = like.lineno, like.end_lineno  # type: ignore[attr-defined]
-                n.col_offset = n.end_col_offset = None  # type: ignore[attr-defined]
-        return node
+    from npufuse.patterns._moe_s50c import place_at as at
 
     rows = [f"{_P}t{j}" for j in range(n_tok)] + [f"{_P}k"]
     where = ast.Assign(targets=[ast.Tuple([nm(r, ast.Store()) for r in rows], ast.Store())],

@@ -1947,14 +1947,9 @@ def _repo_function(module: ModuleInfo, name: str) -> tuple[ModuleInfo, ast.Funct
     d = repo_facts.definition(module, name)
     if d is None or not isinstance(d.node, ast.FunctionDef) or d.rel == module.path or d.node.decorator_list:
         return None
-    text = repo_facts._repo_text(root, d.rel)
-    if text is None:
+    other = repo_facts.definition_module(root, d)
+    if other is None:
         return None
-    try:
-        other = ModuleInfo.from_source(d.rel, text, d.tree)
-    except Exception:
-        return None
-    repo_facts.attach_root(other, root)
     _FOREIGN_DEPTH[0] += 1
     try:
         if static_gate(other, d.node, None) is not None:

@@ -980,6 +980,22 @@ def attach_root(module: Any, root: Path) -> None:
         pass
 
 
+def definition_module(root: Path, d: Any) -> Any:
+    """The ModuleInfo of the other repository file holding definition ``d`` (``definition``'s answer), its scan root
+    attached; None where the file cannot be read or indexed (the callers then refuse)."""
+    from npufuse.scan.dataflow import ModuleInfo
+
+    text = _repo_text(root, d.rel)
+    if text is None:
+        return None
+    try:
+        other = ModuleInfo.from_source(d.rel, text, d.tree)
+    except Exception:
+        return None
+    attach_root(other, root)
+    return other
+
+
 def repo_root(module: Any) -> Optional[Path]:
     return getattr(module, "__dict__", {}).get(_ROOT_KEY)
 
