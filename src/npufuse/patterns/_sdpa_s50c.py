@@ -70,6 +70,10 @@ def bias_pse_lines(module: Any, scope: Any, mask: ast.expr, line: int, qn: str, 
     return [f"_npufuse_pse = {src}", cast]
 
 
+# (s50 review) the run-time condition the pse path adds: a bool attn_mask (a helper ending in a comparison) runs the original
+PSE_FLOAT_CHECK = "_npufuse_pse is None or _npufuse_pse.is_floating_point()"
+
+
 def pse_risks() -> list[Risk]:
     return [Risk("numerics", "the float attn_mask (a position bias) is passed as npu_fusion_attention's `pse` in q's dtype; q is "
                              "multiplied by the scale and the call gets scale=1.0, so the result does not depend on where the op "

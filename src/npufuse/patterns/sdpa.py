@@ -471,6 +471,11 @@ class SdpaPattern(Pattern):
                 lines += s50_pse
                 mask_kind = "pse"
                 risks += _sdpa_s50c.pse_risks()
+                # (s50 review) the float reading is the bias's arithmetic; a helper ending in a comparison hands SDPA a
+                # bool (True = keep), which pse would add as 0 / 1: the dtype is checked at run time, else the original
+                value_check = _sdpa_s50c.PSE_FLOAT_CHECK
+                if not is_simple(segment(module, mask)):
+                    bound.append((mask, "_npufuse_pse"))  # the fallback reads the bias bound before the check
         if mask is not None and s50_pse is None:
             m_src = segment(module, mask)
             maybe_none = not self._certainly_tensor(module, scope, mask, block)
@@ -537,6 +542,20 @@ class SdpaPattern(Pattern):
                 cache, expr = causal_cache_lines(qn)
                 lines += [f"if {flag}:"] + ["    " + ln for ln in cache]
                 other = "_npufuse_mask" if mask is not None and s50_pse is None else "None"
+                if mask is not None and s50_pse is None:
+                    # (s50 review) with the flag set SDPA applies the mask AND the causal triangle (torch's CPU kernel;
+                    # backends disagree: the literal is_causal=True refuses); the fused call would drop the mask, so
+                    # it runs where the flag is off or the mask is None, the original otherwise
+                    if flag != c_src and any(isinstance(n, ast.Call) for n in ast.walk(causal)):
+                        return miss("attn_mask together with a run-time is_causal flag computed by a call: with both set SDPA "
+                                    "backends disagree, and npufuse would evaluate the flag a second time to tell them apart")
+                    both = f"not ({c_src})" if flag != c_src else f"not {atom(flag)}"
+                    if maybe_none:
+                        both = f"({m_src} is None or {both})"
+                    value_check = both if value_check is None else f"({value_check}) and {both}"
+                    risks.append(Risk("other", "attn_mask together with a run-time is_causal flag: the fused call runs where the "
+                                               "flag is off (or the mask is None); with both set the original runs (SDPA backends "
+                                               "disagree on both set)"))
                 fa_kwargs.append(("atten_mask", f"{expr} if {flag} else {other}"))
                 sparse = f"2 if {flag} else 0"
                 mask_kind = f"causal if {c_src} else {mask_kind}"
@@ -620,7 +639,8 @@ class SdpaPattern(Pattern):
             # (a mask built by a module call ran twice on the fallback path, HO8 moe_attention)
             original = replace_segments(module, stmt, bound)
         if value_check is not None:
-            split = next(n for n, ln in enumerate(lines) if ln.startswith("_npufuse_mask = "))
+            head = "_npufuse_pse = " if s50_pse is not None else "_npufuse_mask = "
+            split = next(n for n, ln in enumerate(lines) if ln.startswith(head)) + (1 if s50_pse is not None else 0)
             lines = checked_body(lines[:split], lines[split:], f"({value_check}) and {dv_check}", original)
         else:
             lines = checked_body(lines[:n_qkv], lines[n_qkv:], dv_check, original)
