@@ -84,6 +84,38 @@ def _assigns_attr(node: ast.AST, attr: str) -> bool:
                and isinstance(t.value, ast.Name) and t.value.id == "self" for t in fast_walk(node))
 
 
+# (root, method name) -> the repository files that read an attribute of that name (None: one could not be read). s50 perf
+# fix: the word search ran over every file of the repository for each site (a method named `forward` matched nearly
+# every file of the transformers corpus, each then parsed past the parse cache's size): quadratic in the files
+# (keyed by the scan's file listing as _REGISTERED_BUFFERS is: repo_facts.reset() makes a new one per scan, and the
+# listing is held with the answer so its id is not reused)
+_READERS: dict[tuple[str, str, int], tuple[Any, Optional[list[str]]]] = {}
+
+
+def _files_reading_attr(root: Any, fn: str) -> Optional[list[str]]:
+    """Files of the repository whose text has ``.fn`` (an attribute read, as every call of a method is: ``self.fn(``,
+    ``obj.fn(``, ``super().fn(``, ``Base.fn(``); a file that only defines ``fn`` holds no call of it."""
+    from npufuse.scan import repo_facts
+
+    files = repo_facts._repo_py_files(root)
+    key = (str(root), fn, id(files))
+    if key in _READERS:
+        return _READERS[key][1]
+    attr = re.compile(r"\.\s*" + re.escape(fn) + r"\b")
+    out: Optional[list[str]] = []
+    for rel in files:
+        text = repo_facts._repo_text(root, rel)
+        if text is None:
+            out = None
+            break
+        if fn in text and attr.search(text):
+            out.append(rel)
+    if len(_READERS) > 256:
+        _READERS.clear()
+    _READERS[key] = (files, out)
+    return out
+
+
 def inherited_caller_flag(module: Any, scope: Any, name: str) -> Optional[tuple[ast.expr, bool]]:
     """(``self.<flag>``, False) where the method ``scope`` returns the probabilities ``name`` at one tuple position and
     every call of it in the repository is ``a, w = self.<method>(...)`` in a method of an ANCESTOR class of its class
@@ -101,20 +133,18 @@ def inherited_caller_flag(module: Any, scope: Any, name: str) -> Optional[tuple[
 
     root = repo_facts.repo_root(module)
     trees: list[tuple[str, ast.Module]] = [(module.path, module.tree)]
-    word = re.compile(r"\b" + re.escape(fn) + r"\b")
     if root is not None:
         repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
-        for rel in repo_facts._repo_py_files(root):
+        rels = _files_reading_attr(root, fn)
+        if rels is None:
+            return None  # a file could not be read: it may call the method
+        for rel in rels:
             if rel == module.path:
                 continue
-            text = repo_facts._repo_text(root, rel)
-            if text is None:
-                return None  # unreadable: it may call the method
-            if word.search(text):
-                tree = repo_facts._parse_repo_file(root, rel)
-                if tree is None:
-                    return None
-                trees.append((rel, tree))
+            tree = repo_facts._parse_repo_file(root, rel)
+            if tree is None:
+                return None
+            trees.append((rel, tree))
     classes = _classes(trees)
     own = [c for rel, c in classes.get(scope.class_name, []) if rel == module.path]
     if len(own) != 1:
