@@ -445,9 +445,9 @@ _PURE_BUILTINS = {"len", "int", "tuple", "list", "range", "min", "max"}
 
 
 def _shape_reads(module: "ModuleInfo", qualname: str, call_text: str) -> frozenset[str]:
-    """s49: where ``call_text`` is ``self.<attr>.size(..)`` (dim / numel) of a Parameter / buffer / tensor attribute of
-    the site's class, every such shape-read chain of the class (they read a shape: calling them again has no effect);
-    empty otherwise (looked at only once a repeated call is found)."""
+    """s49: where ``call_text`` is ``self.<attr>.size(..)`` (dim / numel; s50: or a cast / view such as ``.to(..)``,
+    ``.type_as(..)``) of a Parameter / buffer / tensor attribute of the site's class, every such chain of the class
+    (calling them again has no effect); empty otherwise (looked at only once a repeated call is found)."""
     from npufuse.patterns._attention_s49w import _SHAPE_READS, tensor_shape_reads
 
     head = call_text.partition("(")[0]

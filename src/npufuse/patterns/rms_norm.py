@@ -1281,7 +1281,9 @@ def plan_norm(module: ModuleInfo, m: Match, plan: S.SpanPlan | None, *, x_src: s
         gname = "_npu_gamma"
         # (s50) bound once unless a plain name or attribute chain: a call (`self.w.to(x.dtype)`) is an atom for
         # precedence, but the dtype fix below reads gamma up to three times
-        if not _is_atom(w.node) or not _PLAIN_CHAIN.fullmatch(g):
+        from npufuse.patterns.attention import is_simple
+
+        if not _is_atom(w.node) or not is_simple(g):
             pre.append(f"{gname} = {g}")
             gp = gname
         pre.append("# npu_rms_norm takes gamma in the input's dtype, or float32 with an fp16/bf16 input")
@@ -4823,7 +4825,6 @@ def probe_results(module: ModuleInfo, scope: Scope, matched: list[Result | None]
     return [_probe_finding(module, scope, proof, body, T)]
 
 
-_PLAIN_CHAIN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 def _probe_finding(module: ModuleInfo, scope: Scope, proof: Any, body: list[ast.stmt], T: str) -> Finding:
     x, W = proof.x, proof.weight
     from npufuse.scan import numeric_probe
