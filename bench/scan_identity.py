@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 # label files that are blind data (never read for development): bench/detect_* names holding these
-BLIND = ("heldout27", "ports3_blind", "ports4")
+BLIND = ("heldout28", "ports3_blind", "ports4", "judge_s51")
 
 _CHILD = r'''
 import json, sys, time, warnings
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--corpora", default="transformers,wheel,examples,labelled")
     r.add_argument("--mirrors", type=Path, default=Path("/work/.mirror"))
     r.add_argument("--like", type=Path, help="scan only the labelled repositories an earlier run's output holds")
-    r.add_argument("--avoid", type=Path, nargs="*", default=[Path("/work/wt/HO27a_REPOS.txt"), Path("/work/wt/HO27b_REPOS.txt")],
+    r.add_argument("--avoid", type=Path, nargs="*", default=[Path(f"/work/wt/HO28{x}_REPOS.txt") for x in "abc"],
                    help="files naming repositories (owner/name, one a line) whose mirrors are never read")
     d = sub.add_parser("diff")
     d.add_argument("a", type=Path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+import unicodedata
 from typing import Any, Optional
 
 from npufuse.scan.dataflow import fast_walk
@@ -88,21 +89,42 @@ def _assigns_attr(node: ast.AST, attr: str) -> bool:
 # fix: the word search ran over every file of the repository for each site (a method named `forward` matched nearly
 # every file of the transformers corpus, each then parsed past the parse cache's size): quadratic in the files
 # (keyed by the scan's file listing as _REGISTERED_BUFFERS is: repo_facts.reset() makes a new one per scan, and the
-# listing is held with the answer so its id is not reused)
-_READERS: dict[tuple[str, str, int], tuple[Any, Optional[list[str]]]] = {}
+# listing is held with the answer so its id is not reused). s51 (perf51): with the files, the names their text may
+# define a class of (:data:`_CLASS_WORD`)
+_READERS: dict[tuple[str, str, int], tuple[Any, Optional[list[str]], Optional[frozenset[str]]]] = {}
+
+# s51 (perf51): a class statement's name as the text spells it. ``class`` and the name are two tokens with only blanks or
+# line continuations (``\\`` + line end) between them (no comment can stand there), so every top-level ``class B`` is
+# a match with group 1 == B (other uses of the word, in names, strings or comments, only add names; the name is read by
+# a lookahead, so a ``class`` just before cannot swallow the statement's own ``class`` word). A text outside ASCII is
+# read in its NFKD form (:func:`_folded`).
+_CLASS_WORD = re.compile(r"class\W+(?=(\w+))")
 
 
-def _files_reading_attr(root: Any, fn: str) -> Optional[list[str]]:
-    """Files of the repository whose text has ``.fn`` (an attribute read, as every call of a method is: ``self.fn(``,
-    ``obj.fn(``, ``super().fn(``, ``Base.fn(``); a file that only defines ``fn`` holds no call of it."""
+def _folded(text: str) -> str:
+    """``text`` NFKD-decomposed. Python reads an identifier as its NFKC form; where that is an ASCII name B (as every
+    base name compared here is where a file defines it), the identifier's NFKD form is B (NFKD(NFKC(x)) == NFKD(x), and
+    B decomposes to itself), and in a file that parses the identifier is followed by an ASCII character that is not a
+    word character (``(``, ``:``, a blank): the folded text holds ``class`` and B as the pattern reads them. ASCII
+    characters decompose to themselves and no combining mark is reordered across them, so the whole text's NFKD form
+    is that of each run outside ASCII in place (5x faster than decomposing run by run). A file that does not parse
+    makes inherited_caller_flag's answer None on its own."""
+    return text if text.isascii() else unicodedata.normalize("NFKD", text)
+
+
+def _readers(root: Any, fn: str) -> tuple[Optional[list[str]], Optional[frozenset[str]]]:
+    """(files of the repository whose text has ``.fn`` (an attribute read, as every call of a method is: ``self.fn(``,
+    ``obj.fn(``, ``super().fn(``, ``Base.fn(``; a file that only defines ``fn`` holds no call of it), the names
+    those files may define a class of). (None, None): a file unread."""
     from npufuse.scan import repo_facts
 
     files = repo_facts._repo_py_files(root)
     key = (str(root), fn, id(files))
     if key in _READERS:
-        return _READERS[key][1]
+        return _READERS[key][1:]
     attr = re.compile(r"\.\s*" + re.escape(fn) + r"\b")
     out: Optional[list[str]] = []
+    names: set[str] = set()
     for rel in files:
         text = repo_facts._repo_text(root, rel)
         if text is None:
@@ -110,10 +132,28 @@ def _files_reading_attr(root: Any, fn: str) -> Optional[list[str]]:
             break
         if fn in text and attr.search(text):
             out.append(rel)
+            names.update(_CLASS_WORD.findall(_folded(text)))
     if len(_READERS) > 256:
         _READERS.clear()
-    _READERS[key] = (files, out)
-    return out
+    defined = frozenset(names) if out is not None else None
+    _READERS[key] = (files, out, defined)
+    return out, defined
+
+
+def _files_reading_attr(root: Any, fn: str) -> Optional[list[str]]:
+    """The first of :func:`_readers`."""
+    return _readers(root, fn)[0]
+
+
+def _may_have_ancestor(tree: ast.Module, class_name: str, defined: frozenset[str]) -> bool:
+    """Can :func:`inherited_caller_flag` find an ancestor of the top-level class ``class_name`` of ``tree``: is it
+    one class of that name there, with a base named by a top-level class of ``tree`` or by a name in ``defined``
+    (the class names the other files may define)? False only where the answer is None."""
+    own = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    if len(own) != 1:
+        return False  # inherited_caller_flag's own test: which class is meant is not told
+    here = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    return any(b in here or b in defined for b in _base_names(own[0]))
 
 
 def inherited_caller_flag(module: Any, scope: Any, name: str) -> Optional[tuple[ast.expr, bool]]:
@@ -135,9 +175,14 @@ def inherited_caller_flag(module: Any, scope: Any, name: str) -> Optional[tuple[
     trees: list[tuple[str, ast.Module]] = [(module.path, module.tree)]
     if root is not None:
         repo_facts._depends(root, module.path)  # the answer reads the other files of the repository
-        rels = _files_reading_attr(root, fn)
+        rels, defined = _readers(root, fn)
         if rels is None:
             return None  # a file could not be read: it may call the method
+        if defined is not None and not _may_have_ancestor(module.tree, scope.class_name, defined):
+            # s51 (perf51): a caller counts only in an ANCESTOR class, and the first ancestor is a top-level class named
+            # by a base of the class: defined in no file, none is found, no caller counts and the answer is None
+            # whatever the other files hold (parsing them was half the parse time of an attention scan)
+            return None
         for rel in rels:
             if rel == module.path:
                 continue

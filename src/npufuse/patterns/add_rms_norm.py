@@ -2393,7 +2393,10 @@ def _norm_stmt(stmt: ast.stmt) -> tuple[ast.stmt, ast.If | None]:
 # ``+``); the sum may start on the line after the call's parenthesis and its ``+`` may open a line (a formatter's
 # ``norm(\n    x + f(x),\n    eps=...)``, ``norm(\n    f(x)\n    + x)``). A cheap gate: the AST decides.
 _NESTED_PARENS = r"\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)"
-_INLINE_SUM = re.compile(r"[\w\]]\(\s*(?:[^()\n]|" + _NESTED_PARENS + r")*(?:\n\s*)?\+")
+# s51 (perf51): the ``(`` first and the character before it as a lookbehind: a pattern led by a class gives ``re`` no
+# literal to look for, so it tried a match at every word character; searched only for whether it matches anywhere, the
+# two forms agree on every text (a match of ``[\w\]]\(...`` at p is one of this at p + 1, and back)
+_INLINE_SUM = re.compile(r"\((?<=[\w\]]\()\s*(?:[^()\n]|" + _NESTED_PARENS + r")*(?:\n\s*)?\+")
 
 
 def _sites(module: ModuleInfo, scope: Scope) -> Iterable[tuple[ast.stmt, _Site | str]]:
@@ -3157,7 +3160,7 @@ class AddRmsNorm(Pattern):
             # function of the file or F.rms_norm (a functional forward / training step over parameter dicts)
             # s43: or a norm module of an object it is handed (``for layer in model.layers: ... layer.ffn_norm(x)``)
             member = _S43_MEMBER_NORM_TEXT.search(S.scope_text(module, scope)) is not None
-            if _s42_norm_parameters(scope) or _S42_NORM_CALL_TEXT.search(S.scope_text(module, scope)):
+            if _s42_norm_parameters(scope) or _s42_norm_call_text(S.scope_text(module, scope)):
                 yield from self._s42_function_sites(module, scope, member)
             elif member:
                 yield from self._s42_function_sites(module, scope, member)
@@ -6918,6 +6921,18 @@ def _s40_config_chosen_norm(module: ModuleInfo, scope: Scope, call: ast.Call, ct
 _S42_NORM_PARAM = re.compile(r"norm|(^|_)ln(_|\d|$)", re.I)
 # a plain function's text calling a norm function by name (``rms_norm(h, w)``, ``norm(x)``, ``F.rms_norm``)
 _S42_NORM_CALL_TEXT = re.compile(r"rms|\bnorm\w*\(", re.I)
+# s51 (perf51): the same test on an ASCII text, lowered (re.I on ASCII text is ASCII case folding; ``re`` finds no literal
+# in a case-insensitive pattern and tried a match at every position): ``rms`` by ``in``, ``\bnorm`` as the literal
+# ``norm`` with the left boundary after it
+_S42_NORM_CALL_LOWER = re.compile(r"norm(?<!\wnorm)\w*\(")
+
+
+def _s42_norm_call_text(text: str) -> bool:
+    """``_S42_NORM_CALL_TEXT.search(text)`` found something."""
+    if text.isascii():
+        low = text.lower()
+        return "rms" in low or _S42_NORM_CALL_LOWER.search(low) is not None
+    return _S42_NORM_CALL_TEXT.search(text) is not None
 
 
 def _s42_norm_parameters(scope: Scope) -> set[str]:
@@ -7481,7 +7496,9 @@ def _s43_parameter_class(module: ModuleInfo, scope: Scope, param: str, depth: in
 
 
 # a plain function's text calling a norm module of an object: ``layer.ffn_norm(``, ``block.ln_2(``
-_S43_MEMBER_NORM_TEXT = re.compile(r"\w\.\w*(?:norm|ln_?\d)\w*\(", re.I)
+# s51 (perf51): led by the ``.`` (an uncased literal ``re`` searches for, case-insensitive or not) with the word character
+# before it as a lookbehind: only searched for whether it matches, which the two forms agree on
+_S43_MEMBER_NORM_TEXT = re.compile(r"\.(?<=\w\.)\w*(?:norm|ln_?\d)\w*\(", re.I)
 
 
 def _s43_guarded_member_norm(nc: NormCall) -> bool:

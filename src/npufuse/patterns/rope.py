@@ -32,6 +32,7 @@ from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45
 from npufuse.patterns import _rope_s48r, _rope_s49m
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
+from npufuse.patterns._site import scope_text as _site_scope_text
 from npufuse.scan import canonical
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, bound_names, child_nodes, const_value, dotted, fast_walk, keyword, replace_segments, same_expr, scope_text, segment, strip_casts
@@ -2196,6 +2197,14 @@ def _s43_split_terms_match(pattern: "RopePattern", module: ModuleInfo, scope: Sc
     return m
 
 
+def _could_rotate_text(body: str) -> bool:
+    """A function text that could hold a rotation helper: it concatenates / stacks (or fills a new tensor's halves /
+    lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``; s42: or a clone of x whose every lane is filled:
+    ``out = x.clone(); out[..., 0::2] = ..``). Monotone: true of a text, true of every text holding it."""
+    return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body \
+        or ".clone()" in body and "] =" in body
+
+
 class RopePattern(Pattern):
     id = "rope"
     api = "torch_npu.npu_rotary_mul"
@@ -2442,11 +2451,13 @@ class RopePattern(Pattern):
             def could_rotate(fn: ast.AST) -> bool:
                 # a function's scope_text is its segment, cut once and shared with every detector
                 scope = scopes.get(id(fn))
+                # s51 (perf51): the test holds for a text only if it holds for any text containing it, and the segment
+                # lies inside the scope's whole lines (``_site.scope_text``, the scan's gate text, cut for every scope
+                # anyway): where those fail, the segment fails too and is not cut (most methods of a file)
+                if scope is not None and not _could_rotate_text(_site_scope_text(module, scope)):
+                    return False
                 body = scope_text(module, scope) if scope is not None else segment(module, fn)
-                # (or fill a new tensor's halves / lanes: ``out = torch.empty_like(x); out[..., :h] = -x2``)
-                # (s42: or a clone of x whose every lane is filled: ``out = x.clone(); out[..., 0::2] = ..``)
-                return "cat(" in body or "stack(" in body or "rearrange(" in body or "concat" in body or "_like(" in body \
-                    or ".clone()" in body and "] =" in body
+                return _could_rotate_text(body)
 
             names = {n for n, fn in module.functions.items() if could_rotate(fn)} | {n for n in module.aliases if "rot" in n.lower()} \
                 | _relative_rotation_imports(module)

@@ -368,21 +368,26 @@ _SHORTEST: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
 
 def _file_holds_any(text: str, words: tuple[str, ...]) -> bool:
-    """``any(w in text for w in words)``. For a long list (fused_optimizer's eleven class names
-    and words, none of them in most files) one regex of the words as alternatives reads the text
-    once where each ``in`` read all of it: half the cost on the transformers corpus; for a few
-    words, the first of which most files hold, ``in`` is cheaper."""
+    """``any(w in text for w in words)``. For a long list (fused_optimizer's class names and words, none of them in
+    most files, so every word is looked for) the words led by an ASCII capital letter (the class names: ``Adam``,
+    ``SGD``, ``LBFGS``, ...) are one regex, the rest ``in`` tests: a regex's first step looks for one of the
+    alternatives' first characters, and capitals are rare in code where a lower-case lead (``optim``, ``_class(``)
+    stops it at most positions. s51 (perf51): 475 -> 233 ms over the 544 transformers files (one regex of all the
+    words before; 581 ms for ``in`` alone); for a few words, the first of which most files hold, ``in`` is cheaper."""
     if len(words) < 5:
         return any(w in text for w in words)
-    rx = _WORDS_RX.get(words)
-    if rx is None:
+    split = _WORDS_RX.get(words)
+    if split is None:
         if len(_WORDS_RX) > 256:  # alias words make a tuple per file that has such aliases
             _WORDS_RX.clear()
-        rx = _WORDS_RX[words] = re.compile("|".join(map(re.escape, words)))
-    return rx.search(text) is not None
+        capital = tuple(w for w in words if "A" <= w[0] <= "Z")
+        rest = tuple(w for w in words if not "A" <= w[0] <= "Z")
+        split = _WORDS_RX[words] = (rest, re.compile("|".join(map(re.escape, capital))) if capital else None)
+    rest, rx = split
+    return any(w in text for w in rest) or (rx is not None and rx.search(text) is not None)
 
 
-_WORDS_RX: dict[tuple[str, ...], re.Pattern[str]] = {}
+_WORDS_RX: dict[tuple[str, ...], tuple[tuple[str, ...], re.Pattern[str] | None]] = {}
 
 
 def gate_text(module: ModuleInfo, scope: Scope) -> str:
