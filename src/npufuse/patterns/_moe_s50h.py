@@ -39,6 +39,7 @@ import ast
 import copy
 from typing import Any, Optional, Union
 
+from npufuse.patterns import _moe_s51m
 from npufuse.scan.dataflow import const_value, dotted
 
 _P = "_npufuse_s50h_"
@@ -224,6 +225,7 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
     bound: set[str] = set()
     comb: Optional[ast.AugAssign] = None
     mask: Optional[_Mask] = None
+    scattered: list[str] = []  # s51: run-time guards of a scattered gate
     j = 0
     while j < len(body):
         st = body[j]
@@ -242,6 +244,11 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
                 body = body[:j] + list(st.body)  # `if m.any(): <the rest>`
                 continue
             return None
+        if (sg := _moe_s51m.scatter_gate(m, scope, loop, body, j - 1, e, _Inline(env, used, unpacked).visit, _eq_ids, bound)) is not None:
+            j, gate, env[gate], more = sg  # s51 moe51: the gate scattered into a fresh [T] buffer is the slot sum
+            bound.add(gate)
+            scattered.extend(more)
+            continue
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple) \
                 and all(isinstance(t, ast.Name) for t in st.targets[0].elts) and isinstance(st.value, ast.Call) \
                 and dotted(st.value.func) == "torch.where" and len(st.value.args) == 1 and not st.value.keywords:
@@ -314,7 +321,7 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
         if left:
             return None
     n_tok = max((len(k) for k in unpacked), default=1)
-    guards: list[str] = [opt_guard] if opt_guard else []
+    guards: list[str] = ([opt_guard] if opt_guard else []) + scattered
     if not unpacked or mask.flat:
         n_tok = 1
         guards.append(f"({ids}.dim() == 2)")  # `x[m]` / `m.view(-1)` with m over [T] tokens: [T, K] ids
