@@ -157,3 +157,11 @@ def test_scatter_accumulated_is_not_read() -> None:
 def test_scatter_buffer_of_another_dtype_is_not_read() -> None:
     _not_fused(_SCATTER.replace("gate = torch.zeros(flat.size(0), device=flat.device)",
                                 "gate = torch.zeros(flat.size(0), device=flat.device, dtype=torch.float16)"))
+
+
+def test_scattered_gate_carries_the_weights_shape_check() -> None:
+    # w[r, c] is the pair's weight only for w shaped like the [T, K] ids: checked at run time (a router of another
+    # file cannot be read statically)
+    findings, _ = detect_all(MoeExperts(), _SCATTER)
+    facts = check_rewrite_runs(MoeExperts(), _SCATTER, _SCATTER_RUN, findings)
+    assert "(top_p.shape == top_i.shape)" in facts["rewritten"] and facts["calls"] >= 1

@@ -579,7 +579,8 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     # the slot sum is the pair's weight only for one weight per slot: weights shown shaped like the indices (a dense
     # [T, E] score times the [T, K] slot mask is not); where that or the synthetic loop's analysis fails, the reason
     # of the loop as written stands (true of it: it was not read)
-    if not me._s41_shaped_like_indices(m, scope, syn_weights(new), syn_ids(new), loop.lineno):
+    if not me._s41_shaped_like_indices(m, scope, syn_weights(new), syn_ids(new), loop.lineno) \
+            and _moe_s51m.shape_guard(syn_weights(new), syn_ids(new)) not in guards:  # s51: checked at run time
         raise as_written
     try:
         site = me._analyze_loop(m, scope, new_block, j, new)

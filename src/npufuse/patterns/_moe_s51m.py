@@ -91,7 +91,9 @@ def scatter_gate(m: Any, scope: Any, loop: ast.For, body: list, k: int, e: str, 
             if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == g \
                     and not isinstance(n.ctx, ast.Load):
                 return None
-    guards: list[str] = []
+    # w[r, c] is the pair's weight where w has the ids' [T, K] shape (a dense [T, E] score read at slot c is not): a
+    # run-time check where the reader cannot show it statically (a router of another file)
+    guards: list[str] = [shape_guard(w, ids)]
     dtype = [kw.value for kw in s1.value.keywords if kw.arg == "dtype"]
     if not dtype:
         guards.append(f"({w}.dtype == torch.get_default_dtype())")  # the loop weights in the buffer's dtype
@@ -106,3 +108,6 @@ def scatter_gate(m: Any, scope: Any, loop: ast.For, body: list, k: int, e: str, 
     bound.update((r, c))
     return k + 3, g, _slot_sum(ids, e, w), guards
 
+
+def shape_guard(w: str, ids: str) -> str:
+    return f"({w}.shape == {ids}.shape)"
