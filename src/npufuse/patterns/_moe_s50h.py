@@ -39,6 +39,7 @@ import ast
 import copy
 from typing import Any, Optional, Union
 
+from npufuse.patterns import _moe_s51m
 from npufuse.scan.dataflow import const_value, dotted
 
 _P = "_npufuse_s50h_"
@@ -224,6 +225,7 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
     bound: set[str] = set()
     comb: Optional[ast.AugAssign] = None
     mask: Optional[_Mask] = None
+    scattered: list[str] = []  # s51: run-time guards of a scattered gate
     j = 0
     while j < len(body):
         st = body[j]
@@ -242,6 +244,11 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
                 body = body[:j] + list(st.body)  # `if m.any(): <the rest>`
                 continue
             return None
+        if (sg := _moe_s51m.scatter_gate(m, scope, loop, body, j - 1, e, _Inline(env, used, unpacked).visit, _eq_ids, bound)) is not None:
+            j, gate, env[gate], more = sg  # s51 moe51: the gate scattered into a fresh [T] buffer is the slot sum
+            bound.add(gate)
+            scattered.extend(more)
+            continue
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple) \
                 and all(isinstance(t, ast.Name) for t in st.targets[0].elts) and isinstance(st.value, ast.Call) \
                 and dotted(st.value.func) == "torch.where" and len(st.value.args) == 1 and not st.value.keywords:
@@ -314,7 +321,7 @@ def as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -> Uni
         if left:
             return None
     n_tok = max((len(k) for k in unpacked), default=1)
-    guards: list[str] = [opt_guard] if opt_guard else []
+    guards: list[str] = ([opt_guard] if opt_guard else []) + scattered
     if not unpacked or mask.flat:
         n_tok = 1
         guards.append(f"({ids}.dim() == 2)")  # `x[m]` / `m.view(-1)` with m over [T] tokens: [T, K] ids
@@ -572,7 +579,8 @@ def read_as_where_loop(m: Any, scope: Any, block: list, i: int, loop: ast.For) -
     # the slot sum is the pair's weight only for one weight per slot: weights shown shaped like the indices (a dense
     # [T, E] score times the [T, K] slot mask is not); where that or the synthetic loop's analysis fails, the reason
     # of the loop as written stands (true of it: it was not read)
-    if not me._s41_shaped_like_indices(m, scope, syn_weights(new), syn_ids(new), loop.lineno):
+    if not me._s41_shaped_like_indices(m, scope, syn_weights(new), syn_ids(new), loop.lineno) \
+            and _moe_s51m.shape_guard(syn_weights(new), syn_ids(new)) not in guards:  # s51: checked at run time
         raise as_written
     try:
         site = me._analyze_loop(m, scope, new_block, j, new)
