@@ -32,7 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
-from npufuse.patterns import _fused_optimizer_s50m
+from npufuse.patterns import _fused_optimizer_s50m, _fused_optimizer_s51a
 from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
 from npufuse.patterns import _fused_optimizer_s47sweep
 from npufuse.patterns import _optim_s46h
@@ -1066,8 +1066,8 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
     arms: set[tuple[int, bool]] = set()
     tests: dict[int, ast.expr] = {}
     for node in nodes:
-        if _consequence_of_sharding(module, parents, node):
-            continue
+        if _consequence_of_sharding(module, parents, node) or _fused_optimizer_s51a.option_read(node, parents):
+            continue  # s51: the option read in a test / turned off by a keyword is no cause of sharding
         child, parent = node, parents.get(id(node))
         while parent is not None and not (isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test):
             child, parent = parent, parents.get(id(parent))
@@ -1088,6 +1088,8 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
         a = fn.args
         params_ = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
     module_scope = next((s for s in module.scopes if s.qualname == "<module>"), None)
+    if _fused_optimizer_s51a.self_test_holds(module, scope, stmt, test):  # s51: `self.cfg.use_fsdp` in __init__
+        return " ".join(segment(module, test).split()), in_body, f"line {test.lineno}"
     for n in fast_walk(test):
         if not isinstance(n, ast.Name):
             continue
@@ -2125,7 +2127,14 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     single = _s27_single_tensor(module, scope, stmt, call)
     if guard is None:
         return miss(why)
-    reason = _s37_random_skip(module, scope, guard, call) or _s40_grad_none_read(module, tiers)
+    skip_names: Optional[list[str]] = None
+    reason = _s37_random_skip(module, scope, guard, call)
+    if reason is not None and model:
+        # s51: skipping classes of a model npufuse does not tell apart: the guard tests the model's modules for them
+        reason, skip_names = _fused_optimizer_s51a.random_skip_verdict(
+            module, scope, guard, segment(module, keyword(call, "params", 0)) if keyword(call, "params", 0) is not None else "")
+        reason = None if skip_names else reason
+    reason = reason or _s40_grad_none_read(module, tiers)
     if reason is not None:
         return miss(reason)
     if plan.runtime is not None:
@@ -2143,6 +2152,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
+    if skip_names:
+        guard = f"({guard}) if {_fused_optimizer_s51a.no_skip_test(model, skip_names)} else None"
     if prepared is not None:
         # s32: accelerate's launcher picks DeepSpeed/FSDP/Megatron from a config file the code never names
         guard = accelerate_launch_guard(guard)
@@ -2242,6 +2253,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
                           f"{'true' if in_body else 'false'}): it flattens the parameters or re-assigns the grads behind the optimizer, so the guard "
                           "runs the fused optimizer only when that test says no sharding; sharded runs keep torch.optim"))
         params["guard"] += "_unsharded_runs_only"
+    if skip_names:
+        params["skip_classes_checked"] = skip_names
+        params["guard"] += "_skipping_classes_checked"
+        notes.append(_fused_optimizer_s51a.skip_note(model, skip_names))
     if prepared is not None:
         risks.append(Risk("other", f"the optimizer goes through `{prepared[1]}.prepare` (line {prepared[0]}): accelerate's "
                           "AcceleratedOptimizer.zero_grad() passes set_to_none=True, which the fused class rejects "
