@@ -1090,12 +1090,14 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
     module_scope = next((s for s in module.scopes if s.qualname == "<module>"), None)
     if _fused_optimizer_s51a.self_test_holds(module, scope, stmt, test):  # s51: `self.cfg.use_fsdp` in __init__
         return " ".join(segment(module, test).split()), in_body, f"line {test.lineno}"
+    # s51: a parameter of the site's function is the test's value only where the test is in that function
+    own = fn is not None and fn.lineno <= test.lineno <= (getattr(fn, "end_lineno", None) or fn.lineno)
     for n in fast_walk(test):
         if not isinstance(n, ast.Name):
             continue
         if scope.qualname != "<module>" and n.id in scope.assignments:
             return None  # re-bound in the function: the value at the site may differ
-        if n.id in params_:
+        if n.id in params_ and own:
             continue
         if module_scope is None or n.id not in module_scope.assignments:
             return None
