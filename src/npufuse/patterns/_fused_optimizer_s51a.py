@@ -10,7 +10,8 @@ reads, and every other run keeps the original construction.
    ``nn.Module`` classes: a model none of whose modules is an instance of one of them (by class name, through the
    MRO, so a subclass counts) runs none of their forwards as a submodule, so no parameter the optimizer takes is
    skipped by them. The guard tests ``model.modules()`` for every such class (all of them are collected, not the
-   first); a class the reader cannot show to be an ``nn.Module`` keeps the refusal.
+   first); a class the reader cannot show to be an ``nn.Module`` keeps the refusal, and so does a skip drawn at random
+   (layer drop is most often part of every model variant: the guard would always fall back).
 2. **A sharding test on ``self``.** ``if self.config.use_fsdp and self.world_size > 1: self.model = setup_fsdp(..)``
    in ``__init__`` and the optimizer built in another method of the same class: the test is evaluated again at the
    site when every attribute it reads is assigned in the class only in the test's method before the test, nothing
@@ -50,7 +51,10 @@ def skip_class_names(skips: list) -> Optional[list[str]]:
     ``nn.Module``; too many)."""
     names: list[str] = []
     for s in skips:
-        if not _is_module_class(s):
+        # a random draw (layer drop, a stochastic branch) is most often part of every model variant (the s38 registry of
+        # one Stack): the guard would always fall back, so the refusal stands; an expert reached only by routed tokens
+        # is the option a model type turns on (an MoE variant beside dense ones)
+        if not getattr(s, "data_dependent", False) or not _is_module_class(s):
             return None
         name = str(getattr(s, "cls", "")).rsplit(".", 1)[-1]
         if not name.isidentifier():
@@ -58,6 +62,36 @@ def skip_class_names(skips: list) -> Optional[list[str]]:
         if name not in names:
             names.append(name)
     return names if 0 < len(names) <= _MAX_CLASSES else None
+
+
+def variant_switch(index: object, skips: list) -> bool:
+    """Does some file of the repository build both a class of a skipping class's file (the MoE model) and an
+    ``nn.Module`` class of a file that names none of the skipping classes (a dense model): a model-type switch, so
+    that the guard can pass? Where every model the repository builds holds the skipping class (s39's one ``Net``),
+    the guard would always fall back and the refusal stands."""
+    names = {str(getattr(s, "cls", "")).rsplit(".", 1)[-1] for s in skips}
+    skip_files = {getattr(s, "rel", "") for s in skips}
+    files = list(getattr(index, "files", []))[:2000]
+    holders: set[str] = set()
+    others: set[str] = set()
+    for rel in files:
+        text = index.text(rel) or ""  # type: ignore[attr-defined]
+        if "class " not in text:
+            continue
+        defined = re.findall(r"^class\s+(\w+)\s*\(([^)]*)\)", text, re.M)
+        if rel in skip_files:
+            holders.update(c for c, _b in defined)
+        elif not any(re.search(rf"\b{re.escape(n)}\b", text) for n in names):
+            others.update(c for c, b in defined if re.search(r"\b(?:Module|Sequential)\b", b))
+    holders -= names
+    if not holders or not others:
+        return False
+    built = re.compile(r"\b(\w+)\(")
+    for rel in files:
+        called = set(built.findall(index.text(rel) or ""))  # type: ignore[attr-defined]
+        if called & holders and called & others:
+            return True
+    return False
 
 
 def no_skip_test(model: str, names: list[str]) -> str:
@@ -88,7 +122,7 @@ def random_skip_verdict(module: ModuleInfo, scope: Scope, guard: str, params: st
         return None, None
     why = random_skip.reason(*found)
     model = guard_model_name(guard)
-    if found[1] or not model:
+    if found[1] or not model or not variant_switch(index, every):
         return why, None
     return why, skip_class_names(every)
 
@@ -110,7 +144,7 @@ def repo_pass_checked(finding_params: dict, skips: list) -> bool:
     return names is not None and set(names) <= set(checked)
 
 
-def guard_in_repo_pass(finding: object, skips: list) -> bool:
+def guard_in_repo_pass(finding: object, skips: list, index: object) -> bool:
     """The repository pass found skipping classes of a model it does not tell apart (``skips``; the per-file pass did
     not see them): where the finding's guard reads the model, guard it on them as the per-file pass does (the finding
     is updated in place) and say so; False where that cannot be done (the near miss stands)."""
@@ -118,7 +152,7 @@ def guard_in_repo_pass(finding: object, skips: list) -> bool:
     params = getattr(finding, "params", None)
     model = guard_model_name(guard)
     names = skip_class_names(skips)
-    if not model or not names or not isinstance(params, dict):
+    if not model or not names or not isinstance(params, dict) or not variant_switch(index, skips):
         return False
     finding.guard_tensor = f"({guard}) if {no_skip_test(model, names)} else None"  # type: ignore[attr-defined]
     params["skip_classes_checked"] = names

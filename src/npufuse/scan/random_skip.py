@@ -1828,7 +1828,7 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
         every: list[RandomSkip] = []
         found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", params, every)
         if found is not None and not found[1] and (_fused_optimizer_s51a.repo_pass_checked(f.params or {}, every)
-                                                   or _fused_optimizer_s51a.guard_in_repo_pass(f, every)):
+                                                   or _fused_optimizer_s51a.guard_in_repo_pass(f, every, index)):
             found = None  # s51: the candidate's guard keeps torch.optim for models holding these classes
         why = reason(*found) if found is not None else grad_none.site_reads(index, o.file, f.qualname, params)
         if why is None:
