@@ -154,6 +154,8 @@ def guard_in_repo_pass(finding: object, skips: list, index: object) -> bool:
     names = skip_class_names(skips)
     if not model or not names or not isinstance(params, dict) or not variant_switch(index, skips):
         return False
+    if "dtypes_checked" in str(params.get("guard", "")):
+        return False  # the model is also cast to a run-time dtype (bf16 by default in HO27a deepseek-replica): the refusal stands
     finding.guard_tensor = f"({guard}) if {no_skip_test(model, names)} else None"  # type: ignore[attr-defined]
     params["skip_classes_checked"] = names
     params["guard"] = str(params.get("guard", "")) + "_skipping_classes_checked"
