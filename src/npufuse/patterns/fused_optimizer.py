@@ -32,7 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
-from npufuse.patterns import _fused_optimizer_s50m, _fused_optimizer_s51a
+from npufuse.patterns import _fused_optimizer_s50m, _fused_optimizer_s51a, _fused_optimizer_s51b
 from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
 from npufuse.patterns import _fused_optimizer_s47sweep
 from npufuse.patterns import _optim_s46h
@@ -163,7 +163,8 @@ class FusedOptimizer(Pattern):
                     yield _s32_looked_up_site(module, scope, stmt, *looked_up, in_place=self.zero_grad_in_place)
                 else:
                     chosen = (_class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
-                              or _looked_up_by_name(module, scope, stmt))
+                              or _looked_up_by_name(module, scope, stmt)
+                              or _fused_optimizer_s51b.table_lookup_refusal(module, scope, stmt))
                     if chosen is not None:
                         yield chosen
 
@@ -187,7 +188,11 @@ def _relevant(module: ModuleInfo) -> bool:
         # "optim" first: one search instead of fourteen in the files that never say it (most)
         cached = module.__dict__["_npufuse_optim_relevant"] = (("optim" in src) and any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED))) \
             or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src or (_CALLED_LOOKUP_WORD in src and "optim" in src) \
-            or ("optim" in src and any(w in src for w in _S39_LOADER_WORDS))
+            or ("optim" in src and any(w in src for w in _S39_LOADER_WORDS)) \
+            or bool(_fused_optimizer_s51b.registry_words(module, tuple(_OPTIMIZERS)))  # s51b: a table of another file
+        if cached and "*" in src:
+            # s51b: `from config import *` binding torch.optim classes (config: `from torch.optim import Adam`)
+            module.aliases.update(_fused_optimizer_s51b.star_optim_aliases(module))
     return bool(cached)
 
 
@@ -5854,6 +5859,8 @@ def _s34_table_kinds(module: ModuleInfo, table: ast.AST) -> tuple[str, ...]:
     """The fusable torch.optim classes among the values of a dict literal (``{...}`` or ``dict(k=...)``)."""
     if isinstance(table, ast.Dict):
         values: list[ast.expr] = [v for v in table.values if v is not None]
+    elif isinstance(table, (ast.Tuple, ast.List)):
+        values = list(table.elts)  # s51b: `OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam)` indexed by a number
     elif isinstance(table, ast.Call) and isinstance(table.func, ast.Name) and table.func.id == "dict" and not table.args \
             and "dict" not in module.aliases:
         values = [k.value for k in table.keywords]
@@ -5896,6 +5903,10 @@ def _s34_lookup_kinds(module: ModuleInfo, scope: Scope, value: ast.expr, line: i
     table_name = table.id if isinstance(table, ast.Name) else None
     if table_name is not None:
         table = scope.definition(table_name, line) if table_name in scope.assignments else _s34_module_binding(module, table_name)
+        if table is None and table_name not in scope.args:
+            # s51b: a table imported from another module of the repository (`from optimizers import OPTIMIZERS`)
+            imported = _fused_optimizer_s51b.imported_table(module, table_name)
+            return (tuple(k for k in _OPTIMIZERS if f"torch.optim.{k}" in (imported or ())), table_name)
     return (_s34_table_kinds(module, table), table_name) if table is not None else ((), None)
 
 
@@ -6778,8 +6789,10 @@ def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
             continue
         if key is None or not _s39_parameters_like(keyword(call, "params", 0)) or not _side_effect_free(lookup):
             continue
-        kinds, _table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
-        if len(kinds) >= 2:
+        kinds, table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
+        # s51b: one fusable class is enough where the table is module-level or imported (_chosen_construction reads
+        # only a table this scope binds)
+        if len(kinds) >= 2 or (kinds and table is not None and table not in scope.assignments):
             return call, segment(module, lookup), kinds
     return None
 
@@ -6824,7 +6837,13 @@ def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
     return cached
 
 
-FusedOptimizer.held_call_words = staticmethod(_s40_partial_attribute_words)  # type: ignore[attr-defined]
+def _held_call_words(module: ModuleInfo) -> tuple[str, ...]:
+    """The s40 partial attributes and (s51b) the names of tables of torch.optim classes the module looks a class
+    up in (``OPTIMIZERS[name](..)`` in a function naming no class)."""
+    return _s40_partial_attribute_words(module) + _fused_optimizer_s51b.registry_words(module, tuple(_OPTIMIZERS))
+
+
+FusedOptimizer.held_call_words = staticmethod(_held_call_words)  # type: ignore[attr-defined]
 
 
 def _s40_partial_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, str, list[str]]]:

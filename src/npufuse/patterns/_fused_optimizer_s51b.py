@@ -1,0 +1,281 @@
+"""s51 (optim51b): torch.optim classes reached through another file of the repository.
+
+1. A registry table of torch.optim classes imported from a repository module (``from optimizers import
+   OPTIMIZERS`` where ``optimizers/__init__.py`` holds ``OPTIMIZERS = {"sgd": SGD, "adam": Adam}``), or a
+   module-level table of this file, read by a function whose text names no optimizer class
+   (``OPTIMIZERS[cfg.optimizer_name](params, lr=..)``): :func:`table_kinds` tells the fusable classes of such a table
+   (the construction then becomes s32's looked-up site: its guard checks the class the lookup yields at run time,
+   so the table's other classes -- and any entry added at run time -- keep running unchanged), and
+   :func:`registry_words` opens the scope gate for the table's name.
+2. ``from config import *`` where ``config.py`` does ``from torch.optim import Adam, SGD``: :func:`star_optim_aliases`
+   resolves the star import through the repository's modules (a chain of star imports too) and names each
+   torch.optim class bound that way, so ``Adam(model.parameters(), ..)`` is the torch.optim construction it is.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any, Optional
+
+# module-level names whose binding the scan looks for in another file: a literal table of classes
+_TABLES = (ast.Dict, ast.Tuple, ast.List)
+_STAR_DEPTH = 3
+
+
+def _locate(root: Path, from_rel: str, mod: str) -> Optional[tuple[str, ast.Module]]:
+    """(repo-relative path, tree) of the repository module ``mod`` as imported from ``from_rel`` (the same search as
+    ``repo_facts._find``: the repository root, then each folder above the importing file), or None."""
+    from npufuse.scan import repo_facts
+
+    if not mod or any(p in ("", "..") for p in mod.split(".")):
+        return None
+    parts = mod.split(".")
+    for base in dict.fromkeys([PurePosixPath("."), *PurePosixPath(from_rel).parents]):
+        for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+            tree = repo_facts._parse_repo_file(root, str(cand))
+            if tree is not None:
+                return str(cand), tree
+    return None
+
+
+def _from_module(node: ast.ImportFrom, rel: str) -> str:
+    """The dotted module a ``from .. import`` names, relative levels resolved against ``rel``."""
+    if node.level == 0:
+        return node.module or ""
+    base = PurePosixPath(rel).parent
+    for _ in range(node.level - 1):
+        base = base.parent
+    parts = [p for p in base.parts if p not in ("", ".")] + ((node.module or "").split(".") if node.module else [])
+    return ".".join(parts)
+
+
+def _torch_optim_name(tree: ast.Module, rel: str, node: ast.AST) -> Optional[str]:
+    """``torch.optim.<X>`` for a name / attribute of ``tree``'s module that a top-level import binds to a torch.optim
+    member (``from torch.optim import SGD``, ``import torch.optim as optim`` + ``optim.SGD``, ``import torch`` +
+    ``torch.optim.SGD``); None otherwise."""
+    from npufuse.scan import repo_facts
+    from npufuse.scan.dataflow import dotted
+
+    text = dotted(node) or ""
+    if not text:
+        return None
+    head = text.split(".")[0]
+    if text.startswith("torch.optim.") and any(isinstance(n, ast.Import) and any(a.name.split(".")[0] == "torch" and a.asname is None
+                                                                                 for a in n.names) for n in tree.body):
+        return text
+    found = repo_facts._imported(tree, rel, text if text.count(".") <= 1 else head)
+    if found is None or text.count(".") > 1:
+        return None
+    full = f"{found[0]}.{found[1]}"
+    return full if full.startswith("torch.optim.") else None
+
+
+def _binding(tree: ast.Module, name: str) -> Optional[ast.expr]:
+    """The value of the last top-level ``name = <value>`` of ``tree``, or None."""
+    value = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            value = node.value
+    return value
+
+
+def _table_classes(tree: ast.Module, rel: str, table: ast.expr) -> list[str]:
+    """The torch.optim classes (``torch.optim.X``) among a literal table's entries."""
+    values = [v for v in table.values if v is not None] if isinstance(table, ast.Dict) else list(getattr(table, "elts", []))
+    return [c for c in (_torch_optim_name(tree, rel, v) for v in values if isinstance(v, (ast.Name, ast.Attribute))) if c]
+
+
+def imported_table(module: Any, name: str) -> Optional[list[str]]:
+    """The torch.optim classes of the literal table ``name`` that a top-level ``from <repo module> import name``
+    of ``module`` binds (a re-export through a package ``__init__`` followed up to three files); None where the
+    name is not imported from the repository or is not bound to a literal table there. Cached per module."""
+    from npufuse.scan import repo_facts
+
+    cache: dict[str, Optional[list[str]]] = module.__dict__.setdefault("_npufuse_s51b_tables", {})
+    if name in cache:
+        return cache[name]
+    cache[name] = None
+    root = repo_facts.repo_root(module)
+    if root is None:
+        return None
+    repo_facts._depends(root, module.path)  # the answer depends on another file
+    tree, rel, attr = module.tree, module.path, name
+    for _ in range(_STAR_DEPTH + 1):
+        target = repo_facts._imported(tree, rel, attr)
+        if target is None:
+            return None
+        found = _locate(root, rel, target[0])
+        if found is None:
+            return None
+        rel, tree = found
+        attr = target[1]
+        value = _binding(tree, attr)
+        if value is not None:
+            if isinstance(value, _TABLES):
+                cache[name] = _table_classes(tree, rel, value)
+            return cache[name]
+    return None
+
+
+# a name subscripted or read with `.get(` in the text: the uses of a table this module looks classes up in
+_LOOKED_UP = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\[|\.get\()")
+
+
+def registry_words(module: Any, fusable: tuple[str, ...]) -> tuple[str, ...]:
+    """Names of tables holding a fusable torch.optim class that ``module`` looks a class up in: imported from a
+    repository module (:func:`imported_table`) or bound at this module's top level. The scope gate's extra words
+    (a function calling ``OPTIMIZERS[name](..)`` names no class). Cached per module; empty in a file that never
+    says "optim" in any case (the cheap test first)."""
+    cached = module.__dict__.get("_npufuse_s51b_words")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    src: str = module.source
+    words: list[str] = []
+    if ("optim" in src or "OPTIM" in src or "Optim" in src) and ("](" in src or ")(" in src or "[" in src):
+        used = set(_LOOKED_UP.findall(src))
+        imported = {a.asname or a.name for n in module.tree.body if isinstance(n, ast.ImportFrom)
+                    and not (n.module or "").startswith(("torch", "typing")) for a in n.names if a.name != "*"}
+        for name in sorted(used):
+            if name in imported:
+                kinds = imported_table(module, name)
+            else:
+                value = _binding(module.tree, name)
+                kinds = _table_classes(module.tree, module.path, value) if isinstance(value, _TABLES) else None
+            if kinds and any(k.split(".")[-1] in fusable for k in kinds) and name.isascii():
+                words.append(name)
+    cached = module.__dict__["_npufuse_s51b_words"] = tuple(words)
+    return cached
+
+
+def _exported(tree: ast.Module) -> Optional[set[str]]:
+    """The names ``__all__`` lists (a literal list / tuple of strings), or None (every public name)."""
+    value = _binding(tree, "__all__")
+    if isinstance(value, (ast.List, ast.Tuple)) and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
+        return {e.value for e in value.elts}  # type: ignore[attr-defined]
+    return None
+
+
+def _star_bindings(root: Path, rel: str, tree: ast.Module, depth: int) -> dict[str, Optional[str]]:
+    """Public names ``from <tree's module> import *`` binds -> ``torch.optim.X`` where a top-level import of that
+    module (or a star import it does in turn) binds the name to a torch.optim member, None for any other binding
+    (a def, an assignment, another import): the last binding of a name wins, as at import time."""
+    out: dict[str, Optional[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if any(a.name == "*" for a in node.names):
+                mod = _from_module(node, rel)
+                if mod == "torch" or mod.startswith("torch."):
+                    continue
+                found = _locate(root, rel, mod) if depth < _STAR_DEPTH else None
+                if found is None:
+                    out = {k: None for k in out}  # names npufuse does not see may rebind any of these
+                    out["*"] = None
+                    continue
+                out.update(_star_bindings(root, found[0], found[1], depth + 1))
+                continue
+            mod = _from_module(node, rel)
+            for a in node.names:
+                full = f"{mod}.{a.name}"
+                out[a.asname or a.name] = full if full.startswith("torch.optim.") and full.count(".") == 2 else None
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = None
+        else:
+            for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else [node]:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    out[n.name] = None
+                elif isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+                    out[n.id] = None
+    exported = _exported(tree)
+    return {k: v for k, v in out.items() if (k in exported if exported is not None else not k.startswith("_"))}
+
+
+def star_optim_aliases(module: Any) -> dict[str, str]:
+    """Names a top-level ``from <repo module> import *`` of ``module`` binds to a torch.optim member (resolved through
+    the repository's modules, star chains up to three deep) and that nothing else in the file binds: each is an
+    alias of that member, like ``from torch.optim import X``. Added to ``module.aliases`` by the caller. Cached."""
+    cached = module.__dict__.get("_npufuse_s51b_star")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    from npufuse.scan import repo_facts
+
+    out: dict[str, str] = {}
+    root = repo_facts.repo_root(module)
+    stars = [n for n in module.tree.body if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)]
+    if root is not None and stars:
+        repo_facts._depends(root, module.path)
+        seen: dict[str, Optional[str]] = {}
+        for node in stars:  # in order: a later star import rebinds a name an earlier one bound
+            mod = _from_module(node, module.path)
+            if mod == "torch" or mod.startswith("torch."):
+                continue  # torch's own modules bind no torch.optim class name under another meaning
+            found = _locate(root, module.path, mod)
+            if found is None:
+                seen = {k: None for k in seen}  # a module outside the repository may rebind any name
+                continue
+            seen.update(_star_bindings(root, found[0], found[1], 1))
+        # where the file binds the name no other way (a later `Adam = ..`, `def Adam` or import makes it another object)
+        out = {k: v for k, v in sorted(seen.items()) if v is not None and k not in module.aliases and _only_star_bound(module.tree, k)}
+    cached = module.__dict__["_npufuse_s51b_star"] = out
+    return cached
+
+
+def _only_star_bound(tree: ast.Module, name: str) -> bool:
+    """No store, parameter, def, class, import alias or global of ``name`` anywhere in the file (the star import is
+    its only binding: ``_names_bound_elsewhere`` counts one module-level assignment as expected, here there is none)."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load):
+            return False
+        if isinstance(n, ast.arg) and n.arg == name:
+            return False
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name:
+            return False
+        if isinstance(n, ast.alias) and (n.asname or n.name.split(".")[0]) == name:
+            return False
+        if isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names:
+            return False
+    return True
+
+
+def table_lookup_refusal(module: Any, scope: Any, stmt: ast.stmt) -> Optional[Any]:
+    """A NearMiss for a construction through a lookup in a table of torch.optim classes (``OPTIMIZERS[key](..)`` /
+    ``OPTIMIZERS.get(key)(..)``, the table this scope's, the module's or imported from the repository) that s39's
+    looked-up site did not take: the key calls code (the guard would evaluate it again) or the parameters come
+    through a ``**`` mapping only. None where no such lookup is called here."""
+    from npufuse.patterns import fused_optimizer as fo
+    from npufuse.patterns.base import NearMiss
+    from npufuse.scan.dataflow import fast_walk, keyword, segment
+
+    for call in fast_walk(stmt):
+        if not isinstance(call, ast.Call):
+            continue
+        lookup = call.func
+        if isinstance(lookup, ast.Subscript):
+            key: Optional[ast.expr] = lookup.slice
+        elif isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
+            key = lookup.args[0]
+        else:
+            continue
+        kinds, table = fo._s34_lookup_kinds(module, scope, lookup, stmt.lineno)
+        if not kinds or table is None:
+            continue
+        where = f"`{segment(module, lookup)[:60]}` ({table} holds torch.optim.{', torch.optim.'.join(kinds)})"
+        hand = ("; torch_npu.optim.NpuFused<Name> takes the same constructor arguments and could take the class's place by "
+                "hand once the constraints hold (fp32/fp16 params, grads never set to None, no FSDP/DeepSpeed)")
+        line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+        if key is not None and not fo._side_effect_free(key):
+            return NearMiss(fo._ID, scope.qualname, line, end,
+                            f"the optimizer class is looked up at run time in {where} by a key that calls code "
+                            f"(`{segment(module, key)[:40]}`): a guard testing the class would evaluate it a second time{hand}")
+        params = keyword(call, "params", 0)
+        if params is None and any(k.arg is None for k in call.keywords):
+            star = next(k for k in call.keywords if k.arg is None)
+            return NearMiss(fo._ID, scope.qualname, line, end,
+                            f"the optimizer class is looked up at run time in {where} and the parameters come only through "
+                            f"`**{segment(module, star.value)[:40]}`, a mapping whose keys npufuse does not read: which "
+                            f"arguments the fused class would get cannot be told{hand}")
+    return None
