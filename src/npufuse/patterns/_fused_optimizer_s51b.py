@@ -135,7 +135,8 @@ def registry_words(module: Any, fusable: tuple[str, ...]) -> tuple[str, ...]:
         return cached  # type: ignore[no-any-return]
     src: str = module.source
     words: list[str] = []
-    if ("optim" in src or "OPTIM" in src or "Optim" in src) and ("](" in src or ")(" in src or "[" in src):
+    says = "optim" in src or "OPTIM" in src or "Optim" in src
+    if says and "[" in src:
         used = set(_LOOKED_UP.findall(src))
         imported = {a.asname or a.name for n in module.tree.body if isinstance(n, ast.ImportFrom)
                     and not (n.module or "").startswith(("torch", "typing")) for a in n.names if a.name != "*"}
@@ -147,6 +148,10 @@ def registry_words(module: Any, fusable: tuple[str, ...]) -> tuple[str, ...]:
                 kinds = _table_classes(module.tree, module.path, value) if isinstance(value, _TABLES) else None
             if kinds and any(k.split(".")[-1] in fusable for k in kinds) and name.isascii():
                 words.append(name)
+    if says:
+        # module-level names an if/else chain binds to torch.optim classes (:func:`module_class_kinds`)
+        words += [name for name, bound in module.scopes[0].assignments.items() if len(bound) > 1 and name.isascii()
+                  and module_class_kinds(module, name, dict.fromkeys(fusable))]
     cached = module.__dict__["_npufuse_s51b_words"] = tuple(words)
     return cached
 
@@ -279,3 +284,20 @@ def table_lookup_refusal(module: Any, scope: Any, stmt: ast.stmt) -> Optional[An
                             f"`**{segment(module, star.value)[:40]}`, a mapping whose keys npufuse does not read: which "
                             f"arguments the fused class would get cannot be told{hand}")
     return None
+
+
+def module_class_kinds(module: Any, name: str, fusable: dict[str, Any]) -> tuple[str, ...]:
+    """The fusable torch.optim classes a module-level name may hold where every top-level binding of it (an ``if`` /
+    ``else`` chain on a flag, a ``try``) is a class expression and one at least is a fusable torch.optim class
+    (``if args.adam: OptimCls = torch.optim.Adam`` / ``else: OptimCls = torch.optim.SGD``); () otherwise (a name also
+    imported, defined or never bound at module level). The construction's guard tests the value at run time, so a
+    ``global`` rebinding elsewhere only makes the original call run."""
+    if name in module.aliases or name in module.functions or name in module.classes:
+        return ()
+    top = module.scopes[0]
+    bound = top.assignments.get(name, [])
+    if not bound or not all(isinstance(v, (ast.Name, ast.Attribute)) for _st, v in bound):
+        return ()
+    found = {(module.canonical(v) or "").removeprefix("torch.optim.").split(".")[-1] for _st, v in bound
+             if (module.canonical(v) or "").startswith("torch.optim.")}
+    return tuple(k for k in fusable if k in found)

@@ -1283,6 +1283,8 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     for item in items:
         kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
         built = _called_later(scope, stmt) if kind is not None else None
+        if built is not None and isinstance(scope.node, ast.Module) and _fused_optimizer_s51b.module_class_kinds(module, built[0], _OPTIMIZERS):
+            return None  # s51b: each construction through the module-level name reports itself (_s34_bound_lookup)
         if built is not None and _built_statement(module, scope, built[1]) is not None:
             return None  # the construction reports itself (_chosen_construction): candidate or near miss
         if built is not None:
@@ -5925,6 +5927,11 @@ def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
             continue  # a parameter (an injected class: _s28_injected_class) or an import
         value = scope.definition(name, stmt.lineno)
         if value is None:
+            if not isinstance(scope.node, ast.Module) and name not in scope.assignments:
+                # s51b: a module-level name bound to torch.optim classes in an if/else chain, called in a function
+                kinds = _fused_optimizer_s51b.module_class_kinds(module, name, _OPTIMIZERS)
+                if kinds:
+                    return call, name, kinds
             continue
         kinds, _table = _s34_lookup_kinds(module, scope, value, stmt.lineno)
         if kinds:
