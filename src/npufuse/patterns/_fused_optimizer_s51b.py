@@ -301,3 +301,74 @@ def module_class_kinds(module: Any, name: str, fusable: dict[str, Any]) -> tuple
     found = {(module.canonical(v) or "").removeprefix("torch.optim.").split(".")[-1] for _st, v in bound
              if (module.canonical(v) or "").startswith("torch.optim.")}
     return tuple(k for k in fusable if k in found)
+
+
+_LIST_METHODS: dict[tuple[str, str], bool] = {}
+
+
+def _returns_lists(fn: ast.AST) -> bool:
+    """Every ``return`` of ``fn`` (one at least; no ``yield``, no nested def) gives a list display or a list
+    comprehension: each call makes a fresh list (never a one-shot generator)."""
+    rets = []
+    for n in ast.walk(fn):
+        if isinstance(n, (ast.Yield, ast.YieldFrom, ast.Lambda)) or (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n is not fn):
+            return False
+        if isinstance(n, ast.Return):
+            rets.append(n)
+    return bool(rets) and all(isinstance(r.value, (ast.List, ast.ListComp)) for r in rets)
+
+
+def list_returning_method(module: Any, name: str) -> bool:
+    """Does every definition of a method ``name`` in the repository (one at least, each a method of a module-level
+    class; no module-level function of that name; at most 24) return only list displays / comprehensions
+    (:func:`_returns_lists`)? FOB's ``GroupedModel.grouped_parameters``: ``return [pg.to_optimizer_dict(..) for pg in
+    self.parameter_groups()]`` -- a list, whatever else it calls."""
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    if root is None or not name.isidentifier():
+        return False
+    repo_facts._depends(root, module.path)
+    key = (str(root), name)
+    if key not in _LIST_METHODS:
+        defs: Optional[list[ast.AST]] = []
+        needle = f"def {name}("
+        for rel in repo_facts._repo_py_files(root):
+            text = repo_facts._repo_text(root, rel)
+            if text is None or needle not in text:
+                continue
+            tree = repo_facts._parse_repo_file(root, rel)
+            found = [m for c in (tree.body if tree is not None else []) if isinstance(c, ast.ClassDef) for m in c.body
+                     if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == name]
+            if tree is None or not found or any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body) \
+                    or len(defs) + len(found) > 24:  # type: ignore[arg-type]
+                defs = None
+                break
+            defs.extend(found)  # type: ignore[union-attr]
+        if len(_LIST_METHODS) > 256:
+            _LIST_METHODS.clear()
+        _LIST_METHODS[key] = bool(defs) and all(_returns_lists(fn) for fn in defs or ())
+    return _LIST_METHODS[key]
+
+
+def list_method_receiver(module: Any, params: ast.expr) -> Optional[str]:
+    """``M`` of params written ``M.<method>(..)`` (``M`` a plain name or attribute path other than ``self`` / ``cls``,
+    the method's name saying params or groups) where every repository definition of the method returns a list
+    (:func:`list_returning_method`): the guard reads a fresh ``M.parameters()`` generator (checked to be an
+    ``nn.Module`` at run time) and never calls the method, which runs once, in the branch taken."""
+    from npufuse.scan.dataflow import dotted
+
+    if not (isinstance(params, ast.Call) and isinstance(params.func, ast.Attribute)):
+        return None
+    recv = dotted(params.func.value) or ""
+    low = params.func.attr.lower()
+    if not recv or recv.split(".")[0] in ("self", "cls") or ("param" not in low and "group" not in low) \
+            or (module.canonical(params.func.value) or "").startswith(("torch", "itertools", "builtins")):
+        return None
+    return recv if list_returning_method(module, params.func.attr) else None
+
+
+def module_test(recv: str) -> str:
+    """``recv`` is an ``nn.Module`` at run time, without the name ``torch`` (a file may not bind it): its class's MRO
+    holds torch's ``Module``."""
+    return (f"any(_c.__name__ == 'Module' and _c.__module__ == 'torch.nn.modules.module' for _c in type({recv}).__mro__)")

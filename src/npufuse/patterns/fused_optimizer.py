@@ -905,6 +905,11 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # generator); the guard reads a fresh generator of the module handed to it, checked to be an
         # nn.Module at run time, and the helper runs once, in the branch taken
         return f"next({handed}.parameters(), None) if isinstance({handed}, torch.nn.Module) else None", ""
+    listed_by = _fused_optimizer_s51b.list_method_receiver(module, params)
+    if listed_by is not None:
+        # s51b: `model.grouped_parameters(lr=lr)`, a method of the repository returning a list comprehension: the
+        # guard reads the receiver's fresh parameters() generator, the method runs once, in the branch taken
+        return f"next({listed_by}.parameters(), None) if {_fused_optimizer_s51b.module_test(listed_by)} else None", ""
     return None, (f"the params come from `{segment(module, params)[:50]}`, which may be a one-shot iterator (a generator): "
                   "reading a tensor from it for the guard would consume it")
 
