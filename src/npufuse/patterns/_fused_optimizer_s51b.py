@@ -372,3 +372,116 @@ def module_test(recv: str) -> str:
     """``recv`` is an ``nn.Module`` at run time, without the name ``torch`` (a file may not bind it): its class's MRO
     holds torch's ``Module``."""
     return (f"any(_c.__name__ == 'Module' and _c.__module__ == 'torch.nn.modules.module' for _c in type({recv}).__mro__)")
+
+
+# methods of a module whose result is the module itself or nothing (read from `self.<m>` only as a statement or the
+# store of `self.<m>`), or a copy (state_dict: detached tensors, no Parameter whose .grad could be set)
+_IN_PLACE_METHODS = ("to", "cuda", "cpu", "train", "eval", "float", "half", "double", "share_memory", "requires_grad_")
+_READ_METHODS = ("state_dict", "load_state_dict", "save", "load", "zero_grad", "forward")
+_PARAM_METHODS = ("parameters", "named_parameters")
+
+
+def _fresh_construction(value: ast.AST, method_args: set[str]) -> bool:
+    """``Net(..)`` / ``Net(..).to(device)``: a call of a class or function (not of a method of a parameter or of
+    ``self``), possibly followed by in-place module methods returning the module."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _IN_PLACE_METHODS:
+        value = value.func.value
+    if not isinstance(value, ast.Call):
+        return False
+    from npufuse.scan.dataflow import dotted
+
+    head = (dotted(value.func) or "").split(".")[0]
+    return bool(head) and head not in method_args and head != "self"
+
+
+def private_model(module: Any, cls: ast.ClassDef, attr: str, site_params: ast.AST) -> bool:
+    """Does the object a class keeps in ``self.<attr>`` stay inside its instances? Every store of ``self.<attr>`` in the
+    class is a fresh construction (:func:`_fresh_construction`); every read is a call of it (``self.<attr>(x)``), an
+    in-place method as a statement, a reading method (``state_dict``, ``save``), or ``parameters()`` handed to the
+    site's optimizer or to a torch function; the class hands out no bare ``self`` and uses no reflection; and no code
+    of the file reads ``.<attr>`` of another object. Then no other class of the file holds that module or its
+    parameters (s51b: an A3C worker writing `.grad` of the global network it is handed)."""
+    from npufuse.scan.dataflow import dotted, fast_walk
+
+    parents: dict[int, ast.AST] = {}
+    for parent in ast.walk(cls):
+        for child in ast.iter_child_nodes(parent):
+            parents[id(child)] = parent
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Name) and n.id in ("getattr", "setattr", "vars") or isinstance(n, ast.Attribute) and n.attr == "__dict__":
+            return False
+    for n in fast_walk(module.tree):
+        if isinstance(n, ast.Attribute) and n.attr == attr and not (isinstance(n.value, ast.Name) and n.value.id == "self"):
+            return False  # `agent.network` read from outside: the module may be handed anywhere
+    for fn in cls.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Name) and n.id == "self" and isinstance(n.ctx, ast.Load):
+                up = parents.get(id(n))
+                if not isinstance(up, ast.Attribute):
+                    return False  # `register(self)` / `return self`: the instance (and its attribute) handed out
+            if not (isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                continue
+            up = parents.get(id(n))
+            if isinstance(n.ctx, ast.Store):
+                if not (isinstance(up, ast.Assign) and len(up.targets) == 1 and _fresh_construction(up.value, args)):
+                    return False
+                continue
+            if not isinstance(n.ctx, ast.Load):
+                return False
+            if isinstance(up, ast.Call) and up.func is n:
+                continue  # self.net(x)
+            call = parents.get(id(up))
+            if not (isinstance(up, ast.Attribute) and isinstance(call, ast.Call) and call.func is up):
+                return False  # `self.net.encoder`, `f(self.net)`, `x = self.net`
+            outer = parents.get(id(call))
+            if up.attr in _IN_PLACE_METHODS:
+                if not isinstance(outer, ast.Expr) and not (isinstance(outer, ast.Assign) and len(outer.targets) == 1
+                                                            and dotted(outer.targets[0]) == f"self.{attr}"):
+                    return False  # `m = self.net.to(dev)`: the module itself under another name
+            elif up.attr in _PARAM_METHODS:
+                if call is site_params:
+                    continue
+                if not (isinstance(outer, ast.Call) and (module.canonical(outer.func) or "").startswith("torch.")
+                        and not (module.canonical(outer.func) or "").startswith("torch.optim")):
+                    return False  # the parameters handed to code npufuse does not follow
+            elif up.attr not in _READ_METHODS:
+                return False
+    return True
+
+
+def foreign_grad_write_lines(module: Any, scope: Any, call: ast.Call) -> set[int]:
+    """Lines of ``X.grad = ..`` / ``X._grad = ..`` in methods of another class of the file (not the site's class, a base
+    or a subclass of it), on objects that class's instance holds, where the site's optimizer is built over
+    ``self.<m>.parameters()`` of a module the site's class keeps to itself (:func:`private_model`): those writes
+    concern other parameters (an A3C worker's global network), not this optimizer's. Empty otherwise."""
+    from npufuse.patterns import fused_optimizer as fo
+    from npufuse.scan.dataflow import dotted, keyword
+
+    params = keyword(call, "params", 0)
+    if not (isinstance(params, ast.Call) and isinstance(params.func, ast.Attribute) and params.func.attr in _PARAM_METHODS
+            and not params.args and not params.keywords):
+        return set()
+    parts = (dotted(params.func.value) or "").split(".")
+    if len(parts) != 2 or parts[0] != "self":
+        return set()
+    units = fo._units(module)
+    site_cls = units.units[units.unit_of(scope.qualname)].cls
+    cls_node = module.classes.get(site_cls) if site_cls else None
+    if cls_node is None:
+        return set()
+    family = fo._class_family(units, site_cls)
+    lines: set[int] = set()
+    for cls_name, methods in units.classes.items():
+        if cls_name in family:
+            continue
+        for m in methods:
+            u = units.units[m]
+            fn = u.roots[0] if u.roots else None
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines |= {ln for ln, recv in units._unit_facts(m).grad_assigns if fo.held_by_instance(fn, recv)}
+    if lines and not private_model(module, cls_node, parts[1], params):
+        return set()
+    return lines

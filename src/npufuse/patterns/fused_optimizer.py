@@ -2079,7 +2079,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         return miss(dead)
     # grads freed by a wrapper class's own objects (`for op in self.optimizers: op.zero_grad(True)`)
     # concern only the optimizers handed to that class: not this one when it never is
-    foreign = _foreign_wrapper_lines(module, scope, stmt, call)
+    foreign = _foreign_wrapper_lines(module, scope, stmt, call) | _fused_optimizer_s51b.foreign_grad_write_lines(module, scope, call)
     if foreign:
         tiers = (_without_lines(module, tiers[0], foreign), _without_lines(module, tiers[1], foreign),
                  _without_lines(module, tiers[2], foreign))
