@@ -290,13 +290,15 @@ def module_class_kinds(module: Any, name: str, fusable: dict[str, Any]) -> tuple
     """The fusable torch.optim classes a module-level name may hold where every top-level binding of it (an ``if`` /
     ``else`` chain on a flag, a ``try``) is a class expression and one at least is a fusable torch.optim class
     (``if args.adam: OptimCls = torch.optim.Adam`` / ``else: OptimCls = torch.optim.SGD``); () otherwise (a name also
-    imported, defined or never bound at module level). The construction's guard tests the value at run time, so a
-    ``global`` rebinding elsewhere only makes the original call run."""
+    imported, defined, bound once -- s42's alias -- or rebound by a function's ``global``: those stay near misses)."""
     if name in module.aliases or name in module.functions or name in module.classes:
         return ()
     top = module.scopes[0]
     bound = top.assignments.get(name, [])
-    if not bound or not all(isinstance(v, (ast.Name, ast.Attribute)) for _st, v in bound):
+    # two bindings at least (one is s42's module-level alias, or a name a function's `global` rebinds: a near miss)
+    if len(bound) < 2 or not all(isinstance(v, (ast.Name, ast.Attribute)) for _st, v in bound):
+        return ()
+    if any(isinstance(n, ast.Global) and name in n.names for n in ast.walk(module.tree)):
         return ()
     found = {(module.canonical(v) or "").removeprefix("torch.optim.").split(".")[-1] for _st, v in bound
              if (module.canonical(v) or "").startswith("torch.optim.")}
