@@ -190,11 +190,18 @@ def _star_bindings(root: Path, rel: str, tree: ast.Module, depth: int) -> dict[s
             for a in node.names:
                 out[a.asname or a.name.split(".")[0]] = None
         else:
-            for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else [node]:
+            # any other statement: every name it may bind at module level (an import or def under an `if`, a
+            # `global` rebinding inside a function) counts as a binding to something else (conservative: a function's
+            # own locals are counted too)
+            for n in ast.walk(node):
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     out[n.name] = None
                 elif isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
                     out[n.id] = None
+                elif isinstance(n, ast.alias):
+                    out[n.asname or n.name.split(".")[0]] = None
+                elif isinstance(n, ast.Global):
+                    out.update(dict.fromkeys(n.names))
     exported = _exported(tree)
     return {k: v for k, v in out.items() if (k in exported if exported is not None else not k.startswith("_"))}
 
