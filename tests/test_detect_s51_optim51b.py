@@ -372,3 +372,10 @@ def test_grad_norm_helper_averaging_over_the_kept_count_keeps_the_reason(tmp_pat
     got, near = _at(res, "loop.py")
     assert not got
     assert any("grad is None" in m["reason"] or "q.grad is not None" in m["reason"] for m in near), near
+
+
+def test_star_imported_name_rebound_under_a_try_is_no_site(tmp_path: Path) -> None:
+    settings = _SETTINGS + "\ntry:\n    from fancy_optim import Adam\nexcept ImportError:\n    pass\n"
+    res = _scan(tmp_path, {"settings.py": settings, "config.py": _CONFIG, "build.py": _BUILD})
+    got, _near = _at(res, "build.py")
+    assert [c["line"] for c in got] == [7], got  # Adam may be fancy_optim's: only SGD is torch.optim's for sure
