@@ -379,3 +379,36 @@ def test_star_imported_name_rebound_under_a_try_is_no_site(tmp_path: Path) -> No
     res = _scan(tmp_path, {"settings.py": settings, "config.py": _CONFIG, "build.py": _BUILD})
     got, _near = _at(res, "build.py")
     assert [c["line"] for c in got] == [7], got  # Adam may be fancy_optim's: only SGD is torch.optim's for sure
+
+
+_HANDED = """import torch
+
+from nets import Net
+
+
+class Module:
+    def __init__(self, optimizer_table, name, lr=1e-3):
+        self.optimizer_table = optimizer_table
+        self.net = Net()
+        cls = self.optimizer_table[name]
+        self.opt = cls(self.net.parameters(), lr=lr)
+
+    def step(self, x, y):
+        self.opt.zero_grad()
+        torch.nn.functional.mse_loss(self.net(x), y).backward()
+        self.opt.step()
+"""
+
+
+def test_table_handed_in_through_an_attribute_is_a_guarded_site(tmp_path: Path) -> None:
+    res = _scan(tmp_path, {"nets.py": _NET, "module.py": _HANDED})
+    got, near = _at(res, "module.py")
+    assert len(got) == 1, near
+    guard = got[0]["guard_tensor"]
+    assert _class_test(guard, "cls", torch.optim.Adam) and not _class_test(guard, "cls", torch.optim.Adamax)
+
+
+def test_table_whose_name_says_nothing_of_optimizers_is_no_site(tmp_path: Path) -> None:
+    res = _scan(tmp_path, {"nets.py": _NET, "module.py": _HANDED.replace("optimizer_table", "table")})
+    got, _near = _at(res, "module.py")
+    assert not got

@@ -141,6 +141,9 @@ def registry_words(module: Any, fusable: tuple[str, ...]) -> tuple[str, ...]:
         imported = {a.asname or a.name for n in module.tree.body if isinstance(n, ast.ImportFrom)
                     and not (n.module or "").startswith(("torch", "typing")) for a in n.names if a.name != "*"}
         for name in sorted(used):
+            if "optim" in name.lower() and f"self.{name}" in src and name.isascii():
+                words.append(name)  # an attribute table handed in (:func:`handed_table`): the guard decides
+                continue
             if name in imported:
                 kinds = imported_table(module, name)
             else:
@@ -494,3 +497,27 @@ def foreign_grad_write_lines(module: Any, scope: Any, call: ast.Call) -> set[int
     if lines and not private_model(module, cls_node, parts[1], params):
         return set()
     return lines
+
+
+def handed_table(scope: Any, lookup: ast.expr, fusable: tuple[str, ...]) -> Optional[tuple[tuple[str, ...], str]]:
+    """(every fusable class, the table's text) for a lookup in a table of optimizer classes handed in from elsewhere:
+    ``self.<optim..>[key]`` / ``.get(key)`` (an attribute the instance was given) or ``<optim..>[key]`` of a parameter
+    of the function, its name saying "optim" (core-ml's ``opt_class = self.optimizers_dict[opt_name]``). Which classes
+    it holds is not read here; the construction's guard tests the class the lookup yields at run time (a torch.optim
+    class with a fused counterpart taking the arguments written), so any other entry runs the original call. None for
+    any other lookup."""
+    from npufuse.scan.dataflow import dotted
+
+    if isinstance(lookup, ast.Subscript):
+        table = lookup.value
+    elif isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
+        table = lookup.func.value
+    else:
+        return None
+    text = dotted(table) or ""
+    parts = text.split(".")
+    if "optim" not in parts[-1].lower():
+        return None
+    if (len(parts) == 2 and parts[0] == "self" and "self" in scope.args) or (len(parts) == 1 and parts[0] in scope.args):
+        return fusable, text
+    return None

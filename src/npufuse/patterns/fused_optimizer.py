@@ -5914,6 +5914,9 @@ def _s34_lookup_kinds(module: ModuleInfo, scope: Scope, value: ast.expr, line: i
             # s51b: a table imported from another module of the repository (`from optimizers import OPTIMIZERS`)
             imported = _fused_optimizer_s51b.imported_table(module, table_name)
             return (tuple(k for k in _OPTIMIZERS if f"torch.optim.{k}" in (imported or ())), table_name)
+    handed = _fused_optimizer_s51b.handed_table(scope, value, tuple(_OPTIMIZERS))
+    if handed is not None:
+        return handed
     return (_s34_table_kinds(module, table), table_name) if table is not None else ((), None)
 
 
