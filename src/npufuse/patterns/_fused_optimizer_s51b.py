@@ -1,15 +1,22 @@
-"""s51 (optim51b): torch.optim classes reached through another file of the repository.
+"""s51 (optim51b): torch.optim classes reached through another file of the repository, and facts scoped to their objects.
 
 1. A registry table of torch.optim classes imported from a repository module (``from optimizers import
    OPTIMIZERS`` where ``optimizers/__init__.py`` holds ``OPTIMIZERS = {"sgd": SGD, "adam": Adam}``), or a
    module-level table of this file, read by a function whose text names no optimizer class
-   (``OPTIMIZERS[cfg.optimizer_name](params, lr=..)``): :func:`table_kinds` tells the fusable classes of such a table
+   (``OPTIMIZERS[cfg.optimizer_name](params, lr=..)``): :func:`imported_table` tells the fusable classes of such a table
    (the construction then becomes s32's looked-up site: its guard checks the class the lookup yields at run time,
    so the table's other classes -- and any entry added at run time -- keep running unchanged), and
    :func:`registry_words` opens the scope gate for the table's name.
 2. ``from config import *`` where ``config.py`` does ``from torch.optim import Adam, SGD``: :func:`star_optim_aliases`
    resolves the star import through the repository's modules (a chain of star imports too) and names each
    torch.optim class bound that way, so ``Adam(model.parameters(), ..)`` is the torch.optim construction it is.
+3. A module-level if/else chain of torch.optim classes (:func:`module_class_kinds`) and a table handed in through an
+   attribute or parameter (:func:`handed_table`): looked-up sites under the same run-time class test; a lookup whose
+   guard cannot be written is a near miss saying why (:func:`table_lookup_refusal`).
+4. ``.grad`` writes in another class's methods on objects that class holds (an A3C worker's global network) do not
+   concern an optimizer over a module the site's class keeps to itself (:func:`foreign_grad_write_lines`).
+5. Params from a repository method that returns a list comprehension (:func:`list_method_receiver`): the guard reads the
+   receiver's parameters, never the method's result.
 """
 
 from __future__ import annotations
