@@ -412,3 +412,11 @@ def test_table_whose_name_says_nothing_of_optimizers_is_no_site(tmp_path: Path) 
     res = _scan(tmp_path, {"nets.py": _NET, "module.py": _HANDED.replace("optimizer_table", "table")})
     got, _near = _at(res, "module.py")
     assert not got
+
+
+def test_model_read_from_another_file_keeps_the_refusal(tmp_path: Path) -> None:
+    main = "from agents import Agent, Worker\n\nagent = Agent(1e-3)\nhelper = Worker(agent.net, agent.optimizer)\n"
+    res = _scan(tmp_path, {"nets.py": _NET, "agents.py": _AGENTS, "main.py": main})
+    got, near = _at(res, "agents.py")
+    assert not got
+    assert any(m["line"] == 10 and "grads are re-allocated" in m["reason"] for m in near), near

@@ -432,6 +432,8 @@ def private_model(module: Any, cls: ast.ClassDef, attr: str, site_params: ast.AS
     for n in fast_walk(module.tree):
         if isinstance(n, ast.Attribute) and n.attr == attr and not (isinstance(n.value, ast.Name) and n.value.id == "self"):
             return False  # `agent.network` read from outside: the module may be handed anywhere
+    if _read_elsewhere(module, attr):
+        return False  # another file of the repository may hand `agent.network` to the class that writes grads
     for fn in cls.body:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
@@ -469,6 +471,30 @@ def private_model(module: Any, cls: ast.ClassDef, attr: str, site_params: ast.AS
             elif up.attr not in _READ_METHODS:
                 return False
     return True
+
+
+def _read_elsewhere(module: Any, attr: str) -> bool:
+    """Does another Python file of the repository read ``.<attr>`` of an object other than ``self`` (the text
+    ``<x>.<attr>`` with ``<x>`` not ``self``, comments and strings included)? True where such a file cannot be read."""
+    from npufuse.scan import repo_facts
+
+    root = repo_facts.repo_root(module)
+    if root is None:
+        return False  # a single file scanned alone: the file is all there is
+    repo_facts._depends(root, module.path)
+    # `<chain>.<attr>` whose chain is not exactly `self` (`agent.net`, `self.agent.net`), or a call's / subscript's result
+    # (a call of it -- `agent.net(x)`: its forward -- or a reading method hands nothing out)
+    rx = re.compile(r"(?:(?<![\w.])([A-Za-z_][\w.]*)|[\])])\." + re.escape(attr)
+                    + r"\b(?!\s*\(|\s*\.\s*(?:" + "|".join(_READ_METHODS) + r")\s*\()")
+    for rel in repo_facts._repo_py_files(root):
+        if rel == module.path:
+            continue
+        text = repo_facts._repo_text(root, rel)
+        if text is None:
+            return True
+        if f".{attr}" in text and any(m.group(1) != "self" for m in rx.finditer(text)):
+            return True
+    return False
 
 
 def foreign_grad_write_lines(module: Any, scope: Any, call: ast.Call) -> set[int]:
