@@ -32,7 +32,7 @@ import ast
 import re
 from typing import Any, ClassVar, Iterable, Optional, Union
 
-from npufuse.patterns import _fused_optimizer_s50m
+from npufuse.patterns import _fused_optimizer_s50m, _fused_optimizer_s51a, _fused_optimizer_s51b
 from npufuse.patterns import _fused_optimizer_s46a, _optim_s45, _optim_s46
 from npufuse.patterns import _fused_optimizer_s47sweep
 from npufuse.patterns import _optim_s46h
@@ -163,7 +163,8 @@ class FusedOptimizer(Pattern):
                     yield _s32_looked_up_site(module, scope, stmt, *looked_up, in_place=self.zero_grad_in_place)
                 else:
                     chosen = (_class_chosen_at_run_time(module, scope, stmt) or _class_as_value(module, scope, stmt)
-                              or _looked_up_by_name(module, scope, stmt))
+                              or _looked_up_by_name(module, scope, stmt)
+                              or _fused_optimizer_s51b.table_lookup_refusal(module, scope, stmt))
                     if chosen is not None:
                         yield chosen
 
@@ -187,7 +188,11 @@ def _relevant(module: ModuleInfo) -> bool:
         # "optim" first: one search instead of fourteen in the files that never say it (most)
         cached = module.__dict__["_npufuse_optim_relevant"] = (("optim" in src) and any(k in src for k in (*_OPTIMIZERS, *_NO_FUSED))) \
             or any(k in src for k in _THIRD_PARTY_CLASSES) or _BY_NAME_WORD in src or (_CALLED_LOOKUP_WORD in src and "optim" in src) \
-            or ("optim" in src and any(w in src for w in _S39_LOADER_WORDS))
+            or ("optim" in src and any(w in src for w in _S39_LOADER_WORDS)) \
+            or bool(_fused_optimizer_s51b.registry_words(module, tuple(_OPTIMIZERS)))  # s51b: a table of another file
+        if cached and "*" in src:
+            # s51b: `from config import *` binding torch.optim classes (config: `from torch.optim import Adam`)
+            module.aliases.update(_fused_optimizer_s51b.star_optim_aliases(module))
     return bool(cached)
 
 
@@ -900,6 +905,11 @@ def _guard(module: ModuleInfo, scope: Scope, call: ast.Call, stmt: ast.stmt) -> 
         # generator); the guard reads a fresh generator of the module handed to it, checked to be an
         # nn.Module at run time, and the helper runs once, in the branch taken
         return f"next({handed}.parameters(), None) if isinstance({handed}, torch.nn.Module) else None", ""
+    listed_by = _fused_optimizer_s51b.list_method_receiver(module, params)
+    if listed_by is not None:
+        # s51b: `model.grouped_parameters(lr=lr)`, a method of the repository returning a list comprehension: the
+        # guard reads the receiver's fresh parameters() generator, the method runs once, in the branch taken
+        return f"next({listed_by}.parameters(), None) if {_fused_optimizer_s51b.module_test(listed_by)} else None", ""
     return None, (f"the params come from `{segment(module, params)[:50]}`, which may be a one-shot iterator (a generator): "
                   "reading a tensor from it for the guard would consume it")
 
@@ -1066,8 +1076,8 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
     arms: set[tuple[int, bool]] = set()
     tests: dict[int, ast.expr] = {}
     for node in nodes:
-        if _consequence_of_sharding(module, parents, node):
-            continue
+        if _consequence_of_sharding(module, parents, node) or _fused_optimizer_s51a.option_read(node, parents):
+            continue  # s51: the option read in a test / turned off by a keyword is no cause of sharding
         child, parent = node, parents.get(id(node))
         while parent is not None and not (isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test):
             child, parent = parent, parents.get(id(parent))
@@ -1088,12 +1098,16 @@ def _sharding_condition(module: ModuleInfo, scope: Scope, stmt: ast.stmt, nodes:
         a = fn.args
         params_ = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
     module_scope = next((s for s in module.scopes if s.qualname == "<module>"), None)
+    if _fused_optimizer_s51a.self_test_holds(module, scope, stmt, test):  # s51: `self.cfg.use_fsdp` in __init__
+        return " ".join(segment(module, test).split()), in_body, f"line {test.lineno}"
+    # s51: a parameter of the site's function is the test's value only where the test is in that function
+    own = fn is not None and fn.lineno <= test.lineno <= (getattr(fn, "end_lineno", None) or fn.lineno)
     for n in fast_walk(test):
         if not isinstance(n, ast.Name):
             continue
         if scope.qualname != "<module>" and n.id in scope.assignments:
             return None  # re-bound in the function: the value at the site may differ
-        if n.id in params_:
+        if n.id in params_ and own:
             continue
         if module_scope is None or n.id not in module_scope.assignments:
             return None
@@ -1274,6 +1288,8 @@ def _class_as_value(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optiona
     for item in items:
         kind = _CANONICAL.get(module.canonical(item) or "") if isinstance(item, (ast.Name, ast.Attribute)) else None
         built = _called_later(scope, stmt) if kind is not None else None
+        if built is not None and isinstance(scope.node, ast.Module) and _fused_optimizer_s51b.module_class_kinds(module, built[0], _OPTIMIZERS):
+            return None  # s51b: each construction through the module-level name reports itself (_s34_bound_lookup)
         if built is not None and _built_statement(module, scope, built[1]) is not None:
             return None  # the construction reports itself (_chosen_construction): candidate or near miss
         if built is not None:
@@ -2063,7 +2079,7 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         return miss(dead)
     # grads freed by a wrapper class's own objects (`for op in self.optimizers: op.zero_grad(True)`)
     # concern only the optimizers handed to that class: not this one when it never is
-    foreign = _foreign_wrapper_lines(module, scope, stmt, call)
+    foreign = _foreign_wrapper_lines(module, scope, stmt, call) | _fused_optimizer_s51b.foreign_grad_write_lines(module, scope, call)
     if foreign:
         tiers = (_without_lines(module, tiers[0], foreign), _without_lines(module, tiers[1], foreign),
                  _without_lines(module, tiers[2], foreign))
@@ -2125,7 +2141,14 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
     single = _s27_single_tensor(module, scope, stmt, call)
     if guard is None:
         return miss(why)
-    reason = _s37_random_skip(module, scope, guard, call) or _s40_grad_none_read(module, tiers)
+    skip_names: Optional[list[str]] = None
+    reason = _s37_random_skip(module, scope, guard, call)
+    if reason is not None and model:
+        # s51: skipping classes of a model npufuse does not tell apart: the guard tests the model's modules for them
+        reason, skip_names = _fused_optimizer_s51a.random_skip_verdict(
+            module, scope, guard, segment(module, keyword(call, "params", 0)) if keyword(call, "params", 0) is not None else "")
+        reason = None if skip_names else reason
+    reason = reason or _s40_grad_none_read(module, tiers)
     if reason is not None:
         return miss(reason)
     if plan.runtime is not None:
@@ -2143,6 +2166,8 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
         # the sharded runs keep torch.optim: the fused branch only where the test says no sharding
         test, in_body, where = sharded_when
         guard = f"({guard}) if {'not ' if in_body else ''}({test}) else None"
+    if skip_names:
+        guard = f"({guard}) if {_fused_optimizer_s51a.no_skip_test(model, skip_names)} else None"
     if prepared is not None:
         # s32: accelerate's launcher picks DeepSpeed/FSDP/Megatron from a config file the code never names
         guard = accelerate_launch_guard(guard)
@@ -2242,6 +2267,10 @@ def _site(module: ModuleInfo, scope: Scope, stmt: ast.stmt, call: ast.Call,
                           f"{'true' if in_body else 'false'}): it flattens the parameters or re-assigns the grads behind the optimizer, so the guard "
                           "runs the fused optimizer only when that test says no sharding; sharded runs keep torch.optim"))
         params["guard"] += "_unsharded_runs_only"
+    if skip_names:
+        params["skip_classes_checked"] = skip_names
+        params["guard"] += "_skipping_classes_checked"
+        notes.append(_fused_optimizer_s51a.skip_note(model, skip_names))
     if prepared is not None:
         risks.append(Risk("other", f"the optimizer goes through `{prepared[1]}.prepare` (line {prepared[0]}): accelerate's "
                           "AcceleratedOptimizer.zero_grad() passes set_to_none=True, which the fused class rejects "
@@ -5837,6 +5866,8 @@ def _s34_table_kinds(module: ModuleInfo, table: ast.AST) -> tuple[str, ...]:
     """The fusable torch.optim classes among the values of a dict literal (``{...}`` or ``dict(k=...)``)."""
     if isinstance(table, ast.Dict):
         values: list[ast.expr] = [v for v in table.values if v is not None]
+    elif isinstance(table, (ast.Tuple, ast.List)):
+        values = list(table.elts)  # s51b: `OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam)` indexed by a number
     elif isinstance(table, ast.Call) and isinstance(table.func, ast.Name) and table.func.id == "dict" and not table.args \
             and "dict" not in module.aliases:
         values = [k.value for k in table.keywords]
@@ -5879,6 +5910,13 @@ def _s34_lookup_kinds(module: ModuleInfo, scope: Scope, value: ast.expr, line: i
     table_name = table.id if isinstance(table, ast.Name) else None
     if table_name is not None:
         table = scope.definition(table_name, line) if table_name in scope.assignments else _s34_module_binding(module, table_name)
+        if table is None and table_name not in scope.args:
+            # s51b: a table imported from another module of the repository (`from optimizers import OPTIMIZERS`)
+            imported = _fused_optimizer_s51b.imported_table(module, table_name)
+            return (tuple(k for k in _OPTIMIZERS if f"torch.optim.{k}" in (imported or ())), table_name)
+    handed = _fused_optimizer_s51b.handed_table(scope, value, tuple(_OPTIMIZERS))
+    if handed is not None:
+        return handed
     return (_s34_table_kinds(module, table), table_name) if table is not None else ((), None)
 
 
@@ -5897,6 +5935,11 @@ def _s34_bound_lookup(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
             continue  # a parameter (an injected class: _s28_injected_class) or an import
         value = scope.definition(name, stmt.lineno)
         if value is None:
+            if not isinstance(scope.node, ast.Module) and name not in scope.assignments:
+                # s51b: a module-level name bound to torch.optim classes in an if/else chain, called in a function
+                kinds = _fused_optimizer_s51b.module_class_kinds(module, name, _OPTIMIZERS)
+                if kinds:
+                    return call, name, kinds
             continue
         kinds, _table = _s34_lookup_kinds(module, scope, value, stmt.lineno)
         if kinds:
@@ -6761,8 +6804,10 @@ def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
             continue
         if key is None or not _s39_parameters_like(keyword(call, "params", 0)) or not _side_effect_free(lookup):
             continue
-        kinds, _table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
-        if len(kinds) >= 2:
+        kinds, table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
+        # s51b: one fusable class is enough where the table is module-level or imported (_chosen_construction reads
+        # only a table this scope binds)
+        if len(kinds) >= 2 or (kinds and table is not None and table not in scope.assignments):
             return call, segment(module, lookup), kinds
     return None
 
@@ -6807,7 +6852,13 @@ def _s40_partial_attribute_words(module: ModuleInfo) -> tuple[str, ...]:
     return cached
 
 
-FusedOptimizer.held_call_words = staticmethod(_s40_partial_attribute_words)  # type: ignore[attr-defined]
+def _held_call_words(module: ModuleInfo) -> tuple[str, ...]:
+    """The s40 partial attributes and (s51b) the names of tables of torch.optim classes the module looks a class
+    up in (``OPTIMIZERS[name](..)`` in a function naming no class)."""
+    return _s40_partial_attribute_words(module) + _fused_optimizer_s51b.registry_words(module, tuple(_OPTIMIZERS))
+
+
+FusedOptimizer.held_call_words = staticmethod(_held_call_words)  # type: ignore[attr-defined]
 
 
 def _s40_partial_construction(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, str, list[str]]]:

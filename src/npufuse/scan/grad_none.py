@@ -17,7 +17,7 @@ and asserts. torch's own gradient clipping utilities are library code (never rea
 
 from __future__ import annotations
 
-from npufuse.scan import _grad_none_s50c
+from npufuse.scan import _grad_none_s50c, _grad_none_s51b
 
 import ast
 from typing import TYPE_CHECKING, Optional
@@ -133,6 +133,9 @@ def _norms_only_list(comp: ast.AST, name: str, fn: ast.AST, bound: dict[str, ast
     """Is ``comp`` (a list of ``name.grad`` or its norms, filtered by a grad-None test) bound to a name in ``fn`` whose
     every use reads it only through a total norm: ``torch.norm(torch.stack([torch.norm(g, t) for g in grads]), t)``
     (``torch.stack(grads)`` of the norms themselves too)? A list used nowhere else, or not at all, is not read so."""
+    if isinstance(comp, ast.ListComp) and isinstance(comp.elt, ast.Name) and comp.elt.id == name:
+        # s51b: the parameters themselves, read only through their grads' norms (nanoMolmo2's compute_gradient_norm)
+        return _grad_none_s51b.params_read_only_for_norms(comp, name, fn, bound)
     if not (isinstance(comp, ast.ListComp) and _norm_of(comp.elt, name, set())):
         return False
     held = next((k for k, v in bound.items() if v is comp), None)

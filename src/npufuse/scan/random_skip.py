@@ -1545,11 +1545,13 @@ def _fill_open_slots(index: RepoIndex, classes: list[tuple[str, ast.ClassDef]], 
     return unresolved
 
 
-def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, params: str) -> Optional[tuple[RandomSkip, bool, str]]:
+def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, params: str,
+                     every: Optional[list[RandomSkip]] = None) -> Optional[tuple[RandomSkip, bool, str]]:
     """The random skip an optimizer site's model may include: (skip, resolved?, note) where ``resolved`` says
     the model's class was told (else the skip is one the trainer's imports or config reach); ``note`` says why the
     model is not told: an instantiation of the trainer whose model argument npufuse does not resolve (s40), a module
-    handed to the model class's constructor it does not resolve (s41), else empty."""
+    handed to the model class's constructor it does not resolve (s41), else empty. ``every`` (s51): where the model is
+    not told, every skip that counts there is appended to it (the first is the one returned), for a guard on them all."""
     tree = index.tree(rel)
     if tree is None:
         return None
@@ -1592,9 +1594,9 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
         return None
     registry = Registry(index, reachable_files(index, starts))
     # the first skip that counts (s39: data-dependent skips made the list long; each registry check reads the files)
-    first = next((s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)), None)
+    first = _first((s for s in reachable_skips(index, starts) if _matters(index, s) and not registry.selected_out(s.cls)), every)
     if first is None and any("instantiate" in (index.text(f) or "") for f in starts):
-        first = next((s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)), None)
+        first = _first((s for s in configured_skips(index, _config_texts(index)) if _matters(index, s)), every)
     # the reason names an instantiation whose model npufuse does not resolve (the skip objects are shared: not stored there)
     note = f"its model is a constructor argument and {handed.unknown[0]}" if handed is not None and handed.unknown else open_note
     if first is None:
@@ -1602,7 +1604,7 @@ def site_random_skip(index: RepoIndex, rel: str, qualname: str, guard: str, para
         # module of the repository that calls an expert / branch only when the step's data reaches it may be the one
         untold = _untold_model(index, rel, tree, qualname, model, handed, open_note, starts[1:])
         if untold:
-            first = next((s for f in index.files for s in index.skips(f) if s.data_dependent and _matters(index, s)), None)
+            first = _first((s for f in index.files for s in index.skips(f) if s.data_dependent and _matters(index, s)), every)
             note = f"{_ANY_CLASS} ({untold})"
     return (first, False, note) if first is not None else None
 
@@ -1615,6 +1617,18 @@ def _called_by_text(index: RepoIndex, name: str, keyword: str) -> bool:
     ``name(`` other than in its own ``class`` / ``def`` line?"""
     pattern = re.compile(rf"(?<!{keyword} )\b{re.escape(name)}\(")
     return any(name in (text := index.text(f) or "") and pattern.search(text) for f in index.files)
+
+
+def _first(skips: Iterable[RandomSkip], every: Optional[list[RandomSkip]]) -> Optional[RandomSkip]:
+    """The first of ``skips``; with ``every`` (s51) all of them are read and appended to it (at most 64: more
+    leaves the list one longer than 64, which the guard builder refuses)."""
+    if every is None:
+        return next(iter(skips), None)
+    for n, s in enumerate(skips):
+        every.append(s)
+        if n >= 64:
+            break
+    return every[0] if every else None
 
 
 def _untold_model(index: RepoIndex, rel: str, tree: ast.Module, qualname: str, model: str, handed: Optional[HandedIn],
@@ -1802,6 +1816,8 @@ def _config_texts(index: RepoIndex) -> list[str]:
 def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_bytes: int, pattern: str = "fused_optimizer") -> None:
     """Turn fused_optimizer candidates whose model may skip a trainable submodule on random steps into
     near misses naming the skip (called once per scan by :mod:`npufuse.scan.repo_facts`)."""
+    from npufuse.patterns import _fused_optimizer_s51a  # s51 (a pattern helper; imported here to avoid a cycle)
+
     hits = [(o, h) for o in outcomes for h in o.hits if h.finding.pattern == pattern]
     if not hits:
         return
@@ -1809,7 +1825,11 @@ def apply(root: Path, files: Iterable[str], outcomes: list, near: list, max_byte
     for o, h in hits:
         f = h.finding
         params = str((f.params or {}).get("params", ""))
-        found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", params)
+        every: list[RandomSkip] = []
+        found = site_random_skip(index, o.file, f.qualname, f.guard_tensor or "", params, every)
+        if found is not None and not found[1] and (_fused_optimizer_s51a.repo_pass_checked(f.params or {}, every)
+                                                   or _fused_optimizer_s51a.guard_in_repo_pass(f, every, index)):
+            found = None  # s51: the candidate's guard keeps torch.optim for models holding these classes
         why = reason(*found) if found is not None else grad_none.site_reads(index, o.file, f.qualname, params)
         if why is None:
             continue
