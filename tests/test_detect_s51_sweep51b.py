@@ -1,0 +1,204 @@
+"""s51 (helper sweep51b): the two classes sweep51 found and left, as invented spellings (no repository code).
+
+1. attention: eager attention in a helper whose q / k / v arrive as 3-D tensors of no stated rank ([H, N, d] heads
+   first with no batch axis, or one head [B, N, d]). s41's run-time test fused 4-D operands only, so on the shapes the
+   code passes the fused branch never ran. Now 3-D operands run the BNSD call on [1, X, S, D] views; a mask the eager
+   broadcast would make 4-D, or mixed ranks, run the original code.
+2. swiglu: SSM output gates ``y * silu(z)`` (y the scan output, z a part of the input projection), as
+   ``npu_swiglu(torch.cat([z, y], -1))`` under a run-time shape / dtype test, with the cat copy's cost in the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pattern_harness import _exec, check_rewrite_runs, detect_all
+
+from npufuse import emulate
+from npufuse.patterns.attention import AttentionPattern
+from npufuse.rewrite.codegen import splice
+
+
+def _outputs(code: str, run: str, findings: list) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, int]]:
+    """The original's and the rewrite's outputs (under the emulator) and the fused calls made."""
+    ns = _exec(code, "original")
+    exec(compile(run, "<run>", "exec"), ns)
+    with emulate.install() as emu:
+        fns = _exec(splice(code, findings), "rewritten")
+        exec(compile(run, "<run>", "exec"), fns)
+    return ns["out"], fns["out"], dict(emu.calls)
+
+
+# -- 1. attention on 3-D operands of no stated rank ---------------------------------------------------------------------
+
+_HEADS_FIRST = '''
+import math
+import torch
+import torch.nn.functional as F
+
+
+def heads_first_attention(q, k, v, keep=None):
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if keep is not None:
+        s = s.masked_fill(keep == 0, float("-inf"))
+    p = F.softmax(s, dim=-1)
+    return torch.matmul(p, v)
+'''
+
+# [H, Sq, D] / [H, Skv, D] operands, with no mask, a 3-D [H, Sq, Skv] mask and a 2-D [Sq, Skv] one; 4-D still fused
+_HEADS_FIRST_RUN = '''
+torch.manual_seed(0)
+q = torch.randn(3, 7, 8, requires_grad=True)
+k = torch.randn(3, 9, 8, requires_grad=True)
+v = torch.randn(3, 9, 8, requires_grad=True)
+keep = (torch.rand(3, 7, 9) > 0.3).long()
+keep[..., 0] = 1
+keep2 = (torch.rand(7, 9) > 0.3).long()
+keep2[:, 1] = 1
+out = [heads_first_attention(q, k, v), heads_first_attention(q, k, v, keep), heads_first_attention(q, k, v, keep2),
+       heads_first_attention(q[None], k[None], v[None])]
+leaves = [q, k, v]
+'''
+
+
+def test_heads_first_3d_operands_reach_the_fused_call() -> None:
+    findings, misses = detect_all(AttentionPattern(), _HEADS_FIRST)
+    assert [f.qualname for f in findings] == ["heads_first_attention"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AttentionPattern(), _HEADS_FIRST, _HEADS_FIRST_RUN, findings)
+    assert facts["calls"] == 4, facts  # every call: three 3-D ones (no mask, 3-D mask, 2-D mask) and the 4-D one
+    assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+    assert all(a == b for a, b in facts["shapes"]) and all(a == b for a, b in facts["dtypes"]), facts
+    text = findings[0].fused
+    assert "q[None], k[None], v[None]" in text and ".flatten(0, _npufuse_lift)" in text, text
+    assert any("[1, X, S, D]" in n for n in findings[0].notes), findings[0].notes
+
+
+def test_heads_first_3d_operands_bf16() -> None:
+    run = _HEADS_FIRST_RUN.replace("torch.randn(3, 7, 8, requires_grad=True)", "torch.randn(3, 7, 8).bfloat16().requires_grad_()") \
+        .replace("torch.randn(3, 9, 8, requires_grad=True)", "torch.randn(3, 9, 8).bfloat16().requires_grad_()")
+    findings, _ = detect_all(AttentionPattern(), _HEADS_FIRST)
+    ref, got, calls = _outputs(_HEADS_FIRST, run, findings)
+    assert calls.get("npu_fusion_attention") == 4, calls
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        assert ((a.float() - b.float()).abs().max() / a.float().abs().max()).item() < 2e-2
+
+
+def test_3d_operands_beside_a_4d_mask_or_mixed_ranks_run_the_original() -> None:
+    # a 4-D mask makes the eager result 4-D; a 3-D mask whose first size is neither 1 nor H broadcasts the scores up;
+    # a 3-D q against 4-D k / v broadcasts q over the batch: the original code runs (0 fused calls), same outputs
+    run = '''
+torch.manual_seed(1)
+q = torch.randn(3, 7, 8); k = torch.randn(3, 9, 8); v = torch.randn(3, 9, 8)
+keep4 = torch.ones(2, 3, 7, 9, dtype=torch.long)
+q1 = torch.randn(1, 7, 8); k1 = torch.randn(1, 9, 8); v1 = torch.randn(1, 9, 8)
+keep3 = torch.ones(4, 7, 9, dtype=torch.long)
+out = [heads_first_attention(q, k, v, keep4), heads_first_attention(q1, k1, v1, keep3),
+       heads_first_attention(q, k[None].expand(2, -1, -1, -1), v[None].expand(2, -1, -1, -1))]
+'''
+    findings, _ = detect_all(AttentionPattern(), _HEADS_FIRST)
+    ref, got, calls = _outputs(_HEADS_FIRST, run, findings)
+    assert calls.get("npu_fusion_attention", 0) == 0, calls
+    assert [tuple(a.shape) for a in ref] == [(2, 3, 7, 8), (4, 7, 8), (2, 3, 7, 8)]
+    for a, b in zip(ref, got):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+_BLOCKWISE = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class NodeAttention(nn.Module):
+    """Heads-first attention over the nodes of concatenated graphs (no batch axis), queries taken in blocks."""
+
+    def __init__(self, width, heads, block=4):
+        super().__init__()
+        self.heads, self.hd, self.block = heads, width // heads, block
+        self.qkv = nn.Linear(width, 3 * width)
+        self.drop = nn.Dropout(0.0)
+
+    def blockwise(self, Q, K, V, same=None):
+        heads, nodes, hd = Q.shape
+        out = torch.zeros_like(V)
+        for i in range(0, nodes, self.block):
+            j = min(i + self.block, nodes)
+            q_blk = Q[:, i:j]
+            sc = torch.matmul(q_blk, K.transpose(-2, -1)) / (self.hd ** 0.5)
+            if same is not None:
+                sc = sc.masked_fill(same[:, i:j, :] == 0, float("-inf"))
+            w = F.softmax(sc, dim=-1)
+            w = self.drop(w)
+            out[:, i:j] = torch.matmul(w, V)
+        return out
+
+    def forward(self, x, graph):
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, self.hd).permute(1, 2, 0, 3)
+        same = (graph[:, None] == graph[None, :]).unsqueeze(0).expand(self.heads, -1, -1)
+        return self.blockwise(q, k, v, same).transpose(0, 1).reshape(x.shape[0], -1)
+'''
+
+_BLOCKWISE_RUN = '''
+torch.manual_seed(0)
+m = NodeAttention(16, 2)
+x = torch.randn(10, 16, requires_grad=True)
+graph = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
+out = [m(x, graph)]
+leaves = [x, m.qkv.weight, m.qkv.bias]
+'''
+
+
+def test_blockwise_heads_first_graph_attention_fuses_every_block() -> None:
+    findings, misses = detect_all(AttentionPattern(), _BLOCKWISE)
+    assert [f.qualname for f in findings] == ["NodeAttention.blockwise"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AttentionPattern(), _BLOCKWISE, _BLOCKWISE_RUN, findings)
+    assert facts["calls"] == 3, facts  # three query blocks of 4, 4 and 2 nodes
+    assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+
+
+_SINGLE_HEAD = '''
+import torch
+import torch.nn as nn
+
+
+class PointMixer(nn.Module):
+    """Single-head attention over the points of each cloud: [B, N, d] operands."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_kv = nn.Linear(dim, 2 * dim, bias=False)
+        self.scale = dim ** -0.5
+
+    def attend(self, q, k, v, bias=None):
+        logits = (q @ k.transpose(-1, -2)) * self.scale
+        if bias is not None:
+            logits = logits + bias
+        return logits.softmax(dim=-1) @ v
+
+    def forward(self, pts, pad=None):
+        k, v = self.to_kv(pts).chunk(2, dim=-1)
+        bias = None if pad is None else pad[:, None, :].float() * -1e9
+        return self.attend(self.to_q(pts), k, v, bias)
+'''
+
+_SINGLE_HEAD_RUN = '''
+torch.manual_seed(0)
+m = PointMixer(8)
+pts = torch.randn(2, 6, 8, requires_grad=True)
+pad = torch.zeros(2, 6, dtype=torch.bool)
+pad[1, 4:] = True
+out = [m(pts), m(pts, pad)]
+leaves = [pts, m.to_q.weight, m.to_kv.weight]
+'''
+
+
+def test_single_head_batch_first_3d_operands_with_an_additive_mask() -> None:
+    findings, misses = detect_all(AttentionPattern(), _SINGLE_HEAD)
+    assert [f.qualname for f in findings] == ["PointMixer.attend"], [m.reason for m in misses]
+    facts = check_rewrite_runs(AttentionPattern(), _SINGLE_HEAD, _SINGLE_HEAD_RUN, findings)
+    assert facts["calls"] == 2, facts
+    assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+    assert all(a == b for a, b in facts["shapes"]), facts
