@@ -202,3 +202,152 @@ def test_single_head_batch_first_3d_operands_with_an_additive_mask() -> None:
     assert facts["calls"] == 2, facts
     assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
     assert all(a == b for a, b in facts["shapes"]), facts
+
+
+# -- 2. swiglu: SSM output gates y * silu(z) ----------------------------------------------------------------------------
+
+from npufuse.patterns.swiglu import Swiglu, gated_value  # noqa: E402
+
+_SSM = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LeakySSM(nn.Module):
+    """A toy selective block: split the input projection, scan one part, gate the scan's output by the other."""
+
+    def __init__(self, d, inner):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * inner)
+        self.out_proj = nn.Linear(inner, d)
+        self.decay = nn.Parameter(torch.rand(inner) * 0.5 + 0.25)
+        self.skip = nn.Parameter(torch.ones(inner))
+
+    def scan(self, u):
+        h = torch.zeros_like(u[:, 0])
+        outs = []
+        for t in range(u.shape[1]):
+            h = self.decay * h + u[:, t]
+            outs.append(h)
+        return torch.stack(outs, 1)
+
+    def forward(self, x, keep=None):
+        u, z = self.in_proj(x).chunk(2, dim=-1)
+        if keep is not None:
+            z = z * keep
+        y = self.scan(F.silu(u)) + self.skip * u
+        y = y * F.silu(z)
+        return self.out_proj(y)
+'''
+
+_SSM_RUN = '''
+torch.manual_seed(0)
+m = LeakySSM(8, 6)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = [m(x), m(x, (torch.rand(2, 5, 1) > 0.3).float())]
+leaves = [x, m.in_proj.weight, m.skip]
+'''
+
+
+def test_ssm_output_gate_is_a_cat_form_candidate() -> None:
+    findings, misses = detect_all(Swiglu(), _SSM)
+    assert [f.qualname for f in findings] == ["LeakySSM.forward"], [m.reason for m in misses]
+    text = findings[0].fused
+    assert "torch_npu.npu_swiglu(torch.cat([z, y], dim=-1), dim=-1)" in text, text
+    assert "z.shape == y.shape and z.dtype == y.dtype" in text and "isinstance(y, torch.Tensor)" in text, text
+    assert "u, z = self.in_proj(x).chunk(2, dim=-1)" not in text  # the split runs as written before the fused code
+    facts = check_rewrite_runs(Swiglu(), _SSM, _SSM_RUN, findings)
+    assert facts["calls"] == 2 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+    assert any("SSM output gate" in n for n in findings[0].notes)
+    assert not any("merge the two projection weights" in r.detail for r in findings[0].risks)
+
+
+def test_ssm_output_gate_value_states_the_cat_copy() -> None:
+    findings, _ = detect_all(Swiglu(), _SSM)
+    value: dict[str, Any] = gated_value(findings[0], {"intermediate_size": 1024, "hidden_size": 256}, 1)
+    assert value["speedup_bound"] < 1.0 and "slower as written" in value["verdict"], value
+    symbolic = gated_value(findings[0], {}, 1)
+    assert "torch.cat copy of the SSM output and its gate" in symbolic["estimate"], symbolic
+    assert "merged" not in symbolic["estimate"], symbolic
+
+
+_DECODE = '''
+import torch
+import torch.nn as nn
+
+
+class GatedStep(nn.Module):
+    """One decode step: the gate is a view of a split part, the silu written out."""
+
+    def __init__(self, d, heads, hd):
+        super().__init__()
+        self.heads, self.hd = heads, hd
+        self.in_proj = nn.Linear(d, 2 * heads * hd + heads)
+        self.out_proj = nn.Linear(heads * hd, d)
+
+    def step(self, tok, state):
+        b = tok.shape[0]
+        z, xs, dt = torch.split(self.in_proj(tok), [self.heads * self.hd, self.heads * self.hd, self.heads], dim=-1)
+        z = z.view(b, 1, self.heads, self.hd)
+        xs = xs.view(b, 1, self.heads, self.hd)
+        state = torch.sigmoid(dt)[:, 0, :, None] * state + xs[:, 0]
+        y = state * 0.5 + xs[:, 0]
+        y = y * (z[:, 0] * torch.sigmoid(z[:, 0]))
+        return self.out_proj(y.reshape(b, 1, -1).to(tok.dtype)), state
+'''
+
+_DECODE_RUN = '''
+torch.manual_seed(0)
+m = GatedStep(8, 2, 4).to(DTYPE)
+tok = torch.randn(3, 1, 8, dtype=DTYPE, requires_grad=True)
+state = torch.randn(3, 2, 4, dtype=STATE)
+out = list(m.step(tok, state))
+leaves = [tok]
+'''
+
+
+def test_decode_step_gate_view_fuses_in_each_float_dtype() -> None:
+    findings, misses = detect_all(Swiglu(), _DECODE)
+    assert [f.qualname for f in findings] == ["GatedStep.step"], [m.reason for m in misses]
+    assert "torch.cat([z[:, 0], y], dim=-1)" in findings[0].fused, findings[0].fused
+    facts = check_rewrite_runs(Swiglu(), _DECODE, _DECODE_RUN.replace("DTYPE", "torch.float32").replace("STATE", "torch.float32"), findings)
+    assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+    for dt in ("torch.bfloat16", "torch.float16"):
+        ref, got, calls = _outputs(_DECODE, _DECODE_RUN.replace("DTYPE", dt).replace("STATE", dt), findings)
+        assert calls.get("npu_swiglu") == 1, (dt, calls)
+        assert ref[0].dtype == got[0].dtype and ((ref[0].float() - got[0].float()).abs().max() / ref[0].float().abs().max()).item() < 2e-2
+
+
+def test_decode_step_gate_of_another_dtype_or_float64_runs_the_original() -> None:
+    # a float32 state promotes y beside a bf16 gate (cat would promote z before the silu); float64 is not an op dtype
+    findings, _ = detect_all(Swiglu(), _DECODE)
+    for dt, st in (("torch.bfloat16", "torch.float32"), ("torch.float64", "torch.float64")):
+        ref, got, calls = _outputs(_DECODE, _DECODE_RUN.replace("DTYPE", dt).replace("STATE", st), findings)
+        assert calls.get("npu_swiglu", 0) == 0, (dt, calls)
+        assert torch.equal(ref[0], got[0])
+
+
+def _near_miss(code: str) -> list[str]:
+    findings, misses = detect_all(Swiglu(), code)
+    assert not findings, [f.qualname for f in findings]
+    return [m.reason for m in misses]
+
+
+def test_broadcast_gate_is_a_near_miss() -> None:
+    for gate in ("z[..., None]", "z.unsqueeze(-1)"):
+        reasons = _near_miss(_SSM.replace("y = y * F.silu(z)", f"y = y * F.silu({gate})"))
+        assert any("is given a new axis of size 1 (a broadcasting gate)" in r for r in reasons), reasons
+
+
+def test_number_factor_is_a_near_miss() -> None:
+    reasons = _near_miss(_SSM.replace("y = y * F.silu(z)", "g = 0.5\n        y = g * F.silu(z)"))
+    assert any("holds a number (`0.5`), not a tensor" in r for r in reasons), reasons
+
+
+def test_self_gate_sigmoid_gate_and_per_step_gate_stay_refused() -> None:
+    # z * silu(z): one tensor, no pair; a sigmoid gate is no silu; a per-step slice inside the Python scan loop
+    assert _near_miss(_SSM.replace("y = y * F.silu(z)", "y = z * F.silu(z)"))
+    _near_miss(_SSM.replace("y = y * F.silu(z)", "y = y * torch.sigmoid(z)"))
+    loop = _SSM.replace("        y = y * F.silu(z)\n", "        for t in range(y.shape[1]):\n            y[:, t] = y[:, t] * F.silu(z[:, t])\n")
+    _near_miss(loop)
