@@ -184,7 +184,8 @@ def test_a_head_index_that_is_a_tensor_is_not_read_three_d() -> None:
     # `query_states[:, idx, :, :]` with a tensor of head ids keeps the head axis: no 3-D reading
     code = _PER_HEAD.replace("for h in range(self.heads):", "for h in [torch.tensor([0, 1])]:")
     findings, _ = detect_all(AttentionPattern(), code)
-    assert all("q_chunk.dim() == 3" not in f.fused for f in findings)
+    # (s51b: the run-time lift of 3-D operands, ``int(q_chunk.dim() == 3 and ...)``, is no static 3-D reading)
+    assert all("q_chunk.dim() == 3" not in f.fused.replace("int(q_chunk.dim() == 3", "") for f in findings)
 
 
 # -- 3. a sharding flag the program refuses to run with ----------------------------------------------------------------
