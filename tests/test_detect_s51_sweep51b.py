@@ -351,3 +351,47 @@ def test_self_gate_sigmoid_gate_and_per_step_gate_stay_refused() -> None:
     _near_miss(_SSM.replace("y = y * F.silu(z)", "y = y * torch.sigmoid(z)"))
     loop = _SSM.replace("        y = y * F.silu(z)\n", "        for t in range(y.shape[1]):\n            y[:, t] = y[:, t] * F.silu(z[:, t])\n")
     _near_miss(loop)
+
+
+# -- 1b. the same gap in SDPA: F.scaled_dot_product_attention of 3-D operands of no stated rank ----------------------
+
+from npufuse.patterns.sdpa import SdpaPattern  # noqa: E402
+
+_SDPA = '''
+import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, mask=None, causal=False):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+'''
+
+_SDPA_RUN = '''
+torch.manual_seed(0)
+q = torch.randn(3, 7, 8, requires_grad=True); k = torch.randn(3, 9, 8, requires_grad=True); v = torch.randn(3, 9, 8, requires_grad=True)
+keep = torch.rand(3, 7, 9) > 0.3
+keep[..., 0] = True
+k7 = torch.randn(3, 7, 8, requires_grad=True); v7 = torch.randn(3, 7, 8, requires_grad=True)
+out = [attend(q, k, v), attend(q[None], k[None], v[None]), attend(q, k, v, keep), attend(q, k7, v7, None, True),
+       attend(q, k, v, keep[:1])]
+leaves = [q, k, v, k7]
+'''
+
+
+def test_sdpa_3d_operands_reach_the_fused_call() -> None:
+    findings, misses = detect_all(SdpaPattern(), _SDPA)
+    assert [f.qualname for f in findings] == ["attend"], [m.reason for m in misses]
+    facts = check_rewrite_runs(SdpaPattern(), _SDPA, _SDPA_RUN, findings)
+    assert facts["calls"] == 5, facts  # no mask, 4-D, a 3-D bool mask, causal, a [1, Sq, Skv] mask
+    assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+    assert all(a == b for a, b in facts["shapes"]), facts
+
+
+def test_sdpa_3d_query_beside_4d_keys_runs_the_original() -> None:
+    run = '''
+q = torch.randn(3, 7, 8); k = torch.randn(2, 3, 9, 8); v = torch.randn(2, 3, 9, 8)
+out = [attend(q, k, v)]
+'''
+    findings, _ = detect_all(SdpaPattern(), _SDPA)
+    ref, got, calls = _outputs(_SDPA, run, findings)
+    assert calls.get("npu_fusion_attention", 0) == 0 and torch.equal(ref[0], got[0]), calls
