@@ -2800,30 +2800,6 @@ class ReluGLU(nn.Module):
     Keep(
         '''
 import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class MambaMixerOut(nn.Module):
-    """Mamba-style output gating: y * silu(z) with y from the scan, not a projection."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.in_proj = nn.Linear(d, 2 * d)
-        self.out_proj = nn.Linear(d, d)
-
-    def forward(self, x, scan):
-        xz = self.in_proj(x)
-        x_in, z = xz.chunk(2, dim=-1)
-        y = scan(x_in)
-        return self.out_proj(y * F.silu(z))
-''',
-        reason="not projections of one input",
-        name="mamba_output_gate",
-    ),
-    Keep(
-        '''
-import torch
 from torch import nn
 
 
@@ -3203,9 +3179,40 @@ Swiglu.KEEP += [
     # z (d_ssm wide) times x0 (d_mlp wide): two parts whose sizes are not provably equal
     Keep(_SIZED_SPLIT.replace("F.silu(z0) * x0", "F.silu(z) * x0"), reason="not provably equal",
          name="sized_split_parts_of_different_sizes"),
-    # y * silu(z): z is a split part but y is computed from others (an output gate, not a GLU)
-    Keep(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
-         reason="not projections of one input", name="sized_split_part_gating_another_output"),
+]
+
+# s51b: SSM output gates y * silu(z) (z a split part, y computed from others; Keep examples before s51b, "an output
+# gate, not a GLU"): npu_swiglu(cat([z, y], -1)) under a run-time shape / dtype test, the cat copy in the value
+_MAMBA_OUT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MambaMixerOut(nn.Module):
+    """Mamba-style output gating: y * silu(z) with y from the scan, not a projection."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x, scan):
+        xz = self.in_proj(x)
+        x_in, z = xz.chunk(2, dim=-1)
+        y = scan(x_in)
+        return self.out_proj(y * F.silu(z))
+'''
+
+Swiglu.FUSE += [
+    Fuse(_MAMBA_OUT, run='''
+m = MambaMixerOut(8)
+x = torch.randn(2, 5, 8, requires_grad=True)
+out = m(x, lambda t: torch.cumsum(t, dim=1))
+leaves = [x, m.in_proj.weight]
+''', name="mamba_output_gate"),
+    Fuse(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
+         run=_RUN_SIZED_SPLIT.format(d_mlp=12), name="sized_split_part_gating_another_output"),
 ]
 
 
