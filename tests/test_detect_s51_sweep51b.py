@@ -396,3 +396,23 @@ out = [attend(q, k, v)]
     findings, _ = detect_all(SdpaPattern(), _SDPA)
     ref, got, calls = _outputs(_SDPA, run, findings)
     assert calls.get("npu_fusion_attention", 0) == 0 and torch.equal(ref[0], got[0]), calls
+
+
+def test_scan_output_rebinding_the_other_half_is_read_as_the_gated_tensor() -> None:
+    # `a, z = xz.chunk(2)`, then `a` rebound through the conv / scan (no longer the split part): a * silu(z) is the
+    # SSM gate (before, a was read as the other half of the same chunk and refused as "not projections of one input")
+    code = _SSM.replace("""        u, z = self.in_proj(x).chunk(2, dim=-1)
+        if keep is not None:
+            z = z * keep
+        y = self.scan(F.silu(u)) + self.skip * u
+        y = y * F.silu(z)
+        return self.out_proj(y)""", """        u, z = self.in_proj(x).chunk(2, dim=-1)
+        u = F.silu(u)
+        u = self.scan(u)
+        u = u * F.silu(z)
+        return self.out_proj(u)""")
+    findings, misses = detect_all(Swiglu(), code)
+    assert [f.qualname for f in findings] == ["LeakySSM.forward"], [m.reason for m in misses]
+    assert "torch.cat([z, u], dim=-1)" in findings[0].fused
+    facts = check_rewrite_runs(Swiglu(), code, _SSM_RUN, findings)
+    assert facts["calls"] == 2 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts

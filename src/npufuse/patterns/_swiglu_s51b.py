@@ -112,7 +112,7 @@ def output_gate(module: Any, act_kind: str, silu: str, a: ast.expr, actx: S.Ctx,
     if isinstance(held, ast.Constant) or (isinstance(held, ast.UnaryOp) and isinstance(held.operand, ast.Constant)):
         raise ValueError(f"`{b.id}` holds a number (`{ast.unparse(held)[:20]}`), not a tensor: silu(z) scaled by a constant is "
                          "no pair of halves npu_swiglu takes")
-    other = _split_origin(module, b, ctx, split_of)
+    other = split_of(module, b, ctx, S.Trace())  # its value as it reaches the product (``a = ssm(a)`` is no split part)
     if other is not None and other[0] == part[0]:
         return None  # two parts of one split: the older readers'
     return "gate"
