@@ -65,8 +65,9 @@ def _adds_axis(node: ast.expr) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze"
 
 
-def _split_origin(module: Any, name: ast.Name, ctx: S.Ctx, split_of: Callable) -> Optional[tuple]:
-    """The split part ``name`` holds (through rebindings of the name by an expression of itself), or None."""
+def _split_origin(module: Any, name: ast.Name, ctx: S.Ctx, split_of: Callable, avoid: frozenset = frozenset()) -> Optional[tuple]:
+    """The split part ``name`` holds (through rebindings of the name by an expression of itself that reads none of
+    ``avoid``: a gate rebound from the other factor, ``z = z * y``, is no gate of y), or None."""
     n, c = name, ctx
     for _ in range(6):
         part = split_of(module, n, c, S.Trace())
@@ -77,7 +78,7 @@ def _split_origin(module: Any, name: ast.Name, ctx: S.Ctx, split_of: Callable) -
             return None
         stmt, value = d
         reads = {x.id for x in ast.walk(value) if isinstance(x, ast.Name)}
-        if n.id not in reads:
+        if n.id not in reads or reads & avoid:
             return None
         n, c = ast.Name(n.id, ast.Load()), c.at(stmt.lineno)  # the earlier value of the same name
     return None
@@ -105,7 +106,7 @@ def output_gate(module: Any, act_kind: str, silu: str, a: ast.expr, actx: S.Ctx,
         return None
     if base.id == b.id:
         return None  # x * silu(x): no pair (the older readers say so)
-    part = _split_origin(module, base, actx, split_of)
+    part = _split_origin(module, base, actx, split_of, frozenset((b.id,)))
     if part is None:
         return None
     held, _c = S.peel(b, ctx)

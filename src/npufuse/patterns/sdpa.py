@@ -428,6 +428,7 @@ class SdpaPattern(Pattern):
         lift = rank_unknown and n_rep is None and not five_d and all(r is None for r in stated.values()) \
             and (mask is None or self._mask_kind(module, scope, mask) == "bool"
                  or not graded_evidence(module, scope, mask, getattr(mask, "lineno", 10**9)))
+        q_orig = qn  # the default scale reads q's last axis on the name as bound (the lifted view has the same)
         if lift:
             lift_lines, (qn, kn, vn) = _attention_s51b.lift_lines(qn, kn, vn, atom)
             lines += lift_lines
@@ -447,7 +448,7 @@ class SdpaPattern(Pattern):
             notes.append("q/k/v are 3-D [B*N, S, D] here: passed as BNSD with one head ([B*N, 1, S, D]), the output squeezed back")
         elif layout == "BNSD":
             qa, ka, va = (f"{atom(x)}.contiguous()" for x in (qn, kn, vn))
-            head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[-1]"
+            head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(q_orig)}.shape[-1]"
             if rank_unknown:
                 risks.append(Risk("layout", "q/k/v's rank is not stated here (SDPA takes any rank >= 2, the op 4-D only): the fused call "
                                             f"runs where `{_attention_s45.sdpa_unstated_rank_test(stated, names, atom)}`, the original otherwise; made "
