@@ -87,7 +87,7 @@ def test_the_check_and_the_original_are_in_the_fused_code() -> None:
     fused = _finding(_PLAIN)[0].fused
     # the operands' rank is not stated in the function: audit41's rank check comes first (s51b: on the 4-D views, which
     # 3-D operands get as [1, X, S, D])
-    assert fused.splitlines()[0].startswith("_npufuse_lift = int(q.dim() == 3 and k.dim() == 3 and v.dim() == 3)")
+    assert fused.splitlines()[0].startswith("_npufuse_lift = int(q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0])")
     assert fused.splitlines()[2] == ("if _npufuse_q4.dim() == 4 and _npufuse_k4.dim() == 4 and _npufuse_v4.dim() == 4 and "
                                      "_npufuse_v4.shape[-1] <= _npufuse_k4.shape[-1] <= 768:")
     assert fused.split("\nelse:\n")[1].splitlines() == [
@@ -120,7 +120,7 @@ def test_head_dim_check_nested_in_an_earlier_check(dv: int, cap: float | None, f
     # the capping check comes first (it decides whether the fused call applies); the head-dim check reads
     # the bound k/v inside it
     assert text.startswith("if not (cap is not None):\n    _npufuse_k = k.float()\n    _npufuse_v = v.float()\n"
-                           "    _npufuse_lift = int(q.dim() == 3 and _npufuse_k.dim() == 3 and _npufuse_v.dim() == 3)")
+                           "    _npufuse_lift = int(q.dim() == _npufuse_k.dim() == _npufuse_v.dim() == 3 and q.shape[0] == _npufuse_k.shape[0] == _npufuse_v.shape[0])")
     assert ("\n    if _npufuse_q4.dim() == 4 and _npufuse_k4.dim() == 4 and _npufuse_v4.dim() == 4"
             " and _npufuse_v4.shape[-1] <= _npufuse_k4.shape[-1] <= 768:\n") in text
     run = f"""

@@ -95,12 +95,15 @@ keep4 = torch.ones(2, 3, 7, 9, dtype=torch.long)
 q1 = torch.randn(1, 7, 8); k1 = torch.randn(1, 9, 8); v1 = torch.randn(1, 9, 8)
 keep3 = torch.ones(4, 7, 9, dtype=torch.long)
 out = [heads_first_attention(q, k, v, keep4), heads_first_attention(q1, k1, v1, keep3),
-       heads_first_attention(q, k[None].expand(2, -1, -1, -1), v[None].expand(2, -1, -1, -1))]
+       heads_first_attention(q, k[None].expand(2, -1, -1, -1), v[None].expand(2, -1, -1, -1)),
+       heads_first_attention(q1, k, v), heads_first_attention(q, k[:1], v[:1])]
 '''
     findings, _ = detect_all(AttentionPattern(), _HEADS_FIRST)
     ref, got, calls = _outputs(_HEADS_FIRST, run, findings)
     assert calls.get("npu_fusion_attention", 0) == 0, calls
-    assert [tuple(a.shape) for a in ref] == [(2, 3, 7, 8), (4, 7, 8), (2, 3, 7, 8)]
+    # (and 3-D operands of different leading sizes, broadcast by the matmuls: one query against three key sets, three
+    # queries against one)
+    assert [tuple(a.shape) for a in ref] == [(2, 3, 7, 8), (4, 7, 8), (2, 3, 7, 8), (3, 7, 8), (3, 7, 8)]
     for a, b in zip(ref, got):
         assert a.shape == b.shape and torch.equal(a, b)
 

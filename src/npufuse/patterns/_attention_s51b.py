@@ -7,8 +7,9 @@ There the fused branch never ran (``verify op``: "fused branch never executed") 
 
 The eager matmuls treat every leading index of a 3-D ``[X, S, D]`` operand as one independent attention over its
 last two axes, which is exactly npu_fusion_attention's BNSD call on ``q[None]`` (``[1, X, S, D]``: X as heads, B = 1),
-the output ``[0]``. So where all three are 3-D (tested at run time, bound once) the operands are viewed 4-D and the
-result unviewed; a 4-D input runs the 4-D call as before, any other rank mix the original code.
+the output ``[0]``. So where all three are 3-D with one leading size (tested at run time, bound once; a size-1 operand
+broadcast by the matmuls over the others' X is left to the original) the operands are viewed 4-D and the result
+unviewed; a 4-D input runs the 4-D call as before, any other rank mix the original code.
 
 Masks: the eager sum broadcasts a mask of rank <= 3 against the 3-D scores as the generic code already reshapes it
 against the lifted ones (leading 1s); a 4-D mask would make the eager result 4-D (``[B', X, Sq, D]``), and a 3-D one
@@ -56,7 +57,8 @@ def lift_lines(q: str, k: str, v: str, atom: Any) -> tuple[list[str], tuple[str,
     qa, ka, va = atom(q), atom(k), atom(v)
     names = ("_npufuse_q4", "_npufuse_k4", "_npufuse_v4")
     return [
-        f"{LIFT} = int({qa}.dim() == 3 and {ka}.dim() == 3 and {va}.dim() == 3)  # 3-D [X, S, D]: X independent attentions",
+        f"{LIFT} = int({qa}.dim() == {ka}.dim() == {va}.dim() == 3 and {qa}.shape[0] == {ka}.shape[0] == {va}.shape[0])"
+        "  # 3-D [X, S, D]: X independent attentions",
         f"{', '.join(names)} = ({qa}[None], {ka}[None], {va}[None]) if {LIFT} else ({q}, {k}, {v})  # [1, X, S, D]: BNSD, X as heads",
     ], names
 
