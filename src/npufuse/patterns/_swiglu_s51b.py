@@ -116,6 +116,10 @@ def output_gate(module: Any, act_kind: str, silu: str, a: ast.expr, actx: S.Ctx,
     other = split_of(module, b, ctx, S.Trace())  # its value as it reaches the product (``a = ssm(a)`` is no split part)
     if other is not None and other[0] == part[0]:
         return None  # two parts of one split: the older readers'
+    if isinstance(held, ast.Subscript):
+        sliced, sctx = S.peel(held.value, _c)
+        if S.key(sliced, sctx) == part[0]:
+            return None  # another slice of the gate's own tensor (``p[..., d:3 * d]``): the older readers' (no proven pair)
     return "gate"
 
 
