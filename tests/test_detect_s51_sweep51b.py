@@ -4,13 +4,13 @@
    first with no batch axis, or one head [B, N, d]). s41's run-time test fused 4-D operands only, so on the shapes the
    code passes the fused branch never ran. Now 3-D operands run the BNSD call on [1, X, S, D] views; a mask the eager
    broadcast would make 4-D, or mixed ranks, run the original code.
-2. swiglu: SSM output gates ``y * silu(z)`` (y the scan output, z a part of the input projection), as
-   ``npu_swiglu(torch.cat([z, y], -1))`` under a run-time shape / dtype test, with the cat copy's cost in the value.
+2. swiglu: SSM output gates ``y * silu(z)`` (y the scan output, z a part of the input projection) stay near misses
+   (ssm51, integrator decision: the exact ``npu_swiglu(torch.cat([z, y], -1))`` moves ~7N elements against the eager
+   code's ~5N in the same two launches); these tests assert the near miss and its reason.
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from pattern_harness import _exec, check_rewrite_runs, detect_all
@@ -209,7 +209,7 @@ def test_single_head_batch_first_3d_operands_with_an_additive_mask() -> None:
 
 # -- 2. swiglu: SSM output gates y * silu(z) ----------------------------------------------------------------------------
 
-from npufuse.patterns.swiglu import Swiglu, gated_value  # noqa: E402
+from npufuse.patterns.swiglu import Swiglu  # noqa: E402
 
 _SSM = '''
 import torch
@@ -253,26 +253,21 @@ leaves = [x, m.in_proj.weight, m.skip]
 '''
 
 
-def test_ssm_output_gate_is_a_cat_form_candidate() -> None:
-    findings, misses = detect_all(Swiglu(), _SSM)
-    assert [f.qualname for f in findings] == ["LeakySSM.forward"], [m.reason for m in misses]
-    text = findings[0].fused
-    assert "torch_npu.npu_swiglu(torch.cat([z, y], dim=-1), dim=-1)" in text, text
-    assert "z.shape == y.shape and z.dtype == y.dtype" in text and "isinstance(y, torch.Tensor)" in text, text
-    assert "u, z = self.in_proj(x).chunk(2, dim=-1)" not in text  # the split runs as written before the fused code
-    facts = check_rewrite_runs(Swiglu(), _SSM, _SSM_RUN, findings)
-    assert facts["calls"] == 2 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
-    assert any("SSM output gate" in n for n in findings[0].notes)
-    assert not any("merge the two projection weights" in r.detail for r in findings[0].risks)
+_NOT_PROJ = "gate and up are not projections of one input (a gated output, not a GLU MLP)"
+_TRANSFORMED = "is transformed after its projection (`self.scan(F.silu(u)) + self.skip * u`)"
 
 
-def test_ssm_output_gate_value_states_the_cat_copy() -> None:
-    findings, _ = detect_all(Swiglu(), _SSM)
-    value: dict[str, Any] = gated_value(findings[0], {"intermediate_size": 1024, "hidden_size": 256}, 1)
-    assert value["speedup_bound"] < 1.0 and "slower as written" in value["verdict"], value
-    symbolic = gated_value(findings[0], {}, 1)
-    assert "torch.cat copy of the SSM output and its gate" in symbolic["estimate"], symbolic
-    assert "merged" not in symbolic["estimate"], symbolic
+def _near_miss(code: str) -> list[str]:
+    findings, misses = detect_all(Swiglu(), code)
+    assert not findings, [f.qualname for f in findings]
+    return [m.reason for m in misses]
+
+
+def test_ssm_output_gate_is_a_near_miss() -> None:
+    # ssm51 (integrator decision): the only exact form, npu_swiglu(cat([z, y])), moves ~7N elements against the eager
+    # silu + mul's ~5N in the same two launches, so the SSM output gate stays a near miss with its true reason
+    reasons = _near_miss(_SSM)
+    assert any(_TRANSFORMED in r and "not a gated product of two projections" in r for r in reasons), reasons
 
 
 _DECODE = '''
@@ -310,42 +305,20 @@ leaves = [tok]
 '''
 
 
-def test_decode_step_gate_view_fuses_in_each_float_dtype() -> None:
-    findings, misses = detect_all(Swiglu(), _DECODE)
-    assert [f.qualname for f in findings] == ["GatedStep.step"], [m.reason for m in misses]
-    assert "torch.cat([z[:, 0], y], dim=-1)" in findings[0].fused, findings[0].fused
-    facts = check_rewrite_runs(Swiglu(), _DECODE, _DECODE_RUN.replace("DTYPE", "torch.float32").replace("STATE", "torch.float32"), findings)
-    assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
-    for dt in ("torch.bfloat16", "torch.float16"):
-        ref, got, calls = _outputs(_DECODE, _DECODE_RUN.replace("DTYPE", dt).replace("STATE", dt), findings)
-        assert calls.get("npu_swiglu") == 1, (dt, calls)
-        assert ref[0].dtype == got[0].dtype and ((ref[0].float() - got[0].float()).abs().max() / ref[0].float().abs().max()).item() < 2e-2
-
-
-def test_decode_step_gate_of_another_dtype_or_float64_runs_the_original() -> None:
-    # a float32 state promotes y beside a bf16 gate (cat would promote z before the silu); float64 is not an op dtype
-    findings, _ = detect_all(Swiglu(), _DECODE)
-    for dt, st in (("torch.bfloat16", "torch.float32"), ("torch.float64", "torch.float64")):
-        ref, got, calls = _outputs(_DECODE, _DECODE_RUN.replace("DTYPE", dt).replace("STATE", st), findings)
-        assert calls.get("npu_swiglu", 0) == 0, (dt, calls)
-        assert torch.equal(ref[0], got[0])
-
-
-def _near_miss(code: str) -> list[str]:
-    findings, misses = detect_all(Swiglu(), code)
-    assert not findings, [f.qualname for f in findings]
-    return [m.reason for m in misses]
+def test_decode_step_gate_view_is_a_near_miss() -> None:
+    # the decode step's y * silu(z[:, 0]) (silu written out): y is the state update, not a projection
+    assert _NOT_PROJ in _near_miss(_DECODE)
 
 
 def test_broadcast_gate_is_a_near_miss() -> None:
     for gate in ("z[..., None]", "z.unsqueeze(-1)"):
         reasons = _near_miss(_SSM.replace("y = y * F.silu(z)", f"y = y * F.silu({gate})"))
-        assert any("is given a new axis of size 1 (a broadcasting gate)" in r for r in reasons), reasons
+        assert any(_TRANSFORMED in r for r in reasons), reasons
 
 
 def test_number_factor_is_a_near_miss() -> None:
     reasons = _near_miss(_SSM.replace("y = y * F.silu(z)", "g = 0.5\n        y = g * F.silu(z)"))
-    assert any("holds a number (`0.5`), not a tensor" in r for r in reasons), reasons
+    assert any("`g` is a constant scale multiplying a tensor, not a gate" in r for r in reasons), reasons
 
 
 def test_self_gate_sigmoid_gate_and_per_step_gate_stay_refused() -> None:
@@ -401,9 +374,8 @@ out = [attend(q, k, v)]
     assert calls.get("npu_fusion_attention", 0) == 0 and torch.equal(ref[0], got[0]), calls
 
 
-def test_scan_output_rebinding_the_other_half_is_read_as_the_gated_tensor() -> None:
-    # `a, z = xz.chunk(2)`, then `a` rebound through the conv / scan (no longer the split part): a * silu(z) is the
-    # SSM gate (before, a was read as the other half of the same chunk and refused as "not projections of one input")
+def test_scan_output_rebinding_the_other_half_is_a_near_miss() -> None:
+    # `a, z = xz.chunk(2)`, then `a` rebound through the scan: a * silu(z) is the SSM gate, a near miss (ssm51)
     code = _SSM.replace("""        u, z = self.in_proj(x).chunk(2, dim=-1)
         if keep is not None:
             z = z * keep
@@ -414,8 +386,4 @@ def test_scan_output_rebinding_the_other_half_is_read_as_the_gated_tensor() -> N
         u = self.scan(u)
         u = u * F.silu(z)
         return self.out_proj(u)""")
-    findings, misses = detect_all(Swiglu(), code)
-    assert [f.qualname for f in findings] == ["LeakySSM.forward"], [m.reason for m in misses]
-    assert "torch.cat([z, u], dim=-1)" in findings[0].fused
-    facts = check_rewrite_runs(Swiglu(), code, _SSM_RUN, findings)
-    assert facts["calls"] == 2 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999, facts
+    assert _NOT_PROJ in _near_miss(code)

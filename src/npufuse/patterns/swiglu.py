@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _site as S
 from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep, _swiglu_s46h
-from npufuse.patterns import _reasons_s46, _swiglu_s47review, _swiglu_s50b, _swiglu_s51b
+from npufuse.patterns import _reasons_s46, _swiglu_s47review, _swiglu_s50b
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -1485,15 +1485,6 @@ def _find_gate(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, chosen: list[Act]
             through = _s38_params_through_transforms(module, act, a, actx, b, ctx, node, trace)
             if through is not None:
                 return through
-            try:  # s51b: an SSM output gate ``y * silu(z)``: cat([z, y]) under a run-time shape / dtype test
-                ssm = _swiglu_s51b.output_gate(module, act.kind, SILU, a, actx, b, ctx, _split_of)
-            except ValueError as e:
-                raise GateMiss(str(e)) from None
-            if ssm is not None:
-                _swiglu_s51b.untrace_splits(trace, lambda t: (_split_of(module, a, actx, t), _split_of(module, b, ctx, t)))
-                g = Gate(act, Operand(a, actx), Operand(b, ctx), node, None, trace, None, shape_checked=True)
-                g.s51_output_gate = True  # type: ignore[attr-defined]
-                return g
             whys = [w for w in (_transformed(module, op, octx, other) for op, octx, other in ((a, actx, ib), (b, ctx, ia))) if w]
             if whys:
                 # s38: an operand transformed by more than an independent elementwise step is the reason, before
@@ -2189,10 +2180,7 @@ def _site_results(module: ModuleInfo, scope: Scope, stmt: ast.stmt, gates: list[
         params["beta_check"] = beta_check
         notes.append(f"the activation is a swish z * sigmoid(beta * z) whose beta defaults to 1: the fused op (silu) runs "
                      f"where `{beta_check}` holds, the original code otherwise")
-    if getattr(g0, "s51_output_gate", False):
-        notes.append(_swiglu_s51b.NOTE)
-        risks.append(Risk("other", _swiglu_s51b.RISK))
-    elif g0.shape_checked:
+    if g0.shape_checked:
         notes.append(_ELEMENTWISE_NOTE if g0.elementwise else
                      _CONDITIONAL_NOTE.format(name=ast.unparse(g0.a.node) if isinstance(g0.a.node, ast.Name) else ast.unparse(g0.b.node)))
     if getattr(g0, "s28_kernel", None):
@@ -2294,8 +2282,6 @@ def _params(module: ModuleInfo, g: Gate, plan: S.SpanPlan, pat: str) -> dict[str
         p["order"] = "gate_first"  # torch.cat([gate, up]) puts the activated half first
         if g.parts is not None and g.elementwise:
             p["operands"] = f"transformed {g.parts} parts"  # s50: the cost model's cat form, said as what it copies
-        if getattr(g, "s51_output_gate", False):
-            p["operands"] = _swiglu_s51b.OPERANDS  # s51b: the cat form of an SSM output gate
     if pat == "geglu":
         if act.kind == GELU:
             p["approximate"] = 0
@@ -2331,8 +2317,6 @@ def _risks(g: Gate, pat: str) -> tuple[list[Risk], list[str]]:
                                    "tensor, so this adds a torch.cat copy of both parts (2 x T x I elements written and read "
                                    "again) and keeps it for backward; npufuse does not slice the adjacent pair out of the "
                                    "split tensor instead"))
-    elif g.halves is None and getattr(g, "s51_output_gate", False):
-        pass  # s51b: the SSM gate's own cat risk is added with its note (no projections to merge)
     elif g.halves is None:
         risks.append(Risk("other", "two projections: the fused op needs [gate, up] in one tensor, so this adds a torch.cat "
                                    "copy of both projection outputs (2 x T x I elements written and read again) and keeps it "
@@ -2383,7 +2367,7 @@ def gated_value(finding: Finding, config: dict[str, Any], act_kernels: int) -> d
     if not isinstance(inter, int):
         extra = (f" plus a torch.cat copy (two projections): ~{units_after}·T·I moved against ~{units_before}·T·I before, "
                  "slower as written unless the projections are merged") if two else ""  # fmt: skip
-        extra = _swiglu_s51b.cat_text(finding.params, units_after, units_before) or _swiglu_s50b.cat_text(finding.params, units_after, units_before) or extra
+        extra = _swiglu_s50b.cat_text(finding.params, units_after, units_before) or extra
         out = symbolic(
             "memory",
             f"memory-bound: {k_before} elementwise kernels moving ~{units_before}·T·I elements -> {k_after} kernel(s) "
@@ -2800,6 +2784,30 @@ class ReluGLU(nn.Module):
     Keep(
         '''
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MambaMixerOut(nn.Module):
+    """Mamba-style output gating: y * silu(z) with y from the scan, not a projection."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x, scan):
+        xz = self.in_proj(x)
+        x_in, z = xz.chunk(2, dim=-1)
+        y = scan(x_in)
+        return self.out_proj(y * F.silu(z))
+''',
+        reason="not projections of one input",
+        name="mamba_output_gate",
+    ),
+    Keep(
+        '''
+import torch
 from torch import nn
 
 
@@ -3179,40 +3187,9 @@ Swiglu.KEEP += [
     # z (d_ssm wide) times x0 (d_mlp wide): two parts whose sizes are not provably equal
     Keep(_SIZED_SPLIT.replace("F.silu(z0) * x0", "F.silu(z) * x0"), reason="not provably equal",
          name="sized_split_parts_of_different_sizes"),
-]
-
-# s51b: SSM output gates y * silu(z) (z a split part, y computed from others; Keep examples before s51b, "an output
-# gate, not a GLU"): npu_swiglu(cat([z, y], -1)) under a run-time shape / dtype test, the cat copy in the value
-_MAMBA_OUT = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class MambaMixerOut(nn.Module):
-    """Mamba-style output gating: y * silu(z) with y from the scan, not a projection."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.in_proj = nn.Linear(d, 2 * d)
-        self.out_proj = nn.Linear(d, d)
-
-    def forward(self, x, scan):
-        xz = self.in_proj(x)
-        x_in, z = xz.chunk(2, dim=-1)
-        y = scan(x_in)
-        return self.out_proj(y * F.silu(z))
-'''
-
-Swiglu.FUSE += [
-    Fuse(_MAMBA_OUT, run='''
-m = MambaMixerOut(8)
-x = torch.randn(2, 5, 8, requires_grad=True)
-out = m(x, lambda t: torch.cumsum(t, dim=1))
-leaves = [x, m.in_proj.weight]
-''', name="mamba_output_gate"),
-    Fuse(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
-         run=_RUN_SIZED_SPLIT.format(d_mlp=12), name="sized_split_part_gating_another_output"),
+    # y * silu(z): z is a split part but y is computed from others (an output gate, not a GLU)
+    Keep(_SIZED_SPLIT.replace("torch.cat([F.silu(z0) * x0, y], dim=-1)", "y * F.silu(z)"),
+         reason="not projections of one input", name="sized_split_part_gating_another_output"),
 ]
 
 
@@ -5735,11 +5712,6 @@ def _shape_checked_fused(module: ModuleInfo, g: Gate, plan: S.SpanPlan, fused: s
                                         "else:  # operands of different shapes (broadcasting): the original code",
                                         S.indent(_replaced_source(module, plan))])
     ga, gb = (S.render(module, op.node, op.ctx, plan) for op in (g.a, g.b))
-    if getattr(g, "s51_output_gate", False):  # s51b: the gate may be a basic-index view (``z[:, 0]``): read twice, computes nothing
-        test = _swiglu_s51b.run_test(ga, gb, S.torch_name(module) or "torch")
-        return "\n".join(kept_first + [f"if {test}:", S.indent(fused),
-                                        "else:  # tensors of different shapes or dtypes (or not a tensor): the original code",
-                                        S.indent(_replaced_source(module, plan))])
     if not (ga.isidentifier() and gb.isidentifier()):
         raise S.RenderError("the operands' shapes must be checked at run time, and an operand is computed in the product itself")
     return "\n".join(kept_first + [f"if {ga}.shape == {gb}.shape:", S.indent(fused),
