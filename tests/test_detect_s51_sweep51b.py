@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from pattern_harness import _exec, check_rewrite_runs, detect_all
 
