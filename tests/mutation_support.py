@@ -142,8 +142,8 @@ MUTANTS = [
     # attention (eager)
     M("attention", "inverted mask", "bert_padding_mask", ("(attention_mask < 0)", "(attention_mask >= 0)")),
     M("attention", "missing scale", "bert_padding_mask", ("scale=1.0 / math.sqrt(self.attention_head_size)", "scale=1.0")),
-    M("attention", "wrong layout (BSND for BNSD)", "bert_padding_mask", ('query_layer.shape[1], "BNSD"', 'query_layer.shape[2], "BSND"'), expect="the fused branch raised NpuOpError: npu_fusion_attention: atten_mask shape"),
-    M("attention", "missing [0]", "bert_padding_mask", ("\n    )[0]", "\n    )"), expect="the fused branch raised AttributeError: 'tuple' object"),
+    M("attention", "wrong layout (BSND for BNSD)", "bert_padding_mask", ('_npufuse_q4.shape[1], "BNSD"', '_npufuse_q4.shape[2], "BSND"'), expect="the fused branch raised NpuOpError: npu_fusion_attention: atten_mask shape"),
+    M("attention", "missing [0]", "bert_padding_mask", (")[0].flatten(0, _npufuse_lift)", ").flatten(0, _npufuse_lift)"), expect="the fused branch raised AttributeError: 'tuple' object"),
     M("attention", "wrong sparse_mode (2 for 3, Sq<Skv)", "gpt2_bottom_right_causal_kv_cache", ("sparse_mode=3", "sparse_mode=2")),
     M("attention", "wrong sparse_mode (3 for 2, Sq<Skv)", "einsum_cross_attention_triu_top_left", ("sparse_mode=2", "sparse_mode=3")),
     M("attention", "causal sparse_mode without mask", "einsum_cross_attention_triu_top_left", ("atten_mask=_npufuse_masks[q.device],", "atten_mask=None,")),
@@ -156,8 +156,8 @@ MUTANTS = [
     # sdpa
     M("sdpa", "missing scale", "timm_fused_attn", ("scale=q.shape[-1] ** -0.5", "scale=1.0")),
     M("sdpa", "wrong sparse_mode (3 for 2, Sq<Skv)", "gqa_causal_sq_ne_skv", ("sparse_mode=2", "sparse_mode=3")),
-    M("sdpa", "causal sparse_mode without mask", "gqa_causal_sq_ne_skv", ("atten_mask=_npufuse_masks[q.device],", "atten_mask=None,")),
-    M("sdpa", "missing [0]", "gqa_causal_sq_ne_skv", ("\n    )[0]", "\n    )"), expect="result tuple without its [0]"),
+    M("sdpa", "causal sparse_mode without mask", "gqa_causal_sq_ne_skv", ("atten_mask=_npufuse_masks[_npufuse_q4.device],", "atten_mask=None,")),
+    M("sdpa", "missing [0]", "gqa_causal_sq_ne_skv", (")[0].flatten(0, _npufuse_lift)", ").flatten(0, _npufuse_lift)"), expect="the fused branch raised AttributeError: 'tuple' object"),
     M("sdpa", "inverted mask", "bool_key_padding_mask", ("_npufuse_mask = ~mask", "_npufuse_mask = mask")),
     M("sdpa", "wrong layout (BNSD for BSND)", "bsnd_inline_transpose_bf16", ('_npufuse_autocast(q, k, v), q.shape[2], "BSND"', '_npufuse_autocast(q, k, v), q.shape[1], "BNSD"')),
     # moe_experts

@@ -85,8 +85,11 @@ leaves = [q]
 
 def test_the_check_and_the_original_are_in_the_fused_code() -> None:
     fused = _finding(_PLAIN)[0].fused
-    # the operands' rank is not stated in the function: audit41's rank check comes first
-    assert fused.splitlines()[0] == "if q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and v.shape[-1] <= k.shape[-1] <= 768:"
+    # the operands' rank is not stated in the function: audit41's rank check comes first (s51b: on the 4-D views, which
+    # 3-D operands get as [1, X, S, D])
+    assert fused.splitlines()[0].startswith("_npufuse_lift = int(q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0])")
+    assert fused.splitlines()[2] == ("if _npufuse_q4.dim() == 4 and _npufuse_k4.dim() == 4 and _npufuse_v4.dim() == 4 and "
+                                     "_npufuse_v4.shape[-1] <= _npufuse_k4.shape[-1] <= 768:")
     assert fused.split("\nelse:\n")[1].splitlines() == [
         "    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))",
         '    scores = scores.masked_fill(mask == 0, float("-inf"))',
@@ -101,7 +104,7 @@ def test_without_the_check_the_op_raises_as_npu_fusion_attention_does() -> None:
     with pytest.raises(NpuOpError, match="Dk >= Dv"):
         npu_fusion_attention(q, k, v, 2, "BNSD", scale=0.25)
     unchecked = _finding(_PLAIN)
-    unchecked[0].fused = unchecked[0].fused.replace("and v.shape[-1] <= k.shape[-1] <= 768:", "and True:", 1)
+    unchecked[0].fused = unchecked[0].fused.replace("and _npufuse_v4.shape[-1] <= _npufuse_k4.shape[-1] <= 768:", "and True:", 1)
     run = """
 q = torch.randn(1, 2, 8, 16); k = torch.randn(1, 2, 8, 16); v = torch.randn(1, 2, 8, 32)
 out = attend(q, k, v, torch.ones(8, 8, dtype=torch.bool))
@@ -117,8 +120,9 @@ def test_head_dim_check_nested_in_an_earlier_check(dv: int, cap: float | None, f
     # the capping check comes first (it decides whether the fused call applies); the head-dim check reads
     # the bound k/v inside it
     assert text.startswith("if not (cap is not None):\n    _npufuse_k = k.float()\n    _npufuse_v = v.float()\n"
-                           "    if q.dim() == 4 and _npufuse_k.dim() == 4 and _npufuse_v.dim() == 4"
-                           " and _npufuse_v.shape[-1] <= _npufuse_k.shape[-1] <= 768:\n")
+                           "    _npufuse_lift = int(q.dim() == _npufuse_k.dim() == _npufuse_v.dim() == 3 and q.shape[0] == _npufuse_k.shape[0] == _npufuse_v.shape[0])")
+    assert ("\n    if _npufuse_q4.dim() == 4 and _npufuse_k4.dim() == 4 and _npufuse_v4.dim() == 4"
+            " and _npufuse_v4.shape[-1] <= _npufuse_k4.shape[-1] <= 768:\n") in text
     run = f"""
 q = torch.randn(1, 2, 8, 16); k = torch.randn(1, 2, 8, 16); v = torch.randn(1, 2, 8, {dv})
 out = attend(q, k, v, {cap})

@@ -59,7 +59,8 @@ def test_sdpa_scale_from_a_learned_temperature_checks_the_head_dim(tmp_path) -> 
     code = next(e.code for e in SdpaPattern.FUSE if e.name == "s36_scale_read_off_a_learned_temperature_checks_the_head_dim")
     (tmp_path / "m.py").write_text(code)
     (cand,) = scan_repo(tmp_path, jobs=1, only=["sdpa"]).candidates
-    assert "k.shape[-1] <= 768" in cand["replacement"]
+    # (s51b: q / k / v of unstated rank are read through their 4-D views, `_npufuse_k4`)
+    assert "_npufuse_k4.shape[-1] <= 768" in cand["replacement"]
 
 
 def test_v_times_transposed_probabilities_checks_the_ranks(candidates) -> None:

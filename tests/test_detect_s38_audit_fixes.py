@@ -114,12 +114,13 @@ def test_three_d_sdpa_operands_run_the_fused_branch_and_match(example: Fuse) -> 
     assert "q.dim() == 4" not in finding.fused  # the rank is stated: no run-time rank check
 
 
-def test_an_unstated_rank_is_checked_and_a_three_d_call_runs_the_original() -> None:
+def test_an_unstated_rank_is_checked_and_a_three_d_call_runs_on_4d_views() -> None:
     findings, _ = detect_all(SdpaPattern(), _SDPA_UNSTATED)
-    assert findings[0].fused.splitlines()[0].startswith("if q.dim() == k.dim() == v.dim() == 4 and ")  # s45: every operand of unstated rank
+    # s45: every operand of unstated rank; s51b: tested on the 4-D views (3-D operands lifted to [1, X, S, D])
+    assert "if _npufuse_q4.dim() == _npufuse_k4.dim() == _npufuse_v4.dim() == 4 and " in findings[0].fused
     run = "q = torch.randn(2, 5, 8, requires_grad=True)\nout = attend(q, q * 0.5, q + 1)\nleaves = [q]\n"
     facts = check_rewrite_runs(SdpaPattern(), _SDPA_UNSTATED, run, findings)
-    assert facts["calls"] == 0 and min(facts["cos_out"]) > 0.9999  # without the check the op rejects 3-D q
+    assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.9999  # s51b: was 0 (the 3-D call ran the original)
     run4 = "q = torch.randn(2, 3, 5, 8, requires_grad=True)\nout = attend(q, q * 0.5, q + 1)\nleaves = [q]\n"
     assert check_rewrite_runs(SdpaPattern(), _SDPA_UNSTATED, run4, findings)["calls"] == 1
 

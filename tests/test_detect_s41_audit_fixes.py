@@ -179,12 +179,14 @@ def test_a_boolean_mask_added_to_the_scores_is_a_near_miss() -> None:
     assert any("is a boolean tensor: the sum adds 1 where it is True" in m.reason for m in misses)
 
 
-def test_packed_3d_tokens_run_the_original_code() -> None:
+def test_packed_3d_tokens_run_the_fused_call_on_4d_views() -> None:
     findings, _ = detect_all(AttentionPattern(), _PACKED_FLOAT)
     assert len(findings) == 1
-    assert "_npufuse_q.dim() == 4" in findings[0].fused
+    assert "_npufuse_q4.dim() == 4" in findings[0].fused
     facts = check_rewrite_runs(AttentionPattern(), _PACKED_FLOAT, _PACKED_RUN, findings)
-    assert facts["calls"] == 0  # 3-D operands: the rank check keeps the original code
+    # s51b: 3-D [N, T, D] operands (the heads first after the transposes) are passed as [1, N, T, D] views; before,
+    # the 4-D-only rank check kept the original code on them (the fused branch never ran)
+    assert facts["calls"] == 1
     assert min(facts["cos_out"]) > 0.9999
 
 

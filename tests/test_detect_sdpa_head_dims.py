@@ -40,5 +40,8 @@ out = attend(q, k, v)
 def test_the_check_is_in_the_fused_code() -> None:
     fused = _findings()[0].fused
     # s38: q's rank is not stated here (parameters), so the op's 4-D layout is checked with the head dims
-    assert fused.splitlines()[0] == "if q.dim() == k.dim() == v.dim() == 4 and v.shape[-1] <= k.shape[-1] <= 768:"  # s45: every operand of unstated rank
+    # s51b: on the 4-D views (3-D operands as [1, X, S, D]) bound first
+    assert fused.splitlines()[0].startswith("_npufuse_lift = int(q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0])")
+    assert fused.splitlines()[2] == ("if _npufuse_q4.dim() == _npufuse_k4.dim() == _npufuse_v4.dim() == 4 and "
+                                     "_npufuse_v4.shape[-1] <= _npufuse_k4.shape[-1] <= 768:")  # s45: every operand of unstated rank
     assert "F.scaled_dot_product_attention(q, k, v, is_causal=True)" in fused.split("else:")[-1]

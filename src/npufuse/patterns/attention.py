@@ -49,6 +49,7 @@ from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
 from npufuse.patterns import _attention_s49w
 from npufuse.patterns import _attention_s50c
+from npufuse.patterns import _attention_s51b
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -3981,6 +3982,13 @@ class AttentionPattern(Pattern):
             return var
 
         q_n, k_n, v_n = bind(q_t, "q"), bind(k_t, "k"), bind(v_t, "v")
+        # s51b: 3-D operands of no stated rank are passed as [1, X, S, D] views (the 4-D test then holds for them too)
+        lift = bool(unstated) and _attention_s51b.eligible(chain, unstated, v_shared, folded, fold_on_bound, _S28Bias)
+        if lift:
+            lift_lines, (q_n, k_n, v_n) = _attention_s51b.lift_lines(q_n, k_n, v_n, atom)
+            temps.extend(lift_lines)
+            chain.notes.append(_attention_s51b.LIFT_NOTE)
+        lift_split: tuple[int, str] | None = None  # s51b: the lifted call's mask test, after the mask is built
         dv_check = value_head_check(k_n, v_n, chain)
         if fold_on_bound:
             fold_test = _attention_s45.fold_shape_test(atom(q_n), atom(k_n), atom(v_n))
@@ -4113,6 +4121,8 @@ class AttentionPattern(Pattern):
                                                   "(True = masked): exact where m holds only 0 and 1" + (" (checked at run time: a fractional m runs the original code)" if checks else "")
                                                   + "; masked logits were a finite -C, so fully masked rows may differ (the original averages v uniformly; the fused op's value there is not pinned down, spec §14)"))
                 lines += mask_lines
+                if lift:
+                    lift_split = (len(lines), _attention_s51b.mask_test(q_n, maybe_none))
                 if chain.heads_in_batch and not three_d:
                     # s31: the mask folding below is written for 3-D [b*np, s, d] operands (Megatron's bmm form)
                     return NearMiss(self.id, scope.qualname, span_line, end_line,
@@ -4308,6 +4318,8 @@ class AttentionPattern(Pattern):
             call = f"{call}.to({out_dtype})"
         if three_d:
             call = f"{call}.squeeze(1)" + (".transpose(1, 2)" if chain.out_transposed else "")  # bmm(v, Pᵀ) is [B, D, Sq]
+        if lift:
+            call = _attention_s51b.unlift(call)
         if folded:
             call = f"{call}.unflatten(0, {atom(q_n)}.shape[:2])"
         if layout != chain.out_layout and not three_d:
@@ -4359,6 +4371,9 @@ class AttentionPattern(Pattern):
         if rows_split is not None:  # s49: the original runs where the combined mask leaves a query row no key
             lines = checked_body(lines[:rows_split[0]], lines[rows_split[0]:], rows_split[1],
                                  _original_after(module, span, s, rows_split[0], len(bound_lines), r.bound, run_as_written))
+        if lift_split is not None:  # s51b: a lifted call's mask the eager broadcast leaves 3-D, else the original runs
+            lines = checked_body(lines[:lift_split[0]], lines[lift_split[0]:], lift_split[1],
+                                 _original_after(module, span, s, lift_split[0], len(bound_lines), r.bound, run_as_written))
         # npu_fusion_attention takes Dk >= Dv only (the eager matmuls any Dv): checked at run time, else the original runs
         value_check, value_split, lines = add_value_head_check(lines, value_check, value_split, n_qkv, dv_check,
                                                                lambda split: _original_after(module, span, s, split, len(bound_lines), r.bound, run_as_written))
@@ -4393,7 +4408,9 @@ class AttentionPattern(Pattern):
             params["softmax_dtype"] = chain.softmax_dtype
         if d is None:
             chain.notes.append("head_dim is not a literal here: npu_fusion_attention needs D ≤ 768 (fused kernels prefer multiples of 16)")
-        if not three_d and not folded:
+        if lift:
+            risks.append(Risk("layout", _attention_s51b.LIFT_RISK))
+        elif not three_d and not folded:
             risks.append(Risk("layout", "q/k/v are taken as 4-D (the eager matmuls accept any rank; a windowed 5-D input would be rejected by the op)"))
         risks.append(Risk("dynamic_shape", "sequence length varying between steps re-tiles the kernel (recompilation under graph mode)"))
         variant = "+".join(dict.fromkeys(chain.spelling)) + (f"+gqa" if gqa else "") + (f"+{mask_kind}" if mask_kind != "none" else "")

@@ -52,6 +52,7 @@ from npufuse.patterns.attention import (
 )
 from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _attention_s46, _mask_rows
 from npufuse.patterns import _sdpa_s50c
+from npufuse.patterns import _attention_s51b
 from npufuse.patterns._site import block_source
 from npufuse.patterns import _sdpa_s50m
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
@@ -423,6 +424,16 @@ class SdpaPattern(Pattern):
                 if text == segment(module, node):
                     bound.append((node, names[tag]))
         qn, kn, vn = names["q"], names["k"], names["v"]
+        # s51b: 3-D operands of no stated rank (SDPA takes them as X independent attentions) go as [1, X, S, D] views
+        lift = rank_unknown and n_rep is None and not five_d and all(r is None for r in stated.values()) \
+            and (mask is None or self._mask_kind(module, scope, mask) == "bool"
+                 or not graded_evidence(module, scope, mask, getattr(mask, "lineno", 10**9)))
+        q_orig = qn  # the default scale reads q's last axis on the name as bound (the lifted view has the same)
+        if lift:
+            lift_lines, (qn, kn, vn) = _attention_s51b.lift_lines(qn, kn, vn, atom)
+            lines += lift_lines
+            names = {"q": qn, "k": kn, "v": vn}
+            notes.append(_attention_s51b.LIFT_NOTE)
         n_qkv = len(lines)  # the lines binding q/k/v: the head-dim check below reads them
         if five_d:
             qa, ka, va = (f"{atom(x)}.flatten(0, 1).contiguous()" for x in (qn, kn, vn))
@@ -437,7 +448,7 @@ class SdpaPattern(Pattern):
             notes.append("q/k/v are 3-D [B*N, S, D] here: passed as BNSD with one head ([B*N, 1, S, D]), the output squeezed back")
         elif layout == "BNSD":
             qa, ka, va = (f"{atom(x)}.contiguous()" for x in (qn, kn, vn))
-            head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(qn)}.shape[-1]"
+            head_num, sq, d_expr = f"{atom(qn)}.shape[1]", f"{atom(qn)}.shape[2]", f"{atom(q_orig)}.shape[-1]"
             if rank_unknown:
                 risks.append(Risk("layout", "q/k/v's rank is not stated here (SDPA takes any rank >= 2, the op 4-D only): the fused call "
                                             f"runs where `{_attention_s45.sdpa_unstated_rank_test(stated, names, atom)}`, the original otherwise; made "
@@ -520,6 +531,7 @@ class SdpaPattern(Pattern):
                 lines.append(f"_npufuse_mask = None if {atom(m_src)} is None else ({conv})  # {comment}")
             else:
                 lines.append(f"_npufuse_mask = {conv}  # {comment}")
+            lift_split = len(lines) if lift else None  # s51b: the lifted call's mask test goes here
             if three_d:
                 # s38: against 3-D scores [B*N, Sq, Skv] a 3-D mask is per batch*head: [B*N, 1, Sq, Skv] for the one-head call
                 lines += mask_shape_lines("_npufuse_mask", sq, maybe_none, three_d=True, skv=skv)
@@ -600,6 +612,8 @@ class SdpaPattern(Pattern):
             fa = f"{fa}.transpose(1, 2)"  # SDPA returns [B, N, S, D]
         if three_d:
             fa = f"{fa}.squeeze(1)"  # SDPA returns [B*N, S, D] for 3-D operands
+        if lift:
+            fa = _attention_s51b.unlift(fa)
         if five_d:
             fa = f"{fa}.unflatten(0, ({atom(qn)}.shape[0], {atom(qn)}.shape[1]))"  # SDPA returns [A, B, N, S, Dv]
         lines.append(replace_segments(module, stmt, [(call, fa)]))
@@ -638,6 +652,8 @@ class SdpaPattern(Pattern):
             # no statement dropped before the call: its operands are what the bindings above hold
             # (a mask built by a module call ran twice on the fallback path, HO8 moe_attention)
             original = replace_segments(module, stmt, bound)
+        if lift and mask is not None and s50_pse is None:  # s51b: a mask the eager broadcast leaves 3-D, else the original
+            lines = checked_body(lines[:lift_split], lines[lift_split:], _attention_s51b.mask_test(qn, maybe_none), original)
         if value_check is not None:
             head = "_npufuse_pse = " if s50_pse is not None else "_npufuse_mask = "
             split = next(n for n, ln in enumerate(lines) if ln.startswith(head)) + (1 if s50_pse is not None else 0)
