@@ -175,3 +175,67 @@ def test_rms_norm_output_unchanged_with_the_gate_open(monkeypatch: pytest.Monkey
     for s, n in zip(srcs, new):
         if n is not None:
             assert _rms(s) == n, s
+
+
+# -- 2. a norm helper's NAME counts as a whole identifier ------------------------------------------------------------
+
+_META_LIKE = '''import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        out = self._norm(x.float()).type_as(x)
+        return out * self.weight
+
+
+def eager_attention_forward(q, k):
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+
+
+class Attn(nn.Module):
+    def forward(self, q, k):
+        fn = eager_attention_forward
+        return fn(q, k)
+'''
+
+
+@pytest.mark.parametrize(("text", "n"), [
+    ("y = self._norm(x)\n", 1),
+    ("y = _norm(x)\n", 1),
+    ("y = _norm (x)\n", 1),
+    ("f = self._norm\ny = f(x)\n", 1),
+    ("y = getattr(self, '_norm')(x)\n", 1),
+    ("y = self._norm_x(x) + my_norm(x)\n", 0),
+    ("y = _norm\u00e9(x)\n", 0),                          # another identifier (é is a word character)
+    ("y = _norm\u0301(x)\n", 1),                          # a combining mark: counted (the old answer)
+    ("def _norm(self, x):\n    return self._norm(x)\n", 2),
+])
+def test_name_occurrences(text: str, n: int) -> None:
+    assert _rms_norm_s51b.name_occurrences(text, "_norm") == n
+
+
+def test_helper_caller_still_parsed_and_attention_skipped() -> None:
+    m = _module(_META_LIKE)
+    fwd = [s for s in m.scopes if getattr(s.node, "name", None) == "forward"]
+    norm_fwd, attn_fwd = fwd
+    assert rms_norm._reaches_root(m, norm_fwd)        # ``self._norm(`` names the helper
+    assert not rms_norm._reaches_root(m, attn_fwd)    # ``eager_attention_forward`` names no helper
+    got = _rms(_META_LIKE)
+    assert ("fuse", "RMSNorm.forward", 15) in got, got
+
+
+def test_helper_function_called_by_name() -> None:
+    src = ("import torch\n\n\ndef rms(x, eps):\n    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)\n\n\n"
+           "def block(x, w):\n    h = rms(x.float(), 1e-6).to(x.dtype)\n    return h * w\n")
+    m = _module(src)
+    blk = next(s for s in m.scopes if getattr(s.node, "name", None) == "block")
+    assert rms_norm._reaches_root(m, blk)

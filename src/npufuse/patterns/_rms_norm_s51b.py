@@ -53,3 +53,27 @@ def sqrt_only_of_math(module: ModuleInfo, text: str) -> bool:
     if _BARE_MATH_NOT_DOTTED.search(text):
         return False  # the scope spells ``math`` as a name of its own (a binding can)
     return _file_binds_math_by_import_only(module)
+
+
+# --- 2. a helper's NAME counts as a whole identifier only -----------------------------------------------------------
+#
+# ``_reaches_root`` also lets a scope through when its text holds the NAME of a function of the file that looks like a
+# norm (``S.functions_matching(module, "rms_norm", _norm_text)``): the parse enters such a helper only through a call
+# ``self.NAME(...)`` / ``NAME(...)`` (the docstring's proof), and in that call's text NAME is a whole identifier -- the
+# characters beside it are not word characters (a word character there would make the identifier another one, and a
+# number cannot touch a name: ``1forward`` is a syntax error). ``name in text`` also counted NAME inside longer names:
+# a norm class's ``forward`` made every attention ``forward`` of the file that reads ``eager_attention_forward`` go
+# through the whole parse. A character Python joins to an identifier that ``\w`` does not match (a combining mark)
+# counts as a boundary here: more occurrences, the old answer.
+
+_TOKEN_RES: dict[str, re.Pattern[str]] = {}
+
+
+def name_occurrences(text: str, name: str) -> int:
+    """How many times ``name`` appears in ``text`` as a whole identifier (no ``\\w`` on either side)."""
+    if name not in text:
+        return 0
+    rx = _TOKEN_RES.get(name)
+    if rx is None:
+        rx = _TOKEN_RES[name] = re.compile(r"(?<!\w)" + re.escape(name) + r"(?!\w)")
+    return len(rx.findall(text))

@@ -2205,7 +2205,8 @@ def _reaches_root(module: ModuleInfo, scope: Scope) -> bool:
     own = getattr(scope.node, "name", None)
     for name in S.functions_matching(module, "rms_norm", _norm_text):
         # the text starts at the scope's own ``def NAME``: one more occurrence is needed for a call
-        if (text.count(name) > 1) if name == own else (name in text):
+        # s51 perf51b: NAME as a whole identifier (a call of it is one), not inside ``eager_attention_forward``
+        if _rms_norm_s51b.name_occurrences(text, name) > (1 if name == own else 0):
             return True
     return _power_operator(text)
 
