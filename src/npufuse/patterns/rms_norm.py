@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b, _rms_norm_s47n
-from npufuse.patterns import _rms_norm_s48f, _rms_norm_s48h
+from npufuse.patterns import _rms_norm_s48f, _rms_norm_s48h, _rms_norm_s51b
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -2193,8 +2193,10 @@ def _reaches_root(module: ModuleInfo, scope: Scope) -> bool:
     holds none of "sqrt", "pow", a local name bound to one of those torch functions or such a
     helper's NAME (besides its own ``def`` line), and no ``**`` operator, gives nothing."""
     text = S.scope_text(module, scope)
-    if "sqrt" in text or "pow" in text:
+    if "pow" in text:
         return True
+    if "sqrt" in text and not _rms_norm_s51b.sqrt_only_of_math(module, text):
+        return True  # s51 perf51b: a bare ``math.sqrt`` (attention's scale) is no root the parse can read
     aliases = module.__dict__.get("_npufuse_rms_root_aliases")
     if aliases is None:
         aliases = module.__dict__["_npufuse_rms_root_aliases"] = tuple(sorted(k for k, v in module.aliases.items() if v in _ROOT_APIS))
@@ -2203,7 +2205,8 @@ def _reaches_root(module: ModuleInfo, scope: Scope) -> bool:
     own = getattr(scope.node, "name", None)
     for name in S.functions_matching(module, "rms_norm", _norm_text):
         # the text starts at the scope's own ``def NAME``: one more occurrence is needed for a call
-        if (text.count(name) > 1) if name == own else (name in text):
+        # s51 perf51b: NAME as a whole identifier (a call of it is one), not inside ``eager_attention_forward``
+        if _rms_norm_s51b.name_occurrences(text, name) > (1 if name == own else 0):
             return True
     return _power_operator(text)
 
