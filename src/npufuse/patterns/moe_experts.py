@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns import _moe_s42b
+from npufuse.patterns import _moe_s51l
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
@@ -2951,6 +2952,10 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        if isinstance(s, ast.Assign) and (inplace := _moe_s51l.inplace_combine(s, self.scope, self.loop)) is not None:
+            if isinstance(inplace, str):  # s51: `acc = acc.index_add(..)` read as `acc.index_add_(..)` on a fresh buffer
+                raise _Miss(inplace)
+            s = inplace
         if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
             self.s43a_bound[s.targets[0].id] = s.value
         viewed = _moe_s43a.row_view_target(s)
@@ -2959,6 +2964,17 @@ class _Eval:
         if viewed is not None:
             self.s43a_row_view = True  # s43a: `out.view(-1, D)[rows] += v`: the fused result is reshaped to out's shape
             s = viewed
+        if isinstance(s, ast.If) and s.orelse and (split := _moe_s51l.skip_branch(
+                s, self._empty_test, self._nonempty_test, self._loop_invariant_option)) is not None:
+            # s51: `if <no tokens>: continue else: <dispatch>` (or a training-only dummy forward: guarded off)
+            if split[2] is not None:
+                self.option_guards.append(split[2])
+            if split[0]:
+                self._check_skip(s.test)
+            else:
+                self.skip_empty = True
+            self.run_body(split[1])
+            return
         if isinstance(s, ast.If) and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
                 and self._nonempty_test(s.test) and (not s.orelse or _adds_zero_only(s.orelse)):
             # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch; an else
