@@ -280,3 +280,31 @@ def test_pass_only_empty_branch_is_not_read() -> None:
     _not_fused(_GUARDED.replace('''                continue
             else:''', '''                pass
             else:''').replace("                acc[hit] += y\n", "                acc[hit] += y\n            acc[0] += 1.0\n"))
+
+
+# -- the weight column taken after the token mask: probs[mask][:, e] ----------------------------------------------
+
+_COLUMN = _GUARDED.replace('''                y = ffn(picked) * ((ids == j) * w).sum(-1)[hit].unsqueeze(-1)
+''', '''                gate = dense[hit][:, j]
+                y = ffn(picked) * gate.unsqueeze(-1)
+''').replace('''        w, ids = torch.topk(F.softmax(self.route(flat), dim=-1), self.k, dim=-1)
+''', '''        scores = self.route(flat)
+        top, ids = torch.topk(scores, self.k, dim=-1)
+        dense = torch.softmax(torch.full_like(scores, float("-inf")).scatter(-1, ids, top), dim=-1)
+''')
+
+
+def test_column_after_the_mask_fused_and_exact() -> None:
+    # a dense [T, E] gate (zero off the top-k) read at column j of the rows that chose j
+    fused_and_runs(MoeExperts(), _COLUMN, _GUARDED_RUN, "GuardedMoe.forward")
+
+
+def test_column_after_the_mask_bf16() -> None:
+    findings, _ = detect_all(MoeExperts(), _COLUMN)
+    facts = check_rewrite_runs(MoeExperts(), _COLUMN, _bf16(_GUARDED_RUN, "GuardedMoe(8, 5, 2)"), findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.99, facts
+
+
+def test_column_of_another_dim_is_not_read() -> None:
+    # column 0 for every expert: not the weight of the expert j the rows chose
+    _not_fused(_COLUMN.replace("gate = dense[hit][:, j]", "gate = dense[hit][:, 0]"))

@@ -153,3 +153,25 @@ def skip_branch(s: ast.If, is_empty: Callable[[ast.expr], bool], is_nonempty: Ca
     if guard is not None:
         return is_empty(s.test), rest, guard
     return None
+
+
+# -- the weight column taken after the token mask (HO28a myllm) -------------------------------------------------------
+#
+# ``probs[mask][:, e]`` is ``probs[mask, e]``: the mask (or row index) picks the rows of the leading dims, then the
+# column e of the next dim -- with e the loop's scalar expert index (a tensor of indices would pair with the rows in
+# ``probs[rows, e]`` but cross with them in ``probs[rows][:, e]``: not read).
+
+
+def column_after_rows(node: ast.Subscript, is_eidx: Callable[[ast.expr], bool]) -> Optional[ast.Subscript]:
+    inner, sl = node.value, node.slice
+    if not (isinstance(inner, ast.Subscript) and isinstance(sl, ast.Tuple) and len(sl.elts) == 2):
+        return None
+    every, col = sl.elts
+    if not (isinstance(every, ast.Slice) and every.lower is None and every.upper is None and every.step is None):
+        return None
+    if not is_eidx(col) or isinstance(inner.slice, (ast.Slice, ast.Tuple)):
+        return None
+    out = ast.Subscript(inner.value, ast.Tuple([inner.slice, col], ast.Load()), ast.Load())
+    ast.copy_location(out, node)
+    ast.fix_missing_locations(out)
+    return out

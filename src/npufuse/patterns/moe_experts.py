@@ -3739,6 +3739,8 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
+        if isinstance(node.value, ast.Subscript) and (col := _moe_s51l.column_after_rows(node, self._is_eidx)) is not None:
+            return self._subscript(col)  # s51: probs[mask][:, e] is probs[mask, e]
         if isinstance(node.value, ast.Call) and (dense := _moe_s49s.masked_dense_call(self, node)) is not None:
             return self.ev(dense)  # s49: expert(x)[mask] read as expert(x[mask]) (token-wise experts, checked at the end)
         same = _moe_s42b.unit_axis_row_gather(node)
