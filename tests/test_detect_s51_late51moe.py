@@ -308,3 +308,75 @@ def test_column_after_the_mask_bf16() -> None:
 def test_column_of_another_dim_is_not_read() -> None:
     # column 0 for every expert: not the weight of the expert j the rows chose
     _not_fused(_COLUMN.replace("gate = dense[hit][:, j]", "gate = dense[hit][:, 0]"))
+
+
+# -- experts in a ModuleDict looped by key, with the dense gate and the training dummy ------------------------------
+
+_KEYED = _HEAD + '''
+
+class Gate(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.k = k
+        self.proj = nn.Linear(d, n)
+
+    def forward(self, z):
+        s = self.proj(z)
+        _, ids = torch.topk(s, self.k, dim=-1)
+        picked = s.gather(-1, ids)
+        return torch.softmax(torch.full_like(s, float("-inf")).scatter(-1, ids, picked), dim=-1), ids
+
+
+class KeyedMoe(nn.Module):
+    def __init__(self, d, n, k):
+        super().__init__()
+        self.gate = Gate(d, n, k)
+        self.experts = nn.ModuleDict({f"blk-{j}-ffn": GatedFfn(d, 2 * d) for j in range(n)})
+
+    def forward(self, h):
+        dense, ids = self.gate(h)
+        dense = dense.view(-1, dense.size(-1))
+        ids = ids.view(-1, ids.size(-1))
+        flat = h.view(-1, h.size(-1))
+        acc = torch.zeros_like(flat)
+        for j, name in enumerate(self.experts):
+            hit = (ids == j).any(dim=-1)
+            picked = flat[hit]
+            if picked.size(0) == 0:
+                if self.training:
+                    zero_row = torch.zeros((1, flat.size(-1)), device=flat.device, dtype=flat.dtype)
+                    acc[0] += self.experts[name](zero_row)[0]
+                else:
+                    continue
+            else:
+                y = self.experts[name](picked)
+                y = y * dense[hit][:, j].unsqueeze(-1)
+                acc[hit] += y
+        return acc.view_as(h)
+'''
+
+_KEYED_RUN = '''
+torch.manual_seed(0)
+m = KeyedMoe(8, 5, 2).eval()
+x = torch.randn(2, 6, 8, requires_grad=True)
+out = m(x)
+leaves = [x, m.gate.proj.weight, m.experts["blk-1-ffn"].w_in.weight, m.experts["blk-4-ffn"].w_out.weight]
+'''
+
+
+def test_module_dict_by_key_fused_and_exact_in_eval() -> None:
+    facts = fused_and_runs(MoeExperts(), _KEYED, _KEYED_RUN, "KeyedMoe.forward")
+    assert "isinstance(self.experts, torch.nn.ModuleDict)" in facts["rewritten"]
+    assert "not (self.training)" in facts["rewritten"]
+
+
+def test_module_dict_by_key_bf16() -> None:
+    findings, _ = detect_all(MoeExperts(), _KEYED)
+    facts = check_rewrite_runs(MoeExperts(), _KEYED, _bf16(_KEYED_RUN, "KeyedMoe(8, 5, 2)"), findings)
+    assert facts["calls"] >= 1 and min(facts["cos_out"]) > 0.999 and min(facts["cos_grad"]) > 0.99, facts
+
+
+def test_module_dict_key_used_otherwise_is_not_read() -> None:
+    # the key also names a log entry: not only the subscript of the container
+    _not_fused(_KEYED.replace("                acc[hit] += y\n",
+                              "                acc[hit] += y\n                self.last = name\n"))

@@ -175,3 +175,28 @@ def column_after_rows(node: ast.Subscript, is_eidx: Callable[[ast.expr], bool]) 
     ast.copy_location(out, node)
     ast.fix_missing_locations(out)
     return out
+
+
+# -- experts in a ModuleDict, looped by key (HO28a myllm) ---------------------------------------------------------------
+#
+# ``for i, key in enumerate(self.experts): ... self.experts[key](rows)``: iterating a ModuleDict yields its keys in
+# insertion order, so ``self.experts[key]`` is the i-th module of ``self.experts.values()``. Read only where every use
+# of ``key`` in the loop is that subscript (a key compared with the ids, or used otherwise, is not an expert index);
+# the fused text lists ``list(self.experts.values())`` under the run-time guard that the container is a ModuleDict
+# (for a list, ``experts[module]`` raises: the original runs and raises the same).
+
+
+def keyed_only(loop: ast.For, container: ast.expr, key: str) -> bool:
+    want = ast.dump(container)
+    ok: set[int] = set()
+    loads = 0
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Name) and n.slice.id == key \
+                and ast.dump(n.value) == want:
+            ok.add(id(n.slice))
+        if isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Load):
+            loads += 1
+    if not ok or loads != len(ok):
+        return False
+    # not rebound inside the loop
+    return not any(isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Store) for s in loop.body for n in ast.walk(s))

@@ -2765,6 +2765,15 @@ class _Eval:
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
             self.eidx.add(idx_name)
+            if dotted(inner) is not None and _moe_s51l.keyed_only(loop, inner, item_name):
+                # s51: `for i, key in enumerate(self.experts)` over a ModuleDict, each expert called as self.experts[key]
+                self.loop_kind = "enumerate_experts"
+                self.experts_list = f"list({segment(m, inner)}.values())"
+                self.num_experts = f"len({segment(m, inner)})"
+                self.bins = f"len({P}experts)"
+                self.eidx.add(item_name)
+                self.option_guards.append(f"isinstance({segment(m, inner)}, torch.nn.ModuleDict)")
+                return
             if self._is_expert_container(inner) or (dotted(_tail_base(inner)) is not None and _called_in(loop.body, item_name)):
                 # self.experts, or any list whose items the loop calls (`ffn(x[sel])`): the experts
                 self.loop_kind = "enumerate_experts"
