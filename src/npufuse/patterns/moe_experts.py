@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from npufuse.patterns import _moe_s42b
+from npufuse.patterns import _moe_s51l
 from npufuse.patterns import _moe_s42c as s42c
 from npufuse.patterns import _moe_s43b
 from npufuse.patterns import _moe_s43a
@@ -2764,6 +2765,15 @@ class _Eval:
             inner = it.args[0]
             idx_name, item_name = tgt.elts[0].id, tgt.elts[1].id  # type: ignore[union-attr]
             self.eidx.add(idx_name)
+            if dotted(inner) is not None and _moe_s51l.keyed_only(loop, inner, item_name):
+                # s51: `for i, key in enumerate(self.experts)` over a ModuleDict, each expert called as self.experts[key]
+                self.loop_kind = "enumerate_experts"
+                self.experts_list = f"list({segment(m, inner)}.values())"
+                self.num_experts = f"len({segment(m, inner)})"
+                self.bins = f"len({P}experts)"
+                self.eidx.add(item_name)
+                self.option_guards.append(f"isinstance({segment(m, inner)}, torch.nn.ModuleDict)")
+                return
             if self._is_expert_container(inner) or (dotted(_tail_base(inner)) is not None and _called_in(loop.body, item_name)):
                 # self.experts, or any list whose items the loop calls (`ffn(x[sel])`): the experts
                 self.loop_kind = "enumerate_experts"
@@ -2951,6 +2961,10 @@ class _Eval:
     def stmt(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
             return  # docstring / bare string
+        if isinstance(s, ast.Assign) and (inplace := _moe_s51l.inplace_combine(s, self.scope, self.loop)) is not None:
+            if isinstance(inplace, str):  # s51: `acc = acc.index_add(..)` read as `acc.index_add_(..)` on a fresh buffer
+                raise _Miss(inplace)
+            s = inplace
         if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
             self.s43a_bound[s.targets[0].id] = s.value
         viewed = _moe_s43a.row_view_target(s)
@@ -2959,6 +2973,17 @@ class _Eval:
         if viewed is not None:
             self.s43a_row_view = True  # s43a: `out.view(-1, D)[rows] += v`: the fused result is reshaped to out's shape
             s = viewed
+        if isinstance(s, ast.If) and s.orelse and (split := _moe_s51l.skip_branch(
+                s, self._empty_test, self._nonempty_test, self._loop_invariant_option)) is not None:
+            # s51: `if <no tokens>: continue else: <dispatch>` (or a training-only dummy forward: guarded off)
+            if split[2] is not None:
+                self.option_guards.append(split[2])
+            if split[0]:
+                self._check_skip(s.test)
+            else:
+                self.skip_empty = True
+            self.run_body(split[1])
+            return
         if isinstance(s, ast.If) and not all(isinstance(b, (ast.Continue, ast.Pass)) for b in s.body) \
                 and self._nonempty_test(s.test) and (not s.orelse or _adds_zero_only(s.orelse)):
             # `if mask.any(): <dispatch>` = `if not mask.any(): continue` then the dispatch; an else
@@ -3723,6 +3748,8 @@ class _Eval:
         return self.ev(p).kind
 
     def _subscript(self, node: ast.Subscript) -> V:
+        if isinstance(node.value, ast.Subscript) and (col := _moe_s51l.column_after_rows(node, self._is_eidx)) is not None:
+            return self._subscript(col)  # s51: probs[mask][:, e] is probs[mask, e]
         if isinstance(node.value, ast.Call) and (dense := _moe_s49s.masked_dense_call(self, node)) is not None:
             return self.ev(dense)  # s49: expert(x)[mask] read as expert(x[mask]) (token-wise experts, checked at the end)
         same = _moe_s42b.unit_axis_row_gather(node)
