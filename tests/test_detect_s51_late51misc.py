@@ -1,0 +1,111 @@
+"""s51 (helper late51misc): judged classes of HO28a/b/c (own reproducers, never the repos' code).
+
+5. swiglu: SiLU spelled with an ``nn.Sigmoid()`` module attribute (``g * self.sigmoid(g)``) reads as the sigmoid
+   form of SiLU, as ``torch.sigmoid(g) * g`` does (start code: no finding and no near miss at all).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pattern_harness import check_rewrite_runs, detect_all, fused_and_runs
+
+from npufuse.patterns.swiglu import Swiglu
+
+SWIGLU = Swiglu()
+
+# -- 5. swiglu: a sigmoid module attribute as SiLU's sigmoid ----------------------------------------------------------
+
+_MLP = '''
+import torch
+from torch import nn
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.sigmoid = nn.Sigmoid()
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.gate = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+{body}
+'''
+_MLP_RUN = '''
+m = Mlp()
+x = torch.randn(2, 5, 16, requires_grad=True)
+leaves = [x, m.gate.weight, m.up.weight]
+out = m(x)
+'''
+_FUSE_BODIES = {
+    "attr_sigmoid_left": "        g = self.gate(x)\n        return self.down(g * self.sigmoid(g) * self.up(x))",
+    "attr_sigmoid_right": "        g = self.gate(x)\n        return self.down(self.sigmoid(g) * g * self.up(x))",
+    "attr_sigmoid_named": "        g = self.gate(x)\n        a = g * self.sigmoid(g)\n        return self.down(a * self.up(x))",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FUSE_BODIES))
+def test_sigmoid_attribute_silu_fused_exactly(name: str) -> None:
+    code = _MLP.format(body=_FUSE_BODIES[name])
+    facts = fused_and_runs(SWIGLU, code, _MLP_RUN, "Mlp.forward")
+    assert facts["all_calls"].get("npu_swiglu") == 1
+
+
+def test_sigmoid_attribute_fp32_bf16_max_error() -> None:
+    code = _MLP.format(body=_FUSE_BODIES["attr_sigmoid_left"])
+    findings, _ = detect_all(SWIGLU, code)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        run = _MLP_RUN.replace("m = Mlp()", f"m = Mlp().to({dtype})").replace("16, requires_grad", f"16, dtype={dtype}, requires_grad")
+        facts = check_rewrite_runs(SWIGLU, code, run, findings)
+        assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.9999 and min(facts["cos_grad"]) > 0.999, facts
+
+
+_KEEP_BODIES = {
+    # a scaled sigmoid is a Swish, not SiLU
+    "scaled_argument": ("        g = self.gate(x)\n        return self.down(g * self.sigmoid(2.0 * g) * self.up(x))", None),
+    # sigmoid of another operand: a sigmoid gate, not SiLU
+    "other_operand": ("        g = self.gate(x)\n        u = self.up(x)\n        return self.down(u * self.sigmoid(g))", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_KEEP_BODIES))
+def test_sigmoid_attribute_not_silu_kept(name: str) -> None:
+    body, phrase = _KEEP_BODIES[name]
+    findings, misses = detect_all(SWIGLU, _MLP.format(body=body))
+    assert not findings, [f.qualname for f in findings]
+    if phrase is not None:
+        assert any(phrase in m.reason for m in misses), [m.reason for m in misses]
+
+
+def test_sigmoid_attribute_reassigned_kept() -> None:
+    """``self.sigmoid`` stored again outside ``__init__``: the call need not be a sigmoid."""
+    code = _MLP.format(body=_FUSE_BODIES["attr_sigmoid_left"]) + '''
+    def set_act(self, act):
+        self.sigmoid = act
+'''
+    findings, _ = detect_all(SWIGLU, code)
+    assert not findings
+
+
+def test_sigmoid_attribute_same_as_functional_on_an_input_gate() -> None:
+    """``x * self.sigmoid(x) * self.w(x)`` (x the parameter) gets the near miss the ``torch.sigmoid`` spelling gets
+    (start code: nothing at all for the attribute spelling)."""
+    cls = '''
+import torch
+from torch import nn
+
+
+class Gated(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.sigmoid = nn.Sigmoid()
+        self.w = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return x * {sig} * self.w(x)
+'''
+    a = detect_all(SWIGLU, cls.format(sig="self.sigmoid(x)"))
+    b = detect_all(SWIGLU, cls.format(sig="torch.sigmoid(x)"))
+    assert [m.reason for m in a[1]] == [m.reason for m in b[1]] and a[1]
+    assert [f.qualname for f in a[0]] == [f.qualname for f in b[0]]
