@@ -109,3 +109,53 @@ class Gated(nn.Module):
     b = detect_all(SWIGLU, cls.format(sig="torch.sigmoid(x)"))
     assert [m.reason for m in a[1]] == [m.reason for m in b[1]] and a[1]
     assert [f.qualname for f in a[0]] == [f.qualname for f in b[0]]
+
+
+# -- 4. rms_norm: an RMS over every non-batch dim, the reason read from the expression --------------------------------
+
+from npufuse.patterns.rms_norm import RmsNorm  # noqa: E402
+
+RMS = RmsNorm()
+
+_ND = '''
+import torch
+from torch import nn
+
+
+class ChannelNorm(nn.Module):
+    def __init__(self, channels=8, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x):
+{body}
+'''
+_ND_BODIES = {
+    "range_name": ("        dim = tuple(range(1, x.ndim))\n"
+                   "        rms = torch.sqrt(x.pow(2).mean(dim=dim, keepdim=True) + self.eps)\n"
+                   "        return x / rms * self.weight.view(1, -1, *([1] * (x.ndim - 2)))",
+                   "every non-batch dim of `x`"),
+    "range_dim_method": ("        dims = list(range(1, x.dim()))\n"
+                         "        return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + self.eps) * self.weight[None, :, None, None]",
+                         "every non-batch dim of `x`"),
+    "literal_tuple": ("        return x * torch.rsqrt(x.pow(2).mean(dim=(1, 2, 3), keepdim=True) + self.eps) * self.weight[None, :, None, None]",
+                      "mean over dims (1, 2, 3) (several dims"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ND_BODIES))
+def test_rms_over_non_batch_dims_true_reason(name: str) -> None:
+    body, phrase = _ND_BODIES[name]
+    findings, misses = detect_all(RMS, _ND.format(body=body))
+    assert not findings
+    reasons = [m.reason for m in misses]
+    assert any(phrase in r for r in reasons) and not any("run-time value" in r for r in reasons), reasons
+
+
+def test_range_of_another_tensor_keeps_old_reason() -> None:
+    """The dims counted from another tensor's rank are no fact about the squared one: the old reason stands."""
+    body = ("        dim = tuple(range(1, self.weight.ndim))\n"
+            "        return x * torch.rsqrt(x.pow(2).mean(dim=dim, keepdim=True) + self.eps) * self.weight")
+    findings, misses = detect_all(RMS, _ND.format(body=body))
+    assert not findings and not any("every non-batch dim" in m.reason for m in misses), [m.reason for m in misses]
