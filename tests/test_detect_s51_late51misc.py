@@ -159,3 +159,82 @@ def test_range_of_another_tensor_keeps_old_reason() -> None:
             "        return x * torch.rsqrt(x.pow(2).mean(dim=dim, keepdim=True) + self.eps) * self.weight")
     findings, misses = detect_all(RMS, _ND.format(body=body))
     assert not findings and not any("every non-batch dim" in m.reason for m in misses), [m.reason for m in misses]
+
+
+# -- 1. rope: the interleaved rotation partner filled lane by lane into a new tensor -----------------------------------
+
+from npufuse.patterns.rope import RopePattern  # noqa: E402
+
+ROPE = RopePattern()
+
+_ROPE = '''
+import torch
+from torch import nn
+
+
+def tables(d, n):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.outer(torch.arange(n).float(), inv).repeat_interleave(2, dim=-1)
+    return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+
+
+class Rope(nn.Module):
+    def __init__(self, d=16, n=64):
+        super().__init__()
+        c, s = tables(d, n)
+        self.register_buffer("cos", c)
+        self.register_buffer("sin", s)
+        self.register_buffer("even", torch.arange(0, d, 2))
+        self.register_buffer("odd", torch.arange(1, d, 2))
+        self.pos = 0
+
+    def forward(self, x):
+        t = x.shape[1]
+{body}
+'''
+_ROPE_RUN = '''
+m = Rope()
+x = torch.randn(2, 6, 3, 16, requires_grad=True)
+leaves = [x]
+out = m(x)
+'''
+_ROPE_FUSE = {
+    "empty_like_slices": ("        r = torch.empty_like(x)\n        r[..., 0::2] = -x[..., 1::2]\n        r[..., 1::2] = x[..., ::2]\n"
+                          "        return x * self.cos[:, :t] + r * self.sin[:, :t]"),
+    "zeros_like_offset": ("        r = torch.zeros_like(x)\n        r[..., ::2] = -x[..., 1::2]\n        r[..., 1::2] = x[..., 0::2]\n"
+                          "        c, s = self.cos[:, self.pos:self.pos + t], self.sin[:, self.pos:self.pos + t]\n"
+                          "        return x * c + r * s"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROPE_FUSE))
+def test_filled_partner_interleaved_fused_exactly(name: str) -> None:
+    code = _ROPE.format(body=_ROPE_FUSE[name])
+    facts = fused_and_runs(ROPE, code, _ROPE_RUN, "Rope.forward")
+    assert facts["all_calls"].get("npu_rotary_mul") == 1, facts["all_calls"]
+    for dtype in (torch.float32, torch.bfloat16):
+        run = _ROPE_RUN.replace("m = Rope()", f"m = Rope().to({dtype})").replace("16, requires_grad", f"16, dtype={dtype}, requires_grad")
+        findings, _ = detect_all(ROPE, code)
+        f = check_rewrite_runs(ROPE, code, run, findings)
+        assert min(f["cos_out"]) > 0.9999 and min(f["cos_grad"]) > 0.9999, f
+
+
+_ROPE_KEEP = {
+    # the odd lanes are written from the wrong sign: not the rotation
+    "wrong_sign": ("        r = torch.empty_like(x)\n        r[..., 0::2] = x[..., 1::2]\n        r[..., 1::2] = x[..., 0::2]\n"
+                   "        return x * self.cos[:, :t] + r * self.sin[:, :t]"),
+    # the partner is changed after the fills: its value at the read is not the rotation
+    "written_after": ("        r = torch.empty_like(x)\n        r[..., 0::2] = -x[..., 1::2]\n        r[..., 1::2] = x[..., 0::2]\n"
+                      "        r[..., :2] = 0\n        return x * self.cos[:, :t] + r * self.sin[:, :t]"),
+    "scaled_after": ("        r = torch.empty_like(x)\n        r[..., 0::2] = -x[..., 1::2]\n        r[..., 1::2] = x[..., 0::2]\n"
+                     "        r.mul_(2)\n        return x * self.cos[:, :t] + r * self.sin[:, :t]"),
+    # only the even lanes written: the odd lanes of the empty buffer are never set
+    "one_fill": ("        r = torch.empty_like(x)\n        r[..., 0::2] = -x[..., 1::2]\n"
+                 "        return x * self.cos[:, :t] + r * self.sin[:, :t]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROPE_KEEP))
+def test_filled_partner_not_a_rotation_kept(name: str) -> None:
+    findings, _ = detect_all(ROPE, _ROPE.format(body=_ROPE_KEEP[name]))
+    assert not findings, [f.qualname for f in findings]
