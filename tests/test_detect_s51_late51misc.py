@@ -238,3 +238,77 @@ _ROPE_KEEP = {
 def test_filled_partner_not_a_rotation_kept(name: str) -> None:
     findings, _ = detect_all(ROPE, _ROPE.format(body=_ROPE_KEEP[name]))
     assert not findings, [f.qualname for f in findings]
+
+
+# -- 3. add_rms_norm: norms of an nn.ModuleDict looked up by the loop key -------------------------------------------
+
+from npufuse.patterns.add_rms_norm import AddRmsNorm  # noqa: E402
+
+ADDNORM = AddRmsNorm()
+
+_DICT = '''
+import torch
+from torch import nn
+
+
+class Norm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Stack(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.keys = ["attn", "ffn"]
+{init}
+        self.mix = nn.ModuleDict({{k: nn.Linear(d, d) for k in self.keys}})
+
+    def forward(self, x):
+{body}
+'''
+_DICT_RUN = '''
+m = Stack()
+x = torch.randn(2, 5, 16, requires_grad=True)
+leaves = [x, m.mix["attn"].weight]
+out = m(x)
+'''
+_DICT_INIT = {
+    "comprehension": "        self.norms = nn.ModuleDict({k: Norm(d) for k in self.keys})",
+    "display": "        self.norms = nn.ModuleDict({'attn': Norm(d), 'ffn': Norm(d)})",
+    "stores": "        self.norms = nn.ModuleDict()\n        for k in self.keys:\n            self.norms[k] = Norm(d)",
+}
+_DICT_BODY = {
+    "sum_named": ("        h = torch.zeros_like(x)\n        for k in self.keys:\n            x = x + h\n"
+                  "            h = self.mix[k](self.norms[k](x))\n        return x + h"),
+    "sum_inline": ("        out = x\n        for k in self.keys:\n            h = self.mix[k](out)\n"
+                   "            out = self.norms[k](x + h)\n        return out"),
+}
+
+
+@pytest.mark.parametrize("init", sorted(_DICT_INIT))
+@pytest.mark.parametrize("body", sorted(_DICT_BODY))
+def test_module_dict_norms_fused_exactly(init: str, body: str) -> None:
+    code = _DICT.format(init=_DICT_INIT[init], body=_DICT_BODY[body])
+    fused_and_runs(ADDNORM, code, _DICT_RUN, "Stack.forward")
+
+
+_DICT_KEEP_INIT = {
+    # one value is a LayerNorm: the key decides which norm runs
+    "mixed_values": "        self.norms = nn.ModuleDict({'attn': Norm(d), 'ffn': nn.LayerNorm(d)})",
+    # the dict is changed after it is built
+    "updated": ("        self.norms = nn.ModuleDict({k: Norm(d) for k in self.keys})\n"
+                "        self.norms.update({'ffn': nn.LayerNorm(d)})"),
+    # a list of pairs: not read
+    "pairs": "        self.norms = nn.ModuleDict([(k, nn.LayerNorm(d)) for k in self.keys])",
+}
+
+
+@pytest.mark.parametrize("init", sorted(_DICT_KEEP_INIT))
+def test_module_dict_norms_not_one_rms_norm_kept(init: str) -> None:
+    findings, _ = detect_all(ADDNORM, _DICT.format(init=_DICT_KEEP_INIT[init], body=_DICT_BODY["sum_named"]))
+    assert not findings, [f.qualname for f in findings]
