@@ -312,3 +312,77 @@ _DICT_KEEP_INIT = {
 def test_module_dict_norms_not_one_rms_norm_kept(init: str) -> None:
     findings, _ = detect_all(ADDNORM, _DICT.format(init=_DICT_KEEP_INIT[init], body=_DICT_BODY["sum_named"]))
     assert not findings, [f.qualname for f in findings]
+
+
+# -- 2. rope: inline half split ``q.split(h, -1)`` at a split point read from the module ----------------------------
+
+_KV = '''
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, h=2, n=64):
+        super().__init__()
+        self.h, self.hd = h, d // h
+        self.q = nn.Linear(d, d)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        ang = torch.outer(torch.arange(n).float(), inv)
+        self.register_buffer("rope_cos", ang.cos())
+        self.register_buffer("rope_sin", ang.sin())
+        self.past = 0
+
+    def forward(self, x, use_cache=False):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.hd)
+        if use_cache:
+            cos = self.rope_cos[self.past:self.past + s].unsqueeze(1)
+            sin = self.rope_sin[self.past:self.past + s].unsqueeze(1)
+            q1, q2 = q.split({size}, {dim})
+            q = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1)
+            self.past += s
+        return q
+'''
+_KV_RUN = '''
+m = Attn()
+m.past = 3
+x = torch.randn(2, 5, 32, requires_grad=True)
+leaves = [x, m.q.weight]
+out = m(x, use_cache=True)
+'''
+
+
+def test_split_at_module_half_in_cache_branch_fused_exactly() -> None:
+    code = _KV.format(size="self.hd // 2", dim="-1")
+    facts = fused_and_runs(ROPE, code, _KV_RUN, "Attn.forward")
+    assert facts["all_calls"].get("npu_rotary_mul") == 1
+    assert "q.shape[-1] == 2 * (self.hd // 2)" in facts["rewritten"]
+    for dtype in (torch.float32, torch.bfloat16):
+        run = _KV_RUN.replace("m = Attn()", f"m = Attn().to({dtype})").replace("32, requires_grad", f"32, dtype={dtype}, requires_grad")
+        findings, _ = detect_all(ROPE, code)
+        f = check_rewrite_runs(ROPE, code, run, findings)
+        assert f["calls"] == 1 and min(f["cos_out"]) > 0.9999 and min(f["cos_grad"]) > 0.9999, f
+
+
+def test_split_at_wrong_point_runs_original() -> None:
+    """``split(self.hd // 4, -1)`` unpacked into two needs hd == 2 * (hd // 4): never here, and the check says so at
+    run time (the original code runs; here it raises on unpacking four pieces into two, as eager does)."""
+    code = _KV.format(size="self.hd // 4", dim="-1")
+    findings, _ = detect_all(ROPE, code)
+    from pattern_harness import _exec, splice
+
+    from npufuse import emulate
+    rewritten = splice(code, findings)
+    assert "q.shape[-1] == 2 * (self.hd // 4)" in rewritten
+    with emulate.install() as emu:
+        ns = _exec(rewritten, "rw")
+        m = ns["Attn"]()
+        with pytest.raises(ValueError):
+            m(torch.randn(2, 5, 32), use_cache=True)
+    assert not emu.calls.get("npu_rotary_mul")
+
+
+def test_split_on_a_middle_dim_kept() -> None:
+    """``split(h, 3)`` splits the last dim only at rank 4; the checked reading is for ``-1`` only."""
+    findings, _ = detect_all(ROPE, _KV.format(size="self.hd // 2", dim="2"))
+    assert not findings

@@ -75,3 +75,28 @@ def filled_partner(scope: Scope, name: ast.Name, alloc_value: ast.expr) -> ast.e
                 return None  # the read sits in another block (a loop, a branch): not shown to follow the fills
             return found[1]
     return None
+
+
+# -- 2. ``x.split(h, -1)`` at a split point not provably x's last dim // 2 (HO28a IISuperluminaLII) ------------------
+#
+#     q1, q2 = q.split(self.head_dim // 2, -1)
+#
+# The halves reader took ``split`` only at ``x.shape[-1] // 2`` while the same point written as slices
+# (``q[..., :h]``, ``q[..., h:]``) is taken under the run-time check ``q.shape[-1] == 2 * (h)`` (the original code
+# runs elsewhere). ``split(h, -1)`` gives exactly the two halves where that check holds, so it is read the same way,
+# by callers that fuse under the collected checks (``allow_split``) only.
+
+
+def split_at_checked_point(halves, size: ast.expr | None, x: ast.expr, split_point, dead_own_split) -> bool:
+    """``x.split(size, -1)`` as the halves of x under the check ``x.shape[-1] == 2 * (size)`` (appended to
+    ``halves.split_checks``); False where the caller takes no checks or ``size`` is no re-readable split point."""
+    if size is None or not halves.allow_split or not split_point(halves.scope, size):
+        return False
+    if dead_own_split(halves.scope, halves.is_x, size):
+        return False  # from x's own shape, not its last dim's half: a check never true
+    text = ast.unparse(x)
+    base = text if isinstance(x, (ast.Name, ast.Attribute)) else f"({text})"
+    check = f"{base}.shape[-1] == 2 * ({ast.unparse(size)})"
+    if check not in halves.split_checks:
+        halves.split_checks.append(check)
+    return True

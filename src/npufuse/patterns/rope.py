@@ -569,7 +569,8 @@ class _Halves:
             return bool(rest) and _is_int(rest[0], 2) or _is_int(keyword(call, "chunks"), 2)
         if name == "split":
             size = rest[0] if rest else keyword(call, "split_size_or_sections")
-            return self._is_half_point(size)
+            return self._is_half_point(size) or (_is_int(dim, -1)  # s51: at a checked split point (the last dim only)
+                                                 and _rope_s51m.split_at_checked_point(self, size, x, _split_point, _rope_s48r.dead_own_split))
         return False
 
     def neg_of(self, node: ast.expr) -> ast.expr | None:
