@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from npufuse.patterns import _add_rms_norm_s44, _add_rms_norm_s44h, _add_rms_norm_s45h, _add_rms_norm_s45sweep, _add_rms_norm_s46a, _norm_s43
 from npufuse.patterns import _add_rms_norm_s46h, _add_rms_norm_s47n, _add_rms_norm_s47sweep
 from npufuse.patterns import _add_rms_norm_s48h, _add_rms_norm_s49l, _add_rms_norm_s49m, _add_rms_norm_s50m, _add_rms_norm_s50n, _rms_norm_s48f, _rms_norm_s48h
+from npufuse.patterns import _add_rms_norm_s51m
 from npufuse.patterns import _site as S
 from npufuse.patterns import rms_norm as R
 from npufuse.patterns._library_norm import eps_or_default, float32_eps
@@ -1532,6 +1533,8 @@ def _list_elements(owner: _Owner, attr: str) -> list[ast.expr] | None:
     alike) or fills an empty list by ``append(X)``; None when it is built otherwise or changed by other means."""
     file, class_name = owner
     value = S.init_assignments(file, class_name).get(attr)
+    if isinstance(value, ast.Call) and file.canonical(value.func) == "torch.nn.ModuleDict":  # s51: values of a ModuleDict
+        return _add_rms_norm_s51m.dict_values(file, S.method(file, class_name, "__init__"), attr, value)
     if not (isinstance(value, ast.Call) and file.canonical(value.func) in ("torch.nn.ModuleList", "torch.nn.Sequential")
             and len(value.args) <= 1 and not value.keywords):
         return None

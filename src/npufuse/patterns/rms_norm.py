@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from npufuse.patterns import _library_norm, _norm_s43, _norm_s44h, _rms_norm_s45sweep, _rms_norm_s46b, _rms_norm_s47n
 from npufuse.patterns import _rms_norm_s48f, _rms_norm_s48h, _rms_norm_s51b
+from npufuse.patterns import _rms_norm_s51m
 from npufuse.patterns import _site as S
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan.dataflow import ModuleInfo, Scope, calls_on_lines, child_nodes, const_value, dotted, fast_walk, lines_with, may_raise_to_power, text_holds_any
@@ -285,6 +286,9 @@ def _mean_of_square(module: ModuleInfo, node: ast.expr, ctx: S.Ctx, trace: S.Tra
             dim_checks.append((dim, vctx, "rank"))  # type: ignore[arg-type]
             why = None
         elif why is not None or dim_checks is None:
+            read = _rms_norm_s51m.dims_reason(dim, vctx, S.key(y, sqctx))  # s51: the dims read from the expression
+            if read is not None:
+                raise Miss(read, rstd)
             raise Miss(f"mean over dim `{ast.unparse(dim)}`, {why or 'a run-time value'}: npufuse cannot prove it to be "
                        "the last dim (npu_rms_norm normalises the last dims only)", rstd)
         else:

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 from npufuse.patterns import _library_rope, _rope_s43, _rope_s44sweep, _rope_s45sweep, _rope_s46h, _rope_s47h, _rope_s47sweep
 from npufuse.patterns import _rope_s48r, _rope_s49m
+from npufuse.patterns import _rope_s51m
 from npufuse.patterns._rope_s44audit import flatten3_rank_condition
 from npufuse.patterns._site import is_last_dim_expr
 from npufuse.patterns._site import scope_text as _site_scope_text
@@ -60,7 +61,7 @@ def _resolve(scope: Scope, node: ast.expr) -> ast.expr:
             value = scope.definition(node.id, getattr(node, "lineno", None))
             if value is None:
                 return node
-            node = value
+            node = _rope_s51m.filled_partner(scope, node, value) or value  # s51: `r = empty_like(x)` + two lane fills
             continue
         # ``a, b = (x, y)`` is recorded as Subscript(Tuple, k): pick the element
         if (
@@ -569,7 +570,8 @@ class _Halves:
             return bool(rest) and _is_int(rest[0], 2) or _is_int(keyword(call, "chunks"), 2)
         if name == "split":
             size = rest[0] if rest else keyword(call, "split_size_or_sections")
-            return self._is_half_point(size)
+            return self._is_half_point(size) or (_is_int(dim, -1)  # s51: at a checked split point (the last dim only)
+                                                 and _rope_s51m.split_at_checked_point(self, size, x, _split_point, _rope_s48r.dead_own_split))
         return False
 
     def neg_of(self, node: ast.expr) -> ast.expr | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from npufuse.patterns import _site as S
 from npufuse.patterns import _swiglu_s43, _swiglu_s44, _swiglu_s44sweep, _swiglu_s46h
 from npufuse.patterns import _reasons_s46, _swiglu_s47review, _swiglu_s50b
+from npufuse.patterns import _swiglu_s51m
 from npufuse.patterns.base import Finding, Fuse, Keep, NearMiss, Pattern, Result, Risk
 from npufuse.scan import bound_callee
 from npufuse.scan.dataflow import ModuleInfo, Scope, const_value, dotted, fast_walk
@@ -431,6 +432,10 @@ def _class_act(module: ModuleInfo, cls_name: str) -> str | None:
 
 def classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
     """The activation a call applies to its first argument, if it is one."""
+    return _swiglu_s51m.sigmoid_object_as_form(_classify_call(module, call, ctx))  # s51: `self.sigmoid(x)`
+
+
+def _classify_call(module: ModuleInfo, call: ast.Call, ctx: S.Ctx) -> Act | None:
     if not call.args or isinstance(call.args[0], ast.Starred):
         return None
     gate = call.args[0]
