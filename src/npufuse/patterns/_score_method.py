@@ -15,7 +15,7 @@ import ast
 import copy
 from typing import Any, Optional
 
-from npufuse.patterns import _attention_s33
+from npufuse.patterns import _attention_s33, _attention_s51l
 from npufuse.scan import canonical
 
 class NotMasking(Exception):
@@ -81,9 +81,12 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     caller_locals = set(matcher.scope.assignments) | set(matcher.scope.args)
     found = _attention_s33.own_method(matcher, node)
     owner: Optional[str] = None
+    keyed = _attention_s51l.keyword_or_static_method(matcher, node) if found is None else None
     if found is not None:
         owner, fn = found
         bound = _bind(fn, node)
+    elif keyed is not None:
+        owner, fn, bound = keyed  # s51: ``self.padding_masking(attention_logits=s, attention_mask=m)``, a staticmethod
     else:
         # ``scores = apply_causal_mask(scores)``: a plain function of this file (not decorated, the name not rebound
         # by the caller); a function of one ``return`` is read by ``_inlined_helper`` before this
