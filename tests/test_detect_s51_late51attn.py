@@ -98,3 +98,27 @@ def test_keep_classmethod_not_read() -> None:
     findings, misses = detect_all(ATTN, _code(_CLASSMETHOD, _KW_CALL))
     assert not findings and len(misses) == 1
     assert "unsupported operation on the attention scores" in misses[0].reason
+
+
+_STATIC_CHECKED = '''    @staticmethod
+    def padding_masking(attention_logits, attention_mask, batch, length):
+        if attention_mask.shape != (batch, length):
+            raise ValueError("attention_mask must be [batch, length]")
+        pad = attention_mask[:, None, None, :] == 0
+        return attention_logits.masked_fill(pad, float("-inf"))'''
+_CHECKED_CALL = "self.padding_masking(attention_logits=logits, attention_mask=attention_mask, batch=b, length=n)"
+_STATIC_CHECK_WITH_CALL = _STATIC_CHECKED.replace("if attention_mask.shape", "if print() or attention_mask.shape")
+
+
+def test_fuse_static_method_with_a_raising_shape_check() -> None:
+    code = _code(_STATIC_CHECKED, _CHECKED_CALL)
+    _fused_exact(code)
+    findings, _ = detect_all(ATTN, code)
+    facts = check_rewrite_runs(ATTN, code, _RUN, findings)
+    assert "!= (b, n)" in facts["rewritten"]  # the check guards the fused call: the original runs (and raises) otherwise
+
+
+def test_keep_raising_check_with_a_call_in_its_test() -> None:
+    findings, misses = detect_all(ATTN, _code(_STATIC_CHECK_WITH_CALL, _CHECKED_CALL))
+    assert not findings and len(misses) == 1
+    assert "unsupported operation on the attention scores" in misses[0].reason

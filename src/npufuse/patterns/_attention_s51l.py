@@ -60,3 +60,11 @@ def keyword_or_static_method(matcher: Any, node: Any) -> Optional[tuple[str, ast
     if bound is None:
         return None
     return owner, fn, bound
+
+
+def raising_check(st: ast.stmt) -> bool:
+    """``if <test>: raise <Error>(..)`` with no else (an argument check in a masking helper), the test free of calls
+    other than reads, so evaluating it again in the fused guard has no side effect."""
+    if not (isinstance(st, ast.If) and not st.orelse and len(st.body) == 1 and isinstance(st.body[0], ast.Raise)):
+        return False
+    return not any(isinstance(n, (ast.Call, ast.NamedExpr, ast.Lambda, ast.Await)) for n in ast.walk(st.test))

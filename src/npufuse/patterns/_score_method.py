@@ -34,6 +34,8 @@ def _straight_line(fn: ast.FunctionDef) -> Optional[tuple[list[ast.stmt], ast.ex
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
                 and st.value.func.attr == "masked_fill_" and isinstance(st.value.func.value, ast.Name):
             continue
+        if _attention_s51l.raising_check(st):
+            continue  # s51: ``if mask.shape != (b, n): raise ValueError(..)``: becomes a run-time requirement
         return None
     if any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension, ast.Yield, ast.YieldFrom, ast.Await))
            for st in body for n in ast.walk(st)):
@@ -117,6 +119,11 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     for st in stmts:
         if isinstance(st, ast.Assign):
             env[st.targets[0].id] = substitute(st.value)  # type: ignore[union-attr]
+        elif isinstance(st, ast.If):
+            # the helper raises where its check fails: the fused call runs only where it passes, else the original (raises)
+            chain.requires.append((ast.UnaryOp(op=ast.Not(), operand=substitute(st.test)),
+                                   f"`{called}` raises where `{ast.unparse(st.test)}`: the fused call runs only where that check "
+                                   "passes; the original code (which raises) runs otherwise"))
         else:  # ``p.masked_fill_(mask, v)``: p holds the filled tensor from here on
             call = st.value  # type: ignore[attr-defined]
             target = call.func.value.id
