@@ -122,3 +122,14 @@ def test_keep_raising_check_with_a_call_in_its_test() -> None:
     findings, misses = detect_all(ATTN, _code(_STATIC_CHECK_WITH_CALL, _CHECKED_CALL))
     assert not findings and len(misses) == 1
     assert "unsupported operation on the attention scores" in misses[0].reason
+
+
+def test_fuse_checked_helper_under_a_none_test_runs_without_the_mask() -> None:
+    # the check reads ``attention_mask.shape``: under ``if attention_mask is not None`` the guard must not read it on None
+    code = _code(_STATIC_CHECKED, "logits\n        if attention_mask is not None:\n            logits = " + _CHECKED_CALL)
+    findings, misses = detect_all(ATTN, code)
+    assert len(findings) == 1 and not misses, [m.reason for m in misses]
+    for run in (_RUN, _RUN.replace("out = m(x, keep)", "out = m(x, None)")):
+        facts = check_rewrite_runs(ATTN, code, run, findings)
+        assert facts["calls"] >= 1
+        assert min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999

@@ -72,7 +72,7 @@ def _describe(matcher: Any, expr: Any) -> str:
     return f"returns `{matcher.src(expr)}`, not the scores masked by masked_fill / where"
 
 
-def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
+def inline_masking_method(matcher: Any, node: Any, chain: Any, cond: Optional[tuple[Any, bool]] = None) -> Optional[Any]:
     """The returned expression of ``self.<m>(scores, ...)`` with the method's body inlined (see the module
     docstring), where ``<m>`` is a plain method of this module-level class (or of its one base named in this
     file, see ``_attention_s33.own_method``); a run-time requirement that ``type(self).<m>`` is that function is added to ``chain``. None where
@@ -121,7 +121,10 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
             env[st.targets[0].id] = substitute(st.value)  # type: ignore[union-attr]
         elif isinstance(st, ast.If):
             # the helper raises where its check fails: the fused call runs only where it passes, else the original (raises)
-            chain.requires.append((ast.UnaryOp(op=ast.Not(), operand=substitute(st.test)),
+            # under a branch (``if mask is not None: s = self.pad(s, mask)``) the check is read only where that branch runs
+            failed = substitute(st.test) if cond is None else ast.BoolOp(op=ast.And(), values=[
+                cond[0] if not cond[1] else ast.UnaryOp(op=ast.Not(), operand=cond[0]), substitute(st.test)])
+            chain.requires.append((ast.UnaryOp(op=ast.Not(), operand=failed),
                                    f"`{called}` raises where `{ast.unparse(st.test)}`: the fused call runs only where that check "
                                    "passes; the original code (which raises) runs otherwise"))
         else:  # ``p.masked_fill_(mask, v)``: p holds the filled tensor from here on

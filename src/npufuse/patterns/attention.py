@@ -2380,7 +2380,7 @@ class _Matcher:
                 node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
                 continue
             try:
-                masked = _score_method.inline_masking_method(self, node, chain)
+                masked = _score_method.inline_masking_method(self, node, chain, cond)
             except _score_method.NotMasking as why:
                 raise Miss(str(why)) from None
             if masked is not None:
