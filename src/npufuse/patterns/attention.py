@@ -4327,8 +4327,8 @@ class AttentionPattern(Pattern):
                         test_text = r.text(zr.test)
                         rows_text = (f"({rows_text}) if {'not ' + atom(test_text) if zr.negated else test_text} else "
                                      f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)")
-                    # s44: query rows the original zeroed after the softmax are zero rows of P @ V
-                    call = f"{call}.masked_fill({rows_text}, 0)"
+                    # s44: query rows the original zeroed after the softmax are zero rows of P @ V (s51p: or scaled rows)
+                    call = f"({call} * {atom(rows_text)})" if zr.times else f"{call}.masked_fill({rows_text}, 0)"
             except Miss as miss:
                 return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if chain.out_factor is not None:
