@@ -317,7 +317,7 @@ def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
     if matcher.method(node, "masked_fill", "masked_fill_"):
         rows = _row_zeroing(matcher, node, node.func.value)
         if rows is None or not matcher._qk_softmax(node.func.value):
-            return None
+            return _attention_s51p.scaled_rows(matcher, node, chain)  # s51p: ``torch.masked_fill(P, rows, 0)`` lands here
         chain.s44_zeroed_rows.append(ZeroedRows(rows))
         _attention_s51p.mark_rows(rows, chain)  # s51p: ``all_masked = mask.all(-1, keepdim=True)`` is a step of the site
         return node.func.value

@@ -29,12 +29,14 @@ def _keepdim_reduction(matcher: Any, node: Any) -> bool:
         return False
     kw = {k.arg: k.value for k in node.keywords}
     names = ("any", "all", "sum", "amax", "amin")
-    if matcher.method(node, *names):
-        dim = node.args[0] if node.args else kw.get("dim")
-        keep = node.args[1] if len(node.args) > 1 else kw.get("keepdim")
-    elif matcher._fn(node) in tuple(f"torch.{n}" for n in names) and node.args:
+    if matcher._fn(node) in tuple(f"torch.{n}" for n in names):  # before the method test: ``torch.all`` is an attribute too
+        if not node.args:
+            return False
         dim = node.args[1] if len(node.args) > 1 else kw.get("dim")
         keep = node.args[2] if len(node.args) > 2 else kw.get("keepdim")
+    elif matcher.method(node, *names):
+        dim = node.args[0] if node.args else kw.get("dim")
+        keep = node.args[1] if len(node.args) > 1 else kw.get("keepdim")
     else:
         return False
     return dim is not None and const_value(dim) == -1 and keep is not None and const_value(keep) is True
@@ -69,12 +71,21 @@ def row_predicate(matcher: Any, node: Any, depth: int = 0) -> bool:
 
 
 def scaled_rows(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
-    """The probabilities P of ``P * r`` / ``r * P`` with r a row predicate (size 1 on the key axis), recorded on the
+    """The probabilities P of ``torch.masked_fill(P, r, 0)``, ``P * r`` / ``r * P`` with r a row predicate (size 1 on the key axis), recorded on the
     chain as a per-row factor of the fused output; None for anything else."""
     from npufuse.patterns import _attention_s44, _attention_s50c
     from npufuse.patterns.attention import deref
 
     node = deref(node)
+    if isinstance(node, ast.Call) and matcher._fn(node) == "torch.masked_fill" and len(node.args) == 3 and not node.keywords:
+        # the function spelling of s44's ``P.masked_fill(rows, 0)``
+        p, rows, fill = node.args
+        value = const_value(deref(fill))
+        if value in (0, 0.0) and not isinstance(value, bool) and row_predicate(matcher, rows) and matcher._qk_softmax(p):
+            _attention_s50c.mark_row_statements(rows, chain)
+            chain.s44_zeroed_rows.append(_attention_s44.ZeroedRows(rows))
+            return p
+        return None
     if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
         return None
     for p, r in ((node.left, node.right), (node.right, node.left)):
