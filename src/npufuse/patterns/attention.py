@@ -49,6 +49,7 @@ from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
 from npufuse.patterns import _attention_s49w
 from npufuse.patterns import _attention_s50c
+from npufuse.patterns import _attention_s51q
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -2297,6 +2298,11 @@ class _Matcher:
                             if helper is not None:
                                 raise Miss(f"the term `{self.src(side)}` added to the scores is computed by `{self.src(helper)}`, a function "
                                            "given the scores as an argument: npufuse does not read what it takes from them")
+                    split = _attention_s51q.split_bias(self, node) if left_qk and stop is None else None
+                    if split is not None:
+                        node = split[0]  # s51q: the other side holds no q / k: a float bias (HyperFlowNet's graph bias)
+                        self.add_additive(split[1], chain, cond)
+                        continue
                     raise Miss(f"scores added to scores (`{self.src(node)}`)")
                 base, term = (node.left, node.right) if left_qk else (node.right, node.left)
                 self.add_additive(term, chain, cond)

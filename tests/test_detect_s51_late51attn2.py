@@ -1,0 +1,126 @@
+"""s51 late51attn2: judged HO28 attention classes, own reproducers (FUSE run under the emulator against the original,
+KEEP near-miss twins with a true reason)."""
+
+from __future__ import annotations
+
+from pattern_harness import check_rewrite_runs, detect_all
+
+from npufuse.patterns.attention import AttentionPattern
+
+ATTN = AttentionPattern()
+
+# --- class 1: rows with no visible key zeroed after the softmax ----------------------------------------------------
+_ROWS = '''
+import torch
+from torch import nn
+
+
+class KeyPadAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.qkv = nn.Linear(dim, dim * 3)
+
+    def forward(self, x, key_pad):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-2, -1) / self.d ** 0.5
+        masked = key_pad[:, None, None, :]
+{body}
+        y = (p @ v).transpose(1, 2).reshape(b, n, -1)
+        return y
+'''
+
+_RUN_ROWS = '''
+torch.manual_seed(0)
+m = KeyPadAttention()
+x = torch.randn(3, 6, 32, requires_grad=True)
+key_pad = torch.zeros(3, 6, dtype=torch.bool)
+key_pad[1, 4:] = True
+key_pad[2, :] = {all_masked}
+out = m(x, key_pad)
+leaves = [x, m.qkv.weight]
+'''
+
+
+def _fused_exact(code: str, run: str) -> str:
+    findings, misses = detect_all(ATTN, code)
+    assert len(findings) == 1 and not misses, [m.reason for m in misses]
+    facts = check_rewrite_runs(ATTN, code, run, findings)
+    assert facts["calls"] >= 1
+    assert facts["cos_out"] and min(facts["cos_out"]) > 0.99999
+    assert facts["cos_grad"] and min(facts["cos_grad"]) > 0.99999
+    return facts["rewritten"]
+
+
+def _kept(code: str) -> str:
+    findings, misses = detect_all(ATTN, code)
+    assert not findings and len(misses) == 1
+    return misses[0].reason
+
+
+def test_fuse_masked_fill_all_masked_rows() -> None:
+    """scCAFM's spelling: ``all_masked = mask.all(dim=-1, keepdim=True)``; ``p.masked_fill(all_masked, 0.0)``."""
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        all_masked = masked.all(dim=-1, keepdim=True)
+        p = torch.softmax(s, dim=-1)
+        p = p.masked_fill(all_masked, 0.0)'''
+    out = _fused_exact(_ROWS.format(body=body), _RUN_ROWS.format(all_masked=True))
+    assert "[0].masked_fill(" in out
+
+
+def test_fuse_masked_fill_count_compared_rows() -> None:
+    """The predicate written as a count: ``(~masked).sum(-1, keepdim=True) == 0``."""
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        empty = (~masked).sum(-1, keepdim=True) == 0
+        p = s.softmax(-1).masked_fill(empty, 0)'''
+    _fused_exact(_ROWS.format(body=body), _RUN_ROWS.format(all_masked=True))
+
+
+def test_fuse_function_all_rows() -> None:
+    """The function form, the predicate spelled ``torch.all(masked, -1, keepdim=True)``."""
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        p = s.softmax(-1)
+        p = torch.masked_fill(p, torch.all(masked, -1, keepdim=True), 0.0)'''
+    _fused_exact(_ROWS.format(body=body), _RUN_ROWS.format(all_masked=True))
+
+
+def test_fuse_times_valid_rows() -> None:
+    """``p * valid.float()``: (P * r) @ V = r * (P @ V); a finite fill, so no NaN row in the original."""
+    body = '''        s = s.masked_fill(masked, torch.finfo(s.dtype).min)
+        valid = (~masked).any(-1, keepdim=True)
+        p = s.softmax(-1)
+        p = p * valid.float()'''
+    out = _fused_exact(_ROWS.format(body=body), _RUN_ROWS.format(all_masked=True))
+    assert "[0] * " in out
+
+
+def test_fuse_valid_times_probs_partial_rows() -> None:
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        keep_rows = masked.logical_not().any(dim=-1, keepdim=True)
+        p = keep_rows.to(s.dtype) * torch.softmax(s, dim=-1)'''
+    _fused_exact(_ROWS.format(body=body), _RUN_ROWS.format(all_masked=False))
+
+
+def test_keep_times_key_mask() -> None:
+    """A product with a KEY mask (size Skv on the last axis) re-weights keys: not a row factor."""
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        p = s.softmax(-1)
+        p = p * (~masked).float()'''
+    assert "modified after softmax" in _kept(_ROWS.format(body=body))
+
+
+def test_keep_rows_filled_with_one() -> None:
+    """A fill of 1, not 0: the rows are not zeroed."""
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        p = s.softmax(-1)
+        p = p.masked_fill(masked.all(-1, keepdim=True), 1.0)'''
+    assert "modified after softmax" in _kept(_ROWS.format(body=body))
+
+
+def test_keep_reduction_over_query_axis() -> None:
+    """A keepdim reduction over the QUERY axis (-2) is not a row predicate."""
+    body = '''        s = s.masked_fill(masked, float("-inf"))
+        p = s.softmax(-1)
+        p = p.masked_fill(masked.all(-2, keepdim=True), 0.0)'''
+    assert "zero kept positions" in _kept(_ROWS.format(body=body))
