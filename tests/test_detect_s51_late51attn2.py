@@ -124,3 +124,67 @@ def test_keep_reduction_over_query_axis() -> None:
         p = s.softmax(-1)
         p = p.masked_fill(masked.all(-2, keepdim=True), 0.0)'''
     assert "zero kept positions" in _kept(_ROWS.format(body=body))
+
+
+# --- class 2: a float term with no q / k operand added to the scores (a bias, not "scores added to scores") ------------
+_GRAPH = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PooledGraphAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, groups=5):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.assign = nn.Linear(dim, groups)
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.beta = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x, adj):
+        b = x.shape[0]
+        w = torch.softmax(self.assign(x), dim=-1)
+        pooled = torch.bmm(w.transpose(1, 2), x)
+        g = pooled.shape[1]
+        q, k, v = self.qkv(pooled).view(b, g, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        aff = torch.bmm(w.transpose(1, 2), torch.bmm(adj, w))
+        aff = aff / aff.sum(-1, keepdim=True).clamp_min(1e-6)
+        graph_bias = (F.softplus(self.beta) * torch.log(aff + 1e-6)).unsqueeze(1)
+        {scores}
+        attn = scores.softmax(dim=-1)
+        return (attn @ v).transpose(1, 2).reshape(b, g, -1)
+'''
+
+_RUN_GRAPH = '''
+torch.manual_seed(0)
+m = PooledGraphAttention()
+x = torch.randn(2, 7, 32, requires_grad=True)
+adj = torch.rand(2, 7, 7)
+out = m(x, adj)
+leaves = [x, m.beta, m.qkv.weight]
+'''
+
+
+def test_fuse_graph_bias_after_scale() -> None:
+    """The bias (bmm products of pooling weights, no q / k) added after the scale: pse."""
+    code = _GRAPH.replace("{scores}", "scores = q @ k.transpose(-2, -1) * self.d ** -0.5 + graph_bias")
+    out = _fused_exact(code, _RUN_GRAPH)
+    assert "pse=" in out
+
+
+def test_fuse_graph_bias_on_the_left() -> None:
+    code = _GRAPH.replace("{scores}", "scores = graph_bias + torch.matmul(q, k.transpose(-1, -2)) / self.d ** 0.5")
+    _fused_exact(code, _RUN_GRAPH)
+
+
+def test_keep_term_reading_k() -> None:
+    """A term that reads k (``k @ kᵀ``) is scores: the reason stays "scores added to scores" (true)."""
+    code = _GRAPH.replace("{scores}", 'scores = q @ k.transpose(-2, -1) + torch.einsum("bhjd,bhkd->bhjk", k, k)')
+    assert "scores added to scores" in _kept(code)
+
+
+def test_keep_term_reading_q_through_a_view() -> None:
+    """A term made from a view of q (``qf = q.reshape(..)``, then an einsum of qf): not free of q."""
+    code = _GRAPH.replace("{scores}", "qf = q.reshape(b, self.h, g, self.d)\n"
+                          '        scores = q @ k.transpose(-2, -1) + torch.einsum("bhjd,bhkd->bhjk", qf, qf)')
+    assert "scores added to scores" in _kept(code)
