@@ -188,3 +188,61 @@ def test_keep_term_reading_q_through_a_view() -> None:
     code = _GRAPH.replace("{scores}", "qf = q.reshape(b, self.h, g, self.d)\n"
                           '        scores = q @ k.transpose(-2, -1) + torch.einsum("bhjd,bhkd->bhjk", qf, qf)')
     assert "scores added to scores" in _kept(code)
+
+
+# --- class 6: an eager function returning its probabilities, picked by a caller when it asks for the map -------------
+_PICKED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def plain_attention(module, q, k, v, mask, scale):
+    w = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    w = w + mask
+    w = F.softmax(w, dim=-1)
+    out = torch.einsum("bhij,bhjd->bhid", w, v)
+    return out.transpose(1, 2).contiguous(), w
+
+
+def fused_attention(module, q, k, v, mask, scale):
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+IMPLS = {"eager": plain_attention, "sdpa": fused_attention}
+
+
+class Block(nn.Module):
+    def __init__(self, impl="sdpa"):
+        super().__init__()
+        self.impl = impl
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x, mask, output_attentions=False):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        attn_fn = IMPLS[self.impl]
+        if {test}:
+            attn_fn = plain_attention
+        out, weights = attn_fn(self, q, k, v, mask, 8 ** -0.5)
+        return out.reshape(b, n, -1), weights
+'''
+
+
+def _eager_site(code: str) -> tuple[list, list]:
+    findings, misses = detect_all(ATTN, code)
+    return ([f for f in findings if f.qualname == "plain_attention"],
+            [m for m in misses if m.qualname == "plain_attention"])
+
+
+def test_keep_eager_picked_when_output_attentions() -> None:
+    findings, misses = _eager_site(_PICKED.replace("{test}", 'self.impl == "sdpa" and output_attentions'))
+    assert not findings and len(misses) == 1
+    assert "`output_attentions`" in misses[0].reason and "picks this function" in misses[0].reason
+
+
+def test_fuse_eager_picked_under_another_test() -> None:
+    """The same fallback under a test that does not ask for the map: the interchangeable eager function is fused."""
+    findings, misses = _eager_site(_PICKED.replace("{test}", "x.shape[1] > 4096"))
+    assert len(findings) == 1 and not misses, [m.reason for m in misses]

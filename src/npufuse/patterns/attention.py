@@ -49,7 +49,7 @@ from npufuse.patterns import _attention_s46h, _attention_s47t
 from npufuse.patterns import _attention_s47h
 from npufuse.patterns import _attention_s49w
 from npufuse.patterns import _attention_s50c
-from npufuse.patterns import _attention_s51q
+from npufuse.patterns import _attention_s51q, _attention_s51o
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -3935,6 +3935,9 @@ class AttentionPattern(Pattern):
                         f"the attention probabilities (`{name}`) are returned to the callers, and nothing shows a caller accepts None "
                         "for them (no path of this function sets them to None; the function is not one of interchangeable "
                         "implementations picked at run time): npu_fusion_attention does not produce the probabilities")
+                asked_by = _attention_s51o.refusal(module, scope, name)  # s51o: picked by a caller when it asks for the map
+                if asked_by is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, asked_by)
                 none_probs.append(name)
                 continue
             if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
