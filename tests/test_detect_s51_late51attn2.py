@@ -246,3 +246,68 @@ def test_fuse_eager_picked_under_another_test() -> None:
     """The same fallback under a test that does not ask for the map: the interchangeable eager function is fused."""
     findings, misses = _eager_site(_PICKED.replace("{test}", "x.shape[1] > 4096"))
     assert len(findings) == 1 and not misses, [m.reason for m in misses]
+
+
+# --- class 5: SDPA mask None on the configured path, its other arm builds a mask with an empty query row ------------
+from npufuse.patterns.sdpa import SdpaPattern  # noqa: E402
+
+SDPA = SdpaPattern()
+
+_DISABLED_ARM = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ArmAttention(nn.Module):
+    def __init__(self, dim=32, heads=4, causal=False):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.causal = causal
+
+    def forward(self, x):
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).reshape(B, L, 3, self.h, self.d).unbind(dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+{mask}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return out.transpose(1, 2).reshape(B, L, D)
+'''
+
+_ARM = '''        attn_mask = None
+        if self.causal and L > 1:
+            # a keep-mask that keeps no key for the last query row
+            attn_mask = torch.triu(torch.ones(L, L, device=x.device, dtype=torch.bool), diagonal=1)'''
+
+_RUN_ARM = '''
+torch.manual_seed(0)
+m = ArmAttention(causal={causal})
+x = torch.randn(2, 6, 32, requires_grad=True)
+out = m(x)
+leaves = [x, m.qkv.weight]
+'''
+
+
+def test_fuse_sdpa_mask_none_on_the_configured_path() -> None:
+    code = _DISABLED_ARM.format(mask=_ARM)
+    findings, misses = detect_all(SDPA, code)
+    assert len(findings) == 1 and not misses, [m.reason for m in misses]
+    facts = check_rewrite_runs(SDPA, code, _RUN_ARM.format(causal=False), findings)
+    assert facts["calls"] == 1 and min(facts["cos_out"]) > 0.99999 and min(facts["cos_grad"]) > 0.99999
+    assert "attn_mask is None" in facts["rewritten"]
+
+
+def test_fuse_sdpa_arm_taken_runs_the_original() -> None:
+    """With the arm taken (a mask built), the original SDPA call runs: no fused call."""
+    code = _DISABLED_ARM.format(mask=_ARM)
+    findings, _ = detect_all(SDPA, code)
+    facts = check_rewrite_runs(SDPA, code, _RUN_ARM.format(causal=True), findings)
+    assert facts["calls"] == 0
+
+
+def test_keep_sdpa_mask_always_built_with_empty_row() -> None:
+    """The same mask built on every path (never None): still refused, the row reason unchanged."""
+    mask = "        attn_mask = torch.triu(torch.ones(L, L, device=x.device, dtype=torch.bool), diagonal=1)"
+    findings, misses = detect_all(SDPA, _DISABLED_ARM.format(mask=mask))
+    assert not findings and len(misses) == 1 and "without any key" in misses[0].reason
