@@ -505,7 +505,7 @@ class SdpaPattern(Pattern):
             polarity = {"bool": "keep", "float": "additive", "float_unverified": "additive"}.get(kind, "auto")
             rows = _mask_rows.row_verdict(mask, polarity, _mask_rows.Resolver(module, scope, line))
             if rows is not None and rows.kind == "empty":
-                none_only = _sdpa_s51n.none_only_guard(m_src, maybe_none, is_simple(m_src))  # s51n: VggAE's disabled arm
+                none_only = _sdpa_s51n.none_only_guard(m_src, maybe_none, is_simple(m_src), scope.node)  # s51n: VggAE's disabled arm
                 if none_only is None:
                     return miss(f"attn_mask `{segment(module, mask)}`: {rows.describe()}")
                 value_check = none_only if value_check is None else f"({value_check}) and {none_only}"
