@@ -23,22 +23,35 @@ def _reads_output_attentions(test: Any) -> bool:
     return False
 
 
+def _bound_under_flag(module: Any) -> dict[str, int]:
+    """Per file (computed once): function names bound to a name (or returned) in the body of an ``if`` whose test
+    reads ``output_attentions``, with the line; files without the word are not walked."""
+    cached = getattr(module, "_s51o_bound", None)
+    if cached is not None:
+        return cached
+    found: dict[str, int] = {}
+    if "output_attentions" in module.source:
+        for node in ast.walk(module.tree):
+            if not (isinstance(node, ast.If) and _reads_output_attentions(node.test)):
+                continue
+            for st in node.body:
+                for n in ast.walk(st):
+                    if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Return)) and isinstance(n.value, ast.Name):
+                        found.setdefault(n.value.id, n.lineno)
+    try:
+        setattr(module, "_s51o_bound", found)
+    except AttributeError:
+        pass
+    return found
+
+
 def picked_when_asked(module: Any, scope: Any) -> Optional[int]:
     """The line where the file binds this module-level function to a name under ``if <test reading output_attentions>:``
     (the map-asking path); None otherwise."""
     fn = getattr(scope.node, "name", None)
     if fn is None or scope.class_name or module.functions.get(fn) is not scope.node:
         return None
-    for node in ast.walk(module.tree):
-        if not (isinstance(node, ast.If) and _reads_output_attentions(node.test)):
-            continue
-        for st in node.body:
-            for n in ast.walk(st):
-                if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Name) and n.value.id == fn:
-                    return n.lineno
-                if isinstance(n, ast.Return) and isinstance(n.value, ast.Name) and n.value.id == fn:
-                    return n.lineno
-    return None
+    return _bound_under_flag(module).get(fn)
 
 
 def refusal(module: Any, scope: Any, name: str) -> Optional[str]:
