@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from npufuse.scan.dataflow import const_value, keyword, literal_ellipsis
+from npufuse.patterns import _attention_s51p
 
 _CATS = ("torch.cat", "torch.concat", "torch.concatenate")
 _PARAM_CTORS = ("empty", "zeros", "ones", "randn", "rand", "full")
@@ -229,6 +230,7 @@ class ZeroedRows:
     rows: Any
     test: Any = None
     negated: bool = False
+    times: bool = False  # s51p: ``P * rows``: the output multiplied by the factor (not zeroed where it is True)
 
 
 def _key_axis_one(matcher: Any, node: Any) -> bool:
@@ -289,7 +291,7 @@ def _row_zeroing(matcher: Any, step: Any, plain: Any) -> Any:
     receiver = step.func.value
     if not (receiver is plain or deref(receiver) is deref(plain)):
         return None
-    return step.args[0] if _key_axis_one(matcher, step.args[0]) else None
+    return step.args[0] if _key_axis_one(matcher, step.args[0]) or _attention_s51p.row_predicate(matcher, step.args[0]) else None
 
 
 def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
@@ -310,12 +312,14 @@ def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
         if _heavy(node.test, through_meta=False) or not _side_effect_free(matcher, node.test, _pure_test) or not matcher._qk_softmax(plain):
             return None
         chain.s44_zeroed_rows.append(ZeroedRows(rows, node.test, neg))
+        _attention_s51p.mark_rows(rows, chain)  # s51p: the row predicate's statements are steps of the site
         return plain
     if matcher.method(node, "masked_fill", "masked_fill_"):
         rows = _row_zeroing(matcher, node, node.func.value)
         if rows is None or not matcher._qk_softmax(node.func.value):
-            return None
+            return _attention_s51p.scaled_rows(matcher, node, chain)  # s51p: ``torch.masked_fill(P, rows, 0)`` lands here
         chain.s44_zeroed_rows.append(ZeroedRows(rows))
+        _attention_s51p.mark_rows(rows, chain)  # s51p: ``all_masked = mask.all(-1, keepdim=True)`` is a step of the site
         return node.func.value
     from npufuse.patterns import _attention_s50c
 
@@ -324,7 +328,7 @@ def zeroed_query_rows(matcher: Any, node: Any, chain: Any) -> Any:
         _attention_s50c.mark_row_statements(got[1], chain)
         chain.s44_zeroed_rows.append(ZeroedRows(got[1]))
         return got[0]
-    return None
+    return _attention_s51p.scaled_rows(matcher, node, chain)  # s51p: ``p * valid_rows``
 
 
 def zeroed_rows_problem(chain: Any, three_d: bool, folded: bool, layout: str) -> str | None:

@@ -15,7 +15,7 @@ import ast
 import copy
 from typing import Any, Optional
 
-from npufuse.patterns import _attention_s33
+from npufuse.patterns import _attention_s33, _attention_s51l
 from npufuse.scan import canonical
 
 class NotMasking(Exception):
@@ -34,6 +34,8 @@ def _straight_line(fn: ast.FunctionDef) -> Optional[tuple[list[ast.stmt], ast.ex
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute) \
                 and st.value.func.attr == "masked_fill_" and isinstance(st.value.func.value, ast.Name):
             continue
+        if _attention_s51l.raising_check(st):
+            continue  # s51: ``if mask.shape != (b, n): raise ValueError(..)``: becomes a run-time requirement
         return None
     if any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.comprehension, ast.Yield, ast.YieldFrom, ast.Await))
            for st in body for n in ast.walk(st)):
@@ -70,7 +72,7 @@ def _describe(matcher: Any, expr: Any) -> str:
     return f"returns `{matcher.src(expr)}`, not the scores masked by masked_fill / where"
 
 
-def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
+def inline_masking_method(matcher: Any, node: Any, chain: Any, cond: Optional[tuple[Any, bool]] = None) -> Optional[Any]:
     """The returned expression of ``self.<m>(scores, ...)`` with the method's body inlined (see the module
     docstring), where ``<m>`` is a plain method of this module-level class (or of its one base named in this
     file, see ``_attention_s33.own_method``); a run-time requirement that ``type(self).<m>`` is that function is added to ``chain``. None where
@@ -81,9 +83,12 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     caller_locals = set(matcher.scope.assignments) | set(matcher.scope.args)
     found = _attention_s33.own_method(matcher, node)
     owner: Optional[str] = None
+    keyed = _attention_s51l.keyword_or_static_method(matcher, node) if found is None else None
     if found is not None:
         owner, fn = found
         bound = _bind(fn, node)
+    elif keyed is not None:
+        owner, fn, bound = keyed  # s51: ``self.padding_masking(attention_logits=s, attention_mask=m)``, a staticmethod
     else:
         # ``scores = apply_causal_mask(scores)``: a plain function of this file (not decorated, the name not rebound
         # by the caller); a function of one ``return`` is read by ``_inlined_helper`` before this
@@ -114,6 +119,14 @@ def inline_masking_method(matcher: Any, node: Any, chain: Any) -> Optional[Any]:
     for st in stmts:
         if isinstance(st, ast.Assign):
             env[st.targets[0].id] = substitute(st.value)  # type: ignore[union-attr]
+        elif isinstance(st, ast.If):
+            # the helper raises where its check fails: the fused call runs only where it passes, else the original (raises)
+            # under a branch (``if mask is not None: s = self.pad(s, mask)``) the check is read only where that branch runs
+            failed = substitute(st.test) if cond is None else ast.BoolOp(op=ast.And(), values=[
+                cond[0] if not cond[1] else ast.UnaryOp(op=ast.Not(), operand=cond[0]), substitute(st.test)])
+            chain.requires.append((ast.UnaryOp(op=ast.Not(), operand=failed),
+                                   f"`{called}` raises where `{ast.unparse(st.test)}`: the fused call runs only where that check "
+                                   "passes; the original code (which raises) runs otherwise"))
         else:  # ``p.masked_fill_(mask, v)``: p holds the filled tensor from here on
             call = st.value  # type: ignore[attr-defined]
             target = call.func.value.id

@@ -50,6 +50,7 @@ from npufuse.patterns import _attention_s47h
 from npufuse.patterns import _attention_s49w
 from npufuse.patterns import _attention_s50c
 from npufuse.patterns import _attention_s51b
+from npufuse.patterns import _attention_s51q, _attention_s51o
 from npufuse.patterns._site import block_source
 from npufuse.patterns._attention_s44audit import flag_from_caller_kwargs
 from npufuse.patterns import _reasons_s46
@@ -2298,6 +2299,11 @@ class _Matcher:
                             if helper is not None:
                                 raise Miss(f"the term `{self.src(side)}` added to the scores is computed by `{self.src(helper)}`, a function "
                                            "given the scores as an argument: npufuse does not read what it takes from them")
+                    split = _attention_s51q.split_bias(self, node) if left_qk and stop is None else None
+                    if split is not None:
+                        node = split[0]  # s51q: the other side holds no q / k: a float bias (HyperFlowNet's graph bias)
+                        self.add_additive(split[1], chain, cond)
+                        continue
                     raise Miss(f"scores added to scores (`{self.src(node)}`)")
                 base, term = (node.left, node.right) if left_qk else (node.right, node.left)
                 self.add_additive(term, chain, cond)
@@ -2381,7 +2387,7 @@ class _Matcher:
                 node = passed  # s33: fairseq's ``self.apply_sparse_mask(w, ..)`` hook, ``return w`` in this class
                 continue
             try:
-                masked = _score_method.inline_masking_method(self, node, chain)
+                masked = _score_method.inline_masking_method(self, node, chain, cond)
             except _score_method.NotMasking as why:
                 raise Miss(str(why)) from None
             if masked is not None:
@@ -3930,6 +3936,9 @@ class AttentionPattern(Pattern):
                         f"the attention probabilities (`{name}`) are returned to the callers, and nothing shows a caller accepts None "
                         "for them (no path of this function sets them to None; the function is not one of interchangeable "
                         "implementations picked at run time): npu_fusion_attention does not produce the probabilities")
+                asked_by = _attention_s51o.refusal(module, scope, name)  # s51o: picked by a caller when it asks for the map
+                if asked_by is not None:
+                    return NearMiss(self.id, scope.qualname, span_line, end_line, asked_by)
                 none_probs.append(name)
                 continue
             if not is_probs and isinstance(final, Ref) and s <= final.idx < e and isinstance(block[final.idx], ast.Assign) \
@@ -4339,8 +4348,8 @@ class AttentionPattern(Pattern):
                         test_text = r.text(zr.test)
                         rows_text = (f"({rows_text}) if {'not ' + atom(test_text) if zr.negated else test_text} else "
                                      f"torch.zeros((), dtype=torch.bool, device={atom(q_n)}.device)")
-                    # s44: query rows the original zeroed after the softmax are zero rows of P @ V
-                    call = f"{call}.masked_fill({rows_text}, 0)"
+                    # s44: query rows the original zeroed after the softmax are zero rows of P @ V (s51p: or scaled rows)
+                    call = f"({call} * {atom(rows_text)})" if zr.times else f"{call}.masked_fill({rows_text}, 0)"
             except Miss as miss:
                 return NearMiss(self.id, scope.qualname, span_line, end_line, str(miss))
         if chain.out_factor is not None:

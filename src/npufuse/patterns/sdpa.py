@@ -50,6 +50,7 @@ from npufuse.patterns.attention import (
     repeated_tensor,
     static_rank,
 )
+from npufuse.patterns import _sdpa_s51n
 from npufuse.patterns import _attention_s36, _attention_s39, _attention_s40, _attention_s42, _attention_s43, _attention_s45, _attention_s46, _mask_rows
 from npufuse.patterns import _sdpa_s50c
 from npufuse.patterns import _attention_s51b
@@ -515,7 +516,11 @@ class SdpaPattern(Pattern):
             polarity = {"bool": "keep", "float": "additive", "float_unverified": "additive"}.get(kind, "auto")
             rows = _mask_rows.row_verdict(mask, polarity, _mask_rows.Resolver(module, scope, line))
             if rows is not None and rows.kind == "empty":
-                return miss(f"attn_mask `{segment(module, mask)}`: {rows.describe()}")
+                none_only = _sdpa_s51n.none_only_guard(m_src, maybe_none, is_simple(m_src), scope.node)  # s51n: VggAE's disabled arm
+                if none_only is None:
+                    return miss(f"attn_mask `{segment(module, mask)}`: {rows.describe()}")
+                value_check = none_only if value_check is None else f"({value_check}) and {none_only}"
+                risks.append(_sdpa_s51n.none_only_risk(m_src, rows.describe()))
             if rows is not None and rows.kind == "varies" and kind != "float_unverified":  # s49: its value check has the rows
                 if not is_simple(m_src):
                     lines.append(f"_npufuse_attn_mask = {m_src}")
