@@ -276,12 +276,10 @@ def table_lookup_refusal(module: Any, scope: Any, stmt: ast.stmt) -> Optional[An
         if not isinstance(call, ast.Call):
             continue
         lookup = call.func
-        if isinstance(lookup, ast.Subscript):
-            key: Optional[ast.expr] = lookup.slice
-        elif isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
-            key = lookup.args[0]
-        else:
+        parts = fo.table_lookup(lookup)
+        if parts is None:
             continue
+        key = parts[1]
         kinds, table = fo._s34_lookup_kinds(module, scope, lookup, stmt.lineno)
         if not kinds or table is None:
             continue
@@ -289,7 +287,7 @@ def table_lookup_refusal(module: Any, scope: Any, stmt: ast.stmt) -> Optional[An
         hand = ("; torch_npu.optim.NpuFused<Name> takes the same constructor arguments and could take the class's place by "
                 "hand once the constraints hold (fp32/fp16 params, grads never set to None, no FSDP/DeepSpeed)")
         line, end = stmt.lineno, stmt.end_lineno or stmt.lineno
-        if key is not None and not fo._side_effect_free(key):
+        if not fo._side_effect_free(key):
             return NearMiss(fo._ID, scope.qualname, line, end,
                             f"the optimizer class is looked up at run time in {where} by a key that calls code "
                             f"(`{segment(module, key)[:40]}`): a guard testing the class would evaluate it a second time{hand}")
@@ -539,15 +537,13 @@ def handed_table(scope: Any, lookup: ast.expr, fusable: tuple[str, ...]) -> Opti
     it holds is not read here; the construction's guard tests the class the lookup yields at run time (a torch.optim
     class with a fused counterpart taking the arguments written), so any other entry runs the original call. None for
     any other lookup."""
+    from npufuse.patterns import fused_optimizer as fo
     from npufuse.scan.dataflow import dotted
 
-    if isinstance(lookup, ast.Subscript):
-        table = lookup.value
-    elif isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
-        table = lookup.func.value
-    else:
+    parts = fo.table_lookup(lookup)
+    if parts is None:
         return None
-    text = dotted(table) or ""
+    text = dotted(parts[0]) or ""
     parts = text.split(".")
     if "optim" not in parts[-1].lower():
         return None

@@ -6789,6 +6789,16 @@ def _s39_loaded_class(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
 # constructor arguments are the call's own, the same for every entry. An entry of another library's class (Lion)
 # fails the guard and runs the original call.
 
+def table_lookup(lookup: ast.expr) -> Optional[tuple[ast.expr, ast.expr]]:
+    """(table, key) of a callee spelled ``T[key]`` or ``T.get(key)``; None for any other callee. One reading for every
+    reader of optimizer classes looked up in a table (s39 here, s51b's refusal and handed-in tables)."""
+    if isinstance(lookup, ast.Subscript):
+        return lookup.value, lookup.slice
+    if isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
+        return lookup.func.value, lookup.args[0]
+    return None
+
+
 def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optional[tuple[ast.Call, str, tuple[str, ...]]]:
     """(construction call, lookup text, fusable classes) of a dict-literal lookup called at once whose table holds
     two or more fusable torch.optim classes; None otherwise (one class: :func:`_chosen_construction` guards it)."""
@@ -6796,13 +6806,9 @@ def _s39_table_called(module: ModuleInfo, scope: Scope, stmt: ast.stmt) -> Optio
         if not isinstance(call, ast.Call):
             continue
         lookup = call.func
-        if isinstance(lookup, ast.Subscript):
-            key: Optional[ast.expr] = lookup.slice
-        elif isinstance(lookup, ast.Call) and isinstance(lookup.func, ast.Attribute) and lookup.func.attr == "get" and lookup.args:
-            key = lookup.args[0]
-        else:
+        if table_lookup(lookup) is None:
             continue
-        if key is None or not _s39_parameters_like(keyword(call, "params", 0)) or not _side_effect_free(lookup):
+        if not _s39_parameters_like(keyword(call, "params", 0)) or not _side_effect_free(lookup):
             continue
         kinds, table = _s34_lookup_kinds(module, scope, lookup, stmt.lineno)
         # s51b: one fusable class is enough where the table is module-level or imported (_chosen_construction reads
